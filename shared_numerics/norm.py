@@ -1,0 +1,33 @@
+"""Batch-invariant RMSNorm.
+
+``y = (x * rsqrt(mean(x^2) + eps)) * w``, statistics in float32 with the fixed-tree sum of
+:func:`shared_numerics.reduce.tree_sum`; one rounding to the input dtype at the end.
+
+Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); HF ``Qwen3RMSNorm`` / ``LlamaRMSNorm``
+(statistics in float32). ``rsqrt`` and division are correctly rounded in both SIMD and scalar ATen paths, so they
+need no float64 detour.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reduce import tree_sum
+
+__all__ = ["rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dimension.
+
+    Args:
+        x: ``[..., H]`` float32 or bfloat16.
+        weight: ``[H]`` gain.
+        eps: added to the mean square (HF ``rms_norm_eps``).
+
+    Returns:
+        ``[..., H]`` in ``x.dtype``; each row depends only on itself.
+    """
+    x32 = x.float()
+    ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
+    y = x32 * torch.rsqrt(ms + eps) * weight.float()
+    return y.to(x.dtype)

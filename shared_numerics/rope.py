@@ -1,0 +1,51 @@
+"""Rotary position embedding (RoPE), HF "rotate-half" layout.
+
+The cos/sin table is computed in float64 from the absolute positions and rounded to float32, so a position's angle
+never depends on which other positions are in the call. The rotation itself is elementwise float32.
+
+Layout: HF checkpoints (Qwen3, Llama) pair dimension ``i`` with ``i + D/2`` ("rotate_half", ``is_neox_style=True`` in
+vLLM). Source: Su et al., "RoFormer" (2021); HF ``modeling_llama.apply_rotary_pos_emb``.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rope_cos_sin", "apply_rope"]
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos/sin tables for ``positions``.
+
+    Args:
+        positions: ``[N]`` integer absolute positions (0-based).
+        head_dim: rotary dimension ``D`` (even).
+        theta: RoPE base (HF ``rope_theta``).
+
+    Returns:
+        ``(cos, sin)``, each ``[N, D/2]`` float32.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary dimension must be even, got {head_dim}")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (float(theta) ** exponent)
+    angles = positions.to(torch.float64).reshape(-1, 1) * inv_freq.reshape(1, -1)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` by the given tables.
+
+    Args:
+        x: ``[N, heads, D]`` float32 or bfloat16 (token-major, as both vLLM and the trainer flatten tokens).
+        cos, sin: ``[N, D/2]`` from :func:`rope_cos_sin`.
+
+    Returns:
+        ``[N, heads, D]`` in ``x.dtype``: ``(x1*cos - x2*sin, x2*cos + x1*sin)`` with ``x1, x2`` the two halves.
+    """
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c = cos.unsqueeze(1)
+    s = sin.unsqueeze(1)
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return out.to(x.dtype)

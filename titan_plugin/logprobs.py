@@ -1,0 +1,64 @@
+"""``trainer_logprobs``: the trainer-side log-probs of completion tokens, from TorchTitan's model on zerokld ops."""
+from __future__ import annotations
+
+import torch
+
+import shared_numerics as sn
+
+from .models import build_titan_model
+
+__all__ = ["sequence_logprobs", "trainer_logprobs"]
+
+
+def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
+                      pad_id: int = 0) -> list[torch.Tensor]:
+    """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward.
+
+    Args:
+        model: a TorchTitan decoder (``model(tokens [B, T]) -> logits [B, T, V]``).
+        token_ids: ``B`` sequences (prompt + completion) of token ids.
+        prompt_lengths: ``B`` prompt lengths, each ``>= 1`` and ``<= len(seq)``.
+        pad_id: id used to right-pad (never read: causal attention, pad positions are after every real token).
+
+    Returns:
+        ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
+        ``log p(seq[p + j] | seq[:p + j])`` with ``p = prompt_lengths[i]``.
+
+    Raises:
+        ValueError: a prompt length outside ``[1, len(seq)]``.
+    """
+    if len(token_ids) != len(prompt_lengths):
+        raise ValueError("token_ids and prompt_lengths differ in length")
+    for s, p in zip(token_ids, prompt_lengths):
+        if not 1 <= p <= len(s):
+            raise ValueError(f"prompt length {p} outside [1, {len(s)}]")
+    t = max(len(s) for s in token_ids)
+    tokens = torch.full((len(token_ids), t), pad_id, dtype=torch.long)
+    for i, s in enumerate(token_ids):
+        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    logits = model(tokens)
+    out = []
+    for i, (s, p) in enumerate(zip(token_ids, prompt_lengths)):
+        targets = tokens[i, p: len(s)]
+        out.append(sn.selected_logprobs(logits[i, p - 1: len(s) - 1], targets))
+    return out
+
+
+@torch.no_grad()
+def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
+                     dtype: str = "bfloat16") -> list[torch.Tensor]:
+    """Load an HF checkpoint into TorchTitan's model with zerokld numerics and score completions.
+
+    Args:
+        checkpoint_dir: HF directory (``config.json`` + ``*.safetensors``), Qwen3 or Llama.
+        token_ids: sequences (prompt + completion).
+        prompt_lengths: prompt length of each sequence.
+        dtype: ``"bfloat16"`` or ``"float32"``: parameter and activation dtype (match vLLM's ``--dtype``).
+
+    Returns:
+        Per sequence, float32 ``[len(seq) - prompt_len]`` log-probs, bitwise equal to the logprobs vLLM returns with
+        ``additional_config={"zerokld": {"batch_invariant": true}}`` for the same tokens and weights.
+    """
+    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, zerokld=True)
+    model.eval()
+    return sequence_logprobs(model, token_ids, prompt_lengths)

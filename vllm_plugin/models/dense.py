@@ -1,0 +1,233 @@
+"""Dense decoders (Qwen3, Llama) for vLLM built only from ``shared_numerics`` ops.
+
+Each registered class subclasses vLLM's own class for the architecture: with the zerokld flag off it *is* the stock
+model (``super().__init__``, stock forward); with ``additional_config={"zerokld": {"batch_invariant": true}}`` it
+builds :class:`DenseDecoder` instead, whose forward is the op sequence the TorchTitan side runs through
+``titan_plugin`` overrides:
+
+``h = E[ids]``; per layer: ``a = rms_norm(h)``; ``q, k, v = linear(a, Wq|Wk|Wv)``; (Qwen3: per-head ``rms_norm`` of q
+and k); rotate-half RoPE; paged causal attention; ``h = h + linear(o, Wo)``; ``f = rms_norm(h)``;
+``h = h + linear(silu_and_mul(linear(f, Wg), linear(f, Wu)), Wd)``; then ``rms_norm`` and ``linear(h, W_lm)``.
+The sampler's ``compute_logprobs`` becomes :func:`shared_numerics.log_softmax`.
+
+Weights keep HF names (``model.layers.N.self_attn.q_proj.weight`` ...), so vLLM's loader feeds a HF checkpoint straight
+in; ``load_weights`` goes through each parameter's ``weight_loader`` so ``reload_weights`` works in place.
+Sources: HF ``modeling_qwen3.py`` / ``modeling_llama.py``; vLLM ``model_executor/models/qwen3.py`` / ``llama.py``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+import shared_numerics as sn
+
+from ..attention_backend import ZeroKLDAttentionBackend
+from ..config import ZeroKLDConfigError, from_vllm_config
+
+__all__ = ["DenseDecoder", "ZeroKLDLlamaForCausalLM", "ZeroKLDQwen3ForCausalLM"]
+
+
+def _param(*shape: int) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return p
+
+
+def check_supported(vllm_config, family: str) -> None:
+    """Refuse, at start, every feature the batch-invariant path does not implement.
+
+    Raises:
+        ZeroKLDConfigError: naming each unsupported setting.
+    """
+    hf = vllm_config.model_config.hf_config
+    pc = vllm_config.parallel_config
+    problems = []
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        problems.append("tensor/pipeline parallelism (use TP=PP=1)")
+    if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
+        problems.append(f"dtype {vllm_config.model_config.dtype} (use float32 or bfloat16)")
+    if vllm_config.quant_config is not None:
+        problems.append("quantization")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA")
+    if getattr(hf, "rope_scaling", None) not in (None, {}) and (hf.rope_scaling or {}).get("rope_type", "default") \
+            not in ("default",):
+        problems.append(f"rope_scaling {hf.rope_scaling}")
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        problems.append("attention/MLP bias")
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", family == "llama"):
+        problems.append("sliding-window attention")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        problems.append(f"activation {hf.hidden_act}")
+    if problems:
+        raise ZeroKLDConfigError("zerokld batch_invariant mode does not support: " + "; ".join(problems))
+
+
+def _rope_theta(hf) -> float:
+    theta = getattr(hf, "rope_theta", None)
+    if theta is None:
+        params = getattr(hf, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", 10000.0)
+    return float(theta)
+
+
+class _Layer(nn.Module):
+    def __init__(self, hf, qk_norm: bool, vllm_config, prefix: str) -> None:
+        super().__init__()
+        h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
+        hd = getattr(hf, "head_dim", None) or h // nq
+        self.nq, self.nkv, self.hd, self.eps = nq, nkv, hd, hf.rms_norm_eps
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = _param(h)
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = _param(h)
+        sa = self.self_attn = nn.Module()
+        for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            setattr(sa, name, nn.Module())
+            getattr(sa, name).weight = _param(out, h)
+        sa.o_proj = nn.Module()
+        sa.o_proj.weight = _param(h, nq * hd)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            sa.q_norm = nn.Module()
+            sa.q_norm.weight = _param(hd)
+            sa.k_norm = nn.Module()
+            sa.k_norm.weight = _param(hd)
+        mlp = self.mlp = nn.Module()
+        for name, shape in (("gate_proj", (hf.intermediate_size, h)), ("up_proj", (hf.intermediate_size, h)),
+                            ("down_proj", (h, hf.intermediate_size))):
+            setattr(mlp, name, nn.Module())
+            getattr(mlp, name).weight = _param(*shape)
+        sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
+                            prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        sa, n = self.self_attn, h.shape[0]
+        a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
+        q = sn.linear(a, sa.q_proj.weight).view(n, self.nq, self.hd)
+        k = sn.linear(a, sa.k_proj.weight).view(n, self.nkv, self.hd)
+        v = sn.linear(a, sa.v_proj.weight).view(n, self.nkv, self.hd)
+        if self.qk_norm:
+            q = sn.rms_norm(q, sa.q_norm.weight, self.eps)
+            k = sn.rms_norm(k, sa.k_norm.weight, self.eps)
+        q = sn.apply_rope(q, cos, sin)
+        k = sn.apply_rope(k, cos, sin)
+        o = sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
+        h = h + sn.linear(o, sa.o_proj.weight)
+        f = sn.rms_norm(h, self.post_attention_layernorm.weight, self.eps)
+        mlp = self.mlp
+        g = sn.silu_and_mul(sn.linear(f, mlp.gate_proj.weight), sn.linear(f, mlp.up_proj.weight))
+        return h + sn.linear(g, mlp.down_proj.weight)
+
+
+class DenseDecoder(nn.Module):
+    """The batch-invariant decoder body; parameters under ``model.`` and ``lm_head`` with HF names."""
+
+    def __init__(self, vllm_config, qk_norm: bool, prefix: str = "") -> None:
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        self.hf = hf
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(hf.vocab_size, hf.hidden_size)
+        self.layers = nn.ModuleList(
+            [_Layer(hf, qk_norm, vllm_config, f"{prefix}layers.{i}") for i in range(hf.num_hidden_layers)]
+        )
+        self.norm = nn.Module()
+        self.norm.weight = _param(hf.hidden_size)
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.theta = _rope_theta(hf)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens.weight[input_ids]
+        cos, sin = sn.rope_cos_sin(positions, self.head_dim, self.theta)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return sn.rms_norm(h, self.norm.weight, self.hf.rms_norm_eps)
+
+
+def _install_sampler_logprobs() -> None:
+    """Route vLLM's sampler log-softmax (``v1/sample/sampler.py``) through ``shared_numerics``."""
+    from vllm.v1.sample.sampler import Sampler
+
+    Sampler.compute_logprobs = staticmethod(sn.log_softmax)  # type: ignore[method-assign]
+
+
+class _ZeroKLDMixin:
+    _family = ""
+    _qk_norm = False
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        cfg = from_vllm_config(vllm_config)
+        self.zerokld_enabled = cfg.batch_invariant
+        if not cfg.batch_invariant:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
+            return
+        check_supported(vllm_config, self._family)
+        nn.Module.__init__(self)
+        self.config = vllm_config.model_config.hf_config
+        self.vllm_config = vllm_config
+        self.model = DenseDecoder(vllm_config, self._qk_norm, prefix=f"{prefix}model." if prefix else "model.")
+        if self.config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(self.config.vocab_size, self.config.hidden_size)
+        _install_sampler_logprobs()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.zerokld_enabled:
+            return super().embed_input_ids(input_ids)
+        return self.model.embed_tokens.weight[input_ids]
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if not self.zerokld_enabled:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if inputs_embeds is not None or intermediate_tensors is not None:
+            raise NotImplementedError("zerokld: inputs_embeds / pipeline intermediate tensors are not supported")
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor):
+        if not self.zerokld_enabled:
+            return super().compute_logits(hidden_states)
+        return sn.linear(hidden_states, self.lm_head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if not self.zerokld_enabled:
+            return super().load_weights(weights)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {tuple(p.shape)}")
+            p.weight_loader(p, tensor)
+            loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+class ZeroKLDQwen3ForCausalLM(_ZeroKLDMixin, Qwen3ForCausalLM):
+    """``Qwen3ForCausalLM``: stock unless the zerokld flag is on."""
+
+    _family = "qwen3"
+    _qk_norm = True
+
+
+class ZeroKLDLlamaForCausalLM(_ZeroKLDMixin, LlamaForCausalLM):
+    """``LlamaForCausalLM``: stock unless the zerokld flag is on."""
+
+    _family = "llama"
+    _qk_norm = False

@@ -1,0 +1,159 @@
+"""Tiny HF-format checkpoints (config.json + tokenizer + safetensors) built locally with a seed.
+
+The machines that run this project reach no model hub, so tests and the countdown example build their models here:
+an HF ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` directory with any dimensions, random init, and a character-level
+tokenizer made with the ``tokenizers`` library (every printable ASCII character is one token, plus a few specials and
+the tags ``<answer>``/``</answer>``). vLLM and TorchTitan load these directories as they would a downloaded model.
+
+Layout follows HF ``transformers`` (``config.json`` fields of ``Qwen3Config`` / ``LlamaConfig``; weight names of
+``modeling_qwen3.py`` / ``modeling_llama.py``).
+"""
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["SPECIAL_TOKENS", "TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+EXTRA_TOKENS = ["<answer>", "</answer>"]
+
+
+@dataclass
+class TinyModelSpec:
+    """Dimensions of a tiny decoder. ``family`` is ``"qwen3"`` (q/k RMSNorm) or ``"llama"``."""
+
+    family: str = "qwen3"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False
+    init_std: float = 0.08
+
+
+def make_tokenizer(out_dir: str | Path) -> int:
+    """Write a character-level ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir``.
+
+    Returns:
+        The vocabulary size (specials + printable ASCII + answer tags).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(EXTRA_TOKENS)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "unk_token": "?",
+        "model_max_length": 4096,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "unk_token": "?"})
+    )
+    return tok.get_vocab_size()
+
+
+def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
+    arch = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
+    if spec.family not in arch:
+        raise ValueError(f"unknown family {spec.family!r}; expected one of {sorted(arch)}")
+    name, model_type = arch[spec.family]
+    cfg = {
+        "architectures": [name],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": False,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    if spec.family == "llama":
+        cfg["mlp_bias"] = False
+    return cfg
+
+
+def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0,
+                         dtype: str = "float32") -> Path:
+    """Build an HF checkpoint directory.
+
+    Args:
+        out_dir: directory to create (existing files are overwritten).
+        spec: dimensions and family; defaults to a 2-layer Qwen3 of hidden size 64.
+        seed: ``torch.Generator`` seed for the random init (normal, std ``spec.init_std``; norms = 1).
+        dtype: ``"float32"`` or ``"bfloat16"``, stored dtype and ``torch_dtype``.
+
+    Returns:
+        ``Path(out_dir)`` holding ``config.json``, ``generation_config.json``, tokenizer files,
+        ``model.safetensors`` and ``zerokld_spec.json``.
+    """
+    spec = spec or TinyModelSpec()
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    out = Path(out_dir)
+    vocab = make_tokenizer(out)
+    cfg = _hf_config(spec, vocab, dtype)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * spec.init_std).to(tdtype)
+
+    h, hd, nq, nkv, inter = (spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads,
+                             spec.intermediate_size)
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": (torch.randn(vocab, h, generator=g)).to(tdtype)}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h, dtype=tdtype)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=tdtype)
+        w[p + "self_attn.q_proj.weight"] = rnd(nq * hd, h)
+        w[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
+        w[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, nq * hd)
+        if spec.family == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = torch.ones(hd, dtype=tdtype)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(hd, dtype=tdtype)
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        w[p + "mlp.down_proj.weight"] = rnd(h, inter)
+    w["model.norm.weight"] = torch.ones(h, dtype=tdtype)
+    if not spec.tie_word_embeddings:
+        w["lm_head.weight"] = rnd(vocab, h) * 4
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
+    (out / "zerokld_spec.json").write_text(json.dumps({**asdict(spec), "seed": seed, "dtype": dtype}, indent=2))
+    return out

