@@ -125,7 +125,9 @@ def load_hf_weights(model: torch.nn.Module, model_cfg, hf: dict, checkpoint_dir:
 
 def save_hf_weights(model: torch.nn.Module, model_cfg, hf: dict, out_file: str | Path, dtype: torch.dtype) -> None:
     """Write the model's weights as one HF ``model.safetensors`` (TorchTitan's ``to_hf``), cast to ``dtype``."""
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    from torch.distributed.tensor import DTensor
+
+    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     if model_cfg.enable_weight_tying:
         sd.pop("lm_head.weight", None)
     hf_sd = _adapter(model_cfg, hf, None).to_hf(sd)

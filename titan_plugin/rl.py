@@ -1,0 +1,193 @@
+"""GRPO on TorchTitan's own ``Trainer`` (CPU, one process), with the zerokld model overrides.
+
+:class:`RLTrainer` subclasses ``torchtitan.trainer.Trainer``: the model, optimizer, LR schedule, gradient clipping,
+checkpointing (HF initial load through the model's state-dict adapter) and ``train_step`` are TorchTitan's. RL adds
+only the data path: rollouts are queued into :class:`RolloutQueue` (a TorchTitan ``BaseDataLoader``) and the RL inputs
+go to :class:`titan_plugin.losses.GRPOLoss`. :func:`rl_trainer_config` builds the ``Trainer.Config`` for an HF
+checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_registry.py``).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import cpu_compat
+
+cpu_compat.apply()
+
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
+from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from .losses import GRPOLoss  # noqa: E402
+from .models import load_hf_config, save_hf_weights, titan_model_config  # noqa: E402
+
+__all__ = ["RLTrainer", "RolloutQueue", "rl_trainer_config"]
+
+
+class RolloutQueue(BaseDataLoader):
+    """A TorchTitan dataloader fed by the RL loop: each ``put`` is one ``(input_dict, labels)`` microbatch."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs) -> None:
+        self._items: list = []
+
+    def put(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        self._items.append((input_dict, labels))
+
+    def __iter__(self):
+        while self._items:
+            yield self._items.pop(0)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+def _model_spec(hf: dict, zerokld: bool) -> ModelSpec:
+    cfg = titan_model_config(hf, zerokld=zerokld)
+    if hf["architectures"][0] == "Qwen3ForCausalLM":
+        from torchtitan.models.qwen3 import parallelize_qwen3 as par
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
+        name = "qwen3"
+    else:
+        from torchtitan.models.llama3.parallelize import parallelize_llama as par
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as adapter
+        name = "llama3"
+    return ModelSpec(name=name, flavor="hf", model=cfg, parallelize_fn=par, pipelining_fn=None,
+                     post_optimizer_build_fn=None, state_dict_adapter=adapter)
+
+
+def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
+                      steps: int = 1000, zerokld: bool = True, clip_low: float = 0.8, clip_high: float = 1.2,
+                      max_norm: float = 1.0) -> Trainer.Config:
+    """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
+
+    Args:
+        checkpoint_dir: absolute path of the HF checkpoint (loaded with ``initial_load_in_hf``).
+        dump_folder: TorchTitan's output folder.
+        dtype: ``training.dtype`` (parameters and activations): ``"float32"`` or ``"bfloat16"``.
+        lr: AdamW learning rate (constant schedule, no warm-up).
+        zerokld: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the SDPA
+            inner attention, since flex attention has no CPU path).
+    """
+    hf = load_hf_config(checkpoint_dir)
+    spec = _model_spec(hf, zerokld)
+    if not zerokld:
+        from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+        for layer in spec.model.layers:
+            if isinstance(layer.attention.inner_attention, FlexAttention.Config):
+                layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    ckpt = str(Path(checkpoint_dir).resolve())
+    return Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=ckpt,
+        dump_folder=dump_folder,
+        loss=GRPOLoss.Config(clip_low_threshold=clip_low, clip_high_threshold=clip_high),
+        dataloader=RolloutQueue.Config(),
+        optimizer=default_adamw(lr=lr, weight_decay=0.0),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
+        metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
+        training=TrainingConfig(local_batch_size=1, seq_len=hf.get("max_position_embeddings", 1024), steps=steps,
+                                max_norm=max_norm, dtype=dtype, mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
+                                            initial_load_in_hf=True, initial_load_model_only=True, interval=10**9),
+        activation_checkpoint=None,
+        compile=CompileConfig(enable=False),
+    )
+
+
+class RLTrainer(Trainer):
+    """TorchTitan ``Trainer`` with a GRPO step fed from rollouts (``rl_step``) and HF export (``save_hf``)."""
+
+    def __init__(self, config: Trainer.Config) -> None:
+        cpu_compat.ensure_single_process_env()
+        super().__init__(config)
+        if not self.checkpointer.load():  # HF initial load (initial_load_in_hf) through the state-dict adapter
+            raise RuntimeError(f"TorchTitan loaded no checkpoint from {config.hf_assets_path}")
+        self._hf = load_hf_config(config.hf_assets_path)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.model_parts[0]
+
+    def rl_step(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list[float],
+                sampler_logprobs: list[torch.Tensor]) -> dict:
+        """One GRPO optimizer step on a batch of rollouts.
+
+        Args:
+            sequences: prompt + completion token ids per rollout.
+            prompt_lengths: prompt length per rollout.
+            advantages: one scalar advantage per rollout (broadcast over its completion tokens).
+            sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion.
+
+        Returns:
+            ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
+            ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``.
+        """
+        t_pack = time.perf_counter()
+        n = len(sequences)
+        t = max(len(s) for s in sequences) - 1
+        tokens = torch.zeros(n, t, dtype=torch.long)
+        labels = torch.full((n, t), IGNORE_INDEX, dtype=torch.long)
+        adv = torch.zeros(n, t)
+        q = torch.zeros(n, t)
+        for i, (s, p) in enumerate(zip(sequences, prompt_lengths)):
+            st = torch.tensor(s, dtype=torch.long)
+            tokens[i, : len(s) - 1] = st[:-1]
+            labels[i, p - 1: len(s) - 1] = st[p:]
+            adv[i, p - 1: len(s) - 1] = float(advantages[i])
+            if sampler_logprobs[i].numel() != len(s) - p:
+                raise ValueError(f"rollout {i}: {sampler_logprobs[i].numel()} sampler logprobs for {len(s) - p} "
+                                 "completion tokens")
+            q[i, p - 1: len(s) - 1] = sampler_logprobs[i]
+        self.loss_fn.set_rl_inputs(adv, q)
+        self.dataloader.put({"input": tokens}, labels)
+        self.step += 1
+        # Trainer.train() records data-loading time per step; the metrics logger averages it.
+        self.metrics_processor.data_loading_times.append(time.perf_counter() - t_pack)
+        self.metrics_processor.ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
+        self.train_step(iter(self.dataloader))
+        last = self.loss_fn.last
+        flat = last["train_logprobs"]
+        counts = last["mask"].sum(dim=1).tolist()
+        per_seq = list(torch.split(flat, counts))
+        return {
+            "train_logprobs": per_seq,
+            "clipped": int(last["clipped"].sum()),
+            "grad_zeroed": int(last["grad_zeroed"].sum()),
+            "num_tokens": int(flat.numel()),
+        }
+
+    def save_hf(self, out_dir: str | Path, dtype: str) -> Path:
+        """Write the current weights as an HF checkpoint directory (config + tokenizer copied from the initial one)."""
+        import shutil
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        src = Path(self.config.hf_assets_path)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, out / f.name)
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        tmp = out / "model.safetensors.tmp"
+        save_hf_weights(self.model, self.model_config, self._hf, tmp, torch_dtype)
+        os.replace(tmp, out / "model.safetensors")
+        return out
