@@ -72,16 +72,20 @@ class GRPOLoss(BaseLoss):
         self._sampler_logp: torch.Tensor | None = None
         self.last: dict = {}
 
-    def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor) -> None:
-        """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels."""
+    def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None) -> None:
+        """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels.
+
+        ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1): the loss is then plain
+        advantage-weighted log-likelihood, and with advantages 1 it is SFT cross-entropy (token mean).
+        """
         self._adv, self._sampler_logp = advantages, sampler_logprobs
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None, **kwargs):
-        if self._adv is None or self._sampler_logp is None:
+        if self._adv is None:
             raise RuntimeError("GRPOLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
         mask = labels != IGNORE_INDEX
         logp = sn.selected_logprobs(pred[mask], labels[mask])
-        q = self._sampler_logp.to(pred.device)[mask]
+        q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]
         tok_loss, outside, zeroed = ppo_clip_token_loss(
             logp, q, adv, self.config.clip_low_threshold, self.config.clip_high_threshold

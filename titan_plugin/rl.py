@@ -129,14 +129,15 @@ class RLTrainer(Trainer):
         return self.model_parts[0]
 
     def rl_step(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list[float],
-                sampler_logprobs: list[torch.Tensor]) -> dict:
+                sampler_logprobs: list[torch.Tensor] | None) -> dict:
         """One GRPO optimizer step on a batch of rollouts.
 
         Args:
             sequences: prompt + completion token ids per rollout.
             prompt_lengths: prompt length per rollout.
             advantages: one scalar advantage per rollout (broadcast over its completion tokens).
-            sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion.
+            sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion;
+                ``None`` for an on-policy step (SFT when all advantages are 1).
 
         Returns:
             ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
@@ -154,11 +155,13 @@ class RLTrainer(Trainer):
             tokens[i, : len(s) - 1] = st[:-1]
             labels[i, p - 1: len(s) - 1] = st[p:]
             adv[i, p - 1: len(s) - 1] = float(advantages[i])
+            if sampler_logprobs is None:
+                continue
             if sampler_logprobs[i].numel() != len(s) - p:
                 raise ValueError(f"rollout {i}: {sampler_logprobs[i].numel()} sampler logprobs for {len(s) - p} "
                                  "completion tokens")
             q[i, p - 1: len(s) - 1] = sampler_logprobs[i]
-        self.loss_fn.set_rl_inputs(adv, q)
+        self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
         self.dataloader.put({"input": tokens}, labels)
         self.step += 1
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
@@ -175,6 +178,12 @@ class RLTrainer(Trainer):
             "grad_zeroed": int(last["grad_zeroed"].sum()),
             "num_tokens": int(flat.numel()),
         }
+
+    def close(self) -> None:
+        """TorchTitan's cleanup plus the process group, so another trainer can start in this process."""
+        super().close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def save_hf(self, out_dir: str | Path, dtype: str) -> Path:
         """Write the current weights as an HF checkpoint directory (config + tokenizer copied from the initial one)."""

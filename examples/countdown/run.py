@@ -1,0 +1,171 @@
+"""GRPO on the countdown task, twice side by side: ``--numerics zerokld`` and ``--numerics stock``.
+
+One command (``python -m examples.countdown.run``, or ``make demo``) builds a tiny Qwen3 checkpoint, warm-starts it with
+SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts from
+a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock components).
+Outputs under ``--out`` (default ``runs/countdown``): ``{zerokld,stock}/metrics.jsonl`` (one line per RL step) and
+``curves.png``. Runs one engine at a time (2-core machines).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
+from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
+
+MODEL_SPEC = TinyModelSpec(family="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                           init_std=0.02)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/countdown", help="output root")
+    ap.add_argument("--numerics", choices=["both", "zerokld", "stock"], default="both")
+    ap.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=4, help="completions per prompt (GRPO group)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-batch", type=int, default=64)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
+    ap.add_argument("--clip-low", type=float, default=0.8)
+    ap.add_argument("--clip-high", type=float, default=1.2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+class Tok:
+    """Character-level encode/decode with the checkpoint's own tokenizer (``tokenizers``)."""
+
+    def __init__(self, ckpt: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tk = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        self.bos, self.eos = self.tk.token_to_id("<|bos|>"), self.tk.token_to_id("<|eos|>")
+
+    def prompt(self, p: Problem) -> list[int]:
+        return [self.bos] + self.tk.encode(format_prompt(p), add_special_tokens=False).ids
+
+    def answer(self, p: Problem) -> list[int]:
+        return self.tk.encode(f"<answer>{p.solution}</answer>", add_special_tokens=False).ids + [self.eos]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tk.decode(ids, skip_special_tokens=False)
+
+
+def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
+    """Supervised warm start on solver answers (advantage-1 on-policy steps = token-mean cross-entropy)."""
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    trainer = RLTrainer(rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr,
+                                          max_norm=1.0))
+    problems = generate_problems(args.sft_steps * args.sft_batch // 4, seed=args.seed + 1000)
+    rng = random.Random(args.seed)
+    try:
+        for _ in tqdm(range(args.sft_steps), desc="SFT warm start", unit="step"):
+            batch = rng.sample(problems, args.sft_batch)
+            seqs = [tok.prompt(p) + tok.answer(p) for p in batch]
+            trainer.rl_step(seqs, [len(tok.prompt(p)) for p in batch], [1.0] * len(batch), None)
+        return trainer.save_hf(out / "sft", args.dtype)
+    finally:
+        trainer.close()
+
+
+def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
+    """One GRPO run; returns the metrics.jsonl path."""
+    from vllm import SamplingParams
+
+    import shared_numerics as sn
+    from examples.countdown.sync import FullSnapshotSync
+    from titan_plugin.losses import grpo_advantages
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from zerokld_testing.engines import completion_logprobs, shutdown_llm, start_llm
+
+    zk = numerics == "zerokld"
+    run_dir = out / numerics
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path.write_text("")
+    llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed)
+    trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
+                                          zerokld=zk, clip_low=args.clip_low, clip_high=args.clip_high))
+    sync = FullSnapshotSync(run_dir / "snapshots", args.dtype)
+    problems = generate_problems(args.steps * args.prompts_per_step, seed=args.seed + 7)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)
+    try:
+        bar = tqdm(range(1, args.steps + 1), desc=f"GRPO [{numerics}]", unit="step")
+        for step in bar:
+            t0 = time.perf_counter()
+            batch = problems[(step - 1) * args.prompts_per_step: step * args.prompts_per_step]
+            group = [p for p in batch for _ in range(args.group_size)]
+            prompts = [tok.prompt(p) for p in group]
+            outs = llm.generate([{"prompt_token_ids": x} for x in prompts], sp, use_tqdm=False)
+            t_roll = time.perf_counter() - t0
+            comps = [list(o.outputs[0].token_ids) for o in outs]
+            rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group)])
+            adv = grpo_advantages(rewards, args.group_size)
+            sampler_lp = [completion_logprobs(o) for o in outs]
+            res = trainer.rl_step([x + c for x, c in zip(prompts, comps)], [len(x) for x in prompts], adv.tolist(),
+                                  sampler_lp)
+            kl = sn.logprob_diff_metrics(res["train_logprobs"], sampler_lp, args.clip_low, args.clip_high)
+            t_train = time.perf_counter() - t0 - t_roll
+            sync_stats = sync.push(trainer, llm, step)
+            row = {
+                "step": step,
+                "reward_mean": rewards.mean().item(),
+                "reward_correct_fraction": (rewards == 1.0).float().mean().item(),
+                "k1": kl["k1"],
+                "k3": kl["k3"],
+                "max_abs_logprob_diff": kl["max_abs_logprob_diff"],
+                "tokens_bitwise_different": kl["tokens_bitwise_different"],
+                "num_tokens": kl["num_tokens"],
+                "clipped_fraction": res["clipped"] / max(res["num_tokens"], 1),
+                "grad_zeroed_fraction": res["grad_zeroed"] / max(res["num_tokens"], 1),
+                "rollout_seconds": t_roll,
+                "train_seconds": t_train,
+                **sync_stats,
+                "step_seconds": time.perf_counter() - t0,
+            }
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['k3']:.2e}",
+                            diff_tok=row["tokens_bitwise_different"])
+    finally:
+        trainer.close()
+        shutdown_llm(llm)
+    return metrics_path
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    base = make_tiny_checkpoint(out / "base", MODEL_SPEC, seed=args.seed, dtype=args.dtype)
+    tok = Tok(base)
+    t0 = time.perf_counter()
+    init = sft_warm_start(base, out, args, tok) if args.sft_steps > 0 else base
+    modes = ["zerokld", "stock"] if args.numerics == "both" else [args.numerics]
+    paths = {m: run_rl(m, init, out, args, tok) for m in modes}
+    from examples.countdown.plots import plot_curves, summarize
+
+    png = plot_curves(paths, out / "curves.png")
+    print(summarize(paths))
+    print(f"wrote {', '.join(str(p) for p in paths.values())} and {png} in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
