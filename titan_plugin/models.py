@@ -12,14 +12,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
 
 from .overrides import apply_zerokld_overrides
 
-__all__ = ["build_titan_model", "load_hf_config", "load_hf_weights", "save_hf_weights", "titan_model_config"]
+__all__ = ["build_titan_model", "hf_state_dict", "load_hf_config", "load_hf_weights", "titan_model_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
@@ -123,17 +123,17 @@ def load_hf_weights(model: torch.nn.Module, model_cfg, hf: dict, checkpoint_dir:
     model.load_state_dict(sd, strict=True)
 
 
-def save_hf_weights(model: torch.nn.Module, model_cfg, hf: dict, out_file: str | Path, dtype: torch.dtype) -> None:
-    """Write the model's weights as one HF ``model.safetensors`` (TorchTitan's ``to_hf``), cast to ``dtype``."""
+def hf_state_dict(model: torch.nn.Module, model_cfg, hf: dict) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names (TorchTitan's ``to_hf``; DTensors gathered), detached copies."""
     from torch.distributed.tensor import DTensor
 
     sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
     if model_cfg.enable_weight_tying:
         sd.pop("lm_head.weight", None)
-    hf_sd = _adapter(model_cfg, hf, None).to_hf(sd)
+    out = _adapter(model_cfg, hf, None).to_hf(sd)
     if model_cfg.enable_weight_tying:
-        hf_sd.pop("lm_head.weight", None)
-    save_file({k: v.to(dtype).contiguous() for k, v in hf_sd.items()}, str(out_file), metadata={"format": "pt"})
+        out.pop("lm_head.weight", None)
+    return out
 
 
 def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", zerokld: bool = True):

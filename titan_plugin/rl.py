@@ -8,7 +8,6 @@ checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_regist
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from .losses import GRPOLoss  # noqa: E402
-from .models import load_hf_config, save_hf_weights, titan_model_config  # noqa: E402
+from .models import hf_state_dict, load_hf_config, titan_model_config  # noqa: E402
 
 __all__ = ["RLTrainer", "RolloutQueue", "rl_trainer_config"]
 
@@ -81,7 +80,10 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
     Args:
         checkpoint_dir: absolute path of the HF checkpoint (loaded with ``initial_load_in_hf``).
         dump_folder: TorchTitan's output folder.
-        dtype: ``training.dtype`` (parameters and activations): ``"float32"`` or ``"bfloat16"``.
+        dtype: the compute dtype of the forward, which must be the dtype vLLM serves (``"float32"`` or
+            ``"bfloat16"``). Master weights and the optimizer stay float32 (``training.dtype``); FSDP's mixed-precision
+            ``param_dtype`` (``training.mixed_precision_param``) casts them to ``dtype`` for the forward — the same
+            round-to-nearest cast the exported snapshot gets, so the training forward sees exactly vLLM's weights.
         lr: AdamW learning rate (constant schedule, no warm-up).
         zerokld: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the SDPA
             inner attention, since flex attention has no CPU path).
@@ -105,7 +107,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
         training=TrainingConfig(local_batch_size=1, seq_len=hf.get("max_position_embeddings", 1024), steps=steps,
-                                max_norm=max_norm, dtype=dtype, mixed_precision_param="float32"),
+                                max_norm=max_norm, dtype="float32", mixed_precision_param=dtype),
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
                                             initial_load_in_hf=True, initial_load_model_only=True, interval=10**9),
@@ -186,17 +188,10 @@ class RLTrainer(Trainer):
             torch.distributed.destroy_process_group()
 
     def save_hf(self, out_dir: str | Path, dtype: str) -> Path:
-        """Write the current weights as an HF checkpoint directory (config + tokenizer copied from the initial one)."""
-        import shutil
+        """Publish the current weights as a full HF snapshot directory (:func:`deltasync.write_full_snapshot`; config
+        and tokenizer copied from the initial checkpoint)."""
+        from deltasync import write_full_snapshot
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        src = Path(self.config.hf_assets_path)
-        for f in src.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, out / f.name)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        tmp = out / "model.safetensors.tmp"
-        save_hf_weights(self.model, self.model_config, self._hf, tmp, torch_dtype)
-        os.replace(tmp, out / "model.safetensors")
-        return out
+        sd = hf_state_dict(self.model, self.model_config, self._hf)
+        return write_full_snapshot(sd, self.config.hf_assets_path, out_dir, dtype=torch_dtype)

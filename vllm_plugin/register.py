@@ -6,7 +6,10 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
 
 * the architectures in :data:`vllm_plugin.models.SUPPORTED_ARCHITECTURES` point to classes that build the stock vLLM
   model when the flag is off and the ``shared_numerics`` model when it is on;
-* the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers.
+* the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
+* model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
+  model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
+  instead of silently serving stock numerics.
 """
 from __future__ import annotations
 
@@ -27,4 +30,30 @@ def register() -> None:
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
     for arch, path in SUPPORTED_ARCHITECTURES.items():
         ModelRegistry.register_model(arch, path)
+    _guard_initialize_model()
     _REGISTERED = True
+
+
+def _guard_initialize_model() -> None:
+    from vllm.model_executor.model_loader import base_loader
+
+    from .config import ZeroKLDConfigError, from_vllm_config
+    from .models import SUPPORTED_ARCHITECTURES
+
+    original = base_loader.initialize_model
+    if getattr(original, "_zerokld_guard", False):
+        return
+
+    def initialize_model(vllm_config, *args, **kwargs):
+        cfg = from_vllm_config(vllm_config)
+        model = original(vllm_config, *args, **kwargs)
+        if cfg.batch_invariant and not getattr(model, "zerokld_enabled", False):
+            archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
+            raise ZeroKLDConfigError(
+                f"zerokld batch_invariant mode does not support architecture {archs}; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        return model
+
+    initialize_model._zerokld_guard = True  # type: ignore[attr-defined]
+    base_loader.initialize_model = initialize_model

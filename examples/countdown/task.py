@@ -50,16 +50,32 @@ def solve(numbers: tuple[int, ...], target: int) -> str | None:
     return expr[1:-1] if expr and expr.startswith("(") and expr.endswith(")") else expr
 
 
+def _random_expression(nums: list[int], rng: random.Random) -> tuple[int, str] | None:
+    """Combine all numbers with random ops, keeping every intermediate a positive integer."""
+    items = [(n, str(n)) for n in nums]
+    rng.shuffle(items)
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        (a, ea), (b, eb) = items[i], items[j]
+        op = rng.choice("+-*/")
+        if op == "-" and a <= b or op == "/" and a % b != 0:
+            op = "+"
+        value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
+        items = [items[k] for k in range(len(items)) if k not in (i, j)] + [(value, f"({ea}{op}{eb})")]
+    value, expr = items[0]
+    return (value, expr[1:-1]) if 1 <= value <= 100 else None
+
+
 def generate_problems(n: int, seed: int, max_number: int = 100) -> list[Problem]:
-    """``n`` solvable problems, deterministic for a seed (3–4 numbers in ``1..max_number``, target in 1..100)."""
+    """``n`` problems, deterministic for a seed: 3–4 numbers in ``1..max_number`` and a target in ``1..100`` reached
+    by a random expression over all of them (so every problem is solvable; that expression is the SFT answer)."""
     rng = random.Random(seed)
     out: list[Problem] = []
     while len(out) < n:
-        nums = tuple(rng.randint(1, max_number) for _ in range(rng.choice((3, 4))))
-        target = rng.randint(1, 100)
-        sol = solve(nums, target)
-        if sol is not None:
-            out.append(Problem(nums, target, sol))
+        nums = [rng.randint(1, max_number) for _ in range(rng.choice((3, 4)))]
+        made = _random_expression(list(nums), rng)
+        if made is not None:
+            out.append(Problem(tuple(nums), made[0], made[1]))
     return out
 
 

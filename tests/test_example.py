@@ -1,0 +1,45 @@
+"""The countdown example end to end on a few steps: real vLLM rollouts, real TorchTitan training, both modes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from examples.countdown.task import generate_problems, reward, solve
+
+pytestmark = [pytest.mark.vllm, pytest.mark.titan]
+
+
+def test_task_generator_solver_reward():
+    problems = generate_problems(200, seed=3)
+    assert problems == generate_problems(200, seed=3)
+    for p in problems[:40]:
+        assert 3 <= len(p.numbers) <= 4 and 1 <= p.target <= 100
+        assert reward(f"<answer>{p.solution}</answer>", p) == 1.0
+        assert solve(p.numbers, p.target) is not None
+    p = problems[0]
+    assert reward("no tag", p) == 0.0
+    assert reward("<answer>1+1</answer>", p) == 0.1
+    assert reward("<answer>import os</answer>", p) == 0.1
+    wrong = "+".join(map(str, p.numbers))
+    assert reward(f"<answer>{wrong}</answer>", p) in (0.1, 1.0)
+
+
+def test_countdown_side_by_side(engine_slot, tmp_path):
+    from examples.countdown.run import main
+
+    engine_slot.close()
+    out = tmp_path / "cd"
+    main(["--out", str(out), "--steps", "3", "--sft-steps", "4", "--prompts-per-step", "8", "--group-size", "4"])
+    rows = {m: [json.loads(x) for x in (out / m / "metrics.jsonl").read_text().splitlines()] for m in
+            ("zerokld", "stock")}
+    required = {"step", "reward_mean", "k1", "k3", "max_abs_logprob_diff", "tokens_bitwise_different",
+                "clipped_fraction", "step_seconds"}
+    for m, rs in rows.items():
+        assert [r["step"] for r in rs] == [1, 2, 3]
+        assert all(required <= r.keys() for r in rs)
+    for r in rows["zerokld"]:
+        assert r["k3"] == 0.0 and r["k1"] == 0.0 and r["tokens_bitwise_different"] == 0
+        assert r["max_abs_logprob_diff"] == 0.0 and r["clipped_fraction"] == 0.0
+    assert sum(r["tokens_bitwise_different"] for r in rows["stock"]) > 0
+    assert (out / "curves.png").stat().st_size > 10_000

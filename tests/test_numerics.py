@@ -1,0 +1,177 @@
+"""Unit tests of shared_numerics: batch invariance (exact), thread invariance (exact), closeness to torch (tolerance
+stated per op: the reduction order legitimately differs from ATen's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shared_numerics as sn
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _rows_invariant(fn, x, *rest, idx=(0, 1, 7, 16, 17, 63, 99)):
+    full = fn(x, *rest)
+    for i in idx:
+        assert torch.equal(fn(x[i:i + 1], *rest), full[i:i + 1]), f"row {i} differs alone"
+    assert torch.equal(fn(x[5:90], *rest), full[5:90])
+    return full
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_batch_invariant_and_close(dtype, threads):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 96, generator=g).to(dtype)
+    w = torch.randn(200, 96, generator=g).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    y = _rows_invariant(lambda a: sn.linear(a, w, b), x)
+    assert y.dtype == dtype
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4
+                               if dtype == torch.float32 else 5e-2)
+
+
+def test_linear_thread_count_does_not_change_bits():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(50, 128, generator=g), torch.randn(300, 128, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = sn.linear(x, w)
+        torch.set_num_threads(2)
+        b = sn.linear(x, w)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype, threads):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(100, 64, generator=g).to(dtype)
+    w = torch.rand(64, generator=g).to(dtype)
+    y = _rows_invariant(lambda a: sn.rms_norm(a, w, 1e-6), x)
+    ref = torch.nn.functional.rms_norm(x.float(), (64,), w.float(), 1e-6)
+    torch.testing.assert_close(y.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
+                               if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype, threads):
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(100, 48, generator=g).to(dtype)
+    up = torch.randn(100, 48, generator=g).to(dtype)
+    full = sn.silu_and_mul(gate, up)
+    for i in (0, 13, 99):
+        assert torch.equal(sn.silu_and_mul(gate[i:i + 1], up[i:i + 1]), full[i:i + 1])
+    ref = torch.nn.functional.silu(gate.float()) * up.float()
+    torch.testing.assert_close(full.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6
+                               if dtype == torch.float32 else 1e-2)
+
+
+def test_log_softmax_and_selected_logprobs(threads):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(100, 1000, generator=g) * 5
+    lp = _rows_invariant(sn.log_softmax, logits)
+    # one float32 ulp of |logp| ~ 30 is 3.8e-6: ATen rounds in float32, we round once from float64
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1), rtol=3e-7, atol=1e-6)
+    ids = torch.randint(0, 1000, (100,), generator=g)
+    assert torch.equal(sn.selected_logprobs(logits, ids), lp.gather(1, ids[:, None]).squeeze(1))
+    assert torch.equal(sn.selected_logprobs(logits[3:4], ids[3:4]), sn.selected_logprobs(logits, ids)[3:4])
+
+
+def test_rope_position_invariant():
+    pos = torch.arange(0, 300)
+    cos, sin = sn.rope_cos_sin(pos, 32, 10000.0)
+    c1, s1 = sn.rope_cos_sin(pos[[7, 255]], 32, 10000.0)
+    assert torch.equal(c1, cos[[7, 255]]) and torch.equal(s1, sin[[7, 255]])
+    x = torch.randn(300, 4, 32)
+    y = sn.apply_rope(x, cos, sin)
+    # rotation preserves the norm of each pair
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        sn.rope_cos_sin(pos, 31, 10000.0)
+
+
+def test_tree_sum_exact_and_shape_independent():
+    x = torch.randn(37, 100, dtype=torch.float64)
+    s = sn.tree_sum(x, dim=-1)
+    torch.testing.assert_close(s, x.sum(-1))
+    assert torch.equal(sn.tree_sum(x[5:6], dim=-1), s[5:6])
+    assert torch.equal(sn.tree_sum(x.t().contiguous(), dim=0), s)  # layout does not matter
+    assert sn.tree_sum(x[:, :0], dim=-1).shape == (37,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_attention_matches_sdpa_and_is_batch_invariant(dtype, threads):
+    g = torch.Generator().manual_seed(5)
+    b, t, hq, hkv, d = 3, 70, 4, 2, 32
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
+    out = sn.dense_causal_attention(q, k, v, d ** -0.5)
+    assert torch.equal(sn.dense_causal_attention(q[1:2, :40], k[1:2, :40], v[1:2, :40], d ** -0.5), out[1:2, :40])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2), is_causal=True,
+        enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_equals_dense(dtype):
+    """Mixed vLLM-style batch: a decode, a prefill chunk in the middle of a sequence, a fresh prefill; random block
+    placement and NaN garbage in unused cache slots."""
+    g = torch.Generator().manual_seed(6)
+    b, t, hq, hkv, d, bs = 3, 70, 4, 2, 32, 16
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
+    dense = sn.dense_causal_attention(q, k, v, d ** -0.5)
+    kc = torch.full((64, hkv, bs, d), float("nan")).to(dtype)
+    vc = kc.clone()
+    bt = torch.randperm(64, generator=g)[:15].reshape(3, 5)
+    for s in range(b):
+        for p in range(t):
+            kc[bt[s, p // bs], :, p % bs] = k[s, p]
+            vc[bt[s, p // bs], :, p % bs] = v[s, p]
+    qs = torch.cat([q[0, 69:70], q[1, 20:46], q[2, 0:11]])
+    out = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38]), torch.tensor([70, 46, 11]), bt,
+                                    d ** -0.5)
+    assert torch.equal(out, torch.cat([dense[0, 69:70], dense[1, 20:46], dense[2, 0:11]]))
+
+
+def test_attention_backward_is_deterministic():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 40, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 40, 2, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 40, 2, 16, generator=g, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        q.grad = k.grad = v.grad = None
+        sn.dense_causal_attention(q, k, v, 0.25).square().sum().backward()
+        grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    ref_q = q.detach().clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(
+        ref_q.transpose(1, 2), k.detach().transpose(1, 2), v.detach().transpose(1, 2), is_causal=True, scale=0.25,
+        enable_gqa=True).transpose(1, 2).square().sum().backward()
+    torch.testing.assert_close(grads[0][0], ref_q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_metrics():
+    a = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    m = sn.logprob_diff_metrics(a, [x.clone() for x in a])
+    assert m["k1"] == 0 and m["k3"] == 0 and m["tokens_bitwise_different"] == 0 and m["clipped_fraction"] == 0
+    m = sn.logprob_diff_metrics(a, [torch.tensor([-1.0, -2.5]), torch.tensor([-0.5])])
+    assert m["tokens_bitwise_different"] == 1 and m["max_abs_logprob_diff"] == 0.5 and m["k3"] > 0
+    assert m["clipped_fraction"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        sn.logprob_diff_metrics(a, a[:1])

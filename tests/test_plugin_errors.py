@@ -1,0 +1,55 @@
+"""Bad configuration fails at start with a clear error (never a silent fallback to stock numerics)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_plugin.config import ZeroKLDConfigError, from_vllm_config
+
+pytestmark = pytest.mark.vllm
+
+
+class _Cfg:
+    def __init__(self, extra):
+        self.additional_config = extra
+
+
+def test_config_schema():
+    assert from_vllm_config(_Cfg(None)).batch_invariant is False
+    assert from_vllm_config(_Cfg({"zerokld": {"batch_invariant": True}})).batch_invariant is True
+    with pytest.raises(ZeroKLDConfigError, match="batch_invariant"):
+        from_vllm_config(_Cfg({"zerokld": {"batch_invariant": "maybe"}}))
+    with pytest.raises(ZeroKLDConfigError, match="Extra inputs"):
+        from_vllm_config(_Cfg({"zerokld": {"batch_invarient": True}}))
+
+
+def _edited_checkpoint(src: str, dst: Path, **changes) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling"])
+def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd):
+    from zerokld_testing.engines import start_llm
+
+    engine_slot.close()
+    if case == "unsupported_architecture":  # Mistral has Llama's weights; stock vLLM would serve it silently
+        ckpt = _edited_checkpoint(checkpoint_factory("llama", "float32"), tmp_path / "m",
+                                  architectures=["MistralForCausalLM"], model_type="mistral")
+        expected = "does not support architecture"
+    else:
+        ckpt = _edited_checkpoint(checkpoint_factory("qwen3", "float32"), tmp_path / "r",
+                                  rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                                "original_max_position_embeddings": 512})
+        expected = "rope_scaling"
+    with pytest.raises(Exception):
+        start_llm(ckpt, dtype="float32", zerokld=True)
+    out, err = capfd.readouterr()
+    assert expected in out + err
