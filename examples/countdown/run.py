@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
     ap.add_argument("--clip-low", type=float, default=0.8)
     ap.add_argument("--clip-high", type=float, default=1.2)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
