@@ -1,19 +1,50 @@
-"""Full snapshots: an HF checkpoint directory (config, tokenizer files, ``model.safetensors``), published atomically.
+"""Snapshots: full HF checkpoint directories and incremental deltas against a base, both published atomically.
 
-Layout follows HF ``transformers`` checkpoints so vLLM loads a snapshot like any model directory. The directory is
-assembled under a temporary name beside the target and renamed into place, so a reader never sees a half-written
-snapshot.
+* Full: config, tokenizer files, ``model.safetensors`` — HF ``transformers`` layout, so vLLM loads a snapshot like any
+  model directory.
+* Incremental: for every tensor of every base shard, the codec's payload (``compression_format``, default ``arc_v2``:
+  XOR of raw bytes + zstd) stored as a 1-D ``uint8`` tensor under the tensor's name, in a safetensors file with the
+  base shard's filename; that file's ``__metadata__`` maps each tensor name to the decimal Adler-32 of the **new**
+  tensor's bytes (so applying onto a wrong base is detected). ``delta.json`` records
+  ``compression_format``/``checksum_format``. Source: Fireworks' incremental-snapshot format (``arc_v2``, checksum
+  ``alder32`` sic); codecs are looked up through the ``zerokld`` plugin hooks.
+
+A directory is assembled under a temporary name beside the target and renamed into place, so a reader never sees a
+half-written snapshot; an incremental snapshot is verified completely (key set, lengths, checksums) before the
+result is published.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-__all__ = ["write_full_snapshot"]
+__all__ = ["DeltaError", "apply_incremental_snapshot", "read_snapshot_tensors", "write_full_snapshot",
+           "write_incremental_snapshot"]
+
+CHECKSUM_FORMAT = "alder32"  # sic: the name used on the wire by the public format
+
+
+class DeltaError(ValueError):
+    """An incremental snapshot that cannot be applied to the given base (nothing was written)."""
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def read_snapshot_tensors(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a full snapshot's ``*.safetensors`` files."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(snapshot_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 _WEIGHT_FILES = (".safetensors",)
 _SKIP = {"model.safetensors.index.json"}
@@ -47,6 +78,10 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
                for k, v in hf_state_dict.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> Path:
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -56,3 +91,95 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     else:
         os.replace(tmp, out)
     return out
+
+
+def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torch.Tensor], out_dir: str | Path,
+                               compression_format: str = "arc_v2") -> Path:
+    """Encode ``new_tensors`` against the full snapshot in ``base_dir``.
+
+    Args:
+        base_dir: a full snapshot (the one the receiver holds).
+        new_tensors: HF name → tensor; same key set, shapes and dtypes as the base.
+        out_dir: the delta directory to publish.
+        compression_format: a codec name registered through the ``zerokld`` hooks.
+
+    Raises:
+        DeltaError: key set, shape or dtype differs from the base.
+        zerokld_plugins.UnknownNameError: unknown codec.
+    """
+    from zerokld_plugins import get_codec, resolve
+
+    encode = resolve(get_codec(compression_format).encode)
+    base_files = sorted(Path(base_dir).glob("*.safetensors"))
+    base_keys: set[str] = set()
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in base_files:
+        payloads, meta = {}, {}
+        with safe_open(str(f), framework="pt") as base:
+            for name in base.keys():
+                base_keys.add(name)
+                if name not in new_tensors:
+                    raise DeltaError(f"tensor {name} of the base is missing from the new weights")
+                b, n = base.get_tensor(name), new_tensors[name]
+                if b.shape != n.shape or b.dtype != n.dtype:
+                    raise DeltaError(f"{name}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}")
+                nb = _raw(n)
+                payloads[name] = torch.frombuffer(bytearray(encode(_raw(b), nb)), dtype=torch.uint8)
+                meta[name] = str(zlib.adler32(nb))
+        save_file(payloads, str(tmp / f.name), metadata=meta)
+    extra = set(new_tensors) - base_keys
+    if extra:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DeltaError(f"new weights have tensors the base lacks: {sorted(extra)[:5]}")
+    (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
+                                                "checksum_format": CHECKSUM_FORMAT}))
+    return _publish(tmp, out)
+
+
+def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path) -> Path:
+    """Decode a delta onto its base and publish the result as a full snapshot (assets copied from the base).
+
+    Everything is decoded and verified (same shard files and key sets, payload lengths, Adler-32 of every new
+    tensor) before anything is written; on any failure nothing is published.
+
+    Raises:
+        DeltaError: mismatching files/keys, a payload that does not decode, or a checksum mismatch.
+        zerokld_plugins.UnknownNameError: the delta's ``compression_format`` is not registered.
+    """
+    from zerokld_plugins import get_codec, resolve
+
+    base_dir, delta_dir = Path(base_dir), Path(delta_dir)
+    try:
+        info = json.loads((delta_dir / "delta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DeltaError(f"{delta_dir} has no readable delta.json: {e}") from e
+    decode = resolve(get_codec(info["compression_format"]).decode)
+    base_files = sorted(p.name for p in base_dir.glob("*.safetensors"))
+    delta_files = sorted(p.name for p in delta_dir.glob("*.safetensors"))
+    if base_files != delta_files:
+        raise DeltaError(f"shard files differ: base {base_files} vs delta {delta_files}")
+    new: dict[str, torch.Tensor] = {}
+    for fname in delta_files:
+        try:
+            with safe_open(str(delta_dir / fname), framework="pt") as d, safe_open(str(base_dir / fname),
+                                                                                  framework="pt") as b:
+                meta = d.metadata() or {}
+                if set(d.keys()) != set(b.keys()):
+                    raise DeltaError(f"{fname}: tensor names differ from the base")
+                for name in b.keys():
+                    bt = b.get_tensor(name)
+                    try:
+                        nb = decode(_raw(bt), _raw(d.get_tensor(name)))
+                    except Exception as e:  # any codec failure is a refusal of this delta
+                        raise DeltaError(f"{fname}:{name}: payload does not decode: {e}") from e
+                    if str(zlib.adler32(nb)) != meta.get(name):
+                        raise DeltaError(f"{fname}:{name}: checksum mismatch (wrong base or corrupt delta)")
+                    new[name] = torch.frombuffer(bytearray(nb), dtype=torch.uint8).view(bt.dtype).reshape(bt.shape)
+        except DeltaError:
+            raise
+        except Exception as e:  # unreadable safetensors (truncated, garbage header)
+            raise DeltaError(f"{fname}: cannot read: {e}") from e
+    return write_full_snapshot(new, base_dir, out_dir)

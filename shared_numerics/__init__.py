@@ -2,21 +2,91 @@
 
 Every op returns, for a given row, the same bits whatever else is in the call and whatever the thread count; the
 trainer (``titan_plugin``) and vLLM (``vllm_plugin``) both call these functions and nothing else for the forward that
-produces log-probs. See ``DESIGN`` notes in each module for the source each op mirrors.
+produces log-probs. Each module's docstring names the source its op mirrors.
+
+The public ops below dispatch to the active numerics backend: ``ZEROKLD_BACKEND`` (default ``torch``) names a
+backend registered through the ``zerokld`` plugin hooks (:mod:`zerokld_plugins`); the ``torch`` backend is
+:mod:`shared_numerics.ops_torch`.
 """
-from .activation import silu_and_mul
-from .attention import (
-    KEY_CHUNK, attention_over_slots, dense_causal_attention, paged_causal_attention, paged_slot_table,
-)
-from .linear import ROW_TILE, linear
-from .logprobs import log_softmax, selected_logprobs
+from __future__ import annotations
+
+import os
+
+from .attention import KEY_CHUNK, attention_over_slots, paged_slot_table
+from .linear import ROW_TILE
 from .metrics import logprob_diff_metrics
-from .norm import rms_norm
 from .reduce import exp64, log64, tree_sum
-from .rope import apply_rope, rope_cos_sin
 
 __all__ = [
-    "KEY_CHUNK", "ROW_TILE", "apply_rope", "attention_over_slots", "dense_causal_attention", "exp64", "paged_causal_attention", "linear",
-    "log64", "log_softmax", "logprob_diff_metrics", "paged_slot_table", "rms_norm", "rope_cos_sin",
-    "selected_logprobs", "silu_and_mul", "tree_sum",
+    "KEY_CHUNK", "ROW_TILE", "active_ops", "apply_rope", "attention_over_slots", "dense_causal_attention", "exp64",
+    "linear", "log64", "log_softmax", "logprob_diff_metrics", "paged_causal_attention", "paged_slot_table",
+    "rms_norm", "rope_cos_sin", "selected_logprobs", "silu_and_mul", "tree_sum",
 ]
+
+_OPS_CACHE: dict[str, dict] = {}
+
+
+def active_ops() -> dict:
+    """The op table of the backend named by ``ZEROKLD_BACKEND`` (default ``torch``).
+
+    Raises:
+        zerokld_plugins.UnknownNameError: no such backend is registered.
+        RuntimeError: the backend is registered but cannot run here.
+    """
+    name = os.environ.get("ZEROKLD_BACKEND", "torch")
+    ops = _OPS_CACHE.get(name)
+    if ops is None:
+        from zerokld_plugins import get_backend, resolve
+
+        spec = get_backend(name)
+        if not resolve(spec.available)():
+            raise RuntimeError(f"numerics backend {name!r} cannot run on this machine")
+        table = resolve(spec.ops)
+        ops = _OPS_CACHE[name] = {k: resolve(v) for k, v in table.items()}
+    return ops
+
+
+def linear(x, weight, bias=None):
+    """See :func:`shared_numerics.linear.linear`."""
+    return active_ops()["linear"](x, weight, bias)
+
+
+def rms_norm(x, weight, eps):
+    """See :func:`shared_numerics.norm.rms_norm`."""
+    return active_ops()["rms_norm"](x, weight, eps)
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    """See :func:`shared_numerics.rope.rope_cos_sin`."""
+    return active_ops()["rope_cos_sin"](positions, head_dim, theta)
+
+
+def apply_rope(x, cos, sin):
+    """See :func:`shared_numerics.rope.apply_rope`."""
+    return active_ops()["apply_rope"](x, cos, sin)
+
+
+def silu_and_mul(gate, up):
+    """See :func:`shared_numerics.activation.silu_and_mul`."""
+    return active_ops()["silu_and_mul"](gate, up)
+
+
+def log_softmax(logits):
+    """See :func:`shared_numerics.logprobs.log_softmax`."""
+    return active_ops()["log_softmax"](logits)
+
+
+def selected_logprobs(logits, token_ids):
+    """See :func:`shared_numerics.logprobs.selected_logprobs`."""
+    return active_ops()["selected_logprobs"](logits, token_ids)
+
+
+def dense_causal_attention(q, k, v, scale):
+    """See :func:`shared_numerics.attention.dense_causal_attention`."""
+    return active_ops()["dense_causal_attention"](q, k, v, scale)
+
+
+def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale):
+    """See :func:`shared_numerics.attention.paged_causal_attention`."""
+    return active_ops()["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                                                  scale)

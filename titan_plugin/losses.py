@@ -1,73 +1,40 @@
-"""RL losses as TorchTitan ``BaseLoss`` subclasses (unfused: they read the model's ``[B, T, V]`` logits).
+"""RL losses as one TorchTitan ``BaseLoss`` that runs any loss registered through the ``zerokld`` hooks.
 
-``GRPOLoss`` is PPO-clip with absolute ratio bounds anchored on the sampler's log-probs (Shao et al., "DeepSeekMath",
-2024, GRPO; Schulman et al., 2017, PPO), per token, summed, divided by the global number of completion tokens
-(TorchTitan's ``global_valid_tokens``, i.e. a token mean over the batch)::
+Unfused: it reads the model's ``[B, T, V]`` logits. Per token (Tinker semantics), summed, divided by the global
+number of completion tokens (TorchTitan's ``global_valid_tokens``: a token mean over the batch)::
 
-    l_t = selected_logprobs(logits_t, target_t)          # shared_numerics: bitwise what vLLM reports
-    r_t = exp(l_t - q_t)                                  # q_t: sampler (vLLM) log-prob of target_t
-    loss_t = -min(r_t * A_t, clip(r_t, lo, hi) * A_t)
+    l_t = selected_logprobs(logits_t, target_t)      # shared_numerics: bitwise what vLLM reports
+    loss_t, flags_t = token_loss(l_t, q_t, A_t, cfg)   # the registered formula, e.g. ppo (GRPO)
 
-The RL inputs (advantages, sampler log-probs) are not labels, so the trainer hands them over with
-:meth:`GRPOLoss.set_rl_inputs` right before each step; the loss keeps the training forward's log-probs and a few
-metrics in :attr:`GRPOLoss.last`.
+The RL inputs (advantages, sampler log-probs ``q``) are not labels, so the trainer hands them over with
+:meth:`RLLoss.set_rl_inputs` right before each step; the loss keeps the training forward's log-probs and the flags in
+:attr:`RLLoss.last`. Formulas: :mod:`shared_numerics.losses`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 
 import shared_numerics as sn
+from shared_numerics.losses import grpo_advantages
+from zerokld_plugins import get_loss, resolve
 
-__all__ = ["GRPOLoss", "grpo_advantages", "ppo_clip_token_loss"]
-
-
-def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages ``(R - mean_group) / (std_group + eps)``.
-
-    Args:
-        rewards: ``[N]`` float, ``N`` a multiple of ``group_size``; consecutive rows form a group (same prompt).
-        group_size: completions per prompt.
-
-    Returns:
-        ``[N]`` float32. A group whose rewards are all equal gets zeros. ``std`` is the population std.
-    """
-    r = rewards.float().reshape(-1, group_size)
-    a = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return a.reshape(-1)
+__all__ = ["RLLoss", "grpo_advantages"]
 
 
-def ppo_clip_token_loss(logp: torch.Tensor, sampler_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                        clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss with absolute ratio bounds.
-
-    Args:
-        logp, sampler_logp, adv: ``[N]`` float32 trainer log-probs, sampler log-probs, advantages.
-        clip_low, clip_high: ratio bounds (e.g. 0.8, 1.2).
-
-    Returns:
-        ``(loss [N], clipped [N] bool: ratio outside the bounds, grad_zeroed [N] bool: the clipped branch was taken so
-        the token's gradient is zero)``.
-    """
-    ratio = torch.exp(logp - sampler_logp)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(clip_low, clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    outside = (ratio < clip_low) | (ratio > clip_high)
-    grad_zeroed = outside & (clipped < unclipped)
-    return loss, outside, grad_zeroed
-
-
-class GRPOLoss(BaseLoss):
+class RLLoss(BaseLoss):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseLoss.Config):
-        clip_low_threshold: float = 0.8
-        clip_high_threshold: float = 1.2
+        loss_fn: str = "ppo"
+        loss_fn_config: dict = field(default_factory=dict)
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
+        spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
+        self.token_loss = resolve(spec.token_loss)
+        self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)
         self._adv: torch.Tensor | None = None
         self._sampler_logp: torch.Tensor | None = None
         self.last: dict = {}
@@ -75,24 +42,23 @@ class GRPOLoss(BaseLoss):
     def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None) -> None:
         """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels.
 
-        ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1): the loss is then plain
-        advantage-weighted log-likelihood, and with advantages 1 it is SFT cross-entropy (token mean).
+        ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1).
         """
         self._adv, self._sampler_logp = advantages, sampler_logprobs
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None, **kwargs):
         if self._adv is None:
-            raise RuntimeError("GRPOLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
+            raise RuntimeError("RLLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
         mask = labels != IGNORE_INDEX
         logp = sn.selected_logprobs(pred[mask], labels[mask])
         q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]
-        tok_loss, outside, zeroed = ppo_clip_token_loss(
-            logp, q, adv, self.config.clip_low_threshold, self.config.clip_high_threshold
-        )
+        tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg)
         loss = tok_loss.sum()
         if global_valid_tokens is not None:
             loss = loss / global_valid_tokens
-        self.last = {"train_logprobs": logp.detach(), "mask": mask, "clipped": outside, "grad_zeroed": zeroed}
+        zeros = torch.zeros_like(mask[mask])
+        self.last = {"train_logprobs": logp.detach(), "mask": mask, "clipped": flags.get("clipped", zeros),
+                     "grad_zeroed": flags.get("grad_zeroed", zeros), "loss": loss.detach()}
         self._adv = self._sampler_logp = None
         return loss, {}

@@ -19,7 +19,8 @@ from torchtitan.models.common.nn_modules import RMSNorm
 
 from .overrides import apply_zerokld_overrides
 
-__all__ = ["build_titan_model", "hf_state_dict", "load_hf_config", "load_hf_weights", "titan_model_config"]
+__all__ = ["build_titan_model", "hf_state_dict", "llama3_config", "load_hf_config", "load_hf_weights", "qwen3_config",
+           "state_dict_adapter_class", "titan_model_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
@@ -30,80 +31,106 @@ def load_hf_config(checkpoint_dir: str | Path) -> dict:
     return json.loads((Path(checkpoint_dir) / "config.json").read_text())
 
 
-def _family(hf: dict) -> str:
+def _architecture(hf: dict):
+    from zerokld_plugins import get_model_adapter
+
     arch = (hf.get("architectures") or [""])[0]
-    fam = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama3"}.get(arch)
-    if fam is None:
-        raise ValueError(f"unsupported architecture {arch!r}; zerokld supports Qwen3ForCausalLM, LlamaForCausalLM")
     if hf.get("rope_scaling"):
         raise ValueError(f"rope_scaling {hf['rope_scaling']} is not supported by zerokld")
-    return fam
+    return get_model_adapter(arch)  # UnknownNameError lists the registered architectures
+
+
+def _dims(hf: dict) -> dict:
+    h, nq = hf["hidden_size"], hf["num_attention_heads"]
+    return {"h": h, "nq": nq, "nkv": hf.get("num_key_value_heads", nq), "hd": hf.get("head_dim") or h // nq,
+            "eps": hf.get("rms_norm_eps", 1e-6), "vocab": hf["vocab_size"],
+            "max_len": hf.get("max_position_embeddings", 4096), "theta": float(hf.get("rope_theta", 10000.0))}
+
+
+def _decoder_config(hf: dict, model_cls, block_cls, rope, qk_norm: bool, head_dim):
+    d = _dims(hf)
+
+    def norm(n: int) -> RMSNorm.Config:
+        return RMSNorm.Config(normalized_shape=n, eps=d["eps"], param_init=_ONES)
+
+    layers = [
+        block_cls.Config(
+            attention_norm=norm(d["h"]),
+            ffn_norm=norm(d["h"]),
+            attention=make_gqa_config(
+                dim=d["h"], n_heads=d["nq"], n_kv_heads=d["nkv"], head_dim=head_dim, wqkv_param_init=_INIT,
+                wo_param_init=_INIT, inner_attention=get_attention_config("flex"), fuse_qkv=False, rope=rope,
+                qk_norm=norm(d["hd"]) if qk_norm else None,
+            ),
+            feed_forward=make_ffn_config(dim=d["h"], hidden_dim=hf["intermediate_size"], w1_param_init=_INIT,
+                                         w2w3_param_init=_INIT),
+        )
+        for _ in range(hf["num_hidden_layers"])
+    ]
+    return model_cls.Config(
+        dim=d["h"], vocab_size=d["vocab"], norm=norm(d["h"]), enable_weight_tying=bool(hf.get("tie_word_embeddings")),
+        tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["h"], param_init=_INIT),
+        lm_head=Linear.Config(in_features=d["h"], out_features=d["vocab"], param_init=_INIT),
+        layers=layers,
+    )
+
+
+def qwen3_config(hf: dict):
+    """TorchTitan ``Qwen3Model.Config`` (stock components) and state-dict adapter for a ``Qwen3ForCausalLM`` config.
+
+    Registered as the TorchTitan side of the ``Qwen3ForCausalLM`` model adapter (``zerokld_plugins.builtin``)."""
+    from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    d = _dims(hf)
+    rope = CosSinRoPE.Config(dim=d["hd"], max_seq_len=d["max_len"], theta=d["theta"])
+    return _decoder_config(hf, Qwen3Model, Qwen3TransformerBlock, rope, True, d["hd"]), Qwen3StateDictAdapter
+
+
+def llama3_config(hf: dict):
+    """TorchTitan ``Llama3Model.Config`` (stock components) and state-dict adapter for a ``LlamaForCausalLM`` config.
+
+    Raises:
+        ValueError: ``head_dim * num_attention_heads != hidden_size`` (TorchTitan's llama3 derives the head size).
+    """
+    from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    d = _dims(hf)
+    if d["hd"] * d["nq"] != d["h"]:
+        raise ValueError("TorchTitan llama3 needs head_dim * num_attention_heads == hidden_size")
+    rope = ComplexRoPE.Config(dim=d["hd"], max_seq_len=d["max_len"], theta=d["theta"], scaling="none")
+    return _decoder_config(hf, Llama3Model, Llama3TransformerBlock, rope, False, None), Llama3StateDictAdapter
 
 
 def titan_model_config(hf: dict, zerokld: bool = True):
-    """TorchTitan model config (``Qwen3Model.Config`` or ``Llama3Model.Config``) for an HF ``config.json`` dict.
+    """TorchTitan model config for an HF ``config.json`` dict, built by the architecture's registered model adapter.
 
     Args:
         hf: the parsed ``config.json``.
         zerokld: apply the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, flex attention).
 
     Raises:
-        ValueError: unsupported architecture or RoPE scaling.
+        zerokld_plugins.UnknownNameError: no model adapter for the architecture.
+        ValueError: unsupported RoPE scaling or dimensions.
     """
-    fam = _family(hf)
-    h, nq = hf["hidden_size"], hf["num_attention_heads"]
-    nkv = hf.get("num_key_value_heads", nq)
-    hd = hf.get("head_dim") or h // nq
-    eps = hf.get("rms_norm_eps", 1e-6)
-    vocab = hf["vocab_size"]
-    max_len = hf.get("max_position_embeddings", 4096)
-    theta = float(hf.get("rope_theta", 10000.0))
+    from zerokld_plugins import resolve
 
-    def norm(n: int) -> RMSNorm.Config:
-        return RMSNorm.Config(normalized_shape=n, eps=eps, param_init=_ONES)
-
-    if fam == "qwen3":
-        from torchtitan.models.qwen3.model import Qwen3Model as M, Qwen3TransformerBlock as Block
-
-        rope = CosSinRoPE.Config(dim=hd, max_seq_len=max_len, theta=theta)
-        qk_norm, head_dim = norm(hd), hd
-    else:
-        from torchtitan.models.llama3.model import Llama3Model as M, Llama3TransformerBlock as Block
-
-        if hd * nq != h:
-            raise ValueError("TorchTitan llama3 needs head_dim * num_attention_heads == hidden_size")
-        rope = ComplexRoPE.Config(dim=hd, max_seq_len=max_len, theta=theta, scaling="none")
-        qk_norm, head_dim = None, None
-    layers = [
-        Block.Config(
-            attention_norm=norm(h),
-            ffn_norm=norm(h),
-            attention=make_gqa_config(
-                dim=h, n_heads=nq, n_kv_heads=nkv, head_dim=head_dim, wqkv_param_init=_INIT, wo_param_init=_INIT,
-                inner_attention=get_attention_config("flex"), fuse_qkv=False, rope=rope, qk_norm=qk_norm,
-            ),
-            feed_forward=make_ffn_config(dim=h, hidden_dim=hf["intermediate_size"], w1_param_init=_INIT,
-                                         w2w3_param_init=_INIT),
-        )
-        for _ in range(hf["num_hidden_layers"])
-    ]
-    cfg = M.Config(
-        dim=h, vocab_size=vocab, norm=norm(h), enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=h, param_init=_INIT),
-        lm_head=Linear.Config(in_features=h, out_features=vocab, param_init=_INIT),
-        layers=layers,
-    )
+    cfg, _ = resolve(_architecture(hf).titan_config)(hf)
     if zerokld:
         apply_zerokld_overrides(cfg)
     return cfg
 
 
+def state_dict_adapter_class(hf: dict):
+    """TorchTitan ``StateDictAdapter`` class of the architecture's registered model adapter."""
+    from zerokld_plugins import resolve
+
+    return resolve(_architecture(hf).titan_config)(hf)[1]
+
+
 def _adapter(model_cfg, hf: dict, checkpoint_dir: str | Path | None):
-    if _family(hf) == "qwen3":
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as A
-    else:
-        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as A
-    return A(model_cfg, str(checkpoint_dir) if checkpoint_dir else None)
+    return state_dict_adapter_class(hf)(model_cfg, str(checkpoint_dir) if checkpoint_dir else None)
 
 
 def load_hf_weights(model: torch.nn.Module, model_cfg, hf: dict, checkpoint_dir: str | Path) -> None:

@@ -3,7 +3,7 @@
 :class:`RLTrainer` subclasses ``torchtitan.trainer.Trainer``: the model, optimizer, LR schedule, gradient clipping,
 checkpointing (HF initial load through the model's state-dict adapter) and ``train_step`` are TorchTitan's. RL adds
 only the data path: rollouts are queued into :class:`RolloutQueue` (a TorchTitan ``BaseDataLoader``) and the RL inputs
-go to :class:`titan_plugin.losses.GRPOLoss`. :func:`rl_trainer_config` builds the ``Trainer.Config`` for an HF
+go to :class:`titan_plugin.losses.RLLoss`. :func:`rl_trainer_config` builds the ``Trainer.Config`` for an HF
 checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_registry.py``).
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from .losses import GRPOLoss  # noqa: E402
-from .models import hf_state_dict, load_hf_config, titan_model_config  # noqa: E402
+from .losses import RLLoss  # noqa: E402
+from .models import hf_state_dict, load_hf_config, state_dict_adapter_class, titan_model_config  # noqa: E402
 
 __all__ = ["RLTrainer", "RolloutQueue", "rl_trainer_config"]
 
@@ -60,21 +60,17 @@ class RolloutQueue(BaseDataLoader):
 
 def _model_spec(hf: dict, zerokld: bool) -> ModelSpec:
     cfg = titan_model_config(hf, zerokld=zerokld)
-    if hf["architectures"][0] == "Qwen3ForCausalLM":
-        from torchtitan.models.qwen3 import parallelize_qwen3 as par
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
-        name = "qwen3"
-    else:
+    if hf["architectures"][0] == "LlamaForCausalLM":
         from torchtitan.models.llama3.parallelize import parallelize_llama as par
-        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as adapter
-        name = "llama3"
-    return ModelSpec(name=name, flavor="hf", model=cfg, parallelize_fn=par, pipelining_fn=None,
-                     post_optimizer_build_fn=None, state_dict_adapter=adapter)
+    else:
+        from torchtitan.models.qwen3 import parallelize_qwen3 as par
+    return ModelSpec(name=hf["architectures"][0], flavor="hf", model=cfg, parallelize_fn=par, pipelining_fn=None,
+                     post_optimizer_build_fn=None, state_dict_adapter=state_dict_adapter_class(hf))
 
 
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
-                      steps: int = 1000, zerokld: bool = True, clip_low: float = 0.8, clip_high: float = 1.2,
-                      max_norm: float = 1.0) -> Trainer.Config:
+                      steps: int = 1000, zerokld: bool = True, loss_fn: str = "ppo",
+                      loss_fn_config: dict | None = None, max_norm: float = 1.0) -> Trainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -87,6 +83,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         lr: AdamW learning rate (constant schedule, no warm-up).
         zerokld: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the SDPA
             inner attention, since flex attention has no CPU path).
+        loss_fn, loss_fn_config: a loss registered through the ``zerokld`` hooks (``ppo``, ``importance_sampling``,
+            ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
     """
     hf = load_hf_config(checkpoint_dir)
     spec = _model_spec(hf, zerokld)
@@ -101,7 +99,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         model_spec=spec,
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
-        loss=GRPOLoss.Config(clip_low_threshold=clip_low, clip_high_threshold=clip_high),
+        loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {})),
         dataloader=RolloutQueue.Config(),
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
@@ -143,7 +141,7 @@ class RLTrainer(Trainer):
 
         Returns:
             ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
-            ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``.
+            ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``, ``loss`` (the step's loss, float).
         """
         t_pack = time.perf_counter()
         n = len(sequences)
@@ -179,6 +177,7 @@ class RLTrainer(Trainer):
             "clipped": int(last["clipped"].sum()),
             "grad_zeroed": int(last["grad_zeroed"].sum()),
             "num_tokens": int(flat.numel()),
+            "loss": float(last["loss"]),
         }
 
     def close(self) -> None:

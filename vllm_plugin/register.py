@@ -4,8 +4,9 @@ vLLM calls ``register()`` in every process it starts (API server, engine core, e
 once, before any model is built (``vllm/plugins/__init__.py``: ``load_general_plugins``). It only registers names;
 nothing changes until a model is built with ``additional_config={"zerokld": {"batch_invariant": true}}``:
 
-* the architectures in :data:`vllm_plugin.models.SUPPORTED_ARCHITECTURES` point to classes that build the stock vLLM
-  model when the flag is off and the ``shared_numerics`` model when it is on;
+* every model adapter registered through the ``zerokld`` plugin hooks (ours: ``Qwen3ForCausalLM``,
+  ``LlamaForCausalLM``) maps its architecture to a class that builds the stock vLLM model when the flag is off and
+  the ``shared_numerics`` model when it is on;
 * the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
   model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
@@ -25,11 +26,11 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import register_backend
 
     from .attention_backend import BACKEND_NAME
-    from .models import SUPPORTED_ARCHITECTURES
+    from zerokld_plugins import registered
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
-    for arch, path in SUPPORTED_ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, path)
+    for arch, reg in registered("model").items():
+        ModelRegistry.register_model(arch, reg.spec.vllm_model)
     _guard_initialize_model()
     _REGISTERED = True
 
@@ -37,8 +38,9 @@ def register() -> None:
 def _guard_initialize_model() -> None:
     from vllm.model_executor.model_loader import base_loader
 
+    from zerokld_plugins import registered
+
     from .config import ZeroKLDConfigError, from_vllm_config
-    from .models import SUPPORTED_ARCHITECTURES
 
     original = base_loader.initialize_model
     if getattr(original, "_zerokld_guard", False):
@@ -51,7 +53,7 @@ def _guard_initialize_model() -> None:
             archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
             raise ZeroKLDConfigError(
                 f"zerokld batch_invariant mode does not support architecture {archs}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                f"{sorted(registered('model'))}"
             )
         return model
 

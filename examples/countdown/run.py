@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sft-batch", type=int, default=64)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
+    ap.add_argument("--loss-fn", default="ppo", help="a loss registered through the zerokld plugin hooks "
+                    "(python -m zerokld_plugins lists them)")
     ap.add_argument("--clip-low", type=float, default=0.8)
     ap.add_argument("--clip-high", type=float, default=1.2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -71,7 +73,7 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     trainer = RLTrainer(rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr,
-                                          max_norm=1.0))
+                                          loss_fn="cross_entropy"))
     problems = generate_problems(args.sft_steps * args.sft_batch // 4, seed=args.seed + 1000)
     rng = random.Random(args.seed)
     try:
@@ -82,6 +84,12 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
         return trainer.save_hf(out / "sft", args.dtype)
     finally:
         trainer.close()
+
+
+def loss_fn_config(args) -> dict:
+    """``loss_fn_config`` for the chosen loss: clip thresholds for ``ppo``, nothing otherwise."""
+    return ({"clip_low_threshold": args.clip_low, "clip_high_threshold": args.clip_high} if args.loss_fn == "ppo"
+            else {})
 
 
 def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
@@ -101,7 +109,8 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     metrics_path.write_text("")
     llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed)
     trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
-                                          zerokld=zk, clip_low=args.clip_low, clip_high=args.clip_high))
+                                          zerokld=zk, loss_fn=args.loss_fn,
+                                          loss_fn_config=loss_fn_config(args)))
     sync = FullSnapshotSync(run_dir / "snapshots", args.dtype)
     problems = generate_problems(args.steps * args.prompts_per_step, seed=args.seed + 7)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)

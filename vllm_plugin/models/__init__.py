@@ -1,6 +1,1 @@
-"""Model classes the plugin registers with vLLM's ``ModelRegistry`` (lazy ``module:Class`` paths)."""
-
-SUPPORTED_ARCHITECTURES = {
-    "Qwen3ForCausalLM": "vllm_plugin.models.dense:ZeroKLDQwen3ForCausalLM",
-    "LlamaForCausalLM": "vllm_plugin.models.dense:ZeroKLDLlamaForCausalLM",
-}
+"""vLLM model classes built on ``shared_numerics`` (registered through the ``zerokld`` model-adapter hook)."""

@@ -1,0 +1,21 @@
+"""The ``torch`` numerics backend: the op table registered (``zerokld_plugins.builtin``) under the name ``torch``."""
+from __future__ import annotations
+
+from .activation import silu_and_mul
+from .attention import dense_causal_attention, paged_causal_attention
+from .linear import linear
+from .logprobs import log_softmax, selected_logprobs
+from .norm import rms_norm
+from .rope import apply_rope, rope_cos_sin
+
+OPS = {
+    "linear": linear,
+    "rms_norm": rms_norm,
+    "rope_cos_sin": rope_cos_sin,
+    "apply_rope": apply_rope,
+    "silu_and_mul": silu_and_mul,
+    "log_softmax": log_softmax,
+    "selected_logprobs": selected_logprobs,
+    "dense_causal_attention": dense_causal_attention,
+    "paged_causal_attention": paged_causal_attention,
+}

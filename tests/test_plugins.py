@@ -1,0 +1,186 @@
+"""Extension points: a third-party plugin package, discovered through the ``zerokld`` entry-point group, adds a loss
+and a delta codec that are then used end to end (a TorchTitan training step; a snapshot round trip)."""
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zerokld_plugins as zp
+
+PLUGIN = textwrap.dedent('''
+    import lzma
+
+    import numpy as np
+    from pydantic import BaseModel
+
+    from zerokld_plugins import CodecSpec, LossSpec, hookimpl
+
+
+    class ScaledPGConfig(BaseModel):
+        scale: float = 1.0
+
+
+    def scaled_pg(logp, sampler_logp, adv, cfg):
+        return -cfg.scale * adv * logp, {}
+
+
+    def _xor(a, b):
+        return np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)).tobytes()
+
+
+    def encode(base, new):
+        return lzma.compress(_xor(base, new))
+
+
+    def decode(base, payload):
+        return _xor(base, lzma.decompress(payload))
+
+
+    @hookimpl
+    def zerokld_losses():
+        return [LossSpec("scaled_pg", scaled_pg, ScaledPGConfig, "-scale*A*l")]
+
+
+    @hookimpl
+    def zerokld_delta_codecs():
+        return [CodecSpec("xor_lzma", encode, decode, "XOR + lzma")]
+''')
+
+DUPLICATE = textwrap.dedent('''
+    from zerokld_plugins import LossSpec, hookimpl
+
+
+    @hookimpl
+    def zerokld_losses():
+        return [LossSpec("ppo", lambda *a: None, "shared_numerics.losses:NoConfig")]
+''')
+
+
+def _install(site, dist: str, module: str, source: str) -> None:
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{dist}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[zerokld]\n{dist} = {module}\n")
+
+
+@pytest.fixture
+def plugin_site(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    _install(site, "zk-demo-plugin", "zk_demo_plugin", PLUGIN)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    zp.reset_plugin_manager()
+    yield site
+    sys.path.remove(str(site))
+    sys.modules.pop("zk_demo_plugin", None)
+    importlib.invalidate_caches()
+    zp.reset_plugin_manager()
+
+
+def test_builtins_are_registered_through_the_hooks():
+    zp.reset_plugin_manager()
+    names = {(r.kind, r.name): r.provider for r in zp.list_registrations()}
+    for key in [("loss", "ppo"), ("loss", "cross_entropy"), ("loss", "importance_sampling"), ("codec", "arc_v2"),
+                ("storage", "file"), ("storage", "memory"), ("backend", "torch"), ("model", "Qwen3ForCausalLM"),
+                ("model", "LlamaForCausalLM")]:
+        assert names[key] == "zerokld.builtin"
+
+
+def test_third_party_plugin_discovered_and_removable(plugin_site):
+    regs = {(r.kind, r.name): r.provider for r in zp.list_registrations()}
+    assert regs[("loss", "scaled_pg")] == "zk-demo-plugin"
+    assert regs[("codec", "xor_lzma")] == "zk-demo-plugin"
+    # removing the plugin makes its names unknown, with an error that lists what is registered
+    sys.path.remove(str(plugin_site))
+    sys.modules.pop("zk_demo_plugin", None)
+    importlib.invalidate_caches()
+    zp.reset_plugin_manager()
+    with pytest.raises(zp.UnknownNameError, match="unknown loss 'scaled_pg'.*ppo"):
+        zp.get_loss("scaled_pg")
+    with pytest.raises(zp.UnknownNameError, match="unknown codec 'xor_lzma'.*arc_v2"):
+        zp.get_codec("xor_lzma")
+    sys.path.insert(0, str(plugin_site))  # for the fixture's teardown
+
+
+def test_duplicate_name_names_both_providers(tmp_path):
+    site = tmp_path / "dup"
+    site.mkdir()
+    _install(site, "zk-dup-plugin", "zk_dup_plugin", DUPLICATE)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    zp.reset_plugin_manager()
+    try:
+        with pytest.raises(zp.DuplicateNameError, match="loss 'ppo'.*'zerokld.builtin'.*'zk-dup-plugin'"):
+            zp.get_loss("ppo")
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("zk_dup_plugin", None)
+        importlib.invalidate_caches()
+        zp.reset_plugin_manager()
+
+
+@pytest.mark.parametrize("codec", ["xor_lzma", "arc_v2"])
+def test_codec_snapshot_round_trip(plugin_site, checkpoint_factory, tmp_path, codec):
+    from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_incremental_snapshot
+
+    base = checkpoint_factory("qwen3", "bfloat16")
+    old = read_snapshot_tensors(base)
+    g = torch.Generator().manual_seed(0)
+    new = {}
+    for k, v in old.items():  # an RL-step-like change: a few elements move
+        n = v.clone()
+        flat = n.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+        flat[idx] = (flat[idx].float() + 0.01).to(n.dtype)
+        new[k] = n
+    delta = write_incremental_snapshot(base, new, tmp_path / "delta", compression_format=codec)
+    out = apply_incremental_snapshot(base, delta, tmp_path / "applied")
+    got = read_snapshot_tensors(out)
+    assert got.keys() == new.keys() and all(torch.equal(got[k], new[k]) for k in new)
+
+
+@pytest.mark.titan
+def test_plugin_loss_in_a_training_step(plugin_site, checkpoint_factory, tmp_path):
+    from titan_plugin import trainer_logprobs
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    ckpt = checkpoint_factory("qwen3", "float32")
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype="float32", lr=1e-3,
+                                          loss_fn="scaled_pg", loss_fn_config={"scale": 2.0}))
+    try:
+        seqs = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13, 14]]
+        plens, adv = [3, 2], [1.0, -0.5]
+        ref = trainer_logprobs(ckpt, seqs, plens, dtype="float32")
+        out = trainer.rl_step(seqs, plens, adv, [r.clone() for r in ref])
+        expected = sum((-2.0 * a * r).sum().item() for a, r in zip(adv, ref)) / sum(r.numel() for r in ref)
+        assert out["loss"] == pytest.approx(expected, rel=1e-5)
+        after = trainer_logprobs(str(trainer.save_hf(tmp_path / "s1", "float32")), seqs, plens, dtype="float32")
+        assert any(not torch.equal(a, b) for a, b in zip(after, ref))
+    finally:
+        trainer.close()
+    with pytest.raises(zp.UnknownNameError):
+        zp.reset_plugin_manager()
+        sys.path.remove(str(plugin_site))
+        sys.modules.pop("zk_demo_plugin", None)
+        importlib.invalidate_caches()
+        try:
+            rl_trainer_config(ckpt, str(tmp_path / "dump2"), loss_fn="scaled_pg").loss.build()
+        finally:
+            sys.path.insert(0, str(plugin_site))
+
+
+def test_storage_registry_round_trip():
+    from deltasync.storage import filesystem_for
+
+    fs = filesystem_for("memory://zk/test.bin")
+    with fs.open("memory://zk/test.bin", "wb") as f:
+        f.write(b"abc")
+    assert fs.cat("memory://zk/test.bin") == b"abc"
+    with pytest.raises(zp.UnknownNameError, match="unknown storage 'gopher'"):
+        filesystem_for("gopher://x/y")

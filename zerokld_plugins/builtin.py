@@ -1,0 +1,46 @@
+"""zerokld's own registrations: they go through the same hooks as any third-party plugin."""
+from __future__ import annotations
+
+from .hookspecs import hookimpl
+from .specs import BackendSpec, CodecSpec, LossSpec, ModelAdapterSpec, StorageSpec
+
+_LOSSES = "shared_numerics.losses"
+
+
+@hookimpl
+def zerokld_losses():
+    return [
+        LossSpec("cross_entropy", f"{_LOSSES}:cross_entropy_loss", f"{_LOSSES}:NoConfig",
+                 "-w*l (weights as advantages); SFT"),
+        LossSpec("importance_sampling", f"{_LOSSES}:importance_sampling_loss", f"{_LOSSES}:NoConfig",
+                 "-exp(l-q)*A; Tinker importance_sampling"),
+        LossSpec("ppo", f"{_LOSSES}:ppo_loss", f"{_LOSSES}:PPOConfig",
+                 "-min(r*A, clip(r, lo, hi)*A), r=exp(l-q); PPO (Schulman 2017) / GRPO (Shao 2024)"),
+    ]
+
+
+@hookimpl
+def zerokld_delta_codecs():
+    return [CodecSpec("arc_v2", "deltasync.codecs:arc_v2_encode", "deltasync.codecs:arc_v2_decode",
+                      "XOR of raw bytes, zstd-compressed (Fireworks arc_v2)")]
+
+
+@hookimpl
+def zerokld_storages():
+    return [StorageSpec("file", "deltasync.storage:local_filesystem"),
+            StorageSpec("memory", "deltasync.storage:memory_filesystem")]
+
+
+@hookimpl
+def zerokld_numerics_backends():
+    return [BackendSpec("torch", "shared_numerics.ops_torch:OPS")]
+
+
+@hookimpl
+def zerokld_model_adapters():
+    return [
+        ModelAdapterSpec("Qwen3ForCausalLM", "vllm_plugin.models.dense:ZeroKLDQwen3ForCausalLM",
+                         "titan_plugin.models:qwen3_config"),
+        ModelAdapterSpec("LlamaForCausalLM", "vllm_plugin.models.dense:ZeroKLDLlamaForCausalLM",
+                         "titan_plugin.models:llama3_config"),
+    ]

@@ -1,0 +1,71 @@
+"""What each ``zerokld`` hook returns. All fields are plain Python; ``"module:attr"`` strings are imported on use so
+that listing plugins never imports vLLM or TorchTitan."""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BackendSpec", "CodecSpec", "LossSpec", "ModelAdapterSpec", "StorageSpec", "resolve"]
+
+
+def resolve(target: Any) -> Any:
+    """Return ``target``, importing it first if it is a ``"module:attr"`` string."""
+    if isinstance(target, str) and ":" in target:
+        mod, _, attr = target.partition(":")
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+    return target
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """``token_loss(logp [N], sampler_logp [N], advantages [N], config) -> (loss [N], flags: dict[str, bool [N]])``;
+    ``config_schema`` is a pydantic model validating ``loss_fn_config``; ``reference`` states the formula and source."""
+
+    name: str
+    token_loss: Callable | str
+    config_schema: type | str
+    reference: str = ""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """``encode(base: bytes, new: bytes) -> bytes`` and ``decode(base: bytes, payload: bytes) -> bytes`` (raw tensor
+    bytes); ``name`` is what snapshots advertise in ``compression_format``."""
+
+    name: str
+    encode: Callable | str
+    decode: Callable | str
+    reference: str = ""
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """``filesystem(url) -> fsspec.AbstractFileSystem`` for URLs of ``scheme`` (``"file"`` for plain paths)."""
+
+    scheme: str
+    filesystem: Callable | str
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """``ops``: op name → function, same signatures as ``shared_numerics``; ``available()`` says whether it can run
+    here."""
+
+    name: str
+    ops: Mapping[str, Callable | str]
+    available: Callable[[], bool] | str = field(default=lambda: True)
+
+
+@dataclass(frozen=True)
+class ModelAdapterSpec:
+    """``vllm_model``: ``"module:Class"`` registered with vLLM's ``ModelRegistry`` for ``architecture``;
+    ``titan_config``: ``(hf_config: dict) -> (TorchTitan model config, StateDictAdapter class)``."""
+
+    architecture: str
+    vllm_model: str
+    titan_config: Callable | str
