@@ -2,9 +2,10 @@
 
 Every query attends to its keys in chunks of ``KEY_CHUNK`` absolute positions (``[0, 32)``, ``[32, 64)``, ...), in
 increasing order, with the online-softmax update of FlashAttention (running max ``m``, normaliser ``l``, accumulator
-``acc``). Inside a chunk, the q·k dot products and the p·v sums use the fixed tree of
-:func:`shared_numerics.reduce.tree_sum`; exponentials go through :func:`shared_numerics.reduce.exp64`. Keys past the
-query's position are masked to an exact ``-inf`` score and a zero value, and chunks wholly past it are exact no-ops
+``acc``). Inside a chunk, the q·k scores and the p·v sums are batched matmuls of one fixed tile shape (``Q_TILE``
+query rows per tile); the softmax statistics are elementwise, with the normaliser summed by the fixed tree of
+:func:`shared_numerics.reduce.tree_sum` and exponentials through :func:`shared_numerics.reduce.exp64`. Keys past the
+query's position get an exact ``-inf`` score (probability exactly 0), and chunks wholly past it are exact no-ops
 (``alpha = exp(0) = 1``, ``p = 0``), so a query's output depends only on its own keys — not on the batch, the number
 of chunks the longest sequence needs, chunked prefill, prefix-cache hits, or where the keys live.
 
@@ -23,9 +24,10 @@ import torch
 
 from .reduce import exp64, tree_sum
 
-__all__ = ["KEY_CHUNK", "attention_over_slots", "dense_causal_attention", "paged_causal_attention", "paged_slot_table"]
+__all__ = ["KEY_CHUNK", "Q_TILE", "attention_over_slots", "dense_causal_attention", "paged_causal_attention", "paged_slot_table"]
 
 KEY_CHUNK = 32
+Q_TILE = 16
 
 
 def attention_over_slots(
@@ -39,11 +41,19 @@ def attention_over_slots(
 ) -> torch.Tensor:
     """Causal attention of each query over positions ``0..q_pos`` of its sequence.
 
+    Queries are packed into tiles of ``Q_TILE`` consecutive queries of one sequence (zero-padded); for every key chunk
+    ``[32j, 32j+32)`` the scores and the value sums are one batched matmul of fixed tile shape
+    (``[G*Q_TILE, D] x [D, 32]`` and ``[G*Q_TILE, 32] x [32, D]``, ``G`` query heads per kv head), so a query's result
+    depends neither on which other queries share its tile nor on how many tiles there are (the invariance the
+    :mod:`shared_numerics.linear` tiles rely on, checked by the tests). Masked keys get an exact ``-inf`` score, keys
+    past the tile's last position a zero key/value (never-written cache slots may hold garbage); chunks past a tile's
+    last position are skipped (they would be exact no-ops).
+
     Args:
-        q: ``[Nq, Hq, D]`` queries (float32 or bfloat16).
+        q: ``[Nq, Hq, D]`` queries (float32 or bfloat16), grouped by sequence (each sequence's queries contiguous).
         q_seq: ``[Nq]`` int64, the row of ``slot_table`` each query belongs to.
         q_pos: ``[Nq]`` int64, the query's absolute position; it sees keys at positions ``<= q_pos``.
-        gather_kv: maps a ``[Nq, C]`` int64 slot tensor to ``(keys, values)``, each ``[Nq, C, Hkv, D]``, read from
+        gather_kv: maps a ``[N, C]`` int64 slot tensor to ``(keys, values)``, each ``[N, C, Hkv, D]``, read from
             wherever the keys live (a dense tensor, vLLM's paged cache). Only the values it returns matter.
         num_kv_heads: ``Hkv``; ``Hq`` must be a multiple of it (grouped-query attention).
         slot_table: ``[num_seqs, L]`` int64 slot of each position, ``L`` ≥ ``(max(q_pos)//KEY_CHUNK + 1) * KEY_CHUNK``;
@@ -63,35 +73,60 @@ def attention_over_slots(
     if n_q == 0:
         return q.new_zeros(q.shape)
     g = h_q // h_kv
+    dev = q.device
     n_chunks = int(q_pos.max().item()) // KEY_CHUNK + 1
     if slot_table.shape[1] < n_chunks * KEY_CHUNK:
         raise ValueError(f"slot_table covers {slot_table.shape[1]} positions, need {n_chunks * KEY_CHUNK}")
-    qf = q.float().reshape(n_q, h_kv, g, 1, d)
-    m = q.new_full((n_q, h_kv, g), float("-inf"), dtype=torch.float32)
-    l = q.new_zeros((n_q, h_kv, g), dtype=torch.float32)
-    acc = q.new_zeros((n_q, h_kv, g, d), dtype=torch.float32)
-    offs = torch.arange(KEY_CHUNK, device=q.device)
-    neg_inf = torch.tensor(float("-inf"), device=q.device)
+
+    # Tile layout: runs of consecutive queries of one sequence, cut into Q_TILE rows.
+    seqs, counts = torch.unique_consecutive(q_seq, return_counts=True)
+    tiles_per_run = (counts + Q_TILE - 1) // Q_TILE
+    n_tiles = int(tiles_per_run.sum())
+    run_of_query = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
+    rank = torch.arange(n_q, device=dev) - (torch.cumsum(counts, 0) - counts)[run_of_query]
+    tile_of_query = (torch.cumsum(tiles_per_run, 0) - tiles_per_run)[run_of_query] + rank // Q_TILE
+    row_of_query = rank % Q_TILE
+    tile_seq = torch.repeat_interleave(seqs, tiles_per_run)
+    tile_pos = torch.zeros(n_tiles, Q_TILE, dtype=torch.long, device=dev)  # padded rows sit at position 0
+    tile_pos[tile_of_query, row_of_query] = q_pos
+    tile_last = tile_pos.amax(dim=1)
+    qt = q.new_zeros((n_tiles, Q_TILE, h_q, d), dtype=torch.float32)
+    qt = qt.index_put((tile_of_query, row_of_query), q.float())
+    # [tiles, Hkv, G*Q_TILE, D]: the G query heads of a kv head stacked as rows of one matmul
+    qt = qt.reshape(n_tiles, Q_TILE, h_kv, g, d).permute(0, 2, 3, 1, 4).reshape(n_tiles, h_kv, g * Q_TILE, d)
+    rows = g * Q_TILE
+    pos_rows = tile_pos.unsqueeze(1).expand(n_tiles, g, Q_TILE).reshape(n_tiles, rows)  # position of each row
+
+    m = q.new_full((n_tiles, h_kv, rows), float("-inf"), dtype=torch.float32)
+    l = q.new_zeros((n_tiles, h_kv, rows), dtype=torch.float32)
+    acc = q.new_zeros((n_tiles, h_kv, rows, d), dtype=torch.float32)
+    offs = torch.arange(KEY_CHUNK, device=dev)
+    neg_inf = torch.tensor(float("-inf"), device=dev)
+    zero = torch.zeros((), device=dev)
     for j in range(n_chunks):
         start = j * KEY_CHUNK
-        slots = slot_table[:, start:start + KEY_CHUNK][q_seq]  # [Nq, C]
-        valid = (start + offs).unsqueeze(0) <= q_pos.unsqueeze(1)  # [Nq, C]
-        k, v = gather_kv(slots)
-        k = k.float().permute(0, 2, 1, 3).unsqueeze(2)  # [Nq, Hkv, 1, C, D]
-        v = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-        vmask = valid[:, None, None, :, None]
-        v = torch.where(vmask, v, torch.zeros((), dtype=v.dtype))
-        s = tree_sum(qf * k, dim=-1) * scale  # [Nq, Hkv, G, C]
-        s = torch.where(valid[:, None, None, :], s, neg_inf)
-        m_new = torch.maximum(m, s.amax(dim=-1)).detach()
-        alpha = exp64(m - m_new)
+        act = torch.nonzero(tile_last >= start).squeeze(1)  # tiles that see at least one key of this chunk
+        key_pos = start + offs
+        k, v = gather_kv(slot_table[tile_seq[act], start:start + KEY_CHUNK])  # [A, C, Hkv, D]
+        real = (key_pos.unsqueeze(0) <= tile_last[act].unsqueeze(1))[:, :, None, None]  # [A, C, 1, 1]
+        k = torch.where(real, k.float(), zero).permute(0, 2, 3, 1)  # [A, Hkv, D, C]
+        v = torch.where(real, v.float(), zero).permute(0, 2, 1, 3)  # [A, Hkv, C, D]
+        a_n = act.numel()
+        s = torch.bmm(qt[act].reshape(a_n * h_kv, rows, d), k.reshape(a_n * h_kv, d, KEY_CHUNK))
+        s = s.reshape(a_n, h_kv, rows, KEY_CHUNK) * scale
+        valid = key_pos.view(1, 1, KEY_CHUNK) <= pos_rows[act].unsqueeze(-1)  # [A, rows, C]
+        s = torch.where(valid.unsqueeze(1), s, neg_inf)
+        m_a = m[act]
+        m_new = torch.maximum(m_a, s.amax(dim=-1)).detach()
+        alpha = exp64(m_a - m_new)
         p = exp64(s - m_new.unsqueeze(-1))
-        l = l * alpha + tree_sum(p, dim=-1)
-        pv = tree_sum(p.unsqueeze(-1) * v, dim=-2)  # [Nq, Hkv, G, D]
-        acc = acc * alpha.unsqueeze(-1) + pv
-        m = m_new
-    out = acc / l.unsqueeze(-1)
-    return out.reshape(n_q, h_q, d).to(q.dtype)
+        l = l.index_copy(0, act, l[act] * alpha + tree_sum(p, dim=-1))
+        pv = torch.bmm(p.reshape(a_n * h_kv, rows, KEY_CHUNK), v.reshape(a_n * h_kv, KEY_CHUNK, d))
+        acc = acc.index_copy(0, act, acc[act] * alpha.unsqueeze(-1) + pv.reshape(a_n, h_kv, rows, d))
+        m = m.index_copy(0, act, m_new)
+    out = acc / l.unsqueeze(-1)  # [tiles, Hkv, G*Q_TILE, D]
+    out = out.reshape(n_tiles, h_kv, g, Q_TILE, d).permute(0, 3, 1, 2, 4).reshape(n_tiles, Q_TILE, h_q, d)
+    return out[tile_of_query, row_of_query].to(q.dtype)
 
 
 def _padded_len(n: int) -> int:
