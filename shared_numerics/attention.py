@@ -9,9 +9,11 @@ query's position get an exact ``-inf`` score (probability exactly 0), and chunks
 (``alpha = exp(0) = 1``, ``p = 0``), so a query's output depends only on its own keys — not on the batch, the number
 of chunks the longest sequence needs, chunked prefill, prefix-cache hits, or where the keys live.
 
-Both layouts go through one core, :func:`attention_over_slots`: keys live in a flat ``[slots, kv_heads, head_dim]``
-store and a ``slot_table`` maps (sequence, position) → slot. The dense path builds that table for a padded
-``[batch, seq]`` block; vLLM's path builds it from the block table (``slot = block_table[s, p // bs] * bs + p % bs``).
+Both layouts go through one core, :func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
+``j`` of given sequences as a head-major ``[n, kv_heads, 32, head_dim]`` tensor: the dense path slices its padded
+``[batch, kv_heads, seq, head_dim]`` keys; vLLM's path slices the paged cache (a block of ``block_size`` tokens, a
+multiple of 32 on CPU, holds whole chunks: chunk ``j`` of sequence ``s`` is rows ``(32j mod bs) .. +32`` of block
+``block_table[s, 32j // bs]``).
 
 Source: Dao et al., "FlashAttention" (2022) online softmax; fixed split-KV size as in SGLang's deterministic mode and
 vLLM's batch-invariant attention; paged layout of Kwon et al., "PagedAttention" (2023).
@@ -24,47 +26,45 @@ import torch
 
 from .reduce import exp64, tree_sum
 
-__all__ = ["KEY_CHUNK", "Q_TILE", "attention_over_slots", "dense_causal_attention", "paged_causal_attention", "paged_slot_table"]
+__all__ = ["KEY_CHUNK", "Q_TILE", "attention_over_chunks", "dense_causal_attention", "paged_causal_attention"]
 
 KEY_CHUNK = 32
 Q_TILE = 16
 
 
-def attention_over_slots(
+def attention_over_chunks(
     q: torch.Tensor,
     q_seq: torch.Tensor,
     q_pos: torch.Tensor,
-    gather_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    gather_chunk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
     num_kv_heads: int,
-    slot_table: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each query over positions ``0..q_pos`` of its sequence.
 
     Queries are packed into tiles of ``Q_TILE`` consecutive queries of one sequence (zero-padded); for every key chunk
     ``[32j, 32j+32)`` the scores and the value sums are one batched matmul of fixed tile shape
-    (``[G*Q_TILE, D] x [D, 32]`` and ``[G*Q_TILE, 32] x [32, D]``, ``G`` query heads per kv head), so a query's result
+    (``[32, D] x [D, G*Q_TILE]`` and ``[G*Q_TILE, 32] x [32, D]``, ``G`` query heads per kv head), so a query's result
     depends neither on which other queries share its tile nor on how many tiles there are (the invariance the
-    :mod:`shared_numerics.linear` tiles rely on, checked by the tests). Masked keys get an exact ``-inf`` score, keys
-    past the tile's last position a zero key/value (never-written cache slots may hold garbage); chunks past a tile's
-    last position are skipped (they would be exact no-ops).
+    :mod:`shared_numerics.linear` tiles rely on, checked by the tests). The softmax statistics are computed on the real
+    query rows only. Masked keys get an exact ``-inf`` score; keys past the tile's last position a zero key/value
+    (never-written cache slots may hold garbage); chunks past a query's position are skipped (they would be exact
+    no-ops).
 
     Args:
         q: ``[Nq, Hq, D]`` queries (float32 or bfloat16), grouped by sequence (each sequence's queries contiguous).
-        q_seq: ``[Nq]`` int64, the row of ``slot_table`` each query belongs to.
+        q_seq: ``[Nq]`` int64 sequence id of each query (whatever ``gather_chunk`` understands).
         q_pos: ``[Nq]`` int64, the query's absolute position; it sees keys at positions ``<= q_pos``.
-        gather_kv: maps a ``[N, C]`` int64 slot tensor to ``(keys, values)``, each ``[N, C, Hkv, D]``, read from
-            wherever the keys live (a dense tensor, vLLM's paged cache). Only the values it returns matter.
+        gather_chunk: ``(seq_ids [n] int64, j) -> (keys, values)``, each ``[n, Hkv, KEY_CHUNK, D]`` contiguous: the
+            keys at positions ``32j .. 32j+31`` of each sequence (any finite or non-finite values past its length).
         num_kv_heads: ``Hkv``; ``Hq`` must be a multiple of it (grouped-query attention).
-        slot_table: ``[num_seqs, L]`` int64 slot of each position, ``L`` ≥ ``(max(q_pos)//KEY_CHUNK + 1) * KEY_CHUNK``;
-            entries past a sequence's length must still be valid indices (they are masked).
         scale: softmax scale (``head_dim ** -0.5``).
 
     Returns:
         ``[Nq, Hq, D]`` in ``q.dtype``. Differentiable (the running max is detached, which leaves gradients exact).
 
     Raises:
-        ValueError: if the head counts are incompatible or the slot table is too short.
+        ValueError: if the head counts are incompatible.
     """
     n_q, h_q, d = q.shape
     h_kv = num_kv_heads
@@ -75,8 +75,6 @@ def attention_over_slots(
     g = h_q // h_kv
     dev = q.device
     n_chunks = int(q_pos.max().item()) // KEY_CHUNK + 1
-    if slot_table.shape[1] < n_chunks * KEY_CHUNK:
-        raise ValueError(f"slot_table covers {slot_table.shape[1]} positions, need {n_chunks * KEY_CHUNK}")
 
     # Tile layout: runs of consecutive queries of one sequence, cut into Q_TILE rows.
     seqs, counts = torch.unique_consecutive(q_seq, return_counts=True)
@@ -87,50 +85,60 @@ def attention_over_slots(
     tile_of_query = (torch.cumsum(tiles_per_run, 0) - tiles_per_run)[run_of_query] + rank // Q_TILE
     row_of_query = rank % Q_TILE
     tile_seq = torch.repeat_interleave(seqs, tiles_per_run)
-    tile_pos = torch.zeros(n_tiles, Q_TILE, dtype=torch.long, device=dev)  # padded rows sit at position 0
-    tile_pos[tile_of_query, row_of_query] = q_pos
-    tile_last = tile_pos.amax(dim=1)
+    tile_last = torch.zeros(n_tiles, dtype=torch.long, device=dev).scatter_reduce(0, tile_of_query, q_pos, "amax")
+    rows = g * Q_TILE
     qt = q.new_zeros((n_tiles, Q_TILE, h_q, d), dtype=torch.float32)
     qt = qt.index_put((tile_of_query, row_of_query), q.float())
-    # [tiles, Hkv, G*Q_TILE, D]: the G query heads of a kv head stacked as rows of one matmul
-    qt = qt.reshape(n_tiles, Q_TILE, h_kv, g, d).permute(0, 2, 3, 1, 4).reshape(n_tiles, h_kv, g * Q_TILE, d)
-    rows = g * Q_TILE
-    pos_rows = tile_pos.unsqueeze(1).expand(n_tiles, g, Q_TILE).reshape(n_tiles, rows)  # position of each row
+    # [tiles, Hkv, D, G*Q_TILE]: the G query heads of a kv head stacked as the columns of one matmul
+    qt = qt.reshape(n_tiles, Q_TILE, h_kv, g, d).permute(0, 2, 4, 3, 1).reshape(n_tiles, h_kv, d, rows)
 
-    m = q.new_full((n_tiles, h_kv, rows), float("-inf"), dtype=torch.float32)
-    l = q.new_zeros((n_tiles, h_kv, rows), dtype=torch.float32)
-    acc = q.new_zeros((n_tiles, h_kv, rows, d), dtype=torch.float32)
+    # Softmax statistics live on the real query rows only ([Nq, Hkv, G]); the matmuls run on whole tiles.
+    row_idx = torch.arange(g, device=dev).unsqueeze(0) * Q_TILE + row_of_query.unsqueeze(1)  # [Nq, G]
+    m = q.new_full((n_q, h_kv, g), float("-inf"), dtype=torch.float32)
+    l = q.new_zeros((n_q, h_kv, g), dtype=torch.float32)
+    acc = q.new_zeros((n_q, h_kv, g, d), dtype=torch.float32)
     offs = torch.arange(KEY_CHUNK, device=dev)
     neg_inf = torch.tensor(float("-inf"), device=dev)
-    zero = torch.zeros((), device=dev)
+    slot_in_act = torch.empty(n_tiles, dtype=torch.long, device=dev)
     for j in range(n_chunks):
         start = j * KEY_CHUNK
         act = torch.nonzero(tile_last >= start).squeeze(1)  # tiles that see at least one key of this chunk
-        key_pos = start + offs
-        k, v = gather_kv(slot_table[tile_seq[act], start:start + KEY_CHUNK])  # [A, C, Hkv, D]
-        real = (key_pos.unsqueeze(0) <= tile_last[act].unsqueeze(1))[:, :, None, None]  # [A, C, 1, 1]
-        k = torch.where(real, k.float(), zero).permute(0, 2, 3, 1)  # [A, Hkv, D, C]
-        v = torch.where(real, v.float(), zero).permute(0, 2, 1, 3)  # [A, Hkv, C, D]
         a_n = act.numel()
-        s = torch.bmm(qt[act].reshape(a_n * h_kv, rows, d), k.reshape(a_n * h_kv, d, KEY_CHUNK))
-        s = s.reshape(a_n, h_kv, rows, KEY_CHUNK) * scale
-        valid = key_pos.view(1, 1, KEY_CHUNK) <= pos_rows[act].unsqueeze(-1)  # [A, rows, C]
-        s = torch.where(valid.unsqueeze(1), s, neg_inf)
-        m_a = m[act]
+        slot_in_act[act] = torch.arange(a_n, device=dev)
+        qa = torch.nonzero(q_pos >= start).squeeze(1)  # queries that see at least one key of this chunk
+        ta = slot_in_act[tile_of_query[qa]]  # their tile's index among the active tiles
+        key_pos = start + offs
+        all_tiles, all_queries = a_n == n_tiles, qa.numel() == n_q  # fast paths: same values, fewer copies
+        k, v = gather_chunk(tile_seq if all_tiles else tile_seq[act], j)  # [A, Hkv, C, D]
+        if not bool((tile_last[act] >= start + KEY_CHUNK - 1).all()):  # some keys lie past a tile's last query
+            real = (key_pos.unsqueeze(0) <= tile_last[act].unsqueeze(1))[:, None, :, None]  # [A, 1, C, 1]
+            k = torch.where(real, k, torch.zeros((), dtype=k.dtype))
+            v = torch.where(real, v, torch.zeros((), dtype=v.dtype))
+        k, v = k.float(), v.float()
+        q_act = qt if all_tiles else qt[act]
+        s_t = torch.bmm(k.reshape(a_n * h_kv, KEY_CHUNK, d), q_act.reshape(a_n * h_kv, d, rows))
+        s_t = s_t.reshape(a_n, h_kv, KEY_CHUNK, rows)
+        s = s_t[ta.unsqueeze(1), :, :, row_idx[qa]] * scale  # [Qa, G, Hkv, C]
+        valid = key_pos.view(1, KEY_CHUNK) <= q_pos[qa].unsqueeze(1)  # [Qa, C]
+        s = torch.where(valid[:, None, None, :], s, neg_inf).transpose(1, 2)  # [Qa, Hkv, G, C]
+        m_a = m if all_queries else m[qa]
         m_new = torch.maximum(m_a, s.amax(dim=-1)).detach()
         alpha = exp64(m_a - m_new)
-        p = exp64(s - m_new.unsqueeze(-1))
-        l = l.index_copy(0, act, l[act] * alpha + tree_sum(p, dim=-1))
-        pv = torch.bmm(p.reshape(a_n * h_kv, rows, KEY_CHUNK), v.reshape(a_n * h_kv, KEY_CHUNK, d))
-        acc = acc.index_copy(0, act, acc[act] * alpha.unsqueeze(-1) + pv.reshape(a_n, h_kv, rows, d))
-        m = m.index_copy(0, act, m_new)
-    out = acc / l.unsqueeze(-1)  # [tiles, Hkv, G*Q_TILE, D]
-    out = out.reshape(n_tiles, h_kv, g, Q_TILE, d).permute(0, 3, 1, 2, 4).reshape(n_tiles, Q_TILE, h_q, d)
-    return out[tile_of_query, row_of_query].to(q.dtype)
-
-
-def _padded_len(n: int) -> int:
-    return max(1, (n + KEY_CHUNK - 1) // KEY_CHUNK) * KEY_CHUNK
+        p = exp64(s - m_new.unsqueeze(-1))  # [Qa, Hkv, G, C]
+        p_t = s_t.new_zeros((a_n, rows, h_kv, KEY_CHUNK))
+        p_t = p_t.index_put((ta.unsqueeze(1), row_idx[qa]), p.transpose(1, 2)).transpose(1, 2)  # [A, Hkv, rows, C]
+        pv_t = torch.bmm(p_t.reshape(a_n * h_kv, rows, KEY_CHUNK), v.reshape(a_n * h_kv, KEY_CHUNK, d))
+        pv = pv_t.reshape(a_n, h_kv, rows, d)[ta.unsqueeze(1), :, row_idx[qa]].transpose(1, 2)  # [Qa, Hkv, G, D]
+        if all_queries:
+            l = l * alpha + tree_sum(p, dim=-1)
+            acc = acc * alpha.unsqueeze(-1) + pv
+            m = m_new
+        else:
+            l = l.index_copy(0, qa, l[qa] * alpha + tree_sum(p, dim=-1))
+            acc = acc.index_copy(0, qa, acc[qa] * alpha.unsqueeze(-1) + pv)
+            m = m.index_copy(0, qa, m_new)
+    out = acc / l.unsqueeze(-1)  # [Nq, Hkv, G, D]
+    return out.reshape(n_q, h_q, d).to(q.dtype)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -145,37 +153,19 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         sequence prefix.
     """
     b, t, h_q, d = q.shape
+    h_kv = k.shape[2]
     dev = q.device
-    length = _padded_len(t)
-    pos = torch.arange(length, device=dev).clamp(max=t - 1)
-    slot_table = torch.arange(b, device=dev).unsqueeze(1) * t + pos.unsqueeze(0)
+    t_pad = (t + KEY_CHUNK - 1) // KEY_CHUNK * KEY_CHUNK
+    pad = (0, 0, 0, 0, 0, t_pad - t)
+    k_chunks = torch.nn.functional.pad(k, pad).permute(0, 2, 1, 3).reshape(b, h_kv, t_pad // KEY_CHUNK, KEY_CHUNK, d)
+    v_chunks = torch.nn.functional.pad(v, pad).permute(0, 2, 1, 3).reshape(b, h_kv, t_pad // KEY_CHUNK, KEY_CHUNK, d)
+
+    def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return k_chunks[seq_ids, :, j], v_chunks[seq_ids, :, j]
+
     q_seq = torch.arange(b, device=dev).repeat_interleave(t)
     q_pos = torch.arange(t, device=dev).repeat(b)
-    k_flat = k.reshape(b * t, k.shape[2], d)
-    v_flat = v.reshape(b * t, v.shape[2], d)
-    out = attention_over_slots(
-        q.reshape(b * t, h_q, d), q_seq, q_pos, lambda s: (k_flat[s], v_flat[s]), k.shape[2], slot_table, scale
-    )
-    return out.reshape(b, t, h_q, d)
-
-
-def paged_slot_table(block_table: torch.Tensor, block_size: int, max_pos: int) -> torch.Tensor:
-    """Slot of every position ``0..L-1`` of every sequence from a vLLM block table.
-
-    Args:
-        block_table: ``[num_seqs, max_blocks]`` int32/int64 physical block ids.
-        block_size: tokens per block.
-        max_pos: the largest query position in the batch.
-
-    Returns:
-        ``[num_seqs, L]`` int64 with ``L`` = ``max_pos`` rounded up to a whole key chunk; positions beyond the table are
-        clamped to its last block (they are masked by the caller).
-    """
-    length = _padded_len(max_pos + 1)
-    pos = torch.arange(length, device=block_table.device)
-    blk_idx = (pos // block_size).clamp(max=block_table.shape[1] - 1)
-    blocks = block_table.long()[:, blk_idx]
-    return blocks * block_size + (pos % block_size).unsqueeze(0)
+    return attention_over_chunks(q.reshape(b * t, h_q, d), q_seq, q_pos, gather, h_kv, scale).reshape(b, t, h_q, d)
 
 
 def paged_causal_attention(
@@ -191,8 +181,8 @@ def paged_causal_attention(
 
     Args:
         q: ``[Nq, Hq, D]`` the scheduled tokens, request after request.
-        key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]`` (vLLM CPU layout, head-major inside a block);
-            the new tokens' keys must already be written.
+        key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]`` (vLLM CPU layout, head-major inside a block),
+            ``block_size`` a multiple of ``KEY_CHUNK``; the new tokens' keys must already be written.
         query_start_loc: ``[num_reqs + 1]`` int, offsets of each request's tokens in ``q``.
         seq_lens: ``[num_reqs]`` int, context length of each request including its scheduled tokens.
         block_table: ``[num_reqs, max_blocks]`` int physical block ids.
@@ -200,18 +190,27 @@ def paged_causal_attention(
 
     Returns:
         ``[Nq, Hq, D]`` in ``q.dtype``, bitwise equal to :func:`dense_causal_attention` on the same prefix.
+
+    Raises:
+        ValueError: ``block_size`` is not a multiple of ``KEY_CHUNK``.
     """
     n_q = q.shape[0]
+    nb, h_kv, block_size, d = key_cache.shape
+    if block_size % KEY_CHUNK:
+        raise ValueError(f"block_size {block_size} must be a multiple of {KEY_CHUNK}")
+    per_block = block_size // KEY_CHUNK
     qsl = query_start_loc.long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
     q_seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
     starts = (seq_lens.long().cpu() - q_lens)[q_seq]
     q_pos = starts + (torch.arange(n_q) - qsl[:-1][q_seq])
-    block_size = key_cache.shape[2]
-    slot_table = paged_slot_table(block_table, block_size, int(q_pos.max().item()) if n_q else 0)
+    bt = block_table.long()
+    k_chunks = key_cache.view(nb, h_kv, per_block, KEY_CHUNK, d)
+    v_chunks = value_cache.view(nb, h_kv, per_block, KEY_CHUNK, d)
 
-    def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        blk, off = slots // block_size, slots % block_size
-        return key_cache[blk, :, off], value_cache[blk, :, off]
+    def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        col = min(j // per_block, bt.shape[1] - 1)  # past the table: masked anyway
+        blocks = bt[seq_ids, col]
+        return k_chunks[blocks, :, j % per_block], v_chunks[blocks, :, j % per_block]
 
-    return attention_over_slots(q, q_seq, q_pos, gather, key_cache.shape[1], slot_table, scale)
+    return attention_over_chunks(q, q_seq, q_pos, gather, h_kv, scale)

@@ -130,14 +130,14 @@ def test_paged_attention_equals_dense(dtype):
     """Mixed vLLM-style batch: a decode, a prefill chunk in the middle of a sequence, a fresh prefill; random block
     placement and NaN garbage in unused cache slots."""
     g = torch.Generator().manual_seed(6)
-    b, t, hq, hkv, d, bs = 3, 70, 4, 2, 32, 16
+    b, t, hq, hkv, d, bs = 3, 70, 4, 2, 32, 32
     q = torch.randn(b, t, hq, d, generator=g).to(dtype)
     k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
     v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
     dense = sn.dense_causal_attention(q, k, v, d ** -0.5)
     kc = torch.full((64, hkv, bs, d), float("nan")).to(dtype)
     vc = kc.clone()
-    bt = torch.randperm(64, generator=g)[:15].reshape(3, 5)
+    bt = torch.randperm(64, generator=g)[:9].reshape(3, 3)
     for s in range(b):
         for p in range(t):
             kc[bt[s, p // bs], :, p % bs] = k[s, p]
@@ -146,6 +146,9 @@ def test_paged_attention_equals_dense(dtype):
     out = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38]), torch.tensor([70, 46, 11]), bt,
                                     d ** -0.5)
     assert torch.equal(out, torch.cat([dense[0, 69:70], dense[1, 20:46], dense[2, 0:11]]))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        sn.paged_causal_attention(qs, kc[:, :, :16], vc[:, :, :16], torch.tensor([0, 1, 27, 38]),
+                                  torch.tensor([70, 46, 11]), bt, d ** -0.5)
 
 
 def test_attention_backward_is_deterministic():
