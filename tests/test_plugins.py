@@ -68,19 +68,28 @@ def _install(site, dist: str, module: str, source: str) -> None:
     (info / "entry_points.txt").write_text(f"[zerokld]\n{dist} = {module}\n")
 
 
+def _activate(site) -> None:
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    zp.reset_plugin_manager()
+
+
+def _deactivate(site, module: str) -> None:
+    if str(site) in sys.path:
+        sys.path.remove(str(site))
+    sys.modules.pop(module, None)
+    importlib.invalidate_caches()
+    zp.reset_plugin_manager()
+
+
 @pytest.fixture
 def plugin_site(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     _install(site, "zk-demo-plugin", "zk_demo_plugin", PLUGIN)
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    zp.reset_plugin_manager()
+    _activate(site)
     yield site
-    sys.path.remove(str(site))
-    sys.modules.pop("zk_demo_plugin", None)
-    importlib.invalidate_caches()
-    zp.reset_plugin_manager()
+    _deactivate(site, "zk_demo_plugin")
 
 
 def test_builtins_are_registered_through_the_hooks():
@@ -97,32 +106,23 @@ def test_third_party_plugin_discovered_and_removable(plugin_site):
     assert regs[("loss", "scaled_pg")] == "zk-demo-plugin"
     assert regs[("codec", "xor_lzma")] == "zk-demo-plugin"
     # removing the plugin makes its names unknown, with an error that lists what is registered
-    sys.path.remove(str(plugin_site))
-    sys.modules.pop("zk_demo_plugin", None)
-    importlib.invalidate_caches()
-    zp.reset_plugin_manager()
+    _deactivate(plugin_site, "zk_demo_plugin")
     with pytest.raises(zp.UnknownNameError, match="unknown loss 'scaled_pg'.*ppo"):
         zp.get_loss("scaled_pg")
     with pytest.raises(zp.UnknownNameError, match="unknown codec 'xor_lzma'.*arc_v2"):
         zp.get_codec("xor_lzma")
-    sys.path.insert(0, str(plugin_site))  # for the fixture's teardown
 
 
 def test_duplicate_name_names_both_providers(tmp_path):
     site = tmp_path / "dup"
     site.mkdir()
     _install(site, "zk-dup-plugin", "zk_dup_plugin", DUPLICATE)
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    zp.reset_plugin_manager()
+    _activate(site)
     try:
         with pytest.raises(zp.DuplicateNameError, match="loss 'ppo'.*'zerokld.builtin'.*'zk-dup-plugin'"):
             zp.get_loss("ppo")
     finally:
-        sys.path.remove(str(site))
-        sys.modules.pop("zk_dup_plugin", None)
-        importlib.invalidate_caches()
-        zp.reset_plugin_manager()
+        _deactivate(site, "zk_dup_plugin")
 
 
 @pytest.mark.parametrize("codec", ["xor_lzma", "arc_v2"])
@@ -164,15 +164,9 @@ def test_plugin_loss_in_a_training_step(plugin_site, checkpoint_factory, tmp_pat
         assert any(not torch.equal(a, b) for a, b in zip(after, ref))
     finally:
         trainer.close()
-    with pytest.raises(zp.UnknownNameError):
-        zp.reset_plugin_manager()
-        sys.path.remove(str(plugin_site))
-        sys.modules.pop("zk_demo_plugin", None)
-        importlib.invalidate_caches()
-        try:
-            rl_trainer_config(ckpt, str(tmp_path / "dump2"), loss_fn="scaled_pg").loss.build()
-        finally:
-            sys.path.insert(0, str(plugin_site))
+    _deactivate(plugin_site, "zk_demo_plugin")  # without the plugin the loss name is refused when the loss is built
+    with pytest.raises(zp.UnknownNameError, match="unknown loss 'scaled_pg'"):
+        rl_trainer_config(ckpt, str(tmp_path / "dump2"), loss_fn="scaled_pg").loss.build()
 
 
 def test_storage_registry_round_trip():
