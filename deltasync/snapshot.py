@@ -116,31 +116,38 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for f in base_files:
-        payloads, meta = {}, {}
-        with safe_open(str(f), framework="pt") as base:
-            for name in base.keys():
-                base_keys.add(name)
-                if name not in new_tensors:
-                    raise DeltaError(f"tensor {name} of the base is missing from the new weights")
-                b, n = base.get_tensor(name), new_tensors[name]
-                if b.shape != n.shape or b.dtype != n.dtype:
-                    raise DeltaError(f"{name}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}")
-                nb = _raw(n)
-                payloads[name] = torch.frombuffer(bytearray(encode(_raw(b), nb)), dtype=torch.uint8)
-                meta[name] = str(zlib.adler32(nb))
-        save_file(payloads, str(tmp / f.name), metadata=meta)
-    extra = set(new_tensors) - base_keys
-    if extra:
+    try:
+        for f in base_files:
+            payloads, meta = {}, {}
+            with safe_open(str(f), framework="pt") as base:
+                for name in base.keys():
+                    base_keys.add(name)
+                    if name not in new_tensors:
+                        raise DeltaError(f"tensor {name} of the base is missing from the new weights")
+                    b, n = base.get_tensor(name), new_tensors[name]
+                    if b.shape != n.shape or b.dtype != n.dtype:
+                        raise DeltaError(f"{name}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}")
+                    nb = _raw(n)
+                    payloads[name] = torch.frombuffer(bytearray(encode(_raw(b), nb)), dtype=torch.uint8)
+                    meta[name] = str(zlib.adler32(nb))
+            save_file(payloads, str(tmp / f.name), metadata=meta)
+        extra = set(new_tensors) - base_keys
+        if extra:
+            raise DeltaError(f"new weights have tensors the base lacks: {sorted(extra)[:5]}")
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DeltaError(f"new weights have tensors the base lacks: {sorted(extra)[:5]}")
+        raise
     (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
                                                 "checksum_format": CHECKSUM_FORMAT}))
     return _publish(tmp, out)
 
 
-def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path) -> Path:
+def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path,
+                               compression_format: str | None = None) -> Path:
     """Decode a delta onto its base and publish the result as a full snapshot (assets copied from the base).
+
+    ``compression_format`` comes from the caller (a hot-load signal carries it) or, when ``None``, from the delta's
+    ``delta.json``.
 
     Everything is decoded and verified (same shard files and key sets, payload lengths, Adler-32 of every new
     tensor) before anything is written; on any failure nothing is published.
@@ -152,11 +159,12 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
     from zerokld_plugins import get_codec, resolve
 
     base_dir, delta_dir = Path(base_dir), Path(delta_dir)
-    try:
-        info = json.loads((delta_dir / "delta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise DeltaError(f"{delta_dir} has no readable delta.json: {e}") from e
-    decode = resolve(get_codec(info["compression_format"]).decode)
+    if compression_format is None:
+        try:
+            compression_format = json.loads((delta_dir / "delta.json").read_text())["compression_format"]
+        except (OSError, ValueError, KeyError) as e:
+            raise DeltaError(f"{delta_dir}: no compression_format given and no readable delta.json: {e}") from e
+    decode = resolve(get_codec(compression_format).decode)
     base_files = sorted(p.name for p in base_dir.glob("*.safetensors"))
     delta_files = sorted(p.name for p in delta_dir.glob("*.safetensors"))
     if base_files != delta_files:
