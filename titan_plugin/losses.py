@@ -1,6 +1,8 @@
 """RL losses as one TorchTitan ``BaseLoss`` that runs any loss registered through the ``zerokld`` hooks.
 
-Unfused: it reads the model's ``[B, T, V]`` logits. Per token (Tinker semantics), summed, divided by the global
+Unfused, it reads the model's ``[B, T, V]`` logits; fused (``fused=True``), the model skips its lm_head and the loss
+calls ``lm_head(hidden, targets=...)`` (:class:`titan_plugin.overrides.ZeroKLDLMHead`) on the completion tokens only —
+the same log-prob bits, no ``[tokens, vocab]`` tensor. Per token (Tinker semantics), summed, divided by the global
 number of completion tokens (TorchTitan's ``global_valid_tokens``: a token mean over the batch)::
 
     l_t = selected_logprobs(logits_t, target_t)      # shared_numerics: bitwise what vLLM reports
@@ -29,6 +31,7 @@ class RLLoss(BaseLoss):
     class Config(BaseLoss.Config):
         loss_fn: str = "ppo"
         loss_fn_config: dict = field(default_factory=dict)
+        fused: bool = False
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
@@ -37,7 +40,12 @@ class RLLoss(BaseLoss):
         self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)
         self._adv: torch.Tensor | None = None
         self._sampler_logp: torch.Tensor | None = None
+        self.lm_head: torch.nn.Module | None = None
         self.last: dict = {}
+
+    def set_lm_head(self, lm_head: torch.nn.Module) -> None:
+        """The model's lm_head (fused mode): called as ``lm_head(hidden [N, H], targets=[N]) -> logprobs [N]``."""
+        self.lm_head = lm_head
 
     def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None) -> None:
         """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels.
@@ -50,7 +58,12 @@ class RLLoss(BaseLoss):
         if self._adv is None:
             raise RuntimeError("RLLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
         mask = labels != IGNORE_INDEX
-        logp = sn.selected_logprobs(pred[mask], labels[mask])
+        if self.config.fused:
+            if self.lm_head is None:
+                raise RuntimeError("fused RLLoss needs set_lm_head(model.lm_head) and a model run with _skip_lm_head")
+            logp = self.lm_head(pred[mask], targets=labels[mask])
+        else:
+            logp = sn.selected_logprobs(pred[mask], labels[mask])
         q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]
         tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg)

@@ -8,7 +8,8 @@ state-dict keys, same checkpoints); only ``forward`` changes:
 =====================  ===========================================================================
 TorchTitan component   zerokld replacement
 =====================  ===========================================================================
-``Linear``             :func:`shared_numerics.linear` (fixed row tiles, fp32 accumulation)
+``Linear``             :func:`shared_numerics.linear` (fixed row tiles, fp32 accumulation); the ``lm_head`` also
+                       offers :func:`shared_numerics.fused_selected_logprobs` (``lm_head(h, targets=t)``)
 ``RMSNorm``            :func:`shared_numerics.rms_norm` (fixed-tree fp32 statistics)
 ``FeedForward``        ``w2(silu_and_mul(w1 x, w3 x))`` with :func:`shared_numerics.silu_and_mul`
 ``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables)
@@ -47,6 +48,26 @@ class ZeroKLDLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sn.linear(x, self.weight, self.bias)
+
+
+class ZeroKLDLMHead(ZeroKLDLinear):
+    """lm_head that can also return the fused selected-token log-probs (``forward(h, targets=t)``), so RL losses run
+    through the module (and FSDP's unshard / gradient hooks) without ever materialising ``[tokens, vocab]`` logits."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ZeroKLDLinear.Config):
+        fused_chunk: int = 1024
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.fused_chunk = config.fused_chunk
+
+    def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return sn.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            raise NotImplementedError("fused log-probs need a bias-free lm_head")
+        return sn.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk)
 
 
 class ZeroKLDRMSNorm(RMSNorm):
@@ -131,6 +152,11 @@ def zerokld_linear(cfg: Linear.Config) -> ZeroKLDLinear.Config:
     return derive(cfg, ZeroKLDLinear.Config)
 
 
+@override(target=Linear.Config, fqns=["lm_head"], exact=True, description="zerokld lm_head (+ fused log-probs)")
+def zerokld_lm_head(cfg: Linear.Config) -> ZeroKLDLMHead.Config:
+    return derive(cfg, ZeroKLDLMHead.Config)
+
+
 @override(target=RMSNorm.Config, exact=True, description="zerokld batch-invariant RMSNorm")
 def zerokld_rmsnorm(cfg: RMSNorm.Config) -> ZeroKLDRMSNorm.Config:
     return derive(cfg, ZeroKLDRMSNorm.Config)
@@ -166,7 +192,7 @@ def zerokld_sdpa_attention(cfg: ScaledDotProductAttention.Config) -> ZeroKLDAtte
 # ancestor another override of the same pass claims. After pass 1 those linears are ZeroKLDLinear, which the exact
 # Linear override of pass 2 no longer matches.
 OVERRIDE_PASSES = [
-    [f"{__name__}.zerokld_feed_forward"],
+    [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head"],
     [f"{__name__}.{fn.__name__}" for fn in (zerokld_linear, zerokld_rmsnorm, zerokld_cos_sin_rope,
                                             zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
 ]

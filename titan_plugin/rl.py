@@ -70,7 +70,7 @@ def _model_spec(hf: dict, zerokld: bool) -> ModelSpec:
 
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
                       steps: int = 1000, zerokld: bool = True, loss_fn: str = "ppo",
-                      loss_fn_config: dict | None = None, max_norm: float = 1.0) -> Trainer.Config:
+                      loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False) -> Trainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -85,7 +85,14 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             inner attention, since flex attention has no CPU path).
         loss_fn, loss_fn_config: a loss registered through the ``zerokld`` hooks (``ppo``, ``importance_sampling``,
             ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
+        fused: compute the completion tokens' log-probs with the fused lm_head (no ``[tokens, vocab]`` logits);
+            needs ``zerokld=True``.
+
+    Raises:
+        ValueError: ``fused`` without ``zerokld``.
     """
+    if fused and not zerokld:
+        raise ValueError("fused log-probs need the zerokld lm_head (zerokld=True)")
     hf = load_hf_config(checkpoint_dir)
     spec = _model_spec(hf, zerokld)
     if not zerokld:
@@ -99,7 +106,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         model_spec=spec,
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
-        loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {})),
+        loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused),
         dataloader=RolloutQueue.Config(),
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
@@ -123,6 +130,9 @@ class RLTrainer(Trainer):
         if not self.checkpointer.load():  # HF initial load (initial_load_in_hf) through the state-dict adapter
             raise RuntimeError(f"TorchTitan loaded no checkpoint from {config.hf_assets_path}")
         self._hf = load_hf_config(config.hf_assets_path)
+        if config.loss.fused:  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
+            self.model._skip_lm_head = True
+            self.loss_fn.set_lm_head(self.model.lm_head)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate")
     ap.add_argument("--loss-fn", default="ppo", help="a loss registered through the zerokld plugin hooks "
                     "(python -m zerokld_plugins lists them)")
+    ap.add_argument("--fused", action="store_true", help="fused lm_head log-probs in the zerokld trainer (no "
+                    "[tokens, vocab] logits)")
     ap.add_argument("--clip-low", type=float, default=0.8)
     ap.add_argument("--clip-high", type=float, default=1.2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -110,7 +112,7 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed)
     trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
                                           zerokld=zk, loss_fn=args.loss_fn,
-                                          loss_fn_config=loss_fn_config(args)))
+                                          loss_fn_config=loss_fn_config(args), fused=args.fused and zk))
     sync = FullSnapshotSync(run_dir / "snapshots", args.dtype)
     problems = generate_problems(args.steps * args.prompts_per_step, seed=args.seed + 7)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)
