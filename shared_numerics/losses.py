@@ -5,21 +5,47 @@ Every loss here depends only on per-token quantities — the trainer's log-prob 
 ``A`` — and returns ``(loss [N], flags)`` where ``flags`` holds boolean ``[N]`` tensors such as ``clipped`` (ratio
 outside the bounds) and ``grad_zeroed`` (the clipped branch was taken: no gradient). ``r = exp(l - q)``.
 
-| name                  | per-token loss                         | source                                       |
-|-----------------------|----------------------------------------|----------------------------------------------|
-| ``cross_entropy``     | ``-w * l`` (``w`` = the advantages)    | SFT                                          |
-| ``importance_sampling`` | ``-r * A``                           | Tinker ``importance_sampling``               |
-| ``ppo``               | ``-min(r A, clip(r, lo, hi) A)``       | Schulman et al. 2017; GRPO (Shao et al. 2024) |
+| name                  | per-token loss                                   | source                                       |
+|-----------------------|--------------------------------------------------|----------------------------------------------|
+| ``cross_entropy``     | ``-w * l`` (``w`` = the advantages)              | SFT                                          |
+| ``importance_sampling`` | ``-r * A``                                     | Tinker ``importance_sampling``               |
+| ``ppo``               | ``-min(r A, clip(r, lo, hi) A)``                 | Schulman et al. 2017; GRPO (Shao et al. 2024) |
+| ``dapo``              | ``ppo`` with clip-higher (0.8, 1.28)             | Yu et al. 2025 (DAPO)                        |
+| ``dr_grpo``           | ``ppo``; advantages not std-scaled, sum / (G L)  | Liu et al. 2025 (Dr. GRPO)                   |
+| ``gspo``              | ``-min(s A, clip(s, 1-lo, 1+hi) A)`` per token,  | Zheng et al. 2025 (GSPO), token form          |
+|                       | ``s = sg(exp(mean_seq(l - q))) * exp(l - sg(l))``|                                              |
+| ``cispo``             | ``-sg(clip(r, lo, hi)) * A * l``                 | MiniMax-M1 2025 (CISPO)                      |
+| ``dro``               | ``-(l A - beta/2 (l - q)^2)``                    | Richemond et al. 2024 (DRO)                  |
+
+Normalisation (token mean over the global batch, plain sum, or a constant such as ``G * L_max`` for Dr.GRPO) is a
+separate, named choice of the caller (:class:`titan_plugin.losses.RLLoss`).
 
 The registrations (name, formula, config schema) go through the ``zerokld`` pluggy hooks
 (:mod:`zerokld_plugins.builtin`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["NoConfig", "PPOConfig", "cross_entropy_loss", "grpo_advantages", "importance_sampling_loss", "ppo_loss"]
+__all__ = ["CISPOConfig", "DROConfig", "GSPOConfig", "LossBatch", "NoConfig", "PPOConfig", "cispo_loss",
+           "cross_entropy_loss", "DAPOConfig", "dro_loss", "dr_grpo_advantages", "grpo_advantages", "gspo_loss",
+           "importance_sampling_loss", "ppo_loss"]
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """Per-token context a loss may need beyond ``(l, q, A)``: ``seq_ids [N]`` int64 (which sequence each token
+    belongs to, ``0..num_seqs-1``) and ``num_seqs``."""
+
+    seq_ids: torch.Tensor
+    num_seqs: int
+
+    @staticmethod
+    def single(n: int) -> "LossBatch":
+        return LossBatch(torch.zeros(n, dtype=torch.long), 1)
 
 
 class NoConfig(BaseModel):
@@ -32,6 +58,30 @@ class PPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     clip_low_threshold: float = 0.8
     clip_high_threshold: float = 1.2
+
+
+class CISPOConfig(PPOConfig):
+    clip_low_threshold: float = 0.0
+    clip_high_threshold: float = 4.0
+
+
+class GSPOConfig(BaseModel):
+    """Clip range around 1 for the sequence ratio: ``[1 - clip_low, 1 + clip_high]``."""
+
+    model_config = ConfigDict(extra="forbid")
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+
+
+class DROConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    beta: float = 0.05
+
+
+class DAPOConfig(PPOConfig):
+    """DAPO's clip-higher bounds."""
+
+    clip_high_threshold: float = 1.28
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -48,26 +98,62 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
     return a.reshape(-1)
 
 
+def dr_grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr.GRPO advantages: ``R - mean_group`` (no std scaling)."""
+    r = rewards.float().reshape(-1, group_size)
+    return (r - r.mean(dim=1, keepdim=True)).reshape(-1)
+
+
 def _no_flags(x: torch.Tensor) -> dict[str, torch.Tensor]:
     z = torch.zeros_like(x, dtype=torch.bool)
     return {"clipped": z, "grad_zeroed": z}
 
 
-def cross_entropy_loss(logp, sampler_logp, adv, cfg: NoConfig):
+def cross_entropy_loss(logp, sampler_logp, adv, cfg: NoConfig, batch: LossBatch | None = None):
     """``-w * l`` with the per-token weights passed as advantages."""
     return -adv * logp, _no_flags(logp)
 
 
-def importance_sampling_loss(logp, sampler_logp, adv, cfg: NoConfig):
+def importance_sampling_loss(logp, sampler_logp, adv, cfg: NoConfig, batch: LossBatch | None = None):
     """``-exp(l - q) * A``."""
     return -torch.exp(logp - sampler_logp) * adv, _no_flags(logp)
 
 
-def ppo_loss(logp, sampler_logp, adv, cfg: PPOConfig):
+def ppo_loss(logp, sampler_logp, adv, cfg: PPOConfig, batch: LossBatch | None = None):
     """``-min(r A, clip(r, lo, hi) A)`` with ``r = exp(l - q)``; flags ``clipped`` and ``grad_zeroed``."""
     lo, hi = cfg.clip_low_threshold, cfg.clip_high_threshold
     ratio = torch.exp(logp - sampler_logp)
     unclipped = ratio * adv
     clipped = ratio.clamp(lo, hi) * adv
     outside = (ratio < lo) | (ratio > hi)
+    return -torch.minimum(unclipped, clipped), {"clipped": outside, "grad_zeroed": outside & (clipped < unclipped)}
+
+
+def cispo_loss(logp, sampler_logp, adv, cfg: CISPOConfig, batch: LossBatch | None = None):
+    """``-sg(clip(r, lo, hi)) * A * l``: every token keeps a gradient; the clipped weight only scales it."""
+    ratio = torch.exp(logp - sampler_logp)
+    lo, hi = cfg.clip_low_threshold, cfg.clip_high_threshold
+    outside = (ratio < lo) | (ratio > hi)
+    w = ratio.clamp(lo, hi).detach()
+    return -w * adv * logp, {"clipped": outside, "grad_zeroed": torch.zeros_like(outside)}
+
+
+def dro_loss(logp, sampler_logp, adv, cfg: DROConfig, batch: LossBatch | None = None):
+    """``-(l A - beta/2 (l - q)^2)``."""
+    return -(logp * adv - 0.5 * cfg.beta * (logp - sampler_logp) ** 2), _no_flags(logp)
+
+
+def gspo_loss(logp, sampler_logp, adv, cfg: GSPOConfig, batch: LossBatch | None = None):
+    """GSPO token form: the sequence ratio ``s = exp(mean over the sequence of (l - q))`` carries the value, each
+    token's ``exp(l - sg(l))`` carries the gradient; clipping (``[1 - clip_low, 1 + clip_high]``) is per sequence."""
+    batch = batch or LossBatch.single(logp.numel())
+    d = (logp - sampler_logp).detach()
+    n = torch.zeros(batch.num_seqs, dtype=torch.float32).index_add_(0, batch.seq_ids, torch.ones_like(d))
+    mean_d = torch.zeros(batch.num_seqs, dtype=torch.float32).index_add_(0, batch.seq_ids, d) / n.clamp(min=1)
+    s_seq = torch.exp(mean_d)[batch.seq_ids]
+    s_tok = s_seq * torch.exp(logp - logp.detach())
+    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    unclipped = s_tok * adv
+    clipped = s_tok.clamp(lo, hi) * adv
+    outside = (s_seq < lo) | (s_seq > hi)
     return -torch.minimum(unclipped, clipped), {"clipped": outside, "grad_zeroed": outside & (clipped < unclipped)}

@@ -33,3 +33,106 @@ def test_importance_sampling_loss():
     loss, flags = importance_sampling_loss(torch.tensor([math.log(2.0)]), torch.zeros(1), torch.tensor([3.0]), None)
     assert loss.tolist() == pytest.approx([-6.0])
     assert not flags["clipped"].any()
+
+
+# A hand-made batch: two sequences (3 + 2 tokens), ratios inside and outside every clip range, both advantage signs.
+L = [math.log(0.5), math.log(0.3), math.log(0.9), math.log(0.2), math.log(0.6)]
+Q = [math.log(0.25), math.log(0.3), math.log(0.6), math.log(0.4), math.log(0.5)]  # r = 2.0, 1.0, 1.5, 0.5, 1.2
+A = [1.0, -1.0, -0.5, -2.0, 0.7]
+SEQ = [0, 0, 0, 1, 1]
+
+
+def _run(fn, cfg):
+    from shared_numerics.losses import LossBatch
+
+    logp = torch.tensor(L, dtype=torch.float32, requires_grad=True)
+    loss, flags = fn(logp, torch.tensor(Q), torch.tensor(A), cfg, LossBatch(torch.tensor(SEQ), 2))
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    return loss.detach().tolist(), grad.tolist(), {k: v.tolist() for k, v in flags.items()}
+
+
+def _clip(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+def test_dapo_clip_higher():
+    from shared_numerics.losses import DAPOConfig, ppo_loss
+
+    loss, grad, flags = _run(ppo_loss, DAPOConfig())
+    ref, ref_grad = [], []
+    for lt, qt, at in zip(L, Q, A):
+        r = math.exp(lt - qt)
+        un, cl = r * at, _clip(r, 0.8, 1.28) * at
+        ref.append(-min(un, cl))
+        ref_grad.append(-r * at if un <= cl else 0.0)  # d(r)/dl = r; the clipped branch has no gradient
+    assert loss == pytest.approx(ref, rel=1e-6) and grad == pytest.approx(ref_grad, rel=1e-6, abs=1e-7)
+    assert flags["clipped"] == [True, False, True, True, False]
+
+
+def test_cispo_keeps_gradient_on_clipped_tokens():
+    from shared_numerics.losses import CISPOConfig, cispo_loss
+
+    cfg = CISPOConfig(clip_low_threshold=0.8, clip_high_threshold=1.3)
+    loss, grad, flags = _run(cispo_loss, cfg)
+    w = [_clip(math.exp(lt - qt), 0.8, 1.3) for lt, qt in zip(L, Q)]
+    assert loss == pytest.approx([-wi * at * lt for wi, at, lt in zip(w, A, L)], rel=1e-6)
+    assert grad == pytest.approx([-wi * at for wi, at in zip(w, A)], rel=1e-6)  # never zero
+    assert flags["clipped"] == [True, False, True, True, False]
+
+
+def test_dro():
+    from shared_numerics.losses import DROConfig, dro_loss
+
+    loss, grad, _ = _run(dro_loss, DROConfig(beta=0.1))
+    assert loss == pytest.approx([-(lt * at - 0.05 * (lt - qt) ** 2) for lt, qt, at in zip(L, Q, A)], rel=1e-6)
+    assert grad == pytest.approx([-(at - 0.1 * (lt - qt)) for lt, qt, at in zip(L, Q, A)], rel=1e-6)
+
+
+def test_gspo_sequence_ratio():
+    from shared_numerics.losses import GSPOConfig, gspo_loss
+
+    loss, grad, flags = _run(gspo_loss, GSPOConfig(clip_low=0.2, clip_high=0.2))
+    s = []
+    for k in (0, 1):
+        d = [lt - qt for lt, qt, sq in zip(L, Q, SEQ) if sq == k]
+        s.append(math.exp(sum(d) / len(d)))
+    ref, ref_grad = [], []
+    for at, sq in zip(A, SEQ):
+        si = s[sq]
+        un, cl = si * at, _clip(si, 0.8, 1.2) * at
+        ref.append(-min(un, cl))
+        ref_grad.append(-si * at if un <= cl else 0.0)
+    assert loss == pytest.approx(ref, rel=1e-6) and grad == pytest.approx(ref_grad, rel=1e-6, abs=1e-7)
+    assert flags["clipped"] == [s[0] > 1.2 or s[0] < 0.8] * 3 + [s[1] > 1.2 or s[1] < 0.8] * 2
+
+
+def test_dr_grpo_advantages_not_std_scaled():
+    from shared_numerics.losses import dr_grpo_advantages
+
+    assert dr_grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+@pytest.mark.titan
+@pytest.mark.parametrize("normalization,divisor", [("token_mean", 5.0), ("sum", 1.0), ("constant", 8.0)])
+def test_rlloss_masks_tokens_and_normalises(normalization, divisor):
+    """RLLoss on logits: IGNORE_INDEX tokens contribute nothing and are not counted; the normaliser is named."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    import shared_numerics as sn
+    from titan_plugin.losses import RLLoss
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 7, generator=g)
+    labels = torch.tensor([[3, 1, IGNORE_INDEX, 2], [IGNORE_INDEX, 5, 6, IGNORE_INDEX]])
+    adv = torch.tensor([[1.0, -1.0, 9.0, 0.5], [9.0, 2.0, -0.3, 9.0]])
+    q = torch.full((2, 4), -2.0)
+    loss_fn = RLLoss.Config(loss_fn="ppo", normalization=normalization, normalizer=8.0).build()
+    loss_fn.set_rl_inputs(adv, q)
+    loss, _ = loss_fn(logits, labels, torch.tensor(5))
+    mask = labels != IGNORE_INDEX
+    lp = sn.log_softmax(logits)[mask].gather(1, labels[mask].unsqueeze(1)).squeeze(1)
+    r = torch.exp(lp + 2.0)
+    ref = -torch.minimum(r * adv[mask], r.clamp(0.8, 1.2) * adv[mask])
+    assert loss.item() == pytest.approx(ref.sum().item() / divisor, rel=1e-6)
+    with pytest.raises(ValueError, match="normalization"):
+        RLLoss.Config(normalization="per_sequence").build()

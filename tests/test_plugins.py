@@ -24,7 +24,7 @@ PLUGIN = textwrap.dedent('''
         scale: float = 1.0
 
 
-    def scaled_pg(logp, sampler_logp, adv, cfg):
+    def scaled_pg(logp, sampler_logp, adv, cfg, batch=None):
         return -cfg.scale * adv * logp, {}
 
 

@@ -20,7 +20,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 
 import shared_numerics as sn
-from shared_numerics.losses import grpo_advantages
+from shared_numerics.losses import LossBatch, grpo_advantages
 from zerokld_plugins import get_loss, resolve
 
 __all__ = ["RLLoss", "grpo_advantages"]
@@ -32,9 +32,15 @@ class RLLoss(BaseLoss):
         loss_fn: str = "ppo"
         loss_fn_config: dict = field(default_factory=dict)
         fused: bool = False
+        normalization: str = "token_mean"
+        """``token_mean`` (sum / completion tokens of the global batch), ``sum`` (Tinker's raw sum) or ``constant``
+        (sum / ``normalizer``, e.g. ``G * L_max`` for Dr.GRPO)."""
+        normalizer: float = 1.0
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
+        if config.normalization not in ("token_mean", "sum", "constant"):
+            raise ValueError(f"normalization must be token_mean, sum or constant, got {config.normalization!r}")
         spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
         self.token_loss = resolve(spec.token_loss)
         self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)
@@ -66,10 +72,13 @@ class RLLoss(BaseLoss):
             logp = sn.selected_logprobs(pred[mask], labels[mask])
         q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]
-        tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg)
+        batch = LossBatch(seq_ids=torch.nonzero(mask)[:, 0], num_seqs=mask.shape[0])
+        tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg, batch)
         loss = tok_loss.sum()
-        if global_valid_tokens is not None:
+        if self.config.normalization == "token_mean" and global_valid_tokens is not None:
             loss = loss / global_valid_tokens
+        elif self.config.normalization == "constant":
+            loss = loss / self.config.normalizer
         zeros = torch.zeros_like(mask[mask])
         self.last = {"train_logprobs": logp.detach(), "mask": mask, "clipped": flags.get("clipped", zeros),
                      "grad_zeroed": flags.get("grad_zeroed", zeros), "loss": loss.detach()}

@@ -16,6 +16,15 @@ def zerokld_losses():
                  "-exp(l-q)*A; Tinker importance_sampling"),
         LossSpec("ppo", f"{_LOSSES}:ppo_loss", f"{_LOSSES}:PPOConfig",
                  "-min(r*A, clip(r, lo, hi)*A), r=exp(l-q); PPO (Schulman 2017) / GRPO (Shao 2024)"),
+        LossSpec("dapo", f"{_LOSSES}:ppo_loss", f"{_LOSSES}:DAPOConfig",
+                 "ppo with clip-higher 0.8/1.28, token mean over the global batch; DAPO (Yu 2025)"),
+        LossSpec("dr_grpo", f"{_LOSSES}:ppo_loss", f"{_LOSSES}:PPOConfig",
+                 "ppo; use dr_grpo_advantages and normalization='constant' (G*L_max); Dr.GRPO (Liu 2025)"),
+        LossSpec("gspo", f"{_LOSSES}:gspo_loss", f"{_LOSSES}:GSPOConfig",
+                 "sequence ratio s=exp(mean(l-q)), token form; GSPO (Zheng 2025)"),
+        LossSpec("cispo", f"{_LOSSES}:cispo_loss", f"{_LOSSES}:CISPOConfig",
+                 "-sg(clip(r, lo, hi))*A*l; CISPO (MiniMax-M1 2025)"),
+        LossSpec("dro", f"{_LOSSES}:dro_loss", f"{_LOSSES}:DROConfig", "-(l*A - beta/2*(l-q)^2); DRO (Richemond 2024)"),
     ]
 
 

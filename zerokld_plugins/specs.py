@@ -23,8 +23,11 @@ def resolve(target: Any) -> Any:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """``token_loss(logp [N], sampler_logp [N], advantages [N], config) -> (loss [N], flags: dict[str, bool [N]])``;
-    ``config_schema`` is a pydantic model validating ``loss_fn_config``; ``reference`` states the formula and source."""
+    """``token_loss(logp [N], sampler_logp [N], advantages [N], config, batch) -> (loss [N], flags)``: ``batch`` is a
+    :class:`shared_numerics.losses.LossBatch` (``seq_ids [N]``, ``num_seqs``) for losses with per-sequence terms;
+    ``flags`` maps names such as ``clipped`` / ``grad_zeroed`` to bool ``[N]``. The per-token losses are summed; the
+    normalisation is the trainer's named choice. ``config_schema`` is a pydantic model validating ``loss_fn_config``;
+    ``reference`` states the formula and source."""
 
     name: str
     token_loss: Callable | str
