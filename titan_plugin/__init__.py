@@ -6,4 +6,13 @@ cpu_compat.apply()
 
 from .logprobs import sequence_logprobs, trainer_logprobs  # noqa: E402
 
-__all__ = ["sequence_logprobs", "trainer_logprobs"]
+
+def __getattr__(name: str):  # TrainingClient imports TorchTitan's trainer stack: load it on first use
+    if name == "TrainingClient":
+        from .client import TrainingClient
+
+        return TrainingClient
+    raise AttributeError(name)
+
+
+__all__ = ["TrainingClient", "sequence_logprobs", "trainer_logprobs"]

@@ -28,6 +28,8 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+import shared_numerics as sn  # noqa: E402
+
 from .losses import RLLoss  # noqa: E402
 from .models import hf_state_dict, load_hf_config, state_dict_adapter_class, titan_model_config  # noqa: E402
 
@@ -115,7 +117,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
                                 max_norm=max_norm, dtype="float32", mixed_precision_param=dtype),
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
-                                            initial_load_in_hf=True, initial_load_model_only=True, interval=10**9),
+                                            initial_load_in_hf=True, initial_load_model_only=True, interval=10**9,
+                                            last_save_model_only=False),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
     )
@@ -138,22 +141,16 @@ class RLTrainer(Trainer):
     def model(self) -> torch.nn.Module:
         return self.model_parts[0]
 
-    def rl_step(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list[float],
-                sampler_logprobs: list[torch.Tensor] | None) -> dict:
-        """One GRPO optimizer step on a batch of rollouts.
+    @staticmethod
+    def pack(sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
+             sampler_logprobs: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        """Right-padded next-token batch: ``tokens [B, T]``, ``labels [B, T]`` (``IGNORE_INDEX`` outside completions),
+        ``advantages [B, T]`` (a scalar per rollout, or a per-completion-token tensor) and sampler log-probs ``[B, T]``
+        (zeros when ``None``).
 
-        Args:
-            sequences: prompt + completion token ids per rollout.
-            prompt_lengths: prompt length per rollout.
-            advantages: one scalar advantage per rollout (broadcast over its completion tokens).
-            sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion;
-                ``None`` for an on-policy step (SFT when all advantages are 1).
-
-        Returns:
-            ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
-            ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``, ``loss`` (the step's loss, float).
+        Raises:
+            ValueError: a prompt length outside ``[1, len(seq)]`` or a per-token tensor of the wrong length.
         """
-        t_pack = time.perf_counter()
         n = len(sequences)
         t = max(len(s) for s in sequences) - 1
         tokens = torch.zeros(n, t, dtype=torch.long)
@@ -161,27 +158,27 @@ class RLTrainer(Trainer):
         adv = torch.zeros(n, t)
         q = torch.zeros(n, t)
         for i, (s, p) in enumerate(zip(sequences, prompt_lengths)):
+            if not 1 <= p <= len(s):
+                raise ValueError(f"rollout {i}: prompt length {p} outside [1, {len(s)}]")
             st = torch.tensor(s, dtype=torch.long)
             tokens[i, : len(s) - 1] = st[:-1]
             labels[i, p - 1: len(s) - 1] = st[p:]
-            adv[i, p - 1: len(s) - 1] = float(advantages[i])
+            a = advantages[i]
+            if isinstance(a, torch.Tensor) and a.numel() != len(s) - p:
+                raise ValueError(f"rollout {i}: {a.numel()} advantages for {len(s) - p} completion tokens")
+            adv[i, p - 1: len(s) - 1] = a if isinstance(a, torch.Tensor) else float(a)
             if sampler_logprobs is None:
                 continue
             if sampler_logprobs[i].numel() != len(s) - p:
                 raise ValueError(f"rollout {i}: {sampler_logprobs[i].numel()} sampler logprobs for {len(s) - p} "
                                  "completion tokens")
             q[i, p - 1: len(s) - 1] = sampler_logprobs[i]
-        self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
-        self.dataloader.put({"input": tokens}, labels)
-        self.step += 1
-        # Trainer.train() records data-loading time per step; the metrics logger averages it.
-        self.metrics_processor.data_loading_times.append(time.perf_counter() - t_pack)
-        self.metrics_processor.ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
-        self.train_step(iter(self.dataloader))
+        return tokens, labels, adv, q
+
+    def _results(self) -> dict:
         last = self.loss_fn.last
         flat = last["train_logprobs"]
-        counts = last["mask"].sum(dim=1).tolist()
-        per_seq = list(torch.split(flat, counts))
+        per_seq = list(torch.split(flat, last["mask"].sum(dim=1).tolist()))
         return {
             "train_logprobs": per_seq,
             "clipped": int(last["clipped"].sum()),
@@ -189,6 +186,92 @@ class RLTrainer(Trainer):
             "num_tokens": int(flat.numel()),
             "loss": float(last["loss"]),
         }
+
+    def rl_step(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
+                sampler_logprobs: list[torch.Tensor] | None) -> dict:
+        """One optimizer step on a batch of rollouts through TorchTitan's ``train_step`` (the configured loss).
+
+        Args:
+            sequences: prompt + completion token ids per rollout.
+            prompt_lengths: prompt length per rollout.
+            advantages: per rollout, a scalar (broadcast over its completion) or a ``[completion]`` tensor.
+            sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion;
+                ``None`` for an on-policy step (SFT with the ``cross_entropy`` loss and advantages 1).
+
+        Returns:
+            ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
+            ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``, ``loss`` (the step's loss, float).
+        """
+        t_pack = time.perf_counter()
+        tokens, labels, adv, q = self.pack(sequences, prompt_lengths, advantages, sampler_logprobs)
+        self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
+        self.dataloader.put({"input": tokens}, labels)
+        self.step += 1
+        # Trainer.train() records data-loading time per step; the metrics logger averages it.
+        self.metrics_processor.data_loading_times.append(time.perf_counter() - t_pack)
+        self.metrics_processor.ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
+        self.train_step(iter(self.dataloader))
+        return self._results()
+
+    @torch.no_grad()
+    def forward_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[torch.Tensor]:
+        """The training forward's completion log-probs (float32, per rollout), without gradients or an update."""
+        tokens, labels, _, _ = self.pack(sequences, prompt_lengths, [0.0] * len(sequences), None)
+        mask = labels != IGNORE_INDEX
+        out = self.model(tokens)
+        lp = (self.model.lm_head(out[mask], targets=labels[mask]) if self.config.loss.fused
+              else sn.selected_logprobs(out[mask], labels[mask]))
+        return list(torch.split(lp, mask.sum(dim=1).tolist()))
+
+    def forward_backward(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
+                         sampler_logprobs: list[torch.Tensor] | None, loss: RLLoss | None = None) -> dict:
+        """Accumulate gradients of ``loss`` (default: the configured one) through TorchTitan's
+        ``forward_backward_step``; no optimizer step (see :meth:`optim_step`). Returns like :meth:`rl_step`."""
+        tokens, labels, adv, q = self.pack(sequences, prompt_lengths, advantages, sampler_logprobs)
+        configured = self.loss_fn
+        self.loss_fn = loss or configured
+        try:
+            self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
+            self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
+                                       global_valid_tokens=(labels != IGNORE_INDEX).sum())
+            return self._results()
+        finally:
+            self.loss_fn = configured
+
+    def forward_backward_custom(self, sequences: list[list[int]], prompt_lengths: list[int], loss_fn) -> dict:
+        """Two-pass custom loss: pass 1 computes the log-probs, ``loss_fn(logprobs_list) -> (loss, metrics)`` (any
+        differentiable Python) gives ``dL/dl``, pass 2 back-propagates ``sum(dL/dl * l)`` through the model (exact
+        gradient, ~1.5x the FLOPs of a fused loss). Gradients accumulate; no optimizer step.
+
+        Returns:
+            ``loss`` (float), ``metrics`` (the user's), ``train_logprobs`` (pass 1, float32 per rollout).
+        """
+        lps = [lp.clone().requires_grad_(True) for lp in self.forward_logprobs(sequences, prompt_lengths)]
+        loss, metrics = loss_fn(lps)
+        grads = torch.autograd.grad(loss, lps, allow_unused=True)
+        weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
+        linear = RLLoss.Config(loss_fn="cross_entropy", normalization="sum", fused=self.config.loss.fused).build()
+        if self.config.loss.fused:
+            linear.set_lm_head(self.model.lm_head)
+        self.forward_backward(sequences, prompt_lengths, weights, None, loss=linear)
+        return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
+
+    def optim_step(self, learning_rate: float | None = None) -> dict:
+        """Clip the accumulated gradients (``training.max_norm``), step the optimizer (optionally at a new learning
+        rate) and the LR schedule, zero the gradients. Returns ``grad_norm``."""
+        from torchtitan.distributed import utils as dist_utils
+
+        if learning_rate is not None:
+            for opt in self.optimizers.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = learning_rate
+        params = [p for m in self.model_parts for p in m.parameters()]
+        grad_norm = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        self.step += 1
+        return {"grad_norm": float(grad_norm)}
 
     def close(self) -> None:
         """TorchTitan's cleanup plus the process group, so another trainer can start in this process."""
