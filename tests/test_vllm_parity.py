@@ -98,6 +98,8 @@ def test_trainer_logprobs_equal_sampled_logprobs(env):
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=dtype)
     mismatched = [i for i, (t, o) in enumerate(zip(train, outs)) if not torch.equal(t, completion_logprobs(o))]
     assert mismatched == []
+    fused = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=dtype, fused=True)  # fused lm_head path
+    assert all(torch.equal(f, completion_logprobs(o)) for f, o in zip(fused, outs))
 
 
 @pytest.fixture(scope="module")

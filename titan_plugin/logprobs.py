@@ -11,7 +11,7 @@ __all__ = ["sequence_logprobs", "trainer_logprobs"]
 
 
 def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
-                      pad_id: int = 0) -> list[torch.Tensor]:
+                      pad_id: int = 0, fused: bool = False) -> list[torch.Tensor]:
     """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward.
 
     Args:
@@ -19,6 +19,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
         token_ids: ``B`` sequences (prompt + completion) of token ids.
         prompt_lengths: ``B`` prompt lengths, each ``>= 1`` and ``<= len(seq)``.
         pad_id: id used to right-pad (never read: causal attention, pad positions are after every real token).
+        fused: skip the model's lm_head and score only the completion tokens with the fused lm_head
+            (``lm_head(h, targets=...)``, :class:`titan_plugin.overrides.ZeroKLDLMHead`); same bits.
 
     Returns:
         ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
@@ -36,6 +38,14 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
     tokens = torch.full((len(token_ids), t), pad_id, dtype=torch.long)
     for i, s in enumerate(token_ids):
         tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    if fused:
+        model._skip_lm_head = True
+        try:
+            hidden = model(tokens)
+        finally:
+            model._skip_lm_head = False
+        return [model.lm_head(hidden[i, p - 1: len(s) - 1], targets=tokens[i, p: len(s)])
+                for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
     logits = model(tokens)
     out = []
     for i, (s, p) in enumerate(zip(token_ids, prompt_lengths)):
@@ -46,7 +56,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
 
 @torch.no_grad()
 def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
-                     dtype: str = "bfloat16") -> list[torch.Tensor]:
+                     dtype: str = "bfloat16", fused: bool = False) -> list[torch.Tensor]:
     """Load an HF checkpoint into TorchTitan's model with zerokld numerics and score completions.
 
     Args:
@@ -54,6 +64,7 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         token_ids: sequences (prompt + completion).
         prompt_lengths: prompt length of each sequence.
         dtype: ``"bfloat16"`` or ``"float32"``: parameter and activation dtype (match vLLM's ``--dtype``).
+        fused: compute the completion log-probs with the fused lm_head (no ``[tokens, vocab]`` logits).
 
     Returns:
         Per sequence, float32 ``[len(seq) - prompt_len]`` log-probs, bitwise equal to the logprobs vLLM returns with
@@ -61,4 +72,4 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
     """
     model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, zerokld=True)
     model.eval()
-    return sequence_logprobs(model, token_ids, prompt_lengths)
+    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused)
