@@ -75,6 +75,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-naive-gib", type=float, default=12.0,
+                    help="skip the naive path where its [tokens, vocab] buffers (~24 bytes per logit: float32 logits, "
+                         "float64 softmax, gradients) would exceed this")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:  # child process: one configuration, JSON on stdout
@@ -86,23 +89,36 @@ def main(argv=None) -> dict:
         for vocab in map(int, args.vocab.split(",")):
             for tokens in map(int, args.tokens.split(",")):
                 for path in ("naive", "fused", "two_pass"):
+                    need_gib = tokens * vocab * 24 / 2**30
+                    if path == "naive" and need_gib > args.max_naive_gib:
+                        rows.append({"loss": loss_name, "path": path, "vocab": vocab, "tokens": tokens,
+                                     "skipped": f"needs ~{need_gib:.0f} GiB of logits buffers"})
+                        print(f"{loss_name:14s} V={vocab:6d} N={tokens:5d} naive    skipped (~{need_gib:.0f} GiB)")
+                        continue
                     cmd = [sys.executable, "-m", "benchmarks.losses", "--one", f"{loss_name}:{path}:{vocab}:{tokens}",
                            "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
-                    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                    res = subprocess.run(cmd, capture_output=True, text=True)
+                    if res.returncode != 0:
+                        rows.append({"loss": loss_name, "path": path, "vocab": vocab, "tokens": tokens,
+                                     "failed": f"exit {res.returncode}: {res.stderr.strip()[-300:]}"})
+                        print(f"{loss_name:14s} V={vocab:6d} N={tokens:5d} {path:8s} failed (exit {res.returncode})")
+                        continue
                     row = json.loads(res.stdout.strip().splitlines()[-1])
                     rows.append(row)
                     print(f"{loss_name:14s} V={vocab:6d} N={tokens:5d} {path:8s} "
                           f"{row['seconds_median'] * 1e3:9.1f} ms  peak {row['peak_rss_mib']:8.0f} MiB", flush=True)
     summary = []
     for r in rows:
-        if r["path"] != "naive":
+        if r["path"] != "fused" or "seconds_median" not in r:
             continue
         same = {x["path"]: x for x in rows if (x["loss"], x["vocab"], x["tokens"]) == (r["loss"], r["vocab"],
                                                                                      r["tokens"])}
-        summary.append({"loss": r["loss"], "vocab": r["vocab"], "tokens": r["tokens"],
-                        "fused_over_two_pass_time": same["fused"]["seconds_median"] / same["two_pass"][
-                            "seconds_median"],
-                        "fused_over_naive_peak_rss": same["fused"]["peak_rss_mib"] / r["peak_rss_mib"]})
+        entry = {"loss": r["loss"], "vocab": r["vocab"], "tokens": r["tokens"]}
+        if "seconds_median" in same.get("two_pass", {}):
+            entry["fused_over_two_pass_time"] = r["seconds_median"] / same["two_pass"]["seconds_median"]
+        if "peak_rss_mib" in same.get("naive", {}):
+            entry["fused_over_naive_peak_rss"] = r["peak_rss_mib"] / same["naive"]["peak_rss_mib"]
+        summary.append(entry)
     out = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args), "rows": rows,
            "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,14 @@ from .linear import ROW_TILE, linear, matmul_rows
 from .logprobs import selected_logprobs
 from .reduce import exp64
 
-__all__ = ["DEFAULT_CHUNK", "fused_selected_logprobs"]
+__all__ = ["CHUNK_LOGITS", "auto_chunk", "fused_selected_logprobs"]
 
-DEFAULT_CHUNK = 1024
+CHUNK_LOGITS = 1 << 24  # logits per chunk by default (64 MiB in float32; the backward's float64 exp doubles it)
+
+
+def auto_chunk(vocab_size: int) -> int:
+    """Rows per chunk so that a chunk holds about :data:`CHUNK_LOGITS` logits (16..1024 rows)."""
+    return max(ROW_TILE, min(1024, CHUNK_LOGITS // max(vocab_size, 1) // ROW_TILE * ROW_TILE))
 
 
 class _FusedSelectedLogprobs(torch.autograd.Function):
@@ -58,14 +63,15 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
 
 
 def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                            chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                            chunk: int | None = None) -> torch.Tensor:
     """Log-prob of ``targets`` under ``softmax(hidden @ weight^T)``, chunked, with a closed-form backward.
 
     Args:
         hidden: ``[N, H]`` final hidden states (float32 or bfloat16).
         weight: ``[V, H]`` lm_head weight.
         targets: ``[N]`` int64 token ids.
-        chunk: rows per chunk; rounded up to a multiple of ``ROW_TILE``.
+        chunk: rows per chunk (rounded up to a multiple of ``ROW_TILE``); ``None``: :func:`auto_chunk` of the
+            vocabulary size. The result does not depend on it (row-invariant ops); memory and speed do.
 
     Returns:
         ``[N]`` float32, bitwise equal to ``selected_logprobs(linear(hidden, weight), targets)``.
@@ -77,5 +83,6 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
             hidden.shape[0],):
         raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    chunk = max(ROW_TILE, (chunk + ROW_TILE - 1) // ROW_TILE * ROW_TILE)
+    chunk = auto_chunk(weight.shape[0]) if chunk is None else max(ROW_TILE, (chunk + ROW_TILE - 1) // ROW_TILE *
+                                                                   ROW_TILE)
     return _FusedSelectedLogprobs.apply(hidden, weight, targets.long(), chunk)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["CISPOConfig", "DROConfig", "GSPOConfig", "LossBatch", "NoConfig", "PPOConfig", "cispo_loss",
+__all__ = ["CorrectionConfig", "apply_corrections", "dapo_dynamic_sampling_keep", "overlong_penalty", "CISPOConfig", "DROConfig", "GSPOConfig", "LossBatch", "NoConfig", "PPOConfig", "cispo_loss",
            "cross_entropy_loss", "DAPOConfig", "dro_loss", "dr_grpo_advantages", "grpo_advantages", "gspo_loss",
            "importance_sampling_loss", "ppo_loss"]
 
@@ -157,3 +157,68 @@ def gspo_loss(logp, sampler_logp, adv, cfg: GSPOConfig, batch: LossBatch | None 
     clipped = s_tok.clamp(lo, hi) * adv
     outside = (s_seq < lo) | (s_seq > hi)
     return -torch.minimum(unclipped, clipped), {"clipped": outside, "grad_zeroed": outside & (clipped < unclipped)}
+
+
+class CorrectionConfig(BaseModel):
+    """Loss-independent per-token terms, applied after the loss formula (all off by default).
+
+    Attributes:
+        kl_beta: weight of the k3 reference-KL term ``beta * (exp(ref - l) - (ref - l) - 1)`` (needs reference
+            log-probs; Schulman 2020 "Approximating KL Divergence"; GRPO's KL penalty).
+        tis_cap: truncated importance sampling: multiply each token's loss by ``min(exp(sg(l) - q), tis_cap)``, the
+            train/inference correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you
+            off-policy RL training").
+        mis_low, mis_high: masked importance sampling: drop tokens whose ``exp(sg(l) - q)`` lies outside
+            ``[mis_low, mis_high]``; dropped tokens leave the normaliser too.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kl_beta: float = 0.0
+    tis_cap: float | None = None
+    mis_low: float | None = None
+    mis_high: float | None = None
+
+
+def apply_corrections(tok_loss: torch.Tensor, logp: torch.Tensor, sampler_logp: torch.Tensor,
+                      cfg: CorrectionConfig, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply :class:`CorrectionConfig` to a per-token loss.
+
+    Returns:
+        ``(loss [N], keep [N] bool)``: masked tokens have loss 0 and ``keep`` False (exclude them from the normaliser).
+
+    Raises:
+        ValueError: ``kl_beta > 0`` without reference log-probs.
+    """
+    keep = torch.ones_like(logp, dtype=torch.bool)
+    ratio = torch.exp(logp.detach() - sampler_logp)
+    if cfg.tis_cap is not None:
+        tok_loss = tok_loss * ratio.clamp(max=cfg.tis_cap)
+    if cfg.mis_low is not None or cfg.mis_high is not None:
+        lo = cfg.mis_low if cfg.mis_low is not None else 0.0
+        hi = cfg.mis_high if cfg.mis_high is not None else float("inf")
+        keep = (ratio >= lo) & (ratio <= hi)
+        tok_loss = torch.where(keep, tok_loss, torch.zeros((), dtype=tok_loss.dtype))
+    if cfg.kl_beta:
+        if ref_logp is None:
+            raise ValueError("kl_beta > 0 needs reference log-probs")
+        d = ref_logp - logp
+        tok_loss = tok_loss + cfg.kl_beta * torch.where(keep, torch.exp(d) - d - 1, torch.zeros((), dtype=d.dtype))
+    return tok_loss, keep
+
+
+def dapo_dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling: ``[N]`` bool, False for every member of a group whose rewards are all equal (zero
+    advantage, no learning signal); the caller refills the batch with other groups. Yu et al. 2025 (DAPO) §3.2."""
+    r = rewards.float().reshape(-1, group_size)
+    informative = (r.amax(dim=1) != r.amin(dim=1))
+    return informative.repeat_interleave(group_size)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:
+    """DAPO soft overlong punishment added to the reward: 0 up to ``max_length - cache_length`` tokens, then a linear
+    ramp to -1 at ``max_length``, -1 beyond. Yu et al. 2025 (DAPO) eq. 13."""
+    lengths = lengths.float()
+    start = max_length - cache_length
+    ramp = (start - lengths) / cache_length
+    return torch.where(lengths <= start, torch.zeros_like(lengths),
+                       torch.where(lengths <= max_length, ramp, -torch.ones_like(lengths)))

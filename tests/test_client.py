@@ -36,28 +36,41 @@ def _state(client):
     return hf_state_dict(t.model, t.model_config, t._hf)
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen3", "float32"), ("llama", "bfloat16")])
-def test_fused_and_two_pass_custom_agree_bitwise(checkpoint_factory, tmp_path, family, dtype):
-    """Same loss value, same per-token log-probs (== trainer_logprobs, hence vLLM's) and the same parameters after
-    one optim_step, bit for bit: pass 2 back-propagates exactly the dL/dl the fused loss's autograd produces."""
-    from shared_numerics.losses import PPOConfig, ppo_loss
+LOSS_CASES = [("ppo", "qwen3", "float32"), ("ppo", "llama", "bfloat16"), ("importance_sampling", "qwen3", "float32"),
+              ("dapo", "qwen3", "float32"), ("dr_grpo", "qwen3", "float32"), ("gspo", "qwen3", "float32"),
+              ("cispo", "qwen3", "float32"), ("dro", "llama", "bfloat16")]
 
+
+@pytest.mark.parametrize("loss_name,family,dtype", LOSS_CASES)
+def test_fused_and_two_pass_custom_agree_bitwise(checkpoint_factory, tmp_path, loss_name, family, dtype):
+    """For every loss: same loss value, same per-token log-probs (== trainer_logprobs, hence vLLM's) and the same
+    parameters after one optim_step, bit for bit, between the fused loss and the two-pass custom path running the
+    same registered formula: pass 2 back-propagates exactly the dL/dl the fused loss's autograd produces."""
+    from shared_numerics.losses import LossBatch
+    from zerokld_plugins import get_loss, resolve
+
+    spec = get_loss(loss_name)
+    formula, cfg = resolve(spec.token_loss), resolve(spec.config_schema)()
     ckpt = checkpoint_factory(family, dtype)
     seqs, plens, adv = _batch(31)
     ref = trainer_logprobs(ckpt, seqs, plens, dtype=dtype)
+    sampler = [r + 0.05 * torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in
+               enumerate(ref)]  # ratios around 1, some outside the clip ranges
     results = {}
     for mode in ("fused", "custom"):
         client = TrainingClient.from_checkpoint(ckpt, dtype=dtype, learning_rate=1e-3,
                                                 dump_folder=str(tmp_path / mode))
         try:
-            data = _datums(seqs, plens, adv, ref)
+            data = _datums(seqs, plens, adv, sampler)
             if mode == "fused":
-                out = client.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+                out = client.forward_backward(data, loss_name)
             else:
-                def loss_fn(batch, lps):  # the ppo formula over all tokens, summed once (as the fused loss sums)
+                def loss_fn(batch, lps):  # the registered formula over all tokens, summed once (as the fused loss)
                     adv_t = torch.cat([torch.tensor(d["loss_fn_inputs"]["advantages"][-lp.numel():])
                                        for d, lp in zip(batch, lps)])
-                    return ppo_loss(torch.cat(lps), torch.cat(ref), adv_t, PPOConfig())[0].sum(), {"custom": True}
+                    seq_ids = torch.cat([torch.full((lp.numel(),), i) for i, lp in enumerate(lps)])
+                    tok, _ = formula(torch.cat(lps), torch.cat(sampler), adv_t, cfg, LossBatch(seq_ids, len(lps)))
+                    return tok.sum(), {"custom": True}
 
                 out = client.forward_backward_custom(data, loss_fn)
                 assert out["metrics"] == {"custom": True}

@@ -136,3 +136,57 @@ def test_rlloss_masks_tokens_and_normalises(normalization, divisor):
     assert loss.item() == pytest.approx(ref.sum().item() / divisor, rel=1e-6)
     with pytest.raises(ValueError, match="normalization"):
         RLLoss.Config(normalization="per_sequence").build()
+
+
+def test_corrections_k3_tis_mis():
+    from shared_numerics.losses import CorrectionConfig, apply_corrections
+
+    logp = torch.tensor([math.log(0.5), math.log(0.3), math.log(0.9)])
+    q = torch.tensor([math.log(0.25), math.log(0.3), math.log(0.6)])  # ratios 2.0, 1.0, 1.5
+    ref = torch.tensor([math.log(0.4), math.log(0.3), math.log(0.8)])
+    base = torch.tensor([1.0, 2.0, 3.0])
+    out, keep = apply_corrections(base, logp, q, CorrectionConfig(tis_cap=1.2))
+    assert out.tolist() == pytest.approx([1.2, 2.0, 3.6]) and keep.all()
+    out, keep = apply_corrections(base, logp, q, CorrectionConfig(mis_low=0.5, mis_high=1.6))
+    assert out.tolist() == pytest.approx([0.0, 2.0, 3.0]) and keep.tolist() == [False, True, True]
+    out, _ = apply_corrections(base, logp, q, CorrectionConfig(kl_beta=0.1), ref)
+    k3 = [math.exp(r - lt) - (r - lt) - 1 for r, lt in zip(ref.tolist(), logp.tolist())]
+    assert out.tolist() == pytest.approx([b + 0.1 * k for b, k in zip(base.tolist(), k3)], rel=1e-6)
+    with pytest.raises(ValueError, match="reference"):
+        apply_corrections(base, logp, q, CorrectionConfig(kl_beta=0.1))
+
+
+def test_dapo_helpers():
+    from shared_numerics.losses import dapo_dynamic_sampling_keep, overlong_penalty
+
+    keep = dapo_dynamic_sampling_keep(torch.tensor([1.0, 1.0, 0.1, 0.1, 1.0, 0.0]), group_size=2)
+    assert keep.tolist() == [False, False, False, False, True, True]
+    pen = overlong_penalty(torch.tensor([10, 80, 90, 100, 120]), max_length=100, cache_length=20)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+
+
+@pytest.mark.titan
+def test_rlloss_masked_is_leaves_the_normaliser():
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    import shared_numerics as sn
+    from titan_plugin.losses import RLLoss
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, 4, 7, generator=g)
+    labels = torch.tensor([[3, 1, 2, IGNORE_INDEX]])
+    lp = sn.log_softmax(logits)[0, :3].gather(1, labels[0, :3, None]).squeeze(1)
+    q = torch.cat([lp + torch.tensor([0.0, 0.0, -1.0]), torch.zeros(1)]).unsqueeze(0)  # token 2: ratio e > 2
+    adv = torch.ones(1, 4)
+    loss_fn = RLLoss.Config(loss_fn="importance_sampling", corrections={"mis_low": 0.5, "mis_high": 2.0}).build()
+    loss_fn.set_rl_inputs(adv, q)
+    loss, _ = loss_fn(logits, labels, torch.tensor(3))
+    assert loss.item() == pytest.approx(-2.0 / 2)  # tokens 0, 1: -r*A = -1 each; token 2 dropped; divided by 2
+
+
+def test_cross_entropy_weights():
+    from shared_numerics.losses import NoConfig, cross_entropy_loss
+
+    loss, grad, _ = _run(cross_entropy_loss, NoConfig())
+    assert loss == pytest.approx([-a * lt for a, lt in zip(A, L)], rel=1e-6)
+    assert grad == pytest.approx([-a for a in A], rel=1e-6)

@@ -20,7 +20,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 
 import shared_numerics as sn
-from shared_numerics.losses import LossBatch, grpo_advantages
+from shared_numerics.losses import CorrectionConfig, LossBatch, apply_corrections, grpo_advantages
 from zerokld_plugins import get_loss, resolve
 
 __all__ = ["RLLoss", "grpo_advantages"]
@@ -36,6 +36,9 @@ class RLLoss(BaseLoss):
         """``token_mean`` (sum / completion tokens of the global batch), ``sum`` (Tinker's raw sum) or ``constant``
         (sum / ``normalizer``, e.g. ``G * L_max`` for Dr.GRPO)."""
         normalizer: float = 1.0
+        corrections: dict = field(default_factory=dict)
+        """:class:`shared_numerics.losses.CorrectionConfig` fields: ``kl_beta`` (k3 reference KL), ``tis_cap``,
+        ``mis_low``/``mis_high`` (masked tokens leave the ``token_mean`` normaliser)."""
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
@@ -44,6 +47,8 @@ class RLLoss(BaseLoss):
         spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
         self.token_loss = resolve(spec.token_loss)
         self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)
+        self.corrections = CorrectionConfig.model_validate(config.corrections)
+        self._ref_logp: torch.Tensor | None = None
         self._adv: torch.Tensor | None = None
         self._sampler_logp: torch.Tensor | None = None
         self.lm_head: torch.nn.Module | None = None
@@ -53,12 +58,14 @@ class RLLoss(BaseLoss):
         """The model's lm_head (fused mode): called as ``lm_head(hidden [N, H], targets=[N]) -> logprobs [N]``."""
         self.lm_head = lm_head
 
-    def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None) -> None:
+    def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None,
+                      ref_logprobs: torch.Tensor | None = None) -> None:
         """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels.
 
-        ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1).
+        ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1). ``ref_logprobs`` ``[B, T]``:
+        reference-policy log-probs for the ``kl_beta`` term.
         """
-        self._adv, self._sampler_logp = advantages, sampler_logprobs
+        self._adv, self._sampler_logp, self._ref_logp = advantages, sampler_logprobs, ref_logprobs
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None, **kwargs):
         if self._adv is None:
@@ -74,13 +81,16 @@ class RLLoss(BaseLoss):
         adv = self._adv.to(pred.device)[mask]
         batch = LossBatch(seq_ids=torch.nonzero(mask)[:, 0], num_seqs=mask.shape[0])
         tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg, batch)
+        ref = None if self._ref_logp is None else self._ref_logp.to(pred.device)[mask]
+        tok_loss, keep = apply_corrections(tok_loss, logp, q, self.corrections, ref)
         loss = tok_loss.sum()
         if self.config.normalization == "token_mean" and global_valid_tokens is not None:
-            loss = loss / global_valid_tokens
+            dropped = int((~keep).sum())  # masked-IS tokens leave the normaliser
+            loss = loss / (global_valid_tokens - dropped).clamp(min=1)
         elif self.config.normalization == "constant":
             loss = loss / self.config.normalizer
         zeros = torch.zeros_like(mask[mask])
         self.last = {"train_logprobs": logp.detach(), "mask": mask, "clipped": flags.get("clipped", zeros),
                      "grad_zeroed": flags.get("grad_zeroed", zeros), "loss": loss.detach()}
-        self._adv = self._sampler_logp = None
+        self._adv = self._sampler_logp = self._ref_logp = None
         return loss, {}

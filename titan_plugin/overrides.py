@@ -56,11 +56,11 @@ class ZeroKLDLMHead(ZeroKLDLinear):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ZeroKLDLinear.Config):
-        fused_chunk: int = 1024
+        fused_chunk: int = 0  # rows per chunk of the fused log-probs; 0: sized from the vocabulary
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.fused_chunk = config.fused_chunk
+        self.fused_chunk = config.fused_chunk or None
 
     def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
