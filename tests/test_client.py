@@ -36,7 +36,7 @@ def _state(client):
     return hf_state_dict(t.model, t.model_config, t._hf)
 
 
-LOSS_CASES = [("ppo", "qwen3", "float32"), ("ppo", "llama", "bfloat16"), ("importance_sampling", "qwen3", "float32"),
+LOSS_CASES = [("cross_entropy", "qwen3", "float32"), ("ppo", "qwen3", "float32"), ("ppo", "llama", "bfloat16"), ("importance_sampling", "qwen3", "float32"),
               ("dapo", "qwen3", "float32"), ("dr_grpo", "qwen3", "float32"), ("gspo", "qwen3", "float32"),
               ("cispo", "qwen3", "float32"), ("dro", "llama", "bfloat16")]
 
@@ -66,7 +66,8 @@ def test_fused_and_two_pass_custom_agree_bitwise(checkpoint_factory, tmp_path, l
                 out = client.forward_backward(data, loss_name)
             else:
                 def loss_fn(batch, lps):  # the registered formula over all tokens, summed once (as the fused loss)
-                    adv_t = torch.cat([torch.tensor(d["loss_fn_inputs"]["advantages"][-lp.numel():])
+                    key = "weights" if loss_name == "cross_entropy" else "advantages"  # Tinker: CE uses the weights
+                    adv_t = torch.cat([torch.tensor(d["loss_fn_inputs"][key][-lp.numel():], dtype=torch.float32)
                                        for d, lp in zip(batch, lps)])
                     seq_ids = torch.cat([torch.full((lp.numel(),), i) for i, lp in enumerate(lps)])
                     tok, _ = formula(torch.cat(lps), torch.cat(sampler), adv_t, cfg, LossBatch(seq_ids, len(lps)))
