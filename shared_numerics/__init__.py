@@ -16,11 +16,11 @@ from .attention import KEY_CHUNK, Q_TILE, attention_over_chunks
 from .linear import ROW_TILE
 from .fused_logprobs import fused_selected_logprobs
 from .metrics import logprob_diff_metrics
-from .reduce import exp64, log64, tree_sum
+from .reduce import exp64, tree_sum
 
 __all__ = [
     "KEY_CHUNK", "Q_TILE", "ROW_TILE", "active_ops", "apply_rope", "attention_over_chunks", "dense_causal_attention",
-    "exp64", "fused_selected_logprobs", "linear", "log64", "log_softmax", "logprob_diff_metrics", "paged_causal_attention",
+    "exp64", "fused_selected_logprobs", "linear", "log_softmax", "logprob_diff_metrics", "paged_causal_attention",
     "rms_norm", "rope_cos_sin", "selected_logprobs", "silu_and_mul", "tree_sum",
 ]
 

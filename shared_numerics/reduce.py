@@ -6,8 +6,8 @@ These are the two building blocks that make every other op in ``shared_numerics`
   elementwise add is exact IEEE arithmetic on each element, whatever the tensor's shape, strides, thread count or
   SIMD tail handling, so the sum of one row never depends on how many other rows share the call. (``torch.sum``
   picks its vectorisation and split by shape; ATen's reductions are not guaranteed row invariant.)
-* ``exp64`` / ``log64`` evaluate a transcendental in float64 and round to the caller's dtype. ATen computes
-  ``exp``/``log`` with SIMD (Sleef) in the body of a tensor and with scalar libm in the tail, and which elements fall
+* ``exp64`` evaluates the exponential in float64 and rounds to the caller's dtype. ATen computes
+  ``exp`` with SIMD (Sleef) in the body of a tensor and with scalar libm in the tail, and which elements fall
   in the tail depends on the tensor's size and on the per-thread split, so float32 ``torch.exp`` of the same number
   can differ by one ulp depending on what else is in the batch. Both float64 implementations are accurate to < 1
   ulp of float64, so after rounding to float32 they agree except when the exact value lies within ~1e-16 relative of
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tree_sum", "exp64", "log64"]
+__all__ = ["tree_sum", "exp64"]
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -58,8 +58,3 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
 def exp64(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` evaluated in float64 and rounded to ``x.dtype``; see the module docstring for why."""
     return torch.exp(x.double()).to(x.dtype)
-
-
-def log64(x: torch.Tensor) -> torch.Tensor:
-    """``log(x)`` evaluated in float64 and rounded to ``x.dtype``."""
-    return torch.log(x.double()).to(x.dtype)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pluggy
 
 from . import hookspecs
-from .specs import BackendSpec, CodecSpec, LossSpec, ModelAdapterSpec, StorageSpec, resolve
+from .specs import BackendSpec, CodecSpec, LossSpec, ModelAdapterSpec, StorageSpec
 
 __all__ = ["DuplicateNameError", "Registration", "UnknownNameError", "get_backend", "get_codec", "get_loss",
            "get_model_adapter", "get_plugin_manager", "get_storage", "list_registrations", "registered",
@@ -135,8 +135,3 @@ def get_model_adapter(architecture: str) -> ModelAdapterSpec:
 def list_registrations() -> list[Registration]:
     """Every registration, sorted by kind then name."""
     return [r for kind in KINDS for _, r in sorted(_table()[kind].items())]
-
-
-def call(target, *args, **kwargs):
-    """Call a spec field that may still be a ``"module:attr"`` string."""
-    return resolve(target)(*args, **kwargs)
