@@ -86,3 +86,35 @@ def test_writer_refuses_shape_or_dtype_change(base_and_new, tmp_path):
     with pytest.raises(DeltaError, match="lacks"):
         write_incremental_snapshot(base, {**new, "extra.weight": torch.zeros(2)}, tmp_path / "d2")
     assert not (tmp_path / "d1.tmp").exists() and not (tmp_path / "d2.tmp").exists()
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "deltasync", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_diff_apply_verify_inspect_and_refusal(base_and_new, tmp_path):
+    import json
+
+    base, new = base_and_new
+    newdir = write_full_snapshot(new, base, tmp_path / "new")
+    r = _cli("diff", "--base", base, "--new", newdir, "--out", tmp_path / "delta")
+    assert r.returncode == 0 and "% of the full snapshot" in r.stdout
+    r = _cli("apply", "--base", base, "--delta", tmp_path / "delta", "--out", tmp_path / "applied")
+    assert r.returncode == 0
+    got = read_snapshot_tensors(tmp_path / "applied")
+    assert all(torch.equal(got[k], new[k]) for k in new)
+    assert _cli("verify", tmp_path / "delta").stdout.startswith("ok: incremental")
+    info = json.loads(_cli("inspect", tmp_path / "applied").stdout)
+    assert info["kind"] == "full" and info["tensors"] == len(new)
+    shard = tmp_path / "delta" / "model.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0x55
+    shard.write_bytes(bytes(raw))
+    r = _cli("apply", "--base", base, "--delta", tmp_path / "delta", "--out", tmp_path / "bad")
+    assert r.returncode == 1 and r.stderr.startswith("deltasync: ") and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+    r = _cli("verify", tmp_path)
+    assert r.returncode == 1 and "neither a full snapshot" in r.stderr
