@@ -79,11 +79,7 @@ class TrainingClient:
     def _loss(self, loss_fn: str, loss_fn_config: dict | None) -> RLLoss:
         key = (loss_fn, tuple(sorted((loss_fn_config or {}).items())))
         if key not in self._losses:
-            loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}),
-                                 fused=self.trainer.config.loss.fused, normalization="sum").build()
-            if self.trainer.config.loss.fused:
-                loss.set_lm_head(self.trainer.model.lm_head)
-            self._losses[key] = loss
+            self._losses[key] = self.trainer.build_loss(loss_fn, loss_fn_config, normalization="sum")
         return self._losses[key]
 
     def forward(self, data: list[dict]) -> dict:

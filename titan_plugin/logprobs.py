@@ -39,11 +39,12 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
     for i, s in enumerate(token_ids):
         tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
     if fused:
+        skip = getattr(model, "_skip_lm_head", False)  # a fused RLTrainer keeps it on; leave it as found
         model._skip_lm_head = True
         try:
             hidden = model(tokens)
         finally:
-            model._skip_lm_head = False
+            model._skip_lm_head = skip
         return [model.lm_head(hidden[i, p - 1: len(s) - 1], targets=tokens[i, p: len(s)])
                 for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
     logits = model(tokens)

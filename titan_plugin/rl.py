@@ -28,8 +28,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-import shared_numerics as sn  # noqa: E402
-
+from .logprobs import sequence_logprobs  # noqa: E402
 from .losses import RLLoss  # noqa: E402
 from .models import hf_state_dict, load_hf_config, state_dict_adapter_class, titan_model_config  # noqa: E402
 
@@ -216,12 +215,15 @@ class RLTrainer(Trainer):
     @torch.no_grad()
     def forward_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[torch.Tensor]:
         """The training forward's completion log-probs (float32, per rollout), without gradients or an update."""
-        tokens, labels, _, _ = self.pack(sequences, prompt_lengths, [0.0] * len(sequences), None)
-        mask = labels != IGNORE_INDEX
-        out = self.model(tokens)
-        lp = (self.model.lm_head(out[mask], targets=labels[mask]) if self.config.loss.fused
-              else sn.selected_logprobs(out[mask], labels[mask]))
-        return list(torch.split(lp, mask.sum(dim=1).tolist()))
+        return sequence_logprobs(self.model, sequences, prompt_lengths, fused=self.config.loss.fused)
+
+    def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
+        """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused)."""
+        loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}),
+                             fused=self.config.loss.fused, normalization=normalization).build()
+        if self.config.loss.fused:
+            loss.set_lm_head(self.model.lm_head)
+        return loss
 
     def forward_backward(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
                          sampler_logprobs: list[torch.Tensor] | None, loss: RLLoss | None = None) -> dict:
@@ -250,10 +252,8 @@ class RLTrainer(Trainer):
         loss, metrics = loss_fn(lps)
         grads = torch.autograd.grad(loss, lps, allow_unused=True)
         weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
-        linear = RLLoss.Config(loss_fn="cross_entropy", normalization="sum", fused=self.config.loss.fused).build()
-        if self.config.loss.fused:
-            linear.set_lm_head(self.model.lm_head)
-        self.forward_backward(sequences, prompt_lengths, weights, None, loss=linear)
+        self.forward_backward(sequences, prompt_lengths, weights, None,
+                              loss=self.build_loss("cross_entropy", normalization="sum"))
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 
     def optim_step(self, learning_rate: float | None = None) -> dict:
