@@ -76,31 +76,29 @@ def _decoder_config(hf: dict, model_cls, block_cls, rope, qk_norm: bool, head_di
 
 
 def qwen3_config(hf: dict):
-    """TorchTitan ``Qwen3Model.Config`` (stock components) and state-dict adapter for a ``Qwen3ForCausalLM`` config.
+    """TorchTitan ``Qwen3Model.Config`` (stock components) for a ``Qwen3ForCausalLM`` config.
 
     Registered as the TorchTitan side of the ``Qwen3ForCausalLM`` model adapter (``zerokld_plugins.builtin``)."""
     from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
     d = _dims(hf)
     rope = CosSinRoPE.Config(dim=d["hd"], max_seq_len=d["max_len"], theta=d["theta"])
-    return _decoder_config(hf, Qwen3Model, Qwen3TransformerBlock, rope, True, d["hd"]), Qwen3StateDictAdapter
+    return _decoder_config(hf, Qwen3Model, Qwen3TransformerBlock, rope, True, d["hd"])
 
 
 def llama3_config(hf: dict):
-    """TorchTitan ``Llama3Model.Config`` (stock components) and state-dict adapter for a ``LlamaForCausalLM`` config.
+    """TorchTitan ``Llama3Model.Config`` (stock components) for a ``LlamaForCausalLM`` config.
 
     Raises:
         ValueError: ``head_dim * num_attention_heads != hidden_size`` (TorchTitan's llama3 derives the head size).
     """
     from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     d = _dims(hf)
     if d["hd"] * d["nq"] != d["h"]:
         raise ValueError("TorchTitan llama3 needs head_dim * num_attention_heads == hidden_size")
     rope = ComplexRoPE.Config(dim=d["hd"], max_seq_len=d["max_len"], theta=d["theta"], scaling="none")
-    return _decoder_config(hf, Llama3Model, Llama3TransformerBlock, rope, False, None), Llama3StateDictAdapter
+    return _decoder_config(hf, Llama3Model, Llama3TransformerBlock, rope, False, None)
 
 
 def titan_model_config(hf: dict, zerokld: bool = True):
@@ -116,7 +114,7 @@ def titan_model_config(hf: dict, zerokld: bool = True):
     """
     from zerokld_plugins import resolve
 
-    cfg, _ = resolve(_architecture(hf).titan_config)(hf)
+    cfg = resolve(_architecture(hf).titan_config)(hf)
     if zerokld:
         apply_zerokld_overrides(cfg)
     return cfg
@@ -126,7 +124,7 @@ def state_dict_adapter_class(hf: dict):
     """TorchTitan ``StateDictAdapter`` class of the architecture's registered model adapter."""
     from zerokld_plugins import resolve
 
-    return resolve(_architecture(hf).titan_config)(hf)[1]
+    return resolve(_architecture(hf).titan_state_dict_adapter)
 
 
 def _adapter(model_cfg, hf: dict, checkpoint_dir: str | Path | None):

@@ -49,7 +49,9 @@ def zerokld_numerics_backends():
 def zerokld_model_adapters():
     return [
         ModelAdapterSpec("Qwen3ForCausalLM", "vllm_plugin.models.dense:ZeroKLDQwen3ForCausalLM",
-                         "titan_plugin.models:qwen3_config"),
+                         "titan_plugin.models:qwen3_config",
+                         "torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter"),
         ModelAdapterSpec("LlamaForCausalLM", "vllm_plugin.models.dense:ZeroKLDLlamaForCausalLM",
-                         "titan_plugin.models:llama3_config"),
+                         "titan_plugin.models:llama3_config",
+                         "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"),
     ]

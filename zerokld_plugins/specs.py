@@ -67,8 +67,10 @@ class BackendSpec:
 @dataclass(frozen=True)
 class ModelAdapterSpec:
     """``vllm_model``: ``"module:Class"`` registered with vLLM's ``ModelRegistry`` for ``architecture``;
-    ``titan_config``: ``(hf_config: dict) -> (TorchTitan model config, StateDictAdapter class)``."""
+    ``titan_config``: ``(hf_config: dict) -> TorchTitan model config``; ``titan_state_dict_adapter``: the TorchTitan
+    ``StateDictAdapter`` class converting between that model and HF weights."""
 
     architecture: str
     vllm_model: str
     titan_config: Callable | str
+    titan_state_dict_adapter: type | str
