@@ -20,8 +20,9 @@ from .reduce import exp64, tree_sum
 
 __all__ = [
     "KEY_CHUNK", "Q_TILE", "ROW_TILE", "active_ops", "apply_rope", "attention_over_chunks", "dense_causal_attention",
-    "exp64", "fused_selected_logprobs", "linear", "log_softmax", "logprob_diff_metrics", "paged_causal_attention",
-    "rms_norm", "rope_cos_sin", "selected_logprobs", "silu_and_mul", "tree_sum",
+    "exp64", "fp8_linear", "fp8_linear_qat", "fused_selected_logprobs", "linear", "log_softmax",
+    "logprob_diff_metrics", "paged_causal_attention", "quantize_fp8_weight", "rms_norm", "rope_cos_sin",
+    "selected_logprobs", "silu_and_mul", "tree_sum",
 ]
 
 _OPS_CACHE: dict[str, dict] = {}
@@ -91,3 +92,18 @@ def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
     """See :func:`shared_numerics.attention.paged_causal_attention`."""
     return active_ops()["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                                                   scale)
+
+
+def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):
+    """See :func:`shared_numerics.fp8.fp8_linear`."""
+    return active_ops()["fp8_linear"](x, qweight, weight_scale, granularity)
+
+
+def fp8_linear_qat(x, weight, granularity="per_channel"):
+    """See :func:`shared_numerics.fp8.fp8_linear_qat`."""
+    return active_ops()["fp8_linear_qat"](x, weight, granularity)
+
+
+def quantize_fp8_weight(weight, granularity="per_channel"):
+    """See :func:`shared_numerics.fp8.quantize_fp8_weight`."""
+    return active_ops()["quantize_fp8_weight"](weight, granularity)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .activation import silu_and_mul
 from .attention import dense_causal_attention, paged_causal_attention
+from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
 from .linear import linear
 from .logprobs import log_softmax, selected_logprobs
 from .norm import rms_norm
@@ -18,4 +19,7 @@ OPS = {
     "selected_logprobs": selected_logprobs,
     "dense_causal_attention": dense_causal_attention,
     "paged_causal_attention": paged_causal_attention,
+    "fp8_linear": fp8_linear,
+    "fp8_linear_qat": fp8_linear_qat,
+    "quantize_fp8_weight": quantize_fp8_weight,
 }

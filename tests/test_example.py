@@ -43,3 +43,18 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
         assert r["max_abs_logprob_diff"] == 0.0 and r["clipped_fraction"] == 0.0
     assert sum(r["tokens_bitwise_different"] for r in rows["stock"]) > 0
     assert (out / "curves.png").stat().st_size > 10_000
+
+
+def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
+    """``--fp8``: vLLM serves in FP8 (online quantization, re-quantized at every weight sync) and the trainer runs FP8
+    QAT with the same quantizer: k3 exactly 0 at every step."""
+    from examples.countdown.run import main
+
+    engine_slot.close()
+    out = tmp_path / "cd8"
+    main(["--out", str(out), "--numerics", "zerokld", "--fp8", "per_channel", "--steps", "3", "--sft-steps", "2",
+          "--prompts-per-step", "8", "--group-size", "4"])
+    rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0

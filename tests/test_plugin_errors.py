@@ -23,6 +23,10 @@ def test_config_schema():
         from_vllm_config(_Cfg({"zerokld": {"batch_invariant": "maybe"}}))
     with pytest.raises(ZeroKLDConfigError, match="Extra inputs"):
         from_vllm_config(_Cfg({"zerokld": {"batch_invarient": True}}))
+    with pytest.raises(ZeroKLDConfigError, match="fp8 needs batch_invariant"):
+        from_vllm_config(_Cfg({"zerokld": {"fp8": True}}))
+    with pytest.raises(ZeroKLDConfigError, match="fp8_granularity"):
+        from_vllm_config(_Cfg({"zerokld": {"batch_invariant": True, "fp8": True, "fp8_granularity": "tensor"}}))
 
 
 def _edited_checkpoint(src: str, dst: Path, **changes) -> str:
@@ -35,7 +39,7 @@ def _edited_checkpoint(src: str, dst: Path, **changes) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling"])
+@pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin"])
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd):
     from zerokld_testing.engines import start_llm
 
@@ -44,12 +48,17 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
         ckpt = _edited_checkpoint(checkpoint_factory("llama", "float32"), tmp_path / "m",
                                   architectures=["MistralForCausalLM"], model_type="mistral")
         expected = "does not support architecture"
-    else:
+    elif case == "rope_scaling":
         ckpt = _edited_checkpoint(checkpoint_factory("qwen3", "float32"), tmp_path / "r",
                                   rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                 "original_max_position_embeddings": 512})
         expected = "rope_scaling"
+    else:  # a zerokld_fp8 export must not be served by stock vLLM layers (they would misread the FP8 codes)
+        from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
+
+        ckpt = str(export_fp8_checkpoint(checkpoint_factory("qwen3", "float32"), tmp_path / "fp8"))
+        expected = "quantized with zerokld_fp8"
     with pytest.raises(Exception):
-        start_llm(ckpt, dtype="float32", zerokld=True)
+        start_llm(ckpt, dtype="float32", zerokld=case != "fp8_checkpoint_without_plugin")
     out, err = capfd.readouterr()
     assert expected in out + err

@@ -15,7 +15,15 @@ from zerokld_testing.engines import completion_logprobs, prompt_logprobs, start_
 
 pytestmark = pytest.mark.vllm
 
-CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "float32"), ("llama", "bfloat16")]
+# (family, dtype, fp8): fp8 is None, or (how vLLM gets FP8, granularity): "online" quantizes the high-precision
+# checkpoint at load; "export" serves the trainer's exported zerokld_fp8 checkpoint. The trainer runs FP8 QAT.
+CONFIGS = [("qwen3", "float32", None), ("qwen3", "bfloat16", None), ("llama", "float32", None),
+           ("llama", "bfloat16", None), ("qwen3", "bfloat16", ("online", "per_channel")),
+           ("llama", "bfloat16", ("export", "per_channel")), ("qwen3", "float32", ("export", "block"))]
+
+
+def _config_id(c) -> str:
+    return "-".join([c[0], c[1]] + (["fp8", *c[2]] if c[2] else []))
 VOCAB_LO, VOCAB_HI = 3, 100  # printable characters of the tiny tokenizer
 
 
@@ -24,13 +32,27 @@ def random_prompts(n: int, seed: int, lo: int = 4, hi: int = 120) -> list[list[i
     return [[1] + [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{f}-{d}" for f, d in CONFIGS])
-def env(request, engine_slot, checkpoint_factory):
-    family, dtype = request.param
+@pytest.fixture(scope="module", params=CONFIGS, ids=[_config_id(c) for c in CONFIGS])
+def env(request, engine_slot, checkpoint_factory, tmp_path_factory):
+    """``(llm, trainer)``: a live engine and ``trainer(seqs, prompt_lens, **kw)`` = the matching trainer_logprobs."""
+    family, dtype, fp8 = request.param
     ckpt = checkpoint_factory(family, dtype)
-    llm = engine_slot.get(("zerokld", family, dtype),
-                          lambda: start_llm(ckpt, dtype=dtype, zerokld=True, max_num_batched_tokens=64))
-    return llm, ckpt, dtype
+    granularity = fp8[1] if fp8 else None
+
+    def factory():
+        if fp8 and fp8[0] == "export":
+            from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
+
+            served = export_fp8_checkpoint(ckpt, tmp_path_factory.mktemp("fp8") / "ckpt", granularity)
+            return start_llm(str(served), dtype=dtype, zerokld=True, max_num_batched_tokens=64)
+        return start_llm(ckpt, dtype=dtype, zerokld=True, max_num_batched_tokens=64, fp8=granularity or False)
+
+    llm = engine_slot.get(("zerokld", family, dtype, fp8), factory)
+
+    def trainer(seqs, prompt_lens, **kw):
+        return trainer_logprobs(ckpt, seqs, prompt_lens, dtype=dtype, fp8=granularity or False, **kw)
+
+    return llm, trainer
 
 
 def greedy(max_tokens: int = 12, **kw):
@@ -40,7 +62,7 @@ def greedy(max_tokens: int = 12, **kw):
 
 
 def test_alone_vs_batch_of_40(env):
-    llm, _, _ = env
+    llm, _ = env
     prompts = random_prompts(40, seed=1)
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     for i in (0, 17, 39):
@@ -51,7 +73,7 @@ def test_alone_vs_batch_of_40(env):
 
 
 def test_prefix_cache_hit_is_bitwise(env):
-    llm, _, _ = env
+    llm, _ = env
     base = random_prompts(1, seed=2, lo=130, hi=131)[0]
     longer = base + [5, 6, 7, 8]
     llm.reset_prefix_cache()
@@ -65,7 +87,7 @@ def test_prefix_cache_hit_is_bitwise(env):
 
 
 def test_decode_logprobs_equal_prompt_logprobs(env):
-    llm, _, _ = env
+    llm, _ = env
     prompts = random_prompts(6, seed=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=20), use_tqdm=False)
     full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
@@ -77,12 +99,12 @@ def test_decode_logprobs_equal_prompt_logprobs(env):
 
 
 def test_chunked_prefill_matches_trainer(env):
-    llm, ckpt, dtype = env
+    llm, trainer = env
     long_prompt = random_prompts(1, seed=4, lo=230, hi=231)[0]  # 231 tokens: 4 chunks of <= 64
     llm.reset_prefix_cache()
     out = llm.generate([{"prompt_token_ids": long_prompt}], greedy(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
-    ref = trainer_logprobs(ckpt, [long_prompt], [1], dtype=dtype)[0]
+    ref = trainer([long_prompt], [1])[0]
     assert torch.equal(prompt_logprobs(out, start=1), ref)
 
 
@@ -90,15 +112,15 @@ def test_trainer_logprobs_equal_sampled_logprobs(env):
     """>= 50 sequences sampled at temperature 1 in one batch; the trainer scores them in one padded batch."""
     from vllm import SamplingParams
 
-    llm, ckpt, dtype = env
+    llm, trainer = env
     prompts = random_prompts(56, seed=5, lo=4, hi=60)
     sp = SamplingParams(max_tokens=24, temperature=1.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=dtype)
+    train = trainer(seqs, [len(p) for p in prompts])
     mismatched = [i for i, (t, o) in enumerate(zip(train, outs)) if not torch.equal(t, completion_logprobs(o))]
     assert mismatched == []
-    fused = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=dtype, fused=True)  # fused lm_head path
+    fused = trainer(seqs, [len(p) for p in prompts], fused=True)  # fused lm_head path
     assert all(torch.equal(f, completion_logprobs(o)) for f, o in zip(fused, outs))
 
 

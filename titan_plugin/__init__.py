@@ -4,6 +4,8 @@ from . import cpu_compat
 
 cpu_compat.apply()
 
+from shared_numerics.fp8_checkpoint import export_fp8_checkpoint  # noqa: E402
+
 from .logprobs import sequence_logprobs, trainer_logprobs  # noqa: E402
 
 
@@ -15,4 +17,4 @@ def __getattr__(name: str):  # TrainingClient imports TorchTitan's trainer stack
     raise AttributeError(name)
 
 
-__all__ = ["TrainingClient", "sequence_logprobs", "trainer_logprobs"]
+__all__ = ["TrainingClient", "export_fp8_checkpoint", "sequence_logprobs", "trainer_logprobs"]

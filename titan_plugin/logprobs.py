@@ -57,7 +57,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
 
 @torch.no_grad()
 def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
-                     dtype: str = "bfloat16", fused: bool = False) -> list[torch.Tensor]:
+                     dtype: str = "bfloat16", fused: bool = False, fp8: bool | str = False) -> list[torch.Tensor]:
     """Load an HF checkpoint into TorchTitan's model with zerokld numerics and score completions.
 
     Args:
@@ -66,11 +66,14 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         prompt_lengths: prompt length of each sequence.
         dtype: ``"bfloat16"`` or ``"float32"``: parameter and activation dtype (match vLLM's ``--dtype``).
         fused: compute the completion log-probs with the fused lm_head (no ``[tokens, vocab]`` logits).
+        fp8: FP8 QAT forward (``True`` = ``"per_channel"``, or ``"block"``): equal to vLLM serving this checkpoint with
+            ``fp8: true`` (same granularity) or serving its :func:`titan_plugin.export_fp8_checkpoint` export.
 
     Returns:
         Per sequence, float32 ``[len(seq) - prompt_len]`` log-probs, bitwise equal to the logprobs vLLM returns with
         ``additional_config={"zerokld": {"batch_invariant": true}}`` for the same tokens and weights.
     """
-    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, zerokld=True)
+    granularity = ("per_channel" if fp8 is True else fp8) or None
+    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, zerokld=True, fp8=granularity)
     model.eval()
     return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused)

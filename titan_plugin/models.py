@@ -101,22 +101,29 @@ def llama3_config(hf: dict):
     return _decoder_config(hf, Llama3Model, Llama3TransformerBlock, rope, False, None)
 
 
-def titan_model_config(hf: dict, zerokld: bool = True):
+def titan_model_config(hf: dict, zerokld: bool = True, fp8: str | None = None):
     """TorchTitan model config for an HF ``config.json`` dict, built by the architecture's registered model adapter.
 
     Args:
         hf: the parsed ``config.json``.
         zerokld: apply the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, flex attention).
+        fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``; needs ``zerokld``.
 
     Raises:
         zerokld_plugins.UnknownNameError: no model adapter for the architecture.
-        ValueError: unsupported RoPE scaling or dimensions.
+        ValueError: unsupported RoPE scaling or dimensions; ``fp8`` without ``zerokld``; a quantized checkpoint
+            (train from the high-precision one; export with :func:`titan_plugin.export_fp8_checkpoint`).
     """
     from zerokld_plugins import resolve
 
+    if hf.get("quantization_config"):
+        raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized "
+                         f"({hf['quantization_config'].get('quant_method')})")
+    if fp8 is not None and not zerokld:
+        raise ValueError("FP8 QAT needs the zerokld numerics (zerokld=True)")
     cfg = resolve(_architecture(hf).titan_config)(hf)
     if zerokld:
-        apply_zerokld_overrides(cfg)
+        apply_zerokld_overrides(cfg, fp8=fp8)
     return cfg
 
 
@@ -161,14 +168,18 @@ def hf_state_dict(model: torch.nn.Module, model_cfg, hf: dict) -> dict[str, torc
     return out
 
 
-def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", zerokld: bool = True):
+def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", zerokld: bool = True,
+                      fp8: str | None = None):
     """Build TorchTitan's model for an HF checkpoint directory and load its weights.
+
+    Args:
+        fp8: FP8 QAT granularity or ``None`` (see :func:`titan_model_config`).
 
     Returns:
         ``(model, model_config, hf_config)``; the model is on CPU in ``dtype``.
     """
     hf = load_hf_config(checkpoint_dir)
-    cfg = titan_model_config(hf, zerokld=zerokld)
+    cfg = titan_model_config(hf, zerokld=zerokld, fp8=fp8)
     with torch.device("cpu"):
         model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))

@@ -15,6 +15,8 @@ TorchTitan component   zerokld replacement
 ``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables)
 ``ComplexRoPE``        same, after undoing the adapter's interleave permutation of q/k (llama3), so the
                        q·k dot products run over the HF dimension order exactly as vLLM's do
+``Linear`` (FP8 QAT)   :func:`shared_numerics.fp8_linear_qat` (optional third pass, ``fp8=...``): every decoder
+                       projection, not the lm_head
 ``FlexAttention`` /    :func:`shared_numerics.dense_causal_attention` (fixed 32-key chunks, same arithmetic as
 ``ScaledDotProduct``   vLLM's paged path)
 =====================  ===========================================================================
@@ -48,6 +50,24 @@ class ZeroKLDLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sn.linear(x, self.weight, self.bias)
+
+
+class ZeroKLDFp8Linear(ZeroKLDLinear):
+    """FP8 quantization-aware linear: forward is :func:`shared_numerics.fp8_linear_qat` — bit for bit the FP8 GEMM
+    vLLM serves (:func:`shared_numerics.fp8_linear` of ``quantize_fp8_weight(weight)``) — backward straight-through."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ZeroKLDLinear.Config):
+        granularity: str = "per_channel"  # or "block" (1x128 activation groups, 128x128 weight blocks)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.granularity = config.granularity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            raise NotImplementedError("zerokld FP8 linears are bias-free")
+        return sn.fp8_linear_qat(x, self.weight, self.granularity)
 
 
 class ZeroKLDLMHead(ZeroKLDLinear):
@@ -188,6 +208,16 @@ def zerokld_sdpa_attention(cfg: ScaledDotProductAttention.Config) -> ZeroKLDAtte
     return ZeroKLDAttention.Config()
 
 
+@override(target=ZeroKLDLinear.Config, exact=True, description="zerokld FP8 QAT linear (per-token x per-channel)")
+def zerokld_fp8_linear(cfg: ZeroKLDLinear.Config) -> ZeroKLDFp8Linear.Config:
+    return derive(cfg, ZeroKLDFp8Linear.Config, granularity="per_channel")
+
+
+@override(target=ZeroKLDLinear.Config, exact=True, description="zerokld FP8 QAT linear (1x128 x 128x128 blocks)")
+def zerokld_fp8_block_linear(cfg: ZeroKLDLinear.Config) -> ZeroKLDFp8Linear.Config:
+    return derive(cfg, ZeroKLDFp8Linear.Config, granularity="block")
+
+
 # Two passes: the feed-forward override owns its w1/w2/w3, and TorchTitan rejects an override claiming a node whose
 # ancestor another override of the same pass claims. After pass 1 those linears are ZeroKLDLinear, which the exact
 # Linear override of pass 2 no longer matches.
@@ -197,15 +227,30 @@ OVERRIDE_PASSES = [
                                             zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
 ]
 OVERRIDE_IMPORTS = [name for names in OVERRIDE_PASSES for name in names]
+# FP8 QAT: a third pass turns every decoder linear (exactly ZeroKLDLinear: not the lm_head) into ZeroKLDFp8Linear.
+FP8_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_linear", "block": f"{__name__}.zerokld_fp8_block_linear"}
 
 
-def apply_zerokld_overrides(config_root) -> list[str]:
+def apply_zerokld_overrides(config_root, fp8: str | None = None) -> list[str]:
     """Apply every zerokld override to a TorchTitan config tree (``Trainer.Config`` or a model config) in place.
+
+    Args:
+        config_root: the config tree.
+        fp8: ``None`` (no FP8), ``"per_channel"`` or ``"block"``: FP8 QAT on the decoder projections, with the
+            granularity vLLM serves (``additional_config`` ``fp8_granularity``).
 
     Returns:
         TorchTitan's log lines, one per replaced node.
+
+    Raises:
+        ValueError: an unknown ``fp8`` granularity.
     """
+    passes = [list(names) for names in OVERRIDE_PASSES]
+    if fp8 is not None:
+        if fp8 not in FP8_OVERRIDES:
+            raise ValueError(f"unknown FP8 granularity {fp8!r}; expected one of {sorted(FP8_OVERRIDES)}")
+        passes.append([FP8_OVERRIDES[fp8]])
     lines: list[str] = []
-    for names in OVERRIDE_PASSES:
-        lines += apply_overrides(OverrideConfig(imports=list(names)), config_root)
+    for names in passes:
+        lines += apply_overrides(OverrideConfig(imports=names), config_root)
     return lines

@@ -59,8 +59,8 @@ class RolloutQueue(BaseDataLoader):
         pass
 
 
-def _model_spec(hf: dict, zerokld: bool) -> ModelSpec:
-    cfg = titan_model_config(hf, zerokld=zerokld)
+def _model_spec(hf: dict, zerokld: bool, fp8: str | None = None) -> ModelSpec:
+    cfg = titan_model_config(hf, zerokld=zerokld, fp8=fp8)
     if hf["architectures"][0] == "LlamaForCausalLM":
         from torchtitan.models.llama3.parallelize import parallelize_llama as par
     else:
@@ -71,7 +71,8 @@ def _model_spec(hf: dict, zerokld: bool) -> ModelSpec:
 
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
                       steps: int = 1000, zerokld: bool = True, loss_fn: str = "ppo",
-                      loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False) -> Trainer.Config:
+                      loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
+                      fp8: str | None = None) -> Trainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -88,14 +89,16 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
         fused: compute the completion tokens' log-probs with the fused lm_head (no ``[tokens, vocab]`` logits);
             needs ``zerokld=True``.
+        fp8: FP8 quantization-aware training of the decoder projections (``"per_channel"`` or ``"block"``, the
+            granularity vLLM serves with ``additional_config`` ``fp8``); ``None``: off. Needs ``zerokld=True``.
 
     Raises:
-        ValueError: ``fused`` without ``zerokld``.
+        ValueError: ``fused`` or ``fp8`` without ``zerokld``.
     """
     if fused and not zerokld:
         raise ValueError("fused log-probs need the zerokld lm_head (zerokld=True)")
     hf = load_hf_config(checkpoint_dir)
-    spec = _model_spec(hf, zerokld)
+    spec = _model_spec(hf, zerokld, fp8)
     if not zerokld:
         from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
@@ -287,3 +290,15 @@ class RLTrainer(Trainer):
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         sd = hf_state_dict(self.model, self.model_config, self._hf)
         return write_full_snapshot(sd, self.config.hf_assets_path, out_dir, dtype=torch_dtype)
+
+    def save_fp8(self, out_dir: str | Path, dtype: str, granularity: str = "per_channel") -> Path:
+        """Export the current weights as the FP8 serving checkpoint
+        (:func:`shared_numerics.fp8_checkpoint.export_fp8_checkpoint` of the ``dtype`` snapshot ``save_hf`` writes):
+        vLLM serving it computes exactly this trainer's FP8 QAT forward."""
+        import tempfile
+
+        from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="zerokld-fp8-") as tmp:
+            src = self.save_hf(Path(tmp) / "hf", dtype)
+            return export_fp8_checkpoint(src, out_dir, granularity)

@@ -5,9 +5,9 @@ Pass it as ``--additional-config '{"zerokld": {"batch_invariant": true}}'`` to t
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 __all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "from_vllm_config"]
 
@@ -21,11 +21,25 @@ class ZeroKLDConfig(BaseModel):
 
     Attributes:
         batch_invariant: run supported models on ``shared_numerics`` (bitwise equal to the trainer).
+        fp8: serve the decoder projections in FP8 (:mod:`shared_numerics.fp8`): a high-precision checkpoint is
+            quantized online at every (re)load; a ``zerokld_fp8`` checkpoint (``shared_numerics.fp8_checkpoint``) is
+            served as stored whether or not this is set. Needs ``batch_invariant``.
+        fp8_granularity: ``"per_channel"`` (per-token activations, per-channel weights; default) or ``"block"``
+            (1x128 activation groups, 128x128 weight blocks). A quantized checkpoint's own granularity wins; naming
+            a different one is an error.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     batch_invariant: bool = False
+    fp8: bool = False
+    fp8_granularity: Literal["per_channel", "block"] | None = None
+
+    @model_validator(mode="after")
+    def _fp8_needs_batch_invariant(self) -> "ZeroKLDConfig":
+        if (self.fp8 or self.fp8_granularity) and not self.batch_invariant:
+            raise ValueError("fp8 needs batch_invariant: true (the FP8 math is the shared_numerics one)")
+        return self
 
 
 def from_vllm_config(vllm_config: Any) -> ZeroKLDConfig:

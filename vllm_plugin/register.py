@@ -8,6 +8,7 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
   ``LlamaForCausalLM``) maps its architecture to a class that builds the stock vLLM model when the flag is off and
   the ``shared_numerics`` model when it is on;
 * the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
+* the quantization method ``zerokld_fp8`` (FP8 checkpoints exported by the trainer) is added to vLLM's registry;
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
   model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
   instead of silently serving stock numerics.
@@ -26,11 +27,13 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import register_backend
 
     from .attention_backend import BACKEND_NAME
+    from .fp8 import register as register_fp8
     from zerokld_plugins import registered
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
     for arch, reg in registered("model").items():
         ModelRegistry.register_model(arch, reg.spec.vllm_model)
+    register_fp8()
     _guard_initialize_model()
     _REGISTERED = True
 

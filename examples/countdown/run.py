@@ -3,7 +3,8 @@
 One command (``python -m examples.countdown.run``, or ``make demo``) builds a tiny Qwen3 checkpoint, warm-starts it with
 SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts from
 a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock components).
-Outputs under ``--out`` (default ``runs/countdown``): ``{zerokld,stock}/metrics.jsonl`` (one line per RL step) and
+``--fp8`` serves in FP8 (zerokld: the shared FP8 quantizer on both sides, QAT in the trainer; stock: vLLM's own FP8
+against a bf16 trainer). Outputs under ``--out`` (default ``runs/countdown``): ``{zerokld,stock}/metrics.jsonl`` (one line per RL step) and
 ``curves.png``. Runs one engine at a time (2-core machines).
 """
 from __future__ import annotations
@@ -48,7 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--clip-high", type=float, default=1.2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    ap.add_argument("--fp8", choices=["per_channel", "block"], default=None,
+                    help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
+                    "FP8 QAT with the same math; stock: vLLM's own FP8 (quantization=fp8_per_channel) and a "
+                    "high-precision trainer (per_channel only)")
+    args = ap.parse_args(argv)
+    if args.fp8 == "block" and args.numerics != "zerokld":
+        ap.error("--fp8 block: vLLM-CPU has no stock per-block FP8 to compare with; add --numerics zerokld")
+    return args
 
 
 class Tok:
@@ -76,7 +84,7 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
 
     trainer = RLTrainer(rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr,
                                           loss_fn="cross_entropy"))
-    problems = generate_problems(args.sft_steps * args.sft_batch // 4, seed=args.seed + 1000)
+    problems = generate_problems(max(args.sft_steps * args.sft_batch // 4, args.sft_batch), seed=args.seed + 1000)
     rng = random.Random(args.seed)
     try:
         for _ in tqdm(range(args.sft_steps), desc="SFT warm start", unit="step"):
@@ -109,10 +117,12 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.write_text("")
-    llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed)
+    fp8_engine = ({"fp8": args.fp8} if zk else {"quantization": "fp8_per_channel"}) if args.fp8 else {}
+    llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed, **fp8_engine)
     trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
                                           zerokld=zk, loss_fn=args.loss_fn,
-                                          loss_fn_config=loss_fn_config(args), fused=args.fused and zk))
+                                          loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
+                                          fp8=args.fp8 if zk else None))
     sync = FullSnapshotSync(run_dir / "snapshots", args.dtype)
     problems = generate_problems(args.steps * args.prompts_per_step, seed=args.seed + 7)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)

@@ -10,6 +10,10 @@ and k); rotate-half RoPE; paged causal attention; ``h = h + linear(o, Wo)``; ``f
 ``h = h + linear(silu_and_mul(linear(f, Wg), linear(f, Wu)), Wd)``; then ``rms_norm`` and ``linear(h, W_lm)``.
 The sampler's ``compute_logprobs`` becomes :func:`shared_numerics.log_softmax`.
 
+FP8 (``additional_config={"zerokld": {"batch_invariant": true, "fp8": true}}``, or a ``zerokld_fp8`` checkpoint):
+the seven decoder projections run :func:`shared_numerics.fp8_linear` (embeddings, norms and lm_head stay in the model
+dtype, as in vLLM's FP8 and the trainer's QAT).
+
 Weights keep HF names (``model.layers.N.self_attn.q_proj.weight`` ...), so vLLM's loader feeds a HF checkpoint straight
 in; ``load_weights`` goes through each parameter's ``weight_loader`` so ``reload_weights`` works in place.
 Sources: HF ``modeling_qwen3.py`` / ``modeling_llama.py``; vLLM ``model_executor/models/qwen3.py`` / ``llama.py``.
@@ -26,6 +30,8 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 import shared_numerics as sn
+import shared_numerics.fp8 as sn_fp8
+from shared_numerics.fp8_checkpoint import QUANT_METHOD
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
@@ -33,10 +39,52 @@ from ..config import ZeroKLDConfigError, from_vllm_config
 __all__ = ["DenseDecoder", "ZeroKLDLlamaForCausalLM", "ZeroKLDQwen3ForCausalLM"]
 
 
-def _param(*shape: int) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = default_weight_loader  # type: ignore[attr-defined]
     return p
+
+
+class Fp8Mode:
+    """How the decoder projections run: ``off`` (``sn.linear``), ``online`` (high-precision weights, FP8 codes
+    recomputed at every (re)load) or ``serialized`` (a ``zerokld_fp8`` checkpoint's codes and scales)."""
+
+    def __init__(self, kind: str = "off", granularity: str = "per_channel") -> None:
+        self.kind, self.granularity = kind, granularity
+
+
+class _Proj(nn.Module):
+    """One decoder projection ``[out, in]`` with HF parameter names (``weight``; FP8 checkpoints add
+    ``weight_scale``)."""
+
+    def __init__(self, out_features: int, in_features: int, fp8: Fp8Mode) -> None:
+        super().__init__()
+        self.fp8 = fp8
+        if fp8.kind == "serialized":
+            self.weight = _param(out_features, in_features, dtype=sn_fp8.FP8_DTYPE)
+            if fp8.granularity == "block":
+                b = sn_fp8.BLOCK
+                self.weight_scale = _param(-(-out_features // b), -(-in_features // b), dtype=torch.float32)
+            else:
+                self.weight_scale = _param(out_features, dtype=torch.float32)
+        else:
+            self.weight = _param(out_features, in_features)
+        self._codes: torch.Tensor | None = None
+        self._scales: torch.Tensor | None = None
+
+    def quantize(self) -> None:
+        """Online FP8: (re)compute codes and scales from the current high-precision weight."""
+        self._codes, self._scales = sn.quantize_fp8_weight(self.weight.data, self.fp8.granularity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = self.fp8.kind
+        if kind == "off":
+            return sn.linear(x, self.weight)
+        if kind == "serialized":
+            return sn.fp8_linear(x, self.weight, self.weight_scale, self.fp8.granularity)
+        if self._codes is None:
+            raise RuntimeError("zerokld fp8: weights were not quantized after loading")
+        return sn.fp8_linear(x, self._codes, self._scales, self.fp8.granularity)
 
 
 def check_supported(vllm_config, family: str) -> None:
@@ -52,8 +100,10 @@ def check_supported(vllm_config, family: str) -> None:
         problems.append("tensor/pipeline parallelism (use TP=PP=1)")
     if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"dtype {vllm_config.model_config.dtype} (use float32 or bfloat16)")
-    if vllm_config.quant_config is not None:
-        problems.append("quantization")
+    qc = vllm_config.quant_config
+    if qc is not None and getattr(qc, "get_name", lambda: None)() != QUANT_METHOD:
+        problems.append(f"quantization {qc.get_name()} (zerokld serves its own FP8: additional_config fp8, or a "
+                        f"{QUANT_METHOD} checkpoint)")
     if vllm_config.lora_config is not None:
         problems.append("LoRA")
     if getattr(hf, "rope_scaling", None) not in (None, {}) and (hf.rope_scaling or {}).get("rope_type", "default") \
@@ -78,7 +128,7 @@ def _rope_theta(hf) -> float:
 
 
 class _Layer(nn.Module):
-    def __init__(self, hf, qk_norm: bool, vllm_config, prefix: str) -> None:
+    def __init__(self, hf, qk_norm: bool, vllm_config, prefix: str, fp8: Fp8Mode) -> None:
         super().__init__()
         h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
         hd = getattr(hf, "head_dim", None) or h // nq
@@ -89,10 +139,8 @@ class _Layer(nn.Module):
         self.post_attention_layernorm.weight = _param(h)
         sa = self.self_attn = nn.Module()
         for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            setattr(sa, name, nn.Module())
-            getattr(sa, name).weight = _param(out, h)
-        sa.o_proj = nn.Module()
-        sa.o_proj.weight = _param(h, nq * hd)
+            setattr(sa, name, _Proj(out, h, fp8))
+        sa.o_proj = _Proj(h, nq * hd, fp8)
         self.qk_norm = qk_norm
         if qk_norm:
             sa.q_norm = nn.Module()
@@ -102,41 +150,41 @@ class _Layer(nn.Module):
         mlp = self.mlp = nn.Module()
         for name, shape in (("gate_proj", (hf.intermediate_size, h)), ("up_proj", (hf.intermediate_size, h)),
                             ("down_proj", (h, hf.intermediate_size))):
-            setattr(mlp, name, nn.Module())
-            getattr(mlp, name).weight = _param(*shape)
+            setattr(mlp, name, _Proj(*shape, fp8))
         sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         sa, n = self.self_attn, h.shape[0]
         a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
-        q = sn.linear(a, sa.q_proj.weight).view(n, self.nq, self.hd)
-        k = sn.linear(a, sa.k_proj.weight).view(n, self.nkv, self.hd)
-        v = sn.linear(a, sa.v_proj.weight).view(n, self.nkv, self.hd)
+        q = sa.q_proj(a).view(n, self.nq, self.hd)
+        k = sa.k_proj(a).view(n, self.nkv, self.hd)
+        v = sa.v_proj(a).view(n, self.nkv, self.hd)
         if self.qk_norm:
             q = sn.rms_norm(q, sa.q_norm.weight, self.eps)
             k = sn.rms_norm(k, sa.k_norm.weight, self.eps)
         q = sn.apply_rope(q, cos, sin)
         k = sn.apply_rope(k, cos, sin)
         o = sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
-        h = h + sn.linear(o, sa.o_proj.weight)
+        h = h + sa.o_proj(o)
         f = sn.rms_norm(h, self.post_attention_layernorm.weight, self.eps)
         mlp = self.mlp
-        g = sn.silu_and_mul(sn.linear(f, mlp.gate_proj.weight), sn.linear(f, mlp.up_proj.weight))
-        return h + sn.linear(g, mlp.down_proj.weight)
+        g = sn.silu_and_mul(mlp.gate_proj(f), mlp.up_proj(f))
+        return h + mlp.down_proj(g)
 
 
 class DenseDecoder(nn.Module):
     """The batch-invariant decoder body; parameters under ``model.`` and ``lm_head`` with HF names."""
 
-    def __init__(self, vllm_config, qk_norm: bool, prefix: str = "") -> None:
+    def __init__(self, vllm_config, qk_norm: bool, prefix: str = "", fp8: Fp8Mode | None = None) -> None:
         super().__init__()
         hf = vllm_config.model_config.hf_config
+        fp8 = fp8 or Fp8Mode()
         self.hf = hf
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(hf.vocab_size, hf.hidden_size)
         self.layers = nn.ModuleList(
-            [_Layer(hf, qk_norm, vllm_config, f"{prefix}layers.{i}") for i in range(hf.num_hidden_layers)]
+            [_Layer(hf, qk_norm, vllm_config, f"{prefix}layers.{i}", fp8) for i in range(hf.num_hidden_layers)]
         )
         self.norm = nn.Module()
         self.norm.weight = _param(hf.hidden_size)
@@ -158,6 +206,23 @@ def _install_sampler_logprobs() -> None:
     Sampler.compute_logprobs = staticmethod(sn.log_softmax)  # type: ignore[method-assign]
 
 
+def _is_zerokld_fp8(vllm_config) -> bool:
+    qc = vllm_config.quant_config
+    return qc is not None and qc.get_name() == QUANT_METHOD
+
+
+def _fp8_mode(vllm_config, cfg) -> Fp8Mode:
+    if _is_zerokld_fp8(vllm_config):
+        stored = vllm_config.quant_config.granularity
+        if cfg.fp8_granularity not in (None, stored):
+            raise ZeroKLDConfigError(f"fp8_granularity {cfg.fp8_granularity!r} conflicts with the checkpoint's "
+                                     f"{stored!r}")
+        return Fp8Mode("serialized", stored)
+    if cfg.fp8:
+        return Fp8Mode("online", cfg.fp8_granularity or "per_channel")
+    return Fp8Mode()
+
+
 class _ZeroKLDMixin:
     _family = ""
     _qk_norm = False
@@ -166,13 +231,18 @@ class _ZeroKLDMixin:
         cfg = from_vllm_config(vllm_config)
         self.zerokld_enabled = cfg.batch_invariant
         if not cfg.batch_invariant:
+            if _is_zerokld_fp8(vllm_config):
+                raise ZeroKLDConfigError(f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
+                                         "additional_config={'zerokld': {'batch_invariant': true}}")
             super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
             return
         check_supported(vllm_config, self._family)
         nn.Module.__init__(self)
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
-        self.model = DenseDecoder(vllm_config, self._qk_norm, prefix=f"{prefix}model." if prefix else "model.")
+        self.fp8 = _fp8_mode(vllm_config, cfg)
+        self.model = DenseDecoder(vllm_config, self._qk_norm, prefix=f"{prefix}model." if prefix else "model.",
+                                  fp8=self.fp8)
         if self.config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -210,10 +280,20 @@ class _ZeroKLDMixin:
             if name not in params:
                 raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
             p = params[name]
+            if p.dtype in (sn_fp8.FP8_DTYPE, torch.float32) and self.fp8.kind == "serialized" \
+                    and tensor.dtype != p.dtype:
+                raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {p.dtype} "
+                                 f"({QUANT_METHOD} snapshots only)")
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {tuple(p.shape)}")
             p.weight_loader(p, tensor)
             loaded.add(name)
+        if self.fp8.kind == "online":  # codes follow the weights, also on reload_weights (hot-load)
+            modules = dict(self.named_modules())
+            for name in loaded:
+                owner = modules.get(name.rsplit(".", 1)[0])
+                if isinstance(owner, _Proj):
+                    owner.quantize()
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded

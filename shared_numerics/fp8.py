@@ -1,0 +1,236 @@
+"""One FP8 (e4m3fn) quantizer and a batch-invariant FP8 GEMM, shared by vLLM serving and TorchTitan QAT.
+
+Definition (every step in float32, in this order):
+
+* **Activations**, dynamic, per token (``"per_channel"`` granularity) or per 1×128 group of a token (``"block"``):
+  ``amax = max|x|`` over the token (group); ``s = max(amax / 448, 1 / (448 * 512))``; ``q = e4m3(clamp(x / s, ±448))``.
+* **Weights** ``[N, K]``, per output channel (``"per_channel"``) or per 128×128 block (``"block"``), same formula with
+  the amax over the channel (block).
+* ``e4m3`` is PyTorch's float32 → ``float8_e4m3fn`` conversion: round to nearest, ties to even. ``amax / s`` can
+  round to just above 448; the clamp is explicit because saturation differs between implementations (PyTorch 2.13's
+  CPU cast saturates, e4m3fn itself has no infinity and non-saturating conversions such as CUDA's ``__NV_NOSAT``
+  give NaN), so the definition does not depend on the cast's overflow behaviour.
+* The floor ``1 / (448 * 512)`` is vLLM's ``_FP8_MIN_SCALING_FACTOR``: an all-zero token gets a finite scale and
+  all-zero codes instead of ``0 / 0``. ``x / s`` is a true division (vLLM's CUDA per-token kernel and DeepSeek-V3's
+  ``act_quant`` divide; vLLM's native per-token path multiplies by ``1 / s``, which gives different codes).
+* Non-finite inputs (±inf, NaN) are refused: :class:`Fp8QuantizationError`.
+* **GEMM** (``fp8_linear``): codes are widened to float32 (exact) and multiplied with the fixed-tile matmul of
+  :mod:`shared_numerics.linear` (float32 accumulation, each row independent of the others); epilogue
+  ``(acc * s_x) * s_w``. ``"block"``: one such product per 128-wide K block, scaled, then summed over the K blocks in
+  increasing order — DeepSeek-V3's recipe (fp32 promotion every 128 K elements, arXiv 2412.19437 §3.3.2).
+  The result is rounded once to the activation dtype.
+
+Other recipes differ on purpose: torchao's ``Float8FakeQuantizer`` computes ``amax / 448`` in the input dtype (bf16)
+with no floor (an all-zero row gives NaN); ``torch._scaled_mm`` on CPU rounds differently from this GEMM (see
+``tests/test_fp8.py`` for all three negative controls).
+
+Sources: vLLM ``model_executor/layers/quantization/input_quant_fp8.py`` (per-token scale, floor) and
+``utils/fp8_utils.py`` (block shapes); DeepSeek-V3 ``inference/kernel.py`` (``act_quant``, 128×128 weight blocks).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .linear import matmul_rows
+
+__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity",
+           "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+BLOCK = 128
+Granularity = Literal["per_channel", "block"]
+GRANULARITIES = ("per_channel", "block")
+
+
+class Fp8QuantizationError(ValueError):
+    """Raised for input the FP8 quantizer refuses (non-finite values, unknown granularity, bad shapes)."""
+
+
+def _check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise Fp8QuantizationError(f"unknown FP8 granularity {granularity!r}; expected one of {GRANULARITIES}")
+
+
+def _scales(amax: torch.Tensor, what: str) -> torch.Tensor:
+    if not bool(torch.isfinite(amax).all()):
+        raise Fp8QuantizationError(f"FP8 quantization of {what}: input contains inf or NaN")
+    return torch.clamp(amax / FP8_MAX, min=FP8_MIN_SCALE)
+
+
+def _encode(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x / s, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _pad_k(x: torch.Tensor) -> torch.Tensor:
+    pad = (-x.shape[-1]) % BLOCK
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def quantize_fp8_activation(x: torch.Tensor, granularity: Granularity = "per_channel"
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization of activations.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16.
+        granularity: ``"per_channel"`` (one scale per token) or ``"block"`` (one per token per 128-wide K group).
+
+    Returns:
+        ``(codes, scales)``: ``[M, K]`` ``float8_e4m3fn`` and float32 scales ``[M, 1]`` (per token) or
+        ``[M, ceil(K / 128)]`` (block). Row ``i`` depends only on ``x[i]``.
+
+    Raises:
+        Fp8QuantizationError: ``x`` has inf/NaN, or the granularity is unknown.
+    """
+    _check_granularity(granularity)
+    xf = x.float()
+    if granularity == "per_channel":
+        s = _scales(xf.abs().amax(dim=-1, keepdim=True), "activations")
+        return _encode(xf, s), s
+    m, k = xf.shape
+    g = _pad_k(xf).view(m, -1, BLOCK)
+    s = _scales(g.abs().amax(dim=-1), "activations")  # [M, KB]
+    q = _encode(g, s.unsqueeze(-1)).view(m, -1)[:, :k]
+    return q, s
+
+
+def quantize_fp8_weight(w: torch.Tensor, granularity: Granularity = "per_channel"
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 quantization of a weight in ``nn.Linear`` layout.
+
+    Args:
+        w: ``[N, K]`` float32 or bfloat16 — the weight *as served* (a bf16 model is quantized from its bf16 values).
+        granularity: ``"per_channel"`` (one scale per output row) or ``"block"`` (one per 128×128 block).
+
+    Returns:
+        ``(codes, scales)``: ``[N, K]`` ``float8_e4m3fn`` and float32 scales ``[N]`` or ``[ceil(N/128), ceil(K/128)]``.
+
+    Raises:
+        Fp8QuantizationError: non-finite weights, unknown granularity, or ``w`` not 2-D.
+    """
+    _check_granularity(granularity)
+    if w.dim() != 2:
+        raise Fp8QuantizationError(f"FP8 weight quantization expects [N, K], got shape {tuple(w.shape)}")
+    wf = w.float()
+    if granularity == "per_channel":
+        s = _scales(wf.abs().amax(dim=1), "weights")
+        return _encode(wf, s.unsqueeze(1)), s
+    n, k = wf.shape
+    pn = (-n) % BLOCK
+    blocks = _pad_k(torch.nn.functional.pad(wf, (0, 0, 0, pn)) if pn else wf)
+    nb, kb = blocks.shape[0] // BLOCK, blocks.shape[1] // BLOCK
+    blocks = blocks.view(nb, BLOCK, kb, BLOCK)
+    s = _scales(blocks.abs().amax(dim=(1, 3)), "weights")  # [NB, KB]
+    q = _encode(blocks, s[:, None, :, None]).view(nb * BLOCK, kb * BLOCK)[:n, :k]
+    return q.contiguous(), s
+
+
+def _expand_block_scales(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return s.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
+
+
+def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity = "per_channel"
+                          ) -> torch.Tensor:
+    """``codes * scale`` in float32, ``[N, K]`` (used by the QAT backward and by tests; not by the GEMM)."""
+    _check_granularity(granularity)
+    if granularity == "per_channel":
+        return q.float() * s.unsqueeze(1)
+    return q.float() * _expand_block_scales(s, *q.shape)
+
+
+def _dequantize_activation(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
+    if granularity == "per_channel":
+        return q.float() * s
+    return q.float() * s.repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
+
+
+def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str) -> torch.Tensor:
+    """float32 ``[M, N]`` product of FP8 operands: fixed tiles, fixed K-block order, fixed epilogue."""
+    n, k = qw.shape
+    if granularity == "per_channel":
+        acc = matmul_rows(qx.float(), qw.float().t())
+        return (acc * sx) * sw.unsqueeze(0)
+    out = None
+    sw_rows = sw.repeat_interleave(BLOCK, dim=0)[:n]  # [N, KB]
+    for b in range((k + BLOCK - 1) // BLOCK):
+        lo, hi = b * BLOCK, min(k, (b + 1) * BLOCK)
+        part = (matmul_rows(qx[:, lo:hi].float(), qw[:, lo:hi].float().t()) * sx[:, b: b + 1]) * sw_rows[:, b]
+        out = part if out is None else out + part
+    return out
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+               granularity: Granularity = "per_channel") -> torch.Tensor:
+    """Batch-invariant FP8 ``linear`` with a pre-quantized weight (the serving path).
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16 activations (quantized here, dynamically).
+        qweight: ``[N, K]`` ``float8_e4m3fn`` codes from :func:`quantize_fp8_weight`.
+        weight_scale: its float32 scales.
+        granularity: must match the weight's.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``; each row depends only on its own input row.
+
+    Raises:
+        Fp8QuantizationError: non-finite activations, unknown granularity, or a K mismatch.
+    """
+    if qweight.dtype != FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
+        raise Fp8QuantizationError(f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], "
+                                   f"got {qweight.dtype} {tuple(qweight.shape)}")
+    lead = x.shape[:-1]
+    qx, sx = quantize_fp8_activation(x.reshape(-1, x.shape[-1]), granularity)
+    y = _gemm(qx, sx, qweight, weight_scale.float(), granularity)
+    return y.to(x.dtype).reshape(*lead, qweight.shape[0])
+
+
+class _Fp8LinearSTE(torch.autograd.Function):
+    """Forward: exactly :func:`fp8_linear` of the quantized weight. Backward: straight-through estimator — the
+    gradients of ``y = fq(x) @ fq(W)^T`` with respect to ``fq(x)`` and ``fq(W)``, passed through the quantizers as the
+    identity (Jacob et al. 2018; Bengio et al. 2013)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, granularity):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = quantize_fp8_activation(x2, granularity)
+        qw, sw = quantize_fp8_weight(weight.detach(), granularity)
+        y = _gemm(qx, sx, qw, sw, granularity)
+        ctx.save_for_backward(qx, sx, qw, sw)
+        ctx.granularity, ctx.x_dtype, ctx.w_dtype, ctx.x_shape = granularity, x.dtype, weight.dtype, x.shape
+        return y.to(x.dtype).reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        qx, sx, qw, sw = ctx.saved_tensors
+        g = gy.reshape(-1, gy.shape[-1]).float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_dq = dequantize_fp8_weight(qw, sw, ctx.granularity)
+            grad_x = matmul_rows(g, w_dq).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_dq = _dequantize_activation(qx, sx, ctx.granularity)
+            grad_w = (g.t() @ x_dq).to(ctx.w_dtype)
+        return grad_x, grad_w, None
+
+
+def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granularity = "per_channel") -> torch.Tensor:
+    """FP8 fake-quant ``linear`` for quantization-aware training: the forward is bit for bit :func:`fp8_linear` of
+    ``quantize_fp8_weight(weight)``; the backward is the straight-through estimator (float32, deterministic).
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16.
+        weight: ``[N, K]`` high-precision weight in the dtype it is served from (bf16 under mixed precision).
+        granularity: ``"per_channel"`` or ``"block"``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+
+    Raises:
+        Fp8QuantizationError: non-finite input or weight, unknown granularity.
+    """
+    _check_granularity(granularity)
+    return _Fp8LinearSTE.apply(x, weight, granularity)
