@@ -4,9 +4,11 @@ Every op returns, for a given row, the same bits whatever else is in the call an
 trainer (``titan_plugin``) and vLLM (``vllm_plugin``) both call these functions and nothing else for the forward that
 produces log-probs. Each module's docstring names the source its op mirrors.
 
-The public ops below dispatch to the active numerics backend: ``ZEROKLD_BACKEND`` (default ``torch``) names a
-backend registered through the ``zerokld`` plugin hooks (:mod:`zerokld_plugins`); the ``torch`` backend is
-:mod:`shared_numerics.ops_torch`.
+The public ops below dispatch to a numerics backend registered through the ``zerokld`` plugin hooks
+(:mod:`zerokld_plugins`): by default ``torch`` (:mod:`shared_numerics.ops_torch`) for CPU tensors and ``triton``
+(:mod:`shared_numerics.ops_triton`) for CUDA tensors; ``ZEROKLD_BACKEND=<name>`` forces one backend for every call (on
+both sides: trainer and vLLM must use the same one). ``ZEROKLD_BACKEND=triton`` on CPU needs Triton's interpreter
+(``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -14,35 +16,44 @@ import os
 
 from .attention import KEY_CHUNK, Q_TILE, attention_over_chunks
 from .linear import ROW_TILE
-from .fused_logprobs import fused_selected_logprobs
 from .metrics import logprob_diff_metrics
 from .reduce import exp64, tree_sum
 
 __all__ = [
-    "KEY_CHUNK", "Q_TILE", "ROW_TILE", "active_ops", "apply_rope", "attention_over_chunks", "dense_causal_attention",
-    "exp64", "fp8_linear", "fp8_linear_qat", "fused_selected_logprobs", "linear", "log_softmax",
-    "logprob_diff_metrics", "paged_causal_attention", "quantize_fp8_weight", "rms_norm", "rope_cos_sin",
+    "KEY_CHUNK", "Q_TILE", "ROW_TILE", "active_ops", "apply_rope", "attention_over_chunks", "backend_name",
+    "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat", "fused_selected_logprobs", "linear",
+    "log_softmax", "logprob_diff_metrics", "paged_causal_attention", "quantize_fp8_weight", "rms_norm", "rope_cos_sin",
     "selected_logprobs", "silu_and_mul", "tree_sum",
 ]
 
 _OPS_CACHE: dict[str, dict] = {}
 
 
-def active_ops() -> dict:
-    """The op table of the backend named by ``ZEROKLD_BACKEND`` (default ``torch``).
+def backend_name(*tensors) -> str:
+    """The backend a call on ``tensors`` uses: ``ZEROKLD_BACKEND`` if set, else ``triton`` for CUDA tensors, else
+    ``torch``."""
+    forced = os.environ.get("ZEROKLD_BACKEND")
+    if forced:
+        return forced
+    return "triton" if any(getattr(t, "is_cuda", False) for t in tensors) else "torch"
+
+
+def active_ops(*tensors) -> dict:
+    """The op table of the backend for ``tensors`` (see :func:`backend_name`).
 
     Raises:
         zerokld_plugins.UnknownNameError: no such backend is registered.
-        RuntimeError: the backend is registered but cannot run here.
+        RuntimeError: the backend is registered but cannot run here (the message says why).
     """
-    name = os.environ.get("ZEROKLD_BACKEND", "torch")
+    name = backend_name(*tensors)
     ops = _OPS_CACHE.get(name)
     if ops is None:
         from zerokld_plugins import get_backend, resolve
 
         spec = get_backend(name)
         if not resolve(spec.available)():
-            raise RuntimeError(f"numerics backend {name!r} cannot run on this machine")
+            reason = resolve(spec.unavailable_reason)() if spec.unavailable_reason else "not available"
+            raise RuntimeError(f"numerics backend {name!r} cannot run on this machine: {reason}")
         table = resolve(spec.ops)
         ops = _OPS_CACHE[name] = {k: resolve(v) for k, v in table.items()}
     return ops
@@ -50,60 +61,65 @@ def active_ops() -> dict:
 
 def linear(x, weight, bias=None):
     """See :func:`shared_numerics.linear.linear`."""
-    return active_ops()["linear"](x, weight, bias)
+    return active_ops(x)["linear"](x, weight, bias)
 
 
 def rms_norm(x, weight, eps):
     """See :func:`shared_numerics.norm.rms_norm`."""
-    return active_ops()["rms_norm"](x, weight, eps)
+    return active_ops(x)["rms_norm"](x, weight, eps)
 
 
 def rope_cos_sin(positions, head_dim, theta):
     """See :func:`shared_numerics.rope.rope_cos_sin`."""
-    return active_ops()["rope_cos_sin"](positions, head_dim, theta)
+    return active_ops(positions)["rope_cos_sin"](positions, head_dim, theta)
 
 
 def apply_rope(x, cos, sin):
     """See :func:`shared_numerics.rope.apply_rope`."""
-    return active_ops()["apply_rope"](x, cos, sin)
+    return active_ops(x)["apply_rope"](x, cos, sin)
 
 
 def silu_and_mul(gate, up):
     """See :func:`shared_numerics.activation.silu_and_mul`."""
-    return active_ops()["silu_and_mul"](gate, up)
+    return active_ops(gate)["silu_and_mul"](gate, up)
 
 
 def log_softmax(logits):
     """See :func:`shared_numerics.logprobs.log_softmax`."""
-    return active_ops()["log_softmax"](logits)
+    return active_ops(logits)["log_softmax"](logits)
 
 
 def selected_logprobs(logits, token_ids):
     """See :func:`shared_numerics.logprobs.selected_logprobs`."""
-    return active_ops()["selected_logprobs"](logits, token_ids)
+    return active_ops(logits)["selected_logprobs"](logits, token_ids)
 
 
 def dense_causal_attention(q, k, v, scale):
     """See :func:`shared_numerics.attention.dense_causal_attention`."""
-    return active_ops()["dense_causal_attention"](q, k, v, scale)
+    return active_ops(q)["dense_causal_attention"](q, k, v, scale)
 
 
 def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale):
     """See :func:`shared_numerics.attention.paged_causal_attention`."""
-    return active_ops()["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+    return active_ops(q)["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                                                   scale)
 
 
 def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):
     """See :func:`shared_numerics.fp8.fp8_linear`."""
-    return active_ops()["fp8_linear"](x, qweight, weight_scale, granularity)
+    return active_ops(x)["fp8_linear"](x, qweight, weight_scale, granularity)
 
 
 def fp8_linear_qat(x, weight, granularity="per_channel"):
     """See :func:`shared_numerics.fp8.fp8_linear_qat`."""
-    return active_ops()["fp8_linear_qat"](x, weight, granularity)
+    return active_ops(x)["fp8_linear_qat"](x, weight, granularity)
 
 
 def quantize_fp8_weight(weight, granularity="per_channel"):
     """See :func:`shared_numerics.fp8.quantize_fp8_weight`."""
-    return active_ops()["quantize_fp8_weight"](weight, granularity)
+    return active_ops(weight)["quantize_fp8_weight"](weight, granularity)
+
+
+def fused_selected_logprobs(hidden, weight, targets, chunk=None):
+    """See :func:`shared_numerics.fused_logprobs.fused_selected_logprobs`."""
+    return active_ops(hidden)["fused_selected_logprobs"](hidden, weight, targets, chunk)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .activation import silu_and_mul
 from .attention import dense_causal_attention, paged_causal_attention
 from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
+from .fused_logprobs import fused_selected_logprobs
 from .linear import linear
 from .logprobs import log_softmax, selected_logprobs
 from .norm import rms_norm
@@ -22,4 +23,5 @@ OPS = {
     "fp8_linear": fp8_linear,
     "fp8_linear_qat": fp8_linear_qat,
     "quantize_fp8_weight": quantize_fp8_weight,
+    "fused_selected_logprobs": fused_selected_logprobs,
 }

@@ -42,7 +42,9 @@ def zerokld_storages():
 
 @hookimpl
 def zerokld_numerics_backends():
-    return [BackendSpec("torch", "shared_numerics.ops_torch:OPS")]
+    return [BackendSpec("torch", "shared_numerics.ops_torch:OPS"),
+            BackendSpec("triton", "shared_numerics.ops_triton:OPS", "shared_numerics.ops_triton:available",
+                        "shared_numerics.ops_triton:unavailable_reason")]
 
 
 @hookimpl

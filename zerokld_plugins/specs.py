@@ -57,11 +57,12 @@ class StorageSpec:
 @dataclass(frozen=True)
 class BackendSpec:
     """``ops``: op name → function, same signatures as ``shared_numerics``; ``available()`` says whether it can run
-    here."""
+    here, ``unavailable_reason()`` (optional) why not, for the error message."""
 
     name: str
     ops: Mapping[str, Callable | str]
     available: Callable[[], bool] | str = field(default=lambda: True)
+    unavailable_reason: Callable[[], str | None] | str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,155 @@
+"""FP8 activation quantizer and FP8 GEMM as Triton kernels, with the definition of :mod:`shared_numerics.fp8`.
+
+The quantizer rounds explicitly: scale and ``x / s`` use ``tl.div_rn`` (IEEE division; plain ``/`` may be approximate
+on GPUs), and the e4m3 rounding is done in fp32 arithmetic — ties to even on the 3 mantissa bits (``2^-9`` steps in the
+subnormal range) — before an exact conversion to ``float8e4nv``. Hardware and interpreter conversions therefore never
+round (Triton's CPU interpreter does not round to nearest even, GPUs saturate or not depending on the instruction), and
+the codes equal the torch backend's bit for bit. Weights are quantized by the torch definition (a once-per-load op on
+any device). The GEMM widens codes to fp32, ``tl.dot(..., input_precision="ieee")`` over fixed K blocks, epilogue
+``(acc * s_x) * s_w`` (per 128-wide K block for ``"block"``); rows are independent programs' rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import fp8 as ref
+from ._common import next_pow2
+
+__all__ = ["fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
+
+quantize_fp8_weight = ref.quantize_fp8_weight
+
+
+@triton.jit
+def _e4m3_round(y):
+    """fp32 ``y`` with ``|y| <= 448`` -> the nearest e4m3 value (ties to even), as fp32."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range (a >= 2^-6): keep 3 of 23 mantissa bits, round half to even on the 20 dropped bits
+    lsb = (bits >> 20) & 1
+    rounded = ((bits + 0x7FFFF + lsb) & ~0xFFFFF).to(tl.float32, bitcast=True)
+    # subnormal range: multiples of 2^-9; 2^23 forces an integer fraction, fp32 addition rounds to even
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    r = tl.where(a < 0.015625, sub, rounded)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _quant_act(x_ptr, q_ptr, s_ptr, K, NG, GROUP: tl.constexpr, BG: tl.constexpr):
+    """Program (row, group): one scale for ``GROUP`` consecutive elements of a row."""
+    row = tl.program_id(0)
+    grp = tl.program_id(1)
+    offs = grp * GROUP + tl.arange(0, BG)
+    mask = (tl.arange(0, BG) < GROUP) & (offs < K)
+    x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    s = tl.maximum(tl.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+    y = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
+    tl.store(q_ptr + row * K + offs, _e4m3_round(y).to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row * NG + grp, s)
+
+
+def quantize_fp8_activation(x: torch.Tensor, granularity: str = "per_channel") -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`shared_numerics.fp8.quantize_fp8_activation` (``[M, K]``; same codes and scales)."""
+    ref._check_granularity(granularity)
+    x = x.contiguous()
+    m, k = x.shape
+    if not bool(torch.isfinite(x).all()):
+        raise ref.Fp8QuantizationError("FP8 quantization of activations: input contains inf or NaN")
+    group = k if granularity == "per_channel" else ref.BLOCK
+    ng = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=ref.FP8_DTYPE, device=x.device)
+    s = torch.empty((m, ng), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quant_act[(m, ng)](x, q, s, k, ng, GROUP=group, BG=next_pow2(group))
+    return q, s
+
+
+@triton.jit
+def _fp8_gemm(qx_ptr, sx_ptr, qw_ptr, sw_ptr, y_ptr, M, N, K, NGX, NGW,
+              BLOCKWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    out = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(qx_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        b = tl.load(qw_ptr + rn[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N),
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if BLOCKWISE:
+            if ((k0 + BK) % 128 == 0) | (k0 + BK >= K):  # end of a 128-wide K block: scale and promote
+                g = k0 // 128
+                sx = tl.load(sx_ptr + rm * NGX + g, mask=rm < M, other=0.0)
+                sw = tl.load(sw_ptr + (rn // 128) * NGW + g, mask=rn < N, other=0.0)
+                out = out + (acc * sx[:, None]) * sw[None, :]
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if not BLOCKWISE:
+        sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
+        sw = tl.load(sw_ptr + rn, mask=rn < N, other=0.0)
+        out = (acc * sx[:, None]) * sw[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _gemm(qx, sx, qw, sw, granularity, out_dtype):
+    m, k = qx.shape
+    n = qw.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=qx.device)
+    if m and n:
+        sw = sw.float().contiguous()
+        _fp8_gemm[(triton.cdiv(m, 32), triton.cdiv(n, 64))](
+            qx, sx, qw.contiguous(), sw, y, m, n, k, sx.shape[1], sw.shape[1] if sw.dim() == 2 else 1,
+            BLOCKWISE=granularity == "block", BM=32, BN=64, BK=32)
+    return y
+
+
+def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):
+    """Triton :func:`shared_numerics.fp8.fp8_linear`."""
+    if qweight.dtype != ref.FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
+        raise ref.Fp8QuantizationError(f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], "
+                                       f"got {qweight.dtype} {tuple(qweight.shape)}")
+    lead = x.shape[:-1]
+    qx, sx = quantize_fp8_activation(x.reshape(-1, x.shape[-1]), granularity)
+    return _gemm(qx, sx, qweight, weight_scale, granularity, x.dtype).reshape(*lead, qweight.shape[0])
+
+
+class _Fp8LinearSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, granularity):
+        from .matmul import gemm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = quantize_fp8_activation(x2, granularity)
+        qw, sw = ref.quantize_fp8_weight(weight.detach(), granularity)
+        ctx.save_for_backward(qx, sx, qw, sw)
+        ctx.granularity, ctx.x_dtype, ctx.w_dtype, ctx.x_shape = granularity, x.dtype, weight.dtype, x.shape
+        ctx.gemm = gemm
+        return _gemm(qx, sx, qw, sw, granularity, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        qx, sx, qw, sw = ctx.saved_tensors
+        g = gy.reshape(-1, gy.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_dq = ref.dequantize_fp8_weight(qw, sw, ctx.granularity)
+            grad_x = ctx.gemm(g, w_dq, ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_dq = ref._dequantize_activation(qx, sx, ctx.granularity)
+            grad_w = ctx.gemm(g.t(), x_dq, ctx.w_dtype)
+        return grad_x, grad_w, None
+
+
+def fp8_linear_qat(x, weight, granularity="per_channel"):
+    """Triton :func:`shared_numerics.fp8.fp8_linear_qat` (forward == :func:`fp8_linear`, straight-through
+    backward)."""
+    ref._check_granularity(granularity)
+    return _Fp8LinearSTE.apply(x, weight, granularity)

@@ -1,0 +1,50 @@
+"""The ``triton`` backend's op table (same names and signatures as :data:`shared_numerics.ops_torch.OPS`)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..fused_logprobs import auto_chunk
+from ..rope import rope_cos_sin
+from .attention import dense_causal_attention, paged_causal_attention
+from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
+from .logprobs import log_softmax, selected_logprobs
+from .matmul import linear
+from .pointwise import apply_rope, rms_norm, silu_and_mul
+
+__all__ = ["OPS"]
+
+
+def _head_chunk(hidden, weight, targets):
+    return selected_logprobs(linear(hidden, weight), targets)
+
+
+def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            chunk: int | None = None) -> torch.Tensor:
+    """Triton :func:`shared_numerics.fused_logprobs.fused_selected_logprobs`: ``selected_logprobs(linear(h, W), t)``
+    chunk by chunk, each chunk's logits recomputed in the backward (activation checkpointing), so at most one chunk of
+    ``[rows, vocab]`` logits is alive. Same bits as the unfused Triton path."""
+    chunk = chunk or auto_chunk(weight.shape[0])
+    outs = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s:s + chunk], targets[s:s + chunk]
+        outs.append(checkpoint(_head_chunk, h, weight, t, use_reentrant=False) if torch.is_grad_enabled()
+                    else _head_chunk(h, weight, t))
+    return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+
+
+OPS = {
+    "linear": linear,
+    "rms_norm": rms_norm,
+    "rope_cos_sin": rope_cos_sin,  # float64 tables from positions: device-agnostic torch, same bits everywhere
+    "apply_rope": apply_rope,
+    "silu_and_mul": silu_and_mul,
+    "log_softmax": log_softmax,
+    "selected_logprobs": selected_logprobs,
+    "dense_causal_attention": dense_causal_attention,
+    "paged_causal_attention": paged_causal_attention,
+    "fp8_linear": fp8_linear,
+    "fp8_linear_qat": fp8_linear_qat,
+    "quantize_fp8_weight": quantize_fp8_weight,
+    "fused_selected_logprobs": fused_selected_logprobs,
+}
