@@ -1,12 +1,15 @@
 """zerokld snapshot protocol (imports neither vLLM nor TorchTitan).
 
 Full HF-safetensors snapshots and incremental deltas (codec by name, ``arc_v2`` built in), verified before they are
-published; codecs and storages are registered through the ``zerokld`` plugin hooks. The ledger, hot-load signal and
-cadence policy of the delta hot-load work build on this package.
+published; codecs and storages are registered through the ``zerokld`` plugin hooks. The hot-load ledger and identity rules
+(:mod:`deltasync.ledger`) are here too; the vLLM side is :mod:`vllm_plugin.hotload`.
 """
+from .ledger import IdentityError, Ledger, validate_identity
 from .snapshot import (
-    DeltaError, apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot,
+    DeltaError, SnapshotError, apply_incremental_snapshot, read_snapshot_tensors, tensor_spec, verify_full_snapshot,
+    write_full_snapshot, write_incremental_snapshot,
 )
 
-__all__ = ["DeltaError", "apply_incremental_snapshot", "read_snapshot_tensors", "write_full_snapshot",
+__all__ = ["DeltaError", "IdentityError", "Ledger", "SnapshotError", "apply_incremental_snapshot",
+           "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "write_full_snapshot",
            "write_incremental_snapshot"]

@@ -25,14 +25,60 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["DeltaError", "apply_incremental_snapshot", "read_snapshot_tensors", "write_full_snapshot",
-           "write_incremental_snapshot"]
+__all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "read_snapshot_tensors", "tensor_spec",
+           "verify_full_snapshot", "write_full_snapshot", "write_incremental_snapshot"]
 
 CHECKSUM_FORMAT = "alder32"  # sic: the name used on the wire by the public format
 
 
-class DeltaError(ValueError):
+class SnapshotError(ValueError):
+    """A snapshot that is refused: unreadable, or not the same tensor set / shapes / dtypes as the model."""
+
+
+class DeltaError(SnapshotError):
     """An incremental snapshot that cannot be applied to the given base (nothing was written)."""
+
+
+def tensor_spec(snapshot_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of a full snapshot, read from the safetensors headers (no tensor data is read).
+
+    Raises:
+        SnapshotError: no shard, or a shard whose header cannot be read (truncated, not safetensors).
+    """
+    files = sorted(Path(snapshot_dir).glob("*.safetensors"))
+    if not files:
+        raise SnapshotError(f"{snapshot_dir}: no *.safetensors shard")
+    spec = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    sl = fh.get_slice(name)
+                    spec[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+        except Exception as e:  # noqa: BLE001 - any unreadable header is a refusal
+            raise SnapshotError(f"{f.name}: cannot read: {e}") from e
+    return spec
+
+
+def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Refuse a full snapshot that is not loadable into a model with tensor spec ``reference``: every shard readable
+    in full (sizes match the headers), the same tensor names, dtypes and shapes.
+
+    Raises:
+        SnapshotError: naming the first difference.
+    """
+    spec = tensor_spec(snapshot_dir)
+    missing, extra = sorted(set(reference) - set(spec)), sorted(set(spec) - set(reference))
+    if missing or extra:
+        raise SnapshotError(f"tensor set differs from the served model: missing {missing[:3]}, extra {extra[:3]}")
+    for name, (dt, shape) in reference.items():
+        if spec[name] != (dt, shape):
+            raise SnapshotError(f"{name}: {spec[name][0]}{list(spec[name][1])}, the model has {dt}{list(shape)}")
+    for f in sorted(Path(snapshot_dir).glob("*.safetensors")):
+        try:
+            load_file(str(f))  # a truncated shard fails here, before any weight is touched
+        except Exception as e:  # noqa: BLE001
+            raise SnapshotError(f"{f.name}: cannot read: {e}") from e
 
 
 def _raw(t: torch.Tensor) -> bytes:

@@ -16,6 +16,25 @@ class ZeroKLDConfigError(ValueError):
     """Raised when the ``zerokld`` section is malformed or asks for something unsupported."""
 
 
+class HotLoadConfig(BaseModel):
+    """``additional_config["zerokld"]["hot_load"]``: read by the ``zerokld_hotload`` endpoint plugin
+    (:mod:`vllm_plugin.hotload.endpoint`).
+
+    Attributes:
+        snapshot_root: directory of ``<identity>/`` snapshots (full HF layout, or ``arc_v2`` deltas).
+        state_dir: ledger + materialized snapshots; default ``<snapshot_root>/.zerokld_state``.
+        initial_identity: identity of the ``--model`` weights.
+        keep_materialized: decoded snapshots kept on disk (bases of the next deltas).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot_root: str
+    state_dir: str | None = None
+    initial_identity: str = "initial"
+    keep_materialized: int = 2
+
+
 class ZeroKLDConfig(BaseModel):
     """Fields of ``additional_config["zerokld"]``.
 
@@ -27,6 +46,7 @@ class ZeroKLDConfig(BaseModel):
         fp8_granularity: ``"per_channel"`` (per-token activations, per-channel weights; default) or ``"block"``
             (1x128 activation groups, 128x128 weight blocks). A quantized checkpoint's own granularity wins; naming
             a different one is an error.
+        hot_load: switch on the hot-load HTTP API (:class:`HotLoadConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -34,6 +54,7 @@ class ZeroKLDConfig(BaseModel):
     batch_invariant: bool = False
     fp8: bool = False
     fp8_granularity: Literal["per_channel", "block"] | None = None
+    hot_load: HotLoadConfig | None = None
 
     @model_validator(mode="after")
     def _fp8_needs_batch_invariant(self) -> "ZeroKLDConfig":

@@ -1,0 +1,114 @@
+"""The hot-load ledger: one row per snapshot a replica was asked to load, persisted as JSON, plus identity rules.
+
+Row fields (Fireworks' bring-your-own-trainer ledger, ``../shared/DESIGN.md`` §5): ``identity``, ``kind``
+(``full`` | ``incremental``), ``previous_identity``, ``compression_format``, ``readiness`` (``loading`` | ``ready`` |
+``failed``), ``error``, ``timestamps`` (stage name → Unix seconds: ``signaled``, ``verified``, ``paused``,
+``loaded``, ``ready`` / ``failed``). The file is rewritten atomically (temporary file + ``os.replace``) after every
+change, so a process killed at any point leaves either the previous or the next ledger. On load, a row still
+``loading`` (the process died mid-apply) becomes ``failed`` with error ``interrupted``: the replica serves the last
+``ready`` identity.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+__all__ = ["IdentityError", "Ledger", "validate_identity"]
+
+_IDENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class IdentityError(ValueError):
+    """A snapshot identity that is not one safe path segment."""
+
+
+def validate_identity(identity: object) -> str:
+    """Return ``identity`` if it is one path segment: ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``, without ``..``.
+
+    Raises:
+        IdentityError: anything else (``/``, ``\\``, ``..``, empty, too long, not a string).
+    """
+    if not isinstance(identity, str) or not _IDENTITY.match(identity) or ".." in identity:
+        raise IdentityError(f"invalid snapshot identity {identity!r}: one path segment of letters, digits, '.', '_' "
+                            f"or '-' (no '/', no '..'), at most 128 characters")
+    return identity
+
+
+class Ledger:
+    """Persistent ledger of one replica (``path``: a JSON file; created on first write).
+
+    Attributes:
+        initial_identity: what the replica serves before any load (its ``--model``).
+    """
+
+    def __init__(self, path: str | Path, initial_identity: str = "initial") -> None:
+        self.path = Path(path)
+        self.initial_identity = initial_identity
+        self.rows: list[dict] = []
+        self.reset_at: float | None = None
+        self.current: str | None = None  # identity being served (survives a ledger reset)
+        self.full_required = False  # set by reset(): the next load must be a full snapshot
+        if self.path.exists():
+            data = json.loads(self.path.read_text())
+            self.rows, self.reset_at = data.get("rows", []), data.get("reset_at")
+            self.current, self.full_required = data.get("current"), data.get("full_required", False)
+            changed = False
+            for r in self.rows:
+                if r.get("readiness") == "loading":
+                    r.update(readiness="failed", error="interrupted (the process stopped mid-apply)")
+                    r.setdefault("timestamps", {})["failed"] = time.time()
+                    changed = True
+            if changed:
+                self._save()
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"rows": self.rows, "reset_at": self.reset_at, "current": self.current,
+                                   "full_required": self.full_required}, indent=1))
+        os.replace(tmp, self.path)
+
+    @property
+    def current_identity(self) -> str:
+        """The identity being served: the last one loaded (``initial_identity`` before any load)."""
+        return self.current or self.initial_identity
+
+    def loaded_identities(self) -> set[str]:
+        """Identities this replica has loaded since the last reset (a signal for one of them is a replay)."""
+        return {r["identity"] for r in self.rows if r.get("readiness") == "ready"} | {self.current_identity}
+
+    def begin(self, identity: str, kind: str, previous_identity: str | None, compression_format: str | None) -> dict:
+        row = {"identity": identity, "kind": kind, "previous_identity": previous_identity,
+               "compression_format": compression_format, "readiness": "loading", "error": None,
+               "timestamps": {"signaled": time.time()}}
+        self.rows.append(row)
+        self._save()
+        return row
+
+    def stage(self, row: dict, stage: str, **fields) -> None:
+        row["timestamps"][stage] = time.time()
+        row.update(fields)
+        self._save()
+
+    def fail(self, row: dict, error: str) -> None:
+        self.stage(row, "failed", readiness="failed", error=error)
+
+    def ready(self, row: dict) -> None:
+        self.current = row["identity"]
+        if row["kind"] == "full":
+            self.full_required = False
+        self.stage(row, "ready", readiness="ready")
+
+    def reset(self) -> None:
+        """Forget every row; the next load must be full. The replica keeps serving what it serves."""
+        self.rows = []
+        self.reset_at = time.time()
+        self.full_required = True
+        self._save()
+
+    def to_json(self) -> dict:
+        return {"current_snapshot_identity": self.current_identity, "full_required": self.full_required,
+                "reset_at": self.reset_at, "rows": self.rows}

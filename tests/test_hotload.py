@@ -1,0 +1,344 @@
+"""Hot-load on a real ``vllm serve`` (OpenAI server on loopback) with the ``zerokld_hotload`` endpoint plugin: full and
+incremental (arc_v2) snapshots swap in place, zero-KLD survives every swap, bad snapshots are refused while the old
+weights keep serving bit-identical logprobs, sync/async transitions, and a restart comes back consistent."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal as signal_mod
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
+from titan_plugin import trainer_logprobs
+
+pytestmark = pytest.mark.vllm
+
+API_KEY = "sk-zerokld-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HL = "/zerokld/v1/hot_load"
+PROMPT = [1] + list(range(10, 40))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
+        self.ckpt, self.root, self.state, self.log_path = ckpt, root, state, log
+        self.proc = None
+        self.base = ""
+
+    def start(self) -> None:
+        port = _free_port()
+        cfg = {"zerokld": {"batch_invariant": True,
+                           "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.ckpt, "--dtype",
+               "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
+               "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64", "--api-key", API_KEY,
+               "--additional-config", json.dumps(cfg)]
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload"}
+        self.log = open(self.log_path, "a+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                pytest.fail("server exited:\n" + self.log.read()[-4000:])
+            try:
+                if requests.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        pytest.fail("server did not become healthy in 240 s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if kill:
+            os.kill(self.proc.pid, signal_mod.SIGKILL)
+        else:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        subprocess.run(["pkill", "-9", "-f", "VLLM::"], check=False)  # orphaned engine core / workers of a SIGKILL
+        self.proc = None
+
+    def signal(self, identity: str, previous: str | None = None, headers: dict | None = None, **body):
+        body = {"identity": identity, **body}
+        if previous is not None:
+            body["incremental_snapshot_metadata"] = {"previous_snapshot_identity": previous,
+                                                     "compression_format": "arc_v2", "checksum_format": "alder32"}
+        return requests.post(self.base + HL, json=body, headers={**AUTH, **(headers or {})}, timeout=300)
+
+    def get(self, path: str, **kw):
+        return requests.get(self.base + path, headers=AUTH, timeout=60, **kw)
+
+    def logprobs(self, prompt=PROMPT, max_tokens: int = 8) -> tuple[list[int], torch.Tensor, str]:
+        r = requests.post(self.base + "/v1/completions", headers=AUTH, timeout=120, json={
+            "model": self.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+            "ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        toks = [int(t.split(":")[1]) for t in lp["tokens"]]
+        return toks, torch.tensor(lp["token_logprobs"], dtype=torch.float32), r.headers.get("x-zerokld-snapshot-identity")
+
+
+def _perturb(sd: dict, seed: int, scale: float = 0.02) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sd.items():
+        mask = torch.rand(v.shape, generator=g) < 0.05  # ~5% of the elements change, as in an RL step
+        out[k] = torch.where(mask, v + (torch.randn(v.shape, generator=g) * scale).to(v.dtype), v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def env(engine_slot, checkpoint_factory, tmp_path_factory):
+    engine_slot.close()
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    tmp = tmp_path_factory.mktemp("hotload")
+    root, state, full = tmp / "snapshots", tmp / "state", tmp / "expected"
+    root.mkdir()
+    base = read_snapshot_tensors(ckpt)
+    write_full_snapshot(_perturb(base, 1), ckpt, root / "s1")
+    server = Server(ckpt, root, state, tmp / "server.log")
+    server.start()
+    yield server, ckpt, root, full
+    server.stop()
+
+
+def _expected(root: Path, full: Path, identity: str, previous_full: Path) -> Path:
+    """The full snapshot a delta decodes to (computed independently of the server)."""
+    out = full / identity
+    if not out.exists():
+        apply_incremental_snapshot(previous_full, root / identity, out)
+    return out
+
+
+def _check_serving(server: Server, snapshot: Path, identity: str) -> None:
+    toks, lps, served_by = server.logprobs()
+    assert served_by == identity
+    assert torch.equal(trainer_logprobs(str(snapshot), [PROMPT + toks], [len(PROMPT)], dtype="bfloat16")[0], lps)
+
+
+def test_full_then_incremental_swaps_keep_zero_kld(env):
+    server, ckpt, root, full = env
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == "initial"
+    before = server.logprobs()
+    r = server.signal("s1")
+    assert r.status_code == 200, r.text
+    assert r.json()["readiness"] == "ready" and r.json()["kind"] == "full"
+    _check_serving(server, root / "s1", "s1")
+    assert not torch.equal(server.logprobs()[1], before[1])
+    prev = root / "s1"
+    for i in (2, 3):
+        write_incremental_snapshot(prev, _perturb(read_snapshot_tensors(prev), i), root / f"s{i}")
+        r = server.signal(f"s{i}", previous=f"s{i - 1}")
+        assert r.status_code == 200, r.text
+        prev = _expected(root, full, f"s{i}", prev)
+        _check_serving(server, prev, f"s{i}")
+    st = server.get(HL + "/status").json()["replicas"][0]
+    assert st == {"replica": 0, "current_snapshot_identity": "s3", "readiness": True,
+                  "loading_state": {"stage": "idle", "target_snapshot_identity": None}}
+    rows = server.get(HL + "/ledger").json()["rows"]
+    assert [(r["identity"], r["kind"], r["readiness"]) for r in rows] == [
+        ("s1", "full", "ready"), ("s2", "incremental", "ready"), ("s3", "incremental", "ready")]
+    assert {"signaled", "verified", "paused", "loaded", "ready"} <= rows[-1]["timestamps"].keys()
+
+
+def _bad_snapshots(root: Path, full: Path, current: str) -> dict:
+    """name -> (signal kwargs, expected status): each must be refused."""
+    cur = full / current if (full / current).exists() else root / current
+    cur_t = read_snapshot_tensors(cur)
+    cases = {}
+
+    def full_snap(name, tensors):
+        write_full_snapshot(tensors, cur, root / name)
+
+    t = dict(cur_t)
+    t.pop(sorted(t)[0])
+    full_snap("bad-missing", t)
+    cases["missing tensor"] = ({"identity": "bad-missing"}, 422)
+    full_snap("bad-extra", {**cur_t, "model.layers.0.extra.weight": torch.zeros(2, dtype=torch.bfloat16)})
+    cases["extra tensor"] = ({"identity": "bad-extra"}, 422)
+    name = "model.layers.0.mlp.up_proj.weight"
+    full_snap("bad-dtype", {**cur_t, name: cur_t[name].float()})
+    cases["dtype change"] = ({"identity": "bad-dtype"}, 422)
+    full_snap("bad-shape", {**cur_t, name: cur_t[name][:-1].contiguous()})
+    cases["shape change"] = ({"identity": "bad-shape"}, 422)
+    full_snap("bad-trunc", cur_t)
+    shard = root / "bad-trunc" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cases["truncated shard"] = ({"identity": "bad-trunc"}, 422)
+    write_incremental_snapshot(cur, _perturb(cur_t, 50), root / "bad-flip")
+    shard = root / "bad-flip" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    cases["flipped byte"] = ({"identity": "bad-flip", "previous": current}, 422)
+    other = _perturb(cur_t, 51)  # a delta made against another base, claiming the served one
+    write_full_snapshot(other, cur, root / "bad-otherbase-src")
+    write_incremental_snapshot(root / "bad-otherbase-src", _perturb(other, 52), root / "bad-wrongbase")
+    cases["wrong base"] = ({"identity": "bad-wrongbase", "previous": current}, 422)
+    write_incremental_snapshot(cur, _perturb(cur_t, 53), root / "bad-order")
+    cases["out-of-order chain"] = ({"identity": "bad-order", "previous": "s1"}, 409)
+    cases["replay"] = ({"identity": "s2", "previous": "s1"}, 409)
+    cases["identity with /"] = ({"identity": "a/b"}, 400)
+    cases["identity with .."] = ({"identity": ".."}, 400)
+    cases["unknown snapshot"] = ({"identity": "nope"}, 404)
+    return cases
+
+
+def test_faults_are_refused_and_serving_is_unchanged(env):
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    reference = server.logprobs()
+    r = requests.post(server.base + HL, json={"identity": "s9"}, timeout=30)
+    assert r.status_code == 401  # no API key
+    assert requests.get(server.base + HL + "/ledger", timeout=30).status_code == 401
+    for case, (kw, status) in _bad_snapshots(root, full, current).items():
+        n_rows = len(server.get(HL + "/ledger").json()["rows"])
+        r = server.signal(**kw)
+        assert r.status_code == status, f"{case}: {r.status_code} {r.text}"
+        assert r.json()["error"], case
+        now = server.logprobs()
+        assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current, case
+        rows = server.get(HL + "/ledger").json()["rows"]
+        if status == 422:  # verified and refused: the ledger records the error
+            assert len(rows) == n_rows + 1 and rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
+
+
+def test_ledger_reset_requires_full(env):
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    cur = full / current if (full / current).exists() else root / current
+    assert requests.delete(server.base + HL + "/ledger", headers=AUTH, timeout=30).json()["full_required"] is True
+    write_incremental_snapshot(cur, _perturb(read_snapshot_tensors(cur), 60), root / "r1-delta")
+    r = server.signal("r1-delta", previous=current)
+    assert r.status_code == 409 and "must be full" in r.json()["error"]
+    write_full_snapshot(_perturb(read_snapshot_tensors(cur), 61), cur, root / "r1")
+    assert server.signal("r1").status_code == 200
+    _check_serving(server, root / "r1", "r1")
+
+
+def _stream(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, str | None]:
+    r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
+        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+        "stream": True})
+    assert r.status_code == 200, r.text
+    n, finish = 0, None
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            choice = json.loads(line[6:])["choices"][0]
+            n += 1 if choice.get("text") is not None else 0
+            finish = choice.get("finish_reason") or finish
+    return n, finish
+
+
+def test_async_swaps_under_concurrent_streams_lose_no_request(env):
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    prev = full / current if (full / current).exists() else root / current
+    names = []
+    for i in range(20):  # a chain of 20 deltas
+        name = f"a{i:02d}"
+        write_incremental_snapshot(prev, _perturb(read_snapshot_tensors(prev), 100 + i), root / name)
+        prev = _expected(root, full, name, prev)
+        names.append(name)
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(_stream, server, [1] + list(range(5, 5 + 10 + i)), 120) for i in range(16)]
+        time.sleep(1.0)
+        last = current
+        for name in names:
+            r = server.signal(name, previous=last)
+            assert r.status_code == 200, r.text
+            last = name
+        results = [f.result() for f in streams]
+    assert all(finish == "length" and n >= 100 for n, finish in results), results
+    _check_serving(server, prev, names[-1])
+
+
+def test_sync_transition_425_exactly_while_swapping(env):
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    cur = full / current if (full / current).exists() else root / current
+    write_full_snapshot(_perturb(read_snapshot_tensors(cur), 200), cur, root / "y1")
+    write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
+    # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(_stream, server, PROMPT, 300)
+        time.sleep(1.0)
+        r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
+                                         "x-zerokld-hot-load-drain-timeout": "0.2"})
+        assert r.status_code == 425, r.text
+        assert long.result()[1] == "length"
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
+    assert server.logprobs()[2] == current
+    # a sync swap that drains: new requests during it get 425; before and after, 200
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
+                "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
+            statuses.append(r.status_code)
+
+    with ThreadPoolExecutor(3) as pool:
+        long = pool.submit(_stream, server, PROMPT, 150)
+        time.sleep(0.5)
+        poller = pool.submit(poll)
+        r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
+                                         "x-zerokld-hot-load-drain-timeout": "120"})
+        time.sleep(0.5)
+        stop.set()
+        poller.result()
+        assert r.status_code == 200, r.text
+        assert long.result()[1] == "length"  # the in-flight request finished (on the old weights)
+    assert 425 in statuses and set(statuses) <= {200, 425}
+    assert statuses[-1] == 200
+    first_425 = statuses.index(425)
+    assert all(s == 425 for s in statuses[first_425: len(statuses) - statuses[::-1].index(425)])  # one 425 window
+    _check_serving(server, root / "y2", "y2")
+
+
+def test_killed_server_restarts_into_a_consistent_state(env):
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    expected = full / current if (full / current).exists() else root / current
+    reference = server.logprobs()
+    server.stop(kill=True)  # SIGKILL: no clean shutdown
+    ledger_path = server.state / "ledger.json"
+    led = json.loads(ledger_path.read_text())  # and a load that was mid-apply when the process died
+    led["rows"].append({"identity": "z-mid", "kind": "full", "previous_identity": None, "compression_format": None,
+                        "readiness": "loading", "error": None, "timestamps": {"signaled": time.time()}})
+    ledger_path.write_text(json.dumps(led))
+    server.start()
+    rows = server.get(HL + "/ledger").json()["rows"]
+    assert rows[-1]["identity"] == "z-mid" and rows[-1]["readiness"] == "failed"
+    assert "interrupted" in rows[-1]["error"]
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
+    again = server.logprobs()
+    assert again[0] == reference[0] and torch.equal(again[1], reference[1]) and again[2] == current
+    _check_serving(server, expected, current)
+    shutil.rmtree(full, ignore_errors=True)

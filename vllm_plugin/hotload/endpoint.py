@@ -1,0 +1,141 @@
+"""The hot-load HTTP API on vLLM's OpenAI server, as a ``vllm.endpoint_plugins`` entry point (``zerokld_hotload``).
+
+Switch it on with both plugin names allow-listed and the ``hot_load`` section in the zerokld config::
+
+    VLLM_PLUGINS=zerokld,zerokld_hotload python -m vllm.entrypoints.openai.api_server --model DIR ... \\
+        --additional-config '{"zerokld": {"batch_invariant": true,
+                                          "hot_load": {"snapshot_root": "/snapshots", "state_dir": "/var/zerokld"}}}'
+
+Routes (guarded by the server's ``--api-key`` as ``Authorization: Bearer <key>``; 401 otherwise):
+
+* ``POST /zerokld/v1/hot_load`` — body ``{"identity", "incremental_snapshot_metadata"?: {"previous_snapshot_identity",
+  "compression_format", "checksum_format"}, "reset_prompt_cache"?: "all"|"new_session"|"none"}``; headers
+  ``x-zerokld-hot-load-transition: async|sync`` (default async) and ``x-zerokld-hot-load-drain-timeout: <seconds>``
+  (default 90; sync only: exceeding it answers 425 and changes nothing). Returns the ledger row once the snapshot
+  serves; errors: 400 (bad identity), 404 (no such snapshot), 409 (replay, out-of-order chain, full required,
+  another load running), 422 (snapshot refused by verification), 425 (drain timeout), 500 (reload failed; the
+  previous snapshot was restored).
+* ``GET /zerokld/v1/hot_load/status`` — per replica ``current_snapshot_identity``, ``readiness``,
+  ``loading_state{stage, target_snapshot_identity}``.
+* ``GET /zerokld/v1/hot_load/ledger``; ``DELETE /zerokld/v1/hot_load/ledger`` (the next load must be full).
+
+Every ``/v1/*`` response carries ``x-zerokld-snapshot-identity`` (the snapshot serving when the request started);
+during a ``sync`` swap new ``/v1/*`` requests get HTTP 425.
+Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API (``../shared/DESIGN.md`` §5).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+__all__ = ["ZeroKLDHotLoadEndpoint"]
+
+PREFIX = "/zerokld/v1/hot_load"
+IDENTITY_HEADER = "x-zerokld-snapshot-identity"
+TRANSITION_HEADER = "x-zerokld-hot-load-transition"
+DRAIN_HEADER = "x-zerokld-hot-load-drain-timeout"
+
+
+def _hot_load_config(args) -> dict | None:
+    extra = getattr(args, "additional_config", None) or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra)
+    section = (extra or {}).get("zerokld", {}) or {}
+    return section.get("hot_load")
+
+
+class ZeroKLDHotLoadEndpoint:
+    """``vllm.endpoint_plugins`` factory result (see the module docstring)."""
+
+    name = "zerokld_hotload"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.manager = None
+        self.api_keys: list[str] = []
+
+    def _authorized(self, request: Request) -> bool:
+        if not self.api_keys:
+            return True
+        got = request.headers.get("authorization", "")
+        return any(secrets.compare_digest(got, f"Bearer {k}") for k in self.api_keys)
+
+    def _guard(self, request: Request):
+        if not self._authorized(request):
+            return JSONResponse({"error": "missing or wrong API key"}, status_code=401)
+        if self.manager is None:
+            return JSONResponse({"error": "hot-load is not enabled (additional_config zerokld.hot_load)"},
+                                status_code=404)
+        return None
+
+    def attach_router(self, app: FastAPI) -> None:
+        from .manager import HotLoadError, Signal
+
+        @app.post(PREFIX)
+        async def signal(request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            try:
+                body = await request.json()
+            except ValueError:
+                return JSONResponse({"error": "body is not JSON"}, status_code=422)
+            try:
+                drain = request.headers.get(DRAIN_HEADER)
+                sig = Signal.from_request(body, request.headers.get(TRANSITION_HEADER),
+                                          float(drain) if drain is not None else None)
+                row = await self.manager.signal(sig)
+            except HotLoadError as e:
+                return JSONResponse({"error": str(e)}, status_code=e.status)
+            except ValueError as e:
+                return JSONResponse({"error": str(e)}, status_code=422)
+            return JSONResponse(row)
+
+        @app.get(PREFIX + "/status")
+        async def status(request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            return JSONResponse(self.manager.status())
+
+        @app.get(PREFIX + "/ledger")
+        async def ledger(request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            return JSONResponse(self.manager.ledger.to_json())
+
+        @app.delete(PREFIX + "/ledger")
+        async def reset_ledger(request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            if self.manager.lock.locked():
+                return JSONResponse({"error": "a hot-load is in progress"}, status_code=409)
+            self.manager.ledger.reset()
+            return JSONResponse(self.manager.ledger.to_json())
+
+        @app.middleware("http")
+        async def snapshot_identity(request: Request, call_next):
+            manager = self.manager
+            if manager is None or not request.url.path.startswith("/v1/"):
+                return await call_next(request)
+            if manager.draining:
+                return JSONResponse({"error": "a sync hot-load is in progress; retry"}, status_code=425,
+                                    headers={IDENTITY_HEADER: manager.ledger.current_identity})
+            identity = manager.ledger.current_identity
+            response = await call_next(request)
+            response.headers[IDENTITY_HEADER] = identity
+            return response
+
+    async def init_state(self, engine_client, state, args) -> None:
+        from .manager import HotLoadManager
+
+        cfg = _hot_load_config(args)
+        if not cfg or engine_client is None:
+            return
+        key = getattr(args, "api_key", None)
+        self.api_keys = [key] if isinstance(key, str) else list(key or [])
+        self.manager = HotLoadManager(engine_client, cfg["snapshot_root"], cfg.get("state_dir") or
+                                      f"{cfg['snapshot_root']}/.zerokld_state", args.model,
+                                      cfg.get("initial_identity", "initial"), cfg.get("keep_materialized", 2))
+        await self.manager.restore()
