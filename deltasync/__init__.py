@@ -4,12 +4,15 @@ Full HF-safetensors snapshots and incremental deltas (codec by name, ``arc_v2`` 
 published; codecs and storages are registered through the ``zerokld`` plugin hooks. The hot-load ledger and identity rules
 (:mod:`deltasync.ledger`) are here too; the vLLM side is :mod:`vllm_plugin.hotload`.
 """
+from .client import HotLoadClient, HotLoadRefused, PushResult
 from .ledger import IdentityError, Ledger, validate_identity
 from .snapshot import (
     DeltaError, SnapshotError, apply_incremental_snapshot, read_snapshot_tensors, tensor_spec, verify_full_snapshot,
     write_full_snapshot, write_incremental_snapshot,
 )
+from .writer import SnapshotInfo, SnapshotWriter
 
-__all__ = ["DeltaError", "IdentityError", "Ledger", "SnapshotError", "apply_incremental_snapshot",
+__all__ = ["DeltaError", "HotLoadClient", "HotLoadRefused", "IdentityError", "Ledger", "PushResult", "SnapshotError",
+           "SnapshotInfo", "SnapshotWriter", "apply_incremental_snapshot",
            "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "write_full_snapshot",
            "write_incremental_snapshot"]

@@ -322,6 +322,32 @@ def test_sync_transition_425_exactly_while_swapping(env):
     _check_serving(server, root / "y2", "y2")
 
 
+def test_trainer_client_cadence_and_fallback_to_full(env, tmp_path):
+    """SnapshotWriter + HotLoadClient: full first, incremental against the last loaded identity, full every 3; a
+    ledger reset on the replica makes the next incremental refused (409) and the client falls back to full."""
+    from deltasync import HotLoadClient, SnapshotWriter
+
+    server, ckpt, root, full = env
+    writer = SnapshotWriter(root, ckpt, full_every=3, cache_dir=tmp_path / "cache")
+    client = HotLoadClient(server.base, api_key=API_KEY)
+    weights = read_snapshot_tensors(ckpt)
+    kinds = []
+    for step in range(5):
+        weights = _perturb(weights, 300 + step)
+        res = client.push(writer, f"w{step}", weights)
+        kinds.append(res.snapshot.kind)
+        assert res.refused == [] and res.swap_seconds > 0
+        if res.snapshot.kind == "incremental":
+            assert res.snapshot.bytes < 0.5 * res.snapshot.full_bytes and 0 < res.snapshot.density < 0.2
+        _check_serving(server, writer.cache / res.snapshot.identity, res.snapshot.identity)
+    assert kinds == ["full", "incremental", "incremental", "full", "incremental"]
+    assert requests.delete(server.base + HL + "/ledger", headers=AUTH, timeout=30).status_code == 200
+    weights = _perturb(weights, 400)
+    res = client.push(writer, "w5", weights)
+    assert res.snapshot.kind == "full" and res.snapshot.identity == "w5-full" and "must be full" in res.refused[0]
+    _check_serving(server, writer.cache / "w5-full", "w5-full")
+
+
 def test_killed_server_restarts_into_a_consistent_state(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]

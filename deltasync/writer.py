@@ -1,0 +1,130 @@
+"""Trainer side of the snapshot protocol: :class:`SnapshotWriter` decides full vs incremental and writes the next
+snapshot into the snapshot root.
+
+Cadence (``../shared/DESIGN.md`` §5): the first snapshot is full; then incremental snapshots against the **last
+successfully loaded** identity, and a full one every ``full_every`` snapshots, after any failed load
+(:meth:`SnapshotWriter.failed`), or when the replica's ledger was reset (:meth:`SnapshotWriter.require_full`). An
+incremental snapshot needs the base's full weights: the writer keeps a private full copy of the last loaded snapshot
+(``<cache_dir>/<identity>``, never shipped).
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .ledger import validate_identity
+from .snapshot import write_full_snapshot, write_incremental_snapshot
+
+__all__ = ["SnapshotInfo", "SnapshotWriter"]
+
+
+@dataclass
+class SnapshotInfo:
+    """One written snapshot. ``bytes``: size of what is shipped (the delta for incremental); ``full_bytes``: the
+    model's weight bytes; ``density``: fraction of elements whose bits changed vs the base (1.0 for full)."""
+
+    identity: str
+    kind: str
+    previous_identity: str | None
+    path: Path
+    bytes: int
+    full_bytes: int
+    density: float
+    compression_format: str | None
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+class SnapshotWriter:
+    """Writes ``<root>/<identity>/`` snapshots following the cadence policy.
+
+    Args:
+        root: the snapshot root the replicas read (a local directory).
+        assets_dir: config/tokenizer files copied into full snapshots.
+        full_every: a full snapshot at least every ``full_every`` snapshots (``1``: always full).
+        compression_format: codec of incremental snapshots (registered through the ``zerokld`` hooks).
+        cache_dir: the writer's private copies of loaded snapshots (default ``<root>/.writer_cache``).
+        dtype: cast tensors to this dtype before writing (the serving dtype), or ``None``.
+    """
+
+    def __init__(self, root: str | Path, assets_dir: str | Path, full_every: int = 20,
+                 compression_format: str = "arc_v2", cache_dir: str | Path | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if full_every < 1:
+            raise ValueError("full_every must be >= 1")
+        self.root, self.assets = Path(root), Path(assets_dir)
+        self.cache = Path(cache_dir) if cache_dir else self.root / ".writer_cache"
+        self.full_every, self.compression_format, self.dtype = full_every, compression_format, dtype
+        self.loaded: str | None = None  # last identity a replica confirmed
+        self._since_full = 0
+        self._force_full = True
+        self._pending: SnapshotInfo | None = None
+
+    def require_full(self) -> None:
+        """The next snapshot must be full (the replica's ledger was reset)."""
+        self._force_full = True
+
+    def next_kind(self) -> str:
+        if self._force_full or self.loaded is None or self._since_full + 1 >= self.full_every:
+            return "full"
+        return "incremental"
+
+    def write(self, identity: str, tensors: dict[str, torch.Tensor], kind: str | None = None) -> SnapshotInfo:
+        """Write the next snapshot (``kind``: force ``"full"``; default: the cadence's choice).
+
+        Raises:
+            IdentityError: bad identity. FileExistsError: the identity exists. DeltaError: tensors do not match the
+            base's names/shapes/dtypes.
+        """
+        validate_identity(identity)
+        out = self.root / identity
+        if out.exists():
+            raise FileExistsError(f"snapshot {identity!r} already exists under {self.root}")
+        if self.dtype is not None:
+            tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
+        kind = kind or self.next_kind()
+        private = self.cache / identity
+        write_full_snapshot(tensors, self.assets, private)
+        full_bytes = _dir_bytes(private)
+        if kind == "full":
+            shutil.copytree(private, out)
+            info = SnapshotInfo(identity, "full", None, out, full_bytes, full_bytes, 1.0, None)
+        else:
+            base = self.cache / self.loaded
+            write_incremental_snapshot(base, tensors, out, self.compression_format)
+            info = SnapshotInfo(identity, "incremental", self.loaded, out, _dir_bytes(out), full_bytes,
+                                self._density(base, tensors), self.compression_format)
+        self._pending = info
+        return info
+
+    @staticmethod
+    def _density(base_dir: Path, tensors: dict[str, torch.Tensor]) -> float:
+        from .snapshot import read_snapshot_tensors
+
+        base = read_snapshot_tensors(base_dir)
+        changed = total = 0
+        for k, b in base.items():
+            n = tensors[k].contiguous()
+            width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]
+            changed += int((b.view(width) != n.view(width)).sum())
+            total += b.numel()
+        return changed / max(total, 1)
+
+    def confirm(self, info: SnapshotInfo) -> None:
+        """The replica serves ``info``: it becomes the base of the next incremental snapshot."""
+        previous = self.loaded
+        self.loaded = info.identity
+        self._force_full = False
+        self._since_full = 0 if info.kind == "full" else self._since_full + 1
+        if previous and previous != info.identity:
+            shutil.rmtree(self.cache / previous, ignore_errors=True)
+
+    def failed(self, info: SnapshotInfo) -> None:
+        """The replica refused or failed ``info``: the next snapshot will be full."""
+        self._force_full = True
+        shutil.rmtree(self.cache / info.identity, ignore_errors=True)
