@@ -10,9 +10,10 @@ from .snapshot import (
     DeltaError, SnapshotError, apply_incremental_snapshot, read_snapshot_tensors, tensor_spec, verify_full_snapshot,
     write_full_snapshot, write_incremental_snapshot,
 )
+from .storage import fetch_dir, publish_dir
 from .writer import SnapshotInfo, SnapshotWriter
 
 __all__ = ["DeltaError", "HotLoadClient", "HotLoadRefused", "IdentityError", "Ledger", "PushResult", "SnapshotError",
            "SnapshotInfo", "SnapshotWriter", "apply_incremental_snapshot",
-           "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "write_full_snapshot",
+           "fetch_dir", "publish_dir", "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "write_full_snapshot",
            "write_incremental_snapshot"]

@@ -30,14 +30,18 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
 
     engine_slot.close()
     out = tmp_path / "cd"
-    main(["--out", str(out), "--steps", "3", "--sft-steps", "4", "--prompts-per-step", "8", "--group-size", "4"])
+    main(["--out", str(out), "--steps", "3", "--sft-steps", "4", "--prompts-per-step", "8", "--group-size", "4",
+          "--full-every", "2"])
     rows = {m: [json.loads(x) for x in (out / m / "metrics.jsonl").read_text().splitlines()] for m in
             ("zerokld", "stock")}
     required = {"step", "reward_mean", "k1", "k3", "max_abs_logprob_diff", "tokens_bitwise_different",
-                "clipped_fraction", "step_seconds"}
+                "clipped_fraction", "step_seconds", "sync_kind", "sync_bytes", "full_bytes", "delta_density",
+                "swap_seconds"}
     for m, rs in rows.items():
         assert [r["step"] for r in rs] == [1, 2, 3]
         assert all(required <= r.keys() for r in rs)
+        assert [r["sync_kind"] for r in rs] == ["full", "incremental", "full"]  # --full-every 2
+        assert rs[1]["sync_bytes"] < rs[1]["full_bytes"] and 0 < rs[1]["delta_density"] < 1
     for r in rows["zerokld"]:
         assert r["k3"] == 0.0 and r["k1"] == 0.0 and r["tokens_bitwise_different"] == 0
         assert r["max_abs_logprob_diff"] == 0.0 and r["clipped_fraction"] == 0.0

@@ -282,6 +282,11 @@ class RLTrainer(Trainer):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
+    def hf_weights(self, dtype: str) -> dict[str, torch.Tensor]:
+        """The current weights under HF names, cast to ``dtype`` (what a snapshot ships; CPU tensors)."""
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        return {k: v.to(torch_dtype) for k, v in hf_state_dict(self.model, self.model_config, self._hf).items()}
+
     def save_hf(self, out_dir: str | Path, dtype: str) -> Path:
         """Publish the current weights as a full HF snapshot directory (:func:`deltasync.write_full_snapshot`; config
         and tokenizer copied from the initial checkpoint)."""

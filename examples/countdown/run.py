@@ -49,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--clip-high", type=float, default=1.2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--full-every", type=int, default=10, help="weight sync: a full snapshot every N steps, arc_v2 "
+                    "incremental snapshots in between")
+    ap.add_argument("--keep-snapshots", action="store_true", help="keep every shipped snapshot under "
+                    "<out>/<numerics>/sync/snapshots (benchmarks/delta.py reads them)")
     ap.add_argument("--fp8", choices=["per_channel", "block"], default=None,
                     help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
                     "FP8 QAT with the same math; stock: vLLM's own FP8 (quantization=fp8_per_channel) and a "
@@ -107,7 +111,7 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     from vllm import SamplingParams
 
     import shared_numerics as sn
-    from examples.countdown.sync import FullSnapshotSync
+    from examples.countdown.sync import DeltaSync
     from titan_plugin.losses import grpo_advantages
     from titan_plugin.rl import RLTrainer, rl_trainer_config
     from zerokld_testing.engines import completion_logprobs, shutdown_llm, start_llm
@@ -123,7 +127,8 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
                                           zerokld=zk, loss_fn=args.loss_fn,
                                           loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
                                           fp8=args.fp8 if zk else None))
-    sync = FullSnapshotSync(run_dir / "snapshots", args.dtype)
+    sync = DeltaSync(run_dir / "sync", args.dtype, init, llm, full_every=args.full_every,
+                     keep_snapshots=args.keep_snapshots)
     problems = generate_problems(args.steps * args.prompts_per_step, seed=args.seed + 7)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)
     try:

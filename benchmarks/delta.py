@@ -1,0 +1,109 @@
+"""Delta snapshots on consecutive checkpoints of a real countdown RL run: size, encode/apply throughput, hot-swap.
+
+1. Runs the countdown example (zerokld numerics, bf16, ``--full-every 1 --keep-snapshots``), so every step's weights
+   are a full HF snapshot on disk (unless ``--run-dir`` points at such a run already).
+2. For each pair of consecutive snapshots and each registered codec: delta bytes ÷ full bytes, bytes per changed
+   element, encode and apply throughput in GB/s of model bytes (``write_incremental_snapshot`` /
+   ``apply_incremental_snapshot``, files included), element density.
+3. Hot-swap pause (``reload_weights`` + prefix-cache reset on a live engine) vs starting a new engine on the new
+   weights.
+
+Medians go to ``--out`` (JSON). Usage: ``python -m benchmarks.delta --out benchmarks/results/delta.json``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def _bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+def _density(a: dict, b: dict) -> tuple[int, int]:
+    import torch
+
+    changed = total = 0
+    for k, x in a.items():
+        w = {2: torch.int16, 4: torch.int32}[x.element_size()]
+        changed += int((x.view(w) != b[k].view(w)).sum())
+        total += x.numel()
+    return changed, total
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench/delta.json")
+    ap.add_argument("--run-dir", default=None, help="an existing run (<dir>/zerokld/sync/snapshots)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--swaps", type=int, default=5)
+    args = ap.parse_args(argv)
+    from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_incremental_snapshot
+    from zerokld_plugins import registered
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = Path(args.run_dir) if args.run_dir else out.parent / "delta_run"
+    snaps_dir = run / "zerokld" / "sync" / "snapshots"
+    if not args.run_dir:
+        from examples.countdown.run import main as countdown
+
+        shutil.rmtree(run, ignore_errors=True)
+        countdown(["--out", str(run), "--numerics", "zerokld", "--steps", str(args.steps), "--sft-steps", "30",
+                   "--full-every", "1", "--keep-snapshots"])
+    snaps = sorted(p for p in snaps_dir.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
+    codecs = sorted(registered("codec"))
+    per: dict[str, dict[str, list[float]]] = {c: {"ratio": [], "bytes_per_changed": [], "encode_gbps": [],
+                                                  "apply_gbps": []} for c in codecs}
+    densities = []
+    work = out.parent / "delta_work"
+    for a, b in zip(snaps, snaps[1:]):
+        full = _bytes(b)
+        changed, total = _density(read_snapshot_tensors(a), read_snapshot_tensors(b))
+        densities.append(changed / total)
+        for c in codecs:
+            shutil.rmtree(work, ignore_errors=True)
+            t0 = time.perf_counter()
+            d = write_incremental_snapshot(a, read_snapshot_tensors(b), work / "delta", compression_format=c)
+            t_enc = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            apply_incremental_snapshot(a, d, work / "applied")
+            t_app = time.perf_counter() - t0
+            size = _bytes(d)
+            per[c]["ratio"].append(size / full)
+            per[c]["bytes_per_changed"].append(size / max(changed, 1))
+            per[c]["encode_gbps"].append(full / t_enc / 1e9)
+            per[c]["apply_gbps"].append(full / t_app / 1e9)
+    shutil.rmtree(work, ignore_errors=True)
+    result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "snapshots": len(snaps),
+              "model_bytes": _bytes(snaps[-1]), "density_median": statistics.median(densities),
+              "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()}}
+
+    from zerokld_testing.engines import reload_weights, shutdown_llm, start_llm
+
+    restart, swap = [], []
+    for i in range(min(args.swaps, len(snaps) - 1)):
+        t0 = time.perf_counter()
+        llm = start_llm(str(snaps[i]), dtype="bfloat16", max_model_len=256)
+        restart.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        reload_weights(llm, str(snaps[i + 1]))
+        swap.append(time.perf_counter() - t0)
+        shutdown_llm(llm)
+    result["hot_swap_seconds_median"] = statistics.median(swap)
+    result["engine_restart_seconds_median"] = statistics.median(restart)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
