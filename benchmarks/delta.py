@@ -39,26 +39,59 @@ def _density(a: dict, b: dict) -> tuple[int, int]:
     return changed, total
 
 
+def _layer_scale(codecs: list[str], density: float, n: int = 4096) -> dict:
+    """Codecs alone on one LLM-sized bf16 matrix (``n x n``) with the run's median element density: the tiny
+    model's tensors are too small for throughput to mean much (per-tensor and file overheads dominate)."""
+    import torch
+
+    from zerokld_plugins import get_codec, resolve
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, n, generator=g) * 0.02).to(torch.bfloat16)
+    mask = torch.rand(n, n, generator=g) < density
+    new = torch.where(mask, (w.float() * (1 + 0.01 * torch.randn(n, n, generator=g))).to(torch.bfloat16), w)
+    changed = int((w.view(torch.int16) != new.view(torch.int16)).sum())
+    a, b = w.view(torch.uint8).numpy().tobytes(), new.view(torch.uint8).numpy().tobytes()
+    out = {"elements": n * n, "density": changed / (n * n)}
+    for c in codecs:
+        spec = get_codec(c)
+        enc, dec = resolve(spec.encode), resolve(spec.decode)
+        t_enc, t_dec = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            payload = enc(a, b)
+            t_enc.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert dec(a, payload) == b
+            t_dec.append(time.perf_counter() - t0)
+        out[c] = {"ratio": len(payload) / len(b), "bytes_per_changed": len(payload) / max(changed, 1),
+                  "encode_gbps": len(b) / statistics.median(t_enc) / 1e9,
+                  "decode_gbps": len(b) / statistics.median(t_dec) / 1e9}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench/delta.json")
     ap.add_argument("--run-dir", default=None, help="an existing run (<dir>/zerokld/sync/snapshots)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--swaps", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=1e-6, help="GRPO learning rate of the run (1e-6: typical LLM RL; the "
+                    "example's 2e-4 moves most bf16 elements of its tiny model every step)")
     args = ap.parse_args(argv)
     from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_incremental_snapshot
     from zerokld_plugins import registered
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    run = Path(args.run_dir) if args.run_dir else out.parent / "delta_run"
+    run = Path(args.run_dir) if args.run_dir else Path("runs/bench/delta_run")
     snaps_dir = run / "zerokld" / "sync" / "snapshots"
     if not args.run_dir:
         from examples.countdown.run import main as countdown
 
         shutil.rmtree(run, ignore_errors=True)
         countdown(["--out", str(run), "--numerics", "zerokld", "--steps", str(args.steps), "--sft-steps", "30",
-                   "--full-every", "1", "--keep-snapshots"])
+                   "--full-every", "1", "--keep-snapshots", "--lr", str(args.lr)])
     snaps = sorted(p for p in snaps_dir.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
     codecs = sorted(registered("codec"))
     per: dict[str, dict[str, list[float]]] = {c: {"ratio": [], "bytes_per_changed": [], "encode_gbps": [],
@@ -83,9 +116,12 @@ def main(argv=None) -> dict:
             per[c]["encode_gbps"].append(full / t_enc / 1e9)
             per[c]["apply_gbps"].append(full / t_app / 1e9)
     shutil.rmtree(work, ignore_errors=True)
-    result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "snapshots": len(snaps),
+    layer = _layer_scale(codecs, statistics.median(densities))
+    result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args),
+              "snapshots": len(snaps),
               "model_bytes": _bytes(snaps[-1]), "density_median": statistics.median(densities),
-              "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()}}
+              "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
+              "layer_scale_codecs": layer}
 
     from zerokld_testing.engines import reload_weights, shutdown_llm, start_llm
 

@@ -88,6 +88,15 @@ class Ledger:
         self._save()
         return row
 
+    def refused(self, identity: str, error: str, kind: str | None = None) -> dict:
+        """Record a signal refused before any loading (bad identity, replay, out-of-order chain, missing snapshot)."""
+        now = time.time()
+        row = {"identity": identity, "kind": kind, "previous_identity": None, "compression_format": None,
+               "readiness": "failed", "error": error, "timestamps": {"signaled": now, "failed": now}}
+        self.rows.append(row)
+        self._save()
+        return row
+
     def stage(self, row: dict, stage: str, **fields) -> None:
         row["timestamps"][stage] = time.time()
         row.update(fields)

@@ -93,12 +93,14 @@ def read_snapshot_tensors(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 _WEIGHT_FILES = (".safetensors",)
-_SKIP = {"model.safetensors.index.json"}
+WEIGHT_SPEC = "model.weight.spec.json"  # {"tensor_map": {name: {"shape": [...], "dtype": "BF16"}}} (Fireworks)
+_SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
 
 
 def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str | Path, out_dir: str | Path,
                         dtype: torch.dtype | None = None) -> Path:
-    """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` plus every non-weight file of ``assets_dir``.
+    """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` plus every non-weight file of ``assets_dir``, and
+    ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape", "dtype"}}}``, safetensors dtype names).
 
     Args:
         hf_state_dict: HF parameter names → tensors (any device; copied to CPU, made contiguous).
@@ -124,6 +126,8 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
                for k, v in hf_state_dict.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    spec = {name: {"shape": list(shape), "dtype": dt} for name, (dt, shape) in sorted(tensor_spec(tmp).items())}
+    (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec}, indent=1))
     return _publish(tmp, out)
 
 

@@ -222,9 +222,9 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
         assert r.json()["error"], case
         now = server.logprobs()
         assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current, case
-        rows = server.get(HL + "/ledger").json()["rows"]
-        if status == 422:  # verified and refused: the ledger records the error
-            assert len(rows) == n_rows + 1 and rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
+        rows = server.get(HL + "/ledger").json()["rows"]  # every refusal is recorded with its error
+        assert len(rows) == n_rows + 1 and rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
+        assert rows[-1]["identity"] == kw["identity"], case
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
 
 

@@ -82,12 +82,16 @@ class ZeroKLDHotLoadEndpoint:
                 body = await request.json()
             except ValueError:
                 return JSONResponse({"error": "body is not JSON"}, status_code=422)
+            sig = None
             try:
                 drain = request.headers.get(DRAIN_HEADER)
                 sig = Signal.from_request(body, request.headers.get(TRANSITION_HEADER),
                                           float(drain) if drain is not None else None)
                 row = await self.manager.signal(sig)
             except HotLoadError as e:
+                if sig is None:  # refused while parsing: recorded under the identity as sent
+                    self.manager.ledger.refused(str(body.get("identity") if isinstance(body, dict) else body)[:200],
+                                                str(e))
                 return JSONResponse({"error": str(e)}, status_code=e.status)
             except ValueError as e:
                 return JSONResponse({"error": str(e)}, status_code=422)

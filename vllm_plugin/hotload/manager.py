@@ -177,8 +177,12 @@ class HotLoadManager:
         if self.lock.locked():
             raise HotLoadError("another hot-load is in progress", 409)
         async with self.lock:
-            self._check(sig)
             kind = "incremental" if sig.previous_identity else "full"
+            try:
+                self._check(sig)
+            except HotLoadError as e:
+                self.ledger.refused(sig.identity, str(e), kind)
+                raise
             row = self.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
             self.stage, self.target = "verifying", sig.identity
             try:
