@@ -1,11 +1,12 @@
 """Trainer → rollout-engine weight sync for the example, with the snapshot protocol of :mod:`deltasync`.
 
-:class:`DeltaSync` writes each step's weights with a :class:`deltasync.SnapshotWriter` (full first and every
-``full_every`` steps, ``arc_v2`` incremental snapshots against the last loaded one in between) and hands them to
-:class:`OfflineReplica`, which does for the example's offline ``vllm.LLM`` what the server-side hot-load manager
-(:mod:`vllm_plugin.hotload`) does for ``vllm serve``: decode a delta onto the snapshot it serves (verified before
-anything is published), reload the result in place, reset the prefix cache. A refused incremental snapshot falls
-back to a full one, as :class:`deltasync.HotLoadClient` does over HTTP.
+:class:`DeltaSync` pushes each step's weights with :meth:`deltasync.HotLoadClient.push` — a
+:class:`deltasync.SnapshotWriter` decides full (first, and every ``full_every`` steps) or ``arc_v2`` incremental
+(against the last loaded snapshot), the client signals, and a refused incremental snapshot falls back to a full one.
+The example's engine is an offline ``vllm.LLM`` rather than ``vllm serve``, so the signal goes to
+:class:`OfflineHotLoadClient`, which does in-process what the server's hot-load manager (:mod:`vllm_plugin.hotload`)
+does over HTTP: decode a delta onto the snapshot it serves (verified before anything is published), reload the
+result in place, reset the prefix cache.
 """
 from __future__ import annotations
 
@@ -13,33 +14,35 @@ import shutil
 import time
 from pathlib import Path
 
-from deltasync import SnapshotWriter, apply_incremental_snapshot, tensor_spec, verify_full_snapshot
+from deltasync import (HotLoadClient, HotLoadRefused, SnapshotError, SnapshotWriter, apply_incremental_snapshot,
+                       tensor_spec, verify_full_snapshot)
 from zerokld_testing.engines import reload_weights
 
-__all__ = ["DeltaSync", "OfflineReplica"]
+__all__ = ["DeltaSync", "OfflineHotLoadClient"]
 
 
-class OfflineReplica:
-    """Loads full or incremental snapshots into an offline ``vllm.LLM`` (served weights start at ``initial_dir``)."""
+class OfflineHotLoadClient(HotLoadClient):
+    """A :class:`deltasync.HotLoadClient` whose replica is an offline ``vllm.LLM`` in this process."""
 
     def __init__(self, llm, initial_dir: Path, state_dir: Path) -> None:
+        super().__init__([])
         self.llm, self.served, self.state = llm, Path(initial_dir), Path(state_dir)
         self.spec = tensor_spec(initial_dir)
 
-    def load(self, info) -> float:
-        """Returns the swap time in seconds (decode + verify + reload + cache reset)."""
-        t0 = time.perf_counter()
-        if info.kind == "incremental":
-            path = self.state / info.identity
-            apply_incremental_snapshot(self.served, info.path, path, info.compression_format)
-        else:
-            path = info.path
-        verify_full_snapshot(path, self.spec)
+    def signal(self, info) -> None:
+        try:
+            if info.kind == "incremental":
+                path = self.state / info.identity
+                apply_incremental_snapshot(self.served, info.path, path, info.compression_format)
+            else:
+                path = info.path
+            verify_full_snapshot(path, self.spec)
+        except SnapshotError as e:  # refused: the served weights are untouched
+            raise HotLoadRefused(422, str(e)) from e
         reload_weights(self.llm, str(path))
         if self.served.parent == self.state:
             shutil.rmtree(self.served, ignore_errors=True)
         self.served = path
-        return time.perf_counter() - t0
 
 
 class DeltaSync:
@@ -48,28 +51,21 @@ class DeltaSync:
     def __init__(self, root: Path, dtype: str, initial_dir: Path, llm, full_every: int = 10,
                  keep_snapshots: bool = False) -> None:
         root = Path(root)
-        self.keep_snapshots = keep_snapshots
-        self.dtype = dtype
+        self.dtype, self.keep_snapshots = dtype, keep_snapshots
         self.writer = SnapshotWriter(root / "snapshots", initial_dir, full_every=full_every,
                                      cache_dir=root / "writer_cache")
-        self.replica = OfflineReplica(llm, initial_dir, root / "replica")
+        self.client = OfflineHotLoadClient(llm, initial_dir, root / "replica")
         self._shipped: list[Path] = []
 
     def push(self, trainer, llm, step: int) -> dict:
-        """Returns ``sync_kind``, ``sync_bytes`` (shipped), ``full_bytes``, ``delta_density``, ``swap_seconds``,
-        ``sync_seconds`` (write + swap)."""
+        """Returns ``sync_kind``, ``sync_bytes`` (shipped), ``full_bytes``, ``delta_density``, ``swap_seconds``
+        (signal to ready), ``sync_seconds`` (write + swap), ``sync_refused`` (fallbacks)."""
         t0 = time.perf_counter()
-        weights = trainer.hf_weights(self.dtype)
-        info = self.writer.write(f"step-{step:05d}", weights)
-        try:
-            swap = self.replica.load(info)
-        except ValueError:  # refused (DeltaError / SnapshotError): fall back to a full snapshot
-            self.writer.failed(info)
-            info = self.writer.write(f"step-{step:05d}-full", weights, kind="full")
-            swap = self.replica.load(info)
-        self.writer.confirm(info)
+        res = self.client.push(self.writer, f"step-{step:05d}", trainer.hf_weights(self.dtype))
+        info = res.snapshot
         self._shipped.append(info.path)
-        while len(self._shipped) > 2 and not self.keep_snapshots:  # the replica has its own copy; old shipped snapshots can go
+        while len(self._shipped) > 2 and not self.keep_snapshots:  # the replica holds its own copy
             shutil.rmtree(self._shipped.pop(0), ignore_errors=True)
         return {"sync_kind": info.kind, "sync_bytes": info.bytes, "full_bytes": info.full_bytes,
-                "delta_density": info.density, "swap_seconds": swap, "sync_seconds": time.perf_counter() - t0}
+                "delta_density": info.density, "swap_seconds": res.swap_seconds,
+                "sync_seconds": time.perf_counter() - t0, "sync_refused": len(res.refused)}
