@@ -6,6 +6,10 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# Triton's interpreter must be on before anything imports triton (vLLM and TorchTitan do), or triton.language's own
+# @jit helpers are compiled-mode objects the interpreter cannot call. It only matters where the triton backend is
+# chosen (tests/test_triton_backend.py); vLLM-CPU disables Triton for itself either way.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 

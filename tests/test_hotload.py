@@ -43,7 +43,7 @@ class Server:
         self.proc = None
         self.base = ""
 
-    def start(self) -> None:
+    def start(self, extra_env: dict | None = None) -> None:
         port = _free_port()
         cfg = {"zerokld": {"batch_invariant": True,
                            "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
@@ -51,7 +51,7 @@ class Server:
                "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
                "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64", "--api-key", API_KEY,
                "--additional-config", json.dumps(cfg)]
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload"}
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload", **(extra_env or {})}
         self.log = open(self.log_path, "a+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.base = f"http://127.0.0.1:{port}"
@@ -348,23 +348,35 @@ def test_trainer_client_cadence_and_fallback_to_full(env, tmp_path):
     _check_serving(server, writer.cache / "w5-full", "w5-full")
 
 
-def test_killed_server_restarts_into_a_consistent_state(env):
+def test_killed_mid_apply_restarts_into_a_consistent_state(env):
+    """SIGKILL while a swap is in its loading stage (the server is restarted with a fault-injection delay there, so
+    the kill lands inside it); the restarted server serves the previous snapshot, bit for bit, and the ledger says
+    the interrupted load failed. Then the same snapshot loads fine."""
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
     expected = full / current if (full / current).exists() else root / current
+    write_incremental_snapshot(expected, _perturb(read_snapshot_tensors(expected), 500), root / "k1")
     reference = server.logprobs()
-    server.stop(kill=True)  # SIGKILL: no clean shutdown
-    ledger_path = server.state / "ledger.json"
-    led = json.loads(ledger_path.read_text())  # and a load that was mid-apply when the process died
-    led["rows"].append({"identity": "z-mid", "kind": "full", "previous_identity": None, "compression_format": None,
-                        "readiness": "loading", "error": None, "timestamps": {"signaled": time.time()}})
-    ledger_path.write_text(json.dumps(led))
+    server.stop()
+    server.start(extra_env={"ZEROKLD_HOTLOAD_FAULT_DELAY_S": "30"})
+    assert server.logprobs()[2] == current
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: requests.post(server.base + HL, headers=AUTH, timeout=120, json={
+            "identity": "k1", "incremental_snapshot_metadata": {"previous_snapshot_identity": current}}))
+        deadline = time.time() + 60
+        while server.get(HL + "/status").json()["replicas"][0]["loading_state"]["stage"] != "loading":
+            assert time.time() < deadline, "the swap never reached its loading stage"
+            time.sleep(0.05)
+        server.stop(kill=True)
+        with pytest.raises(requests.RequestException):
+            pending.result()
     server.start()
     rows = server.get(HL + "/ledger").json()["rows"]
-    assert rows[-1]["identity"] == "z-mid" and rows[-1]["readiness"] == "failed"
-    assert "interrupted" in rows[-1]["error"]
+    assert rows[-1]["identity"] == "k1" and rows[-1]["readiness"] == "failed" and "interrupted" in rows[-1]["error"]
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
     again = server.logprobs()
     assert again[0] == reference[0] and torch.equal(again[1], reference[1]) and again[2] == current
     _check_serving(server, expected, current)
+    assert server.signal("k1", previous=current).status_code == 200  # not a replay: it never became ready
+    _check_serving(server, _expected(root, full, "k1", expected), "k1")
     shutil.rmtree(full, ignore_errors=True)

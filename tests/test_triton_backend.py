@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined in this process
+os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first: before anything imports triton
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -38,9 +38,17 @@ def unavailable_reason() -> str | None:
         return "the triton package is not installed"
     import torch
 
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.cuda.is_available():
         return None
-    return "no CUDA device, and TRITON_INTERPRET=1 (Triton's CPU interpreter) is not set"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device, and TRITON_INTERPRET=1 (Triton's CPU interpreter) is not set"
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.sum, InterpretedFunction):  # triton.language was imported before the variable was set
+        return ("TRITON_INTERPRET=1 was set after Triton was first imported in this process (by vLLM, TorchTitan, "
+                "...); set it in the environment before starting Python")
+    return None
 
 
 def available() -> bool:

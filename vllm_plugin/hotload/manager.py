@@ -24,6 +24,7 @@ Sources: Fireworks' bring-your-own-trainer hot-load API (``../shared/DESIGN.md``
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ class HotLoadManager:
         self.stage = "idle"
         self.target: str | None = None
         self.draining = False  # sync transition in progress: new requests get 425
+        self.fault_delay = float(os.environ.get("ZEROKLD_HOTLOAD_FAULT_DELAY_S", "0") or 0)
 
     def served_dir(self, identity: str | None = None) -> Path:
         identity = identity or self.ledger.current_identity
@@ -197,6 +199,8 @@ class HotLoadManager:
                     await self.engine.pause_generation(mode="keep", clear_cache=False)
                 self.ledger.stage(row, "paused")
                 self.stage = "loading"
+                if self.fault_delay:  # fault injection (tests): widen the window in which a kill lands mid-apply
+                    await asyncio.sleep(self.fault_delay)
                 try:
                     await self._reload(path)
                 except Exception as e:  # restore the served weights, then report
