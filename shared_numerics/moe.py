@@ -1,0 +1,93 @@
+"""Mixture-of-Experts router and expert computation with a deterministic, batch-invariant definition.
+
+* Router (:func:`route_topk`): ``scores = softmax(router_logits)`` through :func:`shared_numerics.log_softmax` (float64
+  normaliser, fixed tree), then the ``k`` highest scores by a **stable** descending sort, so exact ties go to the
+  lowest expert id — never ``torch.topk``'s implementation-defined order (vLLM-CPU's ``CPURouter`` takes top-k on raw
+  logits with ``sorted=False``; HF softmaxes then top-k: equal in exact math, but a bf16 tie flipped 1 row in 20,000,
+  ``../shared/DESIGN.md`` §4). Optional renormalisation of the selected weights (Qwen3-MoE ``norm_topk_prob``) in fp32.
+* Experts (:func:`moe_experts`): every token's expert FFN is ``down(silu(gate x) * up x)`` with
+  :func:`shared_numerics.linear`, whose fixed row tiles make a token's result independent of how many tokens its
+  expert received; the ``k`` expert outputs are combined in slot order (rank of the routing score), weights applied
+  and summed in fp32, rounded once to the activation dtype.
+
+Routing replay (R3, arXiv 2510.11370): pass recorded ``expert_ids`` to :func:`moe_experts` instead of recomputing
+them; the weights are still gathered from the current scores (:func:`gather_route_weights`), so gradients flow.
+Source: HF ``modeling_qwen3_moe.py`` (``Qwen3MoeSparseMoeBlock``); vLLM ``fused_moe`` (``topk_softmax``).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gather_route_weights", "moe_experts", "route_topk"]
+
+
+def _scores(router_logits: torch.Tensor) -> torch.Tensor:
+    from . import log_softmax
+
+    return torch.exp(log_softmax(router_logits).double()).float()
+
+
+def route_topk(router_logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing with lowest-id tie-break.
+
+    Args:
+        router_logits: ``[N, E]`` any float dtype.
+        k: experts per token (``1 <= k <= E``).
+        renormalize: divide the selected scores by their sum (Qwen3-MoE ``norm_topk_prob``).
+
+    Returns:
+        ``(expert_ids [N, k] int64, weights [N, k] float32)``, slot 0 the highest score.
+
+    Raises:
+        ValueError: ``k`` out of range.
+    """
+    n, e = router_logits.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"top-k {k} outside [1, {e}]")
+    scores = _scores(router_logits)
+    order = torch.sort(-scores, dim=-1, stable=True).indices  # stable: equal scores keep ascending expert id
+    ids = order[:, :k].contiguous()
+    return ids, gather_route_weights(scores, ids, renormalize)
+
+
+def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool = True) -> torch.Tensor:
+    """The routing weights of given experts (``[N, k]`` float32) from softmax ``scores [N, E]``: the replay path
+    (recorded ids, current scores). Differentiable in ``scores``."""
+    w = scores.gather(-1, expert_ids)
+    if renormalize:
+        total = w[:, 0:1]
+        for j in range(1, w.shape[1]):  # fixed left-to-right order
+            total = total + w[:, j: j + 1]
+        w = w / total
+    return w
+
+
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's experts.
+
+    Args:
+        x: ``[N, H]`` activations (float32 / bfloat16).
+        expert_ids: ``[N, k]`` int64 (from :func:`route_topk`, or recorded for replay).
+        weights: ``[N, k]`` float32 routing weights.
+        w_gate, w_up: ``[E, I, H]``; w_down: ``[E, H, I]`` (HF ``experts.{e}.{gate,up,down}_proj.weight`` stacked).
+
+    Returns:
+        ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights. Differentiable.
+    """
+    from . import linear, silu_and_mul
+
+    n, k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)
+    flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
+    outs = x.new_zeros((n * k, x.shape[1]), dtype=torch.float32)
+    for e in torch.unique(flat_ids).tolist():  # any grouping gives the same rows (row-invariant linear)
+        sel = torch.nonzero(flat_ids == e).squeeze(1)
+        xe = x[flat_rows[sel]]
+        ye = linear(silu_and_mul(linear(xe, w_gate[e]), linear(xe, w_up[e])), w_down[e])
+        outs = outs.index_put((sel,), ye.float())
+    outs = outs.reshape(n, k, -1) * weights.unsqueeze(-1)
+    acc = outs[:, 0]
+    for j in range(1, k):  # slot order, fp32
+        acc = acc + outs[:, j]
+    return acc.to(x.dtype)
