@@ -24,21 +24,6 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def _bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
-
-
-def _density(a: dict, b: dict) -> tuple[int, int]:
-    import torch
-
-    changed = total = 0
-    for k, x in a.items():
-        w = {2: torch.int16, 4: torch.int32}[x.element_size()]
-        changed += int((x.view(w) != b[k].view(w)).sum())
-        total += x.numel()
-    return changed, total
-
-
 def _layer_scale(codecs: list[str], density: float, n: int = 4096) -> dict:
     """Codecs alone on one LLM-sized bf16 matrix (``n x n``) with the run's median element density: the tiny
     model's tensors are too small for throughput to mean much (per-tensor and file overheads dominate)."""
@@ -79,7 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=1e-6, help="GRPO learning rate of the run (1e-6: typical LLM RL; the "
                     "example's 2e-4 moves most bf16 elements of its tiny model every step)")
     args = ap.parse_args(argv)
-    from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_incremental_snapshot
+    from deltasync import (apply_incremental_snapshot, element_density, read_snapshot_tensors, weight_bytes,
+                           write_incremental_snapshot)
     from zerokld_plugins import registered
 
     out = Path(args.out)
@@ -99,8 +85,8 @@ def main(argv=None) -> dict:
     densities = []
     work = out.parent / "delta_work"
     for a, b in zip(snaps, snaps[1:]):
-        full = _bytes(b)
-        changed, total = _density(read_snapshot_tensors(a), read_snapshot_tensors(b))
+        full = weight_bytes(b)
+        changed, total = element_density(read_snapshot_tensors(a), read_snapshot_tensors(b))
         densities.append(changed / total)
         for c in codecs:
             shutil.rmtree(work, ignore_errors=True)
@@ -110,7 +96,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             apply_incremental_snapshot(a, d, work / "applied")
             t_app = time.perf_counter() - t0
-            size = _bytes(d)
+            size = weight_bytes(d)
             per[c]["ratio"].append(size / full)
             per[c]["bytes_per_changed"].append(size / max(changed, 1))
             per[c]["encode_gbps"].append(full / t_enc / 1e9)
@@ -119,7 +105,7 @@ def main(argv=None) -> dict:
     layer = _layer_scale(codecs, statistics.median(densities))
     result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args),
               "snapshots": len(snaps),
-              "model_bytes": _bytes(snaps[-1]), "density_median": statistics.median(densities),
+              "model_bytes": weight_bytes(snaps[-1]), "density_median": statistics.median(densities),
               "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
               "layer_scale_codecs": layer}
 

@@ -7,13 +7,13 @@ published; codecs and storages are registered through the ``zerokld`` plugin hoo
 from .client import HotLoadClient, HotLoadRefused, PushResult
 from .ledger import IdentityError, Ledger, validate_identity
 from .snapshot import (
-    DeltaError, SnapshotError, apply_incremental_snapshot, read_snapshot_tensors, tensor_spec, verify_full_snapshot,
-    write_full_snapshot, write_incremental_snapshot,
+    DeltaError, SnapshotError, apply_incremental_snapshot, element_density, materialize_snapshot, read_snapshot_tensors,
+    tensor_spec, verify_full_snapshot, weight_bytes, write_full_snapshot, write_incremental_snapshot,
 )
 from .storage import fetch_dir, publish_dir
 from .writer import SnapshotInfo, SnapshotWriter
 
 __all__ = ["DeltaError", "HotLoadClient", "HotLoadRefused", "IdentityError", "Ledger", "PushResult", "SnapshotError",
-           "SnapshotInfo", "SnapshotWriter", "apply_incremental_snapshot",
-           "fetch_dir", "publish_dir", "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "write_full_snapshot",
+           "SnapshotInfo", "SnapshotWriter", "apply_incremental_snapshot", "element_density", "materialize_snapshot",
+           "fetch_dir", "publish_dir", "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "weight_bytes", "write_full_snapshot",
            "write_incremental_snapshot"]

@@ -25,8 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "read_snapshot_tensors", "tensor_spec",
-           "verify_full_snapshot", "write_full_snapshot", "write_incremental_snapshot"]
+__all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "element_density", "materialize_snapshot",
+           "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes", "write_full_snapshot",
+           "write_incremental_snapshot"]
 
 CHECKSUM_FORMAT = "alder32"  # sic: the name used on the wire by the public format
 
@@ -61,8 +62,9 @@ def tensor_spec(snapshot_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...
 
 
 def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Refuse a full snapshot that is not loadable into a model with tensor spec ``reference``: every shard readable
-    in full (sizes match the headers), the same tensor names, dtypes and shapes.
+    """Refuse a full snapshot that is not loadable into a model with tensor spec ``reference``: every shard's header
+    readable and covering the file exactly (safetensors refuses a truncated or padded file when it opens it, so no
+    tensor data needs to be read here), the same tensor names, dtypes and shapes.
 
     Raises:
         SnapshotError: naming the first difference.
@@ -74,11 +76,39 @@ def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[st
     for name, (dt, shape) in reference.items():
         if spec[name] != (dt, shape):
             raise SnapshotError(f"{name}: {spec[name][0]}{list(spec[name][1])}, the model has {dt}{list(shape)}")
-    for f in sorted(Path(snapshot_dir).glob("*.safetensors")):
-        try:
-            load_file(str(f))  # a truncated shard fails here, before any weight is touched
-        except Exception as e:  # noqa: BLE001
-            raise SnapshotError(f"{f.name}: cannot read: {e}") from e
+
+
+def weight_bytes(snapshot_dir: str | Path) -> int:
+    """Total size of a snapshot's ``*.safetensors`` files (what ships)."""
+    return sum(f.stat().st_size for f in Path(snapshot_dir).glob("*.safetensors"))
+
+
+def element_density(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """``(changed, total)``: elements of ``base`` whose bits differ in ``new`` (same names, shapes, dtypes)."""
+    changed = total = 0
+    for k, b in base.items():
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]
+        changed += int((b.view(width) != new[k].contiguous().view(width)).sum())
+        total += b.numel()
+    return changed, total
+
+
+def materialize_snapshot(src: str | Path, out: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]],
+                         base: str | Path | None = None, compression_format: str | None = None) -> Path:
+    """The verified full snapshot a replica loads for ``src``: ``src`` itself when it is full (``base is None``),
+    else ``src`` decoded onto ``base`` into ``out`` (replaced). Verified against ``reference``
+    (:func:`verify_full_snapshot`) before it is returned; nothing is loaded here.
+
+    Raises:
+        SnapshotError / DeltaError: the snapshot is refused.
+    """
+    if base is None:
+        verify_full_snapshot(src, reference)
+        return Path(src)
+    shutil.rmtree(out, ignore_errors=True)
+    path = apply_incremental_snapshot(base, src, out, compression_format)
+    verify_full_snapshot(path, reference)
+    return path
 
 
 def _raw(t: torch.Tensor) -> bytes:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from .ledger import validate_identity
-from .snapshot import write_full_snapshot, write_incremental_snapshot
+from .snapshot import (element_density, read_snapshot_tensors, weight_bytes, write_full_snapshot,
+                       write_incremental_snapshot)
 
 __all__ = ["SnapshotInfo", "SnapshotWriter"]
 
@@ -34,10 +35,6 @@ class SnapshotInfo:
     full_bytes: int
     density: float
     compression_format: str | None
-
-
-def _dir_bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
 
 
 class SnapshotWriter:
@@ -90,29 +87,21 @@ class SnapshotWriter:
         kind = kind or self.next_kind()
         private = self.cache / identity
         write_full_snapshot(tensors, self.assets, private)
-        full_bytes = _dir_bytes(private)
+        full_bytes = weight_bytes(private)
         if kind == "full":
             shutil.copytree(private, out)
             info = SnapshotInfo(identity, "full", None, out, full_bytes, full_bytes, 1.0, None)
         else:
             base = self.cache / self.loaded
             write_incremental_snapshot(base, tensors, out, self.compression_format)
-            info = SnapshotInfo(identity, "incremental", self.loaded, out, _dir_bytes(out), full_bytes,
+            info = SnapshotInfo(identity, "incremental", self.loaded, out, weight_bytes(out), full_bytes,
                                 self._density(base, tensors), self.compression_format)
         self._pending = info
         return info
 
     @staticmethod
     def _density(base_dir: Path, tensors: dict[str, torch.Tensor]) -> float:
-        from .snapshot import read_snapshot_tensors
-
-        base = read_snapshot_tensors(base_dir)
-        changed = total = 0
-        for k, b in base.items():
-            n = tensors[k].contiguous()
-            width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]
-            changed += int((b.view(width) != n.view(width)).sum())
-            total += b.numel()
+        changed, total = element_density(read_snapshot_tensors(base_dir), tensors)
         return changed / max(total, 1)
 
     def confirm(self, info: SnapshotInfo) -> None:

@@ -162,6 +162,13 @@ def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor
     return out
 
 
+def check_fp8_weight(x: torch.Tensor, qweight: torch.Tensor) -> None:
+    """Raise :class:`Fp8QuantizationError` unless ``qweight`` is ``float8_e4m3fn [N, K]`` with ``K = x.shape[-1]``."""
+    if qweight.dtype != FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
+        raise Fp8QuantizationError(f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], "
+                                   f"got {qweight.dtype} {tuple(qweight.shape)}")
+
+
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                granularity: Granularity = "per_channel") -> torch.Tensor:
     """Batch-invariant FP8 ``linear`` with a pre-quantized weight (the serving path).
@@ -178,9 +185,7 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tenso
     Raises:
         Fp8QuantizationError: non-finite activations, unknown granularity, or a K mismatch.
     """
-    if qweight.dtype != FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
-        raise Fp8QuantizationError(f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], "
-                                   f"got {qweight.dtype} {tuple(qweight.shape)}")
+    check_fp8_weight(x, qweight)
     lead = x.shape[:-1]
     qx, sx = quantize_fp8_activation(x.reshape(-1, x.shape[-1]), granularity)
     y = _gemm(qx, sx, qweight, weight_scale.float(), granularity)

@@ -292,9 +292,7 @@ class RLTrainer(Trainer):
         and tokenizer copied from the initial checkpoint)."""
         from deltasync import write_full_snapshot
 
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        sd = hf_state_dict(self.model, self.model_config, self._hf)
-        return write_full_snapshot(sd, self.config.hf_assets_path, out_dir, dtype=torch_dtype)
+        return write_full_snapshot(self.hf_weights(dtype), self.config.hf_assets_path, out_dir)
 
     def save_fp8(self, out_dir: str | Path, dtype: str, granularity: str = "per_channel") -> Path:
         """Export the current weights as the FP8 serving checkpoint

@@ -14,8 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from deltasync import (HotLoadClient, HotLoadRefused, SnapshotError, SnapshotWriter, apply_incremental_snapshot,
-                       tensor_spec, verify_full_snapshot)
+from deltasync import (HotLoadClient, HotLoadRefused, SnapshotError, SnapshotWriter, materialize_snapshot,
+                       tensor_spec)
 from zerokld_testing.engines import reload_weights
 
 __all__ = ["DeltaSync", "OfflineHotLoadClient"]
@@ -31,12 +31,9 @@ class OfflineHotLoadClient(HotLoadClient):
 
     def signal(self, info) -> None:
         try:
-            if info.kind == "incremental":
-                path = self.state / info.identity
-                apply_incremental_snapshot(self.served, info.path, path, info.compression_format)
-            else:
-                path = info.path
-            verify_full_snapshot(path, self.spec)
+            base = self.served if info.kind == "incremental" else None
+            path = materialize_snapshot(info.path, self.state / info.identity, self.spec, base,
+                                        info.compression_format)
         except SnapshotError as e:  # refused: the served weights are untouched
             raise HotLoadRefused(422, str(e)) from e
         reload_weights(self.llm, str(path))

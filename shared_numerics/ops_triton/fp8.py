@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import fp8 as ref
 from ._common import next_pow2
+from .matmul import gemm
 
 __all__ = ["fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
 
@@ -113,9 +114,7 @@ def _gemm(qx, sx, qw, sw, granularity, out_dtype):
 
 def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):
     """Triton :func:`shared_numerics.fp8.fp8_linear`."""
-    if qweight.dtype != ref.FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
-        raise ref.Fp8QuantizationError(f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], "
-                                       f"got {qweight.dtype} {tuple(qweight.shape)}")
+    ref.check_fp8_weight(x, qweight)
     lead = x.shape[:-1]
     qx, sx = quantize_fp8_activation(x.reshape(-1, x.shape[-1]), granularity)
     return _gemm(qx, sx, qweight, weight_scale, granularity, x.dtype).reshape(*lead, qweight.shape[0])
@@ -124,14 +123,11 @@ def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):
 class _Fp8LinearSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, granularity):
-        from .matmul import gemm
-
         x2 = x.reshape(-1, x.shape[-1])
         qx, sx = quantize_fp8_activation(x2, granularity)
         qw, sw = ref.quantize_fp8_weight(weight.detach(), granularity)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.granularity, ctx.x_dtype, ctx.w_dtype, ctx.x_shape = granularity, x.dtype, weight.dtype, x.shape
-        ctx.gemm = gemm
         return _gemm(qx, sx, qw, sw, granularity, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -141,10 +137,10 @@ class _Fp8LinearSTE(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w_dq = ref.dequantize_fp8_weight(qw, sw, ctx.granularity)
-            grad_x = ctx.gemm(g, w_dq, ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = gemm(g, w_dq, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             x_dq = ref._dequantize_activation(qx, sx, ctx.granularity)
-            grad_w = ctx.gemm(g.t(), x_dq, ctx.w_dtype)
+            grad_w = gemm(g.t(), x_dq, ctx.w_dtype)
         return grad_x, grad_w, None
 
 

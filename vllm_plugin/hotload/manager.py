@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltasync import (IdentityError, Ledger, SnapshotError, apply_incremental_snapshot, tensor_spec,
-                       validate_identity, verify_full_snapshot)
+from deltasync import (IdentityError, Ledger, SnapshotError, materialize_snapshot, tensor_spec,
+                       validate_identity)
 
 __all__ = ["HotLoadError", "HotLoadManager", "Signal"]
 
@@ -152,15 +152,9 @@ class HotLoadManager:
 
     def _materialize(self, sig: Signal) -> Path:
         """Blocking (run in a thread): the verified full snapshot directory to load."""
-        src = self.root / sig.identity
-        if sig.previous_identity is None:
-            verify_full_snapshot(src, self.reference_spec)
-            return src
-        out = self.materialized / sig.identity
-        shutil.rmtree(out, ignore_errors=True)
-        apply_incremental_snapshot(self.served_dir(sig.previous_identity), src, out, sig.compression_format)
-        verify_full_snapshot(out, self.reference_spec)
-        return out
+        base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity)
+        return materialize_snapshot(self.root / sig.identity, self.materialized / sig.identity, self.reference_spec,
+                                    base, sig.compression_format)
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
