@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_route_weights", "moe_experts", "route_topk"]
+__all__ = ["gather_route_weights", "moe_experts", "moe_forward", "route_topk"]
 
 
 def _scores(router_logits: torch.Tensor) -> torch.Tensor:
@@ -91,3 +91,42 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     for j in range(1, k):  # slot order, fp32
         acc = acc + outs[:, j]
     return acc.to(x.dtype)
+
+
+def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor, top_k: int, renormalize: bool = True,
+                expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
+
+    Args:
+        x: ``[N, H]`` activations.
+        router_weight: ``[E, H]`` (HF ``mlp.gate.weight``); router logits are ``linear(x, router_weight)`` in
+            ``x.dtype``, scores their float32 softmax.
+        w_gate, w_up, w_down: stacked expert weights, see :func:`moe_experts`.
+        top_k: experts per token.
+        renormalize: Qwen3-MoE ``norm_topk_prob``.
+        expert_ids: ``[N, top_k]`` recorded routes to replay (R3) instead of recomputing top-k; the weights are
+            still gathered from this forward's scores. A row of ``-1`` is routed afresh (e.g. padding, or the last
+            token of a sequence, whose routes a rollout never computes).
+
+    Returns:
+        ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)`` — the ids used (recomputed or replayed).
+
+    Raises:
+        ValueError: replayed ids of the wrong shape or outside ``[0, E)``.
+    """
+    from . import linear
+
+    logits = linear(x, router_weight)
+    ids, weights = route_topk(logits, top_k, renormalize)
+    if expert_ids is not None:
+        rec = expert_ids.to(device=x.device, dtype=torch.int64)
+        e = router_weight.shape[0]
+        if tuple(rec.shape) != (x.shape[0], top_k):
+            raise ValueError(f"replayed expert ids have shape {tuple(rec.shape)}, expected {(x.shape[0], top_k)}")
+        fresh = (rec == -1).all(dim=-1, keepdim=True)
+        if bool(((rec < 0) & ~fresh).any()) or (rec.numel() and int(rec.max()) >= e):
+            raise ValueError(f"replayed expert ids outside [0, {e}) (a row of -1 means: route afresh)")
+        ids = torch.where(fresh, ids, rec)
+        weights = gather_route_weights(_scores(logits), ids, renormalize)
+    return moe_experts(x, ids, weights, w_gate, w_up, w_down), ids

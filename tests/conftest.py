@@ -17,6 +17,9 @@ SPECS = {
     "qwen3": TinyModelSpec(family="qwen3"),
     "llama": TinyModelSpec(family="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=32),
+    "qwen3_moe": TinyModelSpec(family="qwen3_moe"),
+    # router rows duplicated in pairs and an odd top-k: every token's last slot is decided by the tie-break
+    "qwen3_moe_ties": TinyModelSpec(family="qwen3_moe", num_experts_per_tok=3, router_ties=True),
 }
 
 

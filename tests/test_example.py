@@ -62,3 +62,20 @@ def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0
+
+
+def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
+    """``--moe``: a Qwen3-MoE checkpoint; vLLM returns each rollout's routed experts and the trainer replays them
+    (R3): k3 exactly 0 and no clipped token at every step."""
+    from examples.countdown.run import main
+
+    engine_slot.close()
+    out = tmp_path / "cdmoe"
+    main(["--out", str(out), "--numerics", "zerokld", "--moe", "--steps", "3", "--sft-steps", "2",
+          "--prompts-per-step", "8", "--group-size", "4"])
+    rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((out / "base" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["routing_replay"] is True
+        assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["clipped_fraction"] == 0.0

@@ -25,16 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(engine_slot, checkpoint_factory, tmp_path_factory):
+def _serve(engine_slot, ckpt: str, dtype: str, log_dir, extra_args: tuple = ()):
+    """``vllm serve`` (the OpenAI server module) on loopback with the plugin on; yields the base URL."""
     engine_slot.close()  # one engine at a time on this machine
-    ckpt = checkpoint_factory("qwen3", "bfloat16")
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--dtype", "bfloat16",
+    log = open(log_dir / "server.log", "w+")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
            "--enforce-eager", "--max-num-batched-tokens", "64",
-           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}})]
+           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}}), *extra_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
@@ -51,7 +50,7 @@ def server(engine_slot, checkpoint_factory, tmp_path_factory):
             time.sleep(1)
         else:
             pytest.fail("server did not become healthy in 240 s")
-        yield base, ckpt
+        yield base
     finally:
         proc.terminate()
         try:
@@ -59,6 +58,13 @@ def server(engine_slot, checkpoint_factory, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine_slot, checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    for base in _serve(engine_slot, ckpt, "bfloat16", tmp_path_factory.mktemp("server")):
+        yield base, ckpt
 
 
 def test_concurrent_http_requests_match_trainer(server):
@@ -82,3 +88,44 @@ def test_concurrent_http_requests_match_trainer(server):
     seqs = [p + ids for p, (ids, _) in zip(prompts, results)]
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype="bfloat16")
     assert [i for i, (t, (_, lp)) in enumerate(zip(train, results)) if not torch.equal(t, lp)] == []
+
+
+@pytest.fixture(scope="module")
+def moe_server(engine_slot, checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("qwen3_moe", "float32")
+    for base in _serve(engine_slot, ckpt, "float32", tmp_path_factory.mktemp("moe_server"),
+                       ("--enable-return-routed-experts",)):
+        yield base, ckpt
+
+
+def test_completions_return_routes_and_seeds(moe_server):
+    """``/v1/completions`` on a zerokld Qwen3-MoE server: each choice carries vLLM's ``routed_experts`` (base64
+    ``.npy``) and our ``zerokld_seed``; replaying the routes in the trainer gives the returned logprobs, and sending
+    the seed back reproduces the sample."""
+    import base64
+    import io
+
+    import numpy as np
+
+    base, ckpt = moe_server
+    prompt = [1] + list(range(10, 90))
+
+    def complete(**kw):
+        r = requests.post(base + "/v1/completions", timeout=120, json={
+            "model": ckpt, "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, **kw})
+        r.raise_for_status()
+        return r.json()["choices"]
+
+    choices = complete(n=2)
+    assert len({c["zerokld_seed"] for c in choices}) == 2
+    for c in choices:
+        routes = np.load(io.BytesIO(base64.b64decode(c["routed_experts"])))
+        ids = [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]]
+        assert routes.shape == (len(prompt) + len(ids) - 1, 2, 2)
+        lp = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
+        train = trainer_logprobs(ckpt, [prompt + ids], [len(prompt)], dtype="float32", routed_experts=[routes])
+        assert torch.equal(train[0], lp)
+        again = complete(seed=c["zerokld_seed"])[0]
+        assert again["logprobs"]["tokens"] == c["logprobs"]["tokens"]
+        assert again["routed_experts"] == c["routed_experts"]

@@ -68,3 +68,50 @@ def test_matches_a_per_token_reference_and_replay_keeps_gradients():
     y2 = moe_experts(x, ids, gather_route_weights(scores, ids), wg, wu, wd)
     y2.sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_moe_forward_replay_rows_and_errors():
+    from shared_numerics.moe import moe_forward
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 32, generator=g)
+    router = torch.randn(6, 32, generator=g, requires_grad=True)
+    wg, wu, wd = _experts()
+    y, ids = moe_forward(x, router, wg, wu, wd, top_k=2)
+    y_same, ids_same = moe_forward(x, router, wg, wu, wd, 2, expert_ids=ids)
+    assert torch.equal(y_same, y) and torch.equal(ids_same, ids)  # replaying its own routes changes nothing
+    other = (ids + 1) % 6
+    mixed = torch.where(torch.arange(10).unsqueeze(1) < 5, other, torch.full_like(ids, -1))
+    y_mixed, used = moe_forward(x, router, wg, wu, wd, 2, expert_ids=mixed)
+    assert torch.equal(used[:5], other[:5]) and torch.equal(used[5:], ids[5:])  # -1 rows routed afresh
+    assert torch.equal(y_mixed[5:], y[5:]) and not torch.equal(y_mixed[:5], y[:5])
+    y_mixed.sum().backward()
+    assert router.grad is not None and router.grad.abs().sum() > 0  # gate weights still train under replay
+    with pytest.raises(ValueError, match="shape"):
+        moe_forward(x, router, wg, wu, wd, 2, expert_ids=ids[:, :1])
+    with pytest.raises(ValueError, match="outside"):
+        moe_forward(x, router, wg, wu, wd, 2, expert_ids=torch.full_like(ids, 6))
+
+
+def test_tie_checkpoint_ties_decide_the_last_slot_in_the_trainer(checkpoint_factory):
+    """The ``qwen3_moe_ties`` checkpoint (router rows duplicated in pairs, top-3): in TorchTitan's real forward every
+    token's third expert is chosen between two exactly equal scores, and the lower id wins."""
+    from shared_numerics import linear
+    from titan_plugin.models import build_titan_model
+    from titan_plugin.routing import captured_routes
+
+    ckpt = checkpoint_factory("qwen3_moe_ties", "float32")
+    model, _, _ = build_titan_model(ckpt, dtype="float32")
+    seen = {}
+    layer = model.layers["0"].moe
+    hook = layer.register_forward_hook(lambda m, args, out: seen.setdefault("x", args[0].detach()))
+    tokens = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(tokens)
+    hook.remove()
+    ids = captured_routes(model)[:, :, 0].reshape(-1, 3)
+    scores = torch.softmax(linear(seen["x"].reshape(-1, seen["x"].shape[-1]), layer.router.gate.weight).float(), -1)
+    third = scores.gather(1, ids[:, 2:3])
+    twin = scores.gather(1, ids[:, 2:3] ^ 1)
+    assert torch.equal(third, twin)  # the third slot is always half of an exactly tied pair...
+    assert bool((ids[:, 2] % 2 == 0).all())  # ...and the lower (even) id of the pair wins

@@ -39,7 +39,8 @@ def _edited_checkpoint(src: str, dst: Path, **changes) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin"])
+@pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin",
+                                  "routes_on_dense_model", "fp8_moe", "processed_logprobs"])
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd):
     from zerokld_testing.engines import start_llm
 
@@ -53,12 +54,22 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
                                   rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                 "original_max_position_embeddings": 512})
         expected = "rope_scaling"
-    else:  # a zerokld_fp8 export must not be served by stock vLLM layers (they would misread the FP8 codes)
+    elif case == "fp8_checkpoint_without_plugin":  # stock vLLM layers would misread the FP8 codes
         from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
 
         ckpt = str(export_fp8_checkpoint(checkpoint_factory("qwen3", "float32"), tmp_path / "fp8"))
         expected = "quantized with zerokld_fp8"
-    with pytest.raises(Exception):
-        start_llm(ckpt, dtype="float32", zerokld=case != "fp8_checkpoint_without_plugin")
+    kwargs = {}
+    if case == "routes_on_dense_model":  # vLLM's routed-experts output on CPU: only for zerokld MoE models
+        ckpt, expected = checkpoint_factory("qwen3", "float32"), "routed experts need an MoE model"
+        kwargs["enable_return_routed_experts"] = True
+    elif case == "fp8_moe":
+        ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "FP8 for MoE experts"
+        kwargs["fp8"] = True
+    elif case == "processed_logprobs":  # the deterministic sampler returns raw logprobs only
+        ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "logprobs_mode"
+        kwargs["logprobs_mode"] = "processed_logprobs"
+    with pytest.raises(Exception) as raised:  # in this process (config checks) or the engine's (model checks)
+        start_llm(ckpt, dtype="float32", zerokld=case != "fp8_checkpoint_without_plugin", **kwargs)
     out, err = capfd.readouterr()
-    assert expected in out + err
+    assert expected in str(raised.value) + out + err

@@ -97,7 +97,7 @@ def test_builtins_are_registered_through_the_hooks():
     names = {(r.kind, r.name): r.provider for r in zp.list_registrations()}
     for key in [("loss", "ppo"), ("loss", "cross_entropy"), ("loss", "importance_sampling"), ("codec", "arc_v2"),
                 ("storage", "file"), ("storage", "memory"), ("backend", "torch"), ("model", "Qwen3ForCausalLM"),
-                ("model", "LlamaForCausalLM")]:
+                ("model", "LlamaForCausalLM"), ("model", "Qwen3MoeForCausalLM")]:
         assert names[key] == "zerokld.builtin"
 
 

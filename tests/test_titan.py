@@ -11,7 +11,8 @@ from titan_plugin.models import build_titan_model
 
 pytestmark = pytest.mark.titan
 
-CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "float32"), ("llama", "bfloat16")]
+CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "float32"), ("llama", "bfloat16"),
+           ("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16")]
 
 
 def _seqs(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -91,7 +92,7 @@ def test_rl_step_validates_lengths(rl_trainer):
         trainer.rl_step([[1, 5, 6, 7]], [2], [1.0], [torch.zeros(5)])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_training_backward_is_deterministic(checkpoint_factory, family):
     """Two backward passes of the whole model on the same batch give bitwise equal gradients."""
     model, _, _ = build_titan_model(checkpoint_factory(family, "float32"), dtype="float32")
@@ -133,3 +134,23 @@ def test_fused_and_unfused_training_steps_agree(checkpoint_factory, tmp_path):
     assert max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a) < 1e-3
     with pytest.raises(ValueError, match="zerokld"):
         rl_trainer_config(ckpt, str(tmp_path / "x"), zerokld=False, fused=True)
+
+
+def test_moe_load_balancing_bias_never_changes_the_selection(checkpoint_factory):
+    """TorchTitan's auxiliary-loss-free load balancing keeps updating ``expert_bias_E`` (the trainer registers its
+    hook), but ZeroKLDMoE routes without it — serving has no such bias — so logprobs and routes stay put."""
+    from titan_plugin.overrides import ZeroKLDMoE
+    from titan_plugin.routing import captured_routes
+
+    model, _, _ = build_titan_model(checkpoint_factory("qwen3_moe", "float32"), dtype="float32")
+    layers = [m for m in model.modules() if isinstance(m, ZeroKLDMoE)]
+    assert len(layers) == 2 and all(m.expert_bias_E is not None for m in layers)
+    seqs, plens = _seqs(4, seed=15)
+    with torch.no_grad():
+        before = sequence_logprobs(model, seqs, plens)
+        routes = captured_routes(model)
+        for m in layers:
+            m.expert_bias_E.copy_(torch.linspace(-5, 5, m.expert_bias_E.numel()))
+        after = sequence_logprobs(model, seqs, plens)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert torch.equal(captured_routes(model), routes)

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.vllm
 # checkpoint at load; "export" serves the trainer's exported zerokld_fp8 checkpoint. The trainer runs FP8 QAT.
 CONFIGS = [("qwen3", "float32", None), ("qwen3", "bfloat16", None), ("llama", "float32", None),
            ("llama", "bfloat16", None), ("qwen3", "bfloat16", ("online", "per_channel")),
-           ("llama", "bfloat16", ("export", "per_channel")), ("qwen3", "float32", ("export", "block"))]
+           ("llama", "bfloat16", ("export", "per_channel")), ("qwen3", "float32", ("export", "block")),
+           ("qwen3_moe", "float32", None), ("qwen3_moe", "bfloat16", None), ("qwen3_moe_ties", "bfloat16", None)]
 
 
 def _config_id(c) -> str:
@@ -122,6 +123,23 @@ def test_trainer_logprobs_equal_sampled_logprobs(env):
     assert mismatched == []
     fused = trainer(seqs, [len(p) for p in prompts], fused=True)  # fused lm_head path
     assert all(torch.equal(f, completion_logprobs(o)) for f, o in zip(fused, outs))
+
+
+def test_moe_skewed_expert_load_matches_trainer(env, request):
+    """MoE configurations: a prompt of one repeated character sends all its tokens to the same experts while the
+    rest of the batch spreads; alone == in the batch, and the trainer equals both."""
+    if "moe" not in request.node.callspec.id:
+        pytest.skip("MoE configurations only")
+    llm, trainer = env
+    prompts = random_prompts(12, seed=7)
+    prompts.insert(3, [1] + [42] * 140)
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=16), use_tqdm=False)
+    llm.reset_prefix_cache()
+    alone = llm.generate([{"prompt_token_ids": prompts[3]}], greedy(max_tokens=16), use_tqdm=False)[0]
+    assert torch.equal(completion_logprobs(alone), completion_logprobs(batch[3]))
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, batch)]
+    train = trainer(seqs, [len(p) for p in prompts])
+    assert all(torch.equal(t, completion_logprobs(o)) for t, o in zip(train, batch))
 
 
 @pytest.fixture(scope="module")

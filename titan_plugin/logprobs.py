@@ -6,12 +6,13 @@ import torch
 import shared_numerics as sn
 
 from .models import build_titan_model
+from .routing import pack_routes, replay_routes
 
 __all__ = ["sequence_logprobs", "trainer_logprobs"]
 
 
 def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
-                      pad_id: int = 0, fused: bool = False) -> list[torch.Tensor]:
+                      pad_id: int = 0, fused: bool = False, routed_experts=None) -> list[torch.Tensor]:
     """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward.
 
     Args:
@@ -21,6 +22,9 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
         pad_id: id used to right-pad (never read: causal attention, pad positions are after every real token).
         fused: skip the model's lm_head and score only the completion tokens with the fused lm_head
             (``lm_head(h, targets=...)``, :class:`titan_plugin.overrides.ZeroKLDLMHead`); same bits.
+        routed_experts: MoE models: per sequence, the rollout's ``[len(seq) - 1, layers, top_k]`` expert ids
+            (vLLM ``CompletionOutput.routed_experts``) to replay instead of recomputing top-k
+            (:mod:`titan_plugin.routing`); ``None`` routes afresh.
 
     Returns:
         ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
@@ -38,16 +42,19 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
     tokens = torch.full((len(token_ids), t), pad_id, dtype=torch.long)
     for i, s in enumerate(token_ids):
         tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    routes = None if routed_experts is None else pack_routes(routed_experts, t)
     if fused:
         skip = getattr(model, "_skip_lm_head", False)  # a fused RLTrainer keeps it on; leave it as found
         model._skip_lm_head = True
         try:
-            hidden = model(tokens)
+            with replay_routes(model, routes):
+                hidden = model(tokens)
         finally:
             model._skip_lm_head = skip
         return [model.lm_head(hidden[i, p - 1: len(s) - 1], targets=tokens[i, p: len(s)])
                 for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
-    logits = model(tokens)
+    with replay_routes(model, routes):
+        logits = model(tokens)
     out = []
     for i, (s, p) in enumerate(zip(token_ids, prompt_lengths)):
         targets = tokens[i, p: len(s)]
@@ -57,7 +64,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
 
 @torch.no_grad()
 def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
-                     dtype: str = "bfloat16", fused: bool = False, fp8: bool | str = False) -> list[torch.Tensor]:
+                     dtype: str = "bfloat16", fused: bool = False, fp8: bool | str = False,
+                     routed_experts=None) -> list[torch.Tensor]:
     """Load an HF checkpoint into TorchTitan's model with zerokld numerics and score completions.
 
     Args:
@@ -68,6 +76,8 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         fused: compute the completion log-probs with the fused lm_head (no ``[tokens, vocab]`` logits).
         fp8: FP8 QAT forward (``True`` = ``"per_channel"``, or ``"block"``): equal to vLLM serving this checkpoint with
             ``fp8: true`` (same granularity) or serving its :func:`titan_plugin.export_fp8_checkpoint` export.
+        routed_experts: MoE checkpoints: the rollout's expert ids per sequence, replayed (see
+            :func:`sequence_logprobs`).
 
     Returns:
         Per sequence, float32 ``[len(seq) - prompt_len]`` log-probs, bitwise equal to the logprobs vLLM returns with
@@ -76,4 +86,4 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
     granularity = ("per_channel" if fp8 is True else fp8) or None
     model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, zerokld=True, fp8=granularity)
     model.eval()
-    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused)
+    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

@@ -20,7 +20,7 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from .overrides import apply_zerokld_overrides
 
 __all__ = ["build_titan_model", "hf_state_dict", "llama3_config", "load_hf_config", "load_hf_weights", "qwen3_config",
-           "state_dict_adapter_class", "titan_model_config"]
+           "qwen3_moe_config", "state_dict_adapter_class", "titan_model_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
@@ -47,7 +47,25 @@ def _dims(hf: dict) -> dict:
             "max_len": hf.get("max_position_embeddings", 4096), "theta": float(hf.get("rope_theta", 10000.0))}
 
 
-def _decoder_config(hf: dict, model_cls, block_cls, rope, qk_norm: bool, head_dim):
+def _moe_config(hf: dict, d: dict):
+    """TorchTitan ``MoE.Config`` for a Qwen3-MoE layer (softmax router, ``route_norm = norm_topk_prob``, no shared
+    expert), built as ``torchtitan.models.qwen3._build_qwen3_moe_layers`` does."""
+    from torchtitan.models.common.config_utils import (make_moe_config, make_routed_experts_config,
+                                                        make_router_config)
+
+    e = hf.get("num_experts") or hf.get("num_local_experts")
+    k = hf["num_experts_per_tok"]
+    experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    return make_moe_config(
+        num_experts=e,
+        router=make_router_config(dim=d["h"], num_experts=e, gate_param_init=_INIT, top_k=k, score_func="softmax",
+                                  route_norm=bool(hf.get("norm_topk_prob", True))),
+        routed_experts=make_routed_experts_config(dim=d["h"], hidden_dim=hf["moe_intermediate_size"], num_experts=e,
+                                                  top_k=k, param_init=experts_init, comm_backend="standard"),
+    )
+
+
+def _decoder_config(hf: dict, model_cls, block_cls, rope, qk_norm: bool, head_dim, moe: bool = False):
     d = _dims(hf)
 
     def norm(n: int) -> RMSNorm.Config:
@@ -62,8 +80,9 @@ def _decoder_config(hf: dict, model_cls, block_cls, rope, qk_norm: bool, head_di
                 wo_param_init=_INIT, inner_attention=get_attention_config("flex"), fuse_qkv=False, rope=rope,
                 qk_norm=norm(d["hd"]) if qk_norm else None,
             ),
-            feed_forward=make_ffn_config(dim=d["h"], hidden_dim=hf["intermediate_size"], w1_param_init=_INIT,
-                                         w2w3_param_init=_INIT),
+            feed_forward=None if moe else make_ffn_config(dim=d["h"], hidden_dim=hf["intermediate_size"],
+                                                          w1_param_init=_INIT, w2w3_param_init=_INIT),
+            moe=_moe_config(hf, d) if moe else None,
         )
         for _ in range(hf["num_hidden_layers"])
     ]
@@ -84,6 +103,23 @@ def qwen3_config(hf: dict):
     d = _dims(hf)
     rope = CosSinRoPE.Config(dim=d["hd"], max_seq_len=d["max_len"], theta=d["theta"])
     return _decoder_config(hf, Qwen3Model, Qwen3TransformerBlock, rope, True, d["hd"])
+
+
+def qwen3_moe_config(hf: dict):
+    """TorchTitan ``Qwen3Model.Config`` with an MoE block in every layer, for a ``Qwen3MoeForCausalLM`` config.
+
+    Raises:
+        ValueError: dense layers mixed in (``mlp_only_layers``, ``decoder_sparse_step != 1``) or shared experts.
+    """
+    from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("zerokld Qwen3-MoE needs every layer to be MoE (mlp_only_layers=[], decoder_sparse_step=1)")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError("zerokld Qwen3-MoE does not support shared experts")
+    d = _dims(hf)
+    rope = CosSinRoPE.Config(dim=d["hd"], max_seq_len=d["max_len"], theta=d["theta"])
+    return _decoder_config(hf, Qwen3Model, Qwen3TransformerBlock, rope, True, d["hd"], moe=True)
 
 
 def llama3_config(hf: dict):
@@ -152,6 +188,9 @@ def load_hf_weights(model: torch.nn.Module, model_cfg, hf: dict, checkpoint_dir:
     sd = {k: v.to(ref[k].dtype) if k in ref else v for k, v in sd.items()}
     if model_cfg.enable_weight_tying:
         sd.setdefault("lm_head.weight", sd["tok_embeddings.weight"])
+    for k in ref:  # MoE load-balancing bias: training state, not in HF checkpoints; keep the model's (zeros)
+        if k.endswith("moe.expert_bias_E"):
+            sd.setdefault(k, ref[k])
     model.load_state_dict(sd, strict=True)
 
 

@@ -19,6 +19,11 @@ TorchTitan component   zerokld replacement
                        projection, not the lm_head
 ``FlexAttention`` /    :func:`shared_numerics.dense_causal_attention` (fixed 32-key chunks, same arithmetic as
 ``ScaledDotProduct``   vLLM's paged path)
+``MoE``                :func:`shared_numerics.moe.moe_forward` (softmax router, stable top-k with lowest-id ties,
+                       row-invariant experts, slot-order fp32 combine); replays recorded routes when given
+                       (:mod:`titan_plugin.routing`). The load-balancing ``expert_bias_E`` is still updated by
+                       TorchTitan's optimizer hook but never changes the selection: serving (HF / vLLM Qwen3-MoE)
+                       has no such bias, so using it would route the trainer differently from the rollout.
 =====================  ===========================================================================
 
 Backward passes are autograd through these plain torch ops: deterministic on CPU (no atomics, fixed shapes).
@@ -34,11 +39,13 @@ from torchtitan.config.override import OverrideConfig, apply_overrides, derive
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
+import shared_numerics.moe as sn_moe
 
 __all__ = ["OVERRIDE_IMPORTS", "apply_zerokld_overrides"]
 
@@ -167,6 +174,41 @@ class ZeroKLDAttention(Module):
         return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale if scale is not None else d ** -0.5)
 
 
+class ZeroKLDMoE(MoE):
+    """TorchTitan ``MoE`` (same parameters, buffers and state-dict keys) whose forward is
+    :func:`shared_numerics.moe.moe_forward` — the block vLLM's zerokld Qwen3-MoE runs.
+
+    ``replay_ids`` (``[B, L, top_k]`` int, ``-1`` rows routed afresh) replays recorded routes;
+    ``last_ids`` holds the ids of the latest forward. Both are set by :mod:`titan_plugin.routing`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MoE.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        r = config.router
+        if config.shared_experts is not None or r.score_func != "softmax" or r.num_expert_groups is not None \
+                or r.route_scale != 1.0:
+            raise NotImplementedError("zerokld MoE implements Qwen3-MoE routing: softmax scores, no expert groups, "
+                                      "route_scale 1, no shared experts")
+        self.replay_ids: torch.Tensor | None = None
+        self.last_ids: torch.Tensor | None = None
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        b, seq, d = x_BLD.shape
+        k = self.router.top_k
+        ex = self.routed_experts.inner_experts
+        replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
+        out, ids = sn_moe.moe_forward(x_BLD.reshape(b * seq, d), self.router.gate.weight, ex.w1_EFD, ex.w3_EFD,
+                                      ex.w2_EDF, k, self.router.route_norm, replay)
+        self.last_ids = ids.detach().view(b, seq, k)
+        if self.training:  # feeds TorchTitan's load-balancing hook, as MoE.forward does
+            with torch.no_grad():
+                self.tokens_per_expert_E.add_(torch.bincount(ids.reshape(-1), minlength=ex.num_experts).float())
+        return out.view(b, seq, d)
+
+
 @override(target=Linear.Config, exact=True, description="zerokld batch-invariant linear")
 def zerokld_linear(cfg: Linear.Config) -> ZeroKLDLinear.Config:
     return derive(cfg, ZeroKLDLinear.Config)
@@ -186,6 +228,11 @@ def zerokld_rmsnorm(cfg: RMSNorm.Config) -> ZeroKLDRMSNorm.Config:
 def zerokld_feed_forward(cfg: FeedForward.Config) -> ZeroKLDFeedForward.Config:
     # w1/w2/w3 are converted here: TorchTitan refuses nested claims by two overrides in one pass.
     return derive(cfg, ZeroKLDFeedForward.Config, **{w: zerokld_linear(getattr(cfg, w)) for w in ("w1", "w2", "w3")})
+
+
+@override(target=MoE.Config, exact=True, description="zerokld deterministic MoE (Qwen3-MoE routing)")
+def zerokld_moe(cfg: MoE.Config) -> ZeroKLDMoE.Config:
+    return derive(cfg, ZeroKLDMoE.Config)
 
 
 @override(target=CosSinRoPE.Config, exact=True, description="zerokld rotate-half RoPE")
@@ -222,7 +269,7 @@ def zerokld_fp8_block_linear(cfg: ZeroKLDLinear.Config) -> ZeroKLDFp8Linear.Conf
 # ancestor another override of the same pass claims. After pass 1 those linears are ZeroKLDLinear, which the exact
 # Linear override of pass 2 no longer matches.
 OVERRIDE_PASSES = [
-    [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head"],
+    [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head", f"{__name__}.zerokld_moe"],
     [f"{__name__}.{fn.__name__}" for fn in (zerokld_linear, zerokld_rmsnorm, zerokld_cos_sin_rope,
                                             zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
 ]

@@ -31,6 +31,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 from .logprobs import sequence_logprobs  # noqa: E402
 from .losses import RLLoss  # noqa: E402
 from .models import hf_state_dict, load_hf_config, state_dict_adapter_class, titan_model_config  # noqa: E402
+from .routing import pack_routes, replay_routes  # noqa: E402
 
 __all__ = ["RLTrainer", "RolloutQueue", "rl_trainer_config"]
 
@@ -65,8 +66,12 @@ def _model_spec(hf: dict, zerokld: bool, fp8: str | None = None) -> ModelSpec:
         from torchtitan.models.llama3.parallelize import parallelize_llama as par
     else:
         from torchtitan.models.qwen3 import parallelize_qwen3 as par
+    post_optimizer = None
+    if any(getattr(layer, "moe", None) is not None for layer in cfg.layers):
+        # TorchTitan's auxiliary-loss-free load balancing updates expert_bias_E; ZeroKLDMoE never routes by it
+        from torchtitan.components.optimizer import register_moe_load_balancing_hook as post_optimizer
     return ModelSpec(name=hf["architectures"][0], flavor="hf", model=cfg, parallelize_fn=par, pipelining_fn=None,
-                     post_optimizer_build_fn=None, state_dict_adapter=state_dict_adapter_class(hf))
+                     post_optimizer_build_fn=post_optimizer, state_dict_adapter=state_dict_adapter_class(hf))
 
 
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
@@ -189,8 +194,14 @@ class RLTrainer(Trainer):
             "loss": float(last["loss"]),
         }
 
+    def _routes(self, routed_experts, tokens: torch.Tensor):
+        """``[B, T, layers, top_k]`` replay tensor for the packed ``tokens [B, T]`` (``None`` passes through)."""
+        if routed_experts is None:
+            return None
+        return pack_routes(routed_experts, tokens.shape[1])
+
     def rl_step(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
-                sampler_logprobs: list[torch.Tensor] | None) -> dict:
+                sampler_logprobs: list[torch.Tensor] | None, routed_experts=None) -> dict:
         """One optimizer step on a batch of rollouts through TorchTitan's ``train_step`` (the configured loss).
 
         Args:
@@ -199,6 +210,9 @@ class RLTrainer(Trainer):
             advantages: per rollout, a scalar (broadcast over its completion) or a ``[completion]`` tensor.
             sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion;
                 ``None`` for an on-policy step (SFT with the ``cross_entropy`` loss and advantages 1).
+            routed_experts: MoE models: per rollout, vLLM's ``CompletionOutput.routed_experts``
+                (``[len(seq) - 1, layers, top_k]``), replayed in the training forward (R3,
+                :mod:`titan_plugin.routing`); ``None`` recomputes top-k.
 
         Returns:
             ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
@@ -212,13 +226,17 @@ class RLTrainer(Trainer):
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
         self.metrics_processor.data_loading_times.append(time.perf_counter() - t_pack)
         self.metrics_processor.ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
-        self.train_step(iter(self.dataloader))
+        with replay_routes(self.model, self._routes(routed_experts, tokens)):
+            self.train_step(iter(self.dataloader))
         return self._results()
 
     @torch.no_grad()
-    def forward_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[torch.Tensor]:
-        """The training forward's completion log-probs (float32, per rollout), without gradients or an update."""
-        return sequence_logprobs(self.model, sequences, prompt_lengths, fused=self.config.loss.fused)
+    def forward_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int],
+                         routed_experts=None) -> list[torch.Tensor]:
+        """The training forward's completion log-probs (float32, per rollout), without gradients or an update
+        (``routed_experts``: replayed MoE routes, see :meth:`rl_step`)."""
+        return sequence_logprobs(self.model, sequences, prompt_lengths, fused=self.config.loss.fused,
+                                 routed_experts=routed_experts)
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
         """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused)."""
@@ -229,7 +247,8 @@ class RLTrainer(Trainer):
         return loss
 
     def forward_backward(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
-                         sampler_logprobs: list[torch.Tensor] | None, loss: RLLoss | None = None) -> dict:
+                         sampler_logprobs: list[torch.Tensor] | None, loss: RLLoss | None = None,
+                         routed_experts=None) -> dict:
         """Accumulate gradients of ``loss`` (default: the configured one) through TorchTitan's
         ``forward_backward_step``; no optimizer step (see :meth:`optim_step`). Returns like :meth:`rl_step`."""
         tokens, labels, adv, q = self.pack(sequences, prompt_lengths, advantages, sampler_logprobs)
@@ -237,13 +256,15 @@ class RLTrainer(Trainer):
         self.loss_fn = loss or configured
         try:
             self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
-            self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
-                                       global_valid_tokens=(labels != IGNORE_INDEX).sum())
+            with replay_routes(self.model, self._routes(routed_experts, tokens)):
+                self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
+                                           global_valid_tokens=(labels != IGNORE_INDEX).sum())
             return self._results()
         finally:
             self.loss_fn = configured
 
-    def forward_backward_custom(self, sequences: list[list[int]], prompt_lengths: list[int], loss_fn) -> dict:
+    def forward_backward_custom(self, sequences: list[list[int]], prompt_lengths: list[int], loss_fn,
+                                routed_experts=None) -> dict:
         """Two-pass custom loss: pass 1 computes the log-probs, ``loss_fn(logprobs_list) -> (loss, metrics)`` (any
         differentiable Python) gives ``dL/dl``, pass 2 back-propagates ``sum(dL/dl * l)`` through the model (exact
         gradient, ~1.5x the FLOPs of a fused loss). Gradients accumulate; no optimizer step.
@@ -251,12 +272,13 @@ class RLTrainer(Trainer):
         Returns:
             ``loss`` (float), ``metrics`` (the user's), ``train_logprobs`` (pass 1, float32 per rollout).
         """
-        lps = [lp.clone().requires_grad_(True) for lp in self.forward_logprobs(sequences, prompt_lengths)]
+        lps = [lp.clone().requires_grad_(True)
+               for lp in self.forward_logprobs(sequences, prompt_lengths, routed_experts)]
         loss, metrics = loss_fn(lps)
         grads = torch.autograd.grad(loss, lps, allow_unused=True)
         weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
         self.forward_backward(sequences, prompt_lengths, weights, None,
-                              loss=self.build_loss("cross_entropy", normalization="sum"))
+                              loss=self.build_loss("cross_entropy", normalization="sum"), routed_experts=routed_experts)
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 
     def optim_step(self, learning_rate: float | None = None) -> dict:

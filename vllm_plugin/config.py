@@ -47,6 +47,9 @@ class ZeroKLDConfig(BaseModel):
             (1x128 activation groups, 128x128 weight blocks). A quantized checkpoint's own granularity wins; naming
             a different one is an error.
         hot_load: switch on the hot-load HTTP API (:class:`HotLoadConfig`).
+        deterministic_sampler: with ``batch_invariant``, sample with :mod:`shared_numerics.sampling` (noise a pure
+            function of seed, output position and vocabulary index; :mod:`vllm_plugin.sampler`). Requests without a
+            ``seed`` get one drawn, returned as ``CompletionOutput.zerokld_seed``. Default on.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -55,6 +58,11 @@ class ZeroKLDConfig(BaseModel):
     fp8: bool = False
     fp8_granularity: Literal["per_channel", "block"] | None = None
     hot_load: HotLoadConfig | None = None
+    deterministic_sampler: bool = True
+
+    @property
+    def sampler_enabled(self) -> bool:
+        return self.batch_invariant and self.deterministic_sampler
 
     @model_validator(mode="after")
     def _fp8_needs_batch_invariant(self) -> "ZeroKLDConfig":

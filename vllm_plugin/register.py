@@ -9,6 +9,8 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
   the ``shared_numerics`` model when it is on;
 * the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
 * the quantization method ``zerokld_fp8`` (FP8 checkpoints exported by the trainer) is added to vLLM's registry;
+* the deterministic sampler (:mod:`vllm_plugin.sampler`) and the CPU side of vLLM's ``enable_return_routed_experts``
+  (:mod:`vllm_plugin.routing`) are patched in, each inert unless the engine's zerokld config enables it;
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
   model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
   instead of silently serving stock numerics.
@@ -28,12 +30,16 @@ def register() -> None:
 
     from .attention_backend import BACKEND_NAME
     from .fp8 import register as register_fp8
+    from .routing import install as install_routing
+    from .sampler import install as install_sampler
     from zerokld_plugins import registered
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
     for arch, reg in registered("model").items():
         ModelRegistry.register_model(arch, reg.spec.vllm_model)
     register_fp8()
+    install_sampler()
+    install_routing()
     _guard_initialize_model()
     _REGISTERED = True
 

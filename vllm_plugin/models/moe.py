@@ -1,0 +1,191 @@
+"""Qwen3-MoE for vLLM on ``shared_numerics.moe`` (router, top-k with lowest-id ties, row-invariant experts, fixed
+combine order), plus the per-KV-slot record of routed experts that serves vLLM's own ``enable_return_routed_experts``.
+
+With the zerokld flag off :class:`ZeroKLDQwen3MoeForCausalLM` *is* vLLM's ``Qwen3MoeForCausalLM`` (FusedMoE). With it on,
+each decoder layer is the Qwen3 attention of :mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`:
+``out, ids = shared_numerics.moe.moe_forward(f, gate, experts..., top_k, norm_topk_prob)``.
+
+Routing capture: when ``enable_return_routed_experts`` is on, the model writes each computed token's expert ids
+(``[layers, top_k]``, int16) into :class:`RouteCache` at the token's KV-cache slot (the attention metadata's
+``slot_mapping``), exactly where its keys and values go. A prefix-cache hit reuses blocks, so the routes of cached
+tokens are still there; a block that is recycled is rewritten together with its KV. :mod:`vllm_plugin.routing` reads
+the rows per request after each step. Source: HF ``modeling_qwen3_moe.py``; vLLM ``models/qwen3_moe.py``.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+import shared_numerics.moe as sn_moe
+
+from ..config import ZeroKLDConfigError
+from .dense import _param, _ZeroKLDMixin
+
+__all__ = ["MoEBlock", "RouteCache", "ZeroKLDQwen3MoeForCausalLM"]
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+
+
+def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, expert_id: int) -> None:
+    """Copy one expert's HF tensor into row ``expert_id`` of a stacked parameter. Loading goes through a
+    ``weight_loader`` (not a direct copy) so vLLM's in-place ``reload_weights`` — which swaps parameters for meta
+    tensors and replays the loader calls per layer (``model_loader/reload/layerwise.py``) — reloads experts too."""
+    param.data[expert_id].copy_(loaded_weight)
+
+
+def _stacked(*shape: int) -> nn.Parameter:
+    p = _param(*shape)
+    p.weight_loader = expert_weight_loader  # type: ignore[attr-defined]
+    return p
+
+
+class MoEBlock(nn.Module):
+    """Qwen3-MoE sparse block. Parameters: ``gate.weight [E, H]``; ``experts.w_gate|w_up [E, I, H]`` and
+    ``experts.w_down [E, H, I]`` (HF ``experts.{e}.{gate,up,down}_proj.weight`` stacked by the loader).
+    ``last_ids`` holds the ``[N, top_k]`` expert ids of the latest forward."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Module()
+        self.gate.weight = _param(num_experts, hidden)
+        self.experts = nn.Module()
+        self.experts.w_gate = _stacked(num_experts, inter, hidden)
+        self.experts.w_up = _stacked(num_experts, inter, hidden)
+        self.experts.w_down = _stacked(num_experts, hidden, inter)
+        self.last_ids: torch.Tensor | None = None
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        ex = self.experts
+        out, self.last_ids = sn_moe.moe_forward(f, self.gate.weight, ex.w_gate, ex.w_up, ex.w_down, self.top_k,
+                                                self.renormalize)
+        return out
+
+
+class RouteCache:
+    """Expert ids per KV-cache slot: ``[num_slots, layers, top_k]`` int16, grown on demand."""
+
+    def __init__(self, num_layers: int, top_k: int) -> None:
+        self.rows = torch.zeros((0, num_layers, top_k), dtype=torch.int16)
+
+    def write(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Store ``ids [n, layers, top_k]`` at ``slots [n]`` (int; negative slots = padding, skipped)."""
+        keep = slots >= 0
+        slots, ids = slots[keep].long(), ids[keep]
+        if slots.numel() == 0:
+            return
+        need = int(slots.max()) + 1
+        if need > self.rows.shape[0]:
+            grown = torch.zeros((max(need, 2 * self.rows.shape[0]), *self.rows.shape[1:]), dtype=torch.int16)
+            grown[: self.rows.shape[0]] = self.rows
+            self.rows = grown
+        self.rows[slots] = ids.to(torch.int16)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[n, layers, top_k]`` int16 rows of ``slots``.
+
+        Raises:
+            IndexError: a slot that was never written.
+        """
+        if slots.numel() and int(slots.max()) >= self.rows.shape[0]:
+            raise IndexError("zerokld routing capture: a requested KV slot holds no routes")
+        return self.rows[slots.long()]
+
+
+def _moe_dims(hf) -> tuple[int, int, int, bool]:
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+    return experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(getattr(hf, "norm_topk_prob", True))
+
+
+def check_moe_supported(vllm_config, fp8_kind: str) -> None:
+    """Raise :class:`ZeroKLDConfigError` for Qwen3-MoE settings the zerokld path does not implement."""
+    hf = vllm_config.model_config.hf_config
+    problems = []
+    if getattr(hf, "mlp_only_layers", None):
+        problems.append(f"mlp_only_layers {hf.mlp_only_layers} (every layer must be MoE)")
+    if getattr(hf, "decoder_sparse_step", 1) != 1:
+        problems.append(f"decoder_sparse_step {hf.decoder_sparse_step}")
+    if getattr(hf, "shared_expert_intermediate_size", 0):
+        problems.append("shared experts")
+    if fp8_kind != "off":
+        problems.append("FP8 for MoE experts")
+    if vllm_config.parallel_config.enable_expert_parallel:
+        problems.append("expert parallelism")
+    if problems:
+        raise ZeroKLDConfigError("zerokld Qwen3-MoE does not support: " + "; ".join(problems))
+
+
+class ZeroKLDQwen3MoeForCausalLM(_ZeroKLDMixin, Qwen3MoeForCausalLM):
+    """``Qwen3MoeForCausalLM``: stock unless the zerokld flag is on."""
+
+    _family = "qwen3_moe"
+    _qk_norm = True
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not self.zerokld_enabled:
+            return
+        check_moe_supported(vllm_config, self.fp8.kind)
+        experts, top_k, _, _ = _moe_dims(self.config)
+        self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
+        self.route_cache = RouteCache(self.config.num_hidden_layers, top_k)
+        self.num_experts = experts
+
+    def _mlp_factory(self, vllm_config):
+        e, k, inter, norm = _moe_dims(vllm_config.model_config.hf_config)
+        h = vllm_config.model_config.hf_config.hidden_size
+        return lambda i: MoEBlock(h, inter, e, k, norm)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if self.zerokld_enabled and self.capture_routes:
+            self._record_routes(input_ids.shape[0])
+        return hidden
+
+    def _record_routes(self, n: int) -> None:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        if not meta:  # profiling / dummy runs
+            return
+        first = next(iter(meta.values())) if isinstance(meta, dict) else meta
+        slots = first.slot_mapping[:n].cpu()
+        ids = torch.stack([layer.mlp.last_ids[: slots.shape[0]] for layer in self.model.layers], dim=1)
+        self.route_cache.write(slots, ids)
+
+    def _load_tensor(self, params: dict, name: str, tensor: torch.Tensor) -> None:
+        m = _EXPERT.match(name)
+        if m is None:
+            return super()._load_tensor(params, name, tensor)
+        stacked = params.get(f"{m.group(1)}.{_STACKED[m.group(3)]}")
+        e = int(m.group(2))
+        if stacked is None or e >= stacked.shape[0]:
+            raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
+        if tuple(stacked.shape[1:]) != tuple(tensor.shape):
+            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects "
+                             f"{tuple(stacked.shape[1:])}")
+        stacked.weight_loader(stacked, tensor, e)
+
+    def load_weights(self, weights):
+        if not self.zerokld_enabled:
+            return super().load_weights(weights)
+        seen: dict[str, set[int]] = {}
+
+        def track(items):
+            for name, tensor in items:
+                m = _EXPERT.match(name)
+                if m is not None:
+                    seen.setdefault(f"{m.group(1)}.{_STACKED[m.group(3)]}", set()).add(int(m.group(2)))
+                yield name, tensor
+
+        loaded = super().load_weights(track(weights))
+        for stacked, experts in seen.items():
+            if len(experts) != self.num_experts:
+                missing = sorted(set(range(self.num_experts)) - experts)
+                raise ValueError(f"zerokld: {stacked}: checkpoint lacks experts {missing}")
+            loaded.add(stacked)
+        return loaded
