@@ -31,8 +31,8 @@ def _measure(llm, args) -> dict:
     rng = random.Random(0)
     long_prompts = [[1] + [rng.randrange(3, 100) for _ in range(args.prompt_len - 1)] for _ in range(args.batch)]
     short_prompts = [[1] + [rng.randrange(3, 100) for _ in range(7)] for _ in range(args.batch)]
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    many = SamplingParams(max_tokens=args.decode_len, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
+    many = SamplingParams(max_tokens=args.decode_len, temperature=args.temperature, ignore_eos=True)
 
     def timed(prompts, sp) -> float:
         llm.reset_prefix_cache()
@@ -61,6 +61,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--family", choices=["qwen3", "qwen3_moe"], default="qwen3",
+                    help="qwen3_moe: 8 experts, top-2, expert FFN width = hidden")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (the zerokld side then runs its "
+                    "counter-based sampler; stock its own)")
+    ap.add_argument("--routes", action="store_true", help="zerokld side also returns routed experts (MoE)")
     args = ap.parse_args(argv)
 
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
@@ -68,15 +73,17 @@ def main(argv=None) -> dict:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec = TinyModelSpec(family="qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+    spec = TinyModelSpec(family=args.family, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
-                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=1024)
+                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=1024,
+                         moe_intermediate_size=args.hidden)
     result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
         ckpt = make_tiny_checkpoint(out.parent / f"bench_model_{dtype}", spec, seed=0, dtype=dtype)
         per = {}
         for mode in ("zerokld", "stock"):
-            llm = start_llm(str(ckpt), dtype=dtype, zerokld=mode == "zerokld", max_model_len=1024)
+            extra = {"enable_return_routed_experts": True} if args.routes and mode == "zerokld" else {}
+            llm = start_llm(str(ckpt), dtype=dtype, zerokld=mode == "zerokld", max_model_len=1024, **extra)
             try:
                 per[mode] = _measure(llm, args)
             finally:

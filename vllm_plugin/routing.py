@@ -44,6 +44,10 @@ def _patch_config_check() -> None:
             problems.append("routed experts need prefix caching on (vLLM's rule)")
         if self.speculative_config is not None:
             problems.append("speculative decoding")
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike() and not self.model_config.enforce_eager:
+            problems.append("CUDA graphs (routes are recorded in Python after the forward: use enforce_eager)")
         if problems:
             raise ZeroKLDConfigError("enable_return_routed_experts with zerokld: " + "; ".join(problems))
 

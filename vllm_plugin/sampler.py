@@ -5,7 +5,8 @@ Three patches, each a no-op unless the engine's config enables the sampler:
 
 * front end (``v1/engine/input_processor.py`` ``InputProcessor.process_inputs``): a request without ``seed`` gets one
   drawn (62 random bits) before vLLM fans ``n > 1`` out into children (which then get ``seed + index``, vLLM's own
-  rule in ``v1/engine/parallel_sampling.py``); ``CompletionOutput.zerokld_seed`` returns each sample's seed
+  rule in ``v1/engine/parallel_sampling.py``); ``CompletionOutput.zerokld_seed`` returns each sample's seed (on an
+  engine without the sampler: the request's own seed or ``None``)
   (``v1/engine/output_processor.py``), so every sample can be reproduced; the OpenAI ``/v1/completions`` response
   carries it as the extension field ``zerokld_seed`` of each choice (non-streaming responses).
 * worker (``v1/worker/gpu_model_runner.py``): new requests' seeds are taken out of ``SamplingParams.seed`` into the

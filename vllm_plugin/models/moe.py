@@ -74,6 +74,7 @@ class RouteCache:
 
     def write(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Store ``ids [n, layers, top_k]`` at ``slots [n]`` (int; negative slots = padding, skipped)."""
+        slots, ids = slots.cpu(), ids.cpu()  # the record lives in host memory, next to the scheduler's view
         keep = slots >= 0
         slots, ids = slots[keep].long(), ids[keep]
         if slots.numel() == 0:
