@@ -154,3 +154,23 @@ def test_moe_load_balancing_bias_never_changes_the_selection(checkpoint_factory)
         after = sequence_logprobs(model, seqs, plens)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert torch.equal(captured_routes(model), routes)
+
+
+def test_torchtitans_own_qwen3_moe_flavour_runs_the_shared_moe():
+    """The overrides apply to TorchTitan's registered Qwen3-MoE flavour (``qwen3_moe_debug``) as they do to models
+    built from HF configs: every MoE block becomes ZeroKLDMoE and a batch row equals the row alone."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    from titan_plugin.overrides import ZeroKLDMoE, apply_zerokld_overrides
+
+    cfg = qwen3_moe_debug()
+    apply_zerokld_overrides(cfg)
+    with torch.device("cpu"):
+        model = cfg.model_spec.model.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    assert sum(isinstance(m, ZeroKLDMoE) for m in model.modules()) == len(cfg.model_spec.model.layers)
+    tokens = torch.randint(0, 1000, (3, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        batch = model(tokens)
+        alone = model(tokens[1:2])
+    assert torch.equal(alone[0], batch[1])
