@@ -114,3 +114,31 @@ def test_forward_state_and_sampler_weights(checkpoint_factory, tmp_path):
                                                                                   "weights": [0, 1, 1]}}], "ppo")
     finally:
         client.close()
+
+
+def test_datums_carry_routed_experts_for_moe_replay(checkpoint_factory, tmp_path):
+    """MoE: ``loss_fn_inputs["routed_experts"]`` (vLLM's array, aligned with ``model_input``) is replayed in
+    ``forward`` and ``forward_backward``; the trainer's own routes replayed give the same bits, other routes do not."""
+    from titan_plugin.routing import captured_routes
+
+    ckpt = checkpoint_factory("qwen3_moe", "float32")
+    client = TrainingClient.from_checkpoint(ckpt, dtype="float32", learning_rate=1e-3, dump_folder=str(tmp_path))
+    try:
+        seqs, plens, adv = _batch(31)
+        plain = client.forward(_datums(seqs, plens, adv, [torch.zeros(len(s) - p) for s, p in zip(seqs, plens)]))
+        routes = captured_routes(client.trainer.model)  # [B, T, layers, k] of that forward (full sequences)
+        data = _datums(seqs, plens, adv, [torch.zeros(len(s) - p) for s, p in zip(seqs, plens)])
+        for d, s, r in zip(data, seqs, routes):
+            d["loss_fn_inputs"]["routed_experts"] = r[: len(s) - 1].numpy()
+        same = client.forward(data)
+        assert all(torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(plain["loss_fn_outputs"],
+                                                                              same["loss_fn_outputs"]))
+        for d in data:
+            d["loss_fn_inputs"]["routed_experts"] = (d["loss_fn_inputs"]["routed_experts"] + 1) % 8
+        other = client.forward(data)
+        assert any(not torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(plain["loss_fn_outputs"],
+                                                                                  other["loss_fn_outputs"]))
+        out = client.forward_backward(data, "cross_entropy")
+        assert out["loss_fn_outputs"][0]["logprobs"].numel() == len(seqs[0]) - plens[0]
+    finally:
+        client.close()

@@ -6,7 +6,8 @@ Names and shapes follow Tinker's ``TrainingClient`` (``forward``, ``forward_back
     {"model_input": list[int],                         # n input tokens
      "loss_fn_inputs": {"target_tokens": [n],          # next-token aligned: target[i] = model_input[i + 1]
                         "weights": [n],                # 0 on prompt positions, >0 on the completion (a suffix)
-                        "advantages": [n], "logprobs": [n]}}   # sampler logprobs (RL losses)
+                        "advantages": [n], "logprobs": [n],    # sampler logprobs (RL losses)
+                        "routed_experts": [n, layers, top_k]}} # MoE: vLLM's routed_experts, replayed (optional)
 
 (lists or tensors). Results carry ``loss``, ``metrics`` and ``loss_fn_outputs[i]["logprobs"]`` — the trainer's
 log-probs of the datum's weighted positions (``forward``: of every position), bitwise what vLLM reports for them.
@@ -56,8 +57,20 @@ def datums_to_rollouts(data: list[dict]) -> tuple[list[list[int]], list[int], li
         plens.append(first + 1)
         sl = slice(first, n)
         inputs.append({"weights": w[sl], "advantages": _t(li["advantages"])[sl] if "advantages" in li else None,
-                       "logprobs": _t(li["logprobs"])[sl] if "logprobs" in li else None})
+                       "logprobs": _t(li["logprobs"])[sl] if "logprobs" in li else None,
+                       "routed_experts": li.get("routed_experts")})
     return seqs, plens, inputs
+
+
+def _routes(inputs: list[dict]):
+    """The datums' ``routed_experts`` for replay (:mod:`titan_plugin.routing`), ``None`` when no datum has any; a
+    datum without routes is routed afresh."""
+    given = [i["routed_experts"] for i in inputs]
+    ref = next((r for r in given if r is not None), None)
+    if ref is None:
+        return None
+    shape = tuple(torch.as_tensor(ref).shape[1:])
+    return [r if r is not None else torch.empty((0, *shape), dtype=torch.int64) for r in given]
 
 
 class TrainingClient:
@@ -84,8 +97,8 @@ class TrainingClient:
 
     def forward(self, data: list[dict]) -> dict:
         """Log-probs of every target token (no gradients)."""
-        seqs, _, _ = datums_to_rollouts(data)
-        lps = self.trainer.forward_logprobs(seqs, [1] * len(seqs))
+        seqs, _, inputs = datums_to_rollouts(data)
+        lps = self.trainer.forward_logprobs(seqs, [1] * len(seqs), routed_experts=_routes(inputs))
         return {"loss_fn_outputs": [{"logprobs": lp} for lp in lps]}
 
     def forward_backward(self, data: list[dict], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
@@ -97,15 +110,17 @@ class TrainingClient:
             if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
                 raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
             adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
-        res = self.trainer.forward_backward(seqs, plens, adv, q, loss=self._loss(loss_fn, loss_fn_config))
+        res = self.trainer.forward_backward(seqs, plens, adv, q, loss=self._loss(loss_fn, loss_fn_config),
+                                            routed_experts=_routes(inputs))
         return {"loss": res["loss"], "metrics": {"clipped": res["clipped"], "grad_zeroed": res["grad_zeroed"],
                                                  "num_tokens": res["num_tokens"]},
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
 
     def forward_backward_custom(self, data: list[dict], loss_fn) -> dict:
         """Two-pass custom loss: ``loss_fn(data, logprobs_list) -> (loss, metrics)`` on the weighted positions."""
-        seqs, plens, _ = datums_to_rollouts(data)
-        res = self.trainer.forward_backward_custom(seqs, plens, lambda lps: loss_fn(data, lps))
+        seqs, plens, inputs = datums_to_rollouts(data)
+        res = self.trainer.forward_backward_custom(seqs, plens, lambda lps: loss_fn(data, lps),
+                                                   routed_experts=_routes(inputs))
         return {"loss": res["loss"], "metrics": res["metrics"],
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
 
