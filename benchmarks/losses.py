@@ -17,7 +17,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
@@ -27,6 +26,7 @@ def _one(loss_name: str, path: str, vocab: int, tokens: int, hidden: int, repeat
     import torch
 
     import shared_numerics as sn
+    from benchmarks.timing import wall_times
     from shared_numerics.losses import LossBatch
     from zerokld_plugins import get_loss, resolve
 
@@ -56,12 +56,7 @@ def _one(loss_name: str, path: str, vocab: int, tokens: int, hidden: int, repeat
             (dl,) = torch.autograd.grad(fn(leaf, q, adv, cfg, batch)[0].sum(), leaf)
             (sn.fused_selected_logprobs(h, w, t) * dl).sum().backward()
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = wall_times(step, repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"loss": loss_name, "path": path, "vocab": vocab, "tokens": tokens, "seconds_median": statistics.median(
         times), "seconds": times, "peak_rss_mib": peak / 1024, "peak_rss_over_inputs_mib": (peak - base_rss) / 1024}

@@ -18,22 +18,13 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import wall_times
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-
-def _time(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def main(argv=None) -> None:
@@ -58,8 +49,8 @@ def main(argv=None) -> None:
         pos = torch.full((b,), 17, dtype=torch.int64)
         for label, k, p in (("plain", None, None), ("top_k50_top_p0.9", torch.full((b,), 50),
                                                     torch.full((b,), 0.9))):
-            ours = _time(lambda: sample_tokens(logits, temp, seeds, pos, k, p), args.repeats)
-            theirs = _time(lambda: stock(logits.clone(), {}, k, p), args.repeats)
+            ours = wall_times(lambda: sample_tokens(logits, temp, seeds, pos, k, p), args.repeats)
+            theirs = wall_times(lambda: stock(logits.clone(), {}, k, p), args.repeats)
             row = {"batch": b, "vocab": v, "case": label, "ours_s": statistics.median(ours),
                    "stock_s": statistics.median(theirs), "ours_all": ours, "stock_all": theirs}
             row["ratio_ours_over_stock"] = row["ours_s"] / row["stock_s"]

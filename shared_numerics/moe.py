@@ -41,13 +41,17 @@ def route_topk(router_logits: torch.Tensor, k: int, renormalize: bool = True) ->
     Raises:
         ValueError: ``k`` out of range.
     """
-    n, e = router_logits.shape
+    scores = _scores(router_logits)
+    ids = _topk_ids(scores, k)
+    return ids, gather_route_weights(scores, ids, renormalize)
+
+
+def _topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    e = scores.shape[-1]
     if not 1 <= k <= e:
         raise ValueError(f"top-k {k} outside [1, {e}]")
-    scores = _scores(router_logits)
     order = torch.sort(-scores, dim=-1, stable=True).indices  # stable: equal scores keep ascending expert id
-    ids = order[:, :k].contiguous()
-    return ids, gather_route_weights(scores, ids, renormalize)
+    return order[:, :k].contiguous()
 
 
 def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool = True) -> torch.Tensor:
@@ -117,8 +121,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
     """
     from . import linear
 
-    logits = linear(x, router_weight)
-    ids, weights = route_topk(logits, top_k, renormalize)
+    scores = _scores(linear(x, router_weight))
+    ids = _topk_ids(scores, top_k)
     if expert_ids is not None:
         rec = expert_ids.to(device=x.device, dtype=torch.int64)
         e = router_weight.shape[0]
@@ -128,5 +132,4 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
         if bool(((rec < 0) & ~fresh).any()) or (rec.numel() and int(rec.max()) >= e):
             raise ValueError(f"replayed expert ids outside [0, {e}) (a row of -1 means: route afresh)")
         ids = torch.where(fresh, ids, rec)
-        weights = gather_route_weights(_scores(logits), ids, renormalize)
-    return moe_experts(x, ids, weights, w_gate, w_up, w_down), ids
+    return moe_experts(x, ids, gather_route_weights(scores, ids, renormalize), w_gate, w_up, w_down), ids

@@ -2,8 +2,8 @@
 
 Activate them like any TorchTitan override — ``--override.imports`` with the names in :data:`OVERRIDE_IMPORTS`, or
 programmatically with :func:`apply_zerokld_overrides` (the configs :func:`titan_plugin.rl.rl_trainer_config` builds
-already carry them; TorchTitan's own flavours, e.g. ``qwen3_moe_debug``, take them too). Each replacement subclasses the component it replaces (same parameters, same
-state-dict keys, same checkpoints); only ``forward`` changes:
+already carry them; TorchTitan's own flavours, e.g. ``qwen3_moe_debug``, take them too). Each replacement subclasses
+the component it replaces (same parameters, same state-dict keys, same checkpoints); only ``forward`` changes:
 
 =====================  ===========================================================================
 TorchTitan component   zerokld replacement

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-__all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "from_vllm_config"]
+__all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "from_vllm_config", "config_or_off"]
 
 
 class ZeroKLDConfigError(ValueError):
@@ -83,3 +83,14 @@ def from_vllm_config(vllm_config: Any) -> ZeroKLDConfig:
         return ZeroKLDConfig.model_validate(section)
     except ValidationError as e:
         raise ZeroKLDConfigError(f"invalid additional_config['zerokld']: {e}") from e
+
+
+def config_or_off(vllm_config: Any) -> ZeroKLDConfig:
+    """:func:`from_vllm_config`, with a malformed section read as the default (everything off).
+
+    For hooks that must not fail where vLLM calls them (config checks, request processing, the sampler); the model
+    constructor parses strictly and reports the error at start."""
+    try:
+        return from_vllm_config(vllm_config)
+    except ZeroKLDConfigError:
+        return ZeroKLDConfig()

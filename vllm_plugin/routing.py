@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ZeroKLDConfigError, from_vllm_config
+from .config import ZeroKLDConfigError, config_or_off
 
 __all__ = ["install", "request_rows"]
 
@@ -31,11 +31,7 @@ def _patch_config_check() -> None:
     original = VllmConfig._verify_aux_output_compatibility
 
     def verify(self) -> None:
-        try:
-            zerokld = from_vllm_config(self).batch_invariant
-        except ZeroKLDConfigError:
-            zerokld = False
-        if not self.aux_output_config.enabled or not zerokld:
+        if not self.aux_output_config.enabled or not config_or_off(self).batch_invariant:
             return original(self)
         problems = []
         if not self.model_config.is_moe:

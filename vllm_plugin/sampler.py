@@ -27,7 +27,7 @@ import torch
 
 import shared_numerics.sampling as sn_sampling
 
-from .config import ZeroKLDConfigError, from_vllm_config
+from .config import ZeroKLDConfigError, config_or_off, from_vllm_config
 
 __all__ = ["check_sampler_supported", "install"]
 
@@ -50,11 +50,13 @@ def check_sampler_supported(vllm_config) -> None:
         raise ZeroKLDConfigError("zerokld deterministic sampler does not support: " + "; ".join(problems))
 
 
-def _enabled(vllm_config) -> bool:
-    try:
-        return from_vllm_config(vllm_config).sampler_enabled
-    except ZeroKLDConfigError:
-        return False
+def _enabled(owner) -> bool:
+    """Whether the sampler is on for ``owner`` (a vLLM object holding ``vllm_config``: input processor, model
+    runner), parsed once per owner — the worker hooks run every step."""
+    on = owner.__dict__.get("_zerokld_sampler_enabled")
+    if on is None:
+        on = owner.__dict__["_zerokld_sampler_enabled"] = config_or_off(owner.vllm_config).sampler_enabled
+    return on
 
 
 def _patch_front_end() -> None:
@@ -66,7 +68,7 @@ def _patch_front_end() -> None:
     def zerokld_process_inputs(self, *args, **kwargs):
         request = process_inputs(self, *args, **kwargs)
         sp = request.sampling_params
-        if sp is not None and _enabled(self.vllm_config):
+        if sp is not None and _enabled(self):
             if sp.seed is None:
                 sp.seed = secrets.randbits(62)  # sp is vLLM's clone of the caller's params
             _patch_openai_completions()  # in the API server, once its serving module is loaded
@@ -124,7 +126,7 @@ def _patch_worker() -> None:
     sample = GPUModelRunner._sample
 
     def zerokld_update_states(self, scheduler_output):
-        if _enabled(self.vllm_config):
+        if _enabled(self):
             seeds = self.__dict__.setdefault("zerokld_seeds", {})
             for req_id in scheduler_output.finished_req_ids:
                 seeds.pop(req_id, None)
@@ -142,7 +144,7 @@ def _patch_worker() -> None:
         return update_states(self, scheduler_output)
 
     def zerokld_sample(self, logits, spec_decode_metadata):
-        if not _enabled(self.vllm_config):
+        if not _enabled(self):
             return sample(self, logits, spec_decode_metadata)
         batch = self.input_batch
         ids = batch.req_ids[: batch.num_reqs]
