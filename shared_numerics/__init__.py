@@ -20,11 +20,19 @@ from .metrics import logprob_diff_metrics
 from .reduce import exp64, tree_sum
 
 __all__ = [
-    "KEY_CHUNK", "Q_TILE", "ROW_TILE", "active_ops", "apply_rope", "attention_over_chunks", "backend_name",
-    "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat", "fused_selected_logprobs", "linear",
-    "log_softmax", "logprob_diff_metrics", "paged_causal_attention", "quantize_fp8_weight", "rms_norm", "rope_cos_sin",
-    "selected_logprobs", "silu_and_mul", "tree_sum",
+    "KEY_CHUNK", "OP_NAMES", "Q_TILE", "ROW_TILE", "active_ops", "add_rms_norm", "apply_rope",
+    "attention_over_chunks", "backend_name", "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat",
+    "fused_selected_logprobs", "linear", "log_softmax", "logprob_diff_metrics", "paged_causal_attention",
+    "quantize_fp8_weight", "rms_norm", "rms_norm_rope", "rope_cos_sin", "selected_logprobs", "silu_and_mul",
+    "tree_sum",
 ]
+
+# Every numerics backend's op table maps exactly these names to functions with the signatures below.
+OP_NAMES = (
+    "linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "rope_cos_sin", "apply_rope", "silu_and_mul",
+    "log_softmax", "selected_logprobs", "dense_causal_attention", "paged_causal_attention", "fp8_linear",
+    "fp8_linear_qat", "quantize_fp8_weight", "fused_selected_logprobs",
+)
 
 _OPS_CACHE: dict[str, dict] = {}
 
@@ -43,7 +51,8 @@ def active_ops(*tensors) -> dict:
 
     Raises:
         zerokld_plugins.UnknownNameError: no such backend is registered.
-        RuntimeError: the backend is registered but cannot run here (the message says why).
+        RuntimeError: the backend is registered but cannot run here (the message says why), or its op table does
+            not have exactly the ops of :data:`OP_NAMES`.
     """
     name = backend_name(*tensors)
     ops = _OPS_CACHE.get(name)
@@ -55,6 +64,10 @@ def active_ops(*tensors) -> dict:
             reason = resolve(spec.unavailable_reason)() if spec.unavailable_reason else "not available"
             raise RuntimeError(f"numerics backend {name!r} cannot run on this machine: {reason}")
         table = resolve(spec.ops)
+        if set(table) != set(OP_NAMES):
+            missing, extra = sorted(set(OP_NAMES) - set(table)), sorted(set(table) - set(OP_NAMES))
+            raise RuntimeError(f"numerics backend {name!r}: op table differs from shared_numerics.OP_NAMES "
+                               f"(missing {missing}, unknown {extra})")
         ops = _OPS_CACHE[name] = {k: resolve(v) for k, v in table.items()}
     return ops
 
@@ -67,6 +80,16 @@ def linear(x, weight, bias=None):
 def rms_norm(x, weight, eps):
     """See :func:`shared_numerics.norm.rms_norm`."""
     return active_ops(x)["rms_norm"](x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """See :func:`shared_numerics.norm.add_rms_norm`."""
+    return active_ops(x)["add_rms_norm"](x, residual, weight, eps)
+
+
+def rms_norm_rope(x, weight, eps, cos, sin):
+    """See :func:`shared_numerics.rope.rms_norm_rope`."""
+    return active_ops(x)["rms_norm_rope"](x, weight, eps, cos, sin)
 
 
 def rope_cos_sin(positions, head_dim, theta):
@@ -99,10 +122,11 @@ def dense_causal_attention(q, k, v, scale):
     return active_ops(q)["dense_causal_attention"](q, k, v, scale)
 
 
-def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale):
+def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
+                           max_query_len=None, max_seq_len=None):
     """See :func:`shared_numerics.attention.paged_causal_attention`."""
     return active_ops(q)["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
-                                                  scale)
+                                                  scale, max_query_len, max_seq_len)
 
 
 def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):

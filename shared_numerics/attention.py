@@ -12,8 +12,8 @@ of chunks the longest sequence needs, chunked prefill, prefix-cache hits, or whe
 Both layouts go through one core, :func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
 ``j`` of given sequences as a head-major ``[n, kv_heads, 32, head_dim]`` tensor: the dense path slices its padded
 ``[batch, kv_heads, seq, head_dim]`` keys; vLLM's path slices the paged cache (a block of ``block_size`` tokens, a
-multiple of 32 on CPU, holds whole chunks: chunk ``j`` of sequence ``s`` is rows ``(32j mod bs) .. +32`` of block
-``block_table[s, 32j // bs]``).
+multiple of 32, holds whole chunks: chunk ``j`` of sequence ``s`` is rows ``(32j mod bs) .. +32`` of block
+``block_table[s, 32j // bs]``; smaller blocks, e.g. vLLM's default 16, are gathered position by position).
 
 Source: Dao et al., "FlashAttention" (2022) online softmax; fixed split-KV size as in SGLang's deterministic mode and
 vLLM's batch-invariant attention; paged layout of Kwon et al., "PagedAttention" (2023).
@@ -176,41 +176,53 @@ def paged_causal_attention(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a vLLM batch (prefill chunks and decodes mixed) over the paged KV cache.
 
     Args:
         q: ``[Nq, Hq, D]`` the scheduled tokens, request after request.
-        key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]`` (vLLM CPU layout, head-major inside a block),
-            ``block_size`` a multiple of ``KEY_CHUNK``; the new tokens' keys must already be written.
+        key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]`` views (any strides: vLLM's layouts, K and V
+            halves of one cache), any ``block_size``; the new tokens' keys must already be written.
         query_start_loc: ``[num_reqs + 1]`` int, offsets of each request's tokens in ``q``.
         seq_lens: ``[num_reqs]`` int, context length of each request including its scheduled tokens.
         block_table: ``[num_reqs, max_blocks]`` int physical block ids.
         scale: softmax scale.
+        max_query_len, max_seq_len: accepted for the op table's signature (the Triton backend sizes its launch
+            with them); unused here.
 
     Returns:
         ``[Nq, Hq, D]`` in ``q.dtype``, bitwise equal to :func:`dense_causal_attention` on the same prefix.
-
-    Raises:
-        ValueError: ``block_size`` is not a multiple of ``KEY_CHUNK``.
     """
     n_q = q.shape[0]
     nb, h_kv, block_size, d = key_cache.shape
-    if block_size % KEY_CHUNK:
-        raise ValueError(f"block_size {block_size} must be a multiple of {KEY_CHUNK}")
-    per_block = block_size // KEY_CHUNK
     qsl = query_start_loc.long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
     q_seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
     starts = (seq_lens.long().cpu() - q_lens)[q_seq]
     q_pos = starts + (torch.arange(n_q) - qsl[:-1][q_seq])
     bt = block_table.long()
-    k_chunks = key_cache.view(nb, h_kv, per_block, KEY_CHUNK, d)
-    v_chunks = value_cache.view(nb, h_kv, per_block, KEY_CHUNK, d)
+    offs = torch.arange(KEY_CHUNK)
 
-    def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        col = min(j // per_block, bt.shape[1] - 1)  # past the table: masked anyway
-        blocks = bt[seq_ids, col]
-        return k_chunks[blocks, :, j % per_block], v_chunks[blocks, :, j % per_block]
+    if block_size % KEY_CHUNK == 0:  # a block holds whole chunks: slice them
+        per_block = block_size // KEY_CHUNK
+        k_chunks = key_cache.unflatten(2, (per_block, KEY_CHUNK))
+        v_chunks = value_cache.unflatten(2, (per_block, KEY_CHUNK))
+
+        def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            col = min(j // per_block, bt.shape[1] - 1)  # past the table: masked anyway
+            blocks = bt[seq_ids, col]
+            return (k_chunks[blocks, :, j % per_block].contiguous(),
+                    v_chunks[blocks, :, j % per_block].contiguous())
+    else:  # a chunk spans several blocks: gather its 32 positions (the same values, so the same bits)
+        def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = j * KEY_CHUNK + offs
+            col = torch.clamp(pos // block_size, max=bt.shape[1] - 1)  # past the table: masked anyway
+            blocks = bt[seq_ids][:, col]  # [n, 32]
+            slots = (pos % block_size).expand_as(blocks)
+            k = key_cache.permute(0, 2, 1, 3)[blocks, slots]  # [n, 32, Hkv, D]
+            v = value_cache.permute(0, 2, 1, 3)[blocks, slots]
+            return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
     return attention_over_chunks(q, q_seq, q_pos, gather, h_kv, scale)

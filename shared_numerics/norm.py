@@ -13,7 +13,7 @@ import torch
 
 from .reduce import tree_sum
 
-__all__ = ["rms_norm"]
+__all__ = ["add_rms_norm", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,3 +31,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
     y = x32 * torch.rsqrt(ms + eps) * weight.float()
     return y.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, the pattern between two decoder sub-blocks.
+
+    Args:
+        x: ``[..., H]`` float32 or bfloat16 (the residual stream).
+        residual: same shape: the sub-block output added to it.
+        weight: ``[H]`` gain; eps: as :func:`rms_norm`.
+
+    Returns:
+        ``(s, y)``: ``s = x + residual`` rounded to ``x.dtype`` (the new residual stream) and ``y = rms_norm(s)`` —
+        by definition bitwise the unfused composition, so a model that fuses it (vLLM side) and one that does not
+        (TorchTitan's ``h + attn(...)`` then ``RMSNorm``) agree. Backends may fuse it into one pass (Triton does).
+        Source: vLLM ``RMSNorm.forward(x, residual)`` (which, unlike this op, normalises the unrounded fp32 sum).
+    """
+    s = x + residual.to(x.dtype)
+    return s, rms_norm(s, weight, eps)

@@ -7,12 +7,14 @@ from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
 from .fused_logprobs import fused_selected_logprobs
 from .linear import linear
 from .logprobs import log_softmax, selected_logprobs
-from .norm import rms_norm
-from .rope import apply_rope, rope_cos_sin
+from .norm import add_rms_norm, rms_norm
+from .rope import apply_rope, rms_norm_rope, rope_cos_sin
 
 OPS = {
     "linear": linear,
     "rms_norm": rms_norm,
+    "add_rms_norm": add_rms_norm,
+    "rms_norm_rope": rms_norm_rope,
     "rope_cos_sin": rope_cos_sin,
     "apply_rope": apply_rope,
     "silu_and_mul": silu_and_mul,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_cos_sin", "apply_rope"]
+from .norm import rms_norm
+
+__all__ = ["apply_rope", "rms_norm_rope", "rope_cos_sin"]
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,11 +24,14 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
         theta: RoPE base (HF ``rope_theta``).
 
     Returns:
-        ``(cos, sin)``, each ``[N, D/2]`` float32.
+        ``(cos, sin)``, each ``[N, D/2]`` float32, on ``positions.device``.
+
+    Raises:
+        ValueError: odd ``head_dim``.
     """
     if head_dim % 2:
         raise ValueError(f"rotary dimension must be even, got {head_dim}")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
     inv_freq = 1.0 / (float(theta) ** exponent)
     angles = positions.to(torch.float64).reshape(-1, 1) * inv_freq.reshape(1, -1)
     return torch.cos(angles).float(), torch.sin(angles).float()
@@ -49,3 +54,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     s = sin.unsqueeze(1)
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return out.to(x.dtype)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> torch.Tensor:
+    """Per-head RMSNorm then RoPE (Qwen3's QK-norm before the rotation): ``apply_rope(rms_norm(x, weight, eps), cos,
+    sin)``, by definition bitwise that composition (backends may fuse it into one pass; Triton does).
+
+    Args:
+        x: ``[N, heads, D]`` float32 or bfloat16; weight: ``[D]``; eps: as :func:`shared_numerics.norm.rms_norm`.
+        cos, sin: ``[N, D/2]`` from :func:`rope_cos_sin`.
+
+    Returns:
+        ``[N, heads, D]`` in ``x.dtype``. Source: HF ``Qwen3Attention.forward`` (``q_norm``/``k_norm`` then
+        ``apply_rotary_pos_emb``).
+    """
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

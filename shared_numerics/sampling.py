@@ -10,7 +10,9 @@ The hash is 32-bit integer mixing (two rounds of ``x ^= x >> 16; x *= 0x45d9f3b`
 product stays below 2^63 and the bits are the same on every platform; ``u`` is one 32-bit hash word.
 Temperature, top-k and top-p follow vLLM's semantics (``v1/sample/ops/topk_topp_sampler.py``): logits are divided by
 the temperature in float32; top-k keeps every logit ``>=`` the k-th largest; top-p keeps the smallest prefix (by
-descending probability, stable order) whose mass reaches ``p`` — always at least one token.
+descending probability, stable order) whose mass reaches ``p`` — always at least one token; the mass is summed in
+exact fixed point (probabilities rounded to multiples of 2^-52, int64 prefix sums), so the kept set does not depend on
+the device's scan algorithm. Every tensor is made on the logits' device (CPU or CUDA).
 """
 from __future__ import annotations
 
@@ -80,10 +82,13 @@ def _apply_top_k(z: torch.Tensor, top_k: torch.Tensor | None) -> torch.Tensor:
     if top_k is None:
         return z
     v = z.shape[-1]
-    k = top_k.to(torch.int64).clamp(1, v).reshape(-1, 1)
+    k = top_k.to(device=z.device, dtype=torch.int64).clamp(1, v).reshape(-1, 1)
     ordered = torch.sort(z, dim=-1, descending=True, stable=True).values
     kth = ordered.gather(-1, k - 1)
     return z.masked_fill(z < kth, float("-inf"))
+
+
+_FIXED_POINT = float(1 << 52)
 
 
 def _apply_top_p(z: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -93,12 +98,13 @@ def _apply_top_p(z: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
 
     probs = torch.exp(log_softmax(z).double())
     order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
-    sorted_p = probs.gather(-1, order)
-    p = top_p.to(torch.float64).reshape(-1, 1)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-    # p >= 1 keeps everything exactly (rounding can make ``before`` reach 1.0 for the tail), so a row's result does
-    # not depend on whether another row of the batch asked for top-p
-    drop_sorted = (before >= p) & (p < 1.0)
+    # the mass above each token, summed exactly: probabilities on a 2^-52 grid as int64 (integer addition is
+    # associative, so no scan algorithm, device or row count can change a bit; the sum stays below 2^53)
+    fixed = torch.round(probs.gather(-1, order) * _FIXED_POINT).to(torch.int64)
+    before = (torch.cumsum(fixed, dim=-1) - fixed).double()
+    p = top_p.to(device=z.device, dtype=torch.float64).reshape(-1, 1)
+    # p >= 1 keeps everything exactly, so a row's result does not depend on whether another row asked for top-p
+    drop_sorted = (before >= p * _FIXED_POINT) & (p < 1.0)
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return z.masked_fill(drop, float("-inf"))
@@ -118,7 +124,7 @@ def sample_scaled(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     ``(0, 1]`` (1 keeps all) may be ``None``. Returns ``[N]`` int64; row ``n`` depends only on row ``n`` of every
     argument."""
     z = _apply_top_p(_apply_top_k(z, top_k), top_p)
-    scores = gumbel_noise(seeds, positions, z.shape[-1]).add_(z)
+    scores = gumbel_noise(seeds.to(z.device), positions.to(z.device), z.shape[-1]).add_(z)
     return torch.argmax(scores, dim=-1)
 
 

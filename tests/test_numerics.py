@@ -126,18 +126,22 @@ def test_dense_attention_matches_sdpa_and_is_batch_invariant(dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_equals_dense(dtype):
+@pytest.mark.parametrize("bs", [16, 32, 64])
+def test_paged_attention_equals_dense(dtype, bs):
     """Mixed vLLM-style batch: a decode, a prefill chunk in the middle of a sequence, a fresh prefill; random block
-    placement and NaN garbage in unused cache slots."""
+    placement and NaN garbage in unused cache slots; vLLM 0.32's cache view (``[blocks, kv_heads, block_size,
+    2 * head_dim]``, K and V the two halves of each token's content) at block sizes 16 (vLLM's CUDA default: a
+    32-key chunk spans two blocks), 32 and 64."""
     g = torch.Generator().manual_seed(6)
-    b, t, hq, hkv, d, bs = 3, 70, 4, 2, 32, 32
+    b, t, hq, hkv, d = 3, 70, 4, 2, 32
     q = torch.randn(b, t, hq, d, generator=g).to(dtype)
     k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
     v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
     dense = sn.dense_causal_attention(q, k, v, d ** -0.5)
-    kc = torch.full((64, hkv, bs, d), float("nan")).to(dtype)
-    vc = kc.clone()
-    bt = torch.randperm(64, generator=g)[:9].reshape(3, 3)
+    per_seq = -(-t // bs)
+    kv = torch.full((64 * 32 // bs, hkv, bs, 2 * d), float("nan")).to(dtype)
+    kc, vc = kv.split(d, dim=-1)
+    bt = torch.randperm(kv.shape[0], generator=g)[: b * per_seq].reshape(b, per_seq)
     for s in range(b):
         for p in range(t):
             kc[bt[s, p // bs], :, p % bs] = k[s, p]
@@ -146,9 +150,6 @@ def test_paged_attention_equals_dense(dtype):
     out = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38]), torch.tensor([70, 46, 11]), bt,
                                     d ** -0.5)
     assert torch.equal(out, torch.cat([dense[0, 69:70], dense[1, 20:46], dense[2, 0:11]]))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        sn.paged_causal_attention(qs, kc[:, :, :16], vc[:, :, :16], torch.tensor([0, 1, 27, 38]),
-                                  torch.tensor([70, 46, 11]), bt, d ** -0.5)
 
 
 def test_attention_backward_is_deterministic():

@@ -1,8 +1,12 @@
 """The ``triton`` numerics backend, proven on CPU with Triton's interpreter (``TRITON_INTERPRET=1``).
 
-Per op: agreement with the torch backend (tolerance stated per op: the two backends reduce in different orders and
-round intermediates differently), exact batch invariance, deterministic backward close to the torch backward. Then
-the zero-KLD property with both sides on Triton: TorchTitan's model and a real vLLM engine, ``torch.equal``.
+The interpreter runs the kernels with numpy: these tests prove the kernels' logic — indexing, masks, the fixed split
+and chunk structure, that fused and split paths run the same arithmetic, batch invariance of the algorithm — not the
+GPU's bits (``tests/test_cuda.py`` runs the same claims on a GPU when one is present). Per op: agreement with the torch
+backend (tolerance stated per op: the two backends reduce in different orders and round intermediates differently),
+exact batch invariance, deterministic backward close to the torch backward. Then the zero-KLD property with both
+sides on Triton: an op-table model (trainer vs a continuous-batching paged engine), TorchTitan's model and a real vLLM
+engine, ``torch.equal``.
 """
 from __future__ import annotations
 
@@ -10,43 +14,52 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first: before anything imports triton
 
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import shared_numerics as sn  # noqa: E402
 from shared_numerics import ops_torch  # noqa: E402
+from shared_numerics.ops_triton import attention as tattn  # noqa: E402
+from shared_numerics.ops_triton.table import OPS as T  # noqa: E402
 
-T = pytest.importorskip("shared_numerics.ops_triton.table").OPS
 R = ops_torch.OPS
 DTYPES = [torch.float32, torch.bfloat16]
 # Max |triton - torch| allowed, relative to max |torch|: fp32 — a few ulps of accumulated rounding; bf16 outputs —
 # one bf16 ulp (2^-8 relative) where an fp32 intermediate lands on the other side of a bf16 rounding boundary.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+# Attention in bf16: Triton rounds the probabilities to bf16 for the p·v dot (FlashAttention-2), the torch backend
+# keeps them fp32: up to a few bf16 ulps of the output.
+ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -5}
 
 
-def _close(a, b, dtype):
+def _close(a, b, dtype, tol=TOL):
     a, b = a.float(), b.float()
-    assert (a - b).abs().max().item() <= TOL[dtype] * max(b.abs().max().item(), 1.0)
+    assert (a - b).abs().max().item() <= tol[dtype] * max(b.abs().max().item(), 1.0)
 
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-def _attn_inputs(dtype, b=3, t=45, hq=4, hk=2, d=32):
-    g = _gen(1)
+def _attn_inputs(dtype, b=3, t=45, hq=4, hk=2, d=32, seed=1):
+    g = _gen(seed)
     return [torch.randn(b, t, h, d, generator=g).to(dtype) for h in (hq, hk, hk)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_op_matches_torch_and_is_batch_invariant(dtype):
     g = _gen()
-    x, w, bias = torch.randn(37, 200, generator=g).to(dtype), (torch.randn(150, 200, generator=g) * .05).to(dtype), \
+    # 300 rows: three 128-row GEMM tiles; the slices put rows at other positions of a tile (0, 1, 127, 128, 129)
+    x, w, bias = torch.randn(300, 200, generator=g).to(dtype), (torch.randn(150, 200, generator=g) * .05).to(dtype), \
         torch.randn(150, generator=g).to(dtype)
     y = T["linear"](x, w, bias)
     _close(y, R["linear"](x, w, bias), dtype)
-    for sl in (slice(0, 1), slice(0, 5), slice(20, 37), slice(3, 35)):
+    for sl in (slice(0, 1), slice(5, 9), slice(127, 130), slice(130, 300), slice(3, 299)):
         assert torch.equal(T["linear"](x[sl], w, bias), y[sl])
+    assert torch.equal(T["linear"](x[:40], w.float(), bias), T["linear"](x[:40], w.to(dtype), bias))  # x's dtype
 
     h, nw = torch.randn(40, 3, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
     yn = T["rms_norm"](h, nw, 1e-6)
@@ -72,27 +85,132 @@ def test_each_op_matches_torch_and_is_batch_invariant(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ops", [T, R], ids=["triton", "torch"])
+def test_fused_ops_are_bitwise_their_composition(ops, dtype):
+    """add_rms_norm == (x + r, rms_norm(x + r)); rms_norm_rope == apply_rope(rms_norm(x)): the vLLM side runs the
+    fused ops, TorchTitan the unfused sequence. Rows stay independent (a slice gives the same rows)."""
+    g = _gen(11)
+    x, r, w = (torch.randn(70, 96, generator=g).to(dtype), torch.randn(70, 96, generator=g).to(dtype),
+               torch.randn(96, generator=g).to(dtype))
+    s, y = ops["add_rms_norm"](x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(y, ops["rms_norm"](x + r, w, 1e-6))
+    assert torch.equal(ops["add_rms_norm"](x[3:4], r[3:4], w, 1e-6)[1], y[3:4])
+    q, wq = torch.randn(70, 5, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
+    cos, sin = sn.rope_cos_sin(torch.arange(70) * 3, 64, 1e6)
+    f = ops["rms_norm_rope"](q, wq, 1e-6, cos, sin)
+    assert torch.equal(f, ops["apply_rope"](ops["rms_norm"](q, wq, 1e-6), cos, sin))
+    assert torch.equal(ops["rms_norm_rope"](q[40:41], wq, 1e-6, cos[40:41], sin[40:41]), f[40:41])
+    if ops is T:
+        _close(f, R["rms_norm_rope"](q, wq, 1e-6, cos, sin), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_dense_paged_and_invariance(dtype):
     q, k, v = _attn_inputs(dtype)
     b, t, _, d = q.shape
     scale = d ** -0.5
     od = T["dense_causal_attention"](q, k, v, scale)
-    _close(od, R["dense_causal_attention"](q, k, v, scale), dtype)
+    _close(od, R["dense_causal_attention"](q, k, v, scale), dtype, ATTN_TOL)
     # a shorter batch of one sequence: same rows
     assert torch.equal(T["dense_causal_attention"](q[1:2, :20], k[1:2, :20], v[1:2, :20], scale)[0], od[1, :20])
-    # vLLM's paged cache, shuffled blocks of 16 (the triton kernel takes any block size), the last 7 tokens of each
-    # sequence scheduled (chunked-prefill shape): bitwise the dense rows
-    bs, per_seq = 16, (t + 15) // 16
-    kc = torch.randn(b * per_seq + 3, 2, bs, d, generator=_gen(2)).to(dtype)  # never-written slots hold garbage
-    vc = torch.randn(b * per_seq + 3, 2, bs, d, generator=_gen(3)).to(dtype)
-    table = torch.randperm(b * per_seq + 3, generator=_gen(4))[: b * per_seq].reshape(b, per_seq)
+
+
+def _paged_cache(k, v, bs, seed):
+    """vLLM 0.32's per-layer view ``[blocks, kv_heads, bs, 2 * D]`` (K|V content), shuffled blocks, NaN garbage in
+    never-written slots; returns (key_cache, value_cache, block_table)."""
+    b, t, hk, d = k.shape
+    per_seq = -(-t // bs)
+    kv = torch.full((b * per_seq + 3, hk, bs, 2 * d), float("nan")).to(k.dtype)
+    kc, vc = kv.split(d, dim=-1)
+    table = torch.randperm(b * per_seq + 3, generator=_gen(seed))[: b * per_seq].reshape(b, per_seq)
     for s in range(b):
         for p in range(t):
             kc[table[s, p // bs], :, p % bs] = k[s, p]
             vc[table[s, p // bs], :, p % bs] = v[s, p]
-    qs = torch.cat([q[s, t - 7:] for s in range(b)])
-    op = T["paged_causal_attention"](qs, kc, vc, torch.tensor([0, 7, 14, 21]), torch.full((b,), t), table, scale)
-    assert torch.equal(op, torch.cat([od[s, t - 7:] for s in range(b)]))
+    return kc, vc, table
+
+
+def _paged(q, kc, vc, table, sched, t, scale, **kw):
+    """Attention of the scheduled queries ``sched = [(seq, first, last+1), ...]`` (each sequence's context ends at
+    its last scheduled query) over the paged cache."""
+    qs = torch.cat([q[s, a:e] for s, a, e in sched])
+    qsl = torch.tensor([0] + [e - a for _, a, e in sched]).cumsum(0)
+    return T["paged_causal_attention"](qs, kc, vc, qsl, torch.tensor([e for _, _, e in sched]),
+                                       table[[s for s, _, _ in sched]], scale, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_fixed_splits_dense_equals_paged(dtype):
+    """Contexts of 1100 keys (3 splits of 512): the trainer's dense rows == vLLM's paged rows at block sizes 16, 32,
+    64 for decodes (one program per split + the ordered combine), prefill chunks crossing a split boundary (splits
+    merged inside the program), a chunk starting at 0, and a decode batched with a prefill — same bits every way."""
+    q, k, v = _attn_inputs(dtype, b=2, t=1100, seed=3)
+    scale = q.shape[-1] ** -0.5
+    od = T["dense_causal_attention"](q, k, v, scale)
+    _close(od[:, ::50], R["dense_causal_attention"](q, k, v, scale)[:, ::50], dtype, ATTN_TOL)
+    batches = [
+        [(0, 1099, 1100), (1, 600, 601), (1, 1023, 1024)],  # decodes only: split-KV path
+        [(0, 490, 530), (1, 1000, 1050)],  # prefill chunks across split boundaries: in-program path
+        [(1, 0, 70), (0, 511, 512), (0, 1099, 1100)],  # a prefill from 0, co-batched with decodes
+    ]
+    for bs in (16, 32, 64):
+        kc, vc, table = _paged_cache(k, v, bs, seed=bs)
+        for sched in batches:
+            out = _paged(q, kc, vc, table, sched, 1100, scale)
+            assert torch.equal(out, torch.cat([od[s, a:e] for s, a, e in sched])), (bs, sched)
+
+
+def test_attention_split_kv_and_in_program_paths_agree():
+    """The same queries through the two launch shapes (``max_query_len`` decides) give the same bits."""
+    q, k, v = _attn_inputs(torch.bfloat16, b=2, t=700, seed=5)
+    kc, vc, table = _paged_cache(k, v, 16, seed=6)
+    sched = [(0, 690, 700), (1, 512, 530), (1, 100, 101)]
+    split = _paged(q, kc, vc, table, sched, 700, 0.2, max_query_len=1, max_seq_len=700)  # forced: one program/split
+    whole = _paged(q, kc, vc, table, sched, 700, 0.2, max_query_len=1000, max_seq_len=700)  # forced: in-program
+    assert torch.equal(split, whole)
+
+
+def test_attention_split_size_is_what_fixes_the_bits(monkeypatch):
+    """Negative control: a split size chosen from the batch (what stock split-KV decoding does) gives other bits for
+    every query past the first split — the fixed SPLIT is what keeps dense == paged."""
+    q, k, v = _attn_inputs(torch.float32, b=1, t=600, seed=7)
+    od = T["dense_causal_attention"](q, k, v, 0.2)
+    monkeypatch.setattr(tattn, "SPLIT", 256)
+    other = T["dense_causal_attention"](q, k, v, 0.2)
+    assert torch.equal(other[0, :256], od[0, :256])
+    assert not torch.equal(other[0, 256:], od[0, 256:])
+
+
+def test_paged_launch_reads_nothing_back_from_the_device(monkeypatch):
+    """With vLLM's host ints (``max_query_len``, ``max_seq_len``) the Triton wrapper and the vLLM backend's forward
+    run on ``meta`` tensors (whose values cannot be read): no device-to-host copy, no sync — CUDA-graph capturable.
+    The kernels themselves are stubbed (the interpreter cannot run on meta tensors)."""
+    pytest.importorskip("vllm")
+    from vllm_plugin.attention_backend import ZeroKLDAttentionImpl, ZeroKLDAttentionMetadata
+
+    launches = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append(grid)
+
+    monkeypatch.setattr(tattn, "_attn_fwd", Stub())
+    monkeypatch.setattr(tattn, "_attn_combine", Stub())
+    monkeypatch.setenv("ZEROKLD_BACKEND", "triton")
+    meta = torch.device("meta")
+    impl = ZeroKLDAttentionImpl(8, 64, 0.125, 2, None, None, "auto")
+    kv = torch.empty(40, 2, 16, 128, dtype=torch.bfloat16, device=meta)
+    md = ZeroKLDAttentionMetadata(num_actual_tokens=5, max_query_len=1, max_seq_len=1500,
+                                  query_start_loc=torch.empty(6, dtype=torch.int32, device=meta),
+                                  seq_lens=torch.empty(5, dtype=torch.int32, device=meta),
+                                  block_table=torch.empty(5, 100, dtype=torch.int32, device=meta),
+                                  slot_mapping=torch.empty(5, dtype=torch.int64, device=meta))
+    out = torch.empty(5, 8 * 64, dtype=torch.bfloat16, device=meta)
+    impl.forward(None, torch.empty(5, 8, 64, dtype=torch.bfloat16, device=meta), None, None, kv, md, out)
+    assert launches == [(5 // 32 + 5, 2, 3), (5,)]  # tiles, kv heads, 3 splits of 512; then the combine
+    md.max_query_len = 40  # a prefill chunk: one program per tile, no combine
+    impl.forward(None, torch.empty(5, 8, 64, dtype=torch.bfloat16, device=meta), None, None, kv, md, out)
+    assert launches[-1] == (5 // 32 + 5, 2, 1)
 
 
 @pytest.mark.parametrize("granularity", ["per_channel", "block"])
@@ -101,21 +219,23 @@ def test_fp8_kernels(granularity):
     from shared_numerics.ops_triton.fp8 import quantize_fp8_activation as triton_quantize
 
     g = _gen(5)
-    x = torch.randn(37, 200, generator=g).to(torch.bfloat16)
+    x = torch.randn(37, 300, generator=g).to(torch.bfloat16)
     x[3] = 0.0
     x[4, :5] = torch.tensor([448.0, 1.0625, 1.1875, 2.0 ** -9 * 1.5, -1e-30])
     tq, ts = triton_quantize(x, granularity)
     rq, rs = quantize_fp8_activation(x, granularity)
     assert torch.equal(tq.float(), rq.float()) and torch.equal(ts, rs)  # the quantizer is exact across backends
-    w = (torch.randn(150, 200, generator=g) * .05).to(torch.bfloat16)
+    w = (torch.randn(150, 300, generator=g) * .05).to(torch.bfloat16)
     qw, sw = sn.quantize_fp8_weight(w, granularity)
     y = T["fp8_linear"](x, qw, sw, granularity)
     _close(y, R["fp8_linear"](x, qw, sw, granularity), torch.bfloat16)
     assert torch.equal(T["fp8_linear"](x[5:9], qw, sw, granularity), y[5:9])
     assert torch.equal(T["fp8_linear_qat"](x, w, granularity), y)
-    x[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="inf or NaN"):
-        triton_quantize(x, granularity)
+    for bad in (float("nan"), float("inf")):
+        xb = x.clone()
+        xb[20, 7] = bad
+        with pytest.raises(ValueError, match="inf or NaN"):
+            triton_quantize(xb, granularity)
 
 
 def _grads(fn, args, up):
@@ -132,7 +252,8 @@ BACKWARD_CASES = {
     "silu_and_mul": lambda g: ([torch.randn(9, 130, generator=g), torch.randn(9, 130, generator=g)], ()),
     "log_softmax": lambda g: ([torch.randn(6, 3000, generator=g)], ()),
     "selected_logprobs": lambda g: ([torch.randn(6, 3000, generator=g)], (torch.randint(0, 3000, (6,), generator=g),)),
-    "dense_causal_attention": lambda g: (_attn_inputs(torch.float32, b=2), (32 ** -0.5,)),
+    # 150 positions, 4 query heads per kv head: several query tiles and key chunks per sequence
+    "dense_causal_attention": lambda g: (_attn_inputs(torch.float32, b=2, t=150, hq=8, hk=2), (32 ** -0.5,)),
     "fp8_linear_qat": lambda g: ([torch.randn(37, 200, generator=g), torch.randn(150, 200, generator=g) * .05], ()),
     "fused_selected_logprobs": lambda g: ([torch.randn(40, 64, generator=g), torch.randn(500, 64, generator=g) * .1],
                                           (torch.randint(0, 500, (40,), generator=g), 16)),
@@ -155,6 +276,67 @@ def test_fused_head_equals_unfused_on_triton():
     g = _gen(8)
     h, w, t = torch.randn(40, 64, generator=g), torch.randn(500, 64, generator=g) * .1, torch.randint(0, 500, (40,))
     assert torch.equal(T["fused_selected_logprobs"](h, w, t, 16), T["selected_logprobs"](T["linear"](h, w), t))
+
+
+def test_interpreter_gaps_are_filled():
+    """Why :mod:`shared_numerics.ops_triton.interpreter` patches Triton's interpreter (negative controls): its own
+    ``tl.dot`` multiplies bf16 bit patterns, and numpy's float32 GEMM rounds a row by its position in the tile."""
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    from shared_numerics.ops_triton.interpreter import ORIGINALS
+
+    a = torch.randn(16, 32, generator=_gen(9))
+    b = torch.randn(32, 16, generator=_gen(10))
+    bits = lambda t: t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    acc = TensorHandle(np.zeros((16, 16), np.float32), tl.float32)
+    ha, hb = TensorHandle(bits(a), tl.bfloat16), TensorHandle(bits(b), tl.bfloat16)
+    exact = a.bfloat16().float() @ b.bfloat16().float()
+    orig = torch.from_numpy(ORIGINALS["create_dot"](None, ha, hb, acc, None, None).data)
+    assert (orig - exact).abs().max() > 1e6  # bit patterns multiplied
+    from triton.runtime.interpreter import interpreter_builder
+
+    fixed = torch.from_numpy(interpreter_builder.create_dot(ha, hb, acc, None, None).data)
+    assert (fixed - exact).abs().max() < 1e-4
+    # a row moved to another position of the tile: numpy's sgemm may round it differently, the fixed dot never
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 32)).astype(np.float32)
+    assert any(not np.array_equal((x @ y)[r], (_at0(x, r) @ y)[0]) for r in range(64))
+    hx, hy = TensorHandle(x, tl.float32), TensorHandle(y, tl.float32)
+    z = TensorHandle(np.zeros((64, 32), np.float32), tl.float32)
+    full = interpreter_builder.create_dot(hx, hy, z, None, None).data
+    for r in range(64):
+        one = interpreter_builder.create_dot(TensorHandle(_at0(x, r), tl.float32), hy, z, None, None).data
+        assert np.array_equal(one[0], full[r])
+
+
+def _at0(x, r):
+    moved = np.zeros_like(x)
+    moved[0] = x[r]
+    return moved
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_op_model_trainer_equals_continuous_batching_engine(dtype):
+    """Model level on the Triton op table: a Qwen3-style model whose engine serves requests that arrive at different
+    steps, chunked prefill co-batched with decodes, 16-token blocks handed out shuffled, one prompt crossing the
+    512-key split — every generated token's engine log-prob == the trainer's (dense batch), bitwise. Stock PyTorch
+    ops on the same model and schedule differ (negative control)."""
+    from zerokld_testing.op_model import STOCK_OPS, OpModel, OpModelSpec, rollout
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (5, 40, 9, 70, 540)]
+    arrivals = [0, 0, 3, 4, 1]
+    spec = OpModelSpec()
+    model = OpModel(spec, dtype, ops=T)
+    res = rollout(model, prompts, 5, token_budget=48, block_size=16, arrivals=arrivals)
+    assert res.mixed_steps > 0
+    train = model.trainer_logprobs(res.sequences[:4]) + model.trainer_logprobs(res.sequences[4:])
+    assert all(torch.equal(a[-5:], b) for a, b in zip(train, res.logprobs))
+    stock = OpModel(spec, dtype, ops=STOCK_OPS)
+    sres = rollout(stock, prompts, 5, token_budget=48, block_size=16, arrivals=arrivals)
+    strain = stock.trainer_logprobs(sres.sequences)
+    assert not all(torch.equal(a[-5:], b) for a, b in zip(strain, sres.logprobs))
 
 
 def test_backend_selection(monkeypatch):
@@ -182,7 +364,8 @@ def triton_engine(engine_slot, checkpoint_factory):
     os.environ["ZEROKLD_BACKEND"] = "triton"
     try:
         llm = engine_slot.get(("zerokld-triton", ckpt),
-                              lambda: start_llm(ckpt, dtype="float32", max_num_batched_tokens=64, max_model_len=256))
+                              lambda: start_llm(ckpt, dtype="float32", max_num_batched_tokens=64, max_model_len=256,
+                                                block_size=16))
     finally:
         if saved is None:
             os.environ.pop("ZEROKLD_BACKEND")
@@ -194,10 +377,9 @@ def triton_engine(engine_slot, checkpoint_factory):
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_parity_matrix_both_sides_on_triton(triton_engine, monkeypatch):
-    """Trainer (TorchTitan) and vLLM both on the Triton backend: sampled logprobs == trainer logprobs, alone vs in a
-    batch, chunked prefill (64-token chunks) and a prefix-cache hit — all ``torch.equal``."""
-    import random
-
+    """Trainer (TorchTitan) and vLLM (16-token KV blocks, vLLM's CUDA default) both on the Triton backend: sampled
+    logprobs == trainer logprobs, alone vs in a batch, chunked prefill (64-token chunks) and a prefix-cache hit — all
+    ``torch.equal``."""
     from vllm import SamplingParams
 
     from titan_plugin import trainer_logprobs

@@ -1,32 +1,57 @@
-"""A vLLM attention backend that runs :func:`shared_numerics.paged_causal_attention` over the paged KV cache.
+"""A vLLM attention backend that runs :func:`shared_numerics.paged_causal_attention` over the paged KV cache, on CPU
+and CUDA alike.
 
-It keeps the CPU backend's KV-cache shape and layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
-LBHNC, from ``vllm/v1/attention/backends/cpu_attn.py``) so vLLM's CPU worker allocates and manages blocks as usual;
-only the read (attention) and the write (``do_kv_cache_update``) are ours, both plain torch. The metadata is the
-common per-batch metadata (``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``slot_mapping``) of
-``vllm/v1/attention/backend.py``.
+What it declares (``vllm/v1/attention/backend.py`` ``AttentionBackend``):
+
+* **KV cache**: vLLM 0.32 gives every layer a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` view
+  (``v1/kv_cache_interface.py``, content = K then V per token); this backend reads it as the two
+  ``[num_blocks, num_kv_heads, block_size, head_size]`` halves (``kv_cache.split(head_size, -1)``, as vLLM's Triton
+  backend does) and prefers the head-major layout ``LBHNC`` (each head's tokens of a block contiguous: the keys of one
+  chunk are one strided load). The kernels take any strides, so another negotiated layout still works.
+* **Block sizes**: multiples of 16 (vLLM's CUDA default 16, its CPU default 128); both numerics backends take any
+  block size.
+* **dtypes**: float32, bfloat16, float16; ``kv_cache_dtype="auto"`` only (the cache holds the model dtype's bits).
+
+The metadata builder keeps vLLM's device tensors (``query_start_loc``, ``seq_lens``, ``block_table_tensor``,
+``slot_mapping``) and the two host ints that size the kernel launch (``max_query_len``, ``max_seq_len``), so the
+forward performs no device-to-host copy (CUDA-graph capturable: decode-only full graphs,
+``UNIFORM_SINGLE_TOKEN_DECODE``). What only CUDA needs is in :mod:`vllm_plugin.cuda`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from shared_numerics import paged_causal_attention
 
+from . import cuda
+
 BACKEND_NAME = "ZEROKLD_ATTN"
 
-__all__ = ["BACKEND_NAME", "ZeroKLDAttentionBackend", "ZeroKLDAttentionMetadata"]
+__all__ = ["BACKEND_NAME", "ZeroKLDAttentionBackend", "ZeroKLDAttentionMetadata", "split_kv_cache"]
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer ``[blocks, kv_heads, block_size, 2 * head_size]`` view -> its K and V halves (strided views,
+    ``[blocks, kv_heads, block_size, head_size]`` each)."""
+    key_cache, value_cache = kv_cache.split(head_size, dim=-1)
+    return key_cache, value_cache
 
 
 @dataclass
 class ZeroKLDAttentionMetadata:
-    """Per-batch metadata (CPU tensors). ``query_start_loc``: ``[num_reqs+1]``; ``seq_lens``: ``[num_reqs]``;
-    ``block_table``: ``[num_reqs, max_blocks]``; ``slot_mapping``: ``[num_actual_tokens]``."""
+    """Per-batch metadata. Tensors live on the model's device: ``query_start_loc`` ``[num_reqs+1]``, ``seq_lens``
+    ``[num_reqs]``, ``block_table`` ``[num_reqs, max_blocks]``, ``slot_mapping`` ``[num_actual_tokens]`` (all int).
+    ``max_query_len`` / ``max_seq_len`` are host ints that size the launch (never the arithmetic)."""
 
     num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -34,8 +59,11 @@ class ZeroKLDAttentionMetadata:
 
 
 class ZeroKLDAttentionMetadataBuilder(AttentionMetadataBuilder[ZeroKLDAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.max_model_len = vllm_config.model_config.max_model_len
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ZeroKLDAttentionMetadata:
@@ -45,11 +73,16 @@ class ZeroKLDAttentionMetadataBuilder(AttentionMetadataBuilder[ZeroKLDAttentionM
         n = m.num_reqs
         return ZeroKLDAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc_cpu[: n + 1],
-            seq_lens=m.seq_lens[:n].cpu(),
+            max_query_len=int(m.max_query_len),
+            max_seq_len=int(m.max_seq_len),
+            query_start_loc=m.query_start_loc[: n + 1],
+            seq_lens=m.seq_lens[:n],
             block_table=m.block_table_tensor[:n],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
         )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> ZeroKLDAttentionMetadata:
+        return cuda.capture_metadata(self.build(0, common_attn_metadata), self.max_model_len)
 
 
 class ZeroKLDAttentionImpl(AttentionImpl):
@@ -76,15 +109,14 @@ class ZeroKLDAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.attn_type = attn_type
 
-    @staticmethod
-    def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb, h, bs, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(nb, h, bs * 2, -1).chunk(2, dim=2)
-        return key_cache, value_cache
-
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        key_cache, value_cache = self._split(kv_cache)
+        """Write the scheduled tokens' keys and values at their slots (``slot = block * block_size + offset``;
+        negative slots are padding). Data movement only: the same bits on every device."""
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        if key_cache.is_cuda:
+            cuda.write_kv_cache(layer, key, value, key_cache, value_cache, slot_mapping)
+            return
         bs = key_cache.shape[2]
         slots = slot_mapping.long()
         n = slots.shape[0]
@@ -100,20 +132,22 @@ class ZeroKLDAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by zerokld attention")
         if attn_metadata is None:  # memory profiling / warm-up
             return output
-        n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = self._split(kv_cache)
-        out = paged_causal_attention(
-            query[:n], key_cache, value_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-            attn_metadata.block_table, self.scale,
-        )
+        md = attn_metadata
+        n = md.num_actual_tokens
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        out = paged_causal_attention(query[:n], key_cache, value_cache, md.query_start_loc, md.seq_lens,
+                                     md.block_table, self.scale, md.max_query_len, md.max_seq_len)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 
 
-class ZeroKLDAttentionBackend(CPUAttentionBackend):
-    """CPU KV layout, batch-invariant attention. Registered under :data:`BACKEND_NAME`."""
+class ZeroKLDAttentionBackend(AttentionBackend):
+    """Batch-invariant attention over vLLM's paged cache. Registered under :data:`BACKEND_NAME`; models hand it to
+    ``Attention(..., attn_backend=ZeroKLDAttentionBackend)``, so it is used whatever the platform would pick."""
 
-    supported_kv_cache_dtypes = ["auto"]
+    forward_includes_kv_cache_update = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -126,6 +160,18 @@ class ZeroKLDAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[ZeroKLDAttentionMetadataBuilder]:
         return ZeroKLDAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

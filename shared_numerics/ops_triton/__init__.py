@@ -1,33 +1,44 @@
 """The ``triton`` numerics backend: the same op table as :mod:`shared_numerics.ops_torch`, as Triton kernels.
 
 Selected automatically for CUDA tensors, or everywhere with ``ZEROKLD_BACKEND=triton``; on CPU it runs under
-Triton's interpreter (``TRITON_INTERPRET=1``, set before the first kernel is imported), which is how CI proves these
-kernels without a GPU. Each kernel has one fixed configuration (no autotuning: a shape-dependent choice would break
-batch invariance) and computes every output row in one program whose work does not depend on the number of rows:
+Triton's interpreter (``TRITON_INTERPRET=1``, set before the first kernel is imported; :mod:`.interpreter` fills the
+interpreter's gaps), which is how CI proves these kernels' logic without a GPU. Each kernel has one fixed
+configuration (no autotuning: a shape-dependent choice would break batch invariance); a row's result depends only on
+the row:
 
 =========================  ==========================================================================================
 op                         kernel
 =========================  ==========================================================================================
-``linear``                 tiled GEMM, BLOCK 32x64x32, fp32 ``tl.dot`` (``input_precision="ieee"``), K in fixed order
-``rms_norm``               one row per program, fp32 statistics
-``apply_rope``             one token per program (all heads), rotate-half
+``linear``                 persistent GEMM, bf16/fp16 operands into tensor cores with fp32 accumulation (fp32:
+                           ``ieee`` dots), one tile config per dtype (128x128x64 for bf16), K in fixed order, no
+                           split-K (:mod:`.matmul`)
+``rms_norm``,              one kernel: rows reduced on their own (rows per program fixed by the row length), the
+``add_rms_norm``,          residual add and the QK-norm's rotation as runtime variants, so fused == unfused bitwise
+``rms_norm_rope``          (:mod:`.pointwise`)
+``apply_rope``             rotate-half with explicit fma, (token, head) rows packed per program
 ``silu_and_mul``           elementwise
 ``log_softmax`` /          one row per program, vocabulary in fixed 1024-wide blocks (max, then sum of exp, fp32)
 ``selected_logprobs``
-``*_causal_attention``     one program per (16-query tile of one sequence, kv head), keys in 32-position chunks in
-                           increasing order with the online softmax; dense and paged layouts share the kernel
-``fp8_linear`` (+ QAT)     the FP8 quantizer of :mod:`shared_numerics.fp8` (row per program) and the FP8 GEMM
+``*_causal_attention``     FlashAttention-2 on tensor cores with fixed 512-key splits and 64-key chunks; decodes run
+                           one program per split + an ordered combine, prefill and the trainer merge the splits in
+                           the program — the same bits (:mod:`.attention`)
+``fp8_linear`` (+ QAT)     the FP8 quantizer of :mod:`shared_numerics.fp8` (row per program) and a persistent FP8
+                           GEMM, e4m3 straight into tensor cores where the GPU has them (:mod:`.fp8`)
 =========================  ==========================================================================================
 
 Backward passes (training): Triton kernels too (GEMMs for linear, row kernels for the norm, rope, SiLU and
-log-softmax, FlashAttention-2-style dQ and dK/dV kernels for dense attention); reductions over rows for weight
+log-softmax, FlashAttention-2 dQ and dK/dV kernels for dense attention, no atomics); reductions over rows for weight
 gradients use fixed-shape ``torch.sum`` (deterministic).
 """
 from __future__ import annotations
 
 import os
 
+from .interpreter import install as _install_interpreter_fixes
+
 __all__ = ["OPS", "available", "unavailable_reason"]
+
+_install_interpreter_fixes()  # a no-op unless TRITON_INTERPRET=1
 
 
 def unavailable_reason() -> str | None:

@@ -4,9 +4,15 @@ The quantizer rounds explicitly: scale and ``x / s`` use ``tl.div_rn`` (IEEE div
 on GPUs), and the e4m3 rounding is done in fp32 arithmetic — ties to even on the 3 mantissa bits (``2^-9`` steps in the
 subnormal range) — before an exact conversion to ``float8e4nv``. Hardware and interpreter conversions therefore never
 round (Triton's CPU interpreter does not round to nearest even, GPUs saturate or not depending on the instruction), and
-the codes equal the torch backend's bit for bit. Weights are quantized by the torch definition (a once-per-load op on
-any device). The GEMM widens codes to fp32, ``tl.dot(..., input_precision="ieee")`` over fixed K blocks, epilogue
-``(acc * s_x) * s_w`` (per 128-wide K block for ``"block"``); rows are independent programs' rows.
+the codes equal the torch backend's bit for bit; inf/NaN are flagged by the kernel and refused. Weights are quantized
+by the torch definition (a once-per-load op on any device).
+
+The GEMM is persistent with one fixed config (:data:`FP8_CONFIG`, ``BLOCK_K`` = 128): e4m3 codes go straight into
+``tl.dot`` where the GPU has FP8 tensor cores (sm89+; elsewhere widened to bf16, exactly), fp32 accumulation over K
+in increasing order, epilogue ``(acc * s_x) * s_w`` — per 128-wide K block for ``"block"``, the blocks' scaled
+products added in increasing order — exactly the order :mod:`shared_numerics.fp8` defines. Rows are independent, so
+the result is batch invariant; against the torch backend (exact fp32 products of widened codes on CPU) it agrees to
+fp32 rounding. The QAT backward (straight-through) runs two GEMMs of :mod:`.matmul` in the gradient's dtype.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import triton.language as tl
 
 from .. import fp8 as ref
 from ._common import next_pow2
-from .matmul import gemm
+from .matmul import gemm, num_programs, tile_coords
 
 __all__ = ["fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
 
@@ -38,66 +44,94 @@ def _e4m3_round(y):
 
 
 @triton.jit
-def _quant_act(x_ptr, q_ptr, s_ptr, K, NG, GROUP: tl.constexpr, BG: tl.constexpr):
-    """Program (row, group): one scale for ``GROUP`` consecutive elements of a row."""
+def _quant_act(x_ptr, q_ptr, s_ptr, bad_ptr, K, NG, GROUP: tl.constexpr, BG: tl.constexpr):
+    """Program (row, group): one scale for ``GROUP`` consecutive elements of a row; ``bad`` flags inf/NaN."""
     row = tl.program_id(0)
     grp = tl.program_id(1)
     offs = grp * GROUP + tl.arange(0, BG)
     mask = (tl.arange(0, BG) < GROUP) & (offs < K)
     x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
+    a = tl.abs(x)
+    nonfinite = tl.sum(tl.where((a == float("inf")) | (x != x), 1, 0), axis=0)
+    amax = tl.max(a, axis=0)
     s = tl.maximum(tl.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
     y = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
     tl.store(q_ptr + row * K + offs, _e4m3_round(y).to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * NG + grp, s)
+    tl.store(bad_ptr + row * NG + grp, nonfinite)
 
 
 def quantize_fp8_activation(x: torch.Tensor, granularity: str = "per_channel") -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`shared_numerics.fp8.quantize_fp8_activation` (``[M, K]``; same codes and scales)."""
+    """Triton :func:`shared_numerics.fp8.quantize_fp8_activation` (``[M, K]``; same codes and scales).
+
+    Raises:
+        Fp8QuantizationError: inf or NaN in ``x`` (flagged by the kernel; one small device-to-host read).
+    """
     ref._check_granularity(granularity)
     x = x.contiguous()
     m, k = x.shape
-    if not bool(torch.isfinite(x).all()):
-        raise ref.Fp8QuantizationError("FP8 quantization of activations: input contains inf or NaN")
     group = k if granularity == "per_channel" else ref.BLOCK
     ng = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=ref.FP8_DTYPE, device=x.device)
     s = torch.empty((m, ng), dtype=torch.float32, device=x.device)
+    bad = torch.zeros((m, ng), dtype=torch.int32, device=x.device)
     if m and k:
-        _quant_act[(m, ng)](x, q, s, k, ng, GROUP=group, BG=next_pow2(group))
+        _quant_act[(m, ng)](x, q, s, bad, k, ng, GROUP=group, BG=next_pow2(group))
+        if bool(bad.any()):
+            raise ref.Fp8QuantizationError("FP8 quantization of activations: input contains inf or NaN")
     return q, s
+
+
+# One fixed config (the bits depend on BLOCK_K = 128, the granularity's K block, and the dot's input type).
+FP8_CONFIG = dict(BM=128, BN=128, BK=128, GROUP_M=8, num_stages=3, num_warps=8)
 
 
 @triton.jit
 def _fp8_gemm(qx_ptr, sx_ptr, qw_ptr, sw_ptr, y_ptr, M, N, K, NGX, NGW,
-              BLOCKWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    out = tl.zeros((BM, BN), dtype=tl.float32)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(qx_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
-        b = tl.load(qw_ptr + rn[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N),
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-        if BLOCKWISE:
-            if ((k0 + BK) % 128 == 0) | (k0 + BK >= K):  # end of a 128-wide K block: scale and promote
-                g = k0 // 128
-                sx = tl.load(sx_ptr + rm * NGX + g, mask=rm < M, other=0.0)
-                sw = tl.load(sw_ptr + (rn // 128) * NGW + g, mask=rn < N, other=0.0)
-                out = out + (acc * sx[:, None]) * sw[None, :]
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if not BLOCKWISE:
-        sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
-        sw = tl.load(sw_ptr + rn, mask=rn < N, other=0.0)
-        out = (acc * sx[:, None]) * sw[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+              BLOCKWISE: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Persistent FP8 GEMM. ``NATIVE``: e4m3 operands straight into ``tl.dot`` (sm89+); else widened to bf16
+    (exact: every e4m3 value is a bf16 value). ``BLOCKWISE``: ``BK`` = 128 = one K block per dot, each block's
+    product scaled and added in increasing block order (DeepSeek-V3's fp32 promotion)."""
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    rk0 = tl.arange(0, BK)
+    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        ra = tl.where(rm < M, rm, 0)
+        rb = tl.where(rn < N, rn, 0)
+        out = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk0
+            a = tl.load(qx_ptr + ra[:, None] * K + kk[None, :], mask=kk[None, :] < K, other=0.0)
+            b = tl.load(qw_ptr + rb[None, :] * K + kk[:, None], mask=kk[:, None] < K, other=0.0)
+            if not NATIVE:
+                a = a.to(tl.bfloat16)
+                b = b.to(tl.bfloat16)
+            if BLOCKWISE:
+                part = tl.dot(a, b, tl.zeros((BM, BN), dtype=tl.float32))
+                g = k0 // BK
+                sx = tl.load(sx_ptr + ra * NGX + g)
+                sw = tl.load(sw_ptr + (rb // BK) * NGW + g)
+                out = out + (part * sx[:, None]) * sw[None, :]
+            else:
+                acc = tl.dot(a, b, acc)
+        if not BLOCKWISE:
+            sx = tl.load(sx_ptr + ra)
+            sw = tl.load(sw_ptr + rb)
+            out = (acc * sx[:, None]) * sw[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _native_fp8(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _gemm(qx, sx, qw, sw, granularity, out_dtype):
@@ -106,9 +140,11 @@ def _gemm(qx, sx, qw, sw, granularity, out_dtype):
     y = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     if m and n:
         sw = sw.float().contiguous()
-        _fp8_gemm[(triton.cdiv(m, 32), triton.cdiv(n, 64))](
-            qx, sx, qw.contiguous(), sw, y, m, n, k, sx.shape[1], sw.shape[1] if sw.dim() == 2 else 1,
-            BLOCKWISE=granularity == "block", BM=32, BN=64, BK=32)
+        cfg = FP8_CONFIG
+        programs = min(num_programs(qx.device), triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]))
+        _fp8_gemm[(programs,)](
+            qx, sx.contiguous(), qw.contiguous(), sw, y, m, n, k, sx.shape[1], sw.shape[1] if sw.dim() == 2 else 1,
+            BLOCKWISE=granularity == "block", NATIVE=_native_fp8(qx.device), NUM_PROGRAMS=programs, **cfg)
     return y
 
 
@@ -136,10 +172,10 @@ class _Fp8LinearSTE(torch.autograd.Function):
         g = gy.reshape(-1, gy.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_dq = ref.dequantize_fp8_weight(qw, sw, ctx.granularity)
+            w_dq = ref.dequantize_fp8_weight(qw, sw, ctx.granularity).to(g.dtype)
             grad_x = gemm(g, w_dq, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            x_dq = ref._dequantize_activation(qx, sx, ctx.granularity)
+            x_dq = ref._dequantize_activation(qx, sx, ctx.granularity).to(g.dtype)
             grad_w = gemm(g.t(), x_dq, ctx.w_dtype)
         return grad_x, grad_w, None
 

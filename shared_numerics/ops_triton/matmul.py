@@ -1,56 +1,135 @@
-"""Batch-invariant GEMM (``linear`` and its backward) as one fixed-config Triton kernel.
+"""Batch-invariant GEMM (``linear`` and its backward): one persistent Triton kernel, one fixed tile config per dtype.
 
-Every output tile ``[BLOCK_M, BLOCK_N]`` is one program; K is walked in ``BLOCK_K`` steps in increasing order with an
-fp32 accumulator (``tl.dot(..., input_precision="ieee")``: exact fp32 products, no TF32), bias added in fp32, one
-rounding to the output dtype. No split-K and no autotuning, so a row's result depends only on that row and the weight
-— the contract of :func:`shared_numerics.linear.linear` (whose CPU tiles give other bits: the torch and triton
-backends agree to fp32 rounding, not bitwise). Source: Thinking Machines' batch-invariant persistent matmul (one fixed
-config per dtype); vLLM ``model_executor/layers/batch_invariant.py``.
+Every output tile ``[BLOCK_M, BLOCK_N]`` is computed by one program walking K in ``BLOCK_K`` steps in increasing
+order into an fp32 accumulator; the bias is added in fp32 and the result rounded once to the output dtype. bf16/fp16
+operands go straight into ``tl.dot`` (tensor cores: wgmma on Hopper, mma on Ampere) with fp32 accumulation — no
+upcast; fp32 operands use ``input_precision="ieee"`` (exact fp32 products, no TF32). No split-K, no autotuning, no
+shape-dependent choice of tile: the config is a function of the dtype alone (:data:`CONFIGS`), so a row's bits depend
+only on the row, the weight and the K order — never on how many rows share the call. The kernel is persistent
+(``grid = #SMs``, tiles in grouped order for L2 reuse), which changes only which program computes a tile.
+
+Operands share one dtype: a weight of another dtype than ``x`` is rounded to ``x.dtype`` first (tensor-core operands
+are one dtype; under FSDP mixed precision the weight already arrives in the compute dtype). Against the torch backend
+(16-row fp32 tiles on CPU) results agree to fp32 rounding of the products' sum, not bitwise.
+
+Source: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025) persistent matmul; vLLM
+``model_executor/determinism/batch_invariant.py`` (``matmul_kernel_persistent``, config 128x128x64, GROUP_M 8,
+3 stages, 8 warps for bf16 — measured 451 TFLOP/s at 4096x4096->12288 on an H100, ``../shared/DESIGN.md``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gemm", "linear"]
+__all__ = ["CONFIGS", "GemmConfig", "gemm", "linear", "num_programs"]
 
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One fixed tile configuration. ``block_k`` and the dot's input precision define the bits; the others only how
+    fast they are computed (kept fixed as well: one compiled kernel per dtype)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_stages: int
+    num_warps: int
+    ieee: bool
+
+
+CONFIGS = {
+    torch.bfloat16: GemmConfig(128, 128, 64, 8, 3, 8, ieee=False),
+    torch.float16: GemmConfig(128, 128, 64, 8, 3, 8, ieee=False),
+    torch.float32: GemmConfig(64, 64, 32, 8, 3, 4, ieee=True),
+}
+_INTERPRETER_PROGRAMS = 4
+
+
+def num_programs(device: torch.device) -> int:
+    """Persistent grid size: the device's SM count (a fixed small number under Triton's CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_PROGRAMS
+
+
+@triton.jit
+def tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+    """Grouped tile order (``GROUP_M`` row-tiles share column tiles in L2), as in Triton's matmul tutorial."""
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
 
 
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
-                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N),
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, LARGE: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BK)
+    num_pid_in_group = GROUP_M * num_pid_n
+    rk0 = tl.arange(0, BK)
+    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        if LARGE:
+            rm = rm.to(tl.int64)
+            rn = rn.to(tl.int64)
+        # rows / columns past the edge read row / column 0 (their results are never stored)
+        ra = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BM), BM)
+        rb = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BN), BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            rk = ki * BK + rk0
+            if LARGE:
+                rk = rk.to(tl.int64)
+            a = tl.load(a_ptr + ra[:, None] * sam + rk[None, :] * sak, mask=rk0[None, :] < K - ki * BK, other=0.0)
+            b = tl.load(b_ptr + rk[:, None] * sbk + rb[None, :] * sbn, mask=rk0[:, None] < K - ki * BK, other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b (+ bias)`` for 2-D ``a [M, K]``, ``b [K, N]`` (any strides), fp32 accumulation, result in ``out_dtype``."""
+    """``a @ b (+ bias)``: ``a [M, K]``, ``b [K, N]`` (any strides, same dtype), fp32 accumulation, result
+    ``[M, N]`` in ``out_dtype``. The tile config is :data:`CONFIGS` ``[a.dtype]``.
+
+    Raises:
+        TypeError: operands of different or unsupported dtypes.
+    """
+    if a.dtype != b.dtype or a.dtype not in CONFIGS:
+        raise TypeError(f"gemm operands must share a dtype in {sorted(map(str, CONFIGS))}, got {a.dtype}, {b.dtype}")
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _gemm_kernel[grid](a, b, c, bias if bias is not None else c, m, n, k, a.stride(0), a.stride(1), b.stride(0),
-                       b.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N,
-                       BK=BLOCK_K)
+    if k == 0:
+        return c.zero_() if bias is None else c.copy_(bias.to(out_dtype).expand(m, n))
+    cfg = CONFIGS[a.dtype]
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(num_programs(a.device), tiles)
+    large = max(a.numel(), b.numel(), c.numel()) >= 2 ** 31
+    _gemm_kernel[(programs,)](
+        a, b, c, bias if bias is not None else c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1), HAS_BIAS=bias is not None, IEEE=cfg.ieee, LARGE=large, BM=cfg.block_m,
+        BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps)
     return c
 
 
@@ -65,17 +144,24 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, gy):
         x2, weight = ctx.saved_tensors
         gx = gw = gb = None
+        gy = gy.to(x2.dtype)
         if ctx.needs_input_grad[0]:
             gx = gemm(gy, weight, x2.dtype)
         if ctx.needs_input_grad[1]:
-            gw = gemm(gy.t(), x2, weight.dtype)
+            gw = gemm(gy.t(), x2, x2.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = gy.float().sum(0).to(gy.dtype)
         return gx, gw, gb
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`shared_numerics.linear.linear`: ``[..., K] x [N, K] -> [..., N]`` in ``x.dtype``."""
+    """Triton :func:`shared_numerics.linear.linear`: ``[..., K] x [N, K] (+ [N]) -> [..., N]`` in ``x.dtype``.
+
+    The weight (and bias) are used in ``x.dtype`` (rounded if they arrive in another dtype). Differentiable: the
+    backward is two GEMMs of the same kernel (``dx = dy W``, ``dW = dy^T x``, K walked in fixed order: deterministic)
+    and a column sum for the bias; ``dW`` comes back in the weight's dtype."""
     lead = x.shape[:-1]
-    y = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
+    y = _Linear.apply(x.reshape(-1, x.shape[-1]), w, b)
     return y.reshape(*lead, weight.shape[0])

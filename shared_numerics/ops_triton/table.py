@@ -10,7 +10,7 @@ from .attention import dense_causal_attention, paged_causal_attention
 from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
 from .logprobs import log_softmax, selected_logprobs
 from .matmul import linear
-from .pointwise import apply_rope, rms_norm, silu_and_mul
+from .pointwise import add_rms_norm, apply_rope, rms_norm, rms_norm_rope, silu_and_mul
 
 __all__ = ["OPS"]
 
@@ -36,6 +36,8 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
 OPS = {
     "linear": linear,
     "rms_norm": rms_norm,
+    "add_rms_norm": add_rms_norm,
+    "rms_norm_rope": rms_norm_rope,
     "rope_cos_sin": rope_cos_sin,  # float64 tables from positions: device-agnostic torch, same bits everywhere
     "apply_rope": apply_rope,
     "silu_and_mul": silu_and_mul,

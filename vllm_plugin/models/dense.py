@@ -8,6 +8,9 @@ builds :class:`DenseDecoder` instead, whose forward is the op sequence the Torch
 ``h = E[ids]``; per layer: ``a = rms_norm(h)``; ``q, k, v = linear(a, Wq|Wk|Wv)``; (Qwen3: per-head ``rms_norm`` of q
 and k); rotate-half RoPE; paged causal attention; ``h = h + linear(o, Wo)``; ``f = rms_norm(h)``;
 ``h = h + linear(silu_and_mul(linear(f, Wg), linear(f, Wu)), Wd)``; then ``rms_norm`` and ``linear(h, W_lm)``.
+Each residual add runs fused with the norm after it (:func:`shared_numerics.add_rms_norm`) and Qwen3's QK-norm with
+the rotation (:func:`shared_numerics.rms_norm_rope`): by definition the same bits as the unfused sequence TorchTitan
+runs, one pass fewer over the activations each.
 The sampler's ``compute_logprobs`` becomes :func:`shared_numerics.log_softmax`.
 
 FP8 (``additional_config={"zerokld": {"batch_invariant": true, "fp8": true}}``, or a ``zerokld_fp8`` checkpoint):
@@ -166,21 +169,27 @@ class _Layer(nn.Module):
         sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the residual stream; ``delta``: the previous layer's MLP output still to be added (``None`` for
+        the first layer). Returns ``(h, mlp_out)``: this layer's residual stream and its own pending delta."""
         sa, n = self.self_attn, h.shape[0]
-        a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
+        if delta is None:
+            a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
+        else:
+            h, a = sn.add_rms_norm(h, delta, self.input_layernorm.weight, self.eps)
         q = sa.q_proj(a).view(n, self.nq, self.hd)
         k = sa.k_proj(a).view(n, self.nkv, self.hd)
         v = sa.v_proj(a).view(n, self.nkv, self.hd)
         if self.qk_norm:
-            q = sn.rms_norm(q, sa.q_norm.weight, self.eps)
-            k = sn.rms_norm(k, sa.k_norm.weight, self.eps)
-        q = sn.apply_rope(q, cos, sin)
-        k = sn.apply_rope(k, cos, sin)
+            q = sn.rms_norm_rope(q, sa.q_norm.weight, self.eps, cos, sin)
+            k = sn.rms_norm_rope(k, sa.k_norm.weight, self.eps, cos, sin)
+        else:
+            q = sn.apply_rope(q, cos, sin)
+            k = sn.apply_rope(k, cos, sin)
         o = sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
-        h = h + sa.o_proj(o)
-        f = sn.rms_norm(h, self.post_attention_layernorm.weight, self.eps)
-        return h + self.mlp(f)
+        h, f = sn.add_rms_norm(h, sa.o_proj(o), self.post_attention_layernorm.weight, self.eps)
+        return h, self.mlp(f)
 
 
 class DenseDecoder(nn.Module):
@@ -206,9 +215,12 @@ class DenseDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens.weight[input_ids]
         cos, sin = sn.rope_cos_sin(positions, self.head_dim, self.theta)
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return sn.rms_norm(h, self.norm.weight, self.hf.rms_norm_eps)
+            h, delta = layer(h, delta, cos, sin)
+        if delta is None:
+            return sn.rms_norm(h, self.norm.weight, self.hf.rms_norm_eps)
+        return sn.add_rms_norm(h, delta, self.norm.weight, self.hf.rms_norm_eps)[1]
 
 
 def _install_sampler_logprobs() -> None:
