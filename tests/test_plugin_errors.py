@@ -39,9 +39,26 @@ def _edited_checkpoint(src: str, dst: Path, **changes) -> str:
     return str(dst)
 
 
+def test_zerokld_engines_use_the_v1_model_runner(monkeypatch):
+    """Model Runner V2 (vLLM's CUDA default when Triton is present) would bypass the sampler/logprobs hooks: with
+    zerokld on, the V1 runner is chosen where vLLM would pick V2, and an explicit V2 request is refused."""
+    from vllm_plugin.runner import use_v2_model_runner
+
+    on, off = _Cfg({"zerokld": {"batch_invariant": True}}), _Cfg(None)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert use_v2_model_runner(on, lambda: True) is False
+    assert use_v2_model_runner(off, lambda: True) is True  # stock engines keep vLLM's choice
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert use_v2_model_runner(on, lambda: False) is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ZeroKLDConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        use_v2_model_runner(on, lambda: True)
+    assert use_v2_model_runner(off, lambda: True) is True
+
+
 @pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin",
-                                  "routes_on_dense_model", "fp8_moe", "processed_logprobs"])
-def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd):
+                                  "routes_on_dense_model", "fp8_moe", "processed_logprobs", "model_runner_v2"])
+def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd, monkeypatch):
     from zerokld_testing.engines import start_llm
 
     engine_slot.close()
@@ -69,6 +86,9 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
     elif case == "processed_logprobs":  # the deterministic sampler returns raw logprobs only
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "logprobs_mode"
         kwargs["logprobs_mode"] = "processed_logprobs"
+    elif case == "model_runner_v2":  # the hooks live on the V1 runner (vllm_plugin.runner)
+        ckpt, expected = checkpoint_factory("qwen3", "float32"), "VLLM_USE_V2_MODEL_RUNNER=1"
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(Exception) as raised:  # in this process (config checks) or the engine's (model checks)
         start_llm(ckpt, dtype="float32", zerokld=case != "fp8_checkpoint_without_plugin", **kwargs)
     out, err = capfd.readouterr()

@@ -125,11 +125,13 @@ def test_trainer_logprobs_equal_sampled_logprobs(env):
     assert all(torch.equal(f, completion_logprobs(o)) for f, o in zip(fused, outs))
 
 
-def test_moe_skewed_expert_load_matches_trainer(env, request):
+MOE_CONFIGS = [c for c in CONFIGS if c[0].startswith("qwen3_moe")]
+
+
+@pytest.mark.parametrize("env", MOE_CONFIGS, ids=[_config_id(c) for c in MOE_CONFIGS], indirect=True)
+def test_moe_skewed_expert_load_matches_trainer(env):
     """MoE configurations: a prompt of one repeated character sends all its tokens to the same experts while the
     rest of the batch spreads; alone == in the batch, and the trainer equals both."""
-    if "moe" not in request.node.callspec.id:
-        pytest.skip("MoE configurations only")
     llm, trainer = env
     prompts = random_prompts(12, seed=7)
     prompts.insert(3, [1] + [42] * 140)
