@@ -173,7 +173,7 @@ def test_attention_split_kv_and_in_program_paths_agree():
 def test_attention_split_size_is_what_fixes_the_bits(monkeypatch):
     """Negative control: a split size chosen from the batch (what stock split-KV decoding does) gives other bits for
     every query past the first split — the fixed SPLIT is what keeps dense == paged."""
-    q, k, v = _attn_inputs(torch.float32, b=1, t=600, seed=7)
+    q, k, v = _attn_inputs(torch.bfloat16, b=1, t=600, seed=7)
     od = T["dense_causal_attention"](q, k, v, 0.2)
     monkeypatch.setattr(tattn, "SPLIT", 256)
     other = T["dense_causal_attention"](q, k, v, 0.2)

@@ -6,7 +6,8 @@ programs run):
 
 * keys are cut at absolute positions ``k * SPLIT`` (:data:`SPLIT` = 512): split ``k`` holds keys
   ``[k*SPLIT, (k+1)*SPLIT)``; the query needs splits ``0 .. p // SPLIT``;
-* inside a split, keys are walked in :data:`BLOCK_N` = 64-key chunks in increasing order with the online softmax
+* inside a split, keys are walked in ``block_n``-key chunks (64 for bf16/fp16, 32 for fp32: :data:`CONFIGS`) in
+  increasing order with the online softmax
   (running max ``m``, normaliser ``l``, accumulator ``acc``; fp32, base-2 exponentials): scores ``q·k`` are one
   tensor-core dot (bf16/fp16 operands, fp32 accumulation; fp32 models use exact ``ieee`` dots), ``p`` is rounded to
   the value dtype for ``p·v`` (FlashAttention-2);
@@ -21,15 +22,15 @@ kernel (:func:`_attn_fwd`, the split count per program is a runtime argument), m
 no-op (``max`` is exact, a factor of exactly 1 or 0), and key chunks past a query's position are exact no-ops too, so
 a query's bits do not depend on which other queries share its tile either.
 
-A program owns one tile: ``BLOCK_M`` = 128 rows, each row one (query, query head) pair — ``128 // G`` consecutive
-queries of one sequence times the ``G`` query heads of one kv head (grouped-query attention: the K/V chunk loaded
+A program owns one tile: ``block_m`` rows (128 for bf16/fp16, 32 for fp32), each row one (query, query head) pair —
+``block_m // G`` consecutive queries of one sequence times the ``G`` query heads of one kv head (grouped-query attention: the K/V chunk loaded
 once serves all of them). Sequences are found from ``query_start_loc`` inside the kernel (tile ``t`` belongs to the
 last sequence ``s`` with ``query_start_loc[s] // Q + s <= t``, the upper-bound grid of vLLM's unified attention), so
 the host launches ``N_q // Q + num_seqs`` tile programs and builds no maps: no host sync, CUDA-graph capturable. Keys
 are addressed through a block table in both layouts: vLLM's paged ``[blocks, kv_heads, block_size, D]`` cache (any
 block size and strides) and the trainer's dense ``[B, T, kv_heads, D]`` keys seen as one ``T``-token block per sequence.
 
-Backward (dense layout): FlashAttention-2 (Dao 2023): ``dQ`` per query tile, ``dK``/``dV`` per (sequence, 64-key
+Backward (dense layout): FlashAttention-2 (Dao 2023): ``dQ`` per query tile, ``dK``/``dV`` per (sequence, key
 chunk, kv head) walking the query tiles in order, both recomputing ``p = exp2(s - lse)`` from the forward's saved
 log-sum-exp; tensor-core dots, no atomics: deterministic.
 
@@ -40,29 +41,59 @@ bitwise: trainer and engine must run the same backend. Sources: Dao, "FlashAtten
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_M", "BLOCK_N", "SPLIT", "dense_causal_attention", "paged_causal_attention", "queries_per_tile"]
+__all__ = ["CONFIGS", "AttnConfig", "SPLIT", "dense_causal_attention", "paged_causal_attention",
+           "queries_per_tile"]
 
 SPLIT = 512  # keys per split (absolute positions); part of the numerics contract
-BLOCK_N = 64  # keys per chunk inside a split; part of the numerics contract
-BLOCK_M = 128  # rows (query, head) per tile; part of the numerics contract (one compiled kernel)
-FWD_WARPS, FWD_STAGES = 8, 2
-BWD_WARPS, BWD_STAGES = 8, 2
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """One fixed configuration per dtype. ``block_m`` (rows per tile) and ``block_n`` (keys per chunk) are part of
+    the numerics contract — every launch of a dtype compiles the same kernel; warps and stages only schedule it.
+    Chosen from the kernels' resource use for sm_90 (``zerokld_testing/triton_aot.py``): bf16 128x64 runs the
+    forward in 254 registers without spilling; fp32 (exact ``ieee`` dots on CUDA cores, for tests and fp32 models, not
+    a speed target) uses 32x32 tiles: 128x64 would need more shared memory than an SM has (263 KB in the dK/dV
+    kernel), 32x32 fits (<= 74 KB) with a small forward spill (~0.4 KB per thread)."""
+
+    block_m: int
+    block_n: int
+    fwd_warps: int
+    fwd_stages: int
+    bwd_warps: int
+    bwd_stages: int
+
+
+CONFIGS = {
+    torch.bfloat16: AttnConfig(128, 64, 8, 2, 8, 2),
+    torch.float16: AttnConfig(128, 64, 8, 2, 8, 2),
+    torch.float32: AttnConfig(32, 32, 8, 2, 8, 2),
+}
 _LOG2E = 1.4426950408889634
 
 
-def queries_per_tile(group: int) -> int:
-    """Queries per tile for ``group`` query heads per kv head (``BLOCK_M // group``).
+def _config(dtype: torch.dtype) -> AttnConfig:
+    if dtype not in CONFIGS:
+        raise TypeError(f"attention supports {sorted(map(str, CONFIGS))}, got {dtype}")
+    return CONFIGS[dtype]
+
+
+def queries_per_tile(group: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Queries per tile for ``group`` query heads per kv head (``block_m // group`` of ``dtype``'s config).
 
     Raises:
-        ValueError: ``group > BLOCK_M``.
+        ValueError: ``group`` exceeds the tile's rows.
     """
-    if group > BLOCK_M:
-        raise ValueError(f"{group} query heads per kv head exceed the {BLOCK_M}-row attention tile")
-    return BLOCK_M // group
+    block_m = _config(dtype).block_m
+    if group > block_m:
+        raise ValueError(f"{group} query heads per kv head exceed the {block_m}-row {dtype} attention tile")
+    return block_m // group
 
 
 @triton.jit
@@ -233,7 +264,8 @@ def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or v_store.stride(-1) != 1:
         raise ValueError("attention needs unit stride along head_dim")
     g = h_q // h_kv
-    qt = queries_per_tile(g)
+    cfg = _config(q.dtype)
+    qt = queries_per_tile(g, q.dtype)
     out = torch.empty((n_q, h_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((n_q, h_q), dtype=torch.float32, device=q.device) if store_lse else None
     num_seqs = query_start_loc.shape[0] - 1
@@ -257,8 +289,9 @@ def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_
                     q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                     k_store.stride(0), k_store.stride(1), k_store.stride(2),
                     v_store.stride(0), v_store.stride(1), v_store.stride(2), bt.stride(0), block_size,
-                    float(scale) * _LOG2E, BM=BLOCK_M, BN=BLOCK_N, BD=bd, SPLIT_=SPLIT,
-                    IEEE=q.dtype == torch.float32, STORE_LSE=store_lse, num_warps=FWD_WARPS, num_stages=FWD_STAGES)
+                    float(scale) * _LOG2E, BM=cfg.block_m, BN=cfg.block_n, BD=bd, SPLIT_=SPLIT,
+                    IEEE=q.dtype == torch.float32, STORE_LSE=store_lse, num_warps=cfg.fwd_warps,
+                    num_stages=cfg.fwd_stages)
     if n_groups > 1:
         _attn_combine[(n_q,)](out, mp, lp, ap, qsl, sl, num_seqs, n_groups, h_q, d, out.stride(0), out.stride(1),
                               BH=triton.next_power_of_2(h_q), BD=bd, SPLIT_=SPLIT)
@@ -390,15 +423,16 @@ class _DenseAttention(torch.autograd.Function):
         b, t, h_q, d = q.shape
         h_kv = k.shape[2]
         g = h_q // h_kv
-        qt = queries_per_tile(g)
+        cfg = _config(q.dtype)
+        qt = queries_per_tile(g, q.dtype)
         do = do.to(q.dtype).contiguous()
         delta = (do.float() * out.float()).sum(-1).reshape(-1).contiguous()  # [B*T*Hq]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        meta = dict(BM=BLOCK_M, BN=BLOCK_N, BD=triton.next_power_of_2(d), IEEE=q.dtype == torch.float32,
-                    num_warps=BWD_WARPS, num_stages=BWD_STAGES)
+        meta = dict(BM=cfg.block_m, BN=cfg.block_n, BD=triton.next_power_of_2(d), IEEE=q.dtype == torch.float32,
+                    num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
         args = (t, h_q, h_kv, d, g, ctx.scale * _LOG2E, ctx.scale)
         _attn_bwd_dq[(b, triton.cdiv(t, qt), h_kv)](q, k, v, do, lse, delta, dq, *args, **meta)
-        _attn_bwd_dkv[(b, triton.cdiv(t, BLOCK_N), h_kv)](q, k, v, do, lse, delta, dk, dv, *args, **meta)
+        _attn_bwd_dkv[(b, triton.cdiv(t, cfg.block_n), h_kv)](q, k, v, do, lse, delta, dk, dv, *args, **meta)
         return dq, dk, dv, None
 
 
@@ -437,7 +471,7 @@ def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
         qsl = query_start_loc.long()
         max_query_len = int((qsl[1:] - qsl[:-1]).max().item()) if qsl.numel() > 1 else 0
     g = q.shape[1] // key_cache.shape[1]
-    split_kv = max_query_len <= queries_per_tile(g)
+    split_kv = max_query_len <= queries_per_tile(g, q.dtype)
     out, _ = _forward(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, key_cache.shape[2], scale,
                       max_seq_len, split_kv=split_kv, store_lse=False)
     return out
