@@ -55,7 +55,7 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
             e = exp64(z)
             p = e / e.sum(dim=-1, keepdim=True)
             dz = -p
-            dz[torch.arange(z.shape[0]), targets[s:s + ctx.chunk]] += 1.0
+            dz[torch.arange(z.shape[0], device=z.device), targets[s:s + ctx.chunk]] += 1.0
             dz = dz * grad_out[s:s + ctx.chunk].float().unsqueeze(1)
             grad_h[s:s + ctx.chunk] = matmul_rows(dz, w32)
             grad_w += dz.t() @ h.float()

@@ -44,8 +44,22 @@ class LossBatch:
     num_seqs: int
 
     @staticmethod
-    def single(n: int) -> "LossBatch":
-        return LossBatch(torch.zeros(n, dtype=torch.long), 1)
+    def single(n: int, device=None) -> "LossBatch":
+        return LossBatch(torch.zeros(n, dtype=torch.long, device=device), 1)
+
+
+def segment_mean(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Per-sequence mean of ``values [N]`` (``seq_ids [N]`` in ``0..num_seqs-1``), float32 ``[num_seqs]``.
+
+    Deterministic on every device: tokens are grouped by a stable sort, summed by one float64 prefix sum (a scan,
+    no atomics — ``index_add_`` on CUDA adds in arrival order), and each sequence's sum is a difference of two
+    prefix sums. Empty sequences get 0."""
+    order = torch.sort(seq_ids, stable=True).indices
+    counts = torch.bincount(seq_ids, minlength=num_seqs)
+    prefix = torch.cat([values.new_zeros(1, dtype=torch.float64), torch.cumsum(values[order].double(), 0)])
+    ends = torch.cumsum(counts, 0)
+    sums = prefix[ends] - prefix[ends - counts]
+    return (sums / counts.clamp(min=1)).float()
 
 
 class NoConfig(BaseModel):
@@ -146,10 +160,9 @@ def dro_loss(logp, sampler_logp, adv, cfg: DROConfig, batch: LossBatch | None = 
 def gspo_loss(logp, sampler_logp, adv, cfg: GSPOConfig, batch: LossBatch | None = None):
     """GSPO token form: the sequence ratio ``s = exp(mean over the sequence of (l - q))`` carries the value, each
     token's ``exp(l - sg(l))`` carries the gradient; clipping (``[1 - clip_low, 1 + clip_high]``) is per sequence."""
-    batch = batch or LossBatch.single(logp.numel())
+    batch = batch or LossBatch.single(logp.numel(), logp.device)
     d = (logp - sampler_logp).detach()
-    n = torch.zeros(batch.num_seqs, dtype=torch.float32).index_add_(0, batch.seq_ids, torch.ones_like(d))
-    mean_d = torch.zeros(batch.num_seqs, dtype=torch.float32).index_add_(0, batch.seq_ids, d) / n.clamp(min=1)
+    mean_d = segment_mean(d, batch.seq_ids.to(d.device), batch.num_seqs)
     s_seq = torch.exp(mean_d)[batch.seq_ids]
     s_tok = s_seq * torch.exp(logp - logp.detach())
     lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high

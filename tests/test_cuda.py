@@ -188,3 +188,15 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype):
     sres = rollout(stock, prompts, 24, token_budget=512, block_size=16, arrivals=arrivals)
     strain = stock.trainer_logprobs(sres.sequences)
     assert sum(torch.equal(a[-24:], b) for a, b in zip(strain, sres.logprobs)) < len(prompts)
+
+
+def test_losses_run_on_cuda_deterministically():
+    from shared_numerics.losses import GSPOConfig, LossBatch, gspo_loss
+
+    logp = _rand(4000, dtype=torch.float32, seed=23, scale=0.5) - 2
+    q = logp + _rand(4000, dtype=torch.float32, seed=24, scale=0.01)
+    adv = _rand(4000, dtype=torch.float32, seed=25)
+    batch = LossBatch(torch.arange(4000, device=DEV) // 37, 4000 // 37 + 1)
+    a, _ = gspo_loss(logp, q, adv, GSPOConfig(), batch)
+    b, _ = gspo_loss(logp, q, adv, GSPOConfig(), batch)
+    assert a.is_cuda and torch.equal(a, b)

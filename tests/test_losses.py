@@ -190,3 +190,20 @@ def test_cross_entropy_weights():
     loss, grad, _ = _run(cross_entropy_loss, NoConfig())
     assert loss == pytest.approx([-a * lt for a, lt in zip(A, L)], rel=1e-6)
     assert grad == pytest.approx([-a for a in A], rel=1e-6)
+
+
+def test_segment_mean_is_exact_per_sequence_whatever_the_order():
+    """GSPO's per-sequence mean: a float64 prefix sum over tokens grouped by a stable sort (no atomics, the same on
+    CUDA as on CPU); unsorted ids and an empty sequence handled."""
+    from shared_numerics.losses import segment_mean
+
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(50, generator=g)
+    ids = torch.randint(0, 5, (50,), generator=g)
+    ids[ids == 3] = 4  # sequence 3 has no tokens
+    got = segment_mean(d, ids, 6)
+    want = torch.stack([d[ids == i].double().mean() if (ids == i).any() else torch.tensor(0.0, dtype=torch.float64)
+                        for i in range(6)]).float()
+    assert torch.allclose(got, want, atol=1e-7) and got[3] == 0 and got[5] == 0
+    perm = torch.randperm(50, generator=g)  # tokens interleaved in another order: the same means
+    assert torch.allclose(segment_mean(d[perm], ids[perm], 6), got, atol=1e-7)
