@@ -126,6 +126,17 @@ def _merge(m, l, acc, m2, l2, acc2):
 
 
 @triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b``: exact fp32 products for fp32 models (``ieee``), else a tensor-core dot with ``a`` rounded to
+    ``b``'s dtype (FlashAttention-2 rounds the probabilities / their gradients to the value dtype)."""
+    if IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a.to(b.dtype), b, acc)
+    return out
+
+
+@triton.jit
 def _finite(m):
     """``m`` with ``-inf`` (a row without keys yet) read as 0, so ``x - m`` never is ``-inf - -inf``."""
     return tl.where(m == float("-inf"), 0.0, m)
@@ -192,20 +203,13 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
                         other=0.0)
             v = tl.load(v_ptr + blk[:, None] * svb + hk * svh + slot[:, None] * svt + d[None, :], mask=kmask,
                         other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = _mma(q, tl.trans(k), tl.zeros((BM, BN), dtype=tl.float32), IEEE)
             s = tl.where(kpos[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - _finite(m_new)))
             p = tl.exp2(s - _finite(m_new)[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            if IEEE:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+            acc = _mma(p, v, acc * alpha[:, None], IEEE)
             m_i = m_new
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
 
@@ -329,18 +333,11 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, NHQ
         km = kin[:, None] & dmask[None, :]
         k = tl.load(k_ptr + krow[:, None] * D + d[None, :], mask=km, other=0.0)
         v = tl.load(v_ptr + krow[:, None] * D + d[None, :], mask=km, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
+        zero = tl.zeros((BM, BN), dtype=tl.float32)
+        s = _mma(q, tl.trans(k), zero, IEEE)
+        dp = _mma(do, tl.trans(v), zero, IEEE)
         p = tl.where(kpos[None, :] <= pos[:, None], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            dq = tl.dot(ds, k, dq, input_precision="ieee")
-        else:
-            dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = _mma(p * (dp - delta[:, None]), k, dq, IEEE)
     tl.store(dq_ptr + row[:, None] * D + d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=m2)
 
 
@@ -373,21 +370,13 @@ def _attn_bwd_dkv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
         do = tl.load(do_ptr + row[:, None] * D + d[None, :], mask=m2, other=0.0)
         lse = tl.load(lse_ptr + row, mask=rvalid, other=0.0)
         delta = tl.load(delta_ptr + row, mask=rvalid, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
+        zero = tl.zeros((BM, BN), dtype=tl.float32)
+        s = _mma(q, tl.trans(k), zero, IEEE)
+        dp = _mma(do, tl.trans(v), zero, IEEE)
         valid = (kpos[None, :] <= t[:, None]) & rvalid[:, None] & kin[None, :]
         p = tl.where(valid, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            dv = tl.dot(tl.trans(p), do, dv, input_precision="ieee")
-            dk = tl.dot(tl.trans(ds), q, dk, input_precision="ieee")
-        else:
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+        dv = _mma(tl.trans(p), do, dv, IEEE)
+        dk = _mma(tl.trans(p * (dp - delta[:, None])), q, dk, IEEE)
     tl.store(dk_ptr + krow[:, None] * D + d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=km)
     tl.store(dv_ptr + krow[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=km)
 

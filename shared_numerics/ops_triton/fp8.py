@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import fp8 as ref
 from ._common import next_pow2
-from .matmul import gemm, num_programs, tile_coords
+from .matmul import gemm, num_programs, tile_offsets
 
 __all__ = ["fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
 
@@ -93,16 +93,9 @@ def _fp8_gemm(qx_ptr, sx_ptr, qw_ptr, sw_ptr, y_ptr, M, N, K, NGX, NGW,
     """Persistent FP8 GEMM. ``NATIVE``: e4m3 operands straight into ``tl.dot`` (sm89+); else widened to bf16
     (exact: every e4m3 value is a bf16 value). ``BLOCKWISE``: ``BK`` = 128 = one K block per dot, each block's
     product scaled and added in increasing block order (DeepSeek-V3's fp32 promotion)."""
-    start = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP_M * num_pid_n
     rk0 = tl.arange(0, BK)
-    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
+    for tile_id in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_PROGRAMS, flatten=True):
+        rm, rn = tile_offsets(tile_id, M, N, BM, BN, GROUP_M)
         ra = tl.where(rm < M, rm, 0)
         rb = tl.where(rn < N, rn, 0)
         out = tl.zeros((BM, BN), dtype=tl.float32)

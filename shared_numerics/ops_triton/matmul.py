@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CONFIGS", "GemmConfig", "gemm", "linear", "num_programs"]
+__all__ = ["CONFIGS", "GemmConfig", "gemm", "linear", "num_programs", "tile_offsets"]
 
 
 @dataclass(frozen=True)
@@ -57,31 +57,26 @@ def num_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
-    """Grouped tile order (``GROUP_M`` row-tiles share column tiles in L2), as in Triton's matmul tutorial."""
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
+def tile_offsets(tile_id, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column offsets ``[BM]``, ``[BN]`` of persistent tile ``tile_id`` in grouped order (``GROUP_M``
+    row-tiles share column tiles in L2, as in Triton's matmul tutorial)."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_in_group = GROUP_M * tl.cdiv(N, BN)
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (tile_id % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+    return pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN)
 
 
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, LARGE: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    start = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BK)
-    num_pid_in_group = GROUP_M * num_pid_n
     rk0 = tl.arange(0, BK)
-    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
+    for tile_id in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_PROGRAMS, flatten=True):
+        rm, rn = tile_offsets(tile_id, M, N, BM, BN, GROUP_M)
         if LARGE:
             rm = rm.to(tl.int64)
             rn = rn.to(tl.int64)
