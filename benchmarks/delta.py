@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
         from examples.countdown.run import main as countdown
 
         shutil.rmtree(run, ignore_errors=True)
-        countdown(["--out", str(run), "--numerics", "zerokld", "--steps", str(args.steps), "--sft-steps", "30",
+        countdown(["--out", str(run), "--runs", "zerokld", "--steps", str(args.steps), "--sft-steps", "30",
                    "--full-every", "1", "--keep-snapshots", "--lr", str(args.lr)])
     snaps = sorted(p for p in snaps_dir.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
     codecs = sorted(registered("codec"))

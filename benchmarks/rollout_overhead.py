@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
         per = {}
         for mode in ("zerokld", "stock"):
             extra = {"enable_return_routed_experts": True} if args.routes and mode == "zerokld" else {}
-            llm = start_llm(str(ckpt), dtype=dtype, zerokld=mode == "zerokld", max_model_len=1024, **extra)
+            llm = start_llm(str(ckpt), dtype=dtype, batch_invariant=mode == "zerokld", max_model_len=1024, **extra)
             try:
                 per[mode] = _measure(llm, args)
             finally:

@@ -2,18 +2,22 @@
 
 Full HF-safetensors snapshots and incremental deltas (codec by name, ``arc_v2`` built in), verified before they are
 published; codecs and storages are registered through the ``zerokld`` plugin hooks. The hot-load ledger and identity rules
-(:mod:`deltasync.ledger`) are here too; the vLLM side is :mod:`vllm_plugin.hotload`.
+(:mod:`deltasync.ledger`), the hot-load protocol (:mod:`deltasync.protocol`) and the replica state machine
+(:mod:`deltasync.replica`) are here too; the vLLM side is two adapters (:mod:`vllm_plugin.hotload`).
 """
 from .client import HotLoadClient, HotLoadRefused, PushResult
 from .ledger import IdentityError, Ledger, validate_identity
+from .protocol import HotLoadConfig, HotLoadError, Signal
+from .replica import Replica, ReplicaEngine
 from .snapshot import (
     DeltaError, SnapshotError, apply_incremental_snapshot, element_density, materialize_snapshot, read_snapshot_tensors,
-    tensor_spec, verify_full_snapshot, weight_bytes, write_full_snapshot, write_incremental_snapshot,
+    snapshot_numerics, tensor_spec, verify_full_snapshot, weight_bytes, write_full_snapshot, write_incremental_snapshot,
 )
 from .storage import fetch_dir, publish_dir
 from .writer import SnapshotInfo, SnapshotWriter
 
-__all__ = ["DeltaError", "HotLoadClient", "HotLoadRefused", "IdentityError", "Ledger", "PushResult", "SnapshotError",
-           "SnapshotInfo", "SnapshotWriter", "apply_incremental_snapshot", "element_density", "materialize_snapshot",
-           "fetch_dir", "publish_dir", "read_snapshot_tensors", "tensor_spec", "validate_identity", "verify_full_snapshot", "weight_bytes", "write_full_snapshot",
-           "write_incremental_snapshot"]
+__all__ = ["DeltaError", "HotLoadClient", "HotLoadConfig", "HotLoadError", "HotLoadRefused", "IdentityError", "Ledger",
+           "PushResult", "Replica", "ReplicaEngine", "Signal", "SnapshotError", "SnapshotInfo", "SnapshotWriter",
+           "apply_incremental_snapshot", "element_density", "fetch_dir", "materialize_snapshot", "publish_dir",
+           "read_snapshot_tensors", "snapshot_numerics", "tensor_spec", "validate_identity", "verify_full_snapshot",
+           "weight_bytes", "write_full_snapshot", "write_incremental_snapshot"]

@@ -2,8 +2,7 @@
 a :class:`~deltasync.writer.SnapshotWriter`, signal every replica, wait for readiness, fall back to a full snapshot
 when an incremental one is refused.
 
-Wire format: ``POST <base>/zerokld/v1/hot_load`` with ``{"identity", "incremental_snapshot_metadata"?,
-"reset_prompt_cache"}`` (Fireworks' bring-your-own-trainer signal, ``../shared/DESIGN.md`` §5).
+Wire format: :mod:`deltasync.protocol` (Fireworks' bring-your-own-trainer signal, ``../shared/DESIGN.md`` §5).
 """
 from __future__ import annotations
 
@@ -12,11 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .protocol import DEFAULT_DRAIN_TIMEOUT_S, PREFIX, Signal
 from .writer import SnapshotInfo, SnapshotWriter
 
 __all__ = ["HotLoadClient", "HotLoadRefused", "PushResult"]
-
-PREFIX = "/zerokld/v1/hot_load"
 
 
 class HotLoadRefused(RuntimeError):
@@ -46,13 +44,18 @@ class HotLoadClient:
     """
 
     def __init__(self, base_urls: str | list[str], api_key: str | None = None, transition: str = "async",
-                 drain_timeout: float = 90.0, reset_prompt_cache: str = "all", timeout: float = 600.0) -> None:
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, reset_prompt_cache: str = "all",
+                 timeout: float = 600.0) -> None:
         self.urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        self.headers = {"x-zerokld-hot-load-transition": transition,
-                        "x-zerokld-hot-load-drain-timeout": str(drain_timeout)}
+        self.transition, self.drain_timeout = transition, drain_timeout
+        self.headers = Signal("x", transition=transition, drain_timeout=drain_timeout).headers()
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.reset_prompt_cache, self.timeout = reset_prompt_cache, timeout
+
+    def signal_for(self, info: SnapshotInfo) -> Signal:
+        """The :class:`deltasync.Signal` announcing ``info`` with this client's settings."""
+        return Signal.for_snapshot(info, self.reset_prompt_cache, self.transition, self.drain_timeout)
 
     def signal(self, info: SnapshotInfo) -> None:
         """Load ``info`` on every replica (sequentially); returns when all serve it.
@@ -62,11 +65,7 @@ class HotLoadClient:
         """
         import requests
 
-        body = {"identity": info.identity, "reset_prompt_cache": self.reset_prompt_cache}
-        if info.kind == "incremental":
-            body["incremental_snapshot_metadata"] = {"previous_snapshot_identity": info.previous_identity,
-                                                     "compression_format": info.compression_format,
-                                                     "checksum_format": "alder32"}
+        body = self.signal_for(info).body()
         for url in self.urls:
             r = requests.post(url + PREFIX, json=body, headers=self.headers, timeout=self.timeout)
             if r.status_code != 200:

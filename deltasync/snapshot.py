@@ -16,20 +16,23 @@ result is published.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zlib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from zerokld_models.checkpoint import publish_atomically, read_tensors, write_checkpoint
+
+from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
 __all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "element_density", "materialize_snapshot",
            "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes", "write_full_snapshot",
            "write_incremental_snapshot"]
 
-CHECKSUM_FORMAT = "alder32"  # sic: the name used on the wire by the public format
+CHECKSUM_FORMAT = DEFAULT_CHECKSUM_FORMAT  # "alder32", sic: the name used on the wire by the public format
 
 
 class SnapshotError(ValueError):
@@ -111,24 +114,38 @@ def materialize_snapshot(src: str | Path, out: str | Path, reference: dict[str, 
     return path
 
 
+def snapshot_numerics(snapshot_dir: str | Path) -> dict | None:
+    """The numerics stamp of a published snapshot (full: ``model.weight.spec.json``; incremental: ``delta.json``),
+    or ``None`` when it carries none.
+
+    Raises:
+        SnapshotError: the spec file exists but is not JSON.
+    """
+    for name in (WEIGHT_SPEC, "delta.json"):
+        f = Path(snapshot_dir) / name
+        if f.is_file():
+            try:
+                return json.loads(f.read_text()).get("numerics")
+            except ValueError as e:
+                raise SnapshotError(f"{f}: unreadable ({e})") from e
+    return None
+
+
 def _raw(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def read_snapshot_tensors(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a full snapshot's ``*.safetensors`` files."""
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(snapshot_dir).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    """All tensors of a full snapshot's ``*.safetensors`` files (:func:`zerokld_models.checkpoint.read_tensors`)."""
+    return read_tensors(snapshot_dir)
 
-_WEIGHT_FILES = (".safetensors",)
+
 WEIGHT_SPEC = "model.weight.spec.json"  # {"tensor_map": {name: {"shape": [...], "dtype": "BF16"}}} (Fireworks)
 _SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
 
 
 def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str | Path, out_dir: str | Path,
-                        dtype: torch.dtype | None = None) -> Path:
+                        dtype: torch.dtype | None = None, numerics: dict | None = None) -> Path:
     """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` plus every non-weight file of ``assets_dir``, and
     ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape", "dtype"}}}``, safetensors dtype names).
 
@@ -137,6 +154,8 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
         assets_dir: a checkpoint directory whose ``config.json``, tokenizer and generation files are copied.
         out_dir: the snapshot directory to publish; replaced if it exists.
         dtype: cast every tensor to this dtype (``None``: keep).
+        numerics: the producer's :class:`shared_numerics.NumericsMode` as a dict, stamped into the spec as
+            ``"numerics"`` (checked by the replica: :func:`snapshot_numerics`), or ``None``.
 
     Returns:
         ``Path(out_dir)``.
@@ -144,37 +163,24 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     Raises:
         FileNotFoundError: ``assets_dir`` has no ``config.json``.
     """
-    src, out = Path(assets_dir), Path(out_dir)
+    src = Path(assets_dir)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} has no config.json")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in _SKIP:
-            shutil.copy2(f, tmp / f.name)
-    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
-               for k, v in hf_state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    spec = {name: {"shape": list(shape), "dtype": dt} for name, (dt, shape) in sorted(tensor_spec(tmp).items())}
-    (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec}, indent=1))
-    return _publish(tmp, out)
+    tensors = {k: (v.to(dtype) if dtype is not None else v) for k, v in hf_state_dict.items()}
 
+    def write_spec(tmp: Path) -> None:
+        spec = {name: {"shape": list(shape), "dtype": dt} for name, (dt, shape) in sorted(tensor_spec(tmp).items())}
+        stamp = {"numerics": numerics} if numerics is not None else {}
+        (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec, **stamp}, indent=1))
 
-def _publish(tmp: Path, out: Path) -> Path:
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    return out
+    return write_checkpoint(out_dir, {"model.safetensors": tensors}, assets_dir=src, skip_assets=_SKIP,
+                            finalize=write_spec)
+
 
 
 def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torch.Tensor], out_dir: str | Path,
-                               compression_format: str = "arc_v2") -> Path:
+                               compression_format: str = DEFAULT_COMPRESSION_FORMAT, numerics: dict | None = None
+                               ) -> Path:
     """Encode ``new_tensors`` against the full snapshot in ``base_dir``.
 
     Args:
@@ -182,6 +188,7 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
         new_tensors: HF name → tensor; same key set, shapes and dtypes as the base.
         out_dir: the delta directory to publish.
         compression_format: a codec name registered through the ``zerokld`` hooks.
+        numerics: stamped into ``delta.json`` as ``"numerics"`` (see :func:`write_full_snapshot`).
 
     Raises:
         DeltaError: key set, shape or dtype differs from the base.
@@ -217,9 +224,10 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    stamp = {"numerics": numerics} if numerics is not None else {}
     (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
-                                                "checksum_format": CHECKSUM_FORMAT}))
-    return _publish(tmp, out)
+                                                "checksum_format": CHECKSUM_FORMAT, **stamp}))
+    return publish_atomically(tmp, out)
 
 
 def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .ledger import validate_identity
+from .protocol import DEFAULT_COMPRESSION_FORMAT
 from .snapshot import (element_density, read_snapshot_tensors, weight_bytes, write_full_snapshot,
                        write_incremental_snapshot)
 
@@ -47,16 +48,19 @@ class SnapshotWriter:
         compression_format: codec of incremental snapshots (registered through the ``zerokld`` hooks).
         cache_dir: the writer's private copies of loaded snapshots (default ``<root>/.writer_cache``).
         dtype: cast tensors to this dtype before writing (the serving dtype), or ``None``.
+        numerics: the trainer's :class:`shared_numerics.NumericsMode` (or its dict), stamped into every snapshot's
+            spec; the replica refuses a snapshot stamped with another mode than its engine's.
     """
 
     def __init__(self, root: str | Path, assets_dir: str | Path, full_every: int = 20,
-                 compression_format: str = "arc_v2", cache_dir: str | Path | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 compression_format: str = DEFAULT_COMPRESSION_FORMAT, cache_dir: str | Path | None = None,
+                 dtype: torch.dtype | None = None, numerics: dict | None = None) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
         self.root, self.assets = Path(root), Path(assets_dir)
         self.cache = Path(cache_dir) if cache_dir else self.root / ".writer_cache"
         self.full_every, self.compression_format, self.dtype = full_every, compression_format, dtype
+        self.numerics = numerics.to_dict() if hasattr(numerics, "to_dict") else numerics
         self.loaded: str | None = None  # last identity a replica confirmed
         self._since_full = 0
         self._force_full = True
@@ -86,14 +90,14 @@ class SnapshotWriter:
             tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
         kind = kind or self.next_kind()
         private = self.cache / identity
-        write_full_snapshot(tensors, self.assets, private)
+        write_full_snapshot(tensors, self.assets, private, numerics=self.numerics)
         full_bytes = weight_bytes(private)
         if kind == "full":
-            shutil.copytree(private, out)
+            shutil.copytree(private, out)  # the private copy carries the stamp too
             info = SnapshotInfo(identity, "full", None, out, full_bytes, full_bytes, 1.0, None)
         else:
             base = self.cache / self.loaded
-            write_incremental_snapshot(base, tensors, out, self.compression_format)
+            write_incremental_snapshot(base, tensors, out, self.compression_format, numerics=self.numerics)
             info = SnapshotInfo(identity, "incremental", self.loaded, out, weight_bytes(out), full_bytes,
                                 self._density(base, tensors), self.compression_format)
         self._pending = info

@@ -12,38 +12,31 @@ both sides: trainer and vLLM must use the same one). ``ZEROKLD_BACKEND=triton`` 
 """
 from __future__ import annotations
 
-import os
 
 from .attention import KEY_CHUNK, Q_TILE, attention_over_chunks
 from .linear import ROW_TILE
 from .metrics import logprob_diff_metrics
+from .op_names import OP_NAMES
+from .mode import NumericsMismatchError, NumericsMode, backend_for_device, check_same_numerics
+from .rollout import RolloutBatch
 from .reduce import exp64, tree_sum
 
 __all__ = [
-    "KEY_CHUNK", "OP_NAMES", "Q_TILE", "ROW_TILE", "active_ops", "add_rms_norm", "apply_rope",
-    "attention_over_chunks", "backend_name", "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat",
+    "KEY_CHUNK", "NumericsMismatchError", "NumericsMode", "OP_NAMES", "Q_TILE", "ROW_TILE", "RolloutBatch", "active_ops", "add_rms_norm", "apply_rope",
+    "attention_over_chunks", "backend_for_device", "backend_name", "check_same_numerics", "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat",
     "fused_selected_logprobs", "linear", "log_softmax", "logprob_diff_metrics", "paged_causal_attention",
     "quantize_fp8_weight", "rms_norm", "rms_norm_rope", "rope_cos_sin", "selected_logprobs", "silu_and_mul",
     "tree_sum",
 ]
 
-# Every numerics backend's op table maps exactly these names to functions with the signatures below.
-OP_NAMES = (
-    "linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "rope_cos_sin", "apply_rope", "silu_and_mul",
-    "log_softmax", "selected_logprobs", "dense_causal_attention", "paged_causal_attention", "fp8_linear",
-    "fp8_linear_qat", "quantize_fp8_weight", "fused_selected_logprobs",
-)
 
 _OPS_CACHE: dict[str, dict] = {}
 
 
 def backend_name(*tensors) -> str:
     """The backend a call on ``tensors`` uses: ``ZEROKLD_BACKEND`` if set, else ``triton`` for CUDA tensors, else
-    ``torch``."""
-    forced = os.environ.get("ZEROKLD_BACKEND")
-    if forced:
-        return forced
-    return "triton" if any(getattr(t, "is_cuda", False) for t in tensors) else "torch"
+    ``torch`` (:func:`shared_numerics.mode.backend_for_device`, the rule :class:`NumericsMode` records)."""
+    return backend_for_device("cuda" if any(getattr(t, "is_cuda", False) for t in tensors) else "cpu")
 
 
 def active_ops(*tensors) -> dict:
@@ -92,9 +85,9 @@ def rms_norm_rope(x, weight, eps, cos, sin):
     return active_ops(x)["rms_norm_rope"](x, weight, eps, cos, sin)
 
 
-def rope_cos_sin(positions, head_dim, theta):
+def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """See :func:`shared_numerics.rope.rope_cos_sin`."""
-    return active_ops(positions)["rope_cos_sin"](positions, head_dim, theta)
+    return active_ops(positions)["rope_cos_sin"](positions, head_dim, theta, scaling)
 
 
 def apply_rope(x, cos, sin):

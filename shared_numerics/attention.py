@@ -30,6 +30,9 @@ __all__ = ["KEY_CHUNK", "Q_TILE", "attention_over_chunks", "dense_causal_attenti
 
 KEY_CHUNK = 32
 Q_TILE = 16
+# keys per split of the Triton backend's FlashAttention (absolute positions; :mod:`.ops_triton.attention`): part of
+# the numerics contract (:data:`shared_numerics.mode.CONTRACT`)
+SPLIT = 512
 
 
 def attention_over_chunks(

@@ -21,7 +21,7 @@ Normalisation (token mean over the global batch, plain sum, or a constant such a
 separate, named choice of the caller (:class:`titan_plugin.losses.RLLoss`).
 
 The registrations (name, formula, config schema) go through the ``zerokld`` pluggy hooks
-(:mod:`zerokld_plugins.builtin`).
+(:mod:`shared_numerics.hooks`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = ["CorrectionConfig", "apply_corrections", "dapo_dynamic_sampling_keep", "overlong_penalty", "CISPOConfig", "DROConfig", "GSPOConfig", "LossBatch", "NoConfig", "PPOConfig", "cispo_loss",
            "cross_entropy_loss", "DAPOConfig", "dro_loss", "dr_grpo_advantages", "grpo_advantages", "gspo_loss",
-           "importance_sampling_loss", "ppo_loss"]
+           "importance_sampling_loss", "NORMALIZATIONS", "normalize_loss", "ppo_loss"]
 
 
 @dataclass(frozen=True)
@@ -235,3 +235,31 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) 
     ramp = (start - lengths) / cache_length
     return torch.where(lengths <= start, torch.zeros_like(lengths),
                        torch.where(lengths <= max_length, ramp, -torch.ones_like(lengths)))
+
+
+NORMALIZATIONS = ("token_mean", "sum", "constant")
+
+
+def normalize_loss(loss_sum: torch.Tensor, normalization: str, num_tokens=None, normalizer: float = 1.0
+                   ) -> torch.Tensor:
+    """Turn the summed token losses of a (micro)batch into the step's loss.
+
+    Args:
+        loss_sum: scalar, the sum of the per-token losses (after :func:`apply_corrections`).
+        normalization: ``"token_mean"`` (divide by ``num_tokens``, the completion tokens of the *global* batch that
+            kept their loss — DAPO's token-level mean, TorchTitan's ``global_valid_tokens``), ``"sum"`` (Tinker's
+            raw sum; the caller owns the scale) or ``"constant"`` (divide by ``normalizer``, e.g. ``G * L_max`` for
+            Dr.GRPO).
+        num_tokens: int or scalar tensor, for ``token_mean``; ``None`` leaves the sum (TorchTitan divides later).
+        normalizer: for ``constant``.
+
+    Raises:
+        ValueError: unknown ``normalization``.
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    if normalization == "token_mean" and num_tokens is not None:
+        return loss_sum / torch.as_tensor(num_tokens).clamp(min=1)
+    if normalization == "constant":
+        return loss_sum / normalizer
+    return loss_sum

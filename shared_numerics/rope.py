@@ -8,20 +8,52 @@ vLLM). Source: Su et al., "RoFormer" (2021); HF ``modeling_llama.apply_rotary_po
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from .norm import rms_norm
 
-__all__ = ["apply_rope", "rms_norm_rope", "rope_cos_sin"]
+__all__ = ["RopeScaling", "apply_rope", "rms_norm_rope", "rope_cos_sin"]
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x frequency scaling (HF ``rope_scaling`` / ``rope_parameters`` with ``rope_type: "llama3"``).
+
+    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``,
+    shorter than ``original_max_position_embeddings / high_freq_factor`` are kept, and the band between is a linear
+    blend — HF ``modeling_rope_utils._compute_llama3_parameters`` (the same formula, evaluated in float64 here)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Scaled inverse frequencies (float64 in, float64 out)."""
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos/sin tables for ``positions``.
 
     Args:
         positions: ``[N]`` integer absolute positions (0-based).
         head_dim: rotary dimension ``D`` (even).
         theta: RoPE base (HF ``rope_theta``).
+        scaling: Llama 3.x frequency scaling, or ``None``.
 
     Returns:
         ``(cos, sin)``, each ``[N, D/2]`` float32, on ``positions.device``.
@@ -33,6 +65,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
         raise ValueError(f"rotary dimension must be even, got {head_dim}")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
     inv_freq = 1.0 / (float(theta) ** exponent)
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = positions.to(torch.float64).reshape(-1, 1) * inv_freq.reshape(1, -1)
     return torch.cos(angles).float(), torch.sin(angles).float()
 

@@ -31,6 +31,16 @@ SPECS = {
     "qwen3_moe": TinyModelSpec(family="qwen3_moe"),
     # router rows duplicated in pairs and an odd top-k: every token's last slot is decided by the tie-break
     "qwen3_moe_ties": TinyModelSpec(family="qwen3_moe", num_experts_per_tok=3, router_ties=True),
+    # Qwen2.5-style: q/k/v bias, tied embeddings, rope_theta 1e6
+    "qwen2": TinyModelSpec(family="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, rope_theta=1e6, tie_word_embeddings=True),
+    # Llama 3.1-style RoPE scaling; original context 256, so the scaled band covers this model's frequencies
+    "llama31": TinyModelSpec(family="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, rope_theta=500000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    # the RoPE base only inside rope_parameters (transformers >= 4.56 configs)
+    "qwen3_rope_parameters": TinyModelSpec(family="qwen3", rope_theta=1e6, rope_parameters_only=True),
 }
 
 

@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+from shared_numerics.rollout import RolloutBatch
+
 from titan_plugin import TrainingClient, trainer_logprobs
 from titan_plugin.models import hf_state_dict
 
@@ -106,7 +108,7 @@ def test_forward_state_and_sampler_weights(checkpoint_factory, tmp_path):
         assert all(torch.equal(before[k], v) for k, v in _state(client).items())
         snap = client.save_weights_for_sampler("s1")
         assert all(torch.equal(a, b) for a, b in zip(trainer_logprobs(snap, seqs, plens, dtype="float32"),
-                                                       client.trainer.forward_logprobs(seqs, plens)))
+                                                       client.trainer.forward_logprobs(RolloutBatch(seqs, plens))))
         with pytest.raises(ValueError, match="shifted by one"):
             client.forward([{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [9, 9, 9]}}])
         with pytest.raises(ValueError, match="advantages"):

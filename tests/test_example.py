@@ -56,7 +56,7 @@ def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
 
     engine_slot.close()
     out = tmp_path / "cd8"
-    main(["--out", str(out), "--numerics", "zerokld", "--fp8", "per_channel", "--steps", "3", "--sft-steps", "2",
+    main(["--out", str(out), "--runs", "zerokld", "--fp8", "per_channel", "--steps", "3", "--sft-steps", "2",
           "--prompts-per-step", "8", "--group-size", "4"])
     rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -71,7 +71,7 @@ def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
 
     engine_slot.close()
     out = tmp_path / "cdmoe"
-    main(["--out", str(out), "--numerics", "zerokld", "--moe", "--steps", "3", "--sft-steps", "2",
+    main(["--out", str(out), "--runs", "zerokld", "--moe", "--steps", "3", "--sft-steps", "2",
           "--prompts-per-step", "8", "--group-size", "4"])
     rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
     assert json.loads((out / "base" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]

@@ -165,8 +165,8 @@ def test_export_and_quantization_config(tmp_path):
 
     from safetensors.torch import load_file
 
-    from shared_numerics.fp8_checkpoint import (export_fp8_checkpoint, is_fp8_projection, parse_quantization_config,
-                                                quantization_config)
+    from shared_numerics.fp8_checkpoint import is_fp8_projection, parse_quantization_config, quantization_config
+    from zerokld_models.fp8_export import export_fp8_checkpoint
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "src", TinyModelSpec(), seed=3, dtype="bfloat16")

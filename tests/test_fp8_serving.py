@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 
+from shared_numerics.rollout import RolloutBatch
+
 from titan_plugin import trainer_logprobs
 from zerokld_testing.engines import completion_logprobs, reload_weights, start_llm
 
@@ -45,7 +47,7 @@ def trained(checkpoint_factory, tmp_path_factory):
     seqs = _prompts(8, seed=21)
     plens = [max(1, len(s) // 2) for s in seqs]
     before = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16", fp8=True)
-    out = trainer.rl_step(seqs, plens, [1.0, -1.0] * 4, [b.clone() for b in before])
+    out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0] * 4, [b.clone() for b in before], numerics=trainer.numerics))
     assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], before))  # QAT training forward
     snap = trainer.save_hf(root / "step1", "bfloat16")
     exported = trainer.save_fp8(root / "step1_fp8", "bfloat16")
@@ -75,7 +77,7 @@ def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(traine
     prompts = _prompts(24, seed=22)
     seqs, served = _sample(llm, prompts)
     plens = [len(p) for p in prompts]
-    train = trainer.forward_logprobs(seqs, plens)
+    train = trainer.forward_logprobs(RolloutBatch(seqs, plens))
     assert all(torch.equal(t, s) for t, s in zip(train, served))
     stale = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16", fp8=True)  # the weights before the step
     assert any(not torch.equal(t, s) for t, s in zip(stale, served)), "the reload changed nothing"
@@ -83,7 +85,7 @@ def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(traine
     llm = engine_slot.get(("fp8-exported", str(exported)),
                           lambda: start_llm(str(exported), dtype="bfloat16", max_num_batched_tokens=64))
     seqs, served = _sample(llm, _prompts(24, seed=23))
-    train = trainer.forward_logprobs(seqs, [len(p) for p in _prompts(24, seed=23)])
+    train = trainer.forward_logprobs(RolloutBatch(seqs, [len(p) for p in _prompts(24, seed=23)]))
     assert all(torch.equal(t, s) for t, s in zip(train, served))
 
 
@@ -91,7 +93,7 @@ def test_negative_control_vllm_stock_fp8_differs(checkpoint_factory, engine_slot
     """vLLM's own FP8 on CPU (per-channel weights, per-token activations, ``torch._scaled_mm``-style kernel) does
     not give the QAT trainer's bits; it is still the same model (a sanity bound, not a parity claim)."""
     ckpt = checkpoint_factory("qwen3", "bfloat16")
-    llm = engine_slot.get(("stock-fp8", ckpt), lambda: start_llm(ckpt, dtype="bfloat16", zerokld=False,
+    llm = engine_slot.get(("stock-fp8", ckpt), lambda: start_llm(ckpt, dtype="bfloat16", batch_invariant=False,
                                                                  quantization="fp8_per_channel"))
     prompts = _prompts(16, seed=24)
     seqs, served = _sample(llm, prompts)

@@ -18,6 +18,8 @@ import pytest
 import requests
 import torch
 
+from shared_numerics import NumericsMode
+
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
 from titan_plugin import trainer_logprobs
 
@@ -119,7 +121,8 @@ def env(engine_slot, checkpoint_factory, tmp_path_factory):
     root, state, full = tmp / "snapshots", tmp / "state", tmp / "expected"
     root.mkdir()
     base = read_snapshot_tensors(ckpt)
-    write_full_snapshot(_perturb(base, 1), ckpt, root / "s1")
+    # s1 carries the trainer's numerics stamp (a bf16 CPU trainer: the server's mode) and must load
+    write_full_snapshot(_perturb(base, 1), ckpt, root / "s1", numerics=NumericsMode.build(True, "bfloat16").to_dict())
     server = Server(ckpt, root, state, tmp / "server.log")
     server.start()
     yield server, ckpt, root, full
@@ -205,6 +208,10 @@ def _bad_snapshots(root: Path, full: Path, current: str) -> dict:
     cases["identity with /"] = ({"identity": "a/b"}, 400)
     cases["identity with .."] = ({"identity": ".."}, 400)
     cases["unknown snapshot"] = ({"identity": "nope"}, 404)
+    # weights a trainer produced under other numerics (FP8 QAT) than the server's (bf16): refused, naming both
+    write_full_snapshot(_perturb(cur_t, 54), cur, root / "bad-numerics",
+                        numerics=NumericsMode.build(True, "bfloat16", "per_channel").to_dict())
+    cases["other numerics mode"] = ({"identity": "bad-numerics"}, 422)
     return cases
 
 
@@ -220,6 +227,8 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
         r = server.signal(**kw)
         assert r.status_code == status, f"{case}: {r.status_code} {r.text}"
         assert r.json()["error"], case
+        if case == "other numerics mode":
+            assert "fp8=per_channel" in r.json()["error"] and "fp8=off" in r.json()["error"], r.json()["error"]
         now = server.logprobs()
         assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current, case
         rows = server.get(HL + "/ledger").json()["rows"]  # every refusal is recorded with its error

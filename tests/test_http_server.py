@@ -129,3 +129,11 @@ def test_completions_return_routes_and_seeds(moe_server):
         again = complete(seed=c["zerokld_seed"])[0]
         assert again["logprobs"]["tokens"] == c["logprobs"]["tokens"]
         assert again["routed_experts"] == c["routed_experts"]
+    # the typed batch the trainer consumes, built from the JSON: routes, logprobs and the engine's numerics stamp
+    from shared_numerics import NumericsMode, RolloutBatch
+
+    batch = RolloutBatch.from_openai([prompt, prompt], choices)
+    assert batch.numerics == NumericsMode.build(True, "float32")
+    train = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32",
+                             routed_experts=batch.routed_experts)
+    assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs))

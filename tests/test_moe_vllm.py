@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from shared_numerics.rollout import RolloutBatch
+
 from titan_plugin import trainer_logprobs
 from zerokld_testing.engines import completion_logprobs, reload_weights, start_llm
 
@@ -49,7 +51,7 @@ def _same(a, b) -> bool:
 def moe(engine_slot, checkpoint_factory):
     ckpt = checkpoint_factory(FAMILY, DTYPE)
     llm = engine_slot.get(("zerokld-moe-routes", FAMILY, DTYPE), lambda: start_llm(
-        ckpt, dtype=DTYPE, zerokld=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
+        ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
     return llm, ckpt
 
 
@@ -197,7 +199,7 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
         seqs0 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs0)]
         routes0 = [o.outputs[0].routed_experts for o in outs0]
         q0 = [completion_logprobs(o) for o in outs0]
-        step = trainer.rl_step(seqs0, plens, [1.0, -1.0] * 4, [q.clone() for q in q0], routed_experts=routes0)
+        step = trainer.rl_step(RolloutBatch(seqs0, plens, [1.0, -1.0] * 4, [q.clone() for q in q0], routes0, numerics=trainer.numerics))
         assert all(torch.equal(a, b) for a, b in zip(step["train_logprobs"], q0))
         assert step["clipped"] == 0
 
@@ -210,16 +212,16 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
                       zip(prompts, routes0, routes1))
         assert flipped > 0, "one optimizer step changed no prompt token's routing; raise the learning rate"
 
-        replayed = trainer.forward_logprobs(seqs1, plens, routed_experts=routes1)
+        replayed = trainer.forward_logprobs(RolloutBatch(seqs1, plens, routed_experts=routes1))
         assert all(torch.equal(a, b) for a, b in zip(replayed, q1))
         tokens = torch.tensor([seqs1[0]])
         with torch.no_grad():
             trainer.model(tokens)
         assert np.array_equal(captured_routes(trainer.model)[0, :-1].numpy(), routes1[0])
-        stale = trainer.forward_logprobs(seqs0, plens, routed_experts=routes0)
-        fresh = trainer.forward_logprobs(seqs0, plens)
+        stale = trainer.forward_logprobs(RolloutBatch(seqs0, plens, routed_experts=routes0))
+        fresh = trainer.forward_logprobs(RolloutBatch(seqs0, plens))
         assert any(not torch.equal(a, b) for a, b in zip(stale, fresh))
-        step2 = trainer.rl_step(seqs1, plens, [1.0, -1.0] * 4, [q.clone() for q in q1], routed_experts=routes1)
+        step2 = trainer.rl_step(RolloutBatch(seqs1, plens, [1.0, -1.0] * 4, [q.clone() for q in q1], routes1, numerics=trainer.numerics))
         assert all(torch.equal(a, b) for a, b in zip(step2["train_logprobs"], q1))
     finally:
         trainer.close()
@@ -237,14 +239,14 @@ def test_same_tokens_across_preemption_and_thread_count(engine_slot, checkpoint_
     prompts = _prompts(32, seed=16, lo=20, hi=60)
     params = [_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]
     ref_llm = engine_slot.get(("zerokld-moe-routes", FAMILY, DTYPE), lambda: start_llm(
-        ckpt, dtype=DTYPE, zerokld=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
+        ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
     ref_llm.reset_prefix_cache()
     reference = _gen(ref_llm, prompts, params)
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function (thread count)
     llm = engine_slot.get(("zerokld-moe-preempt", FAMILY, DTYPE), lambda: start_llm(
-        ckpt, dtype=DTYPE, zerokld=True, max_num_batched_tokens=64, enable_return_routed_experts=True,
+        ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True,
         num_gpu_blocks_override=6, block_size=32, max_model_len=128, disable_log_stats=False))
     assert llm.collective_rpc(_num_threads) == [2]
     outs = _gen(llm, prompts, params)
@@ -257,7 +259,7 @@ def test_same_tokens_across_preemption_and_thread_count(engine_slot, checkpoint_
 @pytest.fixture(scope="module")
 def stock_moe(engine_slot, checkpoint_factory):
     ckpt = checkpoint_factory(FAMILY, DTYPE)
-    llm = engine_slot.get(("stock", FAMILY, DTYPE), lambda: start_llm(ckpt, dtype=DTYPE, zerokld=False))
+    llm = engine_slot.get(("stock", FAMILY, DTYPE), lambda: start_llm(ckpt, dtype=DTYPE, batch_invariant=False))
     return llm, ckpt
 
 

@@ -72,7 +72,7 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
                                                 "original_max_position_embeddings": 512})
         expected = "rope_scaling"
     elif case == "fp8_checkpoint_without_plugin":  # stock vLLM layers would misread the FP8 codes
-        from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
+        from zerokld_models.fp8_export import export_fp8_checkpoint
 
         ckpt = str(export_fp8_checkpoint(checkpoint_factory("qwen3", "float32"), tmp_path / "fp8"))
         expected = "quantized with zerokld_fp8"
@@ -90,6 +90,6 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
         ckpt, expected = checkpoint_factory("qwen3", "float32"), "VLLM_USE_V2_MODEL_RUNNER=1"
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(Exception) as raised:  # in this process (config checks) or the engine's (model checks)
-        start_llm(ckpt, dtype="float32", zerokld=case != "fp8_checkpoint_without_plugin", **kwargs)
+        start_llm(ckpt, dtype="float32", batch_invariant=case != "fp8_checkpoint_without_plugin", **kwargs)
     out, err = capfd.readouterr()
     assert expected in str(raised.value) + out + err

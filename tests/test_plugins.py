@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+from shared_numerics.rollout import RolloutBatch
 
 import zerokld_plugins as zp
 
@@ -93,12 +96,20 @@ def plugin_site(tmp_path):
 
 
 def test_builtins_are_registered_through_the_hooks():
+    """Each of zerokld's packages registers its own built-ins through the same entry-point group as any plugin."""
     zp.reset_plugin_manager()
     names = {(r.kind, r.name): r.provider for r in zp.list_registrations()}
-    for key in [("loss", "ppo"), ("loss", "cross_entropy"), ("loss", "importance_sampling"), ("codec", "arc_v2"),
-                ("storage", "file"), ("storage", "memory"), ("backend", "torch"), ("model", "Qwen3ForCausalLM"),
-                ("model", "LlamaForCausalLM"), ("model", "Qwen3MoeForCausalLM")]:
-        assert names[key] == "zerokld.builtin"
+    expected = {("loss", "ppo"): "shared_numerics", ("loss", "cross_entropy"): "shared_numerics",
+                ("loss", "importance_sampling"): "shared_numerics", ("backend", "torch"): "shared_numerics",
+                ("backend", "triton"): "shared_numerics", ("codec", "arc_v2"): "deltasync",
+                ("storage", "file"): "deltasync", ("storage", "memory"): "deltasync",
+                ("model", "Qwen3ForCausalLM"): "zerokld_models", ("model", "LlamaForCausalLM"): "zerokld_models",
+                ("model", "Qwen3MoeForCausalLM"): "zerokld_models", ("model", "Qwen2ForCausalLM"): "zerokld_models"}
+    assert {k: names.get(k) for k in expected} == expected
+    import zerokld_plugins
+
+    assert sorted(p.name for p in Path(zerokld_plugins.__file__).parent.glob("*.py")) == [
+        "__init__.py", "__main__.py", "hookspecs.py", "manager.py", "specs.py"]  # no built-ins of its own
 
 
 def test_third_party_plugin_discovered_and_removable(plugin_site):
@@ -119,7 +130,7 @@ def test_duplicate_name_names_both_providers(tmp_path):
     _install(site, "zk-dup-plugin", "zk_dup_plugin", DUPLICATE)
     _activate(site)
     try:
-        with pytest.raises(zp.DuplicateNameError, match="loss 'ppo'.*'zerokld.builtin'.*'zk-dup-plugin'"):
+        with pytest.raises(zp.DuplicateNameError, match="loss 'ppo'.*'shared_numerics'.*'zk-dup-plugin'"):
             zp.get_loss("ppo")
     finally:
         _deactivate(site, "zk_dup_plugin")
@@ -157,7 +168,7 @@ def test_plugin_loss_in_a_training_step(plugin_site, checkpoint_factory, tmp_pat
         seqs = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13, 14]]
         plens, adv = [3, 2], [1.0, -0.5]
         ref = trainer_logprobs(ckpt, seqs, plens, dtype="float32")
-        out = trainer.rl_step(seqs, plens, adv, [r.clone() for r in ref])
+        out = trainer.rl_step(RolloutBatch(seqs, plens, adv, [r.clone() for r in ref], numerics=trainer.numerics))
         expected = sum((-2.0 * a * r).sum().item() for a, r in zip(adv, ref)) / sum(r.numel() for r in ref)
         assert out["loss"] == pytest.approx(expected, rel=1e-5)
         after = trainer_logprobs(str(trainer.save_hf(tmp_path / "s1", "float32")), seqs, plens, dtype="float32")

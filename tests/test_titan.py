@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+from shared_numerics.rollout import RolloutBatch
+
 from titan_plugin import sequence_logprobs, trainer_logprobs
 from titan_plugin.models import build_titan_model
 
@@ -41,11 +43,12 @@ def test_stock_torchtitan_differs_from_zerokld(checkpoint_factory):
     """Negative control on the trainer side: TorchTitan's stock components (SDPA attention) give other bits."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    from titan_plugin.models import load_hf_config, load_hf_weights, titan_model_config
+    from titan_plugin.models import load_hf_weights, titan_model_config
+    from zerokld_models import read_model_config
 
     ckpt = checkpoint_factory("qwen3", "float32")
-    hf = load_hf_config(ckpt)
-    cfg = titan_model_config(hf, zerokld=False)
+    hf = read_model_config(ckpt)
+    cfg = titan_model_config(hf, batch_invariant=False)
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     stock = cfg.build()
@@ -76,20 +79,58 @@ def test_rl_trainer_forward_equals_trainer_logprobs_and_export_roundtrips(rl_tra
     trainer, ckpt, dtype = rl_trainer
     seqs, plens = _seqs(6, seed=13)
     ref = trainer_logprobs(ckpt, seqs, plens, dtype=dtype)
-    out = trainer.rl_step(seqs, plens, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0], [r.clone() for r in ref])
+    out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0], [r.clone() for r in ref], numerics=trainer.numerics))
     assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
     assert out["clipped"] == 0  # ratio exactly 1 on-policy
     snap = trainer.save_hf(tmp_path / "step1", dtype)
     exported = trainer_logprobs(str(snap), seqs, plens, dtype=dtype)
     assert any(not torch.equal(a, b) for a, b in zip(exported, ref)), "the optimizer step changed nothing"
-    nxt = trainer.rl_step(seqs, plens, [0.0] * 6, [e.clone() for e in exported])
+    nxt = trainer.rl_step(RolloutBatch(seqs, plens, [0.0] * 6, [e.clone() for e in exported], numerics=trainer.numerics))
     assert all(torch.equal(a, b) for a, b in zip(nxt["train_logprobs"], exported))
 
 
-def test_rl_step_validates_lengths(rl_trainer):
-    trainer = rl_trainer[0]
+def test_rollout_batch_validates_lengths():
     with pytest.raises(ValueError, match="sampler logprobs"):
-        trainer.rl_step([[1, 5, 6, 7]], [2], [1.0], [torch.zeros(5)])
+        RolloutBatch([[1, 5, 6, 7]], [2], [1.0], [torch.zeros(5)])
+    with pytest.raises(ValueError, match="prompt length 5 outside"):
+        RolloutBatch([[1, 5, 6, 7]], [5])
+    with pytest.raises(ValueError, match="advantages has 2 entries for 1 rollouts"):
+        RolloutBatch([[1, 5, 6, 7]], [2], [1.0, 2.0])
+
+
+def test_rl_step_refuses_rollouts_from_another_numerics_mode(rl_trainer):
+    """Trainer and engine in different modes: a clear error naming both, and nothing computed (the weights and the
+    step counter do not move). Control: the same batch stamped with the trainer's mode trains."""
+    import dataclasses
+
+    from shared_numerics import NumericsMismatchError, NumericsMode
+
+    trainer, _, dtype = rl_trainer
+    seqs, plens = _seqs(3, seed=14)
+    ref = trainer.forward_logprobs(RolloutBatch(seqs, plens))
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    step = trainer.step
+    other_dtype = "float32" if dtype == "bfloat16" else "bfloat16"
+    engines = {"cuda engine": dataclasses.replace(trainer.numerics, backend="triton"),
+               "other dtype": dataclasses.replace(trainer.numerics, dtype=other_dtype),
+               "fp8 engine": dataclasses.replace(trainer.numerics, fp8="per_channel"),
+               "stock engine": None,
+               "old contract": dataclasses.replace(trainer.numerics, contract="0:split=256")}
+    for name, mode in engines.items():
+        batch = RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref], numerics=mode)
+        with pytest.raises(NumericsMismatchError) as e:
+            trainer.rl_step(batch)
+        assert str(trainer.numerics) in str(e.value), name
+        if mode is not None:
+            assert str(mode) in str(e.value), name
+        with pytest.raises(NumericsMismatchError):
+            trainer.forward_backward(batch)
+    assert trainer.step == step
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert isinstance(trainer.numerics, NumericsMode) and trainer.numerics.batch_invariant
+    out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref],
+                                       numerics=trainer.numerics.to_dict()))
+    assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
@@ -124,7 +165,7 @@ def test_fused_and_unfused_training_steps_agree(checkpoint_factory, tmp_path):
         trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{fused}"), dtype="float32", lr=1e-3,
                                               fused=fused))
         try:
-            out = trainer.rl_step(seqs, plens, adv, [r.clone() for r in ref])
+            out = trainer.rl_step(RolloutBatch(seqs, plens, adv, [r.clone() for r in ref], numerics=trainer.numerics))
             assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
             results[fused] = (out["loss"], hf_state_dict(trainer.model, trainer.model_config, trainer._hf))
         finally:
@@ -133,7 +174,7 @@ def test_fused_and_unfused_training_steps_agree(checkpoint_factory, tmp_path):
     a, b = results[False][1], results[True][1]
     assert max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a) < 1e-3
     with pytest.raises(ValueError, match="zerokld"):
-        rl_trainer_config(ckpt, str(tmp_path / "x"), zerokld=False, fused=True)
+        rl_trainer_config(ckpt, str(tmp_path / "x"), batch_invariant=False, fused=True)
 
 
 def test_moe_load_balancing_bias_never_changes_the_selection(checkpoint_factory):

@@ -20,6 +20,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from shared_numerics.rollout import RolloutBatch  # noqa: E402
+
 import shared_numerics as sn  # noqa: E402
 from shared_numerics import ops_torch  # noqa: E402
 from shared_numerics.ops_triton import attention as tattn  # noqa: E402
@@ -433,9 +435,9 @@ def test_torchtitan_training_step_on_triton(checkpoint_factory, tmp_path, monkey
     ref = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16")
     trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype="bfloat16", lr=1e-2))
     try:
-        out = trainer.rl_step(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref])
+        out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref], numerics=trainer.numerics))
         assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
-        after = trainer.forward_logprobs(seqs, plens)
+        after = trainer.forward_logprobs(RolloutBatch(seqs, plens))
         assert any(not torch.equal(a, b) for a, b in zip(after, ref))
         snap = trainer.save_hf(tmp_path / "step1", "bfloat16")
         assert all(torch.equal(a, b) for a, b in zip(trainer_logprobs(str(snap), seqs, plens, dtype="bfloat16"),

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.vllm
 CONFIGS = [("qwen3", "float32", None), ("qwen3", "bfloat16", None), ("llama", "float32", None),
            ("llama", "bfloat16", None), ("qwen3", "bfloat16", ("online", "per_channel")),
            ("llama", "bfloat16", ("export", "per_channel")), ("qwen3", "float32", ("export", "block")),
-           ("qwen3_moe", "float32", None), ("qwen3_moe", "bfloat16", None), ("qwen3_moe_ties", "bfloat16", None)]
+           ("qwen3_moe", "float32", None), ("qwen3_moe", "bfloat16", None), ("qwen3_moe_ties", "bfloat16", None),
+           ("qwen2", "bfloat16", None), ("llama31", "bfloat16", None), ("llama31", "float32", None)]
 
 
 def _config_id(c) -> str:
@@ -42,11 +43,11 @@ def env(request, engine_slot, checkpoint_factory, tmp_path_factory):
 
     def factory():
         if fp8 and fp8[0] == "export":
-            from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
+            from zerokld_models.fp8_export import export_fp8_checkpoint
 
             served = export_fp8_checkpoint(ckpt, tmp_path_factory.mktemp("fp8") / "ckpt", granularity)
-            return start_llm(str(served), dtype=dtype, zerokld=True, max_num_batched_tokens=64)
-        return start_llm(ckpt, dtype=dtype, zerokld=True, max_num_batched_tokens=64, fp8=granularity or False)
+            return start_llm(str(served), dtype=dtype, batch_invariant=True, max_num_batched_tokens=64)
+        return start_llm(ckpt, dtype=dtype, batch_invariant=True, max_num_batched_tokens=64, fp8=granularity or False)
 
     llm = engine_slot.get(("zerokld", family, dtype, fp8), factory)
 
@@ -147,7 +148,7 @@ def test_moe_skewed_expert_load_matches_trainer(env):
 @pytest.fixture(scope="module")
 def stock_env(engine_slot, checkpoint_factory):
     ckpt = checkpoint_factory("qwen3", "float32")
-    llm = engine_slot.get(("stock", "qwen3", "float32"), lambda: start_llm(ckpt, dtype="float32", zerokld=False))
+    llm = engine_slot.get(("stock", "qwen3", "float32"), lambda: start_llm(ckpt, dtype="float32", batch_invariant=False))
     return llm, ckpt
 
 

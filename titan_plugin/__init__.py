@@ -4,7 +4,7 @@ from . import cpu_compat
 
 cpu_compat.apply()
 
-from shared_numerics.fp8_checkpoint import export_fp8_checkpoint  # noqa: E402
+from zerokld_models.fp8_export import export_fp8_checkpoint  # noqa: E402
 
 from .logprobs import sequence_logprobs, trainer_logprobs  # noqa: E402
 

@@ -9,7 +9,11 @@ Names and shapes follow Tinker's ``TrainingClient`` (``forward``, ``forward_back
                         "advantages": [n], "logprobs": [n],    # sampler logprobs (RL losses)
                         "routed_experts": [n, layers, top_k]}} # MoE: vLLM's routed_experts, replayed (optional)
 
-(lists or tensors). Results carry ``loss``, ``metrics`` and ``loss_fn_outputs[i]["logprobs"]`` — the trainer's
+(lists or tensors), optionally with ``"zerokld_numerics"`` (the engine's stamp from the sampling response). Every
+method also takes a :class:`shared_numerics.RolloutBatch` instead of datums. Stamped data (a batch from
+``RolloutBatch.from_vllm`` / ``from_openai``, or datums with ``zerokld_numerics``) is checked against the trainer's
+numerics mode (:class:`shared_numerics.NumericsMismatchError`, nothing computed); Tinker's datum format has no stamp,
+so unstamped datums are taken as sampled in the trainer's mode. Results carry ``loss``, ``metrics`` and ``loss_fn_outputs[i]["logprobs"]`` — the trainer's
 log-probs of the datum's weighted positions (``forward``: of every position), bitwise what vLLM reports for them.
 Losses are the ones registered through the ``zerokld`` hooks; for ``cross_entropy`` the weights are the per-token
 weights.
@@ -19,6 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from shared_numerics.rollout import RolloutBatch
 
 from .losses import RLLoss
 from .rl import RLTrainer, rl_trainer_config
@@ -30,12 +36,19 @@ def _t(x) -> torch.Tensor:
     return x.detach().float().reshape(-1) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32)
 
 
-def datums_to_rollouts(data: list[dict]) -> tuple[list[list[int]], list[int], list[dict]]:
-    """Turn datums into ``(sequences, prompt_lengths, per-datum completion inputs)``.
+def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_entropy") -> RolloutBatch:
+    """Turn Tinker datums into a :class:`shared_numerics.RolloutBatch`.
+
+    Args:
+        data: datums (see the module docstring).
+        numerics: the mode of unstamped datums (the trainer's); a datum's own ``zerokld_numerics`` wins.
+        loss_fn: ``cross_entropy`` takes the weights as advantages and no sampler log-probs; any other loss needs
+            ``advantages`` and ``logprobs``.
 
     Raises:
-        ValueError: targets not next-token aligned, no weighted position, or weighted positions that are not one
-            suffix (general masks are not supported by the trainer's packing).
+        ValueError: targets not next-token aligned, no weighted position, weighted positions that are not one
+            suffix (general masks are not supported by the trainer's packing), missing RL inputs, or datums stamped
+            with different modes.
     """
     seqs, plens, inputs = [], [], []
     for i, d in enumerate(data):
@@ -59,7 +72,17 @@ def datums_to_rollouts(data: list[dict]) -> tuple[list[list[int]], list[int], li
         inputs.append({"weights": w[sl], "advantages": _t(li["advantages"])[sl] if "advantages" in li else None,
                        "logprobs": _t(li["logprobs"])[sl] if "logprobs" in li else None,
                        "routed_experts": li.get("routed_experts")})
-    return seqs, plens, inputs
+    if loss_fn == "cross_entropy":
+        adv, q = [i["weights"] for i in inputs], None
+    else:
+        if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
+            raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
+        adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
+    stamps = {repr(d["zerokld_numerics"]) for d in data if "zerokld_numerics" in d}
+    if len(stamps) > 1:
+        raise ValueError(f"datums stamped with different numerics modes: {sorted(stamps)}")
+    stamped = next((d["zerokld_numerics"] for d in data if "zerokld_numerics" in d), None)
+    return RolloutBatch(seqs, plens, adv, q, _routes(inputs), numerics=stamped if stamps else numerics)
 
 
 def _routes(inputs: list[dict]):
@@ -95,32 +118,30 @@ class TrainingClient:
             self._losses[key] = self.trainer.build_loss(loss_fn, loss_fn_config, normalization="sum")
         return self._losses[key]
 
-    def forward(self, data: list[dict]) -> dict:
-        """Log-probs of every target token (no gradients)."""
-        seqs, _, inputs = datums_to_rollouts(data)
-        lps = self.trainer.forward_logprobs(seqs, [1] * len(seqs), routed_experts=_routes(inputs))
-        return {"loss_fn_outputs": [{"logprobs": lp} for lp in lps]}
+    def _batch(self, data, loss_fn: str = "cross_entropy") -> RolloutBatch:
+        if isinstance(data, RolloutBatch):
+            return data
+        return datums_to_rollouts(data, self.trainer.numerics, loss_fn)
 
-    def forward_backward(self, data: list[dict], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+    def forward(self, data: list[dict] | RolloutBatch) -> dict:
+        """Log-probs of every target token (no gradients)."""
+        batch = self._batch(data)
+        if not isinstance(data, RolloutBatch):  # Tinker's forward scores every position
+            batch = RolloutBatch(batch.sequences, [1] * len(batch), None, None, batch.routed_experts,
+                                 numerics=batch.numerics)
+        return {"loss_fn_outputs": [{"logprobs": lp} for lp in self.trainer.forward_logprobs(batch)]}
+
+    def forward_backward(self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None
+                         ) -> dict:
         """Accumulate the gradient of ``loss_fn`` summed over the weighted tokens (Tinker: sum, no normaliser)."""
-        seqs, plens, inputs = datums_to_rollouts(data)
-        if loss_fn == "cross_entropy":
-            adv, q = [i["weights"] for i in inputs], None
-        else:
-            if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
-                raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
-            adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
-        res = self.trainer.forward_backward(seqs, plens, adv, q, loss=self._loss(loss_fn, loss_fn_config),
-                                            routed_experts=_routes(inputs))
+        res = self.trainer.forward_backward(self._batch(data, loss_fn), loss=self._loss(loss_fn, loss_fn_config))
         return {"loss": res["loss"], "metrics": {"clipped": res["clipped"], "grad_zeroed": res["grad_zeroed"],
                                                  "num_tokens": res["num_tokens"]},
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
 
-    def forward_backward_custom(self, data: list[dict], loss_fn) -> dict:
+    def forward_backward_custom(self, data: list[dict] | RolloutBatch, loss_fn) -> dict:
         """Two-pass custom loss: ``loss_fn(data, logprobs_list) -> (loss, metrics)`` on the weighted positions."""
-        seqs, plens, inputs = datums_to_rollouts(data)
-        res = self.trainer.forward_backward_custom(seqs, plens, lambda lps: loss_fn(data, lps),
-                                                   routed_experts=_routes(inputs))
+        res = self.trainer.forward_backward_custom(self._batch(data), lambda lps: loss_fn(data, lps))
         return {"loss": res["loss"], "metrics": res["metrics"],
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
 

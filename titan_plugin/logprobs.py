@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 import shared_numerics as sn
+from shared_numerics.rollout import RolloutBatch
 
 from .models import build_titan_model
 from .routing import pack_routes, replay_routes
@@ -33,15 +34,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
     Raises:
         ValueError: a prompt length outside ``[1, len(seq)]``.
     """
-    if len(token_ids) != len(prompt_lengths):
-        raise ValueError("token_ids and prompt_lengths differ in length")
-    for s, p in zip(token_ids, prompt_lengths):
-        if not 1 <= p <= len(s):
-            raise ValueError(f"prompt length {p} outside [1, {len(s)}]")
-    t = max(len(s) for s in token_ids)
-    tokens = torch.full((len(token_ids), t), pad_id, dtype=torch.long)
-    for i, s in enumerate(token_ids):
-        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    tokens = RolloutBatch(token_ids, prompt_lengths).padded_tokens(pad_id)  # validates the lengths
+    t = tokens.shape[1]
     routes = None if routed_experts is None else pack_routes(routed_experts, t)
     if fused:
         skip = getattr(model, "_skip_lm_head", False)  # a fused RLTrainer keeps it on; leave it as found
@@ -84,6 +78,6 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         ``additional_config={"zerokld": {"batch_invariant": true}}`` for the same tokens and weights.
     """
     granularity = ("per_channel" if fp8 is True else fp8) or None
-    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, zerokld=True, fp8=granularity)
+    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=True, fp8=granularity)
     model.eval()
     return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

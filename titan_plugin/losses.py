@@ -20,7 +20,8 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 
 import shared_numerics as sn
-from shared_numerics.losses import CorrectionConfig, LossBatch, apply_corrections, grpo_advantages
+from shared_numerics.losses import (NORMALIZATIONS, CorrectionConfig, LossBatch, apply_corrections, grpo_advantages,
+                                    normalize_loss)
 from zerokld_plugins import get_loss, resolve
 
 __all__ = ["RLLoss", "grpo_advantages"]
@@ -42,8 +43,8 @@ class RLLoss(BaseLoss):
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
-        if config.normalization not in ("token_mean", "sum", "constant"):
-            raise ValueError(f"normalization must be token_mean, sum or constant, got {config.normalization!r}")
+        if config.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {config.normalization!r}")
         spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
         self.token_loss = resolve(spec.token_loss)
         self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)
@@ -83,12 +84,8 @@ class RLLoss(BaseLoss):
         tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg, batch)
         ref = None if self._ref_logp is None else self._ref_logp.to(pred.device)[mask]
         tok_loss, keep = apply_corrections(tok_loss, logp, q, self.corrections, ref)
-        loss = tok_loss.sum()
-        if self.config.normalization == "token_mean" and global_valid_tokens is not None:
-            dropped = int((~keep).sum())  # masked-IS tokens leave the normaliser
-            loss = loss / (global_valid_tokens - dropped).clamp(min=1)
-        elif self.config.normalization == "constant":
-            loss = loss / self.config.normalizer
+        kept = None if global_valid_tokens is None else global_valid_tokens - int((~keep).sum())  # masked-IS drop
+        loss = normalize_loss(tok_loss.sum(), self.config.normalization, kept, self.config.normalizer)
         zeros = torch.zeros_like(mask[mask])
         self.last = {"train_logprobs": logp.detach(), "mask": mask, "clipped": flags.get("clipped", zeros),
                      "grad_zeroed": flags.get("grad_zeroed", zeros), "loss": loss.detach()}

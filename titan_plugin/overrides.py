@@ -12,7 +12,8 @@ TorchTitan component   zerokld replacement
                        offers :func:`shared_numerics.fused_selected_logprobs` (``lm_head(h, targets=t)``)
 ``RMSNorm``            :func:`shared_numerics.rms_norm` (fixed-tree fp32 statistics)
 ``FeedForward``        ``w2(silu_and_mul(w1 x, w3 x))`` with :func:`shared_numerics.silu_and_mul`
-``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables)
+``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables; Llama 3.x scaling from
+                       the RoPE config's ``scaling="llama"`` factors)
 ``ComplexRoPE``        same, after undoing the adapter's interleave permutation of q/k (llama3), so the
                        q·k dot products run over the HF dimension order exactly as vLLM's do
 ``Linear`` (FP8 QAT)   :func:`shared_numerics.fp8_linear_qat` (optional third pass, ``fp8=...``): every decoder
@@ -46,6 +47,7 @@ from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
 import shared_numerics.moe as sn_moe
+from shared_numerics.rope import RopeScaling
 
 __all__ = ["OVERRIDE_IMPORTS", "apply_zerokld_overrides"]
 
@@ -118,13 +120,17 @@ class ZeroKLDFeedForward(FeedForward):
 
 def _rope_forward(cfg, query, key, positions, interleaved: bool):
     b, seqlen, _, d = query.shape
-    if cfg.scaling not in (None, "none", "") and not (cfg.scaling == "yarn" and cfg.rope_factor <= 1.0):
-        raise NotImplementedError(f"zerokld RoPE supports unscaled RoPE only, got scaling={cfg.scaling!r}")
+    scaling = None
+    if cfg.scaling == "llama":
+        scaling = RopeScaling(cfg.scaling_factor, cfg.low_freq_factor, cfg.high_freq_factor,
+                              cfg.original_max_position_embeddings)
+    elif cfg.scaling not in (None, "none", "") and not (cfg.scaling == "yarn" and cfg.rope_factor <= 1.0):
+        raise NotImplementedError(f"zerokld RoPE supports unscaled and Llama 3.x RoPE, got scaling={cfg.scaling!r}")
     if positions is None:
         pos = torch.arange(seqlen, device=query.device).repeat(b)
     else:
         pos = positions.expand(b, seqlen).reshape(-1) if positions.dim() == 2 else positions.repeat(b)
-    cos, sin = sn.rope_cos_sin(pos, d, cfg.theta)
+    cos, sin = sn.rope_cos_sin(pos, d, cfg.theta, scaling)
 
     def rot(x: torch.Tensor) -> torch.Tensor:
         if interleaved:  # (x0, x_{D/2}, x1, x_{D/2+1}, ...) -> HF halves order

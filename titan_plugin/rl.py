@@ -9,7 +9,7 @@ checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_regist
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,12 +28,19 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from shared_numerics.mode import NumericsMode  # noqa: E402
+from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
+
 from .logprobs import sequence_logprobs  # noqa: E402
 from .losses import RLLoss  # noqa: E402
-from .models import hf_state_dict, load_hf_config, state_dict_adapter_class, titan_model_config  # noqa: E402
+from zerokld_models import ModelConfig, adapter_for, read_model_config  # noqa: E402
+
+from .models import hf_state_dict, state_dict_adapter_class, titan_model_config  # noqa: E402
 from .routing import pack_routes, replay_routes  # noqa: E402
 
-__all__ = ["RLTrainer", "RolloutQueue", "rl_trainer_config"]
+__all__ = ["RLTrainer", "RolloutQueue", "ZeroKLDSection", "numerics_mode", "rl_trainer_config"]
+
+assert ROLLOUT_IGNORE_INDEX == IGNORE_INDEX, "RolloutBatch.pack labels must use TorchTitan's IGNORE_INDEX"
 
 
 class RolloutQueue(BaseDataLoader):
@@ -60,24 +67,46 @@ class RolloutQueue(BaseDataLoader):
         pass
 
 
-def _model_spec(hf: dict, zerokld: bool, fp8: str | None = None) -> ModelSpec:
-    cfg = titan_model_config(hf, zerokld=zerokld, fp8=fp8)
-    if hf["architectures"][0] == "LlamaForCausalLM":
-        from torchtitan.models.llama3.parallelize import parallelize_llama as par
-    else:
-        from torchtitan.models.qwen3 import parallelize_qwen3 as par
+@dataclass(kw_only=True, slots=True)
+class ZeroKLDSection:
+    """``RLTrainer.Config.zerokld``: the trainer's side of the numerics contract (the same fields as vLLM's
+    ``additional_config["zerokld"]``).
+
+    Attributes:
+        batch_invariant: the zerokld model overrides (``shared_numerics`` ops) instead of TorchTitan's stock ones.
+        fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``.
+    """
+
+    batch_invariant: bool = True
+    fp8: str | None = None
+
+
+def numerics_mode(config) -> NumericsMode:
+    """The trainer's :class:`shared_numerics.NumericsMode` from an ``RLTrainer.Config``: the ``zerokld`` section,
+    the forward dtype (``training.mixed_precision_param``) and the backend of TorchTitan's device type."""
+    from torchtitan.tools.utils import device_type
+
+    return NumericsMode.build(config.zerokld.batch_invariant, config.training.mixed_precision_param,
+                              config.zerokld.fp8, device_type=device_type)
+
+
+def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None) -> ModelSpec:
+    from zerokld_plugins import resolve
+
+    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8)
     post_optimizer = None
-    if any(getattr(layer, "moe", None) is not None for layer in cfg.layers):
+    if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
         # TorchTitan's auxiliary-loss-free load balancing updates expert_bias_E; ZeroKLDMoE never routes by it
         from torchtitan.components.optimizer import register_moe_load_balancing_hook as post_optimizer
-    return ModelSpec(name=hf["architectures"][0], flavor="hf", model=cfg, parallelize_fn=par, pipelining_fn=None,
-                     post_optimizer_build_fn=post_optimizer, state_dict_adapter=state_dict_adapter_class(hf))
+    return ModelSpec(name=cfg.architecture, flavor="hf", model=model_cfg,
+                     parallelize_fn=resolve(adapter_for(cfg).titan_parallelize), pipelining_fn=None,
+                     post_optimizer_build_fn=post_optimizer, state_dict_adapter=state_dict_adapter_class(cfg))
 
 
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
-                      steps: int = 1000, zerokld: bool = True, loss_fn: str = "ppo",
+                      steps: int = 1000, batch_invariant: bool = True, loss_fn: str = "ppo",
                       loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
-                      fp8: str | None = None) -> Trainer.Config:
+                      fp8: str | None = None) -> "RLTrainer.Config":
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -88,31 +117,32 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             ``param_dtype`` (``training.mixed_precision_param``) casts them to ``dtype`` for the forward — the same
             round-to-nearest cast the exported snapshot gets, so the training forward sees exactly vLLM's weights.
         lr: AdamW learning rate (constant schedule, no warm-up).
-        zerokld: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the SDPA
+        batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the SDPA
             inner attention, since flex attention has no CPU path).
         loss_fn, loss_fn_config: a loss registered through the ``zerokld`` hooks (``ppo``, ``importance_sampling``,
             ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
         fused: compute the completion tokens' log-probs with the fused lm_head (no ``[tokens, vocab]`` logits);
-            needs ``zerokld=True``.
+            needs ``batch_invariant=True``.
         fp8: FP8 quantization-aware training of the decoder projections (``"per_channel"`` or ``"block"``, the
-            granularity vLLM serves with ``additional_config`` ``fp8``); ``None``: off. Needs ``zerokld=True``.
+            granularity vLLM serves with ``additional_config`` ``fp8``); ``None``: off. Needs ``batch_invariant=True``.
 
     Raises:
-        ValueError: ``fused`` or ``fp8`` without ``zerokld``.
+        ValueError: ``fused`` or ``fp8`` without ``batch_invariant``.
     """
-    if fused and not zerokld:
-        raise ValueError("fused log-probs need the zerokld lm_head (zerokld=True)")
-    hf = load_hf_config(checkpoint_dir)
-    spec = _model_spec(hf, zerokld, fp8)
-    if not zerokld:
+    if fused and not batch_invariant:
+        raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
+    cfg = read_model_config(checkpoint_dir)
+    spec = _model_spec(cfg, batch_invariant, fp8)
+    if not batch_invariant:
         from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
         for layer in spec.model.layers:
             if isinstance(layer.attention.inner_attention, FlexAttention.Config):
                 layer.attention.inner_attention = ScaledDotProductAttention.Config()
     ckpt = str(Path(checkpoint_dir).resolve())
-    return Trainer.Config(
+    return RLTrainer.Config(
         model_spec=spec,
+        zerokld=ZeroKLDSection(batch_invariant=batch_invariant, fp8=fp8),
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
         loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused),
@@ -120,7 +150,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
-        training=TrainingConfig(local_batch_size=1, seq_len=hf.get("max_position_embeddings", 1024), steps=steps,
+        training=TrainingConfig(local_batch_size=1, seq_len=cfg.max_position_embeddings, steps=steps,
                                 max_norm=max_norm, dtype="float32", mixed_precision_param=dtype),
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
@@ -132,14 +162,23 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
 
 
 class RLTrainer(Trainer):
-    """TorchTitan ``Trainer`` with a GRPO step fed from rollouts (``rl_step``) and HF export (``save_hf``)."""
+    """TorchTitan ``Trainer`` with a GRPO step fed from rollouts (``rl_step``) and HF export (``save_hf``).
 
-    def __init__(self, config: Trainer.Config) -> None:
+    Every entry point that consumes rollouts takes a :class:`shared_numerics.RolloutBatch` and first checks its
+    numerics against the trainer's (:attr:`numerics`): rollouts sampled by an engine in another mode raise
+    :class:`shared_numerics.NumericsMismatchError` before any forward runs."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        zerokld: ZeroKLDSection = field(default_factory=ZeroKLDSection)
+
+    def __init__(self, config: "RLTrainer.Config") -> None:
         cpu_compat.ensure_single_process_env()
         super().__init__(config)
         if not self.checkpointer.load():  # HF initial load (initial_load_in_hf) through the state-dict adapter
             raise RuntimeError(f"TorchTitan loaded no checkpoint from {config.hf_assets_path}")
-        self._hf = load_hf_config(config.hf_assets_path)
+        self._hf = read_model_config(config.hf_assets_path)
+        self.numerics = numerics_mode(config)
         if config.loss.fused:  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
             self.model._skip_lm_head = True
             self.loss_fn.set_lm_head(self.model.lm_head)
@@ -147,40 +186,6 @@ class RLTrainer(Trainer):
     @property
     def model(self) -> torch.nn.Module:
         return self.model_parts[0]
-
-    @staticmethod
-    def pack(sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
-             sampler_logprobs: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
-        """Right-padded next-token batch: ``tokens [B, T]``, ``labels [B, T]`` (``IGNORE_INDEX`` outside completions),
-        ``advantages [B, T]`` (a scalar per rollout, or a per-completion-token tensor) and sampler log-probs ``[B, T]``
-        (zeros when ``None``).
-
-        Raises:
-            ValueError: a prompt length outside ``[1, len(seq)]`` or a per-token tensor of the wrong length.
-        """
-        n = len(sequences)
-        t = max(len(s) for s in sequences) - 1
-        tokens = torch.zeros(n, t, dtype=torch.long)
-        labels = torch.full((n, t), IGNORE_INDEX, dtype=torch.long)
-        adv = torch.zeros(n, t)
-        q = torch.zeros(n, t)
-        for i, (s, p) in enumerate(zip(sequences, prompt_lengths)):
-            if not 1 <= p <= len(s):
-                raise ValueError(f"rollout {i}: prompt length {p} outside [1, {len(s)}]")
-            st = torch.tensor(s, dtype=torch.long)
-            tokens[i, : len(s) - 1] = st[:-1]
-            labels[i, p - 1: len(s) - 1] = st[p:]
-            a = advantages[i]
-            if isinstance(a, torch.Tensor) and a.numel() != len(s) - p:
-                raise ValueError(f"rollout {i}: {a.numel()} advantages for {len(s) - p} completion tokens")
-            adv[i, p - 1: len(s) - 1] = a if isinstance(a, torch.Tensor) else float(a)
-            if sampler_logprobs is None:
-                continue
-            if sampler_logprobs[i].numel() != len(s) - p:
-                raise ValueError(f"rollout {i}: {sampler_logprobs[i].numel()} sampler logprobs for {len(s) - p} "
-                                 "completion tokens")
-            q[i, p - 1: len(s) - 1] = sampler_logprobs[i]
-        return tokens, labels, adv, q
 
     def _results(self) -> dict:
         last = self.loss_fn.last
@@ -194,49 +199,52 @@ class RLTrainer(Trainer):
             "loss": float(last["loss"]),
         }
 
-    def _routes(self, routed_experts, tokens: torch.Tensor):
-        """``[B, T, layers, top_k]`` replay tensor for the packed ``tokens [B, T]`` (``None`` passes through)."""
-        if routed_experts is None:
-            return None
-        return pack_routes(routed_experts, tokens.shape[1])
+    def _check(self, batch: RolloutBatch) -> None:
+        """Sampled rollouts (sampler log-probs given) must come from an engine in the trainer's numerics mode."""
+        if not isinstance(batch, RolloutBatch):
+            raise TypeError(f"expected a shared_numerics.RolloutBatch, got {type(batch).__name__}")
+        if batch.sampler_logprobs is not None:
+            batch.check_numerics(self.numerics)
 
-    def rl_step(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
-                sampler_logprobs: list[torch.Tensor] | None, routed_experts=None) -> dict:
+    def rl_step(self, batch: RolloutBatch) -> dict:
         """One optimizer step on a batch of rollouts through TorchTitan's ``train_step`` (the configured loss).
 
         Args:
-            sequences: prompt + completion token ids per rollout.
-            prompt_lengths: prompt length per rollout.
-            advantages: per rollout, a scalar (broadcast over its completion) or a ``[completion]`` tensor.
-            sampler_logprobs: per rollout, ``[len(seq) - prompt_len]`` float32 vLLM log-probs of the completion;
-                ``None`` for an on-policy step (SFT with the ``cross_entropy`` loss and advantages 1).
-            routed_experts: MoE models: per rollout, vLLM's ``CompletionOutput.routed_experts``
-                (``[len(seq) - 1, layers, top_k]``), replayed in the training forward (R3,
-                :mod:`titan_plugin.routing`); ``None`` recomputes top-k.
+            batch: sequences, prompt lengths, advantages (per rollout a scalar or a ``[completion]`` tensor),
+                sampler log-probs (``None``: on-policy, e.g. SFT with ``cross_entropy`` and advantages 1) and, for MoE
+                models, the routes to replay in the training forward (R3, :mod:`titan_plugin.routing`).
 
         Returns:
             ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
             ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``, ``loss`` (the step's loss, float).
+
+        Raises:
+            shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
         """
+        self._check(batch)
         t_pack = time.perf_counter()
-        tokens, labels, adv, q = self.pack(sequences, prompt_lengths, advantages, sampler_logprobs)
-        self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
+        tokens, labels, adv, q = batch.pack()
+        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q)
         self.dataloader.put({"input": tokens}, labels)
         self.step += 1
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
         self.metrics_processor.data_loading_times.append(time.perf_counter() - t_pack)
         self.metrics_processor.ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
-        with replay_routes(self.model, self._routes(routed_experts, tokens)):
+        with replay_routes(self.model, self._routes(batch, tokens.shape[1])):
             self.train_step(iter(self.dataloader))
         return self._results()
 
+    @staticmethod
+    def _routes(batch: RolloutBatch, seq_len: int):
+        return None if batch.routed_experts is None else pack_routes(batch.routed_experts, seq_len)
+
     @torch.no_grad()
-    def forward_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int],
-                         routed_experts=None) -> list[torch.Tensor]:
+    def forward_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The training forward's completion log-probs (float32, per rollout), without gradients or an update
-        (``routed_experts``: replayed MoE routes, see :meth:`rl_step`)."""
-        return sequence_logprobs(self.model, sequences, prompt_lengths, fused=self.config.loss.fused,
-                                 routed_experts=routed_experts)
+        (the batch's routes replayed, as in :meth:`rl_step`; its numerics checked likewise)."""
+        self._check(batch)
+        return sequence_logprobs(self.model, batch.sequences, batch.prompt_lengths, fused=self.config.loss.fused,
+                                 routed_experts=batch.routed_experts)
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
         """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused)."""
@@ -246,25 +254,24 @@ class RLTrainer(Trainer):
             loss.set_lm_head(self.model.lm_head)
         return loss
 
-    def forward_backward(self, sequences: list[list[int]], prompt_lengths: list[int], advantages: list,
-                         sampler_logprobs: list[torch.Tensor] | None, loss: RLLoss | None = None,
-                         routed_experts=None) -> dict:
+    def forward_backward(self, batch: RolloutBatch, loss: RLLoss | None = None) -> dict:
         """Accumulate gradients of ``loss`` (default: the configured one) through TorchTitan's
-        ``forward_backward_step``; no optimizer step (see :meth:`optim_step`). Returns like :meth:`rl_step`."""
-        tokens, labels, adv, q = self.pack(sequences, prompt_lengths, advantages, sampler_logprobs)
+        ``forward_backward_step``; no optimizer step (see :meth:`optim_step`). Returns and raises like
+        :meth:`rl_step`."""
+        self._check(batch)
+        tokens, labels, adv, q = batch.pack()
         configured = self.loss_fn
         self.loss_fn = loss or configured
         try:
-            self.loss_fn.set_rl_inputs(adv, None if sampler_logprobs is None else q)
-            with replay_routes(self.model, self._routes(routed_experts, tokens)):
+            self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q)
+            with replay_routes(self.model, self._routes(batch, tokens.shape[1])):
                 self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
                                            global_valid_tokens=(labels != IGNORE_INDEX).sum())
             return self._results()
         finally:
             self.loss_fn = configured
 
-    def forward_backward_custom(self, sequences: list[list[int]], prompt_lengths: list[int], loss_fn,
-                                routed_experts=None) -> dict:
+    def forward_backward_custom(self, batch: RolloutBatch, loss_fn) -> dict:
         """Two-pass custom loss: pass 1 computes the log-probs, ``loss_fn(logprobs_list) -> (loss, metrics)`` (any
         differentiable Python) gives ``dL/dl``, pass 2 back-propagates ``sum(dL/dl * l)`` through the model (exact
         gradient, ~1.5x the FLOPs of a fused loss). Gradients accumulate; no optimizer step.
@@ -272,13 +279,13 @@ class RLTrainer(Trainer):
         Returns:
             ``loss`` (float), ``metrics`` (the user's), ``train_logprobs`` (pass 1, float32 per rollout).
         """
-        lps = [lp.clone().requires_grad_(True)
-               for lp in self.forward_logprobs(sequences, prompt_lengths, routed_experts)]
+        lps = [lp.clone().requires_grad_(True) for lp in self.forward_logprobs(batch)]
         loss, metrics = loss_fn(lps)
         grads = torch.autograd.grad(loss, lps, allow_unused=True)
         weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
-        self.forward_backward(sequences, prompt_lengths, weights, None,
-                              loss=self.build_loss("cross_entropy", normalization="sum"), routed_experts=routed_experts)
+        on_policy = RolloutBatch(batch.sequences, batch.prompt_lengths, weights, None, batch.routed_experts,
+                                 batch.snapshot_identity, batch.numerics)
+        self.forward_backward(on_policy, loss=self.build_loss("cross_entropy", normalization="sum"))
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 
     def optim_step(self, learning_rate: float | None = None) -> dict:
@@ -318,11 +325,11 @@ class RLTrainer(Trainer):
 
     def save_fp8(self, out_dir: str | Path, dtype: str, granularity: str = "per_channel") -> Path:
         """Export the current weights as the FP8 serving checkpoint
-        (:func:`shared_numerics.fp8_checkpoint.export_fp8_checkpoint` of the ``dtype`` snapshot ``save_hf`` writes):
+        (:func:`zerokld_models.fp8_export.export_fp8_checkpoint` of the ``dtype`` snapshot ``save_hf`` writes):
         vLLM serving it computes exactly this trainer's FP8 QAT forward."""
         import tempfile
 
-        from shared_numerics.fp8_checkpoint import export_fp8_checkpoint
+        from zerokld_models.fp8_export import export_fp8_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="zerokld-fp8-") as tmp:
             src = self.save_hf(Path(tmp) / "hf", dtype)

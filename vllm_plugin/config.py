@@ -9,30 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-__all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "from_vllm_config", "config_or_off"]
+from deltasync.protocol import HotLoadConfig
+
+__all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "config_or_off", "from_vllm_config", "numerics_mode"]
 
 
 class ZeroKLDConfigError(ValueError):
     """Raised when the ``zerokld`` section is malformed or asks for something unsupported."""
-
-
-class HotLoadConfig(BaseModel):
-    """``additional_config["zerokld"]["hot_load"]``: read by the ``zerokld_hotload`` endpoint plugin
-    (:mod:`vllm_plugin.hotload.endpoint`).
-
-    Attributes:
-        snapshot_root: directory of ``<identity>/`` snapshots (full HF layout, or ``arc_v2`` deltas).
-        state_dir: ledger + materialized snapshots; default ``<snapshot_root>/.zerokld_state``.
-        initial_identity: identity of the ``--model`` weights.
-        keep_materialized: decoded snapshots kept on disk (bases of the next deltas).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    snapshot_root: str
-    state_dir: str | None = None
-    initial_identity: str = "initial"
-    keep_materialized: int = 2
 
 
 class ZeroKLDConfig(BaseModel):
@@ -46,7 +29,7 @@ class ZeroKLDConfig(BaseModel):
         fp8_granularity: ``"per_channel"`` (per-token activations, per-channel weights; default) or ``"block"``
             (1x128 activation groups, 128x128 weight blocks). A quantized checkpoint's own granularity wins; naming
             a different one is an error.
-        hot_load: switch on the hot-load HTTP API (:class:`HotLoadConfig`).
+        hot_load: switch on the hot-load HTTP API (:class:`deltasync.HotLoadConfig`, the replica's config).
         deterministic_sampler: with ``batch_invariant``, sample with :mod:`shared_numerics.sampling` (noise a pure
             function of seed, output position and vocabulary index; :mod:`vllm_plugin.sampler`). Requests without a
             ``seed`` get one drawn, returned as ``CompletionOutput.zerokld_seed``. Default on.
@@ -94,3 +77,25 @@ def config_or_off(vllm_config: Any) -> ZeroKLDConfig:
         return from_vllm_config(vllm_config)
     except ZeroKLDConfigError:
         return ZeroKLDConfig()
+
+
+def numerics_mode(vllm_config: Any):
+    """The engine's :class:`shared_numerics.NumericsMode`: ``batch_invariant`` from ``additional_config["zerokld"]``,
+    dtype from ``model_config.dtype``, FP8 granularity from the section (online FP8) or the checkpoint's
+    ``zerokld_fp8`` ``quantization_config``, backend from the device (``device_config.device_type``).
+
+    Raises:
+        ZeroKLDConfigError: malformed ``zerokld`` section.
+    """
+    from shared_numerics.mode import NumericsMode
+
+    cfg = from_vllm_config(vllm_config)
+    model_config = vllm_config.model_config
+    quant = getattr(model_config.hf_config, "quantization_config", None) or {}
+    fp8 = None
+    if isinstance(quant, dict) and quant.get("quant_method") == "zerokld_fp8":
+        fp8 = quant.get("granularity", "per_channel")
+    elif cfg.fp8:
+        fp8 = cfg.fp8_granularity or "per_channel"
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu"
+    return NumericsMode.build(cfg.batch_invariant, str(model_config.dtype), fp8, device_type=str(device))

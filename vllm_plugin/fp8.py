@@ -1,5 +1,5 @@
 """``zerokld_fp8`` in vLLM's quantization registry, so vLLM accepts checkpoints exported with
-:func:`shared_numerics.fp8_checkpoint.export_fp8_checkpoint` (``quantization_config.quant_method == "zerokld_fp8"``).
+:func:`zerokld_models.fp8_export.export_fp8_checkpoint` (``quantization_config.quant_method == "zerokld_fp8"``).
 
 The config only carries the granularity: the zerokld model classes (:mod:`vllm_plugin.models.dense`) read it and run
 every projection through :func:`shared_numerics.fp8_linear`; vLLM's own linear layers are never built for these

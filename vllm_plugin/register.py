@@ -61,7 +61,7 @@ def _guard_initialize_model() -> None:
     def initialize_model(vllm_config, *args, **kwargs):
         cfg = from_vllm_config(vllm_config)
         model = original(vllm_config, *args, **kwargs)
-        if cfg.batch_invariant and not getattr(model, "zerokld_enabled", False):
+        if cfg.batch_invariant and not getattr(model, "batch_invariant", False):
             archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
             raise ZeroKLDConfigError(
                 f"zerokld batch_invariant mode does not support architecture {archs}; supported: "

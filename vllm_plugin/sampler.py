@@ -8,7 +8,10 @@ Three patches, each a no-op unless the engine's config enables the sampler:
   rule in ``v1/engine/parallel_sampling.py``); ``CompletionOutput.zerokld_seed`` returns each sample's seed (on an
   engine without the sampler: the request's own seed or ``None``)
   (``v1/engine/output_processor.py``), so every sample can be reproduced; the OpenAI ``/v1/completions`` response
-  carries it as the extension field ``zerokld_seed`` of each choice (non-streaming responses).
+  carries it as the extension field ``zerokld_seed`` of each choice (non-streaming responses). With
+  ``batch_invariant`` on, every output also carries the engine's numerics contract
+  (:class:`shared_numerics.NumericsMode` as a dict): ``CompletionOutput.zerokld_numerics`` and the choice field
+  ``zerokld_numerics``, checked when the trainer consumes the rollouts (:class:`shared_numerics.RolloutBatch`).
 * worker (``v1/worker/gpu_model_runner.py``): new requests' seeds are taken out of ``SamplingParams.seed`` into the
   runner before vLLM would build a ``torch.Generator`` for them. vLLM-CPU crashes on seeded requests with chunked
   prefill (``gen.set_offset`` on a CPU generator, which has no offset) — without generators that path never runs.
@@ -27,7 +30,7 @@ import torch
 
 import shared_numerics.sampling as sn_sampling
 
-from .config import ZeroKLDConfigError, config_or_off, from_vllm_config
+from .config import ZeroKLDConfigError, config_or_off, from_vllm_config, numerics_mode
 
 __all__ = ["check_sampler_supported", "install"]
 
@@ -50,6 +53,23 @@ def check_sampler_supported(vllm_config) -> None:
         raise ZeroKLDConfigError("zerokld deterministic sampler does not support: " + "; ".join(problems))
 
 
+# request id -> the engine's NumericsMode dict (front end: input processor -> output processor); "last": the mode of
+# the latest request this process admitted (one engine per front-end process)
+_NUMERICS: dict[str, dict | None] = {}
+
+
+def _numerics(owner) -> dict | None:
+    """The engine's :class:`shared_numerics.NumericsMode` as a dict when ``batch_invariant`` is on (else ``None``),
+    computed once per ``owner`` (a vLLM object holding ``vllm_config``)."""
+    if "_zerokld_numerics" not in owner.__dict__:
+        try:
+            mode = numerics_mode(owner.vllm_config)
+        except ZeroKLDConfigError:
+            mode = None
+        owner.__dict__["_zerokld_numerics"] = mode.to_dict() if mode is not None and mode.batch_invariant else None
+    return owner.__dict__["_zerokld_numerics"]
+
+
 def _enabled(owner) -> bool:
     """Whether the sampler is on for ``owner`` (a vLLM object holding ``vllm_config``: input processor, model
     runner), parsed once per owner — the worker hooks run every step."""
@@ -67,6 +87,11 @@ def _patch_front_end() -> None:
 
     def zerokld_process_inputs(self, *args, **kwargs):
         request = process_inputs(self, *args, **kwargs)
+        numerics = _numerics(self)
+        _NUMERICS["last"] = numerics
+        if numerics is not None:
+            _NUMERICS[request.request_id] = numerics  # the external id: vLLM adds a random suffix afterwards
+            _patch_openai_completions()
         sp = request.sampling_params
         if sp is not None and _enabled(self):
             if sp.seed is None:
@@ -82,11 +107,14 @@ def _patch_front_end() -> None:
     def zerokld_from_new_request(cls, tokenizer, request, *args, **kwargs):
         state = from_new_request(cls, tokenizer, request, *args, **kwargs)
         state.zerokld_seed = request.sampling_params.seed if request.sampling_params is not None else None
+        external = getattr(request, "external_req_id", None) or request.request_id
+        state.zerokld_numerics = _NUMERICS.pop(external, _NUMERICS.get("last"))  # n > 1 children: the parent's
         return state
 
     def zerokld_new_completion_output(self, *args, **kwargs):
         out = new_completion_output(self, *args, **kwargs)
         out.zerokld_seed = getattr(self, "zerokld_seed", None)
+        out.zerokld_numerics = getattr(self, "zerokld_numerics", None)
         return out
 
     RequestState.from_new_request = classmethod(zerokld_from_new_request)
@@ -110,9 +138,10 @@ def _patch_openai_completions() -> None:
         response = original(self, final_res_batch, *args, **kwargs)
         outputs = [o for res in final_res_batch for o in res.outputs]
         for choice, out in zip(response.choices, outputs):  # vLLM appends choices in this order
-            seed = getattr(out, "zerokld_seed", None)
-            if seed is not None:
-                setattr(choice, "zerokld_seed", seed)
+            for field in ("zerokld_seed", "zerokld_numerics"):
+                value = getattr(out, field, None)
+                if value is not None:
+                    setattr(choice, field, value)
         return response
 
     with_seeds._zerokld = True

@@ -1,4 +1,6 @@
-"""The one ``zerokld`` plugin manager: built-ins first, then installed plugins (entry-point group ``zerokld``).
+"""The one ``zerokld`` plugin manager: every provider is an entry point of the ``zerokld`` group — zerokld's own
+packages first (``shared_numerics``, ``deltasync``, ``zerokld_models``: each registers its own built-ins), then
+installed third-party plugins, by name.
 
 Every loss, delta codec, storage, numerics backend and model adapter — ours included — is looked up here; there is no
 other registry. Names must be unique across providers: a second provider of a name is an error naming both.
@@ -55,15 +57,28 @@ def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide manager (created on first use)."""
     with _lock:
         if "pm" not in _state:
-            from . import builtin
-
             pm = pluggy.PluginManager(hookspecs.PROJECT)
             pm.add_hookspecs(hookspecs)
-            pm.register(builtin, name="zerokld.builtin")
-            pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+            for ep in _entry_points():
+                if not pm.has_plugin(ep.name):
+                    pm.register(ep.load(), name=ep.name)
             _state["pm"] = pm
             _state["table"] = _collect(pm)
         return _state["pm"]
+
+
+OWN_DISTRIBUTION = "zerokld"
+
+
+def _entry_points() -> list:
+    """The ``zerokld`` entry points: this distribution's first, then the others; each group by name."""
+    from importlib.metadata import entry_points
+
+    def key(ep):
+        dist = getattr(ep, "dist", None)
+        return (getattr(dist, "name", None) != OWN_DISTRIBUTION, ep.name)
+
+    return sorted(entry_points(group=hookspecs.PROJECT), key=key)
 
 
 def reset_plugin_manager() -> None:

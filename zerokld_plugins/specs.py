@@ -67,11 +67,22 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class ModelAdapterSpec:
-    """``vllm_model``: ``"module:Class"`` registered with vLLM's ``ModelRegistry`` for ``architecture``;
-    ``titan_config``: ``(hf_config: dict) -> TorchTitan model config``; ``titan_state_dict_adapter``: the TorchTitan
-    ``StateDictAdapter`` class converting between that model and HF weights."""
+    """One HF architecture on both sides (an ``zerokld_models/<arch>/`` folder registers one).
+
+    ``vllm_model``: the class registered with vLLM's ``ModelRegistry`` for ``architecture`` (stock unless the zerokld
+    switch is on); ``titan_config``: ``(zerokld_models.ModelConfig) -> TorchTitan model config``;
+    ``titan_state_dict_adapter``: the TorchTitan ``StateDictAdapter`` class between that model and HF weights;
+    ``titan_parallelize``: TorchTitan's ``parallelize_fn`` for it. Traits every side reads: ``qk_norm`` (per-head
+    RMSNorm of q and k, Qwen3), ``qkv_bias`` (q/k/v projections with bias, Qwen2), ``moe`` (a routed MoE block in
+    every layer, Qwen3-MoE), ``interleaved_rope`` (TorchTitan holds q/k rows interleaved: llama3's adapter permutes
+    them, the RoPE override undoes it)."""
 
     architecture: str
     vllm_model: str
     titan_config: Callable | str
     titan_state_dict_adapter: type | str
+    titan_parallelize: Callable | str = ""
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    moe: bool = False
+    interleaved_rope: bool = False

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import string
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from zerokld_models.checkpoint import write_checkpoint
 
 __all__ = ["SPECIAL_TOKENS", "TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
 
@@ -29,7 +31,12 @@ EXTRA_TOKENS = ["<answer>", "</answer>"]
 @dataclass
 class TinyModelSpec:
     """Dimensions of a tiny decoder. ``family`` is ``"qwen3"`` (q/k RMSNorm), ``"qwen3_moe"`` (Qwen3 attention, every
-    layer's MLP a top-k routed MoE, no shared expert, as Qwen3-MoE) or ``"llama"``.
+    layer's MLP a top-k routed MoE, no shared expert, as Qwen3-MoE), ``"llama"`` or ``"qwen2"`` (Qwen2/Qwen2.5: q, k
+    and v projections with a bias).
+
+    ``rope_scaling``: an HF ``rope_scaling`` dict (Llama 3.x: ``{"rope_type": "llama3", "factor": ...}``);
+    ``rope_parameters_only``: write the RoPE settings only as transformers >= 4.56 does, in ``rope_parameters``
+    (``rope_theta`` and the scaling inside it, no top-level ``rope_theta``).
 
     MoE fields (``qwen3_moe`` only): ``num_experts``, ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``,
     ``norm_topk_prob``; ``router_ties``: copy router row ``2j`` into row ``2j + 1`` (experts keep distinct weights),
@@ -53,6 +60,8 @@ class TinyModelSpec:
     moe_intermediate_size: int = 64
     norm_topk_prob: bool = True
     router_ties: bool = False
+    rope_scaling: dict | None = None
+    rope_parameters_only: bool = False
 
 
 def make_tokenizer(out_dir: str | Path) -> int:
@@ -92,7 +101,7 @@ def make_tokenizer(out_dir: str | Path) -> int:
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
     arch = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-            "llama": ("LlamaForCausalLM", "llama")}
+            "llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
     if spec.family not in arch:
         raise ValueError(f"unknown family {spec.family!r}; expected one of {sorted(arch)}")
     name, model_type = arch[spec.family]
@@ -119,6 +128,14 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
     }
     if spec.family == "llama":
         cfg["mlp_bias"] = False
+    if spec.family == "qwen2":
+        del cfg["attention_bias"], cfg["head_dim"]  # Qwen2Config has neither: q/k/v always carry a bias
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_hidden_layers)
+    if spec.rope_scaling:
+        cfg["rope_scaling"] = dict(spec.rope_scaling)
+    if spec.rope_parameters_only:
+        cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default",
+                                  **cfg.pop("rope_scaling", {})}
     if spec.family == "qwen3_moe":
         cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
                    moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=spec.norm_topk_prob,
@@ -146,7 +163,8 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
     """Build an HF checkpoint directory.
 
     Args:
-        out_dir: directory to create (existing files are overwritten).
+        out_dir: directory to create (an existing one is replaced; written atomically by
+            :func:`zerokld_models.checkpoint.write_checkpoint`).
         spec: dimensions and family; defaults to a 2-layer Qwen3 of hidden size 64.
         seed: ``torch.Generator`` seed for the random init (normal, std ``spec.init_std``; norms = 1).
         dtype: ``"float32"`` or ``"bfloat16"``, stored dtype and ``torch_dtype``.
@@ -158,7 +176,13 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
     spec = spec or TinyModelSpec()
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out = Path(out_dir)
-    vocab = make_tokenizer(out)
+    with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
+        vocab = make_tokenizer(tok_dir)
+        return _write(out, spec, seed, dtype, tdtype, vocab, tok_dir)
+
+
+def _write(out: Path, spec: TinyModelSpec, seed: int, dtype: str, tdtype: torch.dtype, vocab: int,
+           tok_dir: str) -> Path:
     cfg = _hf_config(spec, vocab, dtype)
     g = torch.Generator().manual_seed(seed)
 
@@ -176,6 +200,9 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
         w[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
         w[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
         w[p + "self_attn.o_proj.weight"] = rnd(h, nq * hd)
+        if spec.family == "qwen2":
+            for name, n in (("q", nq * hd), ("k", nkv * hd), ("v", nkv * hd)):
+                w[p + f"self_attn.{name}_proj.bias"] = rnd(n) * 4
         if spec.family in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = torch.ones(hd, dtype=tdtype)
             w[p + "self_attn.k_norm.weight"] = torch.ones(hd, dtype=tdtype)
@@ -188,8 +215,10 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
     w["model.norm.weight"] = torch.ones(h, dtype=tdtype)
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = rnd(vocab, h) * 4
-    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
-    (out / "zerokld_spec.json").write_text(json.dumps({**asdict(spec), "seed": seed, "dtype": dtype}, indent=2))
-    return out
+
+    def extra_files(tmp: Path) -> None:
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                                "pad_token_id": 0}))
+        (tmp / "zerokld_spec.json").write_text(json.dumps({**asdict(spec), "seed": seed, "dtype": dtype}, indent=2))
+
+    return write_checkpoint(out, {"model.safetensors": w}, assets_dir=tok_dir, config=cfg, finalize=extra_files)

@@ -15,10 +15,10 @@ import torch
 __all__ = ["completion_logprobs", "prompt_logprobs", "reload_weights", "shutdown_llm", "start_llm"]
 
 
-def start_llm(model: str, dtype: str = "float32", zerokld: bool = True, max_model_len: int = 512,
+def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, max_model_len: int = 512,
               max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
               fp8: bool | str = False, **kwargs: Any):
-    """A ``vllm.LLM`` on CPU; ``zerokld`` switches ``additional_config={"zerokld": {"batch_invariant": ...}}``;
+    """A ``vllm.LLM`` on CPU; ``batch_invariant`` switches ``additional_config={"zerokld": {"batch_invariant": ...}}``;
     ``fp8`` (``True`` / ``"per_channel"`` / ``"block"``) adds online FP8 serving with that granularity."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm import LLM
@@ -27,7 +27,7 @@ def start_llm(model: str, dtype: str = "float32", zerokld: bool = True, max_mode
     if max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = max_num_batched_tokens
         extra["enable_chunked_prefill"] = True
-    section: dict[str, Any] = {"batch_invariant": zerokld}
+    section: dict[str, Any] = {"batch_invariant": batch_invariant}
     if fp8:
         section.update(fp8=True, fp8_granularity="per_channel" if fp8 is True else fp8)
     return LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=max_model_len,

@@ -1,4 +1,4 @@
-"""GRPO on the countdown task, twice side by side: ``--numerics zerokld`` and ``--numerics stock``.
+"""GRPO on the countdown task, twice side by side: ``--runs zerokld`` (batch-invariant numerics on both sides) and ``--runs stock``.
 
 One command (``python -m examples.countdown.run``, or ``make demo``) builds a tiny Qwen3 checkpoint, warm-starts it with
 SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts from
@@ -38,7 +38,8 @@ MOE_SPEC = TinyModelSpec(family="qwen3_moe", hidden_size=128, num_hidden_layers=
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/countdown", help="output root")
-    ap.add_argument("--numerics", choices=["both", "zerokld", "stock"], default="both")
+    ap.add_argument("--runs", choices=["both", "zerokld", "stock"], default="both",
+                    help="zerokld: vLLM and TorchTitan with batch_invariant on; stock: both off")
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     ap.add_argument("--prompts-per-step", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=4, help="completions per prompt (GRPO group)")
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--full-every", type=int, default=10, help="weight sync: a full snapshot every N steps, arc_v2 "
                     "incremental snapshots in between")
     ap.add_argument("--keep-snapshots", action="store_true", help="keep every shipped snapshot under "
-                    "<out>/<numerics>/sync/snapshots (benchmarks/delta.py reads them)")
+                    "<out>/<run>/sync/snapshots (benchmarks/delta.py reads them)")
     ap.add_argument("--fp8", choices=["per_channel", "block"], default=None,
                     help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
                     "FP8 QAT with the same math; stock: vLLM's own FP8 (quantization=fp8_per_channel) and a "
@@ -70,8 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.moe and args.fp8:
         ap.error("--moe with --fp8: zerokld serves MoE experts in bf16/fp32 only")
-    if args.fp8 == "block" and args.numerics != "zerokld":
-        ap.error("--fp8 block: vLLM-CPU has no stock per-block FP8 to compare with; add --numerics zerokld")
+    if args.fp8 == "block" and args.runs != "zerokld":
+        ap.error("--fp8 block: vLLM-CPU has no stock per-block FP8 to compare with; add --runs zerokld")
     return args
 
 
@@ -96,6 +97,7 @@ class Tok:
 
 def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
     """Supervised warm start on solver answers (advantage-1 on-policy steps = token-mean cross-entropy)."""
+    from shared_numerics.rollout import RolloutBatch
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     trainer = RLTrainer(rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr,
@@ -106,7 +108,7 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
         for _ in tqdm(range(args.sft_steps), desc="SFT warm start", unit="step"):
             batch = rng.sample(problems, args.sft_batch)
             seqs = [tok.prompt(p) + tok.answer(p) for p in batch]
-            trainer.rl_step(seqs, [len(tok.prompt(p)) for p in batch], [1.0] * len(batch), None)
+            trainer.rl_step(RolloutBatch(seqs, [len(tok.prompt(p)) for p in batch], [1.0] * len(batch)))
         return trainer.save_hf(out / "sft", args.dtype)
     finally:
         trainer.close()
@@ -124,9 +126,10 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
 
     import shared_numerics as sn
     from examples.countdown.sync import DeltaSync
+    from shared_numerics.rollout import RolloutBatch
     from titan_plugin.losses import grpo_advantages
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from zerokld_testing.engines import completion_logprobs, shutdown_llm, start_llm
+    from zerokld_testing.engines import shutdown_llm, start_llm
 
     zk = numerics == "zerokld"
     run_dir = out / numerics
@@ -137,13 +140,13 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     replay = args.moe and zk and not args.no_routing_replay
     if replay:
         engine_kw["enable_return_routed_experts"] = True
-    llm = start_llm(str(init), dtype=args.dtype, zerokld=zk, max_model_len=256, seed=args.seed, **engine_kw)
+    llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed, **engine_kw)
     trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
-                                          zerokld=zk, loss_fn=args.loss_fn,
+                                          batch_invariant=zk, loss_fn=args.loss_fn,
                                           loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
                                           fp8=args.fp8 if zk else None))
     sync = DeltaSync(run_dir / "sync", args.dtype, init, llm, full_every=args.full_every,
-                     keep_snapshots=args.keep_snapshots)
+                     keep_snapshots=args.keep_snapshots, numerics=trainer.numerics)
     problems = generate_problems(args.steps * args.prompts_per_step, seed=args.seed + 7)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)
     try:
@@ -158,10 +161,11 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
             comps = [list(o.outputs[0].token_ids) for o in outs]
             rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group)])
             adv = grpo_advantages(rewards, args.group_size)
-            sampler_lp = [completion_logprobs(o) for o in outs]
-            routes = [o.outputs[0].routed_experts for o in outs] if replay else None
-            res = trainer.rl_step([x + c for x, c in zip(prompts, comps)], [len(x) for x in prompts], adv.tolist(),
-                                  sampler_lp, routed_experts=routes)
+            rollouts = RolloutBatch.from_vllm(outs, adv.tolist(), snapshot_identity=sync.identity)
+            if not replay:
+                rollouts.routed_experts = None
+            res = trainer.rl_step(rollouts)  # refuses rollouts sampled in another numerics mode
+            sampler_lp = rollouts.sampler_logprobs
             kl = sn.logprob_diff_metrics(res["train_logprobs"], sampler_lp, args.clip_low, args.clip_high)
             t_train = time.perf_counter() - t0 - t_roll
             sync_stats = sync.push(trainer, llm, step)
@@ -201,7 +205,7 @@ def main(argv=None) -> None:
     tok = Tok(base)
     t0 = time.perf_counter()
     init = sft_warm_start(base, out, args, tok) if args.sft_steps > 0 else base
-    modes = ["zerokld", "stock"] if args.numerics == "both" else [args.numerics]
+    modes = ["zerokld", "stock"] if args.runs == "both" else [args.runs]
     paths = {m: run_rl(m, init, out, args, tok) for m in modes}
     from examples.countdown.plots import plot_curves, summarize
 

@@ -1,12 +1,12 @@
-"""Trainer → rollout-engine weight sync for the example, with the snapshot protocol of :mod:`deltasync`.
+"""Trainer → rollout-engine weight sync for the example, through the same protocol and replica as a server.
 
-:class:`DeltaSync` pushes each step's weights with :meth:`deltasync.HotLoadClient.push` — a
+:class:`DeltaSync` pushes each step's weights with :meth:`deltasync.HotLoadClient.push`: a
 :class:`deltasync.SnapshotWriter` decides full (first, and every ``full_every`` steps) or ``arc_v2`` incremental
-(against the last loaded snapshot), the client signals, and a refused incremental snapshot falls back to a full one.
-The example's engine is an offline ``vllm.LLM`` rather than ``vllm serve``, so the signal goes to
-:class:`OfflineHotLoadClient`, which does in-process what the server's hot-load manager (:mod:`vllm_plugin.hotload`)
-does over HTTP: decode a delta onto the snapshot it serves (verified before anything is published), reload the
-result in place, reset the prefix cache.
+(against the last loaded snapshot) and stamps the trainer's numerics mode into each snapshot; the signal goes to a
+:class:`vllm_plugin.hotload.offline.OfflineReplica` — :class:`deltasync.Replica` over the example's offline
+``vllm.LLM`` — which checks the ledger (replay, chain), the numerics stamp against the engine's, verifies/decodes
+the snapshot before anything is swapped, reloads in place and resets the prefix cache. A refused incremental
+snapshot falls back to a full one.
 """
 from __future__ import annotations
 
@@ -14,45 +14,44 @@ import shutil
 import time
 from pathlib import Path
 
-from deltasync import (HotLoadClient, HotLoadRefused, SnapshotError, SnapshotWriter, materialize_snapshot,
-                       tensor_spec)
-from zerokld_testing.engines import reload_weights
+from deltasync import HotLoadClient, HotLoadConfig, HotLoadError, HotLoadRefused, SnapshotWriter
 
 __all__ = ["DeltaSync", "OfflineHotLoadClient"]
 
 
 class OfflineHotLoadClient(HotLoadClient):
-    """A :class:`deltasync.HotLoadClient` whose replica is an offline ``vllm.LLM`` in this process."""
+    """A :class:`deltasync.HotLoadClient` whose one replica is in this process (no HTTP)."""
 
-    def __init__(self, llm, initial_dir: Path, state_dir: Path) -> None:
+    def __init__(self, replica) -> None:
         super().__init__([])
-        self.llm, self.served, self.state = llm, Path(initial_dir), Path(state_dir)
-        self.spec = tensor_spec(initial_dir)
+        self.replica = replica
 
     def signal(self, info) -> None:
         try:
-            base = self.served if info.kind == "incremental" else None
-            path = materialize_snapshot(info.path, self.state / info.identity, self.spec, base,
-                                        info.compression_format)
-        except SnapshotError as e:  # refused: the served weights are untouched
-            raise HotLoadRefused(422, str(e)) from e
-        reload_weights(self.llm, str(path))
-        if self.served.parent == self.state:
-            shutil.rmtree(self.served, ignore_errors=True)
-        self.served = path
+            self.replica.load(self.signal_for(info))
+        except HotLoadError as e:  # refused: the served weights are untouched
+            raise HotLoadRefused(e.status, str(e)) from e
 
 
 class DeltaSync:
-    """Per-step sync; ``push`` returns the metrics the example logs."""
+    """Per-step sync; ``push`` returns the metrics the example logs; ``identity`` is the snapshot serving."""
 
     def __init__(self, root: Path, dtype: str, initial_dir: Path, llm, full_every: int = 10,
-                 keep_snapshots: bool = False) -> None:
+                 keep_snapshots: bool = False, numerics=None) -> None:
+        from vllm_plugin.hotload.offline import OfflineReplica
+
         root = Path(root)
         self.dtype, self.keep_snapshots = dtype, keep_snapshots
         self.writer = SnapshotWriter(root / "snapshots", initial_dir, full_every=full_every,
-                                     cache_dir=root / "writer_cache")
-        self.client = OfflineHotLoadClient(llm, initial_dir, root / "replica")
+                                     cache_dir=root / "writer_cache", numerics=numerics)
+        self.replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(root / "snapshots"),
+                                                         state_dir=str(root / "replica")), initial_dir)
+        self.client = OfflineHotLoadClient(self.replica)
         self._shipped: list[Path] = []
+
+    @property
+    def identity(self) -> str:
+        return self.replica.ledger.current_identity
 
     def push(self, trainer, llm, step: int) -> dict:
         """Returns ``sync_kind``, ``sync_bytes`` (shipped), ``full_bytes``, ``delta_density``, ``swap_seconds``

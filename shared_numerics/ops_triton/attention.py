@@ -50,7 +50,7 @@ import triton.language as tl
 __all__ = ["CONFIGS", "AttnConfig", "SPLIT", "dense_causal_attention", "paged_causal_attention",
            "queries_per_tile"]
 
-SPLIT = 512  # keys per split (absolute positions); part of the numerics contract
+from ..attention import SPLIT  # noqa: E402  keys per split (absolute positions); part of the numerics contract
 
 
 @dataclass(frozen=True)

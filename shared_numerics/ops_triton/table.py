@@ -1,6 +1,7 @@
 """The ``triton`` backend's op table (same names and signatures as :data:`shared_numerics.ops_torch.OPS`)."""
 from __future__ import annotations
 
+from ..op_names import op_table
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -33,20 +34,4 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
     return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
 
 
-OPS = {
-    "linear": linear,
-    "rms_norm": rms_norm,
-    "add_rms_norm": add_rms_norm,
-    "rms_norm_rope": rms_norm_rope,
-    "rope_cos_sin": rope_cos_sin,  # float64 tables from positions: device-agnostic torch, same bits everywhere
-    "apply_rope": apply_rope,
-    "silu_and_mul": silu_and_mul,
-    "log_softmax": log_softmax,
-    "selected_logprobs": selected_logprobs,
-    "dense_causal_attention": dense_causal_attention,
-    "paged_causal_attention": paged_causal_attention,
-    "fp8_linear": fp8_linear,
-    "fp8_linear_qat": fp8_linear_qat,
-    "quantize_fp8_weight": quantize_fp8_weight,
-    "fused_selected_logprobs": fused_selected_logprobs,
-}
+OPS = op_table(globals())  # every name of shared_numerics.op_names.OP_NAMES, in that order

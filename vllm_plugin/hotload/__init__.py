@@ -1,2 +1,3 @@
-"""Delta hot-load for vLLM: :mod:`.manager` (ledger, verify, swap) and :mod:`.endpoint` (the HTTP API, a
-``vllm.endpoint_plugins`` entry point)."""
+"""Hot-load for vLLM: two thin adapters of :class:`deltasync.Replica` (the protocol and state machine live in
+:mod:`deltasync`): :mod:`.endpoint` (the HTTP API on the OpenAI server, a ``vllm.endpoint_plugins`` entry point, over
+:class:`.engine.ServerEngine`) and :mod:`.offline` (an offline ``vllm.LLM``)."""

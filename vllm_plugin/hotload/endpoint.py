@@ -1,6 +1,7 @@
 """The hot-load HTTP API on vLLM's OpenAI server, as a ``vllm.endpoint_plugins`` entry point (``zerokld_hotload``).
 
-Switch it on with both plugin names allow-listed and the ``hot_load`` section in the zerokld config::
+The replica state machine and the wire protocol are :mod:`deltasync`'s (:class:`deltasync.Replica`,
+:mod:`deltasync.protocol`); this module only maps HTTP onto them. Switch it on with both plugin names allow-listed and the ``hot_load`` section in the zerokld config::
 
     VLLM_PLUGINS=zerokld,zerokld_hotload python -m vllm.entrypoints.openai.api_server --model DIR ... \\
         --additional-config '{"zerokld": {"batch_invariant": true,
@@ -25,26 +26,15 @@ Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API 
 """
 from __future__ import annotations
 
-import json
+import os
 import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from deltasync.protocol import DRAIN_HEADER, IDENTITY_HEADER, PREFIX, TRANSITION_HEADER, HotLoadError, Signal
+
 __all__ = ["ZeroKLDHotLoadEndpoint"]
-
-PREFIX = "/zerokld/v1/hot_load"
-IDENTITY_HEADER = "x-zerokld-snapshot-identity"
-TRANSITION_HEADER = "x-zerokld-hot-load-transition"
-DRAIN_HEADER = "x-zerokld-hot-load-drain-timeout"
-
-
-def _hot_load_config(args) -> dict | None:
-    extra = getattr(args, "additional_config", None) or {}
-    if isinstance(extra, str):
-        extra = json.loads(extra)
-    section = (extra or {}).get("zerokld", {}) or {}
-    return section.get("hot_load")
 
 
 class ZeroKLDHotLoadEndpoint:
@@ -72,8 +62,6 @@ class ZeroKLDHotLoadEndpoint:
         return None
 
     def attach_router(self, app: FastAPI) -> None:
-        from .manager import HotLoadError, Signal
-
         @app.post(PREFIX)
         async def signal(request: Request):
             if (resp := self._guard(request)) is not None:
@@ -132,14 +120,21 @@ class ZeroKLDHotLoadEndpoint:
             return response
 
     async def init_state(self, engine_client, state, args) -> None:
-        from .manager import HotLoadManager
+        from deltasync import Replica
 
-        cfg = _hot_load_config(args)
-        if not cfg or engine_client is None:
+        from ..config import ZeroKLDConfigError, from_vllm_config
+        from .engine import ServerEngine
+
+        if engine_client is None:
+            return
+        try:
+            cfg = from_vllm_config(engine_client.vllm_config).hot_load
+        except ZeroKLDConfigError:
+            return  # the model constructor already refused the engine at start
+        if cfg is None:
             return
         key = getattr(args, "api_key", None)
         self.api_keys = [key] if isinstance(key, str) else list(key or [])
-        self.manager = HotLoadManager(engine_client, cfg["snapshot_root"], cfg.get("state_dir") or
-                                      f"{cfg['snapshot_root']}/.zerokld_state", args.model,
-                                      cfg.get("initial_identity", "initial"), cfg.get("keep_materialized", 2))
+        fault_delay = float(os.environ.get("ZEROKLD_HOTLOAD_FAULT_DELAY_S", "0") or 0)  # fault-injection tests
+        self.manager = Replica(ServerEngine(engine_client), cfg, args.model, fault_delay=fault_delay)
         await self.manager.restore()

@@ -1,4 +1,5 @@
-"""Dense decoders (Qwen3, Llama) for vLLM built only from ``shared_numerics`` ops.
+"""The generic dense decoder for vLLM built only from ``shared_numerics`` ops; the architecture folders
+(``zerokld_models/<arch>/vllm.py``) specialise it by their traits (QK-norm, q/k/v bias).
 
 Each registered class subclasses vLLM's own class for the architecture: with the zerokld flag off it *is* the stock
 model (``super().__init__``, stock forward); with ``additional_config={"zerokld": {"batch_invariant": true}}`` it
@@ -29,18 +30,17 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.llama import LlamaForCausalLM
-from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
+from zerokld_models import ModelConfig, read_model_config, unsupported_features
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
 from ..sampler import check_sampler_supported
 
-__all__ = ["DenseDecoder", "ZeroKLDLlamaForCausalLM", "ZeroKLDQwen3ForCausalLM"]
+__all__ = ["DenseDecoder", "ZeroKLDMixin", "check_supported"]
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -61,9 +61,10 @@ class _Proj(nn.Module):
     """One decoder projection ``[out, in]`` with HF parameter names (``weight``; FP8 checkpoints add
     ``weight_scale``)."""
 
-    def __init__(self, out_features: int, in_features: int, fp8: Fp8Mode) -> None:
+    def __init__(self, out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False) -> None:
         super().__init__()
         self.fp8 = fp8
+        self.bias = _param(out_features) if bias else None
         if fp8.kind == "serialized":
             self.weight = _param(out_features, in_features, dtype=sn_fp8.FP8_DTYPE)
             if fp8.granularity == "block":
@@ -83,7 +84,7 @@ class _Proj(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.fp8.kind
         if kind == "off":
-            return sn.linear(x, self.weight)
+            return sn.linear(x, self.weight, self.bias)
         if kind == "serialized":
             return sn.fp8_linear(x, self.weight, self.weight_scale, self.fp8.granularity)
         if self._codes is None:
@@ -91,15 +92,15 @@ class _Proj(nn.Module):
         return sn.fp8_linear(x, self._codes, self._scales, self.fp8.granularity)
 
 
-def check_supported(vllm_config, family: str) -> None:
-    """Refuse, at start, every feature the batch-invariant path does not implement.
+def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
+    """Refuse, at start, every feature the batch-invariant path does not implement: the architecture's
+    (:func:`zerokld_models.unsupported_features`, the check the trainer runs too) and the engine's.
 
     Raises:
         ZeroKLDConfigError: naming each unsupported setting.
     """
-    hf = vllm_config.model_config.hf_config
     pc = vllm_config.parallel_config
-    problems = []
+    problems = unsupported_features(cfg, adapter)
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         problems.append("tensor/pipeline parallelism (use TP=PP=1)")
     if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
@@ -110,25 +111,11 @@ def check_supported(vllm_config, family: str) -> None:
                         f"{QUANT_METHOD} checkpoint)")
     if vllm_config.lora_config is not None:
         problems.append("LoRA")
-    if getattr(hf, "rope_scaling", None) not in (None, {}) and (hf.rope_scaling or {}).get("rope_type", "default") \
-            not in ("default",):
-        problems.append(f"rope_scaling {hf.rope_scaling}")
-    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
-        problems.append("attention/MLP bias")
-    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", family == "llama"):
-        problems.append("sliding-window attention")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        problems.append(f"activation {hf.hidden_act}")
+    if adapter.qkv_bias and (from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config)):
+        problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
     if problems:
-        raise ZeroKLDConfigError("zerokld batch_invariant mode does not support: " + "; ".join(problems))
-
-
-def _rope_theta(hf) -> float:
-    theta = getattr(hf, "rope_theta", None)
-    if theta is None:
-        params = getattr(hf, "rope_parameters", None) or {}
-        theta = params.get("rope_theta", 10000.0)
-    return float(theta)
+        raise ZeroKLDConfigError(f"zerokld batch_invariant mode does not support ({cfg.architecture}): "
+                                 + "; ".join(problems))
 
 
 class _DenseMLP(nn.Module):
@@ -145,18 +132,19 @@ class _DenseMLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, hf, qk_norm: bool, vllm_config, prefix: str, fp8: Fp8Mode, mlp: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, adapter, vllm_config, prefix: str, fp8: Fp8Mode,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        h, nq, nkv = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads
-        hd = getattr(hf, "head_dim", None) or h // nq
-        self.nq, self.nkv, self.hd, self.eps = nq, nkv, hd, hf.rms_norm_eps
+        h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qk_norm = adapter.qk_norm
+        self.nq, self.nkv, self.hd, self.eps = nq, nkv, hd, cfg.rms_norm_eps
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = _param(h)
         self.post_attention_layernorm = nn.Module()
         self.post_attention_layernorm.weight = _param(h)
         sa = self.self_attn = nn.Module()
         for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            setattr(sa, name, _Proj(out, h, fp8))
+            setattr(sa, name, _Proj(out, h, fp8, bias=adapter.qkv_bias))
         sa.o_proj = _Proj(h, nq * hd, fp8)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -165,7 +153,7 @@ class _Layer(nn.Module):
             sa.k_norm = nn.Module()
             sa.k_norm.weight = _param(hd)
         # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
-        self.mlp = mlp if mlp is not None else _DenseMLP(h, hf.intermediate_size, fp8)
+        self.mlp = mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8)
         sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
@@ -195,32 +183,30 @@ class _Layer(nn.Module):
 class DenseDecoder(nn.Module):
     """The batch-invariant decoder body; parameters under ``model.`` and ``lm_head`` with HF names."""
 
-    def __init__(self, vllm_config, qk_norm: bool, prefix: str = "", fp8: Fp8Mode | None = None,
+    def __init__(self, vllm_config, cfg: ModelConfig, adapter, prefix: str = "", fp8: Fp8Mode | None = None,
                  mlp_factory=None) -> None:
         super().__init__()
-        hf = vllm_config.model_config.hf_config
         fp8 = fp8 or Fp8Mode()
-        self.hf = hf
+        self.cfg = cfg
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(hf.vocab_size, hf.hidden_size)
+        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [_Layer(hf, qk_norm, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None)
-             for i in range(hf.num_hidden_layers)]
+            [_Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None)
+             for i in range(cfg.num_hidden_layers)]
         )
         self.norm = nn.Module()
-        self.norm.weight = _param(hf.hidden_size)
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.theta = _rope_theta(hf)
+        self.norm.weight = _param(cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens.weight[input_ids]
-        cos, sin = sn.rope_cos_sin(positions, self.head_dim, self.theta)
+        cfg = self.cfg
+        cos, sin = sn.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin)
         if delta is None:
-            return sn.rms_norm(h, self.norm.weight, self.hf.rms_norm_eps)
-        return sn.add_rms_norm(h, delta, self.norm.weight, self.hf.rms_norm_eps)[1]
+            return sn.rms_norm(h, self.norm.weight, cfg.rms_norm_eps)
+        return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
 
 
 def _install_sampler_logprobs() -> None:
@@ -247,32 +233,36 @@ def _fp8_mode(vllm_config, cfg) -> Fp8Mode:
     return Fp8Mode()
 
 
-class _ZeroKLDMixin:
-    _family = ""
-    _qk_norm = False
+class ZeroKLDMixin:
+    """Base of every architecture folder's vLLM class (``class X(ZeroKLDMixin, vLLMsX): adapter = ADAPTER``):
+    vLLM's model unless the zerokld switch is on, then :class:`DenseDecoder` specialised by ``adapter``'s traits."""
+
+    adapter = None  # the architecture's zerokld_plugins.ModelAdapterSpec
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         cfg = from_vllm_config(vllm_config)
-        self.zerokld_enabled = cfg.batch_invariant
+        self.batch_invariant = cfg.batch_invariant
         if not cfg.batch_invariant:
             if _is_zerokld_fp8(vllm_config):
                 raise ZeroKLDConfigError(f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
                                          "additional_config={'zerokld': {'batch_invariant': true}}")
             super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
             return
-        check_supported(vllm_config, self._family)
+        self.model_cfg = read_model_config(vllm_config.model_config.hf_config)
+        check_supported(vllm_config, self.model_cfg, self.adapter)
         check_sampler_supported(vllm_config)
         nn.Module.__init__(self)
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
         self.fp8 = _fp8_mode(vllm_config, cfg)
-        self.model = DenseDecoder(vllm_config, self._qk_norm, prefix=f"{prefix}model." if prefix else "model.",
-                                  fp8=self.fp8, mlp_factory=self._mlp_factory(vllm_config))
-        if self.config.tie_word_embeddings:
+        self.model = DenseDecoder(vllm_config, self.model_cfg, self.adapter,
+                                  prefix=f"{prefix}model." if prefix else "model.", fp8=self.fp8,
+                                  mlp_factory=self._mlp_factory(vllm_config))
+        if self.model_cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = nn.Module()
-            self.lm_head.weight = _param(self.config.vocab_size, self.config.hidden_size)
+            self.lm_head.weight = _param(self.model_cfg.vocab_size, self.model_cfg.hidden_size)
         _install_sampler_logprobs()
 
     def _mlp_factory(self, vllm_config):
@@ -293,31 +283,31 @@ class _ZeroKLDMixin:
         p.weight_loader(p, tensor)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.zerokld_enabled:
+        if not self.batch_invariant:
             return super().embed_input_ids(input_ids)
         return self.model.embed_tokens.weight[input_ids]
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        if not self.zerokld_enabled:
+        if not self.batch_invariant:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         if inputs_embeds is not None or intermediate_tensors is not None:
             raise NotImplementedError("zerokld: inputs_embeds / pipeline intermediate tensors are not supported")
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor):
-        if not self.zerokld_enabled:
+        if not self.batch_invariant:
             return super().compute_logits(hidden_states)
         return sn.linear(hidden_states, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if not self.zerokld_enabled:
+        if not self.batch_invariant:
             return super().load_weights(weights)
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and self.model_cfg.tie_word_embeddings:
                 continue
             self._load_tensor(params, name, tensor)
             loaded.add(name)
@@ -327,20 +317,6 @@ class _ZeroKLDMixin:
                 owner = modules.get(name.rsplit(".", 1)[0])
                 if isinstance(owner, _Proj):
                     owner.quantize()
-        if self.config.tie_word_embeddings:
+        if self.model_cfg.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
-
-
-class ZeroKLDQwen3ForCausalLM(_ZeroKLDMixin, Qwen3ForCausalLM):
-    """``Qwen3ForCausalLM``: stock unless the zerokld flag is on."""
-
-    _family = "qwen3"
-    _qk_norm = True
-
-
-class ZeroKLDLlamaForCausalLM(_ZeroKLDMixin, LlamaForCausalLM):
-    """``LlamaForCausalLM``: stock unless the zerokld flag is on."""
-
-    _family = "llama"
-    _qk_norm = False

@@ -1,8 +1,9 @@
 """Qwen3-MoE for vLLM on ``shared_numerics.moe`` (router, top-k with lowest-id ties, row-invariant experts, fixed
 combine order), plus the per-KV-slot record of routed experts that serves vLLM's own ``enable_return_routed_experts``.
 
-With the zerokld flag off :class:`ZeroKLDQwen3MoeForCausalLM` *is* vLLM's ``Qwen3MoeForCausalLM`` (FusedMoE). With it on,
-each decoder layer is the Qwen3 attention of :mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`:
+:class:`ZeroKLDMoEMixin` is the base of ``zerokld_models/qwen3_moe``'s vLLM class: with the zerokld flag off the class
+*is* vLLM's ``Qwen3MoeForCausalLM`` (FusedMoE). With it on, each decoder layer is the Qwen3 attention of
+:mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`:
 ``out, ids = shared_numerics.moe.moe_forward(f, gate, experts..., top_k, norm_topk_prob)``.
 
 Routing capture: when ``enable_return_routed_experts`` is on, the model writes each computed token's expert ids
@@ -17,14 +18,12 @@ import re
 
 import torch
 from torch import nn
-from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
-
 import shared_numerics.moe as sn_moe
 
 from ..config import ZeroKLDConfigError
-from .dense import _param, _ZeroKLDMixin
+from .dense import ZeroKLDMixin, _param
 
-__all__ = ["MoEBlock", "RouteCache", "ZeroKLDQwen3MoeForCausalLM"]
+__all__ = ["MoEBlock", "RouteCache", "ZeroKLDMoEMixin"]
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
@@ -97,21 +96,10 @@ class RouteCache:
         return self.rows[slots.long()]
 
 
-def _moe_dims(hf) -> tuple[int, int, int, bool]:
-    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
-    return experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(getattr(hf, "norm_topk_prob", True))
-
-
 def check_moe_supported(vllm_config, fp8_kind: str) -> None:
-    """Raise :class:`ZeroKLDConfigError` for Qwen3-MoE settings the zerokld path does not implement."""
-    hf = vllm_config.model_config.hf_config
+    """Raise :class:`ZeroKLDConfigError` for MoE engine settings the zerokld path does not implement (the model's own
+    MoE structure is checked by :func:`zerokld_models.unsupported_features`)."""
     problems = []
-    if getattr(hf, "mlp_only_layers", None):
-        problems.append(f"mlp_only_layers {hf.mlp_only_layers} (every layer must be MoE)")
-    if getattr(hf, "decoder_sparse_step", 1) != 1:
-        problems.append(f"decoder_sparse_step {hf.decoder_sparse_step}")
-    if getattr(hf, "shared_expert_intermediate_size", 0):
-        problems.append("shared experts")
     if fp8_kind != "off":
         problems.append("FP8 for MoE experts")
     if vllm_config.parallel_config.enable_expert_parallel:
@@ -120,30 +108,27 @@ def check_moe_supported(vllm_config, fp8_kind: str) -> None:
         raise ZeroKLDConfigError("zerokld Qwen3-MoE does not support: " + "; ".join(problems))
 
 
-class ZeroKLDQwen3MoeForCausalLM(_ZeroKLDMixin, Qwen3MoeForCausalLM):
-    """``Qwen3MoeForCausalLM``: stock unless the zerokld flag is on."""
-
-    _family = "qwen3_moe"
-    _qk_norm = True
+class ZeroKLDMoEMixin(ZeroKLDMixin):
+    """:class:`vllm_plugin.models.dense.ZeroKLDMixin` with :class:`MoEBlock` MLPs and routed-expert capture."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if not self.zerokld_enabled:
+        if not self.batch_invariant:
             return
         check_moe_supported(vllm_config, self.fp8.kind)
-        experts, top_k, _, _ = _moe_dims(self.config)
+        cfg = self.model_cfg
         self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
-        self.route_cache = RouteCache(self.config.num_hidden_layers, top_k)
-        self.num_experts = experts
+        self.route_cache = RouteCache(cfg.num_hidden_layers, cfg.num_experts_per_tok)
+        self.num_experts = cfg.num_experts
 
     def _mlp_factory(self, vllm_config):
-        e, k, inter, norm = _moe_dims(vllm_config.model_config.hf_config)
-        h = vllm_config.model_config.hf_config.hidden_size
-        return lambda i: MoEBlock(h, inter, e, k, norm)
+        c = self.model_cfg
+        return lambda i: MoEBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                                  c.norm_topk_prob)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        if self.zerokld_enabled and self.capture_routes:
+        if self.batch_invariant and self.capture_routes:
             self._record_routes(input_ids.shape[0])
         return hidden
 
@@ -172,7 +157,7 @@ class ZeroKLDQwen3MoeForCausalLM(_ZeroKLDMixin, Qwen3MoeForCausalLM):
         stacked.weight_loader(stacked, tensor, e)
 
     def load_weights(self, weights):
-        if not self.zerokld_enabled:
+        if not self.batch_invariant:
             return super().load_weights(weights)
         seen: dict[str, set[int]] = {}
 

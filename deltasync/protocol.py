@@ -1,0 +1,152 @@
+"""The hot-load protocol, written once: wire constants, the signal schema, defaults and the replica's config.
+
+The trainer side (:class:`deltasync.HotLoadClient`), the replica (:class:`deltasync.Replica`) and every engine
+adapter (the vLLM server's endpoint :mod:`vllm_plugin.hotload`, the offline ``vllm.LLM`` adapter) read these and
+nothing else. Wire format (Fireworks' bring-your-own-trainer hot-load API, ``../shared/DESIGN.md`` §5)::
+
+    POST {PREFIX}                    {"identity", "incremental_snapshot_metadata"?: {"previous_snapshot_identity",
+                                      "compression_format", "checksum_format"}, "reset_prompt_cache"?}
+        headers {TRANSITION_HEADER}: async|sync, {DRAIN_HEADER}: <seconds>
+    GET  {PREFIX}/status             per replica current_snapshot_identity, readiness, loading_state
+    GET / DELETE {PREFIX}/ledger     the ledger; DELETE resets it (the next load must be full)
+
+Every ``/v1/*`` response carries :data:`IDENTITY_HEADER` (the snapshot serving when the request started).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
+
+from .ledger import IdentityError, validate_identity
+
+__all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
+           "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "Signal",
+           "TRANSITIONS", "TRANSITION_HEADER"]
+
+PREFIX = "/zerokld/v1/hot_load"
+IDENTITY_HEADER = "x-zerokld-snapshot-identity"
+TRANSITION_HEADER = "x-zerokld-hot-load-transition"
+DRAIN_HEADER = "x-zerokld-hot-load-drain-timeout"
+
+DEFAULT_COMPRESSION_FORMAT = "arc_v2"
+#: Fireworks spells Adler-32 ``alder32`` on the wire; the correct spelling is accepted too.
+DEFAULT_CHECKSUM_FORMAT = "alder32"
+CHECKSUM_FORMATS = ("alder32", "adler32")
+RESET_MODES = ("all", "new_session", "none")
+TRANSITIONS = ("async", "sync")
+DEFAULT_DRAIN_TIMEOUT_S = 90.0
+
+
+class HotLoadError(Exception):
+    """A refused or failed hot-load; ``status`` is the HTTP status the API answers with (400 bad identity, 404 no
+    such snapshot, 409 replay / out-of-order chain / full required / busy, 422 refused by verification, 425 drain
+    timeout, 500 reload failed and the previous snapshot restored)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HotLoadConfig(BaseModel):
+    """The replica's configuration (vLLM: ``additional_config["zerokld"]["hot_load"]``).
+
+    Attributes:
+        snapshot_root: where ``<identity>/`` snapshots are published: a directory, or an fsspec URL
+            (``s3://bucket/run``; fetched with :func:`deltasync.fetch_dir`, all or nothing).
+        state_dir: ledger + fetched and materialized snapshots; default ``<snapshot_root>/.zerokld_state`` (must be
+            local: required when ``snapshot_root`` is a URL).
+        initial_identity: identity of the weights the engine started with.
+        keep_materialized: decoded snapshots kept on disk (bases of the next deltas).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot_root: str
+    state_dir: str | None = None
+    initial_identity: str = "initial"
+    keep_materialized: int = 2
+
+    def resolved_state_dir(self) -> str:
+        """``state_dir``, or the default under a local ``snapshot_root``.
+
+        Raises:
+            ValueError: ``snapshot_root`` is a URL and no ``state_dir`` is given."""
+        if self.state_dir:
+            return self.state_dir
+        if "://" in self.snapshot_root and not self.snapshot_root.startswith("file://"):
+            raise ValueError("hot_load.state_dir is required when snapshot_root is a URL")
+        return f"{self.snapshot_root.removeprefix('file://')}/.zerokld_state"
+
+
+@dataclass
+class Signal:
+    """One hot-load request (the POST body plus the transition headers)."""
+
+    identity: str
+    previous_identity: str | None = None  # set: incremental snapshot
+    compression_format: str | None = None
+    checksum_format: str | None = None
+    reset_prompt_cache: str = "all"
+    transition: str = "async"
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+
+    @classmethod
+    def from_request(cls, body: object, transition: str | None = None, drain_timeout: float | None = None
+                     ) -> "Signal":
+        """Parse the POST body and headers.
+
+        Raises:
+            HotLoadError (400/422): malformed request.
+        """
+        if not isinstance(body, dict):
+            raise HotLoadError("request body must be a JSON object", 422)
+        try:
+            identity = validate_identity(body.get("identity"))
+        except IdentityError as e:
+            raise HotLoadError(str(e), 400) from e
+        meta = body.get("incremental_snapshot_metadata")
+        sig = cls(identity=identity, reset_prompt_cache=body.get("reset_prompt_cache") or "all",
+                  transition=transition or "async",
+                  drain_timeout=DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else drain_timeout)
+        if meta is not None:
+            if not isinstance(meta, dict) or "previous_snapshot_identity" not in meta:
+                raise HotLoadError("incremental_snapshot_metadata needs previous_snapshot_identity", 422)
+            try:
+                sig.previous_identity = validate_identity(meta["previous_snapshot_identity"])
+            except IdentityError as e:
+                raise HotLoadError(str(e), 400) from e
+            sig.compression_format = meta.get("compression_format", DEFAULT_COMPRESSION_FORMAT)
+            sig.checksum_format = meta.get("checksum_format", DEFAULT_CHECKSUM_FORMAT)
+            if sig.checksum_format not in CHECKSUM_FORMATS:
+                raise HotLoadError(f"unsupported checksum_format {sig.checksum_format!r} "
+                                   f"({DEFAULT_CHECKSUM_FORMAT})", 422)
+        if sig.reset_prompt_cache not in RESET_MODES:
+            raise HotLoadError(f"reset_prompt_cache must be one of {RESET_MODES}", 422)
+        if sig.transition not in TRANSITIONS:
+            raise HotLoadError(f"transition must be one of {TRANSITIONS}", 422)
+        if not sig.drain_timeout >= 0:
+            raise HotLoadError("drain timeout must be a non-negative number of seconds", 422)
+        return sig
+
+    @classmethod
+    def for_snapshot(cls, info, reset_prompt_cache: str = "all", transition: str = "async",
+                     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> "Signal":
+        """The signal announcing a written :class:`deltasync.SnapshotInfo`."""
+        incremental = info.kind == "incremental"
+        return cls(info.identity, info.previous_identity if incremental else None,
+                   info.compression_format if incremental else None,
+                   DEFAULT_CHECKSUM_FORMAT if incremental else None, reset_prompt_cache, transition, drain_timeout)
+
+    def body(self) -> dict:
+        """The POST body (inverse of :meth:`from_request`; the transition travels in headers)."""
+        body: dict = {"identity": self.identity, "reset_prompt_cache": self.reset_prompt_cache}
+        if self.previous_identity is not None:
+            body["incremental_snapshot_metadata"] = {
+                "previous_snapshot_identity": self.previous_identity,
+                "compression_format": self.compression_format or DEFAULT_COMPRESSION_FORMAT,
+                "checksum_format": self.checksum_format or DEFAULT_CHECKSUM_FORMAT}
+        return body
+
+    def headers(self) -> dict[str, str]:
+        return {TRANSITION_HEADER: self.transition, DRAIN_HEADER: str(self.drain_timeout)}

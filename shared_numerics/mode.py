@@ -1,0 +1,127 @@
+"""The numerics contract between the trainer and the rollout engine: :class:`NumericsMode`.
+
+Log-probs are bitwise equal across the two sides only if both run the same op table (backend), in the same dtype,
+with the same FP8 granularity and the same fixed constants (GEMM row tile, attention chunk sizes, the Triton
+attention's key split). One object says all of that; both sides build theirs from their own configuration
+(vLLM: :func:`vllm_plugin.config.numerics_mode` of ``additional_config["zerokld"]``; TorchTitan:
+:func:`titan_plugin.rl.numerics_mode` of the ``Trainer.Config``) and it travels with the data:
+
+* stamped into every snapshot's spec (``model.weight.spec.json`` / ``delta.json`` key ``"numerics"``) and checked
+  by the replica before a snapshot is loaded (:class:`deltasync.Replica`);
+* stamped into every rollout (``CompletionOutput.zerokld_numerics``, the ``zerokld_numerics`` field of each OpenAI
+  ``/v1/completions`` choice) and checked when the trainer consumes the rollouts
+  (:class:`shared_numerics.rollout.RolloutBatch`).
+
+A mismatch raises :class:`NumericsMismatchError` naming both modes, before anything is computed or loaded.
+
+The switch itself has one name everywhere: ``batch_invariant`` (vLLM's own term for this mode, ``VLLM_BATCH_INVARIANT``;
+``additional_config={"zerokld": {"batch_invariant": true}}`` on the engine, ``batch_invariant=True`` on the trainer).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .attention import KEY_CHUNK, Q_TILE, SPLIT
+from .linear import ROW_TILE
+
+__all__ = ["CONTRACT", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "NumericsMode", "backend_for_device",
+           "check_same_numerics"]
+
+#: Version of the fixed constants both sides must share; bump the leading number when a kernel's arithmetic order
+#: changes without a constant changing.
+CONTRACT = f"1:row_tile={ROW_TILE},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT}"
+DTYPES = ("float32", "bfloat16", "float16")
+FP8_GRANULARITIES = ("per_channel", "block")
+
+
+class NumericsMismatchError(ValueError):
+    """Trainer and rollout engine (or a snapshot) were produced under different :class:`NumericsMode` s."""
+
+
+def backend_for_device(device_type: str) -> str:
+    """The numerics backend a process uses on ``device_type`` (``"cpu"``, ``"cuda"``): ``ZEROKLD_BACKEND`` if set,
+    else ``triton`` on CUDA, else ``torch`` — the same rule the op dispatch applies per call
+    (:func:`shared_numerics.backend_name`)."""
+    forced = os.environ.get("ZEROKLD_BACKEND")
+    if forced:
+        return forced
+    return "triton" if device_type == "cuda" else "torch"
+
+
+@dataclass(frozen=True)
+class NumericsMode:
+    """What decides the bits of a log-prob.
+
+    Attributes:
+        batch_invariant: the zerokld numerics are on (``False``: stock vLLM / TorchTitan kernels; nothing below is
+            then a guarantee, and two stock modes never compare equal).
+        backend: op table name (``"torch"``, ``"triton"``, or a plugin's), ``None`` when off.
+        dtype: activation/parameter dtype of the forward: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        fp8: FP8 granularity of the decoder projections (``"per_channel"``, ``"block"``) or ``None``.
+        contract: :data:`CONTRACT` of the process that built the mode.
+
+    Raises (constructor):
+        ValueError: unknown dtype or FP8 granularity.
+    """
+
+    batch_invariant: bool
+    backend: str | None
+    dtype: str
+    fp8: str | None = None
+    contract: str = CONTRACT
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"NumericsMode dtype {self.dtype!r} not in {DTYPES}")
+        if self.fp8 is not None and self.fp8 not in FP8_GRANULARITIES:
+            raise ValueError(f"NumericsMode fp8 {self.fp8!r} not in {FP8_GRANULARITIES}")
+
+    @classmethod
+    def build(cls, batch_invariant: bool, dtype: str, fp8: str | None = None, device_type: str = "cpu"
+              ) -> "NumericsMode":
+        """The mode of a process running on ``device_type`` (backend from :func:`backend_for_device`)."""
+        return cls(bool(batch_invariant), backend_for_device(device_type) if batch_invariant else None,
+                   str(dtype).removeprefix("torch."), fp8 if batch_invariant else None,
+                   CONTRACT if batch_invariant else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the one stamped into snapshot specs and rollout responses)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NumericsMode":
+        """Inverse of :meth:`to_dict`. Raises ValueError on a malformed dict."""
+        try:
+            return cls(bool(d["batch_invariant"]), d.get("backend"), d["dtype"], d.get("fp8"), d.get("contract", ""))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed numerics mode {d!r}: {e}") from e
+
+    def __str__(self) -> str:
+        if not self.batch_invariant:
+            return f"stock {self.dtype} (batch_invariant off)"
+        return (f"batch_invariant backend={self.backend} dtype={self.dtype} fp8={self.fp8 or 'off'} "
+                f"contract={self.contract}")
+
+    def matches(self, other: "NumericsMode") -> bool:
+        """Whether the two sides compute the same bits: both on and every field equal."""
+        return self.batch_invariant and other.batch_invariant and self == other
+
+
+def check_same_numerics(ours: NumericsMode, theirs: NumericsMode | dict | None, ours_name: str,
+                        theirs_name: str) -> None:
+    """Raise :class:`NumericsMismatchError` unless ``theirs`` (a mode, its dict, or ``None`` = not stamped) is
+    ``ours`` with ``batch_invariant`` on. The message names both modes.
+
+    A stock ``ours`` accepts anything (nothing is promised without the zerokld numerics)."""
+    if not ours.batch_invariant:
+        return
+    if theirs is None:
+        raise NumericsMismatchError(f"{ours_name} runs {ours}, but the {theirs_name} carries no numerics mode "
+                                    "(produced without zerokld batch_invariant)")
+    if isinstance(theirs, dict):
+        theirs = NumericsMode.from_dict(theirs)
+    if not ours.matches(theirs):
+        raise NumericsMismatchError(f"numerics mismatch: {ours_name} runs {ours}; {theirs_name} was produced with "
+                                    f"{theirs}")

@@ -1,0 +1,185 @@
+"""The typed batch of rollouts the trainer consumes: :class:`RolloutBatch`.
+
+Built once from the rollout engine's outputs (:meth:`RolloutBatch.from_vllm` reads vLLM ``RequestOutput`` s, offline
+or as OpenAI ``/v1/completions`` JSON choices through :meth:`RolloutBatch.from_openai`) and consumed as is by
+``RLTrainer.rl_step`` / ``forward_backward`` and ``TrainingClient.forward_backward``. It carries what the step needs
+(tokens, loss mask, advantages, sampler log-probs, MoE routes) and what makes it checkable: the snapshot identity the
+engine served and the engine's :class:`shared_numerics.NumericsMode`. :meth:`RolloutBatch.check_numerics` refuses a
+batch sampled under other numerics than the trainer's before anything is computed.
+
+:meth:`RolloutBatch.pack` is the one packing of rollouts into the next-token training layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .mode import NumericsMode, check_same_numerics
+
+__all__ = ["IGNORE_INDEX", "RolloutBatch"]
+
+IGNORE_INDEX = -100  # label of positions without a loss (torch cross-entropy's / TorchTitan's ``IGNORE_INDEX``)
+
+
+def _completion_logprobs(completion) -> torch.Tensor:
+    if completion.logprobs is None:
+        raise ValueError("rollout has no logprobs: sample with SamplingParams(logprobs=0)")
+    return torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+                        dtype=torch.float32)
+
+
+@dataclass
+class RolloutBatch:
+    """``B`` rollouts.
+
+    Attributes:
+        sequences: ``B`` lists of token ids, prompt + completion.
+        prompt_lengths: ``B`` ints in ``[1, len(seq)]``; the completion (the loss mask) is ``seq[p:]``.
+        advantages: ``B`` entries, a float (broadcast over the completion) or a float ``[len(seq) - p]`` tensor;
+            ``None`` = zeros (set them later with :meth:`with_advantages`).
+        sampler_logprobs: ``B`` float32 ``[len(seq) - p]`` tensors, the engine's log-probs of the sampled tokens;
+            ``None`` = on-policy (ratio 1: SFT, or a loss that ignores them).
+        routed_experts: MoE: ``B`` arrays ``[len(seq) - 1, layers, top_k]`` (vLLM ``routed_experts``); else ``None``.
+        snapshot_identity: the weights that produced the rollouts (hot-load identity, ``x-zerokld-snapshot-identity``).
+        numerics: the engine's :class:`NumericsMode` (``None``: the engine stamped none, i.e. ran without zerokld).
+
+    Raises (constructor):
+        ValueError: list lengths differ, a prompt length is out of range, or a per-token tensor has the wrong length.
+    """
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    advantages: list | None = None
+    sampler_logprobs: list[torch.Tensor] | None = None
+    routed_experts: list | None = None
+    snapshot_identity: str | None = None
+    numerics: NumericsMode | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.sequences)
+        if not n:
+            raise ValueError("empty rollout batch")
+        for name in ("prompt_lengths", "advantages", "sampler_logprobs", "routed_experts"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} rollouts")
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+            if not 1 <= p <= len(s):
+                raise ValueError(f"rollout {i}: prompt length {p} outside [1, {len(s)}]")
+            if self.advantages is not None:
+                a = self.advantages[i]
+                if isinstance(a, torch.Tensor) and a.numel() != len(s) - p:
+                    raise ValueError(f"rollout {i}: {a.numel()} advantages for {len(s) - p} completion tokens")
+            if self.sampler_logprobs is not None and self.sampler_logprobs[i].numel() != len(s) - p:
+                raise ValueError(f"rollout {i}: {self.sampler_logprobs[i].numel()} sampler logprobs for "
+                                 f"{len(s) - p} completion tokens")
+        if isinstance(self.numerics, dict):
+            self.numerics = NumericsMode.from_dict(self.numerics)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @classmethod
+    def from_vllm(cls, outputs: Sequence[Any], advantages: list | None = None,
+                  snapshot_identity: str | None = None) -> "RolloutBatch":
+        """From vLLM ``RequestOutput`` s (``LLM.generate``; first completion of each), sampled with
+        ``SamplingParams(logprobs=0)``. Reads ``prompt_token_ids``, ``outputs[0].token_ids`` / ``logprobs`` /
+        ``routed_experts`` and the zerokld stamp ``outputs[0].zerokld_numerics``.
+
+        Raises:
+            ValueError: no logprobs, or the outputs carry different numerics modes.
+        """
+        comps = [o.outputs[0] for o in outputs]
+        routes = [c.routed_experts for c in comps] if all(getattr(c, "routed_experts", None) is not None
+                                                             for c in comps) else None
+        return cls(sequences=[list(o.prompt_token_ids) + list(c.token_ids) for o, c in zip(outputs, comps)],
+                   prompt_lengths=[len(o.prompt_token_ids) for o in outputs], advantages=advantages,
+                   sampler_logprobs=[_completion_logprobs(c) for c in comps], routed_experts=routes,
+                   snapshot_identity=snapshot_identity,
+                   numerics=_one_mode([getattr(c, "zerokld_numerics", None) for c in comps]))
+
+    @classmethod
+    def from_openai(cls, prompts: Sequence[Sequence[int]], choices: Sequence[dict], advantages: list | None = None,
+                    snapshot_identity: str | None = None) -> "RolloutBatch":
+        """From ``/v1/completions`` JSON choices (one per prompt, in order; requested with ``logprobs: 0`` and either
+        ``return_token_ids: true`` or ``return_tokens_as_token_ids: true``): the completion's token ids, its
+        ``logprobs.token_logprobs``, vLLM's ``routed_experts`` (base64 ``.npy``) if present and the zerokld stamp
+        ``zerokld_numerics``. ``snapshot_identity``: the response's ``x-zerokld-snapshot-identity`` header.
+
+        Raises:
+            ValueError: a choice lacks token ids or logprobs, or the choices carry different numerics modes.
+        """
+        import base64
+        import io
+
+        import numpy as np
+
+        if len(prompts) != len(choices):
+            raise ValueError(f"{len(prompts)} prompts for {len(choices)} choices")
+        seqs, lps, routes = [], [], []
+        for p, c in zip(prompts, choices):
+            logprobs = c.get("logprobs") or {}
+            ids = c.get("token_ids")
+            if ids is None and all(str(t).startswith("token_id:") for t in logprobs.get("tokens") or [None]):
+                ids = [int(str(t).split(":", 1)[1]) for t in logprobs["tokens"]]
+            if ids is None or logprobs.get("token_logprobs") is None:
+                raise ValueError("choice without token ids or logprobs: request logprobs and return_token_ids "
+                                 "(or return_tokens_as_token_ids)")
+            seqs.append(list(p) + [int(t) for t in ids])
+            lps.append(torch.tensor(logprobs["token_logprobs"], dtype=torch.float32))
+            r = c.get("routed_experts")
+            routes.append(np.load(io.BytesIO(base64.b64decode(r))) if isinstance(r, str) else r)
+        return cls(sequences=seqs, prompt_lengths=[len(p) for p in prompts], advantages=advantages,
+                   sampler_logprobs=lps, routed_experts=routes if all(r is not None for r in routes) else None,
+                   snapshot_identity=snapshot_identity,
+                   numerics=_one_mode([c.get("zerokld_numerics") for c in choices]))
+
+    def with_advantages(self, advantages: list) -> "RolloutBatch":
+        """A copy with ``advantages`` set (validated)."""
+        return RolloutBatch(self.sequences, self.prompt_lengths, list(advantages), self.sampler_logprobs,
+                            self.routed_experts, self.snapshot_identity, self.numerics)
+
+    def check_numerics(self, trainer: NumericsMode) -> None:
+        """Refuse rollouts sampled under other numerics than ``trainer``'s.
+
+        Raises:
+            shared_numerics.NumericsMismatchError: naming both modes (nothing has been computed).
+        """
+        check_same_numerics(trainer, self.numerics, "the trainer", "rollout batch")
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next-token training layout, right-padded to ``T = max(len(seq)) - 1``: ``tokens [B, T]`` int64
+        (inputs), ``labels [B, T]`` int64 (the next token on completion positions, :data:`IGNORE_INDEX` elsewhere:
+        the loss mask), ``advantages [B, T]`` and sampler log-probs ``[B, T]`` float32 (zeros outside completions;
+        zeros when not given)."""
+        n, t = len(self), max(len(s) for s in self.sequences) - 1
+        tokens = torch.zeros(n, t, dtype=torch.long)
+        labels = torch.full((n, t), IGNORE_INDEX, dtype=torch.long)
+        adv, q = torch.zeros(n, t), torch.zeros(n, t)
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+            st = torch.tensor(s, dtype=torch.long)
+            tokens[i, : len(s) - 1] = st[:-1]
+            labels[i, p - 1: len(s) - 1] = st[p:]
+            if self.advantages is not None:
+                a = self.advantages[i]
+                adv[i, p - 1: len(s) - 1] = a if isinstance(a, torch.Tensor) else float(a)
+            if self.sampler_logprobs is not None:
+                q[i, p - 1: len(s) - 1] = self.sampler_logprobs[i]
+        return tokens, labels, adv, q
+
+    def padded_tokens(self, pad_id: int = 0) -> torch.Tensor:
+        """``[B, max(len(seq))]`` int64, each whole sequence right-padded with ``pad_id`` (the scoring layout:
+        position ``j`` predicts ``j + 1``)."""
+        tokens = torch.full((len(self), max(len(s) for s in self.sequences)), pad_id, dtype=torch.long)
+        for i, s in enumerate(self.sequences):
+            tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        return tokens
+
+
+def _one_mode(stamps: list) -> NumericsMode | None:
+    modes = {None if s is None else NumericsMode.from_dict(s) for s in stamps}
+    if len(modes) > 1:
+        raise ValueError(f"rollouts from different numerics modes in one batch: {sorted(map(str, modes))}")
+    return modes.pop()

@@ -1,0 +1,161 @@
+"""Per-architecture folders (``zerokld_models``): the one HF-config reader, the one support check, Llama 3.x RoPE
+scaling and Qwen2.5's q/k/v bias — each against Hugging Face ``transformers`` (the reference definition) and, for the
+``rope_parameters``-only config, trainer == a real vLLM engine bitwise, with the negative controls that show each test
+can fail."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from titan_plugin import trainer_logprobs
+from zerokld_models import UnsupportedModelError, adapter_for, check_supported, read_model_config
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def test_reader_rope_base_from_rope_parameters_or_rope_theta():
+    assert read_model_config(BASE).rope_theta == 10000.0
+    assert read_model_config({**BASE, "rope_theta": 5e5}).rope_theta == 5e5
+    only = read_model_config({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert only.rope_theta == 1e6 and only.rope_scaling is None
+    both = read_model_config({**BASE, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
+    assert both.rope_theta == 5e5 and both.rope_scaling.factor == 8.0
+    old = read_model_config({**BASE, "rope_theta": 5e5, "rope_scaling": {**LLAMA3, "type": "llama3"}})
+    assert old.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_reader_reads_transformers_configs():
+    """A ``PretrainedConfig`` (what vLLM hands a model) reads the same as its config.json."""
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, rope_theta=5e5, rope_scaling=LLAMA3,
+                     architectures=["LlamaForCausalLM"])
+    cfg = read_model_config(hf)
+    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.head_dim) == (5e5, 8.0, 16)
+
+
+def test_support_check_names_every_unsupported_feature():
+    cfg = read_model_config({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "mlp_bias": True,
+                             "attention_bias": True})
+    with pytest.raises(UnsupportedModelError, match="yarn") as e:
+        check_supported(cfg, adapter_for(cfg))
+    assert "MLP bias" in str(e.value) and "attention bias" in str(e.value)
+    qwen2 = read_model_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "attention_bias": True})
+    check_supported(qwen2, adapter_for(qwen2))  # Qwen2's q/k/v bias is part of its definition
+
+
+def _hf_logprobs(ckpt: str, seqs: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            logits = model(torch.tensor([s])).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(s[1:])[:, None])[:, 0])
+    return out
+
+
+def _seqs(n: int, seed: int, length: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 100) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.titan
+@pytest.mark.parametrize("family", ["qwen2", "llama31", "qwen3_rope_parameters"])
+def test_trainer_is_the_transformers_model(checkpoint_factory, tmp_path, family):
+    """The trainer's model is HF's (tolerance: different kernels); the config's RoPE settings matter at these
+    positions: dropping them (the trainer's old reader: ``rope_theta`` only, default 10000, no scaling) moves the
+    logprobs by far more than the tolerance."""
+    ckpt = checkpoint_factory(family, "float32")
+    seqs = _seqs(2, seed=3)
+    ref = _hf_logprobs(ckpt, seqs)
+    ours = trainer_logprobs(ckpt, seqs, [1, 1], dtype="float32")
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
+    # negative control: the same weights with the RoPE settings an rope_theta-only reader would have used
+    plain = tmp_path / "plain"
+    shutil.copytree(ckpt, plain)
+    config = json.loads((plain / "config.json").read_text())
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        config.pop(key, None)
+    (plain / "config.json").write_text(json.dumps(config))
+    wrong = trainer_logprobs(str(plain), seqs, [1, 1], dtype="float32")
+    assert max((a - b).abs().max().item() for a, b in zip(wrong, ref)) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def rope_parameters_rollouts(engine_slot, checkpoint_factory):
+    """A real zerokld vLLM engine (float32) on the ``rope_parameters``-only checkpoint, and 12 sampled rollouts."""
+    from vllm import SamplingParams
+
+    from zerokld_testing.engines import start_llm
+
+    ckpt = checkpoint_factory("qwen3_rope_parameters", "float32")
+    llm = engine_slot.get(("zerokld", "qwen3_rope_parameters", "float32"),
+                          lambda: start_llm(ckpt, dtype="float32", batch_invariant=True))
+    rng = random.Random(9)
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(60, 200))] for _ in range(12)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, ignore_eos=True), use_tqdm=False)
+    return ckpt, outs
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_rope_parameters_only_config_trainer_equals_vllm(rope_parameters_rollouts, tmp_path):
+    """config.json with the RoPE base only inside ``rope_parameters`` (transformers >= 4.56): vLLM and the trainer
+    read it through the same reader, so sampled logprobs are the trainer's bit for bit. Negative control: the trainer
+    on the same weights with the default base (what it read before there was one reader) gives other bits."""
+    from shared_numerics.rollout import RolloutBatch
+
+    ckpt, outs = rope_parameters_rollouts
+    assert "rope_theta" not in json.loads(open(f"{ckpt}/config.json").read())
+    batch = RolloutBatch.from_vllm(outs)
+    train = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32")
+    assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs))
+    default_base = tmp_path / "default_base"
+    shutil.copytree(ckpt, default_base)
+    config = json.loads((default_base / "config.json").read_text())
+    config.pop("rope_parameters")
+    (default_base / "config.json").write_text(json.dumps(config))
+    wrong = trainer_logprobs(str(default_base), batch.sequences, batch.prompt_lengths, dtype="float32")
+    assert sum(not torch.equal(t, q) for t, q in zip(wrong, batch.sampler_logprobs)) == len(outs)
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_trainer_refuses_rollouts_of_an_engine_in_another_mode(rope_parameters_rollouts, tmp_path):
+    """Every rollout carries the engine's numerics mode; a trainer in another mode (bf16 trainer, fp32 engine)
+    refuses the batch with an error naming both modes, before any forward (weights and step unchanged). Control: the
+    trainer in the engine's mode trains on the same batch, its training forward bitwise the sampler's logprobs."""
+    from shared_numerics import NumericsMismatchError, NumericsMode
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    ckpt, outs = rope_parameters_rollouts
+    engine_mode = NumericsMode.build(True, "float32")
+    assert all(o.outputs[0].zerokld_numerics == engine_mode.to_dict() for o in outs)
+    batch = RolloutBatch.from_vllm(outs, advantages=[1.0, -1.0] * 6)
+    assert batch.numerics == engine_mode
+    for dtype in ("bfloat16", "float32"):
+        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / dtype), dtype=dtype, lr=1e-3))
+        try:
+            if dtype == "bfloat16":
+                before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+                with pytest.raises(NumericsMismatchError) as e:
+                    trainer.rl_step(batch)
+                assert "dtype=bfloat16" in str(e.value) and "dtype=float32" in str(e.value)
+                assert trainer.step == 0
+                assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+            else:
+                out = trainer.rl_step(batch)
+                assert all(torch.equal(t, q) for t, q in zip(out["train_logprobs"], batch.sampler_logprobs))
+        finally:
+            trainer.close()

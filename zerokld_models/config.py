@@ -1,0 +1,121 @@
+"""The one reader of a Hugging Face ``config.json``: vLLM's model classes, TorchTitan's config builders, the trainer
+and the support check all read a checkpoint's architecture through :func:`read_model_config`.
+
+It accepts the parsed JSON (a dict), a checkpoint directory, or a ``transformers.PretrainedConfig`` (what vLLM hands a
+model: ``vllm_config.model_config.hf_config``), and resolves the places HF versions disagree on:
+
+* the RoPE base: ``rope_theta``, else ``rope_parameters["rope_theta"]`` (transformers >= 4.56 moved it there), else
+  10000;
+* RoPE scaling: ``rope_scaling``, else ``rope_parameters``; ``rope_type`` (or the older ``type``) ``"default"`` /
+  absent = none, ``"llama3"`` = :class:`shared_numerics.rope.RopeScaling`; any other type is kept as
+  ``unsupported_rope`` for the support check (:mod:`zerokld_models.support`) to refuse;
+* ``head_dim``: explicit, else ``hidden_size // num_attention_heads``; MoE expert count: ``num_experts`` or
+  ``num_local_experts``.
+
+Source: HF ``transformers`` ``PretrainedConfig`` and ``modeling_rope_utils`` (``rope_parameters`` standardisation).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared_numerics.rope import RopeScaling
+
+__all__ = ["ModelConfig", "read_model_config"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the zerokld model definitions read from an HF config (names as in HF)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: bool = False  # sliding-window attention actually in use
+    unsupported_rope: str | None = None  # a rope_scaling type zerokld does not implement
+    quant_method: str | None = None
+    # Qwen3-MoE
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    shared_expert_intermediate_size: int = 0
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def _as_dict(src: Any) -> dict:
+    if isinstance(src, dict):
+        return src
+    if isinstance(src, (str, Path)):
+        return json.loads((Path(src) / "config.json").read_text())
+    if hasattr(src, "to_dict"):
+        d = src.to_dict()
+        for key in ("rope_theta", "rope_scaling", "rope_parameters", "head_dim"):  # attributes to_dict may drop
+            if key not in d and getattr(src, key, None) is not None:
+                d[key] = getattr(src, key)
+        return d
+    raise TypeError(f"read_model_config needs a config dict, a checkpoint directory or a PretrainedConfig, "
+                    f"got {type(src).__name__}")
+
+
+def _rope(d: dict) -> tuple[float, RopeScaling | None, str | None]:
+    params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta", 10000.0)
+    scaling = d.get("rope_scaling") or params or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "default":
+        return float(theta), None, None
+    if kind == "llama3":
+        return float(theta), RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                         float(scaling["high_freq_factor"]),
+                                         int(scaling["original_max_position_embeddings"])), None
+    return float(theta), None, f"{kind} {dict(scaling)}"
+
+
+def read_model_config(src: Any) -> ModelConfig:
+    """Parse an HF model config (dict, checkpoint directory, or ``PretrainedConfig``).
+
+    Raises:
+        TypeError: ``src`` is none of those; KeyError: a required field (``hidden_size``, ...) is missing.
+    """
+    d = _as_dict(src)
+    nq = d["num_attention_heads"]
+    theta, scaling, unsupported = _rope(d)
+    window = d.get("sliding_window")
+    quant = d.get("quantization_config") or {}
+    return ModelConfig(
+        architecture=(d.get("architectures") or [""])[0],
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d.get("intermediate_size", 0),
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=nq,
+        num_key_value_heads=d.get("num_key_value_heads") or nq,
+        head_dim=d.get("head_dim") or d["hidden_size"] // nq, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, unsupported_rope=unsupported,
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), hidden_act=d.get("hidden_act", "silu"),
+        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+        sliding_window=bool(window) and bool(d.get("use_sliding_window", True)),
+        quant_method=quant.get("quant_method"),
+        num_experts=d.get("num_experts") or d.get("num_local_experts"),
+        num_experts_per_tok=d.get("num_experts_per_tok"), moe_intermediate_size=d.get("moe_intermediate_size"),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0, raw=d)

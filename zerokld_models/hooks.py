@@ -1,0 +1,11 @@
+"""zerokld_models' registrations (entry point ``zerokld_models`` in the ``zerokld`` group): one line per folder."""
+from __future__ import annotations
+
+from zerokld_plugins import hookimpl
+
+from . import llama, qwen2, qwen3, qwen3_moe
+
+
+@hookimpl
+def zerokld_model_adapters():
+    return [qwen3.ADAPTER, qwen3_moe.ADAPTER, llama.ADAPTER, qwen2.ADAPTER]

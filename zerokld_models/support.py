@@ -1,0 +1,49 @@
+"""The one check of what the zerokld model definitions implement, shared by vLLM (at engine start) and the trainer.
+
+:func:`unsupported_features` lists every feature of a checkpoint's config that the architecture's zerokld
+definition does not implement; vLLM adds its engine settings (parallelism, LoRA, quantization) and refuses at start
+(:func:`vllm_plugin.models.dense.check_supported`), the trainer refuses when it builds the model
+(:func:`titan_plugin.models.titan_model_config`). Nothing is ever silently served or trained with stock numerics.
+"""
+from __future__ import annotations
+
+from .config import ModelConfig
+
+__all__ = ["UnsupportedModelError", "check_supported", "unsupported_features"]
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint uses a feature zerokld's definition of its architecture does not implement."""
+
+
+def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
+    """Human-readable list of the unsupported features of ``cfg`` for ``adapter``
+    (:class:`zerokld_plugins.ModelAdapterSpec`); empty when the model is supported."""
+    problems = []
+    if cfg.unsupported_rope:
+        problems.append(f"rope_scaling {cfg.unsupported_rope} (supported: none, llama3)")
+    if cfg.attention_bias and not adapter.qkv_bias:
+        problems.append("attention bias")
+    if cfg.mlp_bias:
+        problems.append("MLP bias")
+    if cfg.sliding_window:
+        problems.append("sliding-window attention")
+    if cfg.hidden_act != "silu":
+        problems.append(f"activation {cfg.hidden_act}")
+    if cfg.quant_method not in (None, "zerokld_fp8"):
+        problems.append(f"quantization {cfg.quant_method} (zerokld serves its own FP8)")
+    if adapter.moe:
+        if cfg.mlp_only_layers:
+            problems.append(f"mlp_only_layers {list(cfg.mlp_only_layers)} (every layer must be MoE)")
+        if cfg.decoder_sparse_step != 1:
+            problems.append(f"decoder_sparse_step {cfg.decoder_sparse_step}")
+        if cfg.shared_expert_intermediate_size:
+            problems.append("shared experts")
+    return problems
+
+
+def check_supported(cfg: ModelConfig, adapter) -> None:
+    """Raise :class:`UnsupportedModelError` naming every unsupported feature (see :func:`unsupported_features`)."""
+    problems = unsupported_features(cfg, adapter)
+    if problems:
+        raise UnsupportedModelError(f"zerokld {adapter.architecture} does not support: " + "; ".join(problems))
