@@ -16,9 +16,12 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["IdentityError", "Ledger", "validate_identity"]
+__all__ = ["IdentityError", "Ledger", "RESERVED_SUFFIXES", "validate_identity"]
 
-_IDENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_IDENTITY = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: no trailing newline (``$`` allows one)
+#: suffixes of staging directories (``<out>.tmp``, ``<out>.old``): an identity never ends with one, so a snapshot can
+#: never collide with another's staging directory
+RESERVED_SUFFIXES = (".tmp", ".old")
 
 
 class IdentityError(ValueError):
@@ -26,15 +29,30 @@ class IdentityError(ValueError):
 
 
 def validate_identity(identity: object) -> str:
-    """Return ``identity`` if it is one path segment: ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``, without ``..``.
+    """Return ``identity`` if it is one path segment: ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}`` (anchored at both ends),
+    without ``..`` and not ending in a staging suffix (:data:`RESERVED_SUFFIXES`).
 
     Raises:
-        IdentityError: anything else (``/``, ``\\``, ``..``, empty, too long, not a string).
+        IdentityError: anything else (``/``, ``\\``, ``..``, a newline, empty, too long, not a string); the message
+            quotes at most 64 characters of it.
     """
-    if not isinstance(identity, str) or not _IDENTITY.match(identity) or ".." in identity:
-        raise IdentityError(f"invalid snapshot identity {identity!r}: one path segment of letters, digits, '.', '_' "
-                            f"or '-' (no '/', no '..'), at most 128 characters")
+    if (not isinstance(identity, str) or not _IDENTITY.match(identity) or ".." in identity
+            or identity.endswith(RESERVED_SUFFIXES)):
+        shown = repr(identity)[:64] + ("..." if len(repr(identity)) > 64 else "")
+        raise IdentityError(f"invalid snapshot identity {shown}: one path segment of letters, digits, '.', '_' or "
+                            f"'-' (no '/', no '..', not ending in {' or '.join(RESERVED_SUFFIXES)}), at most 128 "
+                            "characters")
     return identity
+
+
+MAX_FIELD = 200  # characters of an identity kept in a ledger row (errors: 4x)
+
+
+def _bounded(value, limit: int = MAX_FIELD):
+    if value is None:
+        return None
+    value = str(value)
+    return value if len(value) <= limit else value[:limit] + f"... ({len(value)} characters)"
 
 
 class Ledger:
@@ -88,11 +106,14 @@ class Ledger:
         self._save()
         return row
 
-    def refused(self, identity: str, error: str, kind: str | None = None) -> dict:
-        """Record a signal refused before any loading (bad identity, replay, out-of-order chain, missing snapshot)."""
+    def refused(self, identity: str, error: str, kind: str | None = None, previous_identity: str | None = None
+                ) -> dict:
+        """Record a signal refused before any loading (bad identity, replay, out-of-order chain, missing snapshot).
+        Fields are bounded: identities at :data:`MAX_FIELD` characters, the error at 4 times that."""
         now = time.time()
-        row = {"identity": identity, "kind": kind, "previous_identity": None, "compression_format": None,
-               "readiness": "failed", "error": error, "timestamps": {"signaled": now, "failed": now}}
+        row = {"identity": _bounded(identity), "kind": kind, "previous_identity": _bounded(previous_identity),
+               "compression_format": None, "readiness": "failed", "error": _bounded(error, 4 * MAX_FIELD),
+               "timestamps": {"signaled": now, "failed": now}}
         self.rows.append(row)
         self._save()
         return row
@@ -103,7 +124,7 @@ class Ledger:
         self._save()
 
     def fail(self, row: dict, error: str) -> None:
-        self.stage(row, "failed", readiness="failed", error=error)
+        self.stage(row, "failed", readiness="failed", error=_bounded(error, 4 * MAX_FIELD))
 
     def ready(self, row: dict) -> None:
         self.current = row["identity"]

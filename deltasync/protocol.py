@@ -91,13 +91,22 @@ class Signal:
     transition: str = "async"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
 
+    @staticmethod
+    def claimed(body: object) -> tuple[str, str | None]:
+        """``(identity, previous identity)`` as a request sent them, for the ledger row of a refused request."""
+        if not isinstance(body, dict):
+            return str(body), None
+        meta = body.get("incremental_snapshot_metadata")
+        previous = meta.get("previous_snapshot_identity") if isinstance(meta, dict) else None
+        return str(body.get("identity")), None if previous is None else str(previous)
+
     @classmethod
-    def from_request(cls, body: object, transition: str | None = None, drain_timeout: float | None = None
+    def from_request(cls, body: object, transition: str | None = None, drain_timeout: str | float | None = None
                      ) -> "Signal":
-        """Parse the POST body and headers.
+        """Parse the POST body and headers (``drain_timeout``: the header's text, or seconds).
 
         Raises:
-            HotLoadError (400/422): malformed request.
+            HotLoadError: 400 bad identity or ``reset_prompt_cache`` value; 422 malformed body, metadata or headers.
         """
         if not isinstance(body, dict):
             raise HotLoadError("request body must be a JSON object", 422)
@@ -105,10 +114,17 @@ class Signal:
             identity = validate_identity(body.get("identity"))
         except IdentityError as e:
             raise HotLoadError(str(e), 400) from e
+        reset = body.get("reset_prompt_cache", "all")
+        if reset not in RESET_MODES:  # exactly one of the three: no "", null, false or " all" read as "all"
+            raise HotLoadError(f"reset_prompt_cache must be one of {RESET_MODES}, got {str(reset)[:40]!r}", 400)
+        try:
+            drain = DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else float(drain_timeout)
+        except ValueError:
+            raise HotLoadError(f"drain timeout must be a number of seconds, got {str(drain_timeout)[:40]!r}",
+                               422) from None
         meta = body.get("incremental_snapshot_metadata")
-        sig = cls(identity=identity, reset_prompt_cache=body.get("reset_prompt_cache") or "all",
-                  transition=transition or "async",
-                  drain_timeout=DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else drain_timeout)
+        sig = cls(identity=identity, reset_prompt_cache=reset, transition=transition or "async",
+                  drain_timeout=drain)
         if meta is not None:
             if not isinstance(meta, dict) or "previous_snapshot_identity" not in meta:
                 raise HotLoadError("incremental_snapshot_metadata needs previous_snapshot_identity", 422)
@@ -121,12 +137,10 @@ class Signal:
             if sig.checksum_format not in CHECKSUM_FORMATS:
                 raise HotLoadError(f"unsupported checksum_format {sig.checksum_format!r} "
                                    f"({DEFAULT_CHECKSUM_FORMAT})", 422)
-        if sig.reset_prompt_cache not in RESET_MODES:
-            raise HotLoadError(f"reset_prompt_cache must be one of {RESET_MODES}", 422)
         if sig.transition not in TRANSITIONS:
             raise HotLoadError(f"transition must be one of {TRANSITIONS}", 422)
-        if not sig.drain_timeout >= 0:
-            raise HotLoadError("drain timeout must be a non-negative number of seconds", 422)
+        if not 0 <= sig.drain_timeout < float("inf"):  # refuses nan, negative and infinite timeouts
+            raise HotLoadError("drain timeout must be a finite non-negative number of seconds", 422)
         return sig
 
     @classmethod

@@ -131,6 +131,9 @@ class Replica:
     # -- the stages --------------------------------------------------------------------------------------------
     def _check(self, sig: Signal) -> None:
         led = self.ledger
+        if sig.identity == led.initial_identity:
+            raise HotLoadError(f"snapshot identity {sig.identity!r} is reserved for the weights the engine started "
+                               "with", 409)
         if sig.identity in led.loaded_identities():
             raise HotLoadError(f"snapshot {sig.identity!r} was already loaded (replay refused)", 409)
         if not self._exists(sig.identity):
@@ -175,6 +178,7 @@ class Replica:
             await asyncio.sleep(0.01)
 
     async def _reset_cache(self, mode: str) -> bool:
+        """``True`` when the requested reset happened (``none``: nothing to do)."""
         if mode == "none":
             return True
         return bool(await self.engine.reset_prefix_cache(running_requests=mode == "all"))
@@ -192,7 +196,7 @@ class Replica:
             try:
                 self._check(sig)
             except HotLoadError as e:
-                self.ledger.refused(sig.identity, str(e), kind)
+                self.ledger.refused(sig.identity, str(e), kind, sig.previous_identity)
                 raise
             row = self.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
             self.stage, self.target = "verifying", sig.identity
@@ -218,7 +222,11 @@ class Replica:
                 self.ledger.stage(row, "loaded")
                 cache_reset = await self._reset_cache(sig.reset_prompt_cache)
                 self.ledger.ready(row)
-                row["prompt_cache_reset"] = cache_reset
+                # what really happened: "none" resets nothing; a refused reset is reported, not claimed
+                row["prompt_cache_reset"] = cache_reset and sig.reset_prompt_cache != "none"
+                if not cache_reset:
+                    row["prompt_cache_reset_error"] = (f"reset_prompt_cache {sig.reset_prompt_cache!r} was refused "
+                                                       "by the engine (running requests hold cached blocks)")
                 self._prune()
                 return row
             except Exception as e:  # every refusal and failure is recorded; serving keeps the old snapshot

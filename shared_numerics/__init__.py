@@ -52,7 +52,11 @@ def active_ops(*tensors) -> dict:
     if ops is None:
         from zerokld_plugins import get_backend, resolve
 
-        spec = get_backend(name)
+        from .hooks import zerokld_numerics_backends
+
+        # the built-in backends resolve without scanning third-party entry points; any other name is a plugin's
+        builtin = {b.name: b for b in zerokld_numerics_backends()}
+        spec = builtin[name] if name in builtin else get_backend(name)
         if not resolve(spec.available)():
             reason = resolve(spec.unavailable_reason)() if spec.unavailable_reason else "not available"
             raise RuntimeError(f"numerics backend {name!r} cannot run on this machine: {reason}")

@@ -42,6 +42,14 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
         assert all(required <= r.keys() for r in rs)
         assert [r["sync_kind"] for r in rs] == ["full", "incremental", "full"]  # --full-every 2
         assert rs[1]["sync_bytes"] < rs[1]["full_bytes"] and 0 < rs[1]["delta_density"] < 1
+        # the sync ran through deltasync's replica: a ledger row per step, each ready, the chain unbroken
+        ledger = json.loads((out / m / "sync" / "replica" / "ledger.json").read_text())
+        assert [(r["identity"], r["kind"], r["readiness"]) for r in ledger["rows"]] == [
+            ("step-00001", "full", "ready"), ("step-00002", "incremental", "ready"), ("step-00003", "full", "ready")]
+        assert ledger["rows"][1]["previous_identity"] == "step-00001"
+    # snapshots carry each trainer's numerics mode; the zerokld run's is the engine's (else the replica refuses)
+    spec = json.loads((out / "zerokld" / "sync" / "writer_cache" / "step-00003" / "model.weight.spec.json").read_text())
+    assert spec["numerics"]["batch_invariant"] is True and spec["numerics"]["dtype"] == "bfloat16"
     for r in rows["zerokld"]:
         assert r["k3"] == 0.0 and r["k1"] == 0.0 and r["tokens_bitwise_different"] == 0
         assert r["max_abs_logprob_diff"] == 0.0 and r["clipped_fraction"] == 0.0

@@ -55,7 +55,8 @@ class Server:
                "--additional-config", json.dumps(cfg)]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload", **(extra_env or {})}
         self.log = open(self.log_path, "a+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # own process group: stop() can reach the engine core and workers it spawned, and nothing else
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -81,7 +82,11 @@ class Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        subprocess.run(["pkill", "-9", "-f", "VLLM::"], check=False)  # orphaned engine core / workers of a SIGKILL
+            self.proc.wait(timeout=30)
+        try:  # the engine core / workers a SIGKILL orphaned: the group this server was started in
+            os.killpg(self.proc.pid, signal_mod.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc = None
 
     def signal(self, identity: str, previous: str | None = None, headers: dict | None = None, **body):
@@ -235,6 +240,48 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
         assert len(rows) == n_rows + 1 and rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
         assert rows[-1]["identity"] == kw["identity"], case
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
+
+
+def test_malformed_signals_are_refused_and_recorded_bounded(env):
+    """Signals that must never load (issue 21 rows 2, 5, 11, 13, 14, 16): each refused with its status, serving
+    unchanged, a bounded ledger row that keeps the claimed previous identity; vLLM's auth rules (scheme in any case)."""
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    reference = server.logprobs()
+    huge = "a" * 5_000_000
+    cases = {
+        "trailing newline": (("nl\n",), {}, {}, 400),
+        "5 MB identity": ((huge,), {}, {}, 400),
+        "staging suffix": (("col.tmp",), {}, {}, 400),
+        "reserved initial": (("initial",), {}, {}, 409),
+        "reset ''": (("r-empty",), {"reset_prompt_cache": ""}, {}, 400),
+        "reset null": (("r-null",), {"reset_prompt_cache": None}, {}, 400),
+        "reset false": (("r-false",), {"reset_prompt_cache": False}, {}, 400),
+        "reset ' all'": (("r-space",), {"reset_prompt_cache": " all"}, {}, 400),
+        "drain nan": (("d-nan",), {}, {"x-zerokld-hot-load-transition": "sync",
+                                       "x-zerokld-hot-load-drain-timeout": "nan"}, 422),
+        "drain -1": (("d-neg",), {}, {"x-zerokld-hot-load-transition": "sync",
+                                      "x-zerokld-hot-load-drain-timeout": "-1"}, 422),
+        "drain text": (("d-text",), {}, {"x-zerokld-hot-load-transition": "sync",
+                                         "x-zerokld-hot-load-drain-timeout": "soon"}, 422),
+        "previous recorded": (("no-such", "claimed-prev"), {}, {}, 404),
+    }
+    for case, (args, body, headers, status) in cases.items():
+        r = server.signal(*args, headers=headers, **body)
+        assert r.status_code == status, f"{case}: {r.status_code} {r.text[:300]}"
+        assert len(r.text) < 2000, case  # the identity is never echoed whole
+        row = server.get(HL + "/ledger").json()["rows"][-1]
+        assert row["readiness"] == "failed" and len(row["identity"]) < 300, case
+        if len(args) > 1:
+            assert row["previous_identity"] == args[1], case
+    now = server.logprobs()
+    assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current
+    assert len(json.dumps(server.get(HL + "/ledger").json())) < 100_000
+    for scheme in ("bearer", "BEARER"):  # vLLM: the scheme is case-insensitive, the token is not
+        assert requests.get(server.base + HL + "/status", headers={"Authorization": f"{scheme} {API_KEY}"},
+                            timeout=30).status_code == 200
+    assert requests.get(server.base + HL + "/status", headers={"Authorization": f"Bearer {API_KEY.upper()}"},
+                        timeout=30).status_code == 401
 
 
 def test_ledger_reset_requires_full(env):

@@ -26,6 +26,7 @@ Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 
@@ -48,10 +49,18 @@ class ZeroKLDHotLoadEndpoint:
         self.api_keys: list[str] = []
 
     def _authorized(self, request: Request) -> bool:
+        """vLLM's own check (``entrypoints/serve/middleware/authenticate.py`` ``verify_token``): scheme ``Bearer``
+        in any case, the token compared by SHA-256 digest in constant time against every configured key."""
         if not self.api_keys:
             return True
-        got = request.headers.get("authorization", "")
-        return any(secrets.compare_digest(got, f"Bearer {k}") for k in self.api_keys)
+        scheme, _, param = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        got = hashlib.sha256(param.encode("utf-8")).digest()
+        match = False
+        for key in self.api_keys:
+            match |= secrets.compare_digest(got, hashlib.sha256(key.encode("utf-8")).digest())
+        return match
 
     def _guard(self, request: Request):
         if not self._authorized(request):
@@ -72,17 +81,14 @@ class ZeroKLDHotLoadEndpoint:
                 return JSONResponse({"error": "body is not JSON"}, status_code=422)
             sig = None
             try:
-                drain = request.headers.get(DRAIN_HEADER)
                 sig = Signal.from_request(body, request.headers.get(TRANSITION_HEADER),
-                                          float(drain) if drain is not None else None)
+                                          request.headers.get(DRAIN_HEADER))
                 row = await self.manager.signal(sig)
             except HotLoadError as e:
-                if sig is None:  # refused while parsing: recorded under the identity as sent
-                    self.manager.ledger.refused(str(body.get("identity") if isinstance(body, dict) else body)[:200],
-                                                str(e))
+                if sig is None:  # refused while parsing: recorded under the identities as sent (bounded)
+                    identity, previous = Signal.claimed(body)
+                    self.manager.ledger.refused(identity, str(e), previous_identity=previous)
                 return JSONResponse({"error": str(e)}, status_code=e.status)
-            except ValueError as e:
-                return JSONResponse({"error": str(e)}, status_code=422)
             return JSONResponse(row)
 
         @app.get(PREFIX + "/status")
@@ -133,8 +139,10 @@ class ZeroKLDHotLoadEndpoint:
             return  # the model constructor already refused the engine at start
         if cfg is None:
             return
+        # vLLM's resolution (entrypoints/serve/middleware/register.py): --api-key wins, else VLLM_API_KEY
         key = getattr(args, "api_key", None)
-        self.api_keys = [key] if isinstance(key, str) else list(key or [])
+        keys = [key] if isinstance(key, str) else list(key or [])
+        self.api_keys = [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
         fault_delay = float(os.environ.get("ZEROKLD_HOTLOAD_FAULT_DELAY_S", "0") or 0)  # fault-injection tests
         self.manager = Replica(ServerEngine(engine_client), cfg, args.model, fault_delay=fault_delay)
         await self.manager.restore()
