@@ -58,6 +58,7 @@ class HotLoadConfig(BaseModel):
             local: required when ``snapshot_root`` is a URL).
         initial_identity: identity of the weights the engine started with.
         keep_materialized: decoded snapshots kept on disk (bases of the next deltas).
+        allow_non_finite: load snapshots whose weights hold NaN/inf (refused by default).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -66,6 +67,7 @@ class HotLoadConfig(BaseModel):
     state_dir: str | None = None
     initial_identity: str = "initial"
     keep_materialized: int = 2
+    allow_non_finite: bool = False
 
     def resolved_state_dir(self) -> str:
         """``state_dir``, or the default under a local ``snapshot_root``.

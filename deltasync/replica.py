@@ -7,9 +7,11 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    ledger reset (the next load must be full);
 2. **fetch** — a remote ``snapshot_root`` (fsspec URL) is downloaded into ``<state_dir>/fetched/<identity>``, all or
    nothing (:func:`deltasync.fetch_dir`);
-3. **verify** while serving continues — the snapshot's numerics stamp must be the engine's
+3. **verify** while serving continues (in a worker thread, never on the event loop) — only regular files inside
+   the snapshot root are opened (no symlinks out, no FIFOs or devices); the snapshot's numerics stamp must be the engine's
    (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
-   the served model's tensor spec (names, dtypes, shapes, every shard readable in full); an incremental one is
+   the served model's tensor spec (names, dtypes, shapes, each tensor in one shard), then every tensor against its
+   Adler-32 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one is
    decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
    ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving untouched;
 4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads,
@@ -33,7 +35,7 @@ from typing import Protocol
 
 from .ledger import IdentityError, Ledger
 from .protocol import HotLoadConfig, HotLoadError, Signal
-from .snapshot import SnapshotError, materialize_snapshot, snapshot_numerics, tensor_spec
+from .snapshot import SnapshotError, check_regular_files, materialize_snapshot, snapshot_numerics, tensor_spec
 from .storage import fetch_dir
 
 __all__ = ["Replica", "ReplicaEngine"]
@@ -165,10 +167,12 @@ class Replica:
     def _materialize(self, sig: Signal) -> Path:
         """Blocking (run in a thread): fetch, verify; the full snapshot directory to load."""
         local = self._fetch(sig)
+        check_regular_files(local, self.fetched if self.remote else self.root)  # before anything is opened
         self._verify_numerics(local)
         base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity)
         return materialize_snapshot(local, self.materialized / sig.identity, self.reference_spec, base,
-                                    sig.compression_format)
+                                    sig.compression_format, check_data=True,
+                                    allow_non_finite=self.config.allow_non_finite)
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

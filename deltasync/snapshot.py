@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import zlib
 from pathlib import Path
 
@@ -28,9 +29,9 @@ from zerokld_models.checkpoint import publish_atomically, read_tensors, write_ch
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
-__all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "element_density", "materialize_snapshot",
-           "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes", "write_full_snapshot",
-           "write_incremental_snapshot"]
+__all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "check_regular_files", "element_density",
+           "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes",
+           "write_full_snapshot", "write_incremental_snapshot"]
 
 CHECKSUM_FORMAT = DEFAULT_CHECKSUM_FORMAT  # "alder32", sic: the name used on the wire by the public format
 
@@ -57,17 +58,47 @@ def tensor_spec(snapshot_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():
+                    if name in spec:
+                        raise SnapshotError(f"tensor {name} appears in more than one shard")
                     sl = fh.get_slice(name)
                     spec[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+        except SnapshotError:
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable header is a refusal
             raise SnapshotError(f"{f.name}: cannot read: {e}") from e
     return spec
 
 
-def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+def check_regular_files(snapshot_dir: str | Path, root: str | Path | None = None) -> None:
+    """Refuse a snapshot directory that is a symlink, lies outside ``root``, or holds anything but regular files
+    (symlinks, FIFOs, devices, sockets, sub-directories): nothing in it is opened before this passes, so a FIFO cannot
+    block a reader and a symlink cannot reach files outside the snapshot root.
+
+    Raises:
+        SnapshotError: naming the offending entry (by its name inside the snapshot, never its absolute path).
+    """
+    d = Path(snapshot_dir)
+    if d.is_symlink() or not d.is_dir():
+        raise SnapshotError(f"snapshot {d.name!r} is not a plain directory")
+    if root is not None and not d.resolve().is_relative_to(Path(root).resolve()):
+        raise SnapshotError(f"snapshot {d.name!r} resolves outside the snapshot root")
+    for entry in d.iterdir():
+        mode = entry.lstat().st_mode
+        if not stat.S_ISREG(mode):
+            kind = "symlink" if stat.S_ISLNK(mode) else "FIFO" if stat.S_ISFIFO(mode) else \
+                "directory" if stat.S_ISDIR(mode) else "special file"
+            raise SnapshotError(f"snapshot {d.name!r}: {entry.name!r} is a {kind}, not a regular file")
+
+
+def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]],
+                         check_data: bool = False, allow_non_finite: bool = False) -> None:
     """Refuse a full snapshot that is not loadable into a model with tensor spec ``reference``: every shard's header
-    readable and covering the file exactly (safetensors refuses a truncated or padded file when it opens it, so no
-    tensor data needs to be read here), the same tensor names, dtypes and shapes.
+    readable and covering the file exactly (safetensors refuses a truncated or padded file when it opens it), each
+    tensor in one shard only, the same tensor names, dtypes and shapes.
+
+    With ``check_data`` (what a replica does before a swap) every tensor is also read, one at a time: its Adler-32
+    must equal the ``checksums`` of ``model.weight.spec.json`` (written by :func:`write_full_snapshot`; a snapshot
+    without them is refused) and floating-point weights must be finite unless ``allow_non_finite``.
 
     Raises:
         SnapshotError: naming the first difference.
@@ -79,6 +110,34 @@ def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[st
     for name, (dt, shape) in reference.items():
         if spec[name] != (dt, shape):
             raise SnapshotError(f"{name}: {spec[name][0]}{list(spec[name][1])}, the model has {dt}{list(shape)}")
+    if check_data:
+        _verify_data(Path(snapshot_dir), allow_non_finite)
+
+
+def _verify_data(d: Path, allow_non_finite: bool) -> None:
+    try:
+        checksums = json.loads((d / WEIGHT_SPEC).read_text()).get("checksums")
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"snapshot {d.name!r}: no readable {WEIGHT_SPEC} ({type(e).__name__})") from e
+    if not isinstance(checksums, dict):
+        raise SnapshotError(f"snapshot {d.name!r}: {WEIGHT_SPEC} has no per-tensor checksums")
+    seen = set()
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    t = fh.get_tensor(name)
+                    if checksums.get(name) != str(zlib.adler32(_raw(t))):
+                        raise SnapshotError(f"{name}: checksum mismatch (corrupt snapshot)")
+                    if not allow_non_finite and t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+                        raise SnapshotError(f"{name}: non-finite weights (NaN or inf)")
+                    seen.add(name)
+        except SnapshotError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unreadable data is a refusal
+            raise SnapshotError(f"{f.name}: cannot read: {e}") from e
+    if set(checksums) != seen:
+        raise SnapshotError(f"snapshot {d.name!r}: checksums do not cover exactly its tensors")
 
 
 def weight_bytes(snapshot_dir: str | Path) -> int:
@@ -97,7 +156,8 @@ def element_density(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor])
 
 
 def materialize_snapshot(src: str | Path, out: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]],
-                         base: str | Path | None = None, compression_format: str | None = None) -> Path:
+                         base: str | Path | None = None, compression_format: str | None = None,
+                         check_data: bool = False, allow_non_finite: bool = False) -> Path:
     """The verified full snapshot a replica loads for ``src``: ``src`` itself when it is full (``base is None``),
     else ``src`` decoded onto ``base`` into ``out`` (replaced). Verified against ``reference``
     (:func:`verify_full_snapshot`) before it is returned; nothing is loaded here.
@@ -106,11 +166,11 @@ def materialize_snapshot(src: str | Path, out: str | Path, reference: dict[str, 
         SnapshotError / DeltaError: the snapshot is refused.
     """
     if base is None:
-        verify_full_snapshot(src, reference)
+        verify_full_snapshot(src, reference, check_data, allow_non_finite)
         return Path(src)
     shutil.rmtree(out, ignore_errors=True)
     path = apply_incremental_snapshot(base, src, out, compression_format)
-    verify_full_snapshot(path, reference)
+    verify_full_snapshot(path, reference, check_data, allow_non_finite)
     return path
 
 
@@ -147,7 +207,9 @@ _SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
 def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str | Path, out_dir: str | Path,
                         dtype: torch.dtype | None = None, numerics: dict | None = None) -> Path:
     """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` plus every non-weight file of ``assets_dir``, and
-    ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape", "dtype"}}}``, safetensors dtype names).
+    ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape", "dtype"}}, "checksum_format": "alder32",
+    "checksums": {name: Adler-32 of the tensor's bytes}, "numerics"?}``, safetensors dtype names; a replica verifies
+    the checksums before it swaps).
 
     Args:
         hf_state_dict: HF parameter names → tensors (any device; copied to CPU, made contiguous).
@@ -171,7 +233,9 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     def write_spec(tmp: Path) -> None:
         spec = {name: {"shape": list(shape), "dtype": dt} for name, (dt, shape) in sorted(tensor_spec(tmp).items())}
         stamp = {"numerics": numerics} if numerics is not None else {}
-        (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec, **stamp}, indent=1))
+        checksums = {name: str(zlib.adler32(_raw(t))) for name, t in sorted(tensors.items())}
+        (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec, "checksum_format": CHECKSUM_FORMAT,
+                                                   "checksums": checksums, **stamp}, indent=1))
 
     return write_checkpoint(out_dir, {"model.safetensors": tensors}, assets_dir=src, skip_assets=_SKIP,
                             finalize=write_spec)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from safetensors.torch import save_file
 
 from shared_numerics import NumericsMode
 
@@ -173,9 +174,13 @@ def test_full_then_incremental_swaps_keep_zero_kld(env):
     assert {"signaled", "verified", "paused", "loaded", "ready"} <= rows[-1]["timestamps"].keys()
 
 
-def _bad_snapshots(root: Path, full: Path, current: str) -> dict:
+def _bad_snapshots(root: Path, full: Path, current: str, ckpt: str) -> dict:
     """name -> (signal kwargs, expected status): each must be refused."""
     cur = full / current if (full / current).exists() else root / current
+
+    def ckpt_of(_):  # a real checkpoint outside the snapshot root (the --model directory)
+        return ckpt
+
     cur_t = read_snapshot_tensors(cur)
     cases = {}
 
@@ -213,6 +218,36 @@ def _bad_snapshots(root: Path, full: Path, current: str) -> dict:
     cases["identity with /"] = ({"identity": "a/b"}, 400)
     cases["identity with .."] = ({"identity": ".."}, 400)
     cases["unknown snapshot"] = ({"identity": "nope"}, 404)
+    # issue 21 rows 3, 6-9: non-finite weights, corrupt bytes of a full snapshot, a tensor in two shards, files that
+    # are not regular files inside the root (symlinks out, a FIFO), a full snapshot without checksums
+    nan = dict(cur_t)
+    nan[name] = nan[name].clone()
+    nan[name].view(-1)[7] = float("nan")
+    full_snap("bad-nan", nan)
+    cases["non-finite weights"] = ({"identity": "bad-nan"}, 422)
+    full_snap("bad-bits", cur_t)
+    shard = root / "bad-bits" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    for i in range(64):  # 64 bytes in the data region flipped by one bit: still finite bf16 mostly, wrong bits
+        data[-4000 - 2 * i] ^= 0x01
+    shard.write_bytes(bytes(data))
+    cases["flipped bytes in a full snapshot"] = ({"identity": "bad-bits"}, 422)
+    full_snap("bad-dup", cur_t)
+    save_file({name: nan[name]}, str(root / "bad-dup" / "model-extra.safetensors"))
+    cases["tensor in two shards"] = ({"identity": "bad-dup"}, 422)
+    full_snap("bad-link", cur_t)
+    (root / "bad-link" / "model.safetensors").unlink()
+    (root / "bad-link" / "model.safetensors").symlink_to(Path(ckpt_of(cur)) / "model.safetensors")
+    cases["symlinked weights file"] = ({"identity": "bad-link"}, 422)
+    (root / "bad-linkdir").symlink_to(Path(ckpt_of(cur)), target_is_directory=True)
+    cases["symlinked snapshot dir"] = ({"identity": "bad-linkdir"}, 422)
+    full_snap("bad-fifo", cur_t)
+    (root / "bad-fifo" / "model.safetensors").unlink()
+    os.mkfifo(root / "bad-fifo" / "model.safetensors")
+    cases["FIFO as weights file"] = ({"identity": "bad-fifo"}, 422)
+    shutil.copytree(cur, root / "bad-nochecksums")
+    (root / "bad-nochecksums" / "model.weight.spec.json").unlink(missing_ok=True)
+    cases["full snapshot without checksums"] = ({"identity": "bad-nochecksums"}, 422)
     # weights a trainer produced under other numerics (FP8 QAT) than the server's (bf16): refused, naming both
     write_full_snapshot(_perturb(cur_t, 54), cur, root / "bad-numerics",
                         numerics=NumericsMode.build(True, "bfloat16", "per_channel").to_dict())
@@ -227,7 +262,7 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
     r = requests.post(server.base + HL, json={"identity": "s9"}, timeout=30)
     assert r.status_code == 401  # no API key
     assert requests.get(server.base + HL + "/ledger", timeout=30).status_code == 401
-    for case, (kw, status) in _bad_snapshots(root, full, current).items():
+    for case, (kw, status) in _bad_snapshots(root, full, current, ckpt).items():
         n_rows = len(server.get(HL + "/ledger").json()["rows"])
         r = server.signal(**kw)
         assert r.status_code == status, f"{case}: {r.status_code} {r.text}"
@@ -342,8 +377,8 @@ def test_sync_transition_425_exactly_while_swapping(env):
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
     # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it
     with ThreadPoolExecutor(2) as pool:
-        long = pool.submit(_stream, server, PROMPT, 300)
-        time.sleep(1.0)
+        long = pool.submit(_stream, server, PROMPT, 470)  # the longest the context allows: still running below
+        time.sleep(0.3)
         r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
         assert r.status_code == 425, r.text
