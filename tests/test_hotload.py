@@ -46,14 +46,14 @@ class Server:
         self.proc = None
         self.base = ""
 
-    def start(self, extra_env: dict | None = None) -> None:
+    def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
         port = _free_port()
         cfg = {"zerokld": {"batch_invariant": True,
                            "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.ckpt, "--dtype",
                "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
-               "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64", "--api-key", API_KEY,
-               "--additional-config", json.dumps(cfg)]
+               "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
+               *(["--api-key", API_KEY] if api_key_flag else []), "--additional-config", json.dumps(cfg)]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload", **(extra_env or {})}
         self.log = open(self.log_path, "a+")
         # own process group: stop() can reach the engine core and workers it spawned, and nothing else
@@ -471,3 +471,21 @@ def test_killed_mid_apply_restarts_into_a_consistent_state(env):
     assert server.signal("k1", previous=current).status_code == 200  # not a replay: it never became ready
     _check_serving(server, _expected(root, full, "k1", expected), "k1")
     shutil.rmtree(full, ignore_errors=True)
+
+
+def test_api_key_from_vllm_env_guards_every_hot_load_route(env):
+    """Issue 21 row 1: a server keyed only by vLLM's ``VLLM_API_KEY`` (no ``--api-key``) guards the hot-load routes
+    exactly as vLLM guards ``/v1``: 401 without the key on signal, status, ledger GET and DELETE; 200 with it."""
+    server = env[0]
+    before = server.get(HL + "/ledger").json()
+    server.stop()
+    server.start(extra_env={"VLLM_API_KEY": API_KEY}, api_key_flag=False)
+    base = server.base
+    assert requests.get(base + "/v1/models", timeout=30).status_code == 401  # vLLM's own guard is on
+    assert requests.post(base + HL, json={"identity": "k9"}, timeout=30).status_code == 401
+    assert requests.get(base + HL + "/status", timeout=30).status_code == 401
+    assert requests.get(base + HL + "/ledger", timeout=30).status_code == 401
+    assert requests.delete(base + HL + "/ledger", timeout=30).status_code == 401
+    assert server.get(HL + "/status").status_code == 200
+    after = server.get(HL + "/ledger").json()  # the refused POST and DELETE changed nothing
+    assert (after["full_required"], len(after["rows"])) == (before["full_required"], len(before["rows"]))
