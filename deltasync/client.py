@@ -48,9 +48,7 @@ class HotLoadClient:
                  timeout: float = 600.0) -> None:
         self.urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.transition, self.drain_timeout = transition, drain_timeout
-        self.headers = Signal("x", transition=transition, drain_timeout=drain_timeout).headers()
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.reset_prompt_cache, self.timeout = reset_prompt_cache, timeout
 
     def signal_for(self, info: SnapshotInfo) -> Signal:
@@ -65,9 +63,10 @@ class HotLoadClient:
         """
         import requests
 
-        body = self.signal_for(info).body()
+        sig = self.signal_for(info)
+        body, headers = sig.body(), {**self.headers, **sig.headers()}
         for url in self.urls:
-            r = requests.post(url + PREFIX, json=body, headers=self.headers, timeout=self.timeout)
+            r = requests.post(url + PREFIX, json=body, headers=headers, timeout=self.timeout)
             if r.status_code != 200:
                 try:
                     err = r.json().get("error", r.text)

@@ -15,6 +15,7 @@ Every ``/v1/*`` response carries :data:`IDENTITY_HEADER` (the snapshot serving w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -69,6 +70,16 @@ class HotLoadConfig(BaseModel):
     keep_materialized: int = 2
     allow_non_finite: bool = False
 
+    @property
+    def remote(self) -> bool:
+        """``snapshot_root`` is a URL other than ``file://`` (snapshots are fetched)."""
+        return "://" in self.snapshot_root and not self.snapshot_root.startswith("file://")
+
+    @property
+    def root(self) -> str | Path:
+        """The snapshot root: a local ``Path``, or the URL without a trailing ``/``."""
+        return self.snapshot_root.rstrip("/") if self.remote else Path(self.snapshot_root.removeprefix("file://"))
+
     def resolved_state_dir(self) -> str:
         """``state_dir``, or the default under a local ``snapshot_root``.
 
@@ -76,9 +87,9 @@ class HotLoadConfig(BaseModel):
             ValueError: ``snapshot_root`` is a URL and no ``state_dir`` is given."""
         if self.state_dir:
             return self.state_dir
-        if "://" in self.snapshot_root and not self.snapshot_root.startswith("file://"):
+        if self.remote:
             raise ValueError("hot_load.state_dir is required when snapshot_root is a URL")
-        return f"{self.snapshot_root.removeprefix('file://')}/.zerokld_state"
+        return str(self.root / ".zerokld_state")
 
 
 @dataclass

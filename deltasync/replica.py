@@ -8,8 +8,8 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
 2. **fetch** — a remote ``snapshot_root`` (fsspec URL) is downloaded into ``<state_dir>/fetched/<identity>``, all or
    nothing (:func:`deltasync.fetch_dir`);
 3. **verify** while serving continues (in a worker thread, never on the event loop) — only regular files inside
-   the snapshot root are opened (no symlinks out, no FIFOs or devices); the snapshot's numerics stamp must be the engine's
-   (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
+   the snapshot root are opened (no symlinks out, no FIFOs or devices); the snapshot's numerics stamp must be the
+   engine's (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
    the served model's tensor spec (names, dtypes, shapes, each tensor in one shard), then every tensor against its
    Adler-32 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one is
    decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
@@ -66,10 +66,6 @@ class ReplicaEngine(Protocol):
         """Drop cached prefixes (``running_requests``: also those held by running requests); ``False``: refused."""
 
 
-def _is_remote(root: str) -> bool:
-    return "://" in root and not root.startswith("file://")
-
-
 class Replica:
     """Owns the ledger, the fetched and materialized snapshots and the swap of one engine.
 
@@ -84,9 +80,7 @@ class Replica:
     def __init__(self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path,
                  fault_delay: float = 0.0) -> None:
         self.engine, self.config = engine, config
-        self.remote = _is_remote(config.snapshot_root)
-        self.root = config.snapshot_root.rstrip("/") if self.remote else Path(config.snapshot_root.removeprefix(
-            "file://"))
+        self.remote, self.root = config.remote, config.root
         self.state_dir = Path(config.resolved_state_dir())
         self.materialized = self.state_dir / "materialized"
         self.fetched = self.state_dir / "fetched"

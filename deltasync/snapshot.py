@@ -33,8 +33,6 @@ __all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "check_r
            "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes",
            "write_full_snapshot", "write_incremental_snapshot"]
 
-CHECKSUM_FORMAT = DEFAULT_CHECKSUM_FORMAT  # "alder32", sic: the name used on the wire by the public format
-
 
 class SnapshotError(ValueError):
     """A snapshot that is refused: unreadable, or not the same tensor set / shapes / dtypes as the model."""
@@ -234,7 +232,8 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
         spec = {name: {"shape": list(shape), "dtype": dt} for name, (dt, shape) in sorted(tensor_spec(tmp).items())}
         stamp = {"numerics": numerics} if numerics is not None else {}
         checksums = {name: str(zlib.adler32(_raw(t))) for name, t in sorted(tensors.items())}
-        (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec, "checksum_format": CHECKSUM_FORMAT,
+        (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec,
+                                                   "checksum_format": DEFAULT_CHECKSUM_FORMAT,
                                                    "checksums": checksums, **stamp}, indent=1))
 
     return write_checkpoint(out_dir, {"model.safetensors": tensors}, assets_dir=src, skip_assets=_SKIP,
@@ -290,7 +289,7 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
         raise
     stamp = {"numerics": numerics} if numerics is not None else {}
     (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
-                                                "checksum_format": CHECKSUM_FORMAT, **stamp}))
+                                                "checksum_format": DEFAULT_CHECKSUM_FORMAT, **stamp}))
     return publish_atomically(tmp, out)
 
 

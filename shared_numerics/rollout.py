@@ -18,7 +18,7 @@ import torch
 
 from .mode import NumericsMode, check_same_numerics
 
-__all__ = ["IGNORE_INDEX", "RolloutBatch"]
+__all__ = ["IGNORE_INDEX", "RolloutBatch", "common_numerics"]
 
 IGNORE_INDEX = -100  # label of positions without a loss (torch cross-entropy's / TorchTitan's ``IGNORE_INDEX``)
 
@@ -38,7 +38,8 @@ class RolloutBatch:
         sequences: ``B`` lists of token ids, prompt + completion.
         prompt_lengths: ``B`` ints in ``[1, len(seq)]``; the completion (the loss mask) is ``seq[p:]``.
         advantages: ``B`` entries, a float (broadcast over the completion) or a float ``[len(seq) - p]`` tensor;
-            ``None`` = zeros (set them later with :meth:`with_advantages`).
+            ``None`` = zeros (set them later with ``dataclasses.replace(batch, advantages=...)``,
+            which validates them).
         sampler_logprobs: ``B`` float32 ``[len(seq) - p]`` tensors, the engine's log-probs of the sampled tokens;
             ``None`` = on-policy (ratio 1: SFT, or a loss that ignores them).
         routed_experts: MoE: ``B`` arrays ``[len(seq) - 1, layers, top_k]`` (vLLM ``routed_experts``); else ``None``.
@@ -98,7 +99,7 @@ class RolloutBatch:
                    prompt_lengths=[len(o.prompt_token_ids) for o in outputs], advantages=advantages,
                    sampler_logprobs=[_completion_logprobs(c) for c in comps], routed_experts=routes,
                    snapshot_identity=snapshot_identity,
-                   numerics=_one_mode([getattr(c, "zerokld_numerics", None) for c in comps]))
+                   numerics=common_numerics([getattr(c, "zerokld_numerics", None) for c in comps]))
 
     @classmethod
     def from_openai(cls, prompts: Sequence[Sequence[int]], choices: Sequence[dict], advantages: list | None = None,
@@ -134,12 +135,7 @@ class RolloutBatch:
         return cls(sequences=seqs, prompt_lengths=[len(p) for p in prompts], advantages=advantages,
                    sampler_logprobs=lps, routed_experts=routes if all(r is not None for r in routes) else None,
                    snapshot_identity=snapshot_identity,
-                   numerics=_one_mode([c.get("zerokld_numerics") for c in choices]))
-
-    def with_advantages(self, advantages: list) -> "RolloutBatch":
-        """A copy with ``advantages`` set (validated)."""
-        return RolloutBatch(self.sequences, self.prompt_lengths, list(advantages), self.sampler_logprobs,
-                            self.routed_experts, self.snapshot_identity, self.numerics)
+                   numerics=common_numerics([c.get("zerokld_numerics") for c in choices]))
 
     def check_numerics(self, trainer: NumericsMode) -> None:
         """Refuse rollouts sampled under other numerics than ``trainer``'s.
@@ -178,8 +174,13 @@ class RolloutBatch:
         return tokens
 
 
-def _one_mode(stamps: list) -> NumericsMode | None:
+def common_numerics(stamps: list) -> NumericsMode | None:
+    """The one mode every stamp (a :class:`NumericsMode` dict, or ``None`` = unstamped) names; ``None`` for none.
+
+    Raises:
+        ValueError: the stamps name different modes (stamped and unstamped rollouts mixed included).
+    """
     modes = {None if s is None else NumericsMode.from_dict(s) for s in stamps}
     if len(modes) > 1:
         raise ValueError(f"rollouts from different numerics modes in one batch: {sorted(map(str, modes))}")
-    return modes.pop()
+    return modes.pop() if modes else None

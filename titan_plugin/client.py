@@ -20,11 +20,12 @@ weights.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from shared_numerics.rollout import RolloutBatch
+from shared_numerics.rollout import RolloutBatch, common_numerics
 
 from .losses import RLLoss
 from .rl import RLTrainer, rl_trainer_config
@@ -78,11 +79,9 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
             raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
         adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
-    stamps = {repr(d["zerokld_numerics"]) for d in data if "zerokld_numerics" in d}
-    if len(stamps) > 1:
-        raise ValueError(f"datums stamped with different numerics modes: {sorted(stamps)}")
-    stamped = next((d["zerokld_numerics"] for d in data if "zerokld_numerics" in d), None)
-    return RolloutBatch(seqs, plens, adv, q, _routes(inputs), numerics=stamped if stamps else numerics)
+    stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
+    return RolloutBatch(seqs, plens, adv, q, _routes(inputs),
+                        numerics=common_numerics(stamped) if stamped else numerics)
 
 
 def _routes(inputs: list[dict]):
@@ -127,8 +126,8 @@ class TrainingClient:
         """Log-probs of every target token (no gradients)."""
         batch = self._batch(data)
         if not isinstance(data, RolloutBatch):  # Tinker's forward scores every position
-            batch = RolloutBatch(batch.sequences, [1] * len(batch), None, None, batch.routed_experts,
-                                 numerics=batch.numerics)
+            batch = dataclasses.replace(batch, prompt_lengths=[1] * len(batch), advantages=None,
+                                        sampler_logprobs=None)
         return {"loss_fn_outputs": [{"logprobs": lp} for lp in self.trainer.forward_logprobs(batch)]}
 
     def forward_backward(self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None

@@ -8,6 +8,7 @@ checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_regist
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,8 +118,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             ``param_dtype`` (``training.mixed_precision_param``) casts them to ``dtype`` for the forward — the same
             round-to-nearest cast the exported snapshot gets, so the training forward sees exactly vLLM's weights.
         lr: AdamW learning rate (constant schedule, no warm-up).
-        batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the SDPA
-            inner attention, since flex attention has no CPU path).
+        batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the
+            SDPA inner attention, since flex attention has no CPU path).
         loss_fn, loss_fn_config: a loss registered through the ``zerokld`` hooks (``ppo``, ``importance_sampling``,
             ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
         fused: compute the completion tokens' log-probs with the fused lm_head (no ``[tokens, vocab]`` logits);
@@ -283,8 +284,7 @@ class RLTrainer(Trainer):
         loss, metrics = loss_fn(lps)
         grads = torch.autograd.grad(loss, lps, allow_unused=True)
         weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
-        on_policy = RolloutBatch(batch.sequences, batch.prompt_lengths, weights, None, batch.routed_experts,
-                                 batch.snapshot_identity, batch.numerics)
+        on_policy = dataclasses.replace(batch, advantages=weights, sampler_logprobs=None)
         self.forward_backward(on_policy, loss=self.build_loss("cross_entropy", normalization="sum"))
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 

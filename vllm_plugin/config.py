@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from deltasync.protocol import HotLoadConfig
 
-__all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "config_or_off", "from_vllm_config", "numerics_mode"]
+__all__ = ["ZeroKLDConfig", "ZeroKLDConfigError", "config_or_off", "from_vllm_config", "numerics_mode",
+           "numerics_stamp"]
 
 
 class ZeroKLDConfigError(ValueError):
@@ -99,3 +100,14 @@ def numerics_mode(vllm_config: Any):
         fp8 = cfg.fp8_granularity or "per_channel"
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu"
     return NumericsMode.build(cfg.batch_invariant, str(model_config.dtype), fp8, device_type=str(device))
+
+
+def numerics_stamp(vllm_config: Any) -> dict | None:
+    """What the engine stamps into rollouts and checks snapshots against: :func:`numerics_mode` as a dict with
+    ``batch_invariant`` on, ``None`` (stock numerics) otherwise.
+
+    Raises:
+        ZeroKLDConfigError: malformed ``zerokld`` section.
+    """
+    mode = numerics_mode(vllm_config)
+    return mode.to_dict() if mode.batch_invariant else None

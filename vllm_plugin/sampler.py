@@ -30,7 +30,7 @@ import torch
 
 import shared_numerics.sampling as sn_sampling
 
-from .config import ZeroKLDConfigError, config_or_off, from_vllm_config, numerics_mode
+from .config import ZeroKLDConfigError, config_or_off, from_vllm_config, numerics_stamp
 
 __all__ = ["check_sampler_supported", "install"]
 
@@ -53,9 +53,10 @@ def check_sampler_supported(vllm_config) -> None:
         raise ZeroKLDConfigError("zerokld deterministic sampler does not support: " + "; ".join(problems))
 
 
-# request id -> the engine's NumericsMode dict (front end: input processor -> output processor); "last": the mode of
-# the latest request this process admitted (one engine per front-end process)
-_NUMERICS: dict[str, dict | None] = {}
+# request id -> the engine's NumericsMode dict (front end: input processor -> output processor)
+_NUMERICS: dict[str, dict] = {}
+# the mode of the latest request this process admitted (one engine per front-end process): n > 1 children
+_LAST_NUMERICS: list = [None]
 
 
 def _numerics(owner) -> dict | None:
@@ -63,10 +64,9 @@ def _numerics(owner) -> dict | None:
     computed once per ``owner`` (a vLLM object holding ``vllm_config``)."""
     if "_zerokld_numerics" not in owner.__dict__:
         try:
-            mode = numerics_mode(owner.vllm_config)
+            owner.__dict__["_zerokld_numerics"] = numerics_stamp(owner.vllm_config)
         except ZeroKLDConfigError:
-            mode = None
-        owner.__dict__["_zerokld_numerics"] = mode.to_dict() if mode is not None and mode.batch_invariant else None
+            owner.__dict__["_zerokld_numerics"] = None
     return owner.__dict__["_zerokld_numerics"]
 
 
@@ -88,7 +88,7 @@ def _patch_front_end() -> None:
     def zerokld_process_inputs(self, *args, **kwargs):
         request = process_inputs(self, *args, **kwargs)
         numerics = _numerics(self)
-        _NUMERICS["last"] = numerics
+        _LAST_NUMERICS[0] = numerics
         if numerics is not None:
             _NUMERICS[request.request_id] = numerics  # the external id: vLLM adds a random suffix afterwards
             _patch_openai_completions()
@@ -108,7 +108,7 @@ def _patch_front_end() -> None:
         state = from_new_request(cls, tokenizer, request, *args, **kwargs)
         state.zerokld_seed = request.sampling_params.seed if request.sampling_params is not None else None
         external = getattr(request, "external_req_id", None) or request.request_id
-        state.zerokld_numerics = _NUMERICS.pop(external, _NUMERICS.get("last"))  # n > 1 children: the parent's
+        state.zerokld_numerics = _NUMERICS.pop(external, _LAST_NUMERICS[0])  # n > 1 children: the parent's
         return state
 
     def zerokld_new_completion_output(self, *args, **kwargs):

@@ -26,9 +26,7 @@ Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API 
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -46,21 +44,12 @@ class ZeroKLDHotLoadEndpoint:
 
     def __init__(self) -> None:
         self.manager = None
-        self.api_keys: list[str] = []
+        self.auth = None  # vLLM's AuthenticationMiddleware over the server's keys; None: no key configured
 
     def _authorized(self, request: Request) -> bool:
-        """vLLM's own check (``entrypoints/serve/middleware/authenticate.py`` ``verify_token``): scheme ``Bearer``
-        in any case, the token compared by SHA-256 digest in constant time against every configured key."""
-        if not self.api_keys:
-            return True
-        scheme, _, param = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        got = hashlib.sha256(param.encode("utf-8")).digest()
-        match = False
-        for key in self.api_keys:
-            match |= secrets.compare_digest(got, hashlib.sha256(key.encode("utf-8")).digest())
-        return match
+        """vLLM's own check (``AuthenticationMiddleware.verify_token``, ``entrypoints/serve/middleware/
+        authenticate.py``): the same keys guard the hot-load routes as guard ``/v1``."""
+        return self.auth is None or self.auth.verify_token(request.headers)
 
     def _guard(self, request: Request):
         if not self._authorized(request):
@@ -140,9 +129,13 @@ class ZeroKLDHotLoadEndpoint:
         if cfg is None:
             return
         # vLLM's resolution (entrypoints/serve/middleware/register.py): --api-key wins, else VLLM_API_KEY
+        import vllm.envs as envs
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
         key = getattr(args, "api_key", None)
         keys = [key] if isinstance(key, str) else list(key or [])
-        self.api_keys = [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+        if tokens := [k for k in (keys or [envs.VLLM_API_KEY]) if k]:
+            self.auth = AuthenticationMiddleware(app=None, tokens=tokens)
         fault_delay = float(os.environ.get("ZEROKLD_HOTLOAD_FAULT_DELAY_S", "0") or 0)  # fault-injection tests
         self.manager = Replica(ServerEngine(engine_client), cfg, args.model, fault_delay=fault_delay)
         await self.manager.restore()

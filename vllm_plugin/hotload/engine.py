@@ -12,14 +12,13 @@ __all__ = ["ServerEngine"]
 
 class ServerEngine:
     """Adapter of a running ``EngineClient``; ``numerics`` is the engine's
-    :func:`vllm_plugin.config.numerics_mode` (a dict; ``None`` with ``batch_invariant`` off)."""
+    :func:`vllm_plugin.config.numerics_stamp`."""
 
     def __init__(self, engine_client) -> None:
-        from ..config import numerics_mode
+        from ..config import numerics_stamp
 
         self.client = engine_client
-        mode = numerics_mode(engine_client.vllm_config)
-        self.numerics = mode.to_dict() if mode.batch_invariant else None
+        self.numerics = numerics_stamp(engine_client.vllm_config)
 
     async def reload_weights(self, path: str) -> None:
         await self.client.collective_rpc("reload_weights", kwargs={"weights_path": path})

@@ -19,11 +19,10 @@ class OfflineEngine:
     """Adapter of an offline ``vllm.LLM`` (``collective_rpc("reload_weights")``, ``reset_prefix_cache``)."""
 
     def __init__(self, llm) -> None:
-        from ..config import numerics_mode
+        from ..config import numerics_stamp
 
         self.llm = llm
-        mode = numerics_mode(llm.llm_engine.vllm_config)
-        self.numerics = mode.to_dict() if mode.batch_invariant else None
+        self.numerics = numerics_stamp(llm.llm_engine.vllm_config)
 
     async def reload_weights(self, path: str) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
