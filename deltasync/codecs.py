@@ -11,7 +11,31 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-__all__ = ["SPARSE_NAME", "arc_v2_decode", "arc_v2_encode", "sparse_decode", "sparse_encode", "xor_bytes"]
+__all__ = ["SPARSE_NAME", "arc_v2_decode", "arc_v2_encode", "bounded_decompress", "sparse_decode", "sparse_encode",
+           "xor_bytes"]
+
+
+def bounded_decompress(payload: bytes, limit: int) -> bytes:
+    """Decompress the zstd frame ``payload``, streaming, producing at most ``limit`` bytes.
+
+    ``ZstdDecompressor.decompress(max_output_size=...)`` ignores the limit when the frame header declares its content
+    size (it allocates and fills that many bytes: a 32 KB frame declaring 4 GiB of zeros costs 4 GiB of RAM before
+    any check). Here the frame is read through ``stream_reader`` in pieces of at most 1 MiB, so memory stays within
+    ``limit`` plus one piece whatever the header claims.
+
+    Raises:
+        ValueError: the frame decodes to more than ``limit`` bytes.
+        zstandard.ZstdError: the payload is not valid zstd (or is truncated).
+    """
+    out = bytearray()
+    with zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=False) as reader:
+        while True:
+            piece = reader.read(min(1 << 20, limit + 1 - len(out)) or 1)
+            if not piece:
+                return bytes(out)
+            out += piece
+            if len(out) > limit:
+                raise ValueError(f"zstd payload decodes to more than {limit} bytes")
 
 
 def xor_bytes(a: bytes | memoryview, b: bytes | memoryview) -> bytes:
@@ -34,10 +58,11 @@ def arc_v2_decode(base: bytes, payload: bytes) -> bytes:
     """``base XOR unzstd(payload)``.
 
     Raises:
-        ValueError: the decompressed length differs from the base's (wrong base or corrupt payload).
+        ValueError: the decompressed length differs from the base's (wrong base or corrupt payload); decoding stops
+            one byte past the base's length (:func:`bounded_decompress`).
         zstandard.ZstdError: the payload is not valid zstd.
     """
-    x = zstandard.ZstdDecompressor().decompress(payload, max_output_size=len(base) + 1)
+    x = bounded_decompress(payload, len(base))
     if len(x) != len(base):
         raise ValueError(f"delta decodes to {len(x)} bytes, base tensor has {len(base)}")
     return xor_bytes(base, x)
@@ -103,13 +128,13 @@ def sparse_decode(base: bytes, payload: bytes) -> bytes:
 
     mode, payload = payload[:1], payload[1:]
     if mode == _DENSE:
-        x = zstandard.ZstdDecompressor().decompress(payload, max_output_size=len(base) + 1)
+        x = bounded_decompress(payload, len(base))
         if len(x) != len(base):
             raise ValueError(f"{SPARSE_NAME}: delta decodes to {len(x)} bytes, base tensor has {len(base)}")
         return xor_bytes(base, x)
     if mode != _SPARSE:
         raise ValueError(f"{SPARSE_NAME}: unknown payload mode {mode!r}")
-    raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=16 * len(base) + (1 << 20))
+    raw = bounded_decompress(payload, 16 * len(base) + (1 << 20))
     header_len = struct.unpack("<Q", raw[:8])[0]
     meta = json.loads(raw[8: 8 + header_len]).get("__metadata__") or {}
     if meta.get("codec") != SPARSE_NAME or int(meta.get("bytes", -1)) != len(base):

@@ -1,9 +1,10 @@
 """The hot-load ledger: one row per snapshot a replica was asked to load, persisted as JSON, plus identity rules.
 
 Row fields (Fireworks' bring-your-own-trainer ledger, ``../shared/DESIGN.md`` §5): ``identity``, ``kind``
-(``full`` | ``incremental``), ``previous_identity``, ``compression_format``, ``readiness`` (``loading`` | ``ready`` |
-``failed``), ``error``, ``timestamps`` (stage name → Unix seconds: ``signaled``, ``verified``, ``paused``,
-``loaded``, ``ready`` / ``failed``). The file is rewritten atomically (temporary file + ``os.replace``) after every
+(``full`` | ``incremental``; ``restore``: a restart fell back to an earlier snapshot), ``previous_identity``,
+``compression_format``, ``readiness`` (``loading`` | ``ready`` | ``failed``), ``error``, ``weights_digest`` (SHA-256 of
+the loaded snapshot's per-tensor checksums: a restart verifies the bits it restores against it), ``timestamps``
+(stage name → Unix seconds: ``signaled``, ``verified``, ``paused``, ``loaded``, ``ready`` / ``failed``). The file is rewritten atomically (temporary file + ``os.replace``) after every
 change, so a process killed at any point leaves either the previous or the next ledger. On load, a row still
 ``loading`` (the process died mid-apply) becomes ``failed`` with error ``interrupted``: the replica serves the last
 ``ready`` identity.
@@ -68,11 +69,13 @@ class Ledger:
         self.rows: list[dict] = []
         self.reset_at: float | None = None
         self.current: str | None = None  # identity being served (survives a ledger reset)
+        self.current_digest: str | None = None  # its weights digest (what a restart must find on disk)
         self.full_required = False  # set by reset(): the next load must be a full snapshot
         if self.path.exists():
             data = json.loads(self.path.read_text())
             self.rows, self.reset_at = data.get("rows", []), data.get("reset_at")
             self.current, self.full_required = data.get("current"), data.get("full_required", False)
+            self.current_digest = data.get("current_digest")
             changed = False
             for r in self.rows:
                 if r.get("readiness") == "loading":
@@ -86,7 +89,8 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps({"rows": self.rows, "reset_at": self.reset_at, "current": self.current,
-                                   "full_required": self.full_required}, indent=1))
+                                   "current_digest": self.current_digest, "full_required": self.full_required},
+                                  indent=1))
         os.replace(tmp, self.path)
 
     @property
@@ -127,10 +131,27 @@ class Ledger:
         self.stage(row, "failed", readiness="failed", error=_bounded(error, 4 * MAX_FIELD))
 
     def ready(self, row: dict) -> None:
-        self.current = row["identity"]
+        self.current, self.current_digest = row["identity"], row.get("weights_digest")
         if row["kind"] == "full":
             self.full_required = False
         self.stage(row, "ready", readiness="ready")
+
+    def restored(self, identity: str, digest: str | None, lost: dict[str, str]) -> None:
+        """After a restart that could not serve the recorded snapshot: serve ``identity`` (an earlier verified one,
+        or :attr:`initial_identity`), mark the rows of every ``lost`` identity (identity → why) ``failed``, and append
+        a ``restore`` row saying what happened."""
+        now = time.time()
+        for r in self.rows:
+            if r["identity"] in lost and r.get("readiness") == "ready":
+                r.update(readiness="failed", error=_bounded(f"lost at restart: {lost[r['identity']]}", 4 * MAX_FIELD))
+        self.rows.append({"identity": identity, "kind": "restore", "previous_identity": _bounded(self.current),
+                          "compression_format": None, "readiness": "ready",
+                          "error": _bounded("restored after a restart; lost: " + "; ".join(
+                              f"{k}: {v}" for k, v in lost.items()), 4 * MAX_FIELD),
+                          "weights_digest": digest, "timestamps": {"signaled": now, "ready": now}})
+        self.current = None if identity == self.initial_identity else identity
+        self.current_digest = digest
+        self._save()
 
     def reset(self) -> None:
         """Forget every row; the next load must be full. The replica keeps serving what it serves."""

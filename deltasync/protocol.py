@@ -10,7 +10,8 @@ nothing else. Wire format (Fireworks' bring-your-own-trainer hot-load API, ``../
     GET  {PREFIX}/status             per replica current_snapshot_identity, readiness, loading_state
     GET / DELETE {PREFIX}/ledger     the ledger; DELETE resets it (the next load must be full)
 
-Every ``/v1/*`` response carries :data:`IDENTITY_HEADER` (the snapshot serving when the request started).
+Serving responses carry :data:`IDENTITY_HEADER`: the snapshot(s) that sampled their tokens (comma-separated in order of
+use when a response spans an async swap; per token: the choices' ``weight_versions`` spans).
 """
 from __future__ import annotations
 

@@ -15,11 +15,13 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
    ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving untouched;
 4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads,
-   resumes; ``sync``: new requests are refused (HTTP 425) while in-flight ones finish on the old weights, up to the
+   labels the weights with the identity (so each token is attributed to the snapshot that sampled it), resumes; ``sync``: new requests are refused (HTTP 425) while in-flight ones finish on the old weights, up to the
    drain timeout (else the signal itself gets 425 and nothing changes), then reload. A failed reload restores the
    previous snapshot. Then the prefix cache is reset per ``reset_prompt_cache``;
-5. **ledger** — every stage is timestamped (:class:`deltasync.Ledger`); a process killed mid-swap restarts, marks
-   the row ``interrupted`` and reloads the last ``ready`` snapshot (:meth:`Replica.restore`).
+5. **ledger** — every stage is timestamped (:class:`deltasync.Ledger`), the loaded weights' digest recorded; a
+   process killed mid-swap restarts, marks the row ``interrupted`` and reloads the last ``ready`` snapshot after
+   verifying its bits against that digest — or, if it is gone or altered, the newest earlier one that verifies, else
+   the initial weights, the ledger saying so (:meth:`Replica.restore`).
 
 The engine side is :class:`ReplicaEngine`: vLLM's OpenAI server (:mod:`vllm_plugin.hotload.engine`) and an offline
 ``vllm.LLM`` (:mod:`vllm_plugin.hotload.offline`) are its two adapters.
@@ -35,7 +37,8 @@ from typing import Protocol
 
 from .ledger import IdentityError, Ledger
 from .protocol import HotLoadConfig, HotLoadError, Signal
-from .snapshot import SnapshotError, check_regular_files, materialize_snapshot, snapshot_numerics, tensor_spec
+from .snapshot import (SnapshotError, check_regular_files, materialize_snapshot, snapshot_numerics, tensor_spec,
+                       verify_full_snapshot, weights_digest)
 from .storage import fetch_dir
 
 __all__ = ["Replica", "ReplicaEngine"]
@@ -52,6 +55,10 @@ class ReplicaEngine(Protocol):
 
     async def reload_weights(self, path: str) -> None:
         """Load the full HF snapshot at ``path`` in place (every worker)."""
+
+    async def set_weight_version(self, identity: str) -> None:
+        """Label the loaded weights (called while paused): every token sampled from now on is attributed to
+        ``identity`` (vLLM: ``update_weight_version``, per-token ``weight_versions`` spans)."""
 
     async def pause(self, keep_requests: bool) -> None:
         """Stop scheduling: ``keep_requests`` freezes in-flight requests with their KV, else waits for them."""
@@ -119,10 +126,45 @@ class Replica:
                               "readiness": self.stage == "idle",
                               "loading_state": {"stage": self.stage, "target_snapshot_identity": self.target}}]}
 
+    def _restorable(self, identity: str, digest: str | None) -> Path:
+        """Blocking (run in a thread): the verified directory of ``identity`` — regular files, the served model's
+        tensor spec, every tensor against its checksum, and the checksums' digest equal to what the ledger recorded
+        when it was loaded (``digest``), so replaced bits are never served under the old identity."""
+        path = self.served_dir(identity)
+        if not path.is_dir():
+            raise SnapshotError(f"snapshot {identity!r} is gone")
+        check_regular_files(path, path.parent)
+        verify_full_snapshot(path, self.reference_spec, check_data=True, allow_non_finite=self.config.allow_non_finite)
+        if digest is None or weights_digest(path) != digest:
+            raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the ledger)")
+        return path
+
     async def restore(self) -> None:
-        """After a restart: serve the last ``ready`` snapshot again (the engine started from ``initial_dir``)."""
-        if self.ledger.current_identity != self.ledger.initial_identity:
-            await self.engine.reload_weights(str(self.served_dir()))
+        """After a restart (the engine started from ``initial_dir``): serve the ledger's current snapshot again,
+        verified (:meth:`_restorable`); if it is gone or its bits changed, the newest earlier ``ready`` snapshot that
+        verifies, else the initial weights — the ledger marks what was lost and appends a ``restore`` row. Never
+        raises for a missing or altered snapshot."""
+        led = self.ledger
+        candidates = [(led.current_identity, led.current_digest)] + [
+            (r["identity"], r.get("weights_digest")) for r in reversed(led.rows)
+            if r.get("readiness") == "ready" and r["identity"] != led.current_identity]
+        lost: dict[str, str] = {}
+        for identity, digest in candidates:
+            if identity == led.initial_identity:
+                break
+            try:
+                path = await asyncio.to_thread(self._restorable, identity, digest)
+                await self.engine.reload_weights(str(path))
+            except Exception as e:  # noqa: BLE001 - any failure: try the next one, never crash the server
+                lost[identity] = str(e) or type(e).__name__
+                continue
+            if lost:
+                led.restored(identity, digest, lost)
+            await self.engine.set_weight_version(identity)
+            return
+        if lost:
+            led.restored(led.initial_identity, None, lost)
+        await self.engine.set_weight_version(led.initial_identity)
 
     # -- the stages --------------------------------------------------------------------------------------------
     def _check(self, sig: Signal) -> None:
@@ -200,7 +242,7 @@ class Replica:
             self.stage, self.target = "verifying", sig.identity
             try:
                 path = await asyncio.to_thread(self._materialize, sig)
-                self.ledger.stage(row, "verified")
+                self.ledger.stage(row, "verified", weights_digest=weights_digest(path))
                 if sig.transition == "sync":
                     self.stage, self.draining = "draining", True
                     await self._drain(sig.drain_timeout)
@@ -217,6 +259,7 @@ class Replica:
                 except Exception as e:  # restore the served weights, then report
                     await self.engine.reload_weights(str(self.served_dir()))
                     raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
+                await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
                 self.ledger.stage(row, "loaded")
                 cache_reset = await self._reset_cache(sig.reset_prompt_cache)
                 self.ledger.ready(row)
@@ -250,5 +293,5 @@ class Replica:
         for folder in (self.materialized, self.fetched):
             if folder.exists():
                 for d in folder.iterdir():
-                    if d.name not in keep and not d.name.endswith(".tmp"):
+                    if d.name not in keep and not d.name.startswith("."):  # identities only (no .staging)
                         shutil.rmtree(d, ignore_errors=True)

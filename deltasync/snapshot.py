@@ -9,7 +9,8 @@
   ``compression_format``/``checksum_format``. Source: Fireworks' incremental-snapshot format (``arc_v2``, checksum
   ``alder32`` sic); codecs are looked up through the ``zerokld`` plugin hooks.
 
-A directory is assembled under a temporary name beside the target and renamed into place, so a reader never sees a
+A directory is assembled in the staging namespace beside the target (``.staging/``,
+:func:`zerokld_models.checkpoint.staging_path`) and renamed into place, so a reader never sees a
 half-written snapshot; an incremental snapshot is verified completely (key set, lengths, checksums) before the
 result is published.
 """
@@ -25,12 +26,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zerokld_models.checkpoint import publish_atomically, read_tensors, write_checkpoint
+from zerokld_models.checkpoint import publish_atomically, read_tensors, staging_path, write_checkpoint
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
 __all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "check_regular_files", "element_density",
            "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes",
+           "weights_digest",
            "write_full_snapshot", "write_incremental_snapshot"]
 
 
@@ -50,7 +52,7 @@ def tensor_spec(snapshot_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...
     """
     files = sorted(Path(snapshot_dir).glob("*.safetensors"))
     if not files:
-        raise SnapshotError(f"{snapshot_dir}: no *.safetensors shard")
+        raise SnapshotError(f"snapshot {Path(snapshot_dir).name!r}: no *.safetensors shard")
     spec = {}
     for f in files:
         try:
@@ -112,13 +114,34 @@ def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[st
         _verify_data(Path(snapshot_dir), allow_non_finite)
 
 
-def _verify_data(d: Path, allow_non_finite: bool) -> None:
+MAX_JSON_BYTES = 64 << 20  # a snapshot's JSON metadata (spec, delta.json) larger than this is refused unread
+
+
+def _read_json(path: Path) -> dict:
+    """A snapshot's JSON metadata file, read only when it is at most :data:`MAX_JSON_BYTES`.
+
+    Raises:
+        ValueError: too large, or not a JSON object. OSError: unreadable."""
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise ValueError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes")
+    data = json.loads(path.read_bytes())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return data
+
+
+def _spec_checksums(d: Path) -> dict:
     try:
-        checksums = json.loads((d / WEIGHT_SPEC).read_text()).get("checksums")
+        checksums = _read_json(d / WEIGHT_SPEC).get("checksums")
     except (OSError, ValueError) as e:
         raise SnapshotError(f"snapshot {d.name!r}: no readable {WEIGHT_SPEC} ({type(e).__name__})") from e
     if not isinstance(checksums, dict):
         raise SnapshotError(f"snapshot {d.name!r}: {WEIGHT_SPEC} has no per-tensor checksums")
+    return checksums
+
+
+def _verify_data(d: Path, allow_non_finite: bool) -> None:
+    checksums = _spec_checksums(d)
     seen = set()
     for f in sorted(d.glob("*.safetensors")):
         try:
@@ -136,6 +159,19 @@ def _verify_data(d: Path, allow_non_finite: bool) -> None:
             raise SnapshotError(f"{f.name}: cannot read: {e}") from e
     if set(checksums) != seen:
         raise SnapshotError(f"snapshot {d.name!r}: checksums do not cover exactly its tensors")
+
+
+def weights_digest(snapshot_dir: str | Path) -> str:
+    """SHA-256 (hex) of a full snapshot's per-tensor checksums (``model.weight.spec.json``, canonical JSON): what
+    the ledger records for a loaded snapshot, so a restart can tell the same bits from replaced ones.
+
+    Raises:
+        SnapshotError: no readable spec with checksums.
+    """
+    import hashlib
+
+    checksums = _spec_checksums(Path(snapshot_dir))
+    return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
 def weight_bytes(snapshot_dir: str | Path) -> int:
@@ -183,9 +219,9 @@ def snapshot_numerics(snapshot_dir: str | Path) -> dict | None:
         f = Path(snapshot_dir) / name
         if f.is_file():
             try:
-                return json.loads(f.read_text()).get("numerics")
+                return _read_json(f).get("numerics")
             except ValueError as e:
-                raise SnapshotError(f"{f}: unreadable ({e})") from e
+                raise SnapshotError(f"{f.name}: unreadable ({e})") from e
     return None
 
 
@@ -263,7 +299,7 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
     base_files = sorted(Path(base_dir).glob("*.safetensors"))
     base_keys: set[str] = set()
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = staging_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -312,9 +348,10 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
     base_dir, delta_dir = Path(base_dir), Path(delta_dir)
     if compression_format is None:
         try:
-            compression_format = json.loads((delta_dir / "delta.json").read_text())["compression_format"]
+            compression_format = _read_json(delta_dir / "delta.json")["compression_format"]
         except (OSError, ValueError, KeyError) as e:
-            raise DeltaError(f"{delta_dir}: no compression_format given and no readable delta.json: {e}") from e
+            raise DeltaError(f"snapshot {delta_dir.name!r}: no compression_format given and no readable delta.json "
+                             f"({type(e).__name__})") from e
     decode = resolve(get_codec(compression_format).decode)
     base_files = sorted(p.name for p in base_dir.glob("*.safetensors"))
     delta_files = sorted(p.name for p in delta_dir.glob("*.safetensors"))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import fsspec
 
+from zerokld_models.checkpoint import publish_atomically, staging_path
+
 __all__ = ["COMPLETE_MARKER", "fetch_dir", "filesystem_for", "local_filesystem", "memory_filesystem", "publish_dir",
            "s3_filesystem"]
 
@@ -74,7 +76,7 @@ def fetch_dir(url: str, local_dir: str | Path) -> Path:
         listing = json.loads(fs.cat_file(f"{remote}/{COMPLETE_MARKER}"))
     except FileNotFoundError as e:
         raise SnapshotError(f"{url}: not a completely published snapshot (no {COMPLETE_MARKER})") from e
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = staging_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -85,6 +87,4 @@ def fetch_dir(url: str, local_dir: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return publish_atomically(tmp, out)

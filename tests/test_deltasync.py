@@ -76,7 +76,7 @@ def test_bad_delta_is_refused_and_nothing_is_published(base_and_new, tmp_path, f
         save_file(d, str(shard), metadata=meta)
     with pytest.raises(DeltaError):
         apply_incremental_snapshot(apply_to, delta, tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".staging" / "out.tmp").exists()
 
 
 def test_writer_refuses_shape_or_dtype_change(base_and_new, tmp_path):
@@ -86,7 +86,7 @@ def test_writer_refuses_shape_or_dtype_change(base_and_new, tmp_path):
         write_incremental_snapshot(base, {**new, k: new[k].float()}, tmp_path / "d1")
     with pytest.raises(DeltaError, match="lacks"):
         write_incremental_snapshot(base, {**new, "extra.weight": torch.zeros(2)}, tmp_path / "d2")
-    assert not (tmp_path / "d1.tmp").exists() and not (tmp_path / "d2.tmp").exists()
+    assert not any((tmp_path / ".staging").iterdir())  # nothing half-written left in the staging namespace
 
 
 def _cli(*args):
@@ -218,3 +218,66 @@ def test_sparse_codec_is_denser_than_arc_v2(checkpoint_factory, tmp_path):
     assert size(b) < 0.75 * size(a)
     got = read_snapshot_tensors(apply_incremental_snapshot(base, b, tmp_path / "applied"))
     assert all(torch.equal(got[k], new[k]) for k in new)
+
+
+_BOMB_RSS = r"""
+import resource, sys, zstandard
+from deltasync.codecs import arc_v2_decode, sparse_decode
+size = 1 << 30  # the frame declares (and really holds) 1 GiB of zeros: ~33 KB compressed
+co = zstandard.ZstdCompressor(level=1).compressobj(size=size)
+zeros = bytes(64 << 20)
+payload = b"".join([co.compress(zeros) for _ in range(size // len(zeros))] + [co.flush()])
+base = bytes(4096)
+start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    if sys.argv[1] == "stock":  # what arc_v2 decoding did before: max_output_size is ignored for sized frames
+        zstandard.ZstdDecompressor().decompress(payload, max_output_size=len(base) + 1)
+    elif sys.argv[1] == "arc_v2":
+        arc_v2_decode(base, payload)
+    else:
+        sparse_decode(base, b"\x00" + payload)
+    print("accepted")
+except Exception as e:
+    print("refused", type(e).__name__)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) // 1024)  # MiB added to the peak
+"""
+
+
+@pytest.mark.timeout(120)
+def test_decompression_bomb_is_refused_within_bounded_memory():
+    """Issue 21 row 4: a tiny zstd frame declaring 1 GiB is refused after at most ~1 MiB of output (streaming
+    ``bounded_decompress``); negative control: zstandard's own ``decompress(max_output_size=...)`` fills the whole
+    declared gigabyte first."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _BOMB_RSS, mode], capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stderr
+        verdict, grown = out.stdout.split("\n")[:2]
+        return verdict, int(grown)
+
+    stock = run("stock")
+    assert stock[1] > 512, stock  # the declared gigabyte was materialized (peak growth, MiB)
+    for mode in ("arc_v2", "zkd_sparse_v1"):
+        verdict, grown = run(mode)
+        assert verdict.startswith("refused ValueError") and grown < 64, (mode, verdict, grown)
+
+
+def test_staging_is_a_separate_namespace(base_and_new, tmp_path):
+    """Issue 21 point 2: snapshots are assembled and retired under ``.staging/`` beside them, a name no identity can
+    take, so publishing (or replacing) ``col`` never touches another snapshot's directory, whatever its name."""
+    from deltasync import validate_identity
+    from deltasync.ledger import IdentityError
+
+    base, new = base_and_new
+    root = tmp_path / "root"
+    (root / "col.tmp").mkdir(parents=True)  # an unrelated directory with a would-be staging name survives
+    (root / "col.tmp" / "keep").write_text("x")
+    write_incremental_snapshot(base, new, root / "col")
+    write_full_snapshot(new, base, root / "col")  # replaced: the old one is retired inside .staging
+    assert sorted(p.name for p in root.iterdir()) == [".staging", "col", "col.tmp"]
+    assert (root / "col.tmp" / "keep").read_text() == "x" and not any((root / ".staging").iterdir())
+    for name in (".staging", "col.tmp", "col.old"):
+        with pytest.raises(IdentityError):
+            validate_identity(name)

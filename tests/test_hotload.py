@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+import zstandard
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared_numerics import NumericsMode
@@ -53,6 +55,7 @@ class Server:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.ckpt, "--dtype",
                "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
                "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
+               "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
                *(["--api-key", API_KEY] if api_key_flag else []), "--additional-config", json.dumps(cfg)]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload", **(extra_env or {})}
         self.log = open(self.log_path, "a+")
@@ -248,6 +251,17 @@ def _bad_snapshots(root: Path, full: Path, current: str, ckpt: str) -> dict:
     shutil.copytree(cur, root / "bad-nochecksums")
     (root / "bad-nochecksums" / "model.weight.spec.json").unlink(missing_ok=True)
     cases["full snapshot without checksums"] = ({"identity": "bad-nochecksums"}, 422)
+    # row 4: a delta whose payload for one tensor is a ~130 KB zstd frame declaring (and holding) 4 GiB of zeros
+    write_incremental_snapshot(cur, _perturb(cur_t, 55), root / "bad-bomb")
+    shard = root / "bad-bomb" / "model.safetensors"
+    with safe_open(str(shard), framework="pt") as fh:
+        payloads, meta = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+    co = zstandard.ZstdCompressor(level=1).compressobj(size=4 << 30)
+    zeros = bytes(64 << 20)
+    bomb = b"".join([co.compress(zeros) for _ in range(64)] + [co.flush()])
+    payloads[name] = torch.frombuffer(bytearray(bomb), dtype=torch.uint8)
+    save_file(payloads, str(shard), metadata=meta)
+    cases["zstd bomb (4 GiB declared)"] = ({"identity": "bad-bomb", "previous": current}, 422)
     # weights a trainer produced under other numerics (FP8 QAT) than the server's (bf16): refused, naming both
     write_full_snapshot(_perturb(cur_t, 54), cur, root / "bad-numerics",
                         numerics=NumericsMode.build(True, "bfloat16", "per_channel").to_dict())
@@ -255,10 +269,19 @@ def _bad_snapshots(root: Path, full: Path, current: str, ckpt: str) -> dict:
     return cases
 
 
+def _peak_rss_mib(pid: int) -> int:
+    """The process's peak resident set (``VmHWM``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no VmHWM")
+
+
 def test_faults_are_refused_and_serving_is_unchanged(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
     reference = server.logprobs()
+    peak_before = _peak_rss_mib(server.proc.pid)  # the API server: where the replica decodes deltas
     r = requests.post(server.base + HL, json={"identity": "s9"}, timeout=30)
     assert r.status_code == 401  # no API key
     assert requests.get(server.base + HL + "/ledger", timeout=30).status_code == 401
@@ -275,6 +298,7 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
         assert len(rows) == n_rows + 1 and rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
         assert rows[-1]["identity"] == kw["identity"], case
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
+    assert _peak_rss_mib(server.proc.pid) - peak_before < 1024  # the 4 GiB bomb never materialized
 
 
 def test_malformed_signals_are_refused_and_recorded_bounded(env):
@@ -369,6 +393,110 @@ def test_async_swaps_under_concurrent_streams_lose_no_request(env):
     _check_serving(server, prev, names[-1])
 
 
+def _complete(server: Server, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor, list, str]:
+    """A greedy non-streaming completion: tokens, logprobs, the choice's ``weight_versions``, the identity header."""
+    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=300, json={
+        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+        "ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    toks = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    return (toks, torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32), choice["weight_versions"],
+            r.headers["x-zerokld-snapshot-identity"])
+
+
+def _stream_spans(server: Server, prompt: list[int], max_tokens: int) -> tuple[list[list], str]:
+    """A streamed completion: every chunk's ``weight_versions`` (in order) and the identity header."""
+    r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
+        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+        "stream": True})
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:])["choices"] for line in r.iter_lines()
+              if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    return [c[0].get("weight_versions") for c in chunks if c], r.headers["x-zerokld-snapshot-identity"]
+
+
+def test_async_swaps_attribute_every_token_to_its_snapshot(env):
+    """Issue 21 row 10: under concurrent load through 6 async swaps, every response names the snapshot(s) that
+    sampled its tokens. Non-streaming: the header and the choice's ``weight_versions`` agree, and the tokens of a
+    response's first span have exactly that snapshot's trainer logprobs (the whole response when it spans no swap;
+    the old-weights prefix when it does); negative control: the snapshot the client saw serving when it sent the
+    request (the old header's label) gives other logprobs wherever it differs. Streaming: every chunk carries
+    contiguous spans over the tokens so far, in swap order, and a stream across the swaps says where it switched."""
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    snapshots = {current: full / current if (full / current).exists() else root / current}
+    order, prev = [current], snapshots[current]
+    for i in range(6):
+        name = f"t{i}"
+        write_full_snapshot(_perturb(read_snapshot_tensors(prev), 700 + i, scale=0.2), prev, root / name)
+        snapshots[name] = prev = root / name
+        order.append(name)
+    serving = [current]  # what the client knows is serving when it sends (the admission-time label)
+    done = threading.Event()
+    results: list[tuple] = []
+
+    def load(seed: int):
+        i = seed
+        while not done.is_set():
+            sent_under, prompt = serving[0], [1] + list(range(20, 28 + i % 7))
+            results.append((sent_under, prompt, *_complete(server, prompt, 6 + i % 11)))
+            i += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        loaders = [pool.submit(load, k) for k in range(4)]
+        streams = [pool.submit(_stream_spans, server, [1] + list(range(5, 15 + i)), 400) for i in range(3)]
+        time.sleep(0.2)
+        for name in order[1:]:
+            r = server.signal(name)
+            assert r.status_code == 200, r.text
+            serving[0] = name
+            time.sleep(0.3)
+        done.set()
+        for f in loaders:
+            f.result()
+        stream_results = [f.result() for f in streams]
+
+    groups: dict[str, list] = {}
+    for row in results:
+        sent_under, prompt, toks, lps, spans, header = row
+        versions = [sp["version"] for sp in spans]
+        assert header == ",".join(versions)
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == len(toks)
+        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:]))
+        assert [order.index(v) for v in versions] == sorted(order.index(v) for v in versions)
+        groups.setdefault(versions[0], []).append(row)
+    relabeled = 0
+    for version, rows in groups.items():  # one trainer load per snapshot
+        refs = trainer_logprobs(str(snapshots[version]), [r[1] + r[2] for r in rows], [len(r[1]) for r in rows],
+                                dtype="bfloat16")
+        for (sent_under, prompt, toks, lps, spans, header), ref in zip(rows, refs):
+            k = spans[0]["end"]
+            assert torch.equal(ref[:k], lps[:k]), (version, header)
+            if sent_under != version and len(spans) == 1:
+                relabeled += 1
+                wrong = trainer_logprobs(str(snapshots[sent_under]), [prompt + toks], [len(prompt)],
+                                         dtype="bfloat16")[0]
+                assert not torch.equal(wrong, lps)  # the admission-time label would have been a lie
+    print(f"{len(results)} responses, {sum(len(r[4]) > 1 for r in results)} spanning a swap, "
+          f"{relabeled} sent under one snapshot and sampled wholly by the next")
+    for chunks, header in stream_results:
+        assert chunks and all(chunks) and header == chunks[0][0]["version"]
+        for a, b in zip(chunks, chunks[1:]):
+            assert b[-1]["end"] >= a[-1]["end"] and [sp["version"] for sp in b[: len(a)]] == [sp["version"] for sp in a]
+        final = chunks[-1]
+        assert final[0]["start"] == 0 and final[-1]["end"] == 400
+        assert all(a["end"] == b["start"] for a, b in zip(final, final[1:]))
+    assert any(len(chunks[-1]) > 1 for chunks, _ in stream_results)  # a stream switched mid-way, and says where
+    # chat completions carry the same attribution
+    r = requests.post(server.base + "/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "model": server.ckpt, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+        "temperature": 0.0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["weight_versions"] == [{"version": order[-1], "start": 0, "end": 4}]
+    assert r.headers["x-zerokld-snapshot-identity"] == order[-1]
+
+
 def test_sync_transition_425_exactly_while_swapping(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
@@ -389,11 +517,16 @@ def test_sync_transition_425_exactly_while_swapping(env):
     statuses: list[int] = []
     stop = threading.Event()
 
+    invocations: list[int] = []
+
     def poll():
         while not stop.is_set():
             r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
                 "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
             statuses.append(r.status_code)
+            r = requests.post(server.base + "/invocations", headers=AUTH, timeout=120, json={  # row 15
+                "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
+            invocations.append(r.status_code)
 
     with ThreadPoolExecutor(3) as pool:
         long = pool.submit(_stream, server, PROMPT, 150)
@@ -407,6 +540,7 @@ def test_sync_transition_425_exactly_while_swapping(env):
         assert r.status_code == 200, r.text
         assert long.result()[1] == "length"  # the in-flight request finished (on the old weights)
     assert 425 in statuses and set(statuses) <= {200, 425}
+    assert 425 in invocations and set(invocations) <= {200, 425} and invocations[-1] == 200
     assert statuses[-1] == 200
     first_425 = statuses.index(425)
     assert all(s == 425 for s in statuses[first_425: len(statuses) - statuses[::-1].index(425)])  # one 425 window
@@ -471,6 +605,63 @@ def test_killed_mid_apply_restarts_into_a_consistent_state(env):
     assert server.signal("k1", previous=current).status_code == 200  # not a replay: it never became ready
     _check_serving(server, _expected(root, full, "k1", expected), "k1")
     shutil.rmtree(full, ignore_errors=True)
+
+
+def test_restart_verifies_the_snapshot_it_restores(env):
+    """Issue 21 row 12: a restart serves the ledger's snapshot only if its bits are the ones loaded (checksums and
+    the ledger's weights digest). Replaced bits (a valid snapshot, other weights, same identity): the newest earlier
+    snapshot that verifies serves instead (v1, not v2), the ledger says so. Every snapshot gone: the ``--model``
+    weights serve under the initial identity, the ledger says so. Never a crash. Negative control: the replaced bits really are
+    other weights (other trainer logprobs)."""
+    server, ckpt, root, full = env
+    base = Path(ckpt)
+    full.mkdir(exist_ok=True)
+    write_full_snapshot(_perturb(read_snapshot_tensors(base), 800), base, root / "v1")
+    write_full_snapshot(_perturb(read_snapshot_tensors(base), 801), base, root / "v2")
+    assert server.signal("v1").status_code == 200 and server.signal("v2").status_code == 200
+    v1, v2 = root / "v1", root / "v2"
+    shutil.copytree(v1, full / "v1-kept")
+    shutil.copytree(v2, full / "v2-orig")
+    server.stop()
+    write_full_snapshot(_perturb(read_snapshot_tensors(v2), 802), v2, full / "v2-other")
+    shutil.rmtree(v2)
+    shutil.copytree(full / "v2-other", v2)  # same identity, other (self-consistent) weights
+    server.start()
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == "v1"
+    _check_serving(server, full / "v1-kept", "v1")
+    toks = server.logprobs()[0]
+    seq = [PROMPT + toks]
+    assert not torch.equal(trainer_logprobs(str(full / "v2-orig"), seq, [len(PROMPT)], dtype="bfloat16")[0],
+                           trainer_logprobs(str(v2), seq, [len(PROMPT)], dtype="bfloat16")[0])
+    rows = server.get(HL + "/ledger").json()["rows"]
+    assert rows[-1]["kind"] == "restore" and rows[-1]["identity"] == "v1" and "v2" in rows[-1]["error"]
+    assert [r["readiness"] for r in rows if r["identity"] == "v2"][-1] == "failed"
+    server.stop()
+    for d in [*root.iterdir(), server.state / "materialized", server.state / "fetched"]:  # every snapshot gone
+        shutil.rmtree(d) if d.is_dir() and not d.is_symlink() else d.unlink(missing_ok=True)
+    server.start()
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == "initial"
+    _check_serving(server, Path(ckpt), "initial")
+    rows = server.get(HL + "/ledger").json()["rows"]
+    assert rows[-1]["kind"] == "restore" and rows[-1]["identity"] == "initial" and "gone" in rows[-1]["error"]
+    write_full_snapshot(_perturb(read_snapshot_tensors(ckpt), 803), ckpt, root / "v3")
+    assert server.signal("v3").status_code == 200  # the replica goes on from there
+    _check_serving(server, root / "v3", "v3")
+
+
+def test_every_serving_route_is_guarded_while_hot_load_is_on(env):
+    """Issue 21 row 15: SageMaker's ``/invocations`` (vLLM leaves it open even with ``--api-key``) needs the key
+    with hot-load on, and answers with the identity header; probes (``/health``, ``/ping``) stay open."""
+    server = env[0]
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    body = {"model": server.ckpt, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
+    assert requests.post(server.base + "/invocations", json=body, timeout=60).status_code == 401
+    r = requests.post(server.base + "/invocations", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.headers["x-zerokld-snapshot-identity"] == current, r.text
+    assert requests.post(server.base + "/tokenize", json={"model": server.ckpt, "prompt": "a"},
+                         timeout=60).status_code == 401
+    assert requests.get(server.base + "/health", timeout=60).status_code == 200
+    assert requests.get(server.base + "/ping", timeout=60).status_code == 200
 
 
 def test_api_key_from_vllm_env_guards_every_hot_load_route(env):

@@ -20,10 +20,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["INDEX_FILE", "copy_assets", "iter_shards", "publish_atomically", "read_config", "read_tensors",
-           "shard_files", "write_checkpoint"]
+__all__ = ["INDEX_FILE", "STAGING_DIR", "copy_assets", "iter_shards", "publish_atomically", "read_config",
+           "read_tensors", "shard_files", "staging_path", "write_checkpoint"]
 
 INDEX_FILE = "model.safetensors.index.json"
+#: the hidden directory beside published ones where they are assembled and retired; a hot-load snapshot identity
+#: never starts with ``.``, so no published name can collide with a staging one
+STAGING_DIR = ".staging"
+
+
+def staging_path(out: str | Path, kind: str = "tmp") -> Path:
+    """Where ``out`` is assembled (``kind="tmp"``) or moved aside while replaced (``"old"``):
+    ``<parent>/.staging/<name>.<kind>`` (the staging directory is created)."""
+    out = Path(out)
+    (out.parent / STAGING_DIR).mkdir(parents=True, exist_ok=True)
+    return out.parent / STAGING_DIR / f"{out.name}.{kind}"
 WEIGHT_SUFFIX = ".safetensors"
 
 
@@ -66,7 +77,7 @@ def copy_assets(src_dir: str | Path, out_dir: str | Path, skip: set[str] | froze
 def publish_atomically(tmp: Path, out: Path) -> Path:
     """Rename the complete directory ``tmp`` to ``out`` (an existing ``out`` is replaced)."""
     if out.exists():
-        old = out.with_name(out.name + ".old")
+        old = staging_path(out, "old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
         os.replace(tmp, out)
@@ -101,7 +112,7 @@ def write_checkpoint(out_dir: str | Path, shards: dict[str, dict[str, torch.Tens
     if not shards:
         raise ValueError("a checkpoint needs at least one shard")
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = staging_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:

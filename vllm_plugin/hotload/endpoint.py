@@ -7,7 +7,8 @@ The replica state machine and the wire protocol are :mod:`deltasync`'s (:class:`
         --additional-config '{"zerokld": {"batch_invariant": true,
                                           "hot_load": {"snapshot_root": "/snapshots", "state_dir": "/var/zerokld"}}}'
 
-Routes (guarded by the server's ``--api-key`` as ``Authorization: Bearer <key>``; 401 otherwise):
+Routes (guarded by the server's keys, ``--api-key`` or ``VLLM_API_KEY``, as ``Authorization: Bearer <key>``; 401
+otherwise):
 
 * ``POST /zerokld/v1/hot_load`` — body ``{"identity", "incremental_snapshot_metadata"?: {"previous_snapshot_identity",
   "compression_format", "checksum_format"}, "reset_prompt_cache"?: "all"|"new_session"|"none"}``; headers
@@ -20,20 +21,76 @@ Routes (guarded by the server's ``--api-key`` as ``Authorization: Bearer <key>``
   ``loading_state{stage, target_snapshot_identity}``.
 * ``GET /zerokld/v1/hot_load/ledger``; ``DELETE /zerokld/v1/hot_load/ledger`` (the next load must be full).
 
-Every ``/v1/*`` response carries ``x-zerokld-snapshot-identity`` (the snapshot serving when the request started);
-during a ``sync`` swap new ``/v1/*`` requests get HTTP 425.
+With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/v1/*``, SageMaker's
+``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers with
+``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of use
+when a response spans a swap; for a stream, the one that sampled its first token). Completion and chat choices
+carry ``weight_versions`` (vLLM's per-token spans, :mod:`vllm_plugin.hotload.attribution`), streamed chunks too.
 Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API (``../shared/DESIGN.md`` §5).
 """
 from __future__ import annotations
 
 import os
 
+import json
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltasync.protocol import DRAIN_HEADER, IDENTITY_HEADER, PREFIX, TRANSITION_HEADER, HotLoadError, Signal
 
-__all__ = ["ZeroKLDHotLoadEndpoint"]
+from .attribution import versions_of
+
+__all__ = ["PROBES", "ZeroKLDHotLoadEndpoint"]
+
+#: routes that stay open with hot-load on (health and metadata probes; vLLM leaves them unguarded too)
+PROBES = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs", "/redoc"})
+
+
+def _sse_versions(chunk: bytes) -> list[str]:
+    versions: list[str] = []
+    for event in chunk.decode("utf-8", "replace").split("\n\n"):
+        if event.startswith("data: {"):
+            try:
+                versions += [v for v in versions_of(json.loads(event[6:]).get("choices")) if v not in versions]
+            except ValueError:
+                pass
+    return versions
+
+
+async def _with_identity(response, admitted: str):
+    """``response`` with :data:`IDENTITY_HEADER` naming the snapshot(s) that sampled its tokens (the choices'
+    ``weight_versions``, :mod:`vllm_plugin.hotload.attribution`): a JSON body — every snapshot, comma-separated in
+    order of use; a stream — the one that sampled its first token (headers precede the body: each chunk's
+    ``weight_versions`` tells the rest). A response without tokens: ``admitted`` (the one serving when it arrived)."""
+    ctype = response.headers.get("content-type", "")
+    headers = dict(response.headers)
+    if ctype.startswith("text/event-stream"):
+        body, head, versions = response.body_iterator, [], []
+        async for chunk in body:  # hold the headers until the first token is attributed
+            head.append(chunk)
+            if versions := _sse_versions(chunk if isinstance(chunk, bytes) else chunk.encode()):
+                break
+
+        async def replay():
+            for chunk in head:
+                yield chunk
+            async for chunk in body:
+                yield chunk
+
+        headers[IDENTITY_HEADER] = versions[0] if versions else admitted
+        return StreamingResponse(replay(), status_code=response.status_code, headers=headers)
+    if ctype.startswith("application/json"):
+        content = b"".join([c if isinstance(c, bytes) else c.encode() async for c in response.body_iterator])
+        try:
+            data = json.loads(content)
+            versions = versions_of(data.get("choices")) if isinstance(data, dict) else []
+        except ValueError:
+            versions = []
+        headers[IDENTITY_HEADER] = ",".join(versions) or admitted
+        return Response(content, status_code=response.status_code, headers=headers)
+    response.headers[IDENTITY_HEADER] = admitted
+    return response
 
 
 class ZeroKLDHotLoadEndpoint:
@@ -102,17 +159,19 @@ class ZeroKLDHotLoadEndpoint:
             return JSONResponse(self.manager.ledger.to_json())
 
         @app.middleware("http")
-        async def snapshot_identity(request: Request, call_next):
+        async def serving_routes(request: Request, call_next):
             manager = self.manager
-            if manager is None or not request.url.path.startswith("/v1/"):
+            path = request.url.path
+            if manager is None or path.startswith(PREFIX) or path in PROBES or request.method == "OPTIONS":
                 return await call_next(request)
+            # vLLM's own guard covers /v1, /v2, /inference, /cohere only; with hot-load on, every serving route
+            # (SageMaker's /invocations, /pooling, /tokenize, ...) needs the key and honours the sync drain
+            if not self._authorized(request):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
             if manager.draining:
                 return JSONResponse({"error": "a sync hot-load is in progress; retry"}, status_code=425,
                                     headers={IDENTITY_HEADER: manager.ledger.current_identity})
-            identity = manager.ledger.current_identity
-            response = await call_next(request)
-            response.headers[IDENTITY_HEADER] = identity
-            return response
+            return await _with_identity(await call_next(request), manager.ledger.current_identity)
 
     async def init_state(self, engine_client, state, args) -> None:
         from deltasync import Replica
@@ -136,6 +195,9 @@ class ZeroKLDHotLoadEndpoint:
         keys = [key] if isinstance(key, str) else list(key or [])
         if tokens := [k for k in (keys or [envs.VLLM_API_KEY]) if k]:
             self.auth = AuthenticationMiddleware(app=None, tokens=tokens)
+        from .attribution import install
+
+        install()  # weight_versions on completions and chat choices (this process serves them)
         fault_delay = float(os.environ.get("ZEROKLD_HOTLOAD_FAULT_DELAY_S", "0") or 0)  # fault-injection tests
         self.manager = Replica(ServerEngine(engine_client), cfg, args.model, fault_delay=fault_delay)
         await self.manager.restore()

@@ -2,8 +2,8 @@
 (:class:`deltasync.Replica`) drives vLLM's ``EngineClient`` (``AsyncLLM``) through this adapter.
 
 Source: vLLM ``v1/engine/async_llm.py`` (``pause_generation(mode="keep"|"wait")``, ``resume_generation``,
-``is_paused``, ``reset_prefix_cache(reset_running_requests=...)``, ``collective_rpc("reload_weights")``: every
-worker, in place).
+``is_paused``, ``update_weight_version``, ``reset_prefix_cache(reset_running_requests=...)``,
+``collective_rpc("reload_weights")``: every worker, in place).
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class ServerEngine:
 
     async def reload_weights(self, path: str) -> None:
         await self.client.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+    async def set_weight_version(self, identity: str) -> None:
+        await self.client.update_weight_version(identity)
 
     async def pause(self, keep_requests: bool) -> None:
         await self.client.pause_generation(mode="keep" if keep_requests else "wait", clear_cache=False)

@@ -27,6 +27,9 @@ class OfflineEngine:
     async def reload_weights(self, path: str) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 
+    async def set_weight_version(self, identity: str) -> None:
+        self.llm.llm_engine.set_weight_version(identity)
+
     async def pause(self, keep_requests: bool) -> None:
         pass
 

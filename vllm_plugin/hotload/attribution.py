@@ -1,0 +1,142 @@
+"""Per-token snapshot attribution on vLLM's OpenAI server: which snapshot sampled which tokens of a response.
+
+vLLM 0.32 already labels weights (``AsyncLLM.update_weight_version``; ``v1/engine/core.py`` stamps every step's
+outputs with the label, which changes only while generation is paused) and keeps, per request, the spans of output
+tokens each label sampled (``RequestState.track_weight_version``, ``vllm.outputs.WeightVersionSpan``). The
+replica labels the weights with the snapshot identity while the engine is paused for the swap, so the spans are
+exact. vLLM returns them only on the finished output of its token-in/token-out ``generate`` API; this module
+carries the same field, ``weight_versions`` (``[{"version", "start", "end"}]``: output tokens ``[start, end)``
+sampled by the snapshot ``version``), on the routes RL clients use:
+
+* ``/v1/completions`` and ``/v1/chat/completions``, non-streaming: on every choice, covering its whole output;
+* the same routes streaming: on every chunk's choices, covering the output so far (the last span names the snapshot
+  that sampled the chunk's tokens; a response that spans a swap shows where it switched).
+
+:func:`versions_of` reads them back (the endpoint's response header uses it). Installed once per API-server process
+when the hot-load is on (:meth:`vllm_plugin.hotload.endpoint.ZeroKLDHotLoadEndpoint.init_state`).
+Source: vLLM ``v1/engine/output_processor.py``, ``entrypoints/scale_out/token_in_token_out/protocol.py``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+__all__ = ["install", "versions_of"]
+
+_INSTALLED = False
+
+
+def _spans(output) -> list[dict] | None:
+    spans = getattr(output, "weight_versions", None)
+    return [asdict(s) for s in spans] if spans else None
+
+
+def versions_of(choices: list) -> list[str]:
+    """The snapshot identities that sampled ``choices`` (OpenAI JSON choices carrying ``weight_versions``), in order
+    of first use; empty when none carries them."""
+    seen: list[str] = []
+    for c in choices or []:
+        for span in (c.get("weight_versions") or []) if isinstance(c, dict) else []:
+            if span.get("version") not in seen and span.get("end", 0) > span.get("start", 0):
+                seen.append(span["version"])
+    return seen
+
+
+def _annotate_sse(chunk: str, spans: dict[int, list[dict]]) -> str:
+    """Add ``weight_versions`` to the choices of one ``data: {...}`` server-sent event."""
+    if not chunk.startswith("data: {") or not spans:
+        return chunk
+    try:
+        data = json.loads(chunk[6:])
+    except ValueError:
+        return chunk
+    changed = False
+    for choice in data.get("choices") or []:
+        if (s := spans.get(choice.get("index"))) is not None:
+            choice["weight_versions"] = s
+            changed = True
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else chunk
+
+
+async def _tracking(results, spans: dict[int, list[dict]], num_choices: int | None):
+    """Pass ``results`` through, recording each choice's latest spans (completions: ``(prompt_idx, output)``
+    pairs, choice index ``output.index + prompt_idx * n``; chat: outputs, choice index ``output.index``)."""
+    async for item in results:
+        prompt_idx, res = item if num_choices is not None else (0, item)
+        for output in res.outputs:
+            if (s := _spans(output)) is not None:
+                spans[output.index + prompt_idx * (num_choices or 0)] = s
+        yield item
+
+
+def _patch_request_state() -> None:
+    from vllm.v1.engine.output_processor import RequestState
+
+    new_completion_output = RequestState._new_completion_output
+
+    def with_spans_so_far(self, *args, **kwargs):
+        out = new_completion_output(self, *args, **kwargs)
+        if out.weight_versions is None and getattr(self, "detokenizer", None) is not None:
+            out.weight_versions = self._weight_version_spans()  # vLLM sets them on the finished output only
+        return out
+
+    RequestState._new_completion_output = with_spans_so_far
+
+
+def _patch_completions() -> None:
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    to_response = OpenAIServingCompletion.request_output_to_completion_response
+    stream = OpenAIServingCompletion.completion_stream_generator
+
+    def response_with_spans(self, final_res_batch, *args, **kwargs):
+        response = to_response(self, final_res_batch, *args, **kwargs)
+        outputs = [o for res in final_res_batch for o in res.outputs]
+        for choice, out in zip(response.choices, outputs):  # vLLM appends choices in this order
+            if (s := _spans(out)) is not None:
+                choice.weight_versions = s
+        return response
+
+    async def stream_with_spans(self, request, engine_inputs, result_generator, *args, **kwargs):
+        spans: dict[int, list[dict]] = {}
+        n = 1 if request.n is None else request.n
+        async for chunk in stream(self, request, engine_inputs, _tracking(result_generator, spans, n), *args,
+                                  **kwargs):
+            yield _annotate_sse(chunk, spans)
+
+    OpenAIServingCompletion.request_output_to_completion_response = response_with_spans
+    OpenAIServingCompletion.completion_stream_generator = stream_with_spans
+
+
+def _patch_chat() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    full = OpenAIServingChat.chat_completion_full_generator
+    stream = OpenAIServingChat.chat_completion_stream_generator
+
+    async def full_with_spans(self, request, result_generator, *args, **kwargs):
+        spans: dict[int, list[dict]] = {}
+        response = await full(self, request, _tracking(result_generator, spans, None), *args, **kwargs)
+        for choice in getattr(response, "choices", None) or []:
+            if (s := spans.get(choice.index)) is not None:
+                choice.weight_versions = s
+        return response
+
+    async def stream_with_spans(self, request, result_generator, *args, **kwargs):
+        spans: dict[int, list[dict]] = {}
+        async for chunk in stream(self, request, _tracking(result_generator, spans, None), *args, **kwargs):
+            yield _annotate_sse(chunk, spans)
+
+    OpenAIServingChat.chat_completion_full_generator = full_with_spans
+    OpenAIServingChat.chat_completion_stream_generator = stream_with_spans
+
+
+def install() -> None:
+    """Install the patches (idempotent; API-server process only)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _patch_request_state()
+    _patch_completions()
+    _patch_chat()
+    _INSTALLED = True
