@@ -511,6 +511,8 @@ def test_sync_transition_425_exactly_while_swapping(env):
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
         assert r.status_code == 425, r.text
         assert long.result()[1] == "length"
+    row = server.get(HL + "/ledger").json()["rows"][-1]  # the 425 is recorded, with its reason
+    assert row["identity"] == "y1" and row["readiness"] == "failed" and "drain timeout" in row["error"]
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
     assert server.logprobs()[2] == current
     # a sync swap that drains: new requests during it get 425; before and after, 200
@@ -662,6 +664,11 @@ def test_every_serving_route_is_guarded_while_hot_load_is_on(env):
                          timeout=60).status_code == 401
     assert requests.get(server.base + "/health", timeout=60).status_code == 200
     assert requests.get(server.base + "/ping", timeout=60).status_code == 200
+    wrong = {"Authorization": f"Bearer {API_KEY}x"}  # a wrong key is refused on every guarded route
+    for method, path in [("post", "/v1/completions"), ("post", "/invocations"), ("post", HL),
+                         ("get", HL + "/status"), ("get", HL + "/ledger"), ("delete", HL + "/ledger")]:
+        assert requests.request(method, server.base + path, json=body, headers=wrong,
+                                timeout=60).status_code == 401, path
 
 
 def test_api_key_from_vllm_env_guards_every_hot_load_route(env):
