@@ -4,10 +4,10 @@ Row fields (Fireworks' bring-your-own-trainer ledger, ``../shared/DESIGN.md`` §
 (``full`` | ``incremental``; ``restore``: a restart fell back to an earlier snapshot), ``previous_identity``,
 ``compression_format``, ``readiness`` (``loading`` | ``ready`` | ``failed``), ``error``, ``weights_digest`` (SHA-256 of
 the loaded snapshot's per-tensor checksums: a restart verifies the bits it restores against it), ``timestamps``
-(stage name → Unix seconds: ``signaled``, ``verified``, ``paused``, ``loaded``, ``ready`` / ``failed``). The file is rewritten atomically (temporary file + ``os.replace``) after every
-change, so a process killed at any point leaves either the previous or the next ledger. On load, a row still
-``loading`` (the process died mid-apply) becomes ``failed`` with error ``interrupted``: the replica serves the last
-``ready`` identity.
+(stage name → Unix seconds: ``signaled``, ``verified``, ``paused``, ``loaded``, ``ready`` / ``failed``). The file is
+rewritten atomically (temporary file + ``os.replace``) after every change, so a process killed at any point leaves
+either the previous or the next ledger. On load, a row still ``loading`` (the process died mid-apply) becomes
+``failed`` with error ``interrupted``: the replica serves the last ``ready`` identity.
 """
 from __future__ import annotations
 

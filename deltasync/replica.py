@@ -15,7 +15,8 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
    ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving untouched;
 4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads,
-   labels the weights with the identity (so each token is attributed to the snapshot that sampled it), resumes; ``sync``: new requests are refused (HTTP 425) while in-flight ones finish on the old weights, up to the
+   labels the weights with the identity (so each token is attributed to the snapshot that sampled it), resumes;
+   ``sync``: new requests are refused (HTTP 425) while in-flight ones finish on the old weights, up to the
    drain timeout (else the signal itself gets 425 and nothing changes), then reload. A failed reload restores the
    previous snapshot. Then the prefix cache is reset per ``reset_prompt_cache``;
 5. **ledger** — every stage is timestamped (:class:`deltasync.Ledger`), the loaded weights' digest recorded; a
@@ -200,15 +201,16 @@ class Replica:
         except (NumericsMismatchError, ValueError) as e:
             raise SnapshotError(str(e)) from e
 
-    def _materialize(self, sig: Signal) -> Path:
-        """Blocking (run in a thread): fetch, verify; the full snapshot directory to load."""
+    def _materialize(self, sig: Signal) -> tuple[Path, str]:
+        """Blocking (run in a thread): fetch, verify; the full snapshot directory to load and its weights digest."""
         local = self._fetch(sig)
         check_regular_files(local, self.fetched if self.remote else self.root)  # before anything is opened
         self._verify_numerics(local)
         base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity)
-        return materialize_snapshot(local, self.materialized / sig.identity, self.reference_spec, base,
+        path = materialize_snapshot(local, self.materialized / sig.identity, self.reference_spec, base,
                                     sig.compression_format, check_data=True,
                                     allow_non_finite=self.config.allow_non_finite)
+        return path, weights_digest(path)
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -241,8 +243,8 @@ class Replica:
             row = self.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
             self.stage, self.target = "verifying", sig.identity
             try:
-                path = await asyncio.to_thread(self._materialize, sig)
-                self.ledger.stage(row, "verified", weights_digest=weights_digest(path))
+                path, digest = await asyncio.to_thread(self._materialize, sig)
+                self.ledger.stage(row, "verified", weights_digest=digest)
                 if sig.transition == "sync":
                     self.stage, self.draining = "draining", True
                     await self._drain(sig.drain_timeout)

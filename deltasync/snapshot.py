@@ -10,7 +10,7 @@
   ``alder32`` sic); codecs are looked up through the ``zerokld`` plugin hooks.
 
 A directory is assembled in the staging namespace beside the target (``.staging/``,
-:func:`zerokld_models.checkpoint.staging_path`) and renamed into place, so a reader never sees a
+:func:`zerokld_models.checkpoint.staged_dir`) and renamed into place, so a reader never sees a
 half-written snapshot; an incremental snapshot is verified completely (key set, lengths, checksums) before the
 result is published.
 """
@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zerokld_models.checkpoint import publish_atomically, read_tensors, staging_path, write_checkpoint
+from zerokld_models.checkpoint import read_tensors, staged_dir, write_checkpoint
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
@@ -298,11 +298,7 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
     encode = resolve(get_codec(compression_format).encode)
     base_files = sorted(Path(base_dir).glob("*.safetensors"))
     base_keys: set[str] = set()
-    out = Path(out_dir)
-    tmp = staging_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out_dir) as tmp:
         for f in base_files:
             payloads, meta = {}, {}
             with safe_open(str(f), framework="pt") as base:
@@ -320,13 +316,10 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
         extra = set(new_tensors) - base_keys
         if extra:
             raise DeltaError(f"new weights have tensors the base lacks: {sorted(extra)[:5]}")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    stamp = {"numerics": numerics} if numerics is not None else {}
-    (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
-                                                "checksum_format": DEFAULT_CHECKSUM_FORMAT, **stamp}))
-    return publish_atomically(tmp, out)
+        stamp = {"numerics": numerics} if numerics is not None else {}
+        (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
+                                                    "checksum_format": DEFAULT_CHECKSUM_FORMAT, **stamp}))
+    return Path(out_dir)
 
 
 def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path,

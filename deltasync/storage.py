@@ -12,12 +12,11 @@ credentials, region), so any S3-compatible server works.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import fsspec
 
-from zerokld_models.checkpoint import publish_atomically, staging_path
+from zerokld_models.checkpoint import staged_dir
 
 __all__ = ["COMPLETE_MARKER", "fetch_dir", "filesystem_for", "local_filesystem", "memory_filesystem", "publish_dir",
            "s3_filesystem"]
@@ -76,15 +75,9 @@ def fetch_dir(url: str, local_dir: str | Path) -> Path:
         listing = json.loads(fs.cat_file(f"{remote}/{COMPLETE_MARKER}"))
     except FileNotFoundError as e:
         raise SnapshotError(f"{url}: not a completely published snapshot (no {COMPLETE_MARKER})") from e
-    tmp = staging_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out) as tmp:
         for name, size in listing.items():
             fs.get_file(f"{remote}/{name}", str(tmp / name))
             if (tmp / name).stat().st_size != size:
                 raise SnapshotError(f"{url}/{name}: {(tmp / name).stat().st_size} bytes, published {size}")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return publish_atomically(tmp, out)
+    return out

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
@@ -21,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 __all__ = ["INDEX_FILE", "STAGING_DIR", "copy_assets", "iter_shards", "publish_atomically", "read_config",
-           "read_tensors", "shard_files", "staging_path", "write_checkpoint"]
+           "read_tensors", "shard_files", "staged_dir", "staging_path", "write_checkpoint"]
 
 INDEX_FILE = "model.safetensors.index.json"
 #: the hidden directory beside published ones where they are assembled and retired; a hot-load snapshot identity
@@ -87,6 +88,22 @@ def publish_atomically(tmp: Path, out: Path) -> Path:
     return out
 
 
+@contextmanager
+def staged_dir(out: str | Path) -> Iterator[Path]:
+    """An empty staging directory for ``out`` (:func:`staging_path`): published over ``out``
+    (:func:`publish_atomically`) when the ``with`` block completes, removed if it raises."""
+    out = Path(out)
+    tmp = staging_path(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_atomically(tmp, out)
+
+
 def write_checkpoint(out_dir: str | Path, shards: dict[str, dict[str, torch.Tensor]], *,
                      assets_dir: str | Path | None = None, config: dict | None = None,
                      metadata: dict[str, dict | None] | None = None, skip_assets: set[str] | frozenset = frozenset(),
@@ -111,11 +128,7 @@ def write_checkpoint(out_dir: str | Path, shards: dict[str, dict[str, torch.Tens
     """
     if not shards:
         raise ValueError("a checkpoint needs at least one shard")
-    out = Path(out_dir)
-    tmp = staging_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out_dir) as tmp:
         if assets_dir is not None:
             copy_assets(assets_dir, tmp, skip_assets)
         weight_map: dict[str, str] = {}
@@ -135,7 +148,4 @@ def write_checkpoint(out_dir: str | Path, shards: dict[str, dict[str, torch.Tens
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if finalize is not None:
             finalize(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return publish_atomically(tmp, out)
+    return Path(out_dir)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-__all__ = ["install", "versions_of"]
+__all__ = ["install", "versions_in_sse", "versions_of"]
 
 _INSTALLED = False
 
@@ -42,13 +42,27 @@ def versions_of(choices: list) -> list[str]:
     return seen
 
 
+def _sse_data(event: str) -> dict | None:
+    """The JSON object of one ``data: {...}`` server-sent event (vLLM's stream chunks), else ``None``."""
+    if not event.startswith("data: {"):
+        return None
+    try:
+        return json.loads(event[6:])
+    except ValueError:
+        return None
+
+
+def versions_in_sse(chunk: bytes | str) -> list[str]:
+    """:func:`versions_of` the choices of every event in a piece of a server-sent event stream."""
+    text = chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
+    events = [_sse_data(e) for e in text.split("\n\n")]
+    return versions_of([c for data in events if data for c in data.get("choices") or []])
+
+
 def _annotate_sse(chunk: str, spans: dict[int, list[dict]]) -> str:
     """Add ``weight_versions`` to the choices of one ``data: {...}`` server-sent event."""
-    if not chunk.startswith("data: {") or not spans:
-        return chunk
-    try:
-        data = json.loads(chunk[6:])
-    except ValueError:
+    data = _sse_data(chunk) if spans else None
+    if data is None:
         return chunk
     changed = False
     for choice in data.get("choices") or []:

@@ -22,40 +22,28 @@ otherwise):
 * ``GET /zerokld/v1/hot_load/ledger``; ``DELETE /zerokld/v1/hot_load/ledger`` (the next load must be full).
 
 With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/v1/*``, SageMaker's
-``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers with
-``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of use
+``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers
+with ``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of use
 when a response spans a swap; for a stream, the one that sampled its first token). Completion and chat choices
 carry ``weight_versions`` (vLLM's per-token spans, :mod:`vllm_plugin.hotload.attribution`), streamed chunks too.
 Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API (``../shared/DESIGN.md`` §5).
 """
 from __future__ import annotations
 
-import os
-
 import json
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltasync.protocol import DRAIN_HEADER, IDENTITY_HEADER, PREFIX, TRANSITION_HEADER, HotLoadError, Signal
 
-from .attribution import versions_of
+from .attribution import versions_in_sse, versions_of
 
 __all__ = ["PROBES", "ZeroKLDHotLoadEndpoint"]
 
 #: routes that stay open with hot-load on (health and metadata probes; vLLM leaves them unguarded too)
 PROBES = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs", "/redoc"})
-
-
-def _sse_versions(chunk: bytes) -> list[str]:
-    versions: list[str] = []
-    for event in chunk.decode("utf-8", "replace").split("\n\n"):
-        if event.startswith("data: {"):
-            try:
-                versions += [v for v in versions_of(json.loads(event[6:]).get("choices")) if v not in versions]
-            except ValueError:
-                pass
-    return versions
 
 
 async def _with_identity(response, admitted: str):
@@ -69,7 +57,7 @@ async def _with_identity(response, admitted: str):
         body, head, versions = response.body_iterator, [], []
         async for chunk in body:  # hold the headers until the first token is attributed
             head.append(chunk)
-            if versions := _sse_versions(chunk if isinstance(chunk, bytes) else chunk.encode()):
+            if versions := versions_in_sse(chunk):
                 break
 
         async def replay():
@@ -82,11 +70,13 @@ async def _with_identity(response, admitted: str):
         return StreamingResponse(replay(), status_code=response.status_code, headers=headers)
     if ctype.startswith("application/json"):
         content = b"".join([c if isinstance(c, bytes) else c.encode() async for c in response.body_iterator])
-        try:
-            data = json.loads(content)
-            versions = versions_of(data.get("choices")) if isinstance(data, dict) else []
-        except ValueError:
-            versions = []
+        versions = []
+        if b'"weight_versions"' in content:  # parse only bodies that carry attributions
+            try:
+                data = json.loads(content)
+                versions = versions_of(data.get("choices")) if isinstance(data, dict) else []
+            except ValueError:
+                pass
         headers[IDENTITY_HEADER] = ",".join(versions) or admitted
         return Response(content, status_code=response.status_code, headers=headers)
     response.headers[IDENTITY_HEADER] = admitted
