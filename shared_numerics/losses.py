@@ -38,28 +38,40 @@ __all__ = ["CorrectionConfig", "apply_corrections", "dapo_dynamic_sampling_keep"
 @dataclass(frozen=True)
 class LossBatch:
     """Per-token context a loss may need beyond ``(l, q, A)``: ``seq_ids [N]`` int64 (which sequence each token
-    belongs to, ``0..num_seqs-1``) and ``num_seqs``."""
+    belongs to, ``0..num_seqs-1``), ``num_seqs`` and ``weights`` (``[N]`` float32, non-negative: Tinker's per-token
+    loss weights, the loss mask; ``None`` = every token weighs 1). The caller multiplies each token's loss by its
+    weight; a formula with a sequence-level term (GSPO's sequence ratio) averages it with these weights."""
 
     seq_ids: torch.Tensor
     num_seqs: int
+    weights: torch.Tensor | None = None
 
     @staticmethod
     def single(n: int, device=None) -> "LossBatch":
         return LossBatch(torch.zeros(n, dtype=torch.long, device=device), 1)
 
 
-def segment_mean(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Per-sequence mean of ``values [N]`` (``seq_ids [N]`` in ``0..num_seqs-1``), float32 ``[num_seqs]``.
+def segment_mean(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sequence (weighted) mean of ``values [N]`` (``seq_ids [N]`` in ``0..num_seqs-1``), float32
+    ``[num_seqs]``: ``sum(w v) / sum(w)`` per sequence, ``w = weights [N]`` (``None``: ones, the plain mean).
 
     Deterministic on every device: tokens are grouped by a stable sort, summed by one float64 prefix sum (a scan,
     no atomics — ``index_add_`` on CUDA adds in arrival order), and each sequence's sum is a difference of two
-    prefix sums. Empty sequences get 0."""
+    prefix sums. Sequences without tokens (or with zero total weight) get 0."""
     order = torch.sort(seq_ids, stable=True).indices
     counts = torch.bincount(seq_ids, minlength=num_seqs)
-    prefix = torch.cat([values.new_zeros(1, dtype=torch.float64), torch.cumsum(values[order].double(), 0)])
     ends = torch.cumsum(counts, 0)
-    sums = prefix[ends] - prefix[ends - counts]
-    return (sums / counts.clamp(min=1)).float()
+
+    def sums(x: torch.Tensor) -> torch.Tensor:
+        prefix = torch.cat([x.new_zeros(1, dtype=torch.float64), torch.cumsum(x[order].double(), 0)])
+        return prefix[ends] - prefix[ends - counts]
+
+    if weights is None:
+        return (sums(values) / counts.clamp(min=1)).float()
+    w = weights.to(values.device)
+    total = sums(w)
+    return torch.where(total > 0, sums(values * w) / torch.where(total > 0, total, 1.0), 0.0).float()
 
 
 class NoConfig(BaseModel):
@@ -159,10 +171,11 @@ def dro_loss(logp, sampler_logp, adv, cfg: DROConfig, batch: LossBatch | None = 
 
 def gspo_loss(logp, sampler_logp, adv, cfg: GSPOConfig, batch: LossBatch | None = None):
     """GSPO token form: the sequence ratio ``s = exp(mean over the sequence of (l - q))`` carries the value, each
-    token's ``exp(l - sg(l))`` carries the gradient; clipping (``[1 - clip_low, 1 + clip_high]``) is per sequence."""
+    token's ``exp(l - sg(l))`` carries the gradient; clipping (``[1 - clip_low, 1 + clip_high]``) is per sequence.
+    The mean is weighted by ``batch.weights`` (the loss mask) when given: masked tokens (weight 0) do not enter it."""
     batch = batch or LossBatch.single(logp.numel(), logp.device)
     d = (logp - sampler_logp).detach()
-    mean_d = segment_mean(d, batch.seq_ids.to(d.device), batch.num_seqs)
+    mean_d = segment_mean(d, batch.seq_ids.to(d.device), batch.num_seqs, batch.weights)
     s_seq = torch.exp(mean_d)[batch.seq_ids]
     s_tok = s_seq * torch.exp(logp - logp.detach())
     lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high

@@ -43,6 +43,9 @@ class RolloutBatch:
         sampler_logprobs: ``B`` float32 ``[len(seq) - p]`` tensors, the engine's log-probs of the sampled tokens;
             ``None`` = on-policy (ratio 1: SFT, or a loss that ignores them).
         routed_experts: MoE: ``B`` arrays ``[len(seq) - 1, layers, top_k]`` (vLLM ``routed_experts``); else ``None``.
+        loss_weights: ``B`` float32 ``[len(seq) - p]`` tensors, finite and non-negative: each completion token's loss
+            is multiplied by its weight (Tinker's ``loss_fn_inputs["weights"]``: any mask — several completion
+            segments of a multi-turn episode, tool outputs at 0); ``None`` = every completion token weighs 1.
         snapshot_identity: the weights that produced the rollouts (hot-load identity, ``x-zerokld-snapshot-identity``).
         numerics: the engine's :class:`NumericsMode` (``None``: the engine stamped none, i.e. ran without zerokld).
 
@@ -57,12 +60,13 @@ class RolloutBatch:
     routed_experts: list | None = None
     snapshot_identity: str | None = None
     numerics: NumericsMode | None = None
+    loss_weights: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.sequences)
         if not n:
             raise ValueError("empty rollout batch")
-        for name in ("prompt_lengths", "advantages", "sampler_logprobs", "routed_experts"):
+        for name in ("prompt_lengths", "advantages", "sampler_logprobs", "routed_experts", "loss_weights"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} rollouts")
@@ -76,6 +80,12 @@ class RolloutBatch:
             if self.sampler_logprobs is not None and self.sampler_logprobs[i].numel() != len(s) - p:
                 raise ValueError(f"rollout {i}: {self.sampler_logprobs[i].numel()} sampler logprobs for "
                                  f"{len(s) - p} completion tokens")
+            if self.loss_weights is not None:
+                w = self.loss_weights[i]
+                if w.numel() != len(s) - p:
+                    raise ValueError(f"rollout {i}: {w.numel()} loss weights for {len(s) - p} completion tokens")
+                if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+                    raise ValueError(f"rollout {i}: loss weights must be finite and non-negative")
         if isinstance(self.numerics, dict):
             self.numerics = NumericsMode.from_dict(self.numerics)
 
@@ -164,6 +174,16 @@ class RolloutBatch:
             if self.sampler_logprobs is not None:
                 q[i, p - 1: len(s) - 1] = self.sampler_logprobs[i]
         return tokens, labels, adv, q
+
+    def packed_loss_weights(self) -> torch.Tensor | None:
+        """``[B, T]`` float32 in :meth:`pack`'s layout: each completion position's loss weight, 0 elsewhere;
+        ``None`` when the batch has no ``loss_weights`` (every completion token weighs 1)."""
+        if self.loss_weights is None:
+            return None
+        w = torch.zeros(len(self), max(len(s) for s in self.sequences) - 1)
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+            w[i, p - 1: len(s) - 1] = self.loss_weights[i].float()
+        return w
 
     def padded_tokens(self, pad_id: int = 0) -> torch.Tensor:
         """``[B, max(len(seq))]`` int64, each whole sequence right-padded with ``pad_id`` (the scoring layout:

@@ -32,21 +32,24 @@ def test_trainer_batch_of_one_equals_batch_of_n(checkpoint_factory, family, dtyp
     assert any(isinstance(m, ZeroKLDLinear) for m in model.modules())
     assert any(isinstance(m, ZeroKLDAttention) for m in model.modules())
     seqs, plens = _seqs(12, seed=11)
+    stock = _stock_titan_model(ckpt, dtype)
     with torch.no_grad():
-        batch = sequence_logprobs(model, seqs, plens)
-        for i in (0, 5, 11):
-            alone = sequence_logprobs(model, [seqs[i]], [plens[i]])[0]
-            assert torch.equal(alone, batch[i])
+        for m, name in ((model, "zerokld"), (stock, "stock")):
+            batch = sequence_logprobs(m, seqs, plens)
+            same = [torch.equal(sequence_logprobs(m, [seqs[i]], [plens[i]])[0], batch[i]) for i in range(12)]
+            if name == "zerokld":
+                assert all(same)
+            else:  # negative control: TorchTitan's own kernels give other bits alone than in this batch
+                assert not all(same), "stock TorchTitan is batch invariant here: the claim proves nothing"
 
 
-def test_stock_torchtitan_differs_from_zerokld(checkpoint_factory):
-    """Negative control on the trainer side: TorchTitan's stock components (SDPA attention) give other bits."""
+def _stock_titan_model(ckpt: str, dtype: str = "float32"):
+    """TorchTitan's own model with its stock components (``nn.Linear``, SDPA attention), same weights."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     from titan_plugin.models import load_hf_weights, titan_model_config
     from zerokld_models import read_model_config
 
-    ckpt = checkpoint_factory("qwen3", "float32")
     hf = read_model_config(ckpt)
     cfg = titan_model_config(hf, batch_invariant=False)
     for layer in cfg.layers:
@@ -54,6 +57,13 @@ def test_stock_torchtitan_differs_from_zerokld(checkpoint_factory):
     stock = cfg.build()
     stock.init_states(buffer_device=torch.device("cpu"))
     load_hf_weights(stock, cfg, hf, ckpt)
+    return stock.to(getattr(torch, dtype))
+
+
+def test_stock_torchtitan_differs_from_zerokld(checkpoint_factory):
+    """Negative control on the trainer side: TorchTitan's stock components (SDPA attention) give other bits."""
+    ckpt = checkpoint_factory("qwen3", "float32")
+    stock = _stock_titan_model(ckpt)
     seqs, plens = _seqs(8, seed=12)
     with torch.no_grad():
         ours = trainer_logprobs(ckpt, seqs, plens, dtype="float32")
@@ -96,6 +106,12 @@ def test_rollout_batch_validates_lengths():
         RolloutBatch([[1, 5, 6, 7]], [5])
     with pytest.raises(ValueError, match="advantages has 2 entries for 1 rollouts"):
         RolloutBatch([[1, 5, 6, 7]], [2], [1.0, 2.0])
+    with pytest.raises(ValueError, match="1 loss weights for 2 completion tokens"):
+        RolloutBatch([[1, 5, 6, 7]], [2], loss_weights=[torch.ones(1)])
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        RolloutBatch([[1, 5, 6, 7]], [2], loss_weights=[torch.tensor([1.0, float("nan")])])
+    w = RolloutBatch([[1, 5, 6, 7], [1, 5]], [2, 1], loss_weights=[torch.tensor([0.5, 0.0]), torch.ones(1)])
+    assert torch.equal(w.packed_loss_weights(), torch.tensor([[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]]))
 
 
 def test_rl_step_refuses_rollouts_from_another_numerics_mode(rl_trainer):

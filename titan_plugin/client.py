@@ -5,22 +5,26 @@ Names and shapes follow Tinker's ``TrainingClient`` (``forward``, ``forward_back
 
     {"model_input": list[int],                         # n input tokens
      "loss_fn_inputs": {"target_tokens": [n],          # next-token aligned: target[i] = model_input[i + 1]
-                        "weights": [n],                # 0 on prompt positions, >0 on the completion (a suffix)
-                        "advantages": [n], "logprobs": [n],    # sampler logprobs (RL losses)
+                        "weights": [n],                # per-token loss weights >= 0, any mask (default: all 1)
+                        "advantages": [n], "logprobs": [n],    # RL losses: per target token, sampler logprobs
                         "routed_experts": [n, layers, top_k]}} # MoE: vLLM's routed_experts, replayed (optional)
 
-(lists or tensors), optionally with ``"zerokld_numerics"`` (the engine's stamp from the sampling response). Every
-method also takes a :class:`shared_numerics.RolloutBatch` instead of datums. Stamped data (a batch from
-``RolloutBatch.from_vllm`` / ``from_openai``, or datums with ``zerokld_numerics``) is checked against the trainer's
-numerics mode (:class:`shared_numerics.NumericsMismatchError`, nothing computed); Tinker's datum format has no stamp,
-so unstamped datums are taken as sampled in the trainer's mode. Results carry ``loss``, ``metrics`` and ``loss_fn_outputs[i]["logprobs"]`` — the trainer's
-log-probs of the datum's weighted positions (``forward``: of every position), bitwise what vLLM reports for them.
-Losses are the ones registered through the ``zerokld`` hooks; for ``cross_entropy`` the weights are the per-token
-weights.
+(lists, numpy arrays or tensors), optionally with ``"zerokld_numerics"`` (the engine's stamp from the sampling
+response). As in Tinker, every datum is scored at all ``n`` target positions: ``loss_fn_outputs[i]["logprobs"]`` of
+``forward``, ``forward_backward`` and the ``logprobs`` a ``forward_backward_custom`` loss receives hold one float32
+log-prob per target token — the trainer's, bitwise what vLLM reports for it. Each token's loss is multiplied by its
+weight (Tinker's ``cross_entropy``: ``-sum(weights * logprobs)``; RL losses: Tinker's formulas, and a weight, when
+given, masks them too: prompt, tool outputs, earlier turns), summed (Tinker: no normaliser); weight-0 tokens count in
+no metric, and GSPO's sequence ratio averages over the weighted tokens.
+
+Every method also takes a :class:`shared_numerics.RolloutBatch` instead of datums (its completion tokens scored,
+its ``loss_weights`` applied). Stamped data (a batch from ``RolloutBatch.from_vllm`` / ``from_openai``, or datums
+with ``zerokld_numerics``) is checked against the trainer's numerics mode
+(:class:`shared_numerics.NumericsMismatchError`, nothing computed); Tinker's datum format has no stamp, so unstamped
+datums are taken as sampled in the trainer's mode. Losses are the ones registered through the ``zerokld`` hooks.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -37,51 +41,54 @@ def _t(x) -> torch.Tensor:
     return x.detach().float().reshape(-1) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32)
 
 
+def _ids(x) -> list[int]:
+    return [int(v) for v in torch.as_tensor(x).reshape(-1).tolist()]
+
+
 def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_entropy") -> RolloutBatch:
-    """Turn Tinker datums into a :class:`shared_numerics.RolloutBatch`.
+    """Turn Tinker datums into a :class:`shared_numerics.RolloutBatch` that scores every target token: prompt
+    length 1 (the first input token), the ``n`` targets its completion, ``weights`` its ``loss_weights``.
 
     Args:
         data: datums (see the module docstring).
         numerics: the mode of unstamped datums (the trainer's); a datum's own ``zerokld_numerics`` wins.
-        loss_fn: ``cross_entropy`` takes the weights as advantages and no sampler log-probs; any other loss needs
+        loss_fn: ``cross_entropy`` needs only ``target_tokens`` (and ``weights``); any other loss needs
             ``advantages`` and ``logprobs``.
 
     Raises:
-        ValueError: targets not next-token aligned, no weighted position, weighted positions that are not one
-            suffix (general masks are not supported by the trainer's packing), missing RL inputs, or datums stamped
-            with different modes.
+        ValueError: targets not next-token aligned, a per-token input of another length than ``model_input``,
+            negative or non-finite weights, missing RL inputs, or datums stamped with different modes.
     """
-    seqs, plens, inputs = [], [], []
+    seqs, inputs = [], []
     for i, d in enumerate(data):
-        x = [int(v) for v in (d["model_input"].tolist() if isinstance(d["model_input"], torch.Tensor)
-                              else d["model_input"])]
+        x = _ids(d["model_input"])
         li = d.get("loss_fn_inputs", {})
-        tgt = [int(v) for v in _t(li["target_tokens"]).tolist()]
+        tgt = _ids(li["target_tokens"])
         n = len(x)
         if len(tgt) != n or tgt[:-1] != x[1:]:
             raise ValueError(f"datum {i}: target_tokens must be model_input shifted by one (length {n})")
-        w = _t(li.get("weights", [1.0] * n))
-        nz = torch.nonzero(w).squeeze(1)
-        if nz.numel() == 0:
-            raise ValueError(f"datum {i}: no position has a nonzero weight")
-        first = int(nz[0])
-        if int(nz.numel()) != n - first:
-            raise ValueError(f"datum {i}: weighted positions must be one suffix (the completion)")
+        row = {key: _t(li[key]) if key in li else None for key in ("weights", "advantages", "logprobs")}
+        for key, value in row.items():
+            if value is not None and value.numel() != n:
+                raise ValueError(f"datum {i}: loss_fn_inputs[{key!r}] has {value.numel()} values for {n} targets")
+        if row["weights"] is None:
+            row["weights"] = torch.ones(n)
+        row["routed_experts"] = li.get("routed_experts")
         seqs.append(x + [tgt[-1]])
-        plens.append(first + 1)
-        sl = slice(first, n)
-        inputs.append({"weights": w[sl], "advantages": _t(li["advantages"])[sl] if "advantages" in li else None,
-                       "logprobs": _t(li["logprobs"])[sl] if "logprobs" in li else None,
-                       "routed_experts": li.get("routed_experts")})
-    if loss_fn == "cross_entropy":
-        adv, q = [i["weights"] for i in inputs], None
+        inputs.append(row)
+    if loss_fn == "cross_entropy":  # -weights * logprobs: the formula's advantage is 1, the weight the mask
+        adv, q = [torch.ones(len(s) - 1) for s in seqs], None
     else:
         if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
             raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
         adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
     stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
-    return RolloutBatch(seqs, plens, adv, q, _routes(inputs),
-                        numerics=common_numerics(stamped) if stamped else numerics)
+    try:
+        return RolloutBatch(seqs, [1] * len(seqs), adv, q, _routes(inputs),
+                            numerics=common_numerics(stamped) if stamped else numerics,
+                            loss_weights=[i["weights"] for i in inputs])
+    except ValueError as e:
+        raise ValueError(str(e).replace("rollout", "datum")) from None
 
 
 def _routes(inputs: list[dict]):
@@ -123,12 +130,8 @@ class TrainingClient:
         return datums_to_rollouts(data, self.trainer.numerics, loss_fn)
 
     def forward(self, data: list[dict] | RolloutBatch) -> dict:
-        """Log-probs of every target token (no gradients)."""
-        batch = self._batch(data)
-        if not isinstance(data, RolloutBatch):  # Tinker's forward scores every position
-            batch = dataclasses.replace(batch, prompt_lengths=[1] * len(batch), advantages=None,
-                                        sampler_logprobs=None)
-        return {"loss_fn_outputs": [{"logprobs": lp} for lp in self.trainer.forward_logprobs(batch)]}
+        """Log-probs of every target token (no gradients): ``loss_fn_outputs[i]["logprobs"]`` float32 ``[n]``."""
+        return {"loss_fn_outputs": [{"logprobs": lp} for lp in self.trainer.forward_logprobs(self._batch(data))]}
 
     def forward_backward(self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None
                          ) -> dict:
@@ -139,7 +142,8 @@ class TrainingClient:
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
 
     def forward_backward_custom(self, data: list[dict] | RolloutBatch, loss_fn) -> dict:
-        """Two-pass custom loss: ``loss_fn(data, logprobs_list) -> (loss, metrics)`` on the weighted positions."""
+        """Two-pass custom loss (Tinker's): ``loss_fn(data, logprobs_list) -> (loss, metrics)``, ``logprobs_list[i]``
+        float32 ``[n]`` with a gradient, one per target token of datum ``i``; the weights are the loss's to apply."""
         res = self.trainer.forward_backward_custom(self._batch(data), lambda lps: loss_fn(data, lps))
         return {"loss": res["loss"], "metrics": res["metrics"],
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}

@@ -52,6 +52,7 @@ class RLLoss(BaseLoss):
         self._ref_logp: torch.Tensor | None = None
         self._adv: torch.Tensor | None = None
         self._sampler_logp: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None
         self.lm_head: torch.nn.Module | None = None
         self.last: dict = {}
 
@@ -60,13 +61,17 @@ class RLLoss(BaseLoss):
         self.lm_head = lm_head
 
     def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None,
-                      ref_logprobs: torch.Tensor | None = None) -> None:
+                      ref_logprobs: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels.
 
         ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1). ``ref_logprobs`` ``[B, T]``:
-        reference-policy log-probs for the ``kl_beta`` term.
+        reference-policy log-probs for the ``kl_beta`` term. ``weights`` ``[B, T]`` (non-negative; ``None``: 1 on
+        every labelled position): each token's loss, KL term included, is multiplied by its weight (Tinker's
+        ``weights``); weight-0 tokens are scored but count in neither the ``token_mean`` normaliser nor the
+        clipped / grad-zeroed flags, and GSPO's sequence ratio averages over the weighted tokens.
         """
         self._adv, self._sampler_logp, self._ref_logp = advantages, sampler_logprobs, ref_logprobs
+        self._weights = weights
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None, **kwargs):
         if self._adv is None:
@@ -80,14 +85,20 @@ class RLLoss(BaseLoss):
             logp = sn.selected_logprobs(pred[mask], labels[mask])
         q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]
-        batch = LossBatch(seq_ids=torch.nonzero(mask)[:, 0], num_seqs=mask.shape[0])
+        w = None if self._weights is None else self._weights.to(device=pred.device, dtype=torch.float32)[mask]
+        batch = LossBatch(seq_ids=torch.nonzero(mask)[:, 0], num_seqs=mask.shape[0], weights=w)
         tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg, batch)
         ref = None if self._ref_logp is None else self._ref_logp.to(pred.device)[mask]
         tok_loss, keep = apply_corrections(tok_loss, logp, q, self.corrections, ref)
-        kept = None if global_valid_tokens is None else global_valid_tokens - int((~keep).sum())  # masked-IS drop
+        if w is not None:
+            tok_loss = tok_loss * w
+            keep = keep & (w > 0)
+        kept = None if global_valid_tokens is None else global_valid_tokens - int((~keep).sum())  # masked tokens
         loss = normalize_loss(tok_loss.sum(), self.config.normalization, kept, self.config.normalizer)
         zeros = torch.zeros_like(mask[mask])
-        self.last = {"train_logprobs": logp.detach(), "mask": mask, "clipped": flags.get("clipped", zeros),
-                     "grad_zeroed": flags.get("grad_zeroed", zeros), "loss": loss.detach()}
-        self._adv = self._sampler_logp = self._ref_logp = None
+        weighted = zeros.logical_not() if w is None else w > 0
+        self.last = {"train_logprobs": logp.detach(), "mask": mask, "weighted": weighted,
+                     "clipped": flags.get("clipped", zeros) & weighted,
+                     "grad_zeroed": flags.get("grad_zeroed", zeros) & weighted, "loss": loss.detach()}
+        self._adv = self._sampler_logp = self._ref_logp = self._weights = None
         return loss, {}

@@ -196,7 +196,7 @@ class RLTrainer(Trainer):
             "train_logprobs": per_seq,
             "clipped": int(last["clipped"].sum()),
             "grad_zeroed": int(last["grad_zeroed"].sum()),
-            "num_tokens": int(flat.numel()),
+            "num_tokens": int(last["weighted"].sum()),
             "loss": float(last["loss"]),
         }
 
@@ -217,7 +217,8 @@ class RLTrainer(Trainer):
 
         Returns:
             ``train_logprobs`` (per rollout, the training forward's log-probs of the completion, float32),
-            ``clipped`` / ``grad_zeroed`` token counts, ``num_tokens``, ``loss`` (the step's loss, float).
+            ``clipped`` / ``grad_zeroed`` token counts and ``num_tokens`` (completion tokens with a positive loss
+            weight), ``loss`` (the step's loss, float).
 
         Raises:
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
@@ -225,7 +226,8 @@ class RLTrainer(Trainer):
         self._check(batch)
         t_pack = time.perf_counter()
         tokens, labels, adv, q = batch.pack()
-        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q)
+        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q,
+                                   weights=batch.packed_loss_weights())
         self.dataloader.put({"input": tokens}, labels)
         self.step += 1
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
@@ -264,7 +266,8 @@ class RLTrainer(Trainer):
         configured = self.loss_fn
         self.loss_fn = loss or configured
         try:
-            self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q)
+            self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q,
+                                       weights=batch.packed_loss_weights())
             with replay_routes(self.model, self._routes(batch, tokens.shape[1])):
                 self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
                                            global_valid_tokens=(labels != IGNORE_INDEX).sum())
@@ -274,8 +277,10 @@ class RLTrainer(Trainer):
 
     def forward_backward_custom(self, batch: RolloutBatch, loss_fn) -> dict:
         """Two-pass custom loss: pass 1 computes the log-probs, ``loss_fn(logprobs_list) -> (loss, metrics)`` (any
-        differentiable Python) gives ``dL/dl``, pass 2 back-propagates ``sum(dL/dl * l)`` through the model (exact
-        gradient, ~1.5x the FLOPs of a fused loss). Gradients accumulate; no optimizer step.
+        differentiable Python; one ``[len(seq) - p]`` float32 tensor per rollout, every completion token whatever
+        its loss weight — the batch's ``loss_weights`` are the user's to apply) gives ``dL/dl``, pass 2
+        back-propagates ``sum(dL/dl * l)`` through the model (exact gradient, ~1.5x the FLOPs of a fused loss).
+        Gradients accumulate; no optimizer step.
 
         Returns:
             ``loss`` (float), ``metrics`` (the user's), ``train_logprobs`` (pass 1, float32 per rollout).
@@ -284,7 +289,7 @@ class RLTrainer(Trainer):
         loss, metrics = loss_fn(lps)
         grads = torch.autograd.grad(loss, lps, allow_unused=True)
         weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
-        on_policy = dataclasses.replace(batch, advantages=weights, sampler_logprobs=None)
+        on_policy = dataclasses.replace(batch, advantages=weights, sampler_logprobs=None, loss_weights=None)
         self.forward_backward(on_policy, loss=self.build_loss("cross_entropy", normalization="sum"))
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 
