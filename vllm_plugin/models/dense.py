@@ -38,6 +38,7 @@ from zerokld_models import ModelConfig, read_model_config, unsupported_features
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
+from ..faults import copy_fault
 from ..sampler import check_sampler_supported
 
 __all__ = ["DenseDecoder", "ZeroKLDMixin", "check_supported"]
@@ -311,6 +312,7 @@ class ZeroKLDMixin:
                 continue
             self._load_tensor(params, name, tensor)
             loaded.add(name)
+            copy_fault(len(loaded))  # inert unless a test armed it (vllm_plugin.faults)
         if self.fp8.kind == "online":  # codes follow the weights, also on reload_weights (hot-load)
             modules = dict(self.named_modules())
             for name in loaded:
