@@ -19,6 +19,7 @@ def test_exact_ties_go_to_the_lowest_expert_id():
     logits = torch.tensor([[0.5, 2.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0, 3.0]])
     ids, w = route_topk(logits, k=2)
     assert ids.tolist() == [[1, 2], [0, 1]]
+    assert torch.topk(logits, 2).indices.tolist() != ids.tolist()  # negative control: stock topk picks others
     assert torch.equal(w[1], torch.tensor([0.5, 0.5]))
     with pytest.raises(ValueError, match="top-k"):
         route_topk(logits, k=6)
@@ -48,6 +49,27 @@ def test_routing_and_experts_are_batch_and_load_invariant(dtype):
     crowd_ids = torch.cat([ids, torch.tensor([[0, 3]]).repeat(200, 1)])
     crowd_w = torch.cat([w, w[:1].repeat(200, 1)])
     assert torch.equal(moe_experts(crowd, crowd_ids, crowd_w, wg, wu, wd)[:40], y)
+    # negative control: the stock per-expert loop (HF's reference MoE: each expert's tokens through F.linear) gives a
+    # token alone other bits than in the batch in fp32 (one token per expert: MKL's GEMV, not its GEMM). Stock holds
+    # too on this machine for the crowded expert (GEMMs of 2+ rows keep each row's bits) and in bf16 (ATen's CPU
+    # bf16 linear is row-invariant here): those claims are only proven where stock differs (GPU, tests/test_cuda.py)
+    stock = _stock_moe(x, ids, w, wg, wu, wd)
+    alone = [_stock_moe(x[i:i + 1], ids[i:i + 1], w[i:i + 1], wg, wu, wd) for i in (0, 7, 21)]
+    if dtype == torch.float32:
+        assert any(not torch.equal(a, stock[i:i + 1]) for a, i in zip(alone, (0, 7, 21)))
+
+
+def _stock_moe(x, ids, w, wg, wu, wd):
+    """The reference MoE loop of HF ``Qwen3MoeSparseMoeBlock``: each expert's tokens gathered, run, scattered back."""
+    F = torch.nn.functional
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(wg.shape[0]):
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        if rows.numel():
+            xe = x[rows]
+            ye = F.linear(F.silu(F.linear(xe, wg[e])) * F.linear(xe, wu[e]), wd[e])
+            out.index_add_(0, rows, ye.float() * w[rows, slot, None].float())
+    return out.to(x.dtype)
 
 
 def test_matches_a_per_token_reference_and_replay_keeps_gradients():
