@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -29,17 +28,13 @@ SIZES = {  # hidden size -> (intermediate, heads, kv heads, head_dim)
     64: (128, 4, 2, 32), 128: (256, 4, 2, 32), 1024: (3072, 16, 8, 128)}
 
 
-def _prompts(n: int, seed: int, lo: int = 4, hi: int = 120) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
 def _claims(llm, ckpt: str, dtype: str) -> dict:
     import torch
     from vllm import SamplingParams
 
     from titan_plugin import trainer_logprobs
     from zerokld_testing.engines import completion_logprobs, prompt_logprobs
+    from zerokld_testing.prompts import random_prompts
 
     def greedy(n=12, **kw):
         return SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True, **kw)
@@ -48,14 +43,14 @@ def _claims(llm, ckpt: str, dtype: str) -> dict:
         return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
     out = {}
-    prompts = _prompts(40, seed=1)
+    prompts = random_prompts(40, seed=1)
     batch = gen(prompts, greedy())
     alone = 0
     for i, p in enumerate(prompts):
         llm.reset_prefix_cache()
         alone += not torch.equal(completion_logprobs(gen([p], greedy())[0]), completion_logprobs(batch[i]))
     out["alone_vs_batch"] = {"differing": alone, "of": len(prompts)}
-    base = _prompts(1, seed=2, lo=130, hi=131)[0]
+    base = random_prompts(1, seed=2, lo=130, hi=131)[0]
     llm.reset_prefix_cache()
     cold = gen([base + [5, 6, 7, 8]], greedy())[0]
     llm.reset_prefix_cache()
@@ -63,13 +58,13 @@ def _claims(llm, ckpt: str, dtype: str) -> dict:
     warm = gen([base + [5, 6, 7, 8]], greedy())[0]
     out["prefix_cache"] = {"differs": not torch.equal(completion_logprobs(cold), completion_logprobs(warm)),
                            "cached_tokens": warm.num_cached_tokens or 0}
-    ps = _prompts(6, seed=3)
+    ps = random_prompts(6, seed=3)
     outs = gen(ps, greedy(20))
     llm.reset_prefix_cache()
     scored = gen([p + list(o.outputs[0].token_ids) for p, o in zip(ps, outs)], greedy(1, prompt_logprobs=0))
     out["decode_vs_prompt"] = {"differing": sum(not torch.equal(completion_logprobs(o), prompt_logprobs(s, len(p)))
                                                 for p, o, s in zip(ps, outs, scored)), "of": len(ps)}
-    long_prompt = _prompts(1, seed=4, lo=230, hi=231)[0]
+    long_prompt = random_prompts(1, seed=4, lo=230, hi=231)[0]
     llm.reset_prefix_cache()
     got = prompt_logprobs(gen([long_prompt], greedy(1, prompt_logprobs=0))[0], 1)
     ref = trainer_logprobs(ckpt, [long_prompt], [1], dtype=dtype)[0]

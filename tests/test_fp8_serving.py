@@ -5,7 +5,6 @@ trainer's forward bit for bit. Negative control: vLLM's own FP8 (``quantization=
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -14,13 +13,13 @@ from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
 from zerokld_testing.engines import completion_logprobs, reload_weights, start_llm
+from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(4, 70))] for _ in range(n)]
+    return random_prompts(n, seed, hi=70)
 
 
 def _sample(llm, prompts, max_tokens=16):

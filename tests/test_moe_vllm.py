@@ -6,7 +6,6 @@ routed experts) and return routes (``enable_return_routed_experts=True``).
 """
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
 from zerokld_testing.engines import completion_logprobs, reload_weights, start_llm
+from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
 
@@ -23,8 +23,7 @@ FAMILY, DTYPE = "qwen3_moe", "float32"
 
 
 def _prompts(n: int, seed: int, lo: int = 4, hi: int = 150) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+    return random_prompts(n, seed, lo, hi)
 
 
 def _params(i: int, seed: int | None = None, max_tokens: int = 24, **kw):

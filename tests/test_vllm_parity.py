@@ -5,13 +5,13 @@ mix prefill chunks with decodes; prefix caching is on.
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from titan_plugin import trainer_logprobs
 from zerokld_testing.engines import completion_logprobs, prompt_logprobs, start_llm
+from zerokld_testing.prompts import random_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -26,12 +26,6 @@ CONFIGS = [("qwen3", "float32", None), ("qwen3", "bfloat16", None), ("llama", "f
 
 def _config_id(c) -> str:
     return "-".join([c[0], c[1]] + (["fp8", *c[2]] if c[2] else []))
-VOCAB_LO, VOCAB_HI = 3, 100  # printable characters of the tiny tokenizer
-
-
-def random_prompts(n: int, seed: int, lo: int = 4, hi: int = 120) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[_config_id(c) for c in CONFIGS])
