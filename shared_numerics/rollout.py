@@ -155,15 +155,17 @@ class RolloutBatch:
         """
         check_same_numerics(trainer, self.numerics, "the trainer", "rollout batch")
 
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next-token training layout, right-padded to ``T = max(len(seq)) - 1``: ``tokens [B, T]`` int64
         (inputs), ``labels [B, T]`` int64 (the next token on completion positions, :data:`IGNORE_INDEX` elsewhere:
         the loss mask), ``advantages [B, T]`` and sampler log-probs ``[B, T]`` float32 (zeros outside completions;
-        zeros when not given)."""
+        zeros when not given), and the loss weights ``[B, T]`` float32 (0 outside completions; ``None`` when the
+        batch has no ``loss_weights``: every completion token weighs 1)."""
         n, t = len(self), max(len(s) for s in self.sequences) - 1
         tokens = torch.zeros(n, t, dtype=torch.long)
         labels = torch.full((n, t), IGNORE_INDEX, dtype=torch.long)
         adv, q = torch.zeros(n, t), torch.zeros(n, t)
+        weights = None if self.loss_weights is None else torch.zeros(n, t)
         for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
             st = torch.tensor(s, dtype=torch.long)
             tokens[i, : len(s) - 1] = st[:-1]
@@ -173,17 +175,9 @@ class RolloutBatch:
                 adv[i, p - 1: len(s) - 1] = a if isinstance(a, torch.Tensor) else float(a)
             if self.sampler_logprobs is not None:
                 q[i, p - 1: len(s) - 1] = self.sampler_logprobs[i]
-        return tokens, labels, adv, q
-
-    def packed_loss_weights(self) -> torch.Tensor | None:
-        """``[B, T]`` float32 in :meth:`pack`'s layout: each completion position's loss weight, 0 elsewhere;
-        ``None`` when the batch has no ``loss_weights`` (every completion token weighs 1)."""
-        if self.loss_weights is None:
-            return None
-        w = torch.zeros(len(self), max(len(s) for s in self.sequences) - 1)
-        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
-            w[i, p - 1: len(s) - 1] = self.loss_weights[i].float()
-        return w
+            if weights is not None:
+                weights[i, p - 1: len(s) - 1] = self.loss_weights[i]
+        return tokens, labels, adv, q, weights
 
     def padded_tokens(self, pad_id: int = 0) -> torch.Tensor:
         """``[B, max(len(seq))]`` int64, each whole sequence right-padded with ``pad_id`` (the scoring layout:

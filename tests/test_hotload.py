@@ -372,15 +372,23 @@ def _complete(server: Server, prompt: list[int], max_tokens: int) -> tuple[list[
             r.headers["x-zerokld-snapshot-identity"])
 
 
-def _stream_spans(server: Server, prompt: list[int], max_tokens: int) -> tuple[list[list], str]:
-    """A streamed completion: every chunk's ``weight_versions`` (in order) and the identity header."""
+def _stream_spans(server: Server, prompt: list[int], max_tokens: int,
+                  started: threading.Event | None = None) -> tuple[list[list], str]:
+    """A streamed completion: every chunk's ``weight_versions`` (in order) and the identity header; ``started`` is
+    set when the first chunk with a choice arrives."""
     r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
         "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
         "stream": True})
     assert r.status_code == 200, r.text
-    chunks = [json.loads(line[6:])["choices"] for line in r.iter_lines()
-              if line.startswith(b"data: ") and line != b"data: [DONE]"]
-    return [c[0].get("weight_versions") for c in chunks if c], r.headers["x-zerokld-snapshot-identity"]
+    spans = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            choices = json.loads(line[6:])["choices"]
+            if choices:
+                spans.append(choices[0].get("weight_versions"))
+                if started is not None:
+                    started.set()
+    return spans, r.headers["x-zerokld-snapshot-identity"]
 
 
 def test_async_swaps_attribute_every_token_to_its_snapshot(env):
@@ -614,26 +622,14 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
         cached = _cached_tokens(server, LONG_PROMPT)
         assert (cached > 0) if mode == "none" else (cached == 0), (mode, cached)
     for mode in ("new_session", "all"):
-        started, out = threading.Event(), {}
-
-        def stream():
-            r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
-                "model": server.ckpt, "prompt": [1] + list(range(5, 15)), "max_tokens": 400, "temperature": 1.0,
-                "ignore_eos": True, "stream": True})
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    choices = json.loads(line[6:])["choices"]
-                    if choices:
-                        out["spans"] = choices[0].get("weight_versions") or out.get("spans")
-                        started.set()
-
+        started = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(stream)
+            pending = pool.submit(_stream_spans, server, [1] + list(range(5, 15)), 400, started)
             assert started.wait(120), "the stream produced no token"
             r = server.signal(f"pc-run-{mode}", reset_prompt_cache=mode)
-            pending.result()
+            chunks, _ = pending.result()
         assert r.status_code == 200, r.text
-        spans = out["spans"]
+        spans = chunks[-1]
         assert len(spans) >= 2 and spans[-1]["version"] == f"pc-run-{mode}" and spans[-1]["end"] == 400, spans
         row = r.json()
         if mode == "new_session":

@@ -111,7 +111,8 @@ def test_rollout_batch_validates_lengths():
     with pytest.raises(ValueError, match="finite and non-negative"):
         RolloutBatch([[1, 5, 6, 7]], [2], loss_weights=[torch.tensor([1.0, float("nan")])])
     w = RolloutBatch([[1, 5, 6, 7], [1, 5]], [2, 1], loss_weights=[torch.tensor([0.5, 0.0]), torch.ones(1)])
-    assert torch.equal(w.packed_loss_weights(), torch.tensor([[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]]))
+    assert torch.equal(w.pack()[4], torch.tensor([[0.0, 0.5, 0.0], [1.0, 0.0, 0.0]]))
+    assert RolloutBatch([[1, 5, 6, 7]], [2]).pack()[4] is None
 
 
 def test_rl_step_refuses_rollouts_from_another_numerics_mode(rl_trainer):

@@ -57,7 +57,8 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
 
     Raises:
         ValueError: targets not next-token aligned, a per-token input of another length than ``model_input``,
-            negative or non-finite weights, missing RL inputs, or datums stamped with different modes.
+            negative or non-finite weights (:class:`shared_numerics.RolloutBatch` refuses them, naming the rollout
+            index = the datum index), missing RL inputs, or datums stamped with different modes.
     """
     seqs, inputs = [], []
     for i, d in enumerate(data):
@@ -83,12 +84,9 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
             raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
         adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
     stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
-    try:
-        return RolloutBatch(seqs, [1] * len(seqs), adv, q, _routes(inputs),
-                            numerics=common_numerics(stamped) if stamped else numerics,
-                            loss_weights=[i["weights"] for i in inputs])
-    except ValueError as e:
-        raise ValueError(str(e).replace("rollout", "datum")) from None
+    return RolloutBatch(seqs, [1] * len(seqs), adv, q, _routes(inputs),
+                        numerics=common_numerics(stamped) if stamped else numerics,
+                        loss_weights=[i["weights"] for i in inputs])
 
 
 def _routes(inputs: list[dict]):

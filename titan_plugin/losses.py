@@ -90,13 +90,13 @@ class RLLoss(BaseLoss):
         tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg, batch)
         ref = None if self._ref_logp is None else self._ref_logp.to(pred.device)[mask]
         tok_loss, keep = apply_corrections(tok_loss, logp, q, self.corrections, ref)
+        weighted = torch.ones_like(mask[mask]) if w is None else w > 0
         if w is not None:
             tok_loss = tok_loss * w
-            keep = keep & (w > 0)
+        keep = keep & weighted
         kept = None if global_valid_tokens is None else global_valid_tokens - int((~keep).sum())  # masked tokens
         loss = normalize_loss(tok_loss.sum(), self.config.normalization, kept, self.config.normalizer)
-        zeros = torch.zeros_like(mask[mask])
-        weighted = zeros.logical_not() if w is None else w > 0
+        zeros = torch.zeros_like(weighted)
         self.last = {"train_logprobs": logp.detach(), "mask": mask, "weighted": weighted,
                      "clipped": flags.get("clipped", zeros) & weighted,
                      "grad_zeroed": flags.get("grad_zeroed", zeros) & weighted, "loss": loss.detach()}

@@ -225,9 +225,8 @@ class RLTrainer(Trainer):
         """
         self._check(batch)
         t_pack = time.perf_counter()
-        tokens, labels, adv, q = batch.pack()
-        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q,
-                                   weights=batch.packed_loss_weights())
+        tokens, labels, adv, q, weights = batch.pack()
+        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, weights=weights)
         self.dataloader.put({"input": tokens}, labels)
         self.step += 1
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
@@ -262,12 +261,11 @@ class RLTrainer(Trainer):
         ``forward_backward_step``; no optimizer step (see :meth:`optim_step`). Returns and raises like
         :meth:`rl_step`."""
         self._check(batch)
-        tokens, labels, adv, q = batch.pack()
+        tokens, labels, adv, q, weights = batch.pack()
         configured = self.loss_fn
         self.loss_fn = loss or configured
         try:
-            self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q,
-                                       weights=batch.packed_loss_weights())
+            self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, weights=weights)
             with replay_routes(self.model, self._routes(batch, tokens.shape[1])):
                 self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
                                            global_valid_tokens=(labels != IGNORE_INDEX).sum())
