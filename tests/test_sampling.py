@@ -68,3 +68,27 @@ def test_batch_and_thread_invariance_and_top_k_top_p():
             assert int(batch[i]) in order[:keep].tolist()
     with pytest.raises(ValueError, match="temperature"):
         sample_tokens(logits[:1], torch.zeros(1), seeds[:1], pos[:1])
+
+
+def test_negative_control_stock_vllm_sampler_depends_on_the_batch():
+    """vLLM's own ``random_sample`` (v1/sample/ops/topk_topp_sampler.py) draws an unseeded batch's exponential noise
+    from one global generator: the same row gets another token alone than in the batch. Measured on this machine
+    (2 cores): stock is thread-count invariant too (1 vs 2 threads, seeded and unseeded: 0/64 differ), and seeded
+    stock requests (one torch.Generator each) are batch-invariant; what stock lacks there is a noise that is a pure
+    function of (seed, position), which the trainer can recompute and a preempted request resumes without state."""
+    from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(64, 500, generator=g) * 3, -1)
+    torch.manual_seed(5)
+    batch = random_sample(probs.clone(), {})
+    differing = 0
+    for i in range(64):
+        torch.manual_seed(5)
+        differing += int(random_sample(probs[i: i + 1].clone(), {})) != int(batch[i])
+    assert differing > 0
+    # ours, same rows, alone vs batch: see test_batch_and_thread_invariance_and_top_k_top_p
+    seeds, pos = torch.full((64,), 5), torch.arange(64)
+    ours = sample_tokens(probs.log(), torch.ones(64), seeds, pos)
+    assert all(int(sample_tokens(probs[i: i + 1].log(), torch.ones(1), seeds[i: i + 1], pos[i: i + 1])) == int(ours[i])
+               for i in range(64))
