@@ -23,6 +23,15 @@ def test_task_generator_solver_reward():
     assert reward("<answer>import os</answer>", p) == 0.1
     wrong = "+".join(map(str, p.numbers))
     assert reward(f"<answer>{wrong}</answer>", p) in (0.1, 1.0)
+    # the demo's difficulty knobs, and a held-out set that training data never contains
+    easy = generate_problems(300, seed=4, max_number=10, counts=(2, 3), ops="+-*")
+    assert {len(p.numbers) for p in easy} == {2, 3} and all(max(p.numbers) <= 10 for p in easy)
+    assert all("/" not in p.solution and reward(f"<answer>{p.solution}</answer>", p) == 1.0 for p in easy)
+    held = frozenset((p.numbers, p.target) for p in easy[:50])
+    train = generate_problems(300, seed=5, max_number=10, counts=(2, 3), ops="+-*", exclude=held)
+    assert not held & {(p.numbers, p.target) for p in train}
+    assert held & {(p.numbers, p.target) for p in generate_problems(300, seed=5, max_number=10, counts=(2, 3),
+                                                                    ops="+-*")}  # control: overlap without exclude
 
 
 def test_countdown_side_by_side(engine_slot, tmp_path):
@@ -55,6 +64,10 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
         assert r["max_abs_logprob_diff"] == 0.0 and r["clipped_fraction"] == 0.0
     assert sum(r["tokens_bitwise_different"] for r in rows["stock"]) > 0
     assert (out / "curves.png").stat().st_size > 10_000
+    for m in ("zerokld", "stock"):  # held-out greedy accuracy before RL and at the last step
+        assert [e["step"] for e in map(json.loads, (out / m / "eval.jsonl").read_text().splitlines())] == [0, 3]
+    summary = (out / "summary.md").read_text()
+    assert "| zerokld | 0, 0 | 0 of " in summary and "| stock |" in summary
 
 
 def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):

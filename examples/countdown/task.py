@@ -50,14 +50,14 @@ def solve(numbers: tuple[int, ...], target: int) -> str | None:
     return expr[1:-1] if expr and expr.startswith("(") and expr.endswith(")") else expr
 
 
-def _random_expression(nums: list[int], rng: random.Random) -> tuple[int, str] | None:
-    """Combine all numbers with random ops, keeping every intermediate a positive integer."""
+def _random_expression(nums: list[int], rng: random.Random, ops: str = "+-*/") -> tuple[int, str] | None:
+    """Combine all numbers with random ops (from ``ops``), keeping every intermediate a positive integer."""
     items = [(n, str(n)) for n in nums]
     rng.shuffle(items)
     while len(items) > 1:
         i, j = rng.sample(range(len(items)), 2)
         (a, ea), (b, eb) = items[i], items[j]
-        op = rng.choice("+-*/")
+        op = rng.choice(ops)
         if op == "-" and a <= b or op == "/" and a % b != 0:
             op = "+"
         value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
@@ -66,14 +66,20 @@ def _random_expression(nums: list[int], rng: random.Random) -> tuple[int, str] |
     return (value, expr[1:-1]) if 1 <= value <= 100 else None
 
 
-def generate_problems(n: int, seed: int, max_number: int = 100) -> list[Problem]:
-    """``n`` problems, deterministic for a seed: 3–4 numbers in ``1..max_number`` and a target in ``1..100`` reached
-    by a random expression over all of them (so every problem is solvable; that expression is the SFT answer)."""
+def generate_problems(n: int, seed: int, max_number: int = 100, counts: tuple[int, ...] = (3, 4),
+                      ops: str = "+-*/", exclude: set[tuple[tuple[int, ...], int]] | frozenset = frozenset()
+                      ) -> list[Problem]:
+    """``n`` problems, deterministic for a seed: ``counts`` numbers (one of them, uniformly) in ``1..max_number`` and a
+    target in ``1..100`` reached by a random expression over all of them with ``ops`` (``-`` and ``/`` only where the
+    result stays a positive integer, else ``+``), so every problem is solvable; that expression is the SFT answer.
+    ``exclude``: ``(numbers, target)`` pairs never emitted (a held-out set's)."""
     rng = random.Random(seed)
     out: list[Problem] = []
     while len(out) < n:
-        nums = [rng.randint(1, max_number) for _ in range(rng.choice((3, 4)))]
-        made = _random_expression(list(nums), rng)
+        nums = [rng.randint(1, max_number) for _ in range(rng.choice(counts))]
+        made = _random_expression(list(nums), rng, ops)
+        if made is not None and (tuple(nums), made[0]) in exclude:
+            continue
         if made is not None:
             out.append(Problem(tuple(nums), made[0], made[1]))
     return out

@@ -1,0 +1,54 @@
+"""The countdown summary table (examples/countdown/summary.py) from hand-written metrics: every column's arithmetic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from examples.countdown.summary import run_summary, write_summary
+
+
+def _write(run_dir, rewards, k3, diff, clipped, evals=None):
+    run_dir.mkdir(parents=True)
+    rows = [{"step": i + 1, "reward_mean": r, "k3": k, "tokens_bitwise_different": d, "num_tokens": 100,
+             "clipped_fraction": c} for i, (r, k, d, c) in enumerate(zip(rewards, k3, diff, clipped))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if evals is not None:
+        (run_dir / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a}) + "\n" for s, a in evals))
+
+
+def test_run_summary_columns(tmp_path):
+    rewards = [0.1, 0.2, 0.1, 0.2, 0.1, 0.05, 0.5, 0.6, 0.5, 0.6, 0.7]
+    _write(tmp_path / "stock", rewards, [1e-4] * 10 + [3e-3], [5] * 11, [0.0] * 10 + [0.5],
+           evals=[(0, 0.25), (5, 0.3), (11, 0.5)])
+    s = run_summary(tmp_path / "stock")
+    assert s["steps"] == 11
+    assert s["reward_first"] == pytest.approx(0.14) and s["reward_last"] == pytest.approx(0.58)
+    assert s["reward_min"] == 0.05
+    assert s["k3_mean"] == pytest.approx((10 * 1e-4 + 3e-3) / 11) and s["k3_max"] == 3e-3
+    assert s["tokens_bitwise_different"] == 55 and s["num_tokens"] == 1100
+    assert s["clipped_fraction"] == pytest.approx(50 / 1100) and s["clipped_tokens"] == 50
+    assert (s["eval_before"], s["eval_after"]) == (0.25, 0.5)
+
+
+def test_markdown_table_and_file(tmp_path):
+    _write(tmp_path / "zerokld", [0.2, 0.9], [0.0, 0.0], [0, 0], [0.0, 0.0], evals=[(0, 0.1), (2, 0.6)])
+    _write(tmp_path / "stock", [0.2, 0.3], [1e-4, 2e-4], [7, 9], [0.1, 0.3])
+    path, text = write_summary(tmp_path, ["zerokld", "stock"], ["machine: test"])
+    assert path == tmp_path / "summary.md" and path.read_text() == text
+    lines = text.splitlines()
+    assert "- machine: test" in lines
+    zk = next(x for x in lines if x.startswith("| zerokld"))
+    stock = next(x for x in lines if x.startswith("| stock"))
+    assert zk == "| zerokld | 0, 0 | 0 of 200 | 0 (0.0%) | 0.550 → 0.550 (0.200) | 10.0% → 60.0% |"
+    assert stock == "| stock | 0.00015, 0.0002 | 16 of 200 | 40 (20.0%) | 0.250 → 0.250 (0.200) | n/a |"
+    assert lines.index(zk) < lines.index(stock)
+
+
+def test_empty_run_is_refused(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no steps"):
+        run_summary(tmp_path / "r")
+    with pytest.raises(ValueError):
+        write_summary(tmp_path, ["r"], [])
