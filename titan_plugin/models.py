@@ -108,7 +108,8 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
 
     Args:
         cfg: from :func:`zerokld_models.read_model_config`.
-        batch_invariant: apply the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, flex attention).
+        batch_invariant: apply the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, with
+            TorchTitan's SDPA inner attention where its default is flex attention, which has no CPU path).
         fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``; needs ``batch_invariant``.
 
     Raises:
@@ -128,6 +129,12 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
     model_cfg = resolve(adapter.titan_config)(cfg)
     if batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=fp8)
+    else:  # TorchTitan's default inner attention is flex attention, which has no CPU path: its SDPA config instead
+        from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+        for layer in model_cfg.layers:
+            if isinstance(layer.attention.inner_attention, FlexAttention.Config):
+                layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return model_cfg
 
 

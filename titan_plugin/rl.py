@@ -134,12 +134,6 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
     cfg = read_model_config(checkpoint_dir)
     spec = _model_spec(cfg, batch_invariant, fp8)
-    if not batch_invariant:
-        from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-
-        for layer in spec.model.layers:
-            if isinstance(layer.attention.inner_attention, FlexAttention.Config):
-                layer.attention.inner_attention = ScaledDotProductAttention.Config()
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
         model_spec=spec,

@@ -6,8 +6,8 @@ SFT on solver answers (TorchTitan trainer, shared by both runs), then for each n
 a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock components).
 
 Defaults (chosen so that RL visibly learns on 2 CPU cores in a few minutes; measured in README): countdown with 2
-numbers in 1..10 and targets built with ``+ - *`` — the smallest setting where this 4-layer, hidden-128, character-level
-model has room to learn (``--numbers 3,4 --max-number 100 --ops +-*/`` is the public Countdown-Tasks-3to4 difficulty,
+numbers in 1..10 and targets built with ``+ - *``, an easy countdown where this 4-layer, hidden-128, character-level
+model learns within minutes (``--numbers 3,4 --max-number 100 --ops +-*/`` is the public Countdown-Tasks-3to4 difficulty,
 where this model stayed at ~1.5% correct with a flat reward; with 3 numbers in 1..10 reward rose only 0.14 -> 0.29 in
 60 steps); a deliberately short SFT warm start (30 steps x 64 answers: the format and ~25% held-out accuracy, so RL has
 something to improve); GRPO 50 steps x 32 prompts x 8 samples at temperature 1.0, PPO clip [0.8, 1.2], Adam lr 1e-3
@@ -251,8 +251,10 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
     import platform
 
     stock = ("stock: the same algorithm, data and seeds on vLLM's own kernels (plugin off) and TorchTitan's stock "
-             "components (nn.Linear, flex attention" + (", TorchTitan's MoE" if args.moe else "") + ")")
-    zk = "zerokld: vLLM with `additional_config={\"zerokld\": {\"batch_invariant\": true}}` + TorchTitan with the zerokld overrides"
+             "components (nn.Linear, SDPA attention: TorchTitan's default flex attention has no CPU path"
+             + (", TorchTitan's MoE" if args.moe else "") + ")")
+    zk = ("zerokld: vLLM with `additional_config={\"zerokld\": {\"batch_invariant\": true}}` + TorchTitan with the "
+          "zerokld overrides")
     if args.fp8:
         stock += f"; vLLM serves FP8 (`quantization=fp8_per_channel`) against a {args.dtype} trainer"
         zk += f"; vLLM serves FP8 ({args.fp8}, shared quantizer) against FP8 QAT in the trainer"

@@ -26,9 +26,10 @@ def run_summary(run_dir: str | Path) -> dict:
     Returns:
         ``steps``; ``k3_mean`` / ``k3_max`` over steps (each step's k3: mean over its sequences of the per-token
         ``exp(d) - d - 1``, nats); ``tokens_bitwise_different`` (sum) of ``num_tokens`` (sum); ``clipped_tokens`` and
-        ``clipped_fraction`` (tokens whose ratio left the clip range, over the run); ``reward_first`` / ``reward_last`` (mean reward of the first /
-        last ``WINDOW`` steps), ``reward_min`` (lowest step); ``eval_before`` / ``eval_after`` (held-out greedy
-        accuracy at the first / last eval row, ``None`` without ``eval.jsonl``).
+        ``clipped_fraction`` (tokens whose ratio left the clip range, over the run); ``reward_first`` /
+        ``reward_last`` (mean reward of the first / last ``WINDOW`` steps), ``reward_min`` (lowest step);
+        ``eval_before`` / ``eval_after`` (held-out greedy accuracy at the first / last eval row, ``None`` without
+        ``eval.jsonl``).
 
     Raises:
         ValueError: ``metrics.jsonl`` has no rows.
@@ -71,7 +72,8 @@ def summary_markdown(summaries: dict[str, dict], setup: list[str]) -> str:
         ev = "n/a" if s["eval_before"] is None else f"{_pct(s['eval_before'])} → {_pct(s['eval_after'])}"
         lines.append(
             f"| {name} | {s['k3_mean']:.3g}, {s['k3_max']:.3g} | {s['tokens_bitwise_different']} of "
-            f"{s['num_tokens']} | {s['clipped_tokens']} ({_pct(s['clipped_fraction'])}) | {s['reward_first']:.3f} → {s['reward_last']:.3f} "
+            f"{s['num_tokens']} | {s['clipped_tokens']} ({_pct(s['clipped_fraction'])}) | "
+            f"{s['reward_first']:.3f} → {s['reward_last']:.3f} "
             f"({s['reward_min']:.3f}) | {ev} |")
     return "\n".join(lines) + "\n"
 
