@@ -18,8 +18,8 @@ Engines: ``zerokld`` = vLLM with ``additional_config={"zerokld": {"batch_invaria
 (``build_titan_model(batch_invariant=False)``: ``nn.Linear``, SDPA attention, TorchTitan's MoE). FP8 on: zerokld serves
 online FP8 per channel (``shared_numerics.fp8``) against the FP8 QAT trainer; stock serves vLLM's
 ``quantization="fp8_per_channel"`` against the high-precision trainer (the common production setting). zerokld's FP8
-covers dense layers only, so Qwen3-MoE has no FP8 row. A configuration stock vLLM-CPU cannot run is recorded with its
-error.
+serves neither Qwen3-MoE experts nor Qwen2's biased q/k/v projections in FP8 (``NO_FP8``), so those have no FP8 rows.
+A configuration stock vLLM-CPU cannot run is recorded with its error.
 
 Usage: ``python -m benchmarks.kld_table --out benchmarks/results/kld_table_cpu2`` (writes ``.json`` and ``.md``).
 """
@@ -40,6 +40,10 @@ ARCHS = {  # name in the table -> TinyModelSpec fields
     "qwen2": dict(family="qwen2", tie_word_embeddings=True, rope_theta=1e6),
     "llama": dict(family="llama"),
     "qwen3_moe": dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+}
+NO_FP8 = {  # architectures zerokld does not serve in FP8 (vllm_plugin.config refuses them), so no FP8 rows
+    "qwen2": "the FP8 GEMM is bias-free and Qwen2 has q/k/v biases",
+    "qwen3_moe": "experts are served in bf16/fp32 only",
 }
 DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
@@ -109,6 +113,7 @@ def markdown(result: dict) -> str:
         else:
             lines.append(f"{head} {r['k3']:.3e} | {r['max_abs_logprob_diff']:.3e} | "
                          f"{100 * r['tokens_bitwise_equal']:.2f}% |")
+    lines += [""] + [f"No FP8 rows for {a}: zerokld refuses it ({why})." for a, why in NO_FP8.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -117,6 +122,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="runs/bench/kld_table", help="path stem: writes <out>.json and <out>.md")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--merge", default=None, help="a JSON lines file of rows measured earlier (same workload) to put "
+                    "first in the table")
     args = ap.parse_args(argv)
 
     import torch
@@ -126,13 +133,13 @@ def main(argv=None) -> dict:
     from zerokld_testing.prompts import random_prompts
 
     prompts = random_prompts(32, seed=5, lo=8, hi=150)
-    rows = []
+    rows = [json.loads(x) for x in Path(args.merge).read_text().splitlines()] if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             for dtype in args.dtypes.split(","):
                 spec = TinyModelSpec(**{**DIMS, **ARCHS[arch]})
                 ckpt = str(make_tiny_checkpoint(Path(tmp) / f"{arch}_{dtype}", spec, seed=1, dtype=dtype))
-                for fp8 in ((False,) if arch == "qwen3_moe" else (False, True)):
+                for fp8 in ((False,) if arch in NO_FP8 else (False, True)):
                     for zerokld in (True, False):
                         row = {"arch": arch, "dtype": dtype, "fp8": fp8, "engine": "zerokld" if zerokld else "stock",
                                **measure(ckpt, dtype, fp8, zerokld, prompts)}

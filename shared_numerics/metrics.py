@@ -42,7 +42,7 @@ def logprob_diff_metrics(
             continue
         d = a - b
         k1s.append(d.mean().item())
-        k3s.append((torch.exp(d) - d - 1).mean().item())
+        k3s.append((torch.expm1(d) - d).mean().item())  # exp(d) - d - 1 without cancellation at tiny d
         max_abs = max(max_abs, d.abs().max().item())
         n_diff += int((a.float() != b.float()).sum().item())
         r = torch.exp(d)

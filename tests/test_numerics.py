@@ -223,6 +223,13 @@ def test_metrics():
     assert m["clipped_fraction"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError):
         sn.logprob_diff_metrics(a, a[:1])
+    # a near-certain token whose log-probs differ by one ulp: k3 = d^2/2 > 0 (exp(d) - d - 1 cancels to 0 there)
+    near = [torch.tensor([-1e-6])]
+    other = [torch.nextafter(near[0], torch.tensor(0.0))]
+    m = sn.logprob_diff_metrics(near, other)
+    d = (near[0].double() - other[0].double()).item()
+    assert m["tokens_bitwise_different"] == 1 and m["k3"] == pytest.approx(d * d / 2, rel=1e-6)
+    assert (torch.exp(torch.tensor(d, dtype=torch.float64)) - d - 1).item() == 0.0  # control: the naive form
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
