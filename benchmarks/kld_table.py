@@ -162,8 +162,9 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    table = markdown(result)
+    out.with_suffix(".md").write_text(table)
+    print(table)
     return result
 
 

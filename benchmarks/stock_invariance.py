@@ -36,6 +36,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -88,36 +89,20 @@ def _claims(llm, ckpt: str, dtype: str) -> dict:
     return out
 
 
-def _mixed_params(i: int, seed: int):
-    """The MoE test's per-request settings (temperature, top-k, top-p varying across the batch)."""
-    from vllm import SamplingParams
-
-    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9),
-                dict(temperature=0.9, top_k=40, top_p=0.8)][i % 4]
-    return SamplingParams(max_tokens=40, logprobs=0, ignore_eos=True, seed=seed, **settings)
-
-
 def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
     """Reference engine (1 thread, no preemption) vs a 2-thread engine and vs a preempting engine."""
     import torch
 
-    from zerokld_testing.engines import completion_logprobs, shutdown_llm, start_llm
+    from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, shutdown_llm, start_llm
     from zerokld_testing.prompts import random_prompts
 
     prompts = random_prompts(32, seed=16, lo=20, hi=60)
-    params = [_mixed_params(i, 3000 + i) for i in range(32)]
+    params = [mixed_sampling_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]  # the MoE test's requests
     common = dict(dtype=dtype, batch_invariant=plugin, max_model_len=128, disable_log_stats=False)
 
     def run(threads: str, **kw):
-        old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads
-        try:
+        with mock.patch.dict(os.environ, {"VLLM_CPU_OMP_THREADS_BIND": threads}):
             llm = start_llm(ckpt, **common, **kw)
-        finally:
-            if old is None:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
-            else:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             pre = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")

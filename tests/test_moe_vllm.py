@@ -14,7 +14,7 @@ import torch
 from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, reload_weights, start_llm
+from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, reload_weights, start_llm
 from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
@@ -24,15 +24,6 @@ FAMILY, DTYPE = "qwen3_moe", "float32"
 
 def _prompts(n: int, seed: int, lo: int = 4, hi: int = 150) -> list[list[int]]:
     return random_prompts(n, seed, lo, hi)
-
-
-def _params(i: int, seed: int | None = None, max_tokens: int = 24, **kw):
-    """Per-request sampling settings that vary across the batch (temperature, top-k, top-p)."""
-    from vllm import SamplingParams
-
-    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9),
-                dict(temperature=0.9, top_k=40, top_p=0.8)][i % 4]
-    return SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=seed, **{**settings, **kw})
 
 
 def _gen(llm, prompts, params):
@@ -61,7 +52,7 @@ def batch40(moe):
     llm, _ = moe
     prompts = _prompts(39, seed=11)
     prompts.insert(7, [1] + [42] * 150)
-    params = [_params(i, seed=1000 + i) for i in range(len(prompts))]
+    params = [mixed_sampling_params(i, seed=1000 + i) for i in range(len(prompts))]
     llm.reset_prefix_cache()
     return prompts, params, _gen(llm, prompts, params)
 
@@ -143,7 +134,7 @@ def test_unseeded_requests_get_a_seed_that_reproduces_them(moe):
     seeds = [c.zerokld_seed for c in first.outputs]
     assert all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 4
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # the four samples are not copies
-    again = _gen(llm, [prompt] * 4, [_params(0, seed=s, max_tokens=16) for s in seeds])
+    again = _gen(llm, [prompt] * 4, [mixed_sampling_params(0, seed=s, max_tokens=16) for s in seeds])
     for c, a in zip(first.outputs, again):
         assert c.token_ids == a.outputs[0].token_ids
         assert a.outputs[0].zerokld_seed == c.zerokld_seed
@@ -172,10 +163,10 @@ def test_routes_of_a_prefix_cache_hit(moe):
     llm, _ = moe
     base = _prompts(1, seed=14, lo=300, hi=301)[0]  # several full KV blocks
     llm.reset_prefix_cache()
-    cold = _gen(llm, [base + [5, 6, 7]], [_params(0, seed=9)])[0]
+    cold = _gen(llm, [base + [5, 6, 7]], [mixed_sampling_params(0, seed=9)])[0]
     llm.reset_prefix_cache()
-    _gen(llm, [base], [_params(0, seed=9, max_tokens=1)])
-    warm = _gen(llm, [base + [5, 6, 7]], [_params(0, seed=9)])[0]
+    _gen(llm, [base], [mixed_sampling_params(0, seed=9, max_tokens=1)])
+    warm = _gen(llm, [base + [5, 6, 7]], [mixed_sampling_params(0, seed=9)])[0]
     assert (warm.num_cached_tokens or 0) > 0, "no prefix-cache hit"
     assert _same(cold, warm)
 
@@ -190,7 +181,7 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
     llm, ckpt = moe
     prompts = _prompts(8, seed=15, lo=20, hi=90)
     plens = [len(p) for p in prompts]
-    params = [_params(i, seed=2000 + i, max_tokens=16) for i in range(8)]
+    params = [mixed_sampling_params(i, seed=2000 + i, max_tokens=16) for i in range(8)]
     trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=DTYPE, lr=3e-3))
     try:
         llm.reset_prefix_cache()
@@ -236,7 +227,7 @@ def test_same_tokens_across_preemption_and_thread_count(engine_slot, checkpoint_
     and 2 OpenMP threads samples exactly what the first engine (1 thread, no preemption) samples."""
     ckpt = checkpoint_factory(FAMILY, DTYPE)
     prompts = _prompts(32, seed=16, lo=20, hi=60)
-    params = [_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]
+    params = [mixed_sampling_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]
     ref_llm = engine_slot.get(("zerokld-moe-routes", FAMILY, DTYPE), lambda: start_llm(
         ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
     ref_llm.reset_prefix_cache()

@@ -5,7 +5,6 @@ mix prefill chunks with decodes; prefix caching is on.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["completion_logprobs", "prompt_logprobs", "reload_weights", "shutdown_llm", "start_llm"]
+__all__ = ["completion_logprobs", "mixed_sampling_params", "prompt_logprobs", "reload_weights", "shutdown_llm",
+           "start_llm"]
 
 
 def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, max_model_len: int = 512,
@@ -33,6 +34,17 @@ def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, 
     return LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=max_model_len,
                enforce_eager=True, enable_prefix_caching=enable_prefix_caching, seed=seed,
                additional_config={"zerokld": section}, **extra, **kwargs)
+
+
+def mixed_sampling_params(i: int, seed: int | None = None, max_tokens: int = 24, **kw):
+    """Request ``i``'s ``vllm.SamplingParams`` in a batch whose settings vary (cycling temperature 1.0; 0.7 with
+    top-k 20; 1.3 with top-p 0.9; 0.9 with top-k 40 and top-p 0.8), one logprob per token, ``ignore_eos``; ``kw``
+    overrides any of them."""
+    from vllm import SamplingParams
+
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9),
+                dict(temperature=0.9, top_k=40, top_p=0.8)][i % 4]
+    return SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=seed, **{**settings, **kw})
 
 
 def shutdown_llm(llm) -> None:

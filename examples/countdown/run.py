@@ -7,12 +7,12 @@ a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (z
 
 Defaults (chosen so that RL visibly learns on 2 CPU cores in a few minutes; measured in README): countdown with 2
 numbers in 1..10 and targets built with ``+ - *``, an easy countdown where this 4-layer, hidden-128, character-level
-model learns within minutes (``--numbers 3,4 --max-number 100 --ops +-*/`` is the public Countdown-Tasks-3to4 difficulty,
-where this model stayed at ~1.5% correct with a flat reward; with 3 numbers in 1..10 reward rose only 0.14 -> 0.29 in
-60 steps); a deliberately short SFT warm start (30 steps x 64 answers: the format and ~25% held-out accuracy, so RL has
-something to improve); GRPO 50 steps x 32 prompts x 8 samples at temperature 1.0, PPO clip [0.8, 1.2], Adam lr 1e-3
-(2e-3 first collapsed then oscillated). 128 held-out problems (never in SFT or
-RL data) are decoded greedily before RL and every 10 steps.
+model learns within minutes (``--numbers 3,4 --max-number 100 --ops +-*/`` is the public Countdown-Tasks-3to4
+difficulty, where this model stayed at ~1.5% correct with a flat reward; with 3 numbers in 1..10 reward rose only 0.14
+-> 0.29 in 60 steps); a deliberately short SFT warm start (30 steps x 64 answers: the format and ~25% held-out accuracy,
+so RL has something to improve); GRPO 50 steps x 32 prompts x 8 samples at temperature 1.0, PPO clip [0.8, 1.2], Adam lr
+1e-3 (2e-3 first collapsed then oscillated). 128 held-out problems (never in SFT or RL data) are decoded greedily before
+RL and every 10 steps.
 
 ``--fp8`` serves in FP8 (zerokld: the shared FP8 quantizer on both sides, QAT in the trainer; stock: vLLM's own FP8
 against a bf16 trainer). ``--moe`` uses a Qwen3-MoE checkpoint (8 experts, top-2): the zerokld run returns each
@@ -124,8 +124,9 @@ def eval_problems(args) -> list[Problem]:
     return task_problems(args, args.eval_size, seed=args.seed + 99)
 
 
-def held_out(args) -> frozenset:
-    return frozenset((p.numbers, p.target) for p in eval_problems(args))
+def held_out(problems: list[Problem]) -> frozenset:
+    """The ``(numbers, target)`` pairs of ``problems`` (what ``generate_problems(exclude=...)`` takes)."""
+    return frozenset((p.numbers, p.target) for p in problems)
 
 
 def evaluate(llm, problems: list[Problem], tok: Tok, max_tokens: int) -> dict:
@@ -146,7 +147,7 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
     trainer = RLTrainer(rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr,
                                           loss_fn="cross_entropy"))
     problems = task_problems(args, max(args.sft_steps * args.sft_batch // 4, args.sft_batch), seed=args.seed + 1000,
-                             exclude=held_out(args))
+                             exclude=held_out(eval_problems(args)))
     rng = random.Random(args.seed)
     try:
         for _ in tqdm(range(args.sft_steps), desc="SFT warm start", unit="step"):
@@ -191,8 +192,8 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
                                           fp8=args.fp8 if zk else None))
     sync = DeltaSync(run_dir / "sync", args.dtype, init, llm, full_every=args.full_every,
                      keep_snapshots=args.keep_snapshots, numerics=trainer.numerics)
-    problems = task_problems(args, args.steps * args.prompts_per_step, seed=args.seed + 7, exclude=held_out(args))
     held = eval_problems(args)
+    problems = task_problems(args, args.steps * args.prompts_per_step, seed=args.seed + 7, exclude=held_out(held))
     eval_path = run_dir / "eval.jsonl"
     eval_path.write_text(json.dumps({"step": 0, **evaluate(llm, held, tok, args.max_tokens)}) + "\n")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)

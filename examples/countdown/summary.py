@@ -42,14 +42,15 @@ def run_summary(run_dir: str | Path) -> dict:
     rewards = [r["reward_mean"] for r in rows]
     n = min(WINDOW, len(rows))
     tokens = sum(r["num_tokens"] for r in rows)
+    clipped = sum(r["clipped_fraction"] * r["num_tokens"] for r in rows)
     return {
         "steps": len(rows),
         "k3_mean": sum(r["k3"] for r in rows) / len(rows),
         "k3_max": max(r["k3"] for r in rows),
         "tokens_bitwise_different": sum(r["tokens_bitwise_different"] for r in rows),
         "num_tokens": tokens,
-        "clipped_tokens": round(sum(r["clipped_fraction"] * r["num_tokens"] for r in rows)),
-        "clipped_fraction": sum(r["clipped_fraction"] * r["num_tokens"] for r in rows) / max(tokens, 1),
+        "clipped_tokens": round(clipped),
+        "clipped_fraction": clipped / max(tokens, 1),
         "reward_first": sum(rewards[:n]) / n,
         "reward_last": sum(rewards[-n:]) / n,
         "reward_min": min(rewards),

@@ -78,9 +78,7 @@ def generate_problems(n: int, seed: int, max_number: int = 100, counts: tuple[in
     while len(out) < n:
         nums = [rng.randint(1, max_number) for _ in range(rng.choice(counts))]
         made = _random_expression(list(nums), rng, ops)
-        if made is not None and (tuple(nums), made[0]) in exclude:
-            continue
-        if made is not None:
+        if made is not None and (tuple(nums), made[0]) not in exclude:
             out.append(Problem(tuple(nums), made[0], made[1]))
     return out
 
