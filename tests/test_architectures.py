@@ -90,6 +90,31 @@ def test_trainer_is_the_transformers_model(checkpoint_factory, tmp_path, family)
     assert max((a - b).abs().max().item() for a, b in zip(wrong, ref)) > 1e-3
 
 
+@pytest.mark.titan
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama31", "qwen3_moe"])
+def test_stock_titan_build_is_the_transformers_model(checkpoint_factory, family):
+    """The stock trainer (TorchTitan's own components, what the KL table and the stock RL run compare against) is
+    HF's function of the weights, within kernel tolerance, in every architecture (Qwen3-MoE: TorchTitan's
+    ``GroupedExperts`` computes the experts in bf16 whatever the model dtype, ``torchtitan/models/common/moe.py``, hence
+    the wider bound). Negative control: casting the whole module (``nn.Module.to``, buffers included) makes llama3's
+    complex RoPE cache real, so RoPE rotates nothing."""
+    from titan_plugin.logprobs import sequence_logprobs
+    from titan_plugin.models import build_titan_model
+
+    ckpt = checkpoint_factory(family, "float32")
+    seqs = _seqs(2, seed=4)
+    ref = _hf_logprobs(ckpt, seqs)
+    model, _, _ = build_titan_model(ckpt, dtype="float32", batch_invariant=False)
+    model.eval()
+    with torch.no_grad():
+        stock = sequence_logprobs(model, seqs, [1, 1])
+        assert max((a - b).abs().max().item() for a, b in zip(stock, ref)) < (5e-2 if family == "qwen3_moe" else 1e-4)
+        if family.startswith("llama"):
+            model.to(torch.float32)  # what build_titan_model did before it cast parameters only
+            wrong = sequence_logprobs(model, seqs, [1, 1])
+            assert max((a - b).abs().max().item() for a, b in zip(wrong, ref)) > 1e-2
+
+
 @pytest.fixture(scope="module")
 def rope_parameters_rollouts(engine_slot, checkpoint_factory):
     """A real zerokld vLLM engine (float32) on the ``rope_parameters``-only checkpoint, and 12 sampled rollouts."""

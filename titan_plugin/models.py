@@ -187,8 +187,13 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
     Args:
         fp8: FP8 QAT granularity or ``None`` (see :func:`titan_model_config`).
 
+    Parameters are cast to ``dtype``; buffers (RoPE caches, MoE token counters) keep the dtype TorchTitan builds them
+    in, as in TorchTitan's trainer, where FSDP's ``MixedPrecisionPolicy(param_dtype=...)`` casts parameters only.
+    (``nn.Module.to(dtype)`` would also cast ``ComplexRoPE``'s complex64 cache to real, dropping its imaginary part:
+    llama3's RoPE then rotates nothing.)
+
     Returns:
-        ``(model, model_config, model_cfg)``: the model (on CPU in ``dtype``), its TorchTitan config and the
+        ``(model, model_config, model_cfg)``: the model (on CPU, parameters in ``dtype``), its TorchTitan config and the
         checkpoint's :class:`zerokld_models.ModelConfig`.
     """
     cfg = read_model_config(checkpoint_dir)
@@ -196,6 +201,8 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
     with torch.device("cpu"):
         model = model_cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
-    model.to(_DTYPES[dtype])
+    with torch.no_grad():  # parameters only: buffers keep the dtype TorchTitan builds them in
+        for p in model.parameters():
+            p.data = p.data.to(_DTYPES[dtype])
     load_hf_weights(model, model_cfg, cfg, checkpoint_dir)
     return model, model_cfg, cfg

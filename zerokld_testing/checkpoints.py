@@ -191,7 +191,11 @@ def _write(out: Path, spec: TinyModelSpec, seed: int, dtype: str, tdtype: torch.
 
     h, hd, nq, nkv, inter = (spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads,
                              spec.intermediate_size)
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": (torch.randn(vocab, h, generator=g)).to(tdtype)}
+    # tied: the embedding is also the output head; at std 1 the next-token entropy was ~1e-12 nats (every sampled
+    # token's logprob 0, comparisons vacuous); 3 * init_std gives ~1.7 nats, as the untied models' lm_head does
+    emb_std = 3 * spec.init_std if spec.tie_word_embeddings else 1.0
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": (torch.randn(vocab, h, generator=g) * emb_std).to(tdtype)}
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(h, dtype=tdtype)
