@@ -11,7 +11,7 @@ batch sampled under other numerics than the trainer's before anything is compute
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -146,6 +146,20 @@ class RolloutBatch:
                    sampler_logprobs=lps, routed_experts=routes if all(r is not None for r in routes) else None,
                    snapshot_identity=snapshot_identity,
                    numerics=common_numerics([c.get("zerokld_numerics") for c in choices]))
+
+    def select(self, indices: Sequence[int]) -> "RolloutBatch":
+        """The rollouts at ``indices`` (in that order) as a batch with the same identity and numerics stamp: a
+        micro-batch of this batch.
+
+        Raises:
+            IndexError: an index outside ``[-B, B)``; ValueError: no index.
+        """
+        def pick(values):
+            return None if values is None else [values[i] for i in indices]
+
+        return replace(self, sequences=pick(self.sequences), prompt_lengths=pick(self.prompt_lengths),
+                       advantages=pick(self.advantages), sampler_logprobs=pick(self.sampler_logprobs),
+                       routed_experts=pick(self.routed_experts), loss_weights=pick(self.loss_weights))
 
     def check_numerics(self, trainer: NumericsMode) -> None:
         """Refuse rollouts sampled under other numerics than ``trainer``'s.

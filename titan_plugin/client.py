@@ -133,7 +133,9 @@ class TrainingClient:
 
     def forward_backward(self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None
                          ) -> dict:
-        """Accumulate the gradient of ``loss_fn`` summed over the weighted tokens (Tinker: sum, no normaliser)."""
+        """Accumulate the gradient of ``loss_fn`` summed over the weighted tokens (Tinker: sum, no normaliser).
+        Call it on micro-batches as they arrive: the accumulated gradients are bitwise those of one call on the
+        concatenated data (:meth:`titan_plugin.rl.RLTrainer.forward_backward`)."""
         res = self.trainer.forward_backward(self._batch(data, loss_fn), loss=self._loss(loss_fn, loss_fn_config))
         return {"loss": res["loss"], "metrics": {"clipped": res["clipped"], "grad_zeroed": res["grad_zeroed"],
                                                  "num_tokens": res["num_tokens"]},

@@ -97,7 +97,8 @@ class RLLoss(BaseLoss):
         kept = None if global_valid_tokens is None else global_valid_tokens - int((~keep).sum())  # masked tokens
         loss = normalize_loss(tok_loss.sum(), self.config.normalization, kept, self.config.normalizer)
         zeros = torch.zeros_like(weighted)
-        self.last = {"train_logprobs": logp.detach(), "mask": mask, "weighted": weighted,
+        self.last = {"train_logprobs": logp.detach(), "mask": mask, "weighted": weighted, "kept": int(keep.sum()),
+                     "token_losses": tok_loss.detach(),
                      "clipped": flags.get("clipped", zeros) & weighted,
                      "grad_zeroed": flags.get("grad_zeroed", zeros) & weighted, "loss": loss.detach()}
         self._adv = self._sampler_logp = self._ref_logp = self._weights = None

@@ -29,6 +29,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+from shared_numerics.losses import normalize_loss  # noqa: E402
 from shared_numerics.mode import NumericsMode  # noqa: E402
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
 
@@ -174,6 +175,7 @@ class RLTrainer(Trainer):
             raise RuntimeError(f"TorchTitan loaded no checkpoint from {config.hf_assets_path}")
         self._hf = read_model_config(config.hf_assets_path)
         self.numerics = numerics_mode(config)
+        self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
         if config.loss.fused:  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
             self.model._skip_lm_head = True
             self.loss_fn.set_lm_head(self.model.lm_head)
@@ -218,6 +220,7 @@ class RLTrainer(Trainer):
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
         """
         self._check(batch)
+        self._pending = None  # train_step zeroes the gradients forward_backward accumulated
         t_pack = time.perf_counter()
         tokens, labels, adv, q, weights = batch.pack()
         self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, weights=weights)
@@ -252,20 +255,51 @@ class RLTrainer(Trainer):
 
     def forward_backward(self, batch: RolloutBatch, loss: RLLoss | None = None) -> dict:
         """Accumulate gradients of ``loss`` (default: the configured one) through TorchTitan's
-        ``forward_backward_step``; no optimizer step (see :meth:`optim_step`). Returns and raises like
-        :meth:`rl_step`."""
+        ``forward_backward_step``; no optimizer step (see :meth:`optim_step`).
+
+        Streaming, exact: gradients accumulate **one rollout at a time, in batch order**. Each rollout's forward and
+        backward run alone (the forward is batch-invariant: the same log-prob bits as in any batch) and autograd adds
+        its contribution into ``.grad``, so calls on consecutive micro-batches, made as each arrives, leave exactly
+        the ``.grad`` bits of one call on their concatenation, whatever the grouping. (TorchTitan's own accumulation
+        back-propagates each micro-batch in one batched backward, whose reductions over tokens depend on the
+        grouping.) ``token_mean`` divides by the kept tokens of the whole accumulated batch, which a stream knows
+        only at its end: the rollouts back-propagate the summed token losses and :meth:`optim_step` divides the
+        accumulated gradients by the kept tokens counted since the previous step. ``sum`` (Tinker's) and
+        ``constant`` need no deferral.
+
+        Returns:
+            Like :meth:`rl_step`; ``loss`` is this call's (summed token losses, ``token_mean``: divided by this
+            call's kept tokens, ``constant``: by the normaliser).
+
+        Raises:
+            shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
+            ValueError: a ``token_mean`` loss and another normalisation accumulated into one optimizer step.
+        """
         self._check(batch)
-        tokens, labels, adv, q, weights = batch.pack()
-        configured = self.loss_fn
-        self.loss_fn = loss or configured
+        loss = loss or self.loss_fn
+        token_mean = loss.config.normalization == "token_mean"
+        if self._pending is not None and self._pending[0] != token_mean:
+            raise ValueError("one optimizer step accumulates either token_mean losses or sum/constant ones, not both")
+        configured, parts = self.loss_fn, []
+        self.loss_fn = loss
         try:
-            self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, weights=weights)
-            with replay_routes(self.model, self._routes(batch, tokens.shape[1])):
-                self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
-                                           global_valid_tokens=(labels != IGNORE_INDEX).sum())
-            return self._results()
+            for i in range(len(batch)):
+                one = batch.select([i])
+                tokens, labels, adv, q, weights = one.pack()
+                loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, weights=weights)
+                with replay_routes(self.model, self._routes(one, tokens.shape[1])):
+                    self.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+                parts.append(loss.last)
         finally:
             self.loss_fn = configured
+        kept = sum(p["kept"] for p in parts)
+        self._pending = (token_mean, kept + (self._pending[1] if self._pending else 0))
+        summed = torch.cat([p["token_losses"] for p in parts]).sum()
+        return {"train_logprobs": [p["train_logprobs"] for p in parts],
+                "clipped": sum(int(p["clipped"].sum()) for p in parts),
+                "grad_zeroed": sum(int(p["grad_zeroed"].sum()) for p in parts),
+                "num_tokens": sum(int(p["weighted"].sum()) for p in parts),
+                "loss": float(normalize_loss(summed, loss.config.normalization, kept, loss.config.normalizer))}
 
     def forward_backward_custom(self, batch: RolloutBatch, loss_fn) -> dict:
         """Two-pass custom loss: pass 1 computes the log-probs, ``loss_fn(logprobs_list) -> (loss, metrics)`` (any
@@ -295,6 +329,11 @@ class RLTrainer(Trainer):
                 for group in opt.param_groups:
                     group["lr"] = learning_rate
         params = [p for m in self.model_parts for p in m.parameters()]
+        if self._pending is not None and self._pending[0]:  # forward_backward's deferred token_mean
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(max(1, self._pending[1]))
+        self._pending = None
         grad_norm = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
         self.optimizers.step()
         self.lr_schedulers.step()

@@ -1,0 +1,120 @@
+"""Streaming trainer input: micro-batches fed to ``forward_backward`` as they arrive accumulate exactly the gradients
+of one call on their concatenation, whatever the grouping (``RLTrainer.forward_backward`` accumulates one rollout at
+a time, in order) — for the fused loss, Tinker's two-pass custom loss and a ``token_mean`` loss whose normaliser is
+known only when the stream ends. Negative control: TorchTitan's own accumulation (``forward_backward_step`` per
+micro-batch, one batched backward each) gives other gradient bits for another grouping."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from shared_numerics.rollout import RolloutBatch
+from titan_plugin import TrainingClient, trainer_logprobs
+from titan_plugin.models import hf_state_dict
+
+pytestmark = [pytest.mark.titan, pytest.mark.timeout(600)]
+
+GROUPINGS = {"one call": [8], "3+1+4": [3, 1, 4], "one by one": [1] * 8}
+
+
+def _rollouts(ckpt: str, dtype: str, seed: int = 41) -> RolloutBatch:
+    """8 rollouts (prompt 2-10 tokens, completion 20-60), sampler log-probs = the trainer's + noise (ratios around
+    1, some clipped), one advantage per rollout."""
+    rng = random.Random(seed)
+    seqs = [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(22, 70))] for _ in range(8)]
+    plens = [rng.randrange(2, 10) for _ in seqs]
+    ref = trainer_logprobs(ckpt, seqs, plens, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    return RolloutBatch(seqs, plens, [rng.uniform(-1, 1) for _ in seqs],
+                        [r + 0.05 * torch.randn(r.shape, generator=g) for r in ref])
+
+
+def _micro_batches(batch: RolloutBatch, sizes: list[int]) -> list[RolloutBatch]:
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [batch.select(range(s, s + n)) for s, n in zip(starts, sizes)]
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _custom_loss(batch: RolloutBatch, lps: list[torch.Tensor]):
+    """A per-rollout additive policy-gradient loss (importance ratio against the sampler, times the advantage)."""
+    loss = sum(-(a * torch.exp(lp - q)).sum() for a, lp, q in zip(batch.advantages, lps, batch.sampler_logprobs))
+    return loss, {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(checkpoint_factory, tmp_path, dtype):
+    ckpt = checkpoint_factory("qwen3", dtype)
+    client = TrainingClient.from_checkpoint(ckpt, dtype=dtype, learning_rate=1e-3, dump_folder=str(tmp_path / "c"))
+    try:
+        batch = dataclasses.replace(_rollouts(ckpt, dtype), numerics=client.trainer.numerics)
+        trainer = client.trainer
+        for mode in ("fused", "custom"):
+            seen = {}
+            for name, sizes in GROUPINGS.items():
+                outs = []
+                for mb in _micro_batches(batch, sizes):
+                    if mode == "fused":
+                        outs.append(client.forward_backward(mb, "ppo"))
+                    else:
+                        outs.append(client.forward_backward_custom(mb, _custom_loss))
+                lps = [o["logprobs"] for out in outs for o in out["loss_fn_outputs"]]
+                seen[name] = (_grads(trainer.model), lps)
+                client.optim_step({"learning_rate": 0.0})  # zeroes the gradients, leaves the weights
+            ref_grads, ref_lps = seen["one call"]
+            assert ref_grads
+            for name, (grads, lps) in seen.items():
+                assert all(torch.equal(a, b) for a, b in zip(lps, ref_lps)), (mode, name)
+                assert grads.keys() == ref_grads.keys()
+                assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads), (mode, name)
+
+        # negative control: TorchTitan's accumulation, one batched backward per micro-batch
+        def titan(sizes):
+            for mb in _micro_batches(batch, sizes):
+                tokens, labels, adv, q, _ = mb.pack()
+                trainer.loss_fn.set_rl_inputs(adv, q)
+                trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+            grads = _grads(trainer.model)
+            client.optim_step({"learning_rate": 0.0})
+            return grads
+
+        whole, split = titan([8]), titan([3, 1, 4])
+        assert sum(not torch.equal(whole[k], split[k]) for k in whole) > 0
+    finally:
+        client.close()
+
+
+def test_streamed_token_mean_step_equals_the_concatenated_batch_step(checkpoint_factory, tmp_path):
+    """``token_mean`` (the trainer's configured GRPO loss): the normaliser is the kept tokens of the whole stream,
+    applied at ``optim_step``; the weights after the step are the same bits for one call and for 3 + 1 + 4, and the
+    gradient norm is the summed loss's divided by the stream's completion tokens (the division happens, once)."""
+    ckpt = checkpoint_factory("qwen3", "float32")
+    batch = _rollouts(ckpt, "float32", seed=43)
+    after = {}
+    for name in ("one call", "3+1+4"):
+        client = TrainingClient.from_checkpoint(ckpt, dtype="float32", learning_rate=1e-3,
+                                                dump_folder=str(tmp_path / name.replace(" ", "_")))
+        try:
+            assert client.trainer.loss_fn.config.normalization == "token_mean"
+            batch = dataclasses.replace(batch, numerics=client.trainer.numerics)
+            client.forward_backward(batch, "ppo")  # Tinker's sum, for the norm below; lr 0 leaves the weights
+            summed = client.optim_step({"learning_rate": 0.0})["grad_norm"]
+            for mb in _micro_batches(batch, GROUPINGS[name]):
+                client.trainer.forward_backward(mb)
+            mean = client.optim_step({"learning_rate": 1e-3})["grad_norm"]
+            tokens = sum(len(x) - p for x, p in zip(batch.sequences, batch.prompt_lengths))
+            assert mean * tokens == pytest.approx(summed, rel=1e-5)
+            t = client.trainer
+            after[name] = hf_state_dict(t.model, t.model_config, t._hf)
+            with pytest.raises(ValueError, match="token_mean"):  # no sum loss into a token_mean step
+                client.trainer.forward_backward(batch)
+                client.forward_backward(batch, "ppo")
+        finally:
+            client.close()
+    a, b = after["one call"], after["3+1+4"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
