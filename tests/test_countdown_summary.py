@@ -45,6 +45,25 @@ def test_markdown_table_and_file(tmp_path):
     assert lines.index(zk) < lines.index(stock)
 
 
+def test_async_staleness_and_wall_clock(tmp_path):
+    """``--async`` rows carry ``staleness`` and ``elapsed_seconds``: the share of tokens per staleness and the RL
+    wall-clock are printed under the table; a synchronous run without them prints neither."""
+    _write(tmp_path / "sync", [0.2, 0.3], [0.0, 0.0], [0, 0], [0.0, 0.0])
+    assert "staleness" not in write_summary(tmp_path, ["sync"], [])[1]
+    run = tmp_path / "async"
+    run.mkdir()
+    rows = [{"step": i + 1, "reward_mean": 0.5, "k3": 0.0, "tokens_bitwise_different": 0, "num_tokens": n,
+             "clipped_fraction": 0.0, "staleness": st, "elapsed_seconds": 10.0 * (i + 1)}
+            for i, (st, n) in enumerate([(0, 100), (1, 100), (1, 150), (2, 150)])]
+    rows[2]["tokens_by_staleness"] = {"0": 50, "1": 100}  # a batch that spans a swap: counted per token
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = run_summary(run)
+    assert s["tokens_by_staleness"] == {0: 0.3, 1: 0.4, 2: 0.3} and s["seconds"] == 40.0
+    text = write_summary(tmp_path, ["async", "sync"], [])[1]
+    assert "RL wall-clock: async 40 s" in text
+    assert "async: 0: 30.0%, 1: 40.0%, 2: 30.0%; sync: 0: 100.0%" in text
+
+
 def test_empty_run_is_refused(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text("")

@@ -70,6 +70,37 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
     assert "| zerokld | 0, 0 | 0 of " in summary and "| stock |" in summary
 
 
+@pytest.mark.parametrize("k,server", [(2, False), (2, True)], ids=["offline-async2", "served-async2"])
+def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot, tmp_path, k, server):
+    """``--async K``: batches are generated while the trainer trains, up to K policy versions stale (offline: the
+    rollout thread swaps the engine between generations; ``--server``: a live ``vllm serve`` whose weights the trainer
+    pushes over HTTP while requests are in flight, each response naming the snapshot of every token). Every token's
+    sampler log-prob is bitwise the trainer's under the snapshot that sampled it (k3 exactly 0). Control: the
+    trainer's current weights (one or more steps ahead) give other log-probs for the stale tokens."""
+    from examples.countdown.run import main
+
+    engine_slot.close()
+    out = tmp_path / f"cda{k}{'s' if server else ''}"
+    main(["--out", str(out), "--runs", "zerokld", "--async", str(k), "--steps", "4", "--sft-steps", "2",
+          "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2", "--full-every", "2"]
+         + (["--server"] if server else []))
+    rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["staleness"] == 0 and rows[1]["staleness"] >= 1 and all(r["staleness"] <= k for r in rows)
+    for r in rows:
+        assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["max_abs_logprob_diff"] == 0.0
+        assert sum(r["tokens_by_staleness"].values()) == r["num_tokens"]
+        assert r["sync_kind"] in ("full", "incremental")  # the engine loaded every version, in order
+    assert all(r["k3_vs_current_policy"] > 0 for r in rows if r["staleness"] > 0)
+    if not server:
+        ledger = json.loads((out / "zerokld" / "sync" / "replica" / "ledger.json").read_text())
+        assert [r["identity"] for r in ledger["rows"]] == [f"step-{v:05d}" for v in range(1, 5)]
+    assert [e["step"] for e in map(json.loads, (out / "zerokld" / "eval.jsonl").read_text().splitlines())] == [0, 2, 4]
+    assert "Tokens by staleness" in (out / "summary.md").read_text()
+    print(f"--async {k}{' --server' if server else ''}: tokens by staleness per step "
+          f"{[r['tokens_by_staleness'] for r in rows]}, snapshots per step {[r['snapshot_identities'] for r in rows]}")
+
+
 def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
     """``--fp8``: vLLM serves in FP8 (online quantization, re-quantized at every weight sync) and the trainer runs FP8
     QAT with the same quantizer: k3 exactly 0 at every step."""

@@ -393,9 +393,10 @@ def _stream_spans(server: Server, prompt: list[int], max_tokens: int,
 
 def test_async_swaps_attribute_every_token_to_its_snapshot(env):
     """Issue 21 row 10: under concurrent load through 6 async swaps, every response names the snapshot(s) that
-    sampled its tokens. Non-streaming: the header and the choice's ``weight_versions`` agree, and the tokens of a
-    response's first span have exactly that snapshot's trainer logprobs (the whole response when it spans no swap;
-    the old-weights prefix when it does); negative control: the snapshot the client saw serving when it sent the
+    sampled its tokens. Non-streaming: the header and the choice's ``weight_versions`` agree, and the tokens of
+    every span have exactly that span's snapshot's trainer logprobs (the whole response when it spans no swap; the
+    old-weights prefix and, the paused request's KV recomputed under the new weights, each later span when it
+    does: what async RL needs to score a response that spans a swap); negative control: the snapshot the client saw serving when it sent the
     request (the old header's label) gives other logprobs wherever it differs. Streaming: every chunk carries
     contiguous spans over the tokens so far, in swap order, and a stream across the swaps says where it switched."""
     server, ckpt, root, full = env
@@ -441,7 +442,15 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
         assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:]))
         assert [order.index(v) for v in versions] == sorted(order.index(v) for v in versions)
         groups.setdefault(versions[0], []).append(row)
-    relabeled = 0
+    relabeled, later = 0, {}
+    for row in results:  # tokens after a swap: the paused request's KV is recomputed under the new snapshot
+        for sp in row[4][1:]:
+            later.setdefault(sp["version"], []).append((row, sp))
+    for version, spans_of in later.items():
+        refs = trainer_logprobs(str(snapshots[version]), [r[1] + r[2] for r, _ in spans_of],
+                                [len(r[1]) for r, _ in spans_of], dtype="bfloat16")
+        for ((_, _, _, lps, _, header), sp), ref in zip(spans_of, refs):
+            assert torch.equal(ref[sp["start"]: sp["end"]], lps[sp["start"]: sp["end"]]), (version, header, sp)
     for version, rows in groups.items():  # one trainer load per snapshot
         refs = trainer_logprobs(str(snapshots[version]), [r[1] + r[2] for r in rows], [len(r[1]) for r in rows],
                                 dtype="bfloat16")
@@ -453,6 +462,7 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
                 wrong = trainer_logprobs(str(snapshots[sent_under]), [prompt + toks], [len(prompt)],
                                          dtype="bfloat16")[0]
                 assert not torch.equal(wrong, lps)  # the admission-time label would have been a lie
+    assert later  # some responses spanned a swap, and their later spans were checked
     print(f"{len(results)} responses, {sum(len(r[4]) > 1 for r in results)} spanning a swap, "
           f"{relabeled} sent under one snapshot and sampled wholly by the next")
     for chunks, header in stream_results:

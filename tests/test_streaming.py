@@ -118,3 +118,18 @@ def test_streamed_token_mean_step_equals_the_concatenated_batch_step(checkpoint_
             client.close()
     a, b = after["one call"], after["3+1+4"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_select_is_a_micro_batch_of_the_same_rollouts():
+    batch = RolloutBatch([[1, 5, 6, 7], [1, 8, 9], [1, 4, 4, 4, 4]], [2, 1, 3], [0.5, -1.0, torch.tensor([1.0, 2.0])],
+                         [torch.tensor([-0.5, -0.25]), torch.tensor([-1.0, -2.0]), torch.tensor([-0.1, -0.2])],
+                         snapshot_identity="step-00003", loss_weights=[torch.ones(2)] * 3)
+    sub = batch.select([2, 0])
+    assert sub.sequences == [[1, 4, 4, 4, 4], [1, 5, 6, 7]] and sub.prompt_lengths == [3, 2]
+    assert sub.advantages[1] == 0.5 and torch.equal(sub.advantages[0], torch.tensor([1.0, 2.0]))
+    assert torch.equal(sub.sampler_logprobs[1], batch.sampler_logprobs[0]) and len(sub.loss_weights) == 2
+    assert sub.snapshot_identity == "step-00003" and sub.routed_experts is None
+    with pytest.raises(IndexError):
+        batch.select([3])
+    with pytest.raises(ValueError, match="empty"):
+        batch.select([])

@@ -20,13 +20,21 @@ rollout's routed experts from vLLM and replays them in the training forward (R3)
 against TorchTitan's own MoE. Outputs under ``--out`` (default ``runs/countdown``): ``{zerokld,stock}/metrics.jsonl``
 (one line per RL step), ``{zerokld,stock}/eval.jsonl`` (held-out accuracy), ``summary.md`` (the side-by-side table,
 also printed) and ``curves.png``. Runs one engine at a time (2-core machines).
+
+``--async K`` pipelines each run (:mod:`examples.countdown.pipeline`): a rollout thread owns the engine and generates
+the next K batches while the trainer trains, loading every new policy version through the hot-load protocol between
+two generations; each batch records the version and snapshot identity that sampled it, the PPO ratio is taken
+against those sampling log-probs, and the metrics compare them bitwise with the trainer's log-probs under that
+same snapshot (``k3``; ``k3_vs_current_policy`` is the policy lag). ``--async 0`` (default) is synchronous RL.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -53,6 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", choices=["both", "zerokld", "stock"], default="both",
                     help="zerokld: vLLM and TorchTitan with batch_invariant on; stock: both off")
     ap.add_argument("--steps", type=int, default=50, help="GRPO steps per run")
+    ap.add_argument("--server", action="store_true",
+                    help="roll out from a live `vllm serve` (OpenAI server on loopback, hot-load endpoint) instead of "
+                    "the offline engine: weights are pushed over HTTP, also while requests are in flight (with "
+                    "--async), and each response says which tokens each snapshot sampled")
+    ap.add_argument("--async", dest="async_k", type=int, default=0, metavar="K",
+                    help="pipelined RL: generate the next K batches while the trainer trains (rollouts at most K "
+                    "policy versions stale; the PPO ratio is taken against the sampling policy's log-probs); 0: "
+                    "synchronous")
     ap.add_argument("--prompts-per-step", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -87,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-routing-replay", action="store_true", help="with --moe: recompute top-k in training "
                     "instead of replaying the rollout's routes")
     args = ap.parse_args(argv)
+    if args.server and args.moe:
+        ap.error("--server with --moe: the example replays routed experts from the offline engine only")
     if args.moe and args.fp8:
         ap.error("--moe with --fp8: zerokld serves MoE experts in bf16/fp32 only")
     if args.fp8 == "block" and args.runs != "zerokld":
@@ -129,13 +147,11 @@ def held_out(problems: list[Problem]) -> frozenset:
     return frozenset((p.numbers, p.target) for p in problems)
 
 
-def evaluate(llm, problems: list[Problem], tok: Tok, max_tokens: int) -> dict:
-    """Greedy decoding on ``problems``: ``accuracy`` (share with reward 1.0) and ``reward_mean``."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outs = llm.generate([{"prompt_token_ids": tok.prompt(p)} for p in problems], sp, use_tqdm=False)
-    rewards = [reward(tok.decode(list(o.outputs[0].token_ids)), p) for o, p in zip(outs, problems)]
+def evaluate(engine, problems: list[Problem], tok: Tok, max_tokens: int) -> dict:
+    """Greedy decoding on ``problems`` (an :mod:`examples.countdown.served` engine): ``accuracy`` (share with reward
+    1.0) and ``reward_mean``."""
+    comps = engine.greedy([tok.prompt(p) for p in problems], max_tokens)
+    rewards = [reward(tok.decode(c), p) for c, p in zip(comps, problems)]
     return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward_mean": sum(rewards) / len(rewards)}
 
 
@@ -166,14 +182,11 @@ def loss_fn_config(args) -> dict:
 
 
 def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
-    """One GRPO run; returns the metrics.jsonl path."""
-    from vllm import SamplingParams
-
-    import shared_numerics as sn
+    """One GRPO run (synchronous, or pipelined with ``--async K``; offline engine, or ``vllm serve`` with
+    ``--server``); returns the metrics.jsonl path."""
+    from examples.countdown.served import OfflineEngine, ServedEngine
     from examples.countdown.sync import DeltaSync
-    from shared_numerics.rollout import RolloutBatch
-    from titan_plugin.losses import grpo_advantages
-    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from titan_plugin.rl import RLTrainer, numerics_mode, rl_trainer_config
     from zerokld_testing.engines import shutdown_llm, start_llm
 
     zk = numerics == "zerokld"
@@ -181,70 +194,197 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.write_text("")
-    engine_kw = ({"fp8": args.fp8} if zk else {"quantization": "fp8_per_channel"}) if args.fp8 else {}
     replay = args.moe and zk and not args.no_routing_replay
-    if replay:
-        engine_kw["enable_return_routed_experts"] = True
-    llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed, **engine_kw)
-    trainer = RLTrainer(rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr,
-                                          batch_invariant=zk, loss_fn=args.loss_fn,
-                                          loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
-                                          fp8=args.fp8 if zk else None))
-    sync = DeltaSync(run_dir / "sync", args.dtype, init, llm, full_every=args.full_every,
-                     keep_snapshots=args.keep_snapshots, numerics=trainer.numerics)
+    config = rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr, batch_invariant=zk,
+                               loss_fn=args.loss_fn, loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
+                               fp8=args.fp8 if zk else None)
+    sync_kw = dict(full_every=args.full_every, keep_snapshots=args.keep_snapshots, numerics=numerics_mode(config))
+    if args.server:
+        sync = DeltaSync(run_dir / "sync", args.dtype, init, **sync_kw)
+        engine = ServedEngine(init, args.dtype, zk, sync, run_dir / "server.log", seed=args.seed, fp8=args.fp8)
+        stop_engine = engine.stop
+    else:
+        engine_kw = ({"fp8": args.fp8} if zk else {"quantization": "fp8_per_channel"}) if args.fp8 else {}
+        if replay:
+            engine_kw["enable_return_routed_experts"] = True
+        llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed,
+                        **engine_kw)
+        sync = DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw)
+        engine = OfflineEngine(llm, sync)
+        stop_engine = lambda: shutdown_llm(llm)  # noqa: E731
+    trainer = None
+    try:
+        trainer = RLTrainer(config)
+        _rl_loop(trainer, engine, sync, init, run_dir, args, tok, replay)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        stop_engine()
+    return metrics_path
+
+
+def _rl_loop(trainer, engine, sync, init: Path, run_dir: Path, args, tok: Tok, replay: bool) -> None:
+    """The GRPO steps of :func:`run_rl` (metrics rows, held-out evaluations), with the rollout worker."""
+    from examples.countdown.pipeline import RolloutWorker
+
+    metrics_path = run_dir / "metrics.jsonl"
     held = eval_problems(args)
     problems = task_problems(args, args.steps * args.prompts_per_step, seed=args.seed + 7, exclude=held_out(held))
     eval_path = run_dir / "eval.jsonl"
-    eval_path.write_text(json.dumps({"step": 0, **evaluate(llm, held, tok, args.max_tokens)}) + "\n")
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, logprobs=0)
+    eval_path.write_text("")
+
+    def groups(step: int) -> list[Problem]:
+        batch = problems[(step - 1) * args.prompts_per_step: step * args.prompts_per_step]
+        return [p for p in batch for _ in range(args.group_size)]
+
+    def evaluate_version(version: int) -> None:
+        if version % args.eval_every == 0 or version == args.steps:
+            with eval_path.open("a") as f:
+                f.write(json.dumps({"step": version, **evaluate(engine, held, tok, args.max_tokens)}) + "\n")
+
+    def generate(step: int):
+        return engine.sample([tok.prompt(p) for p in groups(step)], args.max_tokens, routed_experts=replay)
+
+    evaluate_version(0)
+    if args.server:  # the trainer pushes (HTTP, while requests are in flight) and evaluates; the worker only gates
+        worker = RolloutWorker(args.steps, args.async_k, generate, lambda version, weights: {})
+    else:  # the worker owns the engine: it loads each version between two generate calls, and evaluates
+        worker = RolloutWorker(args.steps, args.async_k, generate, lambda version, weights: sync.push(weights, version),
+                               evaluate_version)
+    zk = trainer.numerics.batch_invariant
+    scorer = SnapshotScorer(init, run_dir / "versions", args, zk, replay, keep=args.async_k + 2)
+    rows: list[dict] = []  # written once the engine has loaded the step's weights (the row carries the sync stats)
+
+    def flush(final: bool = False) -> None:
+        while rows and (final or rows[0]["step"] in worker.loaded):
+            row = rows.pop(0)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps({**row, **worker.loaded.get(row["step"], {})}) + "\n")
+
+    worker.start()
+    t_start = time.perf_counter()
     try:
-        bar = tqdm(range(1, args.steps + 1), desc=f"GRPO [{numerics}]", unit="step")
+        bar = tqdm(range(1, args.steps + 1), desc=f"GRPO [{run_dir.name}]" + (f" async {args.async_k}"
+                                                                             if args.async_k else ""), unit="step")
         for step in bar:
             t0 = time.perf_counter()
-            batch = problems[(step - 1) * args.prompts_per_step: step * args.prompts_per_step]
-            group = [p for p in batch for _ in range(args.group_size)]
-            prompts = [tok.prompt(p) for p in group]
-            outs = llm.generate([{"prompt_token_ids": x} for x in prompts], sp, use_tqdm=False)
-            t_roll = time.perf_counter() - t0
-            comps = [list(o.outputs[0].token_ids) for o in outs]
-            rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group)])
-            adv = grpo_advantages(rewards, args.group_size)
-            rollouts = RolloutBatch.from_vllm(outs, adv.tolist(), snapshot_identity=sync.identity)
-            if not replay:
-                rollouts.routed_experts = None
-            res = trainer.rl_step(rollouts)  # refuses rollouts sampled in another numerics mode
-            sampler_lp = rollouts.sampler_logprobs
-            kl = sn.logprob_diff_metrics(res["train_logprobs"], sampler_lp, args.clip_low, args.clip_high)
-            t_train = time.perf_counter() - t0 - t_roll
-            sync_stats = sync.push(trainer, llm, step)
-            row = {
-                "step": step,
-                "reward_mean": rewards.mean().item(),
-                "reward_correct_fraction": (rewards == 1.0).float().mean().item(),
-                "k1": kl["k1"],
-                "k3": kl["k3"],
-                "max_abs_logprob_diff": kl["max_abs_logprob_diff"],
-                "tokens_bitwise_different": kl["tokens_bitwise_different"],
-                "num_tokens": kl["num_tokens"],
-                "clipped_fraction": res["clipped"] / max(res["num_tokens"], 1),
-                "grad_zeroed_fraction": res["grad_zeroed"] / max(res["num_tokens"], 1),
-                "routing_replay": replay,
-                "rollout_seconds": t_roll,
-                "train_seconds": t_train,
-                **sync_stats,
-                "step_seconds": time.perf_counter() - t0,
-            }
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            if step % args.eval_every == 0 or step == args.steps:
-                with eval_path.open("a") as f:
-                    f.write(json.dumps({"step": step, **evaluate(llm, held, tok, args.max_tokens)}) + "\n")
+            gen = worker.next_batch()
+            t_wait = time.perf_counter() - t0
+            row = train_step(trainer, gen, groups(step), tok, args, scorer, step, sync.versions)
+            scorer.keep_version(step, trainer.hf_weights(args.dtype))
+            if args.server:
+                row.update(sync.push(scorer.weights(step), step))
+                evaluate_version(step)
+            worker.publish(step, scorer.weights(step))
+            row.update({"rollout_wait_seconds": t_wait, "step_seconds": time.perf_counter() - t0,
+                        "elapsed_seconds": time.perf_counter() - t_start})
+            rows.append(row)
+            flush()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['k3']:.2e}",
-                            diff_tok=row["tokens_bitwise_different"])
+                            diff_tok=row["tokens_bitwise_different"], stale=row["staleness"])
+        worker.join()
+        if worker.error is not None:
+            raise RuntimeError("the rollout worker failed") from worker.error
+        flush(final=True)
     finally:
-        trainer.close()
-        shutdown_llm(llm)
-    return metrics_path
+        worker.stop()
+        worker.join(timeout=600)
+        scorer.close()
+
+
+class SnapshotScorer:
+    """The trainer's log-probs under the policy version that produced a batch: the last ``keep`` versions' weights
+    are kept (in memory, and as HF snapshot directories when a stale batch needs scoring) and scored with
+    :func:`titan_plugin.trainer_logprobs` (the run's numerics: zerokld or stock components)."""
+
+    def __init__(self, init: Path, root: Path, args, zk: bool, replay: bool, keep: int) -> None:
+        self.init, self.root, self.args, self.zk, self.replay, self.keep = init, root, args, zk, replay, keep
+        self._weights: dict[int, dict] = {}
+
+    def keep_version(self, version: int, weights: dict) -> None:
+        self._weights[version] = weights
+        for v in [v for v in self._weights if v <= version - self.keep]:
+            del self._weights[v]
+            shutil.rmtree(self.root / f"v{v:05d}", ignore_errors=True)
+
+    def weights(self, version: int) -> dict:
+        return self._weights[version]
+
+    def logprobs(self, version: int, rollouts) -> list:
+        from deltasync import write_full_snapshot
+        from titan_plugin.logprobs import sequence_logprobs
+        from titan_plugin.models import build_titan_model
+
+        d = self.root / f"v{version:05d}"
+        src = self.init if version == 0 else (d if d.exists() else
+                                              write_full_snapshot(self._weights[version], self.init, d))
+        fp8 = self.args.fp8 if self.zk else None
+        model, _, _ = build_titan_model(src, dtype=self.args.dtype, batch_invariant=self.zk, fp8=fp8)
+        model.eval()
+        with torch.no_grad():
+            return sequence_logprobs(model, rollouts.sequences, rollouts.prompt_lengths,
+                                     routed_experts=rollouts.routed_experts if self.replay else None)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def train_step(trainer, gen, group: list[Problem], tok: Tok, args, scorer: SnapshotScorer, step: int,
+               versions: dict[str, int]) -> dict:
+    """One GRPO step on a generated batch; the metrics row.
+
+    ``k1``/``k3``/``tokens_bitwise_different`` compare each token's sampler log-prob with the trainer's under the
+    snapshot that sampled that token (``gen.spans``; ``versions`` maps identities to policy versions): the numerics
+    gap, 0 for zerokld. ``k3_vs_current_policy`` compares with the trainer's current weights (policy lag, > 0 for
+    stale tokens); ``tokens_by_staleness`` counts tokens per versions-behind, ``staleness`` is the largest.
+
+    Raises:
+        ValueError: a rollout's spans do not cover its completion.
+    """
+    import shared_numerics as sn
+    from titan_plugin.losses import grpo_advantages
+
+    batch = gen.batch
+    comps = [s[p:] for s, p in zip(batch.sequences, batch.prompt_lengths)]
+    rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group)])
+    rollouts = dataclasses.replace(batch, advantages=grpo_advantages(rewards, args.group_size).tolist())
+    t0 = time.perf_counter()
+    res = trainer.rl_step(rollouts)  # refuses rollouts sampled in another numerics mode
+    t_train = time.perf_counter() - t0
+    spans = [[(versions[identity], a, b) for identity, a, b in sp] for sp in gen.spans]
+    for i, (sp, c) in enumerate(zip(spans, comps)):
+        if [a for _, a, _ in sp] + [len(c)] != [0] + [b for _, _, b in sp]:
+            raise ValueError(f"rollout {i}: snapshot spans {sp} do not cover its {len(c)} tokens")
+    scored = {v: res["train_logprobs"] if v == step - 1 else scorer.logprobs(v, rollouts)
+              for v in sorted({v for sp in spans for v, _, _ in sp})}
+    at_version = [torch.cat([scored[v][i][a:b] for v, a, b in sp]) if sp else torch.zeros(0)
+                  for i, sp in enumerate(spans)]
+    stale: dict[int, int] = {}
+    for sp in spans:
+        for v, a, b in sp:
+            stale[step - 1 - v] = stale.get(step - 1 - v, 0) + b - a
+    kl = sn.logprob_diff_metrics(at_version, rollouts.sampler_logprobs, args.clip_low, args.clip_high)
+    lag = sn.logprob_diff_metrics(res["train_logprobs"], rollouts.sampler_logprobs)
+    return {
+        "step": step,
+        "reward_mean": rewards.mean().item(),
+        "reward_correct_fraction": (rewards == 1.0).float().mean().item(),
+        "policy_version": gen.version,
+        "snapshot_identities": sorted({identity for sp in gen.spans for identity, _, _ in sp}),
+        "staleness": max(stale, default=0),
+        "tokens_by_staleness": {str(k): n for k, n in sorted(stale.items())},
+        "k1": kl["k1"],
+        "k3": kl["k3"],
+        "max_abs_logprob_diff": kl["max_abs_logprob_diff"],
+        "tokens_bitwise_different": kl["tokens_bitwise_different"],
+        "num_tokens": kl["num_tokens"],
+        "k3_vs_current_policy": lag["k3"],
+        "clipped_fraction": res["clipped"] / max(res["num_tokens"], 1),
+        "grad_zeroed_fraction": res["grad_zeroed"] / max(res["num_tokens"], 1),
+        "routing_replay": rollouts.routed_experts is not None,
+        "rollout_seconds": gen.rollout_seconds,
+        "train_seconds": t_train,
+    }
 
 
 def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
@@ -270,7 +410,10 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
         f"(lr {args.sft_lr})",
         f"GRPO: {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples (temperature 1.0, "
         f"{args.max_tokens} tokens max), loss `{args.loss_fn}` {loss_fn_config(args)}, lr {args.lr}, "
-        f"weights synced every step (full every {args.full_every})",
+        f"weights synced every step (full every {args.full_every})"
+        + (f"; pipelined (--async {args.async_k}): the next {args.async_k} batches are generated while the trainer "
+           f"trains, rollouts at most {args.async_k} policy versions stale, the PPO ratio against the sampling "
+           "policy's log-probs" if args.async_k else ""),
         zk, stock,
         f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, torch {torch.__version__}; "
         f"{seconds:.0f} s from SFT to the last step",

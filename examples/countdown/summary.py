@@ -29,7 +29,9 @@ def run_summary(run_dir: str | Path) -> dict:
         ``clipped_fraction`` (tokens whose ratio left the clip range, over the run); ``reward_first`` /
         ``reward_last`` (mean reward of the first / last ``WINDOW`` steps), ``reward_min`` (lowest step);
         ``eval_before`` / ``eval_after`` (held-out greedy accuracy at the first / last eval row, ``None`` without
-        ``eval.jsonl``).
+        ``eval.jsonl``); ``tokens_by_staleness`` (``{versions behind the trainer: share of tokens}``, ``--async``: a
+        row's ``tokens_by_staleness``, else its ``staleness`` for all its tokens, else 0); ``seconds`` (wall-clock
+        of the RL loop, ``None`` if not recorded).
 
     Raises:
         ValueError: ``metrics.jsonl`` has no rows.
@@ -43,6 +45,10 @@ def run_summary(run_dir: str | Path) -> dict:
     n = min(WINDOW, len(rows))
     tokens = sum(r["num_tokens"] for r in rows)
     clipped = sum(r["clipped_fraction"] * r["num_tokens"] for r in rows)
+    stale: dict[int, int] = {}
+    for r in rows:  # per token when the row has it (a batch may span swaps), else the row's staleness
+        for k, count in (r.get("tokens_by_staleness") or {r.get("staleness", 0): r["num_tokens"]}).items():
+            stale[int(k)] = stale.get(int(k), 0) + count
     return {
         "steps": len(rows),
         "k3_mean": sum(r["k3"] for r in rows) / len(rows),
@@ -56,6 +62,8 @@ def run_summary(run_dir: str | Path) -> dict:
         "reward_min": min(rewards),
         "eval_before": evals[0]["accuracy"] if evals else None,
         "eval_after": evals[-1]["accuracy"] if evals else None,
+        "tokens_by_staleness": {k: v / max(tokens, 1) for k, v in sorted(stale.items())},
+        "seconds": rows[-1].get("elapsed_seconds"),
     }
 
 
@@ -76,6 +84,13 @@ def summary_markdown(summaries: dict[str, dict], setup: list[str]) -> str:
             f"{s['num_tokens']} | {s['clipped_tokens']} ({_pct(s['clipped_fraction'])}) | "
             f"{s['reward_first']:.3f} → {s['reward_last']:.3f} "
             f"({s['reward_min']:.3f}) | {ev} |")
+    timed = {name: s["seconds"] for name, s in summaries.items() if s.get("seconds") is not None}
+    if timed:
+        lines += ["", "RL wall-clock: " + ", ".join(f"{name} {sec:.0f} s" for name, sec in timed.items())]
+    if any(k > 0 for s in summaries.values() for k in s.get("tokens_by_staleness", {})):
+        lines += ["", "Tokens by staleness (policy versions behind the trainer): " + "; ".join(
+            f"{name}: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["tokens_by_staleness"].items())
+            for name, s in summaries.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,8 @@
 (against the last loaded snapshot) and stamps the trainer's numerics mode into each snapshot; the signal goes to a
 :class:`vllm_plugin.hotload.offline.OfflineReplica` — :class:`deltasync.Replica` over the example's offline
 ``vllm.LLM`` — which checks the ledger (replay, chain), the numerics stamp against the engine's, verifies/decodes
-the snapshot before anything is swapped, reloads in place and resets the prefix cache. A refused incremental
+the snapshot before anything is swapped, reloads in place and resets the prefix cache — or, with ``--server``, over
+HTTP to the hot-load endpoint of a live ``vllm serve`` (:mod:`examples.countdown.served`). A refused incremental
 snapshot falls back to a full one.
 """
 from __future__ import annotations
@@ -34,34 +35,57 @@ class OfflineHotLoadClient(HotLoadClient):
 
 
 class DeltaSync:
-    """Per-step sync; ``push`` returns the metrics the example logs; ``identity`` is the snapshot serving."""
+    """Per-step sync; ``push`` returns the metrics the example logs; ``identity`` is the snapshot serving and
+    :attr:`versions` maps every identity pushed (and the initial one) to its policy version (steps trained).
 
-    def __init__(self, root: Path, dtype: str, initial_dir: Path, llm, full_every: int = 10,
+    With ``llm`` (an offline ``vllm.LLM``), the replica runs in this process; without, :meth:`connect` points the
+    sync at a ``vllm serve`` started with :attr:`config` as its ``hot_load`` section (HTTP, async transition: the
+    server pauses requests in flight, swaps, recomputes their KV under the new weights and resumes them).
+    """
+
+    def __init__(self, root: Path, dtype: str, initial_dir: Path, llm=None, full_every: int = 10,
                  keep_snapshots: bool = False, numerics=None) -> None:
-        from vllm_plugin.hotload.offline import OfflineReplica
-
         root = Path(root)
         self.dtype, self.keep_snapshots = dtype, keep_snapshots
         self.writer = SnapshotWriter(root / "snapshots", initial_dir, full_every=full_every,
                                      cache_dir=root / "writer_cache", numerics=numerics)
-        self.replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(root / "snapshots"),
-                                                         state_dir=str(root / "replica")), initial_dir)
-        self.client = OfflineHotLoadClient(self.replica)
+        self.config = HotLoadConfig(snapshot_root=str(root / "snapshots"), state_dir=str(root / "replica"))
+        (root / "snapshots").mkdir(parents=True, exist_ok=True)
+        self.replica = None
+        self.client: HotLoadClient | None = None
+        self.versions: dict[str, int] = {}
+        self._served: str | None = None
+        if llm is not None:
+            from vllm_plugin.hotload.offline import OfflineReplica
+
+            self.replica = OfflineReplica(llm, self.config, initial_dir)
+            self.client = OfflineHotLoadClient(self.replica)
+            self.versions[self.identity] = 0
         self._shipped: list[Path] = []
+
+    def connect(self, base_url: str) -> None:
+        """Sync into the ``vllm serve`` at ``base_url`` (its hot-load endpoint; started with :attr:`config`)."""
+        self.client = HotLoadClient(base_url, reset_prompt_cache="all")
+        self._served = self.client.status()[0]["replicas"][0]["current_snapshot_identity"]
+        self.versions[self._served] = 0
 
     @property
     def identity(self) -> str:
-        return self.replica.ledger.current_identity
+        return self.replica.ledger.current_identity if self.replica is not None else self._served
 
-    def push(self, trainer, llm, step: int) -> dict:
-        """Returns ``sync_kind``, ``sync_bytes`` (shipped), ``full_bytes``, ``delta_density``, ``swap_seconds``
+    def push(self, weights: dict, step: int) -> dict:
+        """Ship ``weights`` (the trainer's ``hf_weights`` after ``step`` steps) and swap the engine to them.
+        Returns ``sync_kind``, ``sync_bytes`` (shipped), ``full_bytes``, ``delta_density``, ``swap_seconds``
         (signal to ready), ``sync_seconds`` (write + swap), ``sync_refused`` (fallbacks)."""
         t0 = time.perf_counter()
-        res = self.client.push(self.writer, f"step-{step:05d}", trainer.hf_weights(self.dtype))
+        res = self.client.push(self.writer, f"step-{step:05d}", weights)
         info = res.snapshot
+        self.versions[info.identity] = step
+        self._served = info.identity
         self._shipped.append(info.path)
         while len(self._shipped) > 2 and not self.keep_snapshots:  # the replica holds its own copy
             shutil.rmtree(self._shipped.pop(0), ignore_errors=True)
-        return {"sync_kind": info.kind, "sync_bytes": info.bytes, "full_bytes": info.full_bytes,
+        return {"sync_identity": info.identity, "sync_kind": info.kind, "sync_bytes": info.bytes,
+                "full_bytes": info.full_bytes,
                 "delta_density": info.density, "swap_seconds": res.swap_seconds,
                 "sync_seconds": time.perf_counter() - t0, "sync_refused": len(res.refused)}

@@ -1,0 +1,182 @@
+"""Synchronous vs pipelined (``--async K``) vs streaming RL on the countdown model, zerokld numerics, in one run.
+
+Two measurements, written to one JSON (``--out``):
+
+``runs``: the countdown example (:mod:`examples.countdown.run`, ``--runs zerokld``) with ``--async 0`` (sync),
+``1`` and ``2``, the same SFT warm start, data and seeds: steps/hour from the RL loop's wall-clock, median seconds
+the trainer waited for rollouts and spent training per step, the reward trajectory against wall-clock, held-out
+accuracy, k3 against the sampling snapshot (0 for every token, checked) and the share of tokens by staleness.
+
+``streaming``: one GRPO batch (``--prompts`` x ``--group-size`` completions, per-request seeds, so the zerokld
+sampler gives the same tokens however the requests are batched), trainer input whole vs streamed:
+
+* whole: generate the whole batch, then one ``RLTrainer.forward_backward`` (first result = last result);
+* streamed: a thread generates one prompt group (``--group-size`` completions) per ``generate`` call and the trainer
+  runs ``forward_backward`` on each group as it arrives (first result after the first group).
+
+It reports first-result and all-results latency (median of ``--repeats``) and checks that both leave the same
+gradient bits. Also ``rl_step`` (TorchTitan's batched ``train_step``) vs ``forward_backward`` (one rollout at a time,
+what makes streaming exact) on the same batch: the cost of exact accumulation on this machine.
+
+Usage: ``python -m benchmarks.async_rl --out benchmarks/results/async_rl_cpu2.json``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def _countdown_runs(root: Path, steps: int, ks: list[int]) -> dict:
+    from examples.countdown.run import main
+    from examples.countdown.summary import load_jsonl, run_summary
+
+    out = {}
+    for k in ks:
+        run_root = root / f"async{k}"
+        main(["--out", str(run_root), "--runs", "zerokld", "--steps", str(steps), "--async", str(k)])
+        rows = load_jsonl(run_root / "zerokld" / "metrics.jsonl")
+        s = run_summary(run_root / "zerokld")
+        if any(r["k3"] != 0.0 or r["tokens_bitwise_different"] for r in rows):
+            raise AssertionError(f"--async {k}: a token's sampler log-prob differs from its snapshot's")
+        out[f"async {k}" if k else "sync"] = {
+            "steps": len(rows), "seconds": s["seconds"], "steps_per_hour": 3600 * len(rows) / s["seconds"],
+            "median_rollout_wait_seconds": statistics.median(r["rollout_wait_seconds"] for r in rows),
+            "median_train_seconds": statistics.median(r["train_seconds"] for r in rows),
+            "reward_first": s["reward_first"], "reward_last": s["reward_last"],
+            "eval_before": s["eval_before"], "eval_after": s["eval_after"],
+            "tokens_by_staleness": s["tokens_by_staleness"],
+            "reward_vs_seconds": [[round(r["elapsed_seconds"], 2), r["reward_mean"]] for r in rows],
+        }
+        print(json.dumps({k: v for k, v in out[f"async {k}" if k else "sync"].items() if k != "reward_vs_seconds"}),
+              flush=True)
+    return out
+
+
+def _streaming(root: Path, prompts: int, group: int, repeats: int) -> dict:
+    import torch
+    from vllm import SamplingParams
+
+    from examples.countdown.run import MODEL_SPEC, Tok, task_problems
+    from examples.countdown.task import reward
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin.losses import grpo_advantages
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from zerokld_testing import make_tiny_checkpoint
+    from zerokld_testing.engines import shutdown_llm, start_llm
+
+    ckpt = make_tiny_checkpoint(root / "model", MODEL_SPEC, seed=0, dtype="bfloat16")
+    tok = Tok(ckpt)
+    args = argparse.Namespace(numbers="2", max_number=10, ops="+-*")
+    problems = task_problems(args, prompts, seed=3)
+    requests = [({"prompt_token_ids": tok.prompt(p)}, SamplingParams(max_tokens=32, temperature=1.0, logprobs=0,
+                                                                     seed=1000 * i + j), p)
+                for i, p in enumerate(problems) for j in range(group)]
+    llm = start_llm(str(ckpt), dtype="bfloat16", batch_invariant=True, max_model_len=256)
+    trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / "dump"), dtype="bfloat16", lr=0.0))
+
+    def generate(reqs):  # whole prompt groups: GRPO advantages are per group, so any grouping gives the same
+        outs = llm.generate([r for r, _, _ in reqs], [s for _, s, _ in reqs], use_tqdm=False)
+        rewards = torch.tensor([reward(tok.decode(list(o.outputs[0].token_ids)), p)
+                                for o, (_, _, p) in zip(outs, reqs)])
+        return RolloutBatch.from_vllm(outs, grpo_advantages(rewards, group).tolist())
+
+    def grads():
+        g = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        trainer.optim_step()  # lr 0: zeroes the gradients, weights unchanged
+        return g
+
+    def whole():
+        t0 = time.perf_counter()
+        trainer.forward_backward(generate(requests))
+        t = time.perf_counter() - t0
+        return t, t, grads()
+
+    def streamed():
+        q: queue.Queue = queue.Queue()
+
+        def produce():
+            for i in range(0, len(requests), group):
+                q.put(generate(requests[i: i + group]))
+
+        t0 = time.perf_counter()
+        threading.Thread(target=produce, daemon=True).start()
+        first = None
+        for _ in range(0, len(requests), group):
+            trainer.forward_backward(q.get())
+            first = first or time.perf_counter() - t0
+        return first, time.perf_counter() - t0, grads()
+
+    try:
+        res: dict = {"whole": [], "streamed": []}
+        ref = None
+        for _ in range(repeats):
+            for name, fn in (("whole", whole), ("streamed", streamed)):
+                first, last, g = fn()
+                res[name].append((first, last))
+                ref = ref or g
+                if any(not torch.equal(g[k], ref[k]) for k in ref):
+                    raise AssertionError(f"{name}: gradients differ from the first run's")
+        batch = generate(requests)
+        costs: dict = {"rl_step": [], "forward_backward": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            trainer.rl_step(batch)
+            costs["rl_step"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            trainer.forward_backward(batch)
+            trainer.optim_step()
+            costs["forward_backward"].append(time.perf_counter() - t0)
+    finally:
+        trainer.close()
+        shutdown_llm(llm)
+    med = {name: {"first_result_seconds": statistics.median(f for f, _ in v),
+                  "all_results_seconds": statistics.median(x for _, x in v)} for name, v in res.items()}
+    out = {"completions": len(requests), "group_size": group, "repeats": repeats, **med,
+           "first_result_speedup": med["whole"]["first_result_seconds"] / med["streamed"]["first_result_seconds"],
+           "gradients_bitwise_equal": True,
+           "train_step_seconds": {k: statistics.median(v) for k, v in costs.items()}}
+    out["exact_accumulation_cost_ratio"] = (out["train_step_seconds"]["forward_backward"]
+                                            / out["train_step_seconds"]["rl_step"])
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench/async_rl.json")
+    ap.add_argument("--steps", type=int, default=50, help="GRPO steps per countdown run")
+    ap.add_argument("--async", dest="ks", default="0,1,2", help="the --async values to run (0 = sync)")
+    ap.add_argument("--prompts", type=int, default=32, help="streaming: prompts in the batch")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-runs", action="store_true", help="only the streaming measurement")
+    args = ap.parse_args(argv)
+
+    import torch
+    import vllm
+
+    with tempfile.TemporaryDirectory(prefix="zerokld-async-bench-") as tmp:
+        streaming = _streaming(Path(tmp) / "streaming", args.prompts, args.group_size, args.repeats)
+        runs = {} if args.skip_runs else _countdown_runs(Path(tmp), args.steps, [int(k) for k in args.ks.split(",")])
+    result = {"date": time.strftime("%Y-%m-%d"),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "vllm": vllm.__version__},
+              "streaming": streaming, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
