@@ -92,3 +92,23 @@ def test_negative_control_stock_vllm_sampler_depends_on_the_batch():
     ours = sample_tokens(probs.log(), torch.ones(64), seeds, pos)
     assert all(int(sample_tokens(probs[i: i + 1].log(), torch.ones(1), seeds[i: i + 1], pos[i: i + 1])) == int(ours[i])
                for i in range(64))
+
+
+def test_unseeded_requests_draw_seeds_from_the_engine_seed():
+    """A request without ``seed`` gets one from a stream seeded with the engine's ``--seed`` (vLLM samples unseeded
+    requests from its seeded generator: same seed, same order, same tokens); another engine seed gives another
+    stream; an engine without a seed draws from ``secrets`` (control: two such engines differ)."""
+    from types import SimpleNamespace
+
+    from vllm_plugin.sampler import unseeded_request_seed
+
+    def engine(seed):
+        return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(seed=seed)))
+
+    def draws(owner):
+        return [unseeded_request_seed(owner) for _ in range(6)]
+
+    a, b = draws(engine(0)), draws(engine(0))
+    assert a == b and len(set(a)) == 6 and all(0 <= x < 2 ** 62 for x in a)
+    assert draws(engine(1)) != a
+    assert draws(engine(None)) != draws(engine(None))

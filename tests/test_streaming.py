@@ -133,3 +133,24 @@ def test_select_is_a_micro_batch_of_the_same_rollouts():
         batch.select([3])
     with pytest.raises(ValueError, match="empty"):
         batch.select([])
+
+
+def test_importance_sampling_corrections_reach_the_trainer_loss(checkpoint_factory, tmp_path):
+    """Stale rollouts (``--async``) can be corrected with truncated / masked importance sampling: the
+    ``corrections`` of ``rl_trainer_config`` reach the configured loss (formulas: ``tests/test_losses.py``); masked
+    tokens leave the deferred ``token_mean`` normaliser, so the step's loss is the kept tokens' mean."""
+    from shared_numerics.losses import CorrectionConfig
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    ckpt = checkpoint_factory("qwen3", "float32")
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "d"), dtype="float32",
+                                          corrections={"mis_low": 0.97, "mis_high": 1.03}))
+    try:
+        assert trainer.loss_fn.corrections == CorrectionConfig(mis_low=0.97, mis_high=1.03)
+        batch = dataclasses.replace(_rollouts(ckpt, "float32", seed=45), numerics=trainer.numerics)
+        res = trainer.forward_backward(batch)
+        ratio = torch.exp(torch.cat(res["train_logprobs"]) - torch.cat(batch.sampler_logprobs))
+        kept = int(((ratio >= 0.97) & (ratio <= 1.03)).sum())
+        assert 0 < kept < ratio.numel() and trainer._pending == (True, kept)
+    finally:
+        trainer.close()

@@ -108,7 +108,7 @@ def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None)
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
                       steps: int = 1000, batch_invariant: bool = True, loss_fn: str = "ppo",
                       loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
-                      fp8: str | None = None) -> "RLTrainer.Config":
+                      fp8: str | None = None, corrections: dict | None = None) -> "RLTrainer.Config":
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -127,6 +127,9 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             needs ``batch_invariant=True``.
         fp8: FP8 quantization-aware training of the decoder projections (``"per_channel"`` or ``"block"``, the
             granularity vLLM serves with ``additional_config`` ``fp8``); ``None``: off. Needs ``batch_invariant=True``.
+        corrections: :class:`shared_numerics.losses.CorrectionConfig` fields for the configured loss (``tis_cap``:
+            truncated importance sampling, ``mis_low``/``mis_high``: masked importance sampling, ``kl_beta``), e.g.
+            for stale rollouts in asynchronous RL; ``None``: off.
 
     Raises:
         ValueError: ``fused`` or ``fp8`` without ``batch_invariant``.
@@ -141,7 +144,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         zerokld=ZeroKLDSection(batch_invariant=batch_invariant, fp8=fp8),
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
-        loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused),
+        loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused,
+                           corrections=dict(corrections or {})),
         dataloader=RolloutQueue.Config(),
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),

@@ -4,7 +4,9 @@ has ``batch_invariant`` (and ``deterministic_sampler``, default on).
 Three patches, each a no-op unless the engine's config enables the sampler:
 
 * front end (``v1/engine/input_processor.py`` ``InputProcessor.process_inputs``): a request without ``seed`` gets one
-  drawn (62 random bits) before vLLM fans ``n > 1`` out into children (which then get ``seed + index``, vLLM's own
+  drawn (62 bits) before vLLM fans ``n > 1`` out into children — from a stream seeded with the engine's ``seed``
+  (``ModelConfig.seed``, ``--seed``), so the same engine seed and the same order of requests sample the same tokens,
+  as vLLM's own unseeded sampling does from its seeded generator (``secrets`` when the engine has no seed) (which then get ``seed + index``, vLLM's own
   rule in ``v1/engine/parallel_sampling.py``); ``CompletionOutput.zerokld_seed`` returns each sample's seed (on an
   engine without the sampler: the request's own seed or ``None``)
   (``v1/engine/output_processor.py``), so every sample can be reproduced; the OpenAI ``/v1/completions`` response
@@ -24,6 +26,7 @@ Three patches, each a no-op unless the engine's config enables the sampler:
 from __future__ import annotations
 
 import contextvars
+import random
 import secrets
 
 import torch
@@ -32,7 +35,7 @@ import shared_numerics.sampling as sn_sampling
 
 from .config import ZeroKLDConfigError, config_or_off, from_vllm_config, numerics_stamp
 
-__all__ = ["check_sampler_supported", "install"]
+__all__ = ["check_sampler_supported", "install", "unseeded_request_seed"]
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("zerokld_sampler_rows", default=None)
 _EPS = 1e-5
@@ -79,6 +82,18 @@ def _enabled(owner) -> bool:
     return on
 
 
+def unseeded_request_seed(owner) -> int:
+    """The seed of the next request without one (62 bits), drawn by ``owner`` (the front end's input processor) from
+    a ``random.Random`` seeded with the engine's ``model_config.seed``: reproducible for the same engine seed and
+    request order; ``secrets.randbits`` when the engine has no seed."""
+    stream = owner.__dict__.get("_zerokld_seed_stream")
+    if stream is None:
+        seed = getattr(owner.vllm_config.model_config, "seed", None)
+        stream = owner.__dict__["_zerokld_seed_stream"] = (
+            random.Random(f"zerokld-sampler-{seed}") if seed is not None else None)
+    return secrets.randbits(62) if stream is None else stream.getrandbits(62)
+
+
 def _patch_front_end() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.output_processor import RequestState
@@ -95,7 +110,7 @@ def _patch_front_end() -> None:
         sp = request.sampling_params
         if sp is not None and _enabled(self):
             if sp.seed is None:
-                sp.seed = secrets.randbits(62)  # sp is vLLM's clone of the caller's params
+                sp.seed = unseeded_request_seed(self)  # sp is vLLM's clone of the caller's params
             _patch_openai_completions()  # in the API server, once its serving module is loaded
         return request
 

@@ -69,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="pipelined RL: generate the next K batches while the trainer trains (rollouts at most K "
                     "policy versions stale; the PPO ratio is taken against the sampling policy's log-probs); 0: "
                     "synchronous")
+    ap.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling: each token's loss "
+                    "times min(exp(trainer - sampler logprob), CAP) (for stale rollouts with --async)")
+    ap.add_argument("--mis", default=None, metavar="LOW,HIGH", help="masked importance sampling: drop tokens whose "
+                    "trainer/sampler probability ratio is outside [LOW, HIGH]")
     ap.add_argument("--prompts-per-step", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -175,6 +179,15 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
         trainer.close()
 
 
+def corrections(args) -> dict:
+    """``RLLoss`` corrections from ``--tis-cap`` / ``--mis`` (:class:`shared_numerics.losses.CorrectionConfig`)."""
+    out = {} if args.tis_cap is None else {"tis_cap": args.tis_cap}
+    if args.mis:
+        low, high = (float(x) for x in args.mis.split(","))
+        out.update(mis_low=low, mis_high=high)
+    return out
+
+
 def loss_fn_config(args) -> dict:
     """``loss_fn_config`` for the chosen loss: clip thresholds for ``ppo``, nothing otherwise."""
     return ({"clip_low_threshold": args.clip_low, "clip_high_threshold": args.clip_high} if args.loss_fn == "ppo"
@@ -197,7 +210,7 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     replay = args.moe and zk and not args.no_routing_replay
     config = rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr, batch_invariant=zk,
                                loss_fn=args.loss_fn, loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
-                               fp8=args.fp8 if zk else None)
+                               fp8=args.fp8 if zk else None, corrections=corrections(args))
     sync_kw = dict(full_every=args.full_every, keep_snapshots=args.keep_snapshots, numerics=numerics_mode(config))
     if args.server:
         sync = DeltaSync(run_dir / "sync", args.dtype, init, **sync_kw)
@@ -409,7 +422,8 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
         f"character tokenizer), {args.dtype}; SFT warm start {args.sft_steps} steps x {args.sft_batch} solver answers "
         f"(lr {args.sft_lr})",
         f"GRPO: {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples (temperature 1.0, "
-        f"{args.max_tokens} tokens max), loss `{args.loss_fn}` {loss_fn_config(args)}, lr {args.lr}, "
+        f"{args.max_tokens} tokens max), loss `{args.loss_fn}` {loss_fn_config(args)}"
+        + (f" with corrections {corrections(args)}" if corrections(args) else "") + f", lr {args.lr}, "
         f"weights synced every step (full every {args.full_every})"
         + (f"; pipelined (--async {args.async_k}): the next {args.async_k} batches are generated while the trainer "
            f"trains, rollouts at most {args.async_k} policy versions stale, the PPO ratio against the sampling "
