@@ -68,9 +68,9 @@ def test_generation_error_reaches_the_trainer_and_stop_ends_a_waiting_worker():
     assert isinstance(e.value.__cause__, OSError)
 
     engine = Engine()
-    waiting = RolloutWorker(3, 0, engine.generate, engine.load)
+    waiting = RolloutWorker(4, 1, engine.generate, engine.load)
     waiting.start()
-    assert waiting.next_batch().step == 1  # batch 2 waits for version 1, which never comes
+    assert [waiting.next_batch().step for _ in range(2)] == [1, 2]  # batch 3 waits for version 1: never comes
     waiting.stop()
     waiting.join(timeout=10)
     assert not waiting.is_alive() and waiting.error is None

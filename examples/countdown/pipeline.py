@@ -58,15 +58,36 @@ class RolloutWorker(threading.Thread):
         self._batches: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.loaded: dict[int, dict] = {}
+        self._inline = None
+
+    def start(self) -> None:
+        """Start the thread; with ``staleness`` 0 (synchronous RL) there is none: :meth:`next_batch` generates in the
+        caller's thread (one OpenMP pool: a second thread's pool would spin on the trainer's cores)."""
+        if self.staleness == 0:
+            self._inline = self._produce()
+        else:
+            super().start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._inline is not None:
+            for _ in self._inline:  # the final load (and evaluation) after the last batch
+                pass
+            return
+        if self.is_alive() or self.ident is not None:
+            super().join(timeout)
 
     def publish(self, version: int, weights) -> None:
         """The trainer's weights after ``version`` steps (HF names, the serving dtype)."""
         self._weights.put((version, weights))
 
     def stop(self) -> None:
+        if self._inline is not None:
+            self._inline.close()
         self._weights.put(None)
 
     def next_batch(self) -> GeneratedBatch:
+        if self._inline is not None:
+            return next(self._inline)
         item = self._batches.get()
         if item is None:
             raise RuntimeError("the rollout worker stopped") from self.error
@@ -85,15 +106,19 @@ class RolloutWorker(threading.Thread):
             self.loaded[version] = self._load(version, weights)
             self._on_loaded(version)
 
+    def _produce(self):
+        version = 0
+        for step in range(1, self.steps + 1):
+            version = self._catch_up(version, step - 1 - self.staleness)
+            t0 = time.perf_counter()
+            batch, spans = self._generate(step)
+            yield GeneratedBatch(step, batch, spans, version, time.perf_counter() - t0)
+        self._catch_up(version, self.steps)  # the final weights, for the last evaluation
+
     def run(self) -> None:
         try:
-            version = 0
-            for step in range(1, self.steps + 1):
-                version = self._catch_up(version, step - 1 - self.staleness)
-                t0 = time.perf_counter()
-                batch, spans = self._generate(step)
-                self._batches.put(GeneratedBatch(step, batch, spans, version, time.perf_counter() - t0))
-            self._catch_up(version, self.steps)  # the final weights, for the last evaluation
+            for item in self._produce():
+                self._batches.put(item)
         except _Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread
