@@ -61,18 +61,10 @@ def _sample(llm, prompts: list[list[int]]):
 
 
 def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool):
-    import torch
-
     from titan_plugin import trainer_logprobs
-    from titan_plugin.logprobs import sequence_logprobs
-    from titan_plugin.models import build_titan_model
 
-    if zerokld:
-        return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8=fp8)
-    model, _, _ = build_titan_model(ckpt, dtype=dtype, batch_invariant=False)  # FP8 or not: a high-precision trainer
-    model.eval()
-    with torch.no_grad():
-        return sequence_logprobs(model, seqs, plens)
+    # stock, FP8 or not: a high-precision trainer (the common FP8-rollout setting)
+    return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8=fp8 and zerokld, batch_invariant=zerokld)
 
 
 def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts) -> dict:

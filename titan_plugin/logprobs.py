@@ -59,8 +59,9 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
 @torch.no_grad()
 def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
                      dtype: str = "bfloat16", fused: bool = False, fp8: bool | str = False,
-                     routed_experts=None) -> list[torch.Tensor]:
-    """Load an HF checkpoint into TorchTitan's model with zerokld numerics and score completions.
+                     routed_experts=None, batch_invariant: bool = True) -> list[torch.Tensor]:
+    """Load an HF checkpoint into TorchTitan's model with zerokld numerics (``batch_invariant=False``: TorchTitan's
+    stock components, :func:`titan_plugin.models.build_titan_model`) and score completions.
 
     Args:
         checkpoint_dir: HF directory (``config.json`` + ``*.safetensors``), Qwen3 or Llama.
@@ -72,12 +73,16 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
             ``fp8: true`` (same granularity) or serving its :func:`titan_plugin.export_fp8_checkpoint` export.
         routed_experts: MoE checkpoints: the rollout's expert ids per sequence, replayed (see
             :func:`sequence_logprobs`).
+        batch_invariant: the zerokld numerics (default); ``False`` is the stock trainer (no ``fp8``, no ``fused``).
 
     Returns:
         Per sequence, float32 ``[len(seq) - prompt_len]`` log-probs, bitwise equal to the logprobs vLLM returns with
         ``additional_config={"zerokld": {"batch_invariant": true}}`` for the same tokens and weights.
+
+    Raises:
+        ValueError: ``fp8`` without ``batch_invariant`` (:func:`titan_plugin.models.titan_model_config`).
     """
     granularity = ("per_channel" if fp8 is True else fp8) or None
-    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=True, fp8=granularity)
+    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=granularity)
     model.eval()
     return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

@@ -4,11 +4,11 @@ has ``batch_invariant`` (and ``deterministic_sampler``, default on).
 Three patches, each a no-op unless the engine's config enables the sampler:
 
 * front end (``v1/engine/input_processor.py`` ``InputProcessor.process_inputs``): a request without ``seed`` gets one
-  drawn (62 bits) before vLLM fans ``n > 1`` out into children — from a stream seeded with the engine's ``seed``
-  (``ModelConfig.seed``, ``--seed``), so the same engine seed and the same order of requests sample the same tokens,
-  as vLLM's own unseeded sampling does from its seeded generator (``secrets`` when the engine has no seed) (which then get ``seed + index``, vLLM's own
-  rule in ``v1/engine/parallel_sampling.py``); ``CompletionOutput.zerokld_seed`` returns each sample's seed (on an
-  engine without the sampler: the request's own seed or ``None``)
+  drawn (62 bits) before vLLM fans ``n > 1`` out into children (which then get ``seed + index``, vLLM's own rule in
+  ``v1/engine/parallel_sampling.py``), from a stream seeded with the engine's ``seed`` (``ModelConfig.seed``,
+  ``--seed``; ``secrets`` when the engine has none): the same engine seed and the same order of requests sample the
+  same tokens, as vLLM's unseeded sampling from its seeded generator does; ``CompletionOutput.zerokld_seed`` returns
+  each sample's seed (on an engine without the sampler: the request's own seed or ``None``)
   (``v1/engine/output_processor.py``), so every sample can be reproduced; the OpenAI ``/v1/completions`` response
   carries it as the extension field ``zerokld_seed`` of each choice (non-streaming responses). With
   ``batch_invariant`` on, every output also carries the engine's numerics contract

@@ -28,12 +28,18 @@ def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, 
     if max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = max_num_batched_tokens
         extra["enable_chunked_prefill"] = True
-    section: dict[str, Any] = {"batch_invariant": batch_invariant}
-    if fp8:
-        section.update(fp8=True, fp8_granularity="per_channel" if fp8 is True else fp8)
     return LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=max_model_len,
                enforce_eager=True, enable_prefix_caching=enable_prefix_caching, seed=seed,
-               additional_config={"zerokld": section}, **extra, **kwargs)
+               additional_config={"zerokld": zerokld_section(batch_invariant, fp8)}, **extra, **kwargs)
+
+
+def zerokld_section(batch_invariant: bool, fp8: bool | str = False, **extra: Any) -> dict[str, Any]:
+    """The ``zerokld`` section of vLLM's ``additional_config`` (``--additional-config``): ``batch_invariant``, online
+    FP8 serving when ``fp8`` (``True`` = ``"per_channel"``, or ``"block"``), and ``extra`` keys (e.g. ``hot_load``)."""
+    section: dict[str, Any] = {"batch_invariant": batch_invariant, **extra}
+    if fp8:
+        section.update(fp8=True, fp8_granularity="per_channel" if fp8 is True else fp8)
+    return section
 
 
 def mixed_sampling_params(i: int, seed: int | None = None, max_tokens: int = 24, **kw):

@@ -325,18 +325,14 @@ class SnapshotScorer:
 
     def logprobs(self, version: int, rollouts) -> list:
         from deltasync import write_full_snapshot
-        from titan_plugin.logprobs import sequence_logprobs
-        from titan_plugin.models import build_titan_model
+        from titan_plugin import trainer_logprobs
 
         d = self.root / f"v{version:05d}"
         src = self.init if version == 0 else (d if d.exists() else
                                               write_full_snapshot(self._weights[version], self.init, d))
-        fp8 = self.args.fp8 if self.zk else None
-        model, _, _ = build_titan_model(src, dtype=self.args.dtype, batch_invariant=self.zk, fp8=fp8)
-        model.eval()
-        with torch.no_grad():
-            return sequence_logprobs(model, rollouts.sequences, rollouts.prompt_lengths,
-                                     routed_experts=rollouts.routed_experts if self.replay else None)
+        return trainer_logprobs(str(src), rollouts.sequences, rollouts.prompt_lengths, dtype=self.args.dtype,
+                                fp8=(self.args.fp8 or False) if self.zk else False, batch_invariant=self.zk,
+                                routed_experts=rollouts.routed_experts if self.replay else None)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -49,17 +49,15 @@ class ServedEngine:
 
     def __init__(self, ckpt: Path, dtype: str, zerokld: bool, sync, log_path: Path, seed: int = 0,
                  fp8: str | None = None) -> None:
+        from zerokld_testing.engines import zerokld_section
         from zerokld_testing.servers import OpenAIServer
 
-        section = {"batch_invariant": zerokld, "hot_load": {"snapshot_root": sync.config.snapshot_root,
-                                                            "state_dir": sync.config.state_dir}}
+        section = zerokld_section(zerokld, (fp8 or False) if zerokld else False, hot_load={
+            "snapshot_root": sync.config.snapshot_root, "state_dir": sync.config.state_dir})
         args = ["--model", str(ckpt), "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
                 "--enforce-eager", "--seed", str(seed)]
-        if fp8:
-            if zerokld:
-                section.update(fp8=True, fp8_granularity=fp8)
-            else:
-                args += ["--quantization", "fp8_per_channel"]
+        if fp8 and not zerokld:
+            args += ["--quantization", "fp8_per_channel"]
         self.model = str(ckpt)
         self.server = OpenAIServer([*args, "--additional-config", json.dumps({"zerokld": section})], log_path,
                                    env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
@@ -87,8 +85,10 @@ class ServedEngine:
         return batch, [[(s["version"], s["start"], s["end"]) for s in c["weight_versions"]] for c in choices]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        choices, _ = self._complete(prompts, max_tokens, 0.0)
-        return [[int(t.split(":")[1]) for t in c["logprobs"]["tokens"]] for c in choices]
+        from shared_numerics.rollout import RolloutBatch
+
+        batch = RolloutBatch.from_openai(prompts, self._complete(prompts, max_tokens, 0.0)[0])
+        return [s[p:] for s, p in zip(batch.sequences, batch.prompt_lengths)]
 
     def stop(self) -> None:
         self.server.stop()
