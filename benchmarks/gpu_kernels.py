@@ -92,6 +92,8 @@ def _ops(args, T, time_ms, dev, dt) -> dict:
 
     w, nw = rnd(n, h, scale=0.02), rnd(h)
     qw, sw = T["quantize_fp8_weight"](w)
+    la, lb = rnd(args.lora_adapters, args.lora_rank, h, scale=0.02), rnd(args.lora_adapters, n, args.lora_rank)
+    ls = torch.full((args.lora_adapters,), 0.5)
     out: dict = {}
     for m in (args.m_small, args.m_large):
         x, r = rnd(m, h), rnd(m, h)
@@ -104,9 +106,17 @@ def _ops(args, T, time_ms, dev, dt) -> dict:
             qx, sx = T["quantize_fp8_weight"](x)  # per-row scales, the same quantizer
             return torch._scaled_mm(qx, qw.t(), scale_a=sx.unsqueeze(1), scale_b=sw.unsqueeze(0), out_dtype=dt)
 
+        ids = torch.randint(-1, args.lora_adapters, (m,), generator=g, device=dev)
+
+        def lora(ours: bool, a=x, rows=ids):
+            return (T["lora_linear"] if ours else S["lora_linear"])(a, w, None, la, lb, ls, rows[:a.shape[0]])
+
         cases = {
             "linear": (lambda: T["linear"](x, w), lambda: F.linear(x, w), 2 * m * n * h, None,
                        lambda a: T["linear"](a, w), lambda a: F.linear(a, w), x),
+            "lora_linear": (lambda: lora(True), lambda: lora(False),
+                            2 * m * n * h + 4 * m * args.lora_rank * (n + h), None,
+                            lambda a: lora(True, a), lambda a: lora(False, a), x),
             "fp8_linear": (lambda: T["fp8_linear"](x, qw, sw), scaled_mm, 2 * m * n * h, None,
                            lambda a: T["fp8_linear"](a, qw, sw), None, x),
             "rms_norm": (lambda: T["rms_norm"](x, nw, 1e-6), lambda: S["rms_norm"](x, nw, 1e-6), None,
@@ -237,7 +247,8 @@ def targets(result: dict, small: int, large: int) -> dict:
 def smoke_args(values: dict) -> None:
     """Tiny shapes for a CPU run of the script's logic under Triton's interpreter (updates ``vars(args)``)."""
     values.update(hidden=128, inter=256, vocab=512, head_dim=32, kv_heads=2, m_small=4, m_large=40, logit_rows=8,
-                prefill_batch=1, prefill_len=80, decode_requests=3, decode_context=64, block_size=16, repeats=1)
+                prefill_batch=1, prefill_len=80, decode_requests=3, decode_context=64, block_size=16, repeats=1,
+                lora_adapters=3, lora_rank=8)
 
 
 def main(argv=None) -> dict:
@@ -257,6 +268,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-requests", type=int, default=64)
     ap.add_argument("--decode-context", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--lora-adapters", type=int, default=4, help="lora_linear: adapters (rows spread over them and none)")
+    ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on CPU under Triton's interpreter")
     args = ap.parse_args(argv)

@@ -24,7 +24,7 @@ from .reduce import exp64, tree_sum
 __all__ = [
     "KEY_CHUNK", "NumericsMismatchError", "NumericsMode", "OP_NAMES", "Q_TILE", "ROW_TILE", "RolloutBatch", "active_ops", "add_rms_norm", "apply_rope",
     "attention_over_chunks", "backend_for_device", "backend_name", "check_same_numerics", "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat",
-    "fused_selected_logprobs", "linear", "log_softmax", "logprob_diff_metrics", "paged_causal_attention",
+    "fused_selected_logprobs", "linear", "log_softmax", "lora_linear", "logprob_diff_metrics", "paged_causal_attention",
     "quantize_fp8_weight", "rms_norm", "rms_norm_rope", "rope_cos_sin", "selected_logprobs", "silu_and_mul",
     "tree_sum",
 ]
@@ -72,6 +72,11 @@ def active_ops(*tensors) -> dict:
 def linear(x, weight, bias=None):
     """See :func:`shared_numerics.linear.linear`."""
     return active_ops(x)["linear"](x, weight, bias)
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_ids):
+    """See :func:`shared_numerics.lora.lora_linear`."""
+    return active_ops(x)["lora_linear"](x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
 
 
 def rms_norm(x, weight, eps):

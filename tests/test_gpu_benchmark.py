@@ -12,8 +12,8 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     out = tmp_path / "gpu.json"
     result = main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text())["device"].startswith("cpu (Triton interpreter")
-    for op in ("linear", "fp8_linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul", "log_softmax",
-               "selected_logprobs"):
+    for op in ("linear", "lora_linear", "fp8_linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul",
+               "log_softmax", "selected_logprobs"):
         for m in ("M4", "M40"):
             case = result["ops"][op][m]
             assert "error" not in case or op == "fp8_linear", (op, m, case)  # torch._scaled_mm may be GPU-only

@@ -94,8 +94,21 @@ def _stock_add_rms_norm(x, r, w, eps):
     return s, _stock_rms_norm(s, w, eps)
 
 
+def _stock_lora_linear(x, w, b, lora_a, lora_b, scaling, adapter_ids):
+    """PEFT's ``Linear.forward`` arithmetic (``base + lora_B(lora_A(x)) * scaling``) on ATen's ``F.linear``, one call
+    per adapter's rows — how a stock multi-LoRA layer batches (the control for :func:`shared_numerics.lora_linear`)."""
+    y = F.linear(x, w.to(x.dtype), b)
+    out = y.clone()
+    for j in torch.unique(adapter_ids).tolist():
+        if j >= 0:
+            rows = adapter_ids == j
+            out[rows] = y[rows] + F.linear(F.linear(x[rows], lora_a[j]), lora_b[j]) * float(scaling[j])
+    return out
+
+
 STOCK_OPS = {
     "linear": lambda x, w, b=None: F.linear(x, w.to(x.dtype), b),
+    "lora_linear": _stock_lora_linear,
     "rms_norm": _stock_rms_norm,
     "add_rms_norm": _stock_add_rms_norm,
     "rms_norm_rope": lambda x, w, eps, cos, sin: _stock_rope(_stock_rms_norm(x, w, eps), cos, sin),

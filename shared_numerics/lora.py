@@ -1,0 +1,97 @@
+"""Batch-invariant multi-LoRA linear layer: ``y = linear(x, W, b) + scaling[a] * linear(linear(x, A[a]), B[a])`` with
+the adapter ``a`` chosen per row (``-1``: the base layer only).
+
+Each row's bits depend only on that row, its adapter's weights and the base weights — never on which other rows, or
+rows of which other adapters, share the call: the rows of one adapter are gathered and go through the backend's
+row-invariant ``linear`` (shrink ``x @ A^T``, then expand ``h @ B^T``), and the per-row result is scattered back.
+
+Arithmetic (mirrors PEFT's ``peft/tuners/lora/layer.py`` ``Linear.forward``, the trainer-side reference:
+``result = base_layer(x); result = result + lora_B(lora_A(x)) * scaling``, every op in the activation dtype):
+the base output, the shrink and the expand are each rounded once to ``x.dtype`` (each is a ``linear``); then
+``delta = round(expand * scaling)`` and ``y = round(base + delta)``, both computed in float32 and rounded once — what
+ATen does for a bf16 ``*`` and ``+`` on CPU, and what the Triton table does on GPU, so the two sides can share it.
+(vLLM's punica kernels instead accumulate the shrink in float32 and add the expand into the bf16 output in place:
+the zerokld engine replaces them with this op, the definition both sides compute.)
+
+Adapters are stacked as vLLM stacks them (``LoRAModelManager``): ``lora_a [L, R, K]``, ``lora_b [L, N, R]`` with ``R``
+the engine's ``max_lora_rank``; an adapter of rank ``r < R`` is zero-padded (rows ``r..R`` of ``A``, columns of
+``B``). The padded rank is part of the definition (the shrink/expand GEMMs reduce over it): the trainer stacks its
+adapter to the same ``R`` to reproduce the engine's bits.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["lora_linear", "lora_linear_with"]
+
+
+def _scalings(scaling, n_adapters: int) -> torch.Tensor:
+    s = torch.as_tensor(scaling, dtype=torch.float32).reshape(-1)
+    if s.numel() != n_adapters:
+        raise ValueError(f"scaling has {s.numel()} entries for {n_adapters} adapters")
+    return s
+
+
+def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
+                     adapter_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`lora_linear` on a backend's row-invariant ``linear`` (``linear(x, weight, bias)``, rounding to
+    ``x.dtype``); each backend's op table binds its own."""
+    k, n = x.shape[-1], weight.shape[0]
+    if lora_a.dim() != 3 or lora_b.dim() != 3 or lora_a.shape[0] != lora_b.shape[0]:
+        raise ValueError(f"lora_a must be [L, R, K] and lora_b [L, N, R]; got {tuple(lora_a.shape)} and "
+                         f"{tuple(lora_b.shape)}")
+    n_adapters, rank = lora_a.shape[0], lora_a.shape[1]
+    if lora_a.shape[2] != k or tuple(lora_b.shape[1:]) != (n, rank):
+        raise ValueError(f"adapter shapes {tuple(lora_a.shape)}, {tuple(lora_b.shape)} do not fit x [..., {k}] and "
+                         f"weight [{n}, {k}] (expected [L, R, {k}] and [L, {n}, R])")
+    if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"adapter_ids has shape {tuple(adapter_ids.shape)}; x's rows are {tuple(x.shape[:-1])}")
+    ids = adapter_ids.reshape(-1).to(torch.int64)
+    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= n_adapters):
+        raise ValueError(f"adapter ids must be in [-1, {n_adapters}); got {int(ids.min())}..{int(ids.max())}")
+    scales = _scalings(scaling, n_adapters)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    y = linear(x2, weight, bias)
+    rows_out, deltas = [], []
+    for a in torch.unique(ids).tolist():
+        if a < 0:
+            continue
+        rows = (ids == a).nonzero().squeeze(1)
+        h = linear(x2.index_select(0, rows), lora_a[a].to(x.dtype))
+        d = linear(h, lora_b[a].to(x.dtype))
+        deltas.append((d.float() * scales[a].to(d.device)).to(x.dtype))
+        rows_out.append(rows)
+    if deltas:
+        rows = torch.cat(rows_out)
+        base = y.index_select(0, rows)
+        y = y.index_copy(0, rows, (base.float() + torch.cat(deltas).float()).to(x.dtype))
+    return y.reshape(*lead, n)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
+                adapter_ids: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant multi-LoRA ``linear`` (see the module docstring for the arithmetic).
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16.
+        weight: ``[N, K]`` base weight (frozen in LoRA training); bias: optional ``[N]``.
+        lora_a: ``[L, R, K]`` stacked ``lora_A`` weights (PEFT ``lora_A.weight`` is ``[r, K]``), zero-padded to ``R``.
+        lora_b: ``[L, N, R]`` stacked ``lora_B`` weights (PEFT ``lora_B.weight`` is ``[N, r]``).
+        scaling: ``[L]`` per-adapter scale, float32 (PEFT: ``lora_alpha / r``; rsLoRA ``lora_alpha / sqrt(r)``).
+        adapter_ids: ``x.shape[:-1]`` integer adapter index per row, ``-1`` for the base layer alone (vLLM's
+            ``token_lora_mapping`` convention).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``. Differentiable in ``x``, the adapters and the base weights.
+
+    Raises:
+        ValueError: inconsistent shapes, an adapter id outside ``[-1, L)``, or ``scaling`` not of length ``L``.
+    """
+    from .linear import linear
+
+    return lora_linear_with(linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
