@@ -24,7 +24,7 @@ demo: install
 	$(PY) -m examples.countdown.run
 
 test: install-test
-	$(PY) -m pytest -q -rs -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 tests
 
 test-fast: install-test
 	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not vllm and not titan" tests
