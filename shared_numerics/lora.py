@@ -10,8 +10,8 @@ Arithmetic (mirrors PEFT's ``peft/tuners/lora/layer.py`` ``Linear.forward``, the
 the base output, the shrink and the expand are each rounded once to ``x.dtype`` (each is a ``linear``); then
 ``delta = round(expand * scaling)`` and ``y = round(base + delta)``, both computed in float32 and rounded once — what
 ATen does for a bf16 ``*`` and ``+`` on CPU, and what the Triton table does on GPU, so the two sides can share it.
-(vLLM's punica kernels instead accumulate the shrink in float32 and add the expand into the bf16 output in place:
-the zerokld engine replaces them with this op, the definition both sides compute.)
+(vLLM's punica kernels instead accumulate the shrink in float32 and add the expand into the bf16 output in place;
+wiring this op into the zerokld engine in their place, and into the trainer's LoRA modules, is issue 18's next step.)
 
 Adapters are stacked as vLLM stacks them (``LoRAModelManager``): ``lora_a [L, R, K]``, ``lora_b [L, N, R]`` with ``R``
 the engine's ``max_lora_rank``; an adapter of rank ``r < R`` is zero-padded (rows ``r..R`` of ``A``, columns of
@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
+from .linear import linear as _linear
 
 __all__ = ["lora_linear", "lora_linear_with"]
 
@@ -92,6 +94,4 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Raises:
         ValueError: inconsistent shapes, an adapter id outside ``[-1, L)``, or ``scaling`` not of length ``L``.
     """
-    from .linear import linear
-
-    return lora_linear_with(linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
+    return lora_linear_with(_linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids)

@@ -646,13 +646,15 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
                 chunks, first = pending.result()
             assert r.status_code == 200, r.text
             spans = chunks[-1]
-            seen = (f"{len(chunks)} chunks, first {chunks[0]}, header {first!r}, last {spans}, row {r.text}, "
-                    f"ledger tail {server.get(HL + '/ledger').json()['rows'][-3:]}")
+
+            def seen() -> str:  # evaluated only to report a failure
+                return (f"{len(chunks)} chunks, first {chunks[0]}, header {first!r}, last {spans}, row {r.text}, "
+                        f"ledger tail {server.get(HL + '/ledger').json()['rows'][-3:]}")
             if len(spans) >= 2 or attempt == 1:
                 break
-            warnings.warn("reset_prompt_cache stream did not span the swap; retrying once: " + seen)
-        assert first != identity, "the first token, streamed before the swap, is attributed to it: " + seen
-        assert len(spans) >= 2 and spans[-1]["version"] == identity and spans[-1]["end"] == 400, seen
+            warnings.warn("reset_prompt_cache stream did not span the swap; retrying once: " + seen())
+        assert first != identity, "the first token, streamed before the swap, is attributed to it: " + seen()
+        assert len(spans) >= 2 and spans[-1]["version"] == identity and spans[-1]["end"] == 400, seen()
         row = r.json()
         if mode == "new_session":
             assert row["prompt_cache_reset"] is False and "refused" in row["prompt_cache_reset_error"]

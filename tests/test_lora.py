@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shared_numerics as sn
-from zerokld_testing.op_model import STOCK_OPS
+from zerokld_testing.op_model import STOCK_OPS, peft_lora_linear
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,17 +27,6 @@ def _case(dtype, m=100, k=96, n=200, adapters=3, rank=16, seed=0):
     scaling = torch.tensor([2.0, 0.5, 1.0][:adapters])
     ids = torch.randint(-1, adapters, (m,), generator=g)
     return x, w, b, a, bb, scaling, ids
-
-
-def _peft(linear, x, w, b, a, bb, scaling, ids):
-    """PEFT's ``Linear.forward`` per row (``peft/tuners/lora/layer.py``), on a given ``linear``, row by row groups."""
-    y = linear(x, w, b)
-    out = y.clone()
-    for i in range(x.shape[0]):
-        j = int(ids[i])
-        if j >= 0:
-            out[i] = y[i] + linear(linear(x[i:i + 1], a[j]), bb[j])[0] * float(scaling[j])
-    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,7 +54,7 @@ def test_arithmetic_is_peft(dtype):
     close to PEFT on stock ``F.linear``."""
     x, w, b, a, bb, s, ids = _case(dtype)
     y = sn.lora_linear(x, w, b, a, bb, s, ids)
-    assert torch.equal(y, _peft(sn.linear, x, w, b, a, bb, s, ids))
+    assert torch.equal(y, peft_lora_linear(sn.linear, x, w, b, a, bb, s, ids))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), STOCK_OPS["lora_linear"](x, w, b, a, bb, s, ids).float(), rtol=tol, atol=tol)
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import shared_numerics as sn
 from shared_numerics import sampling
 
-__all__ = ["OpModel", "OpModelSpec", "QWEN3_8B", "STOCK_OPS", "RolloutResult", "rollout", "stock_layer"]
+__all__ = ["OpModel", "OpModelSpec", "QWEN3_8B", "STOCK_OPS", "RolloutResult", "peft_lora_linear", "rollout",
+           "stock_layer"]
 
 
 @dataclass(frozen=True)
@@ -94,21 +95,27 @@ def _stock_add_rms_norm(x, r, w, eps):
     return s, _stock_rms_norm(s, w, eps)
 
 
-def _stock_lora_linear(x, w, b, lora_a, lora_b, scaling, adapter_ids):
-    """PEFT's ``Linear.forward`` arithmetic (``base + lora_B(lora_A(x)) * scaling``) on ATen's ``F.linear``, one call
-    per adapter's rows — how a stock multi-LoRA layer batches (the control for :func:`shared_numerics.lora_linear`)."""
-    y = F.linear(x, w.to(x.dtype), b)
+def peft_lora_linear(linear, x, w, b, lora_a, lora_b, scaling, adapter_ids):
+    """PEFT's ``Linear.forward`` arithmetic (``base + lora_B(lora_A(x)) * scaling``, each op in ``x.dtype``) on a given
+    ``linear(x, w, b=None)``, one call per adapter's rows — how a stock multi-LoRA layer batches. On ATen's
+    ``F.linear`` it is the stock control for :func:`shared_numerics.lora_linear`; on ``shared_numerics.linear`` it is
+    that op's definition, computed another way."""
+    y = linear(x, w, b)
     out = y.clone()
     for j in torch.unique(adapter_ids).tolist():
         if j >= 0:
             rows = adapter_ids == j
-            out[rows] = y[rows] + F.linear(F.linear(x[rows], lora_a[j]), lora_b[j]) * float(scaling[j])
+            out[rows] = y[rows] + linear(linear(x[rows], lora_a[j]), lora_b[j]) * float(scaling[j])
     return out
 
 
+def _stock_linear(x, w, b=None):
+    return F.linear(x, w.to(x.dtype), b)
+
+
 STOCK_OPS = {
-    "linear": lambda x, w, b=None: F.linear(x, w.to(x.dtype), b),
-    "lora_linear": _stock_lora_linear,
+    "linear": _stock_linear,
+    "lora_linear": lambda *args: peft_lora_linear(_stock_linear, *args),
     "rms_norm": _stock_rms_norm,
     "add_rms_norm": _stock_add_rms_norm,
     "rms_norm_rope": lambda x, w, eps, cos, sin: _stock_rope(_stock_rms_norm(x, w, eps), cos, sin),

@@ -73,7 +73,7 @@ class RolloutWorker(threading.Thread):
             for _ in self._inline:  # the final load (and evaluation) after the last batch
                 pass
             return
-        if self.is_alive() or self.ident is not None:
+        if self.ident is not None:  # started (Thread.join refuses a thread never started)
             super().join(timeout)
 
     def publish(self, version: int, weights) -> None:
