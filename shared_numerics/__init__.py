@@ -24,7 +24,7 @@ from .reduce import exp64, tree_sum
 __all__ = [
     "KEY_CHUNK", "NumericsMismatchError", "NumericsMode", "OP_NAMES", "Q_TILE", "ROW_TILE", "RolloutBatch", "active_ops", "add_rms_norm", "apply_rope",
     "attention_over_chunks", "backend_for_device", "backend_name", "check_same_numerics", "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat",
-    "fused_selected_logprobs", "linear", "log_softmax", "lora_linear", "logprob_diff_metrics", "paged_causal_attention",
+    "fused_selected_logprobs", "linear", "log_softmax", "lora_linear", "add_lora", "logprob_diff_metrics", "paged_causal_attention",
     "quantize_fp8_weight", "rms_norm", "rms_norm_rope", "rope_cos_sin", "selected_logprobs", "silu_and_mul",
     "tree_sum",
 ]
@@ -77,6 +77,11 @@ def linear(x, weight, bias=None):
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_ids):
     """See :func:`shared_numerics.lora.lora_linear`."""
     return active_ops(x)["lora_linear"](x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
+
+
+def add_lora(y, x, lora_a, lora_b, scaling, adapter_ids):
+    """See :func:`shared_numerics.lora.add_lora`."""
+    return active_ops(x)["add_lora"](y, x, lora_a, lora_b, scaling, adapter_ids)
 
 
 def rms_norm(x, weight, eps):

@@ -5,13 +5,15 @@ Each row's bits depend only on that row, its adapter's weights and the base weig
 rows of which other adapters, share the call: the rows of one adapter are gathered and go through the backend's
 row-invariant ``linear`` (shrink ``x @ A^T``, then expand ``h @ B^T``), and the per-row result is scattered back.
 
-Arithmetic (mirrors PEFT's ``peft/tuners/lora/layer.py`` ``Linear.forward``, the trainer-side reference:
+Arithmetic (mirrors PEFT's ``peft/tuners/lora/layer.py`` ``Linear.forward``:
 ``result = base_layer(x); result = result + lora_B(lora_A(x)) * scaling``, every op in the activation dtype):
 the base output, the shrink and the expand are each rounded once to ``x.dtype`` (each is a ``linear``); then
 ``delta = round(expand * scaling)`` and ``y = round(base + delta)``, both computed in float32 and rounded once — what
-ATen does for a bf16 ``*`` and ``+`` on CPU, and what the Triton table does on GPU, so the two sides can share it.
-(vLLM's punica kernels instead accumulate the shrink in float32 and add the expand into the bf16 output in place;
-wiring this op into the zerokld engine in their place, and into the trainer's LoRA modules, is issue 18's next step.)
+ATen does for a bf16 ``*`` and ``+`` on CPU, and what the Triton table does on GPU, so the two sides share it.
+:func:`add_lora` is the second half alone (adapters added to a given base output): the serving engine runs it after
+its base projection, in place of vLLM's punica ``add_lora_linear`` (:mod:`vllm_plugin.lora`). vLLM folds each
+adapter's scaling into its ``lora_B`` when it loads the adapter (``round(B * scaling)``, then scaling 1); the trainer
+(:class:`titan_plugin.lora.ZeroKLDLoRALinear`) folds the same way, so both sides call this op with scaling 1.
 
 Adapters are stacked as vLLM stacks them (``LoRAModelManager``): ``lora_a [L, R, K]``, ``lora_b [L, N, R]`` with ``R``
 the engine's ``max_lora_rank``; an adapter of rank ``r < R`` is zero-padded (rows ``r..R`` of ``A``, columns of
@@ -26,7 +28,7 @@ import torch
 
 from .linear import linear as _linear
 
-__all__ = ["lora_linear", "lora_linear_with"]
+__all__ = ["add_lora", "add_lora_with", "lora_linear", "lora_linear_with"]
 
 
 def _scalings(scaling, n_adapters: int) -> torch.Tensor:
@@ -36,28 +38,33 @@ def _scalings(scaling, n_adapters: int) -> torch.Tensor:
     return s
 
 
-def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
-                     adapter_ids: torch.Tensor) -> torch.Tensor:
-    """:func:`lora_linear` on a backend's row-invariant ``linear`` (``linear(x, weight, bias)``, rounding to
-    ``x.dtype``); each backend's op table binds its own."""
-    k, n = x.shape[-1], weight.shape[0]
+def _check_adapters(x: torch.Tensor, n: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling,
+                    adapter_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
     if lora_a.dim() != 3 or lora_b.dim() != 3 or lora_a.shape[0] != lora_b.shape[0]:
         raise ValueError(f"lora_a must be [L, R, K] and lora_b [L, N, R]; got {tuple(lora_a.shape)} and "
                          f"{tuple(lora_b.shape)}")
     n_adapters, rank = lora_a.shape[0], lora_a.shape[1]
     if lora_a.shape[2] != k or tuple(lora_b.shape[1:]) != (n, rank):
         raise ValueError(f"adapter shapes {tuple(lora_a.shape)}, {tuple(lora_b.shape)} do not fit x [..., {k}] and "
-                         f"weight [{n}, {k}] (expected [L, R, {k}] and [L, {n}, R])")
+                         f"{n} outputs (expected [L, R, {k}] and [L, {n}, R])")
     if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"adapter_ids has shape {tuple(adapter_ids.shape)}; x's rows are {tuple(x.shape[:-1])}")
     ids = adapter_ids.reshape(-1).to(torch.int64)
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= n_adapters):
         raise ValueError(f"adapter ids must be in [-1, {n_adapters}); got {int(ids.min())}..{int(ids.max())}")
-    scales = _scalings(scaling, n_adapters)
+    return ids, _scalings(scaling, n_adapters)
+
+
+def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  scaling: torch.Tensor | Sequence[float], adapter_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`add_lora` on a backend's row-invariant ``linear``."""
+    n = y.shape[-1]
+    if tuple(y.shape[:-1]) != tuple(x.shape[:-1]) or y.dtype != x.dtype:
+        raise ValueError(f"y {tuple(y.shape)} {y.dtype} must have x's rows {tuple(x.shape[:-1])} and dtype {x.dtype}")
+    ids, scales = _check_adapters(x, n, lora_a, lora_b, scaling, adapter_ids)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    y = linear(x2, weight, bias)
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, n)
     rows_out, deltas = [], []
     for a in torch.unique(ids).tolist():
         if a < 0:
@@ -69,9 +76,38 @@ def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bi
         rows_out.append(rows)
     if deltas:
         rows = torch.cat(rows_out)
-        base = y.index_select(0, rows)
-        y = y.index_copy(0, rows, (base.float() + torch.cat(deltas).float()).to(x.dtype))
-    return y.reshape(*lead, n)
+        base = y2.index_select(0, rows)
+        y2 = y2.index_copy(0, rows, (base.float() + torch.cat(deltas).float()).to(x.dtype))
+    return y2.reshape(*lead, n)
+
+
+def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
+                     adapter_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`lora_linear` on a backend's row-invariant ``linear`` (``linear(x, weight, bias)``, rounding to
+    ``x.dtype``); each backend's op table binds its own."""
+    k, n = x.shape[-1], weight.shape[0]
+    _check_adapters(x, n, lora_a, lora_b, scaling, adapter_ids)
+    y = linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
+    return add_lora_with(linear, y, x, lora_a, lora_b, scaling, adapter_ids)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             scaling: torch.Tensor | Sequence[float], adapter_ids: torch.Tensor) -> torch.Tensor:
+    """The adapter half of :func:`lora_linear` on an already computed base output ``y = linear(x, W, b)``: rows
+    with an adapter become ``round(y + round(scaling * linear(linear(x, A), B)))``, base rows stay ``y``. What the
+    serving engine runs after its base projection (vLLM's ``punica_wrapper.add_lora_linear`` seam).
+
+    Args:
+        y: ``[..., N]`` base output, ``x.dtype``; x, lora_a, lora_b, scaling, adapter_ids: as :func:`lora_linear`.
+
+    Returns:
+        A new ``[..., N]`` tensor (``y`` is not modified).
+
+    Raises:
+        ValueError: inconsistent shapes or dtypes, an adapter id outside ``[-1, L)``, ``scaling`` not of length ``L``.
+    """
+    return add_lora_with(_linear, y, x, lora_a, lora_b, scaling, adapter_ids)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,

@@ -8,7 +8,7 @@ from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
 from .fused_logprobs import fused_selected_logprobs
 from .linear import linear
 from .logprobs import log_softmax, selected_logprobs
-from .lora import lora_linear
+from .lora import add_lora, lora_linear
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rms_norm_rope, rope_cos_sin
 

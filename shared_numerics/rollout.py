@@ -46,6 +46,9 @@ class RolloutBatch:
         loss_weights: ``B`` float32 ``[len(seq) - p]`` tensors, finite and non-negative: each completion token's loss
             is multiplied by its weight (Tinker's ``loss_fn_inputs["weights"]``: any mask — several completion
             segments of a multi-turn episode, tool outputs at 0); ``None`` = every completion token weighs 1.
+        ref_logprobs: ``B`` float32 ``[len(seq) - p]`` tensors, the reference policy's log-probs of the completion
+            tokens (e.g. the base model's, :func:`titan_plugin.lora.disable_adapter`), for the loss's k3 KL term
+            (``kl_beta``); ``None`` = not given.
         snapshot_identity: the weights that produced the rollouts (hot-load identity, ``x-zerokld-snapshot-identity``).
         numerics: the engine's :class:`NumericsMode` (``None``: the engine stamped none, i.e. ran without zerokld).
 
@@ -61,12 +64,14 @@ class RolloutBatch:
     snapshot_identity: str | None = None
     numerics: NumericsMode | None = None
     loss_weights: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.sequences)
         if not n:
             raise ValueError("empty rollout batch")
-        for name in ("prompt_lengths", "advantages", "sampler_logprobs", "routed_experts", "loss_weights"):
+        for name in ("prompt_lengths", "advantages", "sampler_logprobs", "routed_experts", "loss_weights",
+                     "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} rollouts")
@@ -77,9 +82,11 @@ class RolloutBatch:
                 a = self.advantages[i]
                 if isinstance(a, torch.Tensor) and a.numel() != len(s) - p:
                     raise ValueError(f"rollout {i}: {a.numel()} advantages for {len(s) - p} completion tokens")
-            if self.sampler_logprobs is not None and self.sampler_logprobs[i].numel() != len(s) - p:
-                raise ValueError(f"rollout {i}: {self.sampler_logprobs[i].numel()} sampler logprobs for "
-                                 f"{len(s) - p} completion tokens")
+            for name in ("sampler_logprobs", "ref_logprobs"):
+                lp = getattr(self, name)
+                if lp is not None and lp[i].numel() != len(s) - p:
+                    raise ValueError(f"rollout {i}: {lp[i].numel()} {name.replace('_', ' ')} for {len(s) - p} "
+                                     f"completion tokens")
             if self.loss_weights is not None:
                 w = self.loss_weights[i]
                 if w.numel() != len(s) - p:
@@ -159,7 +166,8 @@ class RolloutBatch:
 
         return replace(self, sequences=pick(self.sequences), prompt_lengths=pick(self.prompt_lengths),
                        advantages=pick(self.advantages), sampler_logprobs=pick(self.sampler_logprobs),
-                       routed_experts=pick(self.routed_experts), loss_weights=pick(self.loss_weights))
+                       routed_experts=pick(self.routed_experts), loss_weights=pick(self.loss_weights),
+                       ref_logprobs=pick(self.ref_logprobs))
 
     def check_numerics(self, trainer: NumericsMode) -> None:
         """Refuse rollouts sampled under other numerics than ``trainer``'s.
@@ -192,6 +200,16 @@ class RolloutBatch:
             if weights is not None:
                 weights[i, p - 1: len(s) - 1] = self.loss_weights[i]
         return tokens, labels, adv, q, weights
+
+    def pack_ref(self) -> torch.Tensor | None:
+        """The reference log-probs in :meth:`pack`'s layout: ``[B, T]`` float32, zeros outside completions;
+        ``None`` when the batch has no ``ref_logprobs``."""
+        if self.ref_logprobs is None:
+            return None
+        ref = torch.zeros(len(self), max(len(s) for s in self.sequences) - 1)
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+            ref[i, p - 1: len(s) - 1] = self.ref_logprobs[i]
+        return ref
 
     def padded_tokens(self, pad_id: int = 0) -> torch.Tensor:
         """``[B, max(len(seq))]`` int64, each whole sequence right-padded with ``pad_id`` (the scoring layout:

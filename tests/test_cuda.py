@@ -73,6 +73,7 @@ def test_lora_linear_rows_invariant_at_llm_shapes(T, dtype):
     full = T["lora_linear"](x, w, None, a, bb, s, ids)
     perm = torch.randperm(2048, generator=_g(6), device=DEV)
     assert torch.equal(T["lora_linear"](x[perm], w, None, a, bb, s, ids[perm]), full[perm])
+    assert torch.equal(T["add_lora"](T["linear"](x, w), x, a, bb, s, ids), full)  # the engine's half
 
     def stock(rows):
         return STOCK_OPS["lora_linear"](x[rows], w, None, a, bb, s, ids[rows])

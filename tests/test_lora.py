@@ -59,6 +59,23 @@ def test_arithmetic_is_peft(dtype):
     torch.testing.assert_close(y.float(), STOCK_OPS["lora_linear"](x, w, b, a, bb, s, ids).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_lora_is_the_adapter_half(dtype):
+    """``add_lora`` on the base output (what the engine runs after its base projection) == ``lora_linear``, base
+    rows untouched, the input not modified; with the scaling folded into ``lora_B`` (vLLM's
+    ``LoRALayerWeights.optimize``: ``round(B * s)``, scaling 1) it equals the unfolded op for power-of-two scalings."""
+    x, w, b, a, bb, s, ids = _case(dtype)
+    base = sn.linear(x, w, b)
+    kept = base.clone()
+    y = sn.add_lora(base, x, a, bb, s, ids)
+    assert torch.equal(base, kept) and torch.equal(y, sn.lora_linear(x, w, b, a, bb, s, ids))
+    assert torch.equal(y[ids == -1], base[ids == -1])
+    folded = bb * s.to(dtype)[:, None, None]
+    assert torch.equal(sn.add_lora(base, x, a, folded, torch.ones(3), ids), y)  # 2.0, 0.5, 1.0: powers of two
+    with pytest.raises(ValueError, match="dtype"):
+        sn.add_lora(base.double(), x, a, bb, s, ids)
+
+
 def test_stock_peft_arithmetic_depends_on_the_batch():
     """Negative control: PEFT on ATen's ``F.linear`` (fp32: GEMV for one row, GEMM for many) — a row alone differs
     from the same row co-batched with other adapters' rows; ours (same inputs) does not."""

@@ -93,3 +93,32 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
         start_llm(ckpt, dtype="float32", batch_invariant=case != "fp8_checkpoint_without_plugin", **kwargs)
     out, err = capfd.readouterr()
     assert expected in str(raised.value) + out + err
+
+
+def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
+    """``enable_lora`` is served (tests/test_lora_vllm.py) except with FP8, on MoE experts, or with a lora_dtype other
+    than the model's: the start-time check names each (the same check every engine start runs)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config.lora import LoRAConfig
+
+    from vllm_plugin.models.dense import check_supported
+    from zerokld_models import adapter_for, read_model_config
+
+    def config(family: str, fp8: bool = False, lora_dtype="auto"):
+        cfg = read_model_config(checkpoint_factory(family, "bfloat16"))
+        extra = {"zerokld": {"batch_invariant": True, **({"fp8": True} if fp8 else {})}}
+        vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                             model_config=SimpleNamespace(dtype=torch.bfloat16), quant_config=None,
+                             lora_config=LoRAConfig(max_lora_rank=8, lora_dtype=lora_dtype),
+                             additional_config=extra)
+        return vc, cfg, adapter_for(cfg)
+
+    check_supported(*config("qwen3"))  # served
+    check_supported(*config("qwen3", lora_dtype=torch.bfloat16))
+    for args, expected in ((config("qwen3", fp8=True), "LoRA with FP8"),
+                           (config("qwen3_moe"), "LoRA on an MoE model"),
+                           (config("qwen3", lora_dtype=torch.float32), "lora_dtype")):
+        with pytest.raises(ZeroKLDConfigError, match=expected):
+            check_supported(*args)

@@ -7,7 +7,9 @@ Names and shapes follow Tinker's ``TrainingClient`` (``forward``, ``forward_back
      "loss_fn_inputs": {"target_tokens": [n],          # next-token aligned: target[i] = model_input[i + 1]
                         "weights": [n],                # per-token loss weights >= 0, any mask (default: all 1)
                         "advantages": [n], "logprobs": [n],    # RL losses: per target token, sampler logprobs
-                        "routed_experts": [n, layers, top_k]}} # MoE: vLLM's routed_experts, replayed (optional)
+                        "routed_experts": [n, layers, top_k],  # MoE: vLLM's routed_experts, replayed (optional)
+                        "ref_logprobs": [n]}}          # reference log-probs for loss_fn_config kl_beta (optional;
+                                                       # zerokld's, not Tinker's: forward(data, base_only=True))
 
 (lists, numpy arrays or tensors), optionally with ``"zerokld_numerics"`` (the engine's stamp from the sampling
 response). As in Tinker, every datum is scored at all ``n`` target positions: ``loss_fn_outputs[i]["logprobs"]`` of
@@ -15,7 +17,13 @@ response). As in Tinker, every datum is scored at all ``n`` target positions: ``
 log-prob per target token — the trainer's, bitwise what vLLM reports for it. Each token's loss is multiplied by its
 weight (Tinker's ``cross_entropy``: ``-sum(weights * logprobs)``; RL losses: Tinker's formulas, and a weight, when
 given, masks them too: prompt, tool outputs, earlier turns), summed (Tinker: no normaliser); weight-0 tokens count in
-no metric, and GSPO's sequence ratio averages over the weighted tokens.
+no metric, and GSPO's sequence ratio averages over the weighted tokens. ``loss_fn_config`` may add the
+loss-independent corrections of :class:`shared_numerics.losses.CorrectionConfig` (``kl_beta``: the k3 KL term against
+``ref_logprobs``; ``tis_cap``; ``mis_low`` / ``mis_high``).
+
+LoRA (:meth:`TrainingClient.create_lora`, Tinker's ``create_lora_training_client``): the base stays frozen,
+``save_weights_for_sampler`` writes a PEFT adapter, and ``forward(data, base_only=True)`` gives the base model's
+log-probs — bitwise a full-parameter client's on the base checkpoint — for the reference-KL term.
 
 Every method also takes a :class:`shared_numerics.RolloutBatch` instead of datums (its completion tokens scored,
 its ``loss_weights`` applied). Stamped data (a batch from ``RolloutBatch.from_vllm`` / ``from_openai``, or datums
@@ -68,7 +76,8 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         n = len(x)
         if len(tgt) != n or tgt[:-1] != x[1:]:
             raise ValueError(f"datum {i}: target_tokens must be model_input shifted by one (length {n})")
-        row = {key: _t(li[key]) if key in li else None for key in ("weights", "advantages", "logprobs")}
+        row = {key: _t(li[key]) if key in li else None for key in ("weights", "advantages", "logprobs",
+                                                                     "ref_logprobs")}
         for key, value in row.items():
             if value is not None and value.numel() != n:
                 raise ValueError(f"datum {i}: loss_fn_inputs[{key!r}] has {value.numel()} values for {n} targets")
@@ -83,10 +92,14 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
             raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
         adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
+    refs = [i["ref_logprobs"] for i in inputs]
+    if any(r is None for r in refs) and any(r is not None for r in refs):
+        raise ValueError("loss_fn_inputs 'ref_logprobs' must be given for every datum or for none")
     stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
     return RolloutBatch(seqs, [1] * len(seqs), adv, q, _routes(inputs),
                         numerics=common_numerics(stamped) if stamped else numerics,
-                        loss_weights=[i["weights"] for i in inputs])
+                        loss_weights=[i["weights"] for i in inputs],
+                        ref_logprobs=None if refs[0] is None else refs)
 
 
 def _routes(inputs: list[dict]):
@@ -116,6 +129,46 @@ class TrainingClient:
         cfg = rl_trainer_config(checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused, max_norm=max_norm)
         return cls(RLTrainer(cfg), dtype)
 
+    @classmethod
+    def create_lora(cls, checkpoint_dir: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True,
+                    train_attn: bool = True, train_unembed: bool = False, *, alpha: float = 32.0,
+                    max_rank: int = 0, dtype: str = "bfloat16", learning_rate: float = 1e-4, fused: bool = True,
+                    dump_folder: str | None = None, max_norm: float = 1.0) -> "TrainingClient":
+        """A LoRA training client on a frozen base checkpoint (Tinker's
+        ``ServiceClient.create_lora_training_client(base_model, rank, seed, train_mlp, train_attn, train_unembed)``,
+        ``tinker.types.LoraConfig``): adapters on the attention projections (q/k/v/o) and/or the MLP (gate/up/down),
+        scaling ``alpha / rank``, zero-padded to ``max_rank`` (the engine's ``max_lora_rank``; 0: ``rank``);
+        optimizer state for the adapters only. :meth:`save_weights_for_sampler` writes a PEFT adapter;
+        ``forward(data, base_only=True)`` scores with the base model (reference log-probs).
+
+        Args:
+            seed: seeds TorchTitan's initialisation of ``lora_A`` (``debug.seed``); ``None``: TorchTitan's default.
+            train_unembed: Tinker's lm_head adapter; not supported (the fused lm_head has no LoRA path).
+
+        Raises:
+            NotImplementedError: ``train_unembed=True``, or an MoE checkpoint.
+            ValueError: neither ``train_mlp`` nor ``train_attn``.
+        """
+        from .lora import lora_converter_config
+
+        if train_unembed:
+            raise NotImplementedError("zerokld LoRA does not adapt the lm_head (train_unembed=False)")
+        lora = lora_converter_config(rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp,
+                                     max_rank=max_rank)
+        dump = dump_folder or str(Path(checkpoint_dir).resolve().parent / (Path(checkpoint_dir).name + "_lora"))
+        cfg = rl_trainer_config(checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused, max_norm=max_norm,
+                                lora=lora)
+        if seed is not None:
+            cfg.debug.seed = seed
+        return cls(RLTrainer(cfg), dtype)
+
+    @property
+    def is_lora(self) -> bool:
+        """Whether this client trains LoRA adapters on a frozen base (:meth:`create_lora`)."""
+        from .lora import lora_modules
+
+        return bool(lora_modules(self.trainer.model))
+
     def _loss(self, loss_fn: str, loss_fn_config: dict | None) -> RLLoss:
         key = (loss_fn, tuple(sorted((loss_fn_config or {}).items())))
         if key not in self._losses:
@@ -127,9 +180,12 @@ class TrainingClient:
             return data
         return datums_to_rollouts(data, self.trainer.numerics, loss_fn)
 
-    def forward(self, data: list[dict] | RolloutBatch) -> dict:
-        """Log-probs of every target token (no gradients): ``loss_fn_outputs[i]["logprobs"]`` float32 ``[n]``."""
-        return {"loss_fn_outputs": [{"logprobs": lp} for lp in self.trainer.forward_logprobs(self._batch(data))]}
+    def forward(self, data: list[dict] | RolloutBatch, base_only: bool = False) -> dict:
+        """Log-probs of every target token (no gradients): ``loss_fn_outputs[i]["logprobs"]`` float32 ``[n]``.
+        ``base_only`` (a LoRA client): the frozen base model's — the reference log-probs to pass back as
+        ``loss_fn_inputs["ref_logprobs"]`` with ``loss_fn_config={"kl_beta": ...}`` (k3 KL term)."""
+        lps = self.trainer.forward_logprobs(self._batch(data), base_only=base_only)
+        return {"loss_fn_outputs": [{"logprobs": lp} for lp in lps]}
 
     def forward_backward(self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None
                          ) -> dict:
@@ -166,8 +222,12 @@ class TrainingClient:
         self.trainer.step = step
 
     def save_weights_for_sampler(self, name: str) -> str:
-        """A full HF snapshot the vLLM side loads (``reload_weights`` / a new engine); returns its directory."""
+        """What the vLLM side loads, returns its directory: a full HF snapshot (``reload_weights`` / a new engine),
+        or for a LoRA client (:meth:`create_lora`) the PEFT adapter (``adapter_config.json`` +
+        ``adapter_model.safetensors``) to serve on the base checkpoint (vLLM ``--enable-lora``)."""
         out = Path(self.trainer.config.dump_folder) / "sampler_weights" / name
+        if self.is_lora:
+            return str(self.trainer.save_lora(out, self.dtype))
         return str(self.trainer.save_hf(out, self.dtype))
 
     def close(self) -> None:

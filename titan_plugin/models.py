@@ -168,10 +168,12 @@ def load_hf_weights(model: torch.nn.Module, model_cfg, cfg: ModelConfig, checkpo
 
 
 def hf_state_dict(model: torch.nn.Module, model_cfg, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names (TorchTitan's ``to_hf``; DTensors gathered), detached copies."""
+    """The model's weights under HF names (TorchTitan's ``to_hf``; DTensors gathered), detached copies; a LoRA
+    model's base weights (its adapters: :func:`titan_plugin.lora.peft_adapter_state_dict`)."""
     from torch.distributed.tensor import DTensor
 
-    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+          if ".lora_a." not in k and ".lora_b." not in k}  # LoRA adapters: titan_plugin.lora.save_peft_adapter
     if model_cfg.enable_weight_tying:
         sd.pop("lm_head.weight", None)
     out = _adapter(model_cfg, cfg, None).to_hf(sd)

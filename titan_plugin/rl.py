@@ -8,6 +8,7 @@ checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_regist
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -29,11 +30,13 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from shared_numerics.losses import normalize_loss  # noqa: E402
+from shared_numerics.losses import CorrectionConfig, normalize_loss  # noqa: E402
 from shared_numerics.mode import NumericsMode  # noqa: E402
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
 
 from .logprobs import sequence_logprobs  # noqa: E402
+from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,  # noqa: E402
+                   save_peft_adapter)
 from .losses import RLLoss  # noqa: E402
 from zerokld_models import ModelConfig, adapter_for, read_model_config  # noqa: E402
 
@@ -92,23 +95,40 @@ def numerics_mode(config) -> NumericsMode:
                               config.zerokld.fp8, device_type=device_type)
 
 
-def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None) -> ModelSpec:
+def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None, lora=None) -> ModelSpec:
     from zerokld_plugins import resolve
 
     model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8)
+    parallelize = resolve(adapter_for(cfg).titan_parallelize)
+    if lora is not None:
+        model_cfg, parallelize = _apply_lora(model_cfg, lora, batch_invariant), keep_requires_grad(parallelize)
     post_optimizer = None
     if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
         # TorchTitan's auxiliary-loss-free load balancing updates expert_bias_E; ZeroKLDMoE never routes by it
         from torchtitan.components.optimizer import register_moe_load_balancing_hook as post_optimizer
     return ModelSpec(name=cfg.architecture, flavor="hf", model=model_cfg,
-                     parallelize_fn=resolve(adapter_for(cfg).titan_parallelize), pipelining_fn=None,
+                     parallelize_fn=parallelize, pipelining_fn=None,
                      post_optimizer_build_fn=post_optimizer, state_dict_adapter=state_dict_adapter_class(cfg))
+
+
+def _apply_lora(model_cfg, lora, batch_invariant: bool):
+    """The model config with LoRA adapters: zerokld's converter, or (stock numerics) TorchTitan's own with the same
+    rank, alpha and targets."""
+    if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
+        raise NotImplementedError("zerokld LoRA adapts dense decoder projections; MoE experts are not adapted")
+    if batch_invariant:
+        return lora.build().convert(model_cfg)
+    from torchtitan.components.lora import LoRAConverter
+
+    stock = LoRAConverter.Config(rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules))
+    return stock.build().convert(model_cfg)
 
 
 def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
                       steps: int = 1000, batch_invariant: bool = True, loss_fn: str = "ppo",
                       loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
-                      fp8: str | None = None, corrections: dict | None = None) -> "RLTrainer.Config":
+                      fp8: str | None = None, corrections: dict | None = None,
+                      lora: "ZeroKLDLoRAConverter.Config | None" = None) -> "RLTrainer.Config":
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -130,14 +150,20 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         corrections: :class:`shared_numerics.losses.CorrectionConfig` fields for the configured loss (``tis_cap``:
             truncated importance sampling, ``mis_low``/``mis_high``: masked importance sampling, ``kl_beta``), e.g.
             for stale rollouts in asynchronous RL; ``None``: off.
+        lora: LoRA training (:func:`titan_plugin.lora.lora_converter_config`): frozen base, adapters on the
+            targets, optimizer state for the adapters only; ``None``: full-parameter training. With
+            ``batch_invariant=False``, TorchTitan's own ``LoRAConverter`` (stock ``F.linear`` adapters).
 
     Raises:
-        ValueError: ``fused`` or ``fp8`` without ``batch_invariant``.
+        ValueError: ``fused`` or ``fp8`` without ``batch_invariant``; ``lora`` with ``fp8``.
+        NotImplementedError: ``lora`` on an MoE model.
     """
     if fused and not batch_invariant:
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
+    if lora is not None and fp8 is not None:
+        raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
     cfg = read_model_config(checkpoint_dir)
-    spec = _model_spec(cfg, batch_invariant, fp8)
+    spec = _model_spec(cfg, batch_invariant, fp8, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
         model_spec=spec,
@@ -227,7 +253,8 @@ class RLTrainer(Trainer):
         self._pending = None  # train_step zeroes the gradients forward_backward accumulated
         t_pack = time.perf_counter()
         tokens, labels, adv, q, weights = batch.pack()
-        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, weights=weights)
+        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, batch.pack_ref(),
+                                   weights=weights)
         self.dataloader.put({"input": tokens}, labels)
         self.step += 1
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
@@ -242,17 +269,31 @@ class RLTrainer(Trainer):
         return None if batch.routed_experts is None else pack_routes(batch.routed_experts, seq_len)
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+    def forward_logprobs(self, batch: RolloutBatch, base_only: bool = False) -> list[torch.Tensor]:
         """The training forward's completion log-probs (float32, per rollout), without gradients or an update
-        (the batch's routes replayed, as in :meth:`rl_step`; its numerics checked likewise)."""
+        (the batch's routes replayed, as in :meth:`rl_step`; its numerics checked likewise).
+
+        ``base_only``: a LoRA trainer's base model alone (:func:`titan_plugin.lora.disable_adapter`): the reference
+        log-probs of the k3 KL term (``RolloutBatch.ref_logprobs``, ``corrections={"kl_beta": ...}``), bitwise a
+        full-parameter trainer's on the base checkpoint.
+
+        Raises:
+            ValueError: ``base_only`` on a trainer without LoRA adapters.
+        """
         self._check(batch)
-        return sequence_logprobs(self.model, batch.sequences, batch.prompt_lengths, fused=self.config.loss.fused,
-                                 routed_experts=batch.routed_experts)
+        ctx = disable_adapter(self.model) if base_only else contextlib.nullcontext()
+        with ctx:
+            return sequence_logprobs(self.model, batch.sequences, batch.prompt_lengths,
+                                     fused=self.config.loss.fused, routed_experts=batch.routed_experts)
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
-        """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused)."""
-        loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}),
-                             fused=self.config.loss.fused, normalization=normalization).build()
+        """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused).
+        ``loss_fn_config`` may also hold :class:`shared_numerics.losses.CorrectionConfig` fields (``kl_beta``,
+        ``tis_cap``, ``mis_low``, ``mis_high``): they go to the loss's corrections."""
+        config = dict(loss_fn_config or {})
+        corrections = {k: config.pop(k) for k in CorrectionConfig.model_fields if k in config}
+        loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=config, fused=self.config.loss.fused,
+                             normalization=normalization, corrections=corrections).build()
         if self.config.loss.fused:
             loss.set_lm_head(self.model.lm_head)
         return loss
@@ -290,7 +331,7 @@ class RLTrainer(Trainer):
             for i in range(len(batch)):
                 one = batch.select([i])
                 tokens, labels, adv, q, weights = one.pack()
-                loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, weights=weights)
+                loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, one.pack_ref(), weights=weights)
                 with replay_routes(self.model, self._routes(one, tokens.shape[1])):
                     self.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
                 parts.append(loss.last)
@@ -362,6 +403,23 @@ class RLTrainer(Trainer):
         from deltasync import write_full_snapshot
 
         return write_full_snapshot(self.hf_weights(dtype), self.config.hf_assets_path, out_dir)
+
+    def save_lora(self, out_dir: str | Path, dtype: str) -> Path:
+        """Publish the LoRA adapters as a PEFT adapter directory (:func:`titan_plugin.lora.save_peft_adapter`; HF
+        module names, ``dtype`` casts) that vLLM serves on the base checkpoint.
+
+        Raises:
+            ValueError: the trainer has no LoRA adapters."""
+        return save_peft_adapter(self.model, state_dict_adapter_class(self._hf)(self.model_config, None), out_dir,
+                                 dtype, base_model_name_or_path=str(self.config.hf_assets_path))
+
+    def load_lora(self, adapter_dir: str | Path) -> None:
+        """Load a PEFT adapter directory into this LoRA trainer's adapters (:func:`titan_plugin.lora.load_peft_adapter`:
+        same rank, alpha and targets); the optimizer state is left as it is.
+
+        Raises:
+            ValueError: no LoRA adapters, or an adapter that does not fit them (nothing loaded)."""
+        load_peft_adapter(self.model, state_dict_adapter_class(self._hf)(self.model_config, None), adapter_dir)
 
     def save_fp8(self, out_dir: str | Path, dtype: str, granularity: str = "per_channel") -> Path:
         """Export the current weights as the FP8 serving checkpoint

@@ -6,7 +6,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..fused_logprobs import auto_chunk
-from ..lora import lora_linear_with
+from ..lora import add_lora_with, lora_linear_with
 from ..rope import rope_cos_sin
 from .attention import dense_causal_attention, paged_causal_attention
 from .fp8 import fp8_linear, fp8_linear_qat, quantize_fp8_weight
@@ -39,6 +39,11 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_ids):
     """Triton :func:`shared_numerics.lora.lora_linear`: the same gathering and float32 scale/add around the Triton
     GEMM (each adapter's rows: shrink, then expand, each one persistent-GEMM call)."""
     return lora_linear_with(linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
+
+
+def add_lora(y, x, lora_a, lora_b, scaling, adapter_ids):
+    """Triton :func:`shared_numerics.lora.add_lora` (the adapter half of :func:`lora_linear`)."""
+    return add_lora_with(linear, y, x, lora_a, lora_b, scaling, adapter_ids)
 
 
 OPS = op_table(globals())  # every name of shared_numerics.op_names.OP_NAMES, in that order

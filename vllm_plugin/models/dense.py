@@ -110,8 +110,14 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     if qc is not None and getattr(qc, "get_name", lambda: None)() != QUANT_METHOD:
         problems.append(f"quantization {qc.get_name()} (zerokld serves its own FP8: additional_config fp8, or a "
                         f"{QUANT_METHOD} checkpoint)")
-    if vllm_config.lora_config is not None:
-        problems.append("LoRA")
+    lc = vllm_config.lora_config
+    if lc is not None:
+        if from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config):
+            problems.append("LoRA with FP8 (the adapters would bypass the FP8 GEMM)")
+        if cfg.num_experts:
+            problems.append("LoRA on an MoE model (experts are not adapted)")
+        if lc.lora_dtype not in ("auto", None, vllm_config.model_config.dtype):
+            problems.append(f"lora_dtype {lc.lora_dtype} (adapters run in the model dtype: leave it auto)")
     if adapter.qkv_bias and (from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config)):
         problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
     if problems:
@@ -119,14 +125,24 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
                                  + "; ".join(problems))
 
 
+def _proj(out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False, lora: bool = False) -> nn.Module:
+    """A decoder projection: :class:`vllm_plugin.lora.LoRAProj` when the engine serves LoRA adapters (vLLM's
+    LoRA manager wraps it), else :class:`_Proj`."""
+    if lora:
+        from ..lora import LoRAProj
+
+        return LoRAProj(out_features, in_features, bias, _param)
+    return _Proj(out_features, in_features, fp8, bias=bias)
+
+
 class _DenseMLP(nn.Module):
     """``down(silu_and_mul(gate f, up f))`` with HF names ``gate_proj`` / ``up_proj`` / ``down_proj``."""
 
-    def __init__(self, h: int, inter: int, fp8: Fp8Mode) -> None:
+    def __init__(self, h: int, inter: int, fp8: Fp8Mode, lora: bool = False) -> None:
         super().__init__()
-        self.gate_proj = _Proj(inter, h, fp8)
-        self.up_proj = _Proj(inter, h, fp8)
-        self.down_proj = _Proj(h, inter, fp8)
+        self.gate_proj = _proj(inter, h, fp8, lora=lora)
+        self.up_proj = _proj(inter, h, fp8, lora=lora)
+        self.down_proj = _proj(h, inter, fp8, lora=lora)
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         return self.down_proj(sn.silu_and_mul(self.gate_proj(f), self.up_proj(f)))
@@ -134,7 +150,7 @@ class _DenseMLP(nn.Module):
 
 class _Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, adapter, vllm_config, prefix: str, fp8: Fp8Mode,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, lora: bool = False) -> None:
         super().__init__()
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qk_norm = adapter.qk_norm
@@ -145,8 +161,8 @@ class _Layer(nn.Module):
         self.post_attention_layernorm.weight = _param(h)
         sa = self.self_attn = nn.Module()
         for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            setattr(sa, name, _Proj(out, h, fp8, bias=adapter.qkv_bias))
-        sa.o_proj = _Proj(h, nq * hd, fp8)
+            setattr(sa, name, _proj(out, h, fp8, bias=adapter.qkv_bias, lora=lora))
+        sa.o_proj = _proj(h, nq * hd, fp8, lora=lora)
         self.qk_norm = qk_norm
         if qk_norm:
             sa.q_norm = nn.Module()
@@ -154,7 +170,7 @@ class _Layer(nn.Module):
             sa.k_norm = nn.Module()
             sa.k_norm.weight = _param(hd)
         # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
-        self.mlp = mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8)
+        self.mlp = mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora)
         sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
@@ -188,11 +204,13 @@ class DenseDecoder(nn.Module):
                  mlp_factory=None) -> None:
         super().__init__()
         fp8 = fp8 or Fp8Mode()
+        lora = vllm_config.lora_config is not None
         self.cfg = cfg
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [_Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None)
+            [_Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None,
+                    lora=lora)
              for i in range(cfg.num_hidden_layers)]
         )
         self.norm = nn.Module()
@@ -251,6 +269,10 @@ class ZeroKLDMixin:
             return
         self.model_cfg = read_model_config(vllm_config.model_config.hf_config)
         check_supported(vllm_config, self.model_cfg, self.adapter)
+        if vllm_config.lora_config is not None:  # vLLM's LoRA manager wraps our projections with our LoRA layer
+            from ..lora import install
+
+            install()
         check_sampler_supported(vllm_config)
         nn.Module.__init__(self)
         self.config = vllm_config.model_config.hf_config
@@ -304,6 +326,8 @@ class ZeroKLDMixin:
         if not self.batch_invariant:
             return super().load_weights(weights)
         params = dict(self.named_parameters(remove_duplicate=False))
+        # vLLM's LoRA manager wraps each projection (vllm_plugin.lora): its weight lives at ``...base_layer.weight``
+        params.update({k.replace(".base_layer.", "."): v for k, v in list(params.items()) if ".base_layer." in k})
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:

@@ -1,0 +1,298 @@
+"""LoRA training on the zerokld TorchTitan models: TorchTitan's own :class:`torchtitan.components.lora.LoRAConverter`
+(frozen base, ``lora_a`` / ``lora_b`` adapter ``Linear`` s, same parameter names and initialisation), with the
+adapted projections computed by :func:`shared_numerics.lora_linear` — the batch-invariant multi-LoRA op the serving
+side shares — instead of stock ``F.linear`` s.
+
+* :class:`ZeroKLDLoRAConverter` / :func:`lora_converter_config`: the converter, targets named by Tinker's switches
+  (``train_attn``: q/k/v/o, ``train_mlp``: gate/up/down) or by HF / PEFT module names (``q_proj``...).
+* :func:`disable_adapter`: PEFT's ``PeftModel.disable_adapter()`` context: the base model alone (adapter ids ``-1``),
+  bitwise the full-parameter model's forward — the reference log-probs of RL's KL term.
+* :func:`peft_adapter_state_dict` / :func:`save_peft_adapter`: the adapter as PEFT writes it (``adapter_config.json``
+  + ``adapter_model.safetensors`` with ``base_model.model.<hf module>.lora_A.weight`` keys), which vLLM's
+  ``LoRAModel.from_local_checkpoint`` and PEFT load.
+* :func:`load_peft_adapter`: the inverse, into a LoRA model of the same rank and targets (start RL from an SFT
+  adapter; score what an engine served).
+* :func:`keep_requires_grad`: TorchTitan 0.3.0's ``spmd_types`` parallelize re-registers every parameter as
+  ``nn.Parameter(tensor)`` (``torchtitan/protocols/module.py`` ``_spmd_distribute_state``), which turns the frozen
+  base trainable again; the wrapper restores the flags before the optimizer is built, so its state holds the
+  adapters only (fixed upstream after 0.3.0: pytorch/torchtitan#4267, "Preserve requires_grad when distributing
+  parameters"; the wrapper is then a no-op).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torchtitan.components.lora import LoRAConverter, _get_lora_cls
+
+import shared_numerics as sn
+
+from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear
+
+__all__ = ["HF_TO_TITAN", "ZeroKLDLoRAConverter", "ZeroKLDLoRALinear", "disable_adapter", "keep_requires_grad",
+           "load_peft_adapter", "lora_converter_config", "lora_modules", "peft_adapter_state_dict",
+           "save_peft_adapter"]
+
+# HF / PEFT module names -> TorchTitan config-tree names (wk and wv share one config node, "wkv", when unfused).
+HF_TO_TITAN = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo",
+               "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
+    """TorchTitan's ``LoRALinear`` over :class:`titan_plugin.overrides.ZeroKLDLinear` (same ``weight``,
+    ``lora_a.weight [r, K]``, ``lora_b.weight [N, r]``, scaling ``alpha / r``, frozen base), whose forward is
+    :func:`shared_numerics.lora_linear` with one adapter, zero-padded to ``max_rank`` (the engine's
+    ``max_lora_rank``: the padded rank is part of the op's definition), and the scaling folded into ``lora_B`` in
+    the forward dtype (``round(B * scaling)``, then scaling 1) — what vLLM does when it loads an adapter
+    (``vllm/lora/lora_weights.py`` ``LoRALayerWeights.optimize``). For power-of-two scalings (``alpha / r`` = 2,
+    PEFT's and Tinker's usual choice) that is exactly PEFT's ``lora_B(lora_A(x)) * scaling``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_get_lora_cls(ZeroKLDLinear).Config):
+        max_rank: int = 0  # 0: rank
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.alpha = config.alpha
+        self.max_rank = max(config.max_rank, config.rank)
+        self.adapter_enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_a.weight, self.lora_b.weight * self._lora_scaling
+        pad = self.max_rank - a.shape[0]
+        if pad:
+            a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+            b = torch.nn.functional.pad(b, (0, pad))
+        ids = torch.full(x.shape[:-1], 0 if self.adapter_enabled else -1, dtype=torch.int64, device=x.device)
+        return sn.lora_linear(x, self.weight, self.bias, a.unsqueeze(0), b.unsqueeze(0), [1.0], ids)
+
+
+class ZeroKLDLoRAConverter(LoRAConverter):
+    """:class:`torchtitan.components.lora.LoRAConverter` whose targets become :class:`ZeroKLDLoRALinear`.
+
+    Targets must be zerokld decoder projections (apply after :func:`titan_plugin.overrides.apply_zerokld_overrides`).
+
+    Raises (``convert``):
+        NotImplementedError: a target that is not a :class:`~titan_plugin.overrides.ZeroKLDLinear` (stock
+            ``Linear``), an FP8 QAT linear, or the lm_head.
+        ValueError: a target name that matches nothing.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(LoRAConverter.Config):
+        max_rank: int = 0
+        """The engine's ``max_lora_rank`` (adapters are zero-padded to it); 0: ``rank``."""
+
+    def __init__(self, config: Config, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        if config.max_rank and config.max_rank < config.rank:
+            raise ValueError(f"max_rank {config.max_rank} is below the LoRA rank {config.rank}")
+        self.max_rank = config.max_rank
+
+    def _make_lora_config(self, cfg):
+        owner = cfg._owner
+        if owner is not ZeroKLDLinear:
+            kind = "FP8 QAT linears" if owner is not None and issubclass(owner, ZeroKLDFp8Linear) else \
+                f"{getattr(owner, '__name__', owner)} (only zerokld decoder projections)"
+            raise NotImplementedError(f"zerokld LoRA does not adapt {kind}")
+        return ZeroKLDLoRALinear.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init},
+                                        rank=self.rank, alpha=self.alpha, max_rank=self.max_rank)
+
+    def convert(self, model_config):
+        targets = self.target_modules or set()
+        found = {fqn.rsplit(".", 1)[-1] for fqn, *_ in model_config.traverse(ZeroKLDLinear.Config, recurse=True)}
+        if self.target_modules is None or "lm_head" in targets:
+            raise NotImplementedError("zerokld LoRA adapts named decoder projections, not the lm_head "
+                                      "(give target_modules)")
+        if targets - found:
+            raise ValueError(f"LoRA targets {sorted(targets - found)} match no projection; the model has "
+                             f"{sorted(found)}")
+        return super().convert(model_config)
+
+
+def lora_converter_config(rank: int = 32, alpha: float = 32.0, train_attn: bool = True, train_mlp: bool = True,
+                          target_modules: list[str] | None = None, max_rank: int = 0) -> ZeroKLDLoRAConverter.Config:
+    """The converter config for Tinker's LoRA switches (``tinker.types.LoraConfig``: ``rank``, ``train_attn``,
+    ``train_mlp``) or explicit HF / PEFT ``target_modules`` (``q_proj`` ... ``down_proj``; they win).
+
+    Args:
+        rank: LoRA rank ``r``; alpha: ``lora_alpha`` (scaling ``alpha / r``, PEFT's); max_rank: the engine's
+            ``max_lora_rank`` (0: ``rank``).
+
+    Raises:
+        ValueError: no target, or an unknown module name.
+    """
+    names = list(target_modules) if target_modules is not None else \
+        [*(ATTN_TARGETS if train_attn else ()), *(MLP_TARGETS if train_mlp else ())]
+    unknown = [n for n in names if n not in HF_TO_TITAN]
+    if unknown or not names:
+        raise ValueError(f"LoRA targets must be a non-empty subset of {sorted(HF_TO_TITAN)}; got {names}")
+    if ("k_proj" in names) != ("v_proj" in names):
+        raise ValueError("k_proj and v_proj are one TorchTitan config node (wkv): adapt both or neither")
+    titan = sorted({HF_TO_TITAN[n] for n in names})
+    return ZeroKLDLoRAConverter.Config(rank=rank, alpha=alpha, target_modules=titan, max_rank=max_rank)
+
+
+def lora_modules(model: torch.nn.Module) -> dict[str, ZeroKLDLoRALinear]:
+    """The model's LoRA projections by TorchTitan FQN (empty for a full-parameter model)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, ZeroKLDLoRALinear)}
+
+
+@contextlib.contextmanager
+def disable_adapter(model: torch.nn.Module):
+    """Run the base model alone inside the block (PEFT's ``PeftModel.disable_adapter()``): every LoRA projection
+    computes ``linear(x, W, b)``, bitwise the full-parameter zerokld model's forward.
+
+    Raises:
+        ValueError: the model has no LoRA projection."""
+    mods = list(lora_modules(model).values())
+    if not mods:
+        raise ValueError("the model has no LoRA adapter to disable")
+    saved = [m.adapter_enabled for m in mods]
+    for m in mods:
+        m.adapter_enabled = False
+    try:
+        yield model
+    finally:
+        for m, s in zip(mods, saved):
+            m.adapter_enabled = s
+
+
+def keep_requires_grad(parallelize_fn):
+    """Wrap a TorchTitan ``parallelize_fn`` so every parameter keeps the ``requires_grad`` it had before (see the
+    module docstring: TorchTitan 0.3.0's ``spmd_types`` path resets it, unfreezing a LoRA model's base)."""
+    @functools.wraps(parallelize_fn)
+    def wrapped(model, **kwargs):
+        before = {name: p.requires_grad for name, p in model.named_parameters()}
+        out = parallelize_fn(model, **kwargs)
+        for name, p in model.named_parameters():
+            if name in before:
+                p.requires_grad_(before[name])
+        return out
+
+    return wrapped
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _hf_rows(sd_adapter, base_key: str, weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The HF name of a TorchTitan weight and the row order ``to_hf`` gives it (llama3 permutes q/k rows):
+    ``to_hf`` of a ``[N, K]`` tensor whose rows hold their own index."""
+    idx = torch.arange(weight.shape[0], dtype=torch.float64)[:, None].expand(weight.shape).contiguous()
+    ((hf_key, rows),) = sd_adapter.to_hf({base_key: idx}).items()
+    if not torch.equal(rows, rows[:, :1].expand_as(rows)):
+        raise NotImplementedError(f"{base_key}: to_hf mixes columns; LoRA export handles row permutations only")
+    return hf_key, rows[:, 0].long()
+
+
+def peft_adapter_state_dict(model: torch.nn.Module, sd_adapter) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT names (``base_model.model.<HF module>.lora_A.weight [r, K]`` / ``lora_B.weight
+    [N, r]``), float32 copies; ``lora_B`` rows in HF order (the state-dict adapter's ``to_hf`` row permutation).
+
+    Args:
+        model: a TorchTitan model with :class:`ZeroKLDLoRALinear` projections.
+        sd_adapter: the architecture's TorchTitan ``StateDictAdapter`` instance.
+    """
+    out = {}
+    for fqn, m in lora_modules(model).items():
+        hf_key, rows = _hf_rows(sd_adapter, f"{fqn}.weight", _full(m.weight))
+        if not hf_key.endswith(".weight"):
+            raise NotImplementedError(f"unexpected HF name {hf_key!r} for {fqn}")
+        prefix = "base_model.model." + hf_key[: -len(".weight")]
+        out[f"{prefix}.lora_A.weight"] = _full(m.lora_a.weight).float().clone()
+        out[f"{prefix}.lora_B.weight"] = _full(m.lora_b.weight).float()[rows].clone()
+    return out
+
+
+def save_peft_adapter(model: torch.nn.Module, sd_adapter, out_dir: str | Path, dtype: str,
+                      base_model_name_or_path: str = "") -> Path:
+    """Write the adapters as a PEFT LoRA directory: ``adapter_model.safetensors`` (``dtype``: ``"float32"`` or
+    ``"bfloat16"``, round-to-nearest casts as the serving copy gets) and ``adapter_config.json`` (``peft_type``
+    ``LORA``, ``r``, ``lora_alpha``, ``target_modules`` as HF module names). Loadable by vLLM (``--lora-modules``,
+    ``/v1/load_lora_adapter``, ``LoRARequest``) and by PEFT's ``PeftModel.from_pretrained``.
+
+    Raises:
+        ValueError: no LoRA projection in the model, or an unknown dtype.
+    """
+    from safetensors.torch import save_file
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("the model has no LoRA adapter to save")
+    first = next(iter(mods.values()))
+    tensors = {k: v.to(torch_dtype).contiguous() for k, v in peft_adapter_state_dict(model, sd_adapter).items()}
+    targets = sorted({k.split(".")[-3] for k in tensors})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.weight.shape[0],
+              "lora_alpha": first.alpha, "target_modules": targets,
+              "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
+              "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+              "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
+        param.copy_(value)
+
+
+def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Path) -> None:
+    """Load a PEFT LoRA directory (:func:`save_peft_adapter`'s layout, or PEFT's own) into the model's adapters:
+    ``lora_A`` as is, ``lora_B`` rows back into TorchTitan order; the values are cast to the parameters' dtype.
+
+    Raises:
+        ValueError: the model has no LoRA projection; the adapter's ``r`` / ``lora_alpha`` differ from the model's;
+            a tensor the model has no adapter for, an adapter the file lacks, or a shape mismatch (nothing is
+            loaded then).
+    """
+    from safetensors.torch import load_file
+
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("the model has no LoRA adapter to load into")
+    folder = Path(adapter_dir)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    first = next(iter(mods.values()))
+    rank = first.lora_a.weight.shape[0]
+    if config.get("r") != rank or float(config.get("lora_alpha", -1)) != float(first.alpha):
+        raise ValueError(f"{folder}: adapter r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
+                         f"LoRA has r={rank}, alpha={first.alpha}")
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    plan = []
+    for fqn, m in mods.items():
+        hf_key, rows = _hf_rows(sd_adapter, f"{fqn}.weight", _full(m.weight))
+        prefix = "base_model.model." + hf_key[: -len(".weight")]
+        a, b_hf = tensors.pop(f"{prefix}.lora_A.weight", None), tensors.pop(f"{prefix}.lora_B.weight", None)
+        if a is None or b_hf is None:
+            raise ValueError(f"{folder}: no lora_A / lora_B for {prefix}")
+        if tuple(a.shape) != tuple(m.lora_a.weight.shape) or tuple(b_hf.shape) != tuple(m.lora_b.weight.shape):
+            raise ValueError(f"{folder}: {prefix} has shapes {tuple(a.shape)}, {tuple(b_hf.shape)}; the model expects "
+                             f"{tuple(m.lora_a.weight.shape)}, {tuple(m.lora_b.weight.shape)}")
+        b = torch.empty_like(b_hf)
+        b[rows] = b_hf
+        plan.append((m, a, b))
+    if tensors:
+        raise ValueError(f"{folder}: tensors for modules without an adapter in this model: {sorted(tensors)[:4]}")
+    for m, a, b in plan:
+        _assign(m.lora_a.weight, a)
+        _assign(m.lora_b.weight, b)
