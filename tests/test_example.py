@@ -34,6 +34,11 @@ def test_task_generator_solver_reward():
                                                                     ops="+-*")}  # control: overlap without exclude
 
 
+def _metrics(out, run: str) -> list[dict]:
+    """A run's ``metrics.jsonl`` rows."""
+    return [json.loads(x) for x in (out / run / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_countdown_side_by_side(engine_slot, tmp_path):
     from examples.countdown.run import main
 
@@ -41,8 +46,7 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
     out = tmp_path / "cd"
     main(["--out", str(out), "--steps", "3", "--sft-steps", "4", "--prompts-per-step", "8", "--group-size", "4",
           "--full-every", "2"])
-    rows = {m: [json.loads(x) for x in (out / m / "metrics.jsonl").read_text().splitlines()] for m in
-            ("zerokld", "stock")}
+    rows = {m: _metrics(out, m) for m in ("zerokld", "stock")}
     required = {"step", "reward_mean", "k1", "k3", "max_abs_logprob_diff", "tokens_bitwise_different",
                 "clipped_fraction", "step_seconds", "sync_kind", "sync_bytes", "full_bytes", "delta_density",
                 "swap_seconds"}
@@ -84,7 +88,7 @@ def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot
     main(["--out", str(out), "--runs", "zerokld", "--async", str(k), "--steps", "4", "--sft-steps", "2",
           "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2", "--full-every", "2"]
          + (["--server"] if server else []))
-    rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
+    rows = _metrics(out, "zerokld")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["staleness"] == 0 and rows[1]["staleness"] >= 1 and all(r["staleness"] <= k for r in rows)
     for r in rows:
@@ -110,7 +114,7 @@ def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
     out = tmp_path / "cd8"
     main(["--out", str(out), "--runs", "zerokld", "--fp8", "per_channel", "--steps", "3", "--sft-steps", "2",
           "--prompts-per-step", "8", "--group-size", "4"])
-    rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
+    rows = _metrics(out, "zerokld")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0
@@ -125,9 +129,35 @@ def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
     out = tmp_path / "cdmoe"
     main(["--out", str(out), "--runs", "zerokld", "--moe", "--steps", "3", "--sft-steps", "2",
           "--prompts-per-step", "8", "--group-size", "4"])
-    rows = [json.loads(x) for x in (out / "zerokld" / "metrics.jsonl").read_text().splitlines()]
+    rows = _metrics(out, "zerokld")
     assert json.loads((out / "base" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["routing_replay"] is True
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["clipped_fraction"] == 0.0
+
+
+def test_countdown_lora_side_by_side(engine_slot, tmp_path):
+    """``--lora 4``: GRPO on LoRA adapters over the frozen SFT model, vLLM (``enable_lora``) serving each step's
+    adapter as a new LoRARequest. zerokld: k3 exactly 0 and no token different at every step (steps 2 and 3 sample
+    with trained adapters); stock (TorchTitan's LoRAConverter, vLLM's punica kernels): tokens differ. The last
+    adapter is a PEFT directory whose lora_B has moved off its zero initialisation."""
+    from safetensors.torch import load_file
+
+    from examples.countdown.run import main, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--lora", "4", "--async", "1"])
+    engine_slot.close()
+    out = tmp_path / "cdlora"
+    main(["--out", str(out), "--lora", "4", "--steps", "3", "--sft-steps", "2", "--prompts-per-step", "8",
+          "--group-size", "4"])
+    rows = {m: _metrics(out, m) for m in ("zerokld", "stock")}
+    for m, rs in rows.items():
+        assert [r["step"] for r in rs] == [1, 2, 3] and {r["sync_kind"] for r in rs} == {"lora_adapter"}
+        tensors = load_file(out / m / "adapters" / "step-00003" / "adapter_model.safetensors")
+        assert any(k.endswith("lora_B.weight") and bool(v.abs().sum() > 0) for k, v in tensors.items())
+    for r in rows["zerokld"]:
+        assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0
+    assert sum(r["tokens_bitwise_different"] for r in rows["stock"]) > 0
+    assert "LoRA rank 4" in (out / "summary.md").read_text()

@@ -117,6 +117,43 @@ def test_five_adapters_rotating_through_three_slots_leak_nothing(adapters, engin
     assert all(_same(t, a) for t, a in zip(together[:5], again))
 
 
+def test_lora_grpo_steps_have_zero_kl(engine_slot, checkpoint_factory, tmp_path):
+    """A LoRA RL loop: the engine samples with the trainer's latest adapter (a new LoRARequest per policy version,
+    the base model at version 0), RLTrainer takes a PPO step on the rollouts, saves the adapter, and so on. At every
+    step the training forward's log-probs equal the sampler's bit for bit (k3 exactly 0, no token different) while
+    the policy moves away from the base."""
+    from vllm.lora.request import LoRARequest
+
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin.lora import lora_converter_config
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    dtype = "bfloat16"
+    ckpt = checkpoint_factory("qwen3", dtype)
+    llm = engine_slot.get(("zerokld-lora", ckpt, dtype), lambda: start_llm(
+        ckpt, dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK))
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "rl"), dtype=dtype, lr=2e-2, loss_fn="ppo",
+                                          lora=lora_converter_config(rank=4, alpha=8.0, max_rank=MAX_RANK)))
+    adapter, moved = None, []
+    try:
+        for step in range(1, 4):
+            prompts = random_prompts(8, seed=40 + step, lo=4, hi=40)
+            params = [mixed_sampling_params(i, seed=1000 * step + i, max_tokens=10) for i in range(8)]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=adapter,
+                                use_tqdm=False)
+            batch = RolloutBatch.from_vllm(outs, advantages=[(-1.0) ** i * (1 + i / 8) for i in range(8)])
+            res = trainer.rl_step(batch)  # checks the engine's numerics stamp against the trainer's
+            assert [torch.equal(t, q) for t, q in zip(res["train_logprobs"], batch.sampler_logprobs)] == [True] * 8
+            if adapter is not None:
+                base = trainer.forward_logprobs(batch, base_only=True)
+                moved.append(not all(torch.equal(b, q) for b, q in zip(base, batch.sampler_logprobs)))
+            path = trainer.save_lora(tmp_path / f"v{step}", dtype)
+            adapter = LoRARequest(f"rl-v{step}", 100 + step, str(path))
+    finally:
+        trainer.close()
+    assert moved == [True, True]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_three_adapters_cobatched_with_base_requests_match_alone_and_the_trainer(dtype, adapters, engine_slot,
                                                                                   checkpoint_factory, tmp_path):
@@ -155,3 +192,16 @@ def test_negative_control_stock_vllm_lora_depends_on_the_batch(adapters, engine_
     assert not all(_same(t, a) for t, a in zip(together, alone)), "stock vLLM LoRA is batch invariant here"
     scores = _trainer_scores(ckpt, dtype, tmp_path, paths, prompts, together, loras)
     assert not all(torch.equal(s, completion_logprobs(o)) for s, o in zip(scores, together))
+    # the LoRA RL step of test_lora_grpo_steps_have_zero_kl on stock components: k3 is not 0
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin.lora import lora_converter_config
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "rl"), dtype=dtype, loss_fn="ppo", batch_invariant=False,
+                                          lora=lora_converter_config(rank=4, alpha=8.0, max_rank=MAX_RANK)))
+    try:
+        base = [(p, sp, o) for p, sp, r, o in zip(prompts, params, loras, together) if r is None]
+        res = trainer.rl_step(RolloutBatch.from_vllm([o for _, _, o in base], advantages=[1.0] * len(base)))
+        assert not all(torch.equal(t, completion_logprobs(o)) for t, (_, _, o) in zip(res["train_logprobs"], base))
+    finally:
+        trainer.close()

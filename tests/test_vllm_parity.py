@@ -20,9 +20,7 @@ CONFIGS = [("qwen3", "float32", None), ("qwen3", "bfloat16", None), ("llama", "f
            ("llama", "bfloat16", None), ("qwen3", "bfloat16", ("online", "per_channel")),
            ("llama", "bfloat16", ("export", "per_channel")), ("qwen3", "float32", ("export", "block")),
            ("qwen3_moe", "float32", None), ("qwen3_moe", "bfloat16", None), ("qwen3_moe_ties", "bfloat16", None),
-           ("qwen2", "bfloat16", None), ("llama31", "bfloat16", None)]
-# Llama 3.1 RoPE scaling runs at bf16 only: its tables are float64 whatever the dtype, and fp32 serving is covered by
-# llama-float32 (dropped from the default run to keep it within 45 minutes)
+           ("qwen2", "bfloat16", None), ("llama31", "bfloat16", None), ("llama31", "float32", None)]
 
 
 def _config_id(c) -> str:

@@ -66,7 +66,8 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
     Raises:
         ValueError: targets not next-token aligned, a per-token input of another length than ``model_input``,
             negative or non-finite weights (:class:`shared_numerics.RolloutBatch` refuses them, naming the rollout
-            index = the datum index), missing RL inputs, or datums stamped with different modes.
+            index = the datum index), missing RL inputs, ``ref_logprobs`` on some datums but not all, or datums
+            stamped with different modes.
     """
     seqs, inputs = [], []
     for i, d in enumerate(data):

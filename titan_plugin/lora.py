@@ -139,9 +139,16 @@ def lora_converter_config(rank: int = 32, alpha: float = 32.0, train_attn: bool 
     return ZeroKLDLoRAConverter.Config(rank=rank, alpha=alpha, target_modules=titan, max_rank=max_rank)
 
 
-def lora_modules(model: torch.nn.Module) -> dict[str, ZeroKLDLoRALinear]:
-    """The model's LoRA projections by TorchTitan FQN (empty for a full-parameter model)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, ZeroKLDLoRALinear)}
+def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's LoRA projections by TorchTitan FQN: :class:`ZeroKLDLoRALinear`, or TorchTitan's own ``LoRALinear``
+    classes (stock numerics); empty for a full-parameter model."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "_lora_scaling") and isinstance(getattr(m, "lora_a", None), torch.nn.Module)
+            and isinstance(getattr(m, "lora_b", None), torch.nn.Module)}
+
+
+def _alpha(m: torch.nn.Module) -> float:
+    return float(getattr(m, "alpha", m._lora_scaling * m.lora_a.weight.shape[0]))
 
 
 @contextlib.contextmanager
@@ -150,10 +157,12 @@ def disable_adapter(model: torch.nn.Module):
     computes ``linear(x, W, b)``, bitwise the full-parameter zerokld model's forward.
 
     Raises:
-        ValueError: the model has no LoRA projection."""
+        ValueError: the model has no LoRA projection; NotImplementedError: stock TorchTitan LoRA projections."""
     mods = list(lora_modules(model).values())
     if not mods:
         raise ValueError("the model has no LoRA adapter to disable")
+    if not all(isinstance(m, ZeroKLDLoRALinear) for m in mods):
+        raise NotImplementedError("TorchTitan's stock LoRALinear has no adapter switch (zerokld LoRA only)")
     saved = [m.adapter_enabled for m in mods]
     for m in mods:
         m.adapter_enabled = False
@@ -239,7 +248,7 @@ def save_peft_adapter(model: torch.nn.Module, sd_adapter, out_dir: str | Path, d
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.weight.shape[0],
-              "lora_alpha": first.alpha, "target_modules": targets,
+              "lora_alpha": _alpha(first), "target_modules": targets,
               "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
               "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
               "inference_mode": True}
@@ -274,9 +283,9 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
     config = json.loads((folder / "adapter_config.json").read_text())
     first = next(iter(mods.values()))
     rank = first.lora_a.weight.shape[0]
-    if config.get("r") != rank or float(config.get("lora_alpha", -1)) != float(first.alpha):
+    if config.get("r") != rank or float(config.get("lora_alpha", -1)) != _alpha(first):
         raise ValueError(f"{folder}: adapter r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
-                         f"LoRA has r={rank}, alpha={first.alpha}")
+                         f"LoRA has r={rank}, alpha={_alpha(first)}")
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     plan = []
     for fqn, m in mods.items():

@@ -103,11 +103,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
                     "FP8 QAT with the same math; stock: vLLM's own FP8 (quantization=fp8_per_channel) and a "
                     "high-precision trainer (per_channel only)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="GRPO on LoRA adapters of this rank (alpha = 2 x rank; q/k/v/o and MLP) over the frozen SFT "
+                         "model, vLLM serving each step's adapter (enable_lora); 0: full-parameter")
     ap.add_argument("--moe", action="store_true", help="Qwen3-MoE checkpoint; the zerokld run replays the rollout's "
                     "routed experts in training (routing replay, R3)")
     ap.add_argument("--no-routing-replay", action="store_true", help="with --moe: recompute top-k in training "
                     "instead of replaying the rollout's routes")
     args = ap.parse_args(argv)
+    if args.lora and (args.server or args.async_k or args.moe or args.fp8):
+        ap.error("--lora runs synchronously on the offline engine, dense bf16/fp32: without --server, --async, --moe "
+                 "and --fp8")
     if args.server and args.moe:
         ap.error("--server with --moe: the example replays routed experts from the offline engine only")
     if args.moe and args.fp8:
@@ -195,11 +201,25 @@ def loss_fn_config(args) -> dict:
             else {})
 
 
+def engine_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest value vLLM accepts
+    (``vllm.config.lora.MaxLoRARanks``) that holds it; the trainer pads its adapters to the same rank."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {max(get_args(MaxLoRARanks))}")
+    return min(fits)
+
+
 def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     """One GRPO run (synchronous, or pipelined with ``--async K``; offline engine, or ``vllm serve`` with
     ``--server``); returns the metrics.jsonl path."""
     from examples.countdown.served import OfflineEngine, ServedEngine
-    from examples.countdown.sync import DeltaSync
+    from examples.countdown.sync import AdapterSync, DeltaSync
+    from titan_plugin.lora import lora_converter_config
     from titan_plugin.rl import RLTrainer, numerics_mode, rl_trainer_config
     from zerokld_testing.engines import shutdown_llm, start_llm
 
@@ -211,7 +231,10 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     replay = args.moe and zk and not args.no_routing_replay
     config = rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr, batch_invariant=zk,
                                loss_fn=args.loss_fn, loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
-                               fp8=args.fp8 if zk else None, corrections=corrections(args))
+                               fp8=args.fp8 if zk else None, corrections=corrections(args),
+                               lora=lora_converter_config(rank=args.lora, alpha=2.0 * args.lora,
+                                                          max_rank=engine_lora_rank(args.lora))
+                               if args.lora else None)
     sync_kw = dict(full_every=args.full_every, keep_snapshots=args.keep_snapshots, numerics=numerics_mode(config))
     if args.server:
         sync = DeltaSync(run_dir / "sync", args.dtype, init, **sync_kw)
@@ -221,9 +244,12 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
         engine_kw = ({"fp8": args.fp8} if zk else {"quantization": "fp8_per_channel"}) if args.fp8 else {}
         if replay:
             engine_kw["enable_return_routed_experts"] = True
+        if args.lora:
+            engine_kw.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(args.lora))
         llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed,
                         **engine_kw)
-        sync = DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw)
+        sync = AdapterSync(run_dir / "adapters", args.dtype, args.keep_snapshots) if args.lora else \
+            DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw)
         engine = OfflineEngine(llm, sync)
         stop_engine = lambda: shutdown_llm(llm)  # noqa: E731
     trainer = None
@@ -289,7 +315,7 @@ def _rl_loop(trainer, engine, sync, init: Path, run_dir: Path, args, tok: Tok, r
             if args.server:
                 row.update(sync.push(scorer.weights(step), step))
                 evaluate_version(step)
-            worker.publish(step, scorer.weights(step))
+            worker.publish(step, sync.write(trainer, step) if args.lora else scorer.weights(step))
             row.update({"rollout_wait_seconds": t_wait, "step_seconds": time.perf_counter() - t0,
                         "elapsed_seconds": time.perf_counter() - t_start})
             rows.append(row)
@@ -411,6 +437,9 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
         zk += f"; vLLM serves FP8 ({args.fp8}, shared quantizer) against FP8 QAT in the trainer"
     if args.moe:
         zk += "; routed experts replayed in training (R3)" if not args.no_routing_replay else "; top-k recomputed"
+    if args.lora:
+        stock += "; TorchTitan's own LoRAConverter, vLLM's punica LoRA kernels"
+        zk += "; LoRA projections on shared_numerics.lora_linear (trainer) / add_lora (vLLM)"
     return [
         f"task: countdown, {args.numbers.replace(',', ' or ')} numbers in 1..{args.max_number}, targets built with "
         f"`{args.ops}`; reward 1 for a correct expression, 0.1 for a well-formed wrong one, 0 without an answer tag; "
@@ -421,7 +450,9 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
         f"GRPO: {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples (temperature 1.0, "
         f"{args.max_tokens} tokens max), loss `{args.loss_fn}` {loss_fn_config(args)}"
         + (f" with corrections {corrections(args)}" if corrections(args) else "") + f", lr {args.lr}, "
-        f"weights synced every step (full every {args.full_every})"
+        + (f"LoRA rank {args.lora} (alpha {2 * args.lora}; q/k/v/o and MLP) on the frozen SFT model, each step's "
+           "adapter served as a new vLLM LoRARequest" if args.lora else
+           f"weights synced every step (full every {args.full_every})")
         + (f"; pipelined (--async {args.async_k}): the next {args.async_k} batches are generated while the trainer "
            f"trains, rollouts at most {args.async_k} policy versions stale, the PPO ratio against the sampling "
            "policy's log-probs" if args.async_k else ""),

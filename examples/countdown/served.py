@@ -16,7 +16,8 @@ __all__ = ["OfflineEngine", "ServedEngine"]
 
 
 class OfflineEngine:
-    """``vllm.LLM`` in this process; weights swapped by :class:`examples.countdown.sync.DeltaSync` between calls."""
+    """``vllm.LLM`` in this process; weights swapped by :class:`examples.countdown.sync.DeltaSync` between calls (or,
+    with ``--lora``, the adapter each request uses: :class:`examples.countdown.sync.AdapterSync`)."""
 
     def __init__(self, llm, sync) -> None:
         self.llm, self.sync = llm, sync
@@ -27,7 +28,8 @@ class OfflineEngine:
         from shared_numerics.rollout import RolloutBatch
 
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0), use_tqdm=False)
+                                 SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0), use_tqdm=False,
+                                 lora_request=self._lora())
         identity = self.sync.identity
         batch = RolloutBatch.from_vllm(outs, snapshot_identity=identity)
         if not routed_experts:
@@ -38,8 +40,13 @@ class OfflineEngine:
         from vllm import SamplingParams
 
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+                                 SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False,
+                                 lora_request=self._lora())
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def _lora(self):
+        """The adapter serving now (``--lora``: :class:`examples.countdown.sync.AdapterSync`), else ``None``."""
+        return getattr(self.sync, "lora_request", None)
 
 
 class ServedEngine:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from deltasync import HotLoadClient, HotLoadConfig, HotLoadError, HotLoadRefused, SnapshotWriter
 
-__all__ = ["DeltaSync", "OfflineHotLoadClient"]
+__all__ = ["AdapterSync", "DeltaSync", "OfflineHotLoadClient"]
 
 
 class OfflineHotLoadClient(HotLoadClient):
@@ -89,3 +89,39 @@ class DeltaSync:
                 "full_bytes": info.full_bytes,
                 "delta_density": info.density, "swap_seconds": res.swap_seconds,
                 "sync_seconds": time.perf_counter() - t0, "sync_refused": len(res.refused)}
+
+
+class AdapterSync:
+    """``--lora``: the base stays frozen, so each step ships the trainer's adapter only — a PEFT directory
+    (:meth:`titan_plugin.rl.RLTrainer.save_lora`) that the offline engine serves as a new ``vllm.lora.request.LoRARequest``
+    (vLLM loads it at the first request using it and evicts the previous one: ``max_loras=1``). Same interface as
+    :class:`DeltaSync` for the loop: ``push``, ``identity``, ``versions``; the engine reads :attr:`lora_request`
+    (``None``: the base model, policy version 0)."""
+
+    def __init__(self, root: Path, dtype: str, keep_snapshots: bool = False) -> None:
+        self.root, self.dtype, self.keep_snapshots = Path(root), dtype, keep_snapshots
+        self.identity = "base"
+        self.versions: dict[str, int] = {"base": 0}
+        self.lora_request = None
+        self._shipped: list[Path] = []
+
+    def write(self, trainer, step: int) -> Path:
+        """The trainer's adapter after ``step`` steps, as a PEFT directory (what :meth:`push` ships)."""
+        return trainer.save_lora(self.root / f"step-{step:05d}", self.dtype)
+
+    def push(self, adapter_dir: Path, step: int) -> dict:
+        """Serve ``adapter_dir`` from now on. Returns ``sync_identity``, ``sync_kind`` (``"lora_adapter"``),
+        ``sync_bytes`` (the adapter's safetensors), ``sync_seconds``."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        identity = f"lora-step-{step:05d}"
+        self.lora_request = LoRARequest(identity, step + 1, str(adapter_dir))
+        self.identity = identity
+        self.versions[identity] = step
+        self._shipped.append(Path(adapter_dir))
+        while len(self._shipped) > 2 and not self.keep_snapshots:  # the engine has loaded the older ones
+            shutil.rmtree(self._shipped.pop(0), ignore_errors=True)
+        return {"sync_identity": identity, "sync_kind": "lora_adapter",
+                "sync_bytes": (Path(adapter_dir) / "adapter_model.safetensors").stat().st_size,
+                "sync_seconds": time.perf_counter() - t0}
