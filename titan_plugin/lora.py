@@ -194,14 +194,23 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def _hf_rows(sd_adapter, base_key: str, weight: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """The HF name of a TorchTitan weight and the row order ``to_hf`` gives it (llama3 permutes q/k rows):
-    ``to_hf`` of a ``[N, K]`` tensor whose rows hold their own index."""
-    idx = torch.arange(weight.shape[0], dtype=torch.float64)[:, None].expand(weight.shape).contiguous()
+def _hf_rows(sd_adapter, base_key: str, shape: torch.Size) -> tuple[str, torch.Tensor]:
+    """The HF name of a TorchTitan weight of ``shape`` and the row order ``to_hf`` gives it (llama3 permutes q/k
+    rows): ``to_hf`` of a ``[N, K]`` tensor whose rows hold their own index."""
+    idx = torch.arange(shape[0], dtype=torch.float64)[:, None].expand(tuple(shape)).contiguous()
     ((hf_key, rows),) = sd_adapter.to_hf({base_key: idx}).items()
     if not torch.equal(rows, rows[:, :1].expand_as(rows)):
         raise NotImplementedError(f"{base_key}: to_hf mixes columns; LoRA export handles row permutations only")
+    if not hf_key.endswith(".weight"):
+        raise NotImplementedError(f"unexpected HF name {hf_key!r} for {base_key}")
     return hf_key, rows[:, 0].long()
+
+
+def _peft_modules(model: torch.nn.Module, sd_adapter):
+    """``(module, PEFT prefix, lora_B row order)`` per LoRA projection: the one name mapping export and import share."""
+    for fqn, m in lora_modules(model).items():
+        hf_key, rows = _hf_rows(sd_adapter, f"{fqn}.weight", m.weight.shape)
+        yield m, "base_model.model." + hf_key[: -len(".weight")], rows
 
 
 def peft_adapter_state_dict(model: torch.nn.Module, sd_adapter) -> dict[str, torch.Tensor]:
@@ -213,11 +222,7 @@ def peft_adapter_state_dict(model: torch.nn.Module, sd_adapter) -> dict[str, tor
         sd_adapter: the architecture's TorchTitan ``StateDictAdapter`` instance.
     """
     out = {}
-    for fqn, m in lora_modules(model).items():
-        hf_key, rows = _hf_rows(sd_adapter, f"{fqn}.weight", _full(m.weight))
-        if not hf_key.endswith(".weight"):
-            raise NotImplementedError(f"unexpected HF name {hf_key!r} for {fqn}")
-        prefix = "base_model.model." + hf_key[: -len(".weight")]
+    for m, prefix, rows in _peft_modules(model, sd_adapter):
         out[f"{prefix}.lora_A.weight"] = _full(m.lora_a.weight).float().clone()
         out[f"{prefix}.lora_B.weight"] = _full(m.lora_b.weight).float()[rows].clone()
     return out
@@ -288,9 +293,7 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
                          f"LoRA has r={rank}, alpha={_alpha(first)}")
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     plan = []
-    for fqn, m in mods.items():
-        hf_key, rows = _hf_rows(sd_adapter, f"{fqn}.weight", _full(m.weight))
-        prefix = "base_model.model." + hf_key[: -len(".weight")]
+    for m, prefix, rows in _peft_modules(model, sd_adapter):
         a, b_hf = tensors.pop(f"{prefix}.lora_A.weight", None), tensors.pop(f"{prefix}.lora_B.weight", None)
         if a is None or b_hf is None:
             raise ValueError(f"{folder}: no lora_A / lora_B for {prefix}")
