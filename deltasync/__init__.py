@@ -1,23 +1,26 @@
 """zerokld snapshot protocol (imports neither vLLM nor TorchTitan).
 
-Full HF-safetensors snapshots and incremental deltas (codec by name, ``arc_v2`` built in), verified before they are
+Full HF-safetensors snapshots (models, and PEFT LoRA adapters) and incremental deltas (codec by name, ``arc_v2`` built in), verified before they are
 published; codecs and storages are registered through the ``zerokld`` plugin hooks. The hot-load ledger and identity rules
 (:mod:`deltasync.ledger`), the hot-load protocol (:mod:`deltasync.protocol`) and the replica state machine
 (:mod:`deltasync.replica`) are here too; the vLLM side is two adapters (:mod:`vllm_plugin.hotload`).
 """
 from .client import HotLoadClient, HotLoadRefused, PushResult
 from .ledger import IdentityError, Ledger, validate_identity
-from .protocol import HotLoadConfig, HotLoadError, Signal
-from .replica import Replica, ReplicaEngine
+from .protocol import HotLoadConfig, HotLoadError, Signal, lora_version
+from .replica import Replica, ReplicaEngine, StateDirInUseError, Track
 from .snapshot import (
     DeltaError, SnapshotError, apply_incremental_snapshot, element_density, materialize_snapshot, read_snapshot_tensors,
-    snapshot_numerics, tensor_spec, verify_full_snapshot, weight_bytes, write_full_snapshot, write_incremental_snapshot,
+    snapshot_numerics, tensor_spec, verify_adapter_config, verify_full_snapshot, weight_bytes, write_full_snapshot,
+    write_incremental_snapshot,
 )
 from .storage import fetch_dir, publish_dir
 from .writer import SnapshotInfo, SnapshotWriter
 
 __all__ = ["DeltaError", "HotLoadClient", "HotLoadConfig", "HotLoadError", "HotLoadRefused", "IdentityError", "Ledger",
-           "PushResult", "Replica", "ReplicaEngine", "Signal", "SnapshotError", "SnapshotInfo", "SnapshotWriter",
-           "apply_incremental_snapshot", "element_density", "fetch_dir", "materialize_snapshot", "publish_dir",
-           "read_snapshot_tensors", "snapshot_numerics", "tensor_spec", "validate_identity", "verify_full_snapshot",
-           "weight_bytes", "write_full_snapshot", "write_incremental_snapshot"]
+           "PushResult", "Replica", "ReplicaEngine", "Signal", "SnapshotError", "SnapshotInfo", "SnapshotWriter", "StateDirInUseError",
+           "Track",
+           "apply_incremental_snapshot", "element_density", "fetch_dir", "lora_version", "materialize_snapshot",
+           "publish_dir", "read_snapshot_tensors", "snapshot_numerics", "tensor_spec", "validate_identity",
+           "verify_adapter_config", "verify_full_snapshot", "weight_bytes", "write_full_snapshot",
+           "write_incremental_snapshot"]

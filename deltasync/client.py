@@ -1,6 +1,8 @@
 """Trainer-side client of the hot-load HTTP API (:mod:`vllm_plugin.hotload.endpoint`): write the next snapshot with
-a :class:`~deltasync.writer.SnapshotWriter`, signal every replica, wait for readiness, fall back to a full snapshot
-when an incremental one is refused.
+a :class:`~deltasync.writer.SnapshotWriter`, signal every replica of the fleet at once, wait for readiness, and when
+some replicas refuse an incremental snapshot, send those replicas — and only those — a full snapshot of the same
+weights, so the fleet serves the same bits again (:attr:`PushResult.fallback` says which; the next snapshot is full
+for all, so the chains meet again). :meth:`HotLoadClient.fleet_status` tells whether the fleet is consistent.
 
 Wire format: :mod:`deltasync.protocol` (Fireworks' bring-your-own-trainer signal, ``../shared/DESIGN.md`` §5).
 """
@@ -18,21 +20,28 @@ __all__ = ["HotLoadClient", "HotLoadRefused", "PushResult"]
 
 
 class HotLoadRefused(RuntimeError):
-    """A replica refused a snapshot (``status``: its HTTP status, ``error``: its message)."""
+    """Replicas refused a snapshot: ``status`` and ``error`` are the first refusal's HTTP status and message,
+    ``failures`` every refusing replica's (URL → (status, error); status 0: unreachable), ``served`` the URLs that
+    loaded it."""
 
-    def __init__(self, status: int, error: str) -> None:
-        super().__init__(f"hot-load refused ({status}): {error}")
+    def __init__(self, status: int, error: str, failures: dict[str, tuple[int, str]] | None = None,
+                 served: list[str] | None = None) -> None:
+        n = len(failures or {})
+        super().__init__(f"hot-load refused ({status}): {error}" + (f" (and {n - 1} more replicas)" if n > 1 else ""))
         self.status, self.error = status, error
+        self.failures, self.served = failures or {}, served or []
 
 
 @dataclass
 class PushResult:
-    """What one :meth:`HotLoadClient.push` shipped: the snapshot that serves now, seconds from signal to ready,
-    and the refused attempts before it (an incremental one, when it fell back to full)."""
+    """What one :meth:`HotLoadClient.push` shipped: the snapshot that serves now (on the replicas in ``fallback``:
+    the full snapshot ``<identity>-full`` of the same weights, on the others ``snapshot``'s incremental one... see
+    ``fallback_snapshot``), seconds from signal to ready, the refusals before it, and which replicas fell back."""
 
     snapshot: SnapshotInfo
     swap_seconds: float
     refused: list[str] = field(default_factory=list)
+    fallback: list[str] = field(default_factory=list)  # URLs that got the full snapshot after refusing the delta
 
 
 class HotLoadClient:
@@ -51,53 +60,97 @@ class HotLoadClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.reset_prompt_cache, self.timeout = reset_prompt_cache, timeout
 
-    def signal_for(self, info: SnapshotInfo) -> Signal:
-        """The :class:`deltasync.Signal` announcing ``info`` with this client's settings."""
-        return Signal.for_snapshot(info, self.reset_prompt_cache, self.transition, self.drain_timeout)
+    def signal_for(self, info: SnapshotInfo, lora_name: str | None = None) -> Signal:
+        """The :class:`deltasync.Signal` announcing ``info`` (``lora_name``: a version of that LoRA adapter) with this
+        client's settings."""
+        return Signal.for_snapshot(info, self.reset_prompt_cache, self.transition, self.drain_timeout, lora_name)
 
-    def signal(self, info: SnapshotInfo) -> None:
-        """Load ``info`` on every replica (sequentially); returns when all serve it.
-
-        Raises:
-            HotLoadRefused: the first replica that refused (the ones before it serve ``info``).
-        """
+    def _post(self, url: str, body: dict, headers: dict) -> tuple[int, str]:
         import requests
 
-        sig = self.signal_for(info)
-        body, headers = sig.body(), {**self.headers, **sig.headers()}
-        for url in self.urls:
+        try:
             r = requests.post(url + PREFIX, json=body, headers=headers, timeout=self.timeout)
-            if r.status_code != 200:
-                try:
-                    err = r.json().get("error", r.text)
-                except ValueError:
-                    err = r.text
-                raise HotLoadRefused(r.status_code, err)
+        except requests.RequestException as e:
+            return 0, f"unreachable: {type(e).__name__}"
+        if r.status_code == 200:
+            return 200, ""
+        try:
+            return r.status_code, str(r.json().get("error", r.text))
+        except ValueError:
+            return r.status_code, r.text
+
+    def signal(self, info: SnapshotInfo, lora_name: str | None = None, urls: list[str] | None = None) -> None:
+        """Load ``info`` on every replica (``urls``: only these) at once; returns when all serve it.
+
+        Raises:
+            HotLoadRefused: some replicas refused (or were unreachable); ``failures`` names each, ``served`` the
+                replicas that loaded it.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        sig = self.signal_for(info, lora_name)
+        body, headers, urls = sig.body(), {**self.headers, **sig.headers()}, list(urls or self.urls)
+        with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+            answers = dict(zip(urls, pool.map(lambda u: self._post(u, body, headers), urls)))
+        failures = {u: a for u, a in answers.items() if a[0] != 200}
+        if failures:
+            status, error = next(iter(failures.values()))
+            raise HotLoadRefused(status, error, failures, [u for u in urls if u not in failures])
 
     def status(self) -> list[dict]:
         import requests
 
         return [requests.get(u + PREFIX + "/status", headers=self.headers, timeout=30).json() for u in self.urls]
 
-    def push(self, writer: SnapshotWriter, identity: str, tensors: dict[str, torch.Tensor]) -> PushResult:
-        """Write the next snapshot (full or incremental, as the writer's cadence says), signal, and on a refused
-        incremental snapshot write ``<identity>-full`` as a full snapshot and signal that.
+    def fleet_status(self) -> dict:
+        """Every replica's status (:meth:`deltasync.Replica.status` rows with their ``url``; an unreachable one:
+        ``{"url", "error"}``) and ``consistent``: every replica reachable, idle, and serving the same weights (the
+        same ``weights_digest``, whatever the identity is called on each)."""
+        import requests
+
+        rows = []
+        for u in self.urls:
+            try:
+                rows += [{"url": u, **r} for r in requests.get(u + PREFIX + "/status", headers=self.headers,
+                                                              timeout=30).json()["replicas"]]
+            except (requests.RequestException, ValueError, KeyError) as e:
+                rows.append({"url": u, "error": f"{type(e).__name__}: {e}"[:200]})
+        ok = all("error" not in r and r["readiness"] for r in rows)
+        digests = {r.get("weights_digest") or r.get("current_snapshot_identity") for r in rows}
+        return {"replicas": rows, "consistent": ok and len(digests) == 1}
+
+    def push(self, writer: SnapshotWriter, identity: str, tensors: dict[str, torch.Tensor],
+             lora_name: str | None = None) -> PushResult:
+        """Write the next snapshot (full or incremental, as the writer's cadence says) and signal the fleet. When
+        replicas refuse an incremental snapshot, write ``<identity>-full`` as a full snapshot of the same weights and
+        signal those replicas only; the next snapshot is then full for all (their identities differ now).
+
+        Args:
+            writer: the snapshot chain (one writer per model, and per LoRA adapter: its ``assets_dir`` is then a
+                PEFT adapter directory).
+            tensors: HF names → tensors (an adapter: PEFT names, :func:`titan_plugin.lora.peft_adapter_state_dict`).
+            lora_name: push a version of this LoRA adapter instead of the base weights.
 
         Raises:
-            HotLoadRefused: a full snapshot was refused too.
+            HotLoadRefused: a full snapshot was refused (by the replicas in its ``failures``; ``served`` loaded it).
         """
         info = writer.write(identity, tensors)
-        refused = []
+        refused: list[str] = []
         t0 = time.perf_counter()
         try:
-            self.signal(info)
+            self.signal(info, lora_name)
         except HotLoadRefused as e:
             writer.failed(info)
             if info.kind == "full":
                 raise
-            refused.append(f"{info.identity}: {e.error}")
+            refused += [f"{u}: {info.identity}: {err}" for u, (_, err) in e.failures.items()]
+            fallback = list(e.failures)
             info = writer.write(f"{identity}-full", tensors, kind="full")
             t0 = time.perf_counter()
-            self.signal(info)
+            self.signal(info, lora_name, urls=fallback)
+            writer.confirm(info)
+            if e.served:  # replicas now serve <identity> and <identity>-full: same bits, different chains
+                writer.require_full()
+            return PushResult(info, time.perf_counter() - t0, refused, fallback)
         writer.confirm(info)
         return PushResult(info, time.perf_counter() - t0, refused)

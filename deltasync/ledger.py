@@ -1,6 +1,7 @@
 """The hot-load ledger: one row per snapshot a replica was asked to load, persisted as JSON, plus identity rules.
 
-Row fields (Fireworks' bring-your-own-trainer ledger, ``../shared/DESIGN.md`` §5): ``identity``, ``kind``
+Row fields (Fireworks' bring-your-own-trainer ledger, ``../shared/DESIGN.md`` §5): ``replica`` (the replica id
+that wrote it: a fleet's ledgers can be merged and told apart), ``identity``, ``kind``
 (``full`` | ``incremental``; ``restore``: a restart fell back to an earlier snapshot), ``previous_identity``,
 ``compression_format``, ``readiness`` (``loading`` | ``ready`` | ``failed``), ``error``, ``weights_digest`` (SHA-256 of
 the loaded snapshot's per-tensor checksums: a restart verifies the bits it restores against it), ``timestamps``
@@ -61,11 +62,12 @@ class Ledger:
 
     Attributes:
         initial_identity: what the replica serves before any load (its ``--model``).
+        replica_id: stamped into every new row as ``replica`` (``None``: no stamp).
     """
 
-    def __init__(self, path: str | Path, initial_identity: str = "initial") -> None:
+    def __init__(self, path: str | Path, initial_identity: str = "initial", replica_id: str | None = None) -> None:
         self.path = Path(path)
-        self.initial_identity = initial_identity
+        self.initial_identity, self.replica_id = initial_identity, replica_id
         self.rows: list[dict] = []
         self.reset_at: float | None = None
         self.current: str | None = None  # identity being served (survives a ledger reset)
@@ -103,7 +105,7 @@ class Ledger:
         return {r["identity"] for r in self.rows if r.get("readiness") == "ready"} | {self.current_identity}
 
     def begin(self, identity: str, kind: str, previous_identity: str | None, compression_format: str | None) -> dict:
-        row = {"identity": identity, "kind": kind, "previous_identity": previous_identity,
+        row = {"replica": self.replica_id, "identity": identity, "kind": kind, "previous_identity": previous_identity,
                "compression_format": compression_format, "readiness": "loading", "error": None,
                "timestamps": {"signaled": time.time()}}
         self.rows.append(row)
@@ -115,7 +117,8 @@ class Ledger:
         """Record a signal refused before any loading (bad identity, replay, out-of-order chain, missing snapshot).
         Fields are bounded: identities at :data:`MAX_FIELD` characters, the error at 4 times that."""
         now = time.time()
-        row = {"identity": _bounded(identity), "kind": kind, "previous_identity": _bounded(previous_identity),
+        row = {"replica": self.replica_id, "identity": _bounded(identity), "kind": kind,
+               "previous_identity": _bounded(previous_identity),
                "compression_format": None, "readiness": "failed", "error": _bounded(error, 4 * MAX_FIELD),
                "timestamps": {"signaled": now, "failed": now}}
         self.rows.append(row)
@@ -144,7 +147,8 @@ class Ledger:
         for r in self.rows:
             if r["identity"] in lost and r.get("readiness") == "ready":
                 r.update(readiness="failed", error=_bounded(f"lost at restart: {lost[r['identity']]}", 4 * MAX_FIELD))
-        self.rows.append({"identity": identity, "kind": "restore", "previous_identity": _bounded(self.current),
+        self.rows.append({"replica": self.replica_id, "identity": identity, "kind": "restore",
+                          "previous_identity": _bounded(self.current),
                           "compression_format": None, "readiness": "ready",
                           "error": _bounded("restored after a restart; lost: " + "; ".join(
                               f"{k}: {v}" for k, v in lost.items()), 4 * MAX_FIELD),
@@ -160,6 +164,24 @@ class Ledger:
         self.full_required = True
         self._save()
 
+    @property
+    def ready_since(self) -> float | None:
+        """Unix time the current snapshot became ready (its newest ``ready`` or ``restore`` row), ``None`` before
+        any load or after a reset."""
+        for r in reversed(self.rows):
+            if r["identity"] == self.current_identity and r.get("readiness") == "ready":
+                return r.get("timestamps", {}).get("ready")
+        return None
+
+    @property
+    def last_error(self) -> dict | None:
+        """``{"identity", "error", "at"}`` of the newest failed row, ``None`` if none."""
+        for r in reversed(self.rows):
+            if r.get("readiness") == "failed":
+                return {"identity": r["identity"], "error": r.get("error"),
+                        "at": r.get("timestamps", {}).get("failed")}
+        return None
+
     def to_json(self) -> dict:
-        return {"current_snapshot_identity": self.current_identity, "full_required": self.full_required,
-                "reset_at": self.reset_at, "rows": self.rows}
+        return {"replica": self.replica_id, "current_snapshot_identity": self.current_identity,
+                "full_required": self.full_required, "reset_at": self.reset_at, "rows": self.rows}

@@ -5,10 +5,19 @@ adapter (the vLLM server's endpoint :mod:`vllm_plugin.hotload`, the offline ``vl
 nothing else. Wire format (Fireworks' bring-your-own-trainer hot-load API, ``../shared/DESIGN.md`` §5)::
 
     POST {PREFIX}                    {"identity", "incremental_snapshot_metadata"?: {"previous_snapshot_identity",
-                                      "compression_format", "checksum_format"}, "reset_prompt_cache"?}
+                                      "compression_format", "checksum_format"}, "reset_prompt_cache"?,
+                                      "lora_name"?}
         headers {TRANSITION_HEADER}: async|sync, {DRAIN_HEADER}: <seconds>
-    GET  {PREFIX}/status             per replica current_snapshot_identity, readiness, loading_state
-    GET / DELETE {PREFIX}/ledger     the ledger; DELETE resets it (the next load must be full)
+    GET  {PREFIX}/status             per replica: replica id, current_snapshot_identity, weights_digest, ready_since,
+                                     readiness, loading_state, last_error, lora_adapters
+    GET / DELETE {PREFIX}/ledger     the ledger; DELETE resets it (the next load must be full);
+                                     ``?lora_name=``: that LoRA adapter's ledger
+
+``lora_name`` (vLLM's name for a LoRA adapter, as in ``/v1/load_lora_adapter``) makes the snapshot a version of that
+adapter: a PEFT adapter directory (full) or a delta against the adapter's served version (incremental), with its own
+ledger and chain. Requests naming the adapter as their ``model`` get the newest version from then on; requests
+admitted before finish on theirs. Each version is served under the vLLM adapter name :func:`lora_version`
+(``<lora_name>@<identity>``), which is the ``model`` field of the responses it produced.
 
 Serving responses carry :data:`IDENTITY_HEADER`: the snapshot(s) that sampled their tokens (comma-separated in order of
 use when a response spans an async swap; per token: the choices' ``weight_versions`` spans).
@@ -24,7 +33,7 @@ from .ledger import IdentityError, validate_identity
 
 __all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
            "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "Signal",
-           "TRANSITIONS", "TRANSITION_HEADER"]
+           "TRANSITIONS", "TRANSITION_HEADER", "lora_version"]
 
 PREFIX = "/zerokld/v1/hot_load"
 IDENTITY_HEADER = "x-zerokld-snapshot-identity"
@@ -38,6 +47,12 @@ CHECKSUM_FORMATS = ("alder32", "adler32")
 RESET_MODES = ("all", "new_session", "none")
 TRANSITIONS = ("async", "sync")
 DEFAULT_DRAIN_TIMEOUT_S = 90.0
+
+
+def lora_version(lora_name: str, identity: str) -> str:
+    """The engine-side name of snapshot ``identity`` of LoRA adapter ``lora_name``: ``<lora_name>@<identity>`` (both
+    are path segments without ``@``, so the pair reads back unambiguously)."""
+    return f"{lora_name}@{identity}"
 
 
 class HotLoadError(Exception):
@@ -57,10 +72,13 @@ class HotLoadConfig(BaseModel):
         snapshot_root: where ``<identity>/`` snapshots are published: a directory, or an fsspec URL
             (``s3://bucket/run``; fetched with :func:`deltasync.fetch_dir`, all or nothing).
         state_dir: ledger + fetched and materialized snapshots; default ``<snapshot_root>/.zerokld_state`` (must be
-            local: required when ``snapshot_root`` is a URL).
+            local: required when ``snapshot_root`` is a URL). One replica's alone: a second live replica on the
+            same state dir is refused at start (:class:`deltasync.replica.StateDirInUseError`).
         initial_identity: identity of the weights the engine started with.
         keep_materialized: decoded snapshots kept on disk (bases of the next deltas).
         allow_non_finite: load snapshots whose weights hold NaN/inf (refused by default).
+        replica_id: this replica's name in status and ledger rows (default: the engine adapter's, e.g.
+            ``<hostname>:<port>`` for a server).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -70,6 +88,7 @@ class HotLoadConfig(BaseModel):
     initial_identity: str = "initial"
     keep_materialized: int = 2
     allow_non_finite: bool = False
+    replica_id: str | None = None
 
     @property
     def remote(self) -> bool:
@@ -104,15 +123,21 @@ class Signal:
     reset_prompt_cache: str = "all"
     transition: str = "async"
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    lora_name: str | None = None  # set: a version of this LoRA adapter
 
     @staticmethod
-    def claimed(body: object) -> tuple[str, str | None]:
-        """``(identity, previous identity)`` as a request sent them, for the ledger row of a refused request."""
+    def claimed(body: object) -> tuple[str, str | None, str | None]:
+        """``(identity, previous identity, lora_name)`` as a request sent them, for the ledger row of a refused
+        request (``lora_name``: only when it is a valid name, else ``None``)."""
         if not isinstance(body, dict):
-            return str(body), None
+            return str(body), None, None
         meta = body.get("incremental_snapshot_metadata")
         previous = meta.get("previous_snapshot_identity") if isinstance(meta, dict) else None
-        return str(body.get("identity")), None if previous is None else str(previous)
+        try:
+            lora_name = None if body.get("lora_name") is None else validate_identity(body["lora_name"])
+        except IdentityError:
+            lora_name = None
+        return str(body.get("identity")), None if previous is None else str(previous), lora_name
 
     @classmethod
     def from_request(cls, body: object, transition: str | None = None, drain_timeout: str | float | None = None
@@ -136,9 +161,15 @@ class Signal:
         except ValueError:
             raise HotLoadError(f"drain timeout must be a number of seconds, got {str(drain_timeout)[:40]!r}",
                                422) from None
+        lora_name = body.get("lora_name")
+        if lora_name is not None:
+            try:
+                lora_name = validate_identity(lora_name)
+            except IdentityError as e:
+                raise HotLoadError(f"invalid lora_name: {e}", 400) from e
         meta = body.get("incremental_snapshot_metadata")
         sig = cls(identity=identity, reset_prompt_cache=reset, transition=transition or "async",
-                  drain_timeout=drain)
+                  drain_timeout=drain, lora_name=lora_name)
         if meta is not None:
             if not isinstance(meta, dict) or "previous_snapshot_identity" not in meta:
                 raise HotLoadError("incremental_snapshot_metadata needs previous_snapshot_identity", 422)
@@ -159,16 +190,19 @@ class Signal:
 
     @classmethod
     def for_snapshot(cls, info, reset_prompt_cache: str = "all", transition: str = "async",
-                     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> "Signal":
-        """The signal announcing a written :class:`deltasync.SnapshotInfo`."""
+                     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, lora_name: str | None = None) -> "Signal":
+        """The signal announcing a written :class:`deltasync.SnapshotInfo` (``lora_name``: a LoRA adapter's)."""
         incremental = info.kind == "incremental"
         return cls(info.identity, info.previous_identity if incremental else None,
                    info.compression_format if incremental else None,
-                   DEFAULT_CHECKSUM_FORMAT if incremental else None, reset_prompt_cache, transition, drain_timeout)
+                   DEFAULT_CHECKSUM_FORMAT if incremental else None, reset_prompt_cache, transition, drain_timeout,
+                   lora_name)
 
     def body(self) -> dict:
         """The POST body (inverse of :meth:`from_request`; the transition travels in headers)."""
         body: dict = {"identity": self.identity, "reset_prompt_cache": self.reset_prompt_cache}
+        if self.lora_name is not None:
+            body["lora_name"] = self.lora_name
         if self.previous_identity is not None:
             body["incremental_snapshot_metadata"] = {
                 "previous_snapshot_identity": self.previous_identity,

@@ -24,6 +24,13 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    verifying its bits against that digest — or, if it is gone or altered, the newest earlier one that verifies, else
    the initial weights, the ledger saying so (:meth:`Replica.restore`).
 
+**LoRA adapters** (a signal with ``lora_name``, vLLM's name for an adapter) go through the same stages on their own
+track: one ledger, chain and retention per adapter name (``<state_dir>/lora/<name>/``), full snapshots being PEFT
+adapter directories and incremental ones deltas against the adapter's served version. The swap pauses nothing: the
+engine serves the new version under ``name`` to requests admitted from then on, while requests admitted before finish
+on the version they started with (:meth:`ReplicaEngine.load_adapter`) — a response never mixes adapter versions, and
+the versions have separate prefix-cache entries. A restart restores every adapter's last verified version.
+
 The engine side is :class:`ReplicaEngine`: vLLM's OpenAI server (:mod:`vllm_plugin.hotload.engine`) and an offline
 ``vllm.LLM`` (:mod:`vllm_plugin.hotload.offline`) are its two adapters.
 Sources: Fireworks' bring-your-own-trainer hot-load API (``../shared/DESIGN.md`` §5).
@@ -31,18 +38,25 @@ Sources: Fireworks' bring-your-own-trainer hot-load API (``../shared/DESIGN.md``
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
+import os
 import shutil
+import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .ledger import IdentityError, Ledger
+from zerokld_models.checkpoint import staged_dir
+
+from .ledger import IdentityError, Ledger, validate_identity
 from .protocol import HotLoadConfig, HotLoadError, Signal
 from .snapshot import (SnapshotError, check_regular_files, materialize_snapshot, snapshot_numerics, tensor_spec,
-                       verify_full_snapshot, weights_digest)
+                       verify_adapter_config, verify_full_snapshot, weights_digest)
 from .storage import fetch_dir
 
-__all__ = ["Replica", "ReplicaEngine"]
+__all__ = ["Replica", "ReplicaEngine", "StateDirInUseError", "Track"]
 
 
 class ReplicaEngine(Protocol):
@@ -73,29 +87,151 @@ class ReplicaEngine(Protocol):
     async def reset_prefix_cache(self, running_requests: bool) -> bool:
         """Drop cached prefixes (``running_requests``: also those held by running requests); ``False``: refused."""
 
+    async def load_adapter(self, name: str, identity: str, path: str) -> None:
+        """Serve the PEFT adapter directory ``path`` (snapshot ``identity``) as LoRA adapter ``name`` to requests
+        admitted from now on; requests admitted before keep the version they started with. Raises (and changes
+        nothing) when the engine refuses the adapter."""
+
+    def adapter_versions_in_use(self, name: str) -> set[str]:
+        """Snapshot identities of adapter ``name`` that unfinished requests use (their directories must stay)."""
+
+
+class StateDirInUseError(RuntimeError):
+    """Another live replica holds the state directory (its ledger and snapshots are that replica's)."""
+
+
+def hold_state_dir(state_dir: Path, replica_id: str):
+    """Take ``<state_dir>/replica.lock`` (an exclusive ``flock``, released when the returned file is closed or the
+    process ends, a crash included) and write the holder into it.
+
+    Raises:
+        StateDirInUseError: another replica (this process or another) holds it; the message names that replica.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    f = open(state_dir / "replica.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read()[:200] or "unknown"
+        f.close()
+        raise StateDirInUseError(f"hot_load state_dir {state_dir.name!r} is in use by another replica ({holder}); "
+                                 "give each replica its own hot_load.state_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"replica": replica_id, "pid": os.getpid()}))
+    f.flush()
+    return f
+
+
+@dataclass
+class Track:
+    """What one ledger tracks: the base weights (``lora_name is None``) or one LoRA adapter name.
+
+    Attributes:
+        ledger: its :class:`deltasync.Ledger`.
+        state_dir: ``ledger.json``, ``fetched/<identity>`` and ``materialized/<identity>`` live here.
+        stage, target: the hot-load in progress (``idle`` / ``verifying`` / ``draining`` / ``pausing`` /
+            ``loading``) and the identity it loads.
+    """
+
+    ledger: Ledger
+    state_dir: Path
+    lora_name: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stage: str = "idle"
+    target: str | None = None
+
+    @property
+    def materialized(self) -> Path:
+        return self.state_dir / "materialized"
+
+    @property
+    def fetched(self) -> Path:
+        return self.state_dir / "fetched"
+
+    def status(self) -> dict:
+        """``current_snapshot_identity`` (an adapter that serves nothing: ``None``), its ``weights_digest`` and
+        ``ready_since`` (Unix seconds), ``readiness``, ``loading_state``, and ``last_error`` (the newest refusal or
+        failure: ``{"identity", "error", "at"}``, or ``None``)."""
+        led, served = self.ledger, self.lora_name is None or self.ledger.current is not None
+        return {"current_snapshot_identity": led.current_identity if served else None,
+                "weights_digest": led.current_digest, "ready_since": led.ready_since,
+                "readiness": self.stage == "idle",
+                "loading_state": {"stage": self.stage, "target_snapshot_identity": self.target},
+                "last_error": led.last_error}
+
 
 class Replica:
-    """Owns the ledger, the fetched and materialized snapshots and the swap of one engine.
+    """Owns the ledgers, the fetched and materialized snapshots and the swaps of one engine.
+
+    The state directory is this replica's alone while it lives (:func:`hold_state_dir`): a second replica pointed at
+    it — e.g. two servers left on the default ``<snapshot_root>/.zerokld_state`` — is refused at start.
 
     Args:
         engine: a :class:`ReplicaEngine`.
-        config: :class:`deltasync.HotLoadConfig` (snapshot root, state dir, initial identity, retention).
+        config: :class:`deltasync.HotLoadConfig` (snapshot root, state dir, initial identity, retention, replica id).
         initial_dir: the weights the engine started with (identity ``config.initial_identity``).
+        replica_id: this replica's name in status and ledger rows when ``config.replica_id`` is unset (default
+            ``<hostname>-<pid>``).
+
+    Raises:
+        StateDirInUseError: another live replica holds the state directory.
     """
 
-    def __init__(self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path) -> None:
+    def __init__(self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path,
+                 replica_id: str | None = None) -> None:
         self.engine, self.config = engine, config
+        self.replica_id = config.replica_id or replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.remote, self.root = config.remote, config.root
         self.state_dir = Path(config.resolved_state_dir())
-        self.materialized = self.state_dir / "materialized"
-        self.fetched = self.state_dir / "fetched"
-        self.ledger = Ledger(self.state_dir / "ledger.json", config.initial_identity)
+        self._state_lock = hold_state_dir(self.state_dir, self.replica_id)
+        self.base = Track(self._ledger(self.state_dir), self.state_dir)
+        self.adapters: dict[str, Track] = {}
+        for led in sorted((self.state_dir / "lora").glob("*/ledger.json")):  # adapters of an earlier run
+            self.adapter_track(led.parent.name)
         self.initial_dir = Path(initial_dir)
         self.reference_spec = tensor_spec(self.initial_dir)
-        self.lock = asyncio.Lock()
-        self.stage = "idle"
-        self.target: str | None = None
+        self.swap_lock = asyncio.Lock()  # one engine swap at a time (verification runs concurrently)
         self.draining = False  # sync transition in progress: new requests get 425
+
+    def _ledger(self, d: Path) -> Ledger:
+        return Ledger(d / "ledger.json", self.config.initial_identity, self.replica_id)
+
+    def close(self) -> None:
+        """Give the state directory up (another replica may take it); the replica is unusable afterwards."""
+        self._state_lock.close()
+
+    # the base track's state, under the names the engine adapters and the HTTP endpoint use
+    @property
+    def ledger(self) -> Ledger:
+        return self.base.ledger
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        return self.base.lock
+
+    @property
+    def stage(self) -> str:
+        return self.base.stage
+
+    def adapter_track(self, name: str) -> Track:
+        """The track of LoRA adapter ``name`` (created on first use).
+
+        Raises:
+            HotLoadError: 400, ``name`` is not one path segment (:func:`deltasync.validate_identity`'s rule)."""
+        if name not in self.adapters:
+            try:
+                validate_identity(name)
+            except IdentityError as e:
+                raise HotLoadError(f"invalid lora_name: {e}", 400) from e
+            d = self.state_dir / "lora" / name
+            self.adapters[name] = Track(self._ledger(d), d, name)
+        return self.adapters[name]
+
+    def track_for(self, lora_name: str | None) -> Track:
+        """The base track, or adapter ``lora_name``'s (:meth:`adapter_track`)."""
+        return self.base if lora_name is None else self.adapter_track(lora_name)
 
     # -- where snapshots are -------------------------------------------------------------------------------------
     def _published(self, identity: str) -> str | Path:
@@ -108,40 +244,69 @@ class Replica:
 
         return filesystem_for(self.root).exists(f"{self.root}/{identity}")
 
-    def served_dir(self, identity: str | None = None) -> Path:
-        """The local full snapshot directory of ``identity`` (default: the one serving)."""
-        identity = identity or self.ledger.current_identity
-        if identity == self.ledger.initial_identity:
-            return self.initial_dir
-        for d in (self.materialized / identity, self.fetched / identity):
+    def served_dir(self, identity: str | None = None, track: Track | None = None) -> Path:
+        """The local full snapshot directory of ``identity`` (default: the one serving) on ``track`` (default: the
+        base weights).
+
+        Raises:
+            SnapshotError: an adapter track asked for its initial identity (an adapter has no initial weights)."""
+        track = track or self.base
+        identity = identity or track.ledger.current_identity
+        if identity == track.ledger.initial_identity:
+            if track.lora_name is None:
+                return self.initial_dir
+            raise SnapshotError(f"LoRA adapter {track.lora_name!r} serves no snapshot")
+        for d in (track.materialized / identity, track.fetched / identity):
             if d.exists():
                 return d
-        return self.root / identity if not self.remote else self.fetched / identity
+        return self.root / identity if not self.remote else track.fetched / identity
 
     def status(self) -> dict:
-        return {"replicas": [{"replica": 0, "current_snapshot_identity": self.ledger.current_identity,
-                              "readiness": self.stage == "idle",
-                              "loading_state": {"stage": self.stage, "target_snapshot_identity": self.target}}]}
+        """Per replica (this one: ``replica`` is its id): the base track's :meth:`Track.status`, and
+        ``lora_adapters``: each adapter name's."""
+        return {"replicas": [{"replica": self.replica_id, **self.base.status(),
+                              "lora_adapters": {n: t.status() for n, t in sorted(self.adapters.items())}}]}
 
-    def _restorable(self, identity: str, digest: str | None) -> Path:
+    def _reference(self, track: Track, path: Path) -> dict:
+        """The tensor spec a snapshot of ``track`` must have: the served model's, or for an adapter its own (a new
+        full version may change the rank; a delta is checked against its base by the decoder)."""
+        return self.reference_spec if track.lora_name is None else tensor_spec(path)
+
+    def _restorable(self, track: Track, identity: str, digest: str | None) -> Path:
         """Blocking (run in a thread): the verified directory of ``identity`` — regular files, the served model's
         tensor spec, every tensor against its checksum, and the checksums' digest equal to what the ledger recorded
         when it was loaded (``digest``), so replaced bits are never served under the old identity."""
-        path = self.served_dir(identity)
+        path = self.served_dir(identity, track)
         if not path.is_dir():
             raise SnapshotError(f"snapshot {identity!r} is gone")
         check_regular_files(path, path.parent)
-        verify_full_snapshot(path, self.reference_spec, check_data=True, allow_non_finite=self.config.allow_non_finite)
+        if track.lora_name is not None:
+            verify_adapter_config(path)
+        verify_full_snapshot(path, self._reference(track, path), check_data=True,
+                             allow_non_finite=self.config.allow_non_finite)
         if digest is None or weights_digest(path) != digest:
             raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the ledger)")
         return path
 
+    async def _load(self, track: Track, identity: str, path: Path) -> None:
+        if track.lora_name is None:
+            await self.engine.reload_weights(str(path))
+        else:
+            await self.engine.load_adapter(track.lora_name, identity, str(path))
+
     async def restore(self) -> None:
         """After a restart (the engine started from ``initial_dir``): serve the ledger's current snapshot again,
         verified (:meth:`_restorable`); if it is gone or its bits changed, the newest earlier ``ready`` snapshot that
-        verifies, else the initial weights — the ledger marks what was lost and appends a ``restore`` row. Never
-        raises for a missing or altered snapshot."""
-        led = self.ledger
+        verifies, else the initial weights — the ledger marks what was lost and appends a ``restore`` row. Then the
+        same for every LoRA adapter's track (an adapter with nothing left to serve is not served). Never raises for
+        a missing or altered snapshot."""
+        await self._restore(self.base)
+        for track in self.adapters.values():
+            if track.ledger.current is not None:
+                await self._restore(track)
+
+    async def _restore(self, track: Track) -> None:
+        led, base = track.ledger, track.lora_name is None
         candidates = [(led.current_identity, led.current_digest)] + [
             (r["identity"], r.get("weights_digest")) for r in reversed(led.rows)
             if r.get("readiness") == "ready" and r["identity"] != led.current_identity]
@@ -150,22 +315,24 @@ class Replica:
             if identity == led.initial_identity:
                 break
             try:
-                path = await asyncio.to_thread(self._restorable, identity, digest)
-                await self.engine.reload_weights(str(path))
+                path = await asyncio.to_thread(self._restorable, track, identity, digest)
+                await self._load(track, identity, path)
             except Exception as e:  # noqa: BLE001 - any failure: try the next one, never crash the server
                 lost[identity] = str(e) or type(e).__name__
                 continue
             if lost:
                 led.restored(identity, digest, lost)
-            await self.engine.set_weight_version(identity)
+            if base:
+                await self.engine.set_weight_version(identity)
             return
         if lost:
             led.restored(led.initial_identity, None, lost)
-        await self.engine.set_weight_version(led.initial_identity)
+        if base:
+            await self.engine.set_weight_version(led.initial_identity)
 
     # -- the stages --------------------------------------------------------------------------------------------
-    def _check(self, sig: Signal) -> None:
-        led = self.ledger
+    def _check(self, track: Track, sig: Signal) -> None:
+        led = track.ledger
         if sig.identity == led.initial_identity:
             raise HotLoadError(f"snapshot identity {sig.identity!r} is reserved for the weights the engine started "
                                "with", 409)
@@ -176,14 +343,17 @@ class Replica:
         if sig.previous_identity is not None:
             if led.full_required:
                 raise HotLoadError("the ledger was reset: the next snapshot must be full", 409)
+            if track.lora_name is not None and led.current is None:
+                raise HotLoadError(f"LoRA adapter {track.lora_name!r} serves no snapshot yet: the first one must be "
+                                   "full", 409)
             if sig.previous_identity != led.current_identity:
                 raise HotLoadError(f"incremental snapshot {sig.identity!r} is against {sig.previous_identity!r}, "
                                    f"but this replica serves {led.current_identity!r} (out-of-order chain)", 409)
 
-    def _fetch(self, sig: Signal) -> Path:
+    def _fetch(self, track: Track, sig: Signal) -> Path:
         if not self.remote:
             return self.root / sig.identity
-        return fetch_dir(str(self._published(sig.identity)), self.fetched / sig.identity)
+        return fetch_dir(str(self._published(sig.identity)), track.fetched / sig.identity)
 
     def _verify_numerics(self, local: Path) -> None:
         from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
@@ -197,16 +367,32 @@ class Replica:
         except (NumericsMismatchError, ValueError) as e:
             raise SnapshotError(str(e)) from e
 
-    def _materialize(self, sig: Signal) -> tuple[Path, str]:
-        """Blocking (run in a thread): fetch, verify; the full snapshot directory to load and its weights digest."""
-        local = self._fetch(sig)
-        check_regular_files(local, self.fetched if self.remote else self.root)  # before anything is opened
+    def _materialize(self, track: Track, sig: Signal) -> tuple[Path, str]:
+        """Blocking (run in a thread): fetch, verify; the full snapshot directory to load and its weights digest.
+        A full adapter snapshot is copied into the adapter's state first (the engine may read it again while a
+        request uses it, whatever the trainer does with the published one) and the copy is what is verified."""
+        local = self._fetch(track, sig)
+        check_regular_files(local, track.fetched if self.remote else self.root)  # before anything is opened
         self._verify_numerics(local)
-        base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity)
-        path = materialize_snapshot(local, self.materialized / sig.identity, self.reference_spec, base,
-                                    sig.compression_format, check_data=True,
-                                    allow_non_finite=self.config.allow_non_finite)
-        return path, weights_digest(path)
+        base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity, track)
+        if track.lora_name is not None and base is None:
+            out = track.materialized / sig.identity
+            with staged_dir(out) as tmp:
+                for f in local.iterdir():
+                    shutil.copyfile(f, tmp / f.name)
+            local = out
+        try:
+            if track.lora_name is not None and base is None:
+                verify_adapter_config(local)
+            path = materialize_snapshot(local, track.materialized / sig.identity,
+                                        self._reference(track, base if base is not None else local), base,
+                                        sig.compression_format, check_data=True,
+                                        allow_non_finite=self.config.allow_non_finite)
+            return path, weights_digest(path)
+        except BaseException:
+            if track.lora_name is not None:
+                shutil.rmtree(track.materialized / sig.identity, ignore_errors=True)
+            raise
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -222,71 +408,94 @@ class Replica:
         return bool(await self.engine.reset_prefix_cache(running_requests=mode == "all"))
 
     async def signal(self, sig: Signal) -> dict:
-        """Load one snapshot; returns its ledger row.
+        """Load one snapshot (``sig.lora_name``: a version of that LoRA adapter); returns its ledger row.
 
         Raises:
             HotLoadError: refused or failed (its ``status`` says why); the engine keeps serving what it served.
         """
-        if self.lock.locked():
-            raise HotLoadError("another hot-load is in progress", 409)
-        async with self.lock:
+        track = self.track_for(sig.lora_name)
+        if track.lock.locked():
+            raise HotLoadError("another hot-load is in progress" + (f" for LoRA adapter {sig.lora_name!r}"
+                                                                    if sig.lora_name else ""), 409)
+        async with track.lock:
             kind = "incremental" if sig.previous_identity else "full"
             try:
-                self._check(sig)
+                self._check(track, sig)
             except HotLoadError as e:
-                self.ledger.refused(sig.identity, str(e), kind, sig.previous_identity)
+                track.ledger.refused(sig.identity, str(e), kind, sig.previous_identity)
                 raise
-            row = self.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
-            self.stage, self.target = "verifying", sig.identity
+            row = track.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
+            track.stage, track.target = "verifying", sig.identity
             try:
-                path, digest = await asyncio.to_thread(self._materialize, sig)
-                self.ledger.stage(row, "verified", weights_digest=digest)
-                if sig.transition == "sync":
-                    self.stage, self.draining = "draining", True
-                    await self._drain(sig.drain_timeout)
-                    await self.engine.pause(keep_requests=False)
-                else:
-                    self.stage = "pausing"
-                    await self.engine.pause(keep_requests=True)
-                self.ledger.stage(row, "paused")
-                self.stage = "loading"
-                try:
-                    await self.engine.reload_weights(str(path))
-                except Exception as e:  # restore the served weights, then report
-                    await self.engine.reload_weights(str(self.served_dir()))
-                    raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
-                await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
-                self.ledger.stage(row, "loaded")
-                cache_reset = await self._reset_cache(sig.reset_prompt_cache)
-                self.ledger.ready(row)
-                # what really happened: "none" resets nothing; a refused reset is reported, not claimed
-                row["prompt_cache_reset"] = cache_reset and sig.reset_prompt_cache != "none"
-                if not cache_reset:
-                    row["prompt_cache_reset_error"] = (f"reset_prompt_cache {sig.reset_prompt_cache!r} was refused "
-                                                       "by the engine (running requests hold cached blocks)")
-                self._prune()
+                path, digest = await asyncio.to_thread(self._materialize, track, sig)
+                track.ledger.stage(row, "verified", weights_digest=digest)
+                async with self.swap_lock:
+                    if track.lora_name is None:
+                        await self._swap_base(sig, path, row)
+                    else:
+                        track.stage = "loading"
+                        await self.engine.load_adapter(track.lora_name, sig.identity, str(path))
+                        track.ledger.stage(row, "loaded")
+                        track.ledger.ready(row)
+                self._prune(track)
                 return row
             except Exception as e:  # every refusal and failure is recorded; serving keeps the old snapshot
                 msg = str(e) or type(e).__name__
-                self.ledger.fail(row, msg)
+                track.ledger.fail(row, msg)
                 if isinstance(e, HotLoadError):
                     raise
                 status = 422 if isinstance(e, (SnapshotError, IdentityError, LookupError, OSError)) else 500
                 raise HotLoadError(msg, status) from e
             finally:
-                if await self.engine.is_paused():
-                    await self.engine.resume()
-                self.draining = False
-                self.stage, self.target = "idle", None
+                track.stage, track.target = "idle", None
 
-    def _prune(self) -> None:
-        keep = {self.ledger.current_identity}
-        for r in reversed(self.ledger.rows):
-            if len(keep) >= self.config.keep_materialized:
+    async def _swap_base(self, sig: Signal, path: Path, row: dict) -> None:
+        """Pause (async: keep in-flight requests; sync: drain them first), reload, label, reset the prefix cache,
+        resume — the previous snapshot restored if the reload fails."""
+        track, led = self.base, self.base.ledger
+        try:
+            if sig.transition == "sync":
+                track.stage, self.draining = "draining", True
+                await self._drain(sig.drain_timeout)
+                await self.engine.pause(keep_requests=False)
+            else:
+                track.stage = "pausing"
+                await self.engine.pause(keep_requests=True)
+            led.stage(row, "paused")
+            track.stage = "loading"
+            try:
+                await self.engine.reload_weights(str(path))
+            except Exception as e:  # restore the served weights, then report
+                await self.engine.reload_weights(str(self.served_dir()))
+                raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
+            await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
+            led.stage(row, "loaded")
+            cache_reset = await self._reset_cache(sig.reset_prompt_cache)
+            led.ready(row)
+            # what really happened: "none" resets nothing; a refused reset is reported, not claimed
+            row["prompt_cache_reset"] = cache_reset and sig.reset_prompt_cache != "none"
+            if not cache_reset:
+                row["prompt_cache_reset_error"] = (f"reset_prompt_cache {sig.reset_prompt_cache!r} was refused "
+                                                   "by the engine (running requests hold cached blocks)")
+        finally:
+            if await self.engine.is_paused():
+                await self.engine.resume()
+            self.draining = False
+
+    def _prune(self, track: Track) -> None:
+        """Drop fetched and materialized snapshots beyond ``keep_materialized`` (the serving one and the newest
+        ``ready`` ones); an adapter also keeps its previous version and every version a request still uses."""
+        keep = {track.ledger.current_identity}
+        limit = self.config.keep_materialized
+        if track.lora_name is not None:
+            keep |= self.engine.adapter_versions_in_use(track.lora_name)
+            limit = max(limit, 2) + len(keep) - 1
+        for r in reversed(track.ledger.rows):
+            if len(keep) >= limit:
                 break
             if r.get("readiness") == "ready":
                 keep.add(r["identity"])
-        for folder in (self.materialized, self.fetched):
+        for folder in (track.materialized, track.fetched):
             if folder.exists():
                 for d in folder.iterdir():
                     if d.name not in keep and not d.name.startswith("."):  # identities only (no .staging)

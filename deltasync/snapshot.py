@@ -1,7 +1,8 @@
 """Snapshots: full HF checkpoint directories and incremental deltas against a base, both published atomically.
 
 * Full: config, tokenizer files, ``model.safetensors`` — HF ``transformers`` layout, so vLLM loads a snapshot like any
-  model directory.
+  model directory; or, for a LoRA adapter, ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's layout,
+  what vLLM's LoRA loader reads). The assets decide which (:func:`zerokld_models.checkpoint.weights_file`).
 * Incremental: for every tensor of every base shard, the codec's payload (``compression_format``, default ``arc_v2``:
   XOR of raw bytes + zstd) stored as a 1-D ``uint8`` tensor under the tensor's name, in a safetensors file with the
   base shard's filename; that file's ``__metadata__`` maps each tensor name to the decimal Adler-32 of the **new**
@@ -26,14 +27,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zerokld_models.checkpoint import read_tensors, staged_dir, write_checkpoint
+from zerokld_models.checkpoint import ADAPTER_CONFIG, read_tensors, staged_dir, weights_file, write_checkpoint
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
 __all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "check_regular_files", "element_density",
-           "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_full_snapshot", "weight_bytes",
-           "weights_digest",
-           "write_full_snapshot", "write_incremental_snapshot"]
+           "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_adapter_config",
+           "verify_full_snapshot", "weight_bytes", "weights_digest", "write_full_snapshot",
+           "write_incremental_snapshot"]
 
 
 class SnapshotError(ValueError):
@@ -161,6 +162,27 @@ def _verify_data(d: Path, allow_non_finite: bool) -> None:
         raise SnapshotError(f"snapshot {d.name!r}: checksums do not cover exactly its tensors")
 
 
+def verify_adapter_config(snapshot_dir: str | Path) -> dict:
+    """The ``adapter_config.json`` of a full LoRA adapter snapshot (PEFT's ``LoraConfig`` as saved): a JSON object of
+    at most :data:`MAX_JSON_BYTES` with ``peft_type`` ``"LORA"``, a positive integer ``r`` and a ``lora_alpha``
+    number. What the engine checks beyond that (rank against ``max_lora_rank``, target modules) it checks at load.
+
+    Raises:
+        SnapshotError: missing, unreadable or not a LoRA config."""
+    d = Path(snapshot_dir)
+    try:
+        cfg = _read_json(d / ADAPTER_CONFIG)
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"snapshot {d.name!r}: no readable {ADAPTER_CONFIG} (a LoRA adapter snapshot is a PEFT "
+                            f"adapter directory; {type(e).__name__})") from e
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if (cfg.get("peft_type") != "LORA" or not isinstance(r, int) or isinstance(r, bool) or r < 1
+            or not isinstance(alpha, (int, float)) or isinstance(alpha, bool)):
+        raise SnapshotError(f"snapshot {d.name!r}: {ADAPTER_CONFIG} is not a LoRA config (peft_type LORA, r >= 1, "
+                            "lora_alpha)")
+    return cfg
+
+
 def weights_digest(snapshot_dir: str | Path) -> str:
     """SHA-256 (hex) of a full snapshot's per-tensor checksums (``model.weight.spec.json``, canonical JSON): what
     the ledger records for a loaded snapshot, so a restart can tell the same bits from replaced ones.
@@ -240,14 +262,16 @@ _SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
 
 def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str | Path, out_dir: str | Path,
                         dtype: torch.dtype | None = None, numerics: dict | None = None) -> Path:
-    """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` plus every non-weight file of ``assets_dir``, and
-    ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape", "dtype"}}, "checksum_format": "alder32",
-    "checksums": {name: Adler-32 of the tensor's bytes}, "numerics"?}``, safetensors dtype names; a replica verifies
-    the checksums before it swaps).
+    """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` (a PEFT adapter: ``adapter_model.safetensors``) plus
+    every non-weight file of ``assets_dir``, and ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape",
+    "dtype"}}, "checksum_format": "alder32", "checksums": {name: Adler-32 of the tensor's bytes}, "numerics"?}``,
+    safetensors dtype names; a replica verifies the checksums before it swaps).
 
     Args:
-        hf_state_dict: HF parameter names → tensors (any device; copied to CPU, made contiguous).
-        assets_dir: a checkpoint directory whose ``config.json``, tokenizer and generation files are copied.
+        hf_state_dict: HF parameter names → tensors (any device; copied to CPU, made contiguous); for an adapter,
+            PEFT names (``base_model.model.<module>.lora_A.weight``).
+        assets_dir: a checkpoint directory whose ``config.json``, tokenizer and generation files are copied, or a
+            PEFT adapter directory whose ``adapter_config.json`` is.
         out_dir: the snapshot directory to publish; replaced if it exists.
         dtype: cast every tensor to this dtype (``None``: keep).
         numerics: the producer's :class:`shared_numerics.NumericsMode` as a dict, stamped into the spec as
@@ -257,11 +281,10 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
         ``Path(out_dir)``.
 
     Raises:
-        FileNotFoundError: ``assets_dir`` has no ``config.json``.
+        FileNotFoundError: ``assets_dir`` has neither ``config.json`` nor ``adapter_config.json``.
     """
     src = Path(assets_dir)
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src} has no config.json")
+    fname = weights_file(src)
     tensors = {k: (v.to(dtype) if dtype is not None else v) for k, v in hf_state_dict.items()}
 
     def write_spec(tmp: Path) -> None:
@@ -272,7 +295,7 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
                                                    "checksum_format": DEFAULT_CHECKSUM_FORMAT,
                                                    "checksums": checksums, **stamp}, indent=1))
 
-    return write_checkpoint(out_dir, {"model.safetensors": tensors}, assets_dir=src, skip_assets=_SKIP,
+    return write_checkpoint(out_dir, {fname: tensors}, assets_dir=src, skip_assets=_SKIP,
                             finalize=write_spec)
 
 

@@ -283,3 +283,64 @@ def test_staging_is_a_separate_namespace(base_and_new, tmp_path):
     for name in (".staging", "col.tmp", "col.old"):
         with pytest.raises(IdentityError):
             validate_identity(name)
+
+
+def test_lora_adapter_snapshots_full_and_delta_round_trip(tmp_path):
+    """A PEFT adapter directory as a snapshot: the full one keeps PEFT's layout (``adapter_config.json`` +
+    ``adapter_model.safetensors``, what vLLM's LoRA loader reads) with the checksummed spec; an arc_v2 delta of the
+    next version decodes onto it bit for bit into the same layout. Refused: a config that is not LoRA's, and assets
+    that are neither a model nor an adapter."""
+    import json
+
+    from deltasync import SnapshotError, verify_adapter_config, verify_full_snapshot
+    from deltasync.snapshot import tensor_spec
+
+    g = torch.Generator().manual_seed(0)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    v1 = {f"{prefix}.lora_A.weight": torch.randn(4, 64, generator=g).bfloat16(),
+          f"{prefix}.lora_B.weight": torch.randn(64, 4, generator=g).bfloat16()}
+    assets = tmp_path / "peft"
+    assets.mkdir()
+    (assets / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                            "target_modules": ["q_proj"]}))
+    full = write_full_snapshot(v1, assets, tmp_path / "a-v1")
+    assert sorted(p.name for p in full.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                      "model.weight.spec.json"]
+    assert verify_adapter_config(full)["r"] == 4
+    verify_full_snapshot(full, tensor_spec(full), check_data=True)
+    v2 = _moved(v1, seed=2)
+    delta = write_incremental_snapshot(full, v2, tmp_path / "a-v2")
+    assert sorted(p.name for p in delta.iterdir()) == ["adapter_model.safetensors", "delta.json"]
+    out = apply_incremental_snapshot(full, delta, tmp_path / "a-v2-full")
+    verify_adapter_config(out)
+    got = read_snapshot_tensors(out)
+    assert got.keys() == v2.keys() and all(torch.equal(got[k], v2[k]) for k in v2)
+    for bad in ({"peft_type": "IA3", "r": 4, "lora_alpha": 8}, {"peft_type": "LORA", "r": 0, "lora_alpha": 8},
+                {"peft_type": "LORA", "r": 4}):
+        (full / "adapter_config.json").write_text(json.dumps(bad))
+        with pytest.raises(SnapshotError, match="not a LoRA config"):
+            verify_adapter_config(full)
+    (full / "adapter_config.json").unlink()
+    with pytest.raises(SnapshotError, match="adapter_config.json"):
+        verify_adapter_config(full)
+    with pytest.raises(FileNotFoundError, match="neither config.json nor adapter_config.json"):
+        write_full_snapshot(v1, tmp_path / "a-v2", tmp_path / "nowhere")
+
+
+def test_a_state_dir_is_one_replicas_alone(checkpoint_factory, tmp_path):
+    """Two replicas on one state directory (e.g. both left on the default under a shared snapshot root) would
+    overwrite each other's ledger: the second is refused, naming the holder, until the first gives it up. The lock
+    is an OS file lock, so a crashed holder frees it too."""
+    from deltasync import HotLoadConfig, Replica, StateDirInUseError
+
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    (tmp_path / "snapshots").mkdir()
+    cfg = HotLoadConfig(snapshot_root=str(tmp_path / "snapshots"))
+    first = Replica(None, cfg, ckpt, replica_id="host:8001")  # no engine is touched before a signal
+    with pytest.raises(StateDirInUseError, match="host:8001"):
+        Replica(None, cfg, ckpt, replica_id="host:8002")
+    other = Replica(None, cfg.model_copy(update={"state_dir": str(tmp_path / "state2")}), ckpt, replica_id="h:2")
+    assert other.status()["replicas"][0]["replica"] == "h:2"
+    first.close()
+    Replica(None, cfg, ckpt, replica_id="host:8002").close()
+    other.close()

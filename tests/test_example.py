@@ -138,10 +138,11 @@ def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
 
 
 def test_countdown_lora_side_by_side(engine_slot, tmp_path):
-    """``--lora 4``: GRPO on LoRA adapters over the frozen SFT model, vLLM (``enable_lora``) serving each step's
-    adapter as a new LoRARequest. zerokld: k3 exactly 0 and no token different at every step (steps 2 and 3 sample
-    with trained adapters); stock (TorchTitan's LoRAConverter, vLLM's punica kernels): tokens differ. The last
-    adapter is a PEFT directory whose lora_B has moved off its zero initialisation."""
+    """``--lora 4``: GRPO on LoRA adapters over the frozen SFT model, each step's adapter hot-loaded into vLLM
+    (``enable_lora``) through the replica — the first full, then arc_v2 deltas of the adapter — and served as a new
+    LoRARequest. zerokld: k3 exactly 0 and no token different at every step (steps 2 and 3 sample with trained
+    adapters); stock (TorchTitan's LoRAConverter, vLLM's punica kernels): tokens differ. The last adapter is a PEFT
+    directory whose lora_B has moved off its zero initialisation."""
     from safetensors.torch import load_file
 
     from examples.countdown.run import main, parse_args
@@ -154,8 +155,9 @@ def test_countdown_lora_side_by_side(engine_slot, tmp_path):
           "--group-size", "4"])
     rows = {m: _metrics(out, m) for m in ("zerokld", "stock")}
     for m, rs in rows.items():
-        assert [r["step"] for r in rs] == [1, 2, 3] and {r["sync_kind"] for r in rs} == {"lora_adapter"}
-        tensors = load_file(out / m / "adapters" / "step-00003" / "adapter_model.safetensors")
+        assert [r["step"] for r in rs] == [1, 2, 3]
+        assert [r["sync_kind"] for r in rs] == ["full", "incremental", "incremental"]
+        tensors = load_file(out / m / "adapters" / "trainer" / "step-00003" / "adapter_model.safetensors")
         assert any(k.endswith("lora_B.weight") and bool(v.abs().sum() > 0) for k, v in tensors.items())
     for r in rows["zerokld"]:
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0

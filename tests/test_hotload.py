@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import warnings
@@ -23,7 +24,7 @@ from shared_numerics import NumericsMode
 
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
 from titan_plugin import trainer_logprobs
-from zerokld_testing.servers import OpenAIServer
+from zerokld_testing.servers import HotLoadServer
 
 pytestmark = pytest.mark.vllm
 
@@ -33,27 +34,11 @@ HL = "/zerokld/v1/hot_load"
 PROMPT = [1] + list(range(10, 40))
 
 
-class Server(OpenAIServer):
-    """The hot-load server under test: bf16, chunked prefill, API key, prompt-token details, the copy-fault hook's
-    arm path in its environment."""
+class Server(HotLoadServer):
+    """The hot-load server under test (:class:`zerokld_testing.servers.HotLoadServer`) with this module's requests."""
 
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
-        self.ckpt, self.root, self.state = ckpt, root, state
-        # vllm_plugin.faults: while this file exists, a reload pauses inside the weight copy (inert otherwise)
-        self.copy_fault_arm = state.parent / "copy-fault.arm"
-        super().__init__([], log, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
-                                       "VLLM_PLUGINS": "zerokld,zerokld_hotload",
-                                       "ZEROKLD_FAULT_COPY_ARM": str(self.copy_fault_arm)})
-
-    def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
-        cfg = {"zerokld": {"batch_invariant": True,
-                           "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
-        self.args = ["--model", self.ckpt, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-                     "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
-                     "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits
-                     *(["--api-key", API_KEY] if api_key_flag else []), "--additional-config", json.dumps(cfg)]
-        super().start(extra_env)
+        super().__init__(ckpt, root, state, log, API_KEY)
 
     def signal(self, identity: str, previous: str | None = None, headers: dict | None = None, **body):
         body = {"identity": identity, **body}
@@ -137,9 +122,13 @@ def test_full_then_incremental_swaps_keep_zero_kld(env):
         prev = _expected(root, full, f"s{i}", prev)
         _check_serving(server, prev, f"s{i}")
     st = server.get(HL + "/status").json()["replicas"][0]
-    assert st == {"replica": 0, "current_snapshot_identity": "s3", "readiness": True,
-                  "loading_state": {"stage": "idle", "target_snapshot_identity": None}}
     rows = server.get(HL + "/ledger").json()["rows"]
+    assert st == {"replica": f"{socket.gethostname()}:{server.base.rsplit(':', 1)[1]}",
+                  "current_snapshot_identity": "s3", "weights_digest": rows[-1]["weights_digest"],
+                  "ready_since": rows[-1]["timestamps"]["ready"], "readiness": True,
+                  "loading_state": {"stage": "idle", "target_snapshot_identity": None}, "last_error": None,
+                  "lora_adapters": {}}
+    assert {r["replica"] for r in rows} == {st["replica"]}
     assert [(r["identity"], r["kind"], r["readiness"]) for r in rows] == [
         ("s1", "full", "ready"), ("s2", "incremental", "ready"), ("s3", "incremental", "ready")]
     assert {"signaled", "verified", "paused", "loaded", "ready"} <= rows[-1]["timestamps"].keys()

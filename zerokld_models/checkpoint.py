@@ -21,10 +21,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["INDEX_FILE", "STAGING_DIR", "copy_assets", "iter_shards", "publish_atomically", "read_config",
-           "read_tensors", "shard_files", "staged_dir", "staging_path", "write_checkpoint"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "INDEX_FILE", "STAGING_DIR", "copy_assets", "iter_shards",
+           "publish_atomically", "read_config", "read_tensors", "shard_files", "staged_dir", "staging_path",
+           "weights_file", "write_checkpoint"]
 
 INDEX_FILE = "model.safetensors.index.json"
+#: a PEFT LoRA adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT ``save_pretrained``;
+#: what vLLM's ``LoRAModel.from_local_checkpoint`` reads)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: the hidden directory beside published ones where they are assembled and retired; a hot-load snapshot identity
 #: never starts with ``.``, so no published name can collide with a staging one
 STAGING_DIR = ".staging"
@@ -45,6 +50,20 @@ def read_config(checkpoint_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{checkpoint_dir} has no config.json")
     return json.loads(path.read_text())
+
+
+def weights_file(checkpoint_dir: str | Path) -> str:
+    """The single-shard weights file name a directory of this kind uses: ``model.safetensors`` for a model checkpoint
+    (``config.json``), ``adapter_model.safetensors`` for a PEFT adapter (``adapter_config.json``).
+
+    Raises:
+        FileNotFoundError: neither file is there."""
+    d = Path(checkpoint_dir)
+    if (d / "config.json").is_file():
+        return "model" + WEIGHT_SUFFIX
+    if (d / ADAPTER_CONFIG).is_file():
+        return ADAPTER_WEIGHTS
+    raise FileNotFoundError(f"{d.name} has neither config.json nor {ADAPTER_CONFIG}")
 
 
 def shard_files(checkpoint_dir: str | Path) -> list[Path]:

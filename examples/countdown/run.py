@@ -248,8 +248,8 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
             engine_kw.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(args.lora))
         llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed,
                         **engine_kw)
-        sync = AdapterSync(run_dir / "adapters", args.dtype, args.keep_snapshots) if args.lora else \
-            DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw)
+        sync = (AdapterSync(run_dir / "adapters", args.dtype, init, llm, **sync_kw) if args.lora else
+                DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw))
         engine = OfflineEngine(llm, sync)
         stop_engine = lambda: shutdown_llm(llm)  # noqa: E731
     trainer = None

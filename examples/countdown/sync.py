@@ -27,9 +27,9 @@ class OfflineHotLoadClient(HotLoadClient):
         super().__init__([])
         self.replica = replica
 
-    def signal(self, info) -> None:
+    def signal(self, info, lora_name: str | None = None) -> None:
         try:
-            self.replica.load(self.signal_for(info))
+            self.replica.load(self.signal_for(info, lora_name))
         except HotLoadError as e:  # refused: the served weights are untouched
             raise HotLoadRefused(e.status, str(e)) from e
 
@@ -92,14 +92,26 @@ class DeltaSync:
 
 
 class AdapterSync:
-    """``--lora``: the base stays frozen, so each step ships the trainer's adapter only — a PEFT directory
-    (:meth:`titan_plugin.rl.RLTrainer.save_lora`) that the offline engine serves as a new ``vllm.lora.request.LoRARequest``
-    (vLLM loads it at the first request using it and evicts the previous one: ``max_loras=1``). Same interface as
-    :class:`DeltaSync` for the loop: ``push``, ``identity``, ``versions``; the engine reads :attr:`lora_request`
-    (``None``: the base model, policy version 0)."""
+    """``--lora``: the base stays frozen, so each step ships the trainer's adapter only, through the same protocol as
+    :class:`DeltaSync`: a :class:`deltasync.SnapshotWriter` over the adapter's PEFT tensors (full first and every
+    ``full_every`` steps, else an ``arc_v2`` delta against the served adapter version) signalled with ``lora_name``
+    to the :class:`vllm_plugin.hotload.offline.OfflineReplica` over the offline engine, which verifies it and serves
+    it as a new ``vllm.lora.request.LoRARequest`` (:attr:`lora_request`; ``None``: the base model, policy version 0).
+    Same interface as :class:`DeltaSync` for the loop: ``push``, ``identity``, ``versions``, plus :meth:`write`."""
 
-    def __init__(self, root: Path, dtype: str, keep_snapshots: bool = False) -> None:
+    NAME = "policy"
+
+    def __init__(self, root: Path, dtype: str, initial_dir: Path, llm, full_every: int = 10,
+                 keep_snapshots: bool = False, numerics=None) -> None:
+        from vllm_plugin.hotload.offline import OfflineReplica
+
         self.root, self.dtype, self.keep_snapshots = Path(root), dtype, keep_snapshots
+        self.full_every, self.numerics = full_every, numerics
+        (self.root / "snapshots").mkdir(parents=True, exist_ok=True)
+        self.config = HotLoadConfig(snapshot_root=str(self.root / "snapshots"), state_dir=str(self.root / "replica"))
+        self.replica = OfflineReplica(llm, self.config, initial_dir)
+        self.client = OfflineHotLoadClient(self.replica)
+        self.writer: SnapshotWriter | None = None  # made at the first push (its assets: the adapter's config)
         self.identity = "base"
         self.versions: dict[str, int] = {"base": 0}
         self.lora_request = None
@@ -107,21 +119,30 @@ class AdapterSync:
 
     def write(self, trainer, step: int) -> Path:
         """The trainer's adapter after ``step`` steps, as a PEFT directory (what :meth:`push` ships)."""
-        return trainer.save_lora(self.root / f"step-{step:05d}", self.dtype)
+        return trainer.save_lora(self.root / "trainer" / f"step-{step:05d}", self.dtype)
 
     def push(self, adapter_dir: Path, step: int) -> dict:
-        """Serve ``adapter_dir`` from now on. Returns ``sync_identity``, ``sync_kind`` (``"lora_adapter"``),
-        ``sync_bytes`` (the adapter's safetensors), ``sync_seconds``."""
-        from vllm.lora.request import LoRARequest
+        """Ship the adapter in ``adapter_dir`` and serve it from now on. Returns the :class:`DeltaSync` metrics
+        (``sync_kind`` ``full`` / ``incremental``, ``sync_bytes`` shipped, ...)."""
+        from deltasync import read_snapshot_tensors
 
         t0 = time.perf_counter()
-        identity = f"lora-step-{step:05d}"
-        self.lora_request = LoRARequest(identity, step + 1, str(adapter_dir))
-        self.identity = identity
-        self.versions[identity] = step
-        self._shipped.append(Path(adapter_dir))
-        while len(self._shipped) > 2 and not self.keep_snapshots:  # the engine has loaded the older ones
+        adapter_dir = Path(adapter_dir)
+        if self.writer is None:
+            assets = self.root / "assets"
+            assets.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(adapter_dir / "adapter_config.json", assets / "adapter_config.json")
+            self.writer = SnapshotWriter(self.root / "snapshots", assets, full_every=self.full_every,
+                                         cache_dir=self.root / "writer_cache", numerics=self.numerics)
+        res = self.client.push(self.writer, f"lora-step-{step:05d}", read_snapshot_tensors(adapter_dir),
+                               lora_name=self.NAME)
+        info = res.snapshot
+        self.lora_request = self.replica.lora_request(self.NAME)
+        self.identity = info.identity
+        self.versions[info.identity] = step
+        self._shipped += [adapter_dir, info.path]
+        while len(self._shipped) > 4 and not self.keep_snapshots:  # the replica holds its own copy
             shutil.rmtree(self._shipped.pop(0), ignore_errors=True)
-        return {"sync_identity": identity, "sync_kind": "lora_adapter",
-                "sync_bytes": (Path(adapter_dir) / "adapter_model.safetensors").stat().st_size,
-                "sync_seconds": time.perf_counter() - t0}
+        return {"sync_identity": info.identity, "sync_kind": info.kind, "sync_bytes": info.bytes,
+                "full_bytes": info.full_bytes, "delta_density": info.density, "swap_seconds": res.swap_seconds,
+                "sync_seconds": time.perf_counter() - t0, "sync_refused": len(res.refused)}

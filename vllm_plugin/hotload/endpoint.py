@@ -17,9 +17,18 @@ otherwise):
   serves; errors: 400 (bad identity), 404 (no such snapshot), 409 (replay, out-of-order chain, full required,
   another load running), 422 (snapshot refused by verification), 425 (drain timeout), 500 (reload failed; the
   previous snapshot was restored).
-* ``GET /zerokld/v1/hot_load/status`` — per replica ``current_snapshot_identity``, ``readiness``,
-  ``loading_state{stage, target_snapshot_identity}``.
-* ``GET /zerokld/v1/hot_load/ledger``; ``DELETE /zerokld/v1/hot_load/ledger`` (the next load must be full).
+* ``GET /zerokld/v1/hot_load/status`` — per replica: ``replica`` (``hot_load.replica_id``, default
+  ``<hostname>:<port>``), ``current_snapshot_identity``, ``weights_digest`` (equal across replicas serving the same
+  bits), ``ready_since``, ``readiness``, ``loading_state{stage, target_snapshot_identity}``, ``last_error``,
+  ``lora_adapters``.
+* ``GET /zerokld/v1/hot_load/ledger``; ``DELETE /zerokld/v1/hot_load/ledger`` (the next load must be full); with
+  ``?lora_name=NAME``, that LoRA adapter's ledger (404: no adapter of that name was hot-loaded).
+
+A body with ``"lora_name"`` (vLLM's ``--enable-lora`` server) hot-loads a version of that LoRA adapter (a PEFT
+adapter snapshot, full or a delta against the adapter's served version; its own ledger and chain): requests whose
+``model`` is ``lora_name`` get it from then on, requests admitted before finish on the version they started with,
+and every response's ``model`` names the version that produced it (``<lora_name>@<identity>``). Status lists each
+adapter under ``lora_adapters``.
 
 With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/v1/*``, SageMaker's
 ``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers
@@ -121,8 +130,8 @@ class ZeroKLDHotLoadEndpoint:
                 row = await self.manager.signal(sig)
             except HotLoadError as e:
                 if sig is None:  # refused while parsing: recorded under the identities as sent (bounded)
-                    identity, previous = Signal.claimed(body)
-                    self.manager.ledger.refused(identity, str(e), previous_identity=previous)
+                    identity, previous, lora_name = Signal.claimed(body)
+                    self.manager.track_for(lora_name).ledger.refused(identity, str(e), previous_identity=previous)
                 return JSONResponse({"error": str(e)}, status_code=e.status)
             return JSONResponse(row)
 
@@ -132,20 +141,31 @@ class ZeroKLDHotLoadEndpoint:
                 return resp
             return JSONResponse(self.manager.status())
 
+        def track(request: Request):
+            """The ledger track a ``?lora_name=`` query names (none: the base weights'), or an error response."""
+            name = request.query_params.get("lora_name")
+            if name is not None and name not in self.manager.adapters:
+                return JSONResponse({"error": f"no hot-loaded LoRA adapter named {name[:64]!r}"}, status_code=404)
+            return self.manager.track_for(name)
+
         @app.get(PREFIX + "/ledger")
         async def ledger(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
-            return JSONResponse(self.manager.ledger.to_json())
+            if isinstance(t := track(request), JSONResponse):
+                return t
+            return JSONResponse(t.ledger.to_json())
 
         @app.delete(PREFIX + "/ledger")
         async def reset_ledger(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
-            if self.manager.lock.locked():
+            if isinstance(t := track(request), JSONResponse):
+                return t
+            if t.lock.locked():
                 return JSONResponse({"error": "a hot-load is in progress"}, status_code=409)
-            self.manager.ledger.reset()
-            return JSONResponse(self.manager.ledger.to_json())
+            t.ledger.reset()
+            return JSONResponse(t.ledger.to_json())
 
         @app.middleware("http")
         async def serving_routes(request: Request, call_next):
@@ -187,5 +207,8 @@ class ZeroKLDHotLoadEndpoint:
         from .attribution import install
 
         install()  # weight_versions on completions and chat choices (this process serves them)
-        self.manager = Replica(ServerEngine(engine_client), cfg, args.model)
+        import socket
+
+        self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,
+                               args.model, replica_id=f"{socket.gethostname()}:{args.port}")
         await self.manager.restore()
