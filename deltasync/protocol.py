@@ -27,16 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .ledger import IdentityError, validate_identity
 
 __all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
-           "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "Signal",
-           "TRANSITIONS", "TRANSITION_HEADER", "lora_version"]
+           "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "SESSION_HEADER",
+           "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version"]
 
 PREFIX = "/zerokld/v1/hot_load"
 IDENTITY_HEADER = "x-zerokld-snapshot-identity"
+#: a serving request's session (else the OpenAI ``user`` field): ``reset_prompt_cache="new_session"`` keeps the cached
+#: prefixes of sessions seen before a swap
+SESSION_HEADER = "x-zerokld-session-id"
 TRANSITION_HEADER = "x-zerokld-hot-load-transition"
 DRAIN_HEADER = "x-zerokld-hot-load-drain-timeout"
 
@@ -70,7 +73,7 @@ class HotLoadConfig(BaseModel):
 
     Attributes:
         snapshot_root: where ``<identity>/`` snapshots are published: a directory, or an fsspec URL
-            (``s3://bucket/run``; fetched with :func:`deltasync.fetch_dir`, all or nothing).
+            (``s3://bucket/run``; fetched with :func:`deltasync.fetch_dir`: all or nothing, resumable, checksummed).
         state_dir: ledger + fetched and materialized snapshots; default ``<snapshot_root>/.zerokld_state`` (must be
             local: required when ``snapshot_root`` is a URL). One replica's alone: a second live replica on the
             same state dir is refused at start (:class:`deltasync.replica.StateDirInUseError`).
@@ -79,6 +82,8 @@ class HotLoadConfig(BaseModel):
         allow_non_finite: load snapshots whose weights hold NaN/inf (refused by default).
         replica_id: this replica's name in status and ledger rows (default: the engine adapter's, e.g.
             ``<hostname>:<port>`` for a server).
+        fetch_concurrency: files of a remote snapshot downloaded at a time (:func:`deltasync.fetch_dir`: resumable,
+            each file checked against its published SHA-256).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -89,6 +94,7 @@ class HotLoadConfig(BaseModel):
     keep_materialized: int = 2
     allow_non_finite: bool = False
     replica_id: str | None = None
+    fetch_concurrency: int = Field(4, ge=1)
 
     @property
     def remote(self) -> bool:

@@ -6,7 +6,8 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    snapshot exists; an incremental snapshot names the served identity as its previous one, and is refused after a
    ledger reset (the next load must be full);
 2. **fetch** — a remote ``snapshot_root`` (fsspec URL) is downloaded into ``<state_dir>/fetched/<identity>``, all or
-   nothing (:func:`deltasync.fetch_dir`);
+   nothing, ``fetch_concurrency`` files at a time, each checked against its published SHA-256, resuming an
+   interrupted download (:func:`deltasync.fetch_dir`);
 3. **verify** while serving continues (in a worker thread, never on the event loop) — only regular files inside
    the snapshot root are opened (no symlinks out, no FIFOs or devices); the snapshot's numerics stamp must be the
    engine's (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
@@ -18,7 +19,10 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    labels the weights with the identity (so each token is attributed to the snapshot that sampled it), resumes;
    ``sync``: new requests are refused (HTTP 425) while in-flight ones finish on the old weights, up to the
    drain timeout (else the signal itself gets 425 and nothing changes), then reload. A failed reload restores the
-   previous snapshot. Then the prefix cache is reset per ``reset_prompt_cache``;
+   previous snapshot. Then the prompt cache per ``reset_prompt_cache``: ``all`` drops every cached prefix and makes
+   in-flight requests recompute their KV with the new weights; ``new_session`` keeps in-flight KV and the cached
+   prefixes of sessions seen before, new sessions start afresh (:meth:`ReplicaEngine.isolate_new_sessions`);
+   ``none`` keeps everything;
 5. **ledger** — every stage is timestamped (:class:`deltasync.Ledger`), the loaded weights' digest recorded; a
    process killed mid-swap restarts, marks the row ``interrupted`` and reloads the last ``ready`` snapshot after
    verifying its bits against that digest — or, if it is gone or altered, the newest earlier one that verifies, else
@@ -85,7 +89,13 @@ class ReplicaEngine(Protocol):
     def num_unfinished_requests(self) -> int: ...
 
     async def reset_prefix_cache(self, running_requests: bool) -> bool:
-        """Drop cached prefixes (``running_requests``: also those held by running requests); ``False``: refused."""
+        """Drop cached prefixes (``running_requests``: also those held by running requests, which recompute their
+        KV with the new weights); ``False``: refused."""
+
+    async def isolate_new_sessions(self, identity: str) -> bool:
+        """``reset_prompt_cache="new_session"``: requests of sessions seen before keep their cached prefixes, new
+        sessions and requests without one get none computed with earlier weights; in-flight requests keep their
+        KV. ``False``: the engine has no sessions (the replica resets the prefix cache of idle requests instead)."""
 
     async def load_adapter(self, name: str, identity: str, path: str) -> None:
         """Serve the PEFT adapter directory ``path`` (snapshot ``identity``) as LoRA adapter ``name`` to requests
@@ -353,7 +363,8 @@ class Replica:
     def _fetch(self, track: Track, sig: Signal) -> Path:
         if not self.remote:
             return self.root / sig.identity
-        return fetch_dir(str(self._published(sig.identity)), track.fetched / sig.identity)
+        return fetch_dir(str(self._published(sig.identity)), track.fetched / sig.identity,
+                         max_concurrency=self.config.fetch_concurrency)
 
     def _verify_numerics(self, local: Path) -> None:
         from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
@@ -401,9 +412,11 @@ class Replica:
                 raise HotLoadError(f"in-flight requests did not finish within the drain timeout ({timeout} s)", 425)
             await asyncio.sleep(0.01)
 
-    async def _reset_cache(self, mode: str) -> bool:
+    async def _reset_cache(self, mode: str, identity: str) -> bool:
         """``True`` when the requested reset happened (``none``: nothing to do)."""
         if mode == "none":
+            return True
+        if mode == "new_session" and await self.engine.isolate_new_sessions(identity):
             return True
         return bool(await self.engine.reset_prefix_cache(running_requests=mode == "all"))
 
@@ -470,7 +483,7 @@ class Replica:
                 raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
             await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
             led.stage(row, "loaded")
-            cache_reset = await self._reset_cache(sig.reset_prompt_cache)
+            cache_reset = await self._reset_cache(sig.reset_prompt_cache, sig.identity)
             led.ready(row)
             # what really happened: "none" resets nothing; a refused reset is reported, not claimed
             row["prompt_cache_reset"] = cache_reset and sig.reset_prompt_cache != "none"

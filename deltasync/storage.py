@@ -2,21 +2,29 @@
 a snapshot directory to and from one.
 
 A replica never reads a half-uploaded snapshot: :func:`publish_dir` uploads every file, then writes the marker
-``_ZEROKLD_COMPLETE`` (a JSON list of file names and sizes) last; :func:`fetch_dir` refuses a snapshot without the
-marker, checks every size, and renames its download into place only when complete. Object stores have no atomic
-directory rename; the marker is the commit point (as Hadoop's ``_SUCCESS``).
+``_ZEROKLD_COMPLETE`` (JSON: file name → ``{"size", "sha256"}``) last; :func:`fetch_dir` refuses a snapshot without
+the marker, downloads at most ``max_concurrency`` files at a time, checks every file's size and SHA-256, and renames
+its download into place only when complete. Object stores have no atomic directory rename; the marker is the commit
+point (as Hadoop's ``_SUCCESS``). An interrupted download is resumed: the partial files stay in the staging namespace
+(``.staging/<name>.part/``) and the next fetch reads each from where it stopped (a ranged read), so a replica that
+dies mid-pull of a large snapshot does not start over. Markers of earlier versions (name → size) are still read
+(size checks only).
 
 ``s3://`` goes through ``s3fs``; the endpoint comes from the standard AWS settings (``AWS_ENDPOINT_URL``,
 credentials, region), so any S3-compatible server works.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import fsspec
 
-from zerokld_models.checkpoint import staged_dir
+from zerokld_models.checkpoint import publish_atomically, staging_path
 
 __all__ = ["COMPLETE_MARKER", "fetch_dir", "filesystem_for", "local_filesystem", "memory_filesystem", "publish_dir",
            "s3_filesystem"]
@@ -50,34 +58,108 @@ def filesystem_for(url: str) -> fsspec.AbstractFileSystem:
     return resolve(get_storage(url).filesystem)(url)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+CHUNK_BYTES = 8 << 20  # one ranged read of a download
+
+
 def publish_dir(local_dir: str | Path, url: str) -> str:
-    """Upload the files of ``local_dir`` to ``url`` (a directory URL), the completion marker last. Returns ``url``."""
+    """Upload the files of ``local_dir`` to ``url`` (a directory URL), the completion marker (each file's size and
+    SHA-256) last. Returns ``url``."""
     fs, remote = filesystem_for(url), url.rstrip("/")
     files = sorted(p for p in Path(local_dir).iterdir() if p.is_file())
     fs.makedirs(remote, exist_ok=True)  # local/memory need the directory; object stores ignore it
     for f in files:
         fs.put_file(str(f), f"{remote}/{f.name}")
-    fs.pipe_file(f"{remote}/{COMPLETE_MARKER}",
-                 json.dumps({f.name: f.stat().st_size for f in files}).encode())
+    fs.pipe_file(f"{remote}/{COMPLETE_MARKER}", json.dumps(
+        {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files}).encode())
     return url
 
 
-def fetch_dir(url: str, local_dir: str | Path) -> Path:
-    """Download a published snapshot directory into ``local_dir`` (replaced), all or nothing.
-
-    Raises:
-        SnapshotError: no completion marker (not published, or still uploading), or a file of the wrong size.
-    """
+def _listing(fs, remote: str, url: str) -> dict[str, dict]:
+    """The marker as ``{name: {"size", "sha256"?}}`` (a name → size marker of an earlier version: no checksums)."""
     from .snapshot import SnapshotError
 
-    fs, remote, out = filesystem_for(url), url.rstrip("/"), Path(local_dir)
     try:
-        listing = json.loads(fs.cat_file(f"{remote}/{COMPLETE_MARKER}"))
+        raw = fs.cat_file(f"{remote}/{COMPLETE_MARKER}")
     except FileNotFoundError as e:
         raise SnapshotError(f"{url}: not a completely published snapshot (no {COMPLETE_MARKER})") from e
-    with staged_dir(out) as tmp:
-        for name, size in listing.items():
-            fs.get_file(f"{remote}/{name}", str(tmp / name))
-            if (tmp / name).stat().st_size != size:
-                raise SnapshotError(f"{url}/{name}: {(tmp / name).stat().st_size} bytes, published {size}")
+    try:
+        listing = json.loads(raw)
+        out = {name: ({"size": int(v)} if isinstance(v, int) else {"size": int(v["size"]), "sha256": v.get("sha256")})
+               for name, v in listing.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise SnapshotError(f"{url}: unreadable {COMPLETE_MARKER}") from e
+    for name in out:
+        if "/" in name or name.startswith(".") or not name:
+            raise SnapshotError(f"{url}: {COMPLETE_MARKER} names {name[:64]!r}, not a file of the snapshot")
     return out
+
+
+def _fetch_file(fs, src: str, dst: Path, size: int, sha256: str | None, progress) -> None:
+    """Complete ``dst`` (a partial download, or nothing) from ``src`` with ranged reads, then check size and SHA-256;
+    a file that does not check out is deleted (the next fetch downloads it anew)."""
+    from .snapshot import SnapshotError
+
+    have = dst.stat().st_size if dst.exists() else 0
+    if have > size:
+        dst.unlink()
+        have = 0
+    if have < size:
+        with fs.open(src, "rb") as r, open(dst, "ab") as w:
+            r.seek(have)
+            while have < size and (chunk := r.read(min(CHUNK_BYTES, size - have))):
+                w.write(chunk)
+                have += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+    got = dst.stat().st_size
+    if got != size or (sha256 is not None and _sha256(dst) != sha256):
+        dst.unlink()
+        what = f"{got} bytes, published {size}" if got != size else "SHA-256 differs from the published one"
+        raise SnapshotError(f"{src}: {what}")
+
+
+def fetch_dir(url: str, local_dir: str | Path, max_concurrency: int = 4,
+              progress: Callable[[int], None] | None = None) -> Path:
+    """Download a published snapshot directory into ``local_dir`` (replaced), all or nothing, resuming an earlier
+    interrupted download of the same directory.
+
+    Args:
+        url: the snapshot's directory URL (published with :func:`publish_dir`).
+        local_dir: where the complete download is renamed to.
+        max_concurrency: files downloaded at a time (at least 1).
+        progress: called with the byte count of every chunk as it arrives (e.g. a ``tqdm`` bar's ``update``).
+
+    Raises:
+        SnapshotError: no completion marker (not published, or still uploading), or a file whose size or SHA-256
+            differs from the marker's (that file is discarded; the other partial files stay for the next try).
+    """
+    fs, remote, out = filesystem_for(url), url.rstrip("/"), Path(local_dir)
+    listing = _listing(fs, remote, url)
+    part = staging_path(out, "part")
+    part.mkdir(exist_ok=True)
+    for stale in part.iterdir():  # left by a download of other contents
+        if stale.name not in listing:
+            stale.unlink() if stale.is_file() else shutil.rmtree(stale)
+
+    def one(item) -> None:
+        name, meta = item
+        _fetch_file(fs, f"{remote}/{name}", part / name, meta["size"], meta.get("sha256"), progress)
+
+    with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
+        futures = [pool.submit(one, item) for item in sorted(listing.items())]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:  # the queued files wait for the next try; running ones finish their chunk loop
+                f.cancel()
+            raise
+    return publish_atomically(part, out)

@@ -42,7 +42,8 @@ class SnapshotWriter:
     """Writes ``<root>/<identity>/`` snapshots following the cadence policy.
 
     Args:
-        root: the snapshot root the replicas read (a local directory).
+        root: where snapshots are written: the snapshot root the replicas read, or (with ``publish_url``) a local
+            staging directory.
         assets_dir: config/tokenizer files copied into full snapshots.
         full_every: a full snapshot at least every ``full_every`` snapshots (``1``: always full).
         compression_format: codec of incremental snapshots (registered through the ``zerokld`` hooks).
@@ -50,14 +51,19 @@ class SnapshotWriter:
         dtype: cast tensors to this dtype before writing (the serving dtype), or ``None``.
         numerics: the trainer's :class:`shared_numerics.NumericsMode` (or its dict), stamped into every snapshot's
             spec; the replica refuses a snapshot stamped with another mode than its engine's.
+        publish_url: the replicas' snapshot root when it is remote storage (``s3://bucket/run``, any fsspec URL):
+            each snapshot is uploaded to ``<publish_url>/<identity>`` (:func:`deltasync.publish_dir`, completion
+            marker last) once written under ``root``.
     """
 
     def __init__(self, root: str | Path, assets_dir: str | Path, full_every: int = 20,
                  compression_format: str = DEFAULT_COMPRESSION_FORMAT, cache_dir: str | Path | None = None,
-                 dtype: torch.dtype | None = None, numerics: dict | None = None) -> None:
+                 dtype: torch.dtype | None = None, numerics: dict | None = None,
+                 publish_url: str | None = None) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
         self.root, self.assets = Path(root), Path(assets_dir)
+        self.publish_url = publish_url.rstrip("/") if publish_url else None
         self.cache = Path(cache_dir) if cache_dir else self.root / ".writer_cache"
         self.full_every, self.compression_format, self.dtype = full_every, compression_format, dtype
         self.numerics = numerics.to_dict() if hasattr(numerics, "to_dict") else numerics
@@ -100,6 +106,10 @@ class SnapshotWriter:
             write_incremental_snapshot(base, tensors, out, self.compression_format, numerics=self.numerics)
             info = SnapshotInfo(identity, "incremental", self.loaded, out, weight_bytes(out), full_bytes,
                                 self._density(base, tensors), self.compression_format)
+        if self.publish_url is not None:
+            from .storage import publish_dir
+
+            publish_dir(out, f"{self.publish_url}/{identity}")
         self._pending = info
         return info
 

@@ -49,6 +49,40 @@ SPECS = {
 
 
 @pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3-compatible server on loopback (a real HTTP server; s3fs/botocore talk to it as to S3); the AWS
+    settings that point at it are in ``os.environ`` for the rest of the session (servers started then inherit them)."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import s3fs
+
+        try:  # moto's backends are process-wide: the bucket outlives an earlier server in this process
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("zerokld-snapshots")
+        except FileExistsError:
+            pass
+        yield "s3://zerokld-snapshots"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     cache: dict = {}
 

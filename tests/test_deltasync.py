@@ -2,6 +2,8 @@
 in both directions, and refusals that publish nothing."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -156,37 +158,6 @@ def _chain_round_trip(base: str, tmp_path, remote: str, codec: str, n: int = 30)
 @pytest.mark.parametrize("codec", ["arc_v2", "zkd_sparse_v1"])
 def test_chain_of_30_snapshots_round_trips_bit_exact_local(checkpoint_factory, tmp_path, codec):
     _chain_round_trip(checkpoint_factory("qwen3", "bfloat16"), tmp_path, str(tmp_path / "bucket"), codec)
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3-compatible server on loopback (a real HTTP server; s3fs/botocore talk to it as to S3)."""
-    import os
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("zerokld-snapshots")
-        yield "s3://zerokld-snapshots"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 @pytest.mark.parametrize("codec", ["arc_v2", "zkd_sparse_v1"])
@@ -344,3 +315,57 @@ def test_a_state_dir_is_one_replicas_alone(checkpoint_factory, tmp_path):
     first.close()
     Replica(None, cfg, ckpt, replica_id="host:8002").close()
     other.close()
+
+
+def test_fetch_resumes_an_interrupted_download_and_checks_every_file(checkpoint_factory, tmp_path, s3_server,
+                                                                     monkeypatch):
+    """A download that breaks off mid-file (here: the connection drops after 3 chunks) leaves its partial files in
+    the staging namespace and publishes nothing; the next fetch reads only the missing bytes (ranged reads) and the
+    result is the published directory, every file checked against its SHA-256. A file replaced in the bucket after
+    publication (same size, other bytes) is refused; a marker naming a path outside the snapshot is refused; a marker
+    of the earlier name → size format is still read."""
+    import hashlib
+    import json
+
+    from deltasync import SnapshotError, fetch_dir, publish_dir
+    from deltasync import storage
+    from deltasync.storage import COMPLETE_MARKER, filesystem_for
+
+    monkeypatch.setattr(storage, "CHUNK_BYTES", 64 << 10)
+    src = checkpoint_factory("qwen3", "bfloat16")
+    url = publish_dir(src, f"{s3_server}/resumable")
+    total = sum(p.stat().st_size for p in Path(src).iterdir() if p.is_file())
+    seen: list[int] = []
+
+    def dropping(n: int) -> None:
+        seen.append(n)
+        if len(seen) == 3:
+            raise ConnectionError("connection reset by peer")
+
+    with pytest.raises(ConnectionError):
+        fetch_dir(url, tmp_path / "got", max_concurrency=1, progress=dropping)
+    assert not (tmp_path / "got").exists()
+    partial = sum(p.stat().st_size for p in (tmp_path / ".staging" / "got.part").iterdir())
+    assert 0 < partial < total
+    resumed: list[int] = []
+    got = fetch_dir(url, tmp_path / "got", max_concurrency=3, progress=resumed.append)
+    assert sum(resumed) == total - partial
+    digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+                        for p in sorted(Path(d).iterdir()) if p.is_file()}
+    assert digest(got) == digest(src)
+
+    fs = filesystem_for(url)
+    body = bytearray(fs.cat_file(f"{url}/model.safetensors"))
+    body[-5] ^= 0x01
+    fs.pipe_file(f"{url}/model.safetensors", bytes(body))  # replaced after publication: same size
+    with pytest.raises(SnapshotError, match="SHA-256"):
+        fetch_dir(url, tmp_path / "got2")
+    assert not (tmp_path / "got2").exists()
+
+    marker = json.loads(fs.cat_file(f"{url}/{COMPLETE_MARKER}"))
+    fs.pipe_file(f"{url}/{COMPLETE_MARKER}", json.dumps({**marker, "../escape": {"size": 1}}).encode())
+    with pytest.raises(SnapshotError, match="not a file of the snapshot"):
+        fetch_dir(url, tmp_path / "got3")
+    old = {name: m["size"] for name, m in marker.items() if name != "model.safetensors"}
+    fs.pipe_file(f"{url}/{COMPLETE_MARKER}", json.dumps(old).encode())  # an earlier version's marker
+    assert sorted(p.name for p in fetch_dir(url, tmp_path / "got4").iterdir()) == sorted(old)

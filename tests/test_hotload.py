@@ -313,7 +313,10 @@ def test_ledger_reset_requires_full(env):
     _check_serving(server, root / "r1", "r1")
 
 
-def _stream(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, str | None]:
+def _stream(server: Server, prompt: list[int], max_tokens: int,
+            started: threading.Event | None = None) -> tuple[int, str | None]:
+    """A streamed completion: ``(chunks with text, finish reason)``; ``started`` is set at the first chunk (the
+    request is in flight on the engine)."""
     r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
         "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
         "stream": True})
@@ -324,6 +327,8 @@ def _stream(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, st
             choice = json.loads(line[6:])["choices"][0]
             n += 1 if choice.get("text") is not None else 0
             finish = choice.get("finish_reason") or finish
+            if started is not None:
+                started.set()
     return n, finish
 
 
@@ -363,22 +368,25 @@ def _complete(server: Server, prompt: list[int], max_tokens: int) -> tuple[list[
 
 
 def _stream_spans(server: Server, prompt: list[int], max_tokens: int,
-                  started: threading.Event | None = None) -> tuple[list[list], str]:
-    """A streamed completion: every chunk's ``weight_versions`` (in order) and the identity header; ``started`` is
-    set when the first chunk with a choice arrives."""
+                  started: threading.Event | None = None) -> tuple[list[list], str, list[int], torch.Tensor]:
+    """A streamed completion: every chunk's ``weight_versions`` (in order), the identity header, the tokens and their
+    log-probs; ``started`` is set when the first chunk with a choice arrives."""
     r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
         "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-        "stream": True})
+        "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True})
     assert r.status_code == 200, r.text
-    spans = []
+    spans, tokens, lps = [], [], []
     for line in r.iter_lines():
         if line.startswith(b"data: ") and line != b"data: [DONE]":
             choices = json.loads(line[6:])["choices"]
             if choices:
                 spans.append(choices[0].get("weight_versions"))
+                lp = choices[0].get("logprobs") or {}
+                tokens += [int(t.split(":")[1]) for t in lp.get("tokens", [])]
+                lps += lp.get("token_logprobs", [])
                 if started is not None:
                     started.set()
-    return spans, r.headers["x-zerokld-snapshot-identity"]
+    return spans, r.headers["x-zerokld-snapshot-identity"], tokens, torch.tensor(lps, dtype=torch.float32)
 
 
 def test_async_swaps_attribute_every_token_to_its_snapshot(env):
@@ -455,14 +463,14 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
     assert later  # some responses spanned a swap, and their later spans were checked
     print(f"{len(results)} responses, {sum(len(r[4]) > 1 for r in results)} spanning a swap, "
           f"{relabeled} sent under one snapshot and sampled wholly by the next")
-    for chunks, header in stream_results:
+    for chunks, header, _, _ in stream_results:
         assert chunks and all(chunks) and header == chunks[0][0]["version"]
         for a, b in zip(chunks, chunks[1:]):
             assert b[-1]["end"] >= a[-1]["end"] and [sp["version"] for sp in b[: len(a)]] == [sp["version"] for sp in a]
         final = chunks[-1]
         assert final[0]["start"] == 0 and final[-1]["end"] == 400
         assert all(a["end"] == b["start"] for a, b in zip(final, final[1:]))
-    assert any(len(chunks[-1]) > 1 for chunks, _ in stream_results)  # a stream switched mid-way, and says where
+    assert any(len(r[0][-1]) > 1 for r in stream_results)  # a stream switched mid-way, and says where
     # chat completions carry the same attribution
     r = requests.post(server.base + "/v1/chat/completions", headers=AUTH, timeout=120, json={
         "model": server.ckpt, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
@@ -480,8 +488,9 @@ def test_sync_transition_425_exactly_while_swapping(env):
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
     # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it
     with ThreadPoolExecutor(2) as pool:
-        long = pool.submit(_stream, server, PROMPT, 470)  # the longest the context allows: still running below
-        time.sleep(0.3)
+        started = threading.Event()  # the signal is sent once the stream is in flight (a loaded box admits it late)
+        long = pool.submit(_stream, server, PROMPT, 470, started)  # the longest the context allows: still running
+        assert started.wait(120), "the long stream produced no token"
         r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
         assert r.status_code == 425, r.text
@@ -506,8 +515,9 @@ def test_sync_transition_425_exactly_while_swapping(env):
             invocations.append(r.status_code)
 
     with ThreadPoolExecutor(3) as pool:
-        long = pool.submit(_stream, server, PROMPT, 150)
-        time.sleep(0.5)
+        started = threading.Event()
+        long = pool.submit(_stream, server, PROMPT, 150, started)
+        assert started.wait(120), "the stream produced no token"
         poller = pool.submit(poll)
         r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "120"})
@@ -592,34 +602,46 @@ def test_killed_during_the_weight_copy_restarts_into_a_consistent_state(env):
 LONG_PROMPT = [1] + list(range(3, 100)) * 2  # 195 tokens: whole KV blocks for the prefix cache to keep
 
 
-def _cached_tokens(server: Server, prompt: list[int]) -> int:
-    """Prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``)."""
+def _cached_tokens(server: Server, prompt: list[int], session: str | None = None) -> int:
+    """Prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``) for a request
+    of ``session`` (the OpenAI ``user`` field; ``None``: no session)."""
     r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
-        "model": server.ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
+        "model": server.ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+        **({"user": session} if session else {})})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
 
 
 def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
-    """Each ``reset_prompt_cache`` mode, seen in vLLM's prefix cache. Idle: after ``none`` a prompt cached before the
-    swap is still a cache hit (old-weights KV kept, as asked; the row says no reset), after ``new_session`` and
-    ``all`` it is computed afresh. With a stream running across the swap (its ``weight_versions`` span both
-    snapshots): ``new_session`` leaves running requests alone, so vLLM refuses the reset and the row says so;
-    ``all`` preempts them, resets, and the stream still runs to its last token."""
+    """Each ``reset_prompt_cache`` mode, seen in vLLM's prefix cache and in the log-probs of a stream running across
+    the swap. Idle: after ``none`` a prompt cached before the swap is still a cache hit (old-weights KV kept, as
+    asked; the row says no reset); after ``all`` it is computed afresh; after ``new_session`` it is computed afresh
+    for requests without a session and for a new session (``user``), but still a hit for a session seen before the
+    swap. Running stream (its ``weight_versions`` span both snapshots): ``all`` preempts it and recomputes its KV with
+    the new weights, so every token sampled after the swap has bitwise the trainer's log-prob under the new snapshot;
+    ``new_session`` keeps its KV (the tokens after the swap attend to old-weights KV: the trainer's full recompute
+    under the new snapshot differs), and the stream runs to its last token either way."""
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
     base = _dir_of(current, ckpt, root, full)
     weights = read_snapshot_tensors(base)
     for i, mode in enumerate(("none", "new_session", "all")):
         write_full_snapshot(_perturb(weights, 800 + i), base, root / f"pc-{mode}")
+    # one prompt per probe (each probe is the first request of its prompt since the swap); all cached before it
+    alices, other = [1] + list(range(3, 100, 2)) * 4, [1] + list(range(99, 2, -1)) * 2
     for mode in ("none", "new_session", "all"):
-        _cached_tokens(server, LONG_PROMPT)
-        assert _cached_tokens(server, LONG_PROMPT) > 0, "the prompt is not in the prefix cache before the swap"
+        for prompt, session in ((LONG_PROMPT, None), (alices, "alice"), (other, None)):
+            _cached_tokens(server, prompt, session)
+            assert _cached_tokens(server, prompt, session) > 0, "not in the prefix cache before the swap"
         r = server.signal(f"pc-{mode}", reset_prompt_cache=mode)
         assert r.status_code == 200, r.text
         assert r.json()["prompt_cache_reset"] is (mode != "none")
-        cached = _cached_tokens(server, LONG_PROMPT)
-        assert (cached > 0) if mode == "none" else (cached == 0), (mode, cached)
+        # a hit can only be a prefix cached with the earlier weights
+        cached = {"no session": _cached_tokens(server, LONG_PROMPT),
+                  "alice": _cached_tokens(server, alices, "alice"),
+                  "new session": _cached_tokens(server, other, f"new-after-{mode}")}
+        expect = {"no session": mode == "none", "alice": mode != "all", "new session": mode == "none"}
+        assert {s: c > 0 for s, c in cached.items()} == expect, (mode, cached)
     for i, mode in enumerate(("new_session", "all")):
         for attempt in range(2):
             # One CI run (2 cores, full suite) once saw a stream whose every token the server attributed to the new
@@ -628,11 +650,12 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
             identity = f"pc-run-{mode}-{attempt}"
             write_full_snapshot(_perturb(weights, 810 + 2 * i + attempt), base, root / identity)
             started = threading.Event()
+            prompt = [1] + list(range(5, 15))
             with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(_stream_spans, server, [1] + list(range(5, 15)), 400, started)
+                pending = pool.submit(_stream_spans, server, prompt, 400, started)
                 assert started.wait(120), "the stream produced no token"
                 r = server.signal(identity, reset_prompt_cache=mode)
-                chunks, first = pending.result()
+                chunks, first, tokens, lps = pending.result()
             assert r.status_code == 200, r.text
             spans = chunks[-1]
 
@@ -645,10 +668,10 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
         assert first != identity, "the first token, streamed before the swap, is attributed to it: " + seen()
         assert len(spans) >= 2 and spans[-1]["version"] == identity and spans[-1]["end"] == 400, seen()
         row = r.json()
-        if mode == "new_session":
-            assert row["prompt_cache_reset"] is False and "refused" in row["prompt_cache_reset_error"]
-        else:
-            assert row["prompt_cache_reset"] is True and "prompt_cache_reset_error" not in row
+        assert row["prompt_cache_reset"] is True and "prompt_cache_reset_error" not in row
+        after = slice(spans[-1]["start"], spans[-1]["end"])  # the tokens sampled with the new snapshot
+        rescored = trainer_logprobs(str(root / identity), [prompt + tokens], [len(prompt)], dtype="bfloat16")[0]
+        assert torch.equal(rescored[after], lps[after]) is (mode == "all"), mode
 
 
 def test_restart_verifies_the_snapshot_it_restores(env):

@@ -1,4 +1,6 @@
-"""A fleet of two real ``vllm serve`` replicas on loopback sharing one snapshot root (issue 17 point 3): the trainer's
+"""A fleet of two real ``vllm serve`` replicas on loopback pulling from one snapshot root in S3 (moto on loopback;
+issue 17 points 2 and 3): the trainer writes each snapshot locally and uploads it (``SnapshotWriter(publish_url=)``),
+the replicas download it (resumable, every file checked against its published SHA-256), and the trainer's
 :class:`deltasync.HotLoadClient` signals both at once; when one refuses an incremental snapshot (its chain diverged),
 that replica alone gets a full snapshot of the same weights, the client says which, and the fleet serves the same
 bits again (same weights digest, bitwise the same log-probs from both); the next snapshot is full for all. Status
@@ -9,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from deltasync import HotLoadClient, SnapshotWriter, read_snapshot_tensors, write_full_snapshot
+from deltasync import HotLoadClient, SnapshotWriter, publish_dir, read_snapshot_tensors, write_full_snapshot
 from zerokld_testing.servers import HotLoadServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -27,12 +29,11 @@ def _perturbed(sd: dict, seed: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet(engine_slot, checkpoint_factory, tmp_path_factory):
+def fleet(engine_slot, checkpoint_factory, tmp_path_factory, s3_server):
     engine_slot.close()
     ckpt = checkpoint_factory("qwen3", "bfloat16")
     tmp = tmp_path_factory.mktemp("fleet")
-    root = tmp / "snapshots"
-    root.mkdir()
+    root = f"{s3_server}/fleet"
     # two engines on this machine at once: 1 GiB of KV cache each instead of 30% of the memory
     servers = [HotLoadServer(ckpt, root, tmp / f"state{i}", tmp / f"server{i}.log", API_KEY,
                              ("--kv-cache-memory-bytes", str(1 << 30))) for i in range(2)]
@@ -59,14 +60,14 @@ def test_a_diverged_replica_falls_back_to_full_and_the_fleet_stays_consistent(fl
     ckpt, root, tmp, servers = fleet
     urls = [s.base for s in servers]
     client = HotLoadClient(urls, api_key=API_KEY)
-    writer = SnapshotWriter(root, ckpt, full_every=100, cache_dir=tmp / "writer_cache")
+    writer = SnapshotWriter(tmp / "out", ckpt, full_every=100, cache_dir=tmp / "writer_cache", publish_url=root)
     base = read_snapshot_tensors(ckpt)
     assert client.fleet_status()["consistent"]
 
     first = client.push(writer, "f1", _perturbed(base, 1))
     assert (first.snapshot.kind, first.fallback) == ("full", [])
     # replica 1's chain diverges: it is sent a snapshot the trainer's writer never wrote
-    write_full_snapshot(_perturbed(base, 99), ckpt, root / "r1-only")
+    publish_dir(write_full_snapshot(_perturbed(base, 99), ckpt, tmp / "r1-only"), f"{root}/r1-only")
     assert requests.post(urls[1] + HL, headers=AUTH, json={"identity": "r1-only"}, timeout=300).status_code == 200
     assert not client.fleet_status()["consistent"]
 

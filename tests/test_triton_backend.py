@@ -300,7 +300,9 @@ def test_fused_head_equals_unfused_on_triton():
 
 def test_interpreter_gaps_are_filled():
     """Why :mod:`shared_numerics.ops_triton.interpreter` patches Triton's interpreter (negative controls): its own
-    ``tl.dot`` multiplies bf16 bit patterns, and numpy's float32 GEMM rounds a row by its position in the tile."""
+    ``tl.dot`` multiplies bf16 bit patterns, and numpy's float32 GEMM rounds a row by what else is in the call — by
+    its position in the tile (OpenBLAS's AVX2 kernels) or by the number of rows (one row takes the gemv path; seen
+    on AVX-512 machines, where the position does not matter). The fixed dot gives a row the same bits either way."""
     import triton.language as tl
     from triton.runtime.interpreter import TensorHandle
 
@@ -318,16 +320,23 @@ def test_interpreter_gaps_are_filled():
 
     fixed = torch.from_numpy(interpreter_builder.create_dot(ha, hb, acc, None, None).data)
     assert (fixed - exact).abs().max() < 1e-4
-    # a row moved to another position of the tile: numpy's sgemm may round it differently, the fixed dot never
+    # a row moved to another position of the tile, or alone: numpy's sgemm may round it differently, the fixed dot
+    # never
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 32)).astype(np.float32)
-    assert any(not np.array_equal((x @ y)[r], (_at0(x, r) @ y)[0]) for r in range(64))
+    moved = [not np.array_equal((x @ y)[r], (_at0(x, r) @ y)[0]) for r in range(64)]
+    alone = [not np.array_equal((x @ y)[r], (x[r:r + 1] @ y)[0]) for r in range(64)]
+    assert any(moved) or any(alone)
     hx, hy = TensorHandle(x, tl.float32), TensorHandle(y, tl.float32)
     z = TensorHandle(np.zeros((64, 32), np.float32), tl.float32)
     full = interpreter_builder.create_dot(hx, hy, z, None, None).data
     for r in range(64):
         one = interpreter_builder.create_dot(TensorHandle(_at0(x, r), tl.float32), hy, z, None, None).data
         assert np.array_equal(one[0], full[r])
+        single = interpreter_builder.create_dot(TensorHandle(x[r:r + 1].copy(), tl.float32), hy,
+                                                TensorHandle(np.zeros((1, 32), np.float32), tl.float32), None,
+                                                None).data
+        assert np.array_equal(single[0], full[r])
 
 
 def _at0(x, r):

@@ -36,8 +36,9 @@ STAGING_DIR = ".staging"
 
 
 def staging_path(out: str | Path, kind: str = "tmp") -> Path:
-    """Where ``out`` is assembled (``kind="tmp"``) or moved aside while replaced (``"old"``):
-    ``<parent>/.staging/<name>.<kind>`` (the staging directory is created)."""
+    """Where ``out`` is assembled (``kind="tmp"``), moved aside while replaced (``"old"``) or downloaded into across
+    interruptions (``"part"``, :func:`deltasync.fetch_dir`): ``<parent>/.staging/<name>.<kind>`` (the staging
+    directory is created)."""
     out = Path(out)
     (out.parent / STAGING_DIR).mkdir(parents=True, exist_ok=True)
     return out.parent / STAGING_DIR / f"{out.name}.{kind}"

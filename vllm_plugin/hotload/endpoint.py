@@ -30,6 +30,13 @@ adapter snapshot, full or a delta against the adapter's served version; its own 
 and every response's ``model`` names the version that produced it (``<lora_name>@<identity>``). Status lists each
 adapter under ``lora_adapters``.
 
+``reset_prompt_cache`` of a swap: ``all`` (default) drops every cached prefix and makes in-flight requests recompute
+their KV with the new weights; ``new_session`` keeps in-flight requests' KV and the cached prefixes of sessions seen
+before the swap — a session is the ``x-zerokld-session-id`` header, else the OpenAI ``user`` field — while new
+sessions and requests without one start from prefixes computed with the new weights
+(:mod:`vllm_plugin.hotload.sessions`: ``/v1/completions`` and ``/v1/chat/completions`` requests get a ``cache_salt``
+from their session's epoch); ``none`` keeps everything.
+
 With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/v1/*``, SageMaker's
 ``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers
 with ``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of use
@@ -44,14 +51,39 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deltasync.protocol import DRAIN_HEADER, IDENTITY_HEADER, PREFIX, TRANSITION_HEADER, HotLoadError, Signal
+from deltasync.protocol import (DRAIN_HEADER, IDENTITY_HEADER, PREFIX, SESSION_HEADER, TRANSITION_HEADER,
+                                HotLoadError, Signal)
 
 from .attribution import versions_in_sse, versions_of
+from .sessions import SALTED_ROUTES
 
 __all__ = ["PROBES", "ZeroKLDHotLoadEndpoint"]
 
 #: routes that stay open with hot-load on (health and metadata probes; vLLM leaves them unguarded too)
 PROBES = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs", "/redoc"})
+
+
+async def _salt(request: Request, epochs) -> None:
+    """Give a generation request its prompt-cache salt (:mod:`vllm_plugin.hotload.sessions`): the session is the
+    ``x-zerokld-session-id`` header, else the body's OpenAI ``user``; a body that is not a JSON object is left for
+    vLLM to refuse."""
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return
+    if not isinstance(data, dict):
+        return
+    user = data.get("user")
+    session = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
+    client_salt = data.get("cache_salt")
+    data["cache_salt"] = epochs.salt(None if session is None else session[:256],
+                                     client_salt if isinstance(client_salt, str) else None)
+    new = json.dumps(data).encode()
+    # Starlette's BaseHTTPMiddleware replays the body the middleware read (Request._body) to the route
+    request._body = new
+    request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-length"] + [
+        (b"content-length", str(len(new)).encode())]
 
 
 async def _with_identity(response, admitted: str):
@@ -100,6 +132,7 @@ class ZeroKLDHotLoadEndpoint:
     def __init__(self) -> None:
         self.manager = None
         self.auth = None  # vLLM's AuthenticationMiddleware over the server's keys; None: no key configured
+        self.salting = False  # prefix caching on: generation requests get their prompt-cache epoch's salt
 
     def _authorized(self, request: Request) -> bool:
         """vLLM's own check (``AuthenticationMiddleware.verify_token``, ``entrypoints/serve/middleware/
@@ -180,6 +213,8 @@ class ZeroKLDHotLoadEndpoint:
             if manager.draining:
                 return JSONResponse({"error": "a sync hot-load is in progress; retry"}, status_code=425,
                                     headers={IDENTITY_HEADER: manager.ledger.current_identity})
+            if self.salting and request.method == "POST" and path in SALTED_ROUTES:
+                await _salt(request, manager.engine.epochs)
             return await _with_identity(await call_next(request), manager.ledger.current_identity)
 
     async def init_state(self, engine_client, state, args) -> None:
@@ -207,6 +242,7 @@ class ZeroKLDHotLoadEndpoint:
         from .attribution import install
 
         install()  # weight_versions on completions and chat choices (this process serves them)
+        self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
         import socket
 
         self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,
