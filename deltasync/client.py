@@ -34,9 +34,9 @@ class HotLoadRefused(RuntimeError):
 
 @dataclass
 class PushResult:
-    """What one :meth:`HotLoadClient.push` shipped: the snapshot that serves now (on the replicas in ``fallback``:
-    the full snapshot ``<identity>-full`` of the same weights, on the others ``snapshot``'s incremental one... see
-    ``fallback_snapshot``), seconds from signal to ready, the refusals before it, and which replicas fell back."""
+    """What one :meth:`HotLoadClient.push` shipped: the snapshot that serves now, seconds from signal to ready, the
+    refusals before it, and ``fallback``: the replicas that refused the incremental snapshot and got ``snapshot``,
+    the full ``<identity>-full`` of the same weights (the other replicas serve the incremental ``<identity>``)."""
 
     snapshot: SnapshotInfo
     swap_seconds: float
@@ -90,8 +90,11 @@ class HotLoadClient:
 
         sig = self.signal_for(info, lora_name)
         body, headers, urls = sig.body(), {**self.headers, **sig.headers()}, list(urls or self.urls)
-        with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-            answers = dict(zip(urls, pool.map(lambda u: self._post(u, body, headers), urls)))
+        if len(urls) == 1:  # one replica: no thread
+            answers = {urls[0]: self._post(urls[0], body, headers)}
+        else:
+            with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+                answers = dict(zip(urls, pool.map(lambda u: self._post(u, body, headers), urls)))
         failures = {u: a for u, a in answers.items() if a[0] != 200}
         if failures:
             status, error = next(iter(failures.values()))
@@ -135,7 +138,6 @@ class HotLoadClient:
             HotLoadRefused: a full snapshot was refused (by the replicas in its ``failures``; ``served`` loaded it).
         """
         info = writer.write(identity, tensors)
-        refused: list[str] = []
         t0 = time.perf_counter()
         try:
             self.signal(info, lora_name)
@@ -143,7 +145,7 @@ class HotLoadClient:
             writer.failed(info)
             if info.kind == "full":
                 raise
-            refused += [f"{u}: {info.identity}: {err}" for u, (_, err) in e.failures.items()]
+            refused = [f"{u}: {info.identity}: {err}" for u, (_, err) in e.failures.items()]
             fallback = list(e.failures)
             info = writer.write(f"{identity}-full", tensors, kind="full")
             t0 = time.perf_counter()
@@ -153,4 +155,4 @@ class HotLoadClient:
                 writer.require_full()
             return PushResult(info, time.perf_counter() - t0, refused, fallback)
         writer.confirm(info)
-        return PushResult(info, time.perf_counter() - t0, refused)
+        return PushResult(info, time.perf_counter() - t0)

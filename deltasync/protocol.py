@@ -131,8 +131,8 @@ class Signal:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     lora_name: str | None = None  # set: a version of this LoRA adapter
 
-    @staticmethod
-    def claimed(body: object) -> tuple[str, str | None, str | None]:
+    @classmethod
+    def claimed(cls, body: object) -> tuple[str, str | None, str | None]:
         """``(identity, previous identity, lora_name)`` as a request sent them, for the ledger row of a refused
         request (``lora_name``: only when it is a valid name, else ``None``)."""
         if not isinstance(body, dict):
@@ -140,10 +140,15 @@ class Signal:
         meta = body.get("incremental_snapshot_metadata")
         previous = meta.get("previous_snapshot_identity") if isinstance(meta, dict) else None
         try:
-            lora_name = None if body.get("lora_name") is None else validate_identity(body["lora_name"])
+            lora_name = cls._lora_name(body)
         except IdentityError:
             lora_name = None
         return str(body.get("identity")), None if previous is None else str(previous), lora_name
+
+    @staticmethod
+    def _lora_name(body: dict) -> str | None:
+        """The body's ``lora_name`` (``None``: absent). Raises IdentityError: not one path segment."""
+        return None if body.get("lora_name") is None else validate_identity(body["lora_name"])
 
     @classmethod
     def from_request(cls, body: object, transition: str | None = None, drain_timeout: str | float | None = None
@@ -167,12 +172,10 @@ class Signal:
         except ValueError:
             raise HotLoadError(f"drain timeout must be a number of seconds, got {str(drain_timeout)[:40]!r}",
                                422) from None
-        lora_name = body.get("lora_name")
-        if lora_name is not None:
-            try:
-                lora_name = validate_identity(lora_name)
-            except IdentityError as e:
-                raise HotLoadError(f"invalid lora_name: {e}", 400) from e
+        try:
+            lora_name = cls._lora_name(body)
+        except IdentityError as e:
+            raise HotLoadError(f"invalid lora_name: {e}", 400) from e
         meta = body.get("incremental_snapshot_metadata")
         sig = cls(identity=identity, reset_prompt_cache=reset, transition=transition or "async",
                   drain_timeout=drain, lora_name=lora_name)

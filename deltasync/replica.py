@@ -92,7 +92,7 @@ class ReplicaEngine(Protocol):
         """Drop cached prefixes (``running_requests``: also those held by running requests, which recompute their
         KV with the new weights); ``False``: refused."""
 
-    async def isolate_new_sessions(self, identity: str) -> bool:
+    async def isolate_new_sessions(self) -> bool:
         """``reset_prompt_cache="new_session"``: requests of sessions seen before keep their cached prefixes, new
         sessions and requests without one get none computed with earlier weights; in-flight requests keep their
         KV. ``False``: the engine has no sessions (the replica resets the prefix cache of idle requests instead)."""
@@ -386,14 +386,12 @@ class Replica:
         check_regular_files(local, track.fetched if self.remote else self.root)  # before anything is opened
         self._verify_numerics(local)
         base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity, track)
-        if track.lora_name is not None and base is None:
-            out = track.materialized / sig.identity
-            with staged_dir(out) as tmp:
-                for f in local.iterdir():
-                    shutil.copyfile(f, tmp / f.name)
-            local = out
         try:
             if track.lora_name is not None and base is None:
+                with staged_dir(track.materialized / sig.identity) as tmp:
+                    for f in local.iterdir():
+                        shutil.copyfile(f, tmp / f.name)
+                local = track.materialized / sig.identity
                 verify_adapter_config(local)
             path = materialize_snapshot(local, track.materialized / sig.identity,
                                         self._reference(track, base if base is not None else local), base,
@@ -412,11 +410,11 @@ class Replica:
                 raise HotLoadError(f"in-flight requests did not finish within the drain timeout ({timeout} s)", 425)
             await asyncio.sleep(0.01)
 
-    async def _reset_cache(self, mode: str, identity: str) -> bool:
+    async def _reset_cache(self, mode: str) -> bool:
         """``True`` when the requested reset happened (``none``: nothing to do)."""
         if mode == "none":
             return True
-        if mode == "new_session" and await self.engine.isolate_new_sessions(identity):
+        if mode == "new_session" and await self.engine.isolate_new_sessions():
             return True
         return bool(await self.engine.reset_prefix_cache(running_requests=mode == "all"))
 
@@ -483,7 +481,7 @@ class Replica:
                 raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
             await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
             led.stage(row, "loaded")
-            cache_reset = await self._reset_cache(sig.reset_prompt_cache, sig.identity)
+            cache_reset = await self._reset_cache(sig.reset_prompt_cache)
             led.ready(row)
             # what really happened: "none" resets nothing; a refused reset is reported, not claimed
             row["prompt_cache_reset"] = cache_reset and sig.reset_prompt_cache != "none"

@@ -58,15 +58,15 @@ def filesystem_for(url: str) -> fsspec.AbstractFileSystem:
     return resolve(get_storage(url).filesystem)(url)
 
 
+CHUNK_BYTES = 8 << 20  # one ranged read of a download (and of a checksum pass)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK_BYTES):
             h.update(chunk)
     return h.hexdigest()
-
-
-CHUNK_BYTES = 8 << 20  # one ranged read of a download
 
 
 def publish_dir(local_dir: str | Path, url: str) -> str:

@@ -30,6 +30,7 @@ import torch
 from torchtitan.components.lora import LoRAConverter, _get_lora_cls
 
 import shared_numerics as sn
+from zerokld_models.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear
 
@@ -251,13 +252,13 @@ def save_peft_adapter(model: torch.nn.Module, sd_adapter, out_dir: str | Path, d
     targets = sorted({k.split(".")[-3] for k in tensors})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.weight.shape[0],
               "lora_alpha": _alpha(first), "target_modules": targets,
               "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
               "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
               "inference_mode": True}
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -285,13 +286,13 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
     if not mods:
         raise ValueError("the model has no LoRA adapter to load into")
     folder = Path(adapter_dir)
-    config = json.loads((folder / "adapter_config.json").read_text())
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
     first = next(iter(mods.values()))
     rank = first.lora_a.weight.shape[0]
     if config.get("r") != rank or float(config.get("lora_alpha", -1)) != _alpha(first):
         raise ValueError(f"{folder}: adapter r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
                          f"LoRA has r={rank}, alpha={_alpha(first)}")
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
     plan = []
     for m, prefix, rows in _peft_modules(model, sd_adapter):
         a, b_hf = tensors.pop(f"{prefix}.lora_A.weight", None), tensors.pop(f"{prefix}.lora_B.weight", None)

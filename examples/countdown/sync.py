@@ -15,23 +15,29 @@ import shutil
 import time
 from pathlib import Path
 
-from deltasync import HotLoadClient, HotLoadConfig, HotLoadError, HotLoadRefused, SnapshotWriter
+from deltasync import HotLoadClient, HotLoadConfig, HotLoadError, Signal, SnapshotWriter
+from deltasync.protocol import DRAIN_HEADER, TRANSITION_HEADER
 
 __all__ = ["AdapterSync", "DeltaSync", "OfflineHotLoadClient"]
 
 
 class OfflineHotLoadClient(HotLoadClient):
-    """A :class:`deltasync.HotLoadClient` whose one replica is in this process (no HTTP)."""
+    """A :class:`deltasync.HotLoadClient` whose one replica (URL :attr:`URL`) is in this process: the signal that
+    would be POSTed goes to the replica instead, so refusals and the fall-back to a full snapshot are the client's
+    own."""
+
+    URL = "offline"
 
     def __init__(self, replica) -> None:
-        super().__init__([])
+        super().__init__([self.URL])
         self.replica = replica
 
-    def signal(self, info, lora_name: str | None = None) -> None:
+    def _post(self, url: str, body: dict, headers: dict) -> tuple[int, str]:
         try:
-            self.replica.load(self.signal_for(info, lora_name))
+            self.replica.load(Signal.from_request(body, headers.get(TRANSITION_HEADER), headers.get(DRAIN_HEADER)))
         except HotLoadError as e:  # refused: the served weights are untouched
-            raise HotLoadRefused(e.status, str(e)) from e
+            return e.status, str(e)
+        return 200, ""
 
 
 class DeltaSync:

@@ -47,6 +47,7 @@ Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API 
 from __future__ import annotations
 
 import json
+import socket
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -243,8 +244,6 @@ class ZeroKLDHotLoadEndpoint:
 
         install()  # weight_versions on completions and chat choices (this process serves them)
         self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
-        import socket
-
         self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,
                                args.model, replica_id=f"{socket.gethostname()}:{args.port}")
         await self.manager.restore()

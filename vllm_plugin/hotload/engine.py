@@ -37,8 +37,7 @@ class ServerEngine:
         self.client, self.models = engine_client, serving_models
         self.numerics = numerics_stamp(engine_client.vllm_config)
         #: the prompt-cache epochs the endpoint salts requests with (:mod:`vllm_plugin.hotload.sessions`)
-        self.epochs = CacheEpochs("start")
-        self._epoch_count = 0
+        self.epochs = CacheEpochs()
 
     async def load_adapter(self, name: str, identity: str, path: str) -> None:
         """Raises :class:`deltasync.HotLoadError`: 409 LoRA is off (``--enable-lora``) or no model registry, 400
@@ -84,13 +83,9 @@ class ServerEngine:
     async def reset_prefix_cache(self, running_requests: bool) -> bool:
         done = bool(await self.client.reset_prefix_cache(reset_running_requests=running_requests))
         if done:  # nothing cached is left: every session starts over
-            self._next_epoch(forget_sessions=True)
+            self.epochs.new_epoch(forget_sessions=True)
         return done
 
-    async def isolate_new_sessions(self, identity: str) -> bool:
-        self._next_epoch(forget_sessions=False)
+    async def isolate_new_sessions(self) -> bool:
+        self.epochs.new_epoch()
         return True
-
-    def _next_epoch(self, forget_sessions: bool) -> None:
-        self._epoch_count += 1
-        self.epochs.new_epoch(str(self._epoch_count), forget_sessions)

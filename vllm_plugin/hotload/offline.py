@@ -70,7 +70,7 @@ class OfflineEngine:
     async def reset_prefix_cache(self, running_requests: bool) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
-    async def isolate_new_sessions(self, identity: str) -> bool:
+    async def isolate_new_sessions(self) -> bool:
         return False  # no sessions offline: the replica resets the (idle) prefix cache instead
 
 

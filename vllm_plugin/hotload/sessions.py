@@ -25,11 +25,11 @@ SALTED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class CacheEpochs:
-    """The current epoch and each session's epoch (``epoch``: any string naming it, e.g. the snapshot identity)."""
+    """The current epoch (numbered from 0) and each session's epoch."""
 
-    def __init__(self, epoch: str, max_sessions: int = MAX_SESSIONS) -> None:
-        self.epoch, self.max_sessions = epoch, max_sessions
-        self.sessions: OrderedDict[str, str] = OrderedDict()
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+        self.epoch, self.max_sessions = 0, max_sessions
+        self.sessions: OrderedDict[str, int] = OrderedDict()
 
     def salt(self, session: str | None, client_salt: str | None = None) -> str:
         """The ``cache_salt`` for a request of ``session`` (``None``: no session) that sent ``client_salt``: 32 hex
@@ -42,8 +42,9 @@ class CacheEpochs:
                 self.sessions.popitem(last=False)
         return hashlib.sha256(f"{client_salt or ''}\0{epoch}".encode()).hexdigest()[:32]
 
-    def new_epoch(self, epoch: str, forget_sessions: bool = False) -> None:
-        """Start ``epoch`` for new sessions and session-less requests (``forget_sessions``: for every session too)."""
-        self.epoch = epoch
+    def new_epoch(self, forget_sessions: bool = False) -> None:
+        """Start the next epoch for new sessions and session-less requests (``forget_sessions``: for every session
+        too)."""
+        self.epoch += 1
         if forget_sessions:
             self.sessions.clear()
