@@ -7,6 +7,9 @@
    ``apply_incremental_snapshot``, files included), element density.
 3. Hot-swap pause (``reload_weights`` + prefix-cache reset on a live engine) vs starting a new engine on the new
    weights.
+4. Model scale (512 MiB of bf16 matrices, ~2% of the elements moved by 1-2 units in the last place): bytes per
+   changed element, encode, in-place stage and commit (what a replica's workers run), host decode; GB/s of model
+   bytes. ``--codecs-only`` runs this step alone and merges it into an existing ``--out``.
 
 Medians go to ``--out`` (JSON). Usage: ``python -m benchmarks.delta --out benchmarks/results/delta.json``
 """
@@ -55,12 +58,68 @@ def _layer_scale(codecs: list[str], density: float, n: int = 4096) -> dict:
     return out
 
 
+def _model_scale(codecs: list[str], density: float = 0.02, tensors: int = 16, n: int = 4096) -> dict:
+    """The snapshot path at ~2% density on ``tensors`` bf16 ``n x n`` matrices (512 MiB by default), files included:
+    encode (:func:`deltasync.write_incremental_snapshot`, the trainer), the in-place stage and commit passes
+    (:func:`deltasync.apply_delta_in_place`, what a replica's workers run) and the host decode into a full snapshot
+    (:func:`deltasync.apply_incremental_snapshot`); GB/s of model bytes. Each step moves ``density`` of the
+    elements by +-1 or +-2 units in the last place (:func:`benchmarks.hotload._step`)."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from deltasync import (apply_delta_in_place, apply_incremental_snapshot, element_density, weight_bytes,
+                           write_full_snapshot, write_incremental_snapshot)
+    from deltasync.snapshot import ENCODE_THREADS
+    from zerokld_testing import make_tokenizer
+
+    from .hotload import _step
+
+    g = torch.Generator().manual_seed(0)
+    old = {f"w{i}": (torch.randn(n, n, generator=g) * 0.02).to(torch.bfloat16) for i in range(tensors)}
+    new = _step(old, density, np.random.default_rng(0))
+    changed, total = element_density(old, new)
+    out = {"tensors": tensors, "model_bytes": 2 * total, "density": changed / total, "threads": ENCODE_THREADS}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        assets = tmp / "assets"
+        assets.mkdir()
+        make_tokenizer(str(assets))
+        (assets / "config.json").write_text("{}")
+        base = write_full_snapshot(old, assets, tmp / "base")
+        for c in codecs:
+            t0 = time.perf_counter()
+            d = write_incremental_snapshot(base, new, tmp / c, compression_format=c)
+            t_enc = time.perf_counter() - t0
+            live = {k: v.clone() for k, v in old.items()}
+            t0 = time.perf_counter()
+            apply_delta_in_place(d, live)
+            t_stage = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            apply_delta_in_place(d, live, commit=True)
+            t_commit = time.perf_counter() - t0
+            assert all(torch.equal(live[k], new[k]) for k in new)
+            t0 = time.perf_counter()
+            apply_incremental_snapshot(base, d, tmp / f"{c}_applied")
+            t_host = time.perf_counter() - t0
+            shutil.rmtree(tmp / f"{c}_applied")
+            size, mb = weight_bytes(d), out["model_bytes"]
+            out[c] = {"ratio": size / mb, "bytes_per_changed": size / changed, "encode_gbps": mb / t_enc / 1e9,
+                      "in_place_stage_gbps": mb / t_stage / 1e9, "in_place_commit_gbps": mb / t_commit / 1e9,
+                      "host_apply_gbps": mb / t_host / 1e9,
+                      "encode_plus_commit_gbps": mb / (t_enc + t_commit) / 1e9}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench/delta.json")
     ap.add_argument("--run-dir", default=None, help="an existing run (<dir>/zerokld/sync/snapshots)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--swaps", type=int, default=5)
+    ap.add_argument("--codecs-only", action="store_true", help="only the model-scale codec figures (no run, no "
+                    "engines); merged into an existing --out")
     ap.add_argument("--lr", type=float, default=1e-6, help="GRPO learning rate of the run (1e-6: typical LLM RL; the "
                     "example's 2e-4 moves most bf16 elements of its tiny model every step)")
     args = ap.parse_args(argv)
@@ -70,6 +129,12 @@ def main(argv=None) -> dict:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.codecs_only:
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["model_scale_codecs"] = _model_scale(sorted(registered("codec")))
+        out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result["model_scale_codecs"], indent=2))
+        return result
     run = Path(args.run_dir) if args.run_dir else Path("runs/bench/delta_run")
     snaps_dir = run / "zerokld" / "sync" / "snapshots"
     if not args.run_dir:
@@ -107,7 +172,7 @@ def main(argv=None) -> dict:
               "snapshots": len(snaps),
               "model_bytes": weight_bytes(snaps[-1]), "density_median": statistics.median(densities),
               "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
-              "layer_scale_codecs": layer}
+              "layer_scale_codecs": layer, "model_scale_codecs": _model_scale(codecs)}
 
     from zerokld_testing.engines import reload_weights, shutdown_llm, start_llm
 

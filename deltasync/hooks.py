@@ -10,7 +10,10 @@ def zerokld_delta_codecs():
     return [CodecSpec("arc_v2", "deltasync.codecs:arc_v2_encode", "deltasync.codecs:arc_v2_decode",
                       "XOR of raw bytes, zstd-compressed (Fireworks arc_v2)"),
             CodecSpec("zkd_sparse_v1", "deltasync.codecs:sparse_encode", "deltasync.codecs:sparse_decode",
-                      "changed 16-bit words: byte-shuffled gaps + XOR values, safetensors container, zstd (zerokld)")]
+                      "changed 16-bit words: byte-shuffled gaps + XOR values, safetensors container, zstd (zerokld)"),
+            CodecSpec("zkd_sparse_v2", "deltasync.codecs:sparse_v2_encode", "deltasync.codecs:sparse_v2_decode",
+                      "changed 16-bit words: byte-shuffled gaps + zigzag integer differences, one zstd frame each "
+                      "(zerokld; the densest)")]
 
 
 @hookimpl

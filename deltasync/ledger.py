@@ -157,6 +157,11 @@ class Ledger:
         self.current_digest = digest
         self._save()
 
+    def require_full(self) -> None:
+        """The next load must be full (the served weights can no longer be a delta's base); rows are kept."""
+        self.full_required = True
+        self._save()
+
     def reset(self) -> None:
         """Forget every row; the next load must be full. The replica keeps serving what it serves."""
         self.rows = []

@@ -12,10 +12,14 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    the snapshot root are opened (no symlinks out, no FIFOs or devices); the snapshot's numerics stamp must be the
    engine's (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
    the served model's tensor spec (names, dtypes, shapes, each tensor in one shard), then every tensor against its
-   Adler-32 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one is
-   decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
+   Adler-32 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one,
+   on an engine that applies deltas in place (:attr:`ReplicaEngine.inplace_deltas`), is kept in
+   ``<state_dir>/fetched/<identity>`` and decoded by every worker against its own loaded parameters, each tensor
+   checked against its Adler-32, nothing written (the stage pass of :meth:`ReplicaEngine.apply_delta`); on other
+   engines it is decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
    ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving untouched;
-4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads,
+4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads (a delta
+   applied in place: the commit pass writes the new bits into the parameters),
    labels the weights with the identity (so each token is attributed to the snapshot that sampled it), resumes;
    ``sync``: new requests are refused (HTTP 425) while in-flight ones finish on the old weights, up to the
    drain timeout (else the signal itself gets 425 and nothing changes), then reload. A failed reload restores the
@@ -25,7 +29,8 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    ``none`` keeps everything;
 5. **ledger** — every stage is timestamped (:class:`deltasync.Ledger`), the loaded weights' digest recorded; a
    process killed mid-swap restarts, marks the row ``interrupted`` and reloads the last ``ready`` snapshot after
-   verifying its bits against that digest — or, if it is gone or altered, the newest earlier one that verifies, else
+   verifying its bits against that digest (a delta applied in place: its chain replayed — the full snapshot it
+   started from, then each kept delta, every tensor checked again) — or, if it is gone or altered, the newest earlier one that verifies, else
    the initial weights, the ledger saying so (:meth:`Replica.restore`).
 
 **LoRA adapters** (a signal with ``lora_name``, vLLM's name for an adapter) go through the same stages on their own
@@ -56,8 +61,8 @@ from zerokld_models.checkpoint import staged_dir
 
 from .ledger import IdentityError, Ledger, validate_identity
 from .protocol import HotLoadConfig, HotLoadError, Signal
-from .snapshot import (SnapshotError, check_regular_files, materialize_snapshot, snapshot_numerics, tensor_spec,
-                       verify_adapter_config, verify_full_snapshot, weights_digest)
+from .snapshot import (SnapshotError, check_regular_files, checksums_digest, delta_checksums, materialize_snapshot,
+                       snapshot_numerics, tensor_spec, verify_adapter_config, verify_full_snapshot, weights_digest)
 from .storage import fetch_dir
 
 __all__ = ["Replica", "ReplicaEngine", "StateDirInUseError", "Track"]
@@ -96,6 +101,23 @@ class ReplicaEngine(Protocol):
         """``reset_prompt_cache="new_session"``: requests of sessions seen before keep their cached prefixes, new
         sessions and requests without one get none computed with earlier weights; in-flight requests keep their
         KV. ``False``: the engine has no sessions (the replica resets the prefix cache of idle requests instead)."""
+
+    async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
+                          allow_non_finite: bool = False) -> dict:
+        """Decode the incremental snapshot at ``path`` against the loaded weights on every worker
+        (:func:`deltasync.apply_delta_in_place`): ``commit=False`` verifies every tensor (and, unless
+        ``allow_non_finite``, that its floating-point values are finite) and writes nothing,
+        ``commit=True`` (called while paused) writes the new bits in place. Returns ``{"weights_digest"}`` (of the
+        resulting weights, :func:`deltasync.checksums_digest`) and ``"tensors_changed"`` (commit: how many tensors'
+        bits changed). Only called when :attr:`inplace_deltas`.
+
+        Raises:
+            DeltaError: refused (stage pass: nothing written)."""
+
+    @property
+    def inplace_deltas(self) -> bool:
+        """Whether :meth:`apply_delta` works on this engine (else deltas are decoded on the host into a full snapshot
+        that :meth:`reload_weights` loads)."""
 
     async def load_adapter(self, name: str, identity: str, path: str) -> None:
         """Serve the PEFT adapter directory ``path`` (snapshot ``identity``) as LoRA adapter ``name`` to requests
@@ -282,10 +304,39 @@ class Replica:
         full version may change the rank; a delta is checked against its base by the decoder)."""
         return self.reference_spec if track.lora_name is None else tensor_spec(path)
 
-    def _restorable(self, track: Track, identity: str, digest: str | None) -> Path:
-        """Blocking (run in a thread): the verified directory of ``identity`` — regular files, the served model's
-        tensor spec, every tensor against its checksum, and the checksums' digest equal to what the ledger recorded
-        when it was loaded (``digest``), so replaced bits are never served under the old identity."""
+    def _chain(self, track: Track, identity: str) -> list[str]:
+        """``[full, delta, ..., identity]``: the identities whose snapshots rebuild ``identity``'s weights — just
+        ``[identity]`` unless it was applied in place, then its ``previous_identity`` chain back to the newest one
+        that was not (a full snapshot, a host-decoded one, or the initial weights)."""
+        rows = {r["identity"]: r for r in track.ledger.rows if r.get("readiness") == "ready" and r.get("kind") != "restore"}
+        chain = [identity]
+        while rows.get(chain[-1], {}).get("applied") == "in_place":
+            chain.append(rows[chain[-1]]["previous_identity"])
+        return chain[::-1]
+
+    def _restorable(self, track: Track, identity: str, digest: str | None) -> Path | list[Path]:
+        """Blocking (run in a thread): what rebuilds ``identity``'s weights, verified — its full snapshot directory
+        (regular files, the served model's tensor spec, every tensor against its checksum), or for one applied in
+        place the chain ``[full or initial directory, delta, ...]`` (the full one verified so, each delta's files
+        regular; every tensor of a delta is checked again as it is applied) — and in both cases the checksums'
+        digest equal to what the ledger recorded when it was loaded (``digest``), so replaced bits are never served
+        under the old identity."""
+        chain = self._chain(track, identity)
+        if len(chain) > 1:
+            first = chain[0]
+            head = self.initial_dir if first == track.ledger.initial_identity else \
+                self._restorable(track, first, next((r.get("weights_digest") for r in reversed(track.ledger.rows)
+                                                      if r["identity"] == first and r.get("readiness") == "ready"),
+                                                     None))
+            deltas = [track.fetched / i for i in chain[1:]]
+            for d in deltas:
+                if not d.is_dir():
+                    raise SnapshotError(f"delta {d.name!r} of the chain of {identity!r} is gone")
+                check_regular_files(d, track.fetched)
+            if digest is None or checksums_digest(delta_checksums(deltas[-1])) != digest:
+                raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the "
+                                    "ledger)")
+            return [head, *deltas]
         path = self.served_dir(identity, track)
         if not path.is_dir():
             raise SnapshotError(f"snapshot {identity!r} is gone")
@@ -298,8 +349,12 @@ class Replica:
             raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the ledger)")
         return path
 
-    async def _load(self, track: Track, identity: str, path: Path) -> None:
-        if track.lora_name is None:
+    async def _load(self, track: Track, identity: str, path: Path | list[Path]) -> None:
+        if isinstance(path, list):  # a chain applied in place: its full snapshot, then each delta (checked again)
+            await self.engine.reload_weights(str(path[0]))
+            for d in path[1:]:
+                await self.engine.apply_delta(str(d), None, commit=True)
+        elif track.lora_name is None:
             await self.engine.reload_weights(str(path))
         else:
             await self.engine.load_adapter(track.lora_name, identity, str(path))
@@ -321,11 +376,13 @@ class Replica:
             (r["identity"], r.get("weights_digest")) for r in reversed(led.rows)
             if r.get("readiness") == "ready" and r["identity"] != led.current_identity]
         lost: dict[str, str] = {}
+        touched = False  # a failed chain may have written some of its deltas: the initial weights are reloaded
         for identity, digest in candidates:
             if identity == led.initial_identity:
                 break
             try:
                 path = await asyncio.to_thread(self._restorable, track, identity, digest)
+                touched = True
                 await self._load(track, identity, path)
             except Exception as e:  # noqa: BLE001 - any failure: try the next one, never crash the server
                 lost[identity] = str(e) or type(e).__name__
@@ -338,6 +395,8 @@ class Replica:
         if lost:
             led.restored(led.initial_identity, None, lost)
         if base:
+            if touched:
+                await self.engine.reload_weights(str(self.initial_dir))
             await self.engine.set_weight_version(led.initial_identity)
 
     # -- the stages --------------------------------------------------------------------------------------------
@@ -377,6 +436,21 @@ class Replica:
                                 f"snapshot {local.name!r}")
         except (NumericsMismatchError, ValueError) as e:
             raise SnapshotError(str(e)) from e
+
+    def _in_place(self, track: Track, sig: Signal) -> bool:
+        return track.lora_name is None and sig.previous_identity is not None and self.engine.inplace_deltas
+
+    def _stage_delta(self, track: Track, sig: Signal) -> Path:
+        """Blocking (run in a thread): fetch an incremental snapshot applied in place, check its files and numerics,
+        and keep it in the replica's state (``fetched/<identity>``: a restart replays the chain from it)."""
+        local = self._fetch(track, sig)
+        check_regular_files(local, track.fetched if self.remote else self.root)  # before anything is opened
+        self._verify_numerics(local)
+        if not self.remote:
+            with staged_dir(track.fetched / sig.identity) as tmp:
+                for f in local.iterdir():
+                    shutil.copyfile(f, tmp / f.name)
+        return track.fetched / sig.identity
 
     def _materialize(self, track: Track, sig: Signal) -> tuple[Path, str]:
         """Blocking (run in a thread): fetch, verify; the full snapshot directory to load and its weights digest.
@@ -438,11 +512,23 @@ class Replica:
             row = track.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
             track.stage, track.target = "verifying", sig.identity
             try:
-                path, digest = await asyncio.to_thread(self._materialize, track, sig)
-                track.ledger.stage(row, "verified", weights_digest=digest)
+                in_place = self._in_place(track, sig)
+                if in_place:  # the stage pass on every worker: each tensor decoded and checked, nothing written
+                    path = await asyncio.to_thread(self._stage_delta, track, sig)
+                    try:
+                        digest = (await self.engine.apply_delta(
+                            str(path), sig.compression_format, commit=False,
+                            allow_non_finite=self.config.allow_non_finite))["weights_digest"]
+                    except BaseException:
+                        shutil.rmtree(path, ignore_errors=True)
+                        raise
+                    track.ledger.stage(row, "verified", weights_digest=digest, applied="in_place")
+                else:
+                    path, digest = await asyncio.to_thread(self._materialize, track, sig)
+                    track.ledger.stage(row, "verified", weights_digest=digest)
                 async with self.swap_lock:
                     if track.lora_name is None:
-                        await self._swap_base(sig, path, row)
+                        await self._swap_base(sig, path, row, in_place)
                     else:
                         track.stage = "loading"
                         await self.engine.load_adapter(track.lora_name, sig.identity, str(path))
@@ -460,9 +546,10 @@ class Replica:
             finally:
                 track.stage, track.target = "idle", None
 
-    async def _swap_base(self, sig: Signal, path: Path, row: dict) -> None:
-        """Pause (async: keep in-flight requests; sync: drain them first), reload, label, reset the prefix cache,
-        resume — the previous snapshot restored if the reload fails."""
+    async def _swap_base(self, sig: Signal, path: Path, row: dict, in_place: bool = False) -> None:
+        """Pause (async: keep in-flight requests; sync: drain them first), reload (``in_place``: commit the staged
+        delta on every worker), label, reset the prefix cache, resume — the previous snapshot restored if the load
+        fails."""
         track, led = self.base, self.base.ledger
         try:
             if sig.transition == "sync":
@@ -475,9 +562,22 @@ class Replica:
             led.stage(row, "paused")
             track.stage = "loading"
             try:
-                await self.engine.reload_weights(str(path))
+                if in_place:
+                    done = await self.engine.apply_delta(str(path), sig.compression_format, commit=True)
+                    if done["weights_digest"] != row.get("weights_digest"):
+                        raise SnapshotError("the committed weights' digest differs from the staged one")
+                    row["tensors_changed"] = done["tensors_changed"]
+                else:
+                    await self.engine.reload_weights(str(path))
             except Exception as e:  # restore the served weights, then report
-                await self.engine.reload_weights(str(self.served_dir()))
+                try:
+                    served = self.initial_dir if led.current_identity == led.initial_identity else \
+                        await asyncio.to_thread(self._restorable, track, led.current_identity, led.current_digest)
+                    await self._load(track, led.current_identity, served)
+                except Exception as lost:  # noqa: BLE001 - reported with the first failure
+                    led.require_full()
+                    raise HotLoadError(f"reload failed ({e}) and the previous snapshot could not be restored "
+                                       f"({lost}); the weights are undefined until the next full snapshot", 500) from e
                 raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
             await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
             led.stage(row, "loaded")
@@ -506,6 +606,7 @@ class Replica:
                 break
             if r.get("readiness") == "ready":
                 keep.add(r["identity"])
+        keep |= {i for k in list(keep) for i in self._chain(track, k)}  # deltas applied in place replay from these
         for folder in (track.materialized, track.fetched):
             if folder.exists():
                 for d in folder.iterdir():

@@ -18,11 +18,14 @@ result is published.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -31,7 +34,8 @@ from zerokld_models.checkpoint import ADAPTER_CONFIG, read_tensors, staged_dir, 
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
-__all__ = ["DeltaError", "SnapshotError", "apply_incremental_snapshot", "check_regular_files", "element_density",
+__all__ = ["DeltaError", "SnapshotError", "apply_delta_in_place", "apply_incremental_snapshot", "check_regular_files",
+           "checksums_digest", "delta_checksums", "element_density",
            "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_adapter_config",
            "verify_full_snapshot", "weight_bytes", "weights_digest", "write_full_snapshot",
            "write_incremental_snapshot"]
@@ -190,9 +194,15 @@ def weights_digest(snapshot_dir: str | Path) -> str:
     Raises:
         SnapshotError: no readable spec with checksums.
     """
+    return checksums_digest(_spec_checksums(Path(snapshot_dir)))
+
+
+def checksums_digest(checksums: dict[str, str]) -> str:
+    """SHA-256 (hex) of per-tensor checksums ``{name: decimal Adler-32}`` as canonical JSON: the weights digest of a
+    full snapshot (:func:`weights_digest`) and of the weights an incremental one produces (its shards' metadata,
+    :func:`delta_checksums`) are the same for the same bits."""
     import hashlib
 
-    checksums = _spec_checksums(Path(snapshot_dir))
     return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
@@ -247,14 +257,18 @@ def snapshot_numerics(snapshot_dir: str | Path) -> dict | None:
     return None
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (bytes-like, no copy for a contiguous CPU tensor)."""
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def read_snapshot_tensors(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a full snapshot's ``*.safetensors`` files (:func:`zerokld_models.checkpoint.read_tensors`)."""
     return read_tensors(snapshot_dir)
 
+
+#: threads :func:`write_incremental_snapshot` encodes tensors with (``ZEROKLD_ENCODE_THREADS``; default: the CPUs)
+ENCODE_THREADS = max(1, int(os.environ.get("ZEROKLD_ENCODE_THREADS", 0)) or os.cpu_count() or 1)
 
 WEIGHT_SPEC = "model.weight.spec.json"  # {"tensor_map": {name: {"shape": [...], "dtype": "BF16"}}} (Fireworks)
 _SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
@@ -321,9 +335,16 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
     encode = resolve(get_codec(compression_format).encode)
     base_files = sorted(Path(base_dir).glob("*.safetensors"))
     base_keys: set[str] = set()
-    with staged_dir(out_dir) as tmp:
+
+    def encode_one(b: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, str]:
+        nb = _raw(n)
+        return torch.frombuffer(bytearray(encode(_raw(b), nb)), dtype=torch.uint8), str(zlib.adler32(nb))
+
+    # tensors are encoded ENCODE_THREADS at a time (numpy, zstd and zlib release the GIL); at most twice that many
+    # are in flight, so memory stays a few tensors whatever the model size
+    with staged_dir(out_dir) as tmp, ThreadPoolExecutor(ENCODE_THREADS) as pool:
         for f in base_files:
-            payloads, meta = {}, {}
+            payloads, meta, jobs = {}, {}, {}
             with safe_open(str(f), framework="pt") as base:
                 for name in base.keys():
                     base_keys.add(name)
@@ -332,9 +353,12 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
                     b, n = base.get_tensor(name), new_tensors[name]
                     if b.shape != n.shape or b.dtype != n.dtype:
                         raise DeltaError(f"{name}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}")
-                    nb = _raw(n)
-                    payloads[name] = torch.frombuffer(bytearray(encode(_raw(b), nb)), dtype=torch.uint8)
-                    meta[name] = str(zlib.adler32(nb))
+                    jobs[name] = pool.submit(encode_one, b, n)
+                    if len(jobs) >= 2 * ENCODE_THREADS:
+                        first = next(iter(jobs))
+                        payloads[first], meta[first] = jobs.pop(first).result()
+                for name, job in jobs.items():
+                    payloads[name], meta[name] = job.result()
             save_file(payloads, str(tmp / f.name), metadata=meta)
         extra = set(new_tensors) - base_keys
         if extra:
@@ -362,13 +386,7 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
     from zerokld_plugins import get_codec, resolve
 
     base_dir, delta_dir = Path(base_dir), Path(delta_dir)
-    if compression_format is None:
-        try:
-            compression_format = _read_json(delta_dir / "delta.json")["compression_format"]
-        except (OSError, ValueError, KeyError) as e:
-            raise DeltaError(f"snapshot {delta_dir.name!r}: no compression_format given and no readable delta.json "
-                             f"({type(e).__name__})") from e
-    decode = resolve(get_codec(compression_format).decode)
+    decode = resolve(get_codec(_delta_format(delta_dir, compression_format)).decode)
     base_files = sorted(p.name for p in base_dir.glob("*.safetensors"))
     delta_files = sorted(p.name for p in delta_dir.glob("*.safetensors"))
     if base_files != delta_files:
@@ -395,3 +413,144 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
         except Exception as e:  # unreadable safetensors (truncated, garbage header)
             raise DeltaError(f"{fname}: cannot read: {e}") from e
     return write_full_snapshot(new, base_dir, out_dir)
+
+
+def _delta_format(delta_dir: Path, compression_format: str | None) -> str:
+    if compression_format is not None:
+        return compression_format
+    try:
+        return _read_json(delta_dir / "delta.json")["compression_format"]
+    except (OSError, ValueError, KeyError) as e:
+        raise DeltaError(f"snapshot {delta_dir.name!r}: no compression_format given and no readable delta.json "
+                         f"({type(e).__name__})") from e
+
+
+def delta_checksums(delta_dir: str | Path) -> dict[str, str]:
+    """``{name: decimal Adler-32 of the new tensor}`` of an incremental snapshot (its shards' ``__metadata__``): the
+    checksums of the weights it produces (:func:`checksums_digest` gives their digest).
+
+    Raises:
+        DeltaError: a shard cannot be read, a tensor without a checksum, or a tensor in two shards."""
+    out: dict[str, str] = {}
+    for f in sorted(Path(delta_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as d:
+                meta, names = d.metadata() or {}, list(d.keys())
+        except Exception as e:  # noqa: BLE001 - unreadable header
+            raise DeltaError(f"{f.name}: cannot read: {e}") from e
+        for name in names:
+            if name in out or name not in meta:
+                raise DeltaError(f"{f.name}:{name}: " + ("in two shards" if name in out else "no checksum"))
+            out[name] = meta[name]
+    return out
+
+
+#: dtype → (unsigned view, exponent mask): a value is NaN or inf when all its exponent bits are set (IEEE 754; FP8
+#: e4m3fn has no inf, its NaN is the all-ones magnitude)
+_NON_FINITE = {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
+               torch.float32: (np.uint32, 0x7F800000), torch.float64: (np.uint64, 0x7FF0000000000000),
+               torch.float8_e4m3fn: (np.uint8, 0x7F)}
+
+
+def has_non_finite(raw, dtype: torch.dtype) -> bool:
+    """Whether the bytes ``raw`` of a ``dtype`` tensor hold a NaN or inf (bit test, no conversion; non-float and
+    unknown dtypes: ``False``)."""
+    if dtype not in _NON_FINITE:
+        return False
+    view, mask = _NON_FINITE[dtype]
+    words = np.frombuffer(raw, dtype=view)
+    return bool(((words & view(mask)) == view(mask)).any())
+
+
+def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor], compression_format: str | None = None,
+                         commit: bool = False, after_tensor=None, allow_non_finite: bool = False) -> dict:
+    """Decode an incremental snapshot against the bits of live tensors and, with ``commit``, write the new bits into
+    them, tensor by tensor: the extra memory is at most ``2 * ENCODE_THREADS`` decoded tensors (and their payloads),
+    never the model.
+
+    Every tensor is checked before it is written: its payload must decode against the target's current bits and the
+    result's Adler-32 must equal the delta's checksum (a wrong base or a corrupt payload is refused there). Run it
+    first without ``commit`` (verifies everything, writes nothing: the stage pass), then with ``commit`` (the commit
+    pass, which checks each tensor again before writing it). A refusal in the stage pass leaves every target bit for
+    bit as it was.
+
+    Args:
+        delta_dir: an incremental snapshot directory (:func:`write_incremental_snapshot`).
+        targets: checkpoint name → the live tensor holding that checkpoint tensor's bits (same dtype and shape as in
+            the checkpoint; any device: a non-CPU tensor is decoded through a CPU copy of itself). Its key set must be
+            the delta's.
+        compression_format: the codec (``None``: ``delta.json``'s).
+        commit: write the new bits.
+        allow_non_finite: accept NaN or inf in the new floating-point weights (default: refused in the stage pass, as
+            :func:`verify_full_snapshot` refuses them in a full snapshot).
+        after_tensor: called with the number of tensors written so far after each write (commit pass; fault
+            injection in tests), or ``None``.
+
+    Returns:
+        ``{"checksums": {name: Adler-32}, "changed": [names whose bits changed]}`` (``changed`` only with ``commit``).
+
+    Raises:
+        DeltaError: the key sets differ, a target has the wrong size, a payload does not decode, or a checksum
+            differs; with ``commit`` the tensors before the failing one are already written (the caller reloads).
+        zerokld_plugins.UnknownNameError: unknown codec.
+    """
+    from zerokld_plugins import get_codec, resolve
+
+    delta_dir = Path(delta_dir)
+    decode = resolve(get_codec(_delta_format(delta_dir, compression_format)).decode)
+    checksums = delta_checksums(delta_dir)
+    missing, extra = sorted(set(targets) - set(checksums)), sorted(set(checksums) - set(targets))
+    if missing or extra:
+        raise DeltaError(f"delta tensors differ from the model's: missing {missing[:3]}, extra {extra[:3]}")
+    changed, written = [], 0
+
+    def decoded(fname: str, name: str, payload: torch.Tensor):
+        t = targets[name]
+        if not t.is_contiguous():  # its flat view would be a copy: writes would not reach the tensor
+            raise DeltaError(f"{name}: the live tensor is not contiguous")
+        host = t if t.device.type == "cpu" else t.detach().cpu()
+        old = host.detach().reshape(-1).view(torch.uint8).numpy()
+        try:
+            new = decode(memoryview(old), _raw(payload))
+        except Exception as e:  # any codec failure is a refusal of this delta
+            raise DeltaError(f"{fname}:{name}: payload does not decode: {e}") from e
+        if len(new) != old.size or str(zlib.adler32(new)) != checksums[name]:
+            raise DeltaError(f"{fname}:{name}: checksum mismatch (wrong base or corrupt delta)")
+        if not commit and not allow_non_finite and has_non_finite(new, t.dtype):
+            raise DeltaError(f"{fname}:{name}: non-finite weights (NaN or inf)")
+        return t, host, old, new
+
+    def write(t, host, old, new) -> bool:
+        new = np.frombuffer(new, dtype=np.uint8)
+        wide = np.uint64 if old.size % 8 == 0 else np.uint8  # compare 8 bytes at a time where the size allows
+        if np.array_equal(old.view(wide), new.view(wide)):
+            return False
+        old[:] = new
+        if host is not t:
+            t.copy_(host)
+        return True
+
+    # tensors are decoded and checked ENCODE_THREADS at a time (numpy, zstd and zlib release the GIL), at most
+    # twice that many in flight; writes happen here, in order, one at a time
+    with ThreadPoolExecutor(ENCODE_THREADS) as pool:
+        for f in sorted(delta_dir.glob("*.safetensors")):
+            try:
+                with safe_open(str(f), framework="pt") as d:
+                    jobs: dict = {}
+                    names = list(d.keys())
+                    for i, name in enumerate(names):
+                        jobs[name] = pool.submit(decoded, f.name, name, d.get_tensor(name))
+                        while jobs and (len(jobs) >= 2 * ENCODE_THREADS or i == len(names) - 1):
+                            first = next(iter(jobs))
+                            result = jobs.pop(first).result()
+                            if commit:
+                                if write(*result):
+                                    changed.append(first)
+                                written += 1
+                                if after_tensor is not None:
+                                    after_tensor(written)
+            except DeltaError:
+                raise
+            except Exception as e:  # unreadable safetensors (truncated, garbage header)
+                raise DeltaError(f"{f.name}: cannot read: {e}") from e
+    return {"checksums": checksums, "changed": changed}

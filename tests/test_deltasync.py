@@ -12,6 +12,9 @@ from deltasync import (
 )
 
 
+CODECS = ["arc_v2", "zkd_sparse_v1", "zkd_sparse_v2"]
+
+
 def _moved(old: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     new = {}
@@ -52,7 +55,7 @@ def test_we_read_the_reference_encoders_arc_v2(base_and_new, tmp_path):
     assert all(torch.equal(got[k], new[k]) for k in new)
 
 
-@pytest.mark.parametrize("codec", ["arc_v2", "zkd_sparse_v1"])
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("fault", ["flipped_byte", "truncated", "wrong_base", "missing_tensor"])
 def test_bad_delta_is_refused_and_nothing_is_published(base_and_new, tmp_path, fault, codec):
     base, new = base_and_new
@@ -155,12 +158,12 @@ def _chain_round_trip(base: str, tmp_path, remote: str, codec: str, n: int = 30)
     return kinds
 
 
-@pytest.mark.parametrize("codec", ["arc_v2", "zkd_sparse_v1"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_chain_of_30_snapshots_round_trips_bit_exact_local(checkpoint_factory, tmp_path, codec):
     _chain_round_trip(checkpoint_factory("qwen3", "bfloat16"), tmp_path, str(tmp_path / "bucket"), codec)
 
 
-@pytest.mark.parametrize("codec", ["arc_v2", "zkd_sparse_v1"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_chain_of_30_snapshots_round_trips_bit_exact_s3(checkpoint_factory, tmp_path, s3_server, codec):
     _chain_round_trip(checkpoint_factory("qwen3", "bfloat16"), tmp_path, f"{s3_server}/{codec}", codec)
 
@@ -185,15 +188,96 @@ def test_sparse_codec_is_denser_than_arc_v2(checkpoint_factory, tmp_path):
     new = _moved(old, seed=4)
     a = write_incremental_snapshot(base, new, tmp_path / "a", compression_format="arc_v2")
     b = write_incremental_snapshot(base, new, tmp_path / "b", compression_format="zkd_sparse_v1")
+    c = write_incremental_snapshot(base, new, tmp_path / "c", compression_format="zkd_sparse_v2")
     size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
-    assert size(b) < 0.75 * size(a)
-    got = read_snapshot_tensors(apply_incremental_snapshot(base, b, tmp_path / "applied"))
-    assert all(torch.equal(got[k], new[k]) for k in new)
+    assert size(c) < size(b) < 0.75 * size(a)
+    for d in (b, c):
+        got = read_snapshot_tensors(apply_incremental_snapshot(base, d, tmp_path / f"applied_{d.name}"))
+        assert all(torch.equal(got[k], new[k]) for k in new)
+
+
+def test_sparse_v2_round_trips_every_word_pattern():
+    """Differences of either sign, wrapping ones (0x0001 -> 0xFFFF), sign flips, odd byte lengths (byte words),
+    empty and tiny tensors, dense and sparse payloads: decode(base, encode(base, new)) == new."""
+    import numpy as np
+
+    from deltasync.codecs import sparse_v2_decode, sparse_v2_encode
+
+    rng = np.random.default_rng(0)
+    cases = [(b"", b""), (b"\x01\x02\x03", b"\x01\x05\x03"), (bytes(4 << 20), bytes([255]) * (4 << 20))]
+    for size, every in ((1 << 20, 50), (1 << 20, 2), (3 << 19, 7)):
+        a = rng.integers(0, 1 << 16, size=size, dtype=np.uint16)
+        b = a.copy()
+        b[::every] += rng.integers(1, 1 << 16, size=b[::every].size, dtype=np.uint16)
+        cases.append((a.tobytes(), b.tobytes()))
+        cases.append((a.tobytes()[:-1], b.tobytes()[:-1]))  # odd length: byte words
+    for base, new in cases:
+        assert bytes(sparse_v2_decode(base, sparse_v2_encode(base, new))) == new
+    with pytest.raises(ValueError, match="bytes"):
+        sparse_v2_decode(cases[-2][0][:-2], sparse_v2_encode(cases[-2][0], cases[-2][1]))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_delta_applied_in_place_equals_the_new_weights(base_and_new, tmp_path, codec):
+    """Issue 17 point 1: ``apply_delta_in_place`` decodes against live tensors, one at a time; the stage pass
+    writes nothing, the commit pass leaves exactly the new bits (and names the tensors whose bits changed); the
+    digest of the delta's checksums is the full snapshot's weights digest."""
+    from deltasync import apply_delta_in_place, checksums_digest, weights_digest
+
+    base, new = base_and_new
+    delta = write_incremental_snapshot(base, new, tmp_path / "delta", compression_format=codec)
+    live = read_snapshot_tensors(base)
+    before = {k: v.clone() for k, v in live.items()}
+    staged = apply_delta_in_place(delta, live)
+    assert all(torch.equal(live[k], before[k]) for k in live) and staged["changed"] == []
+    done = apply_delta_in_place(delta, live, commit=True)
+    assert all(torch.equal(live[k], new[k]) for k in new)
+    assert set(done["changed"]) == {k for k in new if not torch.equal(new[k], before[k])}
+    full = write_full_snapshot(new, base, tmp_path / "full")
+    assert checksums_digest(done["checksums"]) == weights_digest(full)
+
+
+@pytest.mark.parametrize("fault", ["wrong_base", "flipped_byte", "missing_tensor", "non_finite"])
+def test_delta_in_place_refusal_leaves_the_live_tensors_bit_for_bit(base_and_new, tmp_path, fault):
+    """A refused stage pass writes nothing. Negative control (wrong base): the codec alone decodes the payload onto
+    the wrong base without complaint — only the per-tensor checksum refuses it. A NaN in the new weights is refused
+    as a full snapshot's would be, unless ``allow_non_finite``."""
+    from deltasync import apply_delta_in_place
+    from deltasync.codecs import arc_v2_decode
+    from deltasync.snapshot import _raw
+
+    base, new = base_and_new
+    if fault == "non_finite":
+        new = dict(new)
+        name = sorted(new)[-1]
+        new[name] = new[name].clone()
+        new[name].view(-1)[3] = float("nan")
+    delta = write_incremental_snapshot(base, new, tmp_path / "delta")
+    live = read_snapshot_tensors(base)
+    if fault == "non_finite":
+        assert apply_delta_in_place(delta, {k: v.clone() for k, v in live.items()}, allow_non_finite=True)
+    if fault == "wrong_base":
+        live = _moved(live, seed=9)
+        from safetensors import safe_open
+
+        with safe_open(str(delta / "model.safetensors"), framework="pt") as f:
+            name = f.keys()[0]
+            assert len(arc_v2_decode(_raw(live[name]), _raw(f.get_tensor(name)))) == live[name].nbytes  # no error
+    elif fault == "flipped_byte":
+        raw = bytearray((delta / "model.safetensors").read_bytes())
+        raw[-10] ^= 0xFF
+        (delta / "model.safetensors").write_bytes(bytes(raw))
+    else:
+        live.pop(next(iter(live)))
+    before = {k: v.clone() for k, v in live.items()}
+    with pytest.raises(DeltaError):
+        apply_delta_in_place(delta, live)
+    assert all(torch.equal(live[k], before[k]) for k in live)
 
 
 _BOMB_RSS = r"""
 import resource, sys, zstandard
-from deltasync.codecs import arc_v2_decode, sparse_decode
+from deltasync.codecs import arc_v2_decode, sparse_decode, sparse_v2_decode
 size = 1 << 30  # the frame declares (and really holds) 1 GiB of zeros: ~33 KB compressed
 co = zstandard.ZstdCompressor(level=1).compressobj(size=size)
 zeros = bytes(64 << 20)
@@ -207,6 +291,8 @@ try:
         raise SystemExit
     elif sys.argv[1] == "arc_v2":
         arc_v2_decode(base, payload)
+    elif sys.argv[1] == "zkd_sparse_v2":
+        sparse_v2_decode(base, b"\x00" + payload)
     else:
         sparse_decode(base, b"\x00" + payload)
     print("accepted")
@@ -232,7 +318,7 @@ def test_decompression_bomb_is_refused_within_bounded_memory():
 
     out = subprocess.run([sys.executable, "-c", _BOMB_RSS, "stock"], capture_output=True, text=True, timeout=100)
     assert out.stdout.split("\n")[0] == f"accepted {1 << 30}", out  # 1 GiB materialized despite a 4097-byte limit
-    for mode in ("arc_v2", "zkd_sparse_v1"):
+    for mode in ("arc_v2", "zkd_sparse_v1", "zkd_sparse_v2"):
         verdict, grown = run(mode)
         assert verdict.startswith("refused ValueError") and grown < 64, (mode, verdict, grown)
 

@@ -68,11 +68,27 @@ def test_exported_checkpoint_layout(trained):
     assert sum(k.endswith("weight_scale") for k in keys) == 14
 
 
-def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(trained, engine_slot):
+def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(trained, engine_slot, tmp_path):
+    """The step's weights reach the online-FP8 engine as a delta applied in place on its worker (issue 17 point 1:
+    the ledger row says ``in_place`` and re-quantized exactly the tensors whose bits changed); what it serves is the
+    QAT trainer's forward bit for bit, and not the stale weights'."""
+    from deltasync import HotLoadConfig, Signal, element_density, read_snapshot_tensors, write_incremental_snapshot
+    from vllm_plugin.hotload.offline import OfflineReplica
+
     trainer, ckpt, snap, exported = trained
     llm = engine_slot.get(("fp8-online", ckpt), lambda: start_llm(ckpt, dtype="bfloat16", fp8=True,
                                                                     max_num_batched_tokens=64))
-    reload_weights(llm, str(snap))  # online FP8: the engine re-quantizes what it reloads
+    reload_weights(llm, ckpt)  # whatever an earlier use of the shared engine left
+    old, new = read_snapshot_tensors(ckpt), read_snapshot_tensors(snap)
+    write_incremental_snapshot(ckpt, new, tmp_path / "snapshots" / "step1", compression_format="zkd_sparse_v2")
+    replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(tmp_path / "snapshots"),
+                                                state_dir=str(tmp_path / "state")), ckpt)
+    try:
+        row = replica.load(Signal("step1", previous_identity="initial", compression_format="zkd_sparse_v2"))
+    finally:
+        replica.close()
+    touched = sum(element_density({k: old[k]}, {k: new[k]})[0] > 0 for k in old)
+    assert row["applied"] == "in_place" and row["tensors_changed"] == touched and 0 < touched
     prompts = _prompts(24, seed=22)
     seqs, served = _sample(llm, prompts)
     plens = [len(p) for p in prompts]

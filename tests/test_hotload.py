@@ -40,11 +40,13 @@ class Server(HotLoadServer):
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
         super().__init__(ckpt, root, state, log, API_KEY)
 
-    def signal(self, identity: str, previous: str | None = None, headers: dict | None = None, **body):
+    def signal(self, identity: str, previous: str | None = None, headers: dict | None = None,
+               compression_format: str = "arc_v2", **body):
         body = {"identity": identity, **body}
         if previous is not None:
             body["incremental_snapshot_metadata"] = {"previous_snapshot_identity": previous,
-                                                     "compression_format": "arc_v2", "checksum_format": "alder32"}
+                                                     "compression_format": compression_format,
+                                                     "checksum_format": "alder32"}
         return requests.post(self.base + HL, json=body, headers={**AUTH, **(headers or {})}, timeout=300)
 
     def get(self, path: str, **kw):
@@ -597,6 +599,48 @@ def test_killed_during_the_weight_copy_restarts_into_a_consistent_state(env):
     _check_serving(server, expected, current)
     assert server.signal("k1", previous=current).status_code == 200  # not a replay: it never became ready
     _check_serving(server, _expected(root, full, "k1", expected), "k1")
+
+
+def test_deltas_apply_in_place_on_the_workers_and_replay_after_restart(env):
+    """Issue 17 point 1: an incremental snapshot is decoded by the engine's worker against its own parameters and
+    written into them (the ledger says ``applied: in_place``; no full snapshot is written anywhere; the weights
+    digest, computed from the delta's checksums, is the digest of the full snapshot the trainer would have
+    written); two deltas in a row (zkd_sparse_v2, then arc_v2) serve bitwise the trainer's logprobs. The replica
+    keeps its own copy of each delta, so after the trainer deleted them a restart rebuilds the weights from the
+    chain's full snapshot plus the deltas, bit for bit. Negative control: without the replica's copy of the first
+    delta the chain cannot be replayed — the restart falls back and the ledger says what was lost."""
+    from deltasync import weights_digest
+
+    server, ckpt, root, full = env
+    current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    head = _dir_of(current, ckpt, root, full)
+    write_incremental_snapshot(head, _perturb(read_snapshot_tensors(head), 900), root / "ip1",
+                               compression_format="zkd_sparse_v2")
+    r = server.signal("ip1", previous=current, compression_format="zkd_sparse_v2")
+    assert r.status_code == 200, r.text
+    ip1 = _expected(root, full, "ip1", head)
+    assert r.json()["applied"] == "in_place" and r.json()["weights_digest"] == weights_digest(ip1)
+    write_incremental_snapshot(ip1, _perturb(read_snapshot_tensors(ip1), 901), root / "ip2")
+    r = server.signal("ip2", previous="ip1")
+    assert r.status_code == 200 and r.json()["applied"] == "in_place", r.text
+    ip2 = _expected(root, full, "ip2", ip1)
+    assert r.json()["weights_digest"] == weights_digest(ip2)
+    assert not (server.state / "materialized" / "ip1").exists() and not (server.state / "materialized" / "ip2").exists()
+    _check_serving(server, ip2, "ip2")
+    server.stop()
+    shutil.rmtree(root / "ip1")
+    shutil.rmtree(root / "ip2")  # the trainer's retention removed the published deltas
+    server.start()
+    assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == "ip2"
+    _check_serving(server, ip2, "ip2")
+    server.stop()
+    shutil.rmtree(server.state / "fetched" / "ip1")
+    server.start()
+    now = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
+    assert now not in ("ip1", "ip2")
+    rows = server.get(HL + "/ledger").json()["rows"]
+    assert rows[-1]["kind"] == "restore" and "ip1" in rows[-1]["error"] and "gone" in rows[-1]["error"]
+    _check_serving(server, _dir_of(now, ckpt, root, full), now)
 
 
 LONG_PROMPT = [1] + list(range(3, 100)) * 2  # 195 tokens: whole KV blocks for the prefix cache to keep

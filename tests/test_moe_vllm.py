@@ -172,8 +172,9 @@ def test_routes_of_a_prefix_cache_hit(moe):
 
 
 def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
-    """Rollout at W0 → GRPO step replaying its routes (training forward == rollout logprobs) → W1 hot-reloaded into
-    the engine → rollout at W1 (routing of the same prompts flipped) → the trainer replaying the W1 routes equals the
+    """Rollout at W0 → GRPO step replaying its routes (training forward == rollout logprobs) → W1 hot-loaded into
+    the engine (a delta applied in place, per-expert tensors written into the stacked expert parameters) → rollout
+    at W1 (routing of the same prompts flipped) → the trainer replaying the W1 routes equals the
     W1 rollout bit for bit; replaying the stale W0 routes gives other logprobs (the replay is really used)."""
     from titan_plugin.rl import RLTrainer, rl_trainer_config
     from titan_plugin.routing import captured_routes
@@ -193,7 +194,20 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(step["train_logprobs"], q0))
         assert step["clipped"] == 0
 
-        reload_weights(llm, str(trainer.save_hf(tmp_path / "w1", DTYPE)))
+        # W1 reaches the engine as a delta applied in place on its worker: stacked expert rows included
+        from deltasync import HotLoadConfig, Signal, read_snapshot_tensors, write_incremental_snapshot
+        from vllm_plugin.hotload.offline import OfflineReplica
+
+        w1 = trainer.save_hf(tmp_path / "w1", DTYPE)
+        write_incremental_snapshot(ckpt, read_snapshot_tensors(w1), tmp_path / "snapshots" / "w1",
+                                   compression_format="zkd_sparse_v2")
+        replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(tmp_path / "snapshots"),
+                                                    state_dir=str(tmp_path / "state")), ckpt)
+        try:
+            row = replica.load(Signal("w1", previous_identity="initial", compression_format="zkd_sparse_v2"))
+        finally:
+            replica.close()
+        assert row["applied"] == "in_place" and row["tensors_changed"] > 0
         outs1 = _gen(llm, prompts, params)
         seqs1 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs1)]
         routes1 = [o.outputs[0].routed_experts for o in outs1]

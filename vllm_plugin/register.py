@@ -12,6 +12,7 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
 * the deterministic sampler (:mod:`vllm_plugin.sampler`) and the CPU side of vLLM's ``enable_return_routed_experts``
   (:mod:`vllm_plugin.routing`) are patched in, each inert unless the engine's zerokld config enables it;
 * engines with zerokld on use vLLM's V1 model runner, where those hooks live (:mod:`vllm_plugin.runner`);
+* their workers get the hot-load worker extension (:mod:`vllm_plugin.hotload.worker`: deltas applied in place);
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
   model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
   instead of silently serving stock numerics.
@@ -31,6 +32,7 @@ def register() -> None:
 
     from .attention_backend import BACKEND_NAME
     from .fp8 import register as register_fp8
+    from .hotload.worker import install as install_delta_worker
     from .routing import install as install_routing
     from .runner import install as install_runner
     from .sampler import install as install_sampler
@@ -43,6 +45,7 @@ def register() -> None:
     install_sampler()
     install_routing()
     install_runner()
+    install_delta_worker()
     _guard_initialize_model()
     _REGISTERED = True
 

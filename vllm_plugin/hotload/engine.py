@@ -9,12 +9,15 @@ before the name points to it. vLLM's ``load_inplace`` instead replaces an adapte
 
 Source: vLLM ``v1/engine/async_llm.py`` (``pause_generation(mode="keep"|"wait")``, ``resume_generation``,
 ``is_paused``, ``update_weight_version``, ``reset_prefix_cache(reset_running_requests=...)``,
-``collective_rpc("reload_weights")``: every worker, in place; ``add_lora``; ``output_processor.request_states``),
+``collective_rpc("reload_weights")``: every worker, in place; ``collective_rpc`` of the delta worker extension
+(:mod:`vllm_plugin.hotload.worker`); ``add_lora``; ``output_processor.request_states``),
 ``entrypoints/openai/models/serving.py`` (``load_lora_adapter``).
 """
 from __future__ import annotations
 
 from deltasync.protocol import HotLoadError, lora_version
+
+from .worker import METHOD, has_delta_worker, same_digest
 
 __all__ = ["ServerEngine", "versions_in_use"]
 
@@ -61,6 +64,21 @@ class ServerEngine:
     def adapter_versions_in_use(self, name: str) -> set[str]:
         states = self.client.output_processor.request_states.values()
         return versions_in_use((s.lora_name for s in states), name)
+
+    @property
+    def inplace_deltas(self) -> bool:
+        return has_delta_worker(self.client.vllm_config)
+
+    async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
+                          allow_non_finite: bool = False) -> dict:
+        """Raises :class:`deltasync.HotLoadError` 422: a worker refused the delta (stage pass: nothing written)."""
+        try:
+            results = await self.client.collective_rpc(METHOD, kwargs={
+                "path": path, "compression_format": compression_format, "commit": commit,
+                "allow_non_finite": allow_non_finite})
+        except Exception as e:  # noqa: BLE001 - the worker's DeltaError arrives re-raised by the engine client
+            raise HotLoadError(f"delta refused by the engine's workers: {e}", 422) from e
+        return same_digest(results)
 
     async def reload_weights(self, path: str) -> None:
         await self.client.collective_rpc("reload_weights", kwargs={"weights_path": path})

@@ -15,6 +15,8 @@ from pathlib import Path
 from deltasync import HotLoadConfig, HotLoadError, Replica, Signal
 from deltasync.protocol import lora_version
 
+from .worker import METHOD, has_delta_worker, same_digest
+
 __all__ = ["LORA_ID_BASE", "OfflineEngine", "OfflineReplica"]
 
 #: ``lora_int_id`` of the first adapter version this adapter loads (the ids an application picks itself for its own
@@ -23,8 +25,8 @@ LORA_ID_BASE = 1 << 30
 
 
 class OfflineEngine:
-    """Adapter of an offline ``vllm.LLM`` (``collective_rpc("reload_weights")``, ``reset_prefix_cache``,
-    ``add_lora``); :attr:`lora_requests` maps each hot-loaded adapter name to its serving version's ``LoRARequest``."""
+    """Adapter of an offline ``vllm.LLM`` (``collective_rpc("reload_weights")`` and the delta worker extension's,
+    ``reset_prefix_cache``, ``add_lora``); :attr:`lora_requests` maps each hot-loaded adapter name to its serving version's ``LoRARequest``."""
 
     def __init__(self, llm) -> None:
         from ..config import numerics_stamp
@@ -48,6 +50,20 @@ class OfflineEngine:
 
     def adapter_versions_in_use(self, name: str) -> set[str]:
         return set()  # nothing runs between two generate calls
+
+    @property
+    def inplace_deltas(self) -> bool:
+        return has_delta_worker(self.llm.llm_engine.vllm_config)
+
+    async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
+                          allow_non_finite: bool = False) -> dict:
+        try:
+            results = self.llm.collective_rpc(METHOD, kwargs={
+                "path": path, "compression_format": compression_format, "commit": commit,
+                "allow_non_finite": allow_non_finite})
+        except Exception as e:  # noqa: BLE001 - a worker's refusal
+            raise HotLoadError(f"delta refused by the engine's workers: {e}", 422) from e
+        return same_digest(results)
 
     async def reload_weights(self, path: str) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})

@@ -325,9 +325,7 @@ class ZeroKLDMixin:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if not self.batch_invariant:
             return super().load_weights(weights)
-        params = dict(self.named_parameters(remove_duplicate=False))
-        # vLLM's LoRA manager wraps each projection (vllm_plugin.lora): its weight lives at ``...base_layer.weight``
-        params.update({k.replace(".base_layer.", "."): v for k, v in list(params.items()) if ".base_layer." in k})
+        params = self._checkpoint_params()
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -337,12 +335,48 @@ class ZeroKLDMixin:
             self._load_tensor(params, name, tensor)
             loaded.add(name)
             copy_fault(len(loaded))  # inert unless a test armed it (vllm_plugin.faults)
-        if self.fp8.kind == "online":  # codes follow the weights, also on reload_weights (hot-load)
-            modules = dict(self.named_modules())
-            for name in loaded:
-                owner = modules.get(name.rsplit(".", 1)[0])
-                if isinstance(owner, _Proj):
-                    owner.quantize()
+        self.checkpoint_updated(loaded)  # codes follow the weights, also on reload_weights (hot-load)
         if self.model_cfg.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
+
+    def _checkpoint_params(self) -> dict[str, torch.Tensor]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        # vLLM's LoRA manager wraps each projection (vllm_plugin.lora): its weight lives at ``...base_layer.weight``
+        params.update({k.replace(".base_layer.", "."): v for k, v in list(params.items()) if ".base_layer." in k})
+        return params
+
+    def checkpoint_views(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The live tensors holding checkpoint tensors ``names`` bit for bit (what a hot-load delta is decoded
+        against and written into, :func:`deltasync.apply_delta_in_place`): each parameter (a projection wrapped by
+        vLLM's LoRA manager: its base layer's), an expert of a stacked MoE parameter (:class:`ZeroKLDMoEMixin`), and
+        for a tied ``lm_head.weight`` a copy of the embedding (the model ignores it, as when loading; a checkpoint
+        whose lm_head differs from the embedding is refused by its checksums). Shapes and dtypes are the
+        checkpoint's (FP8 checkpoints: codes and scales as serialized).
+
+        Raises:
+            KeyError: a name the model holds no bits of.
+            RuntimeError: stock numerics (``batch_invariant`` off: vLLM's model repacks checkpoint tensors)."""
+        if not self.batch_invariant:
+            raise RuntimeError("stock vLLM model: its parameters are not checkpoint tensors")
+        names = list(names)
+        params = self._checkpoint_params()
+        if self.model_cfg.tie_word_embeddings and "lm_head.weight" in names:  # a copy: written, then dropped
+            params["lm_head.weight"] = self.model.embed_tokens.weight.detach().clone()
+        return {name: self._checkpoint_view(params, name).data for name in names}
+
+    def _checkpoint_view(self, params: dict, name: str) -> torch.Tensor:
+        if name not in params:
+            raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
+        return params[name]
+
+    def checkpoint_updated(self, names: Iterable[str]) -> None:
+        """After checkpoint tensors ``names`` were written into the parameters (a load, or a delta applied in place):
+        online FP8 re-quantizes the projections they belong to, and only those."""
+        if self.fp8.kind != "online":
+            return
+        modules = dict(self.named_modules())
+        for name in names:
+            owner = modules.get(name.rsplit(".", 1)[0])
+            if isinstance(owner, _Proj):
+                owner.quantize()

@@ -156,6 +156,16 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
                              f"{tuple(stacked.shape[1:])}")
         stacked.weight_loader(stacked, tensor, e)
 
+    def _checkpoint_view(self, params: dict, name: str) -> torch.Tensor:
+        m = _EXPERT.match(name)
+        if m is None:
+            return super()._checkpoint_view(params, name)
+        stacked = params.get(f"{m.group(1)}.{_STACKED[m.group(3)]}")
+        e = int(m.group(2))
+        if stacked is None or e >= stacked.shape[0]:
+            raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
+        return stacked[e]
+
     def load_weights(self, weights):
         if not self.batch_invariant:
             return super().load_weights(weights)

@@ -1,0 +1,106 @@
+"""Hot-load deltas applied in place on every worker: vLLM's worker extension for ``collective_rpc``.
+
+A zerokld engine's workers get :class:`DeltaWorkerExtension` (vLLM's ``--worker-extension-cls``, the upstream way to
+add ``collective_rpc`` methods to workers: ``v1/worker/worker_base.py``). :func:`install` sets it on every engine
+config built with ``batch_invariant`` on and no extension of the user's own (``EngineArgs.create_engine_config``),
+so ``vllm serve`` and ``vllm.LLM`` need no extra flag; an engine started with another extension keeps it and its
+hot-loads decode deltas on the host instead (:meth:`deltasync.Replica.signal`).
+
+Each worker decodes the delta against its own parameters' bits (:meth:`ZeroKLDMixin.checkpoint_views`), one tensor
+at a time (:func:`deltasync.apply_delta_in_place`): the stage pass checks every tensor's Adler-32 and writes
+nothing, the commit pass writes the new bits into the parameters; online FP8 re-quantizes only the projections
+whose bits changed. Peak extra memory: one tensor and its payload.
+
+Source: vLLM ``v1/worker/worker_base.py`` (``worker_extension_cls``), ``config/parallel.py``
+(``ParallelConfig.worker_extension_cls``), ``engine/arg_utils.py`` (``EngineArgs.create_engine_config``).
+"""
+from __future__ import annotations
+
+__all__ = ["EXTENSION", "METHOD", "DeltaWorkerExtension", "has_delta_worker", "install", "same_digest"]
+
+#: the qualified name set as ``parallel_config.worker_extension_cls``
+EXTENSION = "vllm_plugin.hotload.worker.DeltaWorkerExtension"
+#: the ``collective_rpc`` method name
+METHOD = "zerokld_apply_delta"
+
+_INSTALLED = False
+
+
+class DeltaWorkerExtension:
+    """Mixed into vLLM's worker class (``self.model_runner`` is the worker's)."""
+
+    def zerokld_apply_delta(self, path: str, compression_format: str | None, commit: bool,
+                            allow_non_finite: bool = False) -> dict:
+        """Stage (``commit=False``) or commit one incremental snapshot at ``path`` on this worker's model
+        (``allow_non_finite``: accept NaN/inf weights, ``HotLoadConfig.allow_non_finite``).
+
+        Returns:
+            ``{"weights_digest": hex}`` (the digest of the weights the delta produces,
+            :func:`deltasync.checksums_digest`) and ``"changed"``: the number of tensors whose bits changed (commit).
+
+        Raises:
+            deltasync.DeltaError: refused (wrong base, corrupt payload, tensor set differs from the model's); in the
+                stage pass nothing was written.
+            RuntimeError: the model does not hold checkpoint bits (stock numerics).
+        """
+        from deltasync import DeltaError, apply_delta_in_place, checksums_digest, delta_checksums
+
+        from ..faults import copy_fault
+
+        model = self.model_runner.get_model()
+        names = delta_checksums(path)
+        try:
+            targets = model.checkpoint_views(names)
+        except KeyError as e:
+            raise DeltaError(f"delta tensors differ from the model's: {e.args[0]}") from e
+        out = apply_delta_in_place(path, targets, compression_format, commit=commit,
+                                   after_tensor=copy_fault if commit else None, allow_non_finite=allow_non_finite)
+        if commit:
+            model.checkpoint_updated(out["changed"])
+        return {"weights_digest": checksums_digest(out["checksums"]), "changed": len(out["changed"])}
+
+
+def has_delta_worker(vllm_config) -> bool:
+    """Whether the engine's workers carry :class:`DeltaWorkerExtension` (its deltas can be applied in place)."""
+    return vllm_config.parallel_config.worker_extension_cls == EXTENSION
+
+
+def same_digest(results: list[dict]) -> dict:
+    """One answer from every worker's (``collective_rpc``'s per-worker results): ``{"weights_digest",
+    "tensors_changed"}``.
+
+    Raises:
+        RuntimeError: the workers disagree on the digest (their weights differ) or none answered."""
+    digests = {r["weights_digest"] for r in results}
+    if len(digests) != 1:
+        raise RuntimeError(f"workers report {len(digests)} different weights digests")
+    return {"weights_digest": digests.pop(), "tensors_changed": max(r["changed"] for r in results)}
+
+
+def _configure(vllm_config) -> None:
+    from ..config import config_or_off
+
+    parallel = vllm_config.parallel_config
+    if config_or_off(vllm_config).batch_invariant and not parallel.worker_extension_cls:
+        parallel.worker_extension_cls = EXTENSION
+
+
+def install() -> None:
+    """Wrap ``EngineArgs.create_engine_config`` so zerokld engines get :class:`DeltaWorkerExtension` (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import functools
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        _configure(config)
+        return config
+
+    EngineArgs.create_engine_config = create_engine_config
+    _INSTALLED = True
