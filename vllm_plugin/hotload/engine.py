@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from deltasync.protocol import HotLoadError, lora_version
 
-from .worker import METHOD, has_delta_worker, same_digest
+from .worker import METHOD, has_delta_worker, same_digest, stage_in_background
 
 __all__ = ["ServerEngine", "versions_in_use"]
 
@@ -71,11 +71,17 @@ class ServerEngine:
 
     async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
                           allow_non_finite: bool = False) -> dict:
-        """Raises :class:`deltasync.HotLoadError` 422: a worker refused the delta (stage pass: nothing written)."""
+        """The stage pass runs on the workers' threads while the engine keeps serving
+        (:func:`vllm_plugin.hotload.worker.stage_in_background`); the commit pass is one ``collective_rpc``.
+
+        Raises :class:`deltasync.HotLoadError` 422: a worker refused the delta (stage pass: nothing written)."""
         try:
-            results = await self.client.collective_rpc(METHOD, kwargs={
-                "path": path, "compression_format": compression_format, "commit": commit,
-                "allow_non_finite": allow_non_finite})
+            if commit:
+                results = await self.client.collective_rpc(METHOD, kwargs={
+                    "path": path, "compression_format": compression_format, "commit": True})
+            else:  # serving goes on while the workers decode and check
+                results = await stage_in_background(self.client.collective_rpc, path, compression_format,
+                                                    allow_non_finite)
         except Exception as e:  # noqa: BLE001 - the worker's DeltaError arrives re-raised by the engine client
             raise HotLoadError(f"delta refused by the engine's workers: {e}", 422) from e
         return same_digest(results)

@@ -8,7 +8,8 @@ hot-loads decode deltas on the host instead (:meth:`deltasync.Replica.signal`).
 
 Each worker decodes the delta against its own parameters' bits (:meth:`ZeroKLDMixin.checkpoint_views`), one tensor
 at a time (:func:`deltasync.apply_delta_in_place`): the stage pass checks every tensor's Adler-32 and writes
-nothing, the commit pass writes the new bits into the parameters; online FP8 re-quantizes only the projections
+nothing — on the server it runs on a worker thread while the engine keeps stepping (:func:`stage_in_background`) —
+the commit pass (engine paused) writes the new bits into the parameters; online FP8 re-quantizes only the projections
 whose bits changed. Peak extra memory: one tensor and its payload.
 
 Source: vLLM ``v1/worker/worker_base.py`` (``worker_extension_cls``), ``config/parallel.py``
@@ -16,7 +17,8 @@ Source: vLLM ``v1/worker/worker_base.py`` (``worker_extension_cls``), ``config/p
 """
 from __future__ import annotations
 
-__all__ = ["EXTENSION", "METHOD", "DeltaWorkerExtension", "has_delta_worker", "install", "same_digest"]
+__all__ = ["EXTENSION", "METHOD", "DeltaWorkerExtension", "has_delta_worker", "install", "same_digest",
+           "stage_in_background"]
 
 #: the qualified name set as ``parallel_config.worker_extension_cls``
 EXTENSION = "vllm_plugin.hotload.worker.DeltaWorkerExtension"
@@ -28,6 +30,33 @@ _INSTALLED = False
 
 class DeltaWorkerExtension:
     """Mixed into vLLM's worker class (``self.model_runner`` is the worker's)."""
+
+    def zerokld_start_stage(self, path: str, compression_format: str | None, allow_non_finite: bool = False) -> None:
+        """Start the stage pass of :meth:`zerokld_apply_delta` on a thread of this worker and return at once: the
+        engine keeps stepping while the delta is decoded and checked (the pass only reads the parameters; numpy,
+        zstd and zlib release the GIL). :meth:`zerokld_stage_result` collects it. A stage already running is
+        waited for first (one at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if getattr(self, "_zerokld_stage", None) is None:
+            self._zerokld_stage_pool = ThreadPoolExecutor(1, thread_name_prefix="zerokld-stage")
+        else:
+            self._zerokld_stage[1].exception()  # wait; its outcome was never collected
+        self._zerokld_stage = (path, self._zerokld_stage_pool.submit(
+            self.zerokld_apply_delta, path, compression_format, False, allow_non_finite))
+
+    def zerokld_stage_result(self, path: str) -> dict | None:
+        """``None`` while the stage pass of ``path`` runs, then its :meth:`zerokld_apply_delta` result (once).
+
+        Raises:
+            deltasync.DeltaError: the stage refused the delta. RuntimeError: no stage of ``path`` was started."""
+        stage = getattr(self, "_zerokld_stage", None)
+        if stage is None or stage[0] != path:
+            raise RuntimeError(f"no stage pass of {path!r} was started on this worker")
+        if not stage[1].done():
+            return None
+        self._zerokld_stage = (None, stage[1])
+        return stage[1].result()
 
     def zerokld_apply_delta(self, path: str, compression_format: str | None, commit: bool,
                             allow_non_finite: bool = False) -> dict:
@@ -58,6 +87,22 @@ class DeltaWorkerExtension:
         if commit:
             model.checkpoint_updated(out["changed"])
         return {"weights_digest": checksums_digest(out["checksums"]), "changed": len(out["changed"])}
+
+
+async def stage_in_background(collective_rpc, path: str, compression_format: str | None,
+                              allow_non_finite: bool, poll_s: float = 0.05) -> list[dict]:
+    """The stage pass on every worker while the engine keeps serving: ``zerokld_start_stage``, then
+    ``zerokld_stage_result`` every ``poll_s`` seconds until each worker answered (``collective_rpc``: the engine
+    client's, awaitable). Returns the per-worker results; raises what a worker raised."""
+    import asyncio
+
+    await collective_rpc("zerokld_start_stage", kwargs={"path": path, "compression_format": compression_format,
+                                                         "allow_non_finite": allow_non_finite})
+    while True:
+        results = await collective_rpc("zerokld_stage_result", kwargs={"path": path})
+        if all(r is not None for r in results):
+            return results
+        await asyncio.sleep(poll_s)
 
 
 def has_delta_worker(vllm_config) -> bool:
