@@ -61,9 +61,13 @@ class NumericsMode:
         dtype: activation/parameter dtype of the forward: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         fp8: FP8 granularity of the decoder projections (``"per_channel"``, ``"block"``) or ``None``.
         contract: :data:`CONTRACT` of the process that built the mode.
+        tp_k_block: ``None``: row-parallel projections are one fused GEMM (TP 1 only). An int: ``o_proj`` /
+            ``down_proj`` sum over ``K`` in fixed blocks of this many columns with the TP-aligned tree of
+            :mod:`shared_numerics.tensor_parallel`, the same bits at TP 1, 2, 4, ... (it changes the TP 1 bits too,
+            so both sides must name the same value).
 
     Raises (constructor):
-        ValueError: unknown dtype or FP8 granularity.
+        ValueError: unknown dtype or FP8 granularity; ``tp_k_block`` not a positive int.
     """
 
     batch_invariant: bool
@@ -71,20 +75,23 @@ class NumericsMode:
     dtype: str
     fp8: str | None = None
     contract: str = CONTRACT
+    tp_k_block: int | None = None
 
     def __post_init__(self) -> None:
+        if self.tp_k_block is not None and (not isinstance(self.tp_k_block, int) or self.tp_k_block <= 0):
+            raise ValueError(f"NumericsMode tp_k_block {self.tp_k_block!r} is not a positive int")
         if self.dtype not in DTYPES:
             raise ValueError(f"NumericsMode dtype {self.dtype!r} not in {DTYPES}")
         if self.fp8 is not None and self.fp8 not in FP8_GRANULARITIES:
             raise ValueError(f"NumericsMode fp8 {self.fp8!r} not in {FP8_GRANULARITIES}")
 
     @classmethod
-    def build(cls, batch_invariant: bool, dtype: str, fp8: str | None = None, device_type: str = "cpu"
-              ) -> "NumericsMode":
+    def build(cls, batch_invariant: bool, dtype: str, fp8: str | None = None, device_type: str = "cpu",
+              tp_k_block: int | None = None) -> "NumericsMode":
         """The mode of a process running on ``device_type`` (backend from :func:`backend_for_device`)."""
         return cls(bool(batch_invariant), backend_for_device(device_type) if batch_invariant else None,
                    str(dtype).removeprefix("torch."), fp8 if batch_invariant else None,
-                   CONTRACT if batch_invariant else "")
+                   CONTRACT if batch_invariant else "", tp_k_block if batch_invariant else None)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the one stamped into snapshot specs and rollout responses)."""
@@ -94,7 +101,8 @@ class NumericsMode:
     def from_dict(cls, d: dict[str, Any]) -> "NumericsMode":
         """Inverse of :meth:`to_dict`. Raises ValueError on a malformed dict."""
         try:
-            return cls(bool(d["batch_invariant"]), d.get("backend"), d["dtype"], d.get("fp8"), d.get("contract", ""))
+            return cls(bool(d["batch_invariant"]), d.get("backend"), d["dtype"], d.get("fp8"), d.get("contract", ""),
+                       d.get("tp_k_block"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed numerics mode {d!r}: {e}") from e
 
@@ -102,7 +110,7 @@ class NumericsMode:
         if not self.batch_invariant:
             return f"stock {self.dtype} (batch_invariant off)"
         return (f"batch_invariant backend={self.backend} dtype={self.dtype} fp8={self.fp8 or 'off'} "
-                f"contract={self.contract}")
+                f"contract={self.contract}" + (f" tp_k_block={self.tp_k_block}" if self.tp_k_block else ""))
 
     def matches(self, other: "NumericsMode") -> bool:
         """Whether the two sides compute the same bits: both on and every field equal."""

@@ -18,6 +18,9 @@ if not CUDA_RUN:
 # Per-engine start budget: an offline engine (vllm.LLM) whose core is not ready within it raises vLLM's own timeout
 # error instead of hanging until the test's timeout; servers use zerokld_testing.servers.START_BUDGET_S (the same).
 os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "240")
+# KV cache of every engine and server the tests start (zerokld_testing.engines.KV_CACHE_ENV): the tiny models need a
+# few MiB; sizing it from gpu_memory_utilization would allocate ~7 GiB per engine, ~10 s of each start.
+os.environ.setdefault("ZEROKLD_KV_CACHE_BYTES", str(512 << 20))
 
 NO_CUDA_REASON = "no CUDA device, or not a ZEROKLD_CUDA_TESTS=1 run: the GPU parity matrix runs on GPU machines only"
 # The only skips a run may have; any other skip fails the session (no silent skips).

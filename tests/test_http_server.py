@@ -10,7 +10,7 @@ import requests
 import torch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.servers import OpenAIServer
+from zerokld_testing.servers import OpenAIServer, kv_cache_args
 
 pytestmark = pytest.mark.vllm
 
@@ -20,7 +20,8 @@ def _serve(engine_slot, ckpt: str, dtype: str, log_dir, extra_args: tuple = ()):
     engine_slot.close()  # one engine at a time on this machine
     server = OpenAIServer(["--model", ckpt, "--dtype", dtype, "--gpu-memory-utilization", "0.3",
                            "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
-                           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}}), *extra_args],
+                           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}}), *kv_cache_args(),
+                           *extra_args],
                           log_dir / "server.log")
     server.start()
     try:

@@ -4,6 +4,8 @@
   found; on a CPU-only torch build we point it (and the modules that imported the names) at ``"cpu"``/``torch.cpu``.
 * ``torch.distributed.set_timeout`` (called by ``torchtitan.distributed.utils.set_pg_timeouts``) does not exist in
   torch 2.13: a no-op stands in.
+* FSDP2 divides gradients with ``ReduceOp.PREMUL_SUM`` when TorchTitan sets a divide factor; gloo has no such op, so
+  on CPU FSDP is told to reduce with plain sums and divide after (its own ``force_sum_reduction_for_comms`` path).
 * Single-process runs need the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``) for the gloo
   process group TorchTitan creates; :func:`ensure_single_process_env` fills it in (loopback, a free port).
 
@@ -97,6 +99,8 @@ def apply() -> None:
     if not torch.cuda.is_available():
         import torchtitan.tools.utils as tu
 
+        _force_sum_reduction_on_cpu()
+
         tu.device_type = "cpu"
         tu.device_module = CPU_DEVICE_MODULE
         tu.get_local_device = lambda: torch.device("cpu")
@@ -109,6 +113,28 @@ def apply() -> None:
                 if hasattr(mod, attr):
                     setattr(mod, attr, value)
     _APPLIED = True
+
+
+def _force_sum_reduction_on_cpu() -> None:
+    import functools
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
+    original = fc._get_gradient_divide_factors
+    if getattr(original, "_zerokld", False):
+        return
+
+    @functools.wraps(original)
+    def factors(*args, **kwargs):
+        out = original(*args, **kwargs)
+        device_type = kwargs.get("device_type", args[3] if len(args) > 3 else "")
+        if device_type == "cpu" and not isinstance(out[2], torch.distributed.ReduceOp.RedOpType):  # PREMUL_SUM
+            kwargs["force_sum_reduction_for_comms"] = True
+            out = original(*args[:5], **kwargs)
+        return out
+
+    factors._zerokld = True  # type: ignore[attr-defined]
+    fc._get_gradient_divide_factors = factors
 
 
 def ensure_single_process_env() -> None:

@@ -49,6 +49,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
                 for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
     with replay_routes(model, routes):
         logits = model(tokens)
+    if hasattr(logits, "full_tensor"):  # tensor parallelism: the lm_head's gathered (replicated) DTensor
+        logits = logits.full_tensor()
     out = []
     for i, (s, p) in enumerate(zip(token_ids, prompt_lengths)):
         targets = tokens[i, p: len(s)]
@@ -59,7 +61,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
 @torch.no_grad()
 def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
                      dtype: str = "bfloat16", fused: bool = False, fp8: bool | str = False,
-                     routed_experts=None, batch_invariant: bool = True) -> list[torch.Tensor]:
+                     routed_experts=None, batch_invariant: bool = True, tp_k_block: int | None = None
+                     ) -> list[torch.Tensor]:
     """Load an HF checkpoint into TorchTitan's model with zerokld numerics (``batch_invariant=False``: TorchTitan's
     stock components, :func:`titan_plugin.models.build_titan_model`) and score completions.
 
@@ -74,6 +77,8 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         routed_experts: MoE checkpoints: the rollout's expert ids per sequence, replayed (see
             :func:`sequence_logprobs`).
         batch_invariant: the zerokld numerics (default); ``False`` is the stock trainer (no ``fp8``, no ``fused``).
+        tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``, any
+            ``--tensor-parallel-size``), or ``None``.
 
     Returns:
         Per sequence, float32 ``[len(seq) - prompt_len]`` log-probs, bitwise equal to the logprobs vLLM returns with
@@ -83,6 +88,7 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         ValueError: ``fp8`` without ``batch_invariant`` (:func:`titan_plugin.models.titan_model_config`).
     """
     granularity = ("per_channel" if fp8 is True else fp8) or None
-    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=granularity)
+    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=granularity,
+                                    tp_k_block=tp_k_block)
     model.eval()
     return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

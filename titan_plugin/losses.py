@@ -77,6 +77,8 @@ class RLLoss(BaseLoss):
         if self._adv is None:
             raise RuntimeError("RLLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
         mask = labels != IGNORE_INDEX
+        if hasattr(pred, "full_tensor"):  # tensor parallelism: the vocab-parallel logits, gathered (differentiable)
+            pred = pred.full_tensor()
         if self.config.fused:
             if self.lm_head is None:
                 raise RuntimeError("fused RLLoss needs set_lm_head(model.lm_head) and a model run with _skip_lm_head")

@@ -19,7 +19,7 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from zerokld_models import ModelConfig, adapter_for, check_supported, read_model_config
 from zerokld_models.checkpoint import read_tensors
 
-from .overrides import apply_zerokld_overrides
+from .overrides import apply_zerokld_overrides, set_tp_k_block
 
 __all__ = ["build_titan_model", "complex_rope", "cos_sin_rope", "decoder_config", "hf_state_dict",
            "load_hf_weights", "state_dict_adapter_class", "titan_model_config"]
@@ -102,7 +102,8 @@ def decoder_config(cfg: ModelConfig, model_cls, block_cls, rope, qk_norm: bool, 
     )
 
 
-def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str | None = None):
+def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str | None = None,
+                       tp_k_block: int | None = None):
     """TorchTitan model config for a checkpoint's :class:`zerokld_models.ModelConfig`, built by its architecture
     folder (``zerokld_models/<arch>/titan.py``).
 
@@ -111,6 +112,9 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
         batch_invariant: apply the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, with
             TorchTitan's SDPA inner attention where its default is flex attention, which has no CPU path).
         fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``; needs ``batch_invariant``.
+        tp_k_block: the fixed K-block of the TP-size-invariant row-parallel sum
+            (:attr:`shared_numerics.NumericsMode.tp_k_block`; :func:`titan_plugin.overrides.set_tp_k_block`) or
+            ``None``; needs ``batch_invariant``.
 
     Raises:
         zerokld_plugins.UnknownNameError: no architecture folder registers ``cfg.architecture``.
@@ -124,11 +128,15 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
         raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized ({cfg.quant_method})")
     if fp8 is not None and not batch_invariant:
         raise ValueError("FP8 QAT needs the zerokld numerics (batch_invariant=True)")
+    if tp_k_block is not None and not batch_invariant:
+        raise ValueError("tp_k_block needs the zerokld numerics (batch_invariant=True)")
     adapter = adapter_for(cfg)
     check_supported(cfg, adapter)
     model_cfg = resolve(adapter.titan_config)(cfg)
     if batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=fp8)
+        if tp_k_block is not None:
+            set_tp_k_block(model_cfg, tp_k_block)
     else:  # TorchTitan's default inner attention is flex attention, which has no CPU path: its SDPA config instead
         from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
@@ -183,11 +191,11 @@ def hf_state_dict(model: torch.nn.Module, model_cfg, cfg: ModelConfig) -> dict[s
 
 
 def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_invariant: bool = True,
-                      fp8: str | None = None):
+                      fp8: str | None = None, tp_k_block: int | None = None):
     """Build TorchTitan's model for an HF checkpoint directory and load its weights.
 
     Args:
-        fp8: FP8 QAT granularity or ``None`` (see :func:`titan_model_config`).
+        fp8, tp_k_block: see :func:`titan_model_config`.
 
     Parameters are cast to ``dtype``; buffers (RoPE caches, MoE token counters) keep the dtype TorchTitan builds them
     in, as in TorchTitan's trainer, where FSDP's ``MixedPrecisionPolicy(param_dtype=...)`` casts parameters only.
@@ -199,7 +207,7 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
         checkpoint's :class:`zerokld_models.ModelConfig`.
     """
     cfg = read_model_config(checkpoint_dir)
-    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8)
+    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block)
     with torch.device("cpu"):
         model = model_cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))

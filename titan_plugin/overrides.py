@@ -16,6 +16,10 @@ TorchTitan component   zerokld replacement
                        the RoPE config's ``scaling="llama"`` factors)
 ``ComplexRoPE``        same, after undoing the adapter's interleave permutation of q/k (llama3), so the
                        q·k dot products run over the HF dimension order exactly as vLLM's do
+``wo`` / ``w2``         with ``tp_k_block`` (:func:`set_tp_k_block`): :class:`ZeroKLDRowParallelLinear`, the
+                       TP-size-invariant row-parallel sum (:mod:`shared_numerics.tensor_parallel`); under
+                       TorchTitan's tensor parallelism every zerokld linear, norm and RoPE runs on its local shard
+                       (:mod:`titan_plugin.tensor_parallel`)
 ``Linear`` (FP8 QAT)   :func:`shared_numerics.fp8_linear_qat` (optional third pass, ``fp8=...``): every decoder
                        projection, not the lm_head
 ``FlexAttention`` /    :func:`shared_numerics.dense_causal_attention` (fixed 32-key chunks, same arithmetic as
@@ -47,9 +51,10 @@ from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
 import shared_numerics.moe as sn_moe
+import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.rope import RopeScaling
 
-__all__ = ["OVERRIDE_IMPORTS", "apply_zerokld_overrides"]
+__all__ = ["OVERRIDE_IMPORTS", "ZeroKLDRowParallelLinear", "apply_zerokld_overrides", "set_tp_k_block"]
 
 
 class ZeroKLDLinear(Linear):
@@ -58,7 +63,38 @@ class ZeroKLDLinear(Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(self.weight):  # TorchTitan tensor parallelism: compute on the local shard
+            from .tensor_parallel import column_parallel_dtensor
+
+            return column_parallel_dtensor(x, self.weight, self.bias)
         return sn.linear(x, self.weight, self.bias)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _per_row(fn, x, *params):
+    """``fn(x, *params)`` for an op that works on each row of the last dimension alone (norms, RoPE): under tensor
+    parallelism ``x`` is a DTensor sharded on another dimension (heads, sequence) or replicated, so the op runs on
+    the local shard (replicated parameters' local tensors) and the result keeps ``x``'s placements."""
+    if not _is_dtensor(x):
+        return fn(x, *params)
+    from torch.distributed.tensor import DTensor
+
+    if any(p.is_shard() and p.dim % x.ndim == x.ndim - 1 for p in x.placements):
+        raise NotImplementedError(f"zerokld: a per-row op on a DTensor sharded along its last dimension "
+                                  f"({x.placements})")
+    from torch.distributed.tensor import Partial, Replicate
+
+    # a replicated parameter's local gradient sums over this rank's rows only: Partial when x is sharded
+    sharded = any(p.is_shard() for p in x.placements)
+    grad = [Partial() if sharded else Replicate()]
+    local = [q.to_local(grad_placements=grad) if _is_dtensor(q) else q for q in params]
+    out = fn(x.to_local(), *local)  # global shape and stride are x's (uneven sequence shards included)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 class ZeroKLDFp8Linear(ZeroKLDLinear):
@@ -79,6 +115,37 @@ class ZeroKLDFp8Linear(ZeroKLDLinear):
         return sn.fp8_linear_qat(x, self.weight, self.granularity)
 
 
+class ZeroKLDRowParallelLinear(ZeroKLDLinear):
+    """A row-parallel projection (attention ``wo``, feed-forward ``w2``) whose sum over ``K`` runs in fixed
+    ``k_block`` blocks with the TP-aligned tree (:func:`shared_numerics.tensor_parallel.row_parallel_linear`): the
+    same bits at every TP size, and as vLLM's ``o_proj`` / ``down_proj`` with the same ``tp_k_block``.
+
+    Under TorchTitan's tensor parallelism the weight is a DTensor ``Shard(1)`` on the TP mesh: the forward runs on
+    the local shards, all-gathers the float32 subtree roots over the mesh's group and returns the reduced output
+    as a ``Replicate`` DTensor (no all-reduce)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ZeroKLDLinear.Config):
+        k_block: int = 0
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.k_block = config.k_block
+
+    def parallelize(self, parallel_dims) -> None:
+        from .tensor_parallel import replicate_output_sharding
+
+        self._sharding_config = replicate_output_sharding(self._sharding_config)  # no Partial: no all-reduce
+        super().parallelize(parallel_dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _is_dtensor(self.weight):
+            return sn_tp.row_parallel_linear(x, self.weight, self.bias, k_block=self.k_block)
+        from .tensor_parallel import row_parallel_dtensor
+
+        return row_parallel_dtensor(x, self.weight, self.bias, self.k_block)
+
+
 class ZeroKLDLMHead(ZeroKLDLinear):
     """lm_head that can also return the fused selected-token log-probs (``forward(h, targets=t)``), so RL losses run
     through the module (and FSDP's unshard / gradient hooks) without ever materialising ``[tokens, vocab]`` logits."""
@@ -93,7 +160,9 @@ class ZeroKLDLMHead(ZeroKLDLinear):
 
     def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
-            return sn.linear(x, self.weight, self.bias)
+            return super().forward(x)
+        if _is_dtensor(self.weight):
+            raise NotImplementedError("fused log-probs under tensor parallelism (use fused=False)")
         if self.bias is not None:
             raise NotImplementedError("fused log-probs need a bias-free lm_head")
         return sn.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk)
@@ -106,7 +175,7 @@ class ZeroKLDRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return sn.rms_norm(x, self.weight, eps)
+        return _per_row(lambda t, w: sn.rms_norm(t, w, eps), x, self.weight)
 
 
 class ZeroKLDFeedForward(FeedForward):
@@ -138,7 +207,12 @@ def _rope_forward(cfg, query, key, positions, interleaved: bool):
         flat = x.reshape(b * seqlen, x.shape[2], d)
         return sn.apply_rope(flat, cos, sin).reshape(x.shape)
 
-    return rot(query), rot(key)
+    if _is_dtensor(query):  # tensor parallelism: heads sharded, positions whole; the rotation is per head
+        from torch.distributed.tensor import Shard
+
+        if any(p.is_shard() and p != Shard(2) for p in (*query.placements, *key.placements)):
+            raise NotImplementedError(f"zerokld RoPE: q/k placements {query.placements} (heads Shard(2) only)")
+    return _per_row(rot, query), _per_row(rot, key)
 
 
 class ZeroKLDCosSinRoPE(CosSinRoPE):
@@ -282,6 +356,23 @@ OVERRIDE_PASSES = [
 OVERRIDE_IMPORTS = [name for names in OVERRIDE_PASSES for name in names]
 # FP8 QAT: a third pass turns every decoder linear (exactly ZeroKLDLinear: not the lm_head) into ZeroKLDFp8Linear.
 FP8_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_linear", "block": f"{__name__}.zerokld_fp8_block_linear"}
+
+
+def set_tp_k_block(model_cfg, k_block: int) -> None:
+    """Make every decoder layer's row-parallel projections (``attention.wo``, ``feed_forward.w2``)
+    :class:`ZeroKLDRowParallelLinear` with ``k_block`` (:attr:`shared_numerics.NumericsMode.tp_k_block`).
+
+    Raises:
+        ValueError: an MoE layer (the experts' row-parallel sum is not implemented), or FP8 projections."""
+    for i, layer in enumerate(model_cfg.layers):
+        if getattr(layer, "moe", None) is not None:
+            raise ValueError("tp_k_block on an MoE model: the experts' row-parallel sum is not implemented")
+        for owner, name in ((layer.attention, "wo"), (layer.feed_forward, "w2")):
+            cfg = getattr(owner, name)
+            if type(cfg) is not ZeroKLDLinear.Config:
+                raise ValueError(f"tp_k_block: layer {i} {name} is {type(cfg).__qualname__} (FP8 or LoRA), not the "
+                                 "zerokld linear")
+            setattr(owner, name, derive(cfg, ZeroKLDRowParallelLinear.Config, k_block=int(k_block)))
 
 
 def apply_zerokld_overrides(config_root, fp8: str | None = None) -> list[str]:

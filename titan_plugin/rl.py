@@ -80,10 +80,13 @@ class ZeroKLDSection:
     Attributes:
         batch_invariant: the zerokld model overrides (``shared_numerics`` ops) instead of TorchTitan's stock ones.
         fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``.
+        tp_k_block: the fixed K-block of the TP-size-invariant row-parallel sum
+            (:attr:`shared_numerics.NumericsMode.tp_k_block`) or ``None``.
     """
 
     batch_invariant: bool = True
     fp8: str | None = None
+    tp_k_block: int | None = None
 
 
 def numerics_mode(config) -> NumericsMode:
@@ -92,13 +95,14 @@ def numerics_mode(config) -> NumericsMode:
     from torchtitan.tools.utils import device_type
 
     return NumericsMode.build(config.zerokld.batch_invariant, config.training.mixed_precision_param,
-                              config.zerokld.fp8, device_type=device_type)
+                              config.zerokld.fp8, device_type=device_type, tp_k_block=config.zerokld.tp_k_block)
 
 
-def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None, lora=None) -> ModelSpec:
+def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None, lora=None,
+                tp_k_block: int | None = None) -> ModelSpec:
     from zerokld_plugins import resolve
 
-    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8)
+    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block)
     parallelize = resolve(adapter_for(cfg).titan_parallelize)
     if lora is not None:
         model_cfg, parallelize = _apply_lora(model_cfg, lora, batch_invariant), keep_requires_grad(parallelize)
@@ -128,7 +132,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
                       steps: int = 1000, batch_invariant: bool = True, loss_fn: str = "ppo",
                       loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
                       fp8: str | None = None, corrections: dict | None = None,
-                      lora: "ZeroKLDLoRAConverter.Config | None" = None) -> "RLTrainer.Config":
+                      lora: "ZeroKLDLoRAConverter.Config | None" = None, tp_k_block: int | None = None,
+                      tensor_parallel_degree: int = 1) -> "RLTrainer.Config":
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -153,6 +158,9 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         lora: LoRA training (:func:`titan_plugin.lora.lora_converter_config`): frozen base, adapters on the
             targets, optimizer state for the adapters only; ``None``: full-parameter training. With
             ``batch_invariant=False``, TorchTitan's own ``LoRAConverter`` (stock ``F.linear`` adapters).
+        tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``), or ``None``.
+        tensor_parallel_degree: TorchTitan's ``parallelism.tensor_parallel_degree`` (run under ``torchrun`` with as
+            many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics) and ``fused=False``.
 
     Raises:
         ValueError: ``fused`` or ``fp8`` without ``batch_invariant``; ``lora`` with ``fp8``.
@@ -162,12 +170,14 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
     if lora is not None and fp8 is not None:
         raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
+    if tensor_parallel_degree > 1 and batch_invariant and (tp_k_block is None or fused):
+        raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block (and fused=False)")
     cfg = read_model_config(checkpoint_dir)
-    spec = _model_spec(cfg, batch_invariant, fp8, lora)
+    spec = _model_spec(cfg, batch_invariant, fp8, lora, tp_k_block)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
         model_spec=spec,
-        zerokld=ZeroKLDSection(batch_invariant=batch_invariant, fp8=fp8),
+        zerokld=ZeroKLDSection(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
         loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused,
@@ -178,7 +188,10 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
         training=TrainingConfig(local_batch_size=1, seq_len=cfg.max_position_embeddings, steps=steps,
                                 max_norm=max_norm, dtype="float32", mixed_precision_param=dtype),
-        parallelism=ParallelismConfig(),
+        # TP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor on the
+        # full mesh before FSDP, which its CPU path does not provide); TP 1 keeps TorchTitan's default
+        parallelism=ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree,
+                                      **({"spmd_backend": "partial_dtensor"} if tensor_parallel_degree > 1 else {})),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
                                             initial_load_in_hf=True, initial_load_model_only=True, interval=10**9,
                                             last_save_model_only=False),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, model_validator
 
 from deltasync.protocol import HotLoadConfig
 
@@ -34,6 +34,10 @@ class ZeroKLDConfig(BaseModel):
         deterministic_sampler: with ``batch_invariant``, sample with :mod:`shared_numerics.sampling` (noise a pure
             function of seed, output position and vocabulary index; :mod:`vllm_plugin.sampler`). Requests without a
             ``seed`` get one drawn, returned as ``CompletionOutput.zerokld_seed``. Default on.
+        tp_k_block: ``o_proj`` / ``down_proj`` sum over fixed ``K`` blocks of this width in the TP-aligned tree
+            (:mod:`shared_numerics.tensor_parallel`; :attr:`shared_numerics.NumericsMode.tp_k_block`): the same bits
+            at every ``--tensor-parallel-size`` (a power of two), and the trainer at any TP size with the same value.
+            Required for ``--tensor-parallel-size`` > 1; needs ``batch_invariant``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -43,6 +47,7 @@ class ZeroKLDConfig(BaseModel):
     fp8_granularity: Literal["per_channel", "block"] | None = None
     hot_load: HotLoadConfig | None = None
     deterministic_sampler: bool = True
+    tp_k_block: PositiveInt | None = None
 
     @property
     def sampler_enabled(self) -> bool:
@@ -52,6 +57,8 @@ class ZeroKLDConfig(BaseModel):
     def _fp8_needs_batch_invariant(self) -> "ZeroKLDConfig":
         if (self.fp8 or self.fp8_granularity) and not self.batch_invariant:
             raise ValueError("fp8 needs batch_invariant: true (the FP8 math is the shared_numerics one)")
+        if self.tp_k_block is not None and not self.batch_invariant:
+            raise ValueError("tp_k_block needs batch_invariant: true")
         return self
 
 
@@ -99,7 +106,8 @@ def numerics_mode(vllm_config: Any):
     elif cfg.fp8:
         fp8 = cfg.fp8_granularity or "per_channel"
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu"
-    return NumericsMode.build(cfg.batch_invariant, str(model_config.dtype), fp8, device_type=str(device))
+    return NumericsMode.build(cfg.batch_invariant, str(model_config.dtype), fp8, device_type=str(device),
+                              tp_k_block=cfg.tp_k_block)
 
 
 def numerics_stamp(vllm_config: Any) -> dict | None:

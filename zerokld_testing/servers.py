@@ -19,7 +19,9 @@ from pathlib import Path
 
 import requests
 
-__all__ = ["HotLoadServer", "OpenAIServer", "START_BUDGET_S", "free_port"]
+from .engines import kv_cache_bytes
+
+__all__ = ["HotLoadServer", "OpenAIServer", "START_BUDGET_S", "free_port", "kv_cache_args"]
 
 START_BUDGET_S = 240.0  # servers start in 25-65 s on 2 cores; a loaded machine gets 4x
 
@@ -129,6 +131,12 @@ class HotLoadServer(OpenAIServer):
                      "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
                      "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
                      "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits
-                     *(["--api-key", self.api_key] if api_key_flag else []), *self.extra_args,
+                     *(["--api-key", self.api_key] if api_key_flag else []), *kv_cache_args(), *self.extra_args,
                      "--additional-config", json.dumps(cfg)]
         super().start(extra_env)
+
+
+def kv_cache_args() -> list[str]:
+    """``["--kv-cache-memory-bytes", N]`` when :data:`zerokld_testing.engines.KV_CACHE_ENV` is set, else ``[]``."""
+    n = kv_cache_bytes()
+    return ["--kv-cache-memory-bytes", str(n)] if n else []

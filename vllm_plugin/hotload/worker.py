@@ -126,7 +126,9 @@ def _configure(vllm_config) -> None:
     from ..config import config_or_off
 
     parallel = vllm_config.parallel_config
-    if config_or_off(vllm_config).batch_invariant and not parallel.worker_extension_cls:
+    # sharded workers (TP > 1) hold slices, not checkpoint tensors: their deltas go through reload_weights
+    if config_or_off(vllm_config).batch_invariant and not parallel.worker_extension_cls \
+            and parallel.tensor_parallel_size == 1:
         parallel.worker_extension_cls = EXTENSION
 
 

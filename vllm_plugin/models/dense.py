@@ -33,6 +33,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
+import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
 from zerokld_models import ModelConfig, read_model_config, unsupported_features
 
@@ -50,6 +51,57 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return p
 
 
+class TensorParallel:
+    """This worker's place in vLLM's tensor-parallel group and the fixed K-block of the row-parallel sum.
+
+    Column-parallel projections (q/k/v, gate/up, the vocab-parallel lm_head) hold ``out / size`` rows; row-parallel
+    ones (o_proj, down_proj) ``in / size`` columns and sum over ``K`` with
+    :func:`shared_numerics.tensor_parallel.row_parallel_linear` (all-gather of the float32 subtree roots through
+    vLLM's ``tensor_model_parallel_all_gather``) when ``k_block`` is set; the embedding and norms are replicated.
+    """
+
+    def __init__(self, vllm_config) -> None:
+        self.size = vllm_config.parallel_config.tensor_parallel_size
+        self.k_block = from_vllm_config(vllm_config).tp_k_block
+        if self.size > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank()
+        else:
+            self.rank = 0
+
+    def gather(self) -> "callable | None":
+        """The all-gather over the TP group that :func:`row_parallel_linear` takes (``None`` at TP 1)."""
+        if self.size == 1:
+            return None
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return lambda root: tensor_model_parallel_all_gather(root, dim=0)
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """``(start, rows, per_rank)``: this rank's vocabulary rows ``[start, start + rows)`` of the vocab-parallel
+        lm_head; each rank's share is ``per_rank = ceil(V / size)`` rows, the last rank's may be shorter."""
+        per = -(-vocab_size // self.size)
+        start = min(self.rank * per, vocab_size)
+        return start, min(vocab_size, start + per) - start, per
+
+    def param(self, full_shape: tuple[int, ...], dim: int | None, dtype: torch.dtype | None = None,
+              rows: tuple[int, int] | None = None) -> nn.Parameter:
+        """A parameter holding this rank's slice of a checkpoint tensor of ``full_shape`` along ``dim`` (``None``:
+        replicated; ``rows``: the ``(start, length)`` slice, else an even split); its ``weight_loader`` takes the
+        full checkpoint tensor and keeps the slice."""
+        if dim is None or self.size == 1:
+            return _param(*full_shape, dtype=dtype)
+        start, local = rows if rows is not None else (self.rank * (full_shape[dim] // self.size),
+                                                      full_shape[dim] // self.size)
+        shape = list(full_shape)
+        shape[dim] = local
+        p = _param(*shape, dtype=dtype)
+        p.weight_loader = lambda param, t: default_weight_loader(param, t.narrow(dim, start, local))  # type: ignore
+        p.checkpoint_shape = tuple(full_shape)  # type: ignore[attr-defined]
+        return p
+
+
 class Fp8Mode:
     """How the decoder projections run: ``off`` (``sn.linear``), ``online`` (high-precision weights, FP8 codes
     recomputed at every (re)load) or ``serialized`` (a ``zerokld_fp8`` checkpoint's codes and scales)."""
@@ -60,11 +112,21 @@ class Fp8Mode:
 
 class _Proj(nn.Module):
     """One decoder projection ``[out, in]`` with HF parameter names (``weight``; FP8 checkpoints add
-    ``weight_scale``)."""
+    ``weight_scale``). ``shard``: ``"column"`` / ``"row"`` under tensor parallelism (``tp``), else ``None``."""
 
-    def __init__(self, out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False) -> None:
+    def __init__(self, out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False,
+                 shard: str | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.fp8 = fp8
+        self.row_parallel = shard == "row" and tp is not None and tp.k_block is not None
+        self.k_block = tp.k_block if tp is not None else None
+        self.gather = tp.gather() if self.row_parallel else None
+        if tp is not None and tp.size > 1 and shard is not None:  # FP8 and LoRA refuse TP (check_supported)
+            self.bias = tp.param((out_features,), 0 if shard == "column" else None) if bias else None
+            self.weight = tp.param((out_features, in_features), 0 if shard == "column" else 1)
+            self._codes: torch.Tensor | None = None
+            self._scales: torch.Tensor | None = None
+            return
         self.bias = _param(out_features) if bias else None
         if fp8.kind == "serialized":
             self.weight = _param(out_features, in_features, dtype=sn_fp8.FP8_DTYPE)
@@ -84,6 +146,8 @@ class _Proj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.fp8.kind
+        if self.row_parallel:
+            return sn_tp.row_parallel_linear(x, self.weight, self.bias, k_block=self.k_block, gather=self.gather)
         if kind == "off":
             return sn.linear(x, self.weight, self.bias)
         if kind == "serialized":
@@ -102,8 +166,11 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     """
     pc = vllm_config.parallel_config
     problems = unsupported_features(cfg, adapter)
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        problems.append("tensor/pipeline parallelism (use TP=PP=1)")
+    if pc.pipeline_parallel_size != 1:
+        problems.append("pipeline parallelism (use PP=1)")
+    problems += _tp_problems(pc.tensor_parallel_size, from_vllm_config(vllm_config).tp_k_block, cfg,
+                             lora=vllm_config.lora_config is not None,
+                             fp8=from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config))
     if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"dtype {vllm_config.model_config.dtype} (use float32 or bfloat16)")
     qc = vllm_config.quant_config
@@ -125,24 +192,51 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
                                  + "; ".join(problems))
 
 
-def _proj(out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False, lora: bool = False) -> nn.Module:
+def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8: bool) -> list[str]:
+    """What keeps ``cfg`` from running at TP size ``tp`` with ``tp_k_block`` ``k_block`` (empty: it runs)."""
+    problems = []
+    if tp > 1 and k_block is None:
+        problems.append(f"tensor_parallel_size {tp} without tp_k_block (set additional_config zerokld tp_k_block: "
+                        "the fixed K-block of the TP-invariant row-parallel sum)")
+    if tp & (tp - 1):
+        problems.append(f"tensor_parallel_size {tp} (a power of two: the rank subtrees of the fixed reduction tree "
+                        "must align)")
+    if k_block is None:
+        return problems
+    if cfg.num_experts:
+        problems.append("tp_k_block on an MoE model (the experts' row-parallel sum is not implemented)")
+    if lora:
+        problems.append("tp_k_block with LoRA")
+    if fp8:
+        problems.append("tp_k_block with FP8")
+    shards = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads}
+    problems += [f"{k}={v} not divisible by tensor_parallel_size {tp}" for k, v in shards.items() if v % tp]
+    for name, k in (("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)):
+        if k % (tp * k_block):
+            problems.append(f"{name} K={k} not divisible by tensor_parallel_size x tp_k_block = {tp * k_block}")
+    return problems
+
+
+def _proj(out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False, lora: bool = False,
+          shard: str | None = None, tp: TensorParallel | None = None) -> nn.Module:
     """A decoder projection: :class:`vllm_plugin.lora.LoRAProj` when the engine serves LoRA adapters (vLLM's
-    LoRA manager wraps it), else :class:`_Proj`."""
+    LoRA manager wraps it), else :class:`_Proj` (``shard``: its tensor-parallel split, see :class:`_Proj`)."""
     if lora:
         from ..lora import LoRAProj
 
         return LoRAProj(out_features, in_features, bias, _param)
-    return _Proj(out_features, in_features, fp8, bias=bias)
+    return _Proj(out_features, in_features, fp8, bias=bias, shard=shard, tp=tp)
 
 
 class _DenseMLP(nn.Module):
     """``down(silu_and_mul(gate f, up f))`` with HF names ``gate_proj`` / ``up_proj`` / ``down_proj``."""
 
-    def __init__(self, h: int, inter: int, fp8: Fp8Mode, lora: bool = False) -> None:
+    def __init__(self, h: int, inter: int, fp8: Fp8Mode, lora: bool = False, tp: TensorParallel | None = None
+                 ) -> None:
         super().__init__()
-        self.gate_proj = _proj(inter, h, fp8, lora=lora)
-        self.up_proj = _proj(inter, h, fp8, lora=lora)
-        self.down_proj = _proj(h, inter, fp8, lora=lora)
+        self.gate_proj = _proj(inter, h, fp8, lora=lora, shard="column", tp=tp)
+        self.up_proj = _proj(inter, h, fp8, lora=lora, shard="column", tp=tp)
+        self.down_proj = _proj(h, inter, fp8, lora=lora, shard="row", tp=tp)
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         return self.down_proj(sn.silu_and_mul(self.gate_proj(f), self.up_proj(f)))
@@ -150,19 +244,20 @@ class _DenseMLP(nn.Module):
 
 class _Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, adapter, vllm_config, prefix: str, fp8: Fp8Mode,
-                 mlp: nn.Module | None = None, lora: bool = False) -> None:
+                 mlp: nn.Module | None = None, lora: bool = False, tp: TensorParallel | None = None) -> None:
         super().__init__()
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qk_norm = adapter.qk_norm
-        self.nq, self.nkv, self.hd, self.eps = nq, nkv, hd, cfg.rms_norm_eps
+        size = tp.size if tp is not None else 1
+        self.nq, self.nkv, self.hd, self.eps = nq // size, nkv // size, hd, cfg.rms_norm_eps  # this rank's heads
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = _param(h)
         self.post_attention_layernorm = nn.Module()
         self.post_attention_layernorm.weight = _param(h)
         sa = self.self_attn = nn.Module()
         for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            setattr(sa, name, _proj(out, h, fp8, bias=adapter.qkv_bias, lora=lora))
-        sa.o_proj = _proj(h, nq * hd, fp8, lora=lora)
+            setattr(sa, name, _proj(out, h, fp8, bias=adapter.qkv_bias, lora=lora, shard="column", tp=tp))
+        sa.o_proj = _proj(h, nq * hd, fp8, lora=lora, shard="row", tp=tp)
         self.qk_norm = qk_norm
         if qk_norm:
             sa.q_norm = nn.Module()
@@ -170,8 +265,8 @@ class _Layer(nn.Module):
             sa.k_norm = nn.Module()
             sa.k_norm.weight = _param(hd)
         # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
-        self.mlp = mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora)
-        sa.attn = Attention(nq, hd, hd ** -0.5, num_kv_heads=nkv, cache_config=vllm_config.cache_config,
+        self.mlp = mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora, tp=tp)
+        sa.attn = Attention(self.nq, hd, hd ** -0.5, num_kv_heads=self.nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
@@ -205,12 +300,13 @@ class DenseDecoder(nn.Module):
         super().__init__()
         fp8 = fp8 or Fp8Mode()
         lora = vllm_config.lora_config is not None
+        self.tp = tp = TensorParallel(vllm_config)
         self.cfg = cfg
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [_Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None,
-                    lora=lora)
+                    lora=lora, tp=tp)
              for i in range(cfg.num_hidden_layers)]
         )
         self.norm = nn.Module()
@@ -283,9 +379,10 @@ class ZeroKLDMixin:
                                   mlp_factory=self._mlp_factory(vllm_config))
         if self.model_cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
-        else:
+        else:  # vocab-parallel under TP: this rank's vocab/TP rows (a tied lm_head slices the replicated embedding)
             self.lm_head = nn.Module()
-            self.lm_head.weight = _param(self.model_cfg.vocab_size, self.model_cfg.hidden_size)
+            v, tp = self.model_cfg.vocab_size, self.model.tp
+            self.lm_head.weight = tp.param((v, self.model_cfg.hidden_size), 0, rows=tp.vocab_rows(v)[:2])
         _install_sampler_logprobs()
 
     def _mlp_factory(self, vllm_config):
@@ -301,8 +398,9 @@ class ZeroKLDMixin:
                 and tensor.dtype != p.dtype:
             raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {p.dtype} "
                              f"({QUANT_METHOD} snapshots only)")
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {tuple(p.shape)}")
+        expected = tuple(getattr(p, "checkpoint_shape", p.shape))  # a TP shard's loader slices the full tensor
+        if expected != tuple(tensor.shape):
+            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {expected}")
         p.weight_loader(p, tensor)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -320,7 +418,21 @@ class ZeroKLDMixin:
     def compute_logits(self, hidden_states: torch.Tensor):
         if not self.batch_invariant:
             return super().compute_logits(hidden_states)
-        return sn.linear(hidden_states, self.lm_head.weight)
+        tp = self.model.tp
+        if tp.size == 1:
+            return sn.linear(hidden_states, self.lm_head.weight)
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        vocab = self.model_cfg.vocab_size
+        start, rows, per = tp.vocab_rows(vocab)
+        w = self.lm_head.weight
+        if self.model_cfg.tie_word_embeddings:  # the replicated embedding: this rank's rows of it
+            w = w.narrow(0, start, rows)
+        logits = sn.linear(hidden_states, w)
+        if rows < per:  # the last rank's short share: pad to the common width for the gather, cut after it
+            logits = torch.nn.functional.pad(logits, (0, per - rows))
+        # each logit is a full-K dot product: the gathered vocab shards are the unsharded logits, bit for bit
+        return tensor_model_parallel_all_gather(logits, dim=-1)[..., :vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if not self.batch_invariant:
@@ -359,6 +471,8 @@ class ZeroKLDMixin:
             RuntimeError: stock numerics (``batch_invariant`` off: vLLM's model repacks checkpoint tensors)."""
         if not self.batch_invariant:
             raise RuntimeError("stock vLLM model: its parameters are not checkpoint tensors")
+        if self.model.tp.size > 1:
+            raise RuntimeError("tensor-parallel workers hold slices of checkpoint tensors (deltas: reload_weights)")
         names = list(names)
         params = self._checkpoint_params()
         if self.model_cfg.tie_word_embeddings and "lm_head.weight" in names:  # a copy: written, then dropped

