@@ -304,15 +304,16 @@ class Replica:
         full version may change the rank; a delta is checked against its base by the decoder)."""
         return self.reference_spec if track.lora_name is None else tensor_spec(path)
 
-    def _chain(self, track: Track, identity: str) -> list[str]:
-        """``[full, delta, ..., identity]``: the identities whose snapshots rebuild ``identity``'s weights — just
-        ``[identity]`` unless it was applied in place, then its ``previous_identity`` chain back to the newest one
-        that was not (a full snapshot, a host-decoded one, or the initial weights)."""
+    def _chain(self, track: Track, identity: str) -> tuple[list[str], dict[str, dict]]:
+        """``([full, delta, ..., identity], rows)``: the identities whose snapshots rebuild ``identity``'s weights —
+        just ``[identity]`` unless it was applied in place, then its ``previous_identity`` chain back to the newest one
+        that was not (a full snapshot, a host-decoded one, or the initial weights) — and the ledger row each identity
+        was last loaded with (``ready``, not a restore)."""
         rows = {r["identity"]: r for r in track.ledger.rows if r.get("readiness") == "ready" and r.get("kind") != "restore"}
         chain = [identity]
         while rows.get(chain[-1], {}).get("applied") == "in_place":
             chain.append(rows[chain[-1]]["previous_identity"])
-        return chain[::-1]
+        return chain[::-1], rows
 
     def _restorable(self, track: Track, identity: str, digest: str | None) -> Path | list[Path]:
         """Blocking (run in a thread): what rebuilds ``identity``'s weights, verified — its full snapshot directory
@@ -321,13 +322,11 @@ class Replica:
         regular; every tensor of a delta is checked again as it is applied) — and in both cases the checksums'
         digest equal to what the ledger recorded when it was loaded (``digest``), so replaced bits are never served
         under the old identity."""
-        chain = self._chain(track, identity)
+        chain, rows = self._chain(track, identity)
         if len(chain) > 1:
             first = chain[0]
             head = self.initial_dir if first == track.ledger.initial_identity else \
-                self._restorable(track, first, next((r.get("weights_digest") for r in reversed(track.ledger.rows)
-                                                      if r["identity"] == first and r.get("readiness") == "ready"),
-                                                     None))
+                self._restorable(track, first, rows.get(first, {}).get("weights_digest"))
             deltas = [track.fetched / i for i in chain[1:]]
             for d in deltas:
                 if not d.is_dir():
@@ -447,9 +446,7 @@ class Replica:
         check_regular_files(local, track.fetched if self.remote else self.root)  # before anything is opened
         self._verify_numerics(local)
         if not self.remote:
-            with staged_dir(track.fetched / sig.identity) as tmp:
-                for f in local.iterdir():
-                    shutil.copyfile(f, tmp / f.name)
+            _keep_copy(local, track.fetched / sig.identity)
         return track.fetched / sig.identity
 
     def _materialize(self, track: Track, sig: Signal) -> tuple[Path, str]:
@@ -462,10 +459,7 @@ class Replica:
         base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity, track)
         try:
             if track.lora_name is not None and base is None:
-                with staged_dir(track.materialized / sig.identity) as tmp:
-                    for f in local.iterdir():
-                        shutil.copyfile(f, tmp / f.name)
-                local = track.materialized / sig.identity
+                local = _keep_copy(local, track.materialized / sig.identity)
                 verify_adapter_config(local)
             path = materialize_snapshot(local, track.materialized / sig.identity,
                                         self._reference(track, base if base is not None else local), base,
@@ -606,9 +600,18 @@ class Replica:
                 break
             if r.get("readiness") == "ready":
                 keep.add(r["identity"])
-        keep |= {i for k in list(keep) for i in self._chain(track, k)}  # deltas applied in place replay from these
+        keep |= {i for k in list(keep) for i in self._chain(track, k)[0]}  # deltas applied in place replay from these
         for folder in (track.materialized, track.fetched):
             if folder.exists():
                 for d in folder.iterdir():
                     if d.name not in keep and not d.name.startswith("."):  # identities only (no .staging)
                         shutil.rmtree(d, ignore_errors=True)
+
+
+def _keep_copy(src: Path, dst: Path) -> Path:
+    """Copy the files of snapshot directory ``src`` into ``dst`` atomically (a staged directory renamed into place:
+    an interrupted copy leaves no ``dst``); returns ``dst``."""
+    with staged_dir(dst) as tmp:
+        for f in src.iterdir():
+            shutil.copyfile(f, tmp / f.name)
+    return dst

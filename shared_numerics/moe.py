@@ -67,7 +67,7 @@ def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renorma
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     Args:
@@ -75,11 +75,20 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         expert_ids: ``[N, k]`` int64 (from :func:`route_topk`, or recorded for replay).
         weights: ``[N, k]`` float32 routing weights.
         w_gate, w_up: ``[E, I, H]``; w_down: ``[E, H, I]`` (HF ``experts.{e}.{gate,up,down}_proj.weight`` stacked).
+        k_block: ``None``: each expert's down projection is one :func:`shared_numerics.linear`. An int
+            (:attr:`shared_numerics.NumericsMode.tp_k_block`): it sums over ``I`` in the fixed TP-aligned tree of
+            :mod:`shared_numerics.tensor_parallel`, so the experts can be tensor-parallel (``I`` sharded: this rank's
+            ``w_gate/w_up [E, I/TP, H]`` and ``w_down [E, H, I/TP]``).
+        gather: with ``k_block`` under tensor parallelism, the all-gather of every rank's float32 subtree roots
+            ``[1, N*k, H] -> [TP, N*k, H]`` (see :func:`~shared_numerics.tensor_parallel.row_parallel_linear`),
+            applied before the routing weights; ``None`` at TP 1.
 
     Returns:
-        ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights. Differentiable.
+        ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
+        the TP size). Differentiable.
     """
     from . import linear, silu_and_mul
+    from .tensor_parallel import block_tree_sum, k_block_partials
 
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
@@ -88,8 +97,19 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     for e in torch.unique(flat_ids).tolist():  # any grouping gives the same rows (row-invariant linear)
         sel = torch.nonzero(flat_ids == e).squeeze(1)
         xe = x[flat_rows[sel]]
-        ye = linear(silu_and_mul(linear(xe, w_gate[e]), linear(xe, w_up[e])), w_down[e])
-        outs = outs.index_put((sel,), ye.float())
+        act = silu_and_mul(linear(xe, w_gate[e]), linear(xe, w_up[e]))
+        if k_block is None:
+            ye = linear(act, w_down[e]).float()
+        else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
+            ye = block_tree_sum(k_block_partials(act, w_down[e], k_block))
+        outs = outs.index_put((sel,), ye)
+    if k_block is not None:
+        if gather is not None:
+            roots = gather(outs.unsqueeze(0))
+            if roots.shape[0] & (roots.shape[0] - 1):
+                raise ValueError(f"MoE experts: TP size {roots.shape[0]} is not a power of two")
+            outs = block_tree_sum(roots)
+        outs = outs.to(x.dtype).float()  # each expert output rounded once, as without k_block
     outs = outs.reshape(n, k, -1) * weights.unsqueeze(-1)
     acc = outs[:, 0]
     for j in range(1, k):  # slot order, fp32
@@ -99,7 +119,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
 
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor, top_k: int, renormalize: bool = True,
-                expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                expert_ids: torch.Tensor | None = None, k_block: int | None = None,
+                gather=None, experts_x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
 
     Args:
@@ -112,6 +133,10 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
         expert_ids: ``[N, top_k]`` recorded routes to replay (R3) instead of recomputing top-k; the weights are
             still gathered from this forward's scores. A row of ``-1`` is routed afresh (e.g. padding, or the last
             token of a sequence, whose routes a rollout never computes).
+        k_block, gather: tensor-parallel experts with the TP-size-invariant sum, see :func:`moe_experts` (the
+            router is replicated).
+        experts_x: the experts' input if not ``x`` itself: the same values on another autograd path (under
+            tensor parallelism the router's gradient is complete on every rank, the experts' a partial sum).
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)`` — the ids used (recomputed or replayed).
@@ -132,4 +157,5 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
         if bool(((rec < 0) & ~fresh).any()) or (rec.numel() and int(rec.max()) >= e):
             raise ValueError(f"replayed expert ids outside [0, {e}) (a row of -1 means: route afresh)")
         ids = torch.where(fresh, ids, rec)
-    return moe_experts(x, ids, gather_route_weights(scores, ids, renormalize), w_gate, w_up, w_down), ids
+    return moe_experts(x if experts_x is None else experts_x, ids, gather_route_weights(scores, ids, renormalize),
+                       w_gate, w_up, w_down, k_block, gather), ids

@@ -12,7 +12,7 @@ import torch
 from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, reload_weights, start_llm
+from zerokld_testing.engines import completion_logprobs, load_delta_offline, reload_weights, start_llm
 from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
@@ -72,21 +72,14 @@ def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(traine
     """The step's weights reach the online-FP8 engine as a delta applied in place on its worker (issue 17 point 1:
     the ledger row says ``in_place`` and re-quantized exactly the tensors whose bits changed); what it serves is the
     QAT trainer's forward bit for bit, and not the stale weights'."""
-    from deltasync import HotLoadConfig, Signal, element_density, read_snapshot_tensors, write_incremental_snapshot
-    from vllm_plugin.hotload.offline import OfflineReplica
+    from deltasync import element_density, read_snapshot_tensors
 
     trainer, ckpt, snap, exported = trained
     llm = engine_slot.get(("fp8-online", ckpt), lambda: start_llm(ckpt, dtype="bfloat16", fp8=True,
                                                                     max_num_batched_tokens=64))
     reload_weights(llm, ckpt)  # whatever an earlier use of the shared engine left
     old, new = read_snapshot_tensors(ckpt), read_snapshot_tensors(snap)
-    write_incremental_snapshot(ckpt, new, tmp_path / "snapshots" / "step1", compression_format="zkd_sparse_v2")
-    replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(tmp_path / "snapshots"),
-                                                state_dir=str(tmp_path / "state")), ckpt)
-    try:
-        row = replica.load(Signal("step1", previous_identity="initial", compression_format="zkd_sparse_v2"))
-    finally:
-        replica.close()
+    row = load_delta_offline(llm, ckpt, new, tmp_path)
     touched = sum(element_density({k: old[k]}, {k: new[k]})[0] > 0 for k in old)
     assert row["applied"] == "in_place" and row["tensors_changed"] == touched and 0 < touched
     prompts = _prompts(24, seed=22)

@@ -14,7 +14,8 @@ import torch
 from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, reload_weights, start_llm
+from zerokld_testing.engines import (completion_logprobs, load_delta_offline, mixed_sampling_params, reload_weights,
+                                     start_llm)
 from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
@@ -195,18 +196,10 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
         assert step["clipped"] == 0
 
         # W1 reaches the engine as a delta applied in place on its worker: stacked expert rows included
-        from deltasync import HotLoadConfig, Signal, read_snapshot_tensors, write_incremental_snapshot
-        from vllm_plugin.hotload.offline import OfflineReplica
+        from deltasync import read_snapshot_tensors
 
         w1 = trainer.save_hf(tmp_path / "w1", DTYPE)
-        write_incremental_snapshot(ckpt, read_snapshot_tensors(w1), tmp_path / "snapshots" / "w1",
-                                   compression_format="zkd_sparse_v2")
-        replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(tmp_path / "snapshots"),
-                                                    state_dir=str(tmp_path / "state")), ckpt)
-        try:
-            row = replica.load(Signal("w1", previous_identity="initial", compression_format="zkd_sparse_v2"))
-        finally:
-            replica.close()
+        row = load_delta_offline(llm, ckpt, read_snapshot_tensors(w1), tmp_path, identity="w1")
         assert row["applied"] == "in_place" and row["tensors_changed"] > 0
         outs1 = _gen(llm, prompts, params)
         seqs1 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs1)]

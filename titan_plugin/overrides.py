@@ -263,10 +263,11 @@ class ZeroKLDMoE(MoE):
 
     @dataclass(kw_only=True, slots=True)
     class Config(MoE.Config):
-        pass
+        k_block: int = 0  # tp_k_block (set_tp_k_block): the experts' down projections sum in the fixed tree
 
     def __init__(self, config: Config):
         super().__init__(config)
+        self.k_block = config.k_block or None
         r = config.router
         if config.shared_experts is not None or r.score_func != "softmax" or r.num_expert_groups is not None \
                 or r.route_scale != 1.0:
@@ -275,17 +276,32 @@ class ZeroKLDMoE(MoE):
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
 
+    def parallelize(self, parallel_dims) -> None:
+        if self.k_block is not None:  # the fixed tree sums the ranks: the output is Replicate, not Partial
+            from .tensor_parallel import replicate_output_sharding
+
+            self._sharding_config = replicate_output_sharding(self._sharding_config)
+        super().parallelize(parallel_dims)
+
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         b, seq, d = x_BLD.shape
         k = self.router.top_k
         ex = self.routed_experts.inner_experts
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
-        out, ids = sn_moe.moe_forward(x_BLD.reshape(b * seq, d), self.router.gate.weight, ex.w1_EFD, ex.w3_EFD,
-                                      ex.w2_EDF, k, self.router.route_norm, replay)
+        if _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
+            from .tensor_parallel import moe_dtensor
+
+            out, ids = moe_dtensor(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
+                                   self.router.route_norm, replay, self.k_block)
+        else:
+            out, ids = sn_moe.moe_forward(x_BLD.reshape(b * seq, d), self.router.gate.weight, ex.w1_EFD, ex.w3_EFD,
+                                          ex.w2_EDF, k, self.router.route_norm, replay, k_block=self.k_block)
         self.last_ids = ids.detach().view(b, seq, k)
         if self.training:  # feeds TorchTitan's load-balancing hook, as MoE.forward does
             with torch.no_grad():
-                self.tokens_per_expert_E.add_(torch.bincount(ids.reshape(-1), minlength=ex.num_experts).float())
+                counts = self.tokens_per_expert_E
+                counts = counts.to_local() if _is_dtensor(counts) else counts
+                counts.add_(torch.bincount(ids.reshape(-1), minlength=ex.num_experts).float())
         return out.view(b, seq, d)
 
 
@@ -360,14 +376,19 @@ FP8_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_linear", "block": f"{__
 
 def set_tp_k_block(model_cfg, k_block: int) -> None:
     """Make every decoder layer's row-parallel projections (``attention.wo``, ``feed_forward.w2``)
-    :class:`ZeroKLDRowParallelLinear` with ``k_block`` (:attr:`shared_numerics.NumericsMode.tp_k_block`).
+    :class:`ZeroKLDRowParallelLinear` with ``k_block`` (:attr:`shared_numerics.NumericsMode.tp_k_block`), and the
+    MoE experts' down projections sum with the same tree (:class:`ZeroKLDMoE` ``k_block``).
 
     Raises:
-        ValueError: an MoE layer (the experts' row-parallel sum is not implemented), or FP8 projections."""
+        ValueError: FP8 or LoRA projections (not the zerokld linear)."""
     for i, layer in enumerate(model_cfg.layers):
         if getattr(layer, "moe", None) is not None:
-            raise ValueError("tp_k_block on an MoE model: the experts' row-parallel sum is not implemented")
-        for owner, name in ((layer.attention, "wo"), (layer.feed_forward, "w2")):
+            if type(layer.moe) is not ZeroKLDMoE.Config:
+                raise ValueError(f"tp_k_block: layer {i} moe is {type(layer.moe).__qualname__}, not the zerokld MoE")
+            layer.moe = derive(layer.moe, ZeroKLDMoE.Config, k_block=int(k_block))
+        for owner, name in ((layer.attention, "wo"), (getattr(layer, "feed_forward", None), "w2")):
+            if owner is None:
+                continue
             cfg = getattr(owner, name)
             if type(cfg) is not ZeroKLDLinear.Config:
                 raise ValueError(f"tp_k_block: layer {i} {name} is {type(cfg).__qualname__} (FP8 or LoRA), not the "

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import shared_numerics as sn
 import shared_numerics.tensor_parallel as sn_tp
 
-__all__ = ["column_parallel_dtensor", "replicate_output_sharding", "row_parallel_dtensor"]
+__all__ = ["column_parallel_dtensor", "moe_dtensor", "replicate_output_sharding", "row_parallel_dtensor"]
 
 
 class _GatherRoots(torch.autograd.Function):
@@ -104,6 +104,37 @@ def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | 
     out = sn_tp.row_parallel_linear(_local(x), weight.to_local(), _local(bias), k_block=k_block,
                                     gather=lambda root: _GatherRoots.apply(root, group))
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def moe_dtensor(x: DTensor, router_weight: DTensor, w_gate: DTensor, w_up: DTensor, w_down: DTensor, top_k: int,
+                renormalize: bool, expert_ids: torch.Tensor | None, k_block: int | None):
+    """:func:`shared_numerics.moe.moe_forward` under TorchTitan tensor parallelism: ``x [B, L, D]`` replicated, the
+    router replicated, each expert's ``w1/w3 [E, I, D]`` ``Shard(1)`` and ``w2 [E, D, I]`` ``Shard(2)``; the experts'
+    down projections sum with the fixed tree (subtree roots all-gathered before the routing weights).
+
+    Returns:
+        ``(out [B*L, D] DTensor Replicate, expert_ids [B*L, top_k])``, bitwise the unsharded block with ``k_block``.
+
+    Raises:
+        NotImplementedError: no ``k_block`` (the stock sum would depend on TP) or other placements."""
+    import shared_numerics.moe as sn_moe
+
+    mesh = _mesh_1d(w_gate)
+    if k_block is None:
+        raise NotImplementedError("zerokld MoE under tensor parallelism needs tp_k_block")
+    if (w_gate.placements, w_up.placements, w_down.placements) != ((Shard(1),), (Shard(1),), (Shard(2),)):
+        raise NotImplementedError(f"zerokld MoE experts: placements {w_gate.placements}/{w_down.placements}")
+    if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
+        raise NotImplementedError(f"zerokld MoE: input placements {x.placements} (Replicate only)")
+    b, seq, d = x.shape
+    # the router's gradient is complete on every rank; the experts' (this rank's I columns) is a partial sum
+    x_router = _local(x).reshape(b * seq, d)
+    x_experts = x.to_local(grad_placements=[Partial()]).reshape(b * seq, d) if isinstance(x, DTensor) else x_router
+    group = mesh.get_group()
+    out, ids = sn_moe.moe_forward(x_router, _local(router_weight), w_gate.to_local(), w_up.to_local(),
+                                  w_down.to_local(), top_k, renormalize, expert_ids, k_block=k_block,
+                                  gather=lambda root: _GatherRoots.apply(root, group), experts_x=x_experts)
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False), ids
 
 
 def replicate_output_sharding(sharding_config):

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["KV_CACHE_ENV", "completion_logprobs", "kv_cache_bytes", "mixed_sampling_params", "prompt_logprobs",
-           "reload_weights", "shutdown_llm", "start_llm"]
+__all__ = ["KV_CACHE_ENV", "completion_logprobs", "kv_cache_bytes", "load_delta_offline", "mixed_sampling_params",
+           "prompt_logprobs", "reload_weights", "shutdown_llm", "start_llm"]
 
 #: Environment variable naming the ``kv_cache_memory_bytes`` (vLLM's flag) of every engine and server the helpers
 #: start. Unset: vLLM sizes the KV cache from ``gpu_memory_utilization`` (0.3 of the machine's RAM). The test suite
@@ -87,6 +87,29 @@ def reload_weights(llm, checkpoint_dir: str) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
     if not llm.reset_prefix_cache():
         raise RuntimeError("reset_prefix_cache refused (requests still running)")
+
+
+def load_delta_offline(llm, base_checkpoint: str, new_tensors: dict, work_dir, identity: str = "step1",
+                       compression_format: str = "zkd_sparse_v2") -> dict:
+    """Ship ``new_tensors`` to the offline engine ``llm`` as a hot-load delta: an incremental snapshot against
+    ``base_checkpoint`` written under ``work_dir/snapshots/<identity>``, loaded by a
+    :class:`vllm_plugin.hotload.offline.OfflineReplica` (state in ``work_dir/state``; ``base_checkpoint`` is its
+    initial weights, what ``llm`` must be serving). Returns the replica's ledger row (``applied``,
+    ``tensors_changed``, ...)."""
+    from pathlib import Path
+
+    from deltasync import HotLoadConfig, Signal, write_incremental_snapshot
+    from vllm_plugin.hotload.offline import OfflineReplica
+
+    work = Path(work_dir)
+    write_incremental_snapshot(base_checkpoint, new_tensors, work / "snapshots" / identity,
+                               compression_format=compression_format)
+    replica = OfflineReplica(llm, HotLoadConfig(snapshot_root=str(work / "snapshots"), state_dir=str(work / "state")),
+                             base_checkpoint)
+    try:
+        return replica.load(Signal(identity, previous_identity="initial", compression_format=compression_format))
+    finally:
+        replica.close()
 
 
 def completion_logprobs(output) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Score sequences with the TorchTitan trainer under tensor parallelism: run under ``torchrun`` (one process per TP rank).
+"""Score sequences with the TorchTitan trainer under tensor parallelism, under ``torchrun`` (one process per rank).
 
 ``python -m torch.distributed.run --nproc-per-node 2 -m zerokld_testing.titan_tp IN.json OUT.pt``: ``IN.json`` holds
 ``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),

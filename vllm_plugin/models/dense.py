@@ -203,15 +203,16 @@ def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8
                         "must align)")
     if k_block is None:
         return problems
-    if cfg.num_experts:
-        problems.append("tp_k_block on an MoE model (the experts' row-parallel sum is not implemented)")
     if lora:
         problems.append("tp_k_block with LoRA")
     if fp8:
         problems.append("tp_k_block with FP8")
     shards = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads}
     problems += [f"{k}={v} not divisible by tensor_parallel_size {tp}" for k, v in shards.items() if v % tp]
-    for name, k in (("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)):
+    widths = [("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)]
+    if cfg.num_experts:
+        widths.append(("experts' down_proj", cfg.moe_intermediate_size))
+    for name, k in widths:
         if k % (tp * k_block):
             problems.append(f"{name} K={k} not divisible by tensor_parallel_size x tp_k_block = {tp * k_block}")
     return problems

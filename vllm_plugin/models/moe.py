@@ -21,7 +21,7 @@ from torch import nn
 import shared_numerics.moe as sn_moe
 
 from ..config import ZeroKLDConfigError
-from .dense import ZeroKLDMixin, _param
+from .dense import TensorParallel, ZeroKLDMixin, _param
 
 __all__ = ["MoEBlock", "RouteCache", "ZeroKLDMoEMixin"]
 
@@ -36,32 +36,48 @@ def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, exper
     param.data[expert_id].copy_(loaded_weight)
 
 
-def _stacked(*shape: int) -> nn.Parameter:
-    p = _param(*shape)
-    p.weight_loader = expert_weight_loader  # type: ignore[attr-defined]
+def _stacked(*shape: int, tp: TensorParallel | None = None, inter_dim: int | None = None) -> nn.Parameter:
+    """A stacked expert parameter ``[E, ...]``; under tensor parallelism (``tp.size > 1``) it holds this rank's
+    slice of dimension ``inter_dim`` of each expert's tensor (the intermediate size ``I``), and its loader slices."""
+    if tp is None or tp.size == 1:
+        p = _param(*shape)
+        p.weight_loader = expert_weight_loader  # type: ignore[attr-defined]
+        return p
+    local = list(shape)
+    width = shape[1 + inter_dim] // tp.size
+    local[1 + inter_dim] = width
+    p = _param(*local)
+    start = tp.rank * width
+    p.weight_loader = lambda param, w, e: expert_weight_loader(param, w.narrow(inter_dim, start, width), e)
+    p.checkpoint_shape = tuple(shape)  # type: ignore[attr-defined]
     return p
 
 
 class MoEBlock(nn.Module):
     """Qwen3-MoE sparse block. Parameters: ``gate.weight [E, H]``; ``experts.w_gate|w_up [E, I, H]`` and
-    ``experts.w_down [E, H, I]`` (HF ``experts.{e}.{gate,up,down}_proj.weight`` stacked by the loader).
-    ``last_ids`` holds the ``[N, top_k]`` expert ids of the latest forward."""
+    ``experts.w_down [E, H, I]`` (HF ``experts.{e}.{gate,up,down}_proj.weight`` stacked by the loader; under tensor
+    parallelism each rank holds ``I / TP`` of every expert and the down projections sum with the fixed tree,
+    :func:`shared_numerics.moe.moe_experts` ``k_block``). ``last_ids`` holds the ``[N, top_k]`` expert ids of the
+    latest forward."""
 
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
+        self.k_block = tp.k_block if tp is not None else None
+        self.gather = tp.gather() if tp is not None else None
         self.gate = nn.Module()
-        self.gate.weight = _param(num_experts, hidden)
+        self.gate.weight = _param(num_experts, hidden)  # the router is replicated
         self.experts = nn.Module()
-        self.experts.w_gate = _stacked(num_experts, inter, hidden)
-        self.experts.w_up = _stacked(num_experts, inter, hidden)
-        self.experts.w_down = _stacked(num_experts, hidden, inter)
+        self.experts.w_gate = _stacked(num_experts, inter, hidden, tp=tp, inter_dim=0)
+        self.experts.w_up = _stacked(num_experts, inter, hidden, tp=tp, inter_dim=0)
+        self.experts.w_down = _stacked(num_experts, hidden, inter, tp=tp, inter_dim=1)
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         ex = self.experts
         out, self.last_ids = sn_moe.moe_forward(f, self.gate.weight, ex.w_gate, ex.w_up, ex.w_down, self.top_k,
-                                                self.renormalize)
+                                                self.renormalize, k_block=self.k_block, gather=self.gather)
         return out
 
 
@@ -122,9 +138,9 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         self.num_experts = cfg.num_experts
 
     def _mlp_factory(self, vllm_config):
-        c = self.model_cfg
+        c, tp = self.model_cfg, TensorParallel(vllm_config)
         return lambda i: MoEBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                                  c.norm_topk_prob)
+                                  c.norm_topk_prob, tp=tp)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
@@ -151,9 +167,9 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         e = int(m.group(2))
         if stacked is None or e >= stacked.shape[0]:
             raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
-        if tuple(stacked.shape[1:]) != tuple(tensor.shape):
-            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects "
-                             f"{tuple(stacked.shape[1:])}")
+        expected = tuple(getattr(stacked, "checkpoint_shape", stacked.shape)[1:])  # TP: the loader slices
+        if expected != tuple(tensor.shape):
+            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {expected}")
         stacked.weight_loader(stacked, tensor, e)
 
     def _checkpoint_view(self, params: dict, name: str) -> torch.Tensor:
