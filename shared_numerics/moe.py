@@ -88,7 +88,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         the TP size). Differentiable.
     """
     from . import linear, silu_and_mul
-    from .tensor_parallel import block_tree_sum, k_block_partials
+    from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
 
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
@@ -103,13 +103,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
             ye = block_tree_sum(k_block_partials(act, w_down[e], k_block))
         outs = outs.index_put((sel,), ye)
-    if k_block is not None:
-        if gather is not None:
-            roots = gather(outs.unsqueeze(0))
-            if roots.shape[0] & (roots.shape[0] - 1):
-                raise ValueError(f"MoE experts: TP size {roots.shape[0]} is not a power of two")
-            outs = block_tree_sum(roots)
-        outs = outs.to(x.dtype).float()  # each expert output rounded once, as without k_block
+    if k_block is not None:  # each expert output rounded once after the cross-rank tree, as without k_block
+        outs = reduce_over_ranks(outs, gather).to(x.dtype).float()
     outs = outs.reshape(n, k, -1) * weights.unsqueeze(-1)
     acc = outs[:, 0]
     for j in range(1, k):  # slot order, fp32

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["block_tree_sum", "k_block_partials", "row_parallel_linear"]
+__all__ = ["block_tree_sum", "k_block_partials", "reduce_over_ranks", "row_parallel_linear"]
 
 
 def block_tree_sum(partials: torch.Tensor) -> torch.Tensor:
@@ -93,6 +93,23 @@ def k_block_partials(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> tor
                         for s in range(0, k, k_block)])
 
 
+def reduce_over_ranks(root: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """The top of the fixed tree: this rank's float32 subtree root ``[...]`` gathered with every rank's (``gather``:
+    ``[1, ...] -> [TP, ...]`` in rank order) and summed with :func:`block_tree_sum`; ``root`` itself at TP 1
+    (``gather is None``).
+
+    Raises:
+        ValueError: a gathered TP size that is not a power of two (the rank subtrees would not align)."""
+    if gather is None:
+        return root
+    roots = gather(root.unsqueeze(0))
+    tp = roots.shape[0]
+    if tp & (tp - 1):
+        raise ValueError(f"row-parallel sum: TP size {tp} is not a power of two (the rank subtrees of the fixed "
+                         "reduction tree would not align)")
+    return block_tree_sum(roots)
+
+
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, k_block: int,
                         gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``linear(x, W, b)`` with the sum over ``K`` in the fixed TP-aligned tree (see the module docstring).
@@ -105,7 +122,8 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         k_block: the fixed block width (:attr:`NumericsMode.tp_k_block`); must divide ``K_local``.
         gather: ``None`` at TP 1; else a function taking this rank's float32 subtree root ``[1, M, N]`` and returning
             every rank's, stacked in rank order ``[TP, M, N]`` (an all-gather over the TP group; the plugins pass
-            vLLM's ``tensor_model_parallel_all_gather`` or torch's autograd ``all_gather_tensor_autograd``).
+            vLLM's ``tensor_model_parallel_all_gather`` or, in the trainer, an autograd all-gather whose backward
+            keeps this rank's slice, :mod:`titan_plugin.tensor_parallel`).
 
     Returns:
         ``[..., N]`` in ``x.dtype``, the same bits at every TP size (power of two) for the same full ``x`` and ``W``.
@@ -114,14 +132,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         ValueError: ``K_local`` not a multiple of ``k_block``; a gathered TP size that is not a power of two.
     """
     lead = x.shape[:-1]
-    root = block_tree_sum(k_block_partials(x.reshape(-1, x.shape[-1]), weight, k_block))
-    if gather is not None:
-        roots = gather(root.unsqueeze(0))
-        tp = roots.shape[0]
-        if tp & (tp - 1):
-            raise ValueError(f"row-parallel linear: TP size {tp} is not a power of two (the rank subtrees of the "
-                             "fixed reduction tree would not align)")
-        root = block_tree_sum(roots)
+    root = reduce_over_ranks(block_tree_sum(k_block_partials(x.reshape(-1, x.shape[-1]), weight, k_block)), gather)
     if bias is not None:
         root = root + bias.float()
     return root.to(x.dtype).reshape(*lead, weight.shape[0])

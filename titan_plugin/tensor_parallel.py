@@ -45,6 +45,12 @@ class _GatherRoots(torch.autograd.Function):
         return grad[ctx.rank:ctx.rank + 1], None
 
 
+def _gather_over(mesh):
+    """The ``gather`` of :func:`shared_numerics.tensor_parallel.row_parallel_linear` over the TP mesh's group."""
+    group = mesh.get_group()
+    return lambda root: _GatherRoots.apply(root, group)
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -100,9 +106,8 @@ def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | 
         raise NotImplementedError(f"zerokld row-parallel linear: weight placements {weight.placements} (Shard(1))")
     if isinstance(x, DTensor) and x.placements != (Shard(x.ndim - 1),):
         raise NotImplementedError(f"zerokld row-parallel linear: input placements {x.placements} (Shard(-1))")
-    group = mesh.get_group()
     out = sn_tp.row_parallel_linear(_local(x), weight.to_local(), _local(bias), k_block=k_block,
-                                    gather=lambda root: _GatherRoots.apply(root, group))
+                                    gather=_gather_over(mesh))
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
@@ -130,10 +135,9 @@ def moe_dtensor(x: DTensor, router_weight: DTensor, w_gate: DTensor, w_up: DTens
     # the router's gradient is complete on every rank; the experts' (this rank's I columns) is a partial sum
     x_router = _local(x).reshape(b * seq, d)
     x_experts = x.to_local(grad_placements=[Partial()]).reshape(b * seq, d) if isinstance(x, DTensor) else x_router
-    group = mesh.get_group()
     out, ids = sn_moe.moe_forward(x_router, _local(router_weight), w_gate.to_local(), w_up.to_local(),
                                   w_down.to_local(), top_k, renormalize, expert_ids, k_block=k_block,
-                                  gather=lambda root: _GatherRoots.apply(root, group), experts_x=x_experts)
+                                  gather=_gather_over(mesh), experts_x=x_experts)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False), ids
 
 
