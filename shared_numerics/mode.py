@@ -63,8 +63,9 @@ class NumericsMode:
         contract: :data:`CONTRACT` of the process that built the mode.
         tp_k_block: ``None``: row-parallel projections are one fused GEMM (TP 1 only). An int: ``o_proj`` /
             ``down_proj`` sum over ``K`` in fixed blocks of this many columns with the TP-aligned tree of
-            :mod:`shared_numerics.tensor_parallel`, the same bits at TP 1, 2, 4, ... (it changes the TP 1 bits too,
-            so both sides must name the same value).
+            :mod:`shared_numerics.tensor_parallel`, and log-probs come from the vocab-parallel log-softmax of
+            :mod:`shared_numerics.vocab_parallel` (an exact sum over the vocabulary): the same bits at TP 1, 2, 4,
+            ... (it changes the TP 1 bits too, so both sides must name the same value).
 
     Raises (constructor):
         ValueError: unknown dtype or FP8 granularity; ``tp_k_block`` not a positive int.

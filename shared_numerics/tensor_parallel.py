@@ -17,7 +17,8 @@ library's order, so the bits depend on the TP size. Here the sum over ``K`` is d
 
 Column-parallel layers (``q/k/v_proj``, ``gate/up_proj``, the vocab-parallel ``lm_head``) need nothing: each output
 column is the full-``K`` dot product of :func:`shared_numerics.linear`, which does not depend on which other columns
-share the call (tested), so gathering the column shards gives the unsharded bits.
+share the call (tested), so gathering the column shards gives the unsharded bits. The log-softmax over the
+vocab-parallel logits is :mod:`shared_numerics.vocab_parallel` (exact sum: any vocabulary split).
 
 Communication: the all-gather brings ``(TP - 1) * M * N`` float32 values into each rank, ``4 (TP - 1) M N`` bytes,
 where a bf16 ring all-reduce moves ``2 * 2 (TP - 1) / TP * M N`` bytes: ``TP`` times as many (``benchmarks/

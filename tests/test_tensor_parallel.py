@@ -117,6 +117,134 @@ def test_column_shards_of_a_linear_are_its_columns():
                 assert torch.equal(sn.linear(x, w[s:s + per]), full[:, s:s + per])
 
 
+class _Exchange(torch.autograd.Function):
+    """One emulated rank's all-gather: every thread's ``[1, ...]`` stacked in rank order; backward keeps the rank's
+    own slice (as :class:`titan_plugin.tensor_parallel._GatherRoots`)."""
+
+    @staticmethod
+    def forward(ctx, x, rank, slots, barrier):
+        ctx.rank = rank
+        slots[rank] = x.detach()
+        barrier.wait()
+        out = torch.cat(list(slots))
+        barrier.wait()  # every rank has read the slots before any writes the next call's
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank:ctx.rank + 1], None, None, None
+
+
+def _lockstep(tp, fn):
+    """``[fn(rank, gather) for rank in range(tp)]`` with the ranks as threads exchanging through ``gather``."""
+    import threading
+
+    barrier, slots, results, errors = threading.Barrier(tp, timeout=60), [None] * tp, [None] * tp, []
+
+    def run(r):
+        try:
+            results[r] = fn(r, lambda x: _Exchange.apply(x, r, slots, barrier))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _megatron_logprobs(z, t, bounds):
+    """Stock vocab-parallel log-probs (Megatron's ``_VocabParallelCrossEntropy``, torch's ``loss_parallel``): the
+    global max, each rank's float32 ``sum(exp)`` over its slice, the partial sums all-reduced."""
+    z = z.float()
+    m = z.amax(-1, keepdim=True)
+    total = None
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = torch.exp(z[:, lo:hi] - m).sum(-1, keepdim=True)
+        total = part if total is None else total + part
+    return (z - m - torch.log(total)).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_vocab_parallel_log_softmax_same_bits_for_every_split_and_stock_is_not(dtype):
+    """The vocab-parallel log-softmax (exact integer sum over the vocabulary): every rank of TP 2, 3, 4 (even and
+    uneven slices, torch.chunk's and arbitrary) returns the full-vocabulary bits, and each rank's gradient is its
+    slice of the full gradient, bitwise. Negative control: the stock split (float32 partial sums all-reduced)
+    changes with the TP size."""
+    import shared_numerics.vocab_parallel as vp
+
+    g = torch.Generator().manual_seed(4)
+    n = 48
+    for vocab in (101, 4096):
+        z = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+        t = torch.randint(0, vocab, (n,), generator=g)
+        w = torch.randn(n, generator=g)
+        z_full = z.clone().requires_grad_()
+        full = vp.selected_logprobs(z_full, t)
+        (full * w).sum().backward()
+        assert full.dtype == torch.float32
+        assert torch.equal(full, vp.log_softmax(z)[torch.arange(n), t])
+        torch.testing.assert_close(full.double(), torch.log_softmax(z.double(), -1)[torch.arange(n), t],
+                                   rtol=0, atol=2e-6)
+        splits = [[round(i * vocab / tp) for i in range(tp + 1)] for tp in (2, 3, 4)]
+        splits += [[0, 7, vocab], [0, -(-vocab // 2), vocab]]  # a 7-wide slice; torch.chunk's ceil split
+        for bounds in splits:
+            tp = len(bounds) - 1
+
+            def rank(r, gather, bounds=bounds):
+                part = z[:, bounds[r]:bounds[r + 1]].clone().requires_grad_()
+                lp = vp.selected_logprobs(part, t, vocab_start=bounds[r], vocab_size=vocab, gather=gather)
+                (lp * w).sum().backward()
+                return lp, part.grad
+
+            for r, (lp, grad) in enumerate(_lockstep(tp, rank)):
+                assert torch.equal(lp, full), f"V={vocab} split {bounds} rank {r}"
+                assert torch.equal(grad, z_full.grad[:, bounds[r]:bounds[r + 1]]), f"grad V={vocab} {bounds} {r}"
+        stock1 = _megatron_logprobs(z, t, [0, vocab])
+        assert any(not torch.equal(stock1, _megatron_logprobs(z, t, b)) for b in splits[:3])
+
+
+@pytest.mark.timeout(120)
+def test_sampler_logprobs_follow_tp_k_block():
+    """vLLM's ``compute_logprobs`` is the vocab-parallel definition exactly when ``tp_k_block`` is set (the engine
+    tests cannot tell: the two definitions agree on almost every row, see :mod:`shared_numerics.vocab_parallel`)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    import shared_numerics.vocab_parallel as vp
+    from vllm_plugin.models.dense import _install_sampler_logprobs
+
+    before = Sampler.__dict__["compute_logprobs"]
+    try:
+        _install_sampler_logprobs(True)
+        assert Sampler.compute_logprobs is vp.log_softmax
+        _install_sampler_logprobs(False)
+        assert Sampler.compute_logprobs is sn.log_softmax
+    finally:
+        Sampler.compute_logprobs = before
+
+
+@pytest.mark.timeout(60)
+def test_vocab_parallel_log_softmax_edges():
+    import shared_numerics.vocab_parallel as vp
+
+    z = torch.randn(4, 10)
+    z[1, 3] = float("nan")
+    z[2] = float("-inf")
+    z[3, 0] = float("inf")
+    out = vp.log_softmax(z)
+    assert torch.isfinite(out[0]).all() and out[1:].isnan().all()
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 10\)"):
+        vp.selected_logprobs(z, torch.tensor([0, 1, 2, 10]))
+    with pytest.raises(ValueError, match="a vocabulary of"):
+        vp.selected_logprobs(z, torch.zeros(4, dtype=torch.long), vocab_size=vp.MAX_VOCAB)
+
+
 @pytest.mark.timeout(60)
 def test_block_tree_and_refusals():
     p = torch.arange(12, dtype=torch.float64).reshape(12, 1) + 1
@@ -166,6 +294,13 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
                            tp_k_block=16)
     with pytest.raises(ValueError, match="needs tp_k_block"):
         rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
+    # the fused lm_head has the TP 1 log-softmax only: refused where the vocab-parallel one is the contract
+    with pytest.raises(ValueError, match="fused log-probs with tp_k_block"):
+        rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", fused=True, tp_k_block=16)
+    from titan_plugin import trainer_logprobs
+
+    with pytest.raises(ValueError, match="fused log-probs with tp_k_block"):
+        trainer_logprobs(checkpoint_factory("qwen3", "float32"), [[1, 2, 3]], [1], fused=True, tp_k_block=16)
 
 
 # --- real trainers and engines ---

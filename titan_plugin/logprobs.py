@@ -9,11 +9,44 @@ from shared_numerics.rollout import RolloutBatch
 from .models import build_titan_model
 from .routing import pack_routes, replay_routes
 
-__all__ = ["sequence_logprobs", "trainer_logprobs"]
+__all__ = ["logprob_scorer", "sequence_logprobs", "trainer_logprobs"]
+
+FUSED_WITH_TP_K_BLOCK = ("fused log-probs with tp_k_block: the fused lm_head computes the TP 1 log-softmax, not the "
+                         "vocab-parallel one (use fused=False)")
+
+
+def logprob_scorer(logits: torch.Tensor, tp_k_block: int | None = None):
+    """How the trainer turns its model's logits into selected-token log-probs (the plain and the loss path alike).
+
+    Args:
+        logits: ``[..., V]`` tensor, or under tensor parallelism the lm_head's DTensor (``Shard(-1)``: vocab-parallel).
+        tp_k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`. Set: the vocab-parallel log-softmax
+            (:mod:`shared_numerics.vocab_parallel`, the definition vLLM's sampler uses under ``tp_k_block``) on this
+            rank's vocabulary slice, no gathered logits; ``None``: the logits gathered and
+            :func:`shared_numerics.selected_logprobs` (TP 1 numerics; a stock TP trainer).
+
+    Returns:
+        ``(local_logits [..., V_local], score)`` with ``score(rows [N, V_local], token_ids [N]) -> [N]`` float32
+        log-probs, differentiable; ``rows`` are rows of ``local_logits``.
+    """
+    import functools
+
+    import shared_numerics.vocab_parallel as sn_vocab
+
+    is_dtensor = hasattr(logits, "full_tensor")
+    if tp_k_block is None:  # the logits gathered (differentiable) when vocab-parallel
+        return (logits.full_tensor() if is_dtensor else logits), sn.selected_logprobs
+    if not is_dtensor:
+        return logits, sn_vocab.selected_logprobs
+    from .tensor_parallel import vocab_shard
+
+    local, kwargs = vocab_shard(logits)
+    return local, functools.partial(sn_vocab.selected_logprobs, **kwargs)
 
 
 def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
-                      pad_id: int = 0, fused: bool = False, routed_experts=None) -> list[torch.Tensor]:
+                      pad_id: int = 0, fused: bool = False, routed_experts=None, tp_k_block: int | None = None
+                      ) -> list[torch.Tensor]:
     """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward.
 
     Args:
@@ -26,14 +59,19 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
         routed_experts: MoE models: per sequence, the rollout's ``[len(seq) - 1, layers, top_k]`` expert ids
             (vLLM ``CompletionOutput.routed_experts``) to replay instead of recomputing top-k
             (:mod:`titan_plugin.routing`); ``None`` routes afresh.
+        tp_k_block: the model's :attr:`shared_numerics.NumericsMode.tp_k_block`: log-probs from the vocab-parallel
+            log-softmax (:func:`logprob_scorer`).
 
     Returns:
         ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
         ``log p(seq[p + j] | seq[:p + j])`` with ``p = prompt_lengths[i]``.
 
     Raises:
-        ValueError: a prompt length outside ``[1, len(seq)]``.
+        ValueError: a prompt length outside ``[1, len(seq)]``; ``fused`` with ``tp_k_block`` (the fused lm_head has
+            the TP 1 log-softmax only).
     """
+    if fused and tp_k_block is not None:
+        raise ValueError(FUSED_WITH_TP_K_BLOCK)
     tokens = RolloutBatch(token_ids, prompt_lengths).padded_tokens(pad_id)  # validates the lengths
     t = tokens.shape[1]
     routes = None if routed_experts is None else pack_routes(routed_experts, t)
@@ -49,13 +87,9 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
                 for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
     with replay_routes(model, routes):
         logits = model(tokens)
-    if hasattr(logits, "full_tensor"):  # tensor parallelism: the lm_head's gathered (replicated) DTensor
-        logits = logits.full_tensor()
-    out = []
-    for i, (s, p) in enumerate(zip(token_ids, prompt_lengths)):
-        targets = tokens[i, p: len(s)]
-        out.append(sn.selected_logprobs(logits[i, p - 1: len(s) - 1], targets))
-    return out
+    logits, score = logprob_scorer(logits, tp_k_block)
+    return [score(logits[i, p - 1: len(s) - 1], tokens[i, p: len(s)])
+            for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
 
 
 @torch.no_grad()
@@ -91,4 +125,5 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
     model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=granularity,
                                     tp_k_block=tp_k_block)
     model.eval()
-    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)
+    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts,
+                             tp_k_block=tp_k_block)

@@ -5,7 +5,8 @@ calls ``lm_head(hidden, targets=...)`` (:class:`titan_plugin.overrides.ZeroKLDLM
 the same log-prob bits, no ``[tokens, vocab]`` tensor. Per token (Tinker semantics), summed, divided by the global
 number of completion tokens (TorchTitan's ``global_valid_tokens``: a token mean over the batch)::
 
-    l_t = selected_logprobs(logits_t, target_t)      # shared_numerics: bitwise what vLLM reports
+    l_t = selected_logprobs(logits_t, target_t)      # shared_numerics: bitwise what vLLM reports (vocab-parallel
+                                                     # on this rank's slice with tp_k_block)
     loss_t, flags_t = token_loss(l_t, q_t, A_t, cfg)   # the registered formula, e.g. ppo (GRPO)
 
 The RL inputs (advantages, sampler log-probs ``q``) are not labels, so the trainer hands them over with
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 
-import shared_numerics as sn
 from shared_numerics.losses import (NORMALIZATIONS, CorrectionConfig, LossBatch, apply_corrections, grpo_advantages,
                                     normalize_loss)
 from zerokld_plugins import get_loss, resolve
+
+from .logprobs import FUSED_WITH_TP_K_BLOCK, logprob_scorer
 
 __all__ = ["RLLoss", "grpo_advantages"]
 
@@ -37,12 +39,17 @@ class RLLoss(BaseLoss):
         """``token_mean`` (sum / completion tokens of the global batch), ``sum`` (Tinker's raw sum) or ``constant``
         (sum / ``normalizer``, e.g. ``G * L_max`` for Dr.GRPO)."""
         normalizer: float = 1.0
+        tp_k_block: int | None = None
+        """:attr:`shared_numerics.NumericsMode.tp_k_block` of the model: log-probs from the vocab-parallel
+        log-softmax (:func:`titan_plugin.logprobs.logprob_scorer`); not with ``fused``."""
         corrections: dict = field(default_factory=dict)
         """:class:`shared_numerics.losses.CorrectionConfig` fields: ``kl_beta`` (k3 reference KL), ``tis_cap``,
         ``mis_low``/``mis_high`` (masked tokens leave the ``token_mean`` normaliser)."""
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
+        if config.fused and config.tp_k_block is not None:
+            raise ValueError(FUSED_WITH_TP_K_BLOCK)
         if config.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {config.normalization!r}")
         spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
@@ -77,14 +84,13 @@ class RLLoss(BaseLoss):
         if self._adv is None:
             raise RuntimeError("RLLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
         mask = labels != IGNORE_INDEX
-        if hasattr(pred, "full_tensor"):  # tensor parallelism: the vocab-parallel logits, gathered (differentiable)
-            pred = pred.full_tensor()
         if self.config.fused:
             if self.lm_head is None:
                 raise RuntimeError("fused RLLoss needs set_lm_head(model.lm_head) and a model run with _skip_lm_head")
             logp = self.lm_head(pred[mask], targets=labels[mask])
-        else:
-            logp = sn.selected_logprobs(pred[mask], labels[mask])
+        else:  # vocab-parallel logits: this rank's slice (tp_k_block) or gathered
+            pred, score = logprob_scorer(pred, self.config.tp_k_block)
+            logp = score(pred[mask], labels[mask])
         q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]
         w = None if self._weights is None else self._weights.to(device=pred.device, dtype=torch.float32)[mask]

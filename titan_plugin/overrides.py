@@ -77,24 +77,25 @@ def _is_dtensor(t) -> bool:
 
 
 def _per_row(fn, x, *params):
-    """``fn(x, *params)`` for an op that works on each row of the last dimension alone (norms, RoPE): under tensor
-    parallelism ``x`` is a DTensor sharded on another dimension (heads, sequence) or replicated, so the op runs on
-    the local shard (replicated parameters' local tensors) and the result keeps ``x``'s placements."""
+    """``fn(x, *params)`` for an op on each row of the last dimension alone (norms, RoPE); a DTensor ``x`` (tensor
+    parallelism) runs on its local shard (:func:`titan_plugin.tensor_parallel.per_row_dtensor`)."""
     if not _is_dtensor(x):
         return fn(x, *params)
-    from torch.distributed.tensor import DTensor
+    from .tensor_parallel import per_row_dtensor
 
-    if any(p.is_shard() and p.dim % x.ndim == x.ndim - 1 for p in x.placements):
-        raise NotImplementedError(f"zerokld: a per-row op on a DTensor sharded along its last dimension "
-                                  f"({x.placements})")
-    from torch.distributed.tensor import Partial, Replicate
+    return per_row_dtensor(fn, x, *params)
 
-    # a replicated parameter's local gradient sums over this rank's rows only: Partial when x is sharded
-    sharded = any(p.is_shard() for p in x.placements)
-    grad = [Partial() if sharded else Replicate()]
-    local = [q.to_local(grad_placements=grad) if _is_dtensor(q) else q for q in params]
-    out = fn(x.to_local(), *local)  # global shape and stride are x's (uneven sequence shards included)
-    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+class _FixedTreeOutput:
+    """Mixin for a module whose ranks are summed by the fixed tree when ``k_block`` is set: TorchTitan's
+    ``ShardingConfig`` then declares its output ``Replicate``, not ``Partial`` (no all-reduce runs)."""
+
+    def parallelize(self, parallel_dims) -> None:
+        if self.k_block:
+            from .tensor_parallel import replicate_output_sharding
+
+            self._sharding_config = replicate_output_sharding(self._sharding_config)
+        super().parallelize(parallel_dims)
 
 
 class ZeroKLDFp8Linear(ZeroKLDLinear):
@@ -115,7 +116,7 @@ class ZeroKLDFp8Linear(ZeroKLDLinear):
         return sn.fp8_linear_qat(x, self.weight, self.granularity)
 
 
-class ZeroKLDRowParallelLinear(ZeroKLDLinear):
+class ZeroKLDRowParallelLinear(_FixedTreeOutput, ZeroKLDLinear):
     """A row-parallel projection (attention ``wo``, feed-forward ``w2``) whose sum over ``K`` runs in fixed
     ``k_block`` blocks with the TP-aligned tree (:func:`shared_numerics.tensor_parallel.row_parallel_linear`): the
     same bits at every TP size, and as vLLM's ``o_proj`` / ``down_proj`` with the same ``tp_k_block``.
@@ -131,12 +132,6 @@ class ZeroKLDRowParallelLinear(ZeroKLDLinear):
     def __init__(self, config: Config):
         super().__init__(config)
         self.k_block = config.k_block
-
-    def parallelize(self, parallel_dims) -> None:
-        from .tensor_parallel import replicate_output_sharding
-
-        self._sharding_config = replicate_output_sharding(self._sharding_config)  # no Partial: no all-reduce
-        super().parallelize(parallel_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _is_dtensor(self.weight):
@@ -254,7 +249,7 @@ class ZeroKLDAttention(Module):
         return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale if scale is not None else d ** -0.5)
 
 
-class ZeroKLDMoE(MoE):
+class ZeroKLDMoE(_FixedTreeOutput, MoE):
     """TorchTitan ``MoE`` (same parameters, buffers and state-dict keys) whose forward is
     :func:`shared_numerics.moe.moe_forward` — the block vLLM's zerokld Qwen3-MoE runs.
 
@@ -275,13 +270,6 @@ class ZeroKLDMoE(MoE):
                                       "route_scale 1, no shared experts")
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
-
-    def parallelize(self, parallel_dims) -> None:
-        if self.k_block is not None:  # the fixed tree sums the ranks: the output is Replicate, not Partial
-            from .tensor_parallel import replicate_output_sharding
-
-            self._sharding_config = replicate_output_sharding(self._sharding_config)
-        super().parallelize(parallel_dims)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         b, seq, d = x_BLD.shape

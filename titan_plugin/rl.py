@@ -34,7 +34,7 @@ from shared_numerics.losses import CorrectionConfig, normalize_loss  # noqa: E40
 from shared_numerics.mode import NumericsMode  # noqa: E402
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
 
-from .logprobs import sequence_logprobs  # noqa: E402
+from .logprobs import FUSED_WITH_TP_K_BLOCK, sequence_logprobs  # noqa: E402
 from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,  # noqa: E402
                    save_peft_adapter)
 from .losses import RLLoss  # noqa: E402
@@ -160,7 +160,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             ``batch_invariant=False``, TorchTitan's own ``LoRAConverter`` (stock ``F.linear`` adapters).
         tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``), or ``None``.
         tensor_parallel_degree: TorchTitan's ``parallelism.tensor_parallel_degree`` (run under ``torchrun`` with as
-            many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics) and ``fused=False``.
+            many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics).
 
     Raises:
         ValueError: ``fused`` or ``fp8`` without ``batch_invariant``; ``lora`` with ``fp8``.
@@ -170,8 +170,10 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
     if lora is not None and fp8 is not None:
         raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
-    if tensor_parallel_degree > 1 and batch_invariant and (tp_k_block is None or fused):
-        raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block (and fused=False)")
+    if tensor_parallel_degree > 1 and batch_invariant and tp_k_block is None:
+        raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block")
+    if fused and tp_k_block is not None:
+        raise ValueError(FUSED_WITH_TP_K_BLOCK)
     cfg = read_model_config(checkpoint_dir)
     spec = _model_spec(cfg, batch_invariant, fp8, lora, tp_k_block)
     ckpt = str(Path(checkpoint_dir).resolve())
@@ -181,7 +183,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
         loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused,
-                           corrections=dict(corrections or {})),
+                           corrections=dict(corrections or {}), tp_k_block=tp_k_block),
         dataloader=RolloutQueue.Config(),
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
@@ -297,7 +299,8 @@ class RLTrainer(Trainer):
         ctx = disable_adapter(self.model) if base_only else contextlib.nullcontext()
         with ctx:
             return sequence_logprobs(self.model, batch.sequences, batch.prompt_lengths,
-                                     fused=self.config.loss.fused, routed_experts=batch.routed_experts)
+                                     fused=self.config.loss.fused, routed_experts=batch.routed_experts,
+                                     tp_k_block=self.config.zerokld.tp_k_block)
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
         """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused).
@@ -306,7 +309,8 @@ class RLTrainer(Trainer):
         config = dict(loss_fn_config or {})
         corrections = {k: config.pop(k) for k in CorrectionConfig.model_fields if k in config}
         loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=config, fused=self.config.loss.fused,
-                             normalization=normalization, corrections=corrections).build()
+                             normalization=normalization, corrections=corrections,
+                             tp_k_block=self.config.zerokld.tp_k_block).build()
         if self.config.loss.fused:
             loss.set_lm_head(self.model.lm_head)
         return loss

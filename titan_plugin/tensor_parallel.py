@@ -10,6 +10,8 @@ all-reduce adds the ranks' rounded partials, so the bits depend on the TP size. 
 * row-parallel: :func:`shared_numerics.tensor_parallel.row_parallel_linear` on the local shard with the fixed K-block
   tree, the ranks' float32 subtree roots all-gathered over the TP mesh, output ``Replicate`` (the module's
   ``out_src_shardings`` is changed to match: no all-reduce runs).
+* the lm_head's ``Shard(-1)`` logits stay sharded: :func:`vocab_shard` hands this rank's slice to
+  :func:`shared_numerics.vocab_parallel.selected_logprobs` (:func:`titan_plugin.logprobs.logprob_scorer`).
 
 Source: torch ``distributed/tensor/parallel/style.py`` (``ColwiseParallel`` / ``RowwiseParallel``, the layouts
 TorchTitan declares); vLLM ``model_executor/layers/linear.py`` for the same split on the serving side.
@@ -23,7 +25,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import shared_numerics as sn
 import shared_numerics.tensor_parallel as sn_tp
 
-__all__ = ["column_parallel_dtensor", "moe_dtensor", "replicate_output_sharding", "row_parallel_dtensor"]
+__all__ = ["column_parallel_dtensor", "moe_dtensor", "per_row_dtensor", "replicate_output_sharding",
+           "row_parallel_dtensor", "vocab_shard"]
 
 
 class _GatherRoots(torch.autograd.Function):
@@ -49,6 +52,53 @@ def _gather_over(mesh):
     """The ``gather`` of :func:`shared_numerics.tensor_parallel.row_parallel_linear` over the TP mesh's group."""
     group = mesh.get_group()
     return lambda root: _GatherRoots.apply(root, group)
+
+
+def per_row_dtensor(fn, x: DTensor, *params) -> DTensor:
+    """``fn(x, *params)`` for an op on each row of the last dimension alone (norms, RoPE) when ``x`` is a DTensor
+    sharded on another dimension (heads, sequence) or replicated: the op runs on the local shard with the
+    (replicated) parameters' local tensors, and the result keeps ``x``'s placements, shape and stride (uneven
+    sequence shards included). A replicated parameter's local gradient then sums this rank's rows only: ``Partial``
+    when ``x`` is sharded.
+
+    Raises:
+        NotImplementedError: ``x`` sharded along its last dimension."""
+    if any(p.is_shard() and p.dim % x.ndim == x.ndim - 1 for p in x.placements):
+        raise NotImplementedError(f"zerokld: a per-row op on a DTensor sharded along its last dimension "
+                                  f"({x.placements})")
+    grad = [Partial() if any(p.is_shard() for p in x.placements) else Replicate()]
+    local = [q.to_local(grad_placements=grad) if isinstance(q, DTensor) else q for q in params]
+    out = fn(x.to_local(), *local)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, dict]:
+    """This rank's slice of vocab-parallel logits, for :func:`shared_numerics.vocab_parallel.selected_logprobs`.
+
+    Args:
+        logits: ``[..., V]`` DTensor on the 1-D TP mesh, ``Shard(-1)`` (the column-parallel lm_head's output, uneven
+            shards allowed) or ``Replicate``.
+
+    Returns:
+        ``(local [..., V_local], kwargs)``: ``kwargs`` holds ``vocab_start``, ``vocab_size`` and ``gather`` (an
+        all-gather over the TP group whose backward keeps this rank's slice). ``local``'s gradient is this rank's
+        slice of the logits' gradient.
+
+    Raises:
+        NotImplementedError: another placement or a multi-dimensional mesh."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = logits.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: logits on a {mesh.ndim}-D mesh")
+    (placement,) = logits.placements
+    vocab = logits.shape[-1]
+    if placement.is_replicate():
+        return logits.to_local(), {"vocab_start": 0, "vocab_size": vocab}
+    if placement != Shard(logits.ndim - 1):
+        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: logits placements {logits.placements}")
+    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+    return logits.to_local(), {"vocab_start": int(offset[-1]), "vocab_size": vocab, "gather": _gather_over(mesh)}
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

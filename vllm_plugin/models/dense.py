@@ -12,7 +12,8 @@ and k); rotate-half RoPE; paged causal attention; ``h = h + linear(o, Wo)``; ``f
 Each residual add runs fused with the norm after it (:func:`shared_numerics.add_rms_norm`) and Qwen3's QK-norm with
 the rotation (:func:`shared_numerics.rms_norm_rope`): by definition the same bits as the unfused sequence TorchTitan
 runs, one pass fewer over the activations each.
-The sampler's ``compute_logprobs`` becomes :func:`shared_numerics.log_softmax`.
+The sampler's ``compute_logprobs`` becomes :func:`shared_numerics.log_softmax` (with ``tp_k_block``: the vocab-parallel
+definition the trainer computes on its vocabulary shard, :func:`shared_numerics.vocab_parallel.log_softmax`).
 
 FP8 (``additional_config={"zerokld": {"batch_invariant": true, "fp8": true}}``, or a ``zerokld_fp8`` checkpoint):
 the seven decoder projections run :func:`shared_numerics.fp8_linear` (embeddings, norms and lm_head stay in the model
@@ -34,6 +35,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.tensor_parallel as sn_tp
+import shared_numerics.vocab_parallel as sn_vocab
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
 from zerokld_models import ModelConfig, read_model_config, unsupported_features
 
@@ -85,6 +87,10 @@ class TensorParallel:
         start = min(self.rank * per, vocab_size)
         return start, min(vocab_size, start + per) - start, per
 
+    def split(self, length: int) -> tuple[int, int]:
+        """This rank's ``(start, length)`` in an even split of ``length`` over the TP ranks."""
+        return self.rank * (length // self.size), length // self.size
+
     def param(self, full_shape: tuple[int, ...], dim: int | None, dtype: torch.dtype | None = None,
               rows: tuple[int, int] | None = None) -> nn.Parameter:
         """A parameter holding this rank's slice of a checkpoint tensor of ``full_shape`` along ``dim`` (``None``:
@@ -92,8 +98,7 @@ class TensorParallel:
         full checkpoint tensor and keeps the slice."""
         if dim is None or self.size == 1:
             return _param(*full_shape, dtype=dtype)
-        start, local = rows if rows is not None else (self.rank * (full_shape[dim] // self.size),
-                                                      full_shape[dim] // self.size)
+        start, local = rows if rows is not None else self.split(full_shape[dim])
         shape = list(full_shape)
         shape[dim] = local
         p = _param(*shape, dtype=dtype)
@@ -325,11 +330,15 @@ class DenseDecoder(nn.Module):
         return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
 
 
-def _install_sampler_logprobs() -> None:
-    """Route vLLM's sampler log-softmax (``v1/sample/sampler.py``) through ``shared_numerics``."""
+def _install_sampler_logprobs(vocab_parallel: bool) -> None:
+    """Route vLLM's sampler log-softmax (``v1/sample/sampler.py``) through ``shared_numerics``: with ``tp_k_block``
+    (``vocab_parallel``) the definition the trainer computes on its vocabulary shard
+    (:func:`shared_numerics.vocab_parallel.log_softmax`), else :func:`shared_numerics.log_softmax`. A class attribute:
+    the last zerokld model built in a process sets it (vLLM builds one model per engine process)."""
     from vllm.v1.sample.sampler import Sampler
 
-    Sampler.compute_logprobs = staticmethod(sn.log_softmax)  # type: ignore[method-assign]
+    fn = sn_vocab.log_softmax if vocab_parallel else sn.log_softmax
+    Sampler.compute_logprobs = staticmethod(fn)  # type: ignore[method-assign]
 
 
 def _is_zerokld_fp8(vllm_config) -> bool:
@@ -384,7 +393,7 @@ class ZeroKLDMixin:
             self.lm_head = nn.Module()
             v, tp = self.model_cfg.vocab_size, self.model.tp
             self.lm_head.weight = tp.param((v, self.model_cfg.hidden_size), 0, rows=tp.vocab_rows(v)[:2])
-        _install_sampler_logprobs()
+        _install_sampler_logprobs(cfg.tp_k_block is not None)
 
     def _mlp_factory(self, vllm_config):
         """``layer index -> MLP module``, or ``None`` for the dense SwiGLU MLP (MoE models override this)."""

@@ -44,10 +44,9 @@ def _stacked(*shape: int, tp: TensorParallel | None = None, inter_dim: int | Non
         p.weight_loader = expert_weight_loader  # type: ignore[attr-defined]
         return p
     local = list(shape)
-    width = shape[1 + inter_dim] // tp.size
+    start, width = tp.split(shape[1 + inter_dim])
     local[1 + inter_dim] = width
     p = _param(*local)
-    start = tp.rank * width
     p.weight_loader = lambda param, w, e: expert_weight_loader(param, w.narrow(inter_dim, start, width), e)
     p.checkpoint_shape = tuple(shape)  # type: ignore[attr-defined]
     return p
