@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["MAX_VOCAB", "log_softmax", "logsumexp", "selected_logprobs"]
+__all__ = ["MAX_VOCAB", "fused_selected_logprobs", "log_softmax", "logsumexp", "selected_logprobs"]
 
 LIMB_BITS = 40
 MAX_VOCAB = 1 << (63 - LIMB_BITS)  # a limb sum is at most V * 2^40 < 2^63
@@ -85,16 +85,16 @@ class _LogSumExp(torch.autograd.Function):
         return (grad.double().unsqueeze(-1) * p).to(shifted.dtype), None, None
 
 
-def _shift(logits: torch.Tensor, gather: Gather | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(z - max(z) [N, V_local] float32, bad [N] bool)``: the max over every rank's slice (exact); a non-finite max
-    is taken as 0, and a NaN or ``+inf`` one marks the row bad (its sum is NaN)."""
+def _shift(logits: torch.Tensor, gather: Gather | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(z - m [N, V_local] float32, m [N], bad [N] bool)``: ``m`` the max over every rank's slice (exact); a
+    non-finite max is taken as 0, and a NaN or ``+inf`` one marks the row bad (its sum is NaN)."""
     z = logits.float()
     m = z.amax(dim=-1).detach()
     if gather is not None:
         m = gather(m.unsqueeze(0)).detach().amax(dim=0)
     bad = torch.isnan(m) | (m == float("inf"))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return z - m.unsqueeze(-1), bad
+    return z - m.unsqueeze(-1), m, bad
 
 
 def logsumexp(logits: torch.Tensor, gather: Gather | None = None, vocab_size: int | None = None
@@ -119,7 +119,7 @@ def logsumexp(logits: torch.Tensor, gather: Gather | None = None, vocab_size: in
     v = max(logits.shape[-1], vocab_size or 0)
     if v >= MAX_VOCAB:
         raise ValueError(f"vocab-parallel log-softmax: a vocabulary of {v} (at most {MAX_VOCAB - 1})")
-    shifted, bad = _shift(logits, gather)
+    shifted, _, bad = _shift(logits, gather)
     return shifted, _LogSumExp.apply(shifted, bad, gather)
 
 
@@ -154,16 +154,113 @@ def selected_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, vocab_st
     Raises:
         ValueError: a token id outside ``[0, vocab_size)``; see :func:`logsumexp`.
     """
-    v_local = logits.shape[-1]
-    vocab_size = vocab_start + v_local if vocab_size is None else vocab_size
+    ids = _check_ids(token_ids, vocab_start + logits.shape[-1] if vocab_size is None else vocab_size)
+    shifted, lse = logsumexp(logits, gather, vocab_size)
+    return (_picked(shifted, ids, vocab_start, gather).double() - lse).float()
+
+
+def _check_ids(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     ids = token_ids.reshape(-1).long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"token ids outside [0, {vocab_size}): min {int(ids.min())}, max {int(ids.max())}")
-    shifted, lse = logsumexp(logits, gather, vocab_size)
+    return ids
+
+
+def _owned(ids: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(owned [N] bool, local index [N])``: which rows' tokens lie in this slice, and where (clamped)."""
     local = ids - vocab_start
-    owned = (local >= 0) & (local < v_local)
-    picked = shifted.gather(-1, local.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    return (local >= 0) & (local < v_local), local.clamp(0, max(v_local - 1, 0))
+
+
+def _picked(shifted: torch.Tensor, ids: torch.Tensor, vocab_start: int, gather: Gather | None) -> torch.Tensor:
+    """``shifted[i, ids[i]]`` from the rank that owns it (float32 ``[N]``, differentiable)."""
+    owned, local = _owned(ids, vocab_start, shifted.shape[-1])
+    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
     picked = torch.where(owned, picked, torch.zeros_like(picked))
     if gather is not None:  # one owner per row, every other rank contributes an exact 0
         picked = gather(picked.unsqueeze(0)).sum(dim=0)
-    return (picked.double() - lse).float()
+    return picked
+
+
+class _FusedSelectedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, vocab_start, vocab_size, gather, chunk):
+        from .linear import linear
+
+        n = hidden.shape[0]
+        out = hidden.new_empty(n, dtype=torch.float32)
+        m_all, s_all = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float64)
+        for a in range(0, n, chunk):
+            shifted, m, bad = _shift(linear(hidden[a:a + chunk], weight), gather)
+            sums = _limb_sums(shifted)
+            if gather is not None:
+                sums = gather(sums.unsqueeze(0)).sum(dim=0)
+            s = _value(sums, bad)
+            m_all[a:a + chunk], s_all[a:a + chunk] = m, s
+            picked = _picked(shifted, ids[a:a + chunk], vocab_start, gather)
+            out[a:a + chunk] = (picked.double() - torch.log(s)).float()
+        ctx.save_for_backward(hidden, weight, ids, m_all, s_all)
+        ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .linear import linear, matmul_rows
+
+        hidden, weight, ids, m_all, s_all = ctx.saved_tensors
+        w32 = weight.float()
+        grad_h = torch.empty_like(hidden, dtype=torch.float32)
+        grad_w = torch.zeros_like(w32)
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[a:a + ctx.chunk]
+            g = grad_out[a:a + ctx.chunk].double().unsqueeze(-1)
+            shifted = linear(h, weight).float() - m_all[a:a + ctx.chunk].unsqueeze(-1)
+            dz = -(g * torch.exp(shifted.double()) / s_all[a:a + ctx.chunk].unsqueeze(-1))
+            owned, local = _owned(ids[a:a + ctx.chunk], ctx.vocab_start, shifted.shape[-1])
+            rows = torch.nonzero(owned).squeeze(-1)
+            dz[rows, local[rows]] += g[rows, 0]
+            dz = dz.float()
+            grad_h[a:a + ctx.chunk] = matmul_rows(dz, w32)
+            grad_w += dz.t() @ h.float()
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, *,
+                            vocab_start: int = 0, vocab_size: int | None = None, gather: Gather | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
+    """Fused lm_head + vocab-parallel selected log-probs: :func:`selected_logprobs` of ``linear(hidden, weight)``
+    without the ``[N, V_local]`` logits in memory (chunks of rows), with a closed-form backward.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (float32 or bfloat16), the same on every rank.
+        weight: ``[V_local, H]`` this rank's lm_head rows, vocabulary ids ``[vocab_start, vocab_start + V_local)``.
+        token_ids: ``[N]`` int64 global vocabulary ids.
+        vocab_start, vocab_size, gather: as for :func:`selected_logprobs`.
+        chunk: rows per chunk (rounded up to a multiple of :data:`shared_numerics.linear.ROW_TILE`); ``None``:
+            :func:`shared_numerics.fused_logprobs.auto_chunk` of ``V_local``. The result does not depend on it.
+
+    Returns:
+        ``[N]`` float32, bitwise ``selected_logprobs(linear(hidden, weight), ...)`` (and the full-vocabulary bits at
+        every split). Backward (recomputing each chunk's logits; the forward's max and sum are kept):
+        ``dz = g (onehot(t) - e / S)`` on this rank's slice, ``dh = dz @ W_local`` (a partial sum over the ranks:
+        the caller reduces it, e.g. a ``Partial`` DTensor gradient) and ``dW_local = sum_chunks dz^T h``, float32.
+
+    Raises:
+        ValueError: shape mismatch; see :func:`selected_logprobs`.
+
+    Source: :mod:`shared_numerics.fused_logprobs` (the TP 1 fused path; Liger-Kernel's
+    ``fused_linear_cross_entropy``) with Megatron's vocab-parallel layout.
+    """
+    from .fused_logprobs import auto_chunk
+    from .linear import ROW_TILE
+
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or token_ids.shape != (
+            hidden.shape[0],):
+        raise ValueError(f"expected hidden [N, H], weight [V_local, H], token_ids [N]; got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(token_ids.shape)}")
+    vocab_size = vocab_start + weight.shape[0] if vocab_size is None else vocab_size
+    if max(weight.shape[0], vocab_size) >= MAX_VOCAB:
+        raise ValueError(f"vocab-parallel log-softmax: a vocabulary of {vocab_size} (at most {MAX_VOCAB - 1})")
+    ids = _check_ids(token_ids, vocab_size)
+    chunk = auto_chunk(weight.shape[0]) if chunk is None else -(-max(chunk, 1) // ROW_TILE) * ROW_TILE
+    return _FusedSelectedLogprobs.apply(hidden, weight, ids, vocab_start, vocab_size, gather, chunk)

@@ -211,6 +211,42 @@ def test_vocab_parallel_log_softmax_same_bits_for_every_split_and_stock_is_not(d
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_fused_vocab_parallel_logprobs_equal_unfused_for_every_split(dtype):
+    """The fused lm_head + vocab-parallel log-probs (rows in chunks, no ``[N, V]`` logits): bitwise the unfused
+    vocab-parallel log-probs, on every rank of every split of the lm_head rows; its closed-form gradients (each rank's
+    weight rows; the hidden states' gradient summed over the ranks) match autograd of the unfused path."""
+    import shared_numerics.vocab_parallel as vp
+
+    g = torch.Generator().manual_seed(5)
+    n, h, vocab = 37, 32, 101
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(vocab, h, generator=g) * 0.3).to(dtype)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    w = torch.randn(n, generator=g)
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = vp.selected_logprobs(sn.linear(h_ref, w_ref), t)
+    (ref * w).sum().backward()
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for bounds in ([0, vocab], [0, 51, vocab], [0, 30, 64, vocab]):
+        tp = len(bounds) - 1
+
+        def rank(r, gather, bounds=bounds):
+            hs = hidden.clone().requires_grad_()
+            ws = weight[bounds[r]:bounds[r + 1]].clone().requires_grad_()
+            lp = vp.fused_selected_logprobs(hs, ws, t, vocab_start=bounds[r], vocab_size=vocab,
+                                            gather=gather if tp > 1 else None, chunk=16)
+            (lp * w).sum().backward()
+            return lp, hs.grad, ws.grad
+
+        results = _lockstep(tp, rank)
+        for r, (lp, _, grad_w) in enumerate(results):
+            assert torch.equal(lp, ref), f"split {bounds} rank {r}"
+            torch.testing.assert_close(grad_w.float(), w_ref.grad[bounds[r]:bounds[r + 1]].float(), **tol)
+        torch.testing.assert_close(sum(gh.float() for _, gh, _ in results), h_ref.grad.float(), **tol)
+
+
+@pytest.mark.timeout(120)
 def test_sampler_logprobs_follow_tp_k_block():
     """vLLM's ``compute_logprobs`` is the vocab-parallel definition exactly when ``tp_k_block`` is set (the engine
     tests cannot tell: the two definitions agree on almost every row, see :mod:`shared_numerics.vocab_parallel`)."""
@@ -294,29 +330,22 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
                            tp_k_block=16)
     with pytest.raises(ValueError, match="needs tp_k_block"):
         rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
-    # the fused lm_head has the TP 1 log-softmax only: refused where the vocab-parallel one is the contract
-    with pytest.raises(ValueError, match="fused log-probs with tp_k_block"):
-        rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", fused=True, tp_k_block=16)
-    from titan_plugin import trainer_logprobs
-
-    with pytest.raises(ValueError, match="fused log-probs with tp_k_block"):
-        trainer_logprobs(checkpoint_factory("qwen3", "float32"), [[1, 2, 3]], [1], fused=True, tp_k_block=16)
 
 
 # --- real trainers and engines ---
 
 def _trainer_tp(tmp_path, ckpt, dtype, tp, seqs, lens, batch_invariant=True, tp_k_block=K_BLOCK,
-                train_step=False, nproc=None):
+                train_step=False, nproc=None, fused=False):
     """TorchTitan's trainer at ``tensor_parallel_degree`` ``tp`` on ``nproc`` ranks (default ``tp``; more: FSDP over
     the rest) under ``torchrun`` (gloo on loopback): ``{"logprobs"}`` of ``seqs`` (``RLTrainer.forward_logprobs``),
     and with ``train_step`` the ``loss`` of one ``rl_step`` and the log-probs ``after`` it
-    (:mod:`zerokld_testing.titan_tp`)."""
+    (:mod:`zerokld_testing.titan_tp`); ``fused``: the fused lm_head log-probs and loss."""
     nproc = nproc or tp
-    spec = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}.json"
-    out = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}.pt"
+    spec = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}_{fused}.json"
+    out = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}_{fused}.pt"
     spec.write_text(json.dumps({"checkpoint": ckpt, "dtype": dtype, "tp": tp, "batch_invariant": batch_invariant,
                                 "tp_k_block": tp_k_block if batch_invariant else None, "sequences": seqs,
-                                "prompt_lengths": lens, "train_step": train_step}))
+                                "prompt_lengths": lens, "train_step": train_step, "fused": fused}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -436,9 +465,11 @@ def test_vllm_tp1_and_tp2_same_bits_where_stock_differs(engine_slot, checkpoint_
 def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, checkpoint_factory, tmp_path):
     """vLLM ``--tensor-parallel-size 2`` with ``tp_k_block`` serves, bit for bit, the log-probs the trainer computes
     at TP 1 and at TorchTitan ``tensor_parallel_degree`` 2 (alone, and qwen3 bf16 also under FSDP 2) with the same
-    ``tp_k_block`` (qwen2: q/k/v bias sharded with the columns, tied lm_head sliced from the
-    embedding, odd vocabulary 101 split 51 + 50; qwen3_moe: each expert's intermediate size split, the experts' down
-    projections summed with the same tree before the routing weights). Negative control (float32): the trainer's
+    ``tp_k_block`` (qwen2: q/k/v bias sharded with the columns, tied lm_head sliced from the embedding, odd
+    vocabulary 101 split 51 + 50, also through the fused lm_head at TP 1 and 2; qwen3_moe: each expert's intermediate
+    size split, the experts' down projections summed with the same tree before the routing weights). The log-probs
+    are the vocab-parallel log-softmax: vLLM's sampler on the gathered logits, the trainer on its vocabulary slice.
+    Negative control (float32): the trainer's
     default numerics (one fused GEMM over K) differ; in bf16 the rounding of these small layers hides that difference,
     and the stock TP 1 vs TP 2 controls (vLLM's and the trainer's) are the ones that fail without the fixed tree."""
     from titan_plugin import trainer_logprobs
@@ -463,6 +494,14 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
         assert all(torch.equal(a, b) for a, b in zip(served, fsdp["logprobs"]))
         # identical gradients averaged over the FSDP ranks: the same step, bit for bit
         assert all(torch.equal(a, b) for a, b in zip(tp2["after"], fsdp["after"]))
+    if (family, dtype) == ("qwen2", "float32"):  # the fused lm_head, vocabulary rows split 51 + 50: same bits
+        assert all(torch.equal(a, b) for a, b in zip(
+            served, trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK, fused=True)))
+        fused = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, fused=True)
+        assert all(torch.equal(a, b) for a, b in zip(served, fused["logprobs"]))
+        # its closed-form backward takes the same step as autograd of the unfused loss, up to float32 sum order
+        for a, b in zip(fused["after"], tp2["after"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     if dtype == "float32":
         default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
         assert any(not torch.equal(a, b) for a, b in zip(served, default))

@@ -11,9 +11,6 @@ from .routing import pack_routes, replay_routes
 
 __all__ = ["logprob_scorer", "sequence_logprobs", "trainer_logprobs"]
 
-FUSED_WITH_TP_K_BLOCK = ("fused log-probs with tp_k_block: the fused lm_head computes the TP 1 log-softmax, not the "
-                         "vocab-parallel one (use fused=False)")
-
 
 def logprob_scorer(logits: torch.Tensor, tp_k_block: int | None = None):
     """How the trainer turns its model's logits into selected-token log-probs (the plain and the loss path alike).
@@ -60,18 +57,16 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
             (vLLM ``CompletionOutput.routed_experts``) to replay instead of recomputing top-k
             (:mod:`titan_plugin.routing`); ``None`` routes afresh.
         tp_k_block: the model's :attr:`shared_numerics.NumericsMode.tp_k_block`: log-probs from the vocab-parallel
-            log-softmax (:func:`logprob_scorer`).
+            log-softmax (:func:`logprob_scorer`; fused: the lm_head's, set by
+            :func:`titan_plugin.overrides.set_tp_k_block`).
 
     Returns:
         ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
         ``log p(seq[p + j] | seq[:p + j])`` with ``p = prompt_lengths[i]``.
 
     Raises:
-        ValueError: a prompt length outside ``[1, len(seq)]``; ``fused`` with ``tp_k_block`` (the fused lm_head has
-            the TP 1 log-softmax only).
+        ValueError: a prompt length outside ``[1, len(seq)]``.
     """
-    if fused and tp_k_block is not None:
-        raise ValueError(FUSED_WITH_TP_K_BLOCK)
     tokens = RolloutBatch(token_ids, prompt_lengths).padded_tokens(pad_id)  # validates the lengths
     t = tokens.shape[1]
     routes = None if routed_experts is None else pack_routes(routed_experts, t)
@@ -83,6 +78,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
                 hidden = model(tokens)
         finally:
             model._skip_lm_head = skip
+        hidden = model.lm_head.fused_input(hidden)
         return [model.lm_head(hidden[i, p - 1: len(s) - 1], targets=tokens[i, p: len(s)])
                 for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
     with replay_routes(model, routes):

@@ -24,7 +24,7 @@ from shared_numerics.losses import (NORMALIZATIONS, CorrectionConfig, LossBatch,
                                     normalize_loss)
 from zerokld_plugins import get_loss, resolve
 
-from .logprobs import FUSED_WITH_TP_K_BLOCK, logprob_scorer
+from .logprobs import logprob_scorer
 
 __all__ = ["RLLoss", "grpo_advantages"]
 
@@ -41,15 +41,13 @@ class RLLoss(BaseLoss):
         normalizer: float = 1.0
         tp_k_block: int | None = None
         """:attr:`shared_numerics.NumericsMode.tp_k_block` of the model: log-probs from the vocab-parallel
-        log-softmax (:func:`titan_plugin.logprobs.logprob_scorer`); not with ``fused``."""
+        log-softmax (:func:`titan_plugin.logprobs.logprob_scorer`; fused, the lm_head's own)."""
         corrections: dict = field(default_factory=dict)
         """:class:`shared_numerics.losses.CorrectionConfig` fields: ``kl_beta`` (k3 reference KL), ``tis_cap``,
         ``mis_low``/``mis_high`` (masked tokens leave the ``token_mean`` normaliser)."""
 
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
-        if config.fused and config.tp_k_block is not None:
-            raise ValueError(FUSED_WITH_TP_K_BLOCK)
         if config.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {config.normalization!r}")
         spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
@@ -87,7 +85,7 @@ class RLLoss(BaseLoss):
         if self.config.fused:
             if self.lm_head is None:
                 raise RuntimeError("fused RLLoss needs set_lm_head(model.lm_head) and a model run with _skip_lm_head")
-            logp = self.lm_head(pred[mask], targets=labels[mask])
+            logp = self.lm_head(self.lm_head.fused_input(pred)[mask], targets=labels[mask])
         else:  # vocab-parallel logits: this rank's slice (tp_k_block) or gathered
             pred, score = logprob_scorer(pred, self.config.tp_k_block)
             logp = score(pred[mask], labels[mask])

@@ -9,7 +9,8 @@ the component it replaces (same parameters, same state-dict keys, same checkpoin
 TorchTitan component   zerokld replacement
 =====================  ===========================================================================
 ``Linear``             :func:`shared_numerics.linear` (fixed row tiles, fp32 accumulation); the ``lm_head`` also
-                       offers :func:`shared_numerics.fused_selected_logprobs` (``lm_head(h, targets=t)``)
+                       offers :func:`shared_numerics.fused_selected_logprobs` (``lm_head(h, targets=t)``; with
+                       ``tp_k_block`` the vocab-parallel one of :mod:`shared_numerics.vocab_parallel`)
 ``RMSNorm``            :func:`shared_numerics.rms_norm` (fixed-tree fp32 statistics)
 ``FeedForward``        ``w2(silu_and_mul(w1 x, w3 x))`` with :func:`shared_numerics.silu_and_mul`
 ``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables; Llama 3.x scaling from
@@ -143,23 +144,51 @@ class ZeroKLDRowParallelLinear(_FixedTreeOutput, ZeroKLDLinear):
 
 class ZeroKLDLMHead(ZeroKLDLinear):
     """lm_head that can also return the fused selected-token log-probs (``forward(h, targets=t)``), so RL losses run
-    through the module (and FSDP's unshard / gradient hooks) without ever materialising ``[tokens, vocab]`` logits."""
+    through the module (and FSDP's unshard / gradient hooks) without ever materialising ``[tokens, vocab]`` logits.
+
+    With ``vocab_parallel`` (set by :func:`set_tp_k_block`) the fused log-probs are the vocab-parallel definition
+    (:func:`shared_numerics.vocab_parallel.fused_selected_logprobs`); under TorchTitan's tensor parallelism the weight
+    is ``Shard(0)`` (vocabulary rows) and each rank scores its own rows (:meth:`fused_input` makes the hidden states
+    local with a ``Partial`` gradient)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ZeroKLDLinear.Config):
         fused_chunk: int = 0  # rows per chunk of the fused log-probs; 0: sized from the vocabulary
+        vocab_parallel: bool = False  # the tp_k_block log-softmax (shared_numerics.vocab_parallel)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.fused_chunk = config.fused_chunk or None
+        self.vocab_parallel = config.vocab_parallel
+
+    def fused_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden states ``[..., H]`` as this rank's plain tensor for ``forward(x, targets=...)`` (index it
+        first; a DTensor cannot take a boolean mask): a DTensor's local tensor, whose gradient is ``Partial`` when
+        the weight is vocabulary-sharded (each rank's rows contribute); a plain tensor unchanged."""
+        if not _is_dtensor(x):
+            return x
+        from torch.distributed.tensor import Partial, Replicate
+
+        sharded = _is_dtensor(self.weight) and any(p.is_shard() for p in self.weight.placements)
+        return x.to_local(grad_placements=[Partial() if sharded else Replicate()])
 
     def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return super().forward(x)
-        if _is_dtensor(self.weight):
-            raise NotImplementedError("fused log-probs under tensor parallelism (use fused=False)")
         if self.bias is not None:
             raise NotImplementedError("fused log-probs need a bias-free lm_head")
+        x = self.fused_input(x)
+        if self.vocab_parallel:
+            import shared_numerics.vocab_parallel as sn_vocab
+
+            weight, kwargs = self.weight, {}
+            if _is_dtensor(weight):
+                from .tensor_parallel import vocab_rows
+
+                weight, kwargs = vocab_rows(weight)
+            return sn_vocab.fused_selected_logprobs(x, weight, targets, chunk=self.fused_chunk, **kwargs)
+        if _is_dtensor(self.weight):
+            raise NotImplementedError("fused log-probs under tensor parallelism need tp_k_block")
         return sn.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk)
 
 
@@ -365,10 +394,13 @@ FP8_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_linear", "block": f"{__
 def set_tp_k_block(model_cfg, k_block: int) -> None:
     """Make every decoder layer's row-parallel projections (``attention.wo``, ``feed_forward.w2``)
     :class:`ZeroKLDRowParallelLinear` with ``k_block`` (:attr:`shared_numerics.NumericsMode.tp_k_block`), and the
-    MoE experts' down projections sum with the same tree (:class:`ZeroKLDMoE` ``k_block``).
+    MoE experts' down projections sum with the same tree (:class:`ZeroKLDMoE` ``k_block``); the lm_head's fused
+    log-probs become the vocab-parallel ones (:class:`ZeroKLDLMHead` ``vocab_parallel``).
 
     Raises:
         ValueError: FP8 or LoRA projections (not the zerokld linear)."""
+    if type(getattr(model_cfg, "lm_head", None)) is ZeroKLDLMHead.Config:
+        model_cfg.lm_head = derive(model_cfg.lm_head, ZeroKLDLMHead.Config, vocab_parallel=True)
     for i, layer in enumerate(model_cfg.layers):
         if getattr(layer, "moe", None) is not None:
             if type(layer.moe) is not ZeroKLDMoE.Config:

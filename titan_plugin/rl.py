@@ -34,7 +34,7 @@ from shared_numerics.losses import CorrectionConfig, normalize_loss  # noqa: E40
 from shared_numerics.mode import NumericsMode  # noqa: E402
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
 
-from .logprobs import FUSED_WITH_TP_K_BLOCK, sequence_logprobs  # noqa: E402
+from .logprobs import sequence_logprobs  # noqa: E402
 from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,  # noqa: E402
                    save_peft_adapter)
 from .losses import RLLoss  # noqa: E402
@@ -172,8 +172,6 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
     if tensor_parallel_degree > 1 and batch_invariant and tp_k_block is None:
         raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block")
-    if fused and tp_k_block is not None:
-        raise ValueError(FUSED_WITH_TP_K_BLOCK)
     cfg = read_model_config(checkpoint_dir)
     spec = _model_spec(cfg, batch_invariant, fp8, lora, tp_k_block)
     ckpt = str(Path(checkpoint_dir).resolve())

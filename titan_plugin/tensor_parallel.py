@@ -26,7 +26,7 @@ import shared_numerics as sn
 import shared_numerics.tensor_parallel as sn_tp
 
 __all__ = ["column_parallel_dtensor", "moe_dtensor", "per_row_dtensor", "replicate_output_sharding",
-           "row_parallel_dtensor", "vocab_shard"]
+           "row_parallel_dtensor", "vocab_rows", "vocab_shard"]
 
 
 class _GatherRoots(torch.autograd.Function):
@@ -72,6 +72,16 @@ def per_row_dtensor(fn, x: DTensor, *params) -> DTensor:
     return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
+def vocab_rows(weight: DTensor) -> tuple[torch.Tensor, dict]:
+    """This rank's rows of a vocab-parallel lm_head weight ``[V, H]`` (``Shard(0)`` on the 1-D TP mesh, or
+    ``Replicate``), for :func:`shared_numerics.vocab_parallel.fused_selected_logprobs`: ``(local [V_local, H],
+    kwargs)`` as :func:`vocab_shard` gives for logits.
+
+    Raises:
+        NotImplementedError: another placement or a multi-dimensional mesh."""
+    return _vocab_slice(weight, 0)
+
+
 def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, dict]:
     """This rank's slice of vocab-parallel logits, for :func:`shared_numerics.vocab_parallel.selected_logprobs`.
 
@@ -86,19 +96,25 @@ def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, dict]:
 
     Raises:
         NotImplementedError: another placement or a multi-dimensional mesh."""
+    return _vocab_slice(logits, logits.ndim - 1)
+
+
+def _vocab_slice(t: DTensor, dim: int) -> tuple[torch.Tensor, dict]:
+    """``(local, {vocab_start, vocab_size[, gather]})`` of a DTensor whose dimension ``dim`` is the vocabulary."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh = logits.device_mesh
+    mesh = t.device_mesh
     if mesh.ndim != 1:
-        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: logits on a {mesh.ndim}-D mesh")
-    (placement,) = logits.placements
-    vocab = logits.shape[-1]
+        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: a {mesh.ndim}-D mesh (the TP mesh only)")
+    (placement,) = t.placements
+    vocab = t.shape[dim]
     if placement.is_replicate():
-        return logits.to_local(), {"vocab_start": 0, "vocab_size": vocab}
-    if placement != Shard(logits.ndim - 1):
-        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: logits placements {logits.placements}")
-    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
-    return logits.to_local(), {"vocab_start": int(offset[-1]), "vocab_size": vocab, "gather": _gather_over(mesh)}
+        return t.to_local(), {"vocab_start": 0, "vocab_size": vocab}
+    if placement != Shard(dim):
+        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: placements {t.placements} (vocabulary on "
+                                  f"dimension {dim})")
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    return t.to_local(), {"vocab_start": int(offset[dim]), "vocab_size": vocab, "gather": _gather_over(mesh)}
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

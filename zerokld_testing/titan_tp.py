@@ -2,7 +2,8 @@
 
 ``python -m torch.distributed.run --nproc-per-node 2 -m zerokld_testing.titan_tp IN.json OUT.pt``: ``IN.json`` holds
 ``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),
-``batch_invariant``, ``sequences``, ``prompt_lengths`` and ``train_step`` (bool); rank 0 writes ``OUT.pt``
+``batch_invariant``, ``sequences``, ``prompt_lengths``, ``train_step`` (bool) and ``fused`` (bool, default false: the
+fused lm_head log-probs and loss); rank 0 writes ``OUT.pt``
 (``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
 :meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
 :meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it.
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="zerokld-titan-tp-") as dump:
         config = rl_trainer_config(spec["checkpoint"], dump, dtype=spec["dtype"],
                                    batch_invariant=spec["batch_invariant"], tp_k_block=spec["tp_k_block"],
-                                   tensor_parallel_degree=spec["tp"])
+                                   tensor_parallel_degree=spec["tp"], fused=spec.get("fused", False))
         config.checkpoint.enable = True
         trainer = RLTrainer(config)
         batch = RolloutBatch(spec["sequences"], spec["prompt_lengths"])
