@@ -22,7 +22,7 @@ from .linear import ROW_TILE, linear, matmul_rows
 from .logprobs import selected_logprobs
 from .reduce import exp64
 
-__all__ = ["CHUNK_LOGITS", "auto_chunk", "fused_selected_logprobs"]
+__all__ = ["CHUNK_LOGITS", "auto_chunk", "fused_selected_logprobs", "rows_per_chunk"]
 
 CHUNK_LOGITS = 1 << 24  # logits per chunk by default (64 MiB in float32; the backward's float64 exp doubles it)
 
@@ -30,6 +30,12 @@ CHUNK_LOGITS = 1 << 24  # logits per chunk by default (64 MiB in float32; the ba
 def auto_chunk(vocab_size: int) -> int:
     """Rows per chunk so that a chunk holds about :data:`CHUNK_LOGITS` logits (16..1024 rows)."""
     return max(ROW_TILE, min(1024, CHUNK_LOGITS // max(vocab_size, 1) // ROW_TILE * ROW_TILE))
+
+
+def rows_per_chunk(chunk: int | None, vocab_size: int) -> int:
+    """A fused path's rows per chunk: ``chunk`` rounded up to a multiple of ``ROW_TILE`` (at least one tile), or
+    :func:`auto_chunk` of ``vocab_size`` for ``None``."""
+    return auto_chunk(vocab_size) if chunk is None else max(ROW_TILE, (chunk + ROW_TILE - 1) // ROW_TILE * ROW_TILE)
 
 
 class _FusedSelectedLogprobs(torch.autograd.Function):
@@ -83,6 +89,4 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
             hidden.shape[0],):
         raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    chunk = auto_chunk(weight.shape[0]) if chunk is None else max(ROW_TILE, (chunk + ROW_TILE - 1) // ROW_TILE *
-                                                                   ROW_TILE)
-    return _FusedSelectedLogprobs.apply(hidden, weight, targets.long(), chunk)
+    return _FusedSelectedLogprobs.apply(hidden, weight, targets.long(), rows_per_chunk(chunk, weight.shape[0]))

@@ -68,13 +68,24 @@ def _value(sums: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.full_like(s, float("nan")), s)
 
 
+def _sum_exp(shifted: torch.Tensor, bad: torch.Tensor, gather: Gather | None) -> torch.Tensor:
+    """``[N]`` float64 ``S = sum exp(z - m)`` over every rank's slice: this rank's limb sums, gathered and added
+    (int64: exact in any order), then :func:`_value`."""
+    sums = _limb_sums(shifted)
+    if gather is not None:
+        sums = gather(sums.unsqueeze(0)).sum(dim=0)
+    return _value(sums, bad)
+
+
+def _check_vocab(vocab_size: int) -> None:
+    if vocab_size >= MAX_VOCAB:
+        raise ValueError(f"vocab-parallel log-softmax: a vocabulary of {vocab_size} (at most {MAX_VOCAB - 1})")
+
+
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shifted: torch.Tensor, bad: torch.Tensor, gather: Gather | None) -> torch.Tensor:
-        sums = _limb_sums(shifted)
-        if gather is not None:
-            sums = gather(sums.unsqueeze(0)).sum(dim=0)  # int64: exact in any order
-        s = _value(sums, bad)
+        s = _sum_exp(shifted, bad, gather)
         ctx.save_for_backward(shifted, s)
         return torch.log(s)
 
@@ -116,9 +127,7 @@ def logsumexp(logits: torch.Tensor, gather: Gather | None = None, vocab_size: in
     Raises:
         ValueError: a vocabulary of :data:`MAX_VOCAB` or more (the int64 limb sums could overflow).
     """
-    v = max(logits.shape[-1], vocab_size or 0)
-    if v >= MAX_VOCAB:
-        raise ValueError(f"vocab-parallel log-softmax: a vocabulary of {v} (at most {MAX_VOCAB - 1})")
+    _check_vocab(max(logits.shape[-1], vocab_size or 0))
     shifted, _, bad = _shift(logits, gather)
     return shifted, _LogSumExp.apply(shifted, bad, gather)
 
@@ -192,10 +201,7 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
         m_all, s_all = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float64)
         for a in range(0, n, chunk):
             shifted, m, bad = _shift(linear(hidden[a:a + chunk], weight), gather)
-            sums = _limb_sums(shifted)
-            if gather is not None:
-                sums = gather(sums.unsqueeze(0)).sum(dim=0)
-            s = _value(sums, bad)
+            s = _sum_exp(shifted, bad, gather)
             m_all[a:a + chunk], s_all[a:a + chunk] = m, s
             picked = _picked(shifted, ids[a:a + chunk], vocab_start, gather)
             out[a:a + chunk] = (picked.double() - torch.log(s)).float()
@@ -251,16 +257,14 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_id
     Source: :mod:`shared_numerics.fused_logprobs` (the TP 1 fused path; Liger-Kernel's
     ``fused_linear_cross_entropy``) with Megatron's vocab-parallel layout.
     """
-    from .fused_logprobs import auto_chunk
-    from .linear import ROW_TILE
+    from .fused_logprobs import rows_per_chunk
 
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or token_ids.shape != (
             hidden.shape[0],):
         raise ValueError(f"expected hidden [N, H], weight [V_local, H], token_ids [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(token_ids.shape)}")
     vocab_size = vocab_start + weight.shape[0] if vocab_size is None else vocab_size
-    if max(weight.shape[0], vocab_size) >= MAX_VOCAB:
-        raise ValueError(f"vocab-parallel log-softmax: a vocabulary of {vocab_size} (at most {MAX_VOCAB - 1})")
+    _check_vocab(max(weight.shape[0], vocab_size))
     ids = _check_ids(token_ids, vocab_size)
-    chunk = auto_chunk(weight.shape[0]) if chunk is None else -(-max(chunk, 1) // ROW_TILE) * ROW_TILE
-    return _FusedSelectedLogprobs.apply(hidden, weight, ids, vocab_start, vocab_size, gather, chunk)
+    return _FusedSelectedLogprobs.apply(hidden, weight, ids, vocab_start, vocab_size, gather,
+                                        rows_per_chunk(chunk, weight.shape[0]))
