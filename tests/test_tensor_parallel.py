@@ -265,6 +265,42 @@ def test_sampler_logprobs_follow_tp_k_block():
         Sampler.compute_logprobs = before
 
 
+@pytest.mark.timeout(300)
+def test_trainer_logprobs_follow_the_lm_head(checkpoint_factory, tmp_path, monkeypatch):
+    """The trainer's unfused log-softmax is the one its model's lm_head names, in ``forward_logprobs``, in the RL
+    step's loss and in a :meth:`~titan_plugin.RLTrainer.build_loss` loss: vocab-parallel exactly when the model was
+    built with ``tp_k_block`` (one source, so the two paths cannot mix definitions; the engine tests cannot tell them
+    apart, see :func:`test_sampler_logprobs_follow_tp_k_block`)."""
+    import shared_numerics.vocab_parallel as vp
+    from shared_numerics import RolloutBatch
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from zerokld_testing.prompts import random_prompts
+
+    calls = []
+    exact = vp.selected_logprobs
+    monkeypatch.setattr(vp, "selected_logprobs", lambda *a, **k: calls.append(1) or exact(*a, **k))
+    ckpt = checkpoint_factory("qwen3", "float32")
+    seqs = random_prompts(2, seed=23, lo=8, hi=12)
+    lens = [4, 5]
+    seen = {}
+    for k_block in (K_BLOCK, None):
+        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{k_block}"), dtype="float32",
+                                              tp_k_block=k_block))
+        try:
+            assert trainer.loss_fn.lm_head is trainer.model.lm_head
+            assert trainer.build_loss("ppo").lm_head is trainer.model.lm_head
+            calls.clear()
+            lps = trainer.forward_logprobs(RolloutBatch(seqs, lens))
+            forward = len(calls)
+            trainer.rl_step(RolloutBatch(seqs, lens, advantages=[1.0, -1.0], sampler_logprobs=lps,
+                                         numerics=trainer.numerics))
+            seen[k_block] = (forward, len(calls) - forward)
+        finally:
+            trainer.close()
+    assert seen[K_BLOCK][0] == len(seqs) and seen[K_BLOCK][1] == 1, seen  # per sequence; one call for the loss
+    assert seen[None] == (0, 0), seen
+
+
 @pytest.mark.timeout(60)
 def test_vocab_parallel_log_softmax_edges():
     import shared_numerics.vocab_parallel as vp

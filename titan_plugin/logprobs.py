@@ -12,14 +12,17 @@ from .routing import pack_routes, replay_routes
 __all__ = ["logprob_scorer", "sequence_logprobs", "trainer_logprobs"]
 
 
-def logprob_scorer(logits: torch.Tensor, tp_k_block: int | None = None):
+def logprob_scorer(logits: torch.Tensor, lm_head: torch.nn.Module | None):
     """How the trainer turns its model's logits into selected-token log-probs (the plain and the loss path alike).
+    The definition is the model's own, read from its lm_head, so the unfused path cannot disagree with the fused one
+    (:class:`titan_plugin.overrides.ZeroKLDLMHead`).
 
     Args:
         logits: ``[..., V]`` tensor, or under tensor parallelism the lm_head's DTensor (``Shard(-1)``: vocab-parallel).
-        tp_k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`. Set: the vocab-parallel log-softmax
+        lm_head: the model's lm_head. Its ``vocab_parallel`` set (:func:`titan_plugin.overrides.set_tp_k_block`,
+            :attr:`shared_numerics.NumericsMode.tp_k_block`): the vocab-parallel log-softmax
             (:mod:`shared_numerics.vocab_parallel`, the definition vLLM's sampler uses under ``tp_k_block``) on this
-            rank's vocabulary slice, no gathered logits; ``None``: the logits gathered and
+            rank's vocabulary slice, no gathered logits. Otherwise (or ``None``): the logits gathered and
             :func:`shared_numerics.selected_logprobs` (TP 1 numerics; a stock TP trainer).
 
     Returns:
@@ -31,7 +34,7 @@ def logprob_scorer(logits: torch.Tensor, tp_k_block: int | None = None):
     import shared_numerics.vocab_parallel as sn_vocab
 
     is_dtensor = hasattr(logits, "full_tensor")
-    if tp_k_block is None:  # the logits gathered (differentiable) when vocab-parallel
+    if not getattr(lm_head, "vocab_parallel", False):  # the logits gathered (differentiable) when vocab-parallel
         return (logits.full_tensor() if is_dtensor else logits), sn.selected_logprobs
     if not is_dtensor:
         return logits, sn_vocab.selected_logprobs
@@ -42,8 +45,7 @@ def logprob_scorer(logits: torch.Tensor, tp_k_block: int | None = None):
 
 
 def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
-                      pad_id: int = 0, fused: bool = False, routed_experts=None, tp_k_block: int | None = None
-                      ) -> list[torch.Tensor]:
+                      pad_id: int = 0, fused: bool = False, routed_experts=None) -> list[torch.Tensor]:
     """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward.
 
     Args:
@@ -56,9 +58,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
         routed_experts: MoE models: per sequence, the rollout's ``[len(seq) - 1, layers, top_k]`` expert ids
             (vLLM ``CompletionOutput.routed_experts``) to replay instead of recomputing top-k
             (:mod:`titan_plugin.routing`); ``None`` routes afresh.
-        tp_k_block: the model's :attr:`shared_numerics.NumericsMode.tp_k_block`: log-probs from the vocab-parallel
-            log-softmax (:func:`logprob_scorer`; fused: the lm_head's, set by
-            :func:`titan_plugin.overrides.set_tp_k_block`).
+    The log-softmax is the one ``model.lm_head`` names (:func:`logprob_scorer`): vocab-parallel when the model was
+    built with ``tp_k_block``.
 
     Returns:
         ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
@@ -83,7 +84,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
                 for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
     with replay_routes(model, routes):
         logits = model(tokens)
-    logits, score = logprob_scorer(logits, tp_k_block)
+    logits, score = logprob_scorer(logits, model.lm_head)
     return [score(logits[i, p - 1: len(s) - 1], tokens[i, p: len(s)])
             for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
 
@@ -121,5 +122,4 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
     model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=granularity,
                                     tp_k_block=tp_k_block)
     model.eval()
-    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts,
-                             tp_k_block=tp_k_block)
+    return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

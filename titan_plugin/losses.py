@@ -39,9 +39,6 @@ class RLLoss(BaseLoss):
         """``token_mean`` (sum / completion tokens of the global batch), ``sum`` (Tinker's raw sum) or ``constant``
         (sum / ``normalizer``, e.g. ``G * L_max`` for Dr.GRPO)."""
         normalizer: float = 1.0
-        tp_k_block: int | None = None
-        """:attr:`shared_numerics.NumericsMode.tp_k_block` of the model: log-probs from the vocab-parallel
-        log-softmax (:func:`titan_plugin.logprobs.logprob_scorer`; fused, the lm_head's own)."""
         corrections: dict = field(default_factory=dict)
         """:class:`shared_numerics.losses.CorrectionConfig` fields: ``kl_beta`` (k3 reference KL), ``tis_cap``,
         ``mis_low``/``mis_high`` (masked tokens leave the ``token_mean`` normaliser)."""
@@ -62,7 +59,9 @@ class RLLoss(BaseLoss):
         self.last: dict = {}
 
     def set_lm_head(self, lm_head: torch.nn.Module) -> None:
-        """The model's lm_head (fused mode): called as ``lm_head(hidden [N, H], targets=[N]) -> logprobs [N]``."""
+        """The model's lm_head. Fused: called as ``lm_head(hidden [N, H], targets=[N]) -> logprobs [N]``; unfused:
+        it names the log-softmax (vocab-parallel under ``tp_k_block``, :func:`titan_plugin.logprobs.logprob_scorer`).
+        Without it, unfused log-probs are the TP 1 definition."""
         self.lm_head = lm_head
 
     def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None,
@@ -86,8 +85,8 @@ class RLLoss(BaseLoss):
             if self.lm_head is None:
                 raise RuntimeError("fused RLLoss needs set_lm_head(model.lm_head) and a model run with _skip_lm_head")
             logp = self.lm_head(self.lm_head.fused_input(pred)[mask], targets=labels[mask])
-        else:  # vocab-parallel logits: this rank's slice (tp_k_block) or gathered
-            pred, score = logprob_scorer(pred, self.config.tp_k_block)
+        else:  # vocab-parallel logits: this rank's slice (the lm_head's vocab_parallel) or gathered
+            pred, score = logprob_scorer(pred, self.lm_head)
             logp = score(pred[mask], labels[mask])
         q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
         adv = self._adv.to(pred.device)[mask]

@@ -181,7 +181,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
         loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused,
-                           corrections=dict(corrections or {}), tp_k_block=tp_k_block),
+                           corrections=dict(corrections or {})),
         dataloader=RolloutQueue.Config(),
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
@@ -219,9 +219,9 @@ class RLTrainer(Trainer):
         self._hf = read_model_config(config.hf_assets_path)
         self.numerics = numerics_mode(config)
         self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
+        self.loss_fn.set_lm_head(self.model.lm_head)  # its log-softmax (and, fused, the lm_head itself)
         if config.loss.fused:  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
             self.model._skip_lm_head = True
-            self.loss_fn.set_lm_head(self.model.lm_head)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -297,20 +297,18 @@ class RLTrainer(Trainer):
         ctx = disable_adapter(self.model) if base_only else contextlib.nullcontext()
         with ctx:
             return sequence_logprobs(self.model, batch.sequences, batch.prompt_lengths,
-                                     fused=self.config.loss.fused, routed_experts=batch.routed_experts,
-                                     tp_k_block=self.config.zerokld.tp_k_block)
+                                     fused=self.config.loss.fused, routed_experts=batch.routed_experts)
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
-        """An :class:`RLLoss` for this trainer (fused like the configured loss, lm_head attached when fused).
+        """An :class:`RLLoss` for this trainer (fused like the configured loss, the model's lm_head
+        attached: it names the log-softmax, and fused it computes the log-probs).
         ``loss_fn_config`` may also hold :class:`shared_numerics.losses.CorrectionConfig` fields (``kl_beta``,
         ``tis_cap``, ``mis_low``, ``mis_high``): they go to the loss's corrections."""
         config = dict(loss_fn_config or {})
         corrections = {k: config.pop(k) for k in CorrectionConfig.model_fields if k in config}
         loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=config, fused=self.config.loss.fused,
-                             normalization=normalization, corrections=corrections,
-                             tp_k_block=self.config.zerokld.tp_k_block).build()
-        if self.config.loss.fused:
-            loss.set_lm_head(self.model.lm_head)
+                             normalization=normalization, corrections=corrections).build()
+        loss.set_lm_head(self.model.lm_head)
         return loss
 
     def forward_backward(self, batch: RolloutBatch, loss: RLLoss | None = None) -> dict:

@@ -36,15 +36,13 @@ def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, exper
     param.data[expert_id].copy_(loaded_weight)
 
 
-def _stacked(*shape: int, tp: TensorParallel | None = None, inter_dim: int | None = None) -> nn.Parameter:
-    """A stacked expert parameter ``[E, ...]``; under tensor parallelism (``tp.size > 1``) it holds this rank's
-    slice of dimension ``inter_dim`` of each expert's tensor (the intermediate size ``I``), and its loader slices."""
-    if tp is None or tp.size == 1:
-        p = _param(*shape)
-        p.weight_loader = expert_weight_loader  # type: ignore[attr-defined]
-        return p
+def _stacked(*shape: int, tp: TensorParallel | None, inter_dim: int) -> nn.Parameter:
+    """A stacked expert parameter ``[E, ...]`` holding this rank's slice of dimension ``inter_dim`` of each expert's
+    tensor (the intermediate size ``I``; all of it without tensor parallelism); its loader takes an expert's full
+    checkpoint tensor and keeps the slice."""
     local = list(shape)
-    start, width = tp.split(shape[1 + inter_dim])
+    full = shape[1 + inter_dim]
+    start, width = tp.split(full) if tp is not None else (0, full)
     local[1 + inter_dim] = width
     p = _param(*local)
     p.weight_loader = lambda param, w, e: expert_weight_loader(param, w.narrow(inter_dim, start, width), e)
