@@ -46,7 +46,9 @@ def logprob_scorer(logits: torch.Tensor, lm_head: torch.nn.Module | None):
 
 def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
                       pad_id: int = 0, fused: bool = False, routed_experts=None) -> list[torch.Tensor]:
-    """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward.
+    """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward. The
+    log-softmax is the one ``model.lm_head`` names (:func:`logprob_scorer`): vocab-parallel when the model was built
+    with ``tp_k_block``.
 
     Args:
         model: a TorchTitan decoder (``model(tokens [B, T]) -> logits [B, T, V]``).
@@ -58,8 +60,6 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
         routed_experts: MoE models: per sequence, the rollout's ``[len(seq) - 1, layers, top_k]`` expert ids
             (vLLM ``CompletionOutput.routed_experts``) to replay instead of recomputing top-k
             (:mod:`titan_plugin.routing`); ``None`` routes afresh.
-    The log-softmax is the one ``model.lm_head`` names (:func:`logprob_scorer`): vocab-parallel when the model was
-    built with ``tp_k_block``.
 
     Returns:
         ``B`` tensors, sequence ``i`` of shape ``[len(seq_i) - prompt_lengths[i]]``; entry ``j`` is
