@@ -38,6 +38,8 @@ SPECS = {
     "qwen3_moe": TinyModelSpec(family="qwen3_moe"),
     # router rows duplicated in pairs and an odd top-k: every token's last slot is decided by the tie-break
     "qwen3_moe_ties": TinyModelSpec(family="qwen3_moe", num_experts_per_tok=3, router_ties=True),
+    # Qwen3-0.6B/1.7B/4B-style: tied embeddings (the output head is the embedding)
+    "qwen3_tied": TinyModelSpec(family="qwen3", tie_word_embeddings=True),
     # Qwen2.5-style: q/k/v bias, tied embeddings, rope_theta 1e6
     "qwen2": TinyModelSpec(family="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=32, rope_theta=1e6, tie_word_embeddings=True),

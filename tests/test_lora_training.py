@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared_numerics.rollout import RolloutBatch
+from zerokld_models.checkpoint import read_config, read_tensors
 from zerokld_testing.prompts import random_datums
 
 pytestmark = [pytest.mark.titan, pytest.mark.timeout(600)]
@@ -234,3 +235,97 @@ def test_lora_configuration_errors(checkpoint_factory, tmp_path):
             full.forward(random_datums(7), base_only=True)
     finally:
         full.close()
+
+
+def _hf_peft_logprobs(ckpt: str, adapter_dir: str, batch: RolloutBatch) -> tuple[list, list]:
+    """HF ``transformers`` + the real ``peft`` (``PeftModel.from_pretrained`` of the exported adapter): completion
+    log-probs with the adapter and inside ``disable_adapter()`` (the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), adapter_dir)
+    model.eval()
+
+    def score() -> list[torch.Tensor]:
+        out = []
+        for seq, p in zip(batch.sequences, batch.prompt_lengths):
+            logits = model(torch.tensor([seq])).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+            out.append(lp[p - 1:])
+        return out
+
+    with torch.no_grad():
+        adapted = score()
+        with model.disable_adapter():
+            base = score()
+    return adapted, base
+
+
+def _dedup_keep_requires_grad(parallelize_fn):
+    """The wrapper before the tied-embedding fix: flags recorded by ``named_parameters()``, which lists a tied
+    ``lm_head.weight`` only as ``tok_embeddings.weight``."""
+    def wrapped(model, **kwargs):
+        before = {name: p.requires_grad for name, p in model.named_parameters()}
+        out = parallelize_fn(model, **kwargs)
+        for name, p in model.named_parameters():
+            if name in before:
+                p.requires_grad_(before[name])
+        return out
+
+    return wrapped
+
+
+@pytest.mark.parametrize("family", ["qwen3_tied", "qwen2", "qwen3"])
+def test_lora_on_tied_and_untied_checkpoints_is_hf_peft(family, checkpoint_factory, tmp_path):
+    """Held-out row 1: a trained LoRA model on a checkpoint with ``tie_word_embeddings`` (Qwen3-0.6B..4B, Qwen2.5
+    tie) is HF transformers + PEFT of the exported adapter (tolerance: other kernels; fp32), with the adapter and
+    base-only; its base weights never move and base-only is bitwise the full-parameter trainer on the checkpoint.
+    Negative control (tied only): the old requires_grad wrapper left the shared embedding / lm_head trainable, so
+    training moved the base and base-only drifts from the checkpoint far beyond the tolerance."""
+    from titan_plugin import TrainingClient, trainer_logprobs
+    from titan_plugin.lora import lora_converter_config
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    ckpt = checkpoint_factory(family, "float32")
+    batch = RolloutBatch([d["model_input"] + d["loss_fn_inputs"]["target_tokens"][-1:] for d in random_datums(7, n=4)],
+                         [6] * 4)
+    reference = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32")
+
+    def train(name: str, wrap=None) -> TrainingClient:
+        cfg = rl_trainer_config(ckpt, str(tmp_path / name), dtype="float32", lr=2e-2,
+                                lora=lora_converter_config(rank=4, alpha=8.0))
+        if wrap is not None:
+            cfg.model_spec.parallelize_fn = wrap(cfg.model_spec.parallelize_fn.__wrapped__)
+        client = TrainingClient(RLTrainer(cfg), "float32")
+        for step in range(2):
+            client.forward_backward(random_datums(20 + step), "cross_entropy")
+            client.optim_step()
+        return client
+
+    client = train("lora")
+    try:
+        t = client.trainer
+        trainable = {n for n, p in t.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        assert trainable and all(".lora_a." in n or ".lora_b." in n for n in trainable), sorted(trainable)[:4]
+        before = read_tensors(ckpt)
+        after = t.hf_weights("float32")
+        assert before.keys() >= after.keys() and all(torch.equal(before[k], after[k]) for k in after)
+        adapted = t.forward_logprobs(batch)
+        base_only = t.forward_logprobs(batch, base_only=True)
+        adapter_dir = client.save_weights_for_sampler("adapter")
+    finally:
+        client.close()
+    assert len(base_only) == len(reference) and all(torch.equal(a, b) for a, b in zip(base_only, reference))
+    hf_adapted, hf_base = _hf_peft_logprobs(ckpt, adapter_dir, batch)
+    tol = 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(adapted, hf_adapted)) < tol
+    assert max((a - b).abs().max().item() for a, b in zip(base_only, hf_base)) < tol
+    assert max((a - b).abs().max().item() for a, b in zip(adapted, base_only)) > 10 * tol  # the adapter is not inert
+
+    if family != "qwen3" and read_config(ckpt).get("tie_word_embeddings"):
+        old = train("dedup", _dedup_keep_requires_grad)
+        try:
+            drifted = old.trainer.forward_logprobs(batch, base_only=True)
+        finally:
+            old.close()
+        assert max((a - b).abs().max().item() for a, b in zip(drifted, hf_base)) > 10 * tol

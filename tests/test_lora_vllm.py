@@ -205,3 +205,35 @@ def test_negative_control_stock_vllm_lora_depends_on_the_batch(adapters, engine_
         assert not all(torch.equal(t, completion_logprobs(o)) for t, (_, _, o) in zip(res["train_logprobs"], base))
     finally:
         trainer.close()
+
+
+def test_tied_checkpoint_served_adapter_and_base_are_the_training_clients(engine_slot, checkpoint_factory, tmp_path):
+    """Held-out row 1 on the engine: a Qwen3 with ``tie_word_embeddings`` trained with LoRA; the engine serves the
+    exported adapter co-batched with base requests, and the client that trained it (not a fresh one loading the
+    adapter: its base is what training left) scores every served token bitwise — adapter requests with the adapter,
+    base requests base-only. Before the fix training moved the tied embedding, so every token differed."""
+    dtype = "bfloat16"
+    ckpt = checkpoint_factory("qwen3_tied", dtype)
+    client = _client(ckpt, dtype, tmp_path / "train", 4, 8.0, 1)
+    try:
+        for step in range(2):
+            client.forward_backward(random_datums(10 + step), "cross_entropy")
+            client.optim_step()
+        path = client.save_weights_for_sampler("tied")
+        llm = engine_slot.get(("zerokld-lora", ckpt, dtype), lambda: start_llm(
+            ckpt, dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK))
+        prompts, params, loras = _requests([path], n=6)
+        together, alone = _serve(llm, prompts, params, loras)
+        assert all(_same(t, a) for t, a in zip(together, alone))
+        scored = 0
+        for base_only in (False, True):
+            idx = [j for j, r in enumerate(loras) if (r is None) == base_only]
+            batch = RolloutBatch([prompts[j] + list(together[j].outputs[0].token_ids) for j in idx],
+                                 [len(prompts[j]) for j in idx])
+            scores = client.trainer.forward_logprobs(batch, base_only=base_only)
+            assert len(scores) == len(idx)
+            assert [torch.equal(s, completion_logprobs(together[j])) for s, j in zip(scores, idx)] == [True] * len(idx)
+            scored += len(idx)
+        assert scored == len(prompts)
+    finally:
+        client.close()

@@ -179,9 +179,13 @@ def keep_requires_grad(parallelize_fn):
     module docstring: TorchTitan 0.3.0's ``spmd_types`` path resets it, unfreezing a LoRA model's base)."""
     @functools.wraps(parallelize_fn)
     def wrapped(model, **kwargs):
-        before = {name: p.requires_grad for name, p in model.named_parameters()}
+        # every name, tied ones included: a tied checkpoint's ``lm_head.weight`` is the embedding's parameter, which
+        # ``named_parameters()`` lists once (as ``tok_embeddings.weight``); parallelize re-registers both names as
+        # separate parameters and TorchTitan's ``init_states`` then re-ties the embedding to the lm_head's, so the
+        # lm_head's flag is the one that survives
+        before = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
         out = parallelize_fn(model, **kwargs)
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters(remove_duplicate=False):
             if name in before:
                 p.requires_grad_(before[name])
         return out

@@ -213,7 +213,9 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
             m_i = m_new
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
 
-    done = rvalid & (s_lo == 0) & (pos // SPLIT_ + 1 <= s_hi)  # every split of the row merged here
+    # every split of the row merged here; the scalar test is broadcast to a block first (``r * 0 + s_lo``): a scalar
+    # comparison in a block ``&`` is promoted to int32 by Triton 3.9, whose masked store then refuses the mask
+    done = rvalid & (r * 0 + s_lo == 0) & (pos // SPLIT_ + 1 <= s_hi)
     out = _finalize(l_run, acc_run)
     tl.store(o_ptr + token[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=done[:, None] & dmask[None, :])
