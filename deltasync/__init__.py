@@ -10,8 +10,8 @@ from .ledger import IdentityError, Ledger, validate_identity
 from .protocol import HotLoadConfig, HotLoadError, Signal, lora_version
 from .replica import Replica, ReplicaEngine, StateDirInUseError, Track
 from .snapshot import (
-    DeltaError, SnapshotError, apply_delta_in_place, apply_incremental_snapshot, checksums_digest, delta_checksums,
-    element_density, weights_digest, materialize_snapshot, read_snapshot_tensors,
+    DeltaError, SnapshotError, apply_delta_in_place, apply_incremental_snapshot, checksums_digest, copy_snapshot,
+    delta_checksums, delta_digests, delta_weights_digest, element_density, weights_digest, materialize_snapshot, read_snapshot_tensors,
     snapshot_numerics, tensor_spec, verify_adapter_config, verify_full_snapshot, weight_bytes, write_full_snapshot,
     write_incremental_snapshot,
 )
@@ -20,8 +20,8 @@ from .writer import SnapshotInfo, SnapshotWriter
 
 __all__ = ["DeltaError", "HotLoadClient", "HotLoadConfig", "HotLoadError", "HotLoadRefused", "IdentityError", "Ledger",
            "PushResult", "Replica", "ReplicaEngine", "Signal", "SnapshotError", "SnapshotInfo", "SnapshotWriter",
-           "StateDirInUseError", "Track", "apply_delta_in_place", "apply_incremental_snapshot", "checksums_digest",
-           "delta_checksums", "element_density", "fetch_dir", "lora_version",
+           "StateDirInUseError", "Track", "apply_delta_in_place", "apply_incremental_snapshot", "checksums_digest", "copy_snapshot",
+           "delta_checksums", "delta_digests", "delta_weights_digest", "element_density", "fetch_dir", "lora_version",
            "materialize_snapshot", "publish_dir", "read_snapshot_tensors", "snapshot_numerics", "tensor_spec",
            "validate_identity", "verify_adapter_config", "verify_full_snapshot", "weight_bytes", "weights_digest",
            "write_full_snapshot", "write_incremental_snapshot"]

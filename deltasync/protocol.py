@@ -24,6 +24,8 @@ use when a response spans an async swap; per token: the choices' ``weight_versio
 """
 from __future__ import annotations
 
+import errno
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from .ledger import IdentityError, validate_identity
 
 __all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
            "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "SESSION_HEADER",
-           "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version"]
+           "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version", "public_message"]
 
 PREFIX = "/zerokld/v1/hot_load"
 IDENTITY_HEADER = "x-zerokld-snapshot-identity"
@@ -58,10 +60,30 @@ def lora_version(lora_name: str, identity: str) -> str:
     return f"{lora_name}@{identity}"
 
 
+#: an absolute path in a message: every directory part is dropped, the last name kept (never after ``:`` or ``/``, so
+#: URLs such as ``s3://bucket/run`` and relative names stay as they are)
+_ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s'\"/:,;()\[\]{}]+/)*([^\s'\"/:,;()\[\]{}]*)")
+#: errnos that mean the disk (or a quota) is full: the API answers 507 Insufficient Storage
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def public_message(error: BaseException | str) -> str:
+    """What a hot-load answer, ledger row or status may say about ``error``: never an absolute server path (an
+    ``OSError`` says its reason and the file's name only; any absolute path left in a message keeps its last name).
+    Source: issue 35 point 6 (messages carry paths relative to the snapshot root at most)."""
+    if isinstance(error, OSError) and error.strerror:
+        name = Path(str(error.filename)).name if error.filename else None
+        msg = error.strerror + (f": {name!r}" if name else "")
+    else:
+        msg = str(error) or type(error).__name__
+    return _ABS_PATH.sub(lambda m: m.group(1) or "<path>", msg)
+
+
 class HotLoadError(Exception):
-    """A refused or failed hot-load; ``status`` is the HTTP status the API answers with (400 bad identity, 404 no
-    such snapshot, 409 replay / out-of-order chain / full required / busy, 422 refused by verification, 425 drain
-    timeout, 500 reload failed and the previous snapshot restored)."""
+    """A refused or failed hot-load; ``status`` is the HTTP status the API answers with (400 bad identity or
+    header, 404 no such snapshot, 409 replay / out-of-order chain / full required / busy, 422 refused by verification,
+    425 drain timeout, 500 reload failed and the previous snapshot restored, 507 no space left on the replica's
+    disk: nothing changed)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -156,7 +178,8 @@ class Signal:
         """Parse the POST body and headers (``drain_timeout``: the header's text, or seconds).
 
         Raises:
-            HotLoadError: 400 bad identity or ``reset_prompt_cache`` value; 422 malformed body, metadata or headers.
+            HotLoadError: 400 bad identity, ``reset_prompt_cache`` value or transition header (an empty header too:
+                only a missing one means ``async``); 422 malformed body, metadata or drain timeout.
         """
         if not isinstance(body, dict):
             raise HotLoadError("request body must be a JSON object", 422)
@@ -177,7 +200,7 @@ class Signal:
         except IdentityError as e:
             raise HotLoadError(f"invalid lora_name: {e}", 400) from e
         meta = body.get("incremental_snapshot_metadata")
-        sig = cls(identity=identity, reset_prompt_cache=reset, transition=transition or "async",
+        sig = cls(identity=identity, reset_prompt_cache=reset, transition="async" if transition is None else transition,
                   drain_timeout=drain, lora_name=lora_name)
         if meta is not None:
             if not isinstance(meta, dict) or "previous_snapshot_identity" not in meta:
@@ -191,8 +214,8 @@ class Signal:
             if sig.checksum_format not in CHECKSUM_FORMATS:
                 raise HotLoadError(f"unsupported checksum_format {sig.checksum_format!r} "
                                    f"({DEFAULT_CHECKSUM_FORMAT})", 422)
-        if sig.transition not in TRANSITIONS:
-            raise HotLoadError(f"transition must be one of {TRANSITIONS}", 422)
+        if sig.transition not in TRANSITIONS:  # an empty header is not "async": only a missing one defaults
+            raise HotLoadError(f"{TRANSITION_HEADER} must be one of {TRANSITIONS}, got {sig.transition[:40]!r}", 400)
         if not 0 <= sig.drain_timeout < float("inf"):  # refuses nan, negative and infinite timeouts
             raise HotLoadError("drain timeout must be a finite non-negative number of seconds", 422)
         return sig

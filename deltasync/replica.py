@@ -8,14 +8,17 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
 2. **fetch** — a remote ``snapshot_root`` (fsspec URL) is downloaded into ``<state_dir>/fetched/<identity>``, all or
    nothing, ``fetch_concurrency`` files at a time, each checked against its published SHA-256, resuming an
    interrupted download (:func:`deltasync.fetch_dir`);
-3. **verify** while serving continues (in a worker thread, never on the event loop) — only regular files inside
-   the snapshot root are opened (no symlinks out, no FIFOs or devices); the snapshot's numerics stamp must be the
+3. **verify** while serving continues (in a worker thread, never on the event loop) — a local snapshot is first
+   copied into the replica's own state (``<state_dir>/materialized/<identity>``, a delta ``fetched/<identity>``;
+   each file opened without following links or blocking and refused unless it is a regular file:
+   :func:`deltasync.copy_snapshot`), and that private copy is what is verified and loaded, so bytes the publisher
+   changes after the check never serve; the snapshot's numerics stamp must be the
    engine's (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
-   the served model's tensor spec (names, dtypes, shapes, each tensor in one shard), then every tensor against its
-   Adler-32 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one,
+   the served model's tensor spec (names, dtypes, shapes, each tensor in one shard, an index naming every tensor and
+   shard), then every tensor against its Adler-32 and SHA-256 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one,
    on an engine that applies deltas in place (:attr:`ReplicaEngine.inplace_deltas`), is kept in
    ``<state_dir>/fetched/<identity>`` and decoded by every worker against its own loaded parameters, each tensor
-   checked against its Adler-32, nothing written (the stage pass of :meth:`ReplicaEngine.apply_delta`); on other
+   checked against its Adler-32 and SHA-256, nothing written (the stage pass of :meth:`ReplicaEngine.apply_delta`); on other
    engines it is decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
    ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving untouched;
 4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads (a delta
@@ -42,6 +45,9 @@ the versions have separate prefix-cache entries. A restart restores every adapte
 
 The engine side is :class:`ReplicaEngine`: vLLM's OpenAI server (:mod:`vllm_plugin.hotload.engine`) and an offline
 ``vllm.LLM`` (:mod:`vllm_plugin.hotload.offline`) are its two adapters.
+A full disk anywhere (the ledger's first write, a private copy, a decoded delta) refuses the signal with 507 and a
+short message before the swap; the staged copy is removed, the engine serves what it served. Errors, ledger rows and
+status never carry absolute server paths (:func:`deltasync.protocol.public_message`).
 Sources: Fireworks' bring-your-own-trainer hot-load API (``../shared/DESIGN.md`` §5).
 """
 from __future__ import annotations
@@ -57,15 +63,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from zerokld_models.checkpoint import staged_dir
-
-from .ledger import IdentityError, Ledger, validate_identity
-from .protocol import HotLoadConfig, HotLoadError, Signal
-from .snapshot import (SnapshotError, check_regular_files, checksums_digest, delta_checksums, materialize_snapshot,
+from .ledger import IdentityError, Ledger, LedgerWriteError, validate_identity
+from .protocol import NO_SPACE, HotLoadConfig, HotLoadError, Signal, public_message
+from .snapshot import (SnapshotError, check_regular_files, copy_snapshot, delta_weights_digest, materialize_snapshot,
                        snapshot_numerics, tensor_spec, verify_adapter_config, verify_full_snapshot, weights_digest)
 from .storage import fetch_dir
 
-__all__ = ["Replica", "ReplicaEngine", "StateDirInUseError", "Track"]
+__all__ = ["LEDGER_FILE", "Replica", "ReplicaEngine", "StateDirInUseError", "Track"]
+
+LEDGER_FILE = "ledger.jsonl"  # per track, in its state dir (:class:`deltasync.Ledger`: append-only JSON Lines)
 
 
 class ReplicaEngine(Protocol):
@@ -162,7 +168,7 @@ class Track:
 
     Attributes:
         ledger: its :class:`deltasync.Ledger`.
-        state_dir: ``ledger.json``, ``fetched/<identity>`` and ``materialized/<identity>`` live here.
+        state_dir: ``ledger.jsonl``, ``fetched/<identity>`` and ``materialized/<identity>`` live here.
         stage, target: the hot-load in progress (``idle`` / ``verifying`` / ``draining`` / ``pausing`` /
             ``loading``) and the identity it loads.
     """
@@ -220,7 +226,7 @@ class Replica:
         self._state_lock = hold_state_dir(self.state_dir, self.replica_id)
         self.base = Track(self._ledger(self.state_dir), self.state_dir)
         self.adapters: dict[str, Track] = {}
-        for led in sorted((self.state_dir / "lora").glob("*/ledger.json")):  # adapters of an earlier run
+        for led in sorted((self.state_dir / "lora").glob("*/" + LEDGER_FILE)):  # adapters of an earlier run
             self.adapter_track(led.parent.name)
         self.initial_dir = Path(initial_dir)
         self.reference_spec = tensor_spec(self.initial_dir)
@@ -228,7 +234,7 @@ class Replica:
         self.draining = False  # sync transition in progress: new requests get 425
 
     def _ledger(self, d: Path) -> Ledger:
-        return Ledger(d / "ledger.json", self.config.initial_identity, self.replica_id)
+        return Ledger(d / LEDGER_FILE, self.config.initial_identity, self.replica_id)
 
     def close(self) -> None:
         """Give the state directory up (another replica may take it); the replica is unusable afterwards."""
@@ -291,7 +297,7 @@ class Replica:
         for d in (track.materialized / identity, track.fetched / identity):
             if d.exists():
                 return d
-        return self.root / identity if not self.remote else track.fetched / identity
+        return track.materialized / identity  # gone: never the published directory (its bytes were not verified)
 
     def status(self) -> dict:
         """Per replica (this one: ``replica`` is its id): the base track's :meth:`Track.status`, and
@@ -332,14 +338,14 @@ class Replica:
                 if not d.is_dir():
                     raise SnapshotError(f"delta {d.name!r} of the chain of {identity!r} is gone")
                 check_regular_files(d, track.fetched)
-            if digest is None or checksums_digest(delta_checksums(deltas[-1])) != digest:
+            if digest is None or delta_weights_digest(deltas[-1]) != digest:
                 raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the "
                                     "ledger)")
             return [head, *deltas]
         path = self.served_dir(identity, track)
         if not path.is_dir():
             raise SnapshotError(f"snapshot {identity!r} is gone")
-        check_regular_files(path, path.parent)
+        check_regular_files(path, track.state_dir)
         if track.lora_name is not None:
             verify_adapter_config(path)
         verify_full_snapshot(path, self._reference(track, path), check_data=True,
@@ -384,7 +390,7 @@ class Replica:
                 touched = True
                 await self._load(track, identity, path)
             except Exception as e:  # noqa: BLE001 - any failure: try the next one, never crash the server
-                lost[identity] = str(e) or type(e).__name__
+                lost[identity] = public_message(e)
                 continue
             if lost:
                 led.restored(identity, digest, lost)
@@ -442,33 +448,45 @@ class Replica:
     def _stage_delta(self, track: Track, sig: Signal) -> Path:
         """Blocking (run in a thread): fetch an incremental snapshot applied in place, check its files and numerics,
         and keep it in the replica's state (``fetched/<identity>``: a restart replays the chain from it)."""
+        try:
+            local = self._private(track, sig, track.fetched)
+            self._verify_numerics(local)
+        except BaseException:
+            shutil.rmtree(track.fetched / sig.identity, ignore_errors=True)
+            raise
+        return local
+
+    def _private(self, track: Track, sig: Signal, folder: Path) -> Path:
+        """Blocking: the replica's own copy of the signalled snapshot — fetched (remote roots) or copied from the
+        local root into ``folder/<identity>`` (:func:`deltasync.copy_snapshot`: regular files only, checked at open)
+        — whose files are checked again; everything after this reads the copy alone."""
         local = self._fetch(track, sig)
-        check_regular_files(local, track.fetched if self.remote else self.root)  # before anything is opened
-        self._verify_numerics(local)
         if not self.remote:
-            _keep_copy(local, track.fetched / sig.identity)
-        return track.fetched / sig.identity
+            check_regular_files(local, self.root)  # a symlinked snapshot directory is refused before the copy
+            local = copy_snapshot(local, folder / sig.identity)
+        check_regular_files(local, track.state_dir)
+        return local
 
     def _materialize(self, track: Track, sig: Signal) -> tuple[Path, str]:
         """Blocking (run in a thread): fetch, verify; the full snapshot directory to load and its weights digest.
-        A full adapter snapshot is copied into the adapter's state first (the engine may read it again while a
-        request uses it, whatever the trainer does with the published one) and the copy is what is verified."""
-        local = self._fetch(track, sig)
-        check_regular_files(local, track.fetched if self.remote else self.root)  # before anything is opened
-        self._verify_numerics(local)
+        Everything is verified on the replica's private copy (:meth:`_private`), which is also what the engine loads;
+        a full adapter snapshot stays there (the engine may read it again while a request uses it)."""
         base = None if sig.previous_identity is None else self.served_dir(sig.previous_identity, track)
         try:
+            local = self._private(track, sig, track.materialized if base is None else track.fetched)
+            self._verify_numerics(local)
             if track.lora_name is not None and base is None:
-                local = _keep_copy(local, track.materialized / sig.identity)
+                if local != track.materialized / sig.identity:  # fetched: the engine reads the adapter from here
+                    local = copy_snapshot(local, track.materialized / sig.identity)
                 verify_adapter_config(local)
             path = materialize_snapshot(local, track.materialized / sig.identity,
                                         self._reference(track, base if base is not None else local), base,
                                         sig.compression_format, check_data=True,
                                         allow_non_finite=self.config.allow_non_finite)
             return path, weights_digest(path)
-        except BaseException:
-            if track.lora_name is not None:
-                shutil.rmtree(track.materialized / sig.identity, ignore_errors=True)
+        except BaseException:  # nothing of a refused snapshot stays in the replica's state
+            for folder in (track.materialized, track.fetched):
+                shutil.rmtree(folder / sig.identity, ignore_errors=True)
             raise
 
     async def _drain(self, timeout: float) -> None:
@@ -503,7 +521,12 @@ class Replica:
             except HotLoadError as e:
                 track.ledger.refused(sig.identity, str(e), kind, sig.previous_identity)
                 raise
-            row = track.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
+            try:
+                row = track.ledger.begin(sig.identity, kind, sig.previous_identity, sig.compression_format)
+            except LedgerWriteError as e:  # nothing changed: refused, the reason kept in the refusals ring
+                msg = public_message(e)
+                track.ledger.refused(sig.identity, msg, kind, sig.previous_identity)
+                raise HotLoadError(msg, 507 if e.errno in NO_SPACE else 500) from e
             track.stage, track.target = "verifying", sig.identity
             try:
                 in_place = self._in_place(track, sig)
@@ -531,11 +554,17 @@ class Replica:
                 self._prune(track)
                 return row
             except Exception as e:  # every refusal and failure is recorded; serving keeps the old snapshot
-                msg = str(e) or type(e).__name__
+                msg = public_message(e)
                 track.ledger.fail(row, msg)
                 if isinstance(e, HotLoadError):
+                    if msg != str(e):
+                        raise HotLoadError(msg, e.status) from e
                     raise
-                status = 422 if isinstance(e, (SnapshotError, IdentityError, LookupError, OSError)) else 500
+                if isinstance(e, OSError) and e.errno in NO_SPACE:
+                    status = 507
+                    msg = f"no space left on the replica's disk while staging {sig.identity!r}; nothing changed"
+                else:
+                    status = 422 if isinstance(e, (SnapshotError, IdentityError, LookupError, OSError)) else 500
                 raise HotLoadError(msg, status) from e
             finally:
                 track.stage, track.target = "idle", None
@@ -607,11 +636,3 @@ class Replica:
                     if d.name not in keep and not d.name.startswith("."):  # identities only (no .staging)
                         shutil.rmtree(d, ignore_errors=True)
 
-
-def _keep_copy(src: Path, dst: Path) -> Path:
-    """Copy the files of snapshot directory ``src`` into ``dst`` atomically (a staged directory renamed into place:
-    an interrupted copy leaves no ``dst``); returns ``dst``."""
-    with staged_dir(dst) as tmp:
-        for f in src.iterdir():
-            shutil.copyfile(f, tmp / f.name)
-    return dst

@@ -10,6 +10,12 @@
   ``compression_format``/``checksum_format``. Source: Fireworks' incremental-snapshot format (``arc_v2``, checksum
   ``alder32`` sic); codecs are looked up through the ``zerokld`` plugin hooks.
 
+Integrity: besides the transport checksum the Fireworks wire names (Adler-32), every full snapshot's spec and every
+delta's ``delta.json`` carry the **SHA-256 of each tensor's bytes** (``"sha256": {name: hex}``); a replica verifies
+them before it loads and again at a restart, and a weights digest is the SHA-256 of that map, so bytes edited to keep
+their Adler-32 are refused. A full snapshot's ``model.safetensors.index.json``, when present, must name every tensor
+exactly once, in the shard that holds it, and use every shard (vLLM loads only the shards the index names).
+
 A directory is assembled in the staging namespace beside the target (``.staging/``,
 :func:`zerokld_models.checkpoint.staged_dir`) and renamed into place, so a reader never sees a
 half-written snapshot; an incremental snapshot is verified completely (key set, lengths, checksums) before the
@@ -17,6 +23,8 @@ result is published.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -30,12 +38,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zerokld_models.checkpoint import ADAPTER_CONFIG, read_tensors, staged_dir, weights_file, write_checkpoint
+from zerokld_models.checkpoint import (ADAPTER_CONFIG, INDEX_FILE, read_tensors, staged_dir, weights_file,
+                                       write_checkpoint)
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
 __all__ = ["DeltaError", "SnapshotError", "apply_delta_in_place", "apply_incremental_snapshot", "check_regular_files",
-           "checksums_digest", "delta_checksums", "element_density",
+           "checksums_digest", "copy_snapshot", "delta_checksums", "delta_digests", "delta_weights_digest",
+           "element_density", "tensor_sha256",
            "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_adapter_config",
            "verify_full_snapshot", "weight_bytes", "weights_digest", "write_full_snapshot",
            "write_incremental_snapshot"]
@@ -115,11 +125,70 @@ def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[st
     for name, (dt, shape) in reference.items():
         if spec[name] != (dt, shape):
             raise SnapshotError(f"{name}: {spec[name][0]}{list(spec[name][1])}, the model has {dt}{list(shape)}")
+    _check_index(Path(snapshot_dir))
     if check_data:
         _verify_data(Path(snapshot_dir), allow_non_finite)
 
 
 MAX_JSON_BYTES = 64 << 20  # a snapshot's JSON metadata (spec, delta.json) larger than this is refused unread
+
+
+def _check_index(d: Path) -> None:
+    """A ``model.safetensors.index.json`` must map every tensor to the shard that holds it, exactly once, and name
+    every shard: vLLM loads only the shards its ``weight_map`` names (``filter_duplicate_safetensors_files``), so an
+    index naming a subset would leave the other tensors at their previous values."""
+    index = d / INDEX_FILE
+    if not index.exists():
+        return
+    try:
+        weight_map = _read_json(index).get("weight_map")
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"snapshot {d.name!r}: {INDEX_FILE} unreadable ({type(e).__name__})") from e
+    if not isinstance(weight_map, dict):
+        raise SnapshotError(f"snapshot {d.name!r}: {INDEX_FILE} has no weight_map")
+    held: dict[str, str] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            held.update({name: f.name for name in fh.keys()})
+    if weight_map != held:
+        wrong = sorted(n for n in set(held) | set(weight_map) if weight_map.get(n) != held.get(n))
+        raise SnapshotError(f"snapshot {d.name!r}: {INDEX_FILE} does not list every tensor exactly once in the shard "
+                            f"that holds it ({len(wrong)} differ, e.g. {wrong[:2]}); unused shards: "
+                            f"{sorted(set(held.values()) - set(weight_map.values()))[:3]}")
+
+
+def tensor_sha256(raw) -> str:
+    """SHA-256 (hex) of a tensor's bytes (``_raw``): the integrity digest snapshots carry per tensor."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def copy_snapshot(src: str | Path, dst: str | Path) -> Path:
+    """Copy the files of snapshot directory ``src`` into ``dst`` (a staged directory renamed into place: an
+    interrupted copy leaves no ``dst``), each opened without following a symlink and without blocking, and refused
+    unless what was opened is a regular file (a FIFO, device or symlink swapped in after a check is refused here, not
+    read). What a replica verifies and loads is this private copy, so the publisher cannot change the bytes between
+    the check and the load.
+
+    Raises:
+        SnapshotError: ``src`` is not a plain directory, or an entry is not a regular file (named by its file name).
+        OSError: reading or writing failed (``ENOSPC``: no space; nothing is left under ``dst``).
+    """
+    src, dst = Path(src), Path(dst)
+    check_regular_files(src)
+    with staged_dir(dst) as tmp:
+        for entry in sorted(src.iterdir()):
+            try:
+                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENXIO):  # a symlink, or a FIFO without a writer
+                    raise SnapshotError(f"snapshot {src.name!r}: {entry.name!r} is not a regular file") from None
+                raise
+            with os.fdopen(fd, "rb") as fin:
+                if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
+                    raise SnapshotError(f"snapshot {src.name!r}: {entry.name!r} is not a regular file")
+                with open(tmp / entry.name, "xb") as fout:
+                    shutil.copyfileobj(fin, fout, 8 << 20)
+    return dst
 
 
 def _read_json(path: Path) -> dict:
@@ -145,16 +214,34 @@ def _spec_checksums(d: Path) -> dict:
     return checksums
 
 
+def _spec_digests(d: Path) -> dict:
+    """The spec's per-tensor SHA-256 map (``{name: hex}``).
+
+    Raises:
+        SnapshotError: no readable spec, or one without ``sha256`` (a snapshot written before integrity digests: the
+            trainer must write it again)."""
+    try:
+        digests = _read_json(d / WEIGHT_SPEC).get("sha256")
+    except (OSError, ValueError) as e:
+        raise SnapshotError(f"snapshot {d.name!r}: no readable {WEIGHT_SPEC} ({type(e).__name__})") from e
+    if not isinstance(digests, dict):
+        raise SnapshotError(f"snapshot {d.name!r}: {WEIGHT_SPEC} has no per-tensor sha256 (integrity digests)")
+    return digests
+
+
 def _verify_data(d: Path, allow_non_finite: bool) -> None:
-    checksums = _spec_checksums(d)
+    checksums, digests = _spec_checksums(d), _spec_digests(d)
     seen = set()
     for f in sorted(d.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():
                     t = fh.get_tensor(name)
-                    if checksums.get(name) != str(zlib.adler32(_raw(t))):
+                    raw = _raw(t)
+                    if checksums.get(name) != str(zlib.adler32(raw)):
                         raise SnapshotError(f"{name}: checksum mismatch (corrupt snapshot)")
+                    if digests.get(name) != tensor_sha256(raw):
+                        raise SnapshotError(f"{name}: sha256 mismatch (the bytes are not the ones published)")
                     if not allow_non_finite and t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
                         raise SnapshotError(f"{name}: non-finite weights (NaN or inf)")
                     seen.add(name)
@@ -162,7 +249,7 @@ def _verify_data(d: Path, allow_non_finite: bool) -> None:
             raise
         except Exception as e:  # noqa: BLE001 - unreadable data is a refusal
             raise SnapshotError(f"{f.name}: cannot read: {e}") from e
-    if set(checksums) != seen:
+    if set(checksums) != seen or set(digests) != seen:
         raise SnapshotError(f"snapshot {d.name!r}: checksums do not cover exactly its tensors")
 
 
@@ -188,21 +275,20 @@ def verify_adapter_config(snapshot_dir: str | Path) -> dict:
 
 
 def weights_digest(snapshot_dir: str | Path) -> str:
-    """SHA-256 (hex) of a full snapshot's per-tensor checksums (``model.weight.spec.json``, canonical JSON): what
-    the ledger records for a loaded snapshot, so a restart can tell the same bits from replaced ones.
+    """SHA-256 (hex) of a full snapshot's per-tensor SHA-256 map (``model.weight.spec.json``'s ``sha256``,
+    canonical JSON): what the ledger records for a loaded snapshot, so a restart can tell the same bits from
+    replaced ones.
 
     Raises:
-        SnapshotError: no readable spec with checksums.
+        SnapshotError: no readable spec with per-tensor sha256.
     """
-    return checksums_digest(_spec_checksums(Path(snapshot_dir)))
+    return checksums_digest(_spec_digests(Path(snapshot_dir)))
 
 
 def checksums_digest(checksums: dict[str, str]) -> str:
-    """SHA-256 (hex) of per-tensor checksums ``{name: decimal Adler-32}`` as canonical JSON: the weights digest of a
-    full snapshot (:func:`weights_digest`) and of the weights an incremental one produces (its shards' metadata,
-    :func:`delta_checksums`) are the same for the same bits."""
-    import hashlib
-
+    """SHA-256 (hex) of a per-tensor digest map ``{name: sha256 hex}`` as canonical JSON: the weights digest of a
+    full snapshot (:func:`weights_digest`) and of the weights an incremental one produces
+    (:func:`delta_weights_digest`) are the same for the same bits."""
     return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
@@ -279,7 +365,8 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` (a PEFT adapter: ``adapter_model.safetensors``) plus
     every non-weight file of ``assets_dir``, and ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape",
     "dtype"}}, "checksum_format": "alder32", "checksums": {name: Adler-32 of the tensor's bytes}, "numerics"?}``,
-    safetensors dtype names; a replica verifies the checksums before it swaps).
+    ``"sha256": {name: SHA-256 of the tensor's bytes}``, safetensors dtype names; a replica verifies both before it
+    swaps, and the SHA-256 again at a restart).
 
     Args:
         hf_state_dict: HF parameter names → tensors (any device; copied to CPU, made contiguous); for an adapter,
@@ -304,10 +391,12 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
     def write_spec(tmp: Path) -> None:
         spec = {name: {"shape": list(shape), "dtype": dt} for name, (dt, shape) in sorted(tensor_spec(tmp).items())}
         stamp = {"numerics": numerics} if numerics is not None else {}
-        checksums = {name: str(zlib.adler32(_raw(t))) for name, t in sorted(tensors.items())}
+        raws = {name: _raw(t) for name, t in sorted(tensors.items())}
+        checksums = {name: str(zlib.adler32(r)) for name, r in raws.items()}
+        digests = {name: tensor_sha256(r) for name, r in raws.items()}
         (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec,
                                                    "checksum_format": DEFAULT_CHECKSUM_FORMAT,
-                                                   "checksums": checksums, **stamp}, indent=1))
+                                                   "checksums": checksums, "sha256": digests, **stamp}, indent=1))
 
     return write_checkpoint(out_dir, {fname: tensors}, assets_dir=src, skip_assets=_SKIP,
                             finalize=write_spec)
@@ -326,6 +415,8 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
         compression_format: a codec name registered through the ``zerokld`` hooks.
         numerics: stamped into ``delta.json`` as ``"numerics"`` (see :func:`write_full_snapshot`).
 
+    ``delta.json`` also carries ``"sha256"``: each new tensor's SHA-256 (the receiver's integrity check).
+
     Raises:
         DeltaError: key set, shape or dtype differs from the base.
         zerokld_plugins.UnknownNameError: unknown codec.
@@ -336,8 +427,11 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
     base_files = sorted(Path(base_dir).glob("*.safetensors"))
     base_keys: set[str] = set()
 
-    def encode_one(b: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, str]:
+    digests: dict[str, str] = {}
+
+    def encode_one(name: str, b: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, str]:
         nb = _raw(n)
+        digests[name] = tensor_sha256(nb)
         return torch.frombuffer(bytearray(encode(_raw(b), nb)), dtype=torch.uint8), str(zlib.adler32(nb))
 
     # tensors are encoded ENCODE_THREADS at a time (numpy, zstd and zlib release the GIL); at most twice that many
@@ -353,7 +447,7 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
                     b, n = base.get_tensor(name), new_tensors[name]
                     if b.shape != n.shape or b.dtype != n.dtype:
                         raise DeltaError(f"{name}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}")
-                    jobs[name] = pool.submit(encode_one, b, n)
+                    jobs[name] = pool.submit(encode_one, name, b, n)
                     if len(jobs) >= 2 * ENCODE_THREADS:
                         first = next(iter(jobs))
                         payloads[first], meta[first] = jobs.pop(first).result()
@@ -365,19 +459,22 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
             raise DeltaError(f"new weights have tensors the base lacks: {sorted(extra)[:5]}")
         stamp = {"numerics": numerics} if numerics is not None else {}
         (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
-                                                    "checksum_format": DEFAULT_CHECKSUM_FORMAT, **stamp}))
+                                                    "checksum_format": DEFAULT_CHECKSUM_FORMAT,
+                                                    "sha256": dict(sorted(digests.items())), **stamp}))
     return Path(out_dir)
 
 
 def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path,
-                               compression_format: str | None = None) -> Path:
+                               compression_format: str | None = None, require_digests: bool = True) -> Path:
     """Decode a delta onto its base and publish the result as a full snapshot (assets copied from the base).
 
     ``compression_format`` comes from the caller (a hot-load signal carries it) or, when ``None``, from the delta's
-    ``delta.json``.
+    ``delta.json``. ``require_digests=False`` decodes a delta that carries only the Fireworks wire's Adler-32 (one
+    written by Fireworks' own encoder, no ``delta.json``): a transport check only, for reading foreign deltas, never
+    what a replica loads.
 
-    Everything is decoded and verified (same shard files and key sets, payload lengths, Adler-32 of every new
-    tensor) before anything is written; on any failure nothing is published.
+    Everything is decoded and verified (same shard files and key sets, payload lengths, Adler-32 and SHA-256 of every
+    new tensor) before anything is written; on any failure nothing is published.
 
     Raises:
         DeltaError: mismatching files/keys, a payload that does not decode, or a checksum mismatch.
@@ -387,6 +484,7 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
 
     base_dir, delta_dir = Path(base_dir), Path(delta_dir)
     decode = resolve(get_codec(_delta_format(delta_dir, compression_format)).decode)
+    digests = delta_digests(delta_dir) if require_digests else None
     base_files = sorted(p.name for p in base_dir.glob("*.safetensors"))
     delta_files = sorted(p.name for p in delta_dir.glob("*.safetensors"))
     if base_files != delta_files:
@@ -407,6 +505,8 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
                         raise DeltaError(f"{fname}:{name}: payload does not decode: {e}") from e
                     if str(zlib.adler32(nb)) != meta.get(name):
                         raise DeltaError(f"{fname}:{name}: checksum mismatch (wrong base or corrupt delta)")
+                    if digests is not None and tensor_sha256(nb) != digests.get(name):
+                        raise DeltaError(f"{fname}:{name}: sha256 mismatch (wrong base or altered delta)")
                     new[name] = torch.frombuffer(bytearray(nb), dtype=torch.uint8).view(bt.dtype).reshape(bt.shape)
         except DeltaError:
             raise
@@ -423,6 +523,29 @@ def _delta_format(delta_dir: Path, compression_format: str | None) -> str:
     except (OSError, ValueError, KeyError) as e:
         raise DeltaError(f"snapshot {delta_dir.name!r}: no compression_format given and no readable delta.json "
                          f"({type(e).__name__})") from e
+
+
+def delta_digests(delta_dir: str | Path) -> dict[str, str]:
+    """``{name: SHA-256 hex of the new tensor}`` of an incremental snapshot (``delta.json``'s ``sha256``).
+
+    Raises:
+        DeltaError: no readable ``delta.json`` with a ``sha256`` map (a delta written before integrity digests)."""
+    d = Path(delta_dir)
+    try:
+        digests = _read_json(d / "delta.json").get("sha256")
+    except (OSError, ValueError) as e:
+        raise DeltaError(f"snapshot {d.name!r}: no readable delta.json ({type(e).__name__})") from e
+    if not isinstance(digests, dict):
+        raise DeltaError(f"snapshot {d.name!r}: delta.json has no per-tensor sha256 (integrity digests)")
+    return digests
+
+
+def delta_weights_digest(delta_dir: str | Path) -> str:
+    """The weights digest (:func:`checksums_digest`) of the weights an incremental snapshot produces.
+
+    Raises:
+        DeltaError: see :func:`delta_digests`."""
+    return checksums_digest(delta_digests(delta_dir))
 
 
 def delta_checksums(delta_dir: str | Path) -> dict[str, str]:
@@ -469,7 +592,7 @@ def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor]
     never the model.
 
     Every tensor is checked before it is written: its payload must decode against the target's current bits and the
-    result's Adler-32 must equal the delta's checksum (a wrong base or a corrupt payload is refused there). Run it
+    result's Adler-32 and SHA-256 must equal the delta's (a wrong base or a corrupt payload is refused there). Run it
     first without ``commit`` (verifies everything, writes nothing: the stage pass), then with ``commit`` (the commit
     pass, which checks each tensor again before writing it). A refusal in the stage pass leaves every target bit for
     bit as it was.
@@ -487,7 +610,8 @@ def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor]
             injection in tests), or ``None``.
 
     Returns:
-        ``{"checksums": {name: Adler-32}, "changed": [names whose bits changed]}`` (``changed`` only with ``commit``).
+        ``{"checksums": {name: Adler-32}, "sha256": {name: SHA-256 hex}, "changed": [names whose bits changed]}``
+        (``changed`` only with ``commit``).
 
     Raises:
         DeltaError: the key sets differ, a target has the wrong size, a payload does not decode, or a checksum
@@ -498,7 +622,9 @@ def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor]
 
     delta_dir = Path(delta_dir)
     decode = resolve(get_codec(_delta_format(delta_dir, compression_format)).decode)
-    checksums = delta_checksums(delta_dir)
+    checksums, digests = delta_checksums(delta_dir), delta_digests(delta_dir)
+    if set(digests) != set(checksums):
+        raise DeltaError(f"snapshot {delta_dir.name!r}: delta.json's sha256 do not cover exactly its tensors")
     missing, extra = sorted(set(targets) - set(checksums)), sorted(set(checksums) - set(targets))
     if missing or extra:
         raise DeltaError(f"delta tensors differ from the model's: missing {missing[:3]}, extra {extra[:3]}")
@@ -516,6 +642,8 @@ def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor]
             raise DeltaError(f"{fname}:{name}: payload does not decode: {e}") from e
         if len(new) != old.size or str(zlib.adler32(new)) != checksums[name]:
             raise DeltaError(f"{fname}:{name}: checksum mismatch (wrong base or corrupt delta)")
+        if tensor_sha256(new) != digests[name]:
+            raise DeltaError(f"{fname}:{name}: sha256 mismatch (wrong base or altered delta)")
         if not commit and not allow_non_finite and has_non_finite(new, t.dtype):
             raise DeltaError(f"{fname}:{name}: non-finite weights (NaN or inf)")
         return t, host, old, new
@@ -553,4 +681,4 @@ def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor]
                 raise
             except Exception as e:  # unreadable safetensors (truncated, garbage header)
                 raise DeltaError(f"{f.name}: cannot read: {e}") from e
-    return {"checksums": checksums, "changed": changed}
+    return {"checksums": checksums, "sha256": digests, "changed": changed}

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from zerokld_models.checkpoint import staged_dir
+
 from .ledger import validate_identity
 from .protocol import DEFAULT_COMPRESSION_FORMAT
 from .snapshot import (element_density, read_snapshot_tensors, weight_bytes, write_full_snapshot,
@@ -84,28 +86,39 @@ class SnapshotWriter:
     def write(self, identity: str, tensors: dict[str, torch.Tensor], kind: str | None = None) -> SnapshotInfo:
         """Write the next snapshot (``kind``: force ``"full"``; default: the cadence's choice).
 
+        Every directory (the snapshot, the writer's private copy) is assembled under a staging name and renamed into
+        place, so a write that fails (e.g. the disk fills up) leaves nothing under ``<root>/<identity>`` and the same
+        call can be retried once there is space.
+
         Raises:
             IdentityError: bad identity. FileExistsError: the identity exists. DeltaError: tensors do not match the
-            base's names/shapes/dtypes.
+            base's names/shapes/dtypes. OSError: the write failed (``ENOSPC``: disk full; nothing published).
         """
         validate_identity(identity)
         out = self.root / identity
         if out.exists():
-            raise FileExistsError(f"snapshot {identity!r} already exists under {self.root}")
+            raise FileExistsError(f"snapshot {identity!r} already exists in the snapshot root")
         if self.dtype is not None:
             tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
         kind = kind or self.next_kind()
         private = self.cache / identity
-        write_full_snapshot(tensors, self.assets, private, numerics=self.numerics)
-        full_bytes = weight_bytes(private)
-        if kind == "full":
-            shutil.copytree(private, out)  # the private copy carries the stamp too
-            info = SnapshotInfo(identity, "full", None, out, full_bytes, full_bytes, 1.0, None)
-        else:
-            base = self.cache / self.loaded
-            write_incremental_snapshot(base, tensors, out, self.compression_format, numerics=self.numerics)
-            info = SnapshotInfo(identity, "incremental", self.loaded, out, weight_bytes(out), full_bytes,
-                                self._density(base, tensors), self.compression_format)
+        try:  # every directory is staged and renamed into place: a failed write (disk full) publishes nothing
+            write_full_snapshot(tensors, self.assets, private, numerics=self.numerics)
+            full_bytes = weight_bytes(private)
+            if kind == "full":
+                with staged_dir(out) as tmp:  # the private copy carries the stamp too
+                    for f in sorted(private.iterdir()):
+                        shutil.copyfile(f, tmp / f.name)
+                info = SnapshotInfo(identity, "full", None, out, full_bytes, full_bytes, 1.0, None)
+            else:
+                base = self.cache / self.loaded
+                write_incremental_snapshot(base, tensors, out, self.compression_format, numerics=self.numerics)
+                info = SnapshotInfo(identity, "incremental", self.loaded, out, weight_bytes(out), full_bytes,
+                                    self._density(base, tensors), self.compression_format)
+        except BaseException:
+            if private.name != self.loaded:
+                shutil.rmtree(private, ignore_errors=True)
+            raise
         if self.publish_url is not None:
             from .storage import publish_dir
 

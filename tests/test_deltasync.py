@@ -50,7 +50,10 @@ def test_we_read_the_reference_encoders_arc_v2(base_and_new, tmp_path):
     (tmp_path / "theirs").mkdir()
     delta_compress_dicts_to_file(src=read_snapshot_tensors(base), dst=new,
                                  diff_file=str(tmp_path / "theirs" / "model.safetensors"), compression_format="arc_v2")
-    out = apply_incremental_snapshot(base, tmp_path / "theirs", tmp_path / "applied", compression_format="arc_v2")
+    with pytest.raises(DeltaError, match="delta.json"):  # no integrity digests: refused unless asked for
+        apply_incremental_snapshot(base, tmp_path / "theirs", tmp_path / "applied", compression_format="arc_v2")
+    out = apply_incremental_snapshot(base, tmp_path / "theirs", tmp_path / "applied", compression_format="arc_v2",
+                                     require_digests=False)
     got = read_snapshot_tensors(out)
     assert all(torch.equal(got[k], new[k]) for k in new)
 
@@ -221,7 +224,7 @@ def test_sparse_v2_round_trips_every_word_pattern():
 def test_delta_applied_in_place_equals_the_new_weights(base_and_new, tmp_path, codec):
     """Issue 17 point 1: ``apply_delta_in_place`` decodes against live tensors, one at a time; the stage pass
     writes nothing, the commit pass leaves exactly the new bits (and names the tensors whose bits changed); the
-    digest of the delta's checksums is the full snapshot's weights digest."""
+    digest of the per-tensor SHA-256 it verified is the full snapshot's weights digest."""
     from deltasync import apply_delta_in_place, checksums_digest, weights_digest
 
     base, new = base_and_new
@@ -234,7 +237,7 @@ def test_delta_applied_in_place_equals_the_new_weights(base_and_new, tmp_path, c
     assert all(torch.equal(live[k], new[k]) for k in new)
     assert set(done["changed"]) == {k for k in new if not torch.equal(new[k], before[k])}
     full = write_full_snapshot(new, base, tmp_path / "full")
-    assert checksums_digest(done["checksums"]) == weights_digest(full)
+    assert checksums_digest(done["sha256"]) == weights_digest(full)
 
 
 @pytest.mark.parametrize("fault", ["wrong_base", "flipped_byte", "missing_tensor", "non_finite"])

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from deltasync import Ledger
+from deltasync.replica import LEDGER_FILE
 from examples.countdown.task import generate_problems, reward, solve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
@@ -56,7 +58,7 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
         assert [r["sync_kind"] for r in rs] == ["full", "incremental", "full"]  # --full-every 2
         assert rs[1]["sync_bytes"] < rs[1]["full_bytes"] and 0 < rs[1]["delta_density"] < 1
         # the sync ran through deltasync's replica: a ledger row per step, each ready, the chain unbroken
-        ledger = json.loads((out / m / "sync" / "replica" / "ledger.json").read_text())
+        ledger = Ledger(out / m / "sync" / "replica" / LEDGER_FILE).to_json()
         assert [(r["identity"], r["kind"], r["readiness"]) for r in ledger["rows"]] == [
             ("step-00001", "full", "ready"), ("step-00002", "incremental", "ready"), ("step-00003", "full", "ready")]
         assert ledger["rows"][1]["previous_identity"] == "step-00001"
@@ -97,7 +99,7 @@ def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot
         assert r["sync_kind"] in ("full", "incremental")  # the engine loaded every version, in order
     assert all(r["k3_vs_current_policy"] > 0 for r in rows if r["staleness"] > 0)
     if not server:
-        ledger = json.loads((out / "zerokld" / "sync" / "replica" / "ledger.json").read_text())
+        ledger = Ledger(out / "zerokld" / "sync" / "replica" / LEDGER_FILE).to_json()
         assert [r["identity"] for r in ledger["rows"]] == [f"step-{v:05d}" for v in range(1, 5)]
     assert [e["step"] for e in map(json.loads, (out / "zerokld" / "eval.jsonl").read_text().splitlines())] == [0, 2, 4]
     assert "Tokens by staleness" in (out / "summary.md").read_text()

@@ -34,8 +34,9 @@ adapter under ``lora_adapters``.
 their KV with the new weights; ``new_session`` keeps in-flight requests' KV and the cached prefixes of sessions seen
 before the swap — a session is the ``x-zerokld-session-id`` header, else the OpenAI ``user`` field — while new
 sessions and requests without one start from prefixes computed with the new weights
-(:mod:`vllm_plugin.hotload.sessions`: ``/v1/completions`` and ``/v1/chat/completions`` requests get a ``cache_salt``
-from their session's epoch); ``none`` keeps everything.
+(:mod:`vllm_plugin.hotload.sessions`: ``/v1/completions``, ``/v1/chat/completions`` and ``/invocations`` requests get
+a ``cache_salt`` from their session's epoch; while that isolation is in force, other POST routes that could read the
+prefix cache get 409); ``none`` keeps everything.
 
 With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/v1/*``, SageMaker's
 ``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers
@@ -52,11 +53,12 @@ import socket
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deltasync.protocol import (DRAIN_HEADER, IDENTITY_HEADER, PREFIX, SESSION_HEADER, TRANSITION_HEADER,
-                                HotLoadError, Signal)
+from deltasync.ledger import LedgerWriteError
+from deltasync.protocol import (DRAIN_HEADER, IDENTITY_HEADER, NO_SPACE, PREFIX, SESSION_HEADER, TRANSITION_HEADER,
+                                HotLoadError, Signal, public_message)
 
 from .attribution import versions_in_sse, versions_of
-from .sessions import SALTED_ROUTES
+from .sessions import SALTED_ROUTES, isolation_refuses
 
 __all__ = ["PROBES", "ZeroKLDHotLoadEndpoint"]
 
@@ -166,7 +168,7 @@ class ZeroKLDHotLoadEndpoint:
                 if sig is None:  # refused while parsing: recorded under the identities as sent (bounded)
                     identity, previous, lora_name = Signal.claimed(body)
                     self.manager.track_for(lora_name).ledger.refused(identity, str(e), previous_identity=previous)
-                return JSONResponse({"error": str(e)}, status_code=e.status)
+                return JSONResponse({"error": public_message(e)}, status_code=e.status)
             return JSONResponse(row)
 
         @app.get(PREFIX + "/status")
@@ -198,7 +200,10 @@ class ZeroKLDHotLoadEndpoint:
                 return t
             if t.lock.locked():
                 return JSONResponse({"error": "a hot-load is in progress"}, status_code=409)
-            t.ledger.reset()
+            try:
+                t.ledger.reset()
+            except LedgerWriteError as e:  # the ledger is unchanged
+                return JSONResponse({"error": public_message(e)}, status_code=507 if e.errno in NO_SPACE else 500)
             return JSONResponse(t.ledger.to_json())
 
         @app.middleware("http")
@@ -213,6 +218,11 @@ class ZeroKLDHotLoadEndpoint:
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
             if manager.draining:
                 return JSONResponse({"error": "a sync hot-load is in progress; retry"}, status_code=425,
+                                    headers={IDENTITY_HEADER: manager.ledger.current_identity})
+            if self.salting and manager.engine.epochs.isolating and isolation_refuses(request.method, path):
+                return JSONResponse({"error": f"{path} takes no prompt-cache salt: refused while a reset_prompt_cache "
+                                              "'new_session' isolation is in force (use /v1/completions, "
+                                              "/v1/chat/completions or /invocations)"}, status_code=409,
                                     headers={IDENTITY_HEADER: manager.ledger.current_identity})
             if self.salting and request.method == "POST" and path in SALTED_ROUTES:
                 await _salt(request, manager.engine.epochs)

@@ -64,8 +64,8 @@ class DeltaWorkerExtension:
         (``allow_non_finite``: accept NaN/inf weights, ``HotLoadConfig.allow_non_finite``).
 
         Returns:
-            ``{"weights_digest": hex}`` (the digest of the weights the delta produces,
-            :func:`deltasync.checksums_digest`) and ``"changed"``: the number of tensors whose bits changed (commit).
+            ``{"weights_digest": hex}`` (the digest of the weights the delta produces: :func:`deltasync.checksums_digest`
+            of the per-tensor SHA-256 it verified) and ``"changed"``: the number of tensors whose bits changed (commit).
 
         Raises:
             deltasync.DeltaError: refused (wrong base, corrupt payload, tensor set differs from the model's); in the
@@ -86,7 +86,7 @@ class DeltaWorkerExtension:
                                    after_tensor=copy_fault if commit else None, allow_non_finite=allow_non_finite)
         if commit:
             model.checkpoint_updated(out["changed"])
-        return {"weights_digest": checksums_digest(out["checksums"]), "changed": len(out["changed"])}
+        return {"weights_digest": checksums_digest(out["sha256"]), "changed": len(out["changed"])}
 
 
 async def stage_in_background(collective_rpc, path: str, compression_format: str | None,
