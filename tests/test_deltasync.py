@@ -458,3 +458,73 @@ def test_fetch_resumes_an_interrupted_download_and_checks_every_file(checkpoint_
     old = {name: m["size"] for name, m in marker.items() if name != "model.safetensors"}
     fs.pipe_file(f"{url}/{COMPLETE_MARKER}", json.dumps(old).encode())  # an earlier version's marker
     assert sorted(p.name for p in fetch_dir(url, tmp_path / "got4").iterdir()) == sorted(old)
+
+
+_FULL_DISK_SCRIPT = r"""
+import errno, os, sys, torch
+from pathlib import Path
+from deltasync import SnapshotWriter, read_snapshot_tensors, verify_full_snapshot, tensor_spec
+ckpt, disk = sys.argv[1], Path(sys.argv[2])
+tensors = {k: v + 1 for k, v in read_snapshot_tensors(ckpt).items()}
+writer = SnapshotWriter(disk / "root", ckpt, cache_dir=disk / "cache")
+size = sum(f.stat().st_size for f in Path(ckpt).iterdir() if f.is_file())
+st = os.statvfs(disk)
+(disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - size - size // 2))  # room for one copy only
+try:
+    writer.write("s1", tensors)
+    raise SystemExit("the write did not fail")
+except OSError as e:
+    assert e.errno == errno.ENOSPC, e
+assert not (disk / "root" / "s1").exists() and not (disk / "cache" / "s1").exists()
+assert not any((disk / "root" / ".staging").iterdir())
+(disk / "filler").unlink()
+info = writer.write("s1", tensors)  # the retry works
+verify_full_snapshot(info.path, tensor_spec(ckpt), check_data=True)
+print("FULL-DISK-OK")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_snapshot_writer_on_a_full_disk_publishes_nothing_and_retries(checkpoint_factory, tmp_path):
+    """Held-out row 6, trainer side: a snapshot root that fills up mid-write (a real 4 MiB tmpfs in a private mount
+    namespace) raises ENOSPC and leaves nothing under the identity (the old copytree left half a snapshot, and the
+    retry failed with FileExistsError); with space again the same write succeeds and verifies."""
+    import subprocess
+    import sys
+
+    from zerokld_testing.servers import tmpfs_prefix
+
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = subprocess.run([*tmpfs_prefix(disk, "4m"), sys.executable, "-c", _FULL_DISK_SCRIPT, ckpt, str(disk)],
+                         capture_output=True, text=True, timeout=240)
+    assert "FULL-DISK-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_an_adler32_preserving_edit_is_refused_at_restore(tmp_path):
+    """Held-out row 5, the restart path: :func:`verify_full_snapshot` (what a restore runs on the replica's copy)
+    refuses bytes edited to keep every Adler-32, by their SHA-256."""
+    import zlib
+
+    from safetensors.torch import load_file, save_file
+
+    from deltasync import SnapshotError, tensor_spec, verify_full_snapshot
+
+    g = torch.Generator().manual_seed(0)
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text("{}")
+    snap = write_full_snapshot({"w": torch.randn(64, 64, generator=g)}, assets, tmp_path / "s")
+    verify_full_snapshot(snap, tensor_spec(snap), check_data=True)
+    t = load_file(str(snap / "model.safetensors"))
+    raw = bytearray(t["w"].numpy().tobytes())
+    adler = zlib.adler32(raw)
+    i = next(i for i in range(len(raw) - 2) if raw[i] < 255 and raw[i + 1] >= 2 and raw[i + 2] < 255)
+    raw[i] += 1
+    raw[i + 1] -= 2
+    raw[i + 2] += 1
+    assert zlib.adler32(raw) == adler
+    save_file({"w": torch.frombuffer(raw, dtype=torch.float32).reshape(64, 64).clone()}, str(snap / "model.safetensors"))
+    with pytest.raises(SnapshotError, match="sha256"):
+        verify_full_snapshot(snap, tensor_spec(snap), check_data=True)

@@ -245,7 +245,8 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
     assert r.status_code == 401  # no API key
     assert requests.get(server.base + HL + "/ledger", timeout=30).status_code == 401
     for case, (kw, status) in _bad_snapshots(root, full, current, ckpt).items():
-        n_rows = len(server.get(HL + "/ledger").json()["rows"])
+        led = server.get(HL + "/ledger").json()
+        n_rows, n_refused = len(led["rows"]), len(led["refusals"])
         r = server.signal(**kw)
         assert r.status_code == status, f"{case}: {r.status_code} {r.text}"
         assert r.json()["error"], case
@@ -253,8 +254,13 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
             assert "fp8=per_channel" in r.json()["error"] and "fp8=off" in r.json()["error"], r.json()["error"]
         now = server.logprobs()
         assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current, case
-        rows = server.get(HL + "/ledger").json()["rows"]  # every refusal is recorded with its error
-        assert len(rows) == n_rows + 1 and rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
+        # every refusal is recorded with its error: a load that began as a failed row, a signal refused before
+        # loading (404, 409) in the bounded refusals ring
+        led = server.get(HL + "/ledger").json()
+        rows = led["rows"] if status not in (404, 409) else led["refusals"]
+        assert len(rows) == (n_rows if status not in (404, 409) else min(n_refused + 1, 64)) + (
+            status not in (404, 409)), case
+        assert rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
         assert rows[-1]["identity"] == kw["identity"], case
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
     assert _peak_rss_mib(server.proc.pid) - peak_before < 1024  # the 4 GiB bomb never materialized
@@ -288,7 +294,7 @@ def test_malformed_signals_are_refused_and_recorded_bounded(env):
         r = server.signal(*args, headers=headers, **body)
         assert r.status_code == status, f"{case}: {r.status_code} {r.text[:300]}"
         assert len(r.text) < 2000, case  # the identity is never echoed whole
-        row = server.get(HL + "/ledger").json()["rows"][-1]
+        row = server.get(HL + "/ledger").json()["refusals"][-1]  # refused before loading: the bounded ring
         assert row["readiness"] == "failed" and len(row["identity"]) < 300, case
         if len(args) > 1:
             assert row["previous_identity"] == args[1], case
@@ -735,8 +741,9 @@ def test_restart_verifies_the_snapshot_it_restores(env):
     shutil.copytree(v2, full / "v2-orig")
     server.stop()
     write_full_snapshot(_perturb(read_snapshot_tensors(v2), 802), v2, full / "v2-other")
-    shutil.rmtree(v2)
-    shutil.copytree(full / "v2-other", v2)  # same identity, other (self-consistent) weights
+    kept = server.state / "materialized" / "v2"  # the replica's own verified copy: what a restart restores
+    shutil.rmtree(kept)
+    shutil.copytree(full / "v2-other", kept)  # same identity, other (self-consistent) weights
     server.start()
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == "v1"
     _check_serving(server, full / "v1-kept", "v1")

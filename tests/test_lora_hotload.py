@@ -306,10 +306,9 @@ def test_bad_adapter_snapshots_are_refused_and_the_served_version_stays(env):
     r = signal({"identity": _snap(env, "A-wide", wide_tensors, wide), "lora_name": "A"})
     assert r.status_code == 422 and "rank" in r.json()["error"].lower(), r.text
     assert signal({"identity": "A-v9", "lora_name": "../A"}).status_code == 400
-    rows = requests.get(env.server.base + HL + "/ledger", headers=AUTH, params={"lora_name": "A"},
-                        timeout=30).json()["rows"]
-    assert [r["identity"] for r in rows if r["readiness"] == "failed"] == [
-        "A-bad-chain", "A-corrupt", "A-model", "A-wide"]
+    led = requests.get(env.server.base + HL + "/ledger", headers=AUTH, params={"lora_name": "A"}, timeout=30).json()
+    assert [r["identity"] for r in led["refusals"]] == ["A-bad-chain"]  # refused before loading: the ring
+    assert [r["identity"] for r in led["rows"] if r["readiness"] == "failed"] == ["A-corrupt", "A-model", "A-wide"]
     after = _complete(env, "A", prompt, 19, max_tokens=8)
     assert after["model"] == f"A@{served}" and after["tokens"] == before["tokens"]
     assert torch.equal(after["logprobs"], before["logprobs"])

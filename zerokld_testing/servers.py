@@ -21,7 +21,7 @@ import requests
 
 from .engines import kv_cache_bytes
 
-__all__ = ["HotLoadServer", "OpenAIServer", "START_BUDGET_S", "free_port", "kv_cache_args"]
+__all__ = ["HotLoadServer", "OpenAIServer", "START_BUDGET_S", "free_port", "kv_cache_args", "tmpfs_prefix"]
 
 START_BUDGET_S = 240.0  # servers start in 25-65 s on 2 cores; a loaded machine gets 4x
 
@@ -49,6 +49,9 @@ class OpenAIServer:
         self.env = env if env is not None else {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
         self.proc: subprocess.Popen | None = None
         self.base = ""
+        #: a command the server is started under (it must exec the server: ``proc.pid`` is the server's), e.g.
+        #: :func:`tmpfs_prefix`
+        self.prefix: list[str] = []
 
     def start(self, extra_env: dict | None = None) -> None:
         """Start on a free port and wait for ``/health``.
@@ -58,8 +61,8 @@ class OpenAIServer:
                 (it is stopped first).
         """
         port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.args, "--host", "127.0.0.1",
-               "--port", str(port)]
+        cmd = [*self.prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.args, "--host",
+               "127.0.0.1", "--port", str(port)]
         log = open(self.log_path, "a+")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(extra_env or {})},
                                      start_new_session=True)
@@ -140,3 +143,11 @@ def kv_cache_args() -> list[str]:
     """``["--kv-cache-memory-bytes", N]`` when :data:`zerokld_testing.engines.KV_CACHE_ENV` is set, else ``[]``."""
     n = kv_cache_bytes()
     return ["--kv-cache-memory-bytes", str(n)] if n else []
+
+
+def tmpfs_prefix(mount_point: Path, size: str) -> list[str]:
+    """A :attr:`OpenAIServer.prefix` that starts the server in its own user and mount namespaces (``unshare``, no
+    privileges needed) with a fresh tmpfs of ``size`` (``"24m"``) mounted on ``mount_point``: a disk that really
+    fills up, seen only by the server; the test reaches it through ``/proc/<server pid>/root<mount_point>``."""
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+            f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(mount_point)]
