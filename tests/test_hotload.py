@@ -255,11 +255,11 @@ def test_faults_are_refused_and_serving_is_unchanged(env):
         now = server.logprobs()
         assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current, case
         # every refusal is recorded with its error: a load that began as a failed row, a signal refused before
-        # loading (404, 409) in the bounded refusals ring
+        # loading (400, 404, 409) in the bounded refusals ring
         led = server.get(HL + "/ledger").json()
-        rows = led["rows"] if status not in (404, 409) else led["refusals"]
-        assert len(rows) == (n_rows if status not in (404, 409) else min(n_refused + 1, 64)) + (
-            status not in (404, 409)), case
+        before_loading = status in (400, 404, 409)
+        rows = led["refusals"] if before_loading else led["rows"]
+        assert len(rows) == (min(n_refused + 1, 64) if before_loading else n_rows + 1), case
         assert rows[-1]["readiness"] == "failed" and rows[-1]["error"], case
         assert rows[-1]["identity"] == kw["identity"], case
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
