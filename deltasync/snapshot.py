@@ -204,29 +204,27 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _spec_checksums(d: Path) -> dict:
+def _spec_map(d: Path, key: str, what: str) -> dict:
+    """A per-tensor map of the spec: ``"checksums"`` (Adler-32) or ``"sha256"`` (integrity digests).
+
+    Raises:
+        SnapshotError: no readable spec, or one without that map (``sha256``: a snapshot written before integrity
+            digests; the trainer must write it again)."""
     try:
-        checksums = _read_json(d / WEIGHT_SPEC).get("checksums")
+        found = _read_json(d / WEIGHT_SPEC).get(key)
     except (OSError, ValueError) as e:
         raise SnapshotError(f"snapshot {d.name!r}: no readable {WEIGHT_SPEC} ({type(e).__name__})") from e
-    if not isinstance(checksums, dict):
-        raise SnapshotError(f"snapshot {d.name!r}: {WEIGHT_SPEC} has no per-tensor checksums")
-    return checksums
+    if not isinstance(found, dict):
+        raise SnapshotError(f"snapshot {d.name!r}: {WEIGHT_SPEC} has no per-tensor {what}")
+    return found
+
+
+def _spec_checksums(d: Path) -> dict:
+    return _spec_map(d, "checksums", "checksums")
 
 
 def _spec_digests(d: Path) -> dict:
-    """The spec's per-tensor SHA-256 map (``{name: hex}``).
-
-    Raises:
-        SnapshotError: no readable spec, or one without ``sha256`` (a snapshot written before integrity digests: the
-            trainer must write it again)."""
-    try:
-        digests = _read_json(d / WEIGHT_SPEC).get("sha256")
-    except (OSError, ValueError) as e:
-        raise SnapshotError(f"snapshot {d.name!r}: no readable {WEIGHT_SPEC} ({type(e).__name__})") from e
-    if not isinstance(digests, dict):
-        raise SnapshotError(f"snapshot {d.name!r}: {WEIGHT_SPEC} has no per-tensor sha256 (integrity digests)")
-    return digests
+    return _spec_map(d, "sha256", "sha256 (integrity digests)")
 
 
 def _verify_data(d: Path, allow_non_finite: bool) -> None:
