@@ -92,5 +92,7 @@ def test_a_diverged_replica_falls_back_to_full_and_the_fleet_stays_consistent(fl
     for s, r in zip(servers, client.fleet_status()["replicas"]):  # each ledger is its replica's own
         led = requests.get(s.base + HL + "/ledger", headers=AUTH, timeout=30).json()
         assert led["replica"] == r["replica"] and {row["replica"] for row in led["rows"]} == {r["replica"]}
-    assert [row["identity"] for row in requests.get(urls[1] + HL + "/ledger", headers=AUTH, timeout=30).json()[
-        "rows"]] == ["f1", "r1-only", "f2", "f2-full", "f3", "f4"]
+    led1 = requests.get(urls[1] + HL + "/ledger", headers=AUTH, timeout=30).json()
+    # the refused out-of-order delta changed nothing, so it is in the refusal ring, not among the loads
+    assert [row["identity"] for row in led1["rows"]] == ["f1", "r1-only", "f2-full", "f3", "f4"]
+    assert [row["identity"] for row in led1["refusals"]] == ["f2"] and "out-of-order" in led1["refusals"][0]["error"]
