@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test demo test test-fast clean
+.PHONY: install install-test demo test test-long test-fast clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ install-test: $(VENV)/bin/python
 demo: install
 	$(PY) -m examples.countdown.run
 
+# the default run stays under 45 minutes on 2 cores; tests marked `long` (minutes each) run in their own step
 test: install-test
-	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m "not long" tests
+
+test-long: install-test
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m long tests
 
 test-fast: install-test
 	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not vllm and not titan" tests

@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -158,7 +159,7 @@ def markdown(result: dict) -> str:
     """The result as GitHub markdown: one line per countdown run, then the streaming comparison."""
     m, st = result["machine"], result["streaming"]
     lines = ["# Sync vs async vs streaming RL (`benchmarks/async_rl.py`)", "",
-             f"Measured {result['date']} on {m['cpus']} CPU cores ({m['platform']}), torch {m['torch']}, vLLM "
+             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
              f"{m['vllm']}; zerokld numerics, bf16, the countdown example's defaults.", ""]
     if result["runs"]:
         lines += ["| run | RL seconds | steps/hour | median rollout wait / train s per step | reward first 5 → last 5 "
@@ -232,8 +233,7 @@ def main(argv=None) -> dict:
         streaming = _streaming(Path(tmp) / "streaming", args.prompts, args.group_size, args.repeats)
         runs = {} if args.skip_runs else _countdown_runs(Path(tmp), args.steps, [int(k) for k in args.ks.split(",")])
     result = {"date": time.strftime("%Y-%m-%d"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "vllm": vllm.__version__},
+              "machine": {**machine_facts(), "vllm": vllm.__version__},
               "streaming": streaming, "runs": runs}
     render(result, Path(args.out))
     return result

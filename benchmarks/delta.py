@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import time
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -168,7 +169,7 @@ def main(argv=None) -> dict:
             per[c]["apply_gbps"].append(full / t_app / 1e9)
     shutil.rmtree(work, ignore_errors=True)
     layer = _layer_scale(codecs, statistics.median(densities))
-    result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args),
+    result = {"machine": machine_facts(), "args": vars(args),
               "snapshots": len(snaps),
               "model_bytes": weight_bytes(snaps[-1]), "density_median": statistics.median(densities),
               "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},

@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import threading
 import time
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -207,7 +208,7 @@ def main(argv=None) -> dict:
         return statistics.median(vals) if vals else None
 
     summary = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": machine_facts(),
         "args": vars(args), "model_bytes": model_bytes, "server_start_s": start_s,
         "requests_ok": results["ok"], "requests_failed": results["failed"], "errors": results["errors"][:10],
         "deltas_applied_in_place": sum(r.get("applied") == "in_place" for r in ledger),

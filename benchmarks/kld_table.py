@@ -29,10 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -95,7 +96,7 @@ def markdown(result: dict) -> str:
     """The table as GitHub markdown (one line per architecture x dtype x FP8 x engine)."""
     m = result["machine"]
     lines = ["# Train-inference KL per model (`benchmarks/kld_table.py`)", "",
-             f"Measured {result['date']} on {m['cpus']} CPU cores ({m['platform']}), torch {m['torch']}, vLLM "
+             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
              f"{m['vllm']}: {result['workload']}.", "",
              "| architecture | dtype | FP8 serving | engine + trainer | k3 (mean) | max \\|Δ log-prob\\| "
              "| tokens bitwise equal |", "|---|---|---|---|---|---|---|"]
@@ -141,8 +142,7 @@ def main(argv=None) -> dict:
                         print(json.dumps(row), flush=True)
                         rows.append(row)
     result = {"date": time.strftime("%Y-%m-%d"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "vllm": vllm.__version__},
+              "machine": {**machine_facts(), "vllm": vllm.__version__},
               "workload": "2-layer hidden-128 checkpoints, 32 prompts of 8-150 tokens, 48 sampled tokens each "
                           "(temperature 1.0), prefills chunked at 64 tokens, one trainer batch", "rows": rows}
     out = Path(args.out)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 
 def _one(loss_name: str, path: str, vocab: int, tokens: int, hidden: int, repeats: int) -> dict:
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
         if "peak_rss_mib" in same.get("naive", {}):
             entry["fused_over_naive_peak_rss"] = r["peak_rss_mib"] / same["naive"]["peak_rss_mib"]
         summary.append(entry)
-    out = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args), "rows": rows,
+    out = {"machine": machine_facts(), "args": vars(args), "rows": rows,
            "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -77,7 +78,7 @@ def main(argv=None) -> dict:
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
                          num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=1024,
                          moe_intermediate_size=args.hidden)
-    result = {"machine": {"cpu": platform.processor(), "cores": os.cpu_count()}, "args": vars(args), "runs": {}}
+    result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
         ckpt = make_tiny_checkpoint(out.parent / f"bench_model_{dtype}", spec, seed=0, dtype=dtype)
         per = {}

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 from pathlib import Path
 
 import torch
 
 from benchmarks.timing import wall_times
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -59,8 +59,7 @@ def main(argv=None) -> None:
                   f"ratio {row['ratio_ours_over_stock']:.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "threads":
-                               torch.get_num_threads(), "results": results}, indent=2))
+    out.write_text(json.dumps({"machine": machine_facts(), "results": results}, indent=2))
 
 
 if __name__ == "__main__":

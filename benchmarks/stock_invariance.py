@@ -32,11 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 from unittest import mock
+
+from zerokld_testing.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -165,9 +166,7 @@ def main(argv=None) -> dict:
                 row["seconds"] = round(time.perf_counter() - t0, 1)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    result = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                          "torch": torch.__version__}, "rows": rows}
+    result = {"machine": machine_facts(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

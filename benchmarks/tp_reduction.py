@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import tempfile
 from pathlib import Path
+
+from zerokld_testing.machine import machine_facts
 
 SHAPES = [  # (M tokens, K = full input width, N = output width): decode-sized and prefill-sized batches
     (16, 2048, 2048), (256, 2048, 2048), (16, 4096, 1024), (1024, 1024, 1024),
@@ -158,8 +159,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tp_reduction_cpu2.json")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "tp": 2, "backend": "gloo (loopback), one thread per rank"},
+    result = {"machine": {**machine_facts(), "tp": 2, "backend": "gloo (loopback), one thread per rank"},
               "k_block": K_BLOCK, "measured": {}, "measured_vocab_parallel": {}, "paper_8gpu_nvlink": {"inputs": PAPER, "rows": _paper()}}
     for dtype in ("bfloat16", "float32"):
         with socket.socket() as s:

@@ -9,7 +9,7 @@ from deltasync import Ledger
 from deltasync.replica import LEDGER_FILE
 from examples.countdown.task import generate_problems, reward, solve
 
-pytestmark = [pytest.mark.vllm, pytest.mark.titan]
+pytestmark = [pytest.mark.vllm, pytest.mark.titan, pytest.mark.long]  # whole demo runs: `make test-long`
 
 
 def test_task_generator_solver_reward():

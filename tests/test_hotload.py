@@ -750,7 +750,7 @@ def test_restart_verifies_the_snapshot_it_restores(env):
     toks = server.logprobs()[0]
     seq = [PROMPT + toks]
     assert not torch.equal(trainer_logprobs(str(full / "v2-orig"), seq, [len(PROMPT)], dtype="bfloat16")[0],
-                           trainer_logprobs(str(v2), seq, [len(PROMPT)], dtype="bfloat16")[0])
+                           trainer_logprobs(str(full / "v2-other"), seq, [len(PROMPT)], dtype="bfloat16")[0])
     rows = server.get(HL + "/ledger").json()["rows"]
     assert rows[-1]["kind"] == "restore" and rows[-1]["identity"] == "v1" and "v2" in rows[-1]["error"]
     assert [r["readiness"] for r in rows if r["identity"] == "v2"][-1] == "failed"

@@ -2,6 +2,8 @@
 stated per op: the reduction order legitimately differs from ATen's)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,18 +41,48 @@ def test_linear_batch_invariant_and_close(dtype, threads):
                                if dtype == torch.float32 else 5e-2)
 
 
-def test_linear_thread_count_does_not_change_bits():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_thread_count_does_not_change_bits(dtype):
+    """1 thread, 2 threads and the machine's count give the same bits, for M = 1 (a decode row) and M = 300 (many
+    tiles, a prefill), and the decode row is the prefill's row 0."""
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(50, 128, generator=g), torch.randn(300, 128, generator=g)
+    x, w = torch.randn(300, 1024, generator=g).to(dtype), torch.randn(1024, 1024, generator=g).to(dtype)
     old = torch.get_num_threads()
+    outs = []
     try:
-        torch.set_num_threads(1)
-        a = sn.linear(x, w)
-        torch.set_num_threads(2)
-        b = sn.linear(x, w)
+        for n in sorted({1, 2, os.cpu_count() or 1}):
+            torch.set_num_threads(n)
+            outs.append((sn.linear(x[:1], w), sn.linear(x, w)))
     finally:
         torch.set_num_threads(old)
-    assert torch.equal(a, b)
+    for one, many in outs:
+        assert torch.equal(one, outs[0][0]) and torch.equal(many, outs[0][1]) and torch.equal(one, many[:1])
+    if dtype == torch.float32:  # negative control: stock's GEMM picks another kernel for one row
+        assert not torch.equal(torch.nn.functional.linear(x[:1], w), torch.nn.functional.linear(x, w)[:1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_backward_is_row_invariant_and_close(dtype, threads):
+    """dX of a row does not depend on the other rows; dX and dW are F.linear's up to float32 summation order."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 96, generator=g).to(dtype)
+    w = torch.randn(200, 96, generator=g).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    gy = torch.randn(70, 200, generator=g).to(dtype)
+
+    def grads(fn, rows):
+        xr, wr, br = (t.detach().clone().requires_grad_() for t in (x[rows], w, b))
+        fn(xr, wr, br).backward(gy[rows])
+        return xr.grad, wr.grad, br.grad
+
+    gx, gw, gb = grads(sn.linear, slice(None))
+    assert gx.dtype == gw.dtype == dtype
+    for rows in (slice(0, 1), slice(17, 18), slice(5, 60)):
+        assert torch.equal(grads(sn.linear, rows)[0], gx[rows])
+    ref = grads(lambda a, m, c: torch.nn.functional.linear(a.float(), m.float(), c.float()), slice(None))
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-1)
+    for ours, theirs in zip((gx, gw, gb), ref, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,6 +20,8 @@ import shared_numerics as sn
 from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
 from shared_numerics.tensor_parallel import block_tree_sum, k_block_partials, row_parallel_linear
 
+pytestmark = pytest.mark.long  # minutes of TP 2 engines and trainers: `make test-long`
+
 K_BLOCK = 16
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -27,6 +27,8 @@ from shared_numerics import ops_torch  # noqa: E402
 from shared_numerics.ops_triton import attention as tattn  # noqa: E402
 from shared_numerics.ops_triton.table import OPS as T  # noqa: E402
 
+pytestmark = pytest.mark.long  # minutes of Triton-interpreter and engine runs: `make test-long`
+
 R = ops_torch.OPS
 DTYPES = [torch.float32, torch.bfloat16]
 # Max |triton - torch| allowed, relative to max |torch|: fp32 — a few ulps of accumulated rounding; bf16 outputs —

@@ -46,6 +46,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
+from zerokld_testing.machine import ISA_FLAGS, cpu_model, isa_flags  # noqa: E402
 
 MODEL_SPEC = TinyModelSpec(family="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
@@ -464,31 +465,6 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
         "(constraints.txt); on another ISA (e.g. AMX or AVX512-BF16 instead of AVX2) both runs still compare as "
         "above (zerokld: 0 tokens different) but every figure of the trajectory differs",
     ]
-
-
-#: the ISA flags that change which kernels torch and oneDNN pick (and so the bits of a run): /proc/cpuinfo names
-ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
-    for line in _cpuinfo().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def isa_flags() -> list[str]:
-    """Which of :data:`ISA_FLAGS` the CPU has."""
-    flags = next((line.split(":", 1)[1].split() for line in _cpuinfo().splitlines() if line.startswith("flags")), [])
-    return [f for f in ISA_FLAGS if f in flags]
 
 
 def main(argv=None) -> None:
