@@ -1,7 +1,8 @@
 """The numerics contract between the trainer and the rollout engine: :class:`NumericsMode`.
 
 Log-probs are bitwise equal across the two sides only if both run the same op table (backend), in the same dtype,
-with the same FP8 granularity and the same fixed constants (GEMM row tile, attention chunk sizes, the Triton
+with the same FP8 granularity and the same fixed constants (GEMM row tile, the bf16 GEMM's pinned oneDNN call shape and
+thread count, attention chunk sizes, the Triton
 attention's key split). One object says all of that; both sides build theirs from their own configuration
 (vLLM: :func:`vllm_plugin.config.numerics_mode` of ``additional_config["zerokld"]``; TorchTitan:
 :func:`titan_plugin.rl.numerics_mode` of the ``Trainer.Config``) and it travels with the data:
@@ -24,14 +25,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .attention import KEY_CHUNK, Q_TILE, SPLIT
-from .linear import ROW_TILE
+from .linear import GEMM_PARTITION, ROW_TILE
 
 __all__ = ["CONTRACT", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "NumericsMode", "backend_for_device",
            "check_same_numerics"]
 
 #: Version of the fixed constants both sides must share; bump the leading number when a kernel's arithmetic order
 #: changes without a constant changing.
-CONTRACT = f"1:row_tile={ROW_TILE},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT}"
+CONTRACT = f"1:row_tile={ROW_TILE},gemm={GEMM_PARTITION},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT}"
 DTYPES = ("float32", "bfloat16", "float16")
 FP8_GRANULARITIES = ("per_channel", "block")
 

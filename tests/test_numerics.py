@@ -61,6 +61,46 @@ def test_linear_thread_count_does_not_change_bits(dtype):
         assert not torch.equal(torch.nn.functional.linear(x[:1], w), torch.nn.functional.linear(x, w)[:1])
 
 
+def test_native_bf16_gemm_pins_call_shape_and_threads():
+    """bf16 on a CPU with bf16 matrix units (AMX / AVX512-BF16): oneDNN calls of a fixed shape at a pinned thread
+    count. The shapes are ones where oneDNN splits K across threads for some batch sizes or thread counts (measured on
+    a 2-core Xeon with AMX): a row alone, in 33, 128 or 300 rows, at 1, 2 and 8 torch threads, gives the same bits.
+    Negative controls: stock ``F.linear`` changes a row's bits with the batch size, and even one fixed 128-row call
+    changes bits with the thread count (K split), so the pin is what holds them."""
+    import importlib
+
+    sl = importlib.import_module("shared_numerics.linear")
+    if not sl.native_bf16_gemm():
+        pytest.skip("this CPU has no bf16 matrix units (AMX / AVX512-BF16): bf16 takes the float32 tiles tested above")
+    assert f"gemm={sl.GEMM_PARTITION}" in sn.mode.CONTRACT and "bf16=native:" in sl.GEMM_PARTITION
+    g = torch.Generator().manual_seed(5)
+    old = torch.get_num_threads()
+    stock_batch_differs = stock_threads_differ = False
+    try:
+        for k, n in ((1024, 1024), (3072, 1024), (4096, 1024), (8192, 256)):
+            x = torch.randn(300, k, generator=g).bfloat16()
+            w, b = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
+            outs = []
+            for threads in (1, 2, 8):
+                torch.set_num_threads(threads)
+                outs += [sn.linear(x[:m], w, b) for m in (1, 33, 128, 300)]
+            full = outs[-1]
+            for y in outs:
+                assert y.dtype == torch.bfloat16 and torch.equal(y, full[:y.shape[0]]), (k, n, y.shape)
+            ref = (x.float() @ w.float().t() + b.float()).bfloat16()  # fp32 accumulation, bias in fp32, one rounding
+            torch.testing.assert_close(full.float(), ref.float(), rtol=8e-3, atol=1e-3)
+            torch.set_num_threads(2)
+            stock = torch.nn.functional.linear
+            stock_batch_differs |= not torch.equal(stock(x[:1], w, b), stock(x, w, b)[:1])
+            one_call = [stock(x[:128], w, b)]
+            torch.set_num_threads(1)
+            one_call.append(stock(x[:128], w, b))
+            stock_threads_differ |= not torch.equal(*one_call)
+    finally:
+        torch.set_num_threads(old)
+    assert stock_batch_differs and stock_threads_differ
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_backward_is_row_invariant_and_close(dtype, threads):
     """dX of a row does not depend on the other rows; dX and dW are F.linear's up to float32 summation order."""

@@ -390,8 +390,18 @@ def _trainer_tp(tmp_path, ckpt, dtype, tp, seqs, lens, batch_invariant=True, tp_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(port), "--module", "zerokld_testing.titan_tp", str(spec), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure_excerpt(proc.stderr)
     return torch.load(out)
+
+
+def _failure_excerpt(stderr: str) -> str:
+    """The part of a failed ``torchrun``'s stderr that names the cause: from the first fatal error, C++ ``terminate``
+    or Python traceback of a rank (a rank that aborts prints its loaded extension modules after its stack, which
+    would otherwise fill the tail), plus the launcher's summary at the end."""
+    markers = ("Fatal Python error", "terminate called", "Traceback (most recent call last)")
+    starts = [i for i in (stderr.find(m) for m in markers) if i >= 0]
+    head = stderr[min(starts):min(starts) + 4000] if starts else ""
+    return head + "\n...\n" + stderr[-1500:]
 
 
 @pytest.mark.titan
