@@ -1,36 +1,39 @@
-"""Batch-invariant linear layer (``y = x @ W^T + b``) on CPU: fixed-shape vendor GEMM calls.
+"""Batch-invariant linear layer (``y = x @ W^T + b``) on CPU: vendor GEMM calls of one fixed shape at a pinned
+thread count.
 
-A BLAS ``gemm`` chooses its algorithm (gemv for one row, small-matrix kernels, packing, blocking, how the threads
-split the work) from the problem shape, so the same row of ``x`` can come out different bits depending on how many
-other rows are in the call. Here every call is cut into fixed ``ROW_TILE``-row tiles (zero-padded) and all tiles go
-through one batched matmul (``torch.bmm``: MKL's batched ``sgemm`` on CPU) whose per-tile shape
-``[ROW_TILE, K] x [K, N]`` never changes: a row's result depends only on the row, ``W`` and ``b`` — not on ``M``, not on
-which tile the row lands in, and (the tests check it at 1 and 2 threads) not on the thread count.
+A GEMM library chooses its kernel, its K blocking and whether to split K across threads (a parallel reduction: other
+bits) from the problem shape and the number of threads, so the same row of ``x`` can come out different bits depending
+on how many other rows share the call or how many threads the process runs (measured on a 2-core Xeon with AMX:
+``F.linear`` of one row ≠ the same row in 300 at K 1024–4096; one fixed 128-row oneDNN call differs between 1 and 2
+threads at K 3072–8192; MKL's batched ``sgemm`` over 32-row tiles — this module's earlier path — splits a lone tile
+across two threads, so a decode row differed from its prefill). Here both are pinned:
 
-Tile size: the batched GEMM packs ``W`` once per tile, so small tiles pay that copy ``M / ROW_TILE`` times, while a
-decode step of a few rows computes a whole tile; ``benchmarks/linear.py`` measures the trade-off (``--row-tiles``).
-32 rows (measured on a 2-core AMD EPYC, AVX2, float32, ``K = N = 1024``, ours ÷ ``F.linear`` forward): 0.19x at
-``M = 1``, 0.67x at 16, 0.94x at 32, 0.77x at 256, 0.85x at 2048 (16 rows: 0.23x, 0.95x, 0.93x, 0.59x, 0.67x); an RL
-step decodes a group of tens to hundreds of sequences at once and trains on thousands of tokens.
+* every call is exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last
+  one zero-padded), issued to oneDNN through ``torch.ops.mkldnn._linear_pointwise`` (torch's CPU linear op);
+* every call runs on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default ``os.cpu_count()``, the
+  same for every process of a machine), set on the calling thread's OpenMP state for the calls only, whatever
+  ``torch.get_num_threads()`` the process uses (a vLLM worker, a torchrun rank with ``OMP_NUM_THREADS=1``).
 
-Precision: inputs and weights are upcast to float32, accumulation is float32, the result is rounded once to the input
-dtype (bf16 in, bf16 out). On a CPU without bf16 matrix units (AVX2) this is also the fast path: torch's bf16 GEMM
-there has no vendor kernel.
+So a row's result depends only on the row, ``W`` and ``b``: not on ``M``, not on which call it lands in, not on the
+process's thread count. The thread count and the bf16 path are in the numerics contract
+(:data:`shared_numerics.mode.CONTRACT` via :data:`GEMM_PARTITION`): a trainer and an engine that pinned different
+counts are refused before anything runs.
 
-bf16 on a CPU with bf16 matrix units (AMX-BF16 or AVX512-BF16, :func:`native_bf16_gemm`): ``x`` and ``W`` both
-bf16 go straight to oneDNN (``torch.mm`` / ``torch.addmm``: bf16 operands, fp32 accumulation, bias added in fp32,
-one rounding) as calls of exactly ``ONEDNN_ROWS`` rows (the last one zero-padded). oneDNN picks its kernel, K
-blocking and whether to split K across threads (a parallel reduction: other bits) from the call's shape and the
-number of OpenMP threads, so both are pinned: every call has the same shape, and runs on
-:data:`ONEDNN_THREADS` threads (``ZEROKLD_GEMM_THREADS``, default the machine's CPU count, set for the call only, on
-the calling thread's OpenMP state) whatever ``torch.get_num_threads()`` the process uses. Both are part of the
-numerics contract (:data:`shared_numerics.mode.CONTRACT`), so a trainer and an engine that pinned different
-counts are refused before anything runs. A ``torch.bmm`` over row tiles with an expanded bf16 weight is not used:
-oneDNN repacks the weight per tile (measured 60x slower than ``F.linear`` on AMX).
+Precision: float32 operands (bf16 inputs on a CPU without bf16 matrix units are upcast, exactly) with float32
+accumulation, the result rounded once to the input dtype. bf16 on a CPU with bf16 matrix units (AMX-BF16 or
+AVX512-BF16, :func:`native_bf16_gemm`): bf16 operands go straight in, fp32 accumulation, the bias added in fp32, one
+rounding — torch's own bf16 linear arithmetic, on the matrix units. A ``torch.bmm`` over row tiles with an expanded
+bf16 weight is not used: oneDNN repacks the weight per tile (measured 60x slower than ``F.linear`` on AMX).
 
-Backward (:class:`_RowTiledLinear`): ``dX = dY W`` through the same row tiles (so the gradient of a row is row
-invariant too) and ``dW = dY^T X`` as one float32 GEMM over the call's rows (deterministic for a given shape and
-thread count; the trainer's exact streaming accumulates one rollout per backward, so its shape is that rollout's).
+Call size: a decode step of a few rows computes one whole call, prefill/training issue ``M / rows`` calls;
+``benchmarks/linear.py`` measures the trade-off (``--row-tiles`` for float32). Measured ours ÷ ``F.linear``, forward,
+``K = N = 1024``, at M = 1 / 16 / 256 / 2048 (``benchmarks/results/linear_cpu2_amx.json``, 2-core Xeon, AMX): bf16
+0.49x / 0.36x / 0.56x / 0.44x, forward+backward 0.24x / 0.30x / 0.46x / 0.60x (the previous float32-upcast
+path: 0.07x forward at 2048); float32 (32-row calls) forward 0.10x / 0.85x / 0.60x / 0.53x.
+
+Backward (:class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` through the same fixed calls (the gradient
+of a row is row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows (deterministic for a given shape
+and thread count; the trainer's exact streaming accumulates one rollout per backward, so its shape is that rollout's).
 
 Source: fixed-tile approach of vLLM's batch-invariant mode (``vllm/model_executor/layers/batch_invariant.py``) and of
 Thinking Machines' persistent matmul (one fixed tile config); the closed-form backward is the one of

@@ -10,7 +10,7 @@ only on the row, the weight and the K order — never on how many rows share the
 
 Operands share one dtype: a weight of another dtype than ``x`` is rounded to ``x.dtype`` first (tensor-core operands
 are one dtype; under FSDP mixed precision the weight already arrives in the compute dtype). Against the torch backend
-(32-row fp32 tiles on CPU) results agree to fp32 rounding of the products' sum, not bitwise.
+(fixed-shape oneDNN calls on CPU) results agree to fp32 rounding of the products' sum, not bitwise.
 
 Source: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025) persistent matmul; vLLM
 ``model_executor/determinism/batch_invariant.py`` (``matmul_kernel_persistent``, config 128x128x64, GROUP_M 8,
