@@ -12,9 +12,10 @@ re-runs ours with other fixed row tiles (``shared_numerics.linear.ROW_TILE``) to
 (few rows, padded to one tile) and prefill/training (many tiles); the numerics contract uses the module's value.
 
 The JSON records the machine (:func:`zerokld_testing.machine.machine_facts`: CPU model, ISA flags, threads): stock
-picks AMX / AVX512-BF16 kernels where the CPU has them, so ratios differ a lot between machines; ``bf16_gemm`` says
-which bf16 path ours took there (``shared_numerics.linear.GEMM_PARTITION``: pinned oneDNN calls where the CPU has
-bf16 matrix units, float32 row tiles otherwise; ``--row-tiles`` changes only the float32 path). Usage:
+picks AMX / AVX512-BF16 kernels where the CPU has them, so ratios differ a lot between machines. ``gemm_partition``
+records ours: the pinned oneDNN thread count (``ZEROKLD_GEMM_THREADS``; stock uses the torch thread count) and the
+bf16 path (native oneDNN calls where the CPU has bf16 matrix units, float32 calls otherwise; ``--row-tiles`` changes
+only the float32 calls). Usage:
 ``python -m benchmarks.linear --out benchmarks/results/linear_cpu2.json``
 """
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
         for m in (int(v) for v in args.ms.split(",")):
             rows.extend(measure(m, args.k, args.n, getattr(torch, dtype), args.repeats, tiles))
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_facts(), "args": vars(args),
-              "row_tile": sl.ROW_TILE, "bf16_gemm": sl.GEMM_PARTITION, "rows": rows}
+              "row_tile": sl.ROW_TILE, "gemm_partition": sl.GEMM_PARTITION, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,9 +10,9 @@ across two threads, so a decode row differed from its prefill). Here both are pi
 
 * every call is exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last
   one zero-padded), issued to oneDNN through ``torch.ops.mkldnn._linear_pointwise`` (torch's CPU linear op);
-* every call runs on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default ``os.cpu_count()``, the
-  same for every process of a machine), set on the calling thread's OpenMP state for the calls only, whatever
-  ``torch.get_num_threads()`` the process uses (a vLLM worker, a torchrun rank with ``OMP_NUM_THREADS=1``).
+* every call runs on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1, see there), set on
+  the calling thread's OpenMP state for the calls only, whatever ``torch.get_num_threads()`` the process uses (a vLLM
+  worker, a torchrun rank with ``OMP_NUM_THREADS=1``, the trainer).
 
 So a row's result depends only on the row, ``W`` and ``b``: not on ``M``, not on which call it lands in, not on the
 process's thread count. The thread count and the bf16 path are in the numerics contract
@@ -26,10 +26,11 @@ rounding — torch's own bf16 linear arithmetic, on the matrix units. A ``torch.
 bf16 weight is not used: oneDNN repacks the weight per tile (measured 60x slower than ``F.linear`` on AMX).
 
 Call size: a decode step of a few rows computes one whole call, prefill/training issue ``M / rows`` calls;
-``benchmarks/linear.py`` measures the trade-off (``--row-tiles`` for float32). Measured ours ÷ ``F.linear``, forward,
-``K = N = 1024``, at M = 1 / 16 / 256 / 2048 (``benchmarks/results/linear_cpu2_amx.json``, 2-core Xeon, AMX): bf16
-0.49x / 0.36x / 0.56x / 0.44x, forward+backward 0.24x / 0.30x / 0.46x / 0.60x (the previous float32-upcast
-path: 0.07x forward at 2048); float32 (32-row calls) forward 0.10x / 0.85x / 0.60x / 0.53x.
+``benchmarks/linear.py`` measures the trade-off (``--row-tiles`` for float32). Measured ours ÷ ``F.linear`` (stock on 2
+torch threads), forward, ``K = N = 1024``, M = 1 / 16 / 256 / 2048, 2-core Xeon with AMX: one pinned thread (the
+default, ``benchmarks/results/linear_cpu2_amx.json``) bf16 0.20x / 0.25x / 0.29x / 0.26x, float32 0.07x / 0.39x /
+0.33x / 0.30x; two pinned threads (``linear_cpu2_amx_gemm2threads.json``) bf16 0.30x / 0.25x / 0.66x / 0.40x, float32
+0.08x / 0.55x / 0.53x / 0.46x. The float32-upcast bf16 path this replaces measured 0.07x at M = 2048.
 
 Backward (:class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` through the same fixed calls (the gradient
 of a row is row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows (deterministic for a given shape
@@ -53,9 +54,12 @@ __all__ = ["GEMM_PARTITION", "ONEDNN_ROWS", "ONEDNN_THREADS", "ROW_TILE", "linea
 ROW_TILE = 32
 #: rows of every oneDNN call of the native bf16 path (decode pads to one call; prefill/training issue M / 128 calls)
 ONEDNN_ROWS = 128
-#: OpenMP threads of every oneDNN call of the native bf16 path (``ZEROKLD_GEMM_THREADS``; default ``os.cpu_count()``,
-#: the same in every process of a machine, unlike the affinity a vLLM worker or a torchrun rank gets)
-ONEDNN_THREADS = int(os.environ.get("ZEROKLD_GEMM_THREADS") or os.cpu_count() or 1)
+#: OpenMP threads of every oneDNN call (``ZEROKLD_GEMM_THREADS``, default 1; both sides must set the same value, the
+#: numerics contract checks it). 1 because every process of an RL loop must be able to run it without oversubscribing
+#: the cores: vLLM's CPU worker shares them with its engine-core process, torchrun ranks each get one. Measured on a
+#: 2-core Xeon (AMX), countdown demo steps 2-50: rollout 159.5 s at 2 pinned threads vs 18.9 s at 1 (stock 7.1 s);
+#: training 26.1 s vs 30.8 s. Set it to the cores a process owns where trainer and engine do not share them.
+ONEDNN_THREADS = int(os.environ.get("ZEROKLD_GEMM_THREADS") or 1)
 
 
 @functools.lru_cache(maxsize=1)

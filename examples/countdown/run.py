@@ -458,10 +458,11 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
            f"trains, rollouts at most {args.async_k} policy versions stale, the PPO ratio against the sampling "
            "policy's log-probs" if args.async_k else ""),
         zk, stock,
-        f"machine: {cpu_model()}, {os.cpu_count()} CPU cores (ISA: {', '.join(isa_flags()) or 'none of'} "
+        f"machine: {cpu_model()}, {os.cpu_count()} CPU cores (ISA: {', '.join(isa_flags()) or 'none'} of "
         f"{'/'.join(ISA_FLAGS)}), {platform.platform()}, torch {torch.__version__}; "
         f"{seconds:.0f} s from SFT to the last step",
-        "bit-reproducibility: a rerun gives the same bits on the same CPU ISA, thread count and package versions "
+        "bit-reproducibility: a rerun gives the same bits on the same CPU ISA, thread counts (torch's and "
+        "ZEROKLD_GEMM_THREADS) and package versions "
         "(constraints.txt); on another ISA (e.g. AMX or AVX512-BF16 instead of AVX2) both runs still compare as "
         "above (zerokld: 0 tokens different) but every figure of the trajectory differs",
     ]
