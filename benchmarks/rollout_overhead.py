@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
                          moe_intermediate_size=args.hidden)
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
-        ckpt = make_tiny_checkpoint(out.parent / f"bench_model_{dtype}", spec, seed=0, dtype=dtype)
+        # checkpoints go under runs/ (hundreds of MB at hidden 1024), never beside a results JSON
+        ckpt = make_tiny_checkpoint(Path("runs/bench") / f"bench_model_{dtype}", spec, seed=0, dtype=dtype)
         per = {}
         for mode in ("zerokld", "stock"):
             extra = {"enable_return_routed_experts": True} if args.routes and mode == "zerokld" else {}
