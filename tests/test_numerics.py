@@ -71,7 +71,8 @@ def test_native_bf16_gemm_pins_call_shape_and_threads():
 
     sl = importlib.import_module("shared_numerics.linear")
     if not sl.native_bf16_gemm():
-        pytest.skip("this CPU has no bf16 matrix units (AMX / AVX512-BF16): bf16 takes the float32 tiles tested above")
+        pytest.skip("native bf16 GEMM is off here (no AMX / AVX512-BF16 units, or ZEROKLD_NATIVE_BF16=0): bf16 takes the "
+                    "float32 calls tested above")
     assert f"gemm={sl.GEMM_PARTITION}" in sn.mode.CONTRACT and "bf16=native:" in sl.GEMM_PARTITION
     g = torch.Generator().manual_seed(5)
     old = torch.get_num_threads()
