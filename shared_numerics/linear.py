@@ -64,7 +64,8 @@ ONEDNN_THREADS = int(os.environ.get("ZEROKLD_GEMM_THREADS") or 1)
 
 @functools.lru_cache(maxsize=1)
 def _openmp():
-    """torch's OpenMP runtime (``libgomp``) or ``None``: the native bf16 path needs it to pin oneDNN's threads."""
+    """torch's OpenMP runtime (``libgomp``) or ``None``: every call of this module pins oneDNN's threads through it
+    (:func:`_pinned_threads` raises without it)."""
     for name in (os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"), "libgomp.so.1"):
         try:
             lib = ctypes.CDLL(name)
@@ -78,13 +79,12 @@ def _openmp():
 @functools.lru_cache(maxsize=1)
 def native_bf16_gemm() -> bool:
     """Whether bf16 GEMMs take the native oneDNN path (see the module): the CPU has bf16 matrix units (oneDNN's
-    ``_is_mkldnn_bf16_supported``: AVX512-BF16 or AMX) and torch's OpenMP runtime is reachable to pin the threads.
-    ``ZEROKLD_NATIVE_BF16=0`` turns it off (float32 tiles everywhere). A machine property: the same in the trainer
-    and in the engine on one machine; it is part of :data:`GEMM_PARTITION`."""
+    ``_is_mkldnn_bf16_supported``: AVX512-BF16 or AMX). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
+    float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
+    :data:`GEMM_PARTITION`."""
     if os.environ.get("ZEROKLD_NATIVE_BF16", "1") == "0":
         return False
-    return (torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-            and _openmp() is not None)
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def gemm_partition() -> str:
@@ -207,7 +207,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         ``[..., N]`` in ``x.dtype``. Differentiable; the backward is deterministic (fixed-shape CPU ops, no atomics).
         bf16 ``x`` and ``weight`` on a CPU with bf16 matrix units take the native oneDNN path (module docstring);
-        everything else float32 row tiles.
+        everything else the float32 ``ROW_TILE``-row calls.
     """
     lead = x.shape[:-1]
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
