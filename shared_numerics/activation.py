@@ -1,10 +1,18 @@
 """SiLU-and-mul (SwiGLU feed-forward gate), batch invariant.
 
-``silu(g) * u = g / (1 + exp(-g)) * u``; the exponential runs through :func:`shared_numerics.reduce.exp64` so the
-result of an element never depends on its position in the tensor. Source: Shazeer, "GLU Variants Improve
-Transformer" (2020); vLLM ``SiluAndMul.forward_native``.
+``silu(g) * u = g / (1 + exp(-g)) * u`` in float32, rounded once to the activation dtype. The exponential must not
+depend on an element's position in the tensor (ATen's float ``exp`` is SIMD in a tensor's body, scalar in its tail):
+on CPU the compiled kernel ``csrc/pointwise.cpp`` evaluates the formula per element with glibc's ``expf`` (one pass,
+also returning ``s = 1 / (1 + exp(-g))`` for the backward); on other devices the torch ops below with the exponential
+in float64 (:func:`shared_numerics.reduce.exp64`). Backward (CPU): ``dg = dy u (s + g s (1 - s))``, ``du = dy g s``,
+elementwise IEEE arithmetic on the saved ``s`` (position independent too, so streamed gradients equal batched).
+
+Source: Shazeer, "GLU Variants Improve Transformer" (2020); vLLM ``SiluAndMul.forward_native``.
 """
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import torch
 
@@ -12,16 +20,59 @@ from .reduce import exp64
 
 __all__ = ["silu_and_mul"]
 
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    from .cpu_kernels import load
+
+    lib = load("pointwise")
+    lib.zk_silu_mul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int]
+    lib.zk_silu_mul.restype = None
+    return lib
+
+
+def _silu_mul_cpu(g: torch.Tensor, u: torch.Tensor, want_s: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g, u = g.contiguous(), u.to(g.dtype).contiguous()
+    y = torch.empty(g.shape, dtype=torch.float32)
+    s = torch.empty(g.shape, dtype=torch.float32) if want_s else None
+    _lib().zk_silu_mul(_DTYPE_CODES[g.dtype], g.data_ptr(), u.data_ptr(), g.numel(), y.data_ptr(),
+                       None if s is None else s.data_ptr(), torch.get_num_threads())
+    return y, s
+
+
+class _SiluMulCpu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        y, s = _silu_mul_cpu(gate, up, True)
+        ctx.save_for_backward(gate, up, s)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, s = ctx.saved_tensors
+        g, u, grad = gate.float(), up.float(), grad.float()
+        dg = grad * u * (s + g * s * (1.0 - s)) if ctx.needs_input_grad[0] else None
+        du = grad * (g * s) if ctx.needs_input_grad[1] else None
+        return (None if dg is None else dg.to(gate.dtype)), (None if du is None else du.to(up.dtype))
+
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``.
 
     Args:
-        gate, up: same shape ``[..., I]``, float32 or bfloat16.
+        gate, up: same shape ``[..., I]``, float32, bfloat16 or float16.
 
     Returns:
-        ``[..., I]`` in ``gate.dtype``; arithmetic in float32 (exp in float64).
+        ``[..., I]`` in ``gate.dtype``; arithmetic in float32, one rounding; each element depends only on its own
+        ``gate`` and ``up``. Differentiable.
     """
+    if gate.device.type == "cpu" and gate.dtype in _DTYPE_CODES and up.shape == gate.shape:
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return _SiluMulCpu.apply(gate, up).to(gate.dtype)
+        return _silu_mul_cpu(gate, up, False)[0].to(gate.dtype)
     g = gate.float()
     y = g / (1.0 + exp64(-g)) * up.float()
     return y.to(gate.dtype)

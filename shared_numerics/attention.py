@@ -9,7 +9,10 @@ query's position get an exact ``-inf`` score (probability exactly 0), and chunks
 (``alpha = exp(0) = 1``, ``p = 0``), so a query's output depends only on its own keys — not on the batch, the number
 of chunks the longest sequence needs, chunked prefill, prefix-cache hits, or where the keys live.
 
-Both layouts go through one core, :func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
+On CPU tensors both layouts run the compiled kernel of :mod:`shared_numerics.attention_cpu` (one loop nest per
+(query block, kv head); its arithmetic per (query, head) is fixed in ``csrc/attention.cpp``: 16-lane dot products with
+a fixed lane tree, ``expf``, sums in key order). On other devices both layouts go through one core of torch ops,
+:func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
 ``j`` of given sequences as a head-major ``[n, kv_heads, 32, head_dim]`` tensor: the dense path slices its padded
 ``[batch, kv_heads, seq, head_dim]`` keys; vLLM's path slices the paged cache (a block of ``block_size`` tokens, a
 multiple of 32, holds whole chunks: chunk ``j`` of sequence ``s`` is rows ``(32j mod bs) .. +32`` of block
@@ -153,8 +156,12 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
     Returns:
         ``[B, T, Hq, D]`` in ``q.dtype``; row ``(b, t)`` is bitwise what vLLM's paged path gives for the same
-        sequence prefix.
+        sequence prefix. CPU tensors: :func:`shared_numerics.attention_cpu.dense_attention_cpu`.
     """
+    if q.device.type == "cpu":
+        from .attention_cpu import dense_attention_cpu
+
+        return dense_attention_cpu(q, k, v, scale)
     b, t, h_q, d = q.shape
     h_kv = k.shape[2]
     dev = q.device
@@ -196,8 +203,13 @@ def paged_causal_attention(
             with them); unused here.
 
     Returns:
-        ``[Nq, Hq, D]`` in ``q.dtype``, bitwise equal to :func:`dense_causal_attention` on the same prefix.
+        ``[Nq, Hq, D]`` in ``q.dtype``, bitwise equal to :func:`dense_causal_attention` on the same prefix. CPU
+        tensors: :func:`shared_numerics.attention_cpu.paged_attention_cpu`.
     """
+    if q.device.type == "cpu":
+        from .attention_cpu import paged_attention_cpu
+
+        return paged_attention_cpu(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale)
     n_q = q.shape[0]
     nb, h_kv, block_size, d = key_cache.shape
     qsl = query_start_loc.long().cpu()

@@ -6,12 +6,44 @@
 Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); HF ``Qwen3RMSNorm`` / ``LlamaRMSNorm``
 (statistics in float32). ``rsqrt`` and division are correctly rounded in both SIMD and scalar ATen paths, so they
 need no float64 detour.
+
+On CPU without autograd (vLLM's forward, the trainer's log-prob passes) the compiled kernel ``csrc/pointwise.cpp``
+runs the same operations in the same order in one pass (the same bits: ``tests/test_numerics.py`` compares them);
+with autograd the torch ops below.
 """
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import torch
 
 from .reduce import tree_sum
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    from .cpu_kernels import load
+
+    lib = load("pointwise")
+    lib.zk_rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.zk_rms_norm.restype = None
+    return lib
+
+
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight.float().contiguous()
+    y = torch.empty(x2.shape, dtype=torch.float32)
+    _lib().zk_rms_norm(_DTYPE_CODES[x.dtype], x2.data_ptr(), x2.shape[0], h, x2.stride(0), w.data_ptr(),
+                       float(eps), y.data_ptr(), torch.get_num_threads())
+    return y.reshape(x.shape).to(x.dtype)
 
 __all__ = ["add_rms_norm", "rms_norm"]
 
@@ -27,6 +59,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         ``[..., H]`` in ``x.dtype``; each row depends only on itself.
     """
+    if (x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.numel() and not (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return _rms_norm_cpu(x, weight, eps)
     x32 = x.float()
     ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
     y = x32 * torch.rsqrt(ms + eps) * weight.float()

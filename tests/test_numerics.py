@@ -206,6 +206,97 @@ def test_dense_attention_matches_sdpa_and_is_batch_invariant(dtype, threads):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_kernel_thread_count_and_streamed_gradients(dtype):
+    """The compiled CPU attention (``shared_numerics/csrc/attention.cpp``): the same bits at 1, 2 and 3 threads
+    (decode batch over the paged cache and dense prefill), and a sequence's gradients (dq, dk, dv) the same bits
+    alone as inside a batch of other sequences (what the trainer's exact streaming needs)."""
+    g = torch.Generator().manual_seed(11)
+    b, t, hq, hkv, d = 4, 150, 8, 2, 64
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
+    bs = 32
+    cache = torch.randn(b * (t // bs + 1) + 2, hkv, bs, 2 * d, generator=g).to(dtype)
+    kc, vc = cache.split(d, dim=-1)
+    bt = torch.randperm(cache.shape[0], generator=g)[: b * (t // bs + 1)].reshape(b, -1)
+    for s in range(b):
+        for p in range(t):
+            kc[bt[s, p // bs], :, p % bs], vc[bt[s, p // bs], :, p % bs] = k[s, p], v[s, p]
+    lens = torch.tensor([150, 37, 1, 96])
+    decode_q = q[torch.arange(b), lens - 1]
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append((sn.dense_causal_attention(q, k, v, d ** -0.5),
+                         sn.paged_causal_attention(decode_q, kc, vc, torch.arange(b + 1), lens, bt, d ** -0.5)))
+    finally:
+        torch.set_num_threads(old)
+    for dense, paged in outs[1:]:
+        assert torch.equal(dense, outs[0][0]) and torch.equal(paged, outs[0][1])
+    assert torch.equal(outs[0][1], outs[0][0][torch.arange(b), lens - 1])  # decode rows == their prefill rows
+
+    grad_out = torch.randn(b, t, hq, d, generator=g)
+
+    def grads(sl):
+        leaves = [x[sl].float().requires_grad_() for x in (q, k, v)]
+        out = sn.dense_causal_attention(*leaves, d ** -0.5)
+        return torch.autograd.grad((out * grad_out[sl]).sum(), leaves)
+
+    batch, alone = grads(slice(0, b)), grads(slice(2, 3))
+    assert len(batch) == len(alone) == 3
+    for full, one in zip(batch, alone, strict=True):
+        assert torch.equal(full[2:3], one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_kernel_equals_its_torch_ops(dtype):
+    """Without autograd, CPU ``rms_norm`` runs the compiled kernel; with autograd, the torch ops. Both are one
+    definition (same operations, same order): the same bits, at odd widths and strided rows too."""
+    g = torch.Generator().manual_seed(12)
+    for shape in [(100, 64), (7, 1000), (3, 5, 96), (1, 1), (40, 4, 128)]:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype)
+        w = torch.randn(shape[-1], generator=g).to(dtype)
+        with torch.no_grad():
+            kernel = sn.rms_norm(x, w, 1e-6)
+        torch_ops = sn.rms_norm(x.requires_grad_(), w, 1e-6)
+        assert torch.equal(kernel, torch_ops.detach())
+    x = torch.randn(64, 3, 256, generator=g).to(dtype)[:, 1]  # rows with a stride
+    with torch.no_grad():
+        assert torch.equal(sn.rms_norm(x, w.new_ones(256), 1e-5),
+                           sn.rms_norm(x.clone().requires_grad_(), w.new_ones(256), 1e-5).detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_gradients_row_invariant(dtype):
+    """CPU ``silu_and_mul`` with autograd: the forward bits of the inference path, and a row's gradients the same
+    alone as in the batch."""
+    g = torch.Generator().manual_seed(13)
+    gate = (torch.randn(100, 48, generator=g) * 4).to(dtype)
+    up = torch.randn(100, 48, generator=g).to(dtype)
+    dy = torch.randn(100, 48, generator=g).to(dtype)
+    with torch.no_grad():
+        plain = sn.silu_and_mul(gate, up)
+
+    def run(sl):
+        a, b = gate[sl].clone().requires_grad_(), up[sl].clone().requires_grad_()
+        y = sn.silu_and_mul(a, b)
+        return (y.detach(), *torch.autograd.grad((y * dy[sl]).sum(), (a, b)))
+
+    full = run(slice(0, 100))
+    assert torch.equal(full[0], plain)
+    for i in (0, 41, 99):
+        one = run(slice(i, i + 1))
+        assert all(torch.equal(f[i:i + 1], o) for f, o in zip(full, one, strict=True))
+    ref_g, ref_u = gate.float().requires_grad_(), up.float().requires_grad_()
+    ref = torch.autograd.grad((torch.nn.functional.silu(ref_g) * ref_u * dy.float()).sum(), (ref_g, ref_u))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for ours, theirs in zip(full[1:], ref, strict=True):
+        torch.testing.assert_close(ours.float(), theirs, **tol)
+
+
 # Stock counterparts of the invariance claims above, at the same shapes. Claims whose stock op is already invariant on
 # this machine (2-core AVX2 CPU, torch 2.13+cpu), so that the test above cannot fail for want of our kernels, are
 # listed, not tested: linear in bf16 (alone vs batch), rms_norm and log_softmax (one row per reduction in ATen too),
@@ -327,3 +418,18 @@ def test_fused_selected_logprobs(dtype):
     assert all(torch.equal(a, b) for a, b in zip(ga, ga2))
     with pytest.raises(ValueError, match="expected hidden"):
         sn.fused_selected_logprobs(h, w, t[:5])
+
+
+def test_cpu_kernel_build_errors_are_clear(monkeypatch, tmp_path):
+    """No compiler: a RuntimeError that names it (nothing cached, nothing half-written)."""
+    from shared_numerics import cpu_kernels
+
+    monkeypatch.setenv("ZEROKLD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "zerokld-no-such-compiler")
+    cpu_kernels.load.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="zerokld-no-such-compiler"):
+            cpu_kernels.load("attention")
+    finally:
+        cpu_kernels.load.cache_clear()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,175 @@
+"""Batch-invariant causal attention on CPU tensors: the compiled kernel of ``csrc/attention.cpp``.
+
+The arithmetic of one (query, head) is fixed by construction (the kernel's header says it in full): keys in chunks of
+:data:`~shared_numerics.attention.KEY_CHUNK` absolute positions, chunk 0 first; scores as a 16-lane dot product with a
+fixed lane tree; FlashAttention's online softmax per chunk (``expf``, sums in key order); ``out = acc / l`` in float32,
+rounded once to the input dtype. A query's result depends only on its own keys and position: not on the batch, the
+query blocks (``Q_TILE`` queries of one sequence per work unit), the thread count, chunked prefill, prefix-cache hits
+or where the paged cache put the keys. The dense (trainer) and paged (vLLM) layouts are one address computation: dense
+``[B, T, Hkv, D]`` keys are a cache of one block of ``T`` slots per sequence.
+
+The backward (dense layout) is FlashAttention-2's, recomputing the probabilities from the saved ``m`` and ``l``; each
+(sequence, kv head) is one unit that owns its keys' gradients, so a sequence's gradients are the same bits alone or in
+any batch (the trainer's exact streaming relies on it).
+
+Threads: units are spread over ``torch.get_num_threads()`` threads of the kernel's own (a unit never splits).
+
+Source: Dao et al., "FlashAttention" (2022) and "FlashAttention-2" (2023); Kwon et al., "PagedAttention" (2023).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .attention import KEY_CHUNK, Q_TILE
+from .cpu_kernels import load
+
+__all__ = ["dense_attention_cpu", "paged_attention_cpu"]
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_I64 = ctypes.POINTER(ctypes.c_int64)
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    lib = load("attention")
+    vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.zk_attention_fwd.argtypes = [c_int, c_int, c_int, c_int, vp, vp, vp, i64, i64, i64, c_int, vp, i64, vp, vp,
+                                     i64, vp, vp, f32, vp, vp, vp, c_int]
+    lib.zk_attention_bwd.argtypes = [c_int, c_int, c_int, c_int, vp, vp, vp, i64, i64, i64, c_int, vp, i64, vp, vp,
+                                     vp, vp, i64, vp, vp, f32, vp, vp, vp, vp, vp, vp, vp, c_int]
+    lib.zk_attention_fwd.restype = lib.zk_attention_bwd.restype = c_int
+    return lib
+
+
+def _blocks(q_row: torch.Tensor):
+    """Query blocks: runs of consecutive queries of one sequence cut into ``Q_TILE`` queries. Returns
+    ``(block_q0, block_nq, seq_b0, seq_b1)`` int64 (first query and size of each block; each run's block range)."""
+    _, counts = torch.unique_consecutive(q_row, return_counts=True)
+    tiles = (counts + Q_TILE - 1) // Q_TILE
+    n_blocks = int(tiles.sum())
+    run_start = torch.cumsum(counts, 0) - counts
+    seq_b1 = torch.cumsum(tiles, 0)
+    seq_b0 = seq_b1 - tiles
+    run_of_block = torch.repeat_interleave(torch.arange(counts.numel()), tiles)
+    rank = torch.arange(n_blocks) - seq_b0[run_of_block]
+    block_q0 = run_start[run_of_block] + rank * Q_TILE
+    block_nq = torch.clamp(counts[run_of_block] - rank * Q_TILE, max=Q_TILE)
+    return block_q0.contiguous(), block_nq.contiguous(), seq_b0.contiguous(), seq_b1.contiguous()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h_kv: int) -> None:
+    if q.dtype not in _DTYPE_CODES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"zerokld CPU attention: q, k, v must share one of {list(_DTYPE_CODES)}; got {q.dtype}, "
+                        f"{k.dtype}, {v.dtype}")
+    if q.shape[1] % h_kv:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {h_kv}")
+
+
+def _forward(q, k, v, h_kv, strides, bs, block_table, q_row, q_pos, scale, blocks):
+    """Run the forward kernel. ``q`` ``[Nq, Hq, D]`` contiguous; ``k``/``v`` element strides ``strides`` (block,
+    head, slot). Returns ``(out [Nq, Hq, D], m [Nq, Hq], l [Nq, Hq])`` float32."""
+    n_q, h_q, d = q.shape
+    out = torch.empty(n_q, h_q, d, dtype=torch.float32)
+    m = torch.empty(n_q, h_q, dtype=torch.float32)
+    l = torch.empty(n_q, h_q, dtype=torch.float32)
+    block_q0, block_nq = blocks[0], blocks[1]
+    rc = _lib().zk_attention_fwd(
+        _DTYPE_CODES[q.dtype], h_q, h_kv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
+        strides[2], bs, block_table.data_ptr(), block_table.shape[1], q_row.data_ptr(), q_pos.data_ptr(),
+        block_q0.numel(), block_q0.data_ptr(), block_nq.data_ptr(), float(scale), out.data_ptr(), m.data_ptr(),
+        l.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"zerokld CPU attention refused its arguments (code {rc})")
+    return out, m, l
+
+
+def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal attention of a vLLM batch over the paged cache (the signature of
+    :func:`shared_numerics.attention.paged_causal_attention`, which calls this for CPU tensors).
+
+    Args:
+        q: ``[Nq, Hq, D]`` float32 / bfloat16 / float16. key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]``
+            views of ``q.dtype`` with equal strides and a contiguous last dim (vLLM's K and V halves of one cache).
+        query_start_loc: ``[num_reqs + 1]``; seq_lens: ``[num_reqs]``; block_table: ``[num_reqs, max_blocks]``.
+
+    Returns:
+        ``[Nq, Hq, D]`` in ``q.dtype``. No autograd (inference).
+
+    Raises:
+        TypeError / ValueError: dtypes or head counts that do not fit.
+    """
+    nb, h_kv, bs, d = key_cache.shape
+    _check(q, key_cache, value_cache, h_kv)
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
+    qsl = query_start_loc.long().cpu()
+    q_lens = qsl[1:] - qsl[:-1]
+    n_q = q.shape[0]
+    q_row = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    starts = (seq_lens.long().cpu() - q_lens)[q_row]
+    q_pos = (starts + (torch.arange(n_q) - qsl[:-1][q_row])).contiguous()
+    bt = block_table.long().contiguous()
+    sb, sh, sp, _ = key_cache.stride()
+    out, _, _ = _forward(q.contiguous(), key_cache, value_cache, h_kv, (sb, sh, sp), bs, bt, q_row, q_pos, scale,
+                         _blocks(q_row))
+    return out.to(q.dtype)
+
+
+class _DenseAttention(torch.autograd.Function):
+    """Dense causal attention through the kernel; backward through the kernel's FlashAttention-2 pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        b, t, h_q, d = q.shape
+        h_kv = k.shape[2]
+        q2 = q.reshape(b * t, h_q, d).contiguous()
+        k, v = k.contiguous(), v.contiguous()
+        q_row = torch.arange(b).repeat_interleave(t)
+        q_pos = torch.arange(t).repeat(b)
+        bt = torch.arange(b, dtype=torch.long).unsqueeze(1)
+        strides = (t * h_kv * d, d, h_kv * d)
+        blocks = _blocks(q_row)
+        out, m, l = _forward(q2, k, v, h_kv, strides, t, bt, q_row, q_pos, scale, blocks)
+        ctx.save_for_backward(q2, k, v, out, m, l)
+        ctx.meta = (b, t, h_q, h_kv, d, scale, strides, bt, q_row, q_pos, blocks)
+        return out.reshape(b, t, h_q, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q2, k, v, out, m, l = ctx.saved_tensors
+        b, t, h_q, h_kv, d, scale, strides, bt, q_row, q_pos, blocks = ctx.meta
+        dout = grad.reshape(b * t, h_q, d).float().contiguous()
+        dq = torch.zeros(b * t, h_q, d, dtype=torch.float32)
+        dk = torch.zeros(k.shape, dtype=torch.float32)
+        dv = torch.zeros(v.shape, dtype=torch.float32)
+        block_q0, block_nq, seq_b0, seq_b1 = blocks
+        rc = _lib().zk_attention_bwd(
+            _DTYPE_CODES[q2.dtype], h_q, h_kv, d, q2.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
+            strides[2], t, bt.data_ptr(), 1, q_row.data_ptr(), q_pos.data_ptr(), block_q0.data_ptr(),
+            block_nq.data_ptr(), seq_b0.numel(), seq_b0.data_ptr(), seq_b1.data_ptr(), float(scale), out.data_ptr(),
+            dout.data_ptr(), m.data_ptr(), l.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+            torch.get_num_threads())
+        if rc:
+            raise ValueError(f"zerokld CPU attention backward refused its arguments (code {rc})")
+        return (dq.reshape(b, t, h_q, d).to(q2.dtype), dk.to(k.dtype), dv.to(v.dtype), None)
+
+
+def dense_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention over right-padded dense sequences (the trainer's layout; the signature of
+    :func:`shared_numerics.attention.dense_causal_attention`, which calls this for CPU tensors).
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, T, Hkv, D]``, one dtype (float32 / bfloat16 / float16). Token ``t`` is at
+            position ``t``.
+
+    Returns:
+        ``[B, T, Hq, D]`` in ``q.dtype``, row ``(b, t)`` bitwise what :func:`paged_attention_cpu` gives for the same
+        prefix. Differentiable (float32 gradients rounded to the inputs' dtypes).
+    """
+    _check(q.reshape(-1, q.shape[2], q.shape[3]), k, v, k.shape[2])
+    return _DenseAttention.apply(q, k, v, float(scale)).to(q.dtype)

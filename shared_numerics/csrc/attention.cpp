@@ -1,0 +1,320 @@
+// Batch-invariant causal attention on CPU: one fixed arithmetic per (query, head), whatever else is in the call.
+//
+// Built by shared_numerics/cpu_kernels.py (g++ -O3 -march=native -ffp-contract=off, no fast-math: the compiler may
+// vectorise only across independent lanes, never reorder a reduction; -fopenmp). Called through ctypes on raw pointers.
+//
+// Work unit: (query block, kv head), a block being up to Q_TILE consecutive queries of one sequence; its rows are the
+// (query, query head) pairs of that kv head. Every unit runs on one thread, units are spread over `threads` OpenMP threads;
+// a row's arithmetic never depends on the other rows of its unit, on the unit count or on the thread count:
+//   * keys in chunks of 32 absolute positions, chunk 0 first; a key past the row's position: score -inf, p exactly 0
+//   * score s = tree16(q . k) * scale: the head dimension is cut into 16 lanes (lane i sums d = i, i+16, ... in
+//     order; D zero-padded to a multiple of 16), the 16 lane sums are added by a fixed pairwise tree
+//   * online softmax per chunk: mx = max(m, max_c s); alpha = (m == -inf) ? 0 : expf(m - mx);
+//     p_c = expf(s_c - mx); l = l * alpha + (p_0 + p_1 + ... + p_31) (in order); pv_d = sum_c p_c v_cd (c in order);
+//     acc_d = acc_d * alpha + pv_d; m = mx. A chunk whose keys all lie past the row is an exact no-op.
+//   * out = acc / l, float32; m and l are returned for the backward.
+// Backward (dense layout; unit = (sequence, kv head), which owns its keys' gradients): p = expf(s - m) / l,
+// Dd = tree16(dO . out), dp = tree16(dO . v), ds = p (dp - Dd); dq += ds k, dk += ds q, dv += p dO, accumulated in
+// query-block, chunk, key, row order; dq and dk times scale at the end.
+//
+// Source: Dao et al., "FlashAttention" (2022) online softmax and FlashAttention-2 backward; fixed split sizes as in
+// SGLang's deterministic mode and vLLM's batch-invariant attention; PagedAttention's block table addressing.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int CHUNK = 32;
+constexpr int LANES = 16;
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// dtype codes: 0 float32, 1 bfloat16, 2 float16
+inline void load_row(const void* base, int64_t offset, int dtype, int d, float* dst) {
+  if (dtype == 0) {
+    const float* p = static_cast<const float*>(base) + offset;
+    for (int i = 0; i < d; ++i) dst[i] = p[i];
+  } else if (dtype == 1) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+    for (int i = 0; i < d; ++i) dst[i] = bf16_to_float(p[i]);
+  } else {
+    const _Float16* p = static_cast<const _Float16*>(base) + offset;
+    for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(p[i]);
+  }
+}
+
+// a . b over dp (a multiple of LANES) with 16 lane sums and a fixed pairwise tree
+inline float dot16(const float* a, const float* b, int dp) {
+  float lane[LANES];
+  for (int i = 0; i < LANES; ++i) lane[i] = 0.0f;
+  for (int base = 0; base < dp; base += LANES)
+    for (int i = 0; i < LANES; ++i) lane[i] += a[base + i] * b[base + i];
+  for (int h = LANES / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) lane[i] = lane[i] + lane[i + h];
+  return lane[0];
+}
+
+struct Layout {
+  int dtype, hq, hkv, d, dp, bs;
+  const void* q;  // [Nq, Hq, D] contiguous
+  const void* k;
+  const void* v;
+  int64_t kv_sb, kv_sh, kv_sp;  // strides (elements) of the block, head and slot dims of k and v
+  const int64_t* block_table;   // [rows, bt_cols]
+  int64_t bt_cols;
+  const int64_t* q_row;  // [Nq] block-table row of each query's sequence
+  const int64_t* q_pos;  // [Nq]
+  float scale;
+
+  // key/value of sequence row `seq_row`, absolute position `pos`, kv head `h`: element offset
+  inline int64_t kv_offset(int64_t seq_row, int64_t pos, int h) const {
+    int64_t col = pos / bs;
+    int64_t block = block_table[seq_row * bt_cols + col];
+    return block * kv_sb + h * kv_sh + (pos % bs) * kv_sp;
+  }
+};
+
+struct Scratch {
+  std::vector<float> qr, kc, vc, s, p, m, l, acc, pv;
+  void size(int rows, int dp) {
+    qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
+    kc.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
+    vc.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
+    s.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
+    p.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
+    m.assign(rows, 0.0f);
+    l.assign(rows, 0.0f);
+    acc.assign(static_cast<size_t>(rows) * dp, 0.0f);
+    pv.assign(static_cast<size_t>(rows) * dp, 0.0f);
+  }
+};
+
+// load the rows' queries (row r = query q0 + r / g, head h * g + r % g), zero-padded to dp
+void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, Scratch& S) {
+  const int dp = L.dp;
+  for (int r = 0; r < nq * g; ++r) {
+    int64_t qi = q0 + r / g;
+    int head = h * g + r % g;
+    float* dst = &S.qr[static_cast<size_t>(r) * dp];
+    std::memset(dst, 0, sizeof(float) * dp);
+    load_row(L.q, (qi * L.hq + head) * L.d, L.dtype, L.d, dst);
+  }
+}
+
+// keys/values of chunk j (positions <= last only; the rest zero) and the scores of every row (masked: -inf)
+void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq_row, int64_t j, int64_t last,
+                  Scratch& S) {
+  const int dp = L.dp, rows = nq * g;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int c = 0; c < CHUNK; ++c) {
+    int64_t pos = j * CHUNK + c;
+    float* kd = &S.kc[static_cast<size_t>(c) * dp];
+    float* vd = &S.vc[static_cast<size_t>(c) * dp];
+    std::memset(kd, 0, sizeof(float) * dp);
+    std::memset(vd, 0, sizeof(float) * dp);
+    if (pos > last) {
+      for (int r = 0; r < rows; ++r) S.s[static_cast<size_t>(c) * rows + r] = ninf;
+      continue;
+    }
+    int64_t off = L.kv_offset(seq_row, pos, h);
+    load_row(L.k, off, L.dtype, L.d, kd);
+    load_row(L.v, off, L.dtype, L.d, vd);
+    for (int r = 0; r < rows; ++r) {
+      int64_t qp = L.q_pos[q0 + r / g];
+      S.s[static_cast<size_t>(c) * rows + r] =
+          pos <= qp ? dot16(&S.qr[static_cast<size_t>(r) * dp], kd, dp) * L.scale : ninf;
+    }
+  }
+}
+
+void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float* m_out, float* l_out, Scratch& S) {
+  const int g = L.hq / L.hkv, dp = L.dp, rows = nq * g;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  S.size(rows, dp);
+  load_queries(L, q0, nq, h, g, S);
+  int64_t seq_row = L.q_row[q0];
+  int64_t last = 0;
+  for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
+  for (int r = 0; r < rows; ++r) {
+    S.m[r] = ninf;
+    S.l[r] = 0.0f;
+  }
+  for (int64_t j = 0; j * CHUNK <= last; ++j) {
+    chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
+    for (int r = 0; r < rows; ++r) {
+      float mx = S.m[r];
+      for (int c = 0; c < CHUNK; ++c) {
+        float sc = S.s[static_cast<size_t>(c) * rows + r];
+        mx = sc > mx ? sc : mx;
+      }
+      float alpha = S.m[r] == ninf ? 0.0f : expf(S.m[r] - mx);
+      float lsum = 0.0f;
+      for (int c = 0; c < CHUNK; ++c) {
+        float sc = S.s[static_cast<size_t>(c) * rows + r];
+        float pc = sc == ninf ? 0.0f : expf(sc - mx);
+        S.p[static_cast<size_t>(c) * rows + r] = pc;
+        lsum = lsum + pc;
+      }
+      S.l[r] = S.l[r] * alpha + lsum;
+      float* pv = &S.pv[static_cast<size_t>(r) * dp];
+      for (int i = 0; i < dp; ++i) pv[i] = 0.0f;
+      for (int c = 0; c < CHUNK; ++c) {
+        float pc = S.p[static_cast<size_t>(c) * rows + r];
+        const float* vd = &S.vc[static_cast<size_t>(c) * dp];
+        for (int i = 0; i < dp; ++i) pv[i] = pv[i] + pc * vd[i];
+      }
+      float* acc = &S.acc[static_cast<size_t>(r) * dp];
+      for (int i = 0; i < dp; ++i) acc[i] = acc[i] * alpha + pv[i];
+      S.m[r] = mx;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    int64_t qi = q0 + r / g;
+    int head = h * g + r % g;
+    float* o = out + (qi * L.hq + head) * L.d;
+    const float* acc = &S.acc[static_cast<size_t>(r) * dp];
+    for (int i = 0; i < L.d; ++i) o[i] = acc[i] / S.l[r];
+    m_out[qi * L.hq + head] = S.m[r];
+    l_out[qi * L.hq + head] = S.l[r];
+  }
+}
+
+// units spread over `threads` OpenMP threads (torch's own runtime: the library is loaded into a process that has
+// torch's libgomp, whose soname it links against, so the kernel shares torch's thread team instead of competing
+// with its spinning threads); a unit never splits
+template <typename F>
+void run_parallel(int64_t n_units, int threads, F fn) {
+  if (threads <= 1 || n_units <= 1) {
+    for (int64_t u = 0; u < n_units; ++u) fn(u);
+    return;
+  }
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int64_t u = 0; u < n_units; ++u) fn(u);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Forward. Units: n_blocks query blocks (block_q0[i] .. block_q0[i] + block_nq[i] - 1) x hkv heads.
+// out [Nq, Hq, D], m_out / l_out [Nq, Hq], float32.
+int zk_attention_fwd(int dtype, int hq, int hkv, int d, const void* q, const void* k, const void* v, int64_t kv_sb,
+                     int64_t kv_sh, int64_t kv_sp, int bs, const int64_t* block_table, int64_t bt_cols,
+                     const int64_t* q_row, const int64_t* q_pos, int64_t n_blocks, const int64_t* block_q0,
+                     const int64_t* block_nq, float scale, float* out, float* m_out, float* l_out, int threads) {
+  if (hkv <= 0 || hq % hkv != 0 || d <= 0 || bs <= 0) return 1;
+  Layout L{dtype, hq, hkv, d, (d + LANES - 1) / LANES * LANES, bs, q, k, v, kv_sb, kv_sh, kv_sp, block_table,
+           bt_cols, q_row, q_pos, scale};
+  run_parallel(n_blocks * hkv, threads, [&](int64_t u) {
+    thread_local Scratch S;
+    forward_unit(L, block_q0[u / hkv], static_cast<int>(block_nq[u / hkv]), static_cast<int>(u % hkv), out, m_out,
+                 l_out, S);
+  });
+  return 0;
+}
+
+// Backward over dense sequences. Units: n_seqs sequences (their query blocks seq_b0[i] .. seq_b1[i] - 1) x hkv heads.
+// out, dout [Nq, Hq, D] float32; m, l [Nq, Hq]; dq [Nq, Hq, D] float32 (zeroed); dk, dv float32 with the strides of
+// k and v (zeroed). Keys of a sequence: positions 0 .. its last query.
+int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const void* k, const void* v, int64_t kv_sb,
+                     int64_t kv_sh, int64_t kv_sp, int bs, const int64_t* block_table, int64_t bt_cols,
+                     const int64_t* q_row, const int64_t* q_pos, const int64_t* block_q0, const int64_t* block_nq,
+                     int64_t n_seqs, const int64_t* seq_b0, const int64_t* seq_b1, float scale, const float* out,
+                     const float* dout, const float* m, const float* l, float* dq, float* dk, float* dv, int threads) {
+  if (hkv <= 0 || hq % hkv != 0 || d <= 0 || bs <= 0) return 1;
+  Layout L{dtype, hq, hkv, d, (d + LANES - 1) / LANES * LANES, bs, q, k, v, kv_sb, kv_sh, kv_sp, block_table,
+           bt_cols, q_row, q_pos, scale};
+  const int g = hq / hkv, dp = L.dp;
+  run_parallel(n_seqs * hkv, threads, [&](int64_t u) {
+    thread_local Scratch S;
+    thread_local std::vector<float> dO, O, Dd, dqa, ds;
+    const int h = static_cast<int>(u % hkv);
+    const int64_t sq = u / hkv;
+    for (int64_t b = seq_b0[sq]; b < seq_b1[sq]; ++b) {
+      const int64_t q0 = block_q0[b];
+      const int nq = static_cast<int>(block_nq[b]), rows = nq * g;
+      S.size(rows, dp);
+      dO.assign(static_cast<size_t>(rows) * dp, 0.0f);
+      O.assign(static_cast<size_t>(rows) * dp, 0.0f);
+      Dd.assign(rows, 0.0f);
+      dqa.assign(static_cast<size_t>(rows) * dp, 0.0f);
+      ds.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
+      load_queries(L, q0, nq, h, g, S);
+      for (int r = 0; r < rows; ++r) {
+        int64_t idx = (q0 + r / g) * hq + h * g + r % g;
+        for (int i = 0; i < d; ++i) {
+          dO[static_cast<size_t>(r) * dp + i] = dout[idx * d + i];
+          O[static_cast<size_t>(r) * dp + i] = out[idx * d + i];
+        }
+        Dd[r] = dot16(&dO[static_cast<size_t>(r) * dp], &O[static_cast<size_t>(r) * dp], dp);
+      }
+      const int64_t seq_row = L.q_row[q0];
+      int64_t last = 0;
+      for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
+      for (int64_t j = 0; j * CHUNK <= last; ++j) {
+        chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
+        const float ninf = -std::numeric_limits<float>::infinity();
+        for (int c = 0; c < CHUNK; ++c) {
+          for (int r = 0; r < rows; ++r) {
+            int64_t idx = (q0 + r / g) * hq + h * g + r % g;
+            float sc = S.s[static_cast<size_t>(c) * rows + r];
+            float pc = sc == ninf ? 0.0f : expf(sc - m[idx]) / l[idx];
+            float dpc = dot16(&dO[static_cast<size_t>(r) * dp], &S.vc[static_cast<size_t>(c) * dp], dp);
+            S.p[static_cast<size_t>(c) * rows + r] = pc;
+            ds[static_cast<size_t>(c) * rows + r] = pc * (dpc - Dd[r]);
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          float* dqr = &dqa[static_cast<size_t>(r) * dp];
+          for (int c = 0; c < CHUNK; ++c) {
+            float w = ds[static_cast<size_t>(c) * rows + r];
+            const float* kd = &S.kc[static_cast<size_t>(c) * dp];
+            for (int i = 0; i < dp; ++i) dqr[i] = dqr[i] + w * kd[i];
+          }
+        }
+        for (int c = 0; c < CHUNK; ++c) {
+          int64_t pos = j * CHUNK + c;
+          if (pos > last) break;
+          int64_t off = L.kv_offset(seq_row, pos, h);
+          float* dkp = dk + off;
+          float* dvp = dv + off;
+          for (int r = 0; r < rows; ++r) {
+            float w = ds[static_cast<size_t>(c) * rows + r];
+            float pc = S.p[static_cast<size_t>(c) * rows + r];
+            const float* qr = &S.qr[static_cast<size_t>(r) * dp];
+            const float* dor = &dO[static_cast<size_t>(r) * dp];
+            for (int i = 0; i < d; ++i) {
+              dkp[i] = dkp[i] + w * qr[i];
+              dvp[i] = dvp[i] + pc * dor[i];
+            }
+          }
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        int64_t idx = (q0 + r / g) * hq + h * g + r % g;
+        for (int i = 0; i < d; ++i) dq[idx * d + i] = dqa[static_cast<size_t>(r) * dp + i] * scale;
+      }
+    }
+    // dk times scale, once, for this sequence's keys of head h
+    const int64_t q_first = block_q0[seq_b0[sq]];
+    const int64_t seq_row = L.q_row[q_first];
+    int64_t last = 0;
+    for (int64_t b = seq_b0[sq]; b < seq_b1[sq]; ++b)
+      for (int64_t i = 0; i < block_nq[b]; ++i) last = L.q_pos[block_q0[b] + i] > last ? L.q_pos[block_q0[b] + i] : last;
+    for (int64_t pos = 0; pos <= last; ++pos) {
+      float* dkp = dk + L.kv_offset(seq_row, pos, h);
+      for (int i = 0; i < d; ++i) dkp[i] = dkp[i] * scale;
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"
