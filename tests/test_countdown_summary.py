@@ -71,3 +71,18 @@ def test_empty_run_is_refused(tmp_path):
         run_summary(tmp_path / "r")
     with pytest.raises(ValueError):
         write_summary(tmp_path, ["r"], [])
+
+
+def test_per_step_wall_clock_and_speed_ratio(tmp_path):
+    """Steps 2.. of each run (step 1 pays warm-ups): summed step, rollout and train seconds, and stock ÷ zerokld."""
+    for name, step in (("zerokld", 2.0), ("stock", 1.5)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": i + 1, "reward_mean": 0.5, "k3": 0.0, "tokens_bitwise_different": 0, "num_tokens": 10,
+                 "clipped_fraction": 0.0, "step_seconds": 9.0 if i == 0 else step, "rollout_seconds": step / 2,
+                 "train_seconds": step / 4} for i in range(5)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run_summary(tmp_path / "stock")["step_seconds"] == 6.0
+    text = write_summary(tmp_path, ["zerokld", "stock"], [])[1]
+    assert ("Per-step wall-clock, steps 2–5: zerokld 8.0 s (rollout 4.0 s, train 2.0 s); stock 6.0 s (rollout 3.0 s, "
+            "train 1.5 s): zerokld runs at **0.75x** stock's speed") in text

@@ -31,7 +31,8 @@ def run_summary(run_dir: str | Path) -> dict:
         ``eval_before`` / ``eval_after`` (held-out greedy accuracy at the first / last eval row, ``None`` without
         ``eval.jsonl``); ``tokens_by_staleness`` (``{versions behind the trainer: share of tokens}``, ``--async``: a
         row's ``tokens_by_staleness``, else its ``staleness`` for all its tokens, else 0); ``seconds`` (wall-clock
-        of the RL loop, ``None`` if not recorded).
+        of the RL loop, ``None`` if not recorded); ``step_seconds`` / ``rollout_seconds`` / ``train_seconds``: sums
+        over steps 2.. (step 1 pays one-time warm-ups; ``None`` where a row lacks the field).
 
     Raises:
         ValueError: ``metrics.jsonl`` has no rows.
@@ -64,6 +65,8 @@ def run_summary(run_dir: str | Path) -> dict:
         "eval_after": evals[-1]["accuracy"] if evals else None,
         "tokens_by_staleness": {k: v / max(tokens, 1) for k, v in sorted(stale.items())},
         "seconds": rows[-1].get("elapsed_seconds"),
+        **{key: (sum(r[key] for r in rows[1:]) if len(rows) > 1 and all(key in r for r in rows[1:]) else None)
+           for key in ("step_seconds", "rollout_seconds", "train_seconds")},
     }
 
 
@@ -87,6 +90,15 @@ def summary_markdown(summaries: dict[str, dict], setup: list[str]) -> str:
     timed = {name: s["seconds"] for name, s in summaries.items() if s.get("seconds") is not None}
     if timed:
         lines += ["", "RL wall-clock: " + ", ".join(f"{name} {sec:.0f} s" for name, sec in timed.items())]
+    per_step = {name: s for name, s in summaries.items() if s.get("step_seconds") is not None}
+    if per_step:
+        first = next(iter(per_step.values()))
+        lines += ["", f"Per-step wall-clock, steps 2–{first['steps']}: " + "; ".join(
+            f"{name} {s['step_seconds']:.1f} s (rollout {s['rollout_seconds'] or 0:.1f} s, train "
+            f"{s['train_seconds'] or 0:.1f} s)" for name, s in per_step.items())]
+        if "zerokld" in per_step and "stock" in per_step and per_step["zerokld"]["step_seconds"] > 0:
+            lines[-1] += (f": zerokld runs at **{per_step['stock']['step_seconds'] / per_step['zerokld']['step_seconds']:.2f}x**"
+                          " stock's speed")
     if any(k > 0 for s in summaries.values() for k in s.get("tokens_by_staleness", {})):
         lines += ["", "Tokens by staleness (policy versions behind the trainer): " + "; ".join(
             f"{name}: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["tokens_by_staleness"].items())
