@@ -5,7 +5,7 @@ Why compiled: the attention's fixed per-query arithmetic (:mod:`shared_numerics.
 costs tens of elementwise passes per key chunk over padded tiles (measured: 5-6 ms per layer for one demo decode step
 of 224 sequences, two thirds of the rollout). One loop nest per (query block, kv head) does it in one pass.
 
-Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -ffp-contract=off -fno-fast-math -std=c++17 -shared -fPIC -fopenmp``, never
+Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -mprefer-vector-width=512 -ffp-contract=off -fno-fast-math -std=c++17 -shared -fPIC -fopenmp``, never
 ``-ffast-math`` — the compiler may vectorise across independent lanes but never reorder a reduction or fuse a
 multiply-add, so the arithmetic is the source's. ``-march=native`` makes the library this machine's: trainer and engine
 on one machine load the same file. ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports

@@ -7,15 +7,17 @@
 // (query, query head) pairs of that kv head. Every unit runs on one thread, units are spread over `threads` OpenMP threads;
 // a row's arithmetic never depends on the other rows of its unit, on the unit count or on the thread count:
 //   * keys in chunks of 32 absolute positions, chunk 0 first; a key past the row's position: score -inf, p exactly 0
-//   * score s = tree16(q . k) * scale: the head dimension is cut into 16 lanes (lane i sums d = i, i+16, ... in
-//     order; D zero-padded to a multiple of 16), the 16 lane sums are added by a fixed pairwise tree
-//   * online softmax per chunk: mx = max(m, max_c s); alpha = (m == -inf) ? 0 : expf(m - mx);
-//     p_c = expf(s_c - mx); l = l * alpha + (p_0 + p_1 + ... + p_31) (in order); pv_d = sum_c p_c v_cd (c in order);
-//     acc_d = acc_d * alpha + pv_d; m = mx. A chunk whose keys all lie past the row is an exact no-op.
+//   * score s_c = (q_0 k_c0 + q_1 k_c1 + ... + q_{D-1} k_c,D-1) * scale, summed in d order (vectorised across the
+//     32 keys of the chunk, never across d)
+//   * online softmax per chunk: mx = max(m, max_c s); alpha = (m == -inf) ? 0 : exp_nonpos(m - mx);
+//     p_c = exp_nonpos(s_c - mx); l = l * alpha + (p_0 + p_1 + ... + p_31) (in order); pv_d = sum_c p_c v_cd
+//     (c in order); acc_d = acc_d * alpha + pv_d; m = mx. A chunk whose keys all lie past the row is an exact no-op.
+//     exp_nonpos is Cephes' expf (range reduction by ln 2, degree-6 polynomial; < 2 ulp) written as plain
+//     arithmetic on 16-lane vectors (lanes are independent: a key's bits never depend on its lane); arguments <= 0.
 //   * out = acc / l, float32; m and l are returned for the backward.
-// Backward (dense layout; unit = (sequence, kv head), which owns its keys' gradients): p = expf(s - m) / l,
-// Dd = tree16(dO . out), dp = tree16(dO . v), ds = p (dp - Dd); dq += ds k, dk += ds q, dv += p dO, accumulated in
-// query-block, chunk, key, row order; dq and dk times scale at the end.
+// Backward (dense layout; unit = (sequence, kv head), which owns its keys' gradients): p = exp_nonpos(s - m) / l,
+// Dd = dO . out, dp_c = dO . v_c (both in d order), ds = p (dp - Dd); dq += ds k, dk += ds q, dv += p dO,
+// accumulated in query-block, chunk, key, row order; dq and dk times scale at the end.
 //
 // Source: Dao et al., "FlashAttention" (2022) online softmax and FlashAttention-2 backward; fixed split sizes as in
 // SGLang's deterministic mode and vLLM's batch-invariant attention; PagedAttention's block table addressing.
@@ -28,7 +30,7 @@
 namespace {
 
 constexpr int CHUNK = 32;
-constexpr int LANES = 16;
+constexpr int LANES = 16;  // head dims are zero-padded to a multiple of this (vector width)
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -51,15 +53,39 @@ inline void load_row(const void* base, int64_t offset, int dtype, int d, float* 
   }
 }
 
-// a . b over dp (a multiple of LANES) with 16 lane sums and a fixed pairwise tree
-inline float dot16(const float* a, const float* b, int dp) {
-  float lane[LANES];
-  for (int i = 0; i < LANES; ++i) lane[i] = 0.0f;
-  for (int base = 0; base < dp; base += LANES)
-    for (int i = 0; i < LANES; ++i) lane[i] += a[base + i] * b[base + i];
-  for (int h = LANES / 2; h >= 1; h /= 2)
-    for (int i = 0; i < h; ++i) lane[i] = lane[i] + lane[i + h];
-  return lane[0];
+// a . b over d, summed in d order
+inline float dot_seq(const float* a, const float* b, int d) {
+  float acc = 0.0f;
+  for (int i = 0; i < d; ++i) acc = acc + a[i] * b[i];
+  return acc;
+}
+
+// 16 floats: GCC's vector extension (elementwise IEEE arithmetic; AVX-512 registers, or two AVX2 ones)
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline v16f loadv(const float* p) { return *reinterpret_cast<const v16f_unaligned*>(p); }
+inline void storev(float* p, v16f v) { *reinterpret_cast<v16f_unaligned*>(p) = v; }
+
+// exp(x) for x <= 0 (-inf included), 16 lanes: Cephes expf (range reduction by ln 2, n = x log2(e) rounded to
+// nearest even by the 1.5 * 2^23 trick, degree-6 polynomial, < 2 ulp) as plain arithmetic; 0 below -87.
+inline v16f exp_nonpos(v16f x) {
+  const v16f xc = x < -87.0f ? (v16f){} - 87.0f : x;
+  const v16f fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16f r = xc - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  const v16f z = r * r;
+  v16f y = (v16f){} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const v16i bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
+  const v16f res = y * __builtin_bit_cast(v16f, bits);
+  return x < -87.0f ? (v16f){} : res;
 }
 
 struct Layout {
@@ -83,10 +109,12 @@ struct Layout {
 };
 
 struct Scratch {
-  std::vector<float> qr, kc, vc, s, p, m, l, acc, pv;
+  std::vector<float> qr, kc, kt, vc, vt, s, p, m, l, acc, pv;
   void size(int rows, int dp) {
     qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
     kc.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
+    kt.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
+    vt.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
     vc.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
     s.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
     p.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
@@ -109,29 +137,43 @@ void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, Scratch& S)
   }
 }
 
-// keys/values of chunk j (positions <= last only; the rest zero) and the scores of every row (masked: -inf)
+// keys/values of chunk j (positions <= last only; the rest zero; row-major kc/vc and transposed kt/vt [d][c]) and
+// the scores of every row (masked: -inf), s[r * CHUNK + c]
 void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq_row, int64_t j, int64_t last,
                   Scratch& S) {
-  const int dp = L.dp, rows = nq * g;
+  const int dp = L.dp, rows = nq * g, d = L.d;
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int c = 0; c < CHUNK; ++c) {
     int64_t pos = j * CHUNK + c;
     float* kd = &S.kc[static_cast<size_t>(c) * dp];
     float* vd = &S.vc[static_cast<size_t>(c) * dp];
-    std::memset(kd, 0, sizeof(float) * dp);
-    std::memset(vd, 0, sizeof(float) * dp);
     if (pos > last) {
-      for (int r = 0; r < rows; ++r) S.s[static_cast<size_t>(c) * rows + r] = ninf;
-      continue;
+      std::memset(kd, 0, sizeof(float) * dp);
+      std::memset(vd, 0, sizeof(float) * dp);
+    } else {
+      int64_t off = L.kv_offset(seq_row, pos, h);
+      load_row(L.k, off, L.dtype, d, kd);
+      load_row(L.v, off, L.dtype, d, vd);
     }
-    int64_t off = L.kv_offset(seq_row, pos, h);
-    load_row(L.k, off, L.dtype, L.d, kd);
-    load_row(L.v, off, L.dtype, L.d, vd);
-    for (int r = 0; r < rows; ++r) {
-      int64_t qp = L.q_pos[q0 + r / g];
-      S.s[static_cast<size_t>(c) * rows + r] =
-          pos <= qp ? dot16(&S.qr[static_cast<size_t>(r) * dp], kd, dp) * L.scale : ninf;
+    for (int i = 0; i < d; ++i) {
+      S.kt[static_cast<size_t>(i) * CHUNK + c] = kd[i];
+      S.vt[static_cast<size_t>(i) * CHUNK + c] = vd[i];
     }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float* qr = &S.qr[static_cast<size_t>(r) * dp];
+    v16f s0 = {}, s1 = {};
+    for (int i = 0; i < d; ++i) {
+      const float* kt = &S.kt[static_cast<size_t>(i) * CHUNK];
+      s0 = s0 + qr[i] * loadv(kt);
+      s1 = s1 + qr[i] * loadv(kt + 16);
+    }
+    const int64_t qp = L.q_pos[q0 + r / g];
+    float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
+    storev(sr, s0 * L.scale);
+    storev(sr + 16, s1 * L.scale);
+    for (int c = 0; c < CHUNK; ++c)
+      if (j * CHUNK + c > qp) sr[c] = ninf;
   }
 }
 
@@ -150,29 +192,26 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
   for (int64_t j = 0; j * CHUNK <= last; ++j) {
     chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
     for (int r = 0; r < rows; ++r) {
+      const float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
       float mx = S.m[r];
-      for (int c = 0; c < CHUNK; ++c) {
-        float sc = S.s[static_cast<size_t>(c) * rows + r];
-        mx = sc > mx ? sc : mx;
+      for (int c = 0; c < CHUNK; ++c) mx = sr[c] > mx ? sr[c] : mx;
+      float alpha = S.m[r] == ninf ? 0.0f : exp_nonpos((v16f){} + (S.m[r] - mx))[0];
+      float pr[CHUNK];
+      for (int c0 = 0; c0 < CHUNK; c0 += 16) {
+        const v16f sv = loadv(sr + c0);
+        storev(pr + c0, sv == -std::numeric_limits<float>::infinity() ? (v16f){} : exp_nonpos(sv - mx));
       }
-      float alpha = S.m[r] == ninf ? 0.0f : expf(S.m[r] - mx);
       float lsum = 0.0f;
-      for (int c = 0; c < CHUNK; ++c) {
-        float sc = S.s[static_cast<size_t>(c) * rows + r];
-        float pc = sc == ninf ? 0.0f : expf(sc - mx);
-        S.p[static_cast<size_t>(c) * rows + r] = pc;
-        lsum = lsum + pc;
-      }
+      for (int c = 0; c < CHUNK; ++c) lsum = lsum + pr[c];
       S.l[r] = S.l[r] * alpha + lsum;
       float* pv = &S.pv[static_cast<size_t>(r) * dp];
-      for (int i = 0; i < dp; ++i) pv[i] = 0.0f;
-      for (int c = 0; c < CHUNK; ++c) {
-        float pc = S.p[static_cast<size_t>(c) * rows + r];
-        const float* vd = &S.vc[static_cast<size_t>(c) * dp];
-        for (int i = 0; i < dp; ++i) pv[i] = pv[i] + pc * vd[i];
+      for (int i0 = 0; i0 < dp; i0 += LANES) {  // pv_d = sum_c p_c v_cd, c in order, 16 d's in registers
+        v16f t = {};
+        for (int c = 0; c < CHUNK; ++c) t = t + pr[c] * loadv(&S.vc[static_cast<size_t>(c) * dp + i0]);
+        storev(pv + i0, t);
       }
       float* acc = &S.acc[static_cast<size_t>(r) * dp];
-      for (int i = 0; i < dp; ++i) acc[i] = acc[i] * alpha + pv[i];
+      for (int i0 = 0; i0 < dp; i0 += LANES) storev(acc + i0, loadv(acc + i0) * alpha + loadv(pv + i0));
       S.m[r] = mx;
     }
   }
@@ -254,7 +293,7 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
           dO[static_cast<size_t>(r) * dp + i] = dout[idx * d + i];
           O[static_cast<size_t>(r) * dp + i] = out[idx * d + i];
         }
-        Dd[r] = dot16(&dO[static_cast<size_t>(r) * dp], &O[static_cast<size_t>(r) * dp], dp);
+        Dd[r] = dot_seq(&dO[static_cast<size_t>(r) * dp], &O[static_cast<size_t>(r) * dp], d);
       }
       const int64_t seq_row = L.q_row[q0];
       int64_t last = 0;
@@ -262,22 +301,37 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
       for (int64_t j = 0; j * CHUNK <= last; ++j) {
         chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
         const float ninf = -std::numeric_limits<float>::infinity();
-        for (int c = 0; c < CHUNK; ++c) {
-          for (int r = 0; r < rows; ++r) {
-            int64_t idx = (q0 + r / g) * hq + h * g + r % g;
-            float sc = S.s[static_cast<size_t>(c) * rows + r];
-            float pc = sc == ninf ? 0.0f : expf(sc - m[idx]) / l[idx];
-            float dpc = dot16(&dO[static_cast<size_t>(r) * dp], &S.vc[static_cast<size_t>(c) * dp], dp);
-            S.p[static_cast<size_t>(c) * rows + r] = pc;
-            ds[static_cast<size_t>(c) * rows + r] = pc * (dpc - Dd[r]);
+        for (int r = 0; r < rows; ++r) {
+          const int64_t idx = (q0 + r / g) * hq + h * g + r % g;
+          const float* dor = &dO[static_cast<size_t>(r) * dp];
+          float dpc[CHUNK], pr[CHUNK];
+          v16f d0 = {}, d1 = {};
+          for (int i = 0; i < d; ++i) {
+            const float di = dor[i];
+            const float* vt = &S.vt[static_cast<size_t>(i) * CHUNK];
+            d0 = d0 + di * loadv(vt);
+            d1 = d1 + di * loadv(vt + 16);
+          }
+          storev(dpc, d0);
+          storev(dpc + 16, d1);
+          const float mr = m[idx], lr = l[idx];
+          const float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
+          for (int c0 = 0; c0 < CHUNK; c0 += 16) {
+            const v16f sv = loadv(sr + c0);
+            storev(pr + c0, sv == ninf ? (v16f){} : exp_nonpos(sv - mr) / lr);
+          }
+          for (int c = 0; c < CHUNK; ++c) {
+            S.p[static_cast<size_t>(r) * CHUNK + c] = pr[c];
+            ds[static_cast<size_t>(r) * CHUNK + c] = pr[c] * (dpc[c] - Dd[r]);
           }
         }
         for (int r = 0; r < rows; ++r) {
           float* dqr = &dqa[static_cast<size_t>(r) * dp];
-          for (int c = 0; c < CHUNK; ++c) {
-            float w = ds[static_cast<size_t>(c) * rows + r];
-            const float* kd = &S.kc[static_cast<size_t>(c) * dp];
-            for (int i = 0; i < dp; ++i) dqr[i] = dqr[i] + w * kd[i];
+          const float* dsr = &ds[static_cast<size_t>(r) * CHUNK];
+          for (int i0 = 0; i0 < dp; i0 += LANES) {
+            v16f t = loadv(dqr + i0);
+            for (int c = 0; c < CHUNK; ++c) t = t + dsr[c] * loadv(&S.kc[static_cast<size_t>(c) * dp + i0]);
+            storev(dqr + i0, t);
           }
         }
         for (int c = 0; c < CHUNK; ++c) {
@@ -286,15 +340,23 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
           int64_t off = L.kv_offset(seq_row, pos, h);
           float* dkp = dk + off;
           float* dvp = dv + off;
-          for (int r = 0; r < rows; ++r) {
-            float w = ds[static_cast<size_t>(c) * rows + r];
-            float pc = S.p[static_cast<size_t>(c) * rows + r];
-            const float* qr = &S.qr[static_cast<size_t>(r) * dp];
-            const float* dor = &dO[static_cast<size_t>(r) * dp];
-            for (int i = 0; i < d; ++i) {
-              dkp[i] = dkp[i] + w * qr[i];
-              dvp[i] = dvp[i] + pc * dor[i];
+          // key c's gradients: rows in order, 16 d's in registers (the padded tail of d is never stored)
+          for (int i0 = 0; i0 < dp; i0 += LANES) {
+            float bk[LANES], bv[LANES];
+            const int n = d - i0 < LANES ? d - i0 : LANES;
+            std::memset(bk, 0, sizeof(bk));
+            std::memset(bv, 0, sizeof(bv));
+            std::memcpy(bk, dkp + i0, sizeof(float) * n);
+            std::memcpy(bv, dvp + i0, sizeof(float) * n);
+            v16f tk = loadv(bk), tv = loadv(bv);
+            for (int r = 0; r < rows; ++r) {
+              tk = tk + ds[static_cast<size_t>(r) * CHUNK + c] * loadv(&S.qr[static_cast<size_t>(r) * dp + i0]);
+              tv = tv + S.p[static_cast<size_t>(r) * CHUNK + c] * loadv(&dO[static_cast<size_t>(r) * dp + i0]);
             }
+            storev(bk, tk);
+            storev(bv, tv);
+            std::memcpy(dkp + i0, bk, sizeof(float) * n);
+            std::memcpy(dvp + i0, bv, sizeof(float) * n);
           }
         }
       }
