@@ -70,9 +70,18 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ``gate`` and ``up``. Differentiable.
     """
     if gate.device.type == "cpu" and gate.dtype in _DTYPE_CODES and up.shape == gate.shape:
+        from .cpu_kernels import on_local_shards, plain
+
+        sharded = on_local_shards(silu_and_mul, (gate, up), tuple(range(gate.ndim)))  # elementwise: any dim
+        if sharded is not None:
+            return sharded
+        gp, upp = plain(gate), plain(up)
+        if gp is None or upp is None:
+            raise TypeError(f"zerokld silu_and_mul: cannot run on {type(gate).__name__} / {type(up).__name__} "
+                            "inputs on CPU")
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return _SiluMulCpu.apply(gate, up).to(gate.dtype)
-        return _silu_mul_cpu(gate, up, False)[0].to(gate.dtype)
+            return _SiluMulCpu.apply(gp, upp).to(gate.dtype)
+        return _silu_mul_cpu(gp, upp, False)[0].to(gate.dtype)
     g = gate.float()
     y = g / (1.0 + exp64(-g)) * up.float()
     return y.to(gate.dtype)

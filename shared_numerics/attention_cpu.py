@@ -24,7 +24,7 @@ import functools
 import torch
 
 from .attention import KEY_CHUNK, Q_TILE
-from .cpu_kernels import load
+from .cpu_kernels import load, on_local_shards, plain
 
 __all__ = ["dense_attention_cpu", "paged_attention_cpu"]
 
@@ -58,6 +58,14 @@ def _blocks(q_row: torch.Tensor):
     block_q0 = run_start[run_of_block] + rank * Q_TILE
     block_nq = torch.clamp(counts[run_of_block] - rank * Q_TILE, max=Q_TILE)
     return block_q0.contiguous(), block_nq.contiguous(), seq_b0.contiguous(), seq_b1.contiguous()
+
+
+def _plain(*tensors):
+    out = tuple(plain(t) for t in tensors)
+    if any(t is None for t in out):
+        raise TypeError("zerokld CPU attention: inputs must be plain CPU tensors (or DTensors sharded by heads), got "
+                        + ", ".join(type(t).__name__ for t in tensors))
+    return out
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h_kv: int) -> None:
@@ -104,6 +112,7 @@ def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         TypeError / ValueError: dtypes or head counts that do not fit.
     """
     nb, h_kv, bs, d = key_cache.shape
+    q, key_cache, value_cache = _plain(q, key_cache, value_cache)
     _check(q, key_cache, value_cache, h_kv)
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
         key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
@@ -171,5 +180,9 @@ def dense_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         ``[B, T, Hq, D]`` in ``q.dtype``, row ``(b, t)`` bitwise what :func:`paged_attention_cpu` gives for the same
         prefix. Differentiable (float32 gradients rounded to the inputs' dtypes).
     """
+    sharded = on_local_shards(lambda a, b, c: dense_attention_cpu(a, b, c, scale), (q, k, v), (0, 2))
+    if sharded is not None:  # tensor parallelism: heads (or sequences) sharded, each rank attends its own
+        return sharded
+    q, k, v = _plain(q, k, v)
     _check(q.reshape(-1, q.shape[2], q.shape[3]), k, v, k.shape[2])
     return _DenseAttention.apply(q, k, v, float(scale)).to(q.dtype)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the kernels bind to torch's libgomp)
 
-__all__ = ["FLAGS", "load"]
+__all__ = ["FLAGS", "load", "on_local_shards", "plain"]
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC",
          "-fopenmp")
@@ -84,3 +84,43 @@ def load(name: str) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(target))
+
+
+def plain(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a plain CPU ``torch.Tensor`` whose ``data_ptr`` holds its values, or ``None`` (the kernels then must
+    not run on it): a plain tensor as is; an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` returns while a
+    collective is in flight) waited; any other subclass (``DTensor``, fake or functional tensors) ``None``."""
+    if type(t) is torch.Tensor:
+        return t if t.device.type == "cpu" else None
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(t, AsyncCollectiveTensor):
+        return plain(t.wait())
+    return None
+
+
+def on_local_shards(fn, tensors: tuple, allowed_shard_dims: tuple[int, ...]):
+    """``fn(*locals)`` for ``DTensor`` inputs that share one mesh and one placement (each ``Replicate`` or ``Shard``
+    of a dim in ``allowed_shard_dims``, for ops that are independent along it), wrapped back as a ``DTensor`` of the
+    first input's placements, shape and stride; ``None`` when the inputs are not DTensors.
+
+    Raises:
+        NotImplementedError: DTensors on different meshes or placements, or sharded along another dimension (the
+            message names them).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(t, DTensor) for t in tensors):
+        return None
+    first = tensors[0]
+    if not all(isinstance(t, DTensor) and t.device_mesh == first.device_mesh and t.placements == first.placements
+               for t in tensors):
+        raise NotImplementedError("zerokld CPU kernel: DTensor inputs must share one mesh and one placement, got "
+                                  + ", ".join(str(getattr(t, "placements", "plain tensor")) for t in tensors))
+    for p in first.placements:
+        if p.is_shard() and p.dim % first.ndim not in tuple(d % first.ndim for d in allowed_shard_dims):
+            raise NotImplementedError(f"zerokld CPU kernel: DTensor sharded as {first.placements}; only dims "
+                                      f"{allowed_shard_dims} may be sharded for this op")
+    out = fn(*(t.to_local() for t in tensors))
+    return DTensor.from_local(out, first.device_mesh, first.placements, run_check=False, shape=first.shape,
+                              stride=first.stride())

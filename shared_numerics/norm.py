@@ -36,6 +36,7 @@ def _lib():
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
+    weight = weight.float()
     x2 = x.reshape(-1, h)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -61,7 +62,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if (x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.numel() and not (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return _rms_norm_cpu(x, weight, eps)
+        from .cpu_kernels import plain
+
+        xp, wp = plain(x), plain(weight)
+        if xp is not None and wp is not None:  # otherwise (DTensors, fake tensors) the torch ops: the same bits
+            return _rms_norm_cpu(xp, wp, eps)
     x32 = x.float()
     ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
     y = x32 * torch.rsqrt(ms + eps) * weight.float()
