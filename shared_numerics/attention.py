@@ -10,8 +10,8 @@ query's position get an exact ``-inf`` score (probability exactly 0), and chunks
 of chunks the longest sequence needs, chunked prefill, prefix-cache hits, or where the keys live.
 
 On CPU tensors both layouts run the compiled kernel of :mod:`shared_numerics.attention_cpu` (one loop nest per
-(query block, kv head); its arithmetic per (query, head) is fixed in ``csrc/attention.cpp``: 16-lane dot products with
-a fixed lane tree, ``expf``, sums in key order). On other devices both layouts go through one core of torch ops,
+(query block, kv head); its arithmetic per (query, head) is fixed in ``csrc/attention.cpp``: scores summed in head-dim
+order, Cephes' exp as plain arithmetic, sums in key order). On other devices both layouts go through one core of torch ops,
 :func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
 ``j`` of given sequences as a head-major ``[n, kv_heads, 32, head_dim]`` tensor: the dense path slices its padded
 ``[batch, kv_heads, seq, head_dim]`` keys; vLLM's path slices the paged cache (a block of ``block_size`` tokens, a

@@ -1,9 +1,9 @@
 """Batch-invariant causal attention on CPU tensors: the compiled kernel of ``csrc/attention.cpp``.
 
 The arithmetic of one (query, head) is fixed by construction (the kernel's header says it in full): keys in chunks of
-:data:`~shared_numerics.attention.KEY_CHUNK` absolute positions, chunk 0 first; scores as a 16-lane dot product with a
-fixed lane tree; FlashAttention's online softmax per chunk (``expf``, sums in key order); ``out = acc / l`` in float32,
-rounded once to the input dtype. A query's result depends only on its own keys and position: not on the batch, the
+:data:`~shared_numerics.attention.KEY_CHUNK` absolute positions, chunk 0 first; scores summed in
+head-dim order (vectorised across the chunk's keys); FlashAttention's online softmax per chunk (Cephes' exp as plain
+arithmetic, sums in key order); ``out = acc / l`` in float32, rounded once to the input dtype. A query's result depends only on its own keys and position: not on the batch, the
 query blocks (``Q_TILE`` queries of one sequence per work unit), the thread count, chunked prefill, prefix-cache hits
 or where the paged cache put the keys. The dense (trainer) and paged (vLLM) layouts are one address computation: dense
 ``[B, T, Hkv, D]`` keys are a cache of one block of ``T`` slots per sequence.
@@ -12,7 +12,15 @@ The backward (dense layout) is FlashAttention-2's, recomputing the probabilities
 (sequence, kv head) is one unit that owns its keys' gradients, so a sequence's gradients are the same bits alone or in
 any batch (the trainer's exact streaming relies on it).
 
-Threads: units are spread over ``torch.get_num_threads()`` threads of the kernel's own (a unit never splits).
+Threads: units are spread over ``torch.get_num_threads()`` OpenMP threads of torch's own runtime (a unit never
+splits). Inputs: plain CPU tensors (an ``AsyncCollectiveTensor`` is waited); ``DTensor`` inputs (tensor parallelism)
+run on their local shards when sharded by heads or sequences.
+
+Measured (``benchmarks/results/attention_xeon_amx_cpu2.json``, 2-core Xeon with AMX, 2 threads), ours vs the torch-op
+core this replaced on CPU / vs ATen's SDPA (not batch invariant): demo decode (224 sequences, 4 heads / 2 KV, head dim
+32) 1.1 ms vs 6.0 ms bf16; demo training forward + backward (224 x 60 tokens) 39 ms vs 130 ms / SDPA 97 ms bf16 (34 ms
+vs SDPA 20 ms fp32); hidden-1024 shapes (16 heads / 4 KV, head dim 64) prefill 26 ms vs 96 ms / SDPA 4.7 ms bf16,
+training 78 ms vs 330 ms / SDPA 46 ms.
 
 Source: Dao et al., "FlashAttention" (2022) and "FlashAttention-2" (2023); Kwon et al., "PagedAttention" (2023).
 """
@@ -23,7 +31,7 @@ import functools
 
 import torch
 
-from .attention import KEY_CHUNK, Q_TILE
+from .attention import Q_TILE
 from .cpu_kernels import load, on_local_shards, plain
 
 __all__ = ["dense_attention_cpu", "paged_attention_cpu"]

@@ -13,6 +13,9 @@ These are the two building blocks that make every other op in ``shared_numerics`
   ulp of float64, so after rounding to float32 they agree except when the exact value lies within ~1e-16 relative of
   a float32 rounding boundary (probability ~2^-29 per element); no such case was seen in the test suite.
 
+On CPU the attention, SiLU-and-mul and inference RMSNorm run compiled kernels (``csrc/``) that fix the same
+properties in C: one scalar formula per element, sums in a fixed order (:mod:`shared_numerics.cpu_kernels`).
+
 Source: the batch-invariance analysis of Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025),
 applied to ATen's CPU kernels (``aten/src/ATen/native/cpu/Loops.h``: ``vectorized_loop`` + scalar ``basic_loop``).
 """
