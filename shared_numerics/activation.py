@@ -16,11 +16,11 @@ import functools
 
 import torch
 
+from .cpu_kernels import DTYPE_CODES
 from .reduce import exp64
 
 __all__ = ["silu_and_mul"]
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,7 +38,7 @@ def _silu_mul_cpu(g: torch.Tensor, u: torch.Tensor, want_s: bool) -> tuple[torch
     g, u = g.contiguous(), u.to(g.dtype).contiguous()
     y = torch.empty(g.shape, dtype=torch.float32)
     s = torch.empty(g.shape, dtype=torch.float32) if want_s else None
-    _lib().zk_silu_mul(_DTYPE_CODES[g.dtype], g.data_ptr(), u.data_ptr(), g.numel(), y.data_ptr(),
+    _lib().zk_silu_mul(DTYPE_CODES[g.dtype], g.data_ptr(), u.data_ptr(), g.numel(), y.data_ptr(),
                        None if s is None else s.data_ptr(), torch.get_num_threads())
     return y, s
 
@@ -69,7 +69,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ``[..., I]`` in ``gate.dtype``; arithmetic in float32, one rounding; each element depends only on its own
         ``gate`` and ``up``. Differentiable.
     """
-    if gate.device.type == "cpu" and gate.dtype in _DTYPE_CODES and up.shape == gate.shape:
+    if gate.device.type == "cpu" and gate.dtype in DTYPE_CODES and up.shape == gate.shape:
         from .cpu_kernels import on_local_shards, plain
 
         sharded = on_local_shards(silu_and_mul, (gate, up), tuple(range(gate.ndim)))  # elementwise: any dim

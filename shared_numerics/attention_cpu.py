@@ -32,11 +32,10 @@ import functools
 import torch
 
 from .attention import Q_TILE
-from .cpu_kernels import load, on_local_shards, plain
+from .cpu_kernels import DTYPE_CODES, load, on_local_shards, plain
 
 __all__ = ["dense_attention_cpu", "paged_attention_cpu"]
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _I64 = ctypes.POINTER(ctypes.c_int64)
 
 
@@ -77,8 +76,8 @@ def _plain(*tensors):
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h_kv: int) -> None:
-    if q.dtype not in _DTYPE_CODES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"zerokld CPU attention: q, k, v must share one of {list(_DTYPE_CODES)}; got {q.dtype}, "
+    if q.dtype not in DTYPE_CODES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"zerokld CPU attention: q, k, v must share one of {list(DTYPE_CODES)}; got {q.dtype}, "
                         f"{k.dtype}, {v.dtype}")
     if q.shape[1] % h_kv:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {h_kv}")
@@ -93,7 +92,7 @@ def _forward(q, k, v, h_kv, strides, bs, block_table, q_row, q_pos, scale, block
     l = torch.empty(n_q, h_q, dtype=torch.float32)
     block_q0, block_nq = blocks[0], blocks[1]
     rc = _lib().zk_attention_fwd(
-        _DTYPE_CODES[q.dtype], h_q, h_kv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
+        DTYPE_CODES[q.dtype], h_q, h_kv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
         strides[2], bs, block_table.data_ptr(), block_table.shape[1], q_row.data_ptr(), q_pos.data_ptr(),
         block_q0.numel(), block_q0.data_ptr(), block_nq.data_ptr(), float(scale), out.data_ptr(), m.data_ptr(),
         l.data_ptr(), torch.get_num_threads())
@@ -166,7 +165,7 @@ class _DenseAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=torch.float32)
         block_q0, block_nq, seq_b0, seq_b1 = blocks
         rc = _lib().zk_attention_bwd(
-            _DTYPE_CODES[q2.dtype], h_q, h_kv, d, q2.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
+            DTYPE_CODES[q2.dtype], h_q, h_kv, d, q2.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
             strides[2], t, bt.data_ptr(), 1, q_row.data_ptr(), q_pos.data_ptr(), block_q0.data_ptr(),
             block_nq.data_ptr(), seq_b0.numel(), seq_b0.data_ptr(), seq_b1.data_ptr(), float(scale), out.data_ptr(),
             dout.data_ptr(), m.data_ptr(), l.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),

@@ -29,7 +29,10 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the kernels bind to torch's libgomp)
 
-__all__ = ["FLAGS", "load", "on_local_shards", "plain"]
+__all__ = ["DTYPE_CODES", "FLAGS", "load", "on_local_shards", "plain"]
+
+#: element types the kernels read (their ``dtype`` argument)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC",
          "-fopenmp")

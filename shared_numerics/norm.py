@@ -18,9 +18,9 @@ import functools
 
 import torch
 
+from .cpu_kernels import DTYPE_CODES
 from .reduce import tree_sum
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +42,7 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         x2 = x2.contiguous()
     w = weight.float().contiguous()
     y = torch.empty(x2.shape, dtype=torch.float32)
-    _lib().zk_rms_norm(_DTYPE_CODES[x.dtype], x2.data_ptr(), x2.shape[0], h, x2.stride(0), w.data_ptr(),
+    _lib().zk_rms_norm(DTYPE_CODES[x.dtype], x2.data_ptr(), x2.shape[0], h, x2.stride(0), w.data_ptr(),
                        float(eps), y.data_ptr(), torch.get_num_threads())
     return y.reshape(x.shape).to(x.dtype)
 
@@ -60,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         ``[..., H]`` in ``x.dtype``; each row depends only on itself.
     """
-    if (x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.numel() and not (
+    if (x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.numel() and not (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         from .cpu_kernels import plain
 
