@@ -427,8 +427,12 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
 
     with ThreadPoolExecutor(8) as pool:
         loaders = [pool.submit(load, k) for k in range(4)]
-        streams = [pool.submit(_stream_spans, server, [1] + list(range(5, 15 + i)), 400) for i in range(3)]
-        time.sleep(0.2)
+        started = [threading.Event() for _ in range(3)]
+        streams = [pool.submit(_stream_spans, server, [1] + list(range(5, 15 + i)), 400, started[i])
+                   for i in range(3)]
+        # the first swap as soon as every stream has its first token (not after a fixed sleep: with faster decode a
+        # 400-token stream finished before a swap 0.2 s in, and none spanned one)
+        assert all(e.wait(120) for e in started)
         for name in order[1:]:
             r = server.signal(name)
             assert r.status_code == 200, r.text
