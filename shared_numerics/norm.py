@@ -36,7 +36,6 @@ def _lib():
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
-    weight = weight.float()
     x2 = x.reshape(-1, h)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -137,10 +137,11 @@ void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, Scratch& S)
   }
 }
 
-// keys/values of chunk j (positions <= last only; the rest zero; row-major kc/vc and transposed kt/vt [d][c]) and
-// the scores of every row (masked: -inf), s[r * CHUNK + c]
+// keys/values of chunk j (positions <= last only; the rest zero; row-major kc/vc, transposed kt [d][c], and the
+// transposed vt only when `values_transposed`: the backward's dO . v) and the scores of every row (masked: -inf),
+// s[r * CHUNK + c]
 void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq_row, int64_t j, int64_t last,
-                  Scratch& S) {
+                  Scratch& S, bool values_transposed) {
   const int dp = L.dp, rows = nq * g, d = L.d;
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int c = 0; c < CHUNK; ++c) {
@@ -155,10 +156,9 @@ void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq
       load_row(L.k, off, L.dtype, d, kd);
       load_row(L.v, off, L.dtype, d, vd);
     }
-    for (int i = 0; i < d; ++i) {
-      S.kt[static_cast<size_t>(i) * CHUNK + c] = kd[i];
-      S.vt[static_cast<size_t>(i) * CHUNK + c] = vd[i];
-    }
+    for (int i = 0; i < d; ++i) S.kt[static_cast<size_t>(i) * CHUNK + c] = kd[i];
+    if (values_transposed)
+      for (int i = 0; i < d; ++i) S.vt[static_cast<size_t>(i) * CHUNK + c] = vd[i];
   }
   for (int r = 0; r < rows; ++r) {
     const float* qr = &S.qr[static_cast<size_t>(r) * dp];
@@ -190,7 +190,7 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
     S.l[r] = 0.0f;
   }
   for (int64_t j = 0; j * CHUNK <= last; ++j) {
-    chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
+    chunk_scores(L, q0, nq, h, g, seq_row, j, last, S, false);
     for (int r = 0; r < rows; ++r) {
       const float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
       float mx = S.m[r];
@@ -299,7 +299,7 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
       int64_t last = 0;
       for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
       for (int64_t j = 0; j * CHUNK <= last; ++j) {
-        chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
+        chunk_scores(L, q0, nq, h, g, seq_row, j, last, S, true);
         const float ninf = -std::numeric_limits<float>::infinity();
         for (int r = 0; r < rows; ++r) {
           const int64_t idx = (q0 + r / g) * hq + h * g + r % g;
