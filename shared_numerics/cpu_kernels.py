@@ -10,7 +10,7 @@ Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -mprefer-vector-width=512 
 multiply-add, so the arithmetic is the source's. ``-march=native`` makes the library this machine's: trainer and engine
 on one machine load the same file. ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports
 it), the kernel resolves to torch's own OpenMP runtime and shares its thread team. The library is cached under ``$ZEROKLD_CACHE_DIR`` (default
-``~/.cache/zerokld``), named by a hash of the source, the flags, the compiler's version and the CPU's model and ISA flags, written to a temporary
+``~/.cache/zerokld``), named by a hash of the source and the headers of ``csrc/``, the flags, the compiler's version and the CPU's model and ISA flags, written to a temporary
 name and renamed (concurrent first builds from several processes are safe).
 
 Raises (:func:`load`): RuntimeError naming the compiler and its error output when the build fails or no compiler is
@@ -63,6 +63,7 @@ def load(name: str) -> ctypes.CDLL:
         RuntimeError: no C++ compiler, or the build failed (the compiler's output is in the message).
     """
     source = (_SRC / f"{name}.cpp").read_bytes()
+    source += b"".join(h.name.encode() + h.read_bytes() for h in sorted(_SRC.glob("*.h")))  # the shared headers
     cxx = os.environ.get("CXX") or "g++"
     exe = shutil.which(cxx)
     if exe is None:
@@ -91,10 +92,10 @@ def load(name: str) -> ctypes.CDLL:
 
 def plain(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as a plain CPU ``torch.Tensor`` whose ``data_ptr`` holds its values, or ``None`` (the kernels then must
-    not run on it): a plain tensor as is; an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` returns while a
+    not run on it): a plain tensor or a ``Parameter`` (any subclass) as is; an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` returns while a
     collective is in flight) waited; any other subclass (``DTensor``, fake or functional tensors) ``None``."""
-    if type(t) is torch.Tensor:
-        return t if t.device.type == "cpu" else None
+    if type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
+        return t if t.device.type == "cpu" else None  # (vLLM's parameter classes subclass Parameter; FSDP's hold DTensors)
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     if isinstance(t, AsyncCollectiveTensor):

@@ -1,40 +1,37 @@
-"""Batch-invariant linear layer (``y = x @ W^T + b``) on CPU: vendor GEMM calls of one fixed shape at a pinned
-thread count.
+"""Batch-invariant linear layer (``y = x @ W^T + b``) on CPU: compiled GEMM kernels whose per-element arithmetic is
+fixed by their source, or — on CPUs without their units — vendor GEMM calls of one fixed shape at a pinned thread
+count.
 
 A GEMM library chooses its kernel, its K blocking and whether to split K across threads (a parallel reduction: other
 bits) from the problem shape and the number of threads, so the same row of ``x`` can come out different bits depending
 on how many other rows share the call or how many threads the process runs (measured on a 2-core Xeon with AMX:
 ``F.linear`` of one row ≠ the same row in 300 at K 1024–4096; one fixed 128-row oneDNN call differs between 1 and 2
-threads at K 3072–8192; MKL's batched ``sgemm`` over 32-row tiles — this module's earlier path — splits a lone tile
-across two threads, so a decode row differed from its prefill). Here both are pinned:
+threads at K 3072–8192). Paths, chosen per machine (:data:`GEMM_PARTITION`, in the numerics contract):
 
-* every call is exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last
-  one zero-padded), issued to oneDNN through ``torch.ops.mkldnn._linear_pointwise`` (torch's CPU linear op);
-* every call runs on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1, see there), set on
-  the calling thread's OpenMP state for the calls only, whatever ``torch.get_num_threads()`` the process uses (a vLLM
-  worker, a torchrun rank with ``OMP_NUM_THREADS=1``, the trainer).
+* **bf16 on AMX** (:func:`shared_numerics.gemm_cpu.amx_available`): ``csrc/gemm.cpp``'s AMX kernel, ``A = W``,
+  ``B = x``: K in 32-element ``TDPBF16PS`` steps into one float32 accumulator per element, bias in float32, one
+  rounding — torch's bf16 linear arithmetic on the matrix unit. Every element is computed whole by one thread of
+  torch's OpenMP team, so the bits depend on neither ``M`` nor the thread count, and no Python loop runs per tile.
+* **float32 on AVX-512** (:func:`~shared_numerics.gemm_cpu.f32_available`): the same kernel file's FMA kernel (16 lane
+  sums over K, a fixed tree over the lanes), likewise whole per element. bf16 on a CPU with AVX-512 but no bf16 units
+  is upcast (exactly) to it.
+* elsewhere (AVX2 machines, AVX512-BF16 without AMX): oneDNN calls through ``torch.ops.mkldnn._linear_pointwise`` of
+  exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last zero-padded),
+  each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1) set on the calling thread for
+  the calls only.
 
-So a row's result depends only on the row, ``W`` and ``b``: not on ``M``, not on which call it lands in, not on the
-process's thread count. The thread count and the bf16 path are in the numerics contract
-(:data:`shared_numerics.mode.CONTRACT` via :data:`GEMM_PARTITION`): a trainer and an engine that pinned different
-counts are refused before anything runs.
+So a row's result depends only on the row, ``W`` and ``b``. Trainer and engine on one machine take the same path; a
+trainer and an engine whose contracts differ are refused before anything runs.
 
-Precision: float32 operands (bf16 inputs on a CPU without bf16 matrix units are upcast, exactly) with float32
-accumulation, the result rounded once to the input dtype. bf16 on a CPU with bf16 matrix units (AMX-BF16 or
-AVX512-BF16, :func:`native_bf16_gemm`): bf16 operands go straight in, fp32 accumulation, the bias added in fp32, one
-rounding — torch's own bf16 linear arithmetic, on the matrix units. A ``torch.bmm`` over row tiles with an expanded
-bf16 weight is not used: oneDNN repacks the weight per tile (measured 60x slower than ``F.linear`` on AMX).
+Measured ours ÷ ``F.linear`` (stock on 2 torch threads), ``K = N = 1024``, M = 1 / 16 / 256 / 2048, 2-core Xeon with
+AMX, ``benchmarks/results/linear_xeon_amx_cpu2.json``: forward bf16 2.7x / 2.0x / 0.87x / 0.76x, float32 0.64x / 1.55x
+/ 0.82x / 0.72x; forward + backward bf16 0.60x / 0.79x / 0.64x / 0.87x, float32 0.29x / 0.33x / 0.67x / 0.59x. The
+pinned one-thread oneDNN calls these replace measured bf16 0.20x / 0.25x / 0.29x / 0.26x forward.
 
-Call size: a decode step of a few rows computes one whole call, prefill/training issue ``M / rows`` calls;
-``benchmarks/linear.py`` measures the trade-off (``--row-tiles`` for float32). Measured ours ÷ ``F.linear`` (stock on 2
-torch threads), forward, ``K = N = 1024``, M = 1 / 16 / 256 / 2048, 2-core Xeon with AMX: one pinned thread (the
-default, ``benchmarks/results/linear_cpu2_amx.json``) bf16 0.20x / 0.25x / 0.29x / 0.26x, float32 0.07x / 0.39x /
-0.33x / 0.30x; two pinned threads (``linear_cpu2_amx_gemm2threads.json``) bf16 0.30x / 0.25x / 0.66x / 0.40x, float32
-0.08x / 0.55x / 0.53x / 0.46x. The float32-upcast bf16 path this replaces measured 0.07x at M = 2048.
-
-Backward (:class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` through the same fixed calls (the gradient
-of a row is row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows (deterministic for a given shape
-and thread count; the trainer's exact streaming accumulates one rollout per backward, so its shape is that rollout's).
+Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
+depends only on its row of ``dY``: row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows
+(deterministic for a given shape; on the kernels at any thread count; the trainer's exact streaming accumulates one
+rollout per backward, so its shape is that rollout's).
 
 Source: fixed-tile approach of vLLM's batch-invariant mode (``vllm/model_executor/layers/batch_invariant.py``) and of
 Thinking Machines' persistent matmul (one fixed tile config); the closed-form backward is the one of
@@ -48,6 +45,8 @@ import functools
 import os
 
 import torch
+
+from .gemm_cpu import amx_available, f32_available, gemm_abt
 
 __all__ = ["GEMM_PARTITION", "ONEDNN_ROWS", "ONEDNN_THREADS", "ROW_TILE", "linear", "matmul_rows", "native_bf16_gemm"]
 
@@ -88,11 +87,16 @@ def native_bf16_gemm() -> bool:
 
 
 def gemm_partition() -> str:
-    """What decides a GEMM's bits here, for the numerics contract: the pinned thread count and the bf16 path
-    (``"threads=T,bf16=native:rows=128"`` or ``"threads=T,bf16=fp32_tiles"``); the float32 call rows are
-    :data:`ROW_TILE`."""
-    bf16 = f"native:rows={ONEDNN_ROWS}" if native_bf16_gemm() else "fp32_tiles"
-    return f"threads={ONEDNN_THREADS},bf16={bf16}"
+    """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
+    (``avx512``: the kernel of :mod:`shared_numerics.gemm_cpu`; ``onednn:rows=32``) and the bf16 path (``amx``;
+    ``native:rows=128``: pinned oneDNN bf16 calls; ``fp32``: upcast to the float32 path), e.g.
+    ``"threads=1,f32=avx512,bf16=amx"``."""
+    f32 = "avx512" if f32_available() else f"onednn:rows={ROW_TILE}"
+    if amx_available():
+        bf16 = "amx"
+    else:
+        bf16 = f"native:rows={ONEDNN_ROWS}" if native_bf16_gemm() else "fp32"
+    return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16}"
 
 
 GEMM_PARTITION = gemm_partition()
@@ -149,9 +153,12 @@ def matmul_rows(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         w_t: ``[K, N]`` float32 (may be a transposed view).
 
     Returns:
-        ``[M, N]`` float32; row ``i`` depends only on ``x[i]`` and ``w_t``: oneDNN calls of exactly ``ROW_TILE``
-        rows at :data:`ONEDNN_THREADS` threads (:func:`_onednn_rows`).
+        ``[M, N]`` float32; row ``i`` depends only on ``x[i]`` and ``w_t``: the AVX-512 kernel
+        (:func:`shared_numerics.gemm_cpu.gemm_abt`, every element whole on one thread) where the CPU has it, else
+        oneDNN calls of exactly ``ROW_TILE`` rows at :data:`ONEDNN_THREADS` threads (:func:`_onednn_rows`).
     """
+    if f32_available() and x.device.type == "cpu":
+        return gemm_abt(w_t.t(), x, transpose=True)
     return _onednn_rows(x, w_t.t(), None, ROW_TILE)
 
 
@@ -167,8 +174,13 @@ class _RowTiledLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = matmul_rows(grad, w) if ctx.needs_input_grad[0] else None
-        grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        kernel = f32_available() and x.device.type == "cpu"
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # dX = dY W: a row of dX depends only on its row of dY
+            grad_x = gemm_abt(grad, w.t()) if kernel else matmul_rows(grad, w)
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # dW = dY^T X: the kernel (thread invariant) where the CPU has it
+            grad_w = gemm_abt(grad.t(), x.t()) if kernel else grad.t().mm(x)
         return grad_x, grad_w
 
 
@@ -196,6 +208,29 @@ class _OneDnnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+class _AmxLinear(torch.autograd.Function):
+    """bf16 ``x [M, K] @ w [N, K]^T + b`` on the AMX kernel (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``A = w``,
+    ``B = x``): row invariant at any thread count. Backward: ``dX = dY W`` as ``gemm_abt(dY, Wᵀ)`` (a row of dX
+    depends only on its row of dY: row invariant too), ``dW = dYᵀ X`` as ``gemm_abt(dYᵀ, Xᵀ)`` (K of that GEMM = the
+    call's rows, so deterministic for the call's rows at any thread count), ``db = sum(dY)`` in float32; bf16
+    results, one rounding each. Transposed operands are read in place (k-major), never copied by torch."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        return gemm_abt(w, x, bias, transpose=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = gemm_abt(grad, w.t()) if ctx.needs_input_grad[0] else None  # [M, K]; w.t() read k-major
+        grad_w = gemm_abt(grad.t(), x.t()) if ctx.needs_input_grad[1] else None  # [N, K]; both k-major
+        grad_b = grad.float().sum(0).to(w.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``torch.nn.functional.linear``.
 
@@ -214,6 +249,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and native_bf16_gemm()):
         b = None if bias is None else bias.to(torch.bfloat16)
         x2 = x.reshape(-1, x.shape[-1])
+        if amx_available():
+            if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
+                                            or (b is not None and b.requires_grad)):
+                y = _AmxLinear.apply(x2, weight, b)
+            else:
+                y = gemm_abt(weight, x2, b, transpose=True)
+            return y.reshape(*lead, weight.shape[0])
         if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
                                         or (b is not None and b.requires_grad)):
             y = _OneDnnLinear.apply(x2, weight, b)

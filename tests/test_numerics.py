@@ -42,9 +42,17 @@ def test_linear_batch_invariant_and_close(dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_thread_count_does_not_change_bits(dtype):
+@pytest.mark.parametrize("kernels", ["machine", "onednn"])
+def test_linear_thread_count_does_not_change_bits(dtype, kernels, monkeypatch):
     """1 thread, 2 threads and the machine's count give the same bits, for M = 1 (a decode row) and M = 300 (many
-    tiles, a prefill), and the decode row is the prefill's row 0."""
+    tiles, a prefill), and the decode row is the prefill's row 0: with this machine's kernels (AMX / AVX-512 where
+    present) and with the pinned oneDNN calls a CPU without them takes."""
+    import importlib
+
+    sl = importlib.import_module("shared_numerics.linear")
+    if kernels == "onednn":
+        monkeypatch.setattr(sl, "amx_available", lambda: False)
+        monkeypatch.setattr(sl, "f32_available", lambda: False)
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(300, 1024, generator=g).to(dtype), torch.randn(1024, 1024, generator=g).to(dtype)
     old = torch.get_num_threads()
@@ -61,19 +69,25 @@ def test_linear_thread_count_does_not_change_bits(dtype):
         assert not torch.equal(torch.nn.functional.linear(x[:1], w), torch.nn.functional.linear(x, w)[:1])
 
 
-def test_native_bf16_gemm_pins_call_shape_and_threads():
-    """bf16 on a CPU with bf16 matrix units (AMX / AVX512-BF16): oneDNN calls of a fixed shape at a pinned thread
-    count. The shapes are ones where oneDNN splits K across threads for some batch sizes or thread counts (measured on
-    a 2-core Xeon with AMX): a row alone, in 33, 128 or 300 rows, at 1, 2 and 8 torch threads, gives the same bits.
-    Negative controls: stock ``F.linear`` changes a row's bits with the batch size, and even one fixed 128-row call
-    changes bits with the thread count (K split), so the pin is what holds them."""
+@pytest.mark.parametrize("path", ["amx", "onednn"])
+def test_native_bf16_gemm_pins_call_shape_and_threads(path, monkeypatch):
+    """bf16 on a CPU with bf16 matrix units: the AMX kernel (``csrc/gemm.cpp``, every element whole on one thread) or,
+    without AMX, oneDNN calls of a fixed shape at a pinned thread count. The shapes are ones where oneDNN splits K
+    across threads for some batch sizes or thread counts (measured on a 2-core Xeon with AMX): a row alone, in 33, 128
+    or 300 rows, at 1, 2 and 8 torch threads, gives the same bits. Negative controls: stock ``F.linear`` changes a
+    row's bits with the batch size, and even one fixed 128-row call changes bits with the thread count (K split)."""
     import importlib
 
     sl = importlib.import_module("shared_numerics.linear")
     if not sl.native_bf16_gemm():
         pytest.skip("native bf16 GEMM is off here (no AMX / AVX512-BF16 units, or ZEROKLD_NATIVE_BF16=0): bf16 takes the "
                     "float32 calls tested above")
-    assert f"gemm={sl.GEMM_PARTITION}" in sn.mode.CONTRACT and "bf16=native:" in sl.GEMM_PARTITION
+    if path == "amx":
+        if not sl.amx_available():
+            pytest.skip("no AMX-BF16 on this CPU (or ZEROKLD_AMX=0): bf16 takes the pinned oneDNN calls")
+        assert f"gemm={sl.GEMM_PARTITION}" in sn.mode.CONTRACT and "bf16=amx" in sl.GEMM_PARTITION
+    else:
+        monkeypatch.setattr(sl, "amx_available", lambda: False)  # the path of a CPU with AVX512-BF16 but no AMX
     g = torch.Generator().manual_seed(5)
     old = torch.get_num_threads()
     stock_batch_differs = stock_threads_differ = False

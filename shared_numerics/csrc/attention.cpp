@@ -27,17 +27,19 @@
 #include <limits>
 #include <vector>
 
+#include "zk_simd.h"
+
 namespace {
+
+using zk::bf16_to_float;
+using zk::exp_nonpos;
+using zk::loadv;
+using zk::storev;
+using zk::v16f;
+using zk::v16i;
 
 constexpr int CHUNK = 32;
 constexpr int LANES = 16;  // head dims are zero-padded to a multiple of this (vector width)
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // dtype codes: 0 float32, 1 bfloat16, 2 float16
 inline void load_row(const void* base, int64_t offset, int dtype, int d, float* dst) {
@@ -58,34 +60,6 @@ inline float dot_seq(const float* a, const float* b, int d) {
   float acc = 0.0f;
   for (int i = 0; i < d; ++i) acc = acc + a[i] * b[i];
   return acc;
-}
-
-// 16 floats: GCC's vector extension (elementwise IEEE arithmetic; AVX-512 registers, or two AVX2 ones)
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-
-inline v16f loadv(const float* p) { return *reinterpret_cast<const v16f_unaligned*>(p); }
-inline void storev(float* p, v16f v) { *reinterpret_cast<v16f_unaligned*>(p) = v; }
-
-// exp(x) for x <= 0 (-inf included), 16 lanes: Cephes expf (range reduction by ln 2, n = x log2(e) rounded to
-// nearest even by the 1.5 * 2^23 trick, degree-6 polynomial, < 2 ulp) as plain arithmetic; 0 below -87.
-inline v16f exp_nonpos(v16f x) {
-  const v16f xc = x < -87.0f ? (v16f){} - 87.0f : x;
-  const v16f fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16f r = xc - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  const v16f z = r * r;
-  v16f y = (v16f){} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const v16i bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
-  const v16f res = y * __builtin_bit_cast(v16f, bits);
-  return x < -87.0f ? (v16f){} : res;
 }
 
 struct Layout {
@@ -137,6 +111,86 @@ void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, Scratch& S)
   }
 }
 
+// scores of rows r0..r0+R-1 against the chunk's transposed keys S.kt: s = (q_0 k_0 + ... + q_{d-1} k_{d-1}) * scale,
+// summed in d order, then -inf past the row's position. R rows side by side only so that their independent sums
+// overlap in the pipeline; each row's operations are the same as alone.
+template <int R>
+inline void score_rows(const Layout& L, int64_t q0, int g, int64_t j, int d, int r0, Scratch& S) {
+  const int dp = L.dp;
+  v16f s0[R], s1[R];
+  const float* qr[R];
+  for (int rr = 0; rr < R; ++rr) {
+    s0[rr] = (v16f){};
+    s1[rr] = (v16f){};
+    qr[rr] = &S.qr[static_cast<size_t>(r0 + rr) * dp];
+  }
+  for (int i = 0; i < d; ++i) {
+    const float* kt = &S.kt[static_cast<size_t>(i) * CHUNK];
+    const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
+    for (int rr = 0; rr < R; ++rr) {
+      s0[rr] = s0[rr] + qr[rr][i] * k0;
+      s1[rr] = s1[rr] + qr[rr][i] * k1;
+    }
+  }
+  const v16f ninf = (v16f){} - std::numeric_limits<float>::infinity();
+  v16f pos0, pos1;
+  for (int c = 0; c < 16; ++c) {
+    pos0[c] = static_cast<float>(c);
+    pos1[c] = static_cast<float>(c + 16);
+  }
+  for (int rr = 0; rr < R; ++rr) {
+    const float qp = static_cast<float>(L.q_pos[q0 + (r0 + rr) / g] - j * CHUNK);  // key c masked when c > qp
+    float* sr = &S.s[static_cast<size_t>(r0 + rr) * CHUNK];
+    storev(sr, pos0 > qp ? ninf : s0[rr] * L.scale);
+    storev(sr + 16, pos1 > qp ? ninf : s1[rr] * L.scale);
+  }
+}
+
+// online-softmax step of rows r0..r0+R-1 over the chunk's scores S.s and values S.vc (see the file comment); R rows
+// side by side only for the pipeline, each row's operations the same as alone
+template <int R>
+inline void softmax_pv_rows(int dp, int r0, Scratch& S) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float* sr[R];
+  float mx[R], lsum[R];
+  alignas(64) float pr[R][CHUNK];
+  v16f alpha_in = {};
+  for (int rr = 0; rr < R; ++rr) {
+    sr[rr] = &S.s[static_cast<size_t>(r0 + rr) * CHUNK];
+    mx[rr] = S.m[r0 + rr];
+  }
+  for (int c = 0; c < CHUNK; ++c)
+    for (int rr = 0; rr < R; ++rr) mx[rr] = sr[rr][c] > mx[rr] ? sr[rr][c] : mx[rr];
+  for (int rr = 0; rr < R; ++rr) alpha_in[rr] = S.m[r0 + rr] - mx[rr];
+  const v16f alpha_v = exp_nonpos(alpha_in);  // lane rr: row r0 + rr's exp (lanes are independent)
+  for (int rr = 0; rr < R; ++rr)
+    for (int c0 = 0; c0 < CHUNK; c0 += 16) {
+      const v16f sv = loadv(sr[rr] + c0);
+      storev(pr[rr] + c0, sv == ninf ? (v16f){} : exp_nonpos(sv - mx[rr]));
+    }
+  for (int rr = 0; rr < R; ++rr) lsum[rr] = 0.0f;
+  for (int c = 0; c < CHUNK; ++c)
+    for (int rr = 0; rr < R; ++rr) lsum[rr] = lsum[rr] + pr[rr][c];
+  for (int rr = 0; rr < R; ++rr) {
+    const float alpha = S.m[r0 + rr] == ninf ? 0.0f : alpha_v[rr];
+    S.l[r0 + rr] = S.l[r0 + rr] * alpha + lsum[rr];
+    S.m[r0 + rr] = mx[rr];
+    alpha_in[rr] = alpha;
+  }
+  for (int i0 = 0; i0 < dp; i0 += LANES) {  // pv_d = sum_c p_c v_cd, c in order; acc = acc * alpha + pv
+    v16f t[R];
+    for (int rr = 0; rr < R; ++rr) t[rr] = (v16f){};
+    for (int c = 0; c < CHUNK; ++c) {
+      const v16f vv = loadv(&S.vc[static_cast<size_t>(c) * dp + i0]);
+      for (int rr = 0; rr < R; ++rr) t[rr] = t[rr] + pr[rr][c] * vv;
+    }
+    for (int rr = 0; rr < R; ++rr) {
+      float* acc = &S.acc[static_cast<size_t>(r0 + rr) * dp + i0];
+      storev(acc, loadv(acc) * alpha_in[rr] + t[rr]);
+    }
+  }
+}
+
 // keys/values of chunk j (positions <= last only; the rest zero; row-major kc/vc, transposed kt [d][c], and the
 // transposed vt only when `values_transposed`: the backward's dO . v) and the scores of every row (masked: -inf),
 // s[r * CHUNK + c]
@@ -160,21 +214,10 @@ void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq
     if (values_transposed)
       for (int i = 0; i < d; ++i) S.vt[static_cast<size_t>(i) * CHUNK + c] = vd[i];
   }
-  for (int r = 0; r < rows; ++r) {
-    const float* qr = &S.qr[static_cast<size_t>(r) * dp];
-    v16f s0 = {}, s1 = {};
-    for (int i = 0; i < d; ++i) {
-      const float* kt = &S.kt[static_cast<size_t>(i) * CHUNK];
-      s0 = s0 + qr[i] * loadv(kt);
-      s1 = s1 + qr[i] * loadv(kt + 16);
-    }
-    const int64_t qp = L.q_pos[q0 + r / g];
-    float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
-    storev(sr, s0 * L.scale);
-    storev(sr + 16, s1 * L.scale);
-    for (int c = 0; c < CHUNK; ++c)
-      if (j * CHUNK + c > qp) sr[c] = ninf;
-  }
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) score_rows<4>(L, q0, g, j, d, r, S);
+  for (; r < rows; ++r) score_rows<1>(L, q0, g, j, d, r, S);
+  (void)ninf;
 }
 
 void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float* m_out, float* l_out, Scratch& S) {
@@ -191,29 +234,9 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
   }
   for (int64_t j = 0; j * CHUNK <= last; ++j) {
     chunk_scores(L, q0, nq, h, g, seq_row, j, last, S, false);
-    for (int r = 0; r < rows; ++r) {
-      const float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
-      float mx = S.m[r];
-      for (int c = 0; c < CHUNK; ++c) mx = sr[c] > mx ? sr[c] : mx;
-      float alpha = S.m[r] == ninf ? 0.0f : exp_nonpos((v16f){} + (S.m[r] - mx))[0];
-      float pr[CHUNK];
-      for (int c0 = 0; c0 < CHUNK; c0 += 16) {
-        const v16f sv = loadv(sr + c0);
-        storev(pr + c0, sv == -std::numeric_limits<float>::infinity() ? (v16f){} : exp_nonpos(sv - mx));
-      }
-      float lsum = 0.0f;
-      for (int c = 0; c < CHUNK; ++c) lsum = lsum + pr[c];
-      S.l[r] = S.l[r] * alpha + lsum;
-      float* pv = &S.pv[static_cast<size_t>(r) * dp];
-      for (int i0 = 0; i0 < dp; i0 += LANES) {  // pv_d = sum_c p_c v_cd, c in order, 16 d's in registers
-        v16f t = {};
-        for (int c = 0; c < CHUNK; ++c) t = t + pr[c] * loadv(&S.vc[static_cast<size_t>(c) * dp + i0]);
-        storev(pv + i0, t);
-      }
-      float* acc = &S.acc[static_cast<size_t>(r) * dp];
-      for (int i0 = 0; i0 < dp; i0 += LANES) storev(acc + i0, loadv(acc + i0) * alpha + loadv(pv + i0));
-      S.m[r] = mx;
-    }
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) softmax_pv_rows<4>(dp, r, S);
+    for (; r < rows; ++r) softmax_pv_rows<1>(dp, r, S);
   }
   for (int r = 0; r < rows; ++r) {
     int64_t qi = q0 + r / g;

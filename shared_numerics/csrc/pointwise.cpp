@@ -1,11 +1,13 @@
-// Batch-invariant elementwise kernels on CPU: one scalar formula per element (glibc's expf, IEEE +, *, /), so an
-// element's bits never depend on its position in the tensor or on the thread split (ATen's float exp takes SIMD
-// Sleef in a tensor's body and scalar libm in its tail). Built by shared_numerics/cpu_kernels.py (-ffp-contract=off,
-// no fast-math: vector lanes compute exactly the scalar formula).
+// Batch-invariant elementwise kernels on CPU: one formula per element, so an element's bits never depend on its
+// position in the tensor or on the thread split (ATen's float exp takes SIMD Sleef in a tensor's body and scalar libm in
+// its tail). Built by shared_numerics/cpu_kernels.py (-ffp-contract=off, no fast-math: vector lanes compute exactly
+// the scalar formula; a tail of fewer than 16 elements runs the same 16-lane code on a zero-padded copy).
 //
-// zk_silu_mul: e = expf(-g); s = 1 / (1 + e); y = g / (1 + e) * u   (float32 in and out; y is rounded to the
-// activation dtype by the caller). s is returned for the backward (dy/dg = u (s + g s (1 - s)), dy/du = g s).
-// Source: Shazeer, "GLU Variants Improve Transformer" (2020); vLLM SiluAndMul.forward_native.
+// zk_silu_mul: a = |g|; e = exp_nonpos(-a) (zk_simd.h: Cephes expf as plain arithmetic, never overflows);
+// d = 1 + e; s = (g >= 0) ? 1 / d : e / d (= 1 / (1 + exp(-g))); y = (g * s) * u, float32, written in the output dtype
+// (bf16: round to nearest even, as torch; float16: by the caller). s is returned for the backward
+// (dy/dg = u (s + g s (1 - s)), dy/du = g s). Source: Shazeer, "GLU Variants Improve Transformer" (2020); vLLM
+// SiluAndMul.forward_native.
 //
 // zk_rms_norm: per row of H: sq = x * x; the fixed tree of shared_numerics.reduce.tree_sum (zero-pad to the next
 // power of two p, then a[i] = a[i] + a[i + p/2] until one element); ms = sum / H; r = 1 / sqrtf(ms + eps);
@@ -17,14 +19,12 @@
 #include <cstring>
 #include <vector>
 
+#include "zk_simd.h"
+
 namespace {
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using zk::bf16_to_float;
+using zk::v16f;
 
 inline float load(const void* base, int64_t i, int dtype) {
   if (dtype == 0) return static_cast<const float*>(base)[i];
@@ -36,15 +36,46 @@ inline float load(const void* base, int64_t i, int dtype) {
 
 extern "C" {
 
-// g, u: n elements of `dtype` (0 float32, 1 bfloat16, 2 float16), contiguous; y: n float32; s: n float32 or null
-void zk_silu_mul(int dtype, const void* g, const void* u, int64_t n, float* y, float* s, int threads) {
+// g, u: n elements of `dtype` (0 float32, 1 bfloat16, 2 float16), contiguous; y: n elements of `out_dtype` (0 float32,
+// 1 bfloat16); s: n float32 or null
+void zk_silu_mul(int dtype, const void* g, const void* u, int64_t n, void* y, int out_dtype, float* s, int threads) {
+  const int64_t blocks = (n + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 32768)
-  for (int64_t i = 0; i < n; ++i) {
-    float gf = load(g, i, dtype);
-    float e = expf(-gf);
-    float d = 1.0f + e;
-    y[i] = gf / d * load(u, i, dtype);
-    if (s) s[i] = 1.0f / d;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i0 = blk * 16, m = n - i0 < 16 ? n - i0 : 16;
+    v16f gv = {}, uv = {};
+    if (m == 16 && dtype == 1) {
+      gv = zk::load_bf16(static_cast<const uint16_t*>(g) + i0);
+      uv = zk::load_bf16(static_cast<const uint16_t*>(u) + i0);
+    } else if (m == 16 && dtype == 0) {
+      gv = zk::loadv(static_cast<const float*>(g) + i0);
+      uv = zk::loadv(static_cast<const float*>(u) + i0);
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        gv[j] = load(g, i0 + j, dtype);
+        uv[j] = load(u, i0 + j, dtype);
+      }
+    }
+    const v16f a = gv < 0.0f ? -gv : gv;
+    const v16f e = zk::exp_nonpos(-a);
+    const v16f d = 1.0f + e;
+    const v16f sv = (gv >= 0.0f ? (v16f){} + 1.0f : e) / d;  // one division: 1 / d or e / d
+    const v16f yv = (gv * sv) * uv;
+    if (m == 16) {
+      if (out_dtype == 0)
+        zk::storev(static_cast<float*>(y) + i0, yv);
+      else
+        zk::store_bf16(static_cast<uint16_t*>(y) + i0, yv);
+      if (s) zk::storev(s + i0, sv);
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        if (out_dtype == 0)
+          static_cast<float*>(y)[i0 + j] = yv[j];
+        else
+          static_cast<uint16_t*>(y)[i0 + j] = zk::float_to_bf16(yv[j]);
+        if (s) s[i0 + j] = sv[j];
+      }
+    }
   }
 }
 

@@ -1,0 +1,143 @@
+"""Batch-invariant GEMMs on the CPU's matrix and vector units: the compiled kernels of ``csrc/gemm.cpp``.
+
+``C = A · Bᵀ`` for ``A [I, K]`` and ``B [J, K]`` (K contiguous), float32 accumulation, ``bias[i]`` added in float32,
+one rounding to the output dtype:
+
+* bf16 on AMX (:func:`amx_available`): K zero-padded to a multiple of 32, walked in 32-element ``TDPBF16PS`` steps
+  from step 0 into one float32 accumulator;
+* float32 on AVX-512 (:func:`f32_available`): 16 lane sums (lane ``l`` an FMA chain over ``k = l, l + 16, ...``),
+  then a fixed tree over the lanes.
+
+Either way an element is computed whole by one thread, so its bits depend only on row ``i`` of ``A`` and row ``j`` of
+``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it with ``A`` = the weight and ``B`` = the tokens, so a token's
+outputs are the same bits at decode (one row) and in a 2048-row prefill, on any number of threads.
+
+Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU tensors (an ``AsyncCollectiveTensor``
+is waited).
+
+Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``; ``benchmarks/linear.py``):
+bf16 M = 1: 3.3x, M = 16: 2.8x, M = 256: 0.91x, M = 2048: 0.82x; float32 1.0x / 1.9x / 0.74x / 0.72x.
+
+Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
+operand layout of oneDNN's AMX kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .cpu_kernels import load, plain
+
+__all__ = ["amx_available", "f32_available", "gemm_abt"]
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    lib = load("gemm")
+    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.zk_gemm_abt_bf16.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, c_int, i64,
+                                     c_int]
+    lib.zk_gemm_abt_f32.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, i64, c_int]
+    lib.zk_gemm_abt_bf16.restype = lib.zk_gemm_abt_f32.restype = c_int
+    lib.zk_gemm_has_amx.restype = c_int
+    lib.zk_gemm_has_f32.restype = c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether this machine runs the AMX kernel: the CPU has AMX-BF16 (``/proc/cpuinfo`` flags ``amx_bf16`` and
+    ``amx_tile``), the compiler built the kernel with it and the OS granted the tile state. ``ZEROKLD_AMX=0`` turns it
+    off (then :func:`shared_numerics.linear.linear` takes its oneDNN paths). A machine property, in the numerics
+    contract (:data:`shared_numerics.linear.GEMM_PARTITION`)."""
+    import os
+
+    if os.environ.get("ZEROKLD_AMX", "1") == "0":
+        return False
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    if "amx_bf16" not in flags or "amx_tile" not in flags:
+        return False
+    return bool(_lib().zk_gemm_has_amx())
+
+
+@functools.lru_cache(maxsize=1)
+def f32_available() -> bool:
+    """Whether this machine runs the float32 kernel: the CPU has AVX-512F and the kernel was built with it.
+    ``ZEROKLD_F32_KERNEL=0`` turns it off (then float32 takes :mod:`shared_numerics.linear`'s oneDNN calls). A machine
+    property, in the numerics contract."""
+    import os
+
+    return os.environ.get("ZEROKLD_F32_KERNEL", "1") != "0" and bool(_lib().zk_gemm_has_f32())
+
+
+def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """``(tensor, row stride, k-major)`` of a ``[rows, K]`` operand: K contiguous as is; a transposed view (rows
+    contiguous, e.g. ``w.t()`` or ``grad.t()``) read k-major from its storage by the kernel; anything else copied."""
+    p = plain(t)
+    if p is None or p.dtype != dtype or p.dim() != 2:
+        raise TypeError(f"zerokld GEMM: {name} must be a 2-d {dtype} plain CPU tensor, got "
+                        f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}")
+    rows, k = p.shape
+    if p.stride(1) == 1 and p.stride(0) >= max(k, 1):
+        return p, p.stride(0), 0
+    if p.stride(0) == 1 and p.stride(1) >= max(rows, 1):
+        return p, p.stride(1), 1
+    p = p.contiguous()
+    return p, max(k, 1), 0
+
+
+def gemm_abt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, transpose: bool = False,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``A · Bᵀ (+ bias[:, None])``, or its transpose, on the AMX (bf16) or AVX-512 (float32) kernel (see the module).
+
+    Args:
+        a: ``[I, K]`` bf16 or float32 (K contiguous, or a transposed view such as ``w.t()``: read in place).
+        b: ``[J, K]``, ``a.dtype``, likewise. bias: ``[I]`` (any float dtype, used as float32)
+            or ``None``.
+        transpose: return ``[J, I]`` (``B · Aᵀ + bias``: a linear layer's ``x Wᵀ + b`` with ``a = W``, ``b = x``).
+        out_dtype: ``torch.bfloat16`` or ``torch.float32`` for bf16 inputs (default bf16); float32 inputs give
+            float32.
+
+    Returns:
+        ``[I, J]`` (or ``[J, I]``) in ``out_dtype``; element ``(i, j)`` depends only on ``a[i]``, ``b[j]``,
+        ``bias[i]``.
+
+    Raises:
+        TypeError: inputs not 2-d plain CPU tensors of one dtype (bf16 or float32). ValueError: K differs.
+        RuntimeError: no kernel for the dtype here (check :func:`amx_available` / :func:`f32_available` first).
+    """
+    dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+    (a, lda, a_kmajor), (b, ldb, b_kmajor) = _operand(a, "A", dtype), _operand(b, "B", dtype)
+    out_dtype = out_dtype or dtype
+    if dtype == torch.float32 and out_dtype != torch.float32:
+        raise TypeError(f"zerokld GEMM: float32 inputs give float32, got out_dtype={out_dtype}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"zerokld GEMM: A is {tuple(a.shape)} and B {tuple(b.shape)}: K differs")
+    i_rows, k = a.shape
+    j_rows = b.shape[0]
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"zerokld GEMM: out_dtype must be bf16 or float32, got {out_dtype}")
+    out = torch.empty((j_rows, i_rows) if transpose else (i_rows, j_rows), dtype=out_dtype)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        if bias is None:
+            return out.zero_()
+        return out.copy_(bias.float().unsqueeze(0 if transpose else 1).expand_as(out))
+    b32 = None if bias is None else bias.detach().float().contiguous()
+    args = (a.data_ptr(), i_rows, k, lda, a_kmajor, b.data_ptr(), j_rows, ldb, b_kmajor,
+            None if b32 is None else b32.data_ptr(), out.data_ptr())
+    if dtype == torch.float32:
+        rc = _lib().zk_gemm_abt_f32(*args, int(transpose), out.stride(0), torch.get_num_threads())
+    else:
+        rc = _lib().zk_gemm_abt_bf16(*args, 0 if out_dtype == torch.float32 else 1, int(transpose), out.stride(0),
+                                     torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dtype} kernel "
+                           "(see amx_available / f32_available)")
+    return out

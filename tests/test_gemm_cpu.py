@@ -1,0 +1,101 @@
+"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512): close to a float64
+reference, and an element's bits depend only on its row of A and its row of B — not on the other rows, the tails,
+strides or the thread count. Each runs where the CPU has its unit (the test says so and skips otherwise: linear then
+takes oneDNN's pinned calls, tested in test_numerics)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_numerics import gemm_cpu
+
+needs_amx = pytest.mark.skipif(not gemm_cpu.amx_available(), reason="no AMX-BF16 on this CPU (or ZEROKLD_AMX=0)")
+needs_f32 = pytest.mark.skipif(not gemm_cpu.f32_available(), reason="no AVX-512F (or ZEROKLD_F32_KERNEL=0)")
+KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
+         pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
+         pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32")]
+
+# (I, J, K): tails of the 32-row strips, the 16-row B blocks, the 32-element K steps, odd K, K > one 256 block
+SHAPES = [(1, 1, 1), (17, 5, 33), (48, 100, 96), (33, 70, 1000), (300, 257, 64), (64, 19, 2050)]
+
+
+def _with_threads(n, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemm_abt_close_and_element_invariant(shape, transpose, kind):
+    dtype, out_dtype = kind
+    i, j, k = shape
+    g = torch.Generator().manual_seed(i * 7 + j * 3 + k)
+    a = (torch.randn(i, k, generator=g) * k ** -0.5).to(dtype)
+    b = torch.randn(j, k, generator=g).to(dtype)
+    bias = torch.randn(i, generator=g)
+    full = gemm_cpu.gemm_abt(a, b, bias, transpose=transpose, out_dtype=out_dtype)
+    ref = a.double() @ b.double().t() + bias.double()[:, None]
+    ref = ref.t() if transpose else ref
+    assert full.dtype == out_dtype and full.shape == ref.shape
+    tol = dict(rtol=1e-2, atol=1e-2) if out_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full.double(), ref, **tol)
+    c = full.t() if transpose else full  # [I, J] view
+    for r in sorted({0, i // 2, i - 1}):  # a row of A alone
+        one = gemm_cpu.gemm_abt(a[r:r + 1], b, bias[r:r + 1], transpose=transpose, out_dtype=out_dtype)
+        assert torch.equal((one.t() if transpose else one)[0], c[r])
+    for r in sorted({0, j // 2, j - 1}):  # a row of B alone (a token at decode)
+        one = gemm_cpu.gemm_abt(a, b[r:r + 1], bias, transpose=transpose, out_dtype=out_dtype)
+        assert torch.equal((one.t() if transpose else one)[:, 0], c[:, r])
+    for n in (1, 3):
+        assert torch.equal(_with_threads(n, lambda: gemm_cpu.gemm_abt(a, b, bias, transpose=transpose,
+                                                                      out_dtype=out_dtype)), full)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"),
+                                   pytest.param(torch.float32, marks=needs_f32, id="f32")])
+def test_gemm_abt_strided_rows_and_errors(dtype):
+    g = torch.Generator().manual_seed(0)
+    wide_a, wide_b = torch.randn(40, 200, generator=g).to(dtype), torch.randn(70, 300, generator=g).to(dtype)
+    a, b = wide_a[:, 10:138], wide_b[:, 100:228]  # row strides 200 and 300, K = 128
+    assert torch.equal(gemm_cpu.gemm_abt(a, b), gemm_cpu.gemm_abt(a.contiguous(), b.contiguous()))
+    for i, j, k in SHAPES:  # k-major operands (transposed views, e.g. w.t() in the backward) are read in place
+        a, b = torch.randn(i, k, generator=g).to(dtype), torch.randn(j, k, generator=g).to(dtype)
+        want = gemm_cpu.gemm_abt(a, b)
+        at, bt = a.t().contiguous().t(), b.t().contiguous().t()
+        assert at.stride(0) == 1 or i == 1
+        for x, y in ((at, b), (a, bt), (at, bt)):
+            assert torch.equal(gemm_cpu.gemm_abt(x, y), want), (i, j, k)
+    with pytest.raises(ValueError, match="K differs"):
+        gemm_cpu.gemm_abt(a, wide_b)
+    with pytest.raises(TypeError, match="must be a 2-d"):
+        gemm_cpu.gemm_abt(a, b.half() if dtype == torch.float32 else b.float())
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"),
+                                   pytest.param(torch.float32, marks=needs_f32, id="f32")])
+def test_linear_gradients_thread_invariant(dtype):
+    """``sn.linear``'s backward on the kernels: dX, dW and db are the same bits at 1, 2 and 3 threads; a row's dX is
+    the same alone; dW is close to the float32 reference."""
+    import shared_numerics as sn
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 1024, generator=g).to(dtype)
+    w, b = (torch.randn(512, 1024, generator=g) * 0.03).to(dtype), torch.randn(512, generator=g).to(dtype)
+    gy = torch.randn(300, 512, generator=g).to(dtype)
+
+    def grads(rows=slice(None)):
+        xr, wr, br = (t.detach().clone().requires_grad_() for t in (x[rows], w, b))
+        sn.linear(xr, wr, br).backward(gy[rows])
+        return xr.grad, wr.grad, br.grad
+
+    runs = [_with_threads(n, grads) for n in (1, 2, 3)]
+    for other in runs[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(runs[0], other, strict=True))
+    assert torch.equal(grads(slice(7, 8))[0], runs[0][0][7:8])
+    ref_w = (gy.float().t() @ x.float()).to(dtype)
+    torch.testing.assert_close(runs[0][1].float(), ref_w.float(), rtol=1e-2, atol=1e-1)
