@@ -8,15 +8,16 @@ For each dtype (float32, bfloat16) and each row count ``M`` (default 1, 16, 32, 
 
 Each timed ``--repeats`` times after a warm-up on the current torch thread count; medians in seconds and
 ``speed_ours_over_stock = stock_s / ours_s`` (1.0: no speed tax; the issue's target is >= 0.7). ``--row-tiles``
-re-runs ours with other fixed row tiles (``shared_numerics.linear.ROW_TILE``) to show the trade-off between decode
-(few rows, padded to one tile) and prefill/training (many tiles); the numerics contract uses the module's value.
+re-runs ours with other fixed row tiles (``shared_numerics.linear.ROW_TILE``: the float32 oneDNN calls of a CPU
+without AVX-512) to show the trade-off between decode (few rows, padded to one tile) and prefill/training (many
+tiles); the numerics contract uses the module's value.
 
 The JSON records the machine (:func:`zerokld_testing.machine.machine_facts`: CPU model, ISA flags, threads): stock
 picks AMX / AVX512-BF16 kernels where the CPU has them, so ratios differ a lot between machines. ``gemm_partition``
-records ours: the pinned oneDNN thread count (``ZEROKLD_GEMM_THREADS``; stock uses the torch thread count) and the
-bf16 path (native oneDNN calls where the CPU has bf16 matrix units, float32 calls otherwise; ``--row-tiles`` changes
-only the float32 calls). Usage:
-``python -m benchmarks.linear --out benchmarks/results/linear_cpu2.json``
+records ours: the float32 path (``avx512``: the compiled kernel; ``onednn``: pinned oneDNN calls), the bf16 path
+(``amx``: the compiled AMX kernel; ``native``: pinned oneDNN bf16 calls; ``fp32``: upcast) and the pinned oneDNN
+thread count (``ZEROKLD_GEMM_THREADS``, used by the oneDNN paths only). Usage:
+``python -m benchmarks.linear --out benchmarks/results/linear_xeon_amx_cpu2.json``
 """
 from __future__ import annotations
 

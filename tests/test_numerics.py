@@ -447,3 +447,19 @@ def test_cpu_kernel_build_errors_are_clear(monkeypatch, tmp_path):
     finally:
         cpu_kernels.load.cache_clear()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_backward_kernel_is_the_torch_formula(dtype):
+    """The one-pass backward kernel (``zk_silu_mul_bwd``) gives the bits of its torch-op formula on the saved ``s``:
+    ``dg = dy * u * (s + g * s * (1 - s))``, ``du = dy * (g * s)`` in float32, rounded once; odd sizes (vector tails)."""
+    from shared_numerics.activation import _silu_mul_cpu
+
+    gen = torch.Generator().manual_seed(9)
+    g, u, dy = (torch.randn(37, 301, generator=gen).to(dtype) for _ in range(3))
+    gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+    sn.silu_and_mul(gr, ur).backward(dy)
+    _, s = _silu_mul_cpu(g, u, True)
+    gf, uf, df = g.float(), u.float(), dy.float()
+    assert torch.equal(gr.grad, (df * uf * (s + gf * s * (1.0 - s))).to(dtype))
+    assert torch.equal(ur.grad, (df * (gf * s)).to(dtype))

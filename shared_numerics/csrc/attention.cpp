@@ -249,6 +249,104 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
   }
 }
 
+// backward state of one (query block, kv head) unit for one key chunk (see zk_attention_bwd)
+struct BwdRows {
+  const Layout& L;
+  Scratch& S;
+  int64_t q0;
+  int h, g, d, dp, hq;
+  const float* m;
+  const float* l;
+  const float* dO;  // [rows, dp]
+  const float* Dd;  // [rows]
+  float* ds;        // [rows, CHUNK]
+  float* dqa;       // [rows, dp]
+};
+
+// rows r0..r0+R-1: dp_c = dO . v_c (d order), p = exp_nonpos(s - m) / l, ds = p (dp - Dd), then dq += sum_c ds_c k_c
+// (c in order). R rows side by side only for the pipeline; each row's operations are the same as alone.
+template <int R>
+inline void bwd_rows(const BwdRows& B, int r0) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int dp = B.dp;
+  v16f d0[R], d1[R];
+  for (int rr = 0; rr < R; ++rr) d0[rr] = d1[rr] = (v16f){};
+  for (int i = 0; i < B.d; ++i) {
+    const float* vt = &B.S.vt[static_cast<size_t>(i) * CHUNK];
+    const v16f v0 = loadv(vt), v1 = loadv(vt + 16);
+    for (int rr = 0; rr < R; ++rr) {
+      const float di = B.dO[static_cast<size_t>(r0 + rr) * dp + i];
+      d0[rr] = d0[rr] + di * v0;
+      d1[rr] = d1[rr] + di * v1;
+    }
+  }
+  for (int rr = 0; rr < R; ++rr) {
+    const int r = r0 + rr;
+    const int64_t idx = (B.q0 + r / B.g) * B.hq + B.h * B.g + r % B.g;
+    const float mr = B.m[idx], lr = B.l[idx];
+    const float* sr = &B.S.s[static_cast<size_t>(r) * CHUNK];
+    float* pr = &B.S.p[static_cast<size_t>(r) * CHUNK];
+    float* dsr = &B.ds[static_cast<size_t>(r) * CHUNK];
+    const v16f dd = (v16f){} + B.Dd[r];
+    for (int c0 = 0; c0 < CHUNK; c0 += 16) {
+      const v16f sv = loadv(sr + c0);
+      const v16f pv = sv == ninf ? (v16f){} : exp_nonpos(sv - mr) / lr;
+      storev(pr + c0, pv);
+      storev(dsr + c0, pv * ((c0 == 0 ? d0[rr] : d1[rr]) - dd));
+    }
+  }
+  for (int i0 = 0; i0 < dp; i0 += LANES) {
+    v16f t[R];
+    for (int rr = 0; rr < R; ++rr) t[rr] = loadv(&B.dqa[static_cast<size_t>(r0 + rr) * dp + i0]);
+    for (int c = 0; c < CHUNK; ++c) {
+      const v16f kv = loadv(&B.S.kc[static_cast<size_t>(c) * dp + i0]);
+      for (int rr = 0; rr < R; ++rr) t[rr] = t[rr] + B.ds[static_cast<size_t>(r0 + rr) * CHUNK + c] * kv;
+    }
+    for (int rr = 0; rr < R; ++rr) storev(&B.dqa[static_cast<size_t>(r0 + rr) * dp + i0], t[rr]);
+  }
+}
+
+// keys c0..c0+NK-1 of chunk j: dk += sum_r ds_rc q_r, dv += sum_r p_rc dO_r (rows in order, 16 d's in registers; the
+// padded tail of d is never stored). NK keys side by side only for the pipeline; each key's operations are the same.
+template <int NK>
+inline void key_grads(const BwdRows& B, int rows, int64_t seq_row, int64_t j, int c0, float* dk, float* dv) {
+  const int dp = B.dp, d = B.d;
+  float* dkp[NK];
+  float* dvp[NK];
+  for (int kk = 0; kk < NK; ++kk) {
+    const int64_t off = B.L.kv_offset(seq_row, j * CHUNK + c0 + kk, B.h);
+    dkp[kk] = dk + off;
+    dvp[kk] = dv + off;
+  }
+  for (int i0 = 0; i0 < dp; i0 += LANES) {
+    const int n = d - i0 < LANES ? d - i0 : LANES;
+    alignas(64) float bk[NK][LANES], bv[NK][LANES];
+    v16f tk[NK], tv[NK];
+    for (int kk = 0; kk < NK; ++kk) {
+      std::memset(bk[kk], 0, sizeof(bk[kk]));
+      std::memset(bv[kk], 0, sizeof(bv[kk]));
+      std::memcpy(bk[kk], dkp[kk] + i0, sizeof(float) * n);
+      std::memcpy(bv[kk], dvp[kk] + i0, sizeof(float) * n);
+      tk[kk] = loadv(bk[kk]);
+      tv[kk] = loadv(bv[kk]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const v16f qv = loadv(&B.S.qr[static_cast<size_t>(r) * dp + i0]);
+      const v16f ov = loadv(&B.dO[static_cast<size_t>(r) * dp + i0]);
+      for (int kk = 0; kk < NK; ++kk) {
+        tk[kk] = tk[kk] + B.ds[static_cast<size_t>(r) * CHUNK + c0 + kk] * qv;
+        tv[kk] = tv[kk] + B.S.p[static_cast<size_t>(r) * CHUNK + c0 + kk] * ov;
+      }
+    }
+    for (int kk = 0; kk < NK; ++kk) {
+      storev(bk[kk], tk[kk]);
+      storev(bv[kk], tv[kk]);
+      std::memcpy(dkp[kk] + i0, bk[kk], sizeof(float) * n);
+      std::memcpy(dvp[kk] + i0, bv[kk], sizeof(float) * n);
+    }
+  }
+}
+
 // units spread over `threads` OpenMP threads (torch's own runtime: the library is loaded into a process that has
 // torch's libgomp, whose soname it links against, so the kernel shares torch's thread team instead of competing
 // with its spinning threads); a unit never splits
@@ -323,65 +421,14 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
       for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
       for (int64_t j = 0; j * CHUNK <= last; ++j) {
         chunk_scores(L, q0, nq, h, g, seq_row, j, last, S, true);
-        const float ninf = -std::numeric_limits<float>::infinity();
-        for (int r = 0; r < rows; ++r) {
-          const int64_t idx = (q0 + r / g) * hq + h * g + r % g;
-          const float* dor = &dO[static_cast<size_t>(r) * dp];
-          float dpc[CHUNK], pr[CHUNK];
-          v16f d0 = {}, d1 = {};
-          for (int i = 0; i < d; ++i) {
-            const float di = dor[i];
-            const float* vt = &S.vt[static_cast<size_t>(i) * CHUNK];
-            d0 = d0 + di * loadv(vt);
-            d1 = d1 + di * loadv(vt + 16);
-          }
-          storev(dpc, d0);
-          storev(dpc + 16, d1);
-          const float mr = m[idx], lr = l[idx];
-          const float* sr = &S.s[static_cast<size_t>(r) * CHUNK];
-          for (int c0 = 0; c0 < CHUNK; c0 += 16) {
-            const v16f sv = loadv(sr + c0);
-            storev(pr + c0, sv == ninf ? (v16f){} : exp_nonpos(sv - mr) / lr);
-          }
-          for (int c = 0; c < CHUNK; ++c) {
-            S.p[static_cast<size_t>(r) * CHUNK + c] = pr[c];
-            ds[static_cast<size_t>(r) * CHUNK + c] = pr[c] * (dpc[c] - Dd[r]);
-          }
-        }
-        for (int r = 0; r < rows; ++r) {
-          float* dqr = &dqa[static_cast<size_t>(r) * dp];
-          const float* dsr = &ds[static_cast<size_t>(r) * CHUNK];
-          for (int i0 = 0; i0 < dp; i0 += LANES) {
-            v16f t = loadv(dqr + i0);
-            for (int c = 0; c < CHUNK; ++c) t = t + dsr[c] * loadv(&S.kc[static_cast<size_t>(c) * dp + i0]);
-            storev(dqr + i0, t);
-          }
-        }
-        for (int c = 0; c < CHUNK; ++c) {
-          int64_t pos = j * CHUNK + c;
-          if (pos > last) break;
-          int64_t off = L.kv_offset(seq_row, pos, h);
-          float* dkp = dk + off;
-          float* dvp = dv + off;
-          // key c's gradients: rows in order, 16 d's in registers (the padded tail of d is never stored)
-          for (int i0 = 0; i0 < dp; i0 += LANES) {
-            float bk[LANES], bv[LANES];
-            const int n = d - i0 < LANES ? d - i0 : LANES;
-            std::memset(bk, 0, sizeof(bk));
-            std::memset(bv, 0, sizeof(bv));
-            std::memcpy(bk, dkp + i0, sizeof(float) * n);
-            std::memcpy(bv, dvp + i0, sizeof(float) * n);
-            v16f tk = loadv(bk), tv = loadv(bv);
-            for (int r = 0; r < rows; ++r) {
-              tk = tk + ds[static_cast<size_t>(r) * CHUNK + c] * loadv(&S.qr[static_cast<size_t>(r) * dp + i0]);
-              tv = tv + S.p[static_cast<size_t>(r) * CHUNK + c] * loadv(&dO[static_cast<size_t>(r) * dp + i0]);
-            }
-            storev(bk, tk);
-            storev(bv, tv);
-            std::memcpy(dkp + i0, bk, sizeof(float) * n);
-            std::memcpy(dvp + i0, bv, sizeof(float) * n);
-          }
-        }
+        BwdRows B{L, S, q0, h, g, d, dp, hq, m, l, dO.data(), Dd.data(), ds.data(), dqa.data()};
+        int r = 0;
+        for (; r + 4 <= rows; r += 4) bwd_rows<4>(B, r);
+        for (; r < rows; ++r) bwd_rows<1>(B, r);
+        int c = 0;
+        const int n_keys = last - j * CHUNK + 1 < CHUNK ? static_cast<int>(last - j * CHUNK + 1) : CHUNK;
+        for (; c + 4 <= n_keys; c += 4) key_grads<4>(B, rows, seq_row, j, c, dk, dv);
+        for (; c < n_keys; ++c) key_grads<1>(B, rows, seq_row, j, c, dk, dv);
       }
       for (int r = 0; r < rows; ++r) {
         int64_t idx = (q0 + r / g) * hq + h * g + r % g;

@@ -79,6 +79,59 @@ void zk_silu_mul(int dtype, const void* g, const void* u, int64_t n, void* y, in
   }
 }
 
+// Backward of zk_silu_mul on its saved s, the torch expressions' operations in their order: dg = (dy * u) * (s +
+// (g * s) * (1 - s)), du = dy * (g * s), float32, written in the output dtype (0 float32, 1 bf16 rounded to nearest
+// even). g, u, dy: n elements of `dtype`; s: n float32; dg, du: n elements of out_dtype.
+void zk_silu_mul_bwd(int dtype, const void* g, const void* u, const float* s, const void* dy, int64_t n, void* dg,
+                     void* du, int out_dtype, int threads) {
+  const int64_t blocks = (n + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 32768)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i0 = blk * 16, m = n - i0 < 16 ? n - i0 : 16;
+    v16f gv = {}, uv = {}, sv = {}, dv = {};
+    if (m == 16 && dtype == 1) {
+      gv = zk::load_bf16(static_cast<const uint16_t*>(g) + i0);
+      uv = zk::load_bf16(static_cast<const uint16_t*>(u) + i0);
+      dv = zk::load_bf16(static_cast<const uint16_t*>(dy) + i0);
+      sv = zk::loadv(s + i0);
+    } else if (m == 16 && dtype == 0) {
+      gv = zk::loadv(static_cast<const float*>(g) + i0);
+      uv = zk::loadv(static_cast<const float*>(u) + i0);
+      dv = zk::loadv(static_cast<const float*>(dy) + i0);
+      sv = zk::loadv(s + i0);
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        gv[j] = load(g, i0 + j, dtype);
+        uv[j] = load(u, i0 + j, dtype);
+        dv[j] = load(dy, i0 + j, dtype);
+        sv[j] = s[i0 + j];
+      }
+    }
+    const v16f gs = gv * sv;
+    const v16f dgv = (dv * uv) * (sv + gs * (1.0f - sv));
+    const v16f duv = dv * gs;
+    if (m == 16) {
+      if (out_dtype == 0) {
+        zk::storev(static_cast<float*>(dg) + i0, dgv);
+        zk::storev(static_cast<float*>(du) + i0, duv);
+      } else {
+        zk::store_bf16(static_cast<uint16_t*>(dg) + i0, dgv);
+        zk::store_bf16(static_cast<uint16_t*>(du) + i0, duv);
+      }
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        if (out_dtype == 0) {
+          static_cast<float*>(dg)[i0 + j] = dgv[j];
+          static_cast<float*>(du)[i0 + j] = duv[j];
+        } else {
+          static_cast<uint16_t*>(dg)[i0 + j] = zk::float_to_bf16(dgv[j]);
+          static_cast<uint16_t*>(du)[i0 + j] = zk::float_to_bf16(duv[j]);
+        }
+      }
+    }
+  }
+}
+
 // x: rows x h of `dtype`, row stride `stride` elements; w: h float32; y: rows x h float32 (contiguous)
 void zk_rms_norm(int dtype, const void* x, int64_t rows, int64_t h, int64_t stride, const float* w, float eps,
                  float* y, int threads) {
