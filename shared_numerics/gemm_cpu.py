@@ -15,8 +15,9 @@ outputs are the same bits at decode (one row) and in a 2048-row prefill, on any 
 Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU tensors (an ``AsyncCollectiveTensor``
 is waited).
 
-Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``; ``benchmarks/linear.py``):
-bf16 M = 1: 3.3x, M = 16: 2.8x, M = 256: 0.91x, M = 2048: 0.82x; float32 1.0x / 1.9x / 0.74x / 0.72x.
+Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``;
+``benchmarks/results/linear_xeon_amx_cpu2.json``): bf16 M = 1: 1.1x, M = 16: 1.5x, M = 256: 0.90x, M = 2048: 0.84x;
+float32 0.57x (0.06 ms calls; 0.6–1.1x between runs) / 1.4x / 0.86x / 0.70x.
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
 operand layout of oneDNN's AMX kernels.
