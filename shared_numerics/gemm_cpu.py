@@ -5,8 +5,8 @@ one rounding to the output dtype:
 
 * bf16 on AMX (:func:`amx_available`): K zero-padded to a multiple of 32, walked in 32-element ``TDPBF16PS`` steps
   from step 0 into one float32 accumulator;
-* float32 on AVX-512 (:func:`f32_available`): 16 lane sums (lane ``l`` an FMA chain over ``k = l, l + 16, ...``),
-  then a fixed tree over the lanes.
+* float32 on FMA units (:func:`f32_available`: AVX-512, or AVX2 + FMA): 16 lane sums (lane ``l`` an FMA chain over
+  ``k = l, l + 16, ...``), then a fixed tree over the lanes — the same bits on AVX-512 (one register) and AVX2 (two).
 
 Either way an element is computed whole by one thread, so its bits depend only on row ``i`` of ``A`` and row ``j`` of
 ``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it with ``A`` = the weight and ``B`` = the tokens, so a token's
@@ -68,9 +68,9 @@ def amx_available() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def f32_available() -> bool:
-    """Whether this machine runs the float32 kernel: the CPU has AVX-512F and the kernel was built with it.
-    ``ZEROKLD_F32_KERNEL=0`` turns it off (then float32 takes :mod:`shared_numerics.linear`'s oneDNN calls). A machine
-    property, in the numerics contract."""
+    """Whether this machine runs the float32 kernel: the kernel was built with AVX-512F or with AVX2 + FMA (both give
+    the same bits). ``ZEROKLD_F32_KERNEL=0`` turns it off (then float32 takes :mod:`shared_numerics.linear`'s oneDNN
+    calls). A machine property, in the numerics contract."""
     import os
 
     return os.environ.get("ZEROKLD_F32_KERNEL", "1") != "0" and bool(_lib().zk_gemm_has_f32())
@@ -94,7 +94,7 @@ def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tens
 
 def gemm_abt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, transpose: bool = False,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``A · Bᵀ (+ bias[:, None])``, or its transpose, on the AMX (bf16) or AVX-512 (float32) kernel (see the module).
+    """``A · Bᵀ (+ bias[:, None])``, or its transpose, on the AMX (bf16) or FMA (float32) kernel (see the module).
 
     Args:
         a: ``[I, K]`` bf16 or float32 (K contiguous, or a transposed view such as ``w.t()``: read in place).

@@ -1,4 +1,4 @@
-"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512): close to a float64
+"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512 / AVX2 FMA): close to a float64
 reference, and an element's bits depend only on its row of A and its row of B — not on the other rows, the tails,
 strides or the thread count. Each runs where the CPU has its unit (the test says so and skips otherwise: linear then
 takes oneDNN's pinned calls, tested in test_numerics)."""
@@ -10,7 +10,7 @@ import torch
 from shared_numerics import gemm_cpu
 
 needs_amx = pytest.mark.skipif(not gemm_cpu.amx_available(), reason="no AMX-BF16 on this CPU (or ZEROKLD_AMX=0)")
-needs_f32 = pytest.mark.skipif(not gemm_cpu.f32_available(), reason="no AVX-512F (or ZEROKLD_F32_KERNEL=0)")
+needs_f32 = pytest.mark.skipif(not gemm_cpu.f32_available(), reason="no AVX-512F or AVX2 + FMA (or ZEROKLD_F32_KERNEL=0)")
 KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
          pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
          pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32")]
@@ -99,3 +99,38 @@ def test_linear_gradients_thread_invariant(dtype):
     assert torch.equal(grads(slice(7, 8))[0], runs[0][0][7:8])
     ref_w = (gy.float().t() @ x.float()).to(dtype)
     torch.testing.assert_close(runs[0][1].float(), ref_w.float(), rtol=1e-2, atol=1e-1)
+
+
+@needs_f32
+def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
+    """The float32 kernel's arithmetic does not depend on the vector width: a build for AVX2 (``-march=haswell``, two
+    8-lane registers per 16 lanes) gives the bits of this machine's build. A compiler wrapper swaps ``-march=native``
+    for ``-march=haswell`` in a subprocess with its own kernel cache. Meaningful where this machine has AVX-512 (it
+    says so otherwise: then both builds are AVX2)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do shift; [ "$a" = "-march=native" ] && a="-march=haswell"; '
+                       'set -- "$@" "$a"; done\nexec "${ZK_REAL_CXX:-g++}" "$@"\n')
+    wrapper.chmod(0o755)
+    g = torch.Generator().manual_seed(4)
+    a, b, bias = torch.randn(70, 1000, generator=g), torch.randn(37, 1000, generator=g), torch.randn(70, generator=g)
+    torch.save((a, b, bias), tmp_path / "in.pt")
+    script = textwrap.dedent(f"""
+        import torch
+        from shared_numerics import gemm_cpu
+        assert not gemm_cpu.amx_available() and gemm_cpu.f32_available(), "not an AVX2 build"
+        a, b, bias = torch.load({str(tmp_path / 'in.pt')!r})
+        torch.save(gemm_cpu.gemm_abt(a, b, bias, transpose=True), {str(tmp_path / 'out.pt')!r})
+    """)
+    env = dict(os.environ, CXX=str(wrapper), ZEROKLD_CACHE_DIR=str(tmp_path / "cache"),
+               ZK_REAL_CXX=os.environ.get("CXX") or "g++")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    avx2 = torch.load(tmp_path / "out.pt")
+    assert torch.equal(avx2, gemm_cpu.gemm_abt(a, b, bias, transpose=True))
+    if "avx512f" not in open("/proc/cpuinfo").read():
+        print("this machine has no AVX-512: both builds are AVX2 builds")

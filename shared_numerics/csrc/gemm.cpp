@@ -21,8 +21,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define ZK_F32_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ZK_F32_AVX2 1
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define ZK_HAVE_AMX 1
@@ -61,21 +66,6 @@ inline void transpose16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t 
     r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
   }
   for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ds, r[c]);  // r[c] = column c
-}
-
-// x [rows, cols] 32-bit words (row stride ld) -> xt [cols, rows] (row stride ldt): 16x16 blocks, scalar tails
-void transpose_words(const uint32_t* x, int64_t rows, int64_t cols, int64_t ld, uint32_t* xt, int64_t ldt,
-                     int threads) {
-  const int64_t cb = (cols + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cb > 1)
-  for (int64_t c = 0; c < cb; ++c) {
-    const int64_t c0 = c * 16;
-    int64_t r0 = 0;
-    if (c0 + 16 <= cols)
-      for (; r0 + 16 <= rows; r0 += 16) transpose16(x + r0 * ld + c0, ld, xt + c0 * ldt + r0, ldt);
-    for (int64_t cc = c0; cc < c0 + 16 && cc < cols; ++cc)
-      for (int64_t r = (c0 + 16 <= cols ? r0 : 0); r < rows; ++r) xt[cc * ldt + r] = x[r * ld + cc];
-  }
 }
 
 }  // namespace
@@ -375,46 +365,101 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------------------------
-// float32: C = A · Bᵀ, A [I, K], B [J, K] float32 (K contiguous), on AVX-512 FMA. One element (i, j): 16 lane sums,
+// float32: C = A · Bᵀ, A [I, K], B [J, K] float32 (K contiguous), on FMA units. One element (i, j): 16 lane sums,
 // lane l = fma chain over t = 0, 1, ... of a[i][16t + l] * b[j][16t + l] (K's tail read as zeros), then the fixed
-// tree l += l + 8, l += l + 4, l += l + 2, l += l + 1; + bias[i]. Every element is computed whole by one thread in one
-// register, so its bits depend only on row i of A, row j of B and bias[i]: not on I, J, the tile or the thread count.
-// Work unit = (a chunk of up to F32_CHUNK_J rows of B kept in L2, 64 rows of A); register tile 4 rows of A x 6 of B.
-#if defined(__AVX512F__)
+// tree l += l + 8, l += l + 4, l += l + 2, l += l + 1; + bias[i]. Every element is computed whole by one thread, so its
+// bits depend only on row i of A, row j of B and bias[i]: not on I, J, the tile or the thread count — nor on the
+// vector width: AVX-512 holds the 16 lanes in one register, AVX2 in two, each lane the same fused multiply-adds and
+// the tree the same adds. Work unit = (a chunk of up to F32_CHUNK_J rows of B kept in L2, 64 rows of A); register
+// tile F32_RI rows of A x F32_RJ rows of B (4 x 6 on AVX-512's 32 registers, 2 x 2 on AVX2's 16).
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
 namespace {
 
 constexpr int64_t F32_CHUNK_J = 240;
 constexpr int64_t F32_GROUP_I = 64;
 
-inline float hsum16(__m512 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+#if defined(ZK_F32_AVX512)
+constexpr int F32_RI = 4, F32_RJ = 6;
+struct V16 {
+  __m512 v;
+};
+inline V16 v_zero() { return {_mm512_setzero_ps()}; }
+inline V16 v_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 v_load_n(const float* p, int64_t n) {
+  return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
+}
+inline V16 v_fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline __m256 v_fold(V16 x) {  // lane l + lane l + 8
+  return _mm256_add_ps(_mm512_castps512_ps256(x.v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)));
+}
+#else
+constexpr int F32_RI = 2, F32_RJ = 2;
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 v_load_n(const float* p, int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
+  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), idx);
+  return {_mm256_maskload_ps(p, lo), _mm256_maskload_ps(p + 8, hi)};
+}
+inline V16 v_fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline __m256 v_fold(V16 x) { return _mm256_add_ps(x.lo, x.hi); }  // lane l + lane l + 8
+#endif
+
+inline float hsum16(V16 v) {
+  const __m256 a = v_fold(v);
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
   const __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
   return _mm_cvtss_f32(d);
 }
 
+// x [rows, cols] 32-bit words (row stride ld) -> xt [cols, rows] (row stride ldt): 16x16 blocks (AVX-512), scalar
+// tails (and scalar everywhere on AVX2)
+void transpose_words(const uint32_t* x, int64_t rows, int64_t cols, int64_t ld, uint32_t* xt, int64_t ldt,
+                     int threads) {
+#if !defined(ZK_F32_AVX512)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cols > 16)
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) xt[c * ldt + r] = x[r * ld + c];
+#else
+  const int64_t cb = (cols + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cb > 1)
+  for (int64_t c = 0; c < cb; ++c) {
+    const int64_t c0 = c * 16;
+    int64_t r0 = 0;
+    if (c0 + 16 <= cols)
+      for (; r0 + 16 <= rows; r0 += 16) transpose16(x + r0 * ld + c0, ld, xt + c0 * ldt + r0, ldt);
+    for (int64_t cc = c0; cc < c0 + 16 && cc < cols; ++cc)
+      for (int64_t r = (c0 + 16 <= cols ? r0 : 0); r < rows; ++r) xt[cc * ldt + r] = x[r * ld + cc];
+  }
+#endif
+}
+
 template <int RI, int RJ>
 inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float (*c)[6]) {
-  __m512 acc[RI][RJ];
+  V16 acc[RI][RJ];
   for (int r = 0; r < RI; ++r)
-    for (int q = 0; q < RJ; ++q) acc[r][q] = _mm512_setzero_ps();
+    for (int q = 0; q < RJ; ++q) acc[r][q] = v_zero();
   int64_t t = 0;
   for (; t + 16 <= k; t += 16) {
-    __m512 bv[RJ];
-    for (int q = 0; q < RJ; ++q) bv[q] = _mm512_loadu_ps(b + q * ldb + t);
+    V16 bv[RJ];
+    for (int q = 0; q < RJ; ++q) bv[q] = v_load(b + q * ldb + t);
     for (int r = 0; r < RI; ++r) {
-      const __m512 av = _mm512_loadu_ps(a + r * lda + t);
-      for (int q = 0; q < RJ; ++q) acc[r][q] = _mm512_fmadd_ps(av, bv[q], acc[r][q]);
+      const V16 av = v_load(a + r * lda + t);
+      for (int q = 0; q < RJ; ++q) acc[r][q] = v_fma(av, bv[q], acc[r][q]);
     }
   }
   if (t < k) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (k - t)) - 1);
-    __m512 bv[RJ];
-    for (int q = 0; q < RJ; ++q) bv[q] = _mm512_maskz_loadu_ps(m, b + q * ldb + t);
+    V16 bv[RJ];
+    for (int q = 0; q < RJ; ++q) bv[q] = v_load_n(b + q * ldb + t, k - t);
     for (int r = 0; r < RI; ++r) {
-      const __m512 av = _mm512_maskz_loadu_ps(m, a + r * lda + t);
-      for (int q = 0; q < RJ; ++q) acc[r][q] = _mm512_fmadd_ps(av, bv[q], acc[r][q]);
+      const V16 av = v_load_n(a + r * lda + t, k - t);
+      for (int q = 0; q < RJ; ++q) acc[r][q] = v_fma(av, bv[q], acc[r][q]);
     }
   }
   for (int r = 0; r < RI; ++r)
@@ -425,8 +470,8 @@ template <int RI>
 inline void row_tiles_f32(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, int64_t i0,
                           int64_t j0, int64_t j1, const float* bias, float* out, int transpose, int64_t ldo) {
   float c[4][6];
-  for (int64_t j = j0; j < j1; j += 6) {
-    const int64_t nj = j1 - j < 6 ? j1 - j : 6;
+  for (int64_t j = j0; j < j1; j += F32_RJ) {
+    const int64_t nj = j1 - j < F32_RJ ? j1 - j : F32_RJ;
     const float* bj = b + j * ldb;
     switch (nj) {
       case 6: tile_f32<RI, 6>(a, lda, bj, ldb, k, c); break;
@@ -450,7 +495,7 @@ inline void row_tiles_f32(const float* a, int64_t lda, const float* b, int64_t l
 extern "C" {
 
 int zk_gemm_has_f32() {
-#if defined(__AVX512F__)
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
   return 1;
 #else
   return 0;
@@ -459,11 +504,11 @@ int zk_gemm_has_f32() {
 
 // C = A · Bᵀ in float32 (see above). a: [i_rows, k], row stride lda; b: [j_rows, k], row stride ldb; bias: i_rows or
 // null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (1), row stride ldo. Returns 0, or -1 without
-// AVX-512 in this build.
+// AVX-512 or AVX2 + FMA in this build.
 int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
                     int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
                     int64_t ldo, int threads) {
-#if defined(__AVX512F__)
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
   // a k-major operand ([k, rows], rows contiguous) is transposed first into a per-calling-thread buffer
   thread_local std::vector<float> a_buf, b_buf;
   if (a_kmajor) {
@@ -489,9 +534,9 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
     const int64_t j0 = ch * chunk_j, j1 = j0 + chunk_j < j_rows ? j0 + chunk_j : j_rows;
     if (j0 >= j1) continue;
     const int64_t i_end = (gi + 1) * F32_GROUP_I < i_rows ? (gi + 1) * F32_GROUP_I : i_rows;
-    for (int64_t i = gi * F32_GROUP_I; i < i_end; i += 4) {
+    for (int64_t i = gi * F32_GROUP_I; i < i_end; i += F32_RI) {
       const float* ai = a + i * lda;
-      switch (i_end - i < 4 ? i_end - i : 4) {
+      switch (i_end - i < F32_RI ? i_end - i : F32_RI) {
         case 4: row_tiles_f32<4>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
         case 3: row_tiles_f32<3>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
         case 2: row_tiles_f32<2>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
