@@ -517,6 +517,7 @@ def test_sync_transition_425_exactly_while_swapping(env):
     stop = threading.Event()
 
     invocations: list[int] = []
+    polling = threading.Event()
 
     def poll():
         while not stop.is_set():
@@ -526,12 +527,17 @@ def test_sync_transition_425_exactly_while_swapping(env):
             r = requests.post(server.base + "/invocations", headers=AUTH, timeout=120, json={  # row 15
                 "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
             invocations.append(r.status_code)
+            polling.set()
 
     with ThreadPoolExecutor(3) as pool:
+        # the drain window lasts as long as the in-flight stream: the longest the context allows (a 150-token stream
+        # finished before the signal once decode got faster, and the poller saw no 425), and the signal goes out
+        # only once the poller is cycling
         started = threading.Event()
-        long = pool.submit(_stream, server, PROMPT, 150, started)
+        long = pool.submit(_stream, server, PROMPT, 470, started)
         assert started.wait(120), "the stream produced no token"
         poller = pool.submit(poll)
+        assert polling.wait(60), "the poller got no response"
         r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "120"})
         time.sleep(0.5)
