@@ -175,12 +175,10 @@ class _RowTiledLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
         grad = grad.contiguous()
-        kernel = f32_available() and x.device.type == "cpu"
-        grad_x = None
-        if ctx.needs_input_grad[0]:  # dX = dY W: a row of dX depends only on its row of dY
-            grad_x = gemm_abt(grad, w.t()) if kernel else matmul_rows(grad, w)
+        grad_x = matmul_rows(grad, w) if ctx.needs_input_grad[0] else None  # a row of dX: its row of dY only
         grad_w = None
         if ctx.needs_input_grad[1]:  # dW = dY^T X: the kernel (thread invariant) where the CPU has it
+            kernel = f32_available() and x.device.type == "cpu"
             grad_w = gemm_abt(grad.t(), x.t()) if kernel else grad.t().mm(x)
         return grad_x, grad_w
 
