@@ -32,13 +32,15 @@ API_KEY = "sk-zerokld-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HL = "/zerokld/v1/hot_load"
 PROMPT = [1] + list(range(10, 40))
+MAX_MODEL_LEN = 1024  # the tiny checkpoints' max_position_embeddings: the sync-drain tests' longest in-flight stream
+LONG = MAX_MODEL_LEN - len(PROMPT) - 3
 
 
 class Server(HotLoadServer):
     """The hot-load server under test (:class:`zerokld_testing.servers.HotLoadServer`) with this module's requests."""
 
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
-        super().__init__(ckpt, root, state, log, API_KEY)
+        super().__init__(ckpt, root, state, log, API_KEY, max_model_len=MAX_MODEL_LEN)
 
     def signal(self, identity: str, previous: str | None = None, headers: dict | None = None,
                compression_format: str = "arc_v2", **body):
@@ -321,10 +323,11 @@ def test_ledger_reset_requires_full(env):
     _check_serving(server, root / "r1", "r1")
 
 
-def _stream(server: Server, prompt: list[int], max_tokens: int,
-            started: threading.Event | None = None) -> tuple[int, str | None]:
+def _stream(server: Server, prompt: list[int], max_tokens: int, started: threading.Event | None = None,
+            stop: threading.Event | None = None) -> tuple[int, str | None]:
     """A streamed completion: ``(chunks with text, finish reason)``; ``started`` is set at the first chunk (the
-    request is in flight on the engine)."""
+    request is in flight on the engine); once ``stop`` is set the client disconnects at the next chunk (vLLM aborts
+    the request; the finish reason stays ``None``)."""
     r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
         "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
         "stream": True})
@@ -337,6 +340,9 @@ def _stream(server: Server, prompt: list[int], max_tokens: int,
             finish = choice.get("finish_reason") or finish
             if started is not None:
                 started.set()
+            if stop is not None and stop.is_set():
+                r.close()
+                break
     return n, finish
 
 
@@ -500,14 +506,20 @@ def test_sync_transition_425_exactly_while_swapping(env):
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 200), cur, root / "y1")
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
     # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it
+    # (the in-flight stream is the longest the context allows: ~5 s of decode here. A 470-token stream once finished
+    # before the drain check on CI: the API server had taken all its outputs before the client read the first chunk)
     with ThreadPoolExecutor(2) as pool:
-        started = threading.Event()  # the signal is sent once the stream is in flight (a loaded box admits it late)
-        long = pool.submit(_stream, server, PROMPT, 470, started)  # the longest the context allows: still running
+        started, stop = threading.Event(), threading.Event()  # the signal goes out once the stream is in flight
+        t0 = time.monotonic()
+        long = pool.submit(_stream, server, PROMPT, LONG, started, stop)
         assert started.wait(120), "the long stream produced no token"
+        t1 = time.monotonic()
         r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
-        assert r.status_code == 425, r.text
-        assert long.result()[1] == "length"
+        stop.set()  # the 425 is what this part checks: the stream is cut short (the engine aborts it)
+        n, finish = long.result()
+        assert r.status_code == 425, (r.text, f"first chunk after {t1 - t0:.2f} s; {n} chunks, finish {finish}, "
+                                              f"{time.monotonic() - t0:.2f} s")
     row = server.get(HL + "/ledger").json()["rows"][-1]  # the 425 is recorded, with its reason
     assert row["identity"] == "y1" and row["readiness"] == "failed" and "drain timeout" in row["error"]
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
@@ -534,7 +546,7 @@ def test_sync_transition_425_exactly_while_swapping(env):
         # finished before the signal once decode got faster, and the poller saw no 425), and the signal goes out
         # only once the poller is cycling
         started = threading.Event()
-        long = pool.submit(_stream, server, PROMPT, 470, started)
+        long = pool.submit(_stream, server, PROMPT, LONG, started)
         assert started.wait(120), "the stream produced no token"
         poller = pool.submit(poll)
         assert polling.wait(60), "the poller got no response"

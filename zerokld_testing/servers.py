@@ -115,11 +115,13 @@ class HotLoadServer(OpenAIServer):
         ckpt: the ``--model`` checkpoint; root, state: the ``hot_load`` section's snapshot root and state dir.
         log: the server log; api_key: the key it is started with (``--api-key``; see :meth:`start`).
         extra_args: more server flags (e.g. ``--enable-lora``).
+        max_model_len: ``--max-model-len`` (at most the checkpoint's ``max_position_embeddings``).
     """
 
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path, api_key: str,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), max_model_len: int = 512) -> None:
         self.ckpt, self.root, self.state, self.api_key, self.extra_args = ckpt, root, state, api_key, extra_args
+        self.max_model_len = max_model_len
         # vllm_plugin.faults: while this file exists, a reload pauses inside the weight copy (inert otherwise)
         self.copy_fault_arm = state.parent / "copy-fault.arm"
         super().__init__([], log, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
@@ -131,7 +133,7 @@ class HotLoadServer(OpenAIServer):
         cfg = {"zerokld": {"batch_invariant": True,
                            "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
         self.args = ["--model", self.ckpt, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-                     "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
+                     "--max-model-len", str(self.max_model_len), "--enforce-eager", "--max-num-batched-tokens", "64",
                      "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
                      "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits
                      *(["--api-key", self.api_key] if api_key_flag else []), *kv_cache_args(), *self.extra_args,
