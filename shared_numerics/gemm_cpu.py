@@ -5,8 +5,10 @@ one rounding to the output dtype:
 
 * bf16 on AMX (:func:`amx_available`): K zero-padded to a multiple of 32, walked in 32-element ``TDPBF16PS`` steps
   from step 0 into one float32 accumulator;
-* float32 on FMA units (:func:`f32_available`: AVX-512, or AVX2 + FMA): 16 lane sums (lane ``l`` an FMA chain over
-  ``k = l, l + 16, ...``), then a fixed tree over the lanes — the same bits on AVX-512 (one register) and AVX2 (two).
+* float32 on FMA units (:func:`f32_available`: AVX-512, or AVX2 + FMA): one fused multiply-add chain per element in
+  K order from zero (``acc = fma(a[i][k], b[j][k], acc)``, k = 0, 1, ...; K blocks store and reload the float32
+  partial sum, losslessly), register tiles of the BLIS/MKL micro-kernel form (48 rows of A x 8 of B on AVX-512,
+  16 x 6 on AVX2) on operands packed k-major per call — the same bits on AVX-512 and AVX2.
 
 Either way an element is computed whole by one thread, so its bits depend only on row ``i`` of ``A`` and row ``j`` of
 ``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it with ``A`` = the weight and ``B`` = the tokens, so a token's
@@ -17,7 +19,8 @@ is waited).
 
 Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``;
 ``benchmarks/results/linear_xeon_amx_cpu2.json``): bf16 M = 1: 1.1x, M = 16: 1.5x, M = 256: 0.90x, M = 2048: 0.84x;
-float32 0.57x (0.06 ms calls; 0.6–1.1x between runs) / 1.4x / 0.86x / 0.70x.
+float32 (the chain kernel, ``benchmarks/results/linear_xeon_amx_cpu2_f32chain.json``): see that file; the 16-lane
+dot-form kernel it replaced measured 0.57x / 1.4x / 0.86x / 0.70x and 0.36x at K = 3072 (no K blocking).
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
 operand layout of oneDNN's AMX kernels.

@@ -13,8 +13,8 @@ threads at K 3072–8192). Paths, chosen per machine (:data:`GEMM_PARTITION`, in
   rounding — torch's bf16 linear arithmetic on the matrix unit. Every element is computed whole by one thread of
   torch's OpenMP team, so the bits depend on neither ``M`` nor the thread count, and no Python loop runs per tile.
 * **float32 on FMA units** (:func:`~shared_numerics.gemm_cpu.f32_available`: AVX-512, or AVX2 + FMA): the same
-  kernel file's FMA kernel (16 lane sums over K, a fixed tree over the lanes; the same bits on both ISAs), likewise
-  whole per element. bf16 on a CPU without bf16 matrix units is upcast (exactly) to it.
+  kernel file's FMA kernel (one fused multiply-add chain per element in K order, register tiles of the BLIS/MKL
+  micro-kernel form; the same bits on both ISAs), likewise whole per element. bf16 on a CPU without bf16 matrix units is upcast (exactly) to it.
 * elsewhere (bf16 on AVX512-BF16 without AMX; CPUs without FMA): oneDNN calls through ``torch.ops.mkldnn._linear_pointwise`` of
   exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last zero-padded),
   each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1) set on the calling thread for
@@ -89,10 +89,11 @@ def native_bf16_gemm() -> bool:
 
 def gemm_partition() -> str:
     """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
-    (``fma16``: the kernel of :mod:`shared_numerics.gemm_cpu`, the same bits on AVX-512 and AVX2; ``onednn:rows=32``)
+    (``fmachain``: the kernel of :mod:`shared_numerics.gemm_cpu`, the same bits on AVX-512 and AVX2;
+    ``onednn:rows=32``)
     and the bf16 path (``amx``; ``native:rows=128``: pinned oneDNN bf16 calls; ``fp32``: upcast to the float32 path),
-    e.g. ``"threads=1,f32=fma16,bf16=amx"``."""
-    f32 = "fma16" if f32_available() else f"onednn:rows={ROW_TILE}"
+    e.g. ``"threads=1,f32=fmachain,bf16=amx"``."""
+    f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
     if amx_available():
         bf16 = "amx"
     else:

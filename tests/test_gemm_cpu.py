@@ -16,7 +16,8 @@ KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf1
          pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32")]
 
 # (I, J, K): tails of the 32-row strips, the 16-row B blocks, the 32-element K steps, odd K, K > one 256 block
-SHAPES = [(1, 1, 1), (17, 5, 33), (48, 100, 96), (33, 70, 1000), (300, 257, 64), (64, 19, 2050)]
+SHAPES = [(1, 1, 1), (17, 5, 33), (48, 100, 96), (33, 70, 1000), (300, 257, 64), (64, 19, 2050),
+          (530, 1000, 200)]  # several work units of the float32 kernel on both sides
 
 
 def _with_threads(n, fn):
@@ -101,12 +102,21 @@ def test_linear_gradients_thread_invariant(dtype):
     torch.testing.assert_close(runs[0][1].float(), ref_w.float(), rtol=1e-2, atol=1e-1)
 
 
+def _variants(gemm_cpu, a, b, bias):
+    """The float32 kernel's paths: ``[J, I]`` and ``[I, J]`` outputs, k-major views of A and of B (read in place or
+    packed by row copies), a single row of B (decode)."""
+    return (gemm_cpu.gemm_abt(a, b, bias, transpose=True), gemm_cpu.gemm_abt(a, b, bias),
+            gemm_cpu.gemm_abt(a.t().contiguous().t(), b.t().contiguous().t(), bias),
+            gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:1], bias, transpose=True))
+
+
 @needs_f32
 def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
     """The float32 kernel's arithmetic does not depend on the vector width: a build for AVX2 (``-march=haswell``, two
     8-lane registers per 16 lanes) gives the bits of this machine's build. A compiler wrapper swaps ``-march=native``
     for ``-march=haswell`` in a subprocess with its own kernel cache. Meaningful where this machine has AVX-512 (it
     says so otherwise: then both builds are AVX2)."""
+    import inspect
     import os
     import subprocess
     import sys
@@ -118,19 +128,23 @@ def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
     wrapper.chmod(0o755)
     g = torch.Generator().manual_seed(4)
     a, b, bias = torch.randn(70, 1000, generator=g), torch.randn(37, 1000, generator=g), torch.randn(70, generator=g)
+    # (70 rows: full and partial 48-row (16-row on AVX2) panels; 37: whole and partial B blocks; K 1000: K blocks)
     torch.save((a, b, bias), tmp_path / "in.pt")
     script = textwrap.dedent(f"""
         import torch
         from shared_numerics import gemm_cpu
         assert not gemm_cpu.amx_available() and gemm_cpu.f32_available(), "not an AVX2 build"
         a, b, bias = torch.load({str(tmp_path / 'in.pt')!r})
-        torch.save(gemm_cpu.gemm_abt(a, b, bias, transpose=True), {str(tmp_path / 'out.pt')!r})
+        torch.save(_variants(gemm_cpu, a, b, bias), {str(tmp_path / 'out.pt')!r})
     """)
+    script = textwrap.dedent(inspect.getsource(_variants)) + script
     env = dict(os.environ, CXX=str(wrapper), ZEROKLD_CACHE_DIR=str(tmp_path / "cache"),
                ZK_REAL_CXX=os.environ.get("CXX") or "g++")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    avx2 = torch.load(tmp_path / "out.pt")
-    assert torch.equal(avx2, gemm_cpu.gemm_abt(a, b, bias, transpose=True))
+    avx2, here = torch.load(tmp_path / "out.pt"), _variants(gemm_cpu, a, b, bias)
+    assert len(avx2) == len(here) == 4
+    for x, y in zip(avx2, here):
+        assert torch.equal(x, y)
     if "avx512f" not in open("/proc/cpuinfo").read():
         print("this machine has no AVX-512: both builds are AVX2 builds")

@@ -18,7 +18,9 @@
 // Source: Intel AMX (Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2, TDPBF16PS; the VNNI
 // layout of oneDNN's AMX kernels).
 #include <cstdint>
+#include <array>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -365,129 +367,154 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------------------------
-// float32: C = A · Bᵀ, A [I, K], B [J, K] float32 (K contiguous), on FMA units. One element (i, j): 16 lane sums,
-// lane l = fma chain over t = 0, 1, ... of a[i][16t + l] * b[j][16t + l] (K's tail read as zeros), then the fixed
-// tree l += l + 8, l += l + 4, l += l + 2, l += l + 1; + bias[i]. Every element is computed whole by one thread, so its
-// bits depend only on row i of A, row j of B and bias[i]: not on I, J, the tile or the thread count — nor on the
-// vector width: AVX-512 holds the 16 lanes in one register, AVX2 in two, each lane the same fused multiply-adds and
-// the tree the same adds. Work unit = (a chunk of up to F32_CHUNK_J rows of B kept in L2, 64 rows of A); register
-// tile F32_RI rows of A x F32_RJ rows of B (4 x 6 on AVX-512's 32 registers, 2 x 2 on AVX2's 16).
+// float32: C = A · Bᵀ, A [I, K], B [J, K] float32, on FMA units. One element (i, j) is one fused multiply-add chain
+// in K order from a zero accumulator: acc = fma(a[i][k], b[j][k], acc) for k = 0, 1, ..., K - 1, then + bias[i]. Every
+// element is computed whole by one thread, so its bits depend only on row i of A, row j of B and bias[i]: not on I, J,
+// the tile or the thread count — nor on the vector width (AVX-512 and AVX2 run the same chain per element) nor on the
+// K blocking (a block's partial sums are stored and reloaded as float32, losslessly). The register tile is the
+// BLIS/MKL micro-kernel's: F32_NA vectors of A rows (one k) times a broadcast element of each of F32_RJ rows of B, so
+// the accumulators are outputs and nothing is reduced across lanes.
+//
+// Work unit = (F32_IB rows of A, up to F32_JB rows of B), one thread. Per K block of F32_KC: B packed into
+// F32_RJ-row blocks [nk][F32_RJ] (a K-contiguous B by 16x16 transposes; a k-major view such as x.t() by row copies),
+// then per panel of F32_P rows of A, the panel packed [nk][F32_P] (kept in L1) and run against every B block; the
+// unit's accumulators stay in a per-thread buffer between K blocks. Tails are zero-padded in the packed copies.
 #if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
 namespace {
 
-constexpr int64_t F32_CHUNK_J = 240;
-constexpr int64_t F32_GROUP_I = 64;
-
 #if defined(ZK_F32_AVX512)
-constexpr int F32_RI = 4, F32_RJ = 6;
-struct V16 {
-  __m512 v;
-};
-inline V16 v_zero() { return {_mm512_setzero_ps()}; }
-inline V16 v_load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline V16 v_load_n(const float* p, int64_t n) {
-  return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
-}
-inline V16 v_fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline __m256 v_fold(V16 x) {  // lane l + lane l + 8
-  return _mm256_add_ps(_mm512_castps512_ps256(x.v),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)));
-}
+constexpr int F32_W = 16, F32_NA = 3, F32_RJ = 8;  // 3 x 8 accumulators + 3 A vectors + 1 broadcast (of 32)
+using VF = __m512;
+inline VF vf_zero() { return _mm512_setzero_ps(); }
+inline VF vf_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void vf_store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline VF vf_set1(float x) { return _mm512_set1_ps(x); }
+inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 #else
-constexpr int F32_RI = 2, F32_RJ = 2;
-struct V16 {
-  __m256 lo, hi;
-};
-inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline V16 v_load_n(const float* p, int64_t n) {
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
-  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), idx);
-  return {_mm256_maskload_ps(p, lo), _mm256_maskload_ps(p + 8, hi)};
-}
-inline V16 v_fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline __m256 v_fold(V16 x) { return _mm256_add_ps(x.lo, x.hi); }  // lane l + lane l + 8
+constexpr int F32_W = 8, F32_NA = 2, F32_RJ = 6;  // 2 x 6 accumulators + 2 A vectors + 1 broadcast (of 16)
+using VF = __m256;
+inline VF vf_zero() { return _mm256_setzero_ps(); }
+inline VF vf_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void vf_store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline VF vf_set1(float x) { return _mm256_set1_ps(x); }
+inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
+constexpr int64_t F32_P = F32_NA * F32_W;  // rows of A per register tile
+constexpr int64_t F32_IB = 10 * F32_P;     // rows of A per work unit
+constexpr int64_t F32_JB = 60 * F32_RJ;    // at most this many rows of B per work unit
+constexpr int64_t F32_KC = 192;            // K block
+constexpr int64_t F32_PREFETCH = 64;       // floats ahead on each row of A while packing
 
-inline float hsum16(V16 v) {
-  const __m256 a = v_fold(v);
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  const __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
-  return _mm_cvtss_f32(d);
-}
-
-// x [rows, cols] 32-bit words (row stride ld) -> xt [cols, rows] (row stride ldt): 16x16 blocks (AVX-512), scalar
-// tails (and scalar everywhere on AVX2)
-void transpose_words(const uint32_t* x, int64_t rows, int64_t cols, int64_t ld, uint32_t* xt, int64_t ldt,
-                     int threads) {
-#if !defined(ZK_F32_AVX512)
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cols > 16)
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) xt[c * ldt + r] = x[r * ld + c];
-#else
-  const int64_t cb = (cols + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cb > 1)
-  for (int64_t c = 0; c < cb; ++c) {
-    const int64_t c0 = c * 16;
-    int64_t r0 = 0;
-    if (c0 + 16 <= cols)
-      for (; r0 + 16 <= rows; r0 += 16) transpose16(x + r0 * ld + c0, ld, xt + c0 * ldt + r0, ldt);
-    for (int64_t cc = c0; cc < c0 + 16 && cc < cols; ++cc)
-      for (int64_t r = (c0 + 16 <= cols ? r0 : 0); r < rows; ++r) xt[cc * ldt + r] = x[r * ld + cc];
+// A panel: dst[kk * F32_P + r] = A(r0 + r, k0 + kk), zero for r >= nr; A(r, k) = a[r * lda + k] (K contiguous) or
+// a[k * lda + r] (k-major)
+void pack_a_f32(const float* a, int64_t lda, int kmajor, int64_t r0, int64_t nr, int64_t k0, int64_t nk,
+                float* dst) {
+  if (kmajor) {
+    if (nr == F32_P) {
+      for (int64_t kk = 0; kk < nk; ++kk) std::memcpy(dst + kk * F32_P, a + (k0 + kk) * lda + r0, sizeof(float) * F32_P);
+      return;
+    }
+    for (int64_t kk = 0; kk < nk; ++kk) {
+      std::memcpy(dst + kk * F32_P, a + (k0 + kk) * lda + r0, static_cast<size_t>(nr) * sizeof(float));
+      std::memset(dst + kk * F32_P + nr, 0, static_cast<size_t>(F32_P - nr) * sizeof(float));
+    }
+    return;
+  }
+  int64_t r = 0;
+#if defined(ZK_F32_AVX512)
+  for (; r + 16 <= nr; r += 16) {
+    const float* src = a + (r0 + r) * lda + k0;
+    int64_t kk = 0;
+    for (; kk + 16 <= nk; kk += 16) {
+      for (int64_t q = 0; q < 16; ++q)  // 16 row streams of 64 bytes a step: too slow for the hardware prefetcher
+        _mm_prefetch(reinterpret_cast<const char*>(src + q * lda + kk + F32_PREFETCH), _MM_HINT_T0);
+      transpose16(reinterpret_cast<const uint32_t*>(src + kk), lda,
+                  reinterpret_cast<uint32_t*>(dst + kk * F32_P + r), F32_P);
+    }
+    for (; kk < nk; ++kk)
+      for (int64_t q = 0; q < 16; ++q) dst[kk * F32_P + r + q] = src[q * lda + kk];
   }
 #endif
+  for (; r < nr; ++r) {
+    const float* src = a + (r0 + r) * lda + k0;
+    for (int64_t kk = 0; kk < nk; ++kk) dst[kk * F32_P + r] = src[kk];
+  }
+  if (nr < F32_P)
+    for (int64_t kk = 0; kk < nk; ++kk)
+      std::memset(dst + kk * F32_P + nr, 0, static_cast<size_t>(F32_P - nr) * sizeof(float));
 }
 
-template <int RI, int RJ>
-inline void tile_f32(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float (*c)[6]) {
-  V16 acc[RI][RJ];
-  for (int r = 0; r < RI; ++r)
-    for (int q = 0; q < RJ; ++q) acc[r][q] = v_zero();
-  int64_t t = 0;
-  for (; t + 16 <= k; t += 16) {
-    V16 bv[RJ];
-    for (int q = 0; q < RJ; ++q) bv[q] = v_load(b + q * ldb + t);
-    for (int r = 0; r < RI; ++r) {
-      const V16 av = v_load(a + r * lda + t);
-      for (int q = 0; q < RJ; ++q) acc[r][q] = v_fma(av, bv[q], acc[r][q]);
-    }
-  }
-  if (t < k) {
-    V16 bv[RJ];
-    for (int q = 0; q < RJ; ++q) bv[q] = v_load_n(b + q * ldb + t, k - t);
-    for (int r = 0; r < RI; ++r) {
-      const V16 av = v_load_n(a + r * lda + t, k - t);
-      for (int q = 0; q < RJ; ++q) acc[r][q] = v_fma(av, bv[q], acc[r][q]);
-    }
-  }
-  for (int r = 0; r < RI; ++r)
-    for (int q = 0; q < RJ; ++q) c[r][q] = hsum16(acc[r][q]);
-}
-
-template <int RI>
-inline void row_tiles_f32(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, int64_t i0,
-                          int64_t j0, int64_t j1, const float* bias, float* out, int transpose, int64_t ldo) {
-  float c[4][6];
-  for (int64_t j = j0; j < j1; j += F32_RJ) {
-    const int64_t nj = j1 - j < F32_RJ ? j1 - j : F32_RJ;
-    const float* bj = b + j * ldb;
-    switch (nj) {
-      case 6: tile_f32<RI, 6>(a, lda, bj, ldb, k, c); break;
-      case 5: tile_f32<RI, 5>(a, lda, bj, ldb, k, c); break;
-      case 4: tile_f32<RI, 4>(a, lda, bj, ldb, k, c); break;
-      case 3: tile_f32<RI, 3>(a, lda, bj, ldb, k, c); break;
-      case 2: tile_f32<RI, 2>(a, lda, bj, ldb, k, c); break;
-      default: tile_f32<RI, 1>(a, lda, bj, ldb, k, c); break;
-    }
-    for (int r = 0; r < RI; ++r)
-      for (int64_t q = 0; q < nj; ++q) {
-        const float v = bias ? c[r][q] + bias[i0 + r] : c[r][q];
-        out[transpose ? (j + q) * ldo + i0 + r : (i0 + r) * ldo + j + q] = v;
+// B rows [r0, r0 + nr) in blocks of F32_RJ: block q at dst + q * nk * F32_RJ, [nk][F32_RJ], rows past nr zero
+void pack_b_f32(const float* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr, int64_t k0, int64_t nk,
+                float* dst) {
+  const int64_t blk = nk * F32_RJ;
+  int64_t r = 0;
+#if defined(ZK_F32_AVX512)
+  static_assert(F32_RJ == 8, "two 8-row blocks per 16x16 transpose");
+  if (!kmajor) {
+    alignas(64) uint32_t t[16 * 16];
+    for (; r + 16 <= nr; r += 16) {
+      const float* src = b + (r0 + r) * ldb + k0;
+      float* d0 = dst + (r / F32_RJ) * blk;
+      float* d1 = d0 + blk;
+      int64_t kk = 0;
+      for (; kk + 16 <= nk; kk += 16) {
+        transpose16(reinterpret_cast<const uint32_t*>(src + kk), ldb, t, 16);
+        for (int c = 0; c < 16; ++c) {
+          const __m512 v = _mm512_load_ps(reinterpret_cast<const float*>(t + c * 16));
+          _mm256_storeu_ps(d0 + (kk + c) * F32_RJ, _mm512_castps512_ps256(v));
+          _mm256_storeu_ps(d1 + (kk + c) * F32_RJ,
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        }
       }
+      for (; kk < nk; ++kk)
+        for (int64_t q = 0; q < 16; ++q) (q < 8 ? d0 : d1)[kk * F32_RJ + q % 8] = src[q * ldb + kk];
+    }
+  }
+#endif
+  if (kmajor)  // whole blocks: one row of F32_RJ floats per k, contiguous in both
+    for (; r + F32_RJ <= nr; r += F32_RJ) {
+      float* d = dst + (r / F32_RJ) * blk;
+      const float* src = b + k0 * ldb + r0 + r;
+      for (int64_t kk = 0; kk < nk; ++kk) std::memcpy(d + kk * F32_RJ, src + kk * ldb, F32_RJ * sizeof(float));
+    }
+  const int64_t nr_pad = (nr + F32_RJ - 1) / F32_RJ * F32_RJ;
+  for (; r < nr_pad; ++r) {
+    float* d = dst + (r / F32_RJ) * blk + r % F32_RJ;
+    if (r >= nr)
+      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = 0.0f;
+    else if (kmajor)
+      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = b[(k0 + kk) * ldb + r0 + r];
+    else
+      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = b[(r0 + r) * ldb + k0 + kk];
   }
 }
+
+// acc[q][0..F32_P) (row stride ldc) = (resume ? acc : 0) + the chain over nk steps of ap [nk][F32_P] x bp [nk][F32_RJ]
+// for the block's first RJ rows of B
+template <int RJ>
+void micro_f32(const float* ap, int64_t lap, const float* bp, int64_t nk, float* acc, int64_t ldc, bool resume) {
+  VF c[RJ][F32_NA];
+  for (int q = 0; q < RJ; ++q)
+    for (int v = 0; v < F32_NA; ++v) c[q][v] = resume ? vf_load(acc + q * ldc + v * F32_W) : vf_zero();
+  for (int64_t kk = 0; kk < nk; ++kk) {
+    VF av[F32_NA];
+    for (int v = 0; v < F32_NA; ++v) av[v] = vf_load(ap + kk * lap + v * F32_W);
+    for (int q = 0; q < RJ; ++q) {
+      const VF bq = vf_set1(bp[kk * F32_RJ + q]);
+      for (int v = 0; v < F32_NA; ++v) c[q][v] = vf_fma(av[v], bq, c[q][v]);
+    }
+  }
+  for (int q = 0; q < RJ; ++q)
+    for (int v = 0; v < F32_NA; ++v) vf_store(acc + q * ldc + v * F32_W, c[q][v]);
+}
+
+using MicroF32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+template <int... R>
+constexpr std::array<MicroF32, sizeof...(R)> micro_table(std::integer_sequence<int, R...>) {
+  return {&micro_f32<R + 1>...};
+}
+constexpr auto MICRO_F32 = micro_table(std::make_integer_sequence<int, F32_RJ>{});  // [rj - 1]: rj rows of B
 
 }  // namespace
 #endif
@@ -502,46 +529,88 @@ int zk_gemm_has_f32() {
 #endif
 }
 
-// C = A · Bᵀ in float32 (see above). a: [i_rows, k], row stride lda; b: [j_rows, k], row stride ldb; bias: i_rows or
-// null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (1), row stride ldo. Returns 0, or -1 without
-// AVX-512 or AVX2 + FMA in this build.
+// C = A · Bᵀ in float32 (see above). a: [i_rows, k], row stride lda (a_kmajor: [k, i_rows], row stride lda); b:
+// [j_rows, k] likewise; bias: i_rows or null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (1), row
+// stride ldo. Returns 0, or -1 without AVX-512 or AVX2 + FMA in this build.
 int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
                     int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
                     int64_t ldo, int threads) {
 #if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  // a k-major operand ([k, rows], rows contiguous) is transposed first into a per-calling-thread buffer
-  thread_local std::vector<float> a_buf, b_buf;
-  if (a_kmajor) {
-    if (a_buf.size() < static_cast<size_t>(i_rows * k)) a_buf.resize(static_cast<size_t>(i_rows * k));
-    transpose_words(reinterpret_cast<const uint32_t*>(a), k, i_rows, lda, reinterpret_cast<uint32_t*>(a_buf.data()),
-                    k, threads);
-    a = a_buf.data(), lda = k;
+  // chunks of B of near-equal size (a multiple of the register tile), so that threads get near-equal work
+  const int64_t chunks = (j_rows + F32_JB - 1) / F32_JB;
+  const int64_t chunk_j = ((j_rows + chunks - 1) / chunks + F32_RJ - 1) / F32_RJ * F32_RJ;
+  // rows of A per unit: F32_IB, or fewer when B has a single chunk, so that every thread gets units (decode)
+  int64_t ib = F32_IB;
+  if (chunks < 2 * threads) {
+    const int64_t want = 4 * threads / chunks;
+    ib = ((i_rows + want - 1) / want + F32_P - 1) / F32_P * F32_P;
+    ib = ib < F32_P ? F32_P : (ib > F32_IB ? F32_IB : ib);
   }
-  if (b_kmajor) {
-    if (b_buf.size() < static_cast<size_t>(j_rows * k)) b_buf.resize(static_cast<size_t>(j_rows * k));
-    transpose_words(reinterpret_cast<const uint32_t*>(b), k, j_rows, ldb, reinterpret_cast<uint32_t*>(b_buf.data()),
-                    k, threads);
-    b = b_buf.data(), ldb = k;
-  }
-  // chunks of B of near-equal size (a multiple of the 6-row tile), so that threads get near-equal work
-  const int64_t chunks = (j_rows + F32_CHUNK_J - 1) / F32_CHUNK_J;
-  const int64_t chunk_j = ((j_rows + chunks - 1) / chunks + 5) / 6 * 6;
-  const int64_t groups = (i_rows + F32_GROUP_I - 1) / F32_GROUP_I;
+  const int64_t groups = (i_rows + ib - 1) / ib;
   const int64_t units = chunks * groups;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
   for (int64_t u = 0; u < units; ++u) {
+    thread_local std::vector<float> ap_buf, bp_buf, acc_buf;
     const int64_t ch = u / groups, gi = u % groups;
-    const int64_t j0 = ch * chunk_j, j1 = j0 + chunk_j < j_rows ? j0 + chunk_j : j_rows;
-    if (j0 >= j1) continue;
-    const int64_t i_end = (gi + 1) * F32_GROUP_I < i_rows ? (gi + 1) * F32_GROUP_I : i_rows;
-    for (int64_t i = gi * F32_GROUP_I; i < i_end; i += F32_RI) {
-      const float* ai = a + i * lda;
-      switch (i_end - i < F32_RI ? i_end - i : F32_RI) {
-        case 4: row_tiles_f32<4>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
-        case 3: row_tiles_f32<3>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
-        case 2: row_tiles_f32<2>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
-        default: row_tiles_f32<1>(ai, lda, b, ldb, k, i, j0, j1, bias, out, transpose, ldo); break;
+    const int64_t j0 = ch * chunk_j, nj = (j0 + chunk_j < j_rows ? j0 + chunk_j : j_rows) - j0;
+    if (nj <= 0) continue;
+    const int64_t i0 = gi * ib, ni = (i0 + ib < i_rows ? i0 + ib : i_rows) - i0;
+    const int64_t nip = (ni + F32_P - 1) / F32_P * F32_P;
+    const int64_t njp = (nj + F32_RJ - 1) / F32_RJ * F32_RJ;
+    const int64_t kc = F32_KC;
+    ap_buf.resize(static_cast<size_t>(kc * F32_P));
+    bp_buf.resize(static_cast<size_t>(kc * njp));
+    acc_buf.resize(static_cast<size_t>(njp * nip));
+    float* const ap = ap_buf.data();
+    float* const bp = bp_buf.data();
+    float* const acc = acc_buf.data();  // acc[j][i], row stride nip
+    for (int64_t k0 = 0; k0 < k; k0 += kc) {
+      const int64_t nk = k - k0 < kc ? k - k0 : kc;
+      pack_b_f32(b, ldb, b_kmajor, j0, nj, k0, nk, bp);
+      for (int64_t ir = 0; ir < ni; ir += F32_P) {  // one A panel at a time, kept in L1 over the B blocks
+        // a full panel of a k-major A is read in place when only one B block uses it (its rows lie a row stride of A
+        // apart: with more blocks, a contiguous copy stays in L1 where 4 KiB-strided rows would collide)
+        const float* ar = ap;
+        int64_t lar = F32_P;
+        if (a_kmajor && ni - ir >= F32_P && nj <= F32_RJ)
+          ar = a + k0 * lda + i0 + ir, lar = lda;
+        else
+          pack_a_f32(a, lda, a_kmajor, i0 + ir, ni - ir < F32_P ? ni - ir : F32_P, k0, nk, ap);
+        for (int64_t jr = 0; jr < nj; jr += F32_RJ)
+          MICRO_F32[(nj - jr < F32_RJ ? nj - jr : F32_RJ) - 1](ar, lar, bp + jr * nk, nk, acc + jr * nip + ir, nip,
+                                                              k0 > 0);
       }
+    }
+    if (transpose) {  // out [j_rows, i_rows]: acc's rows
+      for (int64_t j = 0; j < nj; ++j) {
+        const float* c = acc + j * nip;
+        float* o = out + (j0 + j) * ldo + i0;
+        if (bias)
+          for (int64_t i = 0; i < ni; ++i) o[i] = c[i] + bias[i0 + i];
+        else
+          std::memcpy(o, c, static_cast<size_t>(ni) * sizeof(float));
+      }
+    } else {  // out [i_rows, j_rows]: acc's transpose, 16x16 blocks where whole
+      int64_t jb = 0;
+#if defined(ZK_F32_AVX512)
+      for (; jb + 16 <= nj; jb += 16) {
+        int64_t ib = 0;
+        for (; ib + 16 <= ni; ib += 16) {
+          float* o = out + (i0 + ib) * ldo + j0 + jb;
+          transpose16(reinterpret_cast<const uint32_t*>(acc + jb * nip + ib), nip, reinterpret_cast<uint32_t*>(o),
+                      ldo);
+          if (bias)
+            for (int64_t i = 0; i < 16; ++i)
+              _mm512_storeu_ps(o + i * ldo, _mm512_add_ps(_mm512_loadu_ps(o + i * ldo), _mm512_set1_ps(bias[i0 + ib + i])));
+        }
+        for (int64_t i = ib; i < ni; ++i)
+          for (int64_t j = jb; j < jb + 16; ++j)
+            out[(i0 + i) * ldo + j0 + j] = bias ? acc[j * nip + i] + bias[i0 + i] : acc[j * nip + i];
+      }
+#endif
+      for (int64_t i = 0; i < ni; ++i)
+        for (int64_t j = jb; j < nj; ++j)
+          out[(i0 + i) * ldo + j0 + j] = bias ? acc[j * nip + i] + bias[i0 + i] : acc[j * nip + i];
     }
   }
   return 0;
