@@ -17,7 +17,8 @@ KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf1
 
 # (I, J, K): tails of the 32-row strips, the 16-row B blocks, the 32-element K steps, odd K, K > one 256 block
 SHAPES = [(1, 1, 1), (17, 5, 33), (48, 100, 96), (33, 70, 1000), (300, 257, 64), (64, 19, 2050),
-          (530, 1000, 200)]  # several work units of the float32 kernel on both sides
+          (530, 1000, 200),  # several work units of the float32 kernel on both sides
+          (100, 30, 300)]  # the float32 kernel's few-rows path (9..48 rows of B: the tokens are the vector operand)
 
 
 def _with_threads(n, fn):
@@ -72,7 +73,7 @@ def test_gemm_abt_strided_rows_and_errors(dtype):
         for x, y in ((at, b), (a, bt), (at, bt)):
             assert torch.equal(gemm_cpu.gemm_abt(x, y), want), (i, j, k)
     with pytest.raises(ValueError, match="K differs"):
-        gemm_cpu.gemm_abt(a, wide_b)
+        gemm_cpu.gemm_abt(a, torch.zeros(3, a.shape[1] + 1, dtype=dtype))
     with pytest.raises(TypeError, match="must be a 2-d"):
         gemm_cpu.gemm_abt(a, b.half() if dtype == torch.float32 else b.float())
 
@@ -104,10 +105,12 @@ def test_linear_gradients_thread_invariant(dtype):
 
 def _variants(gemm_cpu, a, b, bias):
     """The float32 kernel's paths: ``[J, I]`` and ``[I, J]`` outputs, k-major views of A and of B (read in place or
-    packed by row copies), a single row of B (decode)."""
+    packed by row copies), a single row of B (decode), 12 rows of B (the few-rows path, A's rows or its k-major
+    view broadcast)."""
     return (gemm_cpu.gemm_abt(a, b, bias, transpose=True), gemm_cpu.gemm_abt(a, b, bias),
             gemm_cpu.gemm_abt(a.t().contiguous().t(), b.t().contiguous().t(), bias),
-            gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:1], bias, transpose=True))
+            gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:1], bias, transpose=True),
+            gemm_cpu.gemm_abt(a, b[:12], bias), gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:12], bias))
 
 
 @needs_f32
@@ -143,7 +146,7 @@ def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     avx2, here = torch.load(tmp_path / "out.pt"), _variants(gemm_cpu, a, b, bias)
-    assert len(avx2) == len(here) == 4
+    assert len(avx2) == len(here) == 6
     for x, y in zip(avx2, here):
         assert torch.equal(x, y)
     if "avx512f" not in open("/proc/cpuinfo").read():

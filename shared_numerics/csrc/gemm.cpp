@@ -516,6 +516,77 @@ constexpr std::array<MicroF32, sizeof...(R)> micro_table(std::integer_sequence<i
 }
 constexpr auto MICRO_F32 = micro_table(std::make_integer_sequence<int, F32_RJ>{});  // [rj - 1]: rj rows of B
 
+// Few rows of B (decode: B = a handful of tokens, A = a weight): the roles swap — the tokens are the vector operand
+// (packed once, [k][F32_P], NA vectors used) and the weight's rows are broadcast straight from memory, each row
+// streamed once, nothing transposed. fma(a, b, c) = fma(b, a, c), so an element's chain is the same.
+// acc[q][0..NA*F32_W) = chain over nk of tok [nk][F32_P] x W row q; W element (q, kk) at w[q * ls + kk] (ROWS: W's
+// own K-contiguous rows) or w[kk * ls + q] (k-major)
+template <int RJ, int NA, bool ROWS>
+void micro_few(const float* tok, const float* w, int64_t ls, int64_t nk, float* acc) {
+  VF c[RJ][NA];
+  for (int q = 0; q < RJ; ++q)
+    for (int v = 0; v < NA; ++v) c[q][v] = vf_zero();
+  const float* row[RJ];
+  for (int q = 0; q < RJ; ++q) row[q] = w + q * ls;
+  for (int64_t kk = 0; kk < nk; ++kk) {
+    VF tv[NA];
+    for (int v = 0; v < NA; ++v) tv[v] = vf_load(tok + kk * F32_P + v * F32_W);
+    for (int q = 0; q < RJ; ++q) {
+      const VF wq = vf_set1(ROWS ? row[q][kk] : w[kk * ls + q]);
+      for (int v = 0; v < NA; ++v) c[q][v] = vf_fma(tv[v], wq, c[q][v]);
+    }
+  }
+  for (int q = 0; q < RJ; ++q)
+    for (int v = 0; v < NA; ++v) vf_store(acc + q * F32_P + v * F32_W, c[q][v]);
+}
+
+using MicroFew = void (*)(const float*, const float*, int64_t, int64_t, float*);
+template <int NA, bool ROWS, int... R>
+constexpr std::array<MicroFew, sizeof...(R)> few_table(std::integer_sequence<int, R...>) {
+  return {&micro_few<R + 1, NA, ROWS>...};
+}
+template <int NA, bool ROWS>
+constexpr auto FEW = few_table<NA, ROWS>(std::make_integer_sequence<int, F32_RJ>{});
+
+MicroFew pick_few(int na, bool rows, int rj) {
+  if (na == 1) return rows ? FEW<1, true>[rj - 1] : FEW<1, false>[rj - 1];
+#if defined(ZK_F32_AVX512)
+  if (na == 2) return rows ? FEW<2, true>[rj - 1] : FEW<2, false>[rj - 1];
+  return rows ? FEW<3, true>[rj - 1] : FEW<3, false>[rj - 1];
+#else
+  return rows ? FEW<2, true>[rj - 1] : FEW<2, false>[rj - 1];
+#endif
+}
+
+constexpr int64_t F32_FEW_ROWS = 8 * F32_RJ;  // rows of A per work unit on the few-rows path
+
+// C = A · Bᵀ for F32_RJ < j_rows <= F32_P (see micro_few); same arguments as zk_gemm_abt_f32
+void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                  int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
+                  int threads) {
+  thread_local std::vector<float> tok_buf;
+  tok_buf.resize(static_cast<size_t>(k * F32_P));
+  float* const tok = tok_buf.data();
+  pack_a_f32(b, ldb, b_kmajor, 0, j_rows, 0, k, tok);  // the tokens, [k][F32_P], zero past j_rows
+  const int na = static_cast<int>((j_rows + F32_W - 1) / F32_W);
+  const int64_t units = (i_rows + F32_FEW_ROWS - 1) / F32_FEW_ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
+  for (int64_t u = 0; u < units; ++u) {
+    alignas(64) float acc[F32_RJ * F32_P];
+    const int64_t i_end = (u + 1) * F32_FEW_ROWS < i_rows ? (u + 1) * F32_FEW_ROWS : i_rows;
+    for (int64_t i = u * F32_FEW_ROWS; i < i_end; i += F32_RJ) {
+      const int rj = static_cast<int>(i_end - i < F32_RJ ? i_end - i : F32_RJ);
+      const float* w = a_kmajor ? a + i : a + i * lda;
+      pick_few(na, !a_kmajor, rj)(tok, w, lda, k, acc);
+      for (int q = 0; q < rj; ++q)
+        for (int64_t j = 0; j < j_rows; ++j) {
+          const float v = bias ? acc[q * F32_P + j] + bias[i + q] : acc[q * F32_P + j];
+          out[transpose ? j * ldo + i + q : (i + q) * ldo + j] = v;
+        }
+    }
+  }
+}
+
 }  // namespace
 #endif
 
@@ -536,6 +607,10 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
                     int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
                     int64_t ldo, int threads) {
 #if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  if (j_rows > F32_RJ && j_rows <= F32_P && i_rows >= F32_FEW_ROWS) {  // (fewer rows: the packed path is faster)
+    gemm_f32_few(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
+    return 0;
+  }
   // chunks of B of near-equal size (a multiple of the register tile), so that threads get near-equal work
   const int64_t chunks = (j_rows + F32_JB - 1) / F32_JB;
   const int64_t chunk_j = ((j_rows + chunks - 1) / chunks + F32_RJ - 1) / F32_RJ * F32_RJ;
