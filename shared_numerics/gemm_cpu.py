@@ -19,8 +19,9 @@ is waited).
 
 Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``;
 ``benchmarks/results/linear_xeon_amx_cpu2.json``): bf16 M = 1: 1.1x, M = 16: 1.5x, M = 256: 0.90x, M = 2048: 0.84x;
-float32 (the chain kernel, ``benchmarks/results/linear_xeon_amx_cpu2_f32chain.json``): see that file; the 16-lane
-dot-form kernel it replaced measured 0.57x / 1.4x / 0.86x / 0.70x and 0.36x at K = 3072 (no K blocking).
+float32 0.43x / 0.90x / 0.86x / 0.72x (the 16-lane dot-form kernel this one replaced: 0.57x / 1.4x / 0.86x / 0.70x, and
+0.36x at K = 3072 for want of K blocking). At M = 1 the weight is transposed per call (16x16 blocks) where MKL reads it
+as it lies; 9 to 48 tokens take a path that broadcasts the weight's rows in place.
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
 operand layout of oneDNN's AMX kernels.

@@ -24,9 +24,9 @@ So a row's result depends only on the row, ``W`` and ``b``. Trainer and engine o
 trainer and an engine whose contracts differ are refused before anything runs.
 
 Measured ours ÷ ``F.linear`` (stock on 2 torch threads), ``K = N = 1024``, M = 1 / 16 / 256 / 2048, 2-core Xeon with
-AMX, ``benchmarks/results/linear_xeon_amx_cpu2.json``: forward bf16 1.11x / 1.46x / 0.90x / 0.84x, float32 0.57x /
-1.38x / 0.86x / 0.70x; forward + backward bf16 0.63x / 0.82x / 0.86x / 0.94x, float32 0.13x / 0.30x / 0.69x / 0.65x
-(few rows: dW's K is the call's rows, per-tile overhead). The pinned one-thread oneDNN calls these replace measured
+AMX, ``benchmarks/results/linear_xeon_amx_cpu2.json``: forward bf16 1.83x / 1.61x / 0.85x / 0.85x, float32 0.43x /
+0.90x / 0.86x / 0.72x; forward + backward bf16 0.91x / 0.76x / 0.85x / 0.88x, float32 0.87x / 0.51x / 0.70x / 0.64x
+(float32 at M = 1: the weight is transposed per call, where MKL's dot products read it as it lies). The pinned one-thread oneDNN calls these replace measured
 bf16 0.20x / 0.25x / 0.29x / 0.26x forward.
 
 Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
