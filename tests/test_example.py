@@ -122,6 +122,24 @@ def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0
 
 
+def test_countdown_fp8_block_side_by_side(engine_slot, tmp_path):
+    """``--fp8 block`` in both runs: zerokld (block FP8 QAT + the shared quantizer in vLLM) has k3 exactly 0; stock
+    (vLLM's own online ``fp8_per_block`` against a bf16 trainer) has a gap at every step — the negative control."""
+    from examples.countdown.run import main
+
+    engine_slot.close()
+    out = tmp_path / "cd8b"
+    main(["--out", str(out), "--fp8", "block", "--steps", "2", "--sft-steps", "2", "--prompts-per-step", "8",
+          "--group-size", "4"])
+    zk, stock = _metrics(out, "zerokld"), _metrics(out, "stock")
+    assert [r["step"] for r in zk] == [r["step"] for r in stock] == [1, 2]
+    for r in zk:
+        assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0
+    for r in stock:
+        assert r["k3"] > 0.0 and r["tokens_bitwise_different"] > 0
+    assert "`quantization=fp8_per_block`" in (out / "summary.md").read_text()
+
+
 def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
     """``--moe``: a Qwen3-MoE checkpoint; vLLM returns each rollout's routed experts and the trainer replays them
     (R3): k3 exactly 0 and no clipped token at every step."""

@@ -64,7 +64,9 @@ class ServedEngine:
         args = ["--model", str(ckpt), "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
                 "--enforce-eager", "--seed", str(seed)]
         if fp8 and not zerokld:
-            args += ["--quantization", "fp8_per_channel"]
+            from .run import stock_fp8_quantization
+
+            args += ["--quantization", stock_fp8_quantization(fp8)]
         self.model = str(ckpt)
         self.server = OpenAIServer([*args, "--additional-config", json.dumps({"zerokld": section})], log_path,
                                    env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
