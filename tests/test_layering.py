@@ -7,6 +7,7 @@ packages, are reported broken, naming the imports — the linter sees the real g
 """
 from __future__ import annotations
 
+import configparser
 import re
 import subprocess
 import sys
@@ -25,18 +26,17 @@ def _lint(config: Path) -> subprocess.CompletedProcess:
 
 
 def _write_config(section: dict, path: Path) -> Path:
-    """``section`` as a ``[tool.importlinter]`` TOML file (import-linter reads only that table)."""
+    """``section`` (pyproject's ``[tool.importlinter]`` table) as import-linter's INI config, written by configparser:
+    lists as one item per line, each contract in ``[importlinter:contract:<id>]``."""
     def val(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return "\n".join(v) if isinstance(v, list) else str(v)
 
-    lines = ["[tool.importlinter]"] + [f"{k} = {val(v)}" for k, v in section.items() if k != "contracts"]
+    ini = configparser.ConfigParser()
+    ini["importlinter"] = {k: val(v) for k, v in section.items() if k != "contracts"}
     for c in section["contracts"]:
-        lines += ["", "[[tool.importlinter.contracts]]"] + [f"{k} = {val(v)}" for k, v in c.items()]
-    path.write_text("\n".join(lines) + "\n")
+        ini[f"importlinter:contract:{c['id']}"] = {k: val(v) for k, v in c.items() if k != "id"}
+    with path.open("w") as f:
+        ini.write(f)
     return path
 
 
@@ -53,7 +53,7 @@ def test_import_contracts_kept():
 
 def test_without_the_listed_exceptions_the_upward_imports_are_reported(section, tmp_path):
     contracts = [{k: v for k, v in c.items() if k != "ignore_imports"} for c in section["contracts"]]
-    r = _lint(_write_config({**section, "contracts": contracts}, tmp_path / "strict.toml"))
+    r = _lint(_write_config({**section, "contracts": contracts}, tmp_path / "strict.ini"))
     assert r.returncode != 0, r.stdout
     assert "zerokld_models is not allowed to import vllm_plugin" in r.stdout, r.stdout
     assert "zerokld_models is not allowed to import titan_plugin" in r.stdout, r.stdout
@@ -62,6 +62,6 @@ def test_without_the_listed_exceptions_the_upward_imports_are_reported(section, 
 def test_a_package_that_imports_vllm_breaks_the_host_free_contract(section, tmp_path):
     contracts = [dict(c, source_modules=[*c["source_modules"], "zerokld_models"]) if c["id"] == "hosts" else c
                  for c in section["contracts"]]
-    r = _lint(_write_config({**section, "contracts": contracts}, tmp_path / "hosts.toml"))
+    r = _lint(_write_config({**section, "contracts": contracts}, tmp_path / "hosts.ini"))
     assert r.returncode != 0, r.stdout
     assert "zerokld_models is not allowed to import vllm" in r.stdout, r.stdout
