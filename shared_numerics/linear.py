@@ -14,8 +14,10 @@ threads at K 3072–8192). Paths, chosen per machine (:data:`GEMM_PARTITION`, in
   torch's OpenMP team, so the bits depend on neither ``M`` nor the thread count, and no Python loop runs per tile.
 * **float32 on FMA units** (:func:`~shared_numerics.gemm_cpu.f32_available`: AVX-512, or AVX2 + FMA): the same
   kernel file's FMA kernel (one fused multiply-add chain per element in K order, register tiles of the BLIS/MKL
-  micro-kernel form; the same bits on both ISAs), likewise whole per element. bf16 on a CPU without bf16 matrix units is upcast (exactly) to it.
-* elsewhere (bf16 on AVX512-BF16 without AMX; CPUs without FMA): oneDNN calls through ``torch.ops.mkldnn._linear_pointwise`` of
+  micro-kernel form; the same bits on both ISAs), likewise whole per element. bf16 on a CPU without bf16 matrix
+  units is upcast (exactly) to it.
+* elsewhere (bf16 on AVX512-BF16 without AMX; CPUs without FMA): oneDNN calls through
+  ``torch.ops.mkldnn._linear_pointwise`` of
   exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last zero-padded),
   each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1) set on the calling thread for
   the calls only.
@@ -26,8 +28,8 @@ trainer and an engine whose contracts differ are refused before anything runs.
 Measured ours ÷ ``F.linear`` (stock on 2 torch threads), ``K = N = 1024``, M = 1 / 16 / 256 / 2048, 2-core Xeon with
 AMX, ``benchmarks/results/linear_xeon_amx_cpu2.json``: forward bf16 1.83x / 1.61x / 0.85x / 0.85x, float32 0.43x /
 0.90x / 0.86x / 0.72x; forward + backward bf16 0.91x / 0.76x / 0.85x / 0.88x, float32 0.87x / 0.51x / 0.70x / 0.64x
-(float32 at M = 1: the weight is transposed per call, where MKL's dot products read it as it lies). The pinned one-thread oneDNN calls these replace measured
-bf16 0.20x / 0.25x / 0.29x / 0.26x forward.
+(float32 at M = 1: the weight is transposed per call, where MKL's dot products read it as it lies). The pinned
+one-thread oneDNN calls these replace measured bf16 0.20x / 0.25x / 0.29x / 0.26x forward.
 
 Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
 depends only on its row of ``dY``: row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows
@@ -90,9 +92,8 @@ def native_bf16_gemm() -> bool:
 def gemm_partition() -> str:
     """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
     (``fmachain``: the kernel of :mod:`shared_numerics.gemm_cpu`, the same bits on AVX-512 and AVX2;
-    ``onednn:rows=32``)
-    and the bf16 path (``amx``; ``native:rows=128``: pinned oneDNN bf16 calls; ``fp32``: upcast to the float32 path),
-    e.g. ``"threads=1,f32=fmachain,bf16=amx"``."""
+    ``onednn:rows=32``) and the bf16 path (``amx``; ``native:rows=128``: pinned oneDNN bf16 calls; ``fp32``: upcast to
+    the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
     if amx_available():
         bf16 = "amx"

@@ -1,7 +1,7 @@
-"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512 / AVX2 FMA): close to a float64
-reference, and an element's bits depend only on its row of A and its row of B — not on the other rows, the tails,
-strides or the thread count. Each runs where the CPU has its unit (the test says so and skips otherwise: linear then
-takes oneDNN's pinned calls, tested in test_numerics)."""
+"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512 / AVX2 FMA): close
+to a float64 reference, and an element's bits depend only on its row of A and its row of B — not on the other rows,
+the tails, strides or the thread count. Each runs where the CPU has its unit (the test says so and skips otherwise:
+linear then takes oneDNN's pinned calls, tested in test_numerics)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,8 @@ import torch
 from shared_numerics import gemm_cpu
 
 needs_amx = pytest.mark.skipif(not gemm_cpu.amx_available(), reason="no AMX-BF16 on this CPU (or ZEROKLD_AMX=0)")
-needs_f32 = pytest.mark.skipif(not gemm_cpu.f32_available(), reason="no AVX-512F or AVX2 + FMA (or ZEROKLD_F32_KERNEL=0)")
+needs_f32 = pytest.mark.skipif(not gemm_cpu.f32_available(),
+                               reason="no AVX-512F or AVX2 + FMA (or ZEROKLD_F32_KERNEL=0)")
 KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
          pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
          pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32")]

@@ -403,7 +403,6 @@ constexpr int64_t F32_P = F32_NA * F32_W;  // rows of A per register tile
 constexpr int64_t F32_IB = 10 * F32_P;     // rows of A per work unit
 constexpr int64_t F32_JB = 60 * F32_RJ;    // at most this many rows of B per work unit
 constexpr int64_t F32_KC = 192;            // K block
-constexpr int64_t F32_PREFETCH = 64;       // floats ahead on each row of A while packing
 
 // A panel: dst[kk * F32_P + r] = A(r0 + r, k0 + kk), zero for r >= nr; A(r, k) = a[r * lda + k] (K contiguous) or
 // a[k * lda + r] (k-major)
@@ -411,7 +410,8 @@ void pack_a_f32(const float* a, int64_t lda, int kmajor, int64_t r0, int64_t nr,
                 float* dst) {
   if (kmajor) {
     if (nr == F32_P) {
-      for (int64_t kk = 0; kk < nk; ++kk) std::memcpy(dst + kk * F32_P, a + (k0 + kk) * lda + r0, sizeof(float) * F32_P);
+      for (int64_t kk = 0; kk < nk; ++kk)
+        std::memcpy(dst + kk * F32_P, a + (k0 + kk) * lda + r0, sizeof(float) * F32_P);
       return;
     }
     for (int64_t kk = 0; kk < nk; ++kk) {
@@ -425,12 +425,9 @@ void pack_a_f32(const float* a, int64_t lda, int kmajor, int64_t r0, int64_t nr,
   for (; r + 16 <= nr; r += 16) {
     const float* src = a + (r0 + r) * lda + k0;
     int64_t kk = 0;
-    for (; kk + 16 <= nk; kk += 16) {
-      for (int64_t q = 0; q < 16; ++q)  // 16 row streams of 64 bytes a step: too slow for the hardware prefetcher
-        _mm_prefetch(reinterpret_cast<const char*>(src + q * lda + kk + F32_PREFETCH), _MM_HINT_T0);
+    for (; kk + 16 <= nk; kk += 16)
       transpose16(reinterpret_cast<const uint32_t*>(src + kk), lda,
                   reinterpret_cast<uint32_t*>(dst + kk * F32_P + r), F32_P);
-    }
     for (; kk < nk; ++kk)
       for (int64_t q = 0; q < 16; ++q) dst[kk * F32_P + r + q] = src[q * lda + kk];
   }
@@ -632,15 +629,14 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
     const int64_t i0 = gi * ib, ni = (i0 + ib < i_rows ? i0 + ib : i_rows) - i0;
     const int64_t nip = (ni + F32_P - 1) / F32_P * F32_P;
     const int64_t njp = (nj + F32_RJ - 1) / F32_RJ * F32_RJ;
-    const int64_t kc = F32_KC;
-    ap_buf.resize(static_cast<size_t>(kc * F32_P));
-    bp_buf.resize(static_cast<size_t>(kc * njp));
+    ap_buf.resize(static_cast<size_t>(F32_KC * F32_P));
+    bp_buf.resize(static_cast<size_t>(F32_KC * njp));
     acc_buf.resize(static_cast<size_t>(njp * nip));
     float* const ap = ap_buf.data();
     float* const bp = bp_buf.data();
     float* const acc = acc_buf.data();  // acc[j][i], row stride nip
-    for (int64_t k0 = 0; k0 < k; k0 += kc) {
-      const int64_t nk = k - k0 < kc ? k - k0 : kc;
+    for (int64_t k0 = 0; k0 < k; k0 += F32_KC) {
+      const int64_t nk = k - k0 < F32_KC ? k - k0 : F32_KC;
       pack_b_f32(b, ldb, b_kmajor, j0, nj, k0, nk, bp);
       for (int64_t ir = 0; ir < ni; ir += F32_P) {  // one A panel at a time, kept in L1 over the B blocks
         // a full panel of a k-major A is read in place when only one B block uses it (its rows lie a row stride of A
@@ -656,36 +652,36 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
                                                               k0 > 0);
       }
     }
+    // element (j, i) of the unit: acc + bias, one float32 add (none without a bias)
+    const auto value = [&](int64_t j, int64_t i) { return bias ? acc[j * nip + i] + bias[i0 + i] : acc[j * nip + i]; };
     if (transpose) {  // out [j_rows, i_rows]: acc's rows
       for (int64_t j = 0; j < nj; ++j) {
-        const float* c = acc + j * nip;
         float* o = out + (j0 + j) * ldo + i0;
         if (bias)
-          for (int64_t i = 0; i < ni; ++i) o[i] = c[i] + bias[i0 + i];
+          for (int64_t i = 0; i < ni; ++i) o[i] = value(j, i);
         else
-          std::memcpy(o, c, static_cast<size_t>(ni) * sizeof(float));
+          std::memcpy(o, acc + j * nip, static_cast<size_t>(ni) * sizeof(float));
       }
     } else {  // out [i_rows, j_rows]: acc's transpose, 16x16 blocks where whole
       int64_t jb = 0;
 #if defined(ZK_F32_AVX512)
       for (; jb + 16 <= nj; jb += 16) {
-        int64_t ib = 0;
-        for (; ib + 16 <= ni; ib += 16) {
-          float* o = out + (i0 + ib) * ldo + j0 + jb;
-          transpose16(reinterpret_cast<const uint32_t*>(acc + jb * nip + ib), nip, reinterpret_cast<uint32_t*>(o),
+        int64_t i16 = 0;
+        for (; i16 + 16 <= ni; i16 += 16) {
+          float* o = out + (i0 + i16) * ldo + j0 + jb;
+          transpose16(reinterpret_cast<const uint32_t*>(acc + jb * nip + i16), nip, reinterpret_cast<uint32_t*>(o),
                       ldo);
           if (bias)
             for (int64_t i = 0; i < 16; ++i)
-              _mm512_storeu_ps(o + i * ldo, _mm512_add_ps(_mm512_loadu_ps(o + i * ldo), _mm512_set1_ps(bias[i0 + ib + i])));
+              _mm512_storeu_ps(o + i * ldo,
+                               _mm512_add_ps(_mm512_loadu_ps(o + i * ldo), _mm512_set1_ps(bias[i0 + i16 + i])));
         }
-        for (int64_t i = ib; i < ni; ++i)
-          for (int64_t j = jb; j < jb + 16; ++j)
-            out[(i0 + i) * ldo + j0 + j] = bias ? acc[j * nip + i] + bias[i0 + i] : acc[j * nip + i];
+        for (int64_t i = i16; i < ni; ++i)
+          for (int64_t j = jb; j < jb + 16; ++j) out[(i0 + i) * ldo + j0 + j] = value(j, i);
       }
 #endif
       for (int64_t i = 0; i < ni; ++i)
-        for (int64_t j = jb; j < nj; ++j)
-          out[(i0 + i) * ldo + j0 + j] = bias ? acc[j * nip + i] + bias[i0 + i] : acc[j * nip + i];
+        for (int64_t j = jb; j < nj; ++j) out[(i0 + i) * ldo + j0 + j] = value(j, i);
     }
   }
   return 0;
