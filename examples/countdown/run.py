@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+from examples.countdown.served import stock_fp8_quantization  # noqa: E402
 from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 from zerokld_testing.machine import ISA_FLAGS, cpu_model, isa_flags  # noqa: E402
@@ -122,12 +123,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.moe and args.fp8:
         ap.error("--moe with --fp8: zerokld serves MoE experts in bf16/fp32 only")
     return args
-
-
-def stock_fp8_quantization(fp8: str) -> str:
-    """vLLM's own online FP8 method (``--quantization``) for an ``--fp8`` granularity: ``fp8_per_channel`` (W8A8,
-    dynamic per-token activations) or ``fp8_per_block`` (128 x 128 weight blocks)."""
-    return {"per_channel": "fp8_per_channel", "block": "fp8_per_block"}[fp8]
 
 
 class Tok:
@@ -248,7 +243,9 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
         engine = ServedEngine(init, args.dtype, zk, sync, run_dir / "server.log", seed=args.seed, fp8=args.fp8)
         stop_engine = engine.stop
     else:
-        engine_kw = ({"fp8": args.fp8} if zk else {"quantization": stock_fp8_quantization(args.fp8)}) if args.fp8 else {}
+        engine_kw = {}
+        if args.fp8:
+            engine_kw = {"fp8": args.fp8} if zk else {"quantization": stock_fp8_quantization(args.fp8)}
         if replay:
             engine_kw["enable_return_routed_experts"] = True
         if args.lora:

@@ -12,7 +12,13 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["OfflineEngine", "ServedEngine"]
+__all__ = ["OfflineEngine", "ServedEngine", "stock_fp8_quantization"]
+
+
+def stock_fp8_quantization(fp8: str) -> str:
+    """vLLM's own online FP8 method (``--quantization``) for an ``--fp8`` granularity: ``fp8_per_channel`` (W8A8,
+    dynamic per-token activations) or ``fp8_per_block`` (128 x 128 weight blocks)."""
+    return {"per_channel": "fp8_per_channel", "block": "fp8_per_block"}[fp8]
 
 
 class OfflineEngine:
@@ -64,8 +70,6 @@ class ServedEngine:
         args = ["--model", str(ckpt), "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
                 "--enforce-eager", "--seed", str(seed)]
         if fp8 and not zerokld:
-            from .run import stock_fp8_quantization
-
             args += ["--quantization", stock_fp8_quantization(fp8)]
         self.model = str(ckpt)
         self.server = OpenAIServer([*args, "--additional-config", json.dumps({"zerokld": section})], log_path,
