@@ -15,8 +15,9 @@ sampler gives the same tokens however the requests are batched), trainer input w
   runs ``forward_backward`` on each group as it arrives (first result after the first group).
 
 It reports first-result and all-results latency (median of ``--repeats``) and checks that both leave the same
-gradient bits. Also ``rl_step`` (TorchTitan's batched ``train_step``) vs ``forward_backward`` (one rollout at a time,
-what makes streaming exact) on the same batch: the cost of exact accumulation on this machine.
+gradient bits. Also ``rl_step`` (TorchTitan's batched ``train_step``) vs ``forward_backward`` (exact accumulation:
+batched chains where the kernels cover the model, else one rollout at a time; ``benchmarks/streaming.py`` measures it
+at a realistic size) on the same batch: the cost of exact accumulation on this machine.
 
 Writes ``<out>.json``, ``<out>.md`` (the tables) and ``<out>.png`` (reward against wall-clock, sync vs async).
 
@@ -178,7 +179,7 @@ def markdown(result: dict) -> str:
               f"| whole batch | {st['whole']['first_result_seconds']:.2f} | {st['whole']['all_results_seconds']:.2f} |",
               f"| streamed per group | {st['streamed']['first_result_seconds']:.2f} | "
               f"{st['streamed']['all_results_seconds']:.2f} |", "",
-              f"Gradients bitwise equal: {st['gradients_bitwise_equal']}. Exact (one rollout at a time) accumulation "
+              f"Gradients bitwise equal: {st['gradients_bitwise_equal']}. Exact accumulation "
               "vs TorchTitan's batched `train_step` on the same batch: "
               f"{st['train_step_seconds']['forward_backward']:.2f} s vs {st['train_step_seconds']['rl_step']:.2f} s "
               f"({st['exact_accumulation_cost_ratio']:.1f}x)."]

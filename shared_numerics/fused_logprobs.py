@@ -40,12 +40,14 @@ def rows_per_chunk(chunk: int | None, vocab_size: int) -> int:
 
 class _FusedSelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                chain=None) -> torch.Tensor:
         out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         for s in range(0, hidden.shape[0], chunk):
             out[s:s + chunk] = selected_logprobs(linear(hidden[s:s + chunk], weight), targets[s:s + chunk])
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk = chunk
+        ctx.chain = chain
         return out
 
     @staticmethod
@@ -53,7 +55,8 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         w32 = weight.float()
         grad_h = torch.empty_like(hidden, dtype=torch.float32)
-        grad_w = torch.zeros_like(w32)
+        chain = ctx.chain
+        grad_w = None if chain is not None else torch.zeros_like(w32)
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s:s + ctx.chunk]
             z = linear(h, weight).float()
@@ -64,12 +67,15 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
             dz[torch.arange(z.shape[0], device=z.device), targets[s:s + ctx.chunk]] += 1.0
             dz = dz * grad_out[s:s + ctx.chunk].float().unsqueeze(1)
             grad_h[s:s + ctx.chunk] = matmul_rows(dz, w32)
-            grad_w += dz.t() @ h.float()
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None
+            if chain is not None:  # the float32 kernel's chains over the tokens go on (shared_numerics.grad_chain)
+                chain.add_gemm(dz.t(), h.float().t())
+            else:
+                grad_w += dz.t() @ h.float()
+        return grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
 def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                            chunk: int | None = None) -> torch.Tensor:
+                            chunk: int | None = None, *, weight_chain=None) -> torch.Tensor:
     """Log-prob of ``targets`` under ``softmax(hidden @ weight^T)``, chunked, with a closed-form backward.
 
     Args:
@@ -78,6 +84,8 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
         targets: ``[N]`` int64 token ids.
         chunk: rows per chunk (rounded up to a multiple of ``ROW_TILE``); ``None``: :func:`auto_chunk` of the
             vocabulary size. The result does not depend on it (row-invariant ops); memory and speed do.
+        weight_chain: a :class:`shared_numerics.grad_chain.GradChain` that takes the weight's gradient, as chains
+            over the rows in order on the float32 kernel (exact accumulation; none is returned to autograd).
 
     Returns:
         ``[N]`` float32, bitwise equal to ``selected_logprobs(linear(hidden, weight), targets)``.
@@ -89,4 +97,5 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
             hidden.shape[0],):
         raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    return _FusedSelectedLogprobs.apply(hidden, weight, targets.long(), rows_per_chunk(chunk, weight.shape[0]))
+    return _FusedSelectedLogprobs.apply(hidden, weight, targets.long(), rows_per_chunk(chunk, weight.shape[0]),
+                                        weight_chain)

@@ -35,7 +35,11 @@ import torch
 
 from .cpu_kernels import load, plain
 
-__all__ = ["amx_available", "f32_available", "gemm_abt"]
+__all__ = ["CHAIN_K_MULTIPLE", "amx_available", "f32_available", "gemm_abt", "gemm_abt_accumulate"]
+
+#: K of every :func:`gemm_abt_accumulate` call on bf16 operands must be a multiple of this (the AMX kernel's K step),
+#: so that consecutive calls walk the same 32-element steps as one call on their concatenation
+CHAIN_K_MULTIPLE = 32
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,8 +47,8 @@ def _lib():
     lib = load("gemm")
     vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.zk_gemm_abt_bf16.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, c_int, i64,
-                                     c_int]
-    lib.zk_gemm_abt_f32.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, i64, c_int]
+                                     c_int, c_int]
+    lib.zk_gemm_abt_f32.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, i64, c_int, c_int]
     lib.zk_gemm_abt_bf16.restype = lib.zk_gemm_abt_f32.restype = c_int
     lib.zk_gemm_has_amx.restype = c_int
     lib.zk_gemm_has_f32.restype = c_int
@@ -137,12 +141,53 @@ def gemm_abt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     b32 = None if bias is None else bias.detach().float().contiguous()
     args = (a.data_ptr(), i_rows, k, lda, a_kmajor, b.data_ptr(), j_rows, ldb, b_kmajor,
             None if b32 is None else b32.data_ptr(), out.data_ptr())
+    _run(dtype, args, 0 if out_dtype == torch.float32 else 1, int(transpose), out.stride(0), accumulate=False)
+    return out
+
+
+def _run(dtype, args, out_code: int, transpose: int, ldo: int, accumulate: bool) -> None:
     if dtype == torch.float32:
-        rc = _lib().zk_gemm_abt_f32(*args, int(transpose), out.stride(0), torch.get_num_threads())
+        rc = _lib().zk_gemm_abt_f32(*args, transpose, ldo, torch.get_num_threads(), int(accumulate))
     else:
-        rc = _lib().zk_gemm_abt_bf16(*args, 0 if out_dtype == torch.float32 else 1, int(transpose), out.stride(0),
-                                     torch.get_num_threads())
+        rc = _lib().zk_gemm_abt_bf16(*args, out_code, transpose, ldo, torch.get_num_threads(), int(accumulate))
     if rc != 0:
         raise RuntimeError(f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dtype} kernel "
                            "(see amx_available / f32_available)")
-    return out
+
+
+def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += A · Bᵀ`` as the continuation of each element's chain: the kernel's accumulator starts from ``acc``'s
+    float32 value instead of zero and walks K exactly as :func:`gemm_abt` does, so calls on consecutive K ranges leave
+    the bits of one call on their concatenation (for bf16 operands each range a multiple of
+    :data:`CHAIN_K_MULTIPLE`: the AMX kernel zero-pads K to its 32-element steps). What exact gradient accumulation
+    over micro-batches needs: with ``K`` = tokens, ``dW = dYᵀ X`` summed over any grouping of the tokens is one chain
+    per weight element.
+
+    Args:
+        acc: ``[I, J]`` float32, contiguous (updated in place and returned).
+        a: ``[I, K]``, b: ``[J, K]`` — bf16 or float32, one dtype, layouts as :func:`gemm_abt` (``dY.t()`` and
+            ``X.t()`` are read k-major in place).
+
+    Raises:
+        TypeError: ``acc`` not a contiguous float32 ``[I, J]`` plain CPU tensor, or the operands as in
+            :func:`gemm_abt`. ValueError: K differs, or bf16 K not a multiple of :data:`CHAIN_K_MULTIPLE`.
+        RuntimeError: no kernel for the dtype here.
+    """
+    dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+    (a, lda, a_kmajor), (b, ldb, b_kmajor) = _operand(a, "A", dtype), _operand(b, "B", dtype)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"zerokld GEMM: A is {tuple(a.shape)} and B {tuple(b.shape)}: K differs")
+    target = plain(acc)
+    if (target is None or target.dtype != torch.float32 or not target.is_contiguous()
+            or tuple(target.shape) != (a.shape[0], b.shape[0])):
+        raise TypeError(f"zerokld GEMM: the accumulator must be a contiguous float32 [{a.shape[0]}, {b.shape[0]}] "
+                        f"plain CPU tensor, got {type(acc).__name__} {tuple(acc.shape)} {acc.dtype}")
+    k = a.shape[1]
+    if dtype == torch.bfloat16 and k % CHAIN_K_MULTIPLE:
+        raise ValueError(f"zerokld GEMM: a bf16 chain's K ranges must be multiples of {CHAIN_K_MULTIPLE}, got {k}")
+    if k == 0 or target.numel() == 0:
+        return acc
+    args = (a.data_ptr(), a.shape[0], k, lda, a_kmajor, b.data_ptr(), b.shape[0], ldb, b_kmajor, None,
+            target.data_ptr())
+    _run(dtype, args, 0, 0, max(b.shape[0], 1), accumulate=True)
+    return acc

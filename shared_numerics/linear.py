@@ -33,8 +33,9 @@ one-thread oneDNN calls these replace measured bf16 0.20x / 0.25x / 0.29x / 0.26
 
 Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
 depends only on its row of ``dY``: row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows
-(deterministic for a given shape; on the kernels at any thread count; the trainer's exact streaming accumulates one
-rollout per backward, so its shape is that rollout's).
+(deterministic for a given shape; on the kernels at any thread count). With ``weight_chain`` / ``bias_chain``
+(exact accumulation over micro-batches, :mod:`shared_numerics.grad_chain`) ``dW`` and ``db`` instead continue
+float32 chains over the tokens and nothing is returned to autograd for them.
 
 Source: fixed-tile approach of vLLM's batch-invariant mode (``vllm/model_executor/layers/batch_invariant.py``) and of
 Thinking Machines' persistent matmul (one fixed tile config); the closed-form backward is the one of
@@ -169,8 +170,9 @@ class _RowTiledLinear(torch.autograd.Function):
     """``x [M, K] @ w [N, K]^T`` in float32 with :func:`matmul_rows`; closed-form backward (see the module)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, chain=None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
+        ctx.chain = chain
         return matmul_rows(x, w.t())
 
     @staticmethod
@@ -179,10 +181,26 @@ class _RowTiledLinear(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = matmul_rows(grad, w) if ctx.needs_input_grad[0] else None  # a row of dX: its row of dY only
         grad_w = None
-        if ctx.needs_input_grad[1]:  # dW = dY^T X: the kernel (thread invariant) where the CPU has it
+        if ctx.chain is not None:  # dW's chains over the tokens go on (shared_numerics.grad_chain)
+            ctx.chain.add_gemm(grad.t(), x.t())
+        elif ctx.needs_input_grad[1]:  # dW = dY^T X: the kernel (thread invariant) where the CPU has it
             kernel = f32_available() and x.device.type == "cpu"
             grad_w = gemm_abt(grad.t(), x.t()) if kernel else grad.t().mm(x)
-        return grad_x, grad_w
+        return grad_x, grad_w, None
+
+
+class _ChainedBias(torch.autograd.Function):
+    """``y + bias`` (float32) whose bias gradient goes into a :class:`shared_numerics.grad_chain.GradChain`."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, chain) -> torch.Tensor:
+        ctx.chain = chain
+        return y + bias.float()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.chain.add_rows(grad)
+        return grad, None, None
 
 
 class _OneDnnLinear(torch.autograd.Function):
@@ -217,9 +235,10 @@ class _AmxLinear(torch.autograd.Function):
     results, one rounding each. Transposed operands are read in place (k-major), never copied by torch."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, chains=None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.has_bias = bias is not None
+        ctx.chains = chains
         return gemm_abt(w, x, bias, transpose=True)
 
     @staticmethod
@@ -227,18 +246,35 @@ class _AmxLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = gemm_abt(grad, w.t()) if ctx.needs_input_grad[0] else None  # [M, K]; w.t() read k-major
+        if ctx.chains is not None:  # the chains over the tokens go on (shared_numerics.grad_chain)
+            w_chain, b_chain = ctx.chains
+            w_chain.add_gemm(grad.t(), x.t())
+            if b_chain is not None:
+                b_chain.add_rows(grad)
+            return grad_x, None, None, None
         grad_w = gemm_abt(grad.t(), x.t()) if ctx.needs_input_grad[1] else None  # [N, K]; both k-major
         grad_b = grad.float().sum(0).to(w.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _chain_available(dtype: torch.dtype) -> bool:
+    from .grad_chain import chain_available
+
+    return chain_available(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_chain=None,
+           bias_chain=None) -> torch.Tensor:
     """Batch-invariant ``torch.nn.functional.linear``.
 
     Args:
         x: ``[..., K]``, float32 or bfloat16.
         weight: ``[N, K]`` (HF / ``nn.Linear`` layout), any float dtype.
         bias: optional ``[N]``.
+        weight_chain, bias_chain: :class:`shared_numerics.grad_chain.GradChain` s that take the weight's and the
+            bias's gradients (exact accumulation; then none is returned to autograd). Only where
+            :func:`shared_numerics.grad_chain.chain_available` holds for ``x.dtype`` (ValueError otherwise); a bf16
+            ``x`` then has a multiple of 32 tokens.
 
     Returns:
         ``[..., N]`` in ``x.dtype``. Differentiable; the backward is deterministic (fixed-shape CPU ops, no atomics).
@@ -246,13 +282,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         everything else the float32 ``ROW_TILE``-row calls.
     """
     lead = x.shape[:-1]
+    chained = weight_chain is not None
+    if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not _chain_available(x.dtype)):
+        raise ValueError(f"exact gradient accumulation: no kernel path for a {x.dtype} linear on {x.device} here")
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
             and native_bf16_gemm()):
         b = None if bias is None else bias.to(torch.bfloat16)
         x2 = x.reshape(-1, x.shape[-1])
         if amx_available():
-            if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
-                                            or (b is not None and b.requires_grad)):
+            if chained:
+                y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
+            elif torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
+                                              or (b is not None and b.requires_grad)):
                 y = _AmxLinear.apply(x2, weight, b)
             else:
                 y = gemm_abt(weight, x2, b, transpose=True)
@@ -265,10 +306,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.reshape(*lead, weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1]).float()
     w = weight.float()
-    if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
+    if chained:
+        y = _RowTiledLinear.apply(x2, w, weight_chain)
+    elif torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
         y = _RowTiledLinear.apply(x2, w)
     else:
         y = matmul_rows(x2, w.t())
     if bias is not None:
-        y = y + bias.float()
+        y = _ChainedBias.apply(y, bias, bias_chain) if bias_chain is not None else y + bias.float()
     return y.to(x.dtype).reshape(*lead, weight.shape[0])

@@ -56,14 +56,18 @@ def segment_mean(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
     """Per-sequence (weighted) mean of ``values [N]`` (``seq_ids [N]`` in ``0..num_seqs-1``), float32
     ``[num_seqs]``: ``sum(w v) / sum(w)`` per sequence, ``w = weights [N]`` (``None``: ones, the plain mean).
 
-    Deterministic on every device: tokens are grouped by a stable sort, summed by one float64 prefix sum (a scan,
-    no atomics — ``index_add_`` on CUDA adds in arrival order), and each sequence's sum is a difference of two
-    prefix sums. Sequences without tokens (or with zero total weight) get 0."""
-    order = torch.sort(seq_ids, stable=True).indices
+    Deterministic on every device, in float64. On CPU each sequence's sum runs over its own tokens in order
+    (``index_add_``, sequential there), so a sequence's mean has the same bits in any batch — what the trainer's exact
+    accumulation over micro-batches needs. Elsewhere (``index_add_`` on CUDA adds in arrival order) tokens are grouped
+    by a stable sort, summed by one float64 prefix sum (a scan, no atomics), and each sequence's sum is a difference
+    of two prefix sums. Sequences without tokens (or with zero total weight) get 0."""
     counts = torch.bincount(seq_ids, minlength=num_seqs)
-    ends = torch.cumsum(counts, 0)
 
     def sums(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return x.new_zeros(num_seqs, dtype=torch.float64).index_add_(0, seq_ids, x.double())
+        order = torch.sort(seq_ids, stable=True).indices
+        ends = torch.cumsum(counts, 0)
         prefix = torch.cat([x.new_zeros(1, dtype=torch.float64), torch.cumsum(x[order].double(), 0)])
         return prefix[ends] - prefix[ends - counts]
 

@@ -48,18 +48,38 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 __all__ = ["add_rms_norm", "rms_norm"]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+class _ChainedGain(torch.autograd.Function):
+    """``x̂ * w`` (float32) whose gain gradient ``Σ_t dY_t ⊙ x̂_t`` goes into a
+    :class:`shared_numerics.grad_chain.GradChain` (the products rounded to float32, then added in token order);
+    ``dx̂ = dY * w`` as autograd computes it."""
+
+    @staticmethod
+    def forward(ctx, xhat: torch.Tensor, w32: torch.Tensor, chain) -> torch.Tensor:
+        ctx.save_for_backward(xhat, w32)
+        ctx.chain = chain
+        return xhat * w32
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xhat, w32 = ctx.saved_tensors
+        ctx.chain.add_rows(grad * xhat)
+        return grad * w32, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=None) -> torch.Tensor:
     """RMS-normalise the last dimension.
 
     Args:
         x: ``[..., H]`` float32 or bfloat16.
         weight: ``[H]`` gain.
         eps: added to the mean square (HF ``rms_norm_eps``).
+        weight_chain: a :class:`shared_numerics.grad_chain.GradChain` that takes the gain's gradient (exact
+            accumulation; none is returned to autograd). The forward bits do not change.
 
     Returns:
         ``[..., H]`` in ``x.dtype``; each row depends only on itself.
     """
-    if (x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.numel() and not (
+    if (weight_chain is None and x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.numel() and not (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         from .cpu_kernels import plain
 
@@ -68,7 +88,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             return _rms_norm_cpu(xp, wp, eps)
     x32 = x.float()
     ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
-    y = x32 * torch.rsqrt(ms + eps) * weight.float()
+    if weight_chain is not None:
+        y = _ChainedGain.apply(x32 * torch.rsqrt(ms + eps), weight.detach().float(), weight_chain)
+    else:
+        y = x32 * torch.rsqrt(ms + eps) * weight.float()
     return y.to(x.dtype)
 
 

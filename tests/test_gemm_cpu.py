@@ -115,6 +115,25 @@ def _variants(gemm_cpu, a, b, bias):
 
 
 @needs_f32
+@needs_f32
+@pytest.mark.parametrize("j", [1, 3, 8])
+@pytest.mark.parametrize("b_kmajor", [False, True])
+@pytest.mark.parametrize("a_kmajor", [False, True])
+def test_float32_decode_rows_path_is_the_packed_chain(j, b_kmajor, a_kmajor):
+    """1..8 rows of B (single-sequence decode: A = the weight; its backward dX = dY W: A = Wᵀ, k-major) run a path
+    that streams A in 16-row blocks instead of packing it; the same chains as the packed path, which the same rows
+    take among 60 more (partial 16-row blocks and K tails included)."""
+    g = torch.Generator().manual_seed(j)
+    a, bias = torch.randn(300, 1001, generator=g), torch.randn(300, generator=g)
+    b = torch.randn(j, 1001, generator=g)
+    packed = gemm_cpu.gemm_abt(a, torch.cat([b, torch.randn(60, 1001, generator=g)]), bias, transpose=True)[:j]
+    a = a.t().contiguous().t() if a_kmajor else a
+    b = b.t().contiguous().t() if b_kmajor else b
+    for t in (True, False):
+        out = gemm_cpu.gemm_abt(a, b, bias, transpose=t)
+        assert torch.equal(out if t else out.t(), packed)
+
+
 def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
     """The float32 kernel's arithmetic does not depend on the vector width: a build for AVX2 (``-march=haswell``, two
     8-lane registers per 16 lanes) gives the bits of this machine's build. A compiler wrapper swaps ``-march=native``

@@ -1,8 +1,10 @@
 """Streaming trainer input: micro-batches fed to ``forward_backward`` as they arrive accumulate exactly the gradients
-of one call on their concatenation, whatever the grouping (``RLTrainer.forward_backward`` accumulates one rollout at
-a time, in order) — for the fused loss, Tinker's two-pass custom loss and a ``token_mean`` loss whose normaliser is
-known only when the stream ends. Negative control: TorchTitan's own accumulation (``forward_backward_step`` per
-micro-batch, one batched backward each) gives other gradient bits for another grouping."""
+of one call on their concatenation, whatever the grouping — both ways ``RLTrainer.forward_backward`` has: batched
+passes whose gradients are float32 chains in token order (``titan_plugin.exact_accumulation``, where the machine's
+kernels cover the dtype) and one rollout at a time (everywhere else) — for the fused loss, Tinker's two-pass custom
+loss and a ``token_mean`` loss whose normaliser is known only when the stream ends. Negative control: TorchTitan's own
+accumulation (``forward_backward_step`` per micro-batch, one batched backward each) gives other gradient bits for
+another grouping."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +13,7 @@ import random
 import pytest
 import torch
 
+from shared_numerics.grad_chain import chain_available
 from shared_numerics.rollout import RolloutBatch
 from titan_plugin import TrainingClient, trainer_logprobs
 from titan_plugin.models import hf_state_dict
@@ -47,13 +50,25 @@ def _custom_loss(batch: RolloutBatch, lps: list[torch.Tensor]):
     return loss, {}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(checkpoint_factory, tmp_path, dtype):
-    ckpt = checkpoint_factory("qwen3", dtype)
+@pytest.mark.parametrize("family,dtype,way", [
+    ("qwen3", "float32", "batched"), ("qwen3", "bfloat16", "batched"),
+    ("qwen3", "float32", "one rollout at a time"), ("qwen3", "bfloat16", "one rollout at a time"),
+    ("qwen2", "bfloat16", "batched"),  # q/k/v biases and tied embeddings: two chains summed into one .grad
+    ("qwen3_tied", "float32", "batched")])
+def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(checkpoint_factory, tmp_path, family,
+                                                                          dtype, way):
+    ckpt = checkpoint_factory(family, dtype)
     client = TrainingClient.from_checkpoint(ckpt, dtype=dtype, learning_rate=1e-3, dump_folder=str(tmp_path / "c"))
     try:
         batch = dataclasses.replace(_rollouts(ckpt, dtype), numerics=client.trainer.numerics)
         trainer = client.trainer
+        # the batched way wherever this machine's kernels cover the dtype (a dense zerokld model)
+        assert (trainer.exact_accumulation is not None) == chain_available(getattr(torch, dtype)), \
+            trainer.exact_accumulation_off
+        if way == "one rollout at a time":
+            trainer.exact_accumulation = None
+        elif trainer.exact_accumulation is None:
+            pytest.skip(f"this machine has no batched way for {dtype}: {trainer.exact_accumulation_off}")
         for mode in ("fused", "custom"):
             seen = {}
             for name, sizes in GROUPINGS.items():
@@ -69,6 +84,7 @@ def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(check
             ref_grads, ref_lps = seen["one call"]
             assert ref_grads
             for name, (grads, lps) in seen.items():
+                assert len(lps) == len(ref_lps) == len(batch)
                 assert all(torch.equal(a, b) for a, b in zip(lps, ref_lps)), (mode, name)
                 assert grads.keys() == ref_grads.keys()
                 assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads), (mode, name)
@@ -154,3 +170,20 @@ def test_importance_sampling_corrections_reach_the_trainer_loss(checkpoint_facto
         assert 0 < kept < ratio.numel() and trainer._pending == (True, kept)
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("family,batch_invariant,fp8,reason", [
+    ("qwen3", True, None, None), ("qwen3_tied", True, None, None), ("qwen2", True, None, None),
+    ("qwen3_moe", True, None, ".moe."), ("qwen3", True, "per_channel", "ZeroKLDFp8Linear"),
+    ("qwen3", False, None, "belongs to a")])
+def test_batched_way_covers_dense_zerokld_models(checkpoint_factory, family, batch_invariant, fp8, reason):
+    """Which models ``forward_backward`` runs batched (every parameter in a module that routes its gradient into a
+    chain; tied embeddings and biases included) and which one rollout at a time, with the reason."""
+    from titan_plugin.exact_accumulation import unsupported_reason
+    from titan_plugin.models import build_titan_model
+
+    if not chain_available(torch.float32):
+        pytest.skip("no float32 kernel on this machine: every model runs one rollout at a time")
+    model = build_titan_model(checkpoint_factory(family, "float32"), batch_invariant=batch_invariant, fp8=fp8)[0]
+    got = unsupported_reason(model, torch.float32)
+    assert got is None if reason is None else reason in got, got

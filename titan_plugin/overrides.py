@@ -12,6 +12,9 @@ TorchTitan component   zerokld replacement
                        offers :func:`shared_numerics.fused_selected_logprobs` (``lm_head(h, targets=t)``; with
                        ``tp_k_block`` the vocab-parallel one of :mod:`shared_numerics.vocab_parallel`)
 ``RMSNorm``            :func:`shared_numerics.rms_norm` (fixed-tree fp32 statistics)
+``Embedding``          TorchTitan's; under exact accumulation (:mod:`titan_plugin.exact_accumulation`) its
+                       gradient, like every zerokld linear's, norm's and the lm_head's, goes into float32 chains in
+                       token order (:mod:`shared_numerics.grad_chain`)
 ``FeedForward``        ``w2(silu_and_mul(w1 x, w3 x))`` with :func:`shared_numerics.silu_and_mul`
 ``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables; Llama 3.x scaling from
                        the RoPE config's ``scaling="llama"`` factors)
@@ -43,6 +46,7 @@ import torch
 from torchtitan.config import override
 from torchtitan.config.override import OverrideConfig, apply_overrides, derive
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.embedding import Embedding
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE
@@ -51,11 +55,21 @@ from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
+import shared_numerics.fused_logprobs as sn_fused
+import shared_numerics.grad_chain as sn_chain
 import shared_numerics.moe as sn_moe
+import shared_numerics.norm as sn_norm
 import shared_numerics.tensor_parallel as sn_tp
+from shared_numerics.linear import linear as torch_backend_linear  # the module; the package's `linear` dispatches
 from shared_numerics.rope import RopeScaling
 
 __all__ = ["OVERRIDE_IMPORTS", "ZeroKLDRowParallelLinear", "apply_zerokld_overrides", "set_tp_k_block"]
+
+
+def grad_chains(module: torch.nn.Module) -> dict | None:
+    """The :class:`shared_numerics.grad_chain.GradChain` s a module's parameters' gradients go into (``{name: chain}``,
+    set by :class:`titan_plugin.exact_accumulation.ExactAccumulation` for its backward passes), or ``None``."""
+    return module.__dict__.get("_zerokld_grad_chains")
 
 
 class ZeroKLDLinear(Linear):
@@ -64,6 +78,10 @@ class ZeroKLDLinear(Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chains = grad_chains(self)
+        if chains is not None:
+            return torch_backend_linear(x, self.weight, self.bias, weight_chain=chains["weight"],
+                                    bias_chain=chains.get("bias"))
         if _is_dtensor(self.weight):  # TorchTitan tensor parallelism: compute on the local shard
             from .tensor_parallel import column_parallel_dtensor
 
@@ -189,6 +207,10 @@ class ZeroKLDLMHead(ZeroKLDLinear):
             return sn_vocab.fused_selected_logprobs(x, weight, targets, chunk=self.fused_chunk, **kwargs)
         if _is_dtensor(self.weight):
             raise NotImplementedError("fused log-probs under tensor parallelism need tp_k_block")
+        chains = grad_chains(self)
+        if chains is not None:
+            return sn_fused.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk,
+                                                    weight_chain=chains["weight"])
         return sn.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk)
 
 
@@ -199,7 +221,25 @@ class ZeroKLDRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        chains = grad_chains(self)
+        if chains is not None:
+            return sn_norm.rms_norm(x, self.weight, eps, weight_chain=chains["weight"])
         return _per_row(lambda t, w: sn.rms_norm(t, w, eps), x, self.weight)
+
+
+class ZeroKLDEmbedding(Embedding):
+    """TorchTitan's embedding; under exact accumulation its weight gradient goes into the module's
+    :class:`shared_numerics.grad_chain.GradChain` (:func:`shared_numerics.grad_chain.chained_embedding`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Embedding.Config):
+        pass
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        chains = grad_chains(self)
+        if chains is not None and self.tp_group is None:
+            return sn_chain.chained_embedding(input, self.weight, chains["weight"])
+        return super().forward(input)
 
 
 class ZeroKLDFeedForward(FeedForward):
@@ -337,6 +377,11 @@ def zerokld_rmsnorm(cfg: RMSNorm.Config) -> ZeroKLDRMSNorm.Config:
     return derive(cfg, ZeroKLDRMSNorm.Config)
 
 
+@override(target=Embedding.Config, exact=True, description="zerokld embedding (exact gradient accumulation)")
+def zerokld_embedding(cfg: Embedding.Config) -> ZeroKLDEmbedding.Config:
+    return derive(cfg, ZeroKLDEmbedding.Config)
+
+
 @override(target=FeedForward.Config, exact=True, description="zerokld SiLU-and-mul feed-forward")
 def zerokld_feed_forward(cfg: FeedForward.Config) -> ZeroKLDFeedForward.Config:
     # w1/w2/w3 are converted here: TorchTitan refuses nested claims by two overrides in one pass.
@@ -383,7 +428,7 @@ def zerokld_fp8_block_linear(cfg: ZeroKLDLinear.Config) -> ZeroKLDFp8Linear.Conf
 # Linear override of pass 2 no longer matches.
 OVERRIDE_PASSES = [
     [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head", f"{__name__}.zerokld_moe"],
-    [f"{__name__}.{fn.__name__}" for fn in (zerokld_linear, zerokld_rmsnorm, zerokld_cos_sin_rope,
+    [f"{__name__}.{fn.__name__}" for fn in (zerokld_linear, zerokld_rmsnorm, zerokld_embedding, zerokld_cos_sin_rope,
                                             zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
 ]
 OVERRIDE_IMPORTS = [name for names in OVERRIDE_PASSES for name in names]

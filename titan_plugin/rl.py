@@ -34,6 +34,7 @@ from shared_numerics.losses import CorrectionConfig, normalize_loss  # noqa: E40
 from shared_numerics.mode import NumericsMode  # noqa: E402
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
 
+from .exact_accumulation import ExactAccumulation, unsupported_reason  # noqa: E402
 from .logprobs import sequence_logprobs  # noqa: E402
 from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,  # noqa: E402
                    save_peft_adapter)
@@ -219,6 +220,12 @@ class RLTrainer(Trainer):
         self._hf = read_model_config(config.hf_assets_path)
         self.numerics = numerics_mode(config)
         self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.training.mixed_precision_param)
+        reason = unsupported_reason(self.model, dtype) if len(self.model_parts) == 1 else "pipeline stages"
+        #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
+        #: one rollout at a time (``exact_accumulation_off`` says why)
+        self.exact_accumulation = None if reason else ExactAccumulation(self.model, dtype)
+        self.exact_accumulation_off = reason
         self.loss_fn.set_lm_head(self.model.lm_head)  # its log-softmax (and, fused, the lm_head itself)
         if config.loss.fused:  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
             self.model._skip_lm_head = True
@@ -264,6 +271,8 @@ class RLTrainer(Trainer):
         """
         self._check(batch)
         self._pending = None  # train_step zeroes the gradients forward_backward accumulated
+        if self.exact_accumulation is not None:
+            self.exact_accumulation.reset()
         t_pack = time.perf_counter()
         tokens, labels, adv, q, weights = batch.pack()
         self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, batch.pack_ref(),
@@ -315,15 +324,23 @@ class RLTrainer(Trainer):
         """Accumulate gradients of ``loss`` (default: the configured one) through TorchTitan's
         ``forward_backward_step``; no optimizer step (see :meth:`optim_step`).
 
-        Streaming, exact: gradients accumulate **one rollout at a time, in batch order**. Each rollout's forward and
-        backward run alone (the forward is batch-invariant: the same log-prob bits as in any batch) and autograd adds
-        its contribution into ``.grad``, so calls on consecutive micro-batches, made as each arrives, leave exactly
-        the ``.grad`` bits of one call on their concatenation, whatever the grouping. (TorchTitan's own accumulation
-        back-propagates each micro-batch in one batched backward, whose reductions over tokens depend on the
-        grouping.) ``token_mean`` divides by the kept tokens of the whole accumulated batch, which a stream knows
-        only at its end: the rollouts back-propagate the summed token losses and :meth:`optim_step` divides the
-        accumulated gradients by the kept tokens counted since the previous step. ``sum`` (Tinker's) and
-        ``constant`` need no deferral.
+        Streaming, exact: calls on consecutive micro-batches, made as each arrives, leave exactly the ``.grad`` bits
+        of one call on their concatenation, whatever the grouping. (TorchTitan's own accumulation back-propagates
+        each micro-batch in one batched backward, whose reductions over tokens depend on the grouping.) Two ways:
+
+        * batched (:attr:`exact_accumulation` set; dense zerokld models on CPUs whose kernels cover the dtype,
+          :mod:`titan_plugin.exact_accumulation`): one forward and backward of the call's rollouts, every gradient
+          element one float32 chain over the tokens in batch order that the next call continues
+          (:mod:`shared_numerics.grad_chain`). The batch layout is right-padded to a multiple of
+          ``exact_accumulation.token_multiple`` positions.
+        * one rollout at a time (elsewhere; :attr:`exact_accumulation_off` says why): each rollout's forward and
+          backward run alone (the forward is batch-invariant: the same log-prob bits as in any batch) and autograd
+          adds its contribution into ``.grad`` in batch order.
+
+        The two ways give different bits (each is exact across groupings). ``token_mean`` divides by the kept tokens
+        of the whole accumulated batch, which a stream knows only at its end: the rollouts back-propagate the summed
+        token losses and :meth:`optim_step` divides the accumulated gradients by the kept tokens counted since the
+        previous step. ``sum`` (Tinker's) and ``constant`` need no deferral.
 
         Returns:
             Like :meth:`rl_step`; ``loss`` is this call's (summed token losses, ``token_mean``: divided by this
@@ -338,22 +355,36 @@ class RLTrainer(Trainer):
         token_mean = loss.config.normalization == "token_mean"
         if self._pending is not None and self._pending[0] != token_mean:
             raise ValueError("one optimizer step accumulates either token_mean losses or sum/constant ones, not both")
+        exact = self.exact_accumulation if batch.routed_experts is None else None
         configured, parts = self.loss_fn, []
         self.loss_fn = loss
         try:
-            for i in range(len(batch)):
-                one = batch.select([i])
+            for one in ([batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]):
                 tokens, labels, adv, q, weights = one.pack()
-                loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, one.pack_ref(), weights=weights)
-                with replay_routes(self.model, self._routes(one, tokens.shape[1])):
-                    self.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+                ref = one.pack_ref()
+                if exact is not None:  # the chains' layout: a multiple of token_multiple positions per rollout
+                    pad = -tokens.shape[1] % exact.token_multiple
+                    tokens, labels, adv, q, ref, weights = (
+                        None if t is None else torch.nn.functional.pad(t, (0, pad), value=v)
+                        for t, v in ((tokens, 0), (labels, IGNORE_INDEX), (adv, 0.0), (q, 0.0), (ref, 0.0),
+                                     (weights, 0.0)))
+                    exact.attach()
+                loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, ref, weights=weights)
+                try:
+                    with replay_routes(self.model, self._routes(one, tokens.shape[1])):
+                        self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
+                                                   global_valid_tokens=None)
+                finally:
+                    if exact is not None:
+                        exact.detach()
                 parts.append(loss.last)
         finally:
             self.loss_fn = configured
         kept = sum(p["kept"] for p in parts)
         self._pending = (token_mean, kept + (self._pending[1] if self._pending else 0))
         summed = torch.cat([p["token_losses"] for p in parts]).sum()
-        return {"train_logprobs": [p["train_logprobs"] for p in parts],
+        return {"train_logprobs": [lp for p in parts for lp in torch.split(p["train_logprobs"],
+                                                                           p["mask"].sum(dim=1).tolist())],
                 "clipped": sum(int(p["clipped"].sum()) for p in parts),
                 "grad_zeroed": sum(int(p["grad_zeroed"].sum()) for p in parts),
                 "num_tokens": sum(int(p["weighted"].sum()) for p in parts),
@@ -396,6 +427,8 @@ class RLTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
+        if self.exact_accumulation is not None:
+            self.exact_accumulation.reset()
         self.step += 1
         return {"grad_norm": float(grad_norm)}
 

@@ -193,7 +193,20 @@ struct Out {
   int64_t ldo;
   const float* bias;
   int64_t i_rows, j_rows;
+  int accumulate;  // start each element's chain from the float32 output's value instead of zero
 };
+
+// the inverse of write_tile for a float32 output: c[ii][jj] = C[i0 + ii][j0 + jj], zero outside the output
+inline void read_tile(float* c, int64_t i0, int64_t j0, const Out& o) {
+  const int64_t ni = o.i_rows - i0 < 16 ? o.i_rows - i0 : 16;
+  const int64_t nj = o.j_rows - j0 < 16 ? o.j_rows - j0 : 16;
+  const float* src = static_cast<const float*>(o.ptr);
+  for (int64_t ii = 0; ii < 16; ++ii)
+    for (int64_t jj = 0; jj < 16; ++jj)
+      c[ii * 16 + jj] = ii < ni && jj < nj
+                            ? src[o.transpose ? (j0 + jj) * o.ldo + i0 + ii : (i0 + ii) * o.ldo + j0 + jj]
+                            : 0.0f;
+}
 
 // one 16x16 float32 tile c[ii][jj] = C[i0 + ii][j0 + jj] -> the output (bias, rounding, layout, bounds)
 inline void write_tile(const float* c, int64_t i0, int64_t j0, const Out& o) {
@@ -249,7 +262,13 @@ void strip(const uint16_t* a, int64_t lda, int64_t kp, const uint32_t* bp, int64
       float* cc = c + (jb - jb0) * 2 * 256;  // 4 tiles of this pair: [i 0-15, j 0-15], [i 16-31, j 0-15], then j 16-31
       const uint32_t* b0 = bp + jb * kp2 * 16;
       const uint32_t* b1 = b0 + kp2 * 16;
-      if (kb == 0) {
+      if (kb == 0 && o.accumulate) {  // the chain goes on from the output's float32 values
+        read_tile(cc, i0, jb * 16, o);
+        read_tile(cc + 256, i0 + 16, jb * 16, o);
+        read_tile(cc + 512, i0, jb * 16 + 16, o);
+        read_tile(cc + 768, i0 + 16, jb * 16 + 16, o);
+      }
+      if (kb == 0 && !o.accumulate) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -300,11 +319,13 @@ extern "C" {
 // C = A · Bᵀ (see the file comment). a: [i_rows, k] bf16, row stride lda (a_kmajor = 0), or given k-major as
 // [k, i_rows] with row stride lda (a_kmajor = 1); b likewise ([j_rows, k] or, b_kmajor = 1, [k, j_rows]); bias: i_rows
 // float32 or null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (transpose = 1), row stride ldo, float32
-// (out_dtype 0) or bf16 (1). The layouts change only where operands are read from, never the arithmetic. Returns 0,
-// or -1 when this build has no AMX.
+// (out_dtype 0) or bf16 (1). The layouts change only where operands are read from, never the arithmetic. accumulate
+// (float32 output, no bias): out += A · Bᵀ as the continuation of each element's chain — its accumulator starts from
+// out's value instead of zero, so calls on consecutive K ranges, each a multiple of 32, leave the bits of one call on
+// their concatenation. Returns 0, or -1 when this build has no AMX.
 int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const uint16_t* b,
                      int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, void* out, int out_dtype,
-                     int transpose, int64_t ldo, int threads) {
+                     int transpose, int64_t ldo, int threads, int accumulate) {
 #ifdef ZK_HAVE_AMX
   if (!zk_gemm_has_amx()) return -1;
   const int64_t kp = (k + 31) / 32 * 32;
@@ -337,7 +358,7 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
         std::memcpy(a_pad + r * kp, a + (first_padded * 32 + r) * lda, k * 2);
     }
   }
-  const Out o{out, out_dtype, transpose, ldo, bias, i_rows, j_rows};
+  const Out o{out, out_dtype, transpose, ldo, bias, i_rows, j_rows, accumulate};
   // chunks of B of near-equal size (whole 16-row blocks), so that threads get near-equal work
   const int64_t chunks = (jblocks * 16 + CHUNK_J - 1) / CHUNK_J;
   const int64_t chunk_blocks = (jblocks + chunks - 1) / chunks;
@@ -359,7 +380,7 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
   return 0;
 #else
   (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
-      (void)bias, (void)out, (void)out_dtype, (void)transpose, (void)ldo, (void)threads;
+      (void)bias, (void)out, (void)out_dtype, (void)transpose, (void)ldo, (void)threads, (void)accumulate;
   return -1;
 #endif
 }
@@ -584,6 +605,130 @@ void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_
   }
 }
 
+#if defined(ZK_F32_AVX512)
+// At most F32_RJ rows of B (single-sequence decode, and its backward dX = dY W): A is streamed once, never packed.
+// 16 rows of A at a time, one vector per k of the 16 rows' elements: a k-major A (W read as Wᵀ) holds them
+// contiguously; a K-contiguous A (a weight) is read 16 k at a time and turned in registers (transpose16). So each lane
+// carries one output element's chain: acc[t][r] = fma(a[i0 + r][k], b[t][k], acc[t][r]) for k = 0, 1, ...: the same
+// chain as micro_f32's. T = rows of B (a template parameter, so the accumulators stay in registers).
+template <int T>
+void rows_block(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) uint32_t w[256];
+  alignas(64) float part[256];
+  const int64_t k16 = k / 16 * 16;
+  const __mmask16 m = static_cast<__mmask16>((1u << ni) - 1);
+  (void)a_kmajor;  // K-contiguous A here; a k-major A: rows_block_kmajor
+  for (int64_t k0 = 0; k0 < k; k0 += 16) {
+    const int64_t nk = k0 < k16 ? 16 : k - k0;
+    if (ni == 16 && nk == 16) {
+      transpose16(reinterpret_cast<const uint32_t*>(a + i0 * lda + k0), lda, w, 16);
+    } else {  // a partial block, zero-padded (the padded k are never added: the loop below stops at nk)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t c = 0; c < 16; ++c) part[r * 16 + c] = r < ni && c < nk ? a[(i0 + r) * lda + k0 + c] : 0.0f;
+      transpose16(reinterpret_cast<const uint32_t*>(part), 16, w, 16);
+    }
+    if (nk == 16 && !b_kmajor) {
+      for (int kk = 0; kk < 16; ++kk) {
+        const __m512 col = _mm512_load_ps(reinterpret_cast<const float*>(w + kk * 16));
+        for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(b[t * ldb + k0 + kk]), acc[t]);
+      }
+    } else {
+      for (int64_t kk = 0; kk < nk; ++kk) {
+        const __m512 col = _mm512_load_ps(reinterpret_cast<const float*>(w + kk * 16));
+        for (int t = 0; t < T; ++t) {
+          const float x = b_kmajor ? b[(k0 + kk) * ldb + t] : b[t * ldb + k0 + kk];
+          acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(x), acc[t]);
+        }
+      }
+    }
+  }
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + i0) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) {
+    const __m512 v = bias ? _mm512_add_ps(acc[t], bv) : acc[t];
+    if (transpose) {
+      _mm512_mask_storeu_ps(out + t * ldo + i0, m, v);
+    } else {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, v);
+      for (int64_t r = 0; r < ni; ++r) out[(i0 + r) * ldo + t] = tmp[r];
+    }
+  }
+}
+
+#ifndef ZK_KMAJOR_AHEAD
+#define ZK_KMAJOR_AHEAD 8
+#endif
+// k-major A: V vectors (16 V rows of A) per block, each k's row segment loaded as it lies (16 V contiguous floats)
+template <int T, int V>
+void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int, const float* b,
+                       int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
+  __m512 acc[T][V];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < V; ++v) acc[t][v] = _mm512_setzero_ps();
+  __mmask16 m[V];
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = ni - 16 * v;
+    m[v] = static_cast<__mmask16>(n >= 16 ? 0xffff : (n <= 0 ? 0 : (1u << n) - 1));
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    if (kk + ZK_KMAJOR_AHEAD < k)  // the next rows' segments: each k's row lies in another 4 KiB page
+      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(a + (kk + ZK_KMAJOR_AHEAD) * lda + i0 + 16 * v), _MM_HINT_T0);
+    __m512 col[V];
+    for (int v = 0; v < V; ++v) col[v] = _mm512_maskz_loadu_ps(m[v], a + kk * lda + i0 + 16 * v);
+    for (int t = 0; t < T; ++t) {
+      const __m512 x = _mm512_set1_ps(b_kmajor ? b[kk * ldb + t] : b[t * ldb + kk]);
+      for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(col[v], x, acc[t][v]);
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t r0 = i0 + 16 * v, nr = ni - 16 * v;
+    if (nr <= 0) break;
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m[v], bias + r0) : _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      const __m512 val = bias ? _mm512_add_ps(acc[t][v], bv) : acc[t][v];
+      if (transpose) {
+        _mm512_mask_storeu_ps(out + t * ldo + r0, m[v], val);
+      } else {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, val);
+        for (int64_t r = 0; r < (nr < 16 ? nr : 16); ++r) out[(r0 + r) * ldo + t] = tmp[r];
+      }
+    }
+  }
+}
+constexpr int kmajor_vectors(int t) { return t <= 2 ? 8 : (t <= 4 ? 4 : 2); }  // T x V accumulators <= 16
+
+using RowsBlock = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, const float*, int64_t, int,
+                           const float*, float*, int, int64_t);
+template <int... R>
+constexpr std::array<RowsBlock, sizeof...(R)> rows_table(std::integer_sequence<int, R...>) {
+  return {&rows_block<R + 1>...};
+}
+constexpr auto ROWS_BLOCK = rows_table(std::make_integer_sequence<int, F32_RJ>{});  // [t - 1]: t rows of B
+template <int... R>
+constexpr std::array<RowsBlock, sizeof...(R)> kmajor_table(std::integer_sequence<int, R...>) {
+  return {&rows_block_kmajor<R + 1, kmajor_vectors(R + 1)>...};
+}
+constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table(std::make_integer_sequence<int, F32_RJ>{});
+
+void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                   int64_t j_rows,
+                   int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
+                   int threads) {
+  const int64_t rows = a_kmajor ? 16 * kmajor_vectors(static_cast<int>(j_rows)) : 16;  // rows of A per block
+  const int64_t blocks = (i_rows + rows - 1) / rows;
+  const RowsBlock fn = (a_kmajor ? ROWS_BLOCK_KMAJOR : ROWS_BLOCK)[j_rows - 1];
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i0 = blk * rows, ni = i_rows - i0 < rows ? i_rows - i0 : rows;
+    fn(a, i0, ni, k, lda, a_kmajor, b, ldb, b_kmajor, bias, out, transpose, ldo);
+  }
+}
+#endif
+
 }  // namespace
 #endif
 
@@ -599,15 +744,23 @@ int zk_gemm_has_f32() {
 
 // C = A · Bᵀ in float32 (see above). a: [i_rows, k], row stride lda (a_kmajor: [k, i_rows], row stride lda); b:
 // [j_rows, k] likewise; bias: i_rows or null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (1), row
-// stride ldo. Returns 0, or -1 without AVX-512 or AVX2 + FMA in this build.
+// stride ldo. accumulate (no bias): out += A · Bᵀ as the continuation of each element's chain (its accumulator
+// starts from out's value instead of zero), so calls on consecutive K ranges leave the bits of one call on their
+// concatenation. Returns 0, or -1 without AVX-512 or AVX2 + FMA in this build.
 int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
                     int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
-                    int64_t ldo, int threads) {
+                    int64_t ldo, int threads, int accumulate) {
 #if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  if (j_rows > F32_RJ && j_rows <= F32_P && i_rows >= F32_FEW_ROWS) {  // (fewer rows: the packed path is faster)
+  if (!accumulate && j_rows > F32_RJ && j_rows <= F32_P && i_rows >= F32_FEW_ROWS) {  // (fewer rows: the packed path is faster)
     gemm_f32_few(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
     return 0;
   }
+#if defined(ZK_F32_AVX512)
+  if (!accumulate && j_rows <= F32_RJ && i_rows >= 16) {
+    gemm_f32_rows(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
+    return 0;
+  }
+#endif
   // chunks of B of near-equal size (a multiple of the register tile), so that threads get near-equal work
   const int64_t chunks = (j_rows + F32_JB - 1) / F32_JB;
   const int64_t chunk_j = ((j_rows + chunks - 1) / chunks + F32_RJ - 1) / F32_RJ * F32_RJ;
@@ -635,6 +788,27 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
     float* const ap = ap_buf.data();
     float* const bp = bp_buf.data();
     float* const acc = acc_buf.data();  // acc[j][i], row stride nip
+    if (accumulate) {  // the chains go on from out's values (padding: zero, never written back)
+      std::memset(acc, 0, static_cast<size_t>(njp * nip) * sizeof(float));
+      if (transpose) {
+        for (int64_t j = 0; j < nj; ++j)
+          std::memcpy(acc + j * nip, out + (j0 + j) * ldo + i0, static_cast<size_t>(ni) * sizeof(float));
+      } else {
+        int64_t i = 0;
+#if defined(ZK_F32_AVX512)
+        for (; i + 16 <= ni; i += 16) {
+          int64_t j = 0;
+          for (; j + 16 <= nj; j += 16)
+            transpose16(reinterpret_cast<const uint32_t*>(out + (i0 + i) * ldo + j0 + j), ldo,
+                        reinterpret_cast<uint32_t*>(acc + j * nip + i), nip);
+          for (; j < nj; ++j)
+            for (int64_t q = 0; q < 16; ++q) acc[j * nip + i + q] = out[(i0 + i + q) * ldo + j0 + j];
+        }
+#endif
+        for (; i < ni; ++i)
+          for (int64_t j = 0; j < nj; ++j) acc[j * nip + i] = out[(i0 + i) * ldo + j0 + j];
+      }
+    }
     for (int64_t k0 = 0; k0 < k; k0 += F32_KC) {
       const int64_t nk = k - k0 < F32_KC ? k - k0 : F32_KC;
       pack_b_f32(b, ldb, b_kmajor, j0, nj, k0, nk, bp);
@@ -649,7 +823,7 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
           pack_a_f32(a, lda, a_kmajor, i0 + ir, ni - ir < F32_P ? ni - ir : F32_P, k0, nk, ap);
         for (int64_t jr = 0; jr < nj; jr += F32_RJ)
           MICRO_F32[(nj - jr < F32_RJ ? nj - jr : F32_RJ) - 1](ar, lar, bp + jr * nk, nk, acc + jr * nip + ir, nip,
-                                                              k0 > 0);
+                                                              k0 > 0 || accumulate);
       }
     }
     // element (j, i) of the unit: acc + bias, one float32 add (none without a bias)
@@ -687,7 +861,7 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
   return 0;
 #else
   (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
-      (void)bias, (void)out, (void)transpose, (void)ldo, (void)threads;
+      (void)bias, (void)out, (void)transpose, (void)ldo, (void)threads, (void)accumulate;
   return -1;
 #endif
 }

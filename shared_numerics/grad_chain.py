@@ -1,0 +1,105 @@
+"""Exact gradient accumulation: every parameter's gradient as one float32 chain over the tokens, in token order.
+
+A parameter gradient is a sum over tokens (``dW = Σ_t dY_tᵀ X_t`` for a linear, ``Σ_t dY_t ⊙ x̂_t`` for a norm's gain,
+``Σ_{t: id_t = v} dY_t`` for an embedding row, ``Σ_t dY_t`` for a bias). A GEMM library or ``Tensor.sum`` groups those
+tokens by the call's shape, so gradients accumulated over micro-batches differ in their last bits from one batched
+backward, and differ between groupings. Here each element of the gradient is one float32 accumulator that the
+tokens enter one after another, in the batch's order (rollout by rollout, position by position), whatever call they
+arrive in: the backward of micro-batch ``b`` continues the chains where micro-batch ``b - 1`` left them. So any split of
+a batch into micro-batches — one rollout at a time, one GRPO group at a time, the whole batch — gives the same
+gradient bits, at the speed of batched backward passes.
+
+* GEMM gradients: :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate` (the kernels' accumulators start from the
+  chain's value; bf16 operands on AMX walk K = tokens in 32-token steps, so each call's tokens are a multiple of 32 —
+  the trainer pads its micro-batch layout — and zero tokens (padding, masked positions: ``dY = 0``) add nothing).
+* row sums (norm gains, biases, embedding rows): ``Tensor.index_add_`` on CPU adds source rows into the accumulator
+  one index after another, in index order (``tests/test_grad_chain.py`` pins it, with a naive loop as reference).
+
+Gradients of parameters wired to a chain are not returned to autograd (``None``): the owner of the chains
+(:class:`titan_plugin.rl.RLTrainer`) writes them to ``.grad`` when a micro-batch's backward is done.
+
+Source: the chain form of the float32 GEMM kernel (``csrc/gemm.cpp``); the same idea as a persistent float32 gradient
+accumulation buffer (Megatron's ``main_grad``), with the additional rule that its sums run in token order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt_accumulate
+
+__all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding"]
+
+
+def chain_available(dtype: torch.dtype) -> bool:
+    """Whether this machine's kernels run exact accumulation for a forward in ``dtype``: every GEMM gradient on a
+    kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or upcast to the float32 kernel where the CPU has no bf16 units),
+    float32 linears and the fused lm_head's float32 gradient on the float32 kernel. bf16 on oneDNN's AVX512-BF16 path
+    (no AMX) and CPUs without FMA units are not covered."""
+    from .linear import native_bf16_gemm
+
+    if not f32_available():
+        return False
+    if dtype == torch.bfloat16:
+        return amx_available() or not native_bf16_gemm()
+    return dtype == torch.float32
+
+
+class GradChain:
+    """One parameter's gradient as float32 chains in token order.
+
+    Attributes:
+        acc: float32, the parameter's shape, contiguous: the running sums (zeros at construction).
+
+    Source: see the module.
+    """
+
+    def __init__(self, shape: torch.Size | tuple[int, ...]):
+        self.acc = torch.zeros(tuple(shape), dtype=torch.float32)
+
+    def add_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``acc += a · bᵀ``, K = tokens: ``a [I, T]`` (e.g. ``dY.t()``), ``b [J, T]`` (e.g. ``X.t()``), one dtype
+        (bf16: ``T`` a multiple of :data:`CHAIN_K_MULTIPLE`). Raises as
+        :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
+        gemm_abt_accumulate(self.acc, a, b)
+
+    def add_rows(self, src: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Add the rows of ``src [T, H]`` (any float dtype, used as float32) in order: into ``acc[index[t]]``
+        (``acc [V, H]``, ``index [T]`` int64) or, ``index=None``, into ``acc`` itself (``[H]``).
+
+        Raises:
+            ValueError: ``src``'s row length is not the accumulator's.
+        """
+        rows = self.acc.view(1, -1) if index is None else self.acc
+        if src.shape[-1] != rows.shape[-1]:
+            raise ValueError(f"grad chain: rows of {src.shape[-1]} into an accumulator of {tuple(self.acc.shape)}")
+        src = src.reshape(-1, rows.shape[-1]).float()
+        if index is None:
+            index = torch.zeros(src.shape[0], dtype=torch.long)
+        rows.index_add_(0, index.reshape(-1).long(), src)
+
+
+class _ChainedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, chain: GradChain) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.chain = chain
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        ctx.chain.add_rows(grad, ids)
+        return None, None, None
+
+
+def chained_embedding(ids: torch.Tensor, weight: torch.Tensor, chain: GradChain) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` whose weight gradient goes into ``chain`` (rows in ``ids``' order; none is
+    returned to autograd).
+
+    Args:
+        ids: int64, any shape ``[...]``. weight: ``[V, H]``. chain: a :class:`GradChain` of ``[V, H]``.
+
+    Returns:
+        ``[..., H]`` in ``weight.dtype``.
+    """
+    return _ChainedEmbedding.apply(ids, weight, chain)

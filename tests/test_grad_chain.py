@@ -1,0 +1,116 @@
+"""Exact gradient accumulation (``shared_numerics.grad_chain``): a gradient element is one float32 chain over the
+tokens, so any split of the tokens into consecutive calls gives the bits of one call on all of them. Negative
+controls: the sum of per-call results (what autograd's accumulation into ``.grad`` does) and one library reduction
+give other bits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_numerics.gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt, gemm_abt_accumulate
+from shared_numerics.grad_chain import GradChain, chain_available, chained_embedding
+
+pytestmark = pytest.mark.timeout(300)
+
+KERNELS = [pytest.param(torch.float32, marks=pytest.mark.skipif(not f32_available(), reason="no FMA kernel here")),
+           pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not amx_available(), reason="no AMX here"))]
+# (rows of A, rows of B, token counts of the consecutive calls): several kernel work units, a few-rows shape, tails
+SHAPES = [(1000, 530, [64, 96, 160]), (64, 40, [32, 64]), (300, 1024, [128, 384, 32]), (17, 9, [32, 32])]
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", KERNELS)
+@pytest.mark.parametrize("i_rows,j_rows,calls", SHAPES)
+def test_consecutive_calls_continue_the_chain(dtype, i_rows, j_rows, calls, threads):
+    g = torch.Generator().manual_seed(i_rows + j_rows)
+    t = sum(calls)
+    dy = torch.randn(t, i_rows, generator=g).to(dtype)  # token-major, as a backward has them
+    x = (torch.randn(t, j_rows, generator=g) * torch.rand(t, 1, generator=g) * 30).to(dtype)
+    one = gemm_abt_accumulate(torch.zeros(i_rows, j_rows), dy.t(), x.t())
+    assert torch.equal(one, gemm_abt(dy.t(), x.t(), out_dtype=torch.float32))  # a chain from zero: the GEMM's bits
+    acc, parts, s = torch.zeros(i_rows, j_rows), torch.zeros(i_rows, j_rows), 0
+    for n in calls:
+        gemm_abt_accumulate(acc, dy[s:s + n].t(), x[s:s + n].t())
+        parts += gemm_abt(dy[s:s + n].t(), x[s:s + n].t(), out_dtype=torch.float32)
+        s += n
+    assert torch.equal(acc, one)
+    if i_rows * j_rows > 1000:  # negative control: per-call results summed (autograd's accumulation)
+        assert not torch.equal(parts, one)
+
+
+@pytest.mark.parametrize("dtype", KERNELS)
+def test_zero_tokens_add_nothing(dtype):
+    """Padding and masked positions (``dY = 0``, any ``X``) between the tokens leave every chain's bits unchanged —
+    for bf16 whole 32-token steps of them, as the trainer's layout pads each rollout to 32 positions."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(64, 200, generator=g).to(dtype), torch.randn(64, 300, generator=g).to(dtype)
+    c, d = torch.randn(96, 200, generator=g).to(dtype), torch.randn(96, 300, generator=g).to(dtype)
+    zero, junk = torch.zeros(64, 200).to(dtype), (torch.randn(64, 300, generator=g) * 1e4).to(dtype)
+    plain = gemm_abt_accumulate(torch.zeros(200, 300), torch.cat([a, c]).t(), torch.cat([b, d]).t())
+    padded = gemm_abt_accumulate(torch.zeros(200, 300), torch.cat([a, zero, c]).t(), torch.cat([b, junk, d]).t())
+    assert torch.equal(plain, padded)
+
+
+def test_accumulate_refuses_what_it_cannot_chain():
+    # the checks run before any kernel: refused on every machine
+    with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):
+        gemm_abt_accumulate(torch.zeros(4, 4), torch.ones(4, 33, dtype=torch.bfloat16),
+                            torch.ones(4, 33, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="accumulator"):
+        gemm_abt_accumulate(torch.zeros(4, 4, dtype=torch.float64), torch.ones(4, 8), torch.ones(4, 8))
+    with pytest.raises(TypeError, match="accumulator"):
+        gemm_abt_accumulate(torch.zeros(4, 5), torch.ones(4, 8), torch.ones(4, 8))
+
+
+@pytest.mark.parametrize("rows", [1, 300, 32000], ids=["sum (norm, bias)", "300 rows", "32k rows (embedding)"])
+def test_rows_enter_in_order(rows, threads):
+    """``GradChain.add_rows`` (``index_add_`` on CPU) adds the source rows one after another in index order: the bits
+    of a naive loop, and of any split into consecutive calls. Negative control: ``Tensor.sum`` over the rows."""
+    g = torch.Generator().manual_seed(rows)
+    t, h = 3000, 128
+    src = torch.randn(t, h, generator=g) * torch.rand(t, 1, generator=g) * 100
+    index = torch.randint(0, rows, (t,), generator=g) if rows > 1 else None
+    whole = GradChain((rows, h) if rows > 1 else (h,))
+    whole.add_rows(src, index)
+    loop = torch.zeros(rows, h)
+    for i in range(t):
+        loop[0 if index is None else index[i]] += src[i]
+    assert torch.equal(whole.acc.reshape(rows, h), loop)
+    split = GradChain(whole.acc.shape)
+    for s, e in ((0, 1000), (1000, 1001), (1001, t)):
+        split.add_rows(src[s:e], None if index is None else index[s:e])
+    assert torch.equal(split.acc, whole.acc)
+    if rows == 1:
+        assert not torch.equal(src.sum(0), whole.acc)
+    with pytest.raises(ValueError, match="rows of 127"):
+        whole.add_rows(src[:, :127], index)
+
+
+def test_chained_embedding_gradient():
+    """The embedding's gradient goes into the chain in token order (repeated ids included), none to autograd; the
+    forward is ``F.embedding``."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    ids = torch.randint(0, 10, (4, 30), generator=g)
+    chain = GradChain(weight.shape)
+    out = chained_embedding(ids, weight, chain)
+    assert torch.equal(out, torch.nn.functional.embedding(ids, weight))
+    up = torch.randn(out.shape, generator=g)
+    (out * up).sum().backward()
+    assert weight.grad is None
+    ref = torch.zeros(50, 16)
+    for t, i in enumerate(ids.reshape(-1).tolist()):
+        ref[i] += up.reshape(-1, 16)[t]
+    assert torch.equal(chain.acc, ref)
+
+
+def test_chain_available_follows_the_kernels():
+    assert chain_available(torch.float32) == f32_available()
+    assert not chain_available(torch.float16)
