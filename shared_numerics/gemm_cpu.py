@@ -18,10 +18,12 @@ Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU
 is waited).
 
 Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``;
-``benchmarks/results/linear_xeon_amx_cpu2.json``): bf16 M = 1: 1.8x, M = 16: 1.6x, M = 256: 0.85x, M = 2048: 0.85x;
-float32 0.43x / 0.90x / 0.86x / 0.72x (the 16-lane dot-form kernel this one replaced: 0.57x / 1.4x / 0.86x / 0.70x, and
-0.36x at K = 3072 for want of K blocking). At M = 1 the weight is transposed per call (16x16 blocks) where MKL reads it
-as it lies; 9 to 48 tokens take a path that broadcasts the weight's rows in place.
+``benchmarks/results/linear_xeon_amx_cpu2.json``): bf16 M = 1: 1.5x, M = 16: 1.7x, M = 256: 0.99x, M = 2048: 0.80x;
+float32 0.52x / 1.08x / 0.78x / 0.70x (the 16-lane dot-form kernel this one replaced: 0.57x / 1.4x / 0.86x / 0.70x, and
+0.36x at K = 3072 for want of K blocking). 1 to 8 tokens stream the weight in 16-row blocks turned in registers (the
+kernel alone: 0.7x MKL's GEMV at M = 1; the rest is this module's per-call Python and ctypes work, ~30 us); 9 to 48
+tokens take a path that broadcasts the weight's rows in place. ``gemm_abt_accumulate`` continues chains (exact
+gradient accumulation, :mod:`shared_numerics.grad_chain`).
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
 operand layout of oneDNN's AMX kernels.

@@ -7,9 +7,12 @@ Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); HF ``Qw
 (statistics in float32). ``rsqrt`` and division are correctly rounded in both SIMD and scalar ATen paths, so they
 need no float64 detour.
 
-On CPU without autograd (vLLM's forward, the trainer's log-prob passes) the compiled kernel ``csrc/pointwise.cpp``
-runs the same operations in the same order in one pass (the same bits: ``tests/test_numerics.py`` compares them);
-with autograd the torch ops below.
+On CPU the compiled kernel ``csrc/pointwise.cpp`` runs the same operations in the same order in one pass (the same
+bits: ``tests/test_numerics.py`` compares them). With autograd (the trainer) its backward is compiled too, one pass per
+row: ``g = dy * w``, ``dx = r * (g - x̂ * (tree_sum(g * x̂) / H))`` (``x̂ = x * r``, ``r = rsqrt(ms + eps)``: a row's
+``dx`` depends only on that row), and the gain's gradient ``Σ_rows dy * x̂`` summed in row order — or continuing an
+exact-accumulation chain (:mod:`shared_numerics.grad_chain`). Elsewhere (other devices, DTensors) the torch ops below
+and autograd.
 """
 from __future__ import annotations
 
@@ -28,22 +31,59 @@ def _lib():
     from .cpu_kernels import load
 
     lib = load("pointwise")
-    lib.zk_rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.zk_rms_norm.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_float, vp, vp, ctypes.c_int]
     lib.zk_rms_norm.restype = None
+    lib.zk_rms_norm_bwd.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, ctypes.c_int, vp, ctypes.c_int]
+    lib.zk_rms_norm_bwd.restype = None
     return lib
 
 
-def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, want_r: bool = False):
+    """``y`` in ``x.dtype`` (and, ``want_r``, each row's ``rsqrt(ms + eps)`` float32 ``[rows]``)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    w = weight.float().contiguous()
+    w = weight.detach().float().contiguous()
     y = torch.empty(x2.shape, dtype=torch.float32)
+    r = torch.empty(x2.shape[0], dtype=torch.float32) if want_r else None
     _lib().zk_rms_norm(DTYPE_CODES[x.dtype], x2.data_ptr(), x2.shape[0], h, x2.stride(0), w.data_ptr(),
-                       float(eps), y.data_ptr(), torch.get_num_threads())
-    return y.reshape(x.shape).to(x.dtype)
+                       float(eps), y.data_ptr(), None if r is None else r.data_ptr(), torch.get_num_threads())
+    y = y.reshape(x.shape).to(x.dtype)
+    return (y, r) if want_r else y
+
+
+class _RmsNormCpu(torch.autograd.Function):
+    """Training RMSNorm on CPU: the forward kernel (saving ``r``) and the compiled backward (see the module)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, chain) -> torch.Tensor:
+        y, r = _rms_norm_cpu(x, weight, eps, want_r=True)
+        ctx.save_for_backward(x, weight, r)
+        ctx.chain = chain
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        h = x.shape[-1]
+        x2 = x.reshape(-1, h).contiguous()
+        dy = grad.to(x.dtype).reshape(-1, h).contiguous()
+        direct = x.dtype in (torch.float32, torch.bfloat16)
+        dx = torch.empty(x2.shape, dtype=x.dtype if direct else torch.float32)
+        chain = ctx.chain
+        dw = None
+        if chain is not None:
+            dw = chain.acc
+        elif ctx.needs_input_grad[1]:
+            dw = torch.zeros(h, dtype=torch.float32)
+        w = weight.detach().float().contiguous()
+        _lib().zk_rms_norm_bwd(DTYPE_CODES[x.dtype], x2.data_ptr(), dy.data_ptr(), x2.shape[0], h, w.data_ptr(),
+                               r.data_ptr(), dx.data_ptr(), DTYPE_CODES[dx.dtype], None if dw is None else dw.data_ptr(),
+                               torch.get_num_threads())
+        grad_w = None if chain is not None or dw is None else dw.to(weight.dtype)
+        return dx.reshape(x.shape).to(x.dtype), grad_w, None, None
 
 __all__ = ["add_rms_norm", "rms_norm"]
 
@@ -79,13 +119,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=
     Returns:
         ``[..., H]`` in ``x.dtype``; each row depends only on itself.
     """
-    if (weight_chain is None and x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.numel() and not (
-            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.numel():
         from .cpu_kernels import plain
 
         xp, wp = plain(x), plain(weight)
         if xp is not None and wp is not None:  # otherwise (DTensors, fake tensors) the torch ops: the same bits
+            if weight_chain is not None:
+                if weight_chain.acc.shape != (x.shape[-1],):
+                    raise ValueError(f"rms_norm: a gain chain of {tuple(weight_chain.acc.shape)} for rows of "
+                                     f"{x.shape[-1]}")
+                return _RmsNormCpu.apply(xp, wp, eps, weight_chain)
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return _RmsNormCpu.apply(xp, wp, eps, None)
             return _rms_norm_cpu(xp, wp, eps)
+    return _rms_norm_ops(x, weight, eps, weight_chain)
+
+
+def _rms_norm_ops(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_chain=None) -> torch.Tensor:
+    """:func:`rms_norm` as torch ops (any device; autograd differentiates them): the definition the CPU kernel
+    reproduces bit for bit."""
     x32 = x.float()
     ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
     if weight_chain is not None:

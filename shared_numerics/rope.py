@@ -71,6 +71,35 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c = cos.unsqueeze(1)
+    s = sin.unsqueeze(1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    """:func:`apply_rope` with its closed-form backward, the rotation by the opposite angle: ``dx1 = dy1 c + dy2 s``,
+    ``dx2 = dy2 c - dy1 s`` (float32, one rounding) — a row's gradient depends only on that row, and no autograd graph
+    of slices and concatenations is kept."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        g = grad.float()
+        g1, g2 = g[..., :half], g[..., half:]
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(grad.dtype), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` by the given tables.
 
@@ -81,13 +110,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns:
         ``[N, heads, D]`` in ``x.dtype``: ``(x1*cos - x2*sin, x2*cos + x1*sin)`` with ``x1, x2`` the two halves.
     """
-    half = x.shape[-1] // 2
-    x32 = x.float()
-    x1, x2 = x32[..., :half], x32[..., half:]
-    c = cos.unsqueeze(1)
-    s = sin.unsqueeze(1)
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    return out.to(x.dtype)
+    if torch.is_grad_enabled() and x.requires_grad and not (cos.requires_grad or sin.requires_grad):
+        return _Rope.apply(x, cos, sin)
+    return _rotate(x, cos, sin)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor

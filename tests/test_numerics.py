@@ -267,20 +267,67 @@ def test_attention_kernel_thread_count_and_streamed_gradients(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_kernel_equals_its_torch_ops(dtype):
-    """Without autograd, CPU ``rms_norm`` runs the compiled kernel; with autograd, the torch ops. Both are one
-    definition (same operations, same order): the same bits, at odd widths and strided rows too."""
+    """On CPU ``rms_norm`` runs the compiled kernel (with or without autograd); its torch ops (other devices) are the
+    same definition (same operations, same order): the same bits, at odd widths and strided rows too."""
+    from shared_numerics.norm import _rms_norm_ops
+
     g = torch.Generator().manual_seed(12)
     for shape in [(100, 64), (7, 1000), (3, 5, 96), (1, 1), (40, 4, 128)]:
         x = (torch.randn(shape, generator=g) * 3).to(dtype)
         w = torch.randn(shape[-1], generator=g).to(dtype)
         with torch.no_grad():
             kernel = sn.rms_norm(x, w, 1e-6)
-        torch_ops = sn.rms_norm(x.requires_grad_(), w, 1e-6)
-        assert torch.equal(kernel, torch_ops.detach())
+        assert torch.equal(kernel, _rms_norm_ops(x, w, 1e-6))
+        assert torch.equal(kernel, sn.rms_norm(x.clone().requires_grad_(), w, 1e-6).detach())  # training forward
     x = torch.randn(64, 3, 256, generator=g).to(dtype)[:, 1]  # rows with a stride
     with torch.no_grad():
-        assert torch.equal(sn.rms_norm(x, w.new_ones(256), 1e-5),
-                           sn.rms_norm(x.clone().requires_grad_(), w.new_ones(256), 1e-5).detach())
+        assert torch.equal(sn.rms_norm(x, w.new_ones(256), 1e-5), _rms_norm_ops(x, w.new_ones(256), 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_rope_backward_row_invariant_and_close(dtype):
+    """The compiled RMSNorm backward and RoPE's closed-form backward: a row's ``dx`` the same bits alone as in the
+    batch, close to autograd of the torch ops (float64); the gain's gradient is the row-order sum of ``dy * x̂``."""
+    from shared_numerics.norm import _rms_norm_ops
+
+    g = torch.Generator().manual_seed(14)
+    x = (torch.randn(100, 96, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    dy = torch.randn(100, 96, generator=g).to(dtype)
+
+    def norm_grads(fn, sl, xs=x, ws=w):
+        a, b = xs[sl].clone().requires_grad_(), ws.clone().requires_grad_()
+        return torch.autograd.grad((fn(a, b, 1e-6).float() * dy[sl].float()).sum(), (a, b))
+
+    dx, dw = norm_grads(sn.rms_norm, slice(None))
+    for sl in (slice(7, 8), slice(5, 90)):
+        assert torch.equal(norm_grads(sn.rms_norm, sl)[0], dx[sl])
+    rx, rw = norm_grads(_rms_norm_ops, slice(None), x.double(), w.double())
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dx.double(), rx, **tol)
+    torch.testing.assert_close(dw.double(), rw, **tol)
+    x32 = x.float()
+    xhat = x32 * torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + 1e-6)
+    rows = torch.zeros(96)
+    for i in range(100):
+        rows = rows + dy[i].float() * (x32[i] * torch.rsqrt(sn.tree_sum(x32[i] * x32[i], dim=-1) / 96 + 1e-6))
+    assert torch.equal(dw, rows.to(dtype)) and torch.allclose(rows, (dy.float() * xhat).sum(0), rtol=1e-4, atol=1e-4)
+
+    q = (torch.randn(100, 4, 64, generator=g)).to(dtype)
+    cos, sin = sn.rope_cos_sin(torch.arange(100), 64, 1e4)
+    dq = torch.randn(100, 4, 64, generator=g).to(dtype)
+
+    def rope_grad(sl):
+        a = q[sl].clone().requires_grad_()
+        return torch.autograd.grad((sn.apply_rope(a, cos[sl], sin[sl]).float() * dq[sl].float()).sum(), a)[0]
+
+    full = rope_grad(slice(None))
+    assert full.dtype == dtype and torch.equal(rope_grad(slice(7, 8)), full[7:8])
+    a = q.double().requires_grad_()  # reference: autograd of the rotation's torch ops, float64
+    c, s = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    rotated = torch.cat([a[..., :32] * c - a[..., 32:] * s, a[..., 32:] * c + a[..., :32] * s], dim=-1)
+    ref = torch.autograd.grad((rotated * dq.double()).sum(), a)[0]
+    torch.testing.assert_close(full.double(), ref, **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

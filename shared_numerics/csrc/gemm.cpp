@@ -606,6 +606,9 @@ void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_
 }
 
 #if defined(ZK_F32_AVX512)
+#ifndef ZK_ROWS_AHEAD
+#define ZK_ROWS_AHEAD 128
+#endif
 // At most F32_RJ rows of B (single-sequence decode, and its backward dX = dY W): A is streamed once, never packed.
 // 16 rows of A at a time, one vector per k of the 16 rows' elements: a k-major A (W read as Wᵀ) holds them
 // contiguously; a K-contiguous A (a weight) is read 16 k at a time and turned in registers (transpose16). So each lane
@@ -624,6 +627,9 @@ void rows_block(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, 
   for (int64_t k0 = 0; k0 < k; k0 += 16) {
     const int64_t nk = k0 < k16 ? 16 : k - k0;
     if (ni == 16 && nk == 16) {
+      if (k0 + ZK_ROWS_AHEAD < k)  // 16 row streams: ahead of the hardware prefetcher
+        for (int r = 0; r < 16; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(a + (i0 + r) * lda + k0 + ZK_ROWS_AHEAD), _MM_HINT_T0);
       transpose16(reinterpret_cast<const uint32_t*>(a + i0 * lda + k0), lda, w, 16);
     } else {  // a partial block, zero-padded (the padded k are never added: the loop below stops at nk)
       for (int64_t r = 0; r < 16; ++r)

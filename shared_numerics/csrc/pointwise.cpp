@@ -132,9 +132,10 @@ void zk_silu_mul_bwd(int dtype, const void* g, const void* u, const float* s, co
   }
 }
 
-// x: rows x h of `dtype`, row stride `stride` elements; w: h float32; y: rows x h float32 (contiguous)
+// x: rows x h of `dtype`, row stride `stride` elements; w: h float32; y: rows x h float32 (contiguous); r: rows
+// float32 (each row's 1 / sqrt(ms + eps), for the backward) or null
 void zk_rms_norm(int dtype, const void* x, int64_t rows, int64_t h, int64_t stride, const float* w, float eps,
-                 float* y, int threads) {
+                 float* y, float* r_out, int threads) {
   int64_t p = 1;
   while (p < h) p *= 2;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows * h >= 32768)
@@ -152,8 +153,56 @@ void zk_rms_norm(int dtype, const void* x, int64_t rows, int64_t h, int64_t stri
         for (int64_t i = 0; i < half; ++i) buf[i] = buf[i] + buf[i + half];
       const float ms = buf[0] / static_cast<float>(h);
       const float inv = 1.0f / sqrtf(ms + eps);
+      if (r_out) r_out[r] = inv;
       float* out = y + r * h;
       for (int64_t i = 0; i < h; ++i) out[i] = load(x, base + i, dtype) * inv * w[i];
+    }
+  }
+}
+
+// Backward of zk_rms_norm (training; x̂ = x * r, y = x̂ * w): per row, g = dy * w, dot = the fixed tree (as the
+// forward's) of g * x̂, dx = r * (g - x̂ * (dot / h)), float32, written in out_dtype (0 float32, 1 bf16 rounded to
+// nearest even); a row's dx depends only on that row. Then the gain's gradient in row order: dw[c] = dw[c] + dy * x̂
+// for row = 0, 1, ... (the products rounded to float32), continuing whatever dw holds (zeros, or an exact-accumulation
+// chain: shared_numerics.grad_chain). x, dy: rows x h of `dtype`, contiguous; w: h float32; r: rows float32 from the
+// forward; dx: rows x h of out_dtype; dw: h float32 or null.
+void zk_rms_norm_bwd(int dtype, const void* x, const void* dy, int64_t rows, int64_t h, const float* w,
+                     const float* r, void* dx, int out_dtype, float* dw, int threads) {
+  int64_t p = 1;
+  while (p < h) p *= 2;
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * h >= 32768)
+  {
+    std::vector<float> buf(p), g(h), xh(h);
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t base = row * h;
+      const float inv = r[row];
+      for (int64_t i = 0; i < h; ++i) {
+        xh[i] = load(x, base + i, dtype) * inv;
+        g[i] = load(dy, base + i, dtype) * w[i];
+        buf[i] = g[i] * xh[i];
+      }
+      for (int64_t i = h; i < p; ++i) buf[i] = 0.0f;
+      for (int64_t half = p / 2; half >= 1; half /= 2)
+        for (int64_t i = 0; i < half; ++i) buf[i] = buf[i] + buf[i + half];
+      const float mean = buf[0] / static_cast<float>(h);
+      for (int64_t i = 0; i < h; ++i) {
+        const float v = inv * (g[i] - xh[i] * mean);
+        if (out_dtype == 0)
+          static_cast<float*>(dx)[base + i] = v;
+        else
+          static_cast<uint16_t*>(dx)[base + i] = zk::float_to_bf16(v);
+      }
+    }
+  }
+  if (!dw) return;
+  const int64_t cblocks = (h + 63) / 64;  // columns in blocks of 64, each walked over the rows in order
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cblocks > 1 && rows * h >= 32768)
+  for (int64_t cb = 0; cb < cblocks; ++cb) {
+    const int64_t c0 = cb * 64, c1 = c0 + 64 < h ? c0 + 64 : h;
+    for (int64_t row = 0; row < rows; ++row) {
+      const float inv = r[row];
+      for (int64_t c = c0; c < c1; ++c) dw[c] = dw[c] + load(dy, row * h + c, dtype) * (load(x, row * h + c, dtype) * inv);
     }
   }
 }
