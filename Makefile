@@ -22,8 +22,9 @@ install-test: $(VENV)/bin/python
 	$(PIP) install -q -c constraints.txt -e ".[test]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 
+# the countdown example side by side, bf16 then FP8 rollouts (examples/countdown/demo.py): runs/countdown/summary.md
 demo: install
-	$(PY) -m examples.countdown.run
+	$(PY) -m examples.countdown.demo
 
 # the default run stays under 45 minutes on 2 cores; tests marked `long` (minutes each) run in their own step
 test: install-test

@@ -86,3 +86,28 @@ def test_per_step_wall_clock_and_speed_ratio(tmp_path):
     text = write_summary(tmp_path, ["zerokld", "stock"], [])[1]
     assert ("Per-step wall-clock, steps 2–5: zerokld 8.0 s (rollout 4.0 s, train 2.0 s); stock 6.0 s (rollout 3.0 s, "
             "train 1.5 s): zerokld runs at **0.75x** stock's speed") in text
+
+
+def test_demo_table_has_the_four_runs(tmp_path):
+    """``make demo``'s table (examples/countdown/demo.py): zerokld and stock for bf16 and for FP8 rollouts, in that
+    order, with each precision's speed ratio; a missing run is an error, not a shorter table."""
+    from examples.countdown.demo import demo_markdown
+
+    for folder, k3, step in (("bf16", 1e-5, 1.0), ("fp8_block", 4e-5, 1.5)):
+        for mode in ("zerokld", "stock"):
+            run = tmp_path / folder / mode
+            run.mkdir(parents=True)
+            rows = [{"step": i + 1, "reward_mean": 0.5, "k3": 0.0 if mode == "zerokld" else k3,
+                     "tokens_bitwise_different": 0 if mode == "zerokld" else 10, "num_tokens": 10,
+                     "clipped_fraction": 0.0, "step_seconds": step * (2 if mode == "zerokld" else 1)}
+                    for i in range(3)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = demo_markdown(tmp_path, seconds=300)
+    rows = [x.split(" | ")[0] for x in text.splitlines() if x.startswith("| ") and "---" not in x][1:]
+    assert rows == ["| zerokld, bf16", "| stock, bf16", "| zerokld, FP8 rollouts", "| stock, FP8 rollouts"]
+    assert "| stock, FP8 rollouts | 4e-05, 4e-05 | 30 of 30 |" in text
+    assert "bf16: zerokld 4.0 s, stock 2.0 s (**0.50x** stock's speed)" in text
+    assert "`make demo` ran 300 s" in text
+    (tmp_path / "fp8_block" / "stock" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no steps"):
+        demo_markdown(tmp_path)
