@@ -56,13 +56,11 @@ def _timed(fn) -> float:
 
 
 def run_dtype(args, dtype: str, root: Path) -> dict:
+    from benchmarks.trainer import realistic_spec
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
+    from zerokld_testing import make_tiny_checkpoint
 
-    spec = TinyModelSpec(family="qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
-                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32,
-                         max_position_embeddings=max(1024, args.prompt + args.max_completion + 32))
+    spec = realistic_spec(args.hidden, args.layers, args.prompt + args.max_completion + 32)
     ckpt = make_tiny_checkpoint(Path("runs/bench") / f"streaming_model_{args.hidden}_{dtype}", spec, seed=0,
                                 dtype=dtype)
     trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / f"dump_{dtype}"), dtype=dtype, lr=0.0))

@@ -27,6 +27,16 @@ import torch
 from zerokld_testing.machine import machine_facts
 
 
+def realistic_spec(hidden: int, layers: int, max_positions: int = 1024):
+    """The benchmarks' Qwen3 at a realistic small size: ``hidden`` and ``layers``, heads ``hidden / 32`` of dim 32,
+    ``hidden / 64`` KV heads, FFN ``3 x hidden``, the factory tokenizer's vocabulary."""
+    from zerokld_testing import TinyModelSpec
+
+    return TinyModelSpec(family="qwen3", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
+                         max_position_embeddings=max(1024, max_positions))
+
+
 def _step(model, seqs: list[list[int]]) -> None:
     from titan_plugin import sequence_logprobs
 
@@ -47,12 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from titan_plugin.models import build_titan_model
-    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
+    from zerokld_testing import make_tiny_checkpoint
 
-    spec = TinyModelSpec(family="qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
-                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32,
-                         max_position_embeddings=max(1024, args.seq_len))
+    spec = realistic_spec(args.hidden, args.layers, args.seq_len)
     rng = random.Random(0)
     seqs = [[1] + [rng.randrange(3, 100) for _ in range(args.seq_len - 1)] for _ in range(args.batch)]
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}

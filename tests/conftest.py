@@ -144,3 +144,14 @@ def pytest_sessionfinish(session, exitstatus):
         print("\nskips not on the allow-list (tests/conftest.py ALLOWED_SKIPS) fail the run:\n  " +
               "\n  ".join(_BAD_SKIPS))
         session.exitstatus = 1
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Runs the test at 1 and at 2 torch threads (the kernels' OpenMP team), restoring the count after."""
+    import torch  # (not at module level: the environment above is set before anything imports torch or triton)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)

@@ -18,14 +18,6 @@ KERNELS = [pytest.param(torch.float32, marks=pytest.mark.skipif(not f32_availabl
 SHAPES = [(1000, 530, [64, 96, 160]), (64, 40, [32, 64]), (300, 1024, [128, 384, 32]), (17, 9, [32, 32])]
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", KERNELS)
 @pytest.mark.parametrize("i_rows,j_rows,calls", SHAPES)
 def test_consecutive_calls_continue_the_chain(dtype, i_rows, j_rows, calls, threads):

@@ -12,13 +12,6 @@ import shared_numerics as sn
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
 
 def _rows_invariant(fn, x, *rest, idx=(0, 1, 7, 16, 17, 63, 99)):
     full = fn(x, *rest)
