@@ -61,12 +61,23 @@ class _RmsNormCpu(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, chain) -> torch.Tensor:
         y, r = _rms_norm_cpu(x, weight, eps, want_r=True)
         ctx.save_for_backward(x, weight, r)
-        ctx.chain = chain
+        ctx.chain, ctx.eps = chain, eps
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        from .cpu_kernels import plain
+
         x, weight, r = ctx.saved_tensors
+        g = plain(grad)  # an AsyncCollectiveTensor (tensor parallelism) is waited for
+        if g is None:  # another tensor subclass: autograd of the torch ops (the same definition)
+            if ctx.chain is not None:
+                raise TypeError(f"rms_norm: an exact-accumulation chain needs plain gradients, got {type(grad).__name__}")
+            with torch.enable_grad():
+                xr, wr = x.detach().requires_grad_(), weight.detach().requires_grad_()
+                dx, dw = torch.autograd.grad(_rms_norm_ops(xr, wr, ctx.eps), (xr, wr), grad)
+            return dx, dw if ctx.needs_input_grad[1] else None, None, None
+        grad = g
         h = x.shape[-1]
         x2 = x.reshape(-1, h).contiguous()
         dy = grad.to(x.dtype).reshape(-1, h).contiguous()
