@@ -99,24 +99,6 @@ class _RmsNormCpu(torch.autograd.Function):
 __all__ = ["add_rms_norm", "rms_norm"]
 
 
-class _ChainedGain(torch.autograd.Function):
-    """``x̂ * w`` (float32) whose gain gradient ``Σ_t dY_t ⊙ x̂_t`` goes into a
-    :class:`shared_numerics.grad_chain.GradChain` (the products rounded to float32, then added in token order);
-    ``dx̂ = dY * w`` as autograd computes it."""
-
-    @staticmethod
-    def forward(ctx, xhat: torch.Tensor, w32: torch.Tensor, chain) -> torch.Tensor:
-        ctx.save_for_backward(xhat, w32)
-        ctx.chain = chain
-        return xhat * w32
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        xhat, w32 = ctx.saved_tensors
-        ctx.chain.add_rows(grad * xhat)
-        return grad * w32, None, None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=None) -> torch.Tensor:
     """RMS-normalise the last dimension.
 
@@ -125,7 +107,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=
         weight: ``[H]`` gain.
         eps: added to the mean square (HF ``rms_norm_eps``).
         weight_chain: a :class:`shared_numerics.grad_chain.GradChain` that takes the gain's gradient (exact
-            accumulation; none is returned to autograd). The forward bits do not change.
+            accumulation; none is returned to autograd; plain CPU tensors only: TypeError otherwise). The forward
+            bits do not change.
 
     Returns:
         ``[..., H]`` in ``x.dtype``; each row depends only on itself.
@@ -143,18 +126,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
                 return _RmsNormCpu.apply(xp, wp, eps, None)
             return _rms_norm_cpu(xp, wp, eps)
-    return _rms_norm_ops(x, weight, eps, weight_chain)
+    if weight_chain is not None:
+        raise TypeError(f"rms_norm: an exact-accumulation chain needs plain CPU tensors, got "
+                        f"{type(x).__name__} on {x.device}")
+    return _rms_norm_ops(x, weight, eps)
 
 
-def _rms_norm_ops(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_chain=None) -> torch.Tensor:
+def _rms_norm_ops(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm` as torch ops (any device; autograd differentiates them): the definition the CPU kernel
     reproduces bit for bit."""
     x32 = x.float()
     ms = tree_sum(x32 * x32, dim=-1, keepdim=True) / x.shape[-1]
-    if weight_chain is not None:
-        y = _ChainedGain.apply(x32 * torch.rsqrt(ms + eps), weight.detach().float(), weight_chain)
-    else:
-        y = x32 * torch.rsqrt(ms + eps) * weight.float()
+    y = x32 * torch.rsqrt(ms + eps) * weight.float()
     return y.to(x.dtype)
 
 

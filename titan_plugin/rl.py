@@ -220,7 +220,7 @@ class RLTrainer(Trainer):
         self._hf = read_model_config(config.hf_assets_path)
         self.numerics = numerics_mode(config)
         self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.training.mixed_precision_param)
+        dtype = getattr(torch, config.training.mixed_precision_param)
         reason = unsupported_reason(self.model, dtype) if len(self.model_parts) == 1 else "pipeline stages"
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)

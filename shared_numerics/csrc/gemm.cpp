@@ -262,18 +262,18 @@ void strip(const uint16_t* a, int64_t lda, int64_t kp, const uint32_t* bp, int64
       float* cc = c + (jb - jb0) * 2 * 256;  // 4 tiles of this pair: [i 0-15, j 0-15], [i 16-31, j 0-15], then j 16-31
       const uint32_t* b0 = bp + jb * kp2 * 16;
       const uint32_t* b1 = b0 + kp2 * 16;
-      if (kb == 0 && o.accumulate) {  // the chain goes on from the output's float32 values
-        read_tile(cc, i0, jb * 16, o);
-        read_tile(cc + 256, i0 + 16, jb * 16, o);
-        read_tile(cc + 512, i0, jb * 16 + 16, o);
-        read_tile(cc + 768, i0 + 16, jb * 16 + 16, o);
-      }
       if (kb == 0 && !o.accumulate) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
       } else {
+        if (kb == 0) {  // accumulate: the chains go on from the output's float32 values
+          read_tile(cc, i0, jb * 16, o);
+          read_tile(cc + 256, i0 + 16, jb * 16, o);
+          read_tile(cc + 512, i0, jb * 16 + 16, o);
+          read_tile(cc + 768, i0 + 16, jb * 16 + 16, o);
+        }
         _tile_loadd(0, cc, 64);
         _tile_loadd(1, cc + 256, 64);
         _tile_loadd(2, cc + 512, 64);
@@ -681,7 +681,8 @@ void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_
   }
   for (int64_t kk = 0; kk < k; ++kk) {
     if (kk + ZK_KMAJOR_AHEAD < k)  // the next rows' segments: each k's row lies in another 4 KiB page
-      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(a + (kk + ZK_KMAJOR_AHEAD) * lda + i0 + 16 * v), _MM_HINT_T0);
+      for (int v = 0; v < V; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(a + (kk + ZK_KMAJOR_AHEAD) * lda + i0 + 16 * v), _MM_HINT_T0);
     __m512 col[V];
     for (int v = 0; v < V; ++v) col[v] = _mm512_maskz_loadu_ps(m[v], a + kk * lda + i0 + 16 * v);
     for (int t = 0; t < T; ++t) {
