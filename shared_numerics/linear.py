@@ -306,6 +306,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.reshape(*lead, weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1]).float()
     w = weight.float()
+    if (not chained and f32_available() and x2.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
+        # inference: one kernel call, the bias added in float32 to each finished chain (the bits of ``y + b``)
+        y = gemm_abt(w, x2, bias, transpose=True)
+        return y.to(x.dtype).reshape(*lead, weight.shape[0])
     if chained:
         y = _RowTiledLinear.apply(x2, w, weight_chain)
     elif torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):

@@ -68,6 +68,39 @@ def _seqs(n: int, seed: int, length: int = 300) -> list[list[int]]:
     return [[1] + [rng.randrange(3, 100) for _ in range(length)] for _ in range(n)]
 
 
+def test_each_plugin_builds_its_side_from_the_declaration():
+    """The folders only declare (issue 39 point 3): vLLM's class is the zerokld mixin over the declared vLLM class,
+    carries the declaration, is reached through the name vLLM registers and pickles by it; a declaration with an
+    unknown RoPE kind is refused when it is made."""
+    import pickle
+
+    from vllm import ModelRegistry
+
+    from vllm_plugin.models import classes
+    from vllm_plugin.models.dense import ZeroKLDMixin
+    from vllm_plugin.models.moe import ZeroKLDMoEMixin
+    from vllm_plugin.register import register
+    from zerokld_plugins import ModelAdapterSpec, registered, resolve
+
+    register()
+    archs = registered("model")
+    assert {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(archs)
+    for arch, reg in archs.items():
+        cls = classes.model_class(arch)
+        assert cls.adapter is reg.spec
+        assert cls.__mro__[1:3] == ((ZeroKLDMoEMixin, ZeroKLDMixin) if reg.spec.moe else
+                                    (ZeroKLDMixin, resolve(reg.spec.vllm_base)))
+        assert issubclass(cls, resolve(reg.spec.vllm_base))
+        assert resolve(classes.registered_name(arch)) is cls
+        assert pickle.loads(pickle.dumps(cls)) is cls
+        assert ModelRegistry._try_load_model_cls(arch) is cls
+    with pytest.raises(AttributeError, match="ZeroKLDNoSuchForCausalLM"):
+        resolve(classes.registered_name("NoSuchForCausalLM"))
+    with pytest.raises(ValueError, match="rope must be"):
+        ModelAdapterSpec(architecture="X", vllm_base="a:b", titan_model="a:b", titan_block="a:b",
+                         titan_state_dict_adapter="a:b", rope="yarn")
+
+
 @pytest.mark.titan
 @pytest.mark.parametrize("family", ["qwen2", "llama31", "qwen3_rope_parameters"])
 def test_trainer_is_the_transformers_model(checkpoint_factory, tmp_path, family):

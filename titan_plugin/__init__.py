@@ -1,12 +1,11 @@
 """zerokld's TorchTitan plugin: TorchTitan models on ``shared_numerics`` (via ``@override``), trainer log-probs,
-an RL trainer (``RLTrainer``) on TorchTitan's own ``Trainer``."""
-from . import cpu_compat
+an RL trainer (``RLTrainer``) on TorchTitan's own ``Trainer``.
 
-cpu_compat.apply()
+Importing it changes nothing in torch or TorchTitan: the CPU shims (:mod:`.cpu_compat`) are applied by the entry
+points that run TorchTitan (``RLTrainer``, :func:`titan_plugin.models.build_titan_model`)."""
+from zerokld_models.fp8_export import export_fp8_checkpoint
 
-from zerokld_models.fp8_export import export_fp8_checkpoint  # noqa: E402
-
-from .logprobs import sequence_logprobs, trainer_logprobs  # noqa: E402
+from .logprobs import sequence_logprobs, trainer_logprobs
 
 
 def __getattr__(name: str):  # TrainingClient imports TorchTitan's trainer stack: load it on first use

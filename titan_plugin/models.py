@@ -1,7 +1,7 @@
 """Build TorchTitan's own models for an HF checkpoint and load its safetensors.
 
-:func:`decoder_config` is the generic builder the architecture folders (``zerokld_models/<arch>/titan.py``) call:
-TorchTitan's builders (``make_gqa_config``, ``make_ffn_config``, the router/experts builders) from the
+:func:`decoder_config` is the generic builder, filled from an architecture's declaration
+(:class:`zerokld_plugins.ModelAdapterSpec`, registered by its ``zerokld_models/<arch>/`` folder): TorchTitan's builders (``make_gqa_config``, ``make_ffn_config``, the router/experts builders) from the
 :class:`zerokld_models.ModelConfig` the one HF-config reader returns, with separate wq/wk/wv projections
 (``fuse_qkv=False``: vLLM's zerokld model also projects q, k and v separately). HF weights go through the
 architecture's ``StateDictAdapter.from_hf`` (e.g. ``torchtitan/models/{qwen3,llama3}/state_dict_adapter.py``),
@@ -9,6 +9,7 @@ exactly as TorchTitan's ``--checkpoint.initial_load_in_hf`` does, and come back 
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -21,8 +22,8 @@ from zerokld_models.checkpoint import read_tensors
 
 from .overrides import apply_zerokld_overrides, set_tp_k_block
 
-__all__ = ["build_titan_model", "complex_rope", "cos_sin_rope", "decoder_config", "hf_state_dict",
-           "load_hf_weights", "state_dict_adapter_class", "titan_model_config"]
+__all__ = ["architecture_config", "build_titan_model", "complex_rope", "cos_sin_rope", "decoder_config",
+           "hf_state_dict", "load_hf_weights", "state_dict_adapter_class", "titan_model_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
@@ -102,10 +103,31 @@ def decoder_config(cfg: ModelConfig, model_cls, block_cls, rope, qk_norm: bool, 
     )
 
 
+def architecture_config(adapter, cfg: ModelConfig):
+    """TorchTitan's config of ``adapter.titan_model`` for ``cfg`` (stock components), from the architecture's
+    declaration (:class:`zerokld_plugins.ModelAdapterSpec`: model and block classes, RoPE kind, head size, QK-norm,
+    q/k/v bias, MoE).
+
+    Raises:
+        ValueError: a ``derived_head_dim`` architecture whose ``head_dim * num_attention_heads != hidden_size``
+            (TorchTitan's llama3 derives the head size and would build another model).
+    """
+    from zerokld_plugins import resolve
+
+    if adapter.derived_head_dim and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError(f"TorchTitan's {adapter.titan_model.rpartition(':')[2]} derives the head size: it needs "
+                         f"head_dim * num_attention_heads == hidden_size, got {cfg.head_dim} * "
+                         f"{cfg.num_attention_heads} != {cfg.hidden_size}")
+    rope = complex_rope(cfg) if adapter.rope == "complex" else cos_sin_rope(cfg)
+    return decoder_config(cfg, resolve(adapter.titan_model), resolve(adapter.titan_block), rope,
+                          qk_norm=adapter.qk_norm, qkv_bias=adapter.qkv_bias, moe=adapter.moe,
+                          head_dim=None if adapter.derived_head_dim else _SAME)
+
+
 def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str | None = None,
                        tp_k_block: int | None = None):
-    """TorchTitan model config for a checkpoint's :class:`zerokld_models.ModelConfig`, built by its architecture
-    folder (``zerokld_models/<arch>/titan.py``).
+    """TorchTitan model config for a checkpoint's :class:`zerokld_models.ModelConfig`, built from its architecture's
+    declaration (:func:`architecture_config`).
 
     Args:
         cfg: from :func:`zerokld_models.read_model_config`.
@@ -122,8 +144,6 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
             ...); ValueError: ``fp8`` without ``batch_invariant``; a quantized checkpoint (train from the high-precision one;
             export with :func:`titan_plugin.export_fp8_checkpoint`).
     """
-    from zerokld_plugins import resolve
-
     if cfg.quant_method:
         raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized ({cfg.quant_method})")
     if fp8 is not None and not batch_invariant:
@@ -132,7 +152,7 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
         raise ValueError("tp_k_block needs the zerokld numerics (batch_invariant=True)")
     adapter = adapter_for(cfg)
     check_supported(cfg, adapter)
-    model_cfg = resolve(adapter.titan_config)(cfg)
+    model_cfg = architecture_config(adapter, cfg)
     if batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=fp8)
         if tp_k_block is not None:
@@ -147,10 +167,26 @@ def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str 
 
 
 def state_dict_adapter_class(cfg: ModelConfig):
-    """TorchTitan ``StateDictAdapter`` class of the checkpoint's architecture folder."""
+    """TorchTitan ``StateDictAdapter`` class of the checkpoint's architecture: the declared stock adapter, extended
+    by the declaration's ``extra_hf_names`` (e.g. Qwen2's q/k/v biases on TorchTitan's Qwen3 adapter)."""
+    adapter = adapter_for(cfg)
+    return _state_dict_adapter(adapter.titan_state_dict_adapter, adapter.extra_hf_names)
+
+
+@functools.lru_cache(maxsize=None)
+def _state_dict_adapter(stock: str, extra_hf_names: tuple[tuple[str, str], ...]):
     from zerokld_plugins import resolve
 
-    return resolve(adapter_for(cfg).titan_state_dict_adapter)
+    base = resolve(stock)
+    if not extra_hf_names:
+        return base
+
+    def __init__(self, model_config, hf_assets_path):
+        base.__init__(self, model_config, hf_assets_path)
+        self.from_hf_map.update(extra_hf_names)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
+                                         "__doc__": f"{base.__name__} plus {[h for h, _ in extra_hf_names]}"})
 
 
 def _adapter(model_cfg, cfg: ModelConfig, checkpoint_dir: str | Path | None):
@@ -206,6 +242,9 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
         ``(model, model_config, model_cfg)``: the model (on CPU, parameters in ``dtype``), its TorchTitan config and the
         checkpoint's :class:`zerokld_models.ModelConfig`.
     """
+    from .cpu_compat import apply
+
+    apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat)
     cfg = read_model_config(checkpoint_dir)
     model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block)
     with torch.device("cpu"):

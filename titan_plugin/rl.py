@@ -16,33 +16,29 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer.optimizer import default_adamw
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
+
+from shared_numerics.losses import CorrectionConfig, normalize_loss
+from shared_numerics.mode import NumericsMode
+from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch
+from zerokld_models import ModelConfig, adapter_for, read_model_config
+
 from . import cpu_compat
-
-cpu_compat.apply()
-
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
-from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
-from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
-from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
-from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
-from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
-
-from shared_numerics.losses import CorrectionConfig, normalize_loss  # noqa: E402
-from shared_numerics.mode import NumericsMode  # noqa: E402
-from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch  # noqa: E402
-
-from .exact_accumulation import ExactAccumulation, unsupported_reason  # noqa: E402
-from .logprobs import sequence_logprobs  # noqa: E402
-from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,  # noqa: E402
+from .exact_accumulation import ExactAccumulation, unsupported_reason
+from .logprobs import sequence_logprobs
+from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,
                    save_peft_adapter)
-from .losses import RLLoss  # noqa: E402
-from zerokld_models import ModelConfig, adapter_for, read_model_config  # noqa: E402
-
-from .models import hf_state_dict, state_dict_adapter_class, titan_model_config  # noqa: E402
-from .routing import pack_routes, replay_routes  # noqa: E402
+from .losses import RLLoss
+from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
+from .routing import pack_routes, replay_routes
 
 __all__ = ["RLTrainer", "RolloutQueue", "ZeroKLDSection", "numerics_mode", "rl_trainer_config"]
 
@@ -92,7 +88,9 @@ class ZeroKLDSection:
 
 def numerics_mode(config) -> NumericsMode:
     """The trainer's :class:`shared_numerics.NumericsMode` from an ``RLTrainer.Config``: the ``zerokld`` section,
-    the forward dtype (``training.mixed_precision_param``) and the backend of TorchTitan's device type."""
+    the forward dtype (``training.mixed_precision_param``) and the backend of TorchTitan's device type (on a CPU-only
+    torch after :mod:`titan_plugin.cpu_compat`'s shims, applied here: the device the trainer will run on)."""
+    cpu_compat.apply()
     from torchtitan.tools.utils import device_type
 
     return NumericsMode.build(config.zerokld.batch_invariant, config.training.mixed_precision_param,
@@ -213,6 +211,7 @@ class RLTrainer(Trainer):
         zerokld: ZeroKLDSection = field(default_factory=ZeroKLDSection)
 
     def __init__(self, config: "RLTrainer.Config") -> None:
+        cpu_compat.apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat): applied here, not on import
         cpu_compat.ensure_single_process_env()
         super().__init__(config)
         if not self.checkpointer.load():  # HF initial load (initial_load_in_hf) through the state-dict adapter

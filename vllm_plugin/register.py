@@ -4,8 +4,8 @@ vLLM calls ``register()`` in every process it starts (API server, engine core, e
 once, before any model is built (``vllm/plugins/__init__.py``: ``load_general_plugins``). It only registers names;
 nothing changes until a model is built with ``additional_config={"zerokld": {"batch_invariant": true}}``:
 
-* every model adapter registered through the ``zerokld`` plugin hooks (ours: ``Qwen3ForCausalLM``,
-  ``LlamaForCausalLM``) maps its architecture to a class that builds the stock vLLM model when the flag is off and
+* every architecture declared through the ``zerokld`` model-adapter hook (ours: ``zerokld_models/<arch>/``) maps to
+  the class :mod:`vllm_plugin.models.classes` builds from its declaration: the stock vLLM model when the flag is off,
   the ``shared_numerics`` model when it is on;
 * the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
 * the quantization method ``zerokld_fp8`` (FP8 checkpoints exported by the trainer) is added to vLLM's registry;
@@ -32,6 +32,7 @@ def register() -> None:
 
     from .attention_backend import BACKEND_NAME
     from .fp8 import register as register_fp8
+    from .models.classes import registered_name
     from .hotload.worker import install as install_delta_worker
     from .routing import install as install_routing
     from .runner import install as install_runner
@@ -40,7 +41,7 @@ def register() -> None:
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
     for arch, reg in registered("model").items():
-        ModelRegistry.register_model(arch, reg.spec.vllm_model)
+        ModelRegistry.register_model(arch, registered_name(arch))
     register_fp8()
     install_sampler()
     install_routing()

@@ -1,11 +1,12 @@
 """Model architectures, one folder each (TorchTitan's ``models/<arch>/`` style).
 
-``zerokld_models/<arch>/`` holds everything an HF architecture needs on both sides: its registration
-(``ADAPTER``, a :class:`zerokld_plugins.ModelAdapterSpec` with the architecture's traits), the vLLM model class
-(``vllm.py``) and the TorchTitan config builder, state-dict adapter and parallelize function (``titan.py``). What
-every architecture shares lives here once: the HF-config reader (:mod:`.config`), the support check
-(:mod:`.support`); the generic decoders they specialise live in the plugins (``vllm_plugin.models``,
-``titan_plugin.models``). Adding an architecture = one folder + one line in :mod:`.hooks`.
+``zerokld_models/<arch>/`` declares an HF architecture (``ADAPTER``, a :class:`zerokld_plugins.ModelAdapterSpec`):
+where vLLM's and TorchTitan's stock classes, state-dict adapter and parallelize function are, the checkpoint names the
+stock adapter lacks, and the traits (RoPE kind, head size, QK-norm, q/k/v bias, MoE). It imports neither plugin nor
+any host library; each plugin builds its side from the declaration (:mod:`vllm_plugin.models.classes`,
+:func:`titan_plugin.models.architecture_config`). What every architecture shares lives here once: the HF-config
+reader (:mod:`.config`), the support check (:mod:`.support`), checkpoint files (:mod:`.checkpoint`). Adding an
+architecture = one folder + one line in :mod:`.hooks`.
 """
 from .config import ModelConfig, read_model_config
 from .support import UnsupportedModelError, check_supported, unsupported_features

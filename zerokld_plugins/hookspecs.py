@@ -41,4 +41,4 @@ def zerokld_numerics_backends() -> list:
 
 @hookspec
 def zerokld_model_adapters() -> list:
-    """Model adapters: ``list[ModelAdapterSpec]`` (HF architecture → vLLM model class + TorchTitan config builder)."""
+    """Model adapters: ``list[ModelAdapterSpec]`` (HF architecture → its declaration; the plugins build from it)."""

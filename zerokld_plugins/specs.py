@@ -67,22 +67,40 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class ModelAdapterSpec:
-    """One HF architecture on both sides (an ``zerokld_models/<arch>/`` folder registers one).
+    """One HF architecture, declared (a ``zerokld_models/<arch>/`` folder registers one; each plugin builds its model
+    from the declaration, so the folder imports neither plugin nor any host library).
 
-    ``vllm_model``: the class registered with vLLM's ``ModelRegistry`` for ``architecture`` (stock unless the zerokld
-    switch is on); ``titan_config``: ``(zerokld_models.ModelConfig) -> TorchTitan model config``;
-    ``titan_state_dict_adapter``: the TorchTitan ``StateDictAdapter`` class between that model and HF weights;
-    ``titan_parallelize``: TorchTitan's ``parallelize_fn`` for it. Traits every side reads: ``qk_norm`` (per-head
+    Where the stock pieces are (``"module:attr"`` strings, imported only by the plugin that uses them):
+    ``vllm_base``: vLLM's own model class for ``architecture`` (vLLM's plugin derives the class it registers with
+    ``ModelRegistry``: stock unless the zerokld switch is on); ``titan_model`` / ``titan_block``: TorchTitan's
+    decoder and transformer-block classes whose ``Config`` the trainer fills from the HF config;
+    ``titan_state_dict_adapter``: TorchTitan's ``StateDictAdapter`` between that model and HF weights, extended by
+    ``extra_hf_names`` (``(HF name, TorchTitan name)`` pairs, ``{}`` = the layer index, for weights the stock adapter
+    lacks);
+    ``titan_parallelize``: TorchTitan's ``parallelize_fn``.
+
+    Traits every side reads: ``rope`` (``"cos_sin"``: rotate-half RoPE, TorchTitan's ``CosSinRoPE``; ``"complex"``:
+    TorchTitan's ``ComplexRoPE``, with Llama 3.x scaling when the checkpoint has it), ``interleaved_rope`` (TorchTitan
+    holds q/k rows interleaved: llama3's adapter permutes them, the RoPE override undoes it), ``derived_head_dim``
+    (TorchTitan's model derives the head size as ``hidden_size / num_attention_heads``: llama3), ``qk_norm`` (per-head
     RMSNorm of q and k, Qwen3), ``qkv_bias`` (q/k/v projections with bias, Qwen2), ``moe`` (a routed MoE block in
-    every layer, Qwen3-MoE), ``interleaved_rope`` (TorchTitan holds q/k rows interleaved: llama3's adapter permutes
-    them, the RoPE override undoes it)."""
+    every layer, Qwen3-MoE)."""
 
     architecture: str
-    vllm_model: str
-    titan_config: Callable | str
-    titan_state_dict_adapter: type | str
-    titan_parallelize: Callable | str = ""
+    vllm_base: str
+    titan_model: str
+    titan_block: str
+    titan_state_dict_adapter: str
+    titan_parallelize: str = ""
+    extra_hf_names: tuple[tuple[str, str], ...] = ()
+    rope: str = "cos_sin"
+    interleaved_rope: bool = False
+    derived_head_dim: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
     moe: bool = False
-    interleaved_rope: bool = False
+
+    def __post_init__(self):
+        if self.rope not in ("cos_sin", "complex"):
+            raise ValueError(f"ModelAdapterSpec {self.architecture}: rope must be 'cos_sin' or 'complex', "
+                             f"got {self.rope!r}")

@@ -359,7 +359,8 @@ def _fp8_mode(vllm_config, cfg) -> Fp8Mode:
 
 
 class ZeroKLDMixin:
-    """Base of every architecture folder's vLLM class (``class X(ZeroKLDMixin, vLLMsX): adapter = ADAPTER``):
+    """Base of every declared architecture's vLLM class (:mod:`vllm_plugin.models.classes`: ``(ZeroKLDMixin,
+    vLLM's class)`` with ``adapter`` = the declaration):
     vLLM's model unless the zerokld switch is on, then :class:`DenseDecoder` specialised by ``adapter``'s traits."""
 
     adapter = None  # the architecture's zerokld_plugins.ModelAdapterSpec

@@ -6,9 +6,12 @@ from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(
     architecture="Qwen2ForCausalLM",
-    vllm_model="zerokld_models.qwen2.vllm:ZeroKLDQwen2ForCausalLM",
-    titan_config="zerokld_models.qwen2.titan:titan_config",
-    titan_state_dict_adapter="zerokld_models.qwen2.titan:Qwen2StateDictAdapter",
+    vllm_base="vllm.model_executor.models.qwen2:Qwen2ForCausalLM",
+    titan_model="torchtitan.models.qwen3.model:Qwen3Model",
+    titan_block="torchtitan.models.qwen3.model:Qwen3TransformerBlock",
+    titan_state_dict_adapter="torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter",
     titan_parallelize="torchtitan.models.qwen3:parallelize_qwen3",
+    extra_hf_names=tuple((f"model.layers.{{}}.self_attn.{hf}_proj.bias", f"layers.{{}}.attention.qkv_linear.{tt}.bias")
+                         for hf, tt in (("q", "wq"), ("k", "wk"), ("v", "wv"))),
     qkv_bias=True,
 )

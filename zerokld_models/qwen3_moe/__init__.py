@@ -5,8 +5,9 @@ from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(
     architecture="Qwen3MoeForCausalLM",
-    vllm_model="zerokld_models.qwen3_moe.vllm:ZeroKLDQwen3MoeForCausalLM",
-    titan_config="zerokld_models.qwen3_moe.titan:titan_config",
+    vllm_base="vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
+    titan_model="torchtitan.models.qwen3.model:Qwen3Model",
+    titan_block="torchtitan.models.qwen3.model:Qwen3TransformerBlock",
     titan_state_dict_adapter="torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter",
     titan_parallelize="torchtitan.models.qwen3:parallelize_qwen3",
     qk_norm=True,
