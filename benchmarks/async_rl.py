@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -77,7 +77,7 @@ def _streaming(root: Path, prompts: int, group: int, repeats: int) -> dict:
     from titan_plugin.losses import grpo_advantages
     from titan_plugin.rl import RLTrainer, rl_trainer_config
     from zerokld_testing import make_tiny_checkpoint
-    from zerokld_testing.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import shutdown_llm, start_llm
 
     ckpt = make_tiny_checkpoint(root / "model", MODEL_SPEC, seed=0, dtype="bfloat16")
     tok = Tok(ckpt)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import wall_times
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 SHAPES = {"demo": dict(hq=4, hkv=2, d=32), "h1024": dict(hq=16, hkv=4, d=64)}
 

@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -175,7 +175,9 @@ def main(argv=None) -> dict:
               "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
               "layer_scale_codecs": layer, "model_scale_codecs": _model_scale(codecs)}
 
-    from zerokld_testing.engines import reload_weights, shutdown_llm, start_llm
+    from zerokld_testing.engines import reload_weights
+
+    from vllm_plugin.engines import shutdown_llm, start_llm
 
     restart, swap = [], []
     for i in range(min(args.swaps, len(snaps) - 1)):

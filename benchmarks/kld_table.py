@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -71,7 +71,7 @@ def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool):
 def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts) -> dict:
     """One row: sample with the engine, score with the trainer, compare."""
     import shared_numerics as sn
-    from zerokld_testing.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import shutdown_llm, start_llm
 
     kw = ({"fp8": True} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ re-runs ours with other fixed row tiles (``shared_numerics.linear.ROW_TILE``: th
 without AVX-512) to show the trade-off between decode (few rows, padded to one tile) and prefill/training (many
 tiles); the numerics contract uses the module's value.
 
-The JSON records the machine (:func:`zerokld_testing.machine.machine_facts`: CPU model, ISA flags, threads): stock
+The JSON records the machine (:func:`shared_numerics.machine.machine_facts`: CPU model, ISA flags, threads): stock
 picks AMX / AVX512-BF16 kernels where the CPU has them, so ratios differ a lot between machines. ``gemm_partition``
 records ours: the float32 path (``fmachain``: the compiled kernel; ``onednn``: pinned oneDNN calls), the bf16 path
 (``amx``: the compiled AMX kernel; ``native``: pinned oneDNN bf16 calls; ``fp32``: upcast) and the pinned oneDNN
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import wall_times
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 
 def _fwd(fn, x, w):

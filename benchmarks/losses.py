@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 
 def _one(loss_name: str, path: str, vocab: int, tokens: int, hidden: int, repeats: int) -> dict:

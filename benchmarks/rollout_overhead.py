@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
-    from zerokld_testing.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import shutdown_llm, start_llm
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import wall_times
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 

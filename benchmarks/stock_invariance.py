@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -94,7 +94,9 @@ def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
     """Reference engine (1 thread, no preemption) vs a 2-thread engine and vs a preempting engine."""
     import torch
 
-    from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, shutdown_llm, start_llm
+    from zerokld_testing.engines import completion_logprobs, mixed_sampling_params
+
+    from vllm_plugin.engines import shutdown_llm, start_llm
     from zerokld_testing.prompts import random_prompts
 
     prompts = random_prompts(32, seed=16, lo=20, hi=60)
@@ -136,7 +138,7 @@ def main(argv=None) -> dict:
                     help="measure the thread-count and preemption claims instead (3 engines per configuration)")
     args = ap.parse_args(argv)
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
-    from zerokld_testing.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import shutdown_llm, start_llm
 
     import torch
 

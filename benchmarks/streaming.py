@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 
 def _batch(args, numerics):

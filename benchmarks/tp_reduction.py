@@ -35,7 +35,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 SHAPES = [  # (M tokens, K = full input width, N = output width): decode-sized and prefill-sized batches
     (16, 2048, 2048), (256, 2048, 2048), (16, 4096, 1024), (1024, 1024, 1024),

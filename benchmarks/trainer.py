@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from zerokld_testing.machine import machine_facts
+from shared_numerics.machine import machine_facts
 
 
 def realistic_spec(hidden: int, layers: int, max_positions: int = 1024):

@@ -16,9 +16,9 @@ if not CUDA_RUN:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Per-engine start budget: an offline engine (vllm.LLM) whose core is not ready within it raises vLLM's own timeout
-# error instead of hanging until the test's timeout; servers use zerokld_testing.servers.START_BUDGET_S (the same).
+# error instead of hanging until the test's timeout; servers use vllm_plugin.serve.START_BUDGET_S (the same).
 os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "240")
-# KV cache of every engine and server the tests start (zerokld_testing.engines.KV_CACHE_ENV): the tiny models need a
+# KV cache of every engine and server the tests start (vllm_plugin.engines.KV_CACHE_ENV): the tiny models need a
 # few MiB; sizing it from gpu_memory_utilization would allocate ~7 GiB per engine, ~10 s of each start.
 os.environ.setdefault("ZEROKLD_KV_CACHE_BYTES", str(512 << 20))
 
@@ -117,7 +117,7 @@ class EngineSlot:
 
     def close(self) -> None:
         if self.llm is not None:
-            from zerokld_testing.engines import shutdown_llm
+            from vllm_plugin.engines import shutdown_llm
 
             shutdown_llm(self.llm)
             self.llm = None

@@ -153,7 +153,7 @@ def rope_parameters_rollouts(engine_slot, checkpoint_factory):
     """A real zerokld vLLM engine (float32) on the ``rope_parameters``-only checkpoint, and 12 sampled rollouts."""
     from vllm import SamplingParams
 
-    from zerokld_testing.engines import start_llm
+    from vllm_plugin.engines import start_llm
 
     ckpt = checkpoint_factory("qwen3_rope_parameters", "float32")
     llm = engine_slot.get(("zerokld", "qwen3_rope_parameters", "float32"),

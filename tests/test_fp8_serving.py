@@ -12,7 +12,8 @@ import torch
 from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, load_delta_offline, reload_weights, start_llm
+from zerokld_testing.engines import completion_logprobs, load_delta_offline, reload_weights
+from vllm_plugin.engines import start_llm
 from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]

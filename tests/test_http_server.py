@@ -10,7 +10,8 @@ import requests
 import torch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.servers import OpenAIServer, kv_cache_args
+from vllm_plugin.serve import OpenAIServer
+from zerokld_testing.servers import kv_cache_args
 
 pytestmark = pytest.mark.vllm
 

@@ -104,3 +104,23 @@ def test_importing_the_trainer_plugin_changes_nothing_in_torch_or_torchtitan():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["4", "cpu"], r.stdout
+
+
+def test_the_example_uses_public_api_only():
+    """Issue 39 point 5: the countdown example imports nothing of the test package but the tiny-checkpoint factory
+    (engines: :mod:`vllm_plugin.engines`, servers: :mod:`vllm_plugin.serve`, machine facts:
+    :mod:`shared_numerics.machine`)."""
+    import ast
+
+    factory = {"TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"}
+    found = []
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerokld_testing"):
+                names = {a.name for a in node.names}
+                if node.module != "zerokld_testing" or not names <= factory:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} {sorted(names)}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("zerokld_testing") for a in node.names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} import {[a.name for a in node.names]}")
+    assert found == [], found
+    assert any((ROOT / "examples").rglob("*.py"))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from zerokld_testing.machine import ISA_FLAGS
+from shared_numerics.machine import ISA_FLAGS
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shared_numerics.rollout import RolloutBatch
-from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, reload_weights, start_llm
+from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, reload_weights
+from vllm_plugin.engines import start_llm
 from zerokld_testing.prompts import random_datums, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan, pytest.mark.timeout(900)]

@@ -59,7 +59,7 @@ def test_zerokld_engines_use_the_v1_model_runner(monkeypatch):
 @pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin",
                                   "routes_on_dense_model", "fp8_moe", "processed_logprobs", "model_runner_v2"])
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd, monkeypatch):
-    from zerokld_testing.engines import start_llm
+    from vllm_plugin.engines import start_llm
 
     engine_slot.close()
     if case == "unsupported_architecture":  # Mistral has Llama's weights; stock vLLM would serve it silently

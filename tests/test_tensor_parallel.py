@@ -440,7 +440,7 @@ def _one_core_per_worker(tp: int):
 
 
 def _engine(engine_slot, ckpt, dtype, tp, batch_invariant, tp_k_block=None):
-    from zerokld_testing.engines import start_llm
+    from vllm_plugin.engines import start_llm
 
     def factory():
         with _one_core_per_worker(tp):

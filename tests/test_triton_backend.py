@@ -406,7 +406,7 @@ def test_backend_selection(monkeypatch):
 @pytest.fixture(scope="module")
 def triton_engine(engine_slot, checkpoint_factory):
     """A real vLLM engine whose worker runs the Triton backend (interpreter): the env is inherited at spawn."""
-    from zerokld_testing.engines import start_llm
+    from vllm_plugin.engines import start_llm
 
     ckpt = checkpoint_factory("qwen3", "float32")
     saved = os.environ.get("ZEROKLD_BACKEND")

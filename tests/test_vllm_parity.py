@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, prompt_logprobs, start_llm
+from zerokld_testing.engines import completion_logprobs, prompt_logprobs
+from vllm_plugin.engines import start_llm
 from zerokld_testing.prompts import random_prompts
 
 pytestmark = pytest.mark.vllm

@@ -1,61 +1,11 @@
-"""Start/stop real vLLM engines on CPU and read logprobs out of their outputs (tests, example, benchmarks).
-
-vLLM-CPU facts this encodes (``../shared/DESIGN.md`` §4): ``gpu_memory_utilization`` is the CPU memory fraction
-(0.3 here); engines take 20-60 s to start, so callers share them; a script that starts one needs a ``__main__``
-guard (workers are spawned).
+"""Test helpers around real vLLM engines on CPU: mixed sampling settings, full and delta weight reloads, logprobs
+read out of outputs. Starting and stopping engines: :mod:`vllm_plugin.engines`.
 """
 from __future__ import annotations
 
-import gc
-import os
-from typing import Any
-
 import torch
 
-__all__ = ["KV_CACHE_ENV", "completion_logprobs", "kv_cache_bytes", "load_delta_offline", "mixed_sampling_params",
-           "prompt_logprobs", "reload_weights", "shutdown_llm", "start_llm"]
-
-#: Environment variable naming the ``kv_cache_memory_bytes`` (vLLM's flag) of every engine and server the helpers
-#: start. Unset: vLLM sizes the KV cache from ``gpu_memory_utilization`` (0.3 of the machine's RAM). The test suite
-#: sets 512 MiB (``tests/conftest.py``): its tiny models need a few MiB, and allocating ~7 GiB costs ~10 s of every
-#: engine start (measured: TP 1 29.5 s -> 19.9 s, TP 2 38.3 s -> 18.3 s on 2 cores).
-KV_CACHE_ENV = "ZEROKLD_KV_CACHE_BYTES"
-
-
-def kv_cache_bytes() -> int | None:
-    """The KV cache size from :data:`KV_CACHE_ENV`, or ``None`` (vLLM's own sizing)."""
-    value = os.environ.get(KV_CACHE_ENV)
-    return int(value) if value else None
-
-
-def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, max_model_len: int = 512,
-              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-              fp8: bool | str = False, zerokld: dict[str, Any] | None = None, **kwargs: Any):
-    """A ``vllm.LLM`` on CPU; ``batch_invariant`` switches ``additional_config={"zerokld": {"batch_invariant": ...}}``;
-    ``fp8`` (``True`` / ``"per_channel"`` / ``"block"``) adds online FP8 serving with that granularity; ``zerokld``:
-    more keys of that section (e.g. ``tp_k_block``)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm import LLM
-
-    extra = {}
-    if "kv_cache_memory_bytes" not in kwargs and kv_cache_bytes():
-        extra["kv_cache_memory_bytes"] = kv_cache_bytes()
-    if max_num_batched_tokens is not None:
-        extra["max_num_batched_tokens"] = max_num_batched_tokens
-        extra["enable_chunked_prefill"] = True
-    return LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=max_model_len,
-               enforce_eager=True, enable_prefix_caching=enable_prefix_caching, seed=seed,
-               additional_config={"zerokld": zerokld_section(batch_invariant, fp8, **(zerokld or {}))}, **extra,
-               **kwargs)
-
-
-def zerokld_section(batch_invariant: bool, fp8: bool | str = False, **extra: Any) -> dict[str, Any]:
-    """The ``zerokld`` section of vLLM's ``additional_config`` (``--additional-config``): ``batch_invariant``, online
-    FP8 serving when ``fp8`` (``True`` = ``"per_channel"``, or ``"block"``), and ``extra`` keys (e.g. ``hot_load``)."""
-    section: dict[str, Any] = {"batch_invariant": batch_invariant, **extra}
-    if fp8:
-        section.update(fp8=True, fp8_granularity="per_channel" if fp8 is True else fp8)
-    return section
+__all__ = ["completion_logprobs", "load_delta_offline", "mixed_sampling_params", "prompt_logprobs", "reload_weights"]
 
 
 def mixed_sampling_params(i: int, seed: int | None = None, max_tokens: int = 24, **kw):
@@ -67,15 +17,6 @@ def mixed_sampling_params(i: int, seed: int | None = None, max_tokens: int = 24,
     settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9),
                 dict(temperature=0.9, top_k=40, top_p=0.8)][i % 4]
     return SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=seed, **{**settings, **kw})
-
-
-def shutdown_llm(llm) -> None:
-    """Stop the engine core and its workers now (not at garbage collection)."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        del llm
-        gc.collect()
 
 
 def reload_weights(llm, checkpoint_dir: str) -> None:

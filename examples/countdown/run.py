@@ -47,7 +47,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from examples.countdown.served import stock_fp8_quantization  # noqa: E402
 from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
-from zerokld_testing.machine import ISA_FLAGS, cpu_model, isa_flags  # noqa: E402
+from shared_numerics.machine import ISA_FLAGS, cpu_model, isa_flags  # noqa: E402
 
 MODEL_SPEC = TinyModelSpec(family="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
@@ -223,7 +223,7 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     from examples.countdown.sync import AdapterSync, DeltaSync
     from titan_plugin.lora import lora_converter_config
     from titan_plugin.rl import RLTrainer, numerics_mode, rl_trainer_config
-    from zerokld_testing.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import shutdown_llm, start_llm
 
     zk = numerics == "zerokld"
     run_dir = out / numerics

@@ -62,8 +62,8 @@ class ServedEngine:
 
     def __init__(self, ckpt: Path, dtype: str, zerokld: bool, sync, log_path: Path, seed: int = 0,
                  fp8: str | None = None) -> None:
-        from zerokld_testing.engines import zerokld_section
-        from zerokld_testing.servers import OpenAIServer
+        from vllm_plugin.engines import zerokld_section
+        from vllm_plugin.serve import OpenAIServer
 
         section = zerokld_section(zerokld, (fp8 or False) if zerokld else False, hot_load={
             "snapshot_root": sync.config.snapshot_root, "state_dir": sync.config.state_dir})
