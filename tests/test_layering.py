@@ -12,6 +12,7 @@ graph, so a new upward import fails here.
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -124,3 +125,52 @@ def test_the_example_uses_public_api_only():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} import {[a.name for a in node.names]}")
     assert found == [], found
     assert any((ROOT / "examples").rglob("*.py"))
+
+
+def _is_package(module: str) -> bool:
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.submodule_search_locations is not None
+
+
+def _vllm_attribute_assignments() -> set[str]:
+    """``"module:Name.attr"`` of every ``Name.attr = ...`` in ``vllm_plugin`` where ``Name`` was imported from vLLM
+    in the same file (``from vllm.x import Name`` / ``import vllm.x as Name``)."""
+    import ast
+
+    found = set()
+    for path in sorted((ROOT / "vllm_plugin").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                for a in node.names:  # a submodule (``from vllm.x import y``, y a module) is ``vllm.x.y:``
+                    sub = importlib.util.find_spec(f"{node.module}.{a.name}") if _is_package(node.module) else None
+                    names[a.asname or a.name] = f"{node.module}.{a.name}:" if sub else f"{node.module}:{a.name}"
+            elif isinstance(node, ast.Import):
+                names.update({a.asname: f"{a.name}:" for a in node.names if a.asname and a.name.startswith("vllm.")})
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in names:
+                    base = names[t.value.id]
+                    found.add(f"{base}{t.attr}" if base.endswith(":") else f"{base}.{t.attr}")
+    return found
+
+
+def test_every_replaced_vllm_attribute_is_declared_and_present():
+    """Issue 39 point 1 (the table): each assignment onto a vLLM attribute in ``vllm_plugin`` is a declared seam,
+    every declared seam exists in the pinned vLLM, and a missing one is refused naming it and the versions.
+    Negative controls: the scan finds the known assignments (so an undeclared one would be reported), and a seam
+    whose target vLLM lacks raises."""
+    from vllm_plugin import seams
+
+    declared = {s.target for s in seams.SEAMS}
+    assigned = _vllm_attribute_assignments()
+    assert {"vllm.v1.sample.sampler:Sampler.sample", "vllm.lora.utils:_all_lora_classes",
+            "vllm.engine.arg_utils:EngineArgs.create_engine_config"} <= assigned, assigned
+    assert assigned - declared == set(), assigned - declared
+    assert seams.missing() == []
+    gone = seams.Seam("vllm.v1.sample.sampler:Sampler.no_such_method", "a test target", ("tests",))
+    with pytest.raises(seams.SeamError, match=r"vLLM 0\.32\.0 \(verified with 0\.32\.0\): it lacks "
+                                              r"vllm\.v1\.sample\.sampler:Sampler\.no_such_method \(a test target\)"):
+        seams.check((*seams.SEAMS, gone))

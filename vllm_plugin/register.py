@@ -16,6 +16,9 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
   model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
   instead of silently serving stock numerics.
+
+Every vLLM attribute replaced on the way is declared in :data:`vllm_plugin.seams.SEAMS` and checked against the running
+vLLM first (:class:`vllm_plugin.seams.SeamError` names what is missing).
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    from .seams import check
+
+    check()  # every vLLM attribute zerokld replaces exists in this vLLM, or a SeamError naming them (vllm_plugin.seams)
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import register_backend
 

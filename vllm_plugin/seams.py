@@ -1,0 +1,122 @@
+"""Every vLLM attribute zerokld replaces, in one table, checked against the running vLLM before anything is installed.
+
+vLLM has no extension point for a model's sampler, its request seeds, the routed-experts capture on CPU, the
+hot-load weight-version spans or the worker extension of an engine started without one, so the plugin replaces
+those attributes. Each replacement is declared here (:data:`SEAMS`: target, what zerokld puts there, which module
+installs it); :func:`check` runs first in :func:`vllm_plugin.register.register` — vLLM calls it in every process it
+starts, before any model is built — and refuses a vLLM that lacks a target with :class:`SeamError` naming each
+missing target, the running vLLM version and the versions the table was verified with (:data:`VERIFIED_VLLM`),
+instead of failing at the first request. ``tests/test_layering.py`` checks that every assignment onto a vLLM
+attribute in ``vllm_plugin`` is declared here.
+
+What this does not check: a target that still exists but changed its signature or meaning (the parity tests run
+against the pinned vLLM do).
+
+Source: vLLM's plugin system (``vllm/plugins/__init__.py``: ``load_general_plugins`` in every process).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+__all__ = ["SEAMS", "VERIFIED_VLLM", "Seam", "SeamError", "check", "missing"]
+
+#: vLLM versions every target of :data:`SEAMS` was verified with (the test suite runs against them)
+VERIFIED_VLLM = ("0.32.0",)
+
+
+class SeamError(RuntimeError):
+    """The running vLLM lacks attributes zerokld replaces (the message names each, and the versions)."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One replaced vLLM attribute: ``target`` = ``"module:Class.attr"`` or ``"module:attr"``; ``purpose`` = what
+    zerokld puts there; ``installers`` = the ``vllm_plugin`` modules that install it."""
+
+    target: str
+    purpose: str
+    installers: tuple[str, ...]
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_STATE = "vllm.v1.engine.output_processor:RequestState"
+_COMPLETION = "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion"
+_CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
+
+SEAMS: tuple[Seam, ...] = (
+    Seam("vllm.model_executor.model_loader.base_loader:initialize_model",
+         "refuse to start a zerokld engine whose architecture did not switch to zerokld numerics",
+         ("vllm_plugin.register",)),
+    Seam("vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+         "draw a seed for requests without one (deterministic sampler), stamp the engine's numerics",
+         ("vllm_plugin.sampler",)),
+    Seam(f"{_STATE}.from_new_request", "carry the request's seed and numerics stamp to its outputs",
+         ("vllm_plugin.sampler",)),
+    Seam(f"{_STATE}._new_completion_output",
+         "CompletionOutput.zerokld_seed / zerokld_numerics; the weight-version spans so far (hot-load attribution)",
+         ("vllm_plugin.sampler", "vllm_plugin.hotload.attribution")),
+    Seam(f"{_COMPLETION}.request_output_to_completion_response",
+         "zerokld_seed / zerokld_numerics and weight_versions on each /v1/completions choice",
+         ("vllm_plugin.sampler", "vllm_plugin.hotload.attribution")),
+    Seam(f"{_COMPLETION}.completion_stream_generator", "weight_versions on streamed completion choices",
+         ("vllm_plugin.hotload.attribution",)),
+    Seam(f"{_CHAT}.chat_completion_full_generator", "weight_versions on chat choices",
+         ("vllm_plugin.hotload.attribution",)),
+    Seam(f"{_CHAT}.chat_completion_stream_generator", "weight_versions on streamed chat choices",
+         ("vllm_plugin.hotload.attribution",)),
+    Seam(f"{_RUNNER}._update_states", "keep vLLM's per-request torch.Generator bookkeeping off for zerokld seeds",
+         ("vllm_plugin.sampler",)),
+    Seam(f"{_RUNNER}._sample", "sample with shared_numerics.sampling (noise = hash(seed, position, vocab id))",
+         ("vllm_plugin.sampler",)),
+    Seam(f"{_RUNNER}.sample_tokens", "attach the routed experts recorded on CPU (enable_return_routed_experts)",
+         ("vllm_plugin.routing",)),
+    Seam("vllm.v1.sample.sampler:Sampler.sample", "the deterministic sampler inside vLLM's Sampler",
+         ("vllm_plugin.sampler",)),
+    Seam("vllm.v1.sample.sampler:Sampler.compute_logprobs",
+         "the sampler's log-softmax on shared_numerics (vocab-parallel with tp_k_block)",
+         ("vllm_plugin.models.dense",)),
+    Seam("vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
+         "allow enable_return_routed_experts on CPU for zerokld MoE models, with zerokld's own checks",
+         ("vllm_plugin.routing",)),
+    Seam("vllm.config.vllm:VllmConfig.use_v2_model_runner",
+         "select vLLM's V1 model runner (where the hooks live) for zerokld engines", ("vllm_plugin.runner",)),
+    Seam("vllm.engine.arg_utils:EngineArgs.create_engine_config",
+         "give zerokld engines the hot-load worker extension", ("vllm_plugin.hotload.worker",)),
+    Seam("vllm.lora.utils:_all_lora_classes", "vLLM's LoRA manager wraps zerokld projections with zerokld's layer",
+         ("vllm_plugin.lora",)),
+)
+
+
+def _resolve(target: str) -> bool:
+    module, _, path = target.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:
+        return False
+    for part in path.split("."):
+        if part not in getattr(obj, "__dict__", {}) and not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def missing(seams: tuple[Seam, ...] = SEAMS) -> list[Seam]:
+    """The seams whose target the running vLLM lacks (their module does not import, or the attribute is absent)."""
+    return [s for s in seams if not _resolve(s.target)]
+
+
+def check(seams: tuple[Seam, ...] = SEAMS) -> None:
+    """Refuse a vLLM that lacks any target of ``seams``.
+
+    Raises:
+        SeamError: naming every missing target and what zerokld needs it for, the running vLLM version and
+            :data:`VERIFIED_VLLM`.
+    """
+    gone = missing(seams)
+    if gone:
+        import vllm
+
+        raise SeamError(f"zerokld cannot run on vLLM {getattr(vllm, '__version__', '?')} (verified with "
+                        f"{', '.join(VERIFIED_VLLM)}): it lacks " + "; ".join(f"{s.target} ({s.purpose})"
+                                                                              for s in gone))
