@@ -14,8 +14,8 @@ import torch
 from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import (completion_logprobs, load_delta_offline, mixed_sampling_params, reload_weights,
-                                     start_llm)
+from vllm_plugin.engines import start_llm
+from zerokld_testing.engines import completion_logprobs, load_delta_offline, mixed_sampling_params, reload_weights
 from zerokld_testing.prompts import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
