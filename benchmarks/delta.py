@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
               "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
               "layer_scale_codecs": layer, "model_scale_codecs": _model_scale(codecs)}
 
-    from zerokld_testing.engines import reload_weights
+    from vllm_plugin.engines import reload_weights
 
     from vllm_plugin.engines import shutdown_llm, start_llm
 

@@ -82,7 +82,7 @@ def _ops(args, T, time_ms, dev, dt) -> dict:
     import torch.nn.functional as F
 
     import shared_numerics as sn
-    from zerokld_testing.op_model import STOCK_OPS as S
+    from benchmarks.op_model import STOCK_OPS as S
 
     h, n, v, d = args.hidden, args.inter, args.vocab, args.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
@@ -190,7 +190,7 @@ def _attention(args, T, time_ms, dev, dt) -> dict:
 
 def _layer(args, T, dev, dt, time_ms) -> dict:
     """One Qwen3-8B-shaped decoder layer on ``prefill_batch x prefill_len`` tokens: forward, forward+backward."""
-    from zerokld_testing.op_model import OpModel, OpModelSpec, stock_layer
+    from benchmarks.op_model import OpModel, OpModelSpec, stock_layer
 
     spec = OpModelSpec(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=1,
                        num_attention_heads=args.hidden // args.head_dim, num_key_value_heads=args.kv_heads,

@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
 
     from deltasync import HotLoadClient, SnapshotWriter, read_snapshot_tensors, weight_bytes
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
-    from zerokld_testing.servers import HotLoadServer
+    from vllm_plugin.serve import HotLoadServer
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

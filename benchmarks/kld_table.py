@@ -54,7 +54,7 @@ DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
 def _sample(llm, prompts: list[list[int]]):
     from vllm import SamplingParams
 
-    from zerokld_testing.engines import completion_logprobs
+    from vllm_plugin.engines import completion_logprobs
 
     sp = SamplingParams(max_tokens=48, temperature=1.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -65,7 +65,8 @@ def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool):
     from titan_plugin import trainer_logprobs
 
     # stock, FP8 or not: a high-precision trainer (the common FP8-rollout setting)
-    return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8=fp8 and zerokld, batch_invariant=zerokld)
+    return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8="per_channel" if fp8 and zerokld else None,
+                            batch_invariant=zerokld)
 
 
 def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts) -> dict:
@@ -73,7 +74,7 @@ def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts) -> dict:
     import shared_numerics as sn
     from vllm_plugin.engines import shutdown_llm, start_llm
 
-    kw = ({"fp8": True} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
+    kw = ({"fp8": "per_channel"} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
     t0 = time.perf_counter()
     try:
         llm = start_llm(ckpt, dtype=dtype, batch_invariant=zerokld, max_num_batched_tokens=64, seed=0, **kw)
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
     import vllm
 
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
-    from zerokld_testing.prompts import random_prompts
+    from zerokld_testing import random_prompts
 
     prompts = random_prompts(32, seed=5, lo=8, hi=150)
     rows = [json.loads(x) for x in Path(args.merge).read_text().splitlines()] if args.merge else []

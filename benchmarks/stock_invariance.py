@@ -50,8 +50,8 @@ def _claims(llm, ckpt: str, dtype: str) -> dict:
     from vllm import SamplingParams
 
     from titan_plugin import trainer_logprobs
-    from zerokld_testing.engines import completion_logprobs, prompt_logprobs
-    from zerokld_testing.prompts import random_prompts
+    from vllm_plugin.engines import completion_logprobs, prompt_logprobs
+    from zerokld_testing import random_prompts
 
     def greedy(n=12, **kw):
         return SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True, **kw)
@@ -94,10 +94,11 @@ def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
     """Reference engine (1 thread, no preemption) vs a 2-thread engine and vs a preempting engine."""
     import torch
 
-    from zerokld_testing.engines import completion_logprobs, mixed_sampling_params
+    from vllm_plugin.engines import completion_logprobs
+    from zerokld_testing import mixed_sampling_params
 
     from vllm_plugin.engines import shutdown_llm, start_llm
-    from zerokld_testing.prompts import random_prompts
+    from zerokld_testing import random_prompts
 
     prompts = random_prompts(32, seed=16, lo=20, hi=60)
     params = [mixed_sampling_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]  # the MoE test's requests

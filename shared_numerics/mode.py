@@ -122,7 +122,8 @@ class NumericsMode:
 def check_same_numerics(ours: NumericsMode, theirs: NumericsMode | dict | None, ours_name: str,
                         theirs_name: str) -> None:
     """Raise :class:`NumericsMismatchError` unless ``theirs`` (a mode, its dict, or ``None`` = not stamped) is
-    ``ours`` with ``batch_invariant`` on. The message names both modes.
+    ``ours`` with ``batch_invariant`` on. The message names both modes and, per differing setting, both values (e.g.
+    ``fp8: engine 'block', snapshot None``).
 
     A stock ``ours`` accepts anything (nothing is promised without the zerokld numerics)."""
     if not ours.batch_invariant:
@@ -133,5 +134,8 @@ def check_same_numerics(ours: NumericsMode, theirs: NumericsMode | dict | None, 
     if isinstance(theirs, dict):
         theirs = NumericsMode.from_dict(theirs)
     if not ours.matches(theirs):
+        mine, other = ours.to_dict(), theirs.to_dict()
+        differ = "; ".join(f"{k}: {ours_name} {mine[k]!r}, {theirs_name} {other[k]!r}" for k in mine
+                           if mine[k] != other[k])
         raise NumericsMismatchError(f"numerics mismatch: {ours_name} runs {ours}; {theirs_name} was produced with "
-                                    f"{theirs}")
+                                    f"{theirs} ({differ})")

@@ -64,7 +64,7 @@ def test_lora_linear_rows_invariant_at_llm_shapes(T, dtype):
     """Multi-LoRA (issue 18): 4 adapters of rank 64 and base rows on a 4096 -> 4096 layer; rows alone and in a
     reordered batch give the co-batched bits; PEFT's arithmetic on cuBLAS (one F.linear per adapter group) differs
     (negative control)."""
-    from zerokld_testing.op_model import STOCK_OPS
+    from benchmarks.op_model import STOCK_OPS
 
     x, w = _rand(2048, 4096, dtype=dtype, seed=1), _rand(4096, 4096, dtype=dtype, seed=2, scale=0.02)
     a, bb = _rand(4, 64, 4096, dtype=dtype, seed=3, scale=0.02), _rand(4, 4096, 64, dtype=dtype, seed=4, scale=0.1)
@@ -199,7 +199,7 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype):
     """A Qwen3-style model (hidden 1024, 4 layers, 16/4 heads, head_dim 128) built from the op table: requests arrive
     over time, prefill chunks co-batched with decodes, 16-token blocks, prompts up to 1300 tokens (3 splits), 24
     generated tokens each — every engine log-prob == the trainer's; stock PyTorch differs."""
-    from zerokld_testing.op_model import STOCK_OPS, OpModel, OpModelSpec, rollout
+    from benchmarks.op_model import STOCK_OPS, OpModel, OpModelSpec, rollout
 
     spec = OpModelSpec(vocab_size=32000, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
                        num_key_value_heads=4, head_dim=128, intermediate_size=3072, init_std=0.02)

@@ -12,9 +12,10 @@ import torch
 from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, load_delta_offline, reload_weights
+from vllm_plugin.engines import completion_logprobs, reload_weights
+from zerokld_testing.engines import load_delta_offline
 from vllm_plugin.engines import start_llm
-from zerokld_testing.prompts import random_prompts
+from zerokld_testing import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
 
@@ -46,7 +47,7 @@ def trained(checkpoint_factory, tmp_path_factory):
     assert sum(isinstance(m, ZeroKLDFp8Linear) for m in trainer.model.modules()) == 14  # 7 per layer, no lm_head
     seqs = _prompts(8, seed=21)
     plens = [max(1, len(s) // 2) for s in seqs]
-    before = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16", fp8=True)
+    before = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16", fp8="per_channel")
     out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0] * 4, [b.clone() for b in before], numerics=trainer.numerics))
     assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], before))  # QAT training forward
     snap = trainer.save_hf(root / "step1", "bfloat16")
@@ -76,7 +77,7 @@ def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(traine
     from deltasync import element_density, read_snapshot_tensors
 
     trainer, ckpt, snap, exported = trained
-    llm = engine_slot.get(("fp8-online", ckpt), lambda: start_llm(ckpt, dtype="bfloat16", fp8=True,
+    llm = engine_slot.get(("fp8-online", ckpt), lambda: start_llm(ckpt, dtype="bfloat16", fp8="per_channel",
                                                                     max_num_batched_tokens=64))
     reload_weights(llm, ckpt)  # whatever an earlier use of the shared engine left
     old, new = read_snapshot_tensors(ckpt), read_snapshot_tensors(snap)
@@ -88,7 +89,7 @@ def test_hot_reload_online_fp8_then_exported_checkpoint_equal_qat_trainer(traine
     plens = [len(p) for p in prompts]
     train = trainer.forward_logprobs(RolloutBatch(seqs, plens))
     assert all(torch.equal(t, s) for t, s in zip(train, served))
-    stale = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16", fp8=True)  # the weights before the step
+    stale = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16", fp8="per_channel")  # the weights before the step
     assert any(not torch.equal(t, s) for t, s in zip(stale, served)), "the reload changed nothing"
 
     llm = engine_slot.get(("fp8-exported", str(exported)),
@@ -106,6 +107,6 @@ def test_negative_control_vllm_stock_fp8_differs(checkpoint_factory, engine_slot
                                                                  quantization="fp8_per_channel"))
     prompts = _prompts(16, seed=24)
     seqs, served = _sample(llm, prompts)
-    train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype="bfloat16", fp8=True)
+    train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype="bfloat16", fp8="per_channel")
     assert sum(not torch.equal(t, s) for t, s in zip(train, served)) > 0
     assert max((t - s).abs().max().item() for t, s in zip(train, served)) < 1.0

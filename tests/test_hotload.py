@@ -24,7 +24,7 @@ from shared_numerics import NumericsMode
 
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
 from titan_plugin import trainer_logprobs
-from zerokld_testing.servers import HotLoadServer
+from vllm_plugin.serve import HotLoadServer
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +37,7 @@ LONG = MAX_MODEL_LEN - len(PROMPT) - 3
 
 
 class Server(HotLoadServer):
-    """The hot-load server under test (:class:`zerokld_testing.servers.HotLoadServer`) with this module's requests."""
+    """The hot-load server under test (:class:`vllm_plugin.serve.HotLoadServer`) with this module's requests."""
 
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
         super().__init__(ckpt, root, state, log, API_KEY, max_model_len=MAX_MODEL_LEN)

@@ -12,7 +12,7 @@ import requests
 import torch
 
 from deltasync import HotLoadClient, SnapshotWriter, publish_dir, read_snapshot_tensors, write_full_snapshot
-from zerokld_testing.servers import HotLoadServer
+from vllm_plugin.serve import HotLoadServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from deltasync import read_snapshot_tensors, weights_digest, write_full_snapshot
 from titan_plugin import trainer_logprobs
 from zerokld_models.checkpoint import INDEX_FILE
-from zerokld_testing.servers import HotLoadServer, tmpfs_prefix
+from vllm_plugin.serve import HotLoadServer
+from zerokld_testing.servers import tmpfs_prefix
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

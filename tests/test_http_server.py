@@ -11,7 +11,7 @@ import torch
 
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import OpenAIServer
-from zerokld_testing.servers import kv_cache_args
+from vllm_plugin.serve import kv_cache_args
 
 pytestmark = pytest.mark.vllm
 

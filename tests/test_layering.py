@@ -107,15 +107,18 @@ def test_importing_the_trainer_plugin_changes_nothing_in_torch_or_torchtitan():
     assert r.stdout.split() == ["4", "cpu"], r.stdout
 
 
-def test_the_example_uses_public_api_only():
-    """Issue 39 point 5: the countdown example imports nothing of the test package but the tiny-checkpoint factory
-    (engines: :mod:`vllm_plugin.engines`, servers: :mod:`vllm_plugin.serve`, machine facts:
-    :mod:`shared_numerics.machine`)."""
+def test_the_example_and_the_benchmarks_use_public_api_only():
+    """Issue 39 point 5: the countdown example and the benchmarks import nothing of the test package but its top-level
+    names, the tiny-checkpoint factory and its synthetic requests (engines: :mod:`vllm_plugin.engines`, servers:
+    :mod:`vllm_plugin.serve`, machine facts: :mod:`shared_numerics.machine`)."""
     import ast
 
-    factory = {"TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"}
-    found = []
-    for path in sorted((ROOT / "examples").rglob("*.py")):
+    import zerokld_testing
+
+    factory = set(zerokld_testing.__all__)
+    found, scanned = [], 0
+    for path in sorted([*(ROOT / "examples").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
+        scanned += 1
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerokld_testing"):
                 names = {a.name for a in node.names}
@@ -124,7 +127,9 @@ def test_the_example_uses_public_api_only():
             elif isinstance(node, ast.Import) and any(a.name.startswith("zerokld_testing") for a in node.names):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} import {[a.name for a in node.names]}")
     assert found == [], found
-    assert any((ROOT / "examples").rglob("*.py"))
+    assert scanned > 10
+    assert factory == {"TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer", "mixed_sampling_params",
+                       "random_datums", "random_prompts"}
 
 
 def _is_package(module: str) -> bool:
@@ -132,14 +137,14 @@ def _is_package(module: str) -> bool:
     return spec is not None and spec.submodule_search_locations is not None
 
 
-def _vllm_attribute_assignments() -> set[str]:
-    """``"module:Name.attr"`` of every ``Name.attr = ...`` in ``vllm_plugin`` where ``Name`` was imported from vLLM
-    in the same file (``from vllm.x import Name`` / ``import vllm.x as Name``)."""
+def _vllm_attribute_assignments(sources: dict[str, str]) -> set[str]:
+    """``"module:Name.attr"`` of every ``Name.attr = ...`` in ``sources`` (path -> text) where ``Name`` was imported
+    from vLLM in the same file (``from vllm.x import Name`` / ``import vllm.x as Name``)."""
     import ast
 
     found = set()
-    for path in sorted((ROOT / "vllm_plugin").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    for text in sources.values():
+        tree = ast.parse(text)
         names = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
@@ -149,27 +154,38 @@ def _vllm_attribute_assignments() -> set[str]:
             elif isinstance(node, ast.Import):
                 names.update({a.asname: f"{a.name}:" for a in node.names if a.asname and a.name.startswith("vllm.")})
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            for t in targets:
+            for t in node.targets if isinstance(node, ast.Assign) else []:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in names:
                     base = names[t.value.id]
                     found.add(f"{base}{t.attr}" if base.endswith(":") else f"{base}.{t.attr}")
     return found
 
 
-def test_every_replaced_vllm_attribute_is_declared_and_present():
-    """Issue 39 point 1 (the table): each assignment onto a vLLM attribute in ``vllm_plugin`` is a declared seam,
-    every declared seam exists in the pinned vLLM, and a missing one is refused naming it and the versions.
-    Negative controls: the scan finds the known assignments (so an undeclared one would be reported), and a seam
-    whose target vLLM lacks raises."""
-    from vllm_plugin import seams
+def test_vllm_attributes_are_replaced_only_through_the_seam_table():
+    """Issue 39 point 1: ``vllm_plugin`` assigns no vLLM attribute itself — every replacement goes through
+    :func:`vllm_plugin.seams.replace`, which takes declared targets only, once each. Negative controls: the scan
+    reports a direct assignment (the form the plugin used before), including through a submodule import."""
+    sources = {str(p): p.read_text() for p in sorted((ROOT / "vllm_plugin").rglob("*.py"))}
+    assert _vllm_attribute_assignments(sources) == set()
+    assert _vllm_attribute_assignments({"x.py": "from vllm.v1.sample.sampler import Sampler\nSampler.sample = f\n",
+                                        "y.py": "from vllm.model_executor.model_loader import base_loader\n"
+                                                "base_loader.initialize_model = f\n"}) == {
+        "vllm.v1.sample.sampler:Sampler.sample", "vllm.model_executor.model_loader.base_loader:initialize_model"}
 
-    declared = {s.target for s in seams.SEAMS}
-    assigned = _vllm_attribute_assignments()
-    assert {"vllm.v1.sample.sampler:Sampler.sample", "vllm.lora.utils:_all_lora_classes",
-            "vllm.engine.arg_utils:EngineArgs.create_engine_config"} <= assigned, assigned
-    assert assigned - declared == set(), assigned - declared
+
+def test_registration_installs_every_declared_seam_and_refuses_others():
+    """Every seam of the table is installed by ``register()`` (vLLM calls it in every process at start), each once;
+    an undeclared target and a target this vLLM lacks are refused, naming it and the versions."""
+    from vllm_plugin import seams
+    from vllm_plugin.register import register
+
+    register()
+    assert set(seams.installed()) == {s.target for s in seams.SEAMS}
     assert seams.missing() == []
+    with pytest.raises(seams.SeamError, match="does not declare"):
+        seams.replace("vllm.v1.sample.sampler:Sampler.greedy_sample", lambda original: original)
+    with pytest.raises(seams.SeamError, match="would wrap that patch"):  # a second patch of an installed target
+        seams.replace("vllm.v1.sample.sampler:Sampler.sample", lambda original: original)
     gone = seams.Seam("vllm.v1.sample.sampler:Sampler.no_such_method", "a test target", ("tests",))
     with pytest.raises(seams.SeamError, match=r"vLLM 0\.32\.0 \(verified with 0\.32\.0\): it lacks "
                                               r"vllm\.v1\.sample\.sampler:Sampler\.no_such_method \(a test target\)"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shared_numerics as sn
-from zerokld_testing.op_model import STOCK_OPS, peft_lora_linear
+from benchmarks.op_model import STOCK_OPS, peft_lora_linear
 
 pytestmark = pytest.mark.timeout(120)
 

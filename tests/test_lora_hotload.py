@@ -24,8 +24,8 @@ import torch
 
 from deltasync import HotLoadClient, SnapshotWriter, read_snapshot_tensors
 from shared_numerics.rollout import RolloutBatch
-from zerokld_testing.prompts import random_datums, random_prompts
-from zerokld_testing.servers import HotLoadServer
+from vllm_plugin.serve import HotLoadServer
+from zerokld_testing import random_datums, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan, pytest.mark.timeout(900)]
 

@@ -9,7 +9,7 @@ import torch
 
 from shared_numerics.rollout import RolloutBatch
 from zerokld_models.checkpoint import read_config, read_tensors
-from zerokld_testing.prompts import random_datums
+from zerokld_testing import random_datums
 
 pytestmark = [pytest.mark.titan, pytest.mark.timeout(600)]
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from shared_numerics.rollout import RolloutBatch
-from zerokld_testing.engines import completion_logprobs, mixed_sampling_params, reload_weights
+from vllm_plugin.engines import completion_logprobs, reload_weights
+from zerokld_testing import mixed_sampling_params
 from vllm_plugin.engines import start_llm
-from zerokld_testing.prompts import random_datums, random_prompts
+from zerokld_testing import random_datums, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan, pytest.mark.timeout(900)]
 

@@ -15,8 +15,9 @@ from shared_numerics.rollout import RolloutBatch
 
 from titan_plugin import trainer_logprobs
 from vllm_plugin.engines import start_llm
-from zerokld_testing.engines import completion_logprobs, load_delta_offline, mixed_sampling_params, reload_weights
-from zerokld_testing.prompts import random_prompts
+from vllm_plugin.engines import completion_logprobs, reload_weights
+from zerokld_testing.engines import load_delta_offline
+from zerokld_testing import mixed_sampling_params, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
 

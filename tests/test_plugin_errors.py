@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shared_numerics.settings import ZeroKLDSettings
 from vllm_plugin.config import ZeroKLDConfigError, from_vllm_config
 
 pytestmark = pytest.mark.vllm
@@ -24,9 +25,16 @@ def test_config_schema():
     with pytest.raises(ZeroKLDConfigError, match="Extra inputs"):
         from_vllm_config(_Cfg({"zerokld": {"batch_invarient": True}}))
     with pytest.raises(ZeroKLDConfigError, match="fp8 needs batch_invariant"):
-        from_vllm_config(_Cfg({"zerokld": {"fp8": True}}))
-    with pytest.raises(ZeroKLDConfigError, match="fp8_granularity"):
-        from_vllm_config(_Cfg({"zerokld": {"batch_invariant": True, "fp8": True, "fp8_granularity": "tensor"}}))
+        from_vllm_config(_Cfg({"zerokld": {"batch_invariant": False, "fp8": "per_channel"}}))
+    with pytest.raises(ZeroKLDConfigError, match="fp8"):
+        from_vllm_config(_Cfg({"zerokld": {"fp8": "tensor"}}))
+    for old in ({"fp8": True}, {"fp8": True, "fp8_granularity": "block"}):  # the old spelling: a clear refusal
+        with pytest.raises(ZeroKLDConfigError, match="fp8 takes the granularity"):
+            from_vllm_config(_Cfg({"zerokld": old}))
+    # a section takes the settings' defaults (zerokld on); none leaves vLLM stock; one parse per distinct section
+    assert from_vllm_config(_Cfg({"zerokld": {}})).batch_invariant is True
+    assert from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}})) is from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}}))
+    assert from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}})).settings == ZeroKLDSettings(fp8="block")
 
 
 def _edited_checkpoint(src: str, dst: Path, **changes) -> str:
@@ -82,7 +90,7 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
         kwargs["enable_return_routed_experts"] = True
     elif case == "fp8_moe":
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "FP8 for MoE experts"
-        kwargs["fp8"] = True
+        kwargs["fp8"] = "per_channel"
     elif case == "processed_logprobs":  # the deterministic sampler returns raw logprobs only
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "logprobs_mode"
         kwargs["logprobs_mode"] = "processed_logprobs"
@@ -108,7 +116,7 @@ def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
 
     def config(family: str, fp8: bool = False, lora_dtype="auto"):
         cfg = read_model_config(checkpoint_factory(family, "bfloat16"))
-        extra = {"zerokld": {"batch_invariant": True, **({"fp8": True} if fp8 else {})}}
+        extra = {"zerokld": {"batch_invariant": True, **({"fp8": "per_channel"} if fp8 else {})}}
         vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                              model_config=SimpleNamespace(dtype=torch.bfloat16), quant_config=None,
                              lora_config=LoRAConfig(max_lora_rank=8, lora_dtype=lora_dtype),

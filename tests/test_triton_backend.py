@@ -371,7 +371,7 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype):
     steps, chunked prefill co-batched with decodes, 16-token blocks handed out shuffled, one prompt crossing the
     512-key split — every generated token's engine log-prob == the trainer's (dense batch), bitwise. Stock PyTorch
     ops on the same model and schedule differ (negative control)."""
-    from zerokld_testing.op_model import STOCK_OPS, OpModel, OpModelSpec, rollout
+    from benchmarks.op_model import STOCK_OPS, OpModel, OpModelSpec, rollout
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (5, 40, 9, 70, 540)]
@@ -432,7 +432,7 @@ def test_parity_matrix_both_sides_on_triton(triton_engine, monkeypatch):
     from vllm import SamplingParams
 
     from titan_plugin import trainer_logprobs
-    from zerokld_testing.engines import completion_logprobs, prompt_logprobs
+    from vllm_plugin.engines import completion_logprobs, prompt_logprobs
 
     llm, ckpt = triton_engine
     monkeypatch.setenv("ZEROKLD_BACKEND", "triton")

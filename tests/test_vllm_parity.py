@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from titan_plugin import trainer_logprobs
-from zerokld_testing.engines import completion_logprobs, prompt_logprobs
+from vllm_plugin.engines import completion_logprobs, prompt_logprobs
 from vllm_plugin.engines import start_llm
-from zerokld_testing.prompts import random_prompts
+from zerokld_testing import random_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +41,7 @@ def env(request, engine_slot, checkpoint_factory, tmp_path_factory):
 
             served = export_fp8_checkpoint(ckpt, tmp_path_factory.mktemp("fp8") / "ckpt", granularity)
             return start_llm(str(served), dtype=dtype, batch_invariant=True, max_num_batched_tokens=64)
-        return start_llm(ckpt, dtype=dtype, batch_invariant=True, max_num_batched_tokens=64, fp8=granularity or False)
+        return start_llm(ckpt, dtype=dtype, batch_invariant=True, max_num_batched_tokens=64, fp8=granularity)
 
     llm = engine_slot.get(("zerokld", family, dtype, fp8), factory)
 

@@ -91,7 +91,7 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
 
 @torch.no_grad()
 def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
-                     dtype: str = "bfloat16", fused: bool = False, fp8: bool | str = False,
+                     dtype: str = "bfloat16", fused: bool = False, fp8: str | None = None,
                      routed_experts=None, batch_invariant: bool = True, tp_k_block: int | None = None
                      ) -> list[torch.Tensor]:
     """Load an HF checkpoint into TorchTitan's model with zerokld numerics (``batch_invariant=False``: TorchTitan's
@@ -103,8 +103,9 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         prompt_lengths: prompt length of each sequence.
         dtype: ``"bfloat16"`` or ``"float32"``: parameter and activation dtype (match vLLM's ``--dtype``).
         fused: compute the completion log-probs with the fused lm_head (no ``[tokens, vocab]`` logits).
-        fp8: FP8 QAT forward (``True`` = ``"per_channel"``, or ``"block"``): equal to vLLM serving this checkpoint with
-            ``fp8: true`` (same granularity) or serving its :func:`titan_plugin.export_fp8_checkpoint` export.
+        fp8: FP8 QAT forward granularity (``"per_channel"`` / ``"block"``; ``None``: off): equal to vLLM serving this
+            checkpoint with ``fp8`` of the same granularity or serving its :func:`titan_plugin.export_fp8_checkpoint`
+            export.
         routed_experts: MoE checkpoints: the rollout's expert ids per sequence, replayed (see
             :func:`sequence_logprobs`).
         batch_invariant: the zerokld numerics (default); ``False`` is the stock trainer (no ``fp8``, no ``fused``).
@@ -116,10 +117,9 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
         ``additional_config={"zerokld": {"batch_invariant": true}}`` for the same tokens and weights.
 
     Raises:
-        ValueError: ``fp8`` without ``batch_invariant`` (:func:`titan_plugin.models.titan_model_config`).
+        shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` without ``batch_invariant``, an unknown granularity.
     """
-    granularity = ("per_channel" if fp8 is True else fp8) or None
-    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=granularity,
+    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=fp8,
                                     tp_k_block=tp_k_block)
     model.eval()
     return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

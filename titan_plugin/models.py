@@ -17,6 +17,7 @@ from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
 
+from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, check_supported, read_model_config
 from zerokld_models.checkpoint import read_tensors
 
@@ -124,39 +125,33 @@ def architecture_config(adapter, cfg: ModelConfig):
                           head_dim=None if adapter.derived_head_dim else _SAME)
 
 
-def titan_model_config(cfg: ModelConfig, batch_invariant: bool = True, fp8: str | None = None,
-                       tp_k_block: int | None = None):
+def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings = ZeroKLDSettings()):
     """TorchTitan model config for a checkpoint's :class:`zerokld_models.ModelConfig`, built from its architecture's
-    declaration (:func:`architecture_config`).
+    declaration (:func:`architecture_config`), under the trainer's settings.
 
     Args:
         cfg: from :func:`zerokld_models.read_model_config`.
-        batch_invariant: apply the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, with
-            TorchTitan's SDPA inner attention where its default is flex attention, which has no CPU path).
-        fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``; needs ``batch_invariant``.
-        tp_k_block: the fixed K-block of the TP-size-invariant row-parallel sum
-            (:attr:`shared_numerics.NumericsMode.tp_k_block`; :func:`titan_plugin.overrides.set_tp_k_block`) or
-            ``None``; needs ``batch_invariant``.
+        settings: :class:`shared_numerics.settings.ZeroKLDSettings`: ``batch_invariant`` applies the
+            :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, with TorchTitan's SDPA inner
+            attention where its default is flex attention, which has no CPU path); ``fp8``: FP8 QAT granularity;
+            ``tp_k_block``: the fixed K-block of the TP-size-invariant row-parallel sum
+            (:func:`titan_plugin.overrides.set_tp_k_block`).
 
     Raises:
         zerokld_plugins.UnknownNameError: no architecture folder registers ``cfg.architecture``.
         zerokld_models.UnsupportedModelError: a feature the definition does not implement (RoPE scaling type, bias,
-            ...); ValueError: ``fp8`` without ``batch_invariant``; a quantized checkpoint (train from the high-precision one;
-            export with :func:`titan_plugin.export_fp8_checkpoint`).
+            ...); ValueError: a quantized checkpoint (train from the high-precision one; export with
+            :func:`titan_plugin.export_fp8_checkpoint`); ``tp_k_block`` with FP8.
     """
     if cfg.quant_method:
         raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized ({cfg.quant_method})")
-    if fp8 is not None and not batch_invariant:
-        raise ValueError("FP8 QAT needs the zerokld numerics (batch_invariant=True)")
-    if tp_k_block is not None and not batch_invariant:
-        raise ValueError("tp_k_block needs the zerokld numerics (batch_invariant=True)")
     adapter = adapter_for(cfg)
     check_supported(cfg, adapter)
     model_cfg = architecture_config(adapter, cfg)
-    if batch_invariant:
-        apply_zerokld_overrides(model_cfg, fp8=fp8)
-        if tp_k_block is not None:
-            set_tp_k_block(model_cfg, tp_k_block)
+    if settings.batch_invariant:
+        apply_zerokld_overrides(model_cfg, fp8=settings.fp8)
+        if settings.tp_k_block is not None:
+            set_tp_k_block(model_cfg, settings.tp_k_block)
     else:  # TorchTitan's default inner attention is flex attention, which has no CPU path: its SDPA config instead
         from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
@@ -231,7 +226,8 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
     """Build TorchTitan's model for an HF checkpoint directory and load its weights.
 
     Args:
-        fp8, tp_k_block: see :func:`titan_model_config`.
+        batch_invariant, fp8, tp_k_block: the :class:`shared_numerics.settings.ZeroKLDSettings` fields of the same
+            names and defaults (validated there: ``fp8`` and ``tp_k_block`` need ``batch_invariant``).
 
     Parameters are cast to ``dtype``; buffers (RoPE caches, MoE token counters) keep the dtype TorchTitan builds them
     in, as in TorchTitan's trainer, where FSDP's ``MixedPrecisionPolicy(param_dtype=...)`` casts parameters only.
@@ -246,7 +242,9 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
 
     apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat)
     cfg = read_model_config(checkpoint_dir)
-    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block)
+    settings = ZeroKLDSettings.parse(dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
+                                     "build_titan_model settings")
+    model_cfg = titan_model_config(cfg, settings)
     with torch.device("cpu"):
         model = model_cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))

@@ -467,7 +467,7 @@ def apply_zerokld_overrides(config_root, fp8: str | None = None) -> list[str]:
     Args:
         config_root: the config tree.
         fp8: ``None`` (no FP8), ``"per_channel"`` or ``"block"``: FP8 QAT on the decoder projections, with the
-            granularity vLLM serves (``additional_config`` ``fp8_granularity``).
+            granularity vLLM serves (``additional_config`` ``fp8``).
 
     Returns:
         TorchTitan's log lines, one per replaced node.

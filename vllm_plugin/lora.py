@@ -65,8 +65,9 @@ class ZeroKLDLinearWithLoRA(ReplicatedLinearWithLoRA):
 
 
 def install() -> None:
-    """Make vLLM's ``from_layer`` wrap :class:`LoRAProj` with :class:`ZeroKLDLinearWithLoRA` (idempotent)."""
-    import vllm.lora.utils as lora_utils
+    """Make vLLM's ``from_layer`` wrap :class:`LoRAProj` with :class:`ZeroKLDLinearWithLoRA` (a seam,
+    :mod:`vllm_plugin.seams`, installed at registration; it matches zerokld projections only, so stock models'
+    layers get vLLM's own LoRA classes)."""
+    from .seams import replace
 
-    if ZeroKLDLinearWithLoRA not in lora_utils._all_lora_classes:
-        lora_utils._all_lora_classes = (ZeroKLDLinearWithLoRA, *lora_utils._all_lora_classes)
+    replace("vllm.lora.utils:_all_lora_classes", lambda original: (ZeroKLDLinearWithLoRA, *original))

@@ -9,8 +9,10 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
   the ``shared_numerics`` model when it is on;
 * the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
 * the quantization method ``zerokld_fp8`` (FP8 checkpoints exported by the trainer) is added to vLLM's registry;
-* the deterministic sampler (:mod:`vllm_plugin.sampler`) and the CPU side of vLLM's ``enable_return_routed_experts``
-  (:mod:`vllm_plugin.routing`) are patched in, each inert unless the engine's zerokld config enables it;
+* the deterministic sampler (:mod:`vllm_plugin.sampler`), the output fields (:mod:`vllm_plugin.outputs`: seeds,
+  numerics stamp, hot-load weight-version spans), the CPU side of vLLM's ``enable_return_routed_experts``
+  (:mod:`vllm_plugin.routing`) and the LoRA layer class (:mod:`vllm_plugin.lora`) are installed, each inert unless
+  the engine's zerokld settings (or the hot-load endpoint) switch it on;
 * engines with zerokld on use vLLM's V1 model runner, where those hooks live (:mod:`vllm_plugin.runner`);
 * their workers get the hot-load worker extension (:mod:`vllm_plugin.hotload.worker`: deltas applied in place);
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
@@ -36,48 +38,43 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import register_backend
 
+    from zerokld_plugins import registered
+
+    from . import lora, outputs, routing, runner, sampler
     from .attention_backend import BACKEND_NAME
     from .fp8 import register as register_fp8
+    from .hotload import attribution, worker
     from .models.classes import registered_name
-    from .hotload.worker import install as install_delta_worker
-    from .routing import install as install_routing
-    from .runner import install as install_runner
-    from .sampler import install as install_sampler
-    from zerokld_plugins import registered
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
     for arch, reg in registered("model").items():
         ModelRegistry.register_model(arch, registered_name(arch))
     register_fp8()
-    install_sampler()
-    install_routing()
-    install_runner()
-    install_delta_worker()
+    # every seam of vllm_plugin.seams.SEAMS, once, here (each inert until an engine's settings switch it on)
+    for module in (sampler, outputs, attribution, routing, runner, worker, lora):
+        module.install()
     _guard_initialize_model()
     _REGISTERED = True
 
 
 def _guard_initialize_model() -> None:
-    from vllm.model_executor.model_loader import base_loader
-
     from zerokld_plugins import registered
 
     from .config import ZeroKLDConfigError, from_vllm_config
+    from .seams import replace
 
-    original = base_loader.initialize_model
-    if getattr(original, "_zerokld_guard", False):
-        return
+    def wrap(original):
+        def initialize_model(vllm_config, *args, **kwargs):
+            cfg = from_vllm_config(vllm_config)
+            model = original(vllm_config, *args, **kwargs)
+            if cfg.batch_invariant and not getattr(model, "batch_invariant", False):
+                archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
+                raise ZeroKLDConfigError(
+                    f"zerokld batch_invariant mode does not support architecture {archs}; supported: "
+                    f"{sorted(registered('model'))}"
+                )
+            return model
 
-    def initialize_model(vllm_config, *args, **kwargs):
-        cfg = from_vllm_config(vllm_config)
-        model = original(vllm_config, *args, **kwargs)
-        if cfg.batch_invariant and not getattr(model, "batch_invariant", False):
-            archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
-            raise ZeroKLDConfigError(
-                f"zerokld batch_invariant mode does not support architecture {archs}; supported: "
-                f"{sorted(registered('model'))}"
-            )
-        return model
+        return initialize_model
 
-    initialize_model._zerokld_guard = True  # type: ignore[attr-defined]
-    base_loader.initialize_model = initialize_model
+    replace("vllm.model_executor.model_loader.base_loader:initialize_model", wrap)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ZeroKLDConfigError, config_or_off
+from .config import ZeroKLDConfigError, from_vllm_config
+from .seams import replace
 
 __all__ = ["install", "request_rows"]
 
@@ -26,28 +27,27 @@ _INSTALLED = False
 
 
 def _patch_config_check() -> None:
-    from vllm.config.vllm import VllmConfig
+    def wrap(original):
+        def verify(self) -> None:
+            if not self.aux_output_config.enabled or not from_vllm_config(self).batch_invariant:
+                return original(self)
+            problems = []
+            if not self.model_config.is_moe:
+                problems.append("routed experts need an MoE model")
+            if not self.cache_config.enable_prefix_caching:
+                problems.append("routed experts need prefix caching on (vLLM's rule)")
+            if self.speculative_config is not None:
+                problems.append("speculative decoding")
+            from vllm.platforms import current_platform
 
-    original = VllmConfig._verify_aux_output_compatibility
+            if current_platform.is_cuda_alike() and not self.model_config.enforce_eager:
+                problems.append("CUDA graphs (routes are recorded in Python after the forward: use enforce_eager)")
+            if problems:
+                raise ZeroKLDConfigError("enable_return_routed_experts with zerokld: " + "; ".join(problems))
 
-    def verify(self) -> None:
-        if not self.aux_output_config.enabled or not config_or_off(self).batch_invariant:
-            return original(self)
-        problems = []
-        if not self.model_config.is_moe:
-            problems.append("routed experts need an MoE model")
-        if not self.cache_config.enable_prefix_caching:
-            problems.append("routed experts need prefix caching on (vLLM's rule)")
-        if self.speculative_config is not None:
-            problems.append("speculative decoding")
-        from vllm.platforms import current_platform
+        return verify
 
-        if current_platform.is_cuda_alike() and not self.model_config.enforce_eager:
-            problems.append("CUDA graphs (routes are recorded in Python after the forward: use enforce_eager)")
-        if problems:
-            raise ZeroKLDConfigError("enable_return_routed_experts with zerokld: " + "; ".join(problems))
-
-    VllmConfig._verify_aux_output_compatibility = verify
+    replace("vllm.config.vllm:VllmConfig._verify_aux_output_compatibility", wrap)
 
 
 def request_rows(model, block_ids: list[int], block_size: int, start: int, end: int):
@@ -70,28 +70,30 @@ def _block_size(runner) -> int:
 def _patch_runner() -> None:
     from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    sample_tokens = GPUModelRunner.sample_tokens
-
-    def zerokld_sample_tokens(self, grammar_output):
-        state = self.execute_model_state
-        output = sample_tokens(self, grammar_output)
-        model = self.get_model() if state is not None else None
-        meta = getattr(state.scheduler_output, "aux_output_connector_metadata", None) if state is not None else None
-        if meta is None or not getattr(model, "capture_routes", False) or not isinstance(output, ModelRunnerOutput):
+    def wrap(sample_tokens):
+        def zerokld_sample_tokens(self, grammar_output):
+            state = self.execute_model_state
+            output = sample_tokens(self, grammar_output)
+            model = self.get_model() if state is not None else None
+            meta = (getattr(state.scheduler_output, "aux_output_connector_metadata", None) if state is not None
+                    else None)
+            if (meta is None or not getattr(model, "capture_routes", False)
+                    or not isinstance(output, ModelRunnerOutput)):
+                return output
+            rows = {}
+            bs = _block_size(self)
+            for req_id, start in meta.requests.items():
+                req = self.requests[req_id]
+                end = req.num_computed_tokens + state.scheduler_output.num_scheduled_tokens[req_id]
+                rows[req_id] = AuxRequestOutput(token_start=start,
+                                                rows=request_rows(model, req.block_ids[0], bs, start, end))
+            output.aux_output_connector_output = rows
             return output
-        rows = {}
-        bs = _block_size(self)
-        for req_id, start in meta.requests.items():
-            req = self.requests[req_id]
-            end = req.num_computed_tokens + state.scheduler_output.num_scheduled_tokens[req_id]
-            rows[req_id] = AuxRequestOutput(token_start=start,
-                                            rows=request_rows(model, req.block_ids[0], bs, start, end))
-        output.aux_output_connector_output = rows
-        return output
 
-    GPUModelRunner.sample_tokens = zerokld_sample_tokens
+        return zerokld_sample_tokens
+
+    replace("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens", wrap)
 
 
 def install() -> None:

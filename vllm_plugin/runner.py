@@ -13,7 +13,7 @@ Engines without zerokld keep vLLM's own choice.
 """
 from __future__ import annotations
 
-from .config import ZeroKLDConfigError, config_or_off
+from .config import ZeroKLDConfigError, from_vllm_config
 
 __all__ = ["install", "use_v2_model_runner"]
 
@@ -26,7 +26,7 @@ def use_v2_model_runner(vllm_config, vllm_default) -> bool:
     Raises:
         ZeroKLDConfigError: zerokld is on and ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for Model Runner V2.
     """
-    if not config_or_off(vllm_config).batch_invariant:
+    if not from_vllm_config(vllm_config).batch_invariant:
         return vllm_default()
     import vllm.envs as envs
 
@@ -42,9 +42,8 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from vllm.config.vllm import VllmConfig
+    from .seams import replace
 
-    original = VllmConfig.use_v2_model_runner
-    VllmConfig.use_v2_model_runner = property(
-        lambda self: use_v2_model_runner(self, lambda: original.fget(self)), doc=original.__doc__)
+    replace("vllm.config.vllm:VllmConfig.use_v2_model_runner", lambda original: property(
+        lambda self: use_v2_model_runner(self, lambda: original.fget(self)), doc=original.__doc__))
     _INSTALLED = True

@@ -1,7 +1,8 @@
 """The deterministic sampler: vLLM's ``Sampler.sample`` on :mod:`shared_numerics.sampling` when the zerokld config
 has ``batch_invariant`` (and ``deterministic_sampler``, default on).
 
-Three patches, each a no-op unless the engine's config enables the sampler:
+Seams (:mod:`vllm_plugin.seams`, installed at registration), each a no-op unless the engine's config enables the
+sampler:
 
 * front end (``v1/engine/input_processor.py`` ``InputProcessor.process_inputs``): a request without ``seed`` gets one
   drawn (62 bits) before vLLM fans ``n > 1`` out into children (which then get ``seed + index``, vLLM's own rule in
@@ -22,6 +23,8 @@ Three patches, each a no-op unless the engine's config enables the sampler:
 * ``Sampler.sample`` (``v1/sample/sampler.py``): greedy rows stay ``argmax``; random rows are
   ``sample_scaled(scale_logits(logits, T), seed, position, top_k, top_p)``. Logits processors run as in vLLM.
   ``logprobs_mode`` ``processed_*`` is refused at start (the returned logprobs are the raw ones, as by default).
+* ``Sampler.compute_logprobs``: the log-softmax on ``shared_numerics`` in processes whose model is zerokld's
+  (:func:`set_logprobs_definition`), vLLM's own elsewhere.
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ import torch
 
 import shared_numerics.sampling as sn_sampling
 
-from .config import ZeroKLDConfigError, config_or_off, from_vllm_config, numerics_stamp
+from .config import ZeroKLDConfigError, from_vllm_config, numerics_stamp
+from .seams import replace
 
-__all__ = ["check_sampler_supported", "install", "unseeded_request_seed"]
+__all__ = ["check_sampler_supported", "install", "set_logprobs_definition", "tag_choice", "tag_output",
+           "unseeded_request_seed"]
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("zerokld_sampler_rows", default=None)
 _EPS = 1e-5
@@ -60,6 +65,8 @@ def check_sampler_supported(vllm_config) -> None:
 _NUMERICS: dict[str, dict] = {}
 # the mode of the latest request this process admitted (one engine per front-end process): n > 1 children
 _LAST_NUMERICS: list = [None]
+#: the log-softmax vLLM's sampler runs here (:func:`set_logprobs_definition`): None = vLLM's own
+_LOGPROBS: list = [None]
 
 
 def _numerics(owner) -> dict | None:
@@ -78,7 +85,7 @@ def _enabled(owner) -> bool:
     runner), parsed once per owner — the worker hooks run every step."""
     on = owner.__dict__.get("_zerokld_sampler_enabled")
     if on is None:
-        on = owner.__dict__["_zerokld_sampler_enabled"] = config_or_off(owner.vllm_config).sampler_enabled
+        on = owner.__dict__["_zerokld_sampler_enabled"] = from_vllm_config(owner.vllm_config).sampler_enabled
     return on
 
 
@@ -95,147 +102,149 @@ def unseeded_request_seed(owner) -> int:
 
 
 def _patch_front_end() -> None:
-    from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.engine.output_processor import RequestState
-
-    process_inputs = InputProcessor.process_inputs
-
-    def zerokld_process_inputs(self, *args, **kwargs):
-        request = process_inputs(self, *args, **kwargs)
-        numerics = _numerics(self)
-        _LAST_NUMERICS[0] = numerics
-        if numerics is not None:
-            _NUMERICS[request.request_id] = numerics  # the external id: vLLM adds a random suffix afterwards
-            _patch_openai_completions()
-        sp = request.sampling_params
-        if sp is not None and _enabled(self):
-            if sp.seed is None:
+    def process_inputs(original):
+        def zerokld_process_inputs(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            numerics = _numerics(self)
+            _LAST_NUMERICS[0] = numerics
+            if numerics is not None:
+                _NUMERICS[request.request_id] = numerics  # the external id: vLLM adds a random suffix afterwards
+            sp = request.sampling_params
+            if sp is not None and _enabled(self) and sp.seed is None:
                 sp.seed = unseeded_request_seed(self)  # sp is vLLM's clone of the caller's params
-            _patch_openai_completions()  # in the API server, once its serving module is loaded
-        return request
+            return request
 
-    InputProcessor.process_inputs = zerokld_process_inputs
+        return zerokld_process_inputs
 
-    from_new_request = RequestState.from_new_request.__func__
-    new_completion_output = RequestState._new_completion_output
+    def from_new_request(original):
+        def zerokld_from_new_request(cls, tokenizer, request, *args, **kwargs):
+            state = original.__func__(cls, tokenizer, request, *args, **kwargs)
+            state.zerokld_seed = request.sampling_params.seed if request.sampling_params is not None else None
+            external = getattr(request, "external_req_id", None) or request.request_id
+            state.zerokld_numerics = _NUMERICS.pop(external, _LAST_NUMERICS[0])  # n > 1 children: the parent's
+            return state
 
-    def zerokld_from_new_request(cls, tokenizer, request, *args, **kwargs):
-        state = from_new_request(cls, tokenizer, request, *args, **kwargs)
-        state.zerokld_seed = request.sampling_params.seed if request.sampling_params is not None else None
-        external = getattr(request, "external_req_id", None) or request.request_id
-        state.zerokld_numerics = _NUMERICS.pop(external, _LAST_NUMERICS[0])  # n > 1 children: the parent's
-        return state
+        return classmethod(zerokld_from_new_request)
 
-    def zerokld_new_completion_output(self, *args, **kwargs):
-        out = new_completion_output(self, *args, **kwargs)
-        out.zerokld_seed = getattr(self, "zerokld_seed", None)
-        out.zerokld_numerics = getattr(self, "zerokld_numerics", None)
-        return out
-
-    RequestState.from_new_request = classmethod(zerokld_from_new_request)
-    RequestState._new_completion_output = zerokld_new_completion_output
+    replace("vllm.v1.engine.input_processor:InputProcessor.process_inputs", process_inputs)
+    replace("vllm.v1.engine.output_processor:RequestState.from_new_request", from_new_request)
 
 
-def _patch_openai_completions() -> None:
-    """Add ``zerokld_seed`` to each ``/v1/completions`` choice (``OpenAIBaseModel`` allows extra fields). Patched
-    lazily, only where vLLM's OpenAI server already imported the module (not in engine or worker processes)."""
-    import sys
+def tag_output(state, out) -> None:
+    """``CompletionOutput.zerokld_seed`` / ``zerokld_numerics`` from the request's state (:mod:`vllm_plugin.outputs`
+    calls it from vLLM's ``RequestState._new_completion_output``)."""
+    out.zerokld_seed = getattr(state, "zerokld_seed", None)
+    out.zerokld_numerics = getattr(state, "zerokld_numerics", None)
 
-    module = sys.modules.get("vllm.entrypoints.openai.completion.serving")
-    if module is None:
-        return
-    cls = module.OpenAIServingCompletion
-    original = cls.request_output_to_completion_response
-    if getattr(original, "_zerokld", False):
-        return
 
-    def with_seeds(self, final_res_batch, *args, **kwargs):
-        response = original(self, final_res_batch, *args, **kwargs)
-        outputs = [o for res in final_res_batch for o in res.outputs]
-        for choice, out in zip(response.choices, outputs):  # vLLM appends choices in this order
-            for field in ("zerokld_seed", "zerokld_numerics"):
-                value = getattr(out, field, None)
-                if value is not None:
-                    setattr(choice, field, value)
-        return response
+def tag_choice(choice, out) -> None:
+    """The ``zerokld_seed`` / ``zerokld_numerics`` fields of a ``/v1/completions`` choice (``OpenAIBaseModel`` allows
+    extra fields) from its output (:mod:`vllm_plugin.outputs`)."""
+    for field in ("zerokld_seed", "zerokld_numerics"):
+        value = getattr(out, field, None)
+        if value is not None:
+            setattr(choice, field, value)
 
-    with_seeds._zerokld = True
-    cls.request_output_to_completion_response = with_seeds
+
+def set_logprobs_definition(vocab_parallel: bool | None) -> None:
+    """Which log-softmax vLLM's sampler runs in this process (``Sampler.compute_logprobs``, ``v1/sample/sampler.py``):
+    ``None`` vLLM's own; ``False`` :func:`shared_numerics.log_softmax`; ``True`` (``tp_k_block``) the definition the
+    trainer computes on its vocabulary shard (:func:`shared_numerics.vocab_parallel.log_softmax`). Set by the zerokld
+    model's constructor (vLLM builds one model per engine process); the seam itself is installed at registration."""
+    _LOGPROBS[0] = vocab_parallel
+
+
+def _patch_logprobs() -> None:
+    import shared_numerics as sn
+    import shared_numerics.vocab_parallel as sn_vocab
+
+    def compute_logprobs(original):
+        def zerokld_compute_logprobs(logits):
+            choice = _LOGPROBS[0]
+            if choice is None:
+                return original(logits)
+            return (sn_vocab.log_softmax if choice else sn.log_softmax)(logits)
+
+        return staticmethod(zerokld_compute_logprobs)
+
+    replace("vllm.v1.sample.sampler:Sampler.compute_logprobs", compute_logprobs)
 
 
 def _patch_worker() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    def wrap_update_states(update_states):
+        def zerokld_update_states(self, scheduler_output):
+            if _enabled(self):
+                seeds = self.__dict__.setdefault("zerokld_seeds", {})
+                for req_id in scheduler_output.finished_req_ids:
+                    seeds.pop(req_id, None)
+                for new in scheduler_output.scheduled_new_reqs:
+                    sp = new.sampling_params
+                    if sp is None:
+                        continue
+                    if sp.seed is not None:
+                        seeds[new.req_id] = sp.seed
+                        sp.seed = None  # no torch.Generator: vLLM's CPU offset bookkeeping never runs
+                        if "sampling_type" in getattr(sp, "__dict__", {}):  # cached_property computed earlier
+                            del sp.__dict__["sampling_type"]
+                    else:
+                        seeds.setdefault(new.req_id, secrets.randbits(62))
+            return update_states(self, scheduler_output)
 
-    update_states = GPUModelRunner._update_states
-    sample = GPUModelRunner._sample
+        return zerokld_update_states
 
-    def zerokld_update_states(self, scheduler_output):
-        if _enabled(self):
-            seeds = self.__dict__.setdefault("zerokld_seeds", {})
-            for req_id in scheduler_output.finished_req_ids:
-                seeds.pop(req_id, None)
-            for new in scheduler_output.scheduled_new_reqs:
-                sp = new.sampling_params
-                if sp is None:
-                    continue
-                if sp.seed is not None:
-                    seeds[new.req_id] = sp.seed
-                    sp.seed = None  # no torch.Generator: vLLM's CPU offset bookkeeping never runs
-                    if "sampling_type" in getattr(sp, "__dict__", {}):  # cached_property computed earlier
-                        del sp.__dict__["sampling_type"]
-                else:
-                    seeds.setdefault(new.req_id, secrets.randbits(62))
-        return update_states(self, scheduler_output)
+    def wrap_sample(sample):
+        def zerokld_sample(self, logits, spec_decode_metadata):
+            if not _enabled(self):
+                return sample(self, logits, spec_decode_metadata)
+            batch = self.input_batch
+            ids = batch.req_ids[: batch.num_reqs]
+            seeds = torch.tensor([self.zerokld_seeds[r] for r in ids], dtype=torch.int64)
+            positions = torch.tensor([len(self.requests[r].output_token_ids) for r in ids], dtype=torch.int64)
+            token = _ROWS.set((seeds, positions))
+            try:
+                return sample(self, logits, spec_decode_metadata)
+            finally:
+                _ROWS.reset(token)
 
-    def zerokld_sample(self, logits, spec_decode_metadata):
-        if not _enabled(self):
-            return sample(self, logits, spec_decode_metadata)
-        batch = self.input_batch
-        ids = batch.req_ids[: batch.num_reqs]
-        seeds = torch.tensor([self.zerokld_seeds[r] for r in ids], dtype=torch.int64)
-        positions = torch.tensor([len(self.requests[r].output_token_ids) for r in ids], dtype=torch.int64)
-        token = _ROWS.set((seeds, positions))
-        try:
-            return sample(self, logits, spec_decode_metadata)
-        finally:
-            _ROWS.reset(token)
+        return zerokld_sample
 
-    GPUModelRunner._update_states = zerokld_update_states
-    GPUModelRunner._sample = zerokld_sample
+    replace("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", wrap_update_states)
+    replace("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", wrap_sample)
 
 
 def _patch_sampler() -> None:
-    from vllm.v1.sample.sampler import Sampler
+    def wrap(original):
+        def zerokld_sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+            rows = _ROWS.get()
+            md = sampling_metadata
+            if rows is None or md.all_greedy:
+                return original(self, logits, sampling_metadata, logprobs_mode_override)
+            seeds, positions = rows
+            if seeds.shape[0] != logits.shape[0]:
+                raise RuntimeError(f"zerokld sampler: {logits.shape[0]} logit rows for {seeds.shape[0]} requests "
+                                   "(speculative decoding is not supported)")
+            greedy = None if md.all_random else self.greedy_sample(logits)
+            z = sn_sampling.scale_logits(logits, md.temperature)
+            for processor in md.logitsprocs.argmax_invariant:
+                z = processor.apply(z)
+            sampled = sn_sampling.sample_scaled(z, seeds, positions, md.top_k, md.top_p)
+            if greedy is not None:
+                sampled = torch.where(md.temperature < _EPS, greedy, sampled)
+            return sampled, None
 
-    original = Sampler.sample
+        return zerokld_sample
 
-    def zerokld_sample(self, logits, sampling_metadata, logprobs_mode_override=None):
-        rows = _ROWS.get()
-        md = sampling_metadata
-        if rows is None or md.all_greedy:
-            return original(self, logits, sampling_metadata, logprobs_mode_override)
-        seeds, positions = rows
-        if seeds.shape[0] != logits.shape[0]:
-            raise RuntimeError(f"zerokld sampler: {logits.shape[0]} logit rows for {seeds.shape[0]} requests "
-                               "(speculative decoding is not supported)")
-        greedy = None if md.all_random else self.greedy_sample(logits)
-        z = sn_sampling.scale_logits(logits, md.temperature)
-        for processor in md.logitsprocs.argmax_invariant:
-            z = processor.apply(z)
-        sampled = sn_sampling.sample_scaled(z, seeds, positions, md.top_k, md.top_p)
-        if greedy is not None:
-            sampled = torch.where(md.temperature < _EPS, greedy, sampled)
-        return sampled, None
-
-    Sampler.sample = zerokld_sample
+    replace("vllm.v1.sample.sampler:Sampler.sample", wrap)
 
 
 def install() -> None:
-    """Install the three patches (idempotent; each checks the engine's config on every call)."""
+    """Install the sampler's seams (:mod:`vllm_plugin.seams`; idempotent; each checks the engine's config on every
+    call). The output fields are added by :mod:`vllm_plugin.outputs` (:func:`tag_output`, :func:`tag_choice`)."""
     global _INSTALLED
     if _INSTALLED:
         return
     _patch_front_end()
     _patch_worker()
     _patch_sampler()
+    _patch_logprobs()
     _INSTALLED = True

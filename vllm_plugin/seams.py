@@ -1,13 +1,18 @@
-"""Every vLLM attribute zerokld replaces, in one table, checked against the running vLLM before anything is installed.
+"""Every vLLM attribute zerokld replaces, in one table, checked against the running vLLM and installed once, at
+plugin registration.
 
 vLLM has no extension point for a model's sampler, its request seeds, the routed-experts capture on CPU, the
 hot-load weight-version spans or the worker extension of an engine started without one, so the plugin replaces
-those attributes. Each replacement is declared here (:data:`SEAMS`: target, what zerokld puts there, which module
-installs it); :func:`check` runs first in :func:`vllm_plugin.register.register` — vLLM calls it in every process it
-starts, before any model is built — and refuses a vLLM that lacks a target with :class:`SeamError` naming each
+those attributes. Each replacement is declared here (:data:`SEAMS`: target, what zerokld puts there, which modules
+contribute to it). :func:`vllm_plugin.register.register` — vLLM calls it in every process it starts, before any model
+is built — first runs :func:`check`, which refuses a vLLM that lacks a target with :class:`SeamError` naming each
 missing target, the running vLLM version and the versions the table was verified with (:data:`VERIFIED_VLLM`),
-instead of failing at the first request. ``tests/test_layering.py`` checks that every assignment onto a vLLM
-attribute in ``vllm_plugin`` is declared here.
+instead of failing at the first request; then each module's installer, which replaces its targets through
+:func:`replace` — the only place that assigns a vLLM attribute: an undeclared target or a second replacement of one
+target is a :class:`SeamError` (no patch wraps another: a target two modules contribute to gets one replacement that
+calls both). Nothing is installed later (no request path, no model constructor); replacements whose behaviour depends
+on the engine read its settings when they run. ``tests/test_layering.py`` checks that ``vllm_plugin`` assigns no vLLM
+attribute elsewhere and that registration installs every declared seam.
 
 What this does not check: a target that still exists but changed its signature or meaning (the parity tests run
 against the pinned vLLM do).
@@ -19,7 +24,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["SEAMS", "VERIFIED_VLLM", "Seam", "SeamError", "check", "missing"]
+__all__ = ["SEAMS", "VERIFIED_VLLM", "Seam", "SeamError", "check", "installed", "missing", "replace"]
 
 #: vLLM versions every target of :data:`SEAMS` was verified with (the test suite runs against them)
 VERIFIED_VLLM = ("0.32.0",)
@@ -120,3 +125,47 @@ def check(seams: tuple[Seam, ...] = SEAMS) -> None:
         raise SeamError(f"zerokld cannot run on vLLM {getattr(vllm, '__version__', '?')} (verified with "
                         f"{', '.join(VERIFIED_VLLM)}): it lacks " + "; ".join(f"{s.target} ({s.purpose})"
                                                                               for s in gone))
+
+
+_INSTALLED: dict[str, object] = {}  # target -> vLLM's original
+_BY: dict[str, str] = {}  # target -> the make that replaced it
+
+
+def _owner(target: str):
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    return obj, name
+
+
+def replace(target: str, make) -> None:
+    """Replace the declared ``target`` with ``make(original)`` (``original``: the attribute as the class or module
+    holds it — a function, a ``classmethod``'s bound method, a ``property``, a tuple), once per process; the same
+    ``make`` again is a no-op.
+
+    Raises:
+        SeamError: ``target`` is not in :data:`SEAMS`, is missing from this vLLM, or was already replaced by another
+            ``make`` (one replacement per target: a patch never wraps another).
+    """
+    who = f"{make.__module__}.{make.__qualname__}"
+    if target in _INSTALLED:
+        if _BY[target] != who:
+            raise SeamError(f"{target} is replaced by {_BY[target]}; {who} would wrap that patch (contribute to "
+                            "the one replacement instead)")
+        return
+    if target not in {s.target for s in SEAMS}:
+        raise SeamError(f"zerokld replaces {target}, which vllm_plugin.seams.SEAMS does not declare")
+    if missing(tuple(s for s in SEAMS if s.target == target)):
+        check(tuple(s for s in SEAMS if s.target == target))
+    owner, name = _owner(target)
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    _INSTALLED[target] = original
+    _BY[target] = who
+
+
+def installed() -> dict[str, object]:
+    """``{target: vLLM's original}`` of the seams installed in this process."""
+    return dict(_INSTALLED)

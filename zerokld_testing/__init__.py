@@ -1,4 +1,7 @@
-"""Test and example helpers: the tiny-checkpoint factory (no model hub needed)."""
+"""Test and example helpers. The tiny-checkpoint factory (no model hub needed) and its synthetic requests are the
+top-level names, the only ones the example and the benchmarks import; the submodules are the tests' own helpers."""
 from .checkpoints import TinyModelSpec, make_tiny_checkpoint, make_tokenizer
+from .prompts import mixed_sampling_params, random_datums, random_prompts
 
-__all__ = ["TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
+__all__ = ["TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer", "mixed_sampling_params", "random_datums",
+           "random_prompts"]

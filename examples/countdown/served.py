@@ -65,7 +65,7 @@ class ServedEngine:
         from vllm_plugin.engines import zerokld_section
         from vllm_plugin.serve import OpenAIServer
 
-        section = zerokld_section(zerokld, (fp8 or False) if zerokld else False, hot_load={
+        section = zerokld_section(zerokld, fp8 if zerokld else None, hot_load={
             "snapshot_root": sync.config.snapshot_root, "state_dir": sync.config.state_dir})
         args = ["--model", str(ckpt), "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
                 "--enforce-eager", "--seed", str(seed)]

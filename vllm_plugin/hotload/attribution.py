@@ -12,8 +12,10 @@ sampled by the snapshot ``version``), on the routes RL clients use:
 * the same routes streaming: on every chunk's choices, covering the output so far (the last span names the snapshot
   that sampled the chunk's tokens; a response that spans a swap shows where it switched).
 
-:func:`versions_of` reads them back (the endpoint's response header uses it). Installed once per API-server process
-when the hot-load is on (:meth:`vllm_plugin.hotload.endpoint.ZeroKLDHotLoadEndpoint.init_state`).
+:func:`versions_of` reads them back (the endpoint's response header uses it). The seams are installed at registration
+(:mod:`vllm_plugin.seams`; the non-streaming fields through :mod:`vllm_plugin.outputs`) and stay inert until the
+hot-load endpoint starts in the API server (:meth:`vllm_plugin.hotload.endpoint.ZeroKLDHotLoadEndpoint.init_state`
+calls :func:`enable`).
 Source: vLLM ``v1/engine/output_processor.py``, ``entrypoints/scale_out/token_in_token_out/protocol.py``.
 """
 from __future__ import annotations
@@ -21,9 +23,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-__all__ = ["install", "versions_in_sse", "versions_of"]
+from ..seams import replace
 
-_INSTALLED = False
+__all__ = ["enable", "install", "spans_so_far", "tag_choice", "versions_in_sse", "versions_of"]
+
+_ENABLED = [False]
+_COMPLETION = "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion"
+_CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
 
 
 def _spans(output) -> list[dict] | None:
@@ -83,74 +89,71 @@ async def _tracking(results, spans: dict[int, list[dict]], num_choices: int | No
         yield item
 
 
-def _patch_request_state() -> None:
-    from vllm.v1.engine.output_processor import RequestState
-
-    new_completion_output = RequestState._new_completion_output
-
-    def with_spans_so_far(self, *args, **kwargs):
-        out = new_completion_output(self, *args, **kwargs)
-        if out.weight_versions is None and getattr(self, "detokenizer", None) is not None:
-            out.weight_versions = self._weight_version_spans()  # vLLM sets them on the finished output only
-        return out
-
-    RequestState._new_completion_output = with_spans_so_far
+def spans_so_far(state, out) -> None:
+    """Where attribution is on (:func:`enable`): ``out.weight_versions`` = the request's spans so far (vLLM sets them
+    on the finished output only); called by :mod:`vllm_plugin.outputs` from ``RequestState._new_completion_output``."""
+    if _ENABLED[0] and out.weight_versions is None and getattr(state, "detokenizer", None) is not None:
+        out.weight_versions = state._weight_version_spans()
 
 
-def _patch_completions() -> None:
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-
-    to_response = OpenAIServingCompletion.request_output_to_completion_response
-    stream = OpenAIServingCompletion.completion_stream_generator
-
-    def response_with_spans(self, final_res_batch, *args, **kwargs):
-        response = to_response(self, final_res_batch, *args, **kwargs)
-        outputs = [o for res in final_res_batch for o in res.outputs]
-        for choice, out in zip(response.choices, outputs):  # vLLM appends choices in this order
-            if (s := _spans(out)) is not None:
-                choice.weight_versions = s
-        return response
-
-    async def stream_with_spans(self, request, engine_inputs, result_generator, *args, **kwargs):
-        spans: dict[int, list[dict]] = {}
-        n = 1 if request.n is None else request.n
-        async for chunk in stream(self, request, engine_inputs, _tracking(result_generator, spans, n), *args,
-                                  **kwargs):
-            yield _annotate_sse(chunk, spans)
-
-    OpenAIServingCompletion.request_output_to_completion_response = response_with_spans
-    OpenAIServingCompletion.completion_stream_generator = stream_with_spans
+def tag_choice(choice, out) -> None:
+    """Where attribution is on: the non-streaming ``/v1/completions`` choice's ``weight_versions``
+    (:mod:`vllm_plugin.outputs`)."""
+    if _ENABLED[0] and (s := _spans(out)) is not None:
+        choice.weight_versions = s
 
 
-def _patch_chat() -> None:
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+def _patch_streams() -> None:
+    def completion_stream(stream):
+        async def stream_with_spans(self, request, engine_inputs, result_generator, *args, **kwargs):
+            if not _ENABLED[0]:
+                async for chunk in stream(self, request, engine_inputs, result_generator, *args, **kwargs):
+                    yield chunk
+                return
+            spans: dict[int, list[dict]] = {}
+            n = 1 if request.n is None else request.n
+            async for chunk in stream(self, request, engine_inputs, _tracking(result_generator, spans, n), *args,
+                                      **kwargs):
+                yield _annotate_sse(chunk, spans)
 
-    full = OpenAIServingChat.chat_completion_full_generator
-    stream = OpenAIServingChat.chat_completion_stream_generator
+        return stream_with_spans
 
-    async def full_with_spans(self, request, result_generator, *args, **kwargs):
-        spans: dict[int, list[dict]] = {}
-        response = await full(self, request, _tracking(result_generator, spans, None), *args, **kwargs)
-        for choice in getattr(response, "choices", None) or []:
-            if (s := spans.get(choice.index)) is not None:
-                choice.weight_versions = s
-        return response
+    def chat_full(full):
+        async def full_with_spans(self, request, result_generator, *args, **kwargs):
+            if not _ENABLED[0]:
+                return await full(self, request, result_generator, *args, **kwargs)
+            spans: dict[int, list[dict]] = {}
+            response = await full(self, request, _tracking(result_generator, spans, None), *args, **kwargs)
+            for choice in getattr(response, "choices", None) or []:
+                if (s := spans.get(choice.index)) is not None:
+                    choice.weight_versions = s
+            return response
 
-    async def stream_with_spans(self, request, result_generator, *args, **kwargs):
-        spans: dict[int, list[dict]] = {}
-        async for chunk in stream(self, request, _tracking(result_generator, spans, None), *args, **kwargs):
-            yield _annotate_sse(chunk, spans)
+        return full_with_spans
 
-    OpenAIServingChat.chat_completion_full_generator = full_with_spans
-    OpenAIServingChat.chat_completion_stream_generator = stream_with_spans
+    def chat_stream(stream):
+        async def stream_with_spans(self, request, result_generator, *args, **kwargs):
+            if not _ENABLED[0]:
+                async for chunk in stream(self, request, result_generator, *args, **kwargs):
+                    yield chunk
+                return
+            spans: dict[int, list[dict]] = {}
+            async for chunk in stream(self, request, _tracking(result_generator, spans, None), *args, **kwargs):
+                yield _annotate_sse(chunk, spans)
+
+        return stream_with_spans
+
+    replace(f"{_COMPLETION}.completion_stream_generator", completion_stream)
+    replace(f"{_CHAT}.chat_completion_full_generator", chat_full)
+    replace(f"{_CHAT}.chat_completion_stream_generator", chat_stream)
 
 
 def install() -> None:
-    """Install the patches (idempotent; API-server process only)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _patch_request_state()
-    _patch_completions()
-    _patch_chat()
-    _INSTALLED = True
+    """Install the streaming seams (idempotent; at registration, :mod:`vllm_plugin.seams`). The non-streaming fields
+    go through :mod:`vllm_plugin.outputs`. Everything stays inert until :func:`enable`."""
+    _patch_streams()
+
+
+def enable() -> None:
+    """Attribute tokens to snapshots in this process (the hot-load endpoint's start, in the API server)."""
+    _ENABLED[0] = True

@@ -250,9 +250,9 @@ class ZeroKLDHotLoadEndpoint:
         keys = [key] if isinstance(key, str) else list(key or [])
         if tokens := [k for k in (keys or [envs.VLLM_API_KEY]) if k]:
             self.auth = AuthenticationMiddleware(app=None, tokens=tokens)
-        from .attribution import install
+        from .attribution import enable
 
-        install()  # weight_versions on completions and chat choices (this process serves them)
+        enable()  # weight_versions on completions and chat choices (this process serves them)
         self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
         self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,
                                args.model, replica_id=f"{socket.gethostname()}:{args.port}")

@@ -123,11 +123,11 @@ def same_digest(results: list[dict]) -> dict:
 
 
 def _configure(vllm_config) -> None:
-    from ..config import config_or_off
+    from ..config import from_vllm_config
 
     parallel = vllm_config.parallel_config
     # sharded workers (TP > 1) hold slices, not checkpoint tensors: their deltas go through reload_weights
-    if config_or_off(vllm_config).batch_invariant and not parallel.worker_extension_cls \
+    if from_vllm_config(vllm_config).batch_invariant and not parallel.worker_extension_cls \
             and parallel.tensor_parallel_size == 1:
         parallel.worker_extension_cls = EXTENSION
 
@@ -139,15 +139,16 @@ def install() -> None:
         return
     import functools
 
-    from vllm.engine.arg_utils import EngineArgs
+    from ..seams import replace
 
-    original = EngineArgs.create_engine_config
+    def wrap(original):
+        @functools.wraps(original)
+        def create_engine_config(self, *args, **kwargs):
+            config = original(self, *args, **kwargs)
+            _configure(config)
+            return config
 
-    @functools.wraps(original)
-    def create_engine_config(self, *args, **kwargs):
-        config = original(self, *args, **kwargs)
-        _configure(config)
-        return config
+        return create_engine_config
 
-    EngineArgs.create_engine_config = create_engine_config
+    replace("vllm.engine.arg_utils:EngineArgs.create_engine_config", wrap)
     _INSTALLED = True

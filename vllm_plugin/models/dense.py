@@ -35,14 +35,13 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.tensor_parallel as sn_tp
-import shared_numerics.vocab_parallel as sn_vocab
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
 from zerokld_models import ModelConfig, read_model_config, unsupported_features
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
 from ..faults import copy_fault
-from ..sampler import check_sampler_supported
+from ..sampler import check_sampler_supported, set_logprobs_definition
 
 __all__ = ["DenseDecoder", "ZeroKLDMixin", "check_supported"]
 
@@ -330,17 +329,6 @@ class DenseDecoder(nn.Module):
         return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
 
 
-def _install_sampler_logprobs(vocab_parallel: bool) -> None:
-    """Route vLLM's sampler log-softmax (``v1/sample/sampler.py``) through ``shared_numerics``: with ``tp_k_block``
-    (``vocab_parallel``) the definition the trainer computes on its vocabulary shard
-    (:func:`shared_numerics.vocab_parallel.log_softmax`), else :func:`shared_numerics.log_softmax`. A class attribute:
-    the last zerokld model built in a process sets it (vLLM builds one model per engine process)."""
-    from vllm.v1.sample.sampler import Sampler
-
-    fn = sn_vocab.log_softmax if vocab_parallel else sn.log_softmax
-    Sampler.compute_logprobs = staticmethod(fn)  # type: ignore[method-assign]
-
-
 def _is_zerokld_fp8(vllm_config) -> bool:
     qc = vllm_config.quant_config
     return qc is not None and qc.get_name() == QUANT_METHOD
@@ -349,12 +337,11 @@ def _is_zerokld_fp8(vllm_config) -> bool:
 def _fp8_mode(vllm_config, cfg) -> Fp8Mode:
     if _is_zerokld_fp8(vllm_config):
         stored = vllm_config.quant_config.granularity
-        if cfg.fp8_granularity not in (None, stored):
-            raise ZeroKLDConfigError(f"fp8_granularity {cfg.fp8_granularity!r} conflicts with the checkpoint's "
-                                     f"{stored!r}")
+        if cfg.fp8 not in (None, stored):
+            raise ZeroKLDConfigError(f"fp8 {cfg.fp8!r} conflicts with the checkpoint's granularity {stored!r}")
         return Fp8Mode("serialized", stored)
     if cfg.fp8:
-        return Fp8Mode("online", cfg.fp8_granularity or "per_channel")
+        return Fp8Mode("online", cfg.fp8)
     return Fp8Mode()
 
 
@@ -376,10 +363,6 @@ class ZeroKLDMixin:
             return
         self.model_cfg = read_model_config(vllm_config.model_config.hf_config)
         check_supported(vllm_config, self.model_cfg, self.adapter)
-        if vllm_config.lora_config is not None:  # vLLM's LoRA manager wraps our projections with our LoRA layer
-            from ..lora import install
-
-            install()
         check_sampler_supported(vllm_config)
         nn.Module.__init__(self)
         self.config = vllm_config.model_config.hf_config
@@ -394,7 +377,7 @@ class ZeroKLDMixin:
             self.lm_head = nn.Module()
             v, tp = self.model_cfg.vocab_size, self.model.tp
             self.lm_head.weight = tp.param((v, self.model_cfg.hidden_size), 0, rows=tp.vocab_rows(v)[:2])
-        _install_sampler_logprobs(cfg.tp_k_block is not None)
+        set_logprobs_definition(cfg.tp_k_block is not None)  # vLLM's sampler log-softmax: ours (vllm_plugin.sampler)
 
     def _mlp_factory(self, vllm_config):
         """``layer index -> MLP module``, or ``None`` for the dense SwiGLU MLP (MoE models override this)."""
