@@ -187,6 +187,13 @@ def test_registration_installs_every_declared_seam_and_refuses_others():
     with pytest.raises(seams.SeamError, match="would wrap that patch"):  # a second patch of an installed target
         seams.replace("vllm.v1.sample.sampler:Sampler.sample", lambda original: original)
     gone = seams.Seam("vllm.v1.sample.sampler:Sampler.no_such_method", "a test target", ("tests",))
-    with pytest.raises(seams.SeamError, match=r"vLLM 0\.32\.0 \(verified with 0\.32\.0\): it lacks "
-                                              r"vllm\.v1\.sample\.sampler:Sampler\.no_such_method \(a test target\)"):
+    with pytest.raises(seams.SeamError, match=r"vLLM 0\.32\.0 \(verified with 0\.32\.0\): it lacks or changed "
+                                              r"vllm\.v1\.sample\.sampler:Sampler\.no_such_method \(no such attribute"):
         seams.check((*seams.SEAMS, gone))
+    changed = seams.Seam("vllm.v1.sample.sampler:Sampler.sample", "a test target", ("tests",),
+                         params=("self", "logits", "metadata"))
+    with pytest.raises(seams.SeamError, match=r"Sampler\.sample \(parameters \(self, logits, sampling_metadata, "
+                                              r"logprobs_mode_override\), expected \(self, logits, metadata, \.\.\.\)"):
+        seams.check((changed,))
+    with pytest.raises(seams.SeamError, match=r"compute_logprobs \(a staticmethod, not a function"):
+        seams.check((seams.Seam("vllm.v1.sample.sampler:Sampler.compute_logprobs", "x", ("tests",)),))

@@ -46,7 +46,7 @@ def env(request, engine_slot, checkpoint_factory, tmp_path_factory):
     llm = engine_slot.get(("zerokld", family, dtype, fp8), factory)
 
     def trainer(seqs, prompt_lens, **kw):
-        return trainer_logprobs(ckpt, seqs, prompt_lens, dtype=dtype, fp8=granularity or False, **kw)
+        return trainer_logprobs(ckpt, seqs, prompt_lens, dtype=dtype, fp8=granularity, **kw)
 
     return llm, trainer
 

@@ -14,14 +14,16 @@ calls both). Nothing is installed later (no request path, no model constructor);
 on the engine read its settings when they run. ``tests/test_layering.py`` checks that ``vllm_plugin`` assigns no vLLM
 attribute elsewhere and that registration installs every declared seam.
 
-What this does not check: a target that still exists but changed its signature or meaning (the parity tests run
-against the pinned vLLM do).
+A target is "changed" when vLLM holds another kind of attribute there or its leading parameters differ from those
+the replacement relies on; a change of meaning behind the same signature is what the parity tests, run against the
+pinned vLLM, catch.
 
 Source: vLLM's plugin system (``vllm/plugins/__init__.py``: ``load_general_plugins`` in every process).
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 __all__ = ["SEAMS", "VERIFIED_VLLM", "Seam", "SeamError", "check", "installed", "missing", "replace"]
@@ -37,11 +39,15 @@ class SeamError(RuntimeError):
 @dataclass(frozen=True)
 class Seam:
     """One replaced vLLM attribute: ``target`` = ``"module:Class.attr"`` or ``"module:attr"``; ``purpose`` = what
-    zerokld puts there; ``installers`` = the ``vllm_plugin`` modules that install it."""
+    zerokld puts there; ``installers`` = the ``vllm_plugin`` modules that install it; ``kind`` = what vLLM holds there
+    (``function``, ``classmethod``, ``staticmethod``, ``property``, ``tuple``) and ``params`` = the leading parameter
+    names of that callable the replacement relies on (checked: a changed target is refused like a missing one)."""
 
     target: str
     purpose: str
     installers: tuple[str, ...]
+    kind: str = "function"
+    params: tuple[str, ...] = ()
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -52,79 +58,112 @@ _CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
 SEAMS: tuple[Seam, ...] = (
     Seam("vllm.model_executor.model_loader.base_loader:initialize_model",
          "refuse to start a zerokld engine whose architecture did not switch to zerokld numerics",
-         ("vllm_plugin.register",)),
+         ("vllm_plugin.register",),
+         kind="function", params=("vllm_config",)),
     Seam("vllm.v1.engine.input_processor:InputProcessor.process_inputs",
          "draw a seed for requests without one (deterministic sampler), stamp the engine's numerics",
-         ("vllm_plugin.sampler",)),
+         ("vllm_plugin.sampler",),
+         kind="function", params=("self",)),
     Seam(f"{_STATE}.from_new_request", "carry the request's seed and numerics stamp to its outputs",
-         ("vllm_plugin.sampler",)),
+         ("vllm_plugin.sampler",),
+         kind="classmethod", params=("cls", "tokenizer", "request")),
     Seam(f"{_STATE}._new_completion_output",
          "CompletionOutput.zerokld_seed / zerokld_numerics; the weight-version spans so far (hot-load attribution)",
-         ("vllm_plugin.sampler", "vllm_plugin.hotload.attribution")),
+         ("vllm_plugin.outputs", "vllm_plugin.sampler", "vllm_plugin.hotload.attribution"),
+         kind="function", params=("self",)),
     Seam(f"{_COMPLETION}.request_output_to_completion_response",
          "zerokld_seed / zerokld_numerics and weight_versions on each /v1/completions choice",
-         ("vllm_plugin.sampler", "vllm_plugin.hotload.attribution")),
+         ("vllm_plugin.outputs", "vllm_plugin.sampler", "vllm_plugin.hotload.attribution"),
+         kind="function", params=("self", "final_res_batch")),
     Seam(f"{_COMPLETION}.completion_stream_generator", "weight_versions on streamed completion choices",
-         ("vllm_plugin.hotload.attribution",)),
+         ("vllm_plugin.hotload.attribution",),
+         kind="function", params=("self", "request", "engine_inputs", "result_generator")),
     Seam(f"{_CHAT}.chat_completion_full_generator", "weight_versions on chat choices",
-         ("vllm_plugin.hotload.attribution",)),
+         ("vllm_plugin.hotload.attribution",),
+         kind="function", params=("self", "request", "result_generator")),
     Seam(f"{_CHAT}.chat_completion_stream_generator", "weight_versions on streamed chat choices",
-         ("vllm_plugin.hotload.attribution",)),
+         ("vllm_plugin.hotload.attribution",),
+         kind="function", params=("self", "request", "result_generator")),
     Seam(f"{_RUNNER}._update_states", "keep vLLM's per-request torch.Generator bookkeeping off for zerokld seeds",
-         ("vllm_plugin.sampler",)),
+         ("vllm_plugin.sampler",),
+         kind="function", params=("self", "scheduler_output")),
     Seam(f"{_RUNNER}._sample", "sample with shared_numerics.sampling (noise = hash(seed, position, vocab id))",
-         ("vllm_plugin.sampler",)),
+         ("vllm_plugin.sampler",),
+         kind="function", params=("self", "logits", "spec_decode_metadata")),
     Seam(f"{_RUNNER}.sample_tokens", "attach the routed experts recorded on CPU (enable_return_routed_experts)",
-         ("vllm_plugin.routing",)),
+         ("vllm_plugin.routing",),
+         kind="function", params=("self", "grammar_output")),
     Seam("vllm.v1.sample.sampler:Sampler.sample", "the deterministic sampler inside vLLM's Sampler",
-         ("vllm_plugin.sampler",)),
+         ("vllm_plugin.sampler",),
+         kind="function", params=("self", "logits", "sampling_metadata", "logprobs_mode_override")),
     Seam("vllm.v1.sample.sampler:Sampler.compute_logprobs",
          "the sampler's log-softmax on shared_numerics (vocab-parallel with tp_k_block)",
-         ("vllm_plugin.models.dense",)),
+         ("vllm_plugin.models.dense",),
+         kind="staticmethod", params=("logits",)),
     Seam("vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
          "allow enable_return_routed_experts on CPU for zerokld MoE models, with zerokld's own checks",
-         ("vllm_plugin.routing",)),
+         ("vllm_plugin.routing",),
+         kind="function", params=("self",)),
     Seam("vllm.config.vllm:VllmConfig.use_v2_model_runner",
-         "select vLLM's V1 model runner (where the hooks live) for zerokld engines", ("vllm_plugin.runner",)),
+         "select vLLM's V1 model runner (where the hooks live) for zerokld engines", ("vllm_plugin.runner",),
+         kind="property", params=("self",)),
     Seam("vllm.engine.arg_utils:EngineArgs.create_engine_config",
-         "give zerokld engines the hot-load worker extension", ("vllm_plugin.hotload.worker",)),
+         "give zerokld engines the hot-load worker extension", ("vllm_plugin.hotload.worker",),
+         kind="function", params=("self",)),
     Seam("vllm.lora.utils:_all_lora_classes", "vLLM's LoRA manager wraps zerokld projections with zerokld's layer",
-         ("vllm_plugin.lora",)),
+         ("vllm_plugin.lora",),
+         kind="tuple", params=()),
 )
 
 
-def _resolve(target: str) -> bool:
-    module, _, path = target.partition(":")
+def _problem(seam: Seam) -> str | None:
+    """Why ``seam`` cannot be installed on the running vLLM (``None``: it can)."""
+    module, _, path = seam.target.partition(":")
     try:
         obj = importlib.import_module(module)
     except ImportError:
-        return False
-    for part in path.split("."):
-        if part not in getattr(obj, "__dict__", {}) and not hasattr(obj, part):
-            return False
+        return "no such module"
+    *parents, name = path.split(".")
+    for part in parents:
+        if not hasattr(obj, part):
+            return "no such attribute"
         obj = getattr(obj, part)
-    return True
+    try:
+        held = inspect.getattr_static(obj, name)
+    except AttributeError:
+        return "no such attribute"
+    kind = {classmethod: "classmethod", staticmethod: "staticmethod", property: "property",
+            tuple: "tuple"}.get(type(held), "function" if callable(held) else type(held).__name__)
+    if kind != seam.kind:
+        return f"a {kind}, not a {seam.kind}"
+    if seam.params:
+        fn = held.fget if isinstance(held, property) else getattr(held, "__func__", held)
+        got = tuple(inspect.signature(fn).parameters)
+        if got[:len(seam.params)] != seam.params:
+            return f"parameters ({', '.join(got)}), expected ({', '.join(seam.params)}, ...)"
+    return None
 
 
 def missing(seams: tuple[Seam, ...] = SEAMS) -> list[Seam]:
-    """The seams whose target the running vLLM lacks (their module does not import, or the attribute is absent)."""
-    return [s for s in seams if not _resolve(s.target)]
+    """The seams whose target the running vLLM lacks or changed (module or attribute absent, another kind of
+    attribute, other leading parameters)."""
+    return [s for s in seams if _problem(s) is not None]
 
 
 def check(seams: tuple[Seam, ...] = SEAMS) -> None:
     """Refuse a vLLM that lacks any target of ``seams``.
 
     Raises:
-        SeamError: naming every missing target and what zerokld needs it for, the running vLLM version and
-            :data:`VERIFIED_VLLM`.
+        SeamError: naming every missing or changed target, what changed and what zerokld needs it for, the running
+            vLLM version and :data:`VERIFIED_VLLM`.
     """
     gone = missing(seams)
     if gone:
         import vllm
 
         raise SeamError(f"zerokld cannot run on vLLM {getattr(vllm, '__version__', '?')} (verified with "
-                        f"{', '.join(VERIFIED_VLLM)}): it lacks " + "; ".join(f"{s.target} ({s.purpose})"
-                                                                              for s in gone))
+                        f"{', '.join(VERIFIED_VLLM)}): it lacks or changed " + "; ".join(
+                            f"{s.target} ({_problem(s)}; zerokld needs it to {s.purpose})" for s in gone))
 
 
 _INSTALLED: dict[str, object] = {}  # target -> vLLM's original

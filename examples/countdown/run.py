@@ -362,7 +362,7 @@ class SnapshotScorer:
         src = self.init if version == 0 else (d if d.exists() else
                                               write_full_snapshot(self._weights[version], self.init, d))
         return trainer_logprobs(str(src), rollouts.sequences, rollouts.prompt_lengths, dtype=self.args.dtype,
-                                fp8=(self.args.fp8 or False) if self.zk else False, batch_invariant=self.zk,
+                                fp8=self.args.fp8 if self.zk else None, batch_invariant=self.zk,
                                 routed_experts=rollouts.routed_experts if self.replay else None)
 
     def close(self) -> None:
