@@ -1,7 +1,7 @@
 """zerokld's settings, one object for both sides: :class:`ZeroKLDSettings`.
 
-The engine reads it from vLLM's ``additional_config["zerokld"]`` (:func:`vllm_plugin.config.settings`, which adds the
-engine-only ``hot_load`` section), the trainer holds it as ``RLTrainer.Config.zerokld``
+The engine reads it from vLLM's ``additional_config["zerokld"]`` (:func:`vllm_plugin.config.from_vllm_config`: a
+:class:`vllm_plugin.config.ZeroKLDConfig`, these settings plus the engine-only ``hot_load`` section), the trainer holds it as ``RLTrainer.Config.zerokld``
 (:func:`titan_plugin.rl.rl_trainer_config` builds it from its keyword arguments of the same names). One spelling and
 one default per setting; the rules on which settings combine live here only; the :class:`NumericsMode` each side
 stamps is derived from it (:meth:`ZeroKLDSettings.mode`).
@@ -24,7 +24,7 @@ combination the rules refuse, or an old spelling (``fp8: true`` / ``fp8_granular
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, model_validator
 
@@ -41,6 +41,8 @@ class ZeroKLDSettings(BaseModel):
     """See the module. Immutable; compare with ``==``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    #: what :meth:`parse` raises (a subclass names the side that read the settings)
+    error_class: ClassVar[type[ZeroKLDSettingsError]] = ZeroKLDSettingsError
 
     batch_invariant: bool = True
     fp8: Literal["per_channel", "block"] | None = None
@@ -71,17 +73,12 @@ class ZeroKLDSettings(BaseModel):
         """Validate ``data`` (``None`` = every default).
 
         Raises:
-            ZeroKLDSettingsError: ``where`` and pydantic's account of every bad field.
+            ZeroKLDSettingsError (:attr:`error_class`): ``where`` and pydantic's account of every bad field.
         """
         try:
             return cls.model_validate(data or {})
         except ValidationError as e:
-            raise ZeroKLDSettingsError(f"invalid {where}: {e}") from e
-
-    @classmethod
-    def stock(cls) -> "ZeroKLDSettings":
-        """The settings of a process without zerokld (``batch_invariant`` off, nothing else on)."""
-        return cls(batch_invariant=False)
+            raise cls.error_class(f"invalid {where}: {e}") from e
 
     @property
     def sampler_enabled(self) -> bool:

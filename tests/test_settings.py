@@ -60,4 +60,4 @@ def test_a_settings_mismatch_names_the_setting_and_both_values():
     with pytest.raises(NumericsMismatchError, match=r"fp8: this replica 'block', snapshot None"):
         check_same_numerics(engine, snapshot.to_dict(), "this replica", "snapshot")
     check_same_numerics(engine, ZeroKLDSettings(fp8="block").mode("bfloat16").to_dict(), "this replica", "snapshot")
-    assert ZeroKLDSettings.stock().mode("float32") == NumericsMode.build(False, "float32")
+    assert ZeroKLDSettings(batch_invariant=False).mode("float32") == NumericsMode.build(False, "float32")

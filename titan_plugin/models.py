@@ -1,7 +1,8 @@
 """Build TorchTitan's own models for an HF checkpoint and load its safetensors.
 
 :func:`decoder_config` is the generic builder, filled from an architecture's declaration
-(:class:`zerokld_plugins.ModelAdapterSpec`, registered by its ``zerokld_models/<arch>/`` folder): TorchTitan's builders (``make_gqa_config``, ``make_ffn_config``, the router/experts builders) from the
+(:class:`zerokld_plugins.ModelAdapterSpec`, registered by its ``zerokld_models/<arch>/`` folder): TorchTitan's
+builders (``make_gqa_config``, ``make_ffn_config``, the router/experts builders) from the
 :class:`zerokld_models.ModelConfig` the one HF-config reader returns, with separate wq/wk/wv projections
 (``fuse_qkv=False``: vLLM's zerokld model also projects q, k and v separately). HF weights go through the
 architecture's ``StateDictAdapter.from_hf`` (e.g. ``torchtitan/models/{qwen3,llama3}/state_dict_adapter.py``),

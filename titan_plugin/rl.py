@@ -28,8 +28,8 @@ from torchtitan.trainer import Trainer
 
 from shared_numerics.losses import CorrectionConfig, normalize_loss
 from shared_numerics.mode import NumericsMode
-from shared_numerics.settings import ZeroKLDSettings
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch
+from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, read_model_config
 
 from . import cpu_compat
@@ -72,8 +72,9 @@ class RolloutQueue(BaseDataLoader):
 
 def numerics_mode(config) -> NumericsMode:
     """The trainer's :class:`shared_numerics.NumericsMode` from an ``RLTrainer.Config``: its ``zerokld`` settings
-    (:meth:`shared_numerics.settings.ZeroKLDSettings.mode`), the forward dtype (``training.mixed_precision_param``) and the backend of TorchTitan's device type (on a CPU-only
-    torch after :mod:`titan_plugin.cpu_compat`'s shims, applied here: the device the trainer will run on)."""
+    (:meth:`shared_numerics.settings.ZeroKLDSettings.mode`), the forward dtype (``training.mixed_precision_param``)
+    and the backend of TorchTitan's device type (on a CPU-only torch after :mod:`titan_plugin.cpu_compat`'s shims,
+    applied here: the device the trainer will run on)."""
     cpu_compat.apply()
     from torchtitan.tools.utils import device_type
 
@@ -128,8 +129,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         lr: AdamW learning rate (constant schedule, no warm-up).
         batch_invariant, fp8, tp_k_block: the :class:`shared_numerics.settings.ZeroKLDSettings` fields of the same
             names and defaults (vLLM's ``additional_config["zerokld"]`` spells them the same), stored whole as
-            ``config.zerokld``. batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock components; on CPU that needs the
-            SDPA inner attention, since flex attention has no CPU path).
+            ``config.zerokld``. batch_invariant: swap in the zerokld numerics (otherwise TorchTitan's stock
+            components; on CPU that needs the SDPA inner attention, since flex attention has no CPU path).
         loss_fn, loss_fn_config: a loss registered through the ``zerokld`` hooks (``ppo``, ``importance_sampling``,
             ``cross_entropy``, or a plugin's) and its config (Tinker names, e.g. ``clip_low_threshold``).
         fused: compute the completion tokens' log-probs with the fused lm_head (no ``[tokens, vocab]`` logits);

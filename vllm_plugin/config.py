@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
-
-from pydantic import ValidationError
+from typing import Any, ClassVar
 
 from deltasync.protocol import HotLoadConfig
 from shared_numerics.settings import ZeroKLDSettings, ZeroKLDSettingsError
@@ -31,6 +29,8 @@ class ZeroKLDConfig(ZeroKLDSettings):
         hot_load: switch on the hot-load HTTP API (:class:`deltasync.HotLoadConfig`, the replica's config).
     """
 
+    error_class: ClassVar[type[ZeroKLDSettingsError]] = ZeroKLDConfigError
+
     hot_load: HotLoadConfig | None = None
 
     @property
@@ -48,10 +48,7 @@ def _parse(section_json: str) -> ZeroKLDConfig:
 
 
 def _validate(section: Any) -> ZeroKLDConfig:
-    try:
-        return ZeroKLDConfig.model_validate(section)
-    except ValidationError as e:
-        raise ZeroKLDConfigError(f"invalid additional_config['zerokld']: {e}") from e
+    return ZeroKLDConfig.parse(section, "additional_config['zerokld']")
 
 
 def from_vllm_config(vllm_config: Any) -> ZeroKLDConfig:

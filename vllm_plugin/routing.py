@@ -23,8 +23,6 @@ from .seams import replace
 
 __all__ = ["install", "request_rows"]
 
-_INSTALLED = False
-
 
 def _patch_config_check() -> None:
     def wrap(original):
@@ -98,9 +96,5 @@ def _patch_runner() -> None:
 
 def install() -> None:
     """Install the config check and the runner hook (idempotent; inert for engines without capture)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
     _patch_config_check()
     _patch_runner()
-    _INSTALLED = True

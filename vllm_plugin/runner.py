@@ -17,8 +17,6 @@ from .config import ZeroKLDConfigError, from_vllm_config
 
 __all__ = ["install", "use_v2_model_runner"]
 
-_INSTALLED = False
-
 
 def use_v2_model_runner(vllm_config, vllm_default) -> bool:
     """``vllm_default()`` for engines without zerokld; ``False`` with it.
@@ -39,11 +37,7 @@ def use_v2_model_runner(vllm_config, vllm_default) -> bool:
 
 def install() -> None:
     """Wrap ``VllmConfig.use_v2_model_runner`` (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
     from .seams import replace
 
     replace("vllm.config.vllm:VllmConfig.use_v2_model_runner", lambda original: property(
         lambda self: use_v2_model_runner(self, lambda: original.fget(self)), doc=original.__doc__))
-    _INSTALLED = True

@@ -44,7 +44,6 @@ __all__ = ["check_sampler_supported", "install", "set_logprobs_definition", "tag
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("zerokld_sampler_rows", default=None)
 _EPS = 1e-5
-_INSTALLED = False
 
 
 def check_sampler_supported(vllm_config) -> None:
@@ -240,11 +239,7 @@ def _patch_sampler() -> None:
 def install() -> None:
     """Install the sampler's seams (:mod:`vllm_plugin.seams`; idempotent; each checks the engine's config on every
     call). The output fields are added by :mod:`vllm_plugin.outputs` (:func:`tag_output`, :func:`tag_choice`)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
     _patch_front_end()
     _patch_worker()
     _patch_sampler()
     _patch_logprobs()
-    _INSTALLED = True

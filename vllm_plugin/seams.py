@@ -116,20 +116,27 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 
-def _problem(seam: Seam) -> str | None:
-    """Why ``seam`` cannot be installed on the running vLLM (``None``: it can)."""
-    module, _, path = seam.target.partition(":")
-    try:
-        obj = importlib.import_module(module)
-    except ImportError:
-        return "no such module"
+def _owner(target: str):
+    """``(object, attribute name)`` of ``target``: its module imported, the classes on its path walked.
+
+    Raises:
+        ImportError: no such module. AttributeError: no such class on the path.
+    """
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
     *parents, name = path.split(".")
     for part in parents:
-        if not hasattr(obj, part):
-            return "no such attribute"
         obj = getattr(obj, part)
+    return obj, name
+
+
+def _problem(seam: Seam) -> str | None:
+    """Why ``seam`` cannot be installed on the running vLLM (``None``: it can)."""
     try:
-        held = inspect.getattr_static(obj, name)
+        owner, name = _owner(seam.target)
+        held = inspect.getattr_static(owner, name)
+    except ImportError:
+        return "no such module"
     except AttributeError:
         return "no such attribute"
     kind = {classmethod: "classmethod", staticmethod: "staticmethod", property: "property",
@@ -157,26 +164,17 @@ def check(seams: tuple[Seam, ...] = SEAMS) -> None:
         SeamError: naming every missing or changed target, what changed and what zerokld needs it for, the running
             vLLM version and :data:`VERIFIED_VLLM`.
     """
-    gone = missing(seams)
-    if gone:
+    problems = [(s, p) for s in seams if (p := _problem(s)) is not None]
+    if problems:
         import vllm
 
         raise SeamError(f"zerokld cannot run on vLLM {getattr(vllm, '__version__', '?')} (verified with "
                         f"{', '.join(VERIFIED_VLLM)}): it lacks or changed " + "; ".join(
-                            f"{s.target} ({_problem(s)}; zerokld needs it to {s.purpose})" for s in gone))
+                            f"{s.target} ({p}; zerokld needs it to {s.purpose})" for s, p in problems))
 
 
 _INSTALLED: dict[str, object] = {}  # target -> vLLM's original
 _BY: dict[str, str] = {}  # target -> the make that replaced it
-
-
-def _owner(target: str):
-    module, _, path = target.partition(":")
-    obj = importlib.import_module(module)
-    *parents, name = path.split(".")
-    for part in parents:
-        obj = getattr(obj, part)
-    return obj, name
 
 
 def replace(target: str, make) -> None:
@@ -194,10 +192,10 @@ def replace(target: str, make) -> None:
             raise SeamError(f"{target} is replaced by {_BY[target]}; {who} would wrap that patch (contribute to "
                             "the one replacement instead)")
         return
-    if target not in {s.target for s in SEAMS}:
+    seam = next((s for s in SEAMS if s.target == target), None)
+    if seam is None:
         raise SeamError(f"zerokld replaces {target}, which vllm_plugin.seams.SEAMS does not declare")
-    if missing(tuple(s for s in SEAMS if s.target == target)):
-        check(tuple(s for s in SEAMS if s.target == target))
+    check((seam,))
     owner, name = _owner(target)
     original = getattr(owner, name)
     setattr(owner, name, make(original))

@@ -25,8 +25,6 @@ EXTENSION = "vllm_plugin.hotload.worker.DeltaWorkerExtension"
 #: the ``collective_rpc`` method name
 METHOD = "zerokld_apply_delta"
 
-_INSTALLED = False
-
 
 class DeltaWorkerExtension:
     """Mixed into vLLM's worker class (``self.model_runner`` is the worker's)."""
@@ -134,9 +132,6 @@ def _configure(vllm_config) -> None:
 
 def install() -> None:
     """Wrap ``EngineArgs.create_engine_config`` so zerokld engines get :class:`DeltaWorkerExtension` (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
     import functools
 
     from ..seams import replace
@@ -151,4 +146,3 @@ def install() -> None:
         return create_engine_config
 
     replace("vllm.engine.arg_utils:EngineArgs.create_engine_config", wrap)
-    _INSTALLED = True

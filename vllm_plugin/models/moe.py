@@ -2,8 +2,8 @@
 combine order), plus the per-KV-slot record of routed experts that serves vLLM's own ``enable_return_routed_experts``.
 
 :class:`ZeroKLDMoEMixin` is the base of every MoE architecture's vLLM class (:mod:`vllm_plugin.models.classes`): with
-the zerokld flag off the class *is* vLLM's ``Qwen3MoeForCausalLM`` (FusedMoE). With it on, each decoder layer is the Qwen3 attention of
-:mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`:
+the zerokld flag off the class *is* vLLM's ``Qwen3MoeForCausalLM`` (FusedMoE). With it on, each decoder layer is the
+Qwen3 attention of :mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`:
 ``out, ids = shared_numerics.moe.moe_forward(f, gate, experts..., top_k, norm_topk_prob)``.
 
 Routing capture: when ``enable_return_routed_experts`` is on, the model writes each computed token's expert ids
