@@ -34,6 +34,11 @@ TARGETS = {  # name -> (metric key path, threshold); {large}/{small}: the run's 
     "decoder layer forward stock/ours >= 0.5": (("layer", "forward", "stock_over_ours"), 0.5),
     "decoder layer forward stock/ours >= 0.8 (stretch)": (("layer", "forward", "stock_over_ours"), 0.8),
     "decoder layer fwd+bwd stock/ours >= 0.4": (("layer", "forward_backward", "stock_over_ours"), 0.4),
+    # the second CUDA GEMM backend (fixed-shape cuBLAS calls, shared_numerics.gemm_cublas; issue 36 point 4)
+    "cublas linear M={large} stock/ours >= 0.6": (("ops", "linear_cublas", "M{large}", "stock_over_ours"), 0.6),
+    "cublas linear M={small} stock/ours >= 0.4": (("ops", "linear_cublas", "M{small}", "stock_over_ours"), 0.4),
+    "cublas decoder layer forward stock/ours >= 0.8": (("layer_cublas", "forward", "stock_over_ours"), 0.8),
+    "cublas decoder layer fwd+bwd stock/ours >= 0.4": (("layer_cublas", "forward_backward", "stock_over_ours"), 0.4),
 }
 
 
@@ -78,7 +83,7 @@ def _rows_equal(fn, x, m_small: int) -> bool:
     return bool(torch.equal(full[:m_small], part))
 
 
-def _ops(args, T, time_ms, dev, dt) -> dict:
+def _ops(args, T, C, time_ms, dev, dt) -> dict:
     import torch.nn.functional as F
 
     import shared_numerics as sn
@@ -111,9 +116,20 @@ def _ops(args, T, time_ms, dev, dt) -> dict:
         def lora(ours: bool, a=x, rows=ids):
             return (T["lora_linear"] if ours else S["lora_linear"])(a, w, None, la, lb, ls, rows[:a.shape[0]])
 
+        def cublas_rows(rows):
+            from shared_numerics.gemm_cublas import fixed_rows_matmul
+
+            return lambda a=x: fixed_rows_matmul(a, w.t(), rows=rows)
+
         cases = {
             "linear": (lambda: T["linear"](x, w), lambda: F.linear(x, w), 2 * m * n * h, None,
                        lambda a: T["linear"](a, w), lambda a: F.linear(a, w), x),
+            "linear_cublas": (lambda: C["linear"](x, w), lambda: F.linear(x, w), 2 * m * n * h, None,
+                              lambda a: C["linear"](a, w), None, x),
+            # the row block is in the numerics contract; other sizes measured to choose it
+            "linear_cublas_rows64": (cublas_rows(64), lambda: F.linear(x, w), 2 * m * n * h, None, None, None, x),
+            "linear_cublas_rows128": (cublas_rows(128), lambda: F.linear(x, w), 2 * m * n * h, None, None, None, x),
+            "linear_cublas_rows512": (cublas_rows(512), lambda: F.linear(x, w), 2 * m * n * h, None, None, None, x),
             "lora_linear": (lambda: lora(True), lambda: lora(False),
                             2 * m * n * h + 4 * m * args.lora_rank * (n + h), None,
                             lambda a: lora(True, a), lambda a: lora(False, a), x),
@@ -226,6 +242,38 @@ def _layer(args, T, dev, dt, time_ms) -> dict:
     return out
 
 
+def _gemm_configs(args, time_ms, dev, dt) -> dict:
+    """The Triton GEMM's fixed tile config vs alternatives (bf16, 4096 -> inter, M small and large): data to choose
+    :data:`shared_numerics.ops_triton.matmul.CONFIGS` by (a config change changes the backend's bits)."""
+    from shared_numerics.ops_triton import matmul
+
+    g = torch.Generator(device=dev).manual_seed(2)
+    w = (torch.randn(args.inter, args.hidden, generator=g, device=dev) * 0.02).to(dt)
+    current = matmul.CONFIGS[dt]
+    candidates = {"current": current} if dev != "cuda" else {
+        "current": current,
+        "128x256x64_g8_s3_w8": matmul.GemmConfig(128, 256, 64, 8, 3, 8, ieee=current.ieee),
+        "128x128x64_g8_s4_w4": matmul.GemmConfig(128, 128, 64, 8, 4, 4, ieee=current.ieee),
+        "128x128x128_g8_s3_w8": matmul.GemmConfig(128, 128, 128, 8, 3, 8, ieee=current.ieee),
+        "64x128x64_g8_s4_w4": matmul.GemmConfig(64, 128, 64, 8, 4, 4, ieee=current.ieee),
+        "64x256x64_g8_s3_w8": matmul.GemmConfig(64, 256, 64, 8, 3, 8, ieee=current.ieee)}
+    out = {}
+    try:
+        for name, cfg in candidates.items():
+            matmul.CONFIGS[dt] = cfg
+            for m in (args.m_small, args.m_large):
+                x = torch.randn(m, args.hidden, generator=g, device=dev).to(dt)
+                try:
+                    t = time_ms(lambda: matmul.gemm(x, w.t(), dt), args.repeats)
+                    out.setdefault(name, {})[f"M{m}"] = {"ms": t, "tflops": 2 * m * args.inter * args.hidden / t / 1e9}
+                except Exception as e:  # noqa: BLE001 - a config that does not compile: report it
+                    out.setdefault(name, {})[f"M{m}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        matmul.CONFIGS[dt] = current
+    print("gemm configs", out, flush=True)
+    return out
+
+
 def _dig(result: dict, path) -> float | None:
     for key in path:
         if not isinstance(result, dict) or key not in result:
@@ -290,6 +338,7 @@ def main(argv=None) -> dict:
 
     import triton
 
+    from shared_numerics.ops_cublas import OPS as C
     from shared_numerics.ops_triton.table import OPS as T
 
     dt = getattr(torch, args.dtype)
@@ -297,9 +346,11 @@ def main(argv=None) -> dict:
     result = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter: timings meaningless)",
         "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
-        "ops": _ops(args, T, time_ms, dev, dt),
+        "ops": _ops(args, T, C, time_ms, dev, dt),
         "attention": _attention(args, T, time_ms, dev, dt),
         "layer": _layer(args, T, dev, dt, time_ms),
+        "layer_cublas": _layer(args, C, dev, dt, time_ms),
+        "triton_gemm_configs": _gemm_configs(args, time_ms, dev, dt),
     }
     result["targets"] = targets(result, args.m_small, args.m_large)
     out.write_text(json.dumps(result, indent=2))

@@ -6,8 +6,9 @@ produces log-probs. Each module's docstring names the source its op mirrors.
 
 The public ops below dispatch to a numerics backend registered through the ``zerokld`` plugin hooks
 (:mod:`zerokld_plugins`): by default ``torch`` (:mod:`shared_numerics.ops_torch`) for CPU tensors and ``triton``
-(:mod:`shared_numerics.ops_triton`) for CUDA tensors; ``ZEROKLD_BACKEND=<name>`` forces one backend for every call (on
-both sides: trainer and vLLM must use the same one). ``ZEROKLD_BACKEND=triton`` on CPU needs Triton's interpreter
+(:mod:`shared_numerics.ops_triton`) for CUDA tensors; ``cublas`` (:mod:`shared_numerics.ops_cublas`: Triton's table
+with fixed-shape cuBLAS GEMMs) on request; ``ZEROKLD_BACKEND=<name>`` forces one backend for every call (on both
+sides: trainer and vLLM must use the same one). ``ZEROKLD_BACKEND=triton`` on CPU needs Triton's interpreter
 (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations

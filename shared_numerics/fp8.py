@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 
 from .linear import matmul_rows
+from .reduce import true_divide
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity",
            "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
@@ -58,7 +59,7 @@ def _check_granularity(granularity: str) -> None:
 def _scales(amax: torch.Tensor, what: str) -> torch.Tensor:
     if not bool(torch.isfinite(amax).all()):
         raise Fp8QuantizationError(f"FP8 quantization of {what}: input contains inf or NaN")
-    return torch.clamp(amax / FP8_MAX, min=FP8_MIN_SCALE)
+    return torch.clamp(true_divide(amax, FP8_MAX), min=FP8_MIN_SCALE)  # IEEE division on CUDA too
 
 
 def _encode(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """shared_numerics' registrations (entry point ``shared_numerics`` in the ``zerokld`` group): the RL losses and the
-two numerics backends. They go through the same hooks as any third-party plugin."""
+three numerics backends. They go through the same hooks as any third-party plugin."""
 from __future__ import annotations
 
 from zerokld_plugins import BackendSpec, LossSpec, hookimpl
@@ -32,4 +32,6 @@ def zerokld_losses():
 def zerokld_numerics_backends():
     return [BackendSpec("torch", "shared_numerics.ops_torch:OPS"),
             BackendSpec("triton", "shared_numerics.ops_triton:OPS", "shared_numerics.ops_triton:available",
-                        "shared_numerics.ops_triton:unavailable_reason")]
+                        "shared_numerics.ops_triton:unavailable_reason"),
+            BackendSpec("cublas", "shared_numerics.ops_cublas:OPS", "shared_numerics.ops_cublas:available",
+                        "shared_numerics.ops_cublas:unavailable_reason")]

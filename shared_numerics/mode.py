@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .attention import KEY_CHUNK, Q_TILE, SPLIT
+from .gemm_cublas import CUBLAS_ROWS
 from .linear import GEMM_PARTITION, ROW_TILE
 
 __all__ = ["CONTRACT", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "NumericsMode", "backend_for_device",
@@ -32,7 +33,9 @@ __all__ = ["CONTRACT", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "
 
 #: Version of the fixed constants both sides must share; bump the leading number when a kernel's arithmetic order
 #: changes without a constant changing.
-CONTRACT = f"4:row_tile={ROW_TILE},gemm={GEMM_PARTITION},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT}"
+#: 5: the Triton bf16/fp16 GEMM tile 128x128x64 -> 128x256x64; the cublas backend's row block
+CONTRACT = (f"5:row_tile={ROW_TILE},gemm={GEMM_PARTITION},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
+            f"cublas_rows={CUBLAS_ROWS}")
 DTYPES = ("float32", "bfloat16", "float16")
 FP8_GRANULARITIES = ("per_channel", "block")
 
@@ -58,7 +61,7 @@ class NumericsMode:
     Attributes:
         batch_invariant: the zerokld numerics are on (``False``: stock vLLM / TorchTitan kernels; nothing below is
             then a guarantee, and two stock modes never compare equal).
-        backend: op table name (``"torch"``, ``"triton"``, or a plugin's), ``None`` when off.
+        backend: op table name (``"torch"``, ``"triton"``, ``"cublas"``, or a plugin's), ``None`` when off.
         dtype: activation/parameter dtype of the forward: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         fp8: FP8 granularity of the decoder projections (``"per_channel"``, ``"block"``) or ``None``.
         contract: :data:`CONTRACT` of the process that built the mode.

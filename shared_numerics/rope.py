@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .norm import rms_norm
+from .reduce import true_divide
 
 __all__ = ["RopeScaling", "apply_rope", "rms_norm_rope", "rope_cos_sin"]
 
@@ -63,7 +64,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     """
     if head_dim % 2:
         raise ValueError(f"rotary dimension must be even, got {head_dim}")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    exponent = true_divide(torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device), head_dim)
     inv_freq = 1.0 / (float(theta) ** exponent)
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq)

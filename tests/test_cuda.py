@@ -41,26 +41,44 @@ def T():
     return sn.active_ops(torch.empty(1, device=DEV))
 
 
+def _table(backend: str) -> dict:
+    """The op table of one CUDA backend: ``triton`` (persistent Triton GEMM) or ``cublas`` (fixed-shape cuBLAS
+    calls; every other op is Triton's)."""
+    if backend == "triton":
+        from shared_numerics.ops_triton import OPS
+    else:
+        from shared_numerics.ops_cublas import OPS
+    return OPS
+
+
+@pytest.fixture(scope="module", params=["triton", "cublas"])
+def G(request):
+    """Each CUDA GEMM backend's op table in turn."""
+    return _table(request.param)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
-def test_linear_rows_invariant_at_llm_shapes(T, dtype):
-    """Rows of M = 1, 7, 64, 300 equal the same rows of M = 4096 (4096 -> 12288 and the 151936-vocab lm_head);
-    cuBLAS F.linear does not (negative control: at least one shape differs)."""
+def test_linear_rows_invariant_at_llm_shapes(G, dtype):
+    """Rows of M = 1, 7, 64, 300 equal the same rows of M = 4096 (4096 -> 12288, the 151936-vocab lm_head, and
+    large-K shapes: 4096 -> 4096, Llama-8B's down_proj 14336 -> 4096, 16384 -> 1024); cuBLAS F.linear does not
+    (negative control: at least one shape differs — on an H200 with torch 2.11 the first two alone are row-invariant
+    in bf16 and fp16, hence the large-K shapes, where cuBLAS may split K for small M)."""
     stock_differs = False
-    for n, k in ((12288, 4096), (151936, 1024)):
+    for n, k in ((12288, 4096), (151936, 1024), (4096, 4096), (4096, 14336), (1024, 16384)):
         x = _rand(4096, k, dtype=dtype, seed=1)
         w = _rand(n, k, dtype=dtype, seed=2, scale=0.02)
-        full = T["linear"](x, w)
+        full = G["linear"](x, w)
         ref = torch.nn.functional.linear(x, w)
         for m in (1, 7, 64, 300):
-            assert torch.equal(T["linear"](x[:m], w), full[:m])
-            assert torch.equal(T["linear"](x[1000:1000 + m], w), full[1000:1000 + m])
+            assert torch.equal(G["linear"](x[:m], w), full[:m])
+            assert torch.equal(G["linear"](x[1000:1000 + m], w), full[1000:1000 + m])
             stock_differs |= not torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m])
         assert (full.float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
     assert stock_differs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_linear_rows_invariant_at_llm_shapes(T, dtype):
+def test_lora_linear_rows_invariant_at_llm_shapes(G, dtype):
     """Multi-LoRA (issue 18): 4 adapters of rank 64 and base rows on a 4096 -> 4096 layer; rows alone and in a
     reordered batch give the co-batched bits; PEFT's arithmetic on cuBLAS (one F.linear per adapter group) differs
     (negative control)."""
@@ -70,10 +88,10 @@ def test_lora_linear_rows_invariant_at_llm_shapes(T, dtype):
     a, bb = _rand(4, 64, 4096, dtype=dtype, seed=3, scale=0.02), _rand(4, 4096, 64, dtype=dtype, seed=4, scale=0.1)
     s = torch.tensor([2.0, 0.5, 1.0, 0.25])
     ids = torch.randint(-1, 4, (2048,), generator=_g(5), device=DEV)
-    full = T["lora_linear"](x, w, None, a, bb, s, ids)
+    full = G["lora_linear"](x, w, None, a, bb, s, ids)
     perm = torch.randperm(2048, generator=_g(6), device=DEV)
-    assert torch.equal(T["lora_linear"](x[perm], w, None, a, bb, s, ids[perm]), full[perm])
-    assert torch.equal(T["add_lora"](T["linear"](x, w), x, a, bb, s, ids), full)  # the engine's half
+    assert torch.equal(G["lora_linear"](x[perm], w, None, a, bb, s, ids[perm]), full[perm])
+    assert torch.equal(G["add_lora"](G["linear"](x, w), x, a, bb, s, ids), full)  # the engine's half
 
     def stock(rows):
         return STOCK_OPS["lora_linear"](x[rows], w, None, a, bb, s, ids[rows])
@@ -81,10 +99,21 @@ def test_lora_linear_rows_invariant_at_llm_shapes(T, dtype):
     ref = stock(slice(None))
     stock_differs = False
     for m in (1, 7, 64, 300):
-        assert torch.equal(T["lora_linear"](x[:m], w, None, a, bb, s, ids[:m]), full[:m])
+        assert torch.equal(G["lora_linear"](x[:m], w, None, a, bb, s, ids[:m]), full[:m])
         stock_differs |= not torch.equal(stock(slice(0, m)), ref[:m])
     assert (full.float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
     assert stock_differs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_logprobs_equal_unfused(G, dtype):
+    """The lm_head + log-probs fused chunk by chunk == the unfused ops on the same backend (151936 vocab), rows alone
+    too."""
+    h, w = _rand(600, 1024, dtype=dtype, seed=26), _rand(151936, 1024, dtype=dtype, seed=27, scale=0.02)
+    t = torch.randint(0, 151936, (600,), generator=_g(28), device=DEV)
+    unfused = G["selected_logprobs"](G["linear"](h, w), t)
+    assert torch.equal(G["fused_selected_logprobs"](h, w, t), unfused)
+    assert torch.equal(G["fused_selected_logprobs"](h[5:8], w, t[5:8]), unfused[5:8])
 
 
 @pytest.mark.parametrize("granularity", ["per_channel", "block"])
@@ -166,7 +195,20 @@ def test_attention_dense_equals_paged_across_splits(T, dtype):
                 assert torch.equal(out, want), (bs, sched, mql)
 
 
-def test_backward_is_deterministic(T):
+def test_true_divide_is_ieee_division_on_cuda():
+    """FP8 scales and RoPE exponents divide by Python numbers through shared_numerics.reduce.true_divide: the CPU's
+    bits on CUDA; plain ``x / 448.0`` on CUDA multiplies by the reciprocal (negative control: some quotient
+    differs)."""
+    from shared_numerics.reduce import true_divide
+
+    x = _rand(1 << 20, dtype=torch.float32, seed=29).abs()
+    cpu = x.cpu() / 448.0
+    assert torch.equal(true_divide(x, 448.0).cpu(), cpu)
+    assert not torch.equal((x / 448.0).cpu(), cpu)
+
+
+def test_backward_is_deterministic(G):
+    T = G
     q, k, v = (_rand(2, 1500, h, 128, seed=s).requires_grad_() for h, s in ((32, 16), (8, 17), (8, 18)))
     x, w = _rand(1024, 4096, seed=19).requires_grad_(), _rand(4096, 4096, seed=20, scale=0.02).requires_grad_()
     up = _rand(2, 1500, 32, 128, seed=21)
@@ -194,8 +236,9 @@ def test_sampler_on_cuda_rows_are_independent():
         assert torch.equal(one, full[i:i + 1])
 
 
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_op_model_trainer_equals_continuous_batching_engine(dtype):
+def test_op_model_trainer_equals_continuous_batching_engine(dtype, backend):
     """A Qwen3-style model (hidden 1024, 4 layers, 16/4 heads, head_dim 128) built from the op table: requests arrive
     over time, prefill chunks co-batched with decodes, 16-token blocks, prompts up to 1300 tokens (3 splits), 24
     generated tokens each — every engine log-prob == the trainer's; stock PyTorch differs."""
@@ -206,10 +249,11 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype):
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(rng.randrange(3, 1300))] for _ in range(24)]
     arrivals = [rng.randrange(0, 30) for _ in prompts]
-    model = OpModel(spec, dtype, device=DEV)
+    model = OpModel(spec, dtype, device=DEV, ops=_table(backend))
     res = rollout(model, prompts, 24, token_budget=512, block_size=16, arrivals=arrivals)
     assert res.mixed_steps > 0
     train = [model.trainer_logprobs([s])[0] for s in res.sequences[:12]] + model.trainer_logprobs(res.sequences[12:])
+    assert len(train) == len(res.logprobs) == len(prompts)
     equal = sum(torch.equal(a[-24:], b) for a, b in zip(train, res.logprobs))
     assert equal == len(prompts)
     stock = OpModel(spec, dtype, device=DEV, ops=STOCK_OPS)

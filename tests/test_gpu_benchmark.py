@@ -12,12 +12,12 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     out = tmp_path / "gpu.json"
     result = main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text())["device"].startswith("cpu (Triton interpreter")
-    for op in ("linear", "lora_linear", "fp8_linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul",
+    for op in ("linear", "linear_cublas", "linear_cublas_rows128", "lora_linear", "fp8_linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul",
                "log_softmax", "selected_logprobs"):
         for m in ("M4", "M40"):
             case = result["ops"][op][m]
             assert "error" not in case or op == "fp8_linear", (op, m, case)  # torch._scaled_mm may be GPU-only
             assert case.get("ours_rows_invariant", True) is True
     assert result["attention"]["decode"]["ours_kv_gb_per_s"] > 0
-    assert set(result["layer"]) == {"forward", "forward_backward"}
+    assert set(result["layer"]) == set(result["layer_cublas"]) == {"forward", "forward_backward"}
     assert len(result["targets"]) == len(TARGETS) and all(t["value"] is not None for t in result["targets"].values())

@@ -101,7 +101,8 @@ def test_builtins_are_registered_through_the_hooks():
     names = {(r.kind, r.name): r.provider for r in zp.list_registrations()}
     expected = {("loss", "ppo"): "shared_numerics", ("loss", "cross_entropy"): "shared_numerics",
                 ("loss", "importance_sampling"): "shared_numerics", ("backend", "torch"): "shared_numerics",
-                ("backend", "triton"): "shared_numerics", ("codec", "arc_v2"): "deltasync",
+                ("backend", "triton"): "shared_numerics", ("backend", "cublas"): "shared_numerics",
+                ("codec", "arc_v2"): "deltasync",
                 ("storage", "file"): "deltasync", ("storage", "memory"): "deltasync",
                 ("model", "Qwen3ForCausalLM"): "zerokld_models", ("model", "LlamaForCausalLM"): "zerokld_models",
                 ("model", "Qwen3MoeForCausalLM"): "zerokld_models", ("model", "Qwen2ForCausalLM"): "zerokld_models"}

@@ -14,11 +14,23 @@ from .logprobs import log_softmax, selected_logprobs
 from .matmul import linear
 from .pointwise import add_rms_norm, apply_rope, rms_norm, rms_norm_rope, silu_and_mul
 
-__all__ = ["OPS"]
+__all__ = ["OPS", "fused_selected_logprobs_with"]
 
 
-def _head_chunk(hidden, weight, targets):
-    return selected_logprobs(linear(hidden, weight), targets)
+def _head_chunk(linear_fn, hidden, weight, targets):
+    return selected_logprobs(linear_fn(hidden, weight), targets)
+
+
+def fused_selected_logprobs_with(linear_fn, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 chunk: int | None = None) -> torch.Tensor:
+    """:func:`fused_selected_logprobs` on a GPU backend's row-invariant ``linear_fn`` (each table binds its own)."""
+    chunk = chunk or auto_chunk(weight.shape[0])
+    outs = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s:s + chunk], targets[s:s + chunk]
+        outs.append(checkpoint(_head_chunk, linear_fn, h, weight, t, use_reentrant=False) if torch.is_grad_enabled()
+                    else _head_chunk(linear_fn, h, weight, t))
+    return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
 
 
 def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -26,13 +38,7 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
     """Triton :func:`shared_numerics.fused_logprobs.fused_selected_logprobs`: ``selected_logprobs(linear(h, W), t)``
     chunk by chunk, each chunk's logits recomputed in the backward (activation checkpointing), so at most one chunk of
     ``[rows, vocab]`` logits is alive. Same bits as the unfused Triton path."""
-    chunk = chunk or auto_chunk(weight.shape[0])
-    outs = []
-    for s in range(0, hidden.shape[0], chunk):
-        h, t = hidden[s:s + chunk], targets[s:s + chunk]
-        outs.append(checkpoint(_head_chunk, h, weight, t, use_reentrant=False) if torch.is_grad_enabled()
-                    else _head_chunk(h, weight, t))
-    return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+    return fused_selected_logprobs_with(linear, hidden, weight, targets, chunk)
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_ids):
