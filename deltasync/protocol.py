@@ -21,6 +21,16 @@ admitted before finish on theirs. Each version is served under the vLLM adapter 
 
 Serving responses carry :data:`IDENTITY_HEADER`: the snapshot(s) that sampled their tokens (comma-separated in order of
 use when a response spans an async swap; per token: the choices' ``weight_versions`` spans).
+
+The same replica also answers Fireworks' own spelling, as ``fireworks-ai``'s ``DeploymentManager`` sends it
+(``../shared/wire/fireworks_tinker_wire.md`` §3)::
+
+    POST {FIREWORKS_HOT_LOAD}        {"identity", "reset_prompt_cache"?: true|false, "incremental_snapshot_metadata"?}
+        headers fireworks-deployment: accounts/<account_id>/deployments/<deployment_id>, fireworks-model
+    GET  {FIREWORKS_HOT_LOAD}        {"replicas": [...]}: the status above, a failed newest load as stage "error"
+
+(:meth:`Signal.from_fireworks`, :func:`fireworks_status`): ``true`` is ``"all"``, ``false`` ``"none"``; the transition
+is the replica's setting (:attr:`HotLoadConfig.transition`), as Fireworks makes it a deployment's.
 """
 from __future__ import annotations
 
@@ -28,12 +38,15 @@ import errno
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .ledger import IdentityError, validate_identity
 
 __all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
+           "FIREWORKS_DEPLOYMENT_HEADER", "FIREWORKS_FIELDS", "FIREWORKS_HOT_LOAD", "FIREWORKS_MODEL_HEADER",
+           "fireworks_status",
            "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "SESSION_HEADER",
            "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version", "public_message"]
 
@@ -52,6 +65,13 @@ CHECKSUM_FORMATS = ("alder32", "adler32")
 RESET_MODES = ("all", "new_session", "none")
 TRANSITIONS = ("async", "sync")
 DEFAULT_DRAIN_TIMEOUT_S = 90.0
+
+#: Fireworks' hot-load route (``DeploymentManager.hotload`` POSTs, ``hotload_check_status`` GETs), its headers and
+#: the fields of its body
+FIREWORKS_HOT_LOAD = "/hot_load/v1/models/hot_load"
+FIREWORKS_DEPLOYMENT_HEADER = "fireworks-deployment"
+FIREWORKS_MODEL_HEADER = "fireworks-model"
+FIREWORKS_FIELDS = ("identity", "reset_prompt_cache", "incremental_snapshot_metadata")
 
 
 def lora_version(lora_name: str, identity: str) -> str:
@@ -77,6 +97,21 @@ def public_message(error: BaseException | str) -> str:
     else:
         msg = str(error) or type(error).__name__
     return _ABS_PATH.sub(lambda m: m.group(1) or "<path>", msg)
+
+
+def fireworks_status(status: dict) -> dict:
+    """Fireworks' status of a replica's ``status()`` (``{"replicas": [...]}``, every field kept): a replica whose
+    newest event is a failed or refused load, with nothing loading, reports ``loading_state`` ``{"stage": "error",
+    "target_snapshot_identity": <that identity>}`` — what ``DeploymentManager.wait_for_hotload`` stops on (ours
+    keeps ``idle`` and names the failure in ``last_error``)."""
+    replicas = []
+    for replica in status.get("replicas", []):
+        err, state = replica.get("last_error"), replica.get("loading_state") or {}
+        newest = err is not None and (replica.get("ready_since") is None or (err.get("at") or 0) >= replica["ready_since"])
+        if newest and state.get("stage") == "idle":
+            replica = {**replica, "loading_state": {"stage": "error", "target_snapshot_identity": err["identity"]}}
+        replicas.append(replica)
+    return {**status, "replicas": replicas}
 
 
 class HotLoadError(Exception):
@@ -106,6 +141,12 @@ class HotLoadConfig(BaseModel):
             ``<hostname>:<port>`` for a server).
         fetch_concurrency: files of a remote snapshot downloaded at a time (:func:`deltasync.fetch_dir`: resumable,
             each file checked against its published SHA-256).
+        transition: ``async`` or ``sync``: the swap of a request that names none — every request on
+            :data:`FIREWORKS_HOT_LOAD` (Fireworks makes it a deployment's setting, ``hotLoadTransitionType``), and
+            ours without :data:`TRANSITION_HEADER`.
+        account_id, deployment_id: the names Fireworks' clients address this replica by
+            (``accounts/<account_id>/deployments/<deployment_id>``: the ``fireworks-deployment`` header, the
+            completions ``model``, ``GET /v1/accounts``); one path segment each.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -117,6 +158,15 @@ class HotLoadConfig(BaseModel):
     allow_non_finite: bool = False
     replica_id: str | None = None
     fetch_concurrency: int = Field(4, ge=1)
+    transition: Literal["async", "sync"] = "async"
+    account_id: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+    deployment_id: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+    @property
+    def deployment_name(self) -> str:
+        """``accounts/<account_id>/deployments/<deployment_id>``: Fireworks' full name of this replica's
+        deployment."""
+        return f"accounts/{self.account_id}/deployments/{self.deployment_id}"
 
     @property
     def remote(self) -> bool:
@@ -219,6 +269,27 @@ class Signal:
         if not 0 <= sig.drain_timeout < float("inf"):  # refuses nan, negative and infinite timeouts
             raise HotLoadError("drain timeout must be a finite non-negative number of seconds", 422)
         return sig
+
+    @classmethod
+    def from_fireworks(cls, body: object, transition: str) -> "Signal":
+        """Parse Fireworks' POST body (:data:`FIREWORKS_FIELDS`; ``reset_prompt_cache`` a boolean, default ``true``)
+        into the signal :meth:`from_request` would make of ours, with the replica's ``transition``.
+
+        Raises:
+            HotLoadError: 422 not an object or an unknown field (``lora_name`` included: Fireworks names adapters
+                otherwise); 400 ``reset_prompt_cache`` not a boolean; and everything :meth:`from_request` raises.
+        """
+        if not isinstance(body, dict):
+            raise HotLoadError("request body must be a JSON object", 422)
+        unknown = sorted(set(body) - set(FIREWORKS_FIELDS))
+        if unknown:
+            raise HotLoadError(f"unknown field(s) {[u[:40] for u in unknown][:5]}: the Fireworks hot-load body has "
+                               f"{', '.join(FIREWORKS_FIELDS)}", 422)
+        reset = body.get("reset_prompt_cache", True)
+        if not isinstance(reset, bool):
+            raise HotLoadError(f"reset_prompt_cache must be true or false on {FIREWORKS_HOT_LOAD}, got "
+                               f"{str(reset)[:40]!r} ({PREFIX} takes {RESET_MODES})", 400)
+        return cls.from_request({**body, "reset_prompt_cache": "all" if reset else "none"}, transition)
 
     @classmethod
     def for_snapshot(cls, info, reset_prompt_cache: str = "all", transition: str = "async",

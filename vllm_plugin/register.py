@@ -43,7 +43,7 @@ def register() -> None:
     from . import lora, outputs, routing, runner, sampler
     from .attention_backend import BACKEND_NAME
     from .fp8 import register as register_fp8
-    from .hotload import attribution, worker
+    from .hotload import attribution, fireworks, worker
     from .models.classes import registered_name
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
@@ -51,7 +51,7 @@ def register() -> None:
         ModelRegistry.register_model(arch, registered_name(arch))
     register_fp8()
     # every seam of vllm_plugin.seams.SEAMS, once, here (each inert until an engine's settings switch it on)
-    for module in (sampler, outputs, attribution, routing, runner, worker, lora):
+    for module in (sampler, outputs, attribution, fireworks, routing, runner, worker, lora):
         module.install()
     _guard_initialize_model()
     _REGISTERED = True

@@ -7,8 +7,8 @@ The replica state machine and the wire protocol are :mod:`deltasync`'s (:class:`
         --additional-config '{"zerokld": {"batch_invariant": true,
                                           "hot_load": {"snapshot_root": "/snapshots", "state_dir": "/var/zerokld"}}}'
 
-Routes (guarded by the server's keys, ``--api-key`` or ``VLLM_API_KEY``, as ``Authorization: Bearer <key>``; 401
-otherwise):
+Routes (guarded by the server's keys, ``--api-key`` or ``VLLM_API_KEY``, as ``Authorization: Bearer <key>`` or
+Fireworks' ``X-Api-Key: <key>``; 401 otherwise):
 
 * ``POST /zerokld/v1/hot_load`` — body ``{"identity", "incremental_snapshot_metadata"?: {"previous_snapshot_identity",
   "compression_format", "checksum_format"}, "reset_prompt_cache"?: "all"|"new_session"|"none"}``; headers
@@ -23,6 +23,20 @@ otherwise):
   ``lora_adapters``.
 * ``GET /zerokld/v1/hot_load/ledger``; ``DELETE /zerokld/v1/hot_load/ledger`` (the next load must be full); with
   ``?lora_name=NAME``, that LoRA adapter's ledger (404: no adapter of that name was hot-loaded).
+
+Fireworks' spelling of the same API, for ``fireworks-ai``'s ``DeploymentManager`` / ``DeploymentSampler`` /
+``WeightSyncer`` unmodified (:mod:`deltasync.protocol`, :mod:`vllm_plugin.hotload.fireworks`):
+
+* ``POST /hot_load/v1/models/hot_load`` — ``{"identity", "reset_prompt_cache"?: true|false,
+  "incremental_snapshot_metadata"?}``, header ``fireworks-deployment: accounts/<account_id>/deployments/
+  <deployment_id>`` (404 for another); the swap's transition is ``hot_load.transition``. The ledger row once the
+  snapshot serves, or 202 if it still loads after :data:`FIREWORKS_ACK_S` (the client then polls); errors as above.
+* ``GET /hot_load/v1/models/hot_load`` — ``{"replicas": [...]}`` (the status above; a failed newest load reads
+  ``loading_state.stage == "error"``).
+* ``GET /v1/accounts``, ``GET /v1/accounts/<account_id>/deployments/<deployment_id>`` — this server as the one
+  account's one ``READY`` deployment.
+* ``POST /inference/v1/completions`` — token ids in; ``raw_output.completion_token_ids`` and
+  ``logprobs.content[].sampling_logprob`` out (SSE with ``stream``), answered by this server's ``/v1/completions``.
 
 A body with ``"lora_name"`` (vLLM's ``--enable-lora`` server) hot-loads a version of that LoRA adapter (a PEFT
 adapter snapshot, full or a delta against the adapter's served version; its own ledger and chain): requests whose
@@ -47,23 +61,33 @@ Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API 
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import socket
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltasync.ledger import LedgerWriteError
-from deltasync.protocol import (DRAIN_HEADER, IDENTITY_HEADER, NO_SPACE, PREFIX, SESSION_HEADER, TRANSITION_HEADER,
-                                HotLoadError, Signal, public_message)
+from deltasync.protocol import (DRAIN_HEADER, FIREWORKS_DEPLOYMENT_HEADER, FIREWORKS_HOT_LOAD, IDENTITY_HEADER,
+                                NO_SPACE, PREFIX, SESSION_HEADER, TRANSITION_HEADER, HotLoadError, Signal,
+                                fireworks_status, public_message)
 
+from . import fireworks
 from .attribution import versions_in_sse, versions_of
 from .sessions import SALTED_ROUTES, isolation_refuses
 
-__all__ = ["PROBES", "ZeroKLDHotLoadEndpoint"]
+__all__ = ["FIREWORKS_ACK_S", "PROBES", "ZeroKLDHotLoadEndpoint"]
+
+logger = logging.getLogger(__name__)
 
 #: routes that stay open with hot-load on (health and metadata probes; vLLM leaves them unguarded too)
 PROBES = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs", "/redoc"})
+#: seconds a Fireworks-spelled POST waits for its load before answering 202 (the load goes on; GET shows it):
+#: ``DeploymentManager.hotload`` gives up after 60
+FIREWORKS_ACK_S = 45.0
+_ACCOUNTS = "/v1/accounts"
 
 
 async def _salt(request: Request, epochs) -> None:
@@ -136,6 +160,9 @@ class ZeroKLDHotLoadEndpoint:
         self.manager = None
         self.auth = None  # vLLM's AuthenticationMiddleware over the server's keys; None: no key configured
         self.salting = False  # prefix caching on: generation requests get their prompt-cache epoch's salt
+        self.served_model = None  # the OpenAI model name requests use
+        self.port = None  # this server's port: Fireworks completions are answered by its own /v1/completions
+        self._loads: set = set()  # Fireworks-spelled loads still running after their 202
 
     def _authorized(self, request: Request) -> bool:
         """vLLM's own check (``AuthenticationMiddleware.verify_token``, ``entrypoints/serve/middleware/
@@ -150,26 +177,96 @@ class ZeroKLDHotLoadEndpoint:
                                 status_code=404)
         return None
 
+    def _deployment_refused(self, request: Request):
+        """404 unless the ``fireworks-deployment`` header names this server's deployment (``None``: it does)."""
+        name = self.manager.config.deployment_name
+        got = request.headers.get(FIREWORKS_DEPLOYMENT_HEADER)
+        if got != name:
+            return JSONResponse({"error": f"no deployment {str(got)[:120]!r} here: this server is {name!r}"},
+                                status_code=404)
+        return None
+
+    async def _signal(self, request: Request, parse, wait: float | None = None):
+        """Parse the POST body with ``parse(body)`` and load it: the ledger row once it serves, or an error answer.
+        ``wait``: answer 202 after that many seconds while the load goes on."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "body is not JSON"}, status_code=422)
+        sig = None
+        try:
+            sig = parse(body)
+            if wait is None:
+                row = await self.manager.signal(sig)
+            else:  # a task, so that answering 202 does not cancel the load
+                load = asyncio.ensure_future(self.manager.signal(sig))
+                load.add_done_callback(self._load_done)
+                try:
+                    row = await asyncio.wait_for(asyncio.shield(load), wait)
+                except TimeoutError:
+                    self._loads.add(load)
+                    return JSONResponse({"identity": sig.identity, "loading_state": self.manager.status()[
+                        "replicas"][0]["loading_state"]}, status_code=202)
+        except HotLoadError as e:
+            if sig is None:  # refused while parsing: recorded under the identities as sent (bounded)
+                identity, previous, lora_name = Signal.claimed(body)
+                self.manager.track_for(lora_name).ledger.refused(identity, str(e), previous_identity=previous)
+            return JSONResponse({"error": public_message(e)}, status_code=e.status)
+        return JSONResponse(row)
+
+    def _load_done(self, load) -> None:
+        """A Fireworks-spelled load's end (its outcome is in the ledger and the status); one that outlived its 202
+        logs a failure here too (the exception is retrieved either way)."""
+        answered = load not in self._loads
+        self._loads.discard(load)
+        error = None if load.cancelled() else load.exception()
+        if error is not None and not answered:
+            logger.warning("zerokld hot-load failed after its 202: %s", public_message(error))
+
     def attach_router(self, app: FastAPI) -> None:
         @app.post(PREFIX)
         async def signal(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
-            try:
-                body = await request.json()
-            except ValueError:
-                return JSONResponse({"error": "body is not JSON"}, status_code=422)
-            sig = None
-            try:
-                sig = Signal.from_request(body, request.headers.get(TRANSITION_HEADER),
-                                          request.headers.get(DRAIN_HEADER))
-                row = await self.manager.signal(sig)
-            except HotLoadError as e:
-                if sig is None:  # refused while parsing: recorded under the identities as sent (bounded)
-                    identity, previous, lora_name = Signal.claimed(body)
-                    self.manager.track_for(lora_name).ledger.refused(identity, str(e), previous_identity=previous)
-                return JSONResponse({"error": public_message(e)}, status_code=e.status)
-            return JSONResponse(row)
+            transition = request.headers.get(TRANSITION_HEADER, self.manager.config.transition)
+            return await self._signal(request, lambda body: Signal.from_request(
+                body, transition, request.headers.get(DRAIN_HEADER)))
+
+        @app.post(FIREWORKS_HOT_LOAD)
+        async def fireworks_signal(request: Request):
+            if (resp := self._guard(request) or self._deployment_refused(request)) is not None:
+                return resp
+            return await self._signal(request, lambda body: Signal.from_fireworks(
+                body, self.manager.config.transition), wait=FIREWORKS_ACK_S)
+
+        @app.get(FIREWORKS_HOT_LOAD)
+        async def fireworks_hot_load_status(request: Request):
+            if (resp := self._guard(request) or self._deployment_refused(request)) is not None:
+                return resp
+            return JSONResponse(fireworks_status(self.manager.status()))
+
+        @app.get(_ACCOUNTS)
+        async def accounts(request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            return JSONResponse(fireworks.accounts(self.manager.config.account_id))
+
+        @app.get(_ACCOUNTS + "/{account_id}/deployments/{deployment_id}")
+        async def deployment(account_id: str, deployment_id: str, request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            cfg = self.manager.config
+            if (account_id, deployment_id) != (cfg.account_id, cfg.deployment_id):
+                return JSONResponse({"error": f"no deployment accounts/{account_id[:40]}/deployments/"
+                                              f"{deployment_id[:40]} here: this server is {cfg.deployment_name!r}"},
+                                    status_code=404)
+            return JSONResponse(fireworks.deployment(cfg.deployment_name, self.served_model, cfg.transition))
+
+        @app.post("/inference/v1/completions")
+        async def fireworks_completions(request: Request):
+            if (resp := self._guard(request)) is not None:
+                return resp
+            return await self._completions(request)
 
         @app.get(PREFIX + "/status")
         async def status(request: Request):
@@ -210,7 +307,8 @@ class ZeroKLDHotLoadEndpoint:
         async def serving_routes(request: Request, call_next):
             manager = self.manager
             path = request.url.path
-            if manager is None or path.startswith(PREFIX) or path in PROBES or request.method == "OPTIONS":
+            if (manager is None or path.startswith((PREFIX, FIREWORKS_HOT_LOAD, _ACCOUNTS)) or path in PROBES
+                    or request.method == "OPTIONS"):
                 return await call_next(request)
             # vLLM's own guard covers /v1, /v2, /inference, /cohere only; with hot-load on, every serving route
             # (SageMaker's /invocations, /pooling, /tokenize, ...) needs the key and honours the sync drain
@@ -227,6 +325,37 @@ class ZeroKLDHotLoadEndpoint:
             if self.salting and request.method == "POST" and path in SALTED_ROUTES:
                 await _salt(request, manager.engine.epochs)
             return await _with_identity(await call_next(request), manager.ledger.current_identity)
+
+    async def _completions(self, request: Request):
+        """Fireworks' ``/inference/v1/completions`` answered by this server's own ``/v1/completions`` (loopback,
+        through every guard and salt of a direct request), reshaped (:mod:`vllm_plugin.hotload.fireworks`)."""
+        import httpx
+
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "body is not JSON"}, status_code=422)
+        name = self.manager.config.deployment_name
+        try:
+            req = fireworks.vllm_completion_request(body, self.served_model, name)
+        except fireworks.FireworksRequestError as e:
+            return JSONResponse({"error": {"message": str(e), "code": "invalid_request_error"}}, status_code=e.status)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", SESSION_HEADER)}
+        if "authorization" not in {k.lower() for k in headers} and request.headers.get(fireworks.API_KEY_HEADER):
+            headers["Authorization"] = f"Bearer {request.headers[fireworks.API_KEY_HEADER]}"
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None) as client:
+            inner = await client.post("/v1/completions", json=req, headers=headers)
+        passed = {k: v for k, v in inner.headers.items() if k.lower() == IDENTITY_HEADER}
+        if inner.status_code != 200:
+            return Response(inner.content, status_code=inner.status_code, media_type="application/json",
+                            headers=passed)
+        try:
+            reply = fireworks.fireworks_completion(inner.json(), body, name)
+        except fireworks.FireworksRequestError as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=e.status, headers=passed)
+        if body.get("stream"):
+            return Response(fireworks.sse(reply), media_type="text/event-stream", headers=passed)
+        return JSONResponse(reply, headers=passed)
 
     async def init_state(self, engine_client, state, args) -> None:
         from deltasync import Replica
@@ -253,6 +382,10 @@ class ZeroKLDHotLoadEndpoint:
         from .attribution import enable
 
         enable()  # weight_versions on completions and chat choices (this process serves them)
+        fireworks.enable()  # the key as X-Api-Key too (Fireworks' control-plane calls)
+        names = getattr(args, "served_model_name", None)
+        self.served_model = (names[0] if isinstance(names, list) and names else names) or args.model
+        self.port = args.port
         self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
         self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,
                                args.model, replica_id=f"{socket.gethostname()}:{args.port}")

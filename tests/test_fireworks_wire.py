@@ -1,0 +1,343 @@
+"""Fireworks' own serving clients, unmodified (``fireworks-ai==1.2.30``: ``DeploymentManager``, ``DeploymentSampler``),
+against one real ``vllm serve`` with zerokld and its hot-load endpoint (issue 37 point 2): the account and deployment
+lookups, full and delta hot-loads and their status polling, sampling through ``/inference/v1/completions`` whose
+``sampling_logprob`` equals the trainer's log-prob bit for bit (negative control: TorchTitan's stock numerics differ),
+prompt log-probs by echo, and refusals in the shapes the client understands, with nothing applied."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import requests
+import torch
+
+from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
+from shared_numerics import NumericsMode
+from titan_plugin import trainer_logprobs
+from vllm_plugin.serve import HotLoadServer
+
+pytestmark = pytest.mark.vllm
+
+API_KEY = "fw-zerokld-test"
+DEPLOYMENT = "local"
+NAME = "accounts/local/deployments/local"
+HL = "/hot_load/v1/models/hot_load"
+PROMPT = [1] + list(range(10, 40))
+BASE_MODEL = "accounts/fireworks/models/tiny-qwen3"  # routing only: the server serves its --model
+
+
+def _perturb(sd: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.where(torch.rand(v.shape, generator=g) < 0.05,
+                           v + (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype), v) for k, v in sd.items()}
+
+
+@pytest.fixture(scope="module")
+def env(engine_slot, checkpoint_factory, tmp_path_factory):
+    engine_slot.close()
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    tmp = tmp_path_factory.mktemp("fireworks")
+    root, full = tmp / "snapshots", tmp / "expected"
+    root.mkdir()
+    stamp = NumericsMode.build(True, "bfloat16").to_dict()
+    base = read_snapshot_tensors(ckpt)
+    # the SDK's identities: <name>-<8 hex>
+    write_full_snapshot(_perturb(base, 1), ckpt, root / "step-1-0a1b2c3d", numerics=stamp)
+    s2 = _perturb(read_snapshot_tensors(root / "step-1-0a1b2c3d"), 2)
+    write_incremental_snapshot(root / "step-1-0a1b2c3d", s2, root / "step-2-4e5f6a7b", numerics=stamp)
+    apply_incremental_snapshot(root / "step-1-0a1b2c3d", root / "step-2-4e5f6a7b", full / "step-2-4e5f6a7b")
+    server = HotLoadServer(ckpt, root, tmp / "state", tmp / "server.log", API_KEY, max_model_len=1024)
+    server.start()
+    yield server, ckpt, root, full
+    server.stop()
+
+
+def _manager(server, key: str = API_KEY):
+    from fireworks.training.sdk import DeploymentManager
+
+    return DeploymentManager(api_key=key, base_url=server.base)
+
+
+def _sample(server, prompt, **kw):
+    from fireworks.training.sdk import DeploymentSampler
+
+    sampler = DeploymentSampler(inference_url=server.base, model=NAME, api_key=API_KEY)
+    return asyncio.run(sampler.sample_with_prompt_tokens(prompt, **kw))
+
+
+def _status(dm) -> dict:
+    return dm.hotload_check_status(DEPLOYMENT, BASE_MODEL)["replicas"][0]
+
+
+def test_manager_hot_loads_and_sampler_logprobs_equal_the_trainers(env):
+    server, ckpt, root, full = env
+    dm = _manager(server)
+    assert dm.account_id == "local"  # GET /v1/accounts with X-Api-Key only: no private attribute needed
+    info = dm.get(DEPLOYMENT)
+    assert (info.state, info.base_model, info.inference_model) == ("READY", ckpt, NAME)
+    assert dm.get("elsewhere") is None  # another deployment: 404, which the SDK reads as "none"
+
+    assert dm.hotload_and_wait(DEPLOYMENT, BASE_MODEL, "step-1-0a1b2c3d", timeout_seconds=120)
+    assert _status(dm)["current_snapshot_identity"] == "step-1-0a1b2c3d"
+    meta = {"previous_snapshot_identity": "step-1-0a1b2c3d", "compression_format": "arc_v2",
+            "checksum_format": "alder32"}
+    assert dm.hotload_and_wait(DEPLOYMENT, BASE_MODEL, "step-2-4e5f6a7b", incremental_snapshot_metadata=meta,
+                               timeout_seconds=120)
+    replica = _status(dm)
+    assert replica["current_snapshot_identity"] == "step-2-4e5f6a7b" and replica["readiness"]
+
+    served = str(full / "step-2-4e5f6a7b")
+    samples = _sample(server, PROMPT, n=3, max_tokens=8, temperature=1.0, logprobs=True)
+    assert len(samples) == 3
+    seqs = [c.full_tokens for c in samples]
+    assert all(s[:len(PROMPT)] == PROMPT and c.prompt_len == len(PROMPT) and len(c.sampling_logprobs) ==
+               c.completion_len == len(s) - len(PROMPT) > 0 for s, c in zip(seqs, samples, strict=True))
+    ours = trainer_logprobs(served, seqs, [len(PROMPT)] * 3, dtype="bfloat16")
+    stock = trainer_logprobs(served, seqs, [len(PROMPT)] * 3, dtype="bfloat16", batch_invariant=False)
+    sampled = [torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples]
+    assert all(torch.equal(t, s) for t, s in zip(ours, sampled, strict=True))  # KL exactly 0
+    assert not all(torch.equal(t, s) for t, s in zip(stock, sampled, strict=True))  # negative control
+
+    # compute_logprobs' way: echo with one token; prompt rows (after the first) are the trainer's prompt log-probs
+    echoed = _sample(server, PROMPT, n=1, max_tokens=1, temperature=1.0, logprobs=True, echo=True)[0]
+    assert echoed.logprobs_echoed and len(echoed.inference_logprobs) == len(PROMPT)
+    prompt_lps = trainer_logprobs(served, [echoed.full_tokens], [1], dtype="bfloat16")[0]
+    assert torch.equal(torch.tensor(echoed.inference_logprobs, dtype=torch.float32), prompt_lps)
+
+
+def _post(server, body, headers=None, path=HL):
+    return requests.post(server.base + path, json=body, timeout=120, headers={
+        "Authorization": f"Bearer {API_KEY}", "fireworks-deployment": NAME, **(headers or {})})
+
+
+def test_refusals_change_nothing(env):
+    server, ckpt, root, full = env
+    dm = _manager(server)
+    before = _status(dm)["current_snapshot_identity"]
+    with pytest.raises(httpx.HTTPStatusError) as e:  # the SDK raises what the route answers
+        _manager(server, key="wrong").hotload(DEPLOYMENT, BASE_MODEL, "step-1-0a1b2c3d")
+    assert e.value.response.status_code == 401
+    assert requests.get(server.base + "/v1/accounts", headers={"X-Api-Key": "wrong"}, timeout=30).status_code == 401
+    assert requests.get(server.base + "/v1/models", headers={"X-Api-Key": API_KEY}, timeout=30).status_code == 200
+    with pytest.raises(httpx.HTTPStatusError) as e:
+        dm.hotload(DEPLOYMENT, BASE_MODEL, "no-such-snapshot")
+    assert e.value.response.status_code == 404
+    # not a deployment of this server; reset_prompt_cache not a boolean; a field of our own spelling
+    assert _post(server, {"identity": "step-1-0a1b2c3d"}, {"fireworks-deployment": "accounts/x/deployments/y"}
+                 ).status_code == 404
+    r = _post(server, {"identity": "step-1-0a1b2c3d", "reset_prompt_cache": "all"})
+    assert r.status_code == 400 and "true or false" in r.json()["error"]
+    assert _post(server, {"identity": "step-1-0a1b2c3d", "lora_name": "a"}).status_code == 422
+    # a snapshot that fails verification: refused (422), and the SDK's waiter stops on stage "error"
+    bad = root / "bad-0c0ffee0"
+    write_full_snapshot({k: v[..., :1] for k, v in read_snapshot_tensors(root / "step-1-0a1b2c3d").items()},
+                        ckpt, bad, numerics=NumericsMode.build(True, "bfloat16").to_dict())
+    with pytest.raises(httpx.HTTPStatusError) as e:
+        dm.hotload(DEPLOYMENT, BASE_MODEL, "bad-0c0ffee0")
+    assert e.value.response.status_code == 422
+    replica = _status(dm)
+    assert replica["loading_state"] == {"stage": "error", "target_snapshot_identity": "bad-0c0ffee0"}
+    assert dm.wait_for_hotload(DEPLOYMENT, BASE_MODEL, "bad-0c0ffee0", timeout_seconds=30, poll_interval=1) is False
+    # completions: another model, a feature zerokld does not serve
+    for body, status in (({"model": "accounts/x/deployments/y", "prompt": PROMPT, "max_tokens": 2}, 400),
+                         ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "images": ["data:,"]}, 400),
+                         ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "bogus": 1}, 400)):
+        r = _post(server, body, path="/inference/v1/completions")
+        assert r.status_code == status, (body, r.text)
+    assert replica["current_snapshot_identity"] == before == _status(dm)["current_snapshot_identity"]
+
+
+def test_streamed_completion_is_one_complete_sse_stream(env):
+    """``stream: true`` (what DeploymentSampler sends) answers SSE whose chunk carries every token id and log-prob,
+    then ``[DONE]``; the snapshot that sampled it is named in the response header."""
+    server = env[0]
+    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "stream": True,
+                       "logprobs": True, "raw_output": True, "top_k": 0, "top_p": 1.0}, path="/inference/v1/completions")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 2
+    choice = json.loads(events[0])["choices"][0]
+    ids = choice["raw_output"]["completion_token_ids"]
+    assert len(ids) == len(choice["logprobs"]["content"]) == 5
+    assert all(row["sampling_logprob"] == row["logprob"] is not None for row in choice["logprobs"]["content"])
+    assert r.headers["x-zerokld-snapshot-identity"]
+    # another temperature: no sampling log-prob is claimed (the server returns the model's own)
+    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0.7, "logprobs": True},
+              path="/inference/v1/completions")
+    assert r.status_code == 200
+    assert all(row["sampling_logprob"] is None for row in r.json()["choices"][0]["logprobs"]["content"])
+
+
+def test_protocol_maps_fireworks_spelling_onto_ours():
+    """No server: the body mapping (booleans to reset modes, our own fields refused) and the status mapping (a
+    failed newest load reads stage "error"; a failure older than the snapshot now serving does not)."""
+    from deltasync.protocol import HotLoadError, Signal, fireworks_status
+
+    sig = Signal.from_fireworks({"identity": "s-1", "reset_prompt_cache": False}, "sync")
+    assert (sig.reset_prompt_cache, sig.transition) == ("none", "sync")
+    assert Signal.from_fireworks({"identity": "s-1"}, "async").reset_prompt_cache == "all"
+    for body, status in (({"identity": "s-1", "reset_prompt_cache": "none"}, 400), ({"identity": "../x"}, 400),
+                         ({"identity": "s-1", "lora_name": "a"}, 422), (["s-1"], 422)):
+        with pytest.raises(HotLoadError) as e:
+            Signal.from_fireworks(body, "async")
+        assert e.value.status == status and "extra inputs are not permitted" not in str(e.value).lower()
+
+    def replica(ready_since, failed_at):
+        return {"replicas": [{"current_snapshot_identity": "s-1", "readiness": True, "ready_since": ready_since,
+                              "loading_state": {"stage": "idle", "target_snapshot_identity": None},
+                              "last_error": {"identity": "s-2", "error": "refused", "at": failed_at}}]}
+
+    assert fireworks_status(replica(10.0, 11.0))["replicas"][0]["loading_state"] == {
+        "stage": "error", "target_snapshot_identity": "s-2"}
+    assert fireworks_status(replica(12.0, 11.0))["replicas"][0]["loading_state"]["stage"] == "idle"
+
+
+def test_completion_request_mapping():
+    from vllm_plugin.hotload.fireworks import FireworksRequestError, vllm_completion_request
+
+    body = {"model": NAME, "prompt": PROMPT, "n": 1, "max_tokens": 4, "temperature": 1.0, "stream": True,
+            "perf_metrics_in_response": True, "raw_output": True, "logprobs": True, "top_p": 1.0, "top_k": 0}
+    req = vllm_completion_request(body, "/ckpt", NAME)
+    assert req == {"prompt": PROMPT, "n": 1, "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "model": "/ckpt",
+                   "stream": False, "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": 0}
+    assert vllm_completion_request({**body, "top_k": 20, "logprobs": 3}, "/ckpt", NAME)["top_k"] == 20
+    assert "logprobs" not in vllm_completion_request({**body, "logprobs": False}, "/ckpt", NAME)
+    with pytest.raises(FireworksRequestError, match="not served by zerokld"):
+        vllm_completion_request({**body, "include_routing_matrix": True}, "/ckpt", NAME)
+
+
+@pytest.fixture(scope="module")
+def training_server(env, tmp_path_factory):
+    """``python -m titan_plugin.training_server`` on the same checkpoint, writing into the vLLM server's snapshot
+    root; stopped by PID."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from vllm_plugin.serve import free_port
+
+    _, ckpt, root, _ = env
+    port, log = free_port(), tmp_path_factory.mktemp("trainer") / "trainer.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", "--checkpoint", ckpt,
+                                 "--snapshot-root", str(root), "--api-key", API_KEY, "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            time.sleep(0.5)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _datum(tokens, prompt_len, old_logprobs, advantage):
+    from fireworks.training.sdk import Datum, ModelInput, TensorData
+
+    n = len(tokens) - 1
+    lp = [0.0] * (prompt_len - 1) + list(old_logprobs)
+    weights = [0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1)
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+        "logprobs": TensorData(data=lp, dtype="float32", shape=[n]),
+        "advantages": TensorData(data=[advantage] * n, dtype="float32", shape=[n]),
+        "weights": TensorData(data=weights, dtype="float32", shape=[n])})
+
+
+def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_server, monkeypatch):
+    """The unmodified SDK end to end: ``FiretitanServiceClient`` trains on our TorchTitan server, ``WeightSyncer``
+    saves each policy (base, then delta) and hot-loads it into the vLLM server, ``DeploymentSampler`` samples from it;
+    the sampler's log-probs equal the training server's ``forward`` log-probs of the same tokens bit for bit, at
+    every step (negative control: after the update, the trainer's log-probs of those tokens differ)."""
+    from fireworks.training.sdk import AdamParams, FiretitanServiceClient, WeightSyncer
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    server = env[0]
+    svc = FiretitanServiceClient(base_url=training_server, api_key=API_KEY)
+    tc = svc.create_training_client(base_model=BASE_MODEL)
+    syncer = WeightSyncer(policy_client=tc, deploy_mgr=_manager(server), deployment_id=DEPLOYMENT,
+                          base_model=BASE_MODEL, hotload_timeout=120)
+
+    def trainer_lps(data, samples):
+        fwd = tc.forward(data, "cross_entropy").result()
+        return [torch.tensor(o["logprobs"].data, dtype=torch.float32)[c.prompt_len - 1:]
+                for o, c in zip(fwd.loss_fn_outputs, samples, strict=True)]
+
+    for step in range(2):
+        syncer.save_and_hotload(f"policy-{step}")
+        samples = _sample(server, PROMPT, n=2, max_tokens=6, temperature=1.0, logprobs=True)
+        data = [_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
+                for c, adv in zip(samples, (1.0, -1.0), strict=True)]
+        sampled = [torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples]
+        train = trainer_lps(data, samples)
+        assert [t.shape for t in train] == [s.shape for s in sampled]
+        assert all(torch.equal(t, s) for t, s in zip(train, sampled, strict=True)), step  # KL exactly 0
+        out = tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
+        assert all(k.count(":") == 1 for k in out.metrics)
+        tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+        moved = trainer_lps(data, samples)
+        assert not all(torch.equal(t, s) for t, s in zip(moved, sampled, strict=True))  # negative control
+    ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=30).json()
+    kinds = {r["identity"]: r.get("kind") for r in ledger["rows"] if r["identity"].startswith("policy-")}
+    assert sorted(kinds.values()) == ["full", "incremental"], kinds  # base, then a delta the replica verified
+
+
+def test_training_server_refusals_apply_nothing(env, training_server):
+    """Bad training requests are answered in the shapes the SDK understands — 401 without the key, 400 at submit
+    (unknown model, a seq_id used twice), ``{"error", "category": "user"}`` from the future (unknown loss, ragged
+    TensorData, out-of-vocabulary tokens) — and change nothing: the model's log-probs after them equal before."""
+    import time
+
+    def post(path, body, key=API_KEY):
+        return requests.post(f"{training_server}/api/v1/{path}", json=body, headers={"X-Api-Key": key}, timeout=60)
+
+    def result(rid):
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            r = post("retrieve_future", {"request_id": rid, "allow_metadata_only": True}).json()
+            if r.get("type") != "try_again":
+                return r
+        raise AssertionError("no result")
+
+    assert post("create_session", {}, key="wrong").status_code == 401
+    assert requests.post(f"{training_server}/api/v1/create_session", json={}, timeout=30).status_code == 401
+    created = post("create_model", {"session_id": "s", "model_seq_id": 0, "base_model": BASE_MODEL,
+                                    "lora_config": {"rank": 0}, "type": "create_model"}).json()
+    model = result(created["request_id"])["model_id"]
+    tokens = PROMPT[:12]
+
+    def datum(inputs=None, chunk_tokens=None):
+        td = {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [11]}}
+        return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": chunk_tokens or tokens[:-1]}]},
+                "loss_fn_inputs": inputs or td}
+
+    seq = iter(range(1, 100))
+
+    def forward():
+        rid = post("forward", {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model,
+                               "seq_id": next(seq)}).json()["request_id"]
+        return result(rid)["loss_fn_outputs"][0]["logprobs"]["data"]
+
+    before = forward()
+    assert post("forward", {"forward_input": {"data": [datum()]}, "model_id": "nope", "seq_id": 1}).status_code == 400
+    used = post("forward", {"forward_input": {"data": [datum()]}, "model_id": model, "seq_id": 1})
+    assert used.status_code == 400 and "already used" in used.json()["detail"]
+    ragged = {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [12]}}
+    for spec in ({"data": [datum()], "loss_fn": "no_such_loss"},
+                 {"data": [datum(ragged)], "loss_fn": "cross_entropy"},
+                 {"data": [datum(chunk_tokens=[10 ** 9] * 11)], "loss_fn": "cross_entropy"}):
+        rid = post("forward_backward", {"forward_backward_input": spec, "model_id": model,
+                                        "seq_id": next(seq)}).json()["request_id"]
+        answer = result(rid)
+        assert answer.get("category") == "user" and answer["error"], answer
+    assert forward() == before  # nothing was applied (no gradient accumulated, no step)

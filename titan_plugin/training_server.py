@@ -1,0 +1,376 @@
+"""Fireworks' Training API over the real TorchTitan trainer: the JSON wire ``fireworks-ai``'s
+``FiretitanServiceClient`` sends (Tinker 0.23's, ``../shared/wire/fireworks_tinker_wire.md`` §1-2), served by
+FastAPI + uvicorn over :class:`titan_plugin.client.TrainingClient`, so Fireworks' SDK — unmodified — trains with
+zerokld's numerics and its snapshots hot-load into the zerokld vLLM server (``vllm_plugin.hotload``)::
+
+    python -m titan_plugin.training_server --checkpoint /path/to/hf_ckpt --snapshot-root /snapshots \\
+        --api-key $KEY --port 8001
+
+Routes (under ``/api/v1``, key required as ``X-Api-Key``; 401 otherwise): ``create_session``,
+``session_heartbeat``, ``telemetry``, ``create_model`` (full-parameter; ``lora_config.rank`` > 0 trains LoRA),
+``get_info``, ``GET get_server_capabilities``, ``forward``, ``forward_backward`` (the losses registered through the
+``zerokld`` hooks, Tinker's names and ``loss_fn_config``), ``optim_step``, ``save_weights_for_sampler``,
+``unload_model``, ``retrieve_future``.
+
+Every training call answers ``{"request_id"}`` at once and runs on the trainer's one worker thread in ``seq_id`` order
+per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones, a
+``seq_id`` already used is refused with 400); ``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then
+answers ``try_again``. Failures come back as ``{"error", "category": "user" | "server"}`` (malformed data, unknown
+losses and refused numerics are the user's); messages carry no absolute server paths.
+
+Snapshots: ``save_weights_for_sampler`` writes ``<snapshot_root>/<path>`` (``path``: the SDK's qualified name, which
+``WeightSyncer`` then hot-loads) through :class:`deltasync.SnapshotWriter`, stamped with the trainer's numerics mode.
+``checkpoint_type`` ``base`` writes a full snapshot; ``delta`` an ``arc_v2`` delta against the model's previous
+snapshot — the server's own record of its chain (a ``delta`` with no previous snapshot is written full); the replica
+checks the chain from the snapshot's ``delta.json``, never from the client's pairing. LoRA models write PEFT adapters
+(always full).
+
+``optim_step`` applies ``adam_params.learning_rate``; the other AdamParams (the SDK always sends them) are the
+trainer's configured AdamW's (betas, eps, weight decay, grad clipping at the trainer's ``max_norm``), not the
+request's — issue 37 point 1. Not yet either: ``save_weights`` / ``load_weights`` / ``list_checkpoints``, LoRA
+snapshots for the sampler, MoE routing matrices from the datum, restart after a crash. ``forward_backward_custom``
+works as Fireworks runs it: ``forward`` and ``forward_backward`` on the client.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+__all__ = ["POLL_S", "TrainingServer", "main"]
+
+#: seconds ``retrieve_future`` waits for a result before answering ``try_again`` (the SDK's per-call timeout is 45)
+POLL_S = 10.0
+_CAPABILITIES_CONTEXT = 4096
+
+
+class UserError(ValueError):
+    """A request the client must change (category ``user``)."""
+
+
+def _tensor_data(td, name: str) -> list:
+    """Tinker ``TensorData`` (``{"data", "dtype", "shape"}``) as a flat list. Raises UserError: ragged or
+    malformed."""
+    if not isinstance(td, dict) or not isinstance(td.get("data"), list):
+        raise UserError(f"loss_fn_inputs[{name!r}] must be TensorData {{data, dtype, shape}}")
+    shape = td.get("shape") or [len(td["data"])]
+    size = 1
+    for s in shape:
+        size *= int(s)
+    if size != len(td["data"]) or len(shape) != 1:
+        raise UserError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match {len(td['data'])} values (1-d)")
+    return td["data"]
+
+
+def datums(data: object, vocab_size: int) -> list[dict]:
+    """The wire's ``Datum`` list as :class:`titan_plugin.client.TrainingClient` datums. Raises UserError."""
+    if not isinstance(data, list) or not data:
+        raise UserError("data must be a non-empty list of datums")
+    out = []
+    for i, d in enumerate(data):
+        chunks = (d.get("model_input") or {}).get("chunks") if isinstance(d, dict) else None
+        if not isinstance(chunks, list) or not chunks:
+            raise UserError(f"datum {i}: model_input.chunks missing")
+        tokens = []
+        for c in chunks:
+            if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
+                raise UserError(f"datum {i}: only encoded_text chunks are served")
+            tokens += c.get("tokens") or []
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
+            raise UserError(f"datum {i}: token ids must be integers in [0, {vocab_size})")
+        inputs = {k: _tensor_data(v, k) for k, v in (d.get("loss_fn_inputs") or {}).items()}
+        targets = inputs.get("target_tokens")
+        if targets is not None and not all(isinstance(t, (int, float)) and 0 <= t < vocab_size for t in targets):
+            raise UserError(f"datum {i}: target_tokens must be in [0, {vocab_size})")
+        out.append({"model_input": tokens, "loss_fn_inputs": inputs})
+    return out
+
+
+def _outputs(lps, metrics: dict, loss_fn: str) -> dict:
+    return {"loss_fn_output_type": loss_fn,
+            "loss_fn_outputs": [{"logprobs": {"data": [float(x) for x in lp.tolist()], "dtype": "float32",
+                                              "shape": [int(lp.numel())]}} for lp in lps],
+            "metrics": metrics}
+
+
+@dataclass
+class _Model:
+    client: object
+    base_model: str
+    lora_rank: int
+    next_seq: int = 1
+    pending: dict = field(default_factory=dict)  # seq_id -> (fn, placeholder future)
+    writer: object = None
+
+
+class TrainingServer:
+    """The app's state: one trainer worker thread, the models, the futures.
+
+    Args:
+        checkpoint: the HF checkpoint every ``create_model`` trains (its ``base_model`` is a name only).
+        snapshot_root: where ``save_weights_for_sampler`` writes snapshots (the vLLM server's ``hot_load``
+            ``snapshot_root``).
+        api_key: the key clients send as ``X-Api-Key``.
+        dtype: the serving dtype of the forward. learning_rate: the trainer's initial rate.
+    """
+
+    def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
+                 learning_rate: float = 1e-4) -> None:
+        if not api_key:
+            raise ValueError("an API key is required")
+        self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
+        self.dtype, self.learning_rate = dtype, learning_rate
+        from zerokld_models import read_model_config
+
+        self.vocab_size = int(read_model_config(checkpoint).vocab_size)
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
+        self.models: dict[str, _Model] = {}
+        self.futures: dict[str, concurrent.futures.Future] = {}
+        self.sessions: set[str] = set()
+        self.lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.app = self._build()
+
+    # ---- execution ---------------------------------------------------------------------------------------------
+    def _future(self) -> tuple[str, concurrent.futures.Future]:
+        rid = f"req-{next(self._ids)}"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.futures[rid] = fut
+        return rid, fut
+
+    def _run(self, fn, fut: concurrent.futures.Future) -> None:
+        def job():
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - every failure is the future's answer
+                fut.set_exception(e)
+        self.worker.submit(job)
+
+    def _submit(self, model_id: str, seq_id, fn) -> str:
+        """Queue ``fn`` at ``seq_id`` of the model; runs when every earlier seq_id has. Raises UserError."""
+        with self.lock:
+            model = self.models.get(model_id)
+            if model is None:
+                raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
+            if not isinstance(seq_id, int) or seq_id < model.next_seq or seq_id in model.pending:
+                raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
+            rid, fut = self._future()
+            model.pending[seq_id] = (fn, fut)
+            while model.next_seq in model.pending:
+                self._run(*model.pending.pop(model.next_seq))
+                model.next_seq += 1
+        return rid
+
+    # ---- operations (on the worker thread) -----------------------------------------------------------------------
+    def _create(self, model_id: str, base_model: str, lora: dict) -> dict:
+        from .client import TrainingClient
+
+        rank = int(lora.get("rank") or 0)
+        if rank > 0:
+            client = TrainingClient.create_lora(self.checkpoint, rank=rank, seed=lora.get("seed"),
+                                                train_mlp=bool(lora.get("train_mlp", True)),
+                                                train_attn=bool(lora.get("train_attn", True)),
+                                                alpha=float(lora.get("alpha") or 32.0), dtype=self.dtype,
+                                                learning_rate=self.learning_rate,
+                                                dump_folder=str(self.root.parent / f".{model_id}"))
+        else:
+            client = TrainingClient.from_checkpoint(self.checkpoint, dtype=self.dtype,
+                                                    learning_rate=self.learning_rate,
+                                                    dump_folder=str(self.root.parent / f".{model_id}"))
+        with self.lock:
+            self.models[model_id] = _Model(client, base_model, rank)
+        return {"type": "create_model", "model_id": model_id}
+
+    def _forward(self, model: _Model, body: dict, backward: bool) -> dict:
+        spec = body.get("forward_backward_input" if backward else "forward_input") or {}
+        data = datums(spec.get("data"), self.vocab_size)
+        loss_fn = spec.get("loss_fn") or "cross_entropy"
+        if not backward:
+            res = model.client.forward(data)
+            return _outputs([o["logprobs"] for o in res["loss_fn_outputs"]], {}, loss_fn)
+        res = model.client.forward_backward(data, loss_fn, spec.get("loss_fn_config"))
+        m = res["metrics"]
+        metrics = {"loss:sum": float(res["loss"]), "clipped:sum": float(m["clipped"]),
+                   "response_tokens:sum": float(m["num_tokens"])}
+        return _outputs([o["logprobs"] for o in res["loss_fn_outputs"]], metrics, loss_fn)
+
+    def _optim(self, model: _Model, adam: dict) -> dict:
+        res = model.client.optim_step({"learning_rate": adam.get("learning_rate")})
+        return {"metrics": {f"{k}:mean": float(v) for k, v in (res or {}).items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+
+    def _save_for_sampler(self, model: _Model, identity: str, checkpoint_type: str) -> dict:
+        from deltasync import SnapshotWriter
+
+        if model.lora_rank:
+            raise UserError("LoRA snapshots for the sampler are not served yet (issue 37)")
+        if model.writer is None:
+            model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30,
+                                          numerics=model.client.trainer.numerics,
+                                          cache_dir=self.root.parent / ".zerokld_writer_cache")
+        kind = "full" if checkpoint_type == "base" or model.writer.loaded is None else None
+        info = model.writer.write(identity, model.client.trainer.hf_weights(self.dtype), kind=kind)
+        model.writer.confirm(info)  # the next delta is against this snapshot: the server's own chain
+        return {"path": info.identity, "type": "save_weights_for_sampler"}
+
+    # ---- HTTP ------------------------------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="zerokld training server (Fireworks Training API)")
+        api = "/api/v1"
+
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            if request.url.path.startswith(api) and request.headers.get("x-api-key") != self.api_key:
+                return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
+            return await call_next(request)
+
+        async def body_of(request: Request) -> dict:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise UserError("body is not JSON") from None
+            if not isinstance(body, dict):
+                raise UserError("body must be a JSON object")
+            return body
+
+        def refused(e: Exception) -> JSONResponse:
+            from deltasync.protocol import public_message
+
+            return JSONResponse({"detail": public_message(e)}, status_code=400)
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.post(api + "/create_session")
+        async def create_session(request: Request):
+            sid = f"session-{uuid.uuid4().hex[:8]}"
+            self.sessions.add(sid)
+            return {"type": "create_session", "session_id": sid}
+
+        @app.post(api + "/session_heartbeat")
+        async def heartbeat(request: Request):
+            return {"type": "session_heartbeat"}
+
+        @app.post(api + "/telemetry")
+        async def telemetry(request: Request):
+            return {"status": "accepted"}
+
+        @app.get(api + "/get_server_capabilities")
+        async def capabilities():
+            return {"supported_models": [{"model_name": self.checkpoint, "max_context_length": _CAPABILITIES_CONTEXT}]}
+
+        @app.post(api + "/create_model")
+        async def create_model(request: Request):
+            try:
+                body = await body_of(request)
+            except UserError as e:
+                return refused(e)
+            model_id = f"model-{uuid.uuid4().hex[:8]}"
+            rid, fut = self._future()
+            self._run(lambda: self._create(model_id, str(body.get("base_model") or self.checkpoint),
+                                           body.get("lora_config") or {}), fut)
+            return {"request_id": rid, "model_id": model_id}
+
+        @app.post(api + "/get_info")
+        async def get_info(request: Request):
+            try:
+                body = await body_of(request)
+                model = self.models.get(body.get("model_id"))
+                if model is None:
+                    raise UserError(f"unknown model_id {str(body.get('model_id'))[:40]!r}")
+            except UserError as e:
+                return refused(e)
+            return {"type": "get_info", "model_id": body["model_id"],
+                    "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
+                    "is_lora": bool(model.lora_rank), "lora_rank": model.lora_rank, "model_name": model.base_model}
+
+        def op(path: str, run):
+            @app.post(api + "/" + path)
+            async def handler(request: Request):
+                try:
+                    body = await body_of(request)
+                    model_id = body.get("model_id")
+                    model = self.models.get(model_id)
+                    if model is None:
+                        raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
+                    rid = self._submit(model_id, body.get("seq_id"), lambda: run(model, body))
+                except UserError as e:
+                    return refused(e)
+                return {"request_id": rid, "model_id": model_id}
+            return handler
+
+        op("forward", lambda m, b: self._forward(m, b, backward=False))
+        op("forward_backward", lambda m, b: self._forward(m, b, backward=True))
+        op("optim_step", lambda m, b: self._optim(m, b.get("adam_params") or {}))
+        op("save_weights_for_sampler", lambda m, b: self._save_for_sampler(m, str(b.get("path")),
+                                                                         str(b.get("checkpoint_type") or "base")))
+
+        @app.post(api + "/unload_model")
+        async def unload(request: Request):
+            try:
+                body = await body_of(request)
+            except UserError as e:
+                return refused(e)
+            model = self.models.pop(body.get("model_id"), None)
+            rid, fut = self._future()
+            self._run(lambda: (model.client.close() if model else None) or {"model_id": body.get("model_id")}, fut)
+            return {"request_id": rid}
+
+        @app.post(api + "/retrieve_future")
+        async def retrieve(request: Request):
+            from deltasync.protocol import public_message
+
+            try:
+                body = await body_of(request)
+            except UserError as e:
+                return refused(e)
+            rid = body.get("request_id")
+            fut = self.futures.get(rid)
+            if fut is None:
+                return JSONResponse({"detail": f"unknown request_id {str(rid)[:40]!r}"}, status_code=404)
+            try:
+                result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_S)
+            except TimeoutError:
+                return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+            except Exception as e:  # noqa: BLE001 - the operation's failure, in the client's error shape
+                user = isinstance(e, (UserError, ValueError, KeyError, TypeError, NotImplementedError))
+                self.futures.pop(rid, None)
+                return {"error": public_message(e), "category": "user" if user else "server",
+                        "error_class": type(e).__name__}
+            self.futures.pop(rid, None)
+            return result
+
+        return app
+
+
+def main(argv=None) -> None:
+    import os
+
+    import uvicorn
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--snapshot-root", required=True)
+    ap.add_argument("--api-key", default=os.environ.get("ZEROKLD_API_KEY"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8001)
+    args = ap.parse_args(argv)
+    if not args.api_key:
+        raise SystemExit("an API key is required: --api-key or ZEROKLD_API_KEY")
+    server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate)
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
