@@ -183,3 +183,16 @@ def test_countdown_lora_side_by_side(engine_slot, tmp_path):
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["num_tokens"] > 0
     assert sum(r["tokens_bitwise_different"] for r in rows["stock"]) > 0
     assert "LoRA rank 4" in (out / "summary.md").read_text()
+
+
+def test_fireworks_sdk_grpo_example_zero_kl_and_stock_gap(engine_slot, tmp_path):
+    """``examples/fireworks_sdk/grpo.py`` on two steps per run: with zerokld every sampled token's
+    ``sampling_logprob`` is bitwise the training server's log-prob; with the plugin off on both servers, none is."""
+    from examples.fireworks_sdk.grpo import main
+
+    engine_slot.close()  # the example starts its own servers, one run at a time
+    main(["--out", str(tmp_path), "--steps", "2", "--sft-steps", "2"])
+    zk, stock = _metrics(tmp_path, "zerokld"), _metrics(tmp_path, "stock")
+    assert len(zk) == len(stock) == 2
+    assert all(r["max_abs_logprob_diff"] == 0.0 and r["bitwise_equal_share"] == 1.0 and r["tokens"] > 0 for r in zk)
+    assert all(r["max_abs_logprob_diff"] > 0.0 and r["bitwise_equal_share"] < 1.0 for r in stock)

@@ -124,10 +124,13 @@ class TrainingClient:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str, dtype: str = "bfloat16", learning_rate: float = 1e-4,
-                        fused: bool = True, dump_folder: str | None = None, max_norm: float = 1.0) -> "TrainingClient":
-        """Start a TorchTitan trainer on an HF checkpoint (``dtype``: the serving dtype of the forward)."""
+                        fused: bool = True, dump_folder: str | None = None, max_norm: float = 1.0,
+                        batch_invariant: bool = True) -> "TrainingClient":
+        """Start a TorchTitan trainer on an HF checkpoint (``dtype``: the serving dtype of the forward;
+        ``batch_invariant=False``: TorchTitan's stock numerics, for contrast)."""
         dump = dump_folder or str(Path(checkpoint_dir).resolve().parent / (Path(checkpoint_dir).name + "_train"))
-        cfg = rl_trainer_config(checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused, max_norm=max_norm)
+        cfg = rl_trainer_config(checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused and batch_invariant,
+                                max_norm=max_norm, batch_invariant=batch_invariant)
         return cls(RLTrainer(cfg), dtype)
 
     @classmethod

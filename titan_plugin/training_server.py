@@ -120,14 +120,15 @@ class TrainingServer:
             ``snapshot_root``).
         api_key: the key clients send as ``X-Api-Key``.
         dtype: the serving dtype of the forward. learning_rate: the trainer's initial rate.
+        batch_invariant: zerokld's numerics (``False``: TorchTitan's stock ones, for contrast).
     """
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
-                 learning_rate: float = 1e-4) -> None:
+                 learning_rate: float = 1e-4, batch_invariant: bool = True) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
-        self.dtype, self.learning_rate = dtype, learning_rate
+        self.dtype, self.learning_rate, self.batch_invariant = dtype, learning_rate, batch_invariant
         from zerokld_models import read_model_config
 
         self.vocab_size = int(read_model_config(checkpoint).vocab_size)
@@ -184,7 +185,8 @@ class TrainingServer:
         else:
             client = TrainingClient.from_checkpoint(self.checkpoint, dtype=self.dtype,
                                                     learning_rate=self.learning_rate,
-                                                    dump_folder=str(self.root.parent / f".{model_id}"))
+                                                    dump_folder=str(self.root.parent / f".{model_id}"),
+                                                    batch_invariant=self.batch_invariant)
         with self.lock:
             self.models[model_id] = _Model(client, base_model, rank)
         return {"type": "create_model", "model_id": model_id}
@@ -363,12 +365,15 @@ def main(argv=None) -> None:
     ap.add_argument("--api-key", default=os.environ.get("ZEROKLD_API_KEY"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
+                                                         "contrast")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     args = ap.parse_args(argv)
     if not args.api_key:
         raise SystemExit("an API key is required: --api-key or ZEROKLD_API_KEY")
-    server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate)
+    server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
+                            batch_invariant=not args.stock)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 
