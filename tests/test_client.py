@@ -159,9 +159,13 @@ def test_forward_state_and_sampler_weights(checkpoint_factory, tmp_path):
                                                        client.trainer.forward_logprobs(RolloutBatch(seqs, plens))))
         with pytest.raises(ValueError, match="shifted by one"):
             client.forward([{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [9, 9, 9]}}])
-        with pytest.raises(ValueError, match="non-negative"):
+        with pytest.raises(ValueError, match="non-negative"):  # an RL loss's weights are a mask
+            client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {
+                "target_tokens": [5, 6, 7], "weights": [0, 1, -1], "advantages": [1, 1, 1],
+                "logprobs": [-1, -1, -1]}}], "ppo")
+        with pytest.raises(ValueError, match="finite"):  # cross_entropy's are any finite coefficients (Tinker)
             client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7],
-                                                                                  "weights": [0, 1, -1]}}],
+                                                                                  "weights": [0, 1, float("inf")]}}],
                                     "cross_entropy")
         with pytest.raises(ValueError, match="2 values for 3 targets"):
             client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7],

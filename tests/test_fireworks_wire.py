@@ -244,13 +244,14 @@ def _datum(tokens, prompt_len, old_logprobs, advantage):
     from fireworks.training.sdk import Datum, ModelInput, TensorData
 
     n = len(tokens) - 1
-    lp = [0.0] * (prompt_len - 1) + list(old_logprobs)
     weights = [0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1)
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-        "target_tokens": TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-        "logprobs": TensorData(data=lp, dtype="float32", shape=[n]),
-        "advantages": TensorData(data=[advantage] * n, dtype="float32", shape=[n]),
-        "weights": TensorData(data=weights, dtype="float32", shape=[n])})
+    inputs = {"target_tokens": TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+              "weights": TensorData(data=weights, dtype="float32", shape=[n])}
+    if old_logprobs is not None:  # an RL datum (``None``: cross_entropy / custom losses)
+        inputs["logprobs"] = TensorData(data=[0.0] * (prompt_len - 1) + list(old_logprobs), dtype="float32",
+                                        shape=[n])
+        inputs["advantages"] = TensorData(data=[advantage] * n, dtype="float32", shape=[n])
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
 
 def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_server, monkeypatch):
@@ -341,3 +342,37 @@ def test_training_server_refusals_apply_nothing(env, training_server):
         answer = result(rid)
         assert answer.get("category") == "user" and answer["error"], answer
     assert forward() == before  # nothing was applied (no gradient accumulated, no step)
+
+
+def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monkeypatch):
+    """Through the unmodified SDK: ``forward_backward_custom`` (the SDK's two passes: ``forward``, then
+    cross_entropy with signed weights ``-dLoss/dlogprobs``), ``optim_step`` with every AdamParams field (weights
+    move; ``grad_norm:mean`` reported), ``save_state`` / ``list_checkpoints`` / ``load_state_with_optimizer``
+    restoring the saved log-probs bit for bit."""
+    from fireworks.training.sdk import AdamParams, FiretitanServiceClient
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    tc = FiretitanServiceClient(base_url=training_server, api_key=API_KEY).create_training_client(
+        base_model=BASE_MODEL)
+    seqs = [PROMPT + list(range(50, 50 + k)) for k in (5, 9)]
+    data = [_datum(s, len(PROMPT), None, 1.0) for s in seqs]
+
+    def logprobs():
+        return [list(o["logprobs"].data) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+    before = logprobs()
+    saved = tc.save_state("ckpt-0").result().path
+    assert saved == "ckpt-0" and "ckpt-0" in tc.list_checkpoints()
+
+    def loss_fn(batch, lps):  # a custom objective: minimise the completion tokens' mean log-prob
+        w = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in batch]
+        return sum((lp * wi).sum() for lp, wi in zip(lps, w, strict=True)) / sum(x.sum() for x in w), {}
+
+    tc.forward_backward_custom(data, loss_fn).result()
+    step = tc.optim_step(AdamParams(learning_rate=5e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.01,
+                                    grad_clip_norm=1.0)).result()
+    assert step.metrics and "grad_norm:mean" in step.metrics
+    after = logprobs()
+    assert sum(map(sum, after)) < sum(map(sum, before))  # the custom loss moved the model its way
+    tc.load_state_with_optimizer(saved).result()
+    assert logprobs() == before

@@ -5,7 +5,8 @@ Names and shapes follow Tinker's ``TrainingClient`` (``forward``, ``forward_back
 
     {"model_input": list[int],                         # n input tokens
      "loss_fn_inputs": {"target_tokens": [n],          # next-token aligned: target[i] = model_input[i + 1]
-                        "weights": [n],                # per-token loss weights >= 0, any mask (default: all 1)
+                        "weights": [n],                # per-token loss weights (default: all 1): a mask >= 0
+                                                       # for RL losses; any finite value for cross_entropy
                         "advantages": [n], "logprobs": [n],    # RL losses: per target token, sampler logprobs
                         "routed_experts": [n, layers, top_k],  # MoE: vLLM's routed_experts, replayed (optional)
                         "ref_logprobs": [n]}}          # reference log-probs for loss_fn_config kl_beta (optional;
@@ -87,8 +88,15 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         row["routed_experts"] = li.get("routed_experts")
         seqs.append(x + [tgt[-1]])
         inputs.append(row)
-    if loss_fn == "cross_entropy":  # -weights * logprobs: the formula's advantage is 1, the weight the mask
-        adv, q = [torch.ones(len(s) - 1) for s in seqs], None
+    masks = None
+    if loss_fn == "cross_entropy":
+        # Tinker's -sum(weights * logprobs) with any finite weights, negative too (forward_backward_custom sends
+        # -dLoss/dlogprobs): the weight is the formula's advantage, its non-zero pattern the loss mask
+        for i, row in enumerate(inputs):
+            if not bool(torch.isfinite(row["weights"]).all()):
+                raise ValueError(f"datum {i}: weights must be finite")
+        adv, q = [i["weights"] for i in inputs], None
+        masks = [(i["weights"] != 0).float() for i in inputs]
     else:
         if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
             raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
@@ -99,7 +107,7 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
     stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
     return RolloutBatch(seqs, [1] * len(seqs), adv, q, _routes(inputs),
                         numerics=common_numerics(stamped) if stamped else numerics,
-                        loss_weights=[i["weights"] for i in inputs],
+                        loss_weights=masks if masks is not None else [i["weights"] for i in inputs],
                         ref_logprobs=None if refs[0] is None else refs)
 
 
@@ -209,9 +217,16 @@ class TrainingClient:
                 "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
 
     def optim_step(self, adam_params: dict | None = None) -> dict:
-        """Apply the accumulated gradients (AdamW; ``adam_params={"learning_rate": ...}`` sets the rate)."""
-        lr = (adam_params or {}).get("learning_rate")
-        return self.trainer.optim_step(learning_rate=lr)
+        """Apply the accumulated gradients (AdamW). ``adam_params``: Tinker's ``AdamParams`` fields, each optional —
+        ``learning_rate``, ``beta1`` / ``beta2``, ``eps``, ``weight_decay``, ``grad_clip_norm`` (0: no clipping);
+        an absent field keeps the trainer's setting. Returns ``grad_norm``."""
+        p = adam_params or {}
+        betas = None
+        if "beta1" in p or "beta2" in p:
+            group = self.trainer.optimizers.optimizers[0].param_groups[0]
+            betas = (float(p.get("beta1", group["betas"][0])), float(p.get("beta2", group["betas"][1])))
+        return self.trainer.optim_step(learning_rate=p.get("learning_rate"), betas=betas, eps=p.get("eps"),
+                                       weight_decay=p.get("weight_decay"), max_norm=p.get("grad_clip_norm"))
 
     def save_state(self, name: str) -> str:
         """Full training state (model + optimizer + schedule) through TorchTitan's checkpointer; returns its path."""

@@ -396,22 +396,27 @@ class RLTrainer(Trainer):
         self.forward_backward(on_policy, loss=self.build_loss("cross_entropy", normalization="sum"))
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 
-    def optim_step(self, learning_rate: float | None = None) -> dict:
-        """Clip the accumulated gradients (``training.max_norm``), step the optimizer (optionally at a new learning
-        rate) and the LR schedule, zero the gradients. Returns ``grad_norm``."""
+    def optim_step(self, learning_rate: float | None = None, betas: tuple[float, float] | None = None,
+                   eps: float | None = None, weight_decay: float | None = None,
+                   max_norm: float | None = None) -> dict:
+        """Clip the accumulated gradients (``max_norm``, default ``training.max_norm``; 0: no clipping), step the
+        optimizer and the LR schedule, zero the gradients. ``learning_rate``, ``betas``, ``eps``, ``weight_decay``:
+        set on every parameter group from this step on (``None``: unchanged; Tinker's ``AdamParams``). Returns
+        ``grad_norm`` (before clipping)."""
         from torchtitan.distributed import utils as dist_utils
 
-        if learning_rate is not None:
-            for opt in self.optimizers.optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = learning_rate
+        settings = {"lr": learning_rate, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        for opt in self.optimizers.optimizers:
+            for group in opt.param_groups:
+                group.update({k: v for k, v in settings.items() if v is not None})
         params = [p for m in self.model_parts for p in m.parameters()]
         if self._pending is not None and self._pending[0]:  # forward_backward's deferred token_mean
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(max(1, self._pending[1]))
         self._pending = None
-        grad_norm = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+        norm = self.config.training.max_norm if max_norm is None else max_norm
+        grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()

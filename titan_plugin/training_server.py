@@ -10,7 +10,7 @@ Routes (under ``/api/v1``, key required as ``X-Api-Key``; 401 otherwise): ``crea
 ``session_heartbeat``, ``telemetry``, ``create_model`` (full-parameter; ``lora_config.rank`` > 0 trains LoRA),
 ``get_info``, ``GET get_server_capabilities``, ``forward``, ``forward_backward`` (the losses registered through the
 ``zerokld`` hooks, Tinker's names and ``loss_fn_config``), ``optim_step``, ``save_weights_for_sampler``,
-``unload_model``, ``retrieve_future``.
+``save_weights``, ``load_weights``, ``GET list_checkpoints``, ``unload_model``, ``retrieve_future``.
 
 Every training call answers ``{"request_id"}`` at once and runs on the trainer's one worker thread in ``seq_id`` order
 per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones, a
@@ -25,10 +25,11 @@ snapshot — the server's own record of its chain (a ``delta`` with no previous 
 checks the chain from the snapshot's ``delta.json``, never from the client's pairing. LoRA models write PEFT adapters
 (always full).
 
-``optim_step`` applies ``adam_params.learning_rate``; the other AdamParams (the SDK always sends them) are the
-trainer's configured AdamW's (betas, eps, weight decay, grad clipping at the trainer's ``max_norm``), not the
-request's — issue 37 point 1. Not yet either: ``save_weights`` / ``load_weights`` / ``list_checkpoints``, LoRA
-snapshots for the sampler, MoE routing matrices from the datum, restart after a crash. ``forward_backward_custom``
+``optim_step`` applies the request's AdamParams (learning rate, betas, eps, weight decay; ``grad_clip_norm`` 0 = no
+clipping, as in Tinker) and answers ``grad_norm:mean``. ``save_weights`` (a name; ``overwrite``) keeps model and
+optimizer through TorchTitan's checkpointer, ``load_weights`` restores it (``optimizer: false``: the weights, with a
+fresh optimizer), ``GET list_checkpoints`` names them. Not yet: LoRA snapshots for the sampler, MoE routing matrices
+from the datum, restart after a crash (the checkpoints live with the server process). ``forward_backward_custom``
 works as Fireworks runs it: ``forward`` and ``forward_backward`` on the client.
 """
 from __future__ import annotations
@@ -136,6 +137,7 @@ class TrainingServer:
         self.models: dict[str, _Model] = {}
         self.futures: dict[str, concurrent.futures.Future] = {}
         self.sessions: set[str] = set()
+        self.checkpoints: dict[str, tuple[str, str]] = {}  # save_weights name -> (model_id, trainer checkpoint)
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
         self.app = self._build()
@@ -205,9 +207,33 @@ class TrainingServer:
         return _outputs([o["logprobs"] for o in res["loss_fn_outputs"]], metrics, loss_fn)
 
     def _optim(self, model: _Model, adam: dict) -> dict:
-        res = model.client.optim_step({"learning_rate": adam.get("learning_rate")})
+        known = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+        res = model.client.optim_step({k: float(adam[k]) for k in known if adam.get(k) is not None})
         return {"metrics": {f"{k}:mean": float(v) for k, v in (res or {}).items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+
+    def _save_state(self, model_id: str, model: _Model, name: str, overwrite: bool) -> dict:
+        from deltasync import validate_identity
+
+        validate_identity(name)  # one path segment: a name, never a server path
+        with self.lock:
+            if name in self.checkpoints and not overwrite:
+                raise UserError(f"checkpoint {name!r} exists (overwrite: true replaces it)")
+        path = model.client.save_state(name)
+        with self.lock:
+            self.checkpoints[name] = (model_id, path)
+        return {"path": name, "type": "save_weights"}
+
+    def _load_state(self, model: _Model, name: str, optimizer: bool) -> dict:
+        with self.lock:
+            saved = self.checkpoints.get(name)
+        if saved is None:
+            raise UserError(f"no checkpoint {str(name)[:80]!r} (list_checkpoints names them)")
+        model.client.load_state(saved[1])
+        if not optimizer:  # weights only: the optimizer starts afresh (Tinker's load_state)
+            for opt in model.client.trainer.optimizers.optimizers:
+                opt.state.clear()
+        return {"path": name, "type": "load_weights"}
 
     def _save_for_sampler(self, model: _Model, identity: str, checkpoint_type: str) -> dict:
         from deltasync import SnapshotWriter
@@ -315,6 +341,14 @@ class TrainingServer:
         op("optim_step", lambda m, b: self._optim(m, b.get("adam_params") or {}))
         op("save_weights_for_sampler", lambda m, b: self._save_for_sampler(m, str(b.get("path")),
                                                                          str(b.get("checkpoint_type") or "base")))
+
+        op("save_weights", lambda m, b: self._save_state(b["model_id"], m, str(b.get("path")),
+                                                          bool(b.get("overwrite"))))
+        op("load_weights", lambda m, b: self._load_state(m, str(b.get("path")), bool(b.get("optimizer"))))
+
+        @app.get(api + "/list_checkpoints")
+        async def list_checkpoints():
+            return {"checkpoints": sorted(self.checkpoints)}
 
         @app.post(api + "/unload_model")
         async def unload(request: Request):
