@@ -224,7 +224,8 @@ def training_server(env, tmp_path_factory):
     port, log = free_port(), tmp_path_factory.mktemp("trainer") / "trainer.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", "--checkpoint", ckpt,
-                                 "--snapshot-root", str(root), "--api-key", API_KEY, "--port", str(port)],
+                                 "--snapshot-root", str(root), "--api-key", API_KEY, "--port", str(port),
+                                 "--seq-gap-s", "3"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -296,7 +297,8 @@ def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_ser
 def test_training_server_refusals_apply_nothing(env, training_server):
     """Bad training requests are answered in the shapes the SDK understands — 401 without the key, 400 at submit
     (unknown model, a seq_id used twice), ``{"error", "category": "user"}`` from the future (unknown loss, ragged
-    TensorData, out-of-vocabulary tokens) — and change nothing: the model's log-probs after them equal before."""
+    TensorData, out-of-vocabulary tokens, a seq_id gap that never closes) — and change nothing: the model's
+    log-probs after them equal before."""
     import time
 
     def post(path, body, key=API_KEY):
@@ -341,6 +343,13 @@ def test_training_server_refusals_apply_nothing(env, training_server):
                                         "seq_id": next(seq)}).json()["request_id"]
         answer = result(rid)
         assert answer.get("category") == "user" and answer["error"], answer
+    # a gap in the numbering: the later request fails after --seq-gap-s, the missing seq_id stays expected
+    expected = next(seq)
+    rid = post("forward", {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model,
+                           "seq_id": expected + 1}).json()["request_id"]
+    answer = result(rid)
+    assert answer.get("category") == "user" and "never arrived" in answer["error"], answer
+    seq = iter(range(expected, 100))
     assert forward() == before  # nothing was applied (no gradient accumulated, no step)
 
 

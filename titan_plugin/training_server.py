@@ -13,8 +13,8 @@ Routes (under ``/api/v1``, key required as ``X-Api-Key``; 401 otherwise): ``crea
 ``save_weights``, ``load_weights``, ``GET list_checkpoints``, ``unload_model``, ``retrieve_future``.
 
 Every training call answers ``{"request_id"}`` at once and runs on the trainer's one worker thread in ``seq_id`` order
-per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones, a
-``seq_id`` already used is refused with 400); ``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then
+per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones — for
+``seq_gap_s`` at most, then it fails as a user error —, a ``seq_id`` already used is refused with 400); ``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then
 answers ``try_again``. Failures come back as ``{"error", "category": "user" | "server"}`` (malformed data, unknown
 losses and refused numerics are the user's); messages carry no absolute server paths.
 
@@ -39,6 +39,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +109,7 @@ class _Model:
     base_model: str
     lora_rank: int
     next_seq: int = 1
-    pending: dict = field(default_factory=dict)  # seq_id -> (fn, placeholder future)
+    pending: dict = field(default_factory=dict)  # seq_id -> (fn, placeholder future, arrival time)
     writer: object = None
 
 
@@ -122,14 +123,16 @@ class TrainingServer:
         api_key: the key clients send as ``X-Api-Key``.
         dtype: the serving dtype of the forward. learning_rate: the trainer's initial rate.
         batch_invariant: zerokld's numerics (``False``: TorchTitan's stock ones, for contrast).
+        seq_gap_s: how long a request may wait for an earlier ``seq_id`` before it fails (a gap in the numbering).
     """
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
-                 learning_rate: float = 1e-4, batch_invariant: bool = True) -> None:
+                 learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
         self.dtype, self.learning_rate, self.batch_invariant = dtype, learning_rate, batch_invariant
+        self.seq_gap_s = seq_gap_s
         from zerokld_models import read_model_config
 
         self.vocab_size = int(read_model_config(checkpoint).vocab_size)
@@ -166,11 +169,23 @@ class TrainingServer:
             if not isinstance(seq_id, int) or seq_id < model.next_seq or seq_id in model.pending:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             rid, fut = self._future()
-            model.pending[seq_id] = (fn, fut)
+            model.pending[seq_id] = (fn, fut, time.monotonic())
             while model.next_seq in model.pending:
-                self._run(*model.pending.pop(model.next_seq))
+                self._run(*model.pending.pop(model.next_seq)[:2])
                 model.next_seq += 1
         return rid
+
+    def _expire_gaps(self) -> None:
+        """Fail the requests that waited more than ``seq_gap_s`` for an earlier ``seq_id`` that never came (a user
+        error; nothing of theirs ran). The missing ``seq_id`` stays expected."""
+        now = time.monotonic()
+        with self.lock:
+            for model in self.models.values():
+                for seq, (_, fut, arrived) in list(model.pending.items()):
+                    if now - arrived > self.seq_gap_s:
+                        del model.pending[seq]
+                        fut.set_exception(UserError(f"seq_id {seq} waited {self.seq_gap_s:g} s for seq_id "
+                                                    f"{model.next_seq}, which never arrived"))
 
     # ---- operations (on the worker thread) -----------------------------------------------------------------------
     def _create(self, model_id: str, base_model: str, lora: dict) -> dict:
@@ -374,16 +389,20 @@ class TrainingServer:
             if fut is None:
                 return JSONResponse({"detail": f"unknown request_id {str(rid)[:40]!r}"}, status_code=404)
             try:
-                result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_S)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_S)
             except TimeoutError:
-                return {"type": "try_again", "request_id": rid, "queue_state": "active"}
-            except Exception as e:  # noqa: BLE001 - the operation's failure, in the client's error shape
-                user = isinstance(e, (UserError, ValueError, KeyError, TypeError, NotImplementedError))
-                self.futures.pop(rid, None)
-                return {"error": public_message(e), "category": "user" if user else "server",
-                        "error_class": type(e).__name__}
+                self._expire_gaps()
+                if not fut.done():
+                    return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+            except Exception:  # noqa: BLE001, S110 - the operation's failure: read from the future below
+                pass
             self.futures.pop(rid, None)
-            return result
+            error = fut.exception()
+            if error is not None:  # in the client's error shape
+                user = isinstance(error, (UserError, ValueError, KeyError, TypeError, NotImplementedError))
+                return {"error": public_message(error), "category": "user" if user else "server",
+                        "error_class": type(error).__name__}
+            return fut.result()
 
         return app
 
@@ -399,6 +418,8 @@ def main(argv=None) -> None:
     ap.add_argument("--api-key", default=os.environ.get("ZEROKLD_API_KEY"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
+    ap.add_argument("--seq-gap-s", type=float, default=120.0, help="seconds a request waits for an earlier seq_id "
+                                                                     "before failing")
     ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
                                                          "contrast")
     ap.add_argument("--host", default="127.0.0.1")
@@ -407,7 +428,7 @@ def main(argv=None) -> None:
     if not args.api_key:
         raise SystemExit("an API key is required: --api-key or ZEROKLD_API_KEY")
     server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
-                            batch_invariant=not args.stock)
+                            batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 
