@@ -107,7 +107,8 @@ def fireworks_status(status: dict) -> dict:
     replicas = []
     for replica in status.get("replicas", []):
         err, state = replica.get("last_error"), replica.get("loading_state") or {}
-        newest = err is not None and (replica.get("ready_since") is None or (err.get("at") or 0) >= replica["ready_since"])
+        ready_since = replica.get("ready_since")
+        newest = err is not None and (ready_since is None or (err.get("at") or 0) >= ready_since)
         if newest and state.get("stage") == "idle":
             replica = {**replica, "loading_state": {"stage": "error", "target_snapshot_identity": err["identity"]}}
         replicas.append(replica)

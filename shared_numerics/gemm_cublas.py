@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .gemm_autograd import linear_with
+
 __all__ = ["CUBLAS_ROWS", "fixed_rows_matmul", "linear"]
 
 #: rows of every GEMM call (in the numerics contract, :data:`shared_numerics.mode.CONTRACT`). Measured on an H200,
@@ -91,35 +93,11 @@ def fixed_rows_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
-class _FixedRowsLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2, weight, bias):
-        ctx.save_for_backward(x2, weight)
-        ctx.has_bias = bias is not None
-        return fixed_rows_matmul(x2, weight.t(), bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x2, weight = ctx.saved_tensors
-        gx = gw = gb = None
-        gy = gy.to(x2.dtype)
-        if ctx.needs_input_grad[0]:
-            gx = fixed_rows_matmul(gy, weight)  # a row of dX depends only on its row of dY
-        if ctx.needs_input_grad[1]:
-            gw = torch.mm(gy.t(), x2)  # one call over the tokens: deterministic for its shape
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = gy.float().sum(0).to(gy.dtype)
-        return gx, gw, gb
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`shared_numerics.linear.linear` on fixed-shape library calls: ``[..., K] x [N, K] (+ [N]) -> [..., N]``
     in ``x.dtype`` (weight and bias rounded to ``x.dtype`` if they arrive in another, as in the Triton backend).
 
-    Differentiable: ``dX = dY W`` in the same fixed-shape calls (row-invariant), ``dW = dY^T X`` as one call
-    (deterministic), the bias gradient a float32 column sum; ``dW`` comes back in the weight's dtype."""
-    lead = x.shape[:-1]
-    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-    b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
-    y = _FixedRowsLinear.apply(x.reshape(-1, x.shape[-1]), w, b)
-    return y.reshape(*lead, weight.shape[0])
+    Differentiable (:func:`shared_numerics.gemm_autograd.linear_with`): ``dX = dY W`` in the same fixed-shape calls
+    (row-invariant), ``dW = dY^T X`` as one call (deterministic), the bias gradient a float32 column sum; ``dW`` comes
+    back in the weight's dtype."""
+    return linear_with(fixed_rows_matmul, x, weight, bias)

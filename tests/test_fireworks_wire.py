@@ -155,7 +155,8 @@ def test_streamed_completion_is_one_complete_sse_stream(env):
     then ``[DONE]``; the snapshot that sampled it is named in the response header."""
     server = env[0]
     r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "stream": True,
-                       "logprobs": True, "raw_output": True, "top_k": 0, "top_p": 1.0}, path="/inference/v1/completions")
+                       "logprobs": True, "raw_output": True, "top_k": 0, "top_p": 1.0},
+              path="/inference/v1/completions")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and len(events) == 2

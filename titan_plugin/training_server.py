@@ -14,8 +14,8 @@ Routes (under ``/api/v1``, key required as ``X-Api-Key``; 401 otherwise): ``crea
 
 Every training call answers ``{"request_id"}`` at once and runs on the trainer's one worker thread in ``seq_id`` order
 per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones — for
-``seq_gap_s`` at most, then it fails as a user error —, a ``seq_id`` already used is refused with 400); ``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then
-answers ``try_again``. Failures come back as ``{"error", "category": "user" | "server"}`` (malformed data, unknown
+``seq_gap_s`` at most, then it fails as a user error —, a ``seq_id`` already used is refused with 400);
+``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then answers ``try_again``. Failures come back as ``{"error", "category": "user" | "server"}`` (malformed data, unknown
 losses and refused numerics are the user's); messages carry no absolute server paths.
 
 Snapshots: ``save_weights_for_sampler`` writes ``<snapshot_root>/<path>`` (``path``: the SDK's qualified name, which
@@ -284,7 +284,9 @@ class TrainingServer:
                 raise UserError("body must be a JSON object")
             return body
 
-        def refused(e: Exception) -> JSONResponse:
+        @app.exception_handler(UserError)
+        async def refused(request: Request, e: UserError) -> JSONResponse:
+            """A request refused at submit: 400 ``{"detail"}`` (the SDK raises ``BadRequestError``)."""
             from deltasync.protocol import public_message
 
             return JSONResponse({"detail": public_message(e)}, status_code=400)
@@ -313,25 +315,23 @@ class TrainingServer:
 
         @app.post(api + "/create_model")
         async def create_model(request: Request):
-            try:
-                body = await body_of(request)
-            except UserError as e:
-                return refused(e)
+            body = await body_of(request)
             model_id = f"model-{uuid.uuid4().hex[:8]}"
             rid, fut = self._future()
             self._run(lambda: self._create(model_id, str(body.get("base_model") or self.checkpoint),
                                            body.get("lora_config") or {}), fut)
             return {"request_id": rid, "model_id": model_id}
 
+        def model_of(body: dict) -> _Model:
+            model = self.models.get(body.get("model_id"))
+            if model is None:
+                raise UserError(f"unknown model_id {str(body.get('model_id'))[:40]!r}")
+            return model
+
         @app.post(api + "/get_info")
         async def get_info(request: Request):
-            try:
-                body = await body_of(request)
-                model = self.models.get(body.get("model_id"))
-                if model is None:
-                    raise UserError(f"unknown model_id {str(body.get('model_id'))[:40]!r}")
-            except UserError as e:
-                return refused(e)
+            body = await body_of(request)
+            model = model_of(body)
             return {"type": "get_info", "model_id": body["model_id"],
                     "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
                     "is_lora": bool(model.lora_rank), "lora_rank": model.lora_rank, "model_name": model.base_model}
@@ -339,16 +339,10 @@ class TrainingServer:
         def op(path: str, run):
             @app.post(api + "/" + path)
             async def handler(request: Request):
-                try:
-                    body = await body_of(request)
-                    model_id = body.get("model_id")
-                    model = self.models.get(model_id)
-                    if model is None:
-                        raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
-                    rid = self._submit(model_id, body.get("seq_id"), lambda: run(model, body))
-                except UserError as e:
-                    return refused(e)
-                return {"request_id": rid, "model_id": model_id}
+                body = await body_of(request)
+                model = model_of(body)
+                rid = self._submit(body["model_id"], body.get("seq_id"), lambda: run(model, body))
+                return {"request_id": rid, "model_id": body["model_id"]}
             return handler
 
         op("forward", lambda m, b: self._forward(m, b, backward=False))
@@ -367,10 +361,7 @@ class TrainingServer:
 
         @app.post(api + "/unload_model")
         async def unload(request: Request):
-            try:
-                body = await body_of(request)
-            except UserError as e:
-                return refused(e)
+            body = await body_of(request)
             model = self.models.pop(body.get("model_id"), None)
             rid, fut = self._future()
             self._run(lambda: (model.client.close() if model else None) or {"model_id": body.get("model_id")}, fut)
@@ -380,10 +371,7 @@ class TrainingServer:
         async def retrieve(request: Request):
             from deltasync.protocol import public_message
 
-            try:
-                body = await body_of(request)
-            except UserError as e:
-                return refused(e)
+            body = await body_of(request)
             rid = body.get("request_id")
             fut = self.futures.get(rid)
             if fut is None:
@@ -427,6 +415,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not args.api_key:
         raise SystemExit("an API key is required: --api-key or ZEROKLD_API_KEY")
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise SystemExit("the training server is one process (WORLD_SIZE 1); start it without torchrun")
+    import socket
+
+    with socket.socket() as s:  # its one-process group's own port: an inherited MASTER_PORT may be held by the
+        s.bind(("127.0.0.1", 0))  # process that started it (one that ran a trainer in-process, e.g. a test run)
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
                             batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")

@@ -76,7 +76,8 @@ def start_servers(ckpt: Path, run_dir: Path, zerokld: bool) -> tuple[str, str, l
 
     root = run_dir / "snapshots"
     root.mkdir(parents=True, exist_ok=True)
-    section = {"batch_invariant": zerokld, "hot_load": {"snapshot_root": str(root), "state_dir": str(run_dir / "state")}}
+    section = {"batch_invariant": zerokld,
+               "hot_load": {"snapshot_root": str(root), "state_dir": str(run_dir / "state")}}
     vport, tport = free_port(), free_port()
     vlog, tlog = run_dir / "vllm.log", run_dir / "trainer.log"
     env = {**os.environ, "VLLM_PLUGINS": "zerokld,zerokld_hotload"}
@@ -194,15 +195,16 @@ async def _sample_groups(sampler, prompts: list[list[int]], args) -> list:
 
 
 def summary(results: list[dict]) -> str:
-    lines = ["| run | steps | reward (first → last) | max \\|sampler − trainer\\| log-prob | bitwise-equal tokens |",
+    lines = ["| run | steps | reward (first → last) | max \\|sampler − trainer\\| log-prob | "
+             "bitwise-equal tokens |",
              "| --- | --- | --- | --- | --- |"]
     for r in results:
         rows = r["rows"]
         if not rows:
             continue
+        equal = sum(x["bitwise_equal_share"] * x["tokens"] for x in rows) / sum(x["tokens"] for x in rows)
         lines.append(f"| {r['mode']} | {len(rows)} | {rows[0]['reward_mean']:.3f} → {rows[-1]['reward_mean']:.3f} | "
-                     f"{max(x['max_abs_logprob_diff'] for x in rows):.3e} | "
-                     f"{sum(x['bitwise_equal_share'] * x['tokens'] for x in rows) / sum(x['tokens'] for x in rows):.1%} |")
+                     f"{max(x['max_abs_logprob_diff'] for x in rows):.3e} | {equal:.1%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,9 +26,10 @@ op                         kernel
                            GEMM, e4m3 straight into tensor cores where the GPU has them (:mod:`.fp8`)
 =========================  ==========================================================================================
 
-Backward passes (training): Triton kernels too (GEMMs for linear, row kernels for the norm, rope, SiLU and
-log-softmax, FlashAttention-2 dQ and dK/dV kernels for dense attention, no atomics); reductions over rows for weight
-gradients use fixed-shape ``torch.sum`` (deterministic).
+Backward passes (training): Triton kernels too (the input gradient of linear on the same GEMM, row kernels for the
+norm, rope, SiLU and log-softmax, FlashAttention-2 dQ and dK/dV kernels for dense attention, no atomics); reductions
+over rows for weight gradients — linear's ``dW`` as one ``torch.mm`` (cuBLAS), the others fixed-shape ``torch.sum`` —
+are deterministic for their shapes (:mod:`shared_numerics.gemm_autograd`).
 """
 from __future__ import annotations
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemm_autograd import linear_with
+
 __all__ = ["CONFIGS", "GemmConfig", "gemm", "linear", "num_programs", "tile_offsets"]
 
 
@@ -136,36 +138,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.T
     return c
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2, weight, bias):
-        ctx.save_for_backward(x2, weight)
-        ctx.has_bias = bias is not None
-        return gemm(x2, weight.t(), x2.dtype, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x2, weight = ctx.saved_tensors
-        gx = gw = gb = None
-        gy = gy.to(x2.dtype)
-        if ctx.needs_input_grad[0]:
-            gx = gemm(gy, weight, x2.dtype)
-        if ctx.needs_input_grad[1]:
-            # a reduction over the call's tokens: determinism suffices (see the module's backward paragraph)
-            gw = torch.mm(gy.t(), x2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = gy.float().sum(0).to(gy.dtype)
-        return gx, gw, gb
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`shared_numerics.linear.linear`: ``[..., K] x [N, K] (+ [N]) -> [..., N]`` in ``x.dtype``.
 
-    The weight (and bias) are used in ``x.dtype`` (rounded if they arrive in another dtype). Differentiable: the
-    backward is ``dx = dy W`` on the same kernel (row-invariant), ``dW = dy^T x`` as one ``torch.mm`` (deterministic
-    for its shape; see the module) and a column sum for the bias; ``dW`` comes back in the weight's dtype."""
-    lead = x.shape[:-1]
-    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-    b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
-    y = _Linear.apply(x.reshape(-1, x.shape[-1]), w, b)
-    return y.reshape(*lead, weight.shape[0])
+    The weight (and bias) are used in ``x.dtype`` (rounded if they arrive in another dtype). Differentiable
+    (:func:`shared_numerics.gemm_autograd.linear_with`): ``dx = dy W`` on the same kernel (row-invariant),
+    ``dW = dy^T x`` as one ``torch.mm`` (deterministic for its shape; see the module) and a column sum for the bias;
+    ``dW`` comes back in the weight's dtype."""
+    return linear_with(_row_gemm, x, weight, bias)
+
+
+def _row_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return gemm(a, b, a.dtype, bias)
