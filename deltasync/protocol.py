@@ -99,18 +99,28 @@ def public_message(error: BaseException | str) -> str:
     return _ABS_PATH.sub(lambda m: m.group(1) or "<path>", msg)
 
 
-def fireworks_status(status: dict) -> dict:
+def fireworks_status(status: dict, lora_name: str | None = None) -> dict:
     """Fireworks' status of a replica's ``status()`` (``{"replicas": [...]}``, every field kept): a replica whose
     newest event is a failed or refused load, with nothing loading, reports ``loading_state`` ``{"stage": "error",
     "target_snapshot_identity": <that identity>}`` — what ``DeploymentManager.wait_for_hotload`` stops on (ours
-    keeps ``idle`` and names the failure in ``last_error``)."""
+    keeps ``idle`` and names the failure in ``last_error``). On a LoRA deployment (``lora_name``: the adapter it
+    serves) the loading state and errors are the adapter's, and ``loaded_adapters`` ``[{"identity", "status":
+    "loaded"}]`` names its served version (the SDK's multi-adapter completion check)."""
     replicas = []
     for replica in status.get("replicas", []):
-        err, state = replica.get("last_error"), replica.get("loading_state") or {}
-        ready_since = replica.get("ready_since")
+        track = replica if lora_name is None else (replica.get("lora_adapters") or {}).get(lora_name, {})
+        replica = dict(replica)
+        if lora_name is not None:
+            current = track.get("current_snapshot_identity")
+            replica["loaded_adapters"] = [{"identity": current, "status": "loaded"}] if current else []
+            replica["loading_state"] = track.get("loading_state") or {"stage": "idle",
+                                                                       "target_snapshot_identity": None}
+            replica["readiness"] = bool(replica.get("readiness")) and bool(track.get("readiness", True))
+        err, state = track.get("last_error"), replica.get("loading_state") or {}
+        ready_since = track.get("ready_since")
         newest = err is not None and (ready_since is None or (err.get("at") or 0) >= ready_since)
         if newest and state.get("stage") == "idle":
-            replica = {**replica, "loading_state": {"stage": "error", "target_snapshot_identity": err["identity"]}}
+            replica["loading_state"] = {"stage": "error", "target_snapshot_identity": err["identity"]}
         replicas.append(replica)
     return {**status, "replicas": replicas}
 
@@ -148,6 +158,10 @@ class HotLoadConfig(BaseModel):
         account_id, deployment_id: the names Fireworks' clients address this replica by
             (``accounts/<account_id>/deployments/<deployment_id>``: the ``fireworks-deployment`` header, the
             completions ``model``, ``GET /v1/accounts``); one path segment each.
+        deployment_lora_name: a LoRA deployment (vLLM ``--enable-lora``): every load on
+            :data:`FIREWORKS_HOT_LOAD` is a version of this adapter (a PEFT snapshot), and completions for the
+            deployment sample from its served version (the base model until one is loaded). ``None``: loads are
+            base weights.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -162,6 +176,7 @@ class HotLoadConfig(BaseModel):
     transition: Literal["async", "sync"] = "async"
     account_id: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
     deployment_id: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+    deployment_lora_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
     @property
     def deployment_name(self) -> str:
@@ -272,9 +287,10 @@ class Signal:
         return sig
 
     @classmethod
-    def from_fireworks(cls, body: object, transition: str) -> "Signal":
+    def from_fireworks(cls, body: object, transition: str, lora_name: str | None = None) -> "Signal":
         """Parse Fireworks' POST body (:data:`FIREWORKS_FIELDS`; ``reset_prompt_cache`` a boolean, default ``true``)
-        into the signal :meth:`from_request` would make of ours, with the replica's ``transition``.
+        into the signal :meth:`from_request` would make of ours, with the replica's ``transition`` and, on a LoRA
+        deployment (:attr:`HotLoadConfig.deployment_lora_name`), the snapshot a version of adapter ``lora_name``.
 
         Raises:
             HotLoadError: 422 not an object or an unknown field (``lora_name`` included: Fireworks names adapters
@@ -290,7 +306,10 @@ class Signal:
         if not isinstance(reset, bool):
             raise HotLoadError(f"reset_prompt_cache must be true or false on {FIREWORKS_HOT_LOAD}, got "
                                f"{str(reset)[:40]!r} ({PREFIX} takes {RESET_MODES})", 400)
-        return cls.from_request({**body, "reset_prompt_cache": "all" if reset else "none"}, transition)
+        ours = {**body, "reset_prompt_cache": "all" if reset else "none"}
+        if lora_name is not None:
+            ours["lora_name"] = lora_name
+        return cls.from_request(ours, transition)
 
     @classmethod
     def for_snapshot(cls, info, reset_prompt_cache: str = "all", transition: str = "async",

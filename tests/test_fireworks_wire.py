@@ -214,32 +214,13 @@ def test_completion_request_mapping():
 def training_server(env, tmp_path_factory):
     """``python -m titan_plugin.training_server`` on the same checkpoint, writing into the vLLM server's snapshot
     root; stopped by PID."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from vllm_plugin.serve import free_port
+    from titan_plugin.training_server import TrainingServerProcess
 
     _, ckpt, root, _ = env
-    port, log = free_port(), tmp_path_factory.mktemp("trainer") / "trainer.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", "--checkpoint", ckpt,
-                                 "--snapshot-root", str(root), "--api-key", API_KEY, "--port", str(port),
-                                 "--seq-gap-s", "3"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            time.sleep(0.5)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=60)
+    server = TrainingServerProcess(ckpt, root, API_KEY, tmp_path_factory.mktemp("trainer") / "trainer.log",
+                                   ["--seq-gap-s", 3])
+    yield server.start()
+    server.stop()
 
 
 def _datum(tokens, prompt_len, old_logprobs, advantage):
@@ -256,7 +237,7 @@ def _datum(tokens, prompt_len, old_logprobs, advantage):
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
 
-def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_server, monkeypatch):
+def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_server, monkeypatch, request):
     """The unmodified SDK end to end: ``FiretitanServiceClient`` trains on our TorchTitan server, ``WeightSyncer``
     saves each policy (base, then delta) and hot-loads it into the vLLM server, ``DeploymentSampler`` samples from it;
     the sampler's log-probs equal the training server's ``forward`` log-probs of the same tokens bit for bit, at
@@ -266,6 +247,7 @@ def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_ser
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     server = env[0]
     svc = FiretitanServiceClient(base_url=training_server, api_key=API_KEY)
+    request.addfinalizer(svc.close)  # its session heartbeat stops with the test
     tc = svc.create_training_client(base_model=BASE_MODEL)
     syncer = WeightSyncer(policy_client=tc, deploy_mgr=_manager(server), deployment_id=DEPLOYMENT,
                           base_model=BASE_MODEL, hotload_timeout=120)
@@ -354,7 +336,7 @@ def test_training_server_refusals_apply_nothing(env, training_server):
     assert forward() == before  # nothing was applied (no gradient accumulated, no step)
 
 
-def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monkeypatch):
+def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monkeypatch, request):
     """Through the unmodified SDK: ``forward_backward_custom`` (the SDK's two passes: ``forward``, then
     cross_entropy with signed weights ``-dLoss/dlogprobs``), ``optim_step`` with every AdamParams field (weights
     move; ``grad_norm:mean`` reported), ``save_state`` / ``list_checkpoints`` / ``load_state_with_optimizer``
@@ -362,8 +344,9 @@ def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monke
     from fireworks.training.sdk import AdamParams, FiretitanServiceClient
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    tc = FiretitanServiceClient(base_url=training_server, api_key=API_KEY).create_training_client(
-        base_model=BASE_MODEL)
+    svc = FiretitanServiceClient(base_url=training_server, api_key=API_KEY)
+    request.addfinalizer(svc.close)
+    tc = svc.create_training_client(base_model=BASE_MODEL)
     seqs = [PROMPT + list(range(50, 50 + k)) for k in (5, 9)]
     data = [_datum(s, len(PROMPT), None, 1.0) for s in seqs]
 

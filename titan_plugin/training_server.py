@@ -15,8 +15,9 @@ Routes (under ``/api/v1``, key required as ``X-Api-Key``; 401 otherwise): ``crea
 Every training call answers ``{"request_id"}`` at once and runs on the trainer's one worker thread in ``seq_id`` order
 per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones — for
 ``seq_gap_s`` at most, then it fails as a user error —, a ``seq_id`` already used is refused with 400);
-``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then answers ``try_again``. Failures come back as ``{"error", "category": "user" | "server"}`` (malformed data, unknown
-losses and refused numerics are the user's); messages carry no absolute server paths.
+``retrieve_future`` long-polls up to :data:`POLL_S` seconds, then answers ``try_again``. Failures come back as
+``{"error", "category": "user" | "server"}`` (malformed data, unknown losses and refused numerics are the user's);
+messages carry no absolute server paths.
 
 Snapshots: ``save_weights_for_sampler`` writes ``<snapshot_root>/<path>`` (``path``: the SDK's qualified name, which
 ``WeightSyncer`` then hot-loads) through :class:`deltasync.SnapshotWriter`, stamped with the trainer's numerics mode.
@@ -28,9 +29,14 @@ checks the chain from the snapshot's ``delta.json``, never from the client's pai
 ``optim_step`` applies the request's AdamParams (learning rate, betas, eps, weight decay; ``grad_clip_norm`` 0 = no
 clipping, as in Tinker) and answers ``grad_norm:mean``. ``save_weights`` (a name; ``overwrite``) keeps model and
 optimizer through TorchTitan's checkpointer, ``load_weights`` restores it (``optimizer: false``: the weights, with a
-fresh optimizer), ``GET list_checkpoints`` names them. Not yet: LoRA snapshots for the sampler, MoE routing matrices
-from the datum, restart after a crash (the checkpoints live with the server process). ``forward_backward_custom``
-works as Fireworks runs it: ``forward`` and ``forward_backward`` on the client.
+fresh optimizer), ``GET list_checkpoints`` names them. ``forward_backward_custom`` works as Fireworks runs it:
+``forward`` and ``forward_backward`` on the client.
+
+LoRA (``lora_config.rank`` > 0; ``--max-lora-rank`` = the vLLM server's): ``save_weights_for_sampler`` writes the
+PEFT adapter as a full snapshot, which a LoRA deployment (``hot_load.deployment_lora_name``) serves as a new version
+of its adapter.
+
+Not yet: MoE routing matrices from the datum; a restart after a crash (the checkpoints live with the server process).
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-__all__ = ["POLL_S", "TrainingServer", "main"]
+__all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "main"]
 
 #: seconds ``retrieve_future`` waits for a result before answering ``try_again`` (the SDK's per-call timeout is 45)
 POLL_S = 10.0
@@ -124,15 +130,18 @@ class TrainingServer:
         dtype: the serving dtype of the forward. learning_rate: the trainer's initial rate.
         batch_invariant: zerokld's numerics (``False``: TorchTitan's stock ones, for contrast).
         seq_gap_s: how long a request may wait for an earlier ``seq_id`` before it fails (a gap in the numbering).
+        max_lora_rank: the vLLM server's ``--max-lora-rank``: LoRA models are zero-padded to it, so the adapters it
+            serves compute the trainer's bits (0: the model's own rank).
     """
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
-                 learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0) -> None:
+                 learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0,
+                 max_lora_rank: int = 0) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
         self.dtype, self.learning_rate, self.batch_invariant = dtype, learning_rate, batch_invariant
-        self.seq_gap_s = seq_gap_s
+        self.seq_gap_s, self.max_lora_rank = seq_gap_s, max_lora_rank
         from zerokld_models import read_model_config
 
         self.vocab_size = int(read_model_config(checkpoint).vocab_size)
@@ -197,6 +206,7 @@ class TrainingServer:
                                                 train_mlp=bool(lora.get("train_mlp", True)),
                                                 train_attn=bool(lora.get("train_attn", True)),
                                                 alpha=float(lora.get("alpha") or 32.0), dtype=self.dtype,
+                                                max_rank=self.max_lora_rank,
                                                 learning_rate=self.learning_rate,
                                                 dump_folder=str(self.root.parent / f".{model_id}"))
         else:
@@ -251,10 +261,14 @@ class TrainingServer:
         return {"path": name, "type": "load_weights"}
 
     def _save_for_sampler(self, model: _Model, identity: str, checkpoint_type: str) -> dict:
-        from deltasync import SnapshotWriter
+        from deltasync import SnapshotWriter, read_snapshot_tensors
 
-        if model.lora_rank:
-            raise UserError("LoRA snapshots for the sampler are not served yet (issue 37)")
+        if model.lora_rank:  # a PEFT adapter snapshot, always full (Fireworks: LoRA saves are always base)
+            adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
+            writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=model.client.trainer.numerics,
+                                    cache_dir=self.root.parent / ".zerokld_writer_cache")
+            info = writer.write(identity, read_snapshot_tensors(adapter), kind="full")
+            return {"path": info.identity, "type": "save_weights_for_sampler"}
         if model.writer is None:
             model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30,
                                           numerics=model.client.trainer.numerics,
@@ -395,6 +409,70 @@ class TrainingServer:
         return app
 
 
+class TrainingServerProcess:
+    """``python -m titan_plugin.training_server`` as a child process on ``127.0.0.1``, on a free port (tests, examples).
+
+    Args:
+        checkpoint, snapshot_root, api_key: the server's ``--checkpoint``, ``--snapshot-root``, ``--api-key``.
+        log_path: its stdout and stderr. extra_args: more flags (``--stock``, ``--max-lora-rank 8``, ...).
+    """
+
+    def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, log_path, extra_args=()) -> None:
+        self.args = ["--checkpoint", str(checkpoint), "--snapshot-root", str(snapshot_root), "--api-key", api_key,
+                     *map(str, extra_args)]
+        self.log_path, self.proc, self.base = Path(log_path), None, ""
+
+    def start(self, budget_s: float = 120.0, env: dict | None = None) -> str:
+        """Start and wait for ``/health``; returns the base URL.
+
+        Raises:
+            RuntimeError: it exited (its log's tail attached) or was not healthy within ``budget_s`` (then stopped).
+        """
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        import requests
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", *self.args,
+                                          "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "TINKER_TELEMETRY": "0", **(env or {})})
+        self.base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.proc = None
+                raise RuntimeError("training server exited:\n" + self.log_path.read_text(errors="replace")[-3000:])
+            try:
+                if requests.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self.base
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"training server not healthy within {budget_s:.0f} s:\n"
+                           + self.log_path.read_text(errors="replace")[-3000:])
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 60 s (this process only: it starts no children of its own)."""
+        import subprocess
+
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
 def main(argv=None) -> None:
     import os
 
@@ -408,6 +486,8 @@ def main(argv=None) -> None:
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--seq-gap-s", type=float, default=120.0, help="seconds a request waits for an earlier seq_id "
                                                                      "before failing")
+    ap.add_argument("--max-lora-rank", type=int, default=0, help="the vLLM server's --max-lora-rank (LoRA models "
+                                                                    "are zero-padded to it)")
     ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
                                                          "contrast")
     ap.add_argument("--host", default="127.0.0.1")
@@ -423,7 +503,8 @@ def main(argv=None) -> None:
         s.bind(("127.0.0.1", 0))  # process that started it (one that ran a trainer in-process, e.g. a test run)
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
-                            batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s)
+                            batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s,
+                            max_lora_rank=args.max_lora_rank)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -119,11 +119,13 @@ class HotLoadServer(OpenAIServer):
         log: the server log; api_key: the key it is started with (``--api-key``; see :meth:`start`).
         extra_args: more server flags (e.g. ``--enable-lora``).
         max_model_len: ``--max-model-len`` (at most the checkpoint's ``max_position_embeddings``).
+        hot_load: more ``hot_load`` settings (:class:`deltasync.HotLoadConfig`), e.g. ``deployment_lora_name``.
     """
 
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path, api_key: str,
-                 extra_args: tuple[str, ...] = (), max_model_len: int = 512) -> None:
+                 extra_args: tuple[str, ...] = (), max_model_len: int = 512, hot_load: dict | None = None) -> None:
         self.ckpt, self.root, self.state, self.api_key, self.extra_args = ckpt, root, state, api_key, extra_args
+        self.hot_load = dict(hot_load or {})
         self.max_model_len = max_model_len
         # vllm_plugin.faults: while this file exists, a reload pauses inside the weight copy (inert otherwise)
         self.copy_fault_arm = state.parent / "copy-fault.arm"
@@ -134,7 +136,8 @@ class HotLoadServer(OpenAIServer):
     def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
         """Start (``api_key_flag=False``: no ``--api-key`` flag; the key may come from ``VLLM_API_KEY``)."""
         cfg = {"zerokld": {"batch_invariant": True,
-                           "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state)}}}
+                           "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state),
+                                        **self.hot_load}}}
         self.args = ["--model", self.ckpt, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
                      "--max-model-len", str(self.max_model_len), "--enforce-eager", "--max-num-batched-tokens", "64",
                      "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",

@@ -20,12 +20,8 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
-
-import requests
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -55,67 +51,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _wait(url: str, proc: subprocess.Popen, log: Path, budget: float = 240.0) -> None:
-    deadline = time.monotonic() + budget
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy within {budget:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
-
-
-def start_servers(ckpt: Path, run_dir: Path, zerokld: bool) -> tuple[str, str, list[subprocess.Popen]]:
+def start_servers(ckpt: Path, run_dir: Path, zerokld: bool) -> tuple[str, str, list]:
     """The vLLM server (hot-load endpoint on; ``batch_invariant`` as ``zerokld``) and the training server on the same
-    snapshot root. Returns ``(inference_url, training_url, processes)``."""
-    from vllm_plugin.serve import free_port
+    snapshot root. Returns ``(inference_url, training_url, servers)``."""
+    from titan_plugin.training_server import TrainingServerProcess
+    from vllm_plugin.serve import OpenAIServer
 
     root = run_dir / "snapshots"
     root.mkdir(parents=True, exist_ok=True)
     section = {"batch_invariant": zerokld,
                "hot_load": {"snapshot_root": str(root), "state_dir": str(run_dir / "state")}}
-    vport, tport = free_port(), free_port()
-    vlog, tlog = run_dir / "vllm.log", run_dir / "trainer.log"
-    env = {**os.environ, "VLLM_PLUGINS": "zerokld,zerokld_hotload"}
-    with open(vlog, "w") as v, open(tlog, "w") as t:
-        procs = [subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-                                   "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
-                                   "--enforce-eager", "--api-key", KEY, "--host", "127.0.0.1", "--port", str(vport),
-                                   "--additional-config", json.dumps({"zerokld": section})],
-                                  stdout=v, stderr=subprocess.STDOUT, env=env, start_new_session=True),
-                 subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", "--checkpoint", str(ckpt),
-                                   "--snapshot-root", str(root), "--api-key", KEY, "--port", str(tport),
-                                   *([] if zerokld else ["--stock"])], stdout=t, stderr=subprocess.STDOUT, env=env)]
-    urls = f"http://127.0.0.1:{vport}", f"http://127.0.0.1:{tport}"
+    vllm = OpenAIServer(["--model", str(ckpt), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
+                         "--max-model-len", "256", "--enforce-eager", "--api-key", KEY,
+                         "--additional-config", json.dumps({"zerokld": section})], run_dir / "vllm.log",
+                        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload"})
+    trainer = TrainingServerProcess(ckpt, root, KEY, run_dir / "trainer.log", [] if zerokld else ["--stock"])
+    vllm.start()
     try:
-        _wait(urls[0], procs[0], vlog)
-        _wait(urls[1], procs[1], tlog)
+        trainer.start()
     except BaseException:
-        stop(procs)
+        vllm.stop()
         raise
-    return urls[0], urls[1], procs
+    return vllm.base, trainer.base, [trainer, vllm]
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
+def stop(servers: list) -> None:
     """Stop the servers this script started (by PID; the vLLM server's process group)."""
-    import signal
-
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=30)
-    try:
-        os.killpg(procs[0].pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for server in servers:
+        server.stop()
 
 
 def datum(tokens: list[int], prompt_len: int, sampler_lps: list[float] | None, advantage: float):
@@ -139,10 +102,11 @@ def run(mode: str, ckpt: Path, out: Path, args, tok: Tok) -> dict:
 
     run_dir = out / mode
     run_dir.mkdir(parents=True, exist_ok=True)
-    inference_url, training_url, procs = start_servers(ckpt, run_dir, zerokld=mode == "zerokld")
-    rows = []
+    inference_url, training_url, servers = start_servers(ckpt, run_dir, zerokld=mode == "zerokld")
+    rows, svc = [], None
     try:
-        tc = FiretitanServiceClient(base_url=training_url, api_key=KEY).create_training_client(base_model=BASE_MODEL)
+        svc = FiretitanServiceClient(base_url=training_url, api_key=KEY)
+        tc = svc.create_training_client(base_model=BASE_MODEL)
         dm = DeploymentManager(api_key=KEY, base_url=inference_url)
         syncer = WeightSyncer(policy_client=tc, deploy_mgr=dm, deployment_id=DEPLOYMENT, base_model=BASE_MODEL,
                               hotload_timeout=300)
@@ -184,7 +148,9 @@ def run(mode: str, ckpt: Path, out: Path, args, tok: Tok) -> dict:
                   flush=True)
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     finally:
-        stop(procs)
+        if svc is not None:
+            svc.close()  # its session heartbeat stops before the server does
+        stop(servers)
     return {"mode": mode, "rows": rows}
 
 

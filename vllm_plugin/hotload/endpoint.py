@@ -236,14 +236,15 @@ class ZeroKLDHotLoadEndpoint:
         async def fireworks_signal(request: Request):
             if (resp := self._guard(request) or self._deployment_refused(request)) is not None:
                 return resp
+            cfg = self.manager.config
             return await self._signal(request, lambda body: Signal.from_fireworks(
-                body, self.manager.config.transition), wait=FIREWORKS_ACK_S)
+                body, cfg.transition, cfg.deployment_lora_name), wait=FIREWORKS_ACK_S)
 
         @app.get(FIREWORKS_HOT_LOAD)
         async def fireworks_hot_load_status(request: Request):
             if (resp := self._guard(request) or self._deployment_refused(request)) is not None:
                 return resp
-            return JSONResponse(fireworks_status(self.manager.status()))
+            return JSONResponse(fireworks_status(self.manager.status(), self.manager.config.deployment_lora_name))
 
         @app.get(_ACCOUNTS)
         async def accounts(request: Request):
@@ -335,9 +336,12 @@ class ZeroKLDHotLoadEndpoint:
             body = await request.json()
         except ValueError:
             return JSONResponse({"error": "body is not JSON"}, status_code=422)
-        name = self.manager.config.deployment_name
+        name, lora = self.manager.config.deployment_name, self.manager.config.deployment_lora_name
+        track = self.manager.adapters.get(lora) if lora is not None else None
+        if track is None or track.ledger.current is None:
+            lora = None  # no version loaded yet: the deployment serves the base model
         try:
-            req = fireworks.vllm_completion_request(body, self.served_model, name)
+            req = fireworks.vllm_completion_request(body, self.served_model, name, lora)
         except fireworks.FireworksRequestError as e:
             return JSONResponse({"error": {"message": str(e), "code": "invalid_request_error"}}, status_code=e.status)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", SESSION_HEADER)}

@@ -94,9 +94,11 @@ def _samples_from_model(body: dict) -> bool:
             and num("min_p", 0.0) == 0.0)
 
 
-def vllm_completion_request(body: object, served_model: str, deployment_name: str) -> dict:
+def vllm_completion_request(body: object, served_model: str, deployment_name: str,
+                            lora_name: str | None = None) -> dict:
     """The ``/v1/completions`` body that answers Fireworks' completions ``body`` (never streamed: the reply is
-    reshaped, see :func:`fireworks_completion`).
+    reshaped, see :func:`fireworks_completion`). ``lora_name``: the adapter a LoRA deployment serves (its newest
+    version answers requests for the deployment); ``None``: the base model.
 
     Raises:
         FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model; a
@@ -115,7 +117,8 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
     if unknown:
         raise FireworksRequestError(f"unknown field(s) {unknown[:5]}")
     req = {k: body[k] for k in _PASSED if k in body and body[k] is not None}
-    req.update(model=served_model, stream=False, return_token_ids=True, return_tokens_as_token_ids=True)
+    target = lora_name if lora_name is not None and model == deployment_name else served_model
+    req.update(model=target, stream=False, return_token_ids=True, return_tokens_as_token_ids=True)
     top_k = body.get("top_k")
     if top_k not in (None, 0):
         req["top_k"] = top_k
