@@ -369,3 +369,38 @@ def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monke
     assert sum(map(sum, after)) < sum(map(sum, before))  # the custom loss moved the model its way
     tc.load_state_with_optimizer(saved).result()
     assert logprobs() == before
+
+
+def test_training_server_killed_mid_step_resumes_at_the_last_optim_step(env, tmp_path, monkeypatch, request):
+    """Issue 37 point 4: a training server with ``--state-dir`` is SIGKILLed after a forward_backward whose
+    optim_step never came; restarted on the same state dir and port, the same SDK client (same model_id, its
+    numbering going on) sees the model as it was after its last completed optim_step — bitwise — and trains on
+    (negative control: the killed step's gradients would have moved it; the restored model has not)."""
+    from fireworks.training.sdk import AdamParams, FiretitanServiceClient
+
+    from titan_plugin.training_server import TrainingServerProcess
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    _, ckpt, root, _ = env
+    server = TrainingServerProcess(ckpt, root, API_KEY, tmp_path / "trainer.log", ["--state-dir", tmp_path / "state"])
+    request.addfinalizer(server.stop)
+    base = server.start()
+    port = int(base.rsplit(":", 1)[1])
+    svc = FiretitanServiceClient(base_url=base, api_key=API_KEY)
+    request.addfinalizer(svc.close)
+    tc = svc.create_training_client(base_model=BASE_MODEL)
+    data = [_datum(PROMPT + list(range(50, 50 + k)), len(PROMPT), None, 1.0) for k in (5, 9)]
+
+    def logprobs():
+        return [list(o["logprobs"].data) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(AdamParams(learning_rate=5e-2)).result()
+    after_step = logprobs()
+    tc.forward_backward(data, "cross_entropy").result()  # the step in progress: its optim_step never comes
+    server.stop(kill=True)
+    server.start(port=port)
+    assert logprobs() == after_step  # the last completed optim_step's state, nothing of the killed step
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(AdamParams(learning_rate=5e-2)).result()
+    assert logprobs() != after_step  # it trains on (and a step does move it: the control for the check above)

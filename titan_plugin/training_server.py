@@ -36,7 +36,11 @@ LoRA (``lora_config.rank`` > 0; ``--max-lora-rank`` = the vLLM server's): ``save
 PEFT adapter as a full snapshot, which a LoRA deployment (``hot_load.deployment_lora_name``) serves as a new version
 of its adapter.
 
-Not yet: MoE routing matrices from the datum; a restart after a crash (the checkpoints live with the server process).
+Restarts (``--state-dir``): every model's state after its last ``optim_step`` is checkpointed; a server restarted on
+the same state dir (and port) resumes each model there — the work after it, accumulated gradients included, is gone —
+and its clients go on with their ``model_id`` and numbering.
+
+Not yet: MoE routing matrices from the datum.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ __all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "main"]
 
 #: seconds ``retrieve_future`` waits for a result before answering ``try_again`` (the SDK's per-call timeout is 45)
 POLL_S = 10.0
+_REGISTRY = "models.json"
 _CAPABILITIES_CONTEXT = 4096
 
 
@@ -113,10 +118,15 @@ def _outputs(lps, metrics: dict, loss_fn: str) -> dict:
 class _Model:
     client: object
     base_model: str
-    lora_rank: int
-    next_seq: int = 1
+    lora: dict
+    next_seq: int | None = 1  # None: restored after a restart, the first seq_id that arrives is the next one
+    checkpoint: str | None = None  # the state after its last optim_step (with a state dir)
     pending: dict = field(default_factory=dict)  # seq_id -> (fn, placeholder future, arrival time)
     writer: object = None
+
+    @property
+    def lora_rank(self) -> int:
+        return int(self.lora.get("rank") or 0)
 
 
 class TrainingServer:
@@ -132,11 +142,16 @@ class TrainingServer:
         seq_gap_s: how long a request may wait for an earlier ``seq_id`` before it fails (a gap in the numbering).
         max_lora_rank: the vLLM server's ``--max-lora-rank``: LoRA models are zero-padded to it, so the adapters it
             serves compute the trainer's bits (0: the model's own rank).
+        state_dir: where the server keeps what a restart needs (``None``: nothing survives the process): each
+            model's trainer folder, a TorchTitan checkpoint after every ``optim_step`` (model, optimizer, schedule;
+            one per step: size it), the ``save_weights`` names and ``models.json``. A server started on a state dir
+            with ``models.json`` recreates every model at its last completed ``optim_step`` — gradients accumulated
+            after it are gone — and takes the first ``seq_id`` each model receives as the next.
     """
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
                  learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0,
-                 max_lora_rank: int = 0) -> None:
+                 max_lora_rank: int = 0, state_dir: str | None = None) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
@@ -152,7 +167,39 @@ class TrainingServer:
         self.checkpoints: dict[str, tuple[str, str]] = {}  # save_weights name -> (model_id, trainer checkpoint)
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
+        self.state_dir = Path(state_dir) if state_dir else None
+        if self.state_dir is not None and (self.state_dir / _REGISTRY).exists():
+            self.worker.submit(self._restore).result()  # on the trainer thread, before anything is served
         self.app = self._build()
+
+    # ---- state across restarts ---------------------------------------------------------------------------------
+    def _dump_folder(self, model_id: str) -> str:
+        return str(self.state_dir / model_id if self.state_dir else self.root.parent / f".{model_id}")
+
+    def _persist(self) -> None:
+        """``models.json`` (written whole, then renamed): every model's creation and last checkpoint, the saved
+        names."""
+        if self.state_dir is None:
+            return
+        import json
+        import os
+
+        with self.lock:
+            data = {"models": {i: {"base_model": m.base_model, "lora": m.lora, "checkpoint": m.checkpoint}
+                               for i, m in self.models.items()},
+                    "checkpoints": {n: list(v) for n, v in self.checkpoints.items()}}
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_dir / (_REGISTRY + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.state_dir / _REGISTRY)
+
+    def _restore(self) -> None:
+        import json
+
+        data = json.loads((self.state_dir / _REGISTRY).read_text())
+        for model_id, m in data["models"].items():
+            self._create(model_id, m["base_model"], m["lora"], restore=m.get("checkpoint"), restored=True)
+        self.checkpoints = {n: tuple(v) for n, v in data.get("checkpoints", {}).items()}
 
     # ---- execution ---------------------------------------------------------------------------------------------
     def _future(self) -> tuple[str, concurrent.futures.Future]:
@@ -175,6 +222,8 @@ class TrainingServer:
             model = self.models.get(model_id)
             if model is None:
                 raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
+            if model.next_seq is None and isinstance(seq_id, int):  # restored: the client's numbering goes on
+                model.next_seq = seq_id
             if not isinstance(seq_id, int) or seq_id < model.next_seq or seq_id in model.pending:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             rid, fut = self._future()
@@ -197,7 +246,9 @@ class TrainingServer:
                                                     f"{model.next_seq}, which never arrived"))
 
     # ---- operations (on the worker thread) -----------------------------------------------------------------------
-    def _create(self, model_id: str, base_model: str, lora: dict) -> dict:
+    def _create(self, model_id: str, base_model: str, lora: dict, restore: str | None = None,
+                restored: bool = False) -> dict:
+        """Build the model's trainer; ``restored`` (a restart): load ``restore``, its last checkpoint, if any."""
         from .client import TrainingClient
 
         rank = int(lora.get("rank") or 0)
@@ -208,14 +259,18 @@ class TrainingServer:
                                                 alpha=float(lora.get("alpha") or 32.0), dtype=self.dtype,
                                                 max_rank=self.max_lora_rank,
                                                 learning_rate=self.learning_rate,
-                                                dump_folder=str(self.root.parent / f".{model_id}"))
+                                                dump_folder=self._dump_folder(model_id))
         else:
             client = TrainingClient.from_checkpoint(self.checkpoint, dtype=self.dtype,
                                                     learning_rate=self.learning_rate,
-                                                    dump_folder=str(self.root.parent / f".{model_id}"),
+                                                    dump_folder=self._dump_folder(model_id),
                                                     batch_invariant=self.batch_invariant)
+        if restore is not None:
+            client.load_state(restore)
         with self.lock:
-            self.models[model_id] = _Model(client, base_model, rank)
+            self.models[model_id] = _Model(client, base_model, dict(lora), next_seq=None if restored else 1,
+                                           checkpoint=restore)
+        self._persist()
         return {"type": "create_model", "model_id": model_id}
 
     def _forward(self, model: _Model, body: dict, backward: bool) -> dict:
@@ -234,6 +289,9 @@ class TrainingServer:
     def _optim(self, model: _Model, adam: dict) -> dict:
         known = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
         res = model.client.optim_step({k: float(adam[k]) for k in known if adam.get(k) is not None})
+        if self.state_dir is not None:  # the state a restart comes back to
+            model.checkpoint = model.client.save_state("last")
+            self._persist()
         return {"metrics": {f"{k}:mean": float(v) for k, v in (res or {}).items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)}}
 
@@ -247,6 +305,7 @@ class TrainingServer:
         path = model.client.save_state(name)
         with self.lock:
             self.checkpoints[name] = (model_id, path)
+        self._persist()
         return {"path": name, "type": "save_weights"}
 
     def _load_state(self, model: _Model, name: str, optimizer: bool) -> dict:
@@ -377,6 +436,7 @@ class TrainingServer:
         async def unload(request: Request):
             body = await body_of(request)
             model = self.models.pop(body.get("model_id"), None)
+            self._persist()
             rid, fut = self._future()
             self._run(lambda: (model.client.close() if model else None) or {"model_id": body.get("model_id")}, fut)
             return {"request_id": rid}
@@ -422,8 +482,8 @@ class TrainingServerProcess:
                      *map(str, extra_args)]
         self.log_path, self.proc, self.base = Path(log_path), None, ""
 
-    def start(self, budget_s: float = 120.0, env: dict | None = None) -> str:
-        """Start and wait for ``/health``; returns the base URL.
+    def start(self, budget_s: float = 120.0, env: dict | None = None, port: int | None = None) -> str:
+        """Start (on ``port``, default a free one) and wait for ``/health``; returns the base URL.
 
         Raises:
             RuntimeError: it exited (its log's tail attached) or was not healthy within ``budget_s`` (then stopped).
@@ -435,9 +495,10 @@ class TrainingServerProcess:
 
         import requests
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", *self.args,
                                           "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
@@ -458,13 +519,17 @@ class TrainingServerProcess:
         raise RuntimeError(f"training server not healthy within {budget_s:.0f} s:\n"
                            + self.log_path.read_text(errors="replace")[-3000:])
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 60 s (this process only: it starts no children of its own)."""
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM (``kill``: SIGKILL at once, as a crash would), then SIGKILL after 60 s (this process only: it
+        starts no children of its own)."""
         import subprocess
 
         if self.proc is None:
             return
-        self.proc.terminate()
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -488,6 +553,8 @@ def main(argv=None) -> None:
                                                                      "before failing")
     ap.add_argument("--max-lora-rank", type=int, default=0, help="the vLLM server's --max-lora-rank (LoRA models "
                                                                     "are zero-padded to it)")
+    ap.add_argument("--state-dir", default=None, help="keep what a restart needs here (a checkpoint per optim_step); "
+                                                     "a restart on it resumes every model at its last optim_step")
     ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
                                                          "contrast")
     ap.add_argument("--host", default="127.0.0.1")
@@ -504,7 +571,7 @@ def main(argv=None) -> None:
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
                             batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s,
-                            max_lora_rank=args.max_lora_rank)
+                            max_lora_rank=args.max_lora_rank, state_dir=args.state_dir)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 
