@@ -397,10 +397,14 @@ def test_training_server_killed_mid_step_resumes_at_the_last_optim_step(env, tmp
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(AdamParams(learning_rate=5e-2)).result()
     after_step = logprobs()
+    assert tc.save_state("named").result().path == "named"
     tc.forward_backward(data, "cross_entropy").result()  # the step in progress: its optim_step never comes
     server.stop(kill=True)
     server.start(port=port)
+    server.stop(kill=True)  # killed again right after its restore: the registry must still hold everything
+    server.start(port=port)
     assert logprobs() == after_step  # the last completed optim_step's state, nothing of the killed step
+    assert "named" in tc.list_checkpoints()
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(AdamParams(learning_rate=5e-2)).result()
     assert logprobs() != after_step  # it trains on (and a step does move it: the control for the check above)

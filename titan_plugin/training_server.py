@@ -75,10 +75,7 @@ def _tensor_data(td, name: str) -> list:
     if not isinstance(td, dict) or not isinstance(td.get("data"), list):
         raise UserError(f"loss_fn_inputs[{name!r}] must be TensorData {{data, dtype, shape}}")
     shape = td.get("shape") or [len(td["data"])]
-    size = 1
-    for s in shape:
-        size *= int(s)
-    if size != len(td["data"]) or len(shape) != 1:
+    if len(shape) != 1 or int(shape[0]) != len(td["data"]):
         raise UserError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match {len(td['data'])} values (1-d)")
     return td["data"]
 
@@ -126,7 +123,12 @@ class _Model:
 
     @property
     def lora_rank(self) -> int:
-        return int(self.lora.get("rank") or 0)
+        return _lora_rank(self.lora)
+
+
+def _lora_rank(lora_config: dict) -> int:
+    """The rank of a wire ``lora_config`` (0: full-parameter)."""
+    return int(lora_config.get("rank") or 0)
 
 
 class TrainingServer:
@@ -163,7 +165,6 @@ class TrainingServer:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
         self.models: dict[str, _Model] = {}
         self.futures: dict[str, concurrent.futures.Future] = {}
-        self.sessions: set[str] = set()
         self.checkpoints: dict[str, tuple[str, str]] = {}  # save_weights name -> (model_id, trainer checkpoint)
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -197,9 +198,9 @@ class TrainingServer:
         import json
 
         data = json.loads((self.state_dir / _REGISTRY).read_text())
-        for model_id, m in data["models"].items():
-            self._create(model_id, m["base_model"], m["lora"], restore=m.get("checkpoint"), restored=True)
         self.checkpoints = {n: tuple(v) for n, v in data.get("checkpoints", {}).items()}
+        for model_id, m in data["models"].items():  # the registry is left as it was: nothing changed
+            self._create(model_id, m["base_model"], m["lora"], restore=m.get("checkpoint"), restored=True)
 
     # ---- execution ---------------------------------------------------------------------------------------------
     def _future(self) -> tuple[str, concurrent.futures.Future]:
@@ -251,7 +252,7 @@ class TrainingServer:
         """Build the model's trainer; ``restored`` (a restart): load ``restore``, its last checkpoint, if any."""
         from .client import TrainingClient
 
-        rank = int(lora.get("rank") or 0)
+        rank = _lora_rank(lora)
         if rank > 0:
             client = TrainingClient.create_lora(self.checkpoint, rank=rank, seed=lora.get("seed"),
                                                 train_mlp=bool(lora.get("train_mlp", True)),
@@ -270,7 +271,8 @@ class TrainingServer:
         with self.lock:
             self.models[model_id] = _Model(client, base_model, dict(lora), next_seq=None if restored else 1,
                                            checkpoint=restore)
-        self._persist()
+        if not restored:  # a restart re-reads the registry; rewriting it model by model would drop the rest
+            self._persist()
         return {"type": "create_model", "model_id": model_id}
 
     def _forward(self, model: _Model, body: dict, backward: bool) -> dict:
@@ -332,7 +334,8 @@ class TrainingServer:
             model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30,
                                           numerics=model.client.trainer.numerics,
                                           cache_dir=self.root.parent / ".zerokld_writer_cache")
-        kind = "full" if checkpoint_type == "base" or model.writer.loaded is None else None
+        # base: full; delta: the writer's choice — full while it has no snapshot to diff against, else incremental
+        kind = "full" if checkpoint_type == "base" else None
         info = model.writer.write(identity, model.client.trainer.hf_weights(self.dtype), kind=kind)
         model.writer.confirm(info)  # the next delta is against this snapshot: the server's own chain
         return {"path": info.identity, "type": "save_weights_for_sampler"}
@@ -370,9 +373,7 @@ class TrainingServer:
 
         @app.post(api + "/create_session")
         async def create_session(request: Request):
-            sid = f"session-{uuid.uuid4().hex[:8]}"
-            self.sessions.add(sid)
-            return {"type": "create_session", "session_id": sid}
+            return {"type": "create_session", "session_id": f"session-{uuid.uuid4().hex[:8]}"}
 
         @app.post(api + "/session_heartbeat")
         async def heartbeat(request: Request):
@@ -461,7 +462,7 @@ class TrainingServer:
             self.futures.pop(rid, None)
             error = fut.exception()
             if error is not None:  # in the client's error shape
-                user = isinstance(error, (UserError, ValueError, KeyError, TypeError, NotImplementedError))
+                user = isinstance(error, (ValueError, KeyError, TypeError, NotImplementedError))  # UserError too
                 return {"error": public_message(error), "category": "user" if user else "server",
                         "error_class": type(error).__name__}
             return fut.result()
