@@ -46,7 +46,7 @@ def _rows_operand(a: torch.Tensor) -> torch.Tensor:
     """``a`` as a row-major contiguous, 16-byte aligned ``[M, K]`` tensor (a copy only if it is not one)."""
     if a.is_contiguous() and a.data_ptr() % _ALIGN == 0:
         return a
-    return a.clone(memory_format=torch.contiguous_format) if a.is_contiguous() else a.contiguous()
+    return a.clone(memory_format=torch.contiguous_format)  # a fresh allocation: contiguous and aligned
 
 
 def fixed_rows_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,

@@ -32,7 +32,7 @@ def true_divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
     ``x / 448.0`` is not that on CUDA: when the divisor is a CPU scalar, ATen's CUDA kernel multiplies by its
     reciprocal (``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``), so some quotients come out one ulp off the CPU's
     and a Triton kernel's ``div_rn`` (measured on an H200: the FP8 scales differed). Dividing by a 0-d tensor on
-    ``x``'s device takes the true division everywhere; on CPU the bits are those of ``x / divisor``.
+    ``x``'s device (in ``x.dtype``) takes the true division everywhere; on CPU the bits are those of ``x / divisor``.
 
     Args:
         x: floating tensor, any shape and device. divisor: a Python number.
@@ -40,7 +40,7 @@ def true_divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
     Returns:
         ``x / divisor`` in ``x.dtype``, same shape and device.
     """
-    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+    return x / x.new_full((), divisor)  # filled on the device: no host-to-device copy
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -177,10 +177,10 @@ class ZeroKLDHotLoadEndpoint:
                                 status_code=404)
         return None
 
-    def _deployment_refused(self, request: Request):
-        """404 unless the ``fireworks-deployment`` header names this server's deployment (``None``: it does)."""
+    def _deployment_refused(self, got: str | None):
+        """404 unless ``got`` (the ``fireworks-deployment`` header, a lookup's path) names this server's deployment
+        (``None``: it does)."""
         name = self.manager.config.deployment_name
-        got = request.headers.get(FIREWORKS_DEPLOYMENT_HEADER)
         if got != name:
             return JSONResponse({"error": f"no deployment {str(got)[:120]!r} here: this server is {name!r}"},
                                 status_code=404)
@@ -234,7 +234,8 @@ class ZeroKLDHotLoadEndpoint:
 
         @app.post(FIREWORKS_HOT_LOAD)
         async def fireworks_signal(request: Request):
-            if (resp := self._guard(request) or self._deployment_refused(request)) is not None:
+            if (resp := self._guard(request) or self._deployment_refused(
+                    request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))) is not None:
                 return resp
             cfg = self.manager.config
             return await self._signal(request, lambda body: Signal.from_fireworks(
@@ -242,7 +243,8 @@ class ZeroKLDHotLoadEndpoint:
 
         @app.get(FIREWORKS_HOT_LOAD)
         async def fireworks_hot_load_status(request: Request):
-            if (resp := self._guard(request) or self._deployment_refused(request)) is not None:
+            if (resp := self._guard(request) or self._deployment_refused(
+                    request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))) is not None:
                 return resp
             return JSONResponse(fireworks_status(self.manager.status(), self.manager.config.deployment_lora_name))
 
@@ -254,13 +256,10 @@ class ZeroKLDHotLoadEndpoint:
 
         @app.get(_ACCOUNTS + "/{account_id}/deployments/{deployment_id}")
         async def deployment(account_id: str, deployment_id: str, request: Request):
-            if (resp := self._guard(request)) is not None:
+            got = f"accounts/{account_id}/deployments/{deployment_id}"
+            if (resp := self._guard(request) or self._deployment_refused(got)) is not None:
                 return resp
             cfg = self.manager.config
-            if (account_id, deployment_id) != (cfg.account_id, cfg.deployment_id):
-                return JSONResponse({"error": f"no deployment accounts/{account_id[:40]}/deployments/"
-                                              f"{deployment_id[:40]} here: this server is {cfg.deployment_name!r}"},
-                                    status_code=404)
             return JSONResponse(fireworks.deployment(cfg.deployment_name, self.served_model, cfg.transition))
 
         @app.post("/inference/v1/completions")
@@ -344,9 +343,8 @@ class ZeroKLDHotLoadEndpoint:
             req = fireworks.vllm_completion_request(body, self.served_model, name, lora)
         except fireworks.FireworksRequestError as e:
             return JSONResponse({"error": {"message": str(e), "code": "invalid_request_error"}}, status_code=e.status)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", SESSION_HEADER)}
-        if "authorization" not in {k.lower() for k in headers} and request.headers.get(fireworks.API_KEY_HEADER):
-            headers["Authorization"] = f"Bearer {request.headers[fireworks.API_KEY_HEADER]}"
+        forwarded = ("authorization", fireworks.API_KEY_HEADER.lower(), SESSION_HEADER)  # the key as sent: both pass
+        headers = {k: v for k, v in request.headers.items() if k.lower() in forwarded}
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None) as client:
             inner = await client.post("/v1/completions", json=req, headers=headers)
         passed = {k: v for k, v in inner.headers.items() if k.lower() == IDENTITY_HEADER}
