@@ -274,6 +274,72 @@ def _gemm_configs(args, time_ms, dev, dt) -> dict:
     return out
 
 
+def _attention_configs(args, time_ms, dev, dt) -> dict:
+    """The Triton attention's tile/warps/stages (``shared_numerics.ops_triton.attention.CONFIGS``) vs alternatives
+    with the same key chunk: prefill (dense, with backward) and paged decode at the benchmark's shapes, each output
+    and gradient compared bitwise with the current config's (only the key chunk may change bits; a ``False`` here
+    means a tile choice changed a row's arithmetic and the alternative cannot be adopted)."""
+    from dataclasses import replace
+
+    from shared_numerics.ops_triton import attention as A
+
+    current = A.CONFIGS[dt]
+    candidates = {"current": current} if dev != "cuda" else {
+        "current": current,
+        "prefill_s3": replace(current, fwd_stages=3),
+        "prefill_64w4": replace(current, block_m=64, fwd_warps=4),
+        "prefill_64w4_s3": replace(current, block_m=64, fwd_warps=4, fwd_stages=3),
+        "decode_64w4": replace(current, decode_block_m=64, decode_warps=4),
+        "decode_64w4_s3": replace(current, decode_block_m=64, decode_warps=4, decode_stages=3),
+        "decode_128w8_s3": replace(current, decode_stages=3),
+        "bwd_s1": replace(current, bwd_stages=1),
+        "bwd_s3": replace(current, bwd_stages=3)}
+    b, t, hq, hk, d = args.prefill_batch, args.prefill_len, args.hidden // args.head_dim, args.kv_heads, args.head_dim
+    g = torch.Generator(device=dev).manual_seed(3)
+    q, k, v = (torch.randn(b, t, h, d, generator=g, device=dev).to(dt) for h in (hq, hk, hk))
+    up = torch.randn(b, t, hq, d, generator=g, device=dev).to(dt)
+    nreq, ctx, bs = args.decode_requests, args.decode_context, args.block_size
+    blocks = nreq * ctx // bs
+    kc = torch.randn(blocks, hk, bs, d, generator=g, device=dev).to(dt)
+    vc = torch.randn(blocks, hk, bs, d, generator=g, device=dev).to(dt)
+    table = torch.randperm(blocks, device=dev, generator=g).reshape(nreq, ctx // bs).int()
+    qd = torch.randn(nreq, hq, d, generator=g, device=dev).to(dt)
+    qsl = torch.arange(nreq + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((nreq,), ctx, device=dev, dtype=torch.int32)
+    scale = d ** -0.5
+
+    def prefill():
+        return A.dense_causal_attention(q, k, v, scale)
+
+    def fwd_bwd():
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        (A.dense_causal_attention(qq, kk, vv, scale) * up).sum().backward()
+        return qq.grad, kk.grad, vv.grad
+
+    def decode():
+        return A.paged_causal_attention(qd, kc, vc, qsl, lens, table, scale, 1, ctx)
+
+    out, ref = {}, {}
+    try:
+        for name, cfg in candidates.items():
+            A.CONFIGS[dt] = cfg
+            try:
+                res = {"prefill_ms": time_ms(prefill, args.repeats), "fwd_bwd_ms": time_ms(fwd_bwd, args.repeats),
+                       "decode_ms": time_ms(decode, args.repeats)}
+                bits = {"prefill": prefill(), "fwd_bwd": torch.cat([x.flatten() for x in fwd_bwd()]),
+                        "decode": decode()}
+                if name == "current":
+                    ref = bits
+                res.update({f"{key}_bitwise_current": bool(torch.equal(val, ref[key])) for key, val in bits.items()})
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or run: report it
+                res = {"error": f"{type(e).__name__}: {e}"[:300]}
+            out[name] = res
+            print("attention config", name, res, flush=True)
+    finally:
+        A.CONFIGS[dt] = current
+    return out
+
+
 def _dig(result: dict, path) -> float | None:
     for key in path:
         if not isinstance(result, dict) or key not in result:
@@ -351,6 +417,7 @@ def main(argv=None) -> dict:
         "layer": _layer(args, T, dev, dt, time_ms),
         "layer_cublas": _layer(args, C, dev, dt, time_ms),
         "triton_gemm_configs": _gemm_configs(args, time_ms, dev, dt),
+        "triton_attention_configs": _attention_configs(args, time_ms, dev, dt),
     }
     result["targets"] = targets(result, args.m_small, args.m_large)
     out.write_text(json.dumps(result, indent=2))

@@ -34,7 +34,8 @@ __all__ = ["CONTRACT", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "
 #: Version of the fixed constants both sides must share; bump the leading number when a kernel's arithmetic order
 #: changes without a constant changing.
 #: 5: the Triton bf16/fp16 GEMM tile 128x128x64 -> 128x256x64; the cublas backend's row block
-CONTRACT = (f"5:row_tile={ROW_TILE},gemm={GEMM_PARTITION},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
+#: 6: Triton attention forward: the softmax scale applied in an fma (``exp2(fma(s, scale, -m))``), no FP contraction
+CONTRACT = (f"6:row_tile={ROW_TILE},gemm={GEMM_PARTITION},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
             f"cublas_rows={CUBLAS_ROWS}")
 DTYPES = ("float32", "bfloat16", "float16")
 FP8_GRANULARITIES = ("per_channel", "block")

@@ -20,4 +20,6 @@ def test_gpu_benchmark_smoke_run(tmp_path):
             assert case.get("ours_rows_invariant", True) is True
     assert result["attention"]["decode"]["ours_kv_gb_per_s"] > 0
     assert set(result["layer"]) == set(result["layer_cublas"]) == {"forward", "forward_backward"}
+    current = result["triton_attention_configs"]["current"]
+    assert all(current[f"{case}_bitwise_current"] for case in ("prefill", "fwd_bwd", "decode")), current
     assert len(result["targets"]) == len(TARGETS) and all(t["value"] is not None for t in result["targets"].values())

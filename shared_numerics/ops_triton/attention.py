@@ -9,8 +9,10 @@ programs run):
 * inside a split, keys are walked in ``block_n``-key chunks (64 for bf16/fp16, 32 for fp32: :data:`CONFIGS`) in
   increasing order with the online softmax
   (running max ``m``, normaliser ``l``, accumulator ``acc``; fp32, base-2 exponentials): scores ``q·k`` are one
-  tensor-core dot (bf16/fp16 operands, fp32 accumulation; fp32 models use exact ``ieee`` dots), ``p`` is rounded to
-  the value dtype for ``p·v`` (FlashAttention-2);
+  tensor-core dot (bf16/fp16 operands, fp32 accumulation; fp32 models use exact ``ieee`` dots), the chunk's max is
+  ``max(s) * scale`` (equal to ``max(s * scale)``: rounding is monotone, the scale positive), ``p = exp2(fma(s,
+  scale, -m))``, ``l = fma(l, alpha, sum(p))``, ``p`` is rounded to the value dtype for ``p·v`` (FlashAttention-2);
+  every fused multiply-add is written out and the compiler fuses nothing else (``enable_fp_fusion=False``);
 * the splits' states are merged in increasing split order, starting from the empty state, by one merge function
   (:func:`_merge`), and the output is ``acc / l`` (IEEE division).
 
@@ -22,13 +24,15 @@ kernel (:func:`_attn_fwd`, the split count per program is a runtime argument), m
 no-op (``max`` is exact, a factor of exactly 1 or 0), and key chunks past a query's position are exact no-ops too, so
 a query's bits do not depend on which other queries share its tile either.
 
-A program owns one tile: ``block_m`` rows (128 for bf16/fp16, 32 for fp32), each row one (query, query head) pair —
+A program owns one tile: ``block_m`` rows (prefill 128 and decode 64 for bf16/fp16, 32 for fp32), each row one
+(query, query head) pair —
 ``block_m // G`` consecutive queries of one sequence times the ``G`` query heads of one kv head (grouped-query attention: the K/V chunk loaded
 once serves all of them). Sequences are found from ``query_start_loc`` inside the kernel (tile ``t`` belongs to the
 last sequence ``s`` with ``query_start_loc[s] // Q + s <= t``, the upper-bound grid of vLLM's unified attention), so
-the host launches ``N_q // Q + num_seqs`` tile programs and builds no maps: no host sync, CUDA-graph capturable. Keys
-are addressed through a block table in both layouts: vLLM's paged ``[blocks, kv_heads, block_size, D]`` cache (any
-block size and strides) and the trainer's dense ``[B, T, kv_heads, D]`` keys seen as one ``T``-token block per sequence.
+the host launches ``N_q // Q + num_seqs`` tile programs (last first: the causal mask makes late tiles the longest)
+and builds no maps: no host sync, CUDA-graph capturable. Keys are addressed through a block table in both layouts:
+vLLM's paged ``[blocks, kv_heads, block_size, D]`` cache (any block size and strides; power-of-two sizes compiled in)
+and the trainer's dense ``[B, T, kv_heads, D]`` keys seen as one ``T``-token block per sequence (addressed directly).
 
 Backward (dense layout): FlashAttention-2 (Dao 2023): ``dQ`` per query tile, ``dK``/``dV`` per (sequence, key
 chunk, kv head) walking the query tiles in order, both recomputing ``p = exp2(s - lse)`` from the forward's saved
@@ -55,13 +59,19 @@ from ..attention import SPLIT  # noqa: E402  keys per split (absolute positions)
 
 @dataclass(frozen=True)
 class AttnConfig:
-    """One fixed configuration per dtype. ``block_m`` (rows per tile) and ``block_n`` (keys per chunk) are part of
-    the numerics contract — every launch of a dtype compiles the same kernel; warps and stages only schedule it.
-    Chosen from the kernels' resource use for sm_90 (``zerokld_testing/triton_aot.py``): bf16 128x64 runs the
-    forward in 254 registers without spilling; fp32 (exact ``ieee`` dots on CUDA cores, for tests and fp32 models, not
-    a speed target) uses 32x32 tiles: 128x64 would need more shared memory than an SM has (263 KB in the dK/dV
-    kernel), 32x32 fits (<= 74 KB) with a small forward spill (~0.4 KB per thread). Its backward runs one stage:
-    Triton 3.9 pipelines the two-stage dK/dV kernel into 32 registers and ~5 KB of spills per thread (3.8: none)."""
+    """One fixed configuration per dtype. ``block_n`` (keys per chunk) is part of the numerics contract — every launch
+    of a dtype walks the same chunks. ``block_m`` (rows per tile) only decides which rows share a program: rows of an
+    MMA are independent and Hopper issues the same ``wgmma`` m64 instruction per warpgroup for 64- and 128-row tiles,
+    so a row's bits do not depend on it (measured: ``triton_attention_configs`` in
+    ``benchmarks/results/gpu_kernels_h200.json``, every 64-row variant bitwise the 128-row kernel on an H200; the GPU
+    tests compare dense 128-row tiles with 64-row decode tiles). Warps and stages only schedule. ``decode_*``: the
+    tile of split-KV launches (decode-like batches), where a tile holds few valid rows and more programs per SM pay:
+    bf16 64-row tiles of 4 warps read the paged cache at 1160 GB/s on an H200 vs 730 for 128-row tiles of 8. Prefill
+    runs 3 stages (8% faster than 2 there). bf16 128x64 runs the forward at the register ceiling without spilling
+    (``zerokld_testing/triton_aot.py``); fp32 (exact ``ieee`` dots on CUDA cores, for tests and fp32 models, not a
+    speed target) uses 32x32 tiles: 128x64 would need more shared memory than an SM has (263 KB in the dK/dV kernel),
+    32x32 fits (<= 74 KB) with a small forward spill. Its backward runs one stage: Triton 3.9 pipelines the two-stage
+    dK/dV kernel into 32 registers and ~5 KB of spills per thread (3.8: none)."""
 
     block_m: int
     block_n: int
@@ -69,12 +79,15 @@ class AttnConfig:
     fwd_stages: int
     bwd_warps: int
     bwd_stages: int
+    decode_block_m: int
+    decode_warps: int
+    decode_stages: int
 
 
 CONFIGS = {
-    torch.bfloat16: AttnConfig(128, 64, 8, 2, 8, 2),
-    torch.float16: AttnConfig(128, 64, 8, 2, 8, 2),
-    torch.float32: AttnConfig(32, 32, 8, 2, 8, 1),
+    torch.bfloat16: AttnConfig(128, 64, 8, 3, 8, 2, 64, 4, 3),
+    torch.float16: AttnConfig(128, 64, 8, 3, 8, 2, 64, 4, 3),
+    torch.float32: AttnConfig(32, 32, 8, 2, 8, 1, 32, 8, 2),
 }
 _LOG2E = 1.4426950408889634
 
@@ -154,9 +167,9 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
               num_seqs, splits_per_program, n_groups, G, NHQ, D,
               sqt, sqh, sot, soh, skb, skh, skt, svb, svh, svt, sbt, block_size, qk_scale,
               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
-              STORE_LSE: tl.constexpr):
+              STORE_LSE: tl.constexpr, BLOCK: tl.constexpr):
     """Program (tile, kv head, split group): splits ``[g * splits_per_program, ...)`` of one tile."""
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (the longest: causal) first
     hk = tl.program_id(1)
     grp = tl.program_id(2)
     QT = BM // G
@@ -186,6 +199,12 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
     q = tl.load(q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :],
                 mask=rvalid[:, None] & dmask[None, :], other=0.0)
     offs = tl.arange(0, BN)
+    k_base = k_ptr + hk * skh
+    v_base = v_ptr + hk * svh
+    if BLOCK == 0:
+        dense_blk = tl.load(bt_ptr + seq * sbt).to(tl.int64)
+        k_base += dense_blk * skb
+        v_base += dense_blk * svb
     m_run = tl.full((BM,), float("-inf"), tl.float32)
     l_run = tl.zeros((BM,), dtype=tl.float32)
     acc_run = tl.zeros((BM, BD), dtype=tl.float32)
@@ -197,19 +216,28 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
         for k0 in tl.range(sp * SPLIT_, k_hi, BN):
             kpos = k0 + offs
             kin = kpos <= pmax  # keys of this tile's context: written, finite; the rest are loaded as 0
-            blk = tl.load(bt_ptr + seq * sbt + kpos // block_size, mask=kin, other=0).to(tl.int64)
-            slot = kpos % block_size
             kmask = kin[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + blk[:, None] * skb + hk * skh + slot[:, None] * skt + d[None, :], mask=kmask,
-                        other=0.0)
-            v = tl.load(v_ptr + blk[:, None] * svb + hk * svh + slot[:, None] * svt + d[None, :], mask=kmask,
-                        other=0.0)
+            if BLOCK == 0:  # dense: one block per sequence, the slot is the position
+                koff = kpos[:, None].to(tl.int64) * skt + d[None, :]
+                voff = kpos[:, None].to(tl.int64) * svt + d[None, :]
+            else:
+                if BLOCK > 0:  # a power-of-two block size known at compile time: shifts and masks
+                    blk = tl.load(bt_ptr + seq * sbt + kpos // BLOCK, mask=kin, other=0).to(tl.int64)
+                    slot = kpos % BLOCK
+                else:
+                    blk = tl.load(bt_ptr + seq * sbt + kpos // block_size, mask=kin, other=0).to(tl.int64)
+                    slot = kpos % block_size
+                koff = blk[:, None] * skb + slot[:, None] * skt + d[None, :]
+                voff = blk[:, None] * svb + slot[:, None] * svt + d[None, :]
+            k = tl.load(k_base + koff, mask=kmask, other=0.0)
+            v = tl.load(v_base + voff, mask=kmask, other=0.0)
             s = _mma(q, tl.trans(k), tl.zeros((BM, BN), dtype=tl.float32), IEEE)
-            s = tl.where(kpos[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - _finite(m_new)))
-            p = tl.exp2(s - _finite(m_new)[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # == max(s * qk_scale): rounding is monotone
+            m_fin = _finite(m_new)
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_fin))
+            p = tl.exp2(tl.fma(s, qk_scale, -m_fin[:, None]))
+            l_i = tl.fma(l_i, alpha, tl.sum(p, axis=1))
             acc = _mma(p, v, acc * alpha[:, None], IEEE)
             m_i = m_new
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
@@ -258,8 +286,26 @@ def _attn_combine(o_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_ptr, sl_ptr, num_seqs, n_gr
     tl.store(o_ptr + token * sot + h[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=m2)
 
 
+def _tile(dtype: torch.dtype, group: int, split_kv: bool) -> tuple[int, int, int]:
+    """``(block_m, num_warps, num_stages)`` of a forward launch: the decode tile for split-KV launches whose kv-head
+    group fits it, else the prefill tile."""
+    cfg = _config(dtype)
+    if split_kv and group <= cfg.decode_block_m:
+        return cfg.decode_block_m, cfg.decode_warps, cfg.decode_stages
+    queries_per_tile(group, dtype)  # raises for a group larger than the tile
+    return cfg.block_m, cfg.fwd_warps, cfg.fwd_stages
+
+
+def _block_key(block_size: int, dense: bool) -> int:
+    """The kernel's ``BLOCK`` specialisation (addressing only, never the arithmetic): 0 for dense sequences (one
+    block each), the block size for vLLM's power-of-two sizes up to 1024, -1 (read at run time) otherwise."""
+    if dense:
+        return 0
+    return block_size if block_size & (block_size - 1) == 0 and 0 < block_size <= 1024 else -1
+
+
 def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_size, scale, max_seq_len,
-             split_kv: bool, store_lse: bool):
+             split_kv: bool, store_lse: bool, dense: bool = False):
     """``q [Nq, Hq, D]`` (head stride may be anything, last stride 1); ``k_store``/``v_store``
     ``[blocks, Hkv, slot, D]``-strided. Returns ``(out [Nq, Hq, D], lse2 [Nq, Hq] base-2 or None)``."""
     n_q, h_q, d = q.shape
@@ -271,8 +317,8 @@ def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or v_store.stride(-1) != 1:
         raise ValueError("attention needs unit stride along head_dim")
     g = h_q // h_kv
-    cfg = _config(q.dtype)
-    qt = queries_per_tile(g, q.dtype)
+    block_m, warps, stages = _tile(q.dtype, g, split_kv)
+    qt = block_m // g
     out = torch.empty((n_q, h_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((n_q, h_q), dtype=torch.float32, device=q.device) if store_lse else None
     num_seqs = query_start_loc.shape[0] - 1
@@ -296,9 +342,10 @@ def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_
                     q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                     k_store.stride(0), k_store.stride(1), k_store.stride(2),
                     v_store.stride(0), v_store.stride(1), v_store.stride(2), bt.stride(0), block_size,
-                    float(scale) * _LOG2E, BM=cfg.block_m, BN=cfg.block_n, BD=bd, SPLIT_=SPLIT,
-                    IEEE=q.dtype == torch.float32, STORE_LSE=store_lse, num_warps=cfg.fwd_warps,
-                    num_stages=cfg.fwd_stages)
+                    float(scale) * _LOG2E, BM=block_m, BN=_config(q.dtype).block_n, BD=bd, SPLIT_=SPLIT,
+                    IEEE=q.dtype == torch.float32, STORE_LSE=store_lse, BLOCK=_block_key(block_size, dense),
+                    num_warps=warps, num_stages=stages,
+                    enable_fp_fusion=False)
     if n_groups > 1:
         _attn_combine[(n_q,)](out, mp, lp, ap, qsl, sl, num_seqs, n_groups, h_q, d, out.stride(0), out.stride(1),
                               BH=triton.next_power_of_2(h_q), BD=bd, SPLIT_=SPLIT)
@@ -339,7 +386,7 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, NHQ
         zero = tl.zeros((BM, BN), dtype=tl.float32)
         s = _mma(q, tl.trans(k), zero, IEEE)
         dp = _mma(do, tl.trans(v), zero, IEEE)
-        p = tl.where(kpos[None, :] <= pos[:, None], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        p = tl.where(kpos[None, :] <= pos[:, None], tl.exp2(tl.fma(s, qk_scale, -lse[:, None])), 0.0)
         dq = _mma(p * (dp - delta[:, None]), k, dq, IEEE)
     tl.store(dq_ptr + row[:, None] * D + d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=m2)
 
@@ -377,7 +424,7 @@ def _attn_bwd_dkv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
         s = _mma(q, tl.trans(k), zero, IEEE)
         dp = _mma(do, tl.trans(v), zero, IEEE)
         valid = (kpos[None, :] <= t[:, None]) & rvalid[:, None] & kin[None, :]
-        p = tl.where(valid, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        p = tl.where(valid, tl.exp2(tl.fma(s, qk_scale, -lse[:, None])), 0.0)
         dv = _mma(tl.trans(p), do, dv, IEEE)
         dk = _mma(tl.trans(p * (dp - delta[:, None])), q, dk, IEEE)
     tl.store(dk_ptr + krow[:, None] * D + d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=km)
@@ -403,7 +450,7 @@ class _DenseAttention(torch.autograd.Function):
         v_store = v.as_strided((b, h_kv, t, d), (t * h_kv * d, d, h_kv * d, 1))
         qsl, seq_lens, block_table = _dense_metadata(b, t, q.device)
         out, lse = _forward(q.reshape(b * t, h_q, d), k_store, v_store, qsl, seq_lens, block_table, t, scale, t,
-                            split_kv=False, store_lse=True)
+                            split_kv=False, store_lse=True, dense=True)
         out = out.reshape(b, t, h_q, d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -421,7 +468,7 @@ class _DenseAttention(torch.autograd.Function):
         delta = (do.float() * out.float()).sum(-1).reshape(-1).contiguous()  # [B*T*Hq]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         meta = dict(BM=cfg.block_m, BN=cfg.block_n, BD=triton.next_power_of_2(d), IEEE=q.dtype == torch.float32,
-                    num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+                    num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, enable_fp_fusion=False)
         args = (t, h_q, h_kv, d, g, ctx.scale * _LOG2E, ctx.scale)
         _attn_bwd_dq[(b, triton.cdiv(t, qt), h_kv)](q, k, v, do, lse, delta, dq, *args, **meta)
         _attn_bwd_dkv[(b, triton.cdiv(t, cfg.block_n), h_kv)](q, k, v, do, lse, delta, dk, dv, *args, **meta)
@@ -463,7 +510,7 @@ def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
         qsl = query_start_loc.long()
         max_query_len = int((qsl[1:] - qsl[:-1]).max().item()) if qsl.numel() > 1 else 0
     g = q.shape[1] // key_cache.shape[1]
-    split_kv = max_query_len <= queries_per_tile(g, q.dtype)
+    split_kv = g <= _config(q.dtype).decode_block_m and max_query_len <= _config(q.dtype).decode_block_m // g
     out, _ = _forward(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, key_cache.shape[2], scale,
                       max_seq_len, split_kv=split_kv, store_lse=False)
     return out
