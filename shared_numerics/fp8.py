@@ -14,8 +14,11 @@ Definition (every step in float32, in this order):
   all-zero codes instead of ``0 / 0``. ``x / s`` is a true division (vLLM's CUDA per-token kernel and DeepSeek-V3's
   ``act_quant`` divide; vLLM's native per-token path multiplies by ``1 / s``, which gives different codes).
 * Non-finite inputs (±inf, NaN) are refused: :class:`Fp8QuantizationError`.
-* **GEMM** (``fp8_linear``): codes are widened to float32 (exact) and multiplied with the fixed-tile matmul of
-  :mod:`shared_numerics.linear` (float32 accumulation, each row independent of the others); epilogue
+* **GEMM** (``fp8_linear``): on a CPU with AMX the codes, as bf16 values (exact: every e4m3fn value is a bf16 value),
+  go through the AMX bf16 kernel with float32 output (:func:`shared_numerics.gemm_cpu.gemm_abt`; exact products,
+  float32 accumulation in fixed 32-element K steps); elsewhere they are widened to float32 (exact) and multiplied with
+  the fixed-tile matmul of :mod:`shared_numerics.linear` (float32 accumulation). Either way each row is independent
+  of the others (the machine decides which: ``GEMM_PARTITION`` in the numerics contract); epilogue
   ``(acc * s_x) * s_w``. ``"block"``: one such product per 128-wide K block, scaled, then summed over the K blocks in
   increasing order — DeepSeek-V3's recipe (fp32 promotion every 128 K elements, arXiv 2412.19437 §3.3.2).
   The result is rounded once to the activation dtype.
@@ -24,19 +27,26 @@ Other recipes differ on purpose: torchao's ``Float8FakeQuantizer`` computes ``am
 with no floor (an all-zero row gives NaN); ``torch._scaled_mm`` on CPU rounds differently from this GEMM (see
 ``tests/test_fp8.py`` for all three negative controls).
 
+On CPU the activation quantizer and the widening of codes run compiled (``csrc/fp8.cpp``: the same steps in one pass,
+c10's e4m3fn rounding; torch's float8 conversions are scalar loops), bitwise the torch definition above.
+
 Sources: vLLM ``model_executor/layers/quantization/input_quant_fp8.py`` (per-token scale, floor) and
 ``utils/fp8_utils.py`` (block shapes); DeepSeek-V3 ``inference/kernel.py`` (``act_quant``, 128×128 weight blocks).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Literal
 
 import torch
 
+from .cpu_kernels import DTYPE_CODES, load, plain
+from .gemm_cpu import amx_available, gemm_abt
 from .linear import matmul_rows
 from .reduce import true_divide
 
-__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity",
+__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity", "fp8_values",
            "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -49,6 +59,56 @@ GRANULARITIES = ("per_channel", "block")
 
 class Fp8QuantizationError(ValueError):
     """Raised for input the FP8 quantizer refuses (non-finite values, unknown granularity, bad shapes)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    lib = load("fp8")
+    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.zk_fp8_quantize.argtypes = [c_int, vp, i64, i64, i64, i64, vp, vp, vp, c_int]
+    lib.zk_fp8_quantize.restype = c_int
+    lib.zk_fp8_to_bf16.argtypes = [vp, i64, vp, c_int]
+    lib.zk_fp8_to_bf16.restype = None
+    return lib
+
+
+def _compiled(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as a plain CPU float32/bf16 tensor the compiled kernels may read, else ``None``."""
+    p = plain(x)
+    return p if p is not None and p.dtype in (torch.float32, torch.bfloat16) else None
+
+
+def _quantize_compiled(x: torch.Tensor, granularity: str, codes: bool, values: bool):
+    """``csrc/fp8.cpp``'s quantizer on ``x [M, K]`` (plain CPU): ``(codes fp8 or None, values bf16 or None,
+    scales)``."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    group = k if granularity == "per_channel" else BLOCK
+    q = torch.empty((m, k), dtype=torch.uint8) if codes else None
+    v = torch.empty((m, k), dtype=torch.bfloat16) if values else None
+    s = torch.empty((m, max(1, -(-k // group))), dtype=torch.float32)
+    if m and k:
+        rc = _lib().zk_fp8_quantize(DTYPE_CODES[x.dtype], x.data_ptr(), m, k, x.stride(0), group,
+                                    None if q is None else q.data_ptr(), None if v is None else v.data_ptr(),
+                                    s.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise Fp8QuantizationError("FP8 quantization of activations: input contains inf or NaN")
+    elif m:
+        s.fill_(FP8_MIN_SCALE)
+    return None if q is None else q.view(FP8_DTYPE), v, s
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    """The values of ``float8_e4m3fn`` codes as bf16 (exact), same shape: what the AMX GEMM multiplies. Compiled
+    table lookup on CPU (``csrc/fp8.cpp``), ``codes.to(torch.bfloat16)`` elsewhere; bitwise equal."""
+    p = plain(codes)
+    if p is None or codes.dtype != FP8_DTYPE:
+        return codes.to(torch.bfloat16)
+    p = p.contiguous()
+    out = torch.empty(p.shape, dtype=torch.bfloat16)
+    if p.numel():
+        _lib().zk_fp8_to_bf16(p.data_ptr(), p.numel(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def _check_granularity(granularity: str) -> None:
@@ -87,6 +147,14 @@ def quantize_fp8_activation(x: torch.Tensor, granularity: Granularity = "per_cha
         Fp8QuantizationError: ``x`` has inf/NaN, or the granularity is unknown.
     """
     _check_granularity(granularity)
+    if _compiled(x) is not None and x.dim() == 2:
+        q, _, s = _quantize_compiled(_compiled(x), granularity, codes=True, values=False)
+        return q, s
+    return _quantize_activation_torch(x, granularity)
+
+
+def _quantize_activation_torch(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantizer's definition as torch ops (GPUs and the reference the compiled one is tested on)."""
     xf = x.float()
     if granularity == "per_channel":
         s = _scales(xf.abs().amax(dim=-1, keepdim=True), "activations")
@@ -135,7 +203,8 @@ def _expand_block_scales(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity = "per_channel"
                           ) -> torch.Tensor:
-    """``codes * scale`` in float32, ``[N, K]`` (used by the QAT backward and by tests; not by the GEMM)."""
+    """``codes * scale`` in float32, ``[N, K]`` (used by the QAT backward and by tests; not by the GEMM). ``q``: the
+    ``float8_e4m3fn`` codes or their bf16 values (:func:`fp8_values`), the same result."""
     _check_granularity(granularity)
     if granularity == "per_channel":
         return q.float() * s.unsqueeze(1)
@@ -163,6 +232,28 @@ def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor
     return out
 
 
+def _gemm_amx(vx: torch.Tensor, sx: torch.Tensor, vw: torch.Tensor, sw: torch.Tensor, granularity: str
+              ) -> torch.Tensor:
+    """:func:`_gemm` on the AMX kernel: ``vx [M, K]``, ``vw [N, K]`` the codes' bf16 values; same K blocks, same
+    epilogue order (in place: the same roundings)."""
+    n, k = vw.shape
+    if granularity == "per_channel":
+        return gemm_abt(vw, vx, transpose=True, out_dtype=torch.float32).mul_(sx).mul_(sw.unsqueeze(0))
+    out = None
+    sw_rows = sw.repeat_interleave(BLOCK, dim=0)[:n]  # [N, KB]
+    for b in range((k + BLOCK - 1) // BLOCK):
+        lo, hi = b * BLOCK, min(k, (b + 1) * BLOCK)
+        part = gemm_abt(vw[:, lo:hi], vx[:, lo:hi], transpose=True, out_dtype=torch.float32)
+        part.mul_(sx[:, b: b + 1]).mul_(sw_rows[:, b])
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def _on_amx(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Does this product take the AMX path (a CPU with AMX, plain CPU operands)?"""
+    return amx_available() and _compiled(x) is not None and all(plain(w) is not None for w in weights)
+
+
 def check_fp8_weight(x: torch.Tensor, qweight: torch.Tensor) -> None:
     """Raise :class:`Fp8QuantizationError` unless ``qweight`` is ``float8_e4m3fn [N, K]`` with ``K = x.shape[-1]``."""
     if qweight.dtype != FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
@@ -187,9 +278,15 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tenso
         Fp8QuantizationError: non-finite activations, unknown granularity, or a K mismatch.
     """
     check_fp8_weight(x, qweight)
+    _check_granularity(granularity)
     lead = x.shape[:-1]
-    qx, sx = quantize_fp8_activation(x.reshape(-1, x.shape[-1]), granularity)
-    y = _gemm(qx, sx, qweight, weight_scale.float(), granularity)
+    x2 = x.reshape(-1, x.shape[-1])
+    if _on_amx(x2, qweight):
+        _, vx, sx = _quantize_compiled(_compiled(x2), granularity, codes=False, values=True)
+        y = _gemm_amx(vx, sx, fp8_values(qweight), weight_scale.float(), granularity)
+    else:
+        qx, sx = quantize_fp8_activation(x2, granularity)
+        y = _gemm(qx, sx, qweight, weight_scale.float(), granularity)
     return y.to(x.dtype).reshape(*lead, qweight.shape[0])
 
 
@@ -202,9 +299,14 @@ class _Fp8LinearSTE(torch.autograd.Function):
     def forward(ctx, x, weight, granularity):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        qx, sx = quantize_fp8_activation(x2, granularity)
         qw, sw = quantize_fp8_weight(weight.detach(), granularity)
-        y = _gemm(qx, sx, qw, sw, granularity)
+        if _on_amx(x2, weight):  # codes kept as their bf16 values: the backward's dequantization reads them as well
+            _, qx, sx = _quantize_compiled(_compiled(x2), granularity, codes=False, values=True)
+            qw = fp8_values(qw)
+            y = _gemm_amx(qx, sx, qw, sw, granularity)
+        else:
+            qx, sx = quantize_fp8_activation(x2, granularity)
+            y = _gemm(qx, sx, qw, sw, granularity)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.granularity, ctx.x_dtype, ctx.w_dtype, ctx.x_shape = granularity, x.dtype, weight.dtype, x.shape
         return y.to(x.dtype).reshape(*lead, weight.shape[0])

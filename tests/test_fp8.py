@@ -31,6 +31,70 @@ def test_round_to_nearest_even_and_clamp():
     assert q.float()[0, :3].abs().max().item() == FP8_MAX
 
 
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite e4m3fn value in increasing order."""
+    v = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    return torch.unique(v[torch.isfinite(v)])
+
+
+def test_compiled_quantizer_is_the_torch_definition():
+    """csrc/fp8.cpp's quantizer (what CPU serving and QAT run) against the definition as torch ops, bit for bit: every
+    bf16 value within ±448 and, in float32, every midpoint between neighbouring e4m3 values (the ties) and the floats
+    just beside them, with the scale exactly 1 (amax 448); random data of both granularities, K with a partial last
+    block, float32 and bf16 inputs."""
+    from shared_numerics.fp8 import _quantize_activation_torch, fp8_values
+
+    grid = _e4m3_grid()
+    mid = (grid[1:] + grid[:-1]) / 2
+    ties = torch.cat([mid, torch.nextafter(mid, torch.full_like(mid, -1e9)),
+                      torch.nextafter(mid, torch.full_like(mid, 1e9))])
+    bf = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    bf = bf[torch.isfinite(bf) & (bf.abs() <= FP8_MAX)]
+    cases = [(torch.cat([torch.tensor([FP8_MAX]), v]).unsqueeze(0), "per_channel") for v in (ties, bf)]
+    g = torch.Generator().manual_seed(3)
+    for granularity in GRANULARITIES:
+        for dtype in DTYPES:
+            x = torch.randn(33, 300, generator=g) * torch.logspace(-12, 6, 300)
+            cases.append((x.to(dtype), granularity))
+    for x, granularity in cases:
+        q, s = quantize_fp8_activation(x, granularity)
+        q0, s0 = _quantize_activation_torch(x, granularity)
+        assert torch.equal(s, s0)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (q.view(torch.uint8) != q0.view(torch.uint8)).sum()
+        assert torch.equal(fp8_values(q).view(torch.int16), q0.float().to(torch.bfloat16).view(torch.int16))
+
+
+def test_fp8_values_table():
+    from shared_numerics.fp8 import fp8_values
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    v, ref = fp8_values(codes).float(), codes.float()
+    assert torch.equal(torch.isnan(v), torch.isnan(ref)) and torch.equal(v[~torch.isnan(v)], ref[~torch.isnan(ref)])
+    assert torch.equal(torch.signbit(v), torch.signbit(ref))  # -0 stays -0
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_gemm_path_of_this_machine(granularity):
+    """On a CPU with AMX the GEMM multiplies the codes' bf16 values on the AMX kernel; elsewhere their float32 values
+    on the FMA kernel. Both compute the same exact products (4-bit significands) and differ only in accumulation, so
+    they agree to float32 rounding; fp8_linear and QAT take the machine's path."""
+    from shared_numerics.fp8 import _gemm, _gemm_amx, _on_amx, fp8_values
+    from shared_numerics.gemm_cpu import amx_available
+
+    x, w = _data(m=40, k=300, n=70)
+    qx, sx = quantize_fp8_activation(x, granularity)
+    qw, sw = quantize_fp8_weight(w, granularity)
+    assert _on_amx(x, qw) == amx_available()
+    fma = _gemm(qx, sx, qw, sw, granularity)
+    y = sn.fp8_linear(x, qw, sw, granularity)
+    if amx_available():
+        amx = _gemm_amx(fp8_values(qx), sx, fp8_values(qw), sw, granularity)
+        torch.testing.assert_close(amx, fma, rtol=1e-5, atol=1e-5 * fma.abs().max().item())
+        assert torch.equal(y, amx.to(x.dtype))
+    else:
+        assert torch.equal(y, fma.to(x.dtype))
+
+
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_all_zero_rows_are_safe(granularity):
     x = torch.zeros(3, 130)
