@@ -69,7 +69,22 @@ def _lib():
     lib.zk_fp8_quantize.restype = c_int
     lib.zk_fp8_to_bf16.argtypes = [vp, i64, vp, c_int]
     lib.zk_fp8_to_bf16.restype = None
+    lib.zk_fp8_dequantize_bf16.argtypes = [vp, vp, i64, i64, i64, vp, c_int]
+    lib.zk_fp8_dequantize_bf16.restype = None
     return lib
+
+
+def _dequantize_activation_bf16(v: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
+    """``(values.float() * scale).to(torch.bfloat16)`` for an activation's bf16 code values ``v [M, K]`` (plain CPU),
+    compiled."""
+    v = v.contiguous()
+    m, k = v.shape
+    out = torch.empty((m, k), dtype=torch.bfloat16)
+    if v.numel():
+        _lib().zk_fp8_dequantize_bf16(v.data_ptr(), s.contiguous().data_ptr(), m, k,
+                                      k if granularity == "per_channel" else BLOCK, out.data_ptr(),
+                                      torch.get_num_threads())
+    return out
 
 
 def _compiled(x: torch.Tensor) -> torch.Tensor | None:
@@ -214,7 +229,8 @@ def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granula
 def _dequantize_activation(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
     if granularity == "per_channel":
         return q.float() * s
-    return q.float() * s.repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
+    m, k = q.shape
+    return (_pad_k(q.float()).view(m, -1, BLOCK) * s.unsqueeze(-1)).view(m, -1)[:, :k]
 
 
 def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str) -> torch.Tensor:
@@ -309,13 +325,26 @@ class _Fp8LinearSTE(torch.autograd.Function):
             y = _gemm(qx, sx, qw, sw, granularity)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.granularity, ctx.x_dtype, ctx.w_dtype, ctx.x_shape = granularity, x.dtype, weight.dtype, x.shape
+        ctx.amx = _on_amx(x2, weight)
         return y.to(x.dtype).reshape(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
         qx, sx, qw, sw = ctx.saved_tensors
-        g = gy.reshape(-1, gy.shape[-1]).float()
         grad_x = grad_w = None
+        if ctx.amx and gy.dtype == torch.bfloat16 and plain(gy) is not None:
+            # a bf16 model on AMX: both GEMMs on the AMX kernel with bf16 operands — dY as given, the dequantized
+            # codes rounded to bf16 (what a bf16 trainer's backward multiplies) — float32 accumulation
+            g = gy.reshape(-1, gy.shape[-1])
+            if ctx.needs_input_grad[0]:
+                w_dq = dequantize_fp8_weight(qw, sw, ctx.granularity).to(torch.bfloat16)
+                grad_x = gemm_abt(w_dq.t(), g, transpose=True, out_dtype=torch.float32)
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                x_dq = _dequantize_activation_bf16(qx, sx, ctx.granularity)
+                grad_w = gemm_abt(g.t(), x_dq.t(), out_dtype=torch.float32).to(ctx.w_dtype)
+            return grad_x, grad_w, None
+        g = gy.reshape(-1, gy.shape[-1]).float()
         if ctx.needs_input_grad[0]:
             w_dq = dequantize_fp8_weight(qw, sw, ctx.granularity)
             grad_x = matmul_rows(g, w_dq).to(ctx.x_dtype).reshape(ctx.x_shape)
@@ -327,7 +356,9 @@ class _Fp8LinearSTE(torch.autograd.Function):
 
 def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granularity = "per_channel") -> torch.Tensor:
     """FP8 fake-quant ``linear`` for quantization-aware training: the forward is bit for bit :func:`fp8_linear` of
-    ``quantize_fp8_weight(weight)``; the backward is the straight-through estimator (float32, deterministic).
+    ``quantize_fp8_weight(weight)``; the backward is the straight-through estimator (deterministic): float32 GEMMs
+    of the dequantized operands, or for bf16 activations on an AMX CPU the AMX kernel's bf16 GEMMs (the dequantized
+    operands rounded to bf16, float32 accumulation — a bf16 trainer's backward precision).
 
     Args:
         x: ``[..., K]`` float32 or bfloat16.

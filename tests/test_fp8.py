@@ -42,7 +42,8 @@ def test_compiled_quantizer_is_the_torch_definition():
     bf16 value within ±448 and, in float32, every midpoint between neighbouring e4m3 values (the ties) and the floats
     just beside them, with the scale exactly 1 (amax 448); random data of both granularities, K with a partial last
     block, float32 and bf16 inputs."""
-    from shared_numerics.fp8 import _quantize_activation_torch, fp8_values
+    from shared_numerics.fp8 import (_dequantize_activation, _dequantize_activation_bf16, _quantize_activation_torch,
+                                     fp8_values)
 
     grid = _e4m3_grid()
     mid = (grid[1:] + grid[:-1]) / 2
@@ -62,6 +63,10 @@ def test_compiled_quantizer_is_the_torch_definition():
         assert torch.equal(s, s0)
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (q.view(torch.uint8) != q0.view(torch.uint8)).sum()
         assert torch.equal(fp8_values(q).view(torch.int16), q0.float().to(torch.bfloat16).view(torch.int16))
+        if x.shape[0] > 1:  # the QAT backward's compiled dequantization: (q * s) rounded to bf16, as torch does it
+            deq = _dequantize_activation(q0, s0, granularity).to(torch.bfloat16)
+            assert torch.equal(_dequantize_activation_bf16(fp8_values(q), s, granularity).view(torch.int16),
+                               deq.view(torch.int16))
 
 
 def test_fp8_values_table():
@@ -184,6 +189,31 @@ def test_qat_backward_is_straight_through(granularity):
     x.grad = w.grad = None
     sn.fp8_linear_qat(x, w, granularity).backward(gy)
     assert torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])  # deterministic
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_qat_backward_bf16(granularity):
+    """bf16 activations: the straight-through gradients at bf16 precision (on AMX: bf16 GEMMs of dY and the
+    dequantized operands), close to the float32 formula, deterministic, rows of dX independent of the batch."""
+    x, w = _data(m=50, k=300, n=140, dtype=torch.bfloat16)
+    gy = torch.randn(50, 140, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def grads(rows):
+        xx, ww = x[rows].clone().requires_grad_(True), w.clone().requires_grad_(True)
+        sn.fp8_linear_qat(xx, ww, granularity).backward(gy[rows])
+        return xx.grad, ww.grad
+
+    gx, gw = grads(slice(None))
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    qx, sx = quantize_fp8_activation(x, granularity)
+    x_dq = qx.float() * (sx if granularity == "per_channel" else sx.repeat_interleave(128, dim=1)[:, :300])
+    w_dq = dequantize_fp8_weight(*quantize_fp8_weight(w, granularity), granularity)
+    ref_x, ref_w = gy.float() @ w_dq, gy.float().t() @ x_dq
+    assert (gx.float() - ref_x).abs().max() <= 0.02 * ref_x.abs().max()
+    assert (gw.float() - ref_w).abs().max() <= 0.02 * ref_w.abs().max()
+    again = grads(slice(None))
+    assert torch.equal(again[0], gx) and torch.equal(again[1], gw)
+    assert torch.equal(grads(slice(7, 19))[0], gx[7:19])
 
 
 def test_negative_control_vllm_native_quantizer_differs():

@@ -189,6 +189,20 @@ int zk_fp8_quantize(int dtype, const void* x, int64_t rows, int64_t k, int64_t l
   return bad ? -1 : 0;
 }
 
+// values: [rows, k] bf16 code values (row stride k), scales: [rows, ceil(k / group)] -> out: [rows, k] bf16 bits of
+// value * scale (float32 product, rounded to nearest even: torch's (q.float() * s).to(torch.bfloat16))
+void zk_fp8_dequantize_bf16(const uint16_t* values, const float* scales, int64_t rows, int64_t k, int64_t group,
+                            uint16_t* out, int threads) {
+  const int64_t groups = (k + group - 1) / group;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scales[r * groups + g];
+      const int64_t lo = g * group, hi = lo + group < k ? lo + group : k;
+      for (int64_t i = lo; i < hi; ++i) out[r * k + i] = zk::float_to_bf16(bf16_to_float(values[r * k + i]) * s);
+    }
+}
+
 // codes: n e4m3fn bytes -> out: n bf16 bits (their values)
 void zk_fp8_to_bf16(const uint8_t* codes, int64_t n, uint16_t* out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > (1 << 16))
