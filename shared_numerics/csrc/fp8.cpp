@@ -29,17 +29,8 @@ namespace {
 
 using zk::bf16_to_float;
 
-inline uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline uint32_t bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+inline float from_bits(uint32_t u) { return __builtin_bit_cast(float, u); }
 
 // c10::detail::fp8e4m3fn_from_fp32_value for |f| <= 448 (no saturation or NaN branch needed)
 inline uint8_t e4m3_from_float(float f) {
