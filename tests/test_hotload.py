@@ -346,6 +346,29 @@ def _stream(server: Server, prompt: list[int], max_tokens: int, started: threadi
     return n, finish
 
 
+def _timed_completion(server: Server, prompt: list[int], max_tokens: int, n: int = 1
+                      ) -> tuple[requests.Response, float]:
+    """A non-streamed completion (``n`` samples) and the wall-clock time its answer arrived."""
+    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=600, json={
+        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+        "n": n})
+    assert r.status_code == 200, r.text
+    return r, time.time()
+
+
+def _wait_running(server: Server, request) -> None:
+    """Return once the engine runs a request (vLLM's ``vllm:num_requests_running`` gauge on ``/metrics``); fail if
+    ``request`` (a future) ends first."""
+    deadline = time.monotonic() + 120
+    while True:
+        text = requests.get(server.base + "/metrics", timeout=30).text
+        if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running")) >= 1:
+            return
+        assert time.monotonic() < deadline and not request.done(), "the long request never ran"
+        time.sleep(0.02)
+
+
 def test_async_swaps_under_concurrent_streams_lose_no_request(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
@@ -505,21 +528,17 @@ def test_sync_transition_425_exactly_while_swapping(env):
     cur = _dir_of(current, ckpt, root, full)
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 200), cur, root / "y1")
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
-    # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it
-    # (the in-flight stream is the longest the context allows: ~5 s of decode here. A 470-token stream once finished
-    # before the drain check on CI: the API server had taken all its outputs before the client read the first chunk)
-    with ThreadPoolExecutor(2) as pool:
-        started, stop = threading.Event(), threading.Event()  # the signal goes out once the stream is in flight
-        t0 = time.monotonic()
-        long = pool.submit(_stream, server, PROMPT, LONG, started, stop)
-        assert started.wait(120), "the long stream produced no token"
-        t1 = time.monotonic()
+    # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it. In flight = the
+    # engine runs it (_wait_running); not streamed: on 2 cores a stream's per-token SSE work starved the API server
+    # until the engine had finished (first chunk after 2.9 s, all 990 by 3.0 s, with two busy processes beside the
+    # suite), and the signal found nothing to drain
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(_timed_completion, server, PROMPT, LONG, 8)
+        _wait_running(server, long)
         r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
-        stop.set()  # the 425 is what this part checks: the stream is cut short (the engine aborts it)
-        n, finish = long.result()
-        assert r.status_code == 425, (r.text, f"first chunk after {t1 - t0:.2f} s; {n} chunks, finish {finish}, "
-                                              f"{time.monotonic() - t0:.2f} s")
+        assert r.status_code == 425, r.text
+        assert long.result()[0].json()["choices"][0]["finish_reason"] == "length"
     row = server.get(HL + "/ledger").json()["rows"][-1]  # the 425 is recorded, with its reason
     assert row["identity"] == "y1" and row["readiness"] == "failed" and "drain timeout" in row["error"]
     assert server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"] == current
@@ -542,13 +561,11 @@ def test_sync_transition_425_exactly_while_swapping(env):
             polling.set()
 
     with ThreadPoolExecutor(3) as pool:
-        # the drain window lasts as long as the in-flight stream: the longest the context allows (a 150-token stream
-        # finished before the signal once decode got faster, and the poller saw no 425). The signal goes out right
-        # after the stream's first chunk, with the poller already sending: waiting for the poller's first round trip
-        # (two requests) could eat the window in a loaded full suite (a fresh-clone run saw only 200s)
-        started = threading.Event()
-        long = pool.submit(_stream, server, PROMPT, LONG, started)
-        assert started.wait(120), "the stream produced no token"
+        # the drain window lasts as long as the in-flight request: 8 samples as long as the context allows, not
+        # streamed (a streamed one failed twice in fresh-clone suites: the signal was handled 3.7 s after it was
+        # sent, when the engine had finished the stream); the signal goes out once the engine reports it running
+        long = pool.submit(_timed_completion, server, PROMPT, LONG, 8)
+        _wait_running(server, long)
         poller = pool.submit(poll)
         t_signal = time.monotonic()
         r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
@@ -559,7 +576,13 @@ def test_sync_transition_425_exactly_while_swapping(env):
         stop.set()
         poller.result()
         assert r.status_code == 200, r.text
-        assert long.result()[1] == "length"  # the in-flight request finished (on the old weights)
+        done, ended = long.result()
+        assert done.json()["choices"][0]["finish_reason"] == "length"  # it finished, on the old weights
+        assert done.headers["x-zerokld-snapshot-identity"] == current
+    row = server.get(HL + "/ledger").json()["rows"][-1]
+    assert ended >= row["timestamps"]["verified"], (  # the precondition of what follows: there was a drain window
+        f"the in-flight request ended {row['timestamps']['verified'] - ended:.2f} s before the signal was verified "
+        f"(the signal took {t_swapped - t_signal:.2f} s)")
     assert 425 in statuses and set(statuses) <= {200, 425}, (
         f"statuses {statuses}; the sync signal took {t_swapped - t_signal:.2f} s; ledger: "
         f"{server.get(HL + '/ledger').json()['rows'][-1]}")
