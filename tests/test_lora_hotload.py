@@ -165,20 +165,23 @@ def _score(env: Env, prompts, results) -> list[torch.Tensor]:
 
 def test_adapter_versions_swapped_under_load_leak_nothing(env):
     """Versions 2 and 3 of both adapters arrive as arc_v2 deltas while 6 clients keep requesting A, B and the base
-    model (until 6 more requests after the last swap). Every response is bitwise the trainer's for the version it
+    model (until 12 more requests after the last swap). Every response is bitwise the trainer's for the version it
     names and bitwise the same request served alone (versions still served), and the versions alternated under
     the load."""
     first = [env.push(n, 1) for n in ADAPTERS]
     assert [p.snapshot.kind for p in first] == ["full", "full"]
     models = ["A", "B", env.ckpt]
     prompts = random_prompts(120, seed=51, lo=4, hi=60)
-    jobs = [(models[i % 3], prompts[i], 700 + i) for i in range(len(prompts))]
+
+    def job(i):  # requests go on until 12 after the last swap (a fixed list of 120 once ran out before it)
+        return models[i % 3], prompts[i % len(prompts)], 700 + i
+
     results: dict[int, dict] = {}
-    counter, stop_at, swaps = itertools.count(), [len(jobs)], []
+    counter, stop_at, swaps = itertools.count(), [600], []
 
     def client():
         while (i := next(counter)) < stop_at[0]:
-            results[i] = _complete(env, *jobs[i])
+            results[i] = _complete(env, *job(i))
 
     def trainer():  # deltas pushed one after another while requests run
         while len(results) < 3:
@@ -201,16 +204,16 @@ def test_adapter_versions_swapped_under_load_leak_nothing(env):
     assert {m for m in served if m.startswith("A@")} >= {"A@A-v1", "A@A-v3"}, served
     assert {m for m in served if m.startswith("B@")} >= {"B@B-v1", "B@B-v3"}, served
     for i in order:
-        m = jobs[i][0]
+        m = job(i)[0]
         assert results[i]["model"] == env.ckpt if m == env.ckpt else results[i]["model"].startswith(m + "@")
-    scores = _score(env, [jobs[i][1] for i in order], [results[i] for i in order])
+    scores = _score(env, [job(i)[1] for i in order], [results[i] for i in order])
     mismatched = [results[i]["model"] for s, i in zip(scores, order) if not torch.equal(s, results[i]["logprobs"])]
     assert mismatched == []
     # the same requests alone, for the versions still served (v3 of both, and the base model)
     for i in order:
         r = results[i]
         if r["model"] in ("A@A-v3", "B@B-v3", env.ckpt):
-            alone = _complete(env, *jobs[i])
+            alone = _complete(env, *job(i))
             assert (alone["model"], alone["tokens"]) == (r["model"], r["tokens"])
             assert torch.equal(alone["logprobs"], r["logprobs"])
     status = requests.get(env.server.base + HL + "/status", headers=AUTH, timeout=30).json()["replicas"][0]
