@@ -162,8 +162,8 @@ def quantize_fp8_activation(x: torch.Tensor, granularity: Granularity = "per_cha
         Fp8QuantizationError: ``x`` has inf/NaN, or the granularity is unknown.
     """
     _check_granularity(granularity)
-    if _compiled(x) is not None and x.dim() == 2:
-        q, _, s = _quantize_compiled(_compiled(x), granularity, codes=True, values=False)
+    if (p := _compiled(x)) is not None and x.dim() == 2:
+        q, _, s = _quantize_compiled(p, granularity, codes=True, values=False)
         return q, s
     return _quantize_activation_torch(x, granularity)
 
@@ -233,36 +233,48 @@ def _dequantize_activation(q: torch.Tensor, s: torch.Tensor, granularity: str) -
     return (_pad_k(q.float()).view(m, -1, BLOCK) * s.unsqueeze(-1)).view(m, -1)[:, :k]
 
 
-def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str) -> torch.Tensor:
-    """float32 ``[M, N]`` product of FP8 operands: fixed tiles, fixed K-block order, fixed epilogue."""
+def _fma_product(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """``qx @ qw.T`` in float32 on the FMA kernel (the codes widened to float32, exact)."""
+    return matmul_rows(qx.float(), qw.float().t())
+
+
+def _amx_product(vx: torch.Tensor, vw: torch.Tensor) -> torch.Tensor:
+    """``vx @ vw.T`` with float32 output on the AMX kernel (``vx``, ``vw``: the codes' bf16 values)."""
+    return gemm_abt(vw, vx, transpose=True, out_dtype=torch.float32)
+
+
+def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str,
+          product=_fma_product) -> torch.Tensor:
+    """float32 ``[M, N]`` product of FP8 operands: fixed tiles, fixed K-block order, fixed epilogue
+    ``(acc * s_x) * s_w`` (in place on a fresh accumulator: the same roundings). ``product``: the row-invariant GEMM
+    of one K range (:func:`_fma_product`, or :func:`_amx_product` on the codes' bf16 values)."""
     n, k = qw.shape
     if granularity == "per_channel":
-        acc = matmul_rows(qx.float(), qw.float().t())
-        return (acc * sx) * sw.unsqueeze(0)
+        return product(qx, qw).mul_(sx).mul_(sw.unsqueeze(0))
     out = None
     sw_rows = sw.repeat_interleave(BLOCK, dim=0)[:n]  # [N, KB]
     for b in range((k + BLOCK - 1) // BLOCK):
         lo, hi = b * BLOCK, min(k, (b + 1) * BLOCK)
-        part = (matmul_rows(qx[:, lo:hi].float(), qw[:, lo:hi].float().t()) * sx[:, b: b + 1]) * sw_rows[:, b]
-        out = part if out is None else out + part
+        part = product(qx[:, lo:hi], qw[:, lo:hi]).mul_(sx[:, b: b + 1]).mul_(sw_rows[:, b])
+        out = part if out is None else out.add_(part)
     return out
 
 
 def _gemm_amx(vx: torch.Tensor, sx: torch.Tensor, vw: torch.Tensor, sw: torch.Tensor, granularity: str
               ) -> torch.Tensor:
-    """:func:`_gemm` on the AMX kernel: ``vx [M, K]``, ``vw [N, K]`` the codes' bf16 values; same K blocks, same
-    epilogue order (in place: the same roundings)."""
-    n, k = vw.shape
-    if granularity == "per_channel":
-        return gemm_abt(vw, vx, transpose=True, out_dtype=torch.float32).mul_(sx).mul_(sw.unsqueeze(0))
-    out = None
-    sw_rows = sw.repeat_interleave(BLOCK, dim=0)[:n]  # [N, KB]
-    for b in range((k + BLOCK - 1) // BLOCK):
-        lo, hi = b * BLOCK, min(k, (b + 1) * BLOCK)
-        part = gemm_abt(vw[:, lo:hi], vx[:, lo:hi], transpose=True, out_dtype=torch.float32)
-        part.mul_(sx[:, b: b + 1]).mul_(sw_rows[:, b])
-        out = part if out is None else out.add_(part)
-    return out
+    """:func:`_gemm` on the AMX kernel: ``vx [M, K]``, ``vw [N, K]`` the codes' bf16 values."""
+    return _gemm(vx, sx, vw, sw, granularity, _amx_product)
+
+
+def _quantized_product(x2: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str, amx: bool):
+    """``(y float32 [M, N], activation operand, its scales, weight operand)`` of the FP8 GEMM of ``x2 [M, K]`` with
+    the codes ``qw``: on AMX the operands are the codes' bf16 values, else the codes."""
+    if amx:
+        _, qx, sx = _quantize_compiled(_compiled(x2), granularity, codes=False, values=True)
+        qw = fp8_values(qw)
+        return _gemm_amx(qx, sx, qw, sw, granularity), qx, sx, qw
+    qx, sx = quantize_fp8_activation(x2, granularity)
+    return _gemm(qx, sx, qw, sw, granularity), qx, sx, qw
 
 
 def _on_amx(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -297,12 +309,7 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tenso
     _check_granularity(granularity)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if _on_amx(x2, qweight):
-        _, vx, sx = _quantize_compiled(_compiled(x2), granularity, codes=False, values=True)
-        y = _gemm_amx(vx, sx, fp8_values(qweight), weight_scale.float(), granularity)
-    else:
-        qx, sx = quantize_fp8_activation(x2, granularity)
-        y = _gemm(qx, sx, qweight, weight_scale.float(), granularity)
+    y = _quantized_product(x2, qweight, weight_scale.float(), granularity, _on_amx(x2, qweight))[0]
     return y.to(x.dtype).reshape(*lead, qweight.shape[0])
 
 
@@ -316,16 +323,11 @@ class _Fp8LinearSTE(torch.autograd.Function):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         qw, sw = quantize_fp8_weight(weight.detach(), granularity)
-        if _on_amx(x2, weight):  # codes kept as their bf16 values: the backward's dequantization reads them as well
-            _, qx, sx = _quantize_compiled(_compiled(x2), granularity, codes=False, values=True)
-            qw = fp8_values(qw)
-            y = _gemm_amx(qx, sx, qw, sw, granularity)
-        else:
-            qx, sx = quantize_fp8_activation(x2, granularity)
-            y = _gemm(qx, sx, qw, sw, granularity)
+        ctx.amx = _on_amx(x2, weight)
+        # the operands the GEMM used (on AMX the codes' bf16 values) are what the backward dequantizes
+        y, qx, sx, qw = _quantized_product(x2, qw, sw, granularity, ctx.amx)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.granularity, ctx.x_dtype, ctx.w_dtype, ctx.x_shape = granularity, x.dtype, weight.dtype, x.shape
-        ctx.amx = _on_amx(x2, weight)
         return y.to(x.dtype).reshape(*lead, weight.shape[0])
 
     @staticmethod

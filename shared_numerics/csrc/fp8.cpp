@@ -157,8 +157,7 @@ int zk_fp8_quantize(int dtype, const void* x, int64_t rows, int64_t k, int64_t l
       if (group16(x, dtype, base, lo, hi, min_scale, codes ? codes + r * k : nullptr,
                   values ? values + r * k : nullptr, scales + r * groups + g) != 0)
         bad = 1;
-      continue;
-#endif
+#else
       float amax = 0.0f;
       for (int64_t i = lo; i < hi; ++i) {
         const float a = std::fabs(load(x, base + i, dtype));
@@ -175,6 +174,7 @@ int zk_fp8_quantize(int dtype, const void* x, int64_t rows, int64_t k, int64_t l
         if (codes) codes[r * k + i] = c;
         if (values) values[r * k + i] = kTable.v[c];
       }
+#endif
     }
   }
   return bad ? -1 : 0;
