@@ -8,7 +8,10 @@ one rounding to the output dtype:
 * float32 on FMA units (:func:`f32_available`: AVX-512, or AVX2 + FMA): one fused multiply-add chain per element in
   K order from zero (``acc = fma(a[i][k], b[j][k], acc)``, k = 0, 1, ...; K blocks store and reload the float32
   partial sum, losslessly), register tiles of the BLIS/MKL micro-kernel form (48 rows of A x 8 of B on AVX-512,
-  16 x 6 on AVX2) on operands packed k-major per call — the same bits on AVX-512 and AVX2.
+  16 x 6 on AVX2) on operands packed once per call — the same bits on AVX-512 and AVX2. Without a bias, A and B may
+  trade places (``fma(a, b, c) = fma(b, a, c)``: the same chains), so that a few rows of A take the few-rows paths
+  and an ``[I, J]`` output is written as ``[J, I]`` in place: ``dX = dY W`` of one token and ``dW = dYᵀ X`` of a short
+  micro-batch no longer pack the whole weight.
 
 Either way an element is computed whole by one thread, so its bits depend only on row ``i`` of ``A`` and row ``j`` of
 ``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it with ``A`` = the weight and ``B`` = the tokens, so a token's
@@ -17,13 +20,15 @@ outputs are the same bits at decode (one row) and in a 2048-row prefill, on any 
 Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU tensors (an ``AsyncCollectiveTensor``
 is waited).
 
-Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, forward, ours ÷ ``F.linear``;
-``benchmarks/results/linear_xeon_amx_cpu2.json``): bf16 M = 1: 1.5x, M = 16: 1.7x, M = 256: 0.99x, M = 2048: 0.80x;
-float32 0.52x / 1.08x / 0.78x / 0.70x (the 16-lane dot-form kernel this one replaced: 0.57x / 1.4x / 0.86x / 0.70x, and
-0.36x at K = 3072 for want of K blocking). 1 to 8 tokens stream the weight in 16-row blocks turned in registers (the
-kernel alone: 0.7x MKL's GEMV at M = 1; the rest is this module's per-call Python and ctypes work, ~30 us); 9 to 48
-tokens take a path that broadcasts the weight's rows in place. ``gemm_abt_accumulate`` continues chains (exact
-gradient accumulation, :mod:`shared_numerics.grad_chain`).
+Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, ours ÷ ``F.linear``, M = 1 / 16 / 256 / 2048;
+``benchmarks/results/linear_xeon_amx_cpu2.json``, one run, spread ~±0.1): forward bf16 1.9x / 2.2x / 1.1x / 0.82x,
+float32 0.52x / 1.5x / 0.82x / 0.87x; forward + backward bf16 0.63x / 0.91x / 0.72x / 0.90x, float32 0.68x / 0.75x /
+0.81x / 0.91x (before the role swap, the float32 packing once per call and the huge-page buffers: 0.56x / 0.48x /
+0.67x / 0.67x; the packed buffers' TLB misses alone cost ~15% with 4 KiB pages). 1 to 8 tokens stream the weight in
+16-row blocks turned in registers (the kernel alone: ~0.85x MKL's GEMV at M = 1, bound by the 16x16 transposes'
+shuffles; the rest is this module's per-call Python and ctypes work, ~10 us), 9 to 48 tokens a path that broadcasts
+the weight's rows in place, and a k-major weight (``Wᵀ`` in ``dX``) is streamed in place for up to 48 tokens.
+``gemm_abt_accumulate`` continues chains (exact gradient accumulation, :mod:`shared_numerics.grad_chain`).
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
 operand layout of oneDNN's AMX kernels.

@@ -115,14 +115,14 @@ def _variants(gemm_cpu, a, b, bias):
 
 
 @needs_f32
-@needs_f32
-@pytest.mark.parametrize("j", [1, 3, 8])
+@pytest.mark.parametrize("j", [1, 3, 8, 12, 30, 48])
 @pytest.mark.parametrize("b_kmajor", [False, True])
 @pytest.mark.parametrize("a_kmajor", [False, True])
 def test_float32_decode_rows_path_is_the_packed_chain(j, b_kmajor, a_kmajor):
-    """1..8 rows of B (single-sequence decode: A = the weight; its backward dX = dY W: A = Wᵀ, k-major) run a path
-    that streams A in 16-row blocks instead of packing it; the same chains as the packed path, which the same rows
-    take among 60 more (partial 16-row blocks and K tails included)."""
+    """1..8 rows of B (single-sequence decode: A = the weight), and up to 48 of them when A is k-major (the backward's
+    dX = dY W: A = Wᵀ), run a path that streams A in 16-row blocks instead of packing it; 9..48 rows of B with a
+    K-contiguous A take the few-rows path; all the same chains as the packed path, which the same rows take among 60
+    more (partial 16-row blocks and K tails included)."""
     g = torch.Generator().manual_seed(j)
     a, bias = torch.randn(300, 1001, generator=g), torch.randn(300, generator=g)
     b = torch.randn(j, 1001, generator=g)
@@ -171,3 +171,24 @@ def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
         assert torch.equal(x, y)
     if "avx512f" not in open("/proc/cpuinfo").read():
         print("this machine has no AVX-512: both builds are AVX2 builds")
+
+
+@needs_f32
+@pytest.mark.parametrize("rows", [1, 5, 48, 200])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_float32_operands_trade_places(rows, kmajor):
+    """Without a bias the kernel may compute ``C = A · Bᵀ`` as ``(B · Aᵀ)ᵀ`` (few rows of A meet many of B as the
+    decode paths' few rows of B; an ``[I, J]`` output becomes a ``[J, I]`` one, written in place): the same chain per
+    element, so a few rows of A alone — dX = dY W of one token, dW = dYᵀ X of a short micro-batch — give the bits those
+    rows have among 600, either output layout."""
+    g = torch.Generator().manual_seed(rows)
+    a, b = torch.randn(600, 1001, generator=g), torch.randn(700, 1001, generator=g)
+    if kmajor:  # the backward's transposed views, read in place
+        a, b = a.t().contiguous().t(), b.t().contiguous().t()
+    full = gemm_cpu.gemm_abt(a, b)
+    assert torch.equal(gemm_cpu.gemm_abt(a, b, transpose=True), full.t())
+    for t in (False, True):
+        part = gemm_cpu.gemm_abt(a[:rows], b, transpose=t)
+        assert torch.equal(part.t() if t else part, full[:rows])
+        part = gemm_cpu.gemm_abt(a, b[:rows], transpose=t)
+        assert torch.equal(part.t() if t else part, full[:, :rows])

@@ -19,9 +19,13 @@
 // layout of oneDNN's AMX kernels).
 #include <cstdint>
 #include <array>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <utility>
 #include <vector>
+
+#include <sys/mman.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -36,6 +40,32 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+
+namespace {
+
+// A float buffer kept by its thread between calls (a fresh allocation's page faults cost as much as the work),
+// 2 MiB-aligned with transparent huge pages requested: the packed operands and accumulators are walked in slices
+// spread over megabytes, and with 4 KiB pages the TLB misses cost ~15% of the float32 kernel (2-core Xeon, 2026-11-26)
+struct HugeBuffer {
+  float* p = nullptr;
+  size_t n = 0;
+  HugeBuffer() = default;
+  HugeBuffer(const HugeBuffer&) = delete;
+  HugeBuffer& operator=(const HugeBuffer&) = delete;
+  ~HugeBuffer() { std::free(p); }
+  float* get(size_t want) {  // at least `want` floats; contents unspecified
+    if (want <= n) return p;
+    std::free(p);
+    const size_t huge = size_t(1) << 21, bytes = (want * sizeof(float) + huge - 1) / huge * huge;
+    p = static_cast<float*>(std::aligned_alloc(huge, bytes));
+    if (!p) throw std::bad_alloc();
+    madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the pages are 4 KiB
+    n = bytes / sizeof(float);
+    return p;
+  }
+};
+
+}  // namespace
 
 #if defined(__AVX512F__)
 namespace {
@@ -332,24 +362,23 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
   const int64_t jblocks = (j_rows + 15) / 16;
   // packed operands live in per-calling-thread buffers kept between calls (a fresh allocation's page faults and
   // zero fill cost as much as the packing); the packers write every word of them
-  thread_local std::vector<uint32_t> bp;
+  thread_local HugeBuffer bp;
   const size_t words = static_cast<size_t>(jblocks) * (kp / 2) * 16;
-  if (bp.size() < words) bp.resize(words);
-  uint32_t* const bpp = bp.data();  // (inside the parallel region `bp` would name each OpenMP thread's own buffer)
+  // (inside the parallel region `bp` would name each OpenMP thread's own buffer)
+  uint32_t* const bpp = reinterpret_cast<uint32_t*>(bp.get(words));
   if (b_kmajor)
     pack_b_kmajor(b, j_rows, k, ldb, kp / 2, jblocks, bpp, threads);
   else
     pack_b(b, j_rows, k, ldb, kp / 2, jblocks, bpp, threads);
   // A straight from memory when its 32-row strips and K steps are whole; else a zero-padded copy of what is not
   const int64_t istrips = (i_rows + 31) / 32;
-  thread_local std::vector<uint16_t> a_buf;
+  thread_local HugeBuffer a_buf;
   const int64_t lda_pad = kp;
   const int64_t first_padded = (!a_kmajor && k == kp) ? i_rows / 32 : 0;  // strips from here on read a_pad
   uint16_t* a_pad = nullptr;
   if (first_padded < istrips) {
     const int64_t rows = (istrips - first_padded) * 32;
-    if (a_buf.size() < static_cast<size_t>(rows * kp)) a_buf.resize(static_cast<size_t>(rows * kp));
-    a_pad = a_buf.data();
+    a_pad = reinterpret_cast<uint16_t*>(a_buf.get(static_cast<size_t>(rows * kp + 1) / 2));
     if (a_kmajor) {
       pack_a_kmajor(a, i_rows, k, lda, kp, rows / 16, a_pad, threads);
     } else {
@@ -396,10 +425,13 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
 // BLIS/MKL micro-kernel's: F32_NA vectors of A rows (one k) times a broadcast element of each of F32_RJ rows of B, so
 // the accumulators are outputs and nothing is reduced across lanes.
 //
-// Work unit = (F32_IB rows of A, up to F32_JB rows of B), one thread. Per K block of F32_KC: B packed into
-// F32_RJ-row blocks [nk][F32_RJ] (a K-contiguous B by 16x16 transposes; a k-major view such as x.t() by row copies),
-// then per panel of F32_P rows of A, the panel packed [nk][F32_P] (kept in L1) and run against every B block; the
-// unit's accumulators stay in a per-thread buffer between K blocks. Tails are zero-padded in the packed copies.
+// Without a bias, A and B may trade places first (C^T = B · A^T; fma(a, b, c) = fma(b, a, c), so every chain is the
+// same): a few rows of A then meet many of B as the few-rows paths below expect, and an [I, J] output becomes [J, I].
+// Packed path: A and B are packed once per call by all threads (A in F32_P-row panels [k][F32_P], B per K block of
+// F32_KC in F32_RJ-row blocks [nk][F32_RJ]; tails zero). Work unit = (a group of A panels, a chunk of B blocks), one
+// thread, units near-equal and their count a multiple of the thread count where the shape allows. Per K block, each B
+// block (in L1) runs against the group's panels; the unit's accumulators wait in a per-thread buffer between K blocks,
+// and the last K block writes a [J, I] output in place (bias added), an [I, J] one through the buffer's transpose.
 #if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
 namespace {
 
@@ -411,6 +443,10 @@ inline VF vf_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void vf_store(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF vf_set1(float x) { return _mm512_set1_ps(x); }
 inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vf_add(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline __mmask16 vf_mask(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1); }
+inline VF vf_load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(vf_mask(n), p); }  // lanes < n
+inline void vf_store_n(float* p, VF v, int64_t n) { _mm512_mask_storeu_ps(p, vf_mask(n), v); }
 #else
 constexpr int F32_W = 8, F32_NA = 2, F32_RJ = 6;  // 2 x 6 accumulators + 2 A vectors + 1 broadcast (of 16)
 using VF = __m256;
@@ -419,11 +455,18 @@ inline VF vf_load(const float* p) { return _mm256_loadu_ps(p); }
 inline void vf_store(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF vf_set1(float x) { return _mm256_set1_ps(x); }
 inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vf_add(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline __m256i vf_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline VF vf_load_n(const float* p, int64_t n) { return _mm256_maskload_ps(p, vf_mask(n)); }  // lanes < n
+inline void vf_store_n(float* p, VF v, int64_t n) { _mm256_maskstore_ps(p, vf_mask(n), v); }
 #endif
 constexpr int64_t F32_P = F32_NA * F32_W;  // rows of A per register tile
 constexpr int64_t F32_IB = 10 * F32_P;     // rows of A per work unit
 constexpr int64_t F32_JB = 60 * F32_RJ;    // at most this many rows of B per work unit
 constexpr int64_t F32_KC = 192;            // K block
+constexpr size_t F32_KEEP = size_t(1) << 24;  // packed words (64 MiB) kept between calls by the calling thread
 
 // A panel: dst[kk * F32_P + r] = A(r0 + r, k0 + kk), zero for r >= nr; A(r, k) = a[r * lda + k] (K contiguous) or
 // a[k * lda + r] (k-major)
@@ -508,10 +551,24 @@ void pack_b_f32(const float* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr,
   }
 }
 
+// where a unit's last K block leaves its finished elements: straight in a [J, I] output (row stride ldo) at the
+// tile's first element, bias (the tile's first i, or null) added, the first ni of the tile's F32_P columns only
+struct FinalOut {
+  float* out;
+  int64_t ldo;
+  const float* bias;
+  int64_t ni;
+};
+
 // acc[q][0..F32_P) (row stride ldc) = (resume ? acc : 0) + the chain over nk steps of ap [nk][F32_P] x bp [nk][F32_RJ]
-// for the block's first RJ rows of B
+// for the block's first RJ rows of B; with fin, the results (+ bias) go to fin's output instead of acc
 template <int RJ>
-void micro_f32(const float* ap, int64_t lap, const float* bp, int64_t nk, float* acc, int64_t ldc, bool resume) {
+void micro_f32(const float* ap, int64_t lap, const float* bp, int64_t nk, float* acc, int64_t ldc, bool resume,
+               const FinalOut* fin) {
+  if (fin)  // the output's lines on their way while the chain runs
+    for (int q = 0; q < RJ; ++q)
+      for (int64_t i = 0; i < fin->ni && i < F32_P; i += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(fin->out + q * fin->ldo + i), _MM_HINT_ET0);
   VF c[RJ][F32_NA];
   for (int q = 0; q < RJ; ++q)
     for (int v = 0; v < F32_NA; ++v) c[q][v] = resume ? vf_load(acc + q * ldc + v * F32_W) : vf_zero();
@@ -523,11 +580,21 @@ void micro_f32(const float* ap, int64_t lap, const float* bp, int64_t nk, float*
       for (int v = 0; v < F32_NA; ++v) c[q][v] = vf_fma(av[v], bq, c[q][v]);
     }
   }
-  for (int q = 0; q < RJ; ++q)
-    for (int v = 0; v < F32_NA; ++v) vf_store(acc + q * ldc + v * F32_W, c[q][v]);
+  if (!fin) {
+    for (int q = 0; q < RJ; ++q)
+      for (int v = 0; v < F32_NA; ++v) vf_store(acc + q * ldc + v * F32_W, c[q][v]);
+    return;
+  }
+  for (int v = 0; v < F32_NA; ++v) {
+    const int64_t n = fin->ni - v * F32_W < F32_W ? fin->ni - v * F32_W : F32_W;
+    if (n <= 0) break;
+    const VF bv = fin->bias ? vf_load_n(fin->bias + v * F32_W, n) : vf_zero();
+    for (int q = 0; q < RJ; ++q)  // acc + bias: one float32 add (none without a bias)
+      vf_store_n(fin->out + q * fin->ldo + v * F32_W, fin->bias ? vf_add(c[q][v], bv) : c[q][v], n);
+  }
 }
 
-using MicroF32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+using MicroF32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, const FinalOut*);
 template <int... R>
 constexpr std::array<MicroF32, sizeof...(R)> micro_table(std::integer_sequence<int, R...>) {
   return {&micro_f32<R + 1>...};
@@ -706,7 +773,9 @@ void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_
     }
   }
 }
-constexpr int kmajor_vectors(int t) { return t <= 2 ? 8 : (t <= 4 ? 4 : 2); }  // T x V accumulators <= 16
+// T x V accumulators <= 16, or 1 vector for 9..F32_KMAJOR_T rows of B
+constexpr int kmajor_vectors(int t) { return t <= 2 ? 8 : (t <= 4 ? 4 : (t <= 8 ? 2 : 1)); }
+constexpr int F32_KMAJOR_T = 24;  // rows of B per pass of a k-major A (24 accumulators, 1 load, 24 broadcasts)
 
 using RowsBlock = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, const float*, int64_t, int,
                            const float*, float*, int, int64_t);
@@ -719,19 +788,26 @@ template <int... R>
 constexpr std::array<RowsBlock, sizeof...(R)> kmajor_table(std::integer_sequence<int, R...>) {
   return {&rows_block_kmajor<R + 1, kmajor_vectors(R + 1)>...};
 }
-constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table(std::make_integer_sequence<int, F32_RJ>{});
+constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table(std::make_integer_sequence<int, F32_KMAJOR_T>{});
 
 void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
-                   int64_t j_rows,
-                   int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
+                   int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
                    int threads) {
-  const int64_t rows = a_kmajor ? 16 * kmajor_vectors(static_cast<int>(j_rows)) : 16;  // rows of A per block
-  const int64_t blocks = (i_rows + rows - 1) / rows;
-  const RowsBlock fn = (a_kmajor ? ROWS_BLOCK_KMAJOR : ROWS_BLOCK)[j_rows - 1];
+  // a k-major A takes up to F32_P rows of B in near-equal passes of at most F32_KMAJOR_T (A read once per pass)
+  const int64_t passes = a_kmajor ? (j_rows + F32_KMAJOR_T - 1) / F32_KMAJOR_T : 1;
+  const int64_t per_pass = (j_rows + passes - 1) / passes;
+  for (int64_t t0 = 0; t0 < j_rows; t0 += per_pass) {
+    const int64_t nt = j_rows - t0 < per_pass ? j_rows - t0 : per_pass;
+    const int64_t rows = a_kmajor ? 16 * kmajor_vectors(static_cast<int>(nt)) : 16;  // rows of A per block
+    const int64_t blocks = (i_rows + rows - 1) / rows;
+    const RowsBlock fn = a_kmajor ? ROWS_BLOCK_KMAJOR[nt - 1] : ROWS_BLOCK[nt - 1];
+    const float* bt = b_kmajor ? b + t0 : b + t0 * ldb;  // the pass's rows of B
+    float* ot = transpose ? out + t0 * ldo : out + t0;   // and of the output
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t i0 = blk * rows, ni = i_rows - i0 < rows ? i_rows - i0 : rows;
-    fn(a, i0, ni, k, lda, a_kmajor, b, ldb, b_kmajor, bias, out, transpose, ldo);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t i0 = blk * rows, ni = i_rows - i0 < rows ? i_rows - i0 : rows;
+      fn(a, i0, ni, k, lda, a_kmajor, bt, ldb, b_kmajor, bias, ot, transpose, ldo);
+    }
   }
 }
 #endif
@@ -758,43 +834,75 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
                     int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
                     int64_t ldo, int threads, int accumulate) {
 #if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  if (!accumulate && j_rows > F32_RJ && j_rows <= F32_P && i_rows >= F32_FEW_ROWS) {  // (fewer rows: the packed path is faster)
-    gemm_f32_few(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
-    return 0;
+  // Without a bias, A and B may trade places (C^T = B · A^T: fma(a, b, c) = fma(b, a, c), the same chains): so that
+  // few rows of A meet many of B as the decode paths' few rows of B, and otherwise so that the output is [J, I], which
+  // the packed path writes in place
+  const bool few_a = i_rows < j_rows && i_rows <= F32_P, few_b = j_rows < i_rows && j_rows <= F32_P;
+  if (!bias && (few_a || (!transpose && !few_b))) {
+    std::swap(a, b), std::swap(i_rows, j_rows), std::swap(lda, ldb), std::swap(a_kmajor, b_kmajor);
+    transpose = !transpose;
   }
 #if defined(ZK_F32_AVX512)
-  if (!accumulate && j_rows <= F32_RJ && i_rows >= 16) {
+  if (!accumulate && (j_rows <= F32_RJ || (a_kmajor && j_rows <= F32_P)) && i_rows >= 16) {
     gemm_f32_rows(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
     return 0;
   }
 #endif
-  // chunks of B of near-equal size (a multiple of the register tile), so that threads get near-equal work
-  const int64_t chunks = (j_rows + F32_JB - 1) / F32_JB;
-  const int64_t chunk_j = ((j_rows + chunks - 1) / chunks + F32_RJ - 1) / F32_RJ * F32_RJ;
-  // rows of A per unit: F32_IB, or fewer when B has a single chunk, so that every thread gets units (decode)
-  int64_t ib = F32_IB;
-  if (chunks < 2 * threads) {
-    const int64_t want = 4 * threads / chunks;
-    ib = ((i_rows + want - 1) / want + F32_P - 1) / F32_P * F32_P;
-    ib = ib < F32_P ? F32_P : (ib > F32_IB ? F32_IB : ib);
+  if (!accumulate && j_rows > F32_RJ && j_rows <= F32_P && i_rows >= F32_FEW_ROWS) {  // (fewer rows: the packed path is faster)
+    gemm_f32_few(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
+    return 0;
   }
-  const int64_t groups = (i_rows + ib - 1) / ib;
+  // A and B packed once per call, shared by the threads: A in F32_P-row panels [ipanels][k][F32_P]; B per K block
+  // in F32_RJ-row blocks, [kblock][jblocks][nk][F32_RJ] (a chunk's slice of a K block is contiguous); tails zero
+  const int64_t ipanels = (i_rows + F32_P - 1) / F32_P, jblocks = (j_rows + F32_RJ - 1) / F32_RJ;
+  const size_t a_words = static_cast<size_t>(ipanels * F32_P * k), b_words = static_cast<size_t>(jblocks * F32_RJ * k);
+  thread_local HugeBuffer pack_buf;  // the calling thread's
+  HugeBuffer big_buf;                // operands over F32_KEEP words: this call's only
+  float* const apa = (a_words + b_words <= F32_KEEP ? pack_buf : big_buf).get(a_words + b_words);
+  float* const bpa = apa + a_words;
+  // units = groups of A panels x chunks of B blocks, near-equal; their count a multiple of the threads where the
+  // shape allows, so that threads get near-equal work (static schedule)
+  int64_t groups = (ipanels + F32_IB / F32_P - 1) / (F32_IB / F32_P);
+  int64_t chunks = (jblocks + F32_JB / F32_RJ - 1) / (F32_JB / F32_RJ);
+  while (threads > 1 && (groups * chunks) % threads != 0) {
+    if (groups < ipanels)
+      ++groups;
+    else if (chunks < jblocks)
+      ++chunks;
+    else
+      break;
+  }
+  const int64_t panels_per = (ipanels + groups - 1) / groups, blocks_per = (jblocks + chunks - 1) / chunks;
   const int64_t units = chunks * groups;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
+  constexpr int64_t PACK_J = 48;  // rows of B per packing task: whole F32_RJ blocks, whole 16-row transposes
+  const int64_t jtasks = (j_rows + PACK_J - 1) / PACK_J;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t p = 0; p < ipanels; ++p) {
+      const int64_t r0 = p * F32_P;
+      pack_a_f32(a, lda, a_kmajor, r0, i_rows - r0 < F32_P ? i_rows - r0 : F32_P, 0, k, apa + r0 * k);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < jtasks; ++t) {
+      const int64_t r0 = t * PACK_J, nr = j_rows - r0 < PACK_J ? j_rows - r0 : PACK_J;
+      for (int64_t k0 = 0; k0 < k; k0 += F32_KC) {
+        const int64_t nk = k - k0 < F32_KC ? k - k0 : F32_KC;
+        pack_b_f32(b, ldb, b_kmajor, r0, nr, k0, nk, bpa + k0 * jblocks * F32_RJ + r0 * nk);
+      }
+    }
+    // (the implicit barrier: every panel and block packed)
+#pragma omp for schedule(static)
   for (int64_t u = 0; u < units; ++u) {
-    thread_local std::vector<float> ap_buf, bp_buf, acc_buf;
+    thread_local HugeBuffer acc_buf;
     const int64_t ch = u / groups, gi = u % groups;
-    const int64_t j0 = ch * chunk_j, nj = (j0 + chunk_j < j_rows ? j0 + chunk_j : j_rows) - j0;
-    if (nj <= 0) continue;
-    const int64_t i0 = gi * ib, ni = (i0 + ib < i_rows ? i0 + ib : i_rows) - i0;
-    const int64_t nip = (ni + F32_P - 1) / F32_P * F32_P;
-    const int64_t njp = (nj + F32_RJ - 1) / F32_RJ * F32_RJ;
-    ap_buf.resize(static_cast<size_t>(F32_KC * F32_P));
-    bp_buf.resize(static_cast<size_t>(F32_KC * njp));
-    acc_buf.resize(static_cast<size_t>(njp * nip));
-    float* const ap = ap_buf.data();
-    float* const bp = bp_buf.data();
-    float* const acc = acc_buf.data();  // acc[j][i], row stride nip
+    const int64_t q0 = ch * blocks_per, q1 = q0 + blocks_per < jblocks ? q0 + blocks_per : jblocks;
+    const int64_t p0 = gi * panels_per, p1 = p0 + panels_per < ipanels ? p0 + panels_per : ipanels;
+    if (q0 >= q1 || p0 >= p1) continue;
+    const int64_t j0 = q0 * F32_RJ, nj = (q1 * F32_RJ < j_rows ? q1 * F32_RJ : j_rows) - j0;
+    const int64_t i0 = p0 * F32_P, ni = (p1 * F32_P < i_rows ? p1 * F32_P : i_rows) - i0;
+    const int64_t nip = (p1 - p0) * F32_P, njp = (q1 - q0) * F32_RJ;
+    float* const acc = acc_buf.get(static_cast<size_t>(njp * nip));  // acc[j][i], row stride nip
     if (accumulate) {  // the chains go on from out's values (padding: zero, never written back)
       std::memset(acc, 0, static_cast<size_t>(njp * nip) * sizeof(float));
       if (transpose) {
@@ -818,32 +926,23 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
     }
     for (int64_t k0 = 0; k0 < k; k0 += F32_KC) {
       const int64_t nk = k - k0 < F32_KC ? k - k0 : F32_KC;
-      pack_b_f32(b, ldb, b_kmajor, j0, nj, k0, nk, bp);
-      for (int64_t ir = 0; ir < ni; ir += F32_P) {  // one A panel at a time, kept in L1 over the B blocks
-        // a full panel of a k-major A is read in place when only one B block uses it (its rows lie a row stride of A
-        // apart: with more blocks, a contiguous copy stays in L1 where 4 KiB-strided rows would collide)
-        const float* ar = ap;
-        int64_t lar = F32_P;
-        if (a_kmajor && ni - ir >= F32_P && nj <= F32_RJ)
-          ar = a + k0 * lda + i0 + ir, lar = lda;
-        else
-          pack_a_f32(a, lda, a_kmajor, i0 + ir, ni - ir < F32_P ? ni - ir : F32_P, k0, nk, ap);
-        for (int64_t jr = 0; jr < nj; jr += F32_RJ)
-          MICRO_F32[(nj - jr < F32_RJ ? nj - jr : F32_RJ) - 1](ar, lar, bp + jr * nk, nk, acc + jr * nip + ir, nip,
-                                                              k0 > 0 || accumulate);
+      const float* bk = bpa + k0 * jblocks * F32_RJ;  // this K block's B blocks, [jblocks][nk][F32_RJ]
+      for (int64_t q = q0; q < q1; ++q) {  // one B block at a time, kept in L1 over the group's A panels
+        const int64_t rj = j_rows - q * F32_RJ < F32_RJ ? j_rows - q * F32_RJ : F32_RJ;
+        for (int64_t p = p0; p < p1; ++p) {
+          const float* ar = apa + p * F32_P * k + k0 * F32_P;
+          const int64_t ic = p * F32_P;  // the panel's first row of A
+          // a [J, I] output takes the last K block's results in place (no pass over acc afterwards)
+          const FinalOut fin{out + q * F32_RJ * ldo + ic, ldo, bias ? bias + ic : nullptr, i_rows - ic};
+          MICRO_F32[rj - 1](ar, F32_P, bk + q * nk * F32_RJ, nk, acc + (q - q0) * F32_RJ * nip + (p - p0) * F32_P,
+                            nip, k0 > 0 || accumulate, transpose && k0 + nk == k ? &fin : nullptr);
+        }
       }
     }
     // element (j, i) of the unit: acc + bias, one float32 add (none without a bias)
     const auto value = [&](int64_t j, int64_t i) { return bias ? acc[j * nip + i] + bias[i0 + i] : acc[j * nip + i]; };
-    if (transpose) {  // out [j_rows, i_rows]: acc's rows
-      for (int64_t j = 0; j < nj; ++j) {
-        float* o = out + (j0 + j) * ldo + i0;
-        if (bias)
-          for (int64_t i = 0; i < ni; ++i) o[i] = value(j, i);
-        else
-          std::memcpy(o, acc + j * nip, static_cast<size_t>(ni) * sizeof(float));
-      }
-    } else {  // out [i_rows, j_rows]: acc's transpose, 16x16 blocks where whole
+    if (!transpose) {  // out [i_rows, j_rows]: acc's transpose, 16x16 blocks where whole (a [J, I] output: written
+      // by the last K block)
       int64_t jb = 0;
 #if defined(ZK_F32_AVX512)
       for (; jb + 16 <= nj; jb += 16) {
@@ -865,6 +964,7 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
         for (int64_t j = jb; j < nj; ++j) out[(i0 + i) * ldo + j0 + j] = value(j, i);
     }
   }
+  }  // omp parallel
   return 0;
 #else
   (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
