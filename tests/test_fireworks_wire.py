@@ -207,7 +207,7 @@ def test_completion_request_mapping():
     assert vllm_completion_request({**body, "top_k": 20, "logprobs": 3}, "/ckpt", NAME)["top_k"] == 20
     assert "logprobs" not in vllm_completion_request({**body, "logprobs": False}, "/ckpt", NAME)
     with pytest.raises(FireworksRequestError, match="not served by zerokld"):
-        vllm_completion_request({**body, "include_routing_matrix": True}, "/ckpt", NAME)
+        vllm_completion_request({**body, "routing_matrix_format": "parquet_v1"}, "/ckpt", NAME)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,9 @@ Restarts (``--state-dir``): every model's state after its last ``optim_step`` is
 the same state dir (and port) resumes each model there — the work after it, accumulated gradients included, is gone —
 and its clients go on with their ``model_id`` and numbering.
 
-Not yet: MoE routing matrices from the datum.
+MoE routing replay (R3): a datum's ``model_input.routing_matrices`` (one per position, as the zerokld vLLM server's
+``include_routing_matrix`` rows give them) are replayed in its forward (:func:`routes_of`,
+:mod:`titan_plugin.routing`); Parquet routing references are refused.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-__all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "main"]
+__all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "datums", "main", "routes_of"]
 
 #: seconds ``retrieve_future`` waits for a result before answering ``try_again`` (the SDK's per-call timeout is 45)
 POLL_S = 10.0
@@ -80,13 +82,59 @@ def _tensor_data(td, name: str) -> list:
     return td["data"]
 
 
-def datums(data: object, vocab_size: int) -> list[dict]:
-    """The wire's ``Datum`` list as :class:`titan_plugin.client.TrainingClient` datums. Raises UserError."""
+def routes_of(matrices: object, positions: int, num_experts: int | None, where: str):
+    """A datum's ``model_input.routing_matrices`` (R3) as the routes to replay: ``[positions, layers, top_k]`` int64,
+    row ``p`` the experts the rollout's forward at input position ``p`` selected (``-1`` where the string is empty:
+    that position is routed afresh). Each string is base64 ``.npy`` of one position's ``[layers, top_k]`` ids — the
+    encoding of the zerokld vLLM server's ``routing_matrix`` rows (:mod:`vllm_plugin.hotload.fireworks`, vLLM's own
+    ``routed_experts`` encoding).
+
+    Raises:
+        UserError: a dense model; not a list of strings, one per position; a string that is not base64 ``.npy``
+            of an integer ``[layers, top_k]`` array, shapes that differ, or ids outside ``[0, num_experts)``.
+    """
+    import base64
+    import binascii
+    import io
+
+    import numpy as np
+
+    if not num_experts:
+        raise UserError(f"{where}: routing_matrices given, but this model has no experts")
+    if not isinstance(matrices, list) or not all(isinstance(m, str) for m in matrices):
+        raise UserError(f"{where}: routing_matrices must be a list of strings")
+    if len(matrices) != positions:
+        raise UserError(f"{where}: {len(matrices)} routing matrices for {positions} positions")
+    rows, shape = [], None
+    for p, m in enumerate(matrices):
+        if not m:
+            rows.append(None)
+            continue
+        try:
+            a = np.load(io.BytesIO(base64.b64decode(m, validate=True)), allow_pickle=False)
+        except (ValueError, binascii.Error, EOFError, OSError):
+            raise UserError(f"{where}: routing_matrices[{p}] is not base64 .npy") from None
+        if a.ndim != 2 or a.dtype.kind not in "iu" or (shape is not None and a.shape != shape):
+            raise UserError(f"{where}: routing_matrices[{p}] is {a.dtype} {a.shape}; expected integer "
+                            f"[layers, top_k]{'' if shape is None else ' ' + str(list(shape))}")
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= num_experts):
+            raise UserError(f"{where}: routing_matrices[{p}] names experts outside [0, {num_experts})")
+        shape = a.shape
+        rows.append(a.astype(np.int64))
+    if shape is None:
+        return None  # nothing to replay: every position routed afresh
+    return np.stack([r if r is not None else np.full(shape, -1, dtype=np.int64) for r in rows])
+
+
+def datums(data: object, vocab_size: int, num_experts: int | None = None) -> list[dict]:
+    """The wire's ``Datum`` list as :class:`titan_plugin.client.TrainingClient` datums (``model_input.
+    routing_matrices`` as ``routed_experts`` to replay, :func:`routes_of`). Raises UserError."""
     if not isinstance(data, list) or not data:
         raise UserError("data must be a non-empty list of datums")
     out = []
     for i, d in enumerate(data):
-        chunks = (d.get("model_input") or {}).get("chunks") if isinstance(d, dict) else None
+        model_input = (d.get("model_input") or {}) if isinstance(d, dict) else {}
+        chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
         if not isinstance(chunks, list) or not chunks:
             raise UserError(f"datum {i}: model_input.chunks missing")
         tokens = []
@@ -100,6 +148,12 @@ def datums(data: object, vocab_size: int) -> list[dict]:
         targets = inputs.get("target_tokens")
         if targets is not None and not all(isinstance(t, (int, float)) and 0 <= t < vocab_size for t in targets):
             raise UserError(f"datum {i}: target_tokens must be in [0, {vocab_size})")
+        if model_input.get("routing_references") is not None or model_input.get("routing_matrix_format") not in (
+                None, "base64_inline"):
+            raise UserError(f"datum {i}: routing references (parquet_v1) are not served; send routing_matrices")
+        if model_input.get("routing_matrices") is not None:
+            inputs["routed_experts"] = routes_of(model_input["routing_matrices"], len(tokens), num_experts,
+                                                 f"datum {i}")
         out.append({"model_input": tokens, "loss_fn_inputs": inputs})
     return out
 
@@ -161,7 +215,8 @@ class TrainingServer:
         self.seq_gap_s, self.max_lora_rank = seq_gap_s, max_lora_rank
         from zerokld_models import read_model_config
 
-        self.vocab_size = int(read_model_config(checkpoint).vocab_size)
+        config = read_model_config(checkpoint)
+        self.vocab_size, self.num_experts = int(config.vocab_size), config.num_experts
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
         self.models: dict[str, _Model] = {}
         self.futures: dict[str, concurrent.futures.Future] = {}
@@ -273,11 +328,13 @@ class TrainingServer:
                                            checkpoint=restore)
         if not restored:  # a restart re-reads the registry; rewriting it model by model would drop the rest
             self._persist()
-        return {"type": "create_model", "model_id": model_id}
+        # capabilities the SDK reads from the reply: routing replay (R3) for MoE models, routes inline (base64)
+        return {"type": "create_model", "model_id": model_id, "supports_router_replay": bool(self.num_experts),
+                "routing_matrix_format": "base64_inline"}
 
     def _forward(self, model: _Model, body: dict, backward: bool) -> dict:
         spec = body.get("forward_backward_input" if backward else "forward_input") or {}
-        data = datums(spec.get("data"), self.vocab_size)
+        data = datums(spec.get("data"), self.vocab_size, self.num_experts)
         loss_fn = spec.get("loss_fn") or "cross_entropy"
         if not backward:
             res = model.client.forward(data)

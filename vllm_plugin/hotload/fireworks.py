@@ -16,8 +16,15 @@ FIREWORKS_HOT_LOAD`); this module holds the rest:
   token was sampled from: the model's own (zerokld's raw log-probs, the trainer's definition) when the request samples
   from it unchanged (temperature 1, ``top_p`` 1, no ``top_k``/``min_p``); otherwise ``null`` — this server returns no
   temperature- or truncation-processed log-probs (``fireworks-ai`` then refuses to use them, as it does for any
-  server without them). Fields that ask for what zerokld does not serve (images, routing matrices, Parquet top-K
-  sampling) are refused with 400 rather than ignored.
+  server without them). Fields that ask for what zerokld does not serve (images, Parquet routing or top-K sampling)
+  are refused with 400 rather than ignored.
+* **routing matrices** (R3, ``include_routing_matrix``; MoE servers started with vLLM's
+  ``--enable-return-routed-experts``): every ``logprobs.content[]`` row carries ``routing_matrix``, the experts that
+  the forward which produced the row's log-prob selected — row of position ``q``: the routes of input position
+  ``q - 1``, ``[layers, top_k]``, encoded as vLLM encodes its own ``routed_experts`` (base64 ``.npy``); an echoed first
+  token, which no forward produced, has ``""``. A datum's ``model_input.routing_matrices`` are then the rows of its
+  positions (the SDK's echo rows, first dropped), which the training server replays
+  (:mod:`titan_plugin.training_server`). The SDK passes them through unread.
 
 Source: ``fireworks-ai==1.2.30`` (``fireworks/training/sdk/deployment.py``, ``sampling.py``, ``_rest_client.py``).
 """
@@ -27,7 +34,7 @@ import json
 import time
 
 __all__ = ["API_KEY_HEADER", "FireworksRequestError", "accounts", "deployment", "enable", "fireworks_completion",
-           "install", "sse", "vllm_completion_request"]
+           "install", "routing_matrix", "sse", "vllm_completion_request"]
 
 API_KEY_HEADER = "X-Api-Key"
 _AUTH_TARGET = "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.verify_token"
@@ -40,8 +47,9 @@ _PASSED = ("prompt", "n", "max_tokens", "temperature", "top_p", "seed", "stop", 
 _SHAPING = ("model", "stream", "raw_output", "logprobs", "top_logprobs", "top_k", "perf_metrics_in_response",
             "prompt_cache_key", "return_token_ids")
 #: request fields for features this server does not serve: refused, not silently ignored
-_REFUSED = ("images", "include_routing_matrix", "routing_matrix_format", "top_sampling_logprobs",
-            "top_sampling_format", "sampling_mask")
+_REFUSED = ("images", "routing_matrix_format", "top_sampling_logprobs", "top_sampling_format", "sampling_mask")
+#: request fields that add to the reply (:func:`fireworks_completion`)
+_ADDING = ("include_routing_matrix",)
 
 
 class FireworksRequestError(ValueError):
@@ -102,7 +110,7 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
 
     Raises:
         FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model; a
-            refused or unknown field.
+            refused or unknown field; ``include_routing_matrix`` without ``logprobs``.
     """
     if not isinstance(body, dict):
         raise FireworksRequestError("request body must be a JSON object", 422)
@@ -113,7 +121,7 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
     refused = sorted(k for k in body if k in _REFUSED and body[k] not in (None, False))
     if refused:
         raise FireworksRequestError(f"not served by zerokld: {refused}")
-    unknown = sorted(k[:40] for k in body if k not in _PASSED + _SHAPING + _REFUSED)
+    unknown = sorted(k[:40] for k in body if k not in _PASSED + _SHAPING + _REFUSED + _ADDING)
     if unknown:
         raise FireworksRequestError(f"unknown field(s) {unknown[:5]}")
     req = {k: body[k] for k in _PASSED if k in body and body[k] is not None}
@@ -130,11 +138,40 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
         req["logprobs"] = logprobs
     else:
         raise FireworksRequestError(f"logprobs must be true, false or a number, got {str(logprobs)[:40]!r}")
+    if body.get("include_routing_matrix") and "logprobs" not in req:
+        raise FireworksRequestError("include_routing_matrix needs logprobs: the routing matrices ride on its rows")
     return req
 
 
-def _content(lp: dict, ids: list[int], prompt_rows: int, exact: bool) -> list[dict]:
-    """``logprobs.content[]`` of one choice from vLLM's legacy completion log-probs (``tokens`` as ``token_id:N``)."""
+def routing_matrix(routes) -> str:
+    """One position's routes (``[layers, top_k]`` integer array) as a ``routing_matrix`` string: base64 of its
+    ``.npy`` bytes, vLLM's encoding of ``routed_experts`` (``vllm.utils.serial_utils.numpy2base64``)."""
+    from vllm.utils.serial_utils import numpy2base64
+
+    return numpy2base64(routes)
+
+
+def _routes(choice: dict, positions: int):
+    """vLLM's ``routed_experts`` of a choice, ``[positions, layers, top_k]``. Raises FireworksRequestError: absent
+    (400: the server records no routes) or of another length (500)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    if choice.get("routed_experts") is None:
+        raise FireworksRequestError("include_routing_matrix: this deployment records no routes (an MoE model served "
+                                    "with --enable-return-routed-experts does)")
+    routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+    if routes.ndim != 3 or routes.shape[0] != positions:
+        raise FireworksRequestError(f"vLLM's routes cover {routes.shape[:1]} positions, not {positions}", 500)
+    return routes
+
+
+def _content(lp: dict, ids: list[int], prompt_rows: int, exact: bool, first: int = 0, routes=None) -> list[dict]:
+    """``logprobs.content[]`` of one choice from vLLM's legacy completion log-probs (``tokens`` as ``token_id:N``);
+    ``first``: the position of the first row; ``routes``: ``[positions - 1, layers, top_k]`` or ``None`` (no
+    ``routing_matrix``)."""
     out = []
     top = lp.get("top_logprobs") or [None] * len(ids)
     for i, (tok, value, alts) in enumerate(zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], top,
@@ -146,6 +183,8 @@ def _content(lp: dict, ids: list[int], prompt_rows: int, exact: bool) -> list[di
         if alts:
             entry["top_logprobs"] = [{"token": t, "token_id": int(t.split(":", 1)[1]), "logprob": v}
                                      for t, v in alts.items()]
+        if routes is not None:  # the forward at the previous position produced this row
+            entry["routing_matrix"] = routing_matrix(routes[first + i - 1]) if first + i else ""
         out.append(entry)
     return out
 
@@ -157,8 +196,11 @@ def fireworks_completion(vllm_reply: dict, body: dict, deployment_name: str) -> 
     reads 0.0 — the client drops that row, as it does Fireworks'), zerokld's choice fields (``zerokld_seed``,
     ``zerokld_numerics``, ``weight_versions``) kept.
 
+    With ``include_routing_matrix`` every row carries its ``routing_matrix`` (see the module).
+
     Raises:
-        FireworksRequestError: (500) vLLM's reply lacks the token ids this reply needs.
+        FireworksRequestError: (500) vLLM's reply lacks the token ids this reply needs, or its routes do not cover
+            them; (400) routing matrices asked of a server that records no routes.
     """
     echo, exact = bool(body.get("echo")), _samples_from_model(body)
     choices = []
@@ -170,11 +212,15 @@ def fireworks_completion(vllm_reply: dict, body: dict, deployment_name: str) -> 
         out = {k: v for k, v in choice.items() if k not in ("logprobs", "token_ids", "prompt_token_ids",
                                                               "prompt_logprobs")}
         out["raw_output"] = {"prompt_token_ids": list(prompt_ids), "completion_token_ids": completion}
+        routes = None
+        if body.get("include_routing_matrix") and choice.get("logprobs") is not None:
+            routes = _routes(choice, len(prompt_ids) + len(ids) - 1)
         if choice.get("logprobs") is not None:
             lp = choice["logprobs"]
             if len(lp.get("tokens") or []) != len(completion):
                 raise FireworksRequestError("vLLM's log-probs do not cover the token ids", 500)
-            out["logprobs"] = {"content": _content(lp, completion, len(prompt_ids) if echo else 0, exact)}
+            out["logprobs"] = {"content": _content(lp, completion, len(prompt_ids) if echo else 0, exact,
+                                                   0 if echo else len(prompt_ids), routes)}
         choices.append(out)
     return {"id": vllm_reply.get("id"), "object": "text_completion",
             "created": vllm_reply.get("created", int(time.time())), "model": deployment_name, "choices": choices,
