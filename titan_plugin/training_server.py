@@ -40,6 +40,12 @@ Restarts (``--state-dir``): every model's state after its last ``optim_step`` is
 the same state dir (and port) resumes each model there — the work after it, accumulated gradients included, is gone —
 and its clients go on with their ``model_id`` and numbering.
 
+tinker 0.38 (``tinker.ServiceClient``, a ``tml-`` key; issue 38, training calls so far): ``client/config`` answers the
+client's defaults but asks for zstd-compressed protobuf bodies, and ``forward`` / ``forward_backward`` bodies in tinker's protobuf (zstd or not) are read as the JSON
+ones (:mod:`titan_plugin.tinker_proto`) — a ``forward_only`` request is a ``forward`` — and their results go back as
+protobuf; the other calls are the JSON ones above. Not yet: sampling sessions (``create_sampling_session``,
+``asample``).
+
 MoE routing replay (R3): a datum's ``model_input.routing_matrices`` (one per position, as the zerokld vLLM server's
 ``include_routing_matrix`` rows give them) are replayed in its forward (:func:`routes_of`,
 :mod:`titan_plugin.routing`); Parquet routing references are refused.
@@ -57,7 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+
+from . import tinker_proto
 
 __all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "datums", "main", "routes_of"]
 
@@ -220,6 +228,7 @@ class TrainingServer:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
         self.models: dict[str, _Model] = {}
         self.futures: dict[str, concurrent.futures.Future] = {}
+        self.proto_results: set[str] = set()  # request ids whose results go back as tinker protobuf
         self.checkpoints: dict[str, tuple[str, str]] = {}  # save_weights name -> (model_id, trainer checkpoint)
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -408,7 +417,16 @@ class TrainingServer:
                 return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
             return await call_next(request)
 
+        def is_proto(request: Request) -> bool:
+            return request.headers.get("content-type", "").split(";")[0].strip() == tinker_proto.CONTENT_TYPE
+
         async def body_of(request: Request) -> dict:
+            if is_proto(request):
+                try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
+                    return tinker_proto.forward_backward_request(await request.body(),
+                                                                 request.headers.get("content-encoding"))
+                except tinker_proto.WireError as e:
+                    raise UserError(str(e)) from None
             try:
                 body = await request.json()
             except ValueError:
@@ -435,6 +453,12 @@ class TrainingServer:
         @app.post(api + "/session_heartbeat")
         async def heartbeat(request: Request):
             return {"type": "session_heartbeat"}
+
+        @app.post(api + "/client/config")
+        async def client_config(request: Request):
+            """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies zstd-compressed
+            (``proto_compress_fwdbwd``)."""
+            return {"proto_compress_fwdbwd": True}
 
         @app.post(api + "/telemetry")
         async def telemetry(request: Request):
@@ -473,11 +497,14 @@ class TrainingServer:
                 body = await body_of(request)
                 model = model_of(body)
                 rid = self._submit(body["model_id"], body.get("seq_id"), lambda: run(model, body))
+                if is_proto(request):
+                    self.proto_results.add(rid)  # its result goes back as protobuf too
                 return {"request_id": rid, "model_id": body["model_id"]}
             return handler
 
         op("forward", lambda m, b: self._forward(m, b, backward=False))
-        op("forward_backward", lambda m, b: self._forward(m, b, backward=True))
+        # (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
+        op("forward_backward", lambda m, b: self._forward(m, b, backward=not b.get("forward_only")))
         op("optim_step", lambda m, b: self._optim(m, b.get("adam_params") or {}))
         op("save_weights_for_sampler", lambda m, b: self._save_for_sampler(m, str(b.get("path")),
                                                                          str(b.get("checkpoint_type") or "base")))
@@ -517,11 +544,16 @@ class TrainingServer:
             except Exception:  # noqa: BLE001, S110 - the operation's failure: read from the future below
                 pass
             self.futures.pop(rid, None)
+            proto = rid in self.proto_results
+            self.proto_results.discard(rid)
             error = fut.exception()
             if error is not None:  # in the client's error shape
                 user = isinstance(error, (ValueError, KeyError, TypeError, NotImplementedError))  # UserError too
                 return {"error": public_message(error), "category": "user" if user else "server",
                         "error_class": type(error).__name__}
+            if proto:
+                return Response(tinker_proto.forward_backward_output(fut.result()),
+                                media_type=tinker_proto.CONTENT_TYPE)
             return fut.result()
 
         return app

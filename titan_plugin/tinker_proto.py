@@ -1,0 +1,138 @@
+"""tinker 0.38's protobuf training wire, as the training server speaks it (``../shared/wire/fireworks_tinker_wire.md``
+§4): ``POST /api/v1/forward_backward`` bodies arrive as ``tinker_public.ForwardBackwardRequest`` (``Content-Type:
+application/x-protobuf``, zstd-compressed when ``Content-Encoding: zstd``), and their results go back as
+``tinker_public.ForwardBackwardOutput``. This module only converts: a request becomes the JSON body the Fireworks
+spelling of the same call has (:mod:`titan_plugin.training_server` then runs one code path for both), a result the
+protobuf the client decodes.
+
+* request: ``model_input`` chunks -> ``{"type": "encoded_text", "tokens"}`` (int32 little-endian bytes; image and
+  audio chunks are refused), ``loss_fn_inputs`` tensors -> TensorData ``{"data", "dtype", "shape"}`` (dense float32 /
+  int64 / int32 / bf16; sparse CSR is refused: its missing entries take a pad value the wire does not carry),
+  ``loss_fn_config_v2`` (numbers and strings) over the legacy ``loss_fn_config``; ``forward_only`` -> a ``forward``
+  call (``forward_input``).
+* result: one ``ArrayRecord`` whose fields hold every datum's outputs back to back (``offsets``: byte offsets, one
+  more than the datums), ``metrics`` as given.
+
+The schema is tinker's own (``tinker.proto.tinker_public_pb2``, shipped in the ``tinker`` wheel): a server without the
+``tinker`` package refuses protobuf bodies with a message that says so.
+
+Source: ``tinker==0.38.0`` (``tinker/proto/request_conv.py``, ``response_conv.py``, ``resources/training.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["CONTENT_TYPE", "WireError", "forward_backward_output", "forward_backward_request"]
+
+CONTENT_TYPE = "application/x-protobuf"
+#: largest decompressed request body accepted (bytes)
+MAX_BODY = 1 << 30
+
+
+class WireError(ValueError):
+    """A protobuf body that cannot be read (the user's error)."""
+
+
+def _pb():
+    try:
+        from tinker.proto import tinker_public_pb2
+    except ImportError:  # pragma: no cover - the test extra installs tinker
+        raise WireError("protobuf bodies need the tinker package on the server (pip install tinker==0.38.0)") from None
+    return tinker_public_pb2
+
+
+def _tensor(msg, name: str) -> dict:
+    """A ``tinker_public.Tensor`` as TensorData JSON. Raises WireError."""
+    pb = _pb()
+    dtypes = {pb.DTYPE_FLOAT32: ("float32", np.float32), pb.DTYPE_INT64: ("int64", np.int64),
+              pb.DTYPE_INT32: ("int64", np.int32), pb.DTYPE_BFLOAT16: ("float32", np.uint16)}
+    if msg.dtype not in dtypes:
+        raise WireError(f"loss_fn_inputs[{name!r}]: unknown dtype {msg.dtype}")
+    label, np_dtype = dtypes[msg.dtype]
+    shape = [int(s) for s in msg.shape]
+    if msg.WhichOneof("encoding") == "sparse_csr":  # its other entries take a pad value the wire does not carry
+        raise WireError(f"loss_fn_inputs[{name!r}]: sparse tensors are not served (send it dense)")
+    try:
+        arr = np.frombuffer(msg.dense, dtype=np_dtype)
+    except ValueError as e:
+        raise WireError(f"loss_fn_inputs[{name!r}]: {e}") from None
+    if np_dtype == np.uint16:  # bf16: the upper half of a float32
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    if not shape:
+        shape = [int(arr.size)]
+    if int(np.prod(shape)) != arr.size:
+        raise WireError(f"loss_fn_inputs[{name!r}]: {arr.size} values for shape {shape}")
+    return {"data": arr.tolist(), "dtype": label, "shape": shape}
+
+
+def forward_backward_request(body: bytes, content_encoding: str | None = None) -> dict:
+    """A protobuf ``ForwardBackwardRequest`` body as the JSON body of the same call.
+
+    Args:
+        body: the HTTP body. content_encoding: its ``Content-Encoding`` (``zstd`` or none).
+
+    Returns:
+        ``{"model_id", "seq_id", "forward_only", "forward_input" | "forward_backward_input": {"data", "loss_fn",
+        "loss_fn_config"}}`` with data as the JSON wire's datums (``model_input.chunks``, ``loss_fn_inputs``).
+
+    Raises:
+        WireError: another encoding, a body that is not a ``ForwardBackwardRequest``, a chunk other than encoded
+            text, a tensor that does not match its shape or dtype.
+    """
+    pb = _pb()
+    if content_encoding not in (None, "", "identity", "zstd"):
+        raise WireError(f"Content-Encoding {content_encoding[:20]!r} is not served (zstd or none)")
+    if content_encoding == "zstd":
+        import zstandard
+
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
+        except zstandard.ZstdError as e:
+            raise WireError(f"the zstd body does not decompress: {e}") from None
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise WireError(f"the body is not a tinker ForwardBackwardRequest: {type(e).__name__}") from None
+    data = []
+    for i, d in enumerate(msg.data):
+        chunks = []
+        for c in d.model_input:
+            if c.WhichOneof("chunk") != "encoded_text":
+                raise WireError(f"datum {i}: only encoded_text chunks are served, got {c.WhichOneof('chunk')}")
+            raw = c.encoded_text.tokens
+            if len(raw) % 4:
+                raise WireError(f"datum {i}: encoded_text tokens are not int32 bytes")
+            chunks.append({"type": "encoded_text", "tokens": np.frombuffer(raw, dtype="<i4").tolist()})
+        data.append({"model_input": {"chunks": chunks},
+                     "loss_fn_inputs": {k: _tensor(v, k) for k, v in d.loss_fn_inputs.items()}})
+    config: dict = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():  # v2 wins (numbers and strings)
+        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    spec = {"data": data, "loss_fn": msg.loss_fn, "loss_fn_config": config or None}
+    return {"model_id": msg.model_id, "seq_id": int(msg.seq_id), "forward_only": bool(msg.forward_only),
+            ("forward_input" if msg.forward_only else "forward_backward_input"): spec}
+
+
+def forward_backward_output(result: dict) -> bytes:
+    """The JSON result of a ``forward`` / ``forward_backward`` (``loss_fn_output_type``, ``loss_fn_outputs``: per datum
+    TensorData fields, ``metrics``) as protobuf ``ForwardBackwardOutput`` bytes: one ``ArrayRecord`` per call, each
+    field a ``BatchedTensor`` of the datums' values back to back (float32 or int64; ``offsets`` in bytes)."""
+    pb = _pb()
+    out = pb.ForwardBackwardOutput()
+    out.loss_fn_output_type = str(result.get("loss_fn_output_type") or "")
+    for k, v in (result.get("metrics") or {}).items():
+        out.metrics[k] = float(v)
+    outputs = result.get("loss_fn_outputs") or []
+    if outputs:
+        record = out.loss_fn_outputs.add()
+        record.num_datums = len(outputs)
+        for name in outputs[0]:
+            dtype = outputs[0][name].get("dtype", "float32")
+            np_dtype, pb_dtype = (np.int64, pb.DTYPE_INT64) if dtype == "int64" else (np.float32, pb.DTYPE_FLOAT32)
+            arrays = [np.asarray(o[name]["data"], dtype=np_dtype).reshape(-1) for o in outputs]
+            field = record.fields[name]
+            field.dtype = pb_dtype
+            field.data = b"".join(a.tobytes() for a in arrays)
+            field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64).tobytes()
+    return out.SerializeToString()
