@@ -561,11 +561,15 @@ def test_sync_transition_425_exactly_while_swapping(env):
             polling.set()
 
     with ThreadPoolExecutor(3) as pool:
-        # the drain window lasts as long as the in-flight request: 8 samples as long as the context allows, not
-        # streamed (a streamed one failed twice in fresh-clone suites: the signal was handled 3.7 s after it was
-        # sent, when the engine had finished the stream); the signal goes out once the engine reports it running
-        long = pool.submit(_timed_completion, server, PROMPT, LONG, 8)
+        # the drain window lasts as long as the in-flight request: one sample as long as the context allows (~3 s),
+        # not streamed (a streamed one failed twice in fresh-clone suites: the signal was handled 3.7 s after it was
+        # sent, when the engine had finished the stream); the signal goes out once the engine reports it running.
+        # One sample, not 8: with 8 the API server's per-step output work for them delayed /metrics in a fresh-clone
+        # suite until the request had ended (the precondition below failed: ended 0.01 s before verified)
+        t_sent = time.monotonic()
+        long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
         _wait_running(server, long)
+        t_running = time.monotonic() - t_sent
         poller = pool.submit(poll)
         t_signal = time.monotonic()
         r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
@@ -582,7 +586,8 @@ def test_sync_transition_425_exactly_while_swapping(env):
     row = server.get(HL + "/ledger").json()["rows"][-1]
     assert ended >= row["timestamps"]["verified"], (  # the precondition of what follows: there was a drain window
         f"the in-flight request ended {row['timestamps']['verified'] - ended:.2f} s before the signal was verified "
-        f"(the signal took {t_swapped - t_signal:.2f} s)")
+        f"(the signal took {t_swapped - t_signal:.2f} s; the engine was seen running it {t_running:.2f} s after it "
+        "was sent)")
     assert 425 in statuses and set(statuses) <= {200, 425}, (
         f"statuses {statuses}; the sync signal took {t_swapped - t_signal:.2f} s; ledger: "
         f"{server.get(HL + '/ledger').json()['rows'][-1]}")
