@@ -18,7 +18,7 @@ import torch
 
 from .mode import NumericsMode, check_same_numerics
 
-__all__ = ["IGNORE_INDEX", "RolloutBatch", "common_numerics"]
+__all__ = ["IGNORE_INDEX", "RolloutBatch", "common_numerics", "decode_routes"]
 
 IGNORE_INDEX = -100  # label of positions without a loss (torch cross-entropy's / TorchTitan's ``IGNORE_INDEX``)
 
@@ -29,6 +29,22 @@ def _completion_logprobs(completion) -> torch.Tensor:
     return torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
                         dtype=torch.float32)
 
+
+
+def decode_routes(encoded: str):
+    """Routes as vLLM encodes them (``routed_experts`` of a completion choice, and zerokld's per-row
+    ``routing_matrix``): base64 of an array's ``.npy`` bytes (``vllm.utils.serial_utils.numpy2base64``) -> the numpy
+    array (no pickles).
+
+    Raises:
+        ValueError: not base64 (``binascii.Error``, a ValueError) or not ``.npy`` bytes; EOFError: empty bytes.
+    """
+    import base64
+    import io
+
+    import numpy as np
+
+    return np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
 
 @dataclass
 class RolloutBatch:
@@ -129,11 +145,6 @@ class RolloutBatch:
         Raises:
             ValueError: a choice lacks token ids or logprobs, or the choices carry different numerics modes.
         """
-        import base64
-        import io
-
-        import numpy as np
-
         if len(prompts) != len(choices):
             raise ValueError(f"{len(prompts)} prompts for {len(choices)} choices")
         seqs, lps, routes = [], [], []
@@ -148,7 +159,7 @@ class RolloutBatch:
             seqs.append(list(p) + [int(t) for t in ids])
             lps.append(torch.tensor(logprobs["token_logprobs"], dtype=torch.float32))
             r = c.get("routed_experts")
-            routes.append(np.load(io.BytesIO(base64.b64decode(r))) if isinstance(r, str) else r)
+            routes.append(decode_routes(r) if isinstance(r, str) else r)
         return cls(sequences=seqs, prompt_lengths=[len(p) for p in prompts], advantages=advantages,
                    sampler_logprobs=lps, routed_experts=routes if all(r is not None for r in routes) else None,
                    snapshot_identity=snapshot_identity,

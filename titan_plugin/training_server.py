@@ -101,11 +101,9 @@ def routes_of(matrices: object, positions: int, num_experts: int | None, where: 
         UserError: a dense model; not a list of strings, one per position; a string that is not base64 ``.npy``
             of an integer ``[layers, top_k]`` array, shapes that differ, or ids outside ``[0, num_experts)``.
     """
-    import base64
-    import binascii
-    import io
-
     import numpy as np
+
+    from shared_numerics.rollout import decode_routes
 
     if not num_experts:
         raise UserError(f"{where}: routing_matrices given, but this model has no experts")
@@ -119,8 +117,8 @@ def routes_of(matrices: object, positions: int, num_experts: int | None, where: 
             rows.append(None)
             continue
         try:
-            a = np.load(io.BytesIO(base64.b64decode(m, validate=True)), allow_pickle=False)
-        except (ValueError, binascii.Error, EOFError, OSError):
+            a = decode_routes(m)
+        except (ValueError, EOFError, OSError):
             raise UserError(f"{where}: routing_matrices[{p}] is not base64 .npy") from None
         if a.ndim != 2 or a.dtype.kind not in "iu" or (shape is not None and a.shape != shape):
             raise UserError(f"{where}: routing_matrices[{p}] is {a.dtype} {a.shape}; expected integer "

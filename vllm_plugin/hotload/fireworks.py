@@ -154,15 +154,12 @@ def routing_matrix(routes) -> str:
 def _routes(choice: dict, positions: int):
     """vLLM's ``routed_experts`` of a choice, ``[positions, layers, top_k]``. Raises FireworksRequestError: absent
     (400: the server records no routes) or of another length (500)."""
-    import base64
-    import io
-
-    import numpy as np
+    from shared_numerics.rollout import decode_routes
 
     if choice.get("routed_experts") is None:
         raise FireworksRequestError("include_routing_matrix: this deployment records no routes (an MoE model served "
                                     "with --enable-return-routed-experts does)")
-    routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+    routes = decode_routes(choice["routed_experts"])
     if routes.ndim != 3 or routes.shape[0] != positions:
         raise FireworksRequestError(f"vLLM's routes cover {routes.shape[:1]} positions, not {positions}", 500)
     return routes
