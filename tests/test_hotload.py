@@ -356,15 +356,29 @@ def _timed_completion(server: Server, prompt: list[int], max_tokens: int, n: int
     return r, time.time()
 
 
-def _wait_running(server: Server, request) -> None:
-    """Return once the engine runs a request (vLLM's ``vllm:num_requests_running`` gauge on ``/metrics``); fail if
-    ``request`` (a future) ends first."""
+def _metric(server: Server, name: str) -> float:
+    """The sum of vLLM's metric ``name`` over its label sets (``/metrics``)."""
+    text = requests.get(server.base + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _generated(server: Server) -> float:
+    """Tokens the engine has generated so far (vLLM's ``vllm:generation_tokens`` counter), once it runs nothing: the
+    baseline of :func:`_wait_running`. Fails if the engine does not go idle within 120 s."""
     deadline = time.monotonic() + 120
-    while True:
-        text = requests.get(server.base + "/metrics", timeout=30).text
-        if sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running")) >= 1:
-            return
+    while _metric(server, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the engine still runs other requests"
+        time.sleep(0.02)
+    return _metric(server, "vllm:generation_tokens_total")
+
+
+def _wait_running(server: Server, request, before: float) -> None:
+    """Return once the engine has generated a token of ``request`` (a future sent after ``before = _generated(server)``
+    was read on an idle engine): the generation counter moved past ``before``. Fail if ``request`` ends first. (The
+    running-requests gauge alone says only that some request runs: a fresh-clone suite's sync swap then found nothing
+    to drain — the cause was not established; the gauge does return to 0 after a finished request.)"""
+    deadline = time.monotonic() + 120
+    while _metric(server, "vllm:generation_tokens_total") <= before:
         assert time.monotonic() < deadline and not request.done(), "the long request never ran"
         time.sleep(0.02)
 
@@ -533,8 +547,9 @@ def test_sync_transition_425_exactly_while_swapping(env):
     # until the engine had finished (first chunk after 2.9 s, all 990 by 3.0 s, with two busy processes beside the
     # suite), and the signal found nothing to drain
     with ThreadPoolExecutor(1) as pool:
+        before = _generated(server)
         long = pool.submit(_timed_completion, server, PROMPT, LONG, 8)
-        _wait_running(server, long)
+        _wait_running(server, long, before)
         r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
         assert r.status_code == 425, r.text
@@ -563,12 +578,13 @@ def test_sync_transition_425_exactly_while_swapping(env):
     with ThreadPoolExecutor(3) as pool:
         # the drain window lasts as long as the in-flight request: one sample as long as the context allows (~3 s),
         # not streamed (a streamed one failed twice in fresh-clone suites: the signal was handled 3.7 s after it was
-        # sent, when the engine had finished the stream); the signal goes out once the engine reports it running.
-        # One sample, not 8: with 8 the API server's per-step output work for them delayed /metrics in a fresh-clone
-        # suite until the request had ended (the precondition below failed: ended 0.01 s before verified)
+        # sent, when the engine had finished the stream); the signal goes out once the engine has generated a token
+        # of it (_wait_running). One sample, not 8: less API-server work per step; with 8 and the gauge-based wait a
+        # fresh-clone suite once failed the precondition below (ended 0.01 s before verified; cause not established)
+        before = _generated(server)
         t_sent = time.monotonic()
         long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
-        _wait_running(server, long)
+        _wait_running(server, long, before)
         t_running = time.monotonic() - t_sent
         poller = pool.submit(poll)
         t_signal = time.monotonic()
