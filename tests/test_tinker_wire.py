@@ -1,7 +1,7 @@
 """tinker 0.38's training wire on the zerokld training server (issue 38, first part: the training calls), with the
 official client, unmodified (``tinker==0.38.0``): ``client/config``, protobuf ``forward`` / ``forward_backward``
 requests (zstd too) and protobuf results, ``optim_step``; the log-probs are the trainer's own, bit for bit, and
-malformed protobuf is refused with nothing applied. Sampling sessions are not served yet (issue 38)."""
+malformed protobuf is refused with nothing applied. Sampling sessions: ``tests/test_tinker_sampling.py``."""
 from __future__ import annotations
 
 import numpy as np
@@ -115,20 +115,28 @@ def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
     extra = [{"advantages": [1.0 if i == 0 else -1.0] * b.numel(), "logprobs": b.tolist()}
              for i, b in enumerate(base)]
     rl = [_datum(s, len(PROMPT) if i == 0 else 12, extra[i]) for i, s in enumerate(seqs)]
-    for loss, cfg in (("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})):
+    for loss, cfg in (("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+                      ("cispo", None), ("dro", {"beta": 0.1}), ("gspo", None)):  # every tinker loss served
         out = tc.forward_backward(rl, loss, cfg).result()
-        assert all(k.count(":") == 1 for k in out.metrics) and out.metrics
+        assert all(k.count(":") == 1 for k in out.metrics) and out.metrics, loss
         assert [len(o["logprobs"].data) for o in out.loss_fn_outputs] == [b.numel() for b in base]
     headers = {"X-Api-Key": API_KEY, "Content-Type": tinker_proto.CONTENT_TYPE}
     r = requests.post(url + "/api/v1/forward_backward", data=b"\x08\xff", timeout=30, headers=headers)
     assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    wrong = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"), model_id=tc.model_id,
+        seq_id=10 ** 6))
+    wrong.data[0].loss_fn_inputs["weights"].dtype = 99  # a dtype tinker's schema does not have
+    r = requests.post(url + "/api/v1/forward_backward", data=wrong.SerializeToString(), timeout=30, headers=headers)
+    assert r.status_code == 400 and "unknown dtype" in r.json()["detail"]
     assert all(torch.equal(a, b) for a, b in zip(logprobs(), base, strict=True))  # nothing applied
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     moved = logprobs()
     assert not any(torch.equal(a, b) for a, b in zip(moved, base, strict=True))
     # the same forward by hand, uncompressed, as the last call (the client would wait for the turn of the number
     # taken from it): the result comes back as protobuf
-    from tinker.proto.request_conv import forward_backward_request_to_proto
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
     seq_id = tc._get_request_id() + 1  # the client's next number
@@ -147,3 +155,22 @@ def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
     by_hand = deserialize_forward_backward_output(res.content).loss_fn_outputs
     assert all(torch.equal(torch.tensor(np.asarray(o["logprobs"].data), dtype=torch.float32), b)
                for o, b in zip(by_hand, moved, strict=True))
+
+
+@pytest.mark.titan
+def test_unknown_loss_fails_the_request_as_the_users(server, monkeypatch):
+    """A loss tinker knows but zerokld does not register (``stable_reinforce``) fails its future as the user's error,
+    naming the registered losses (the client raises ``RequestFailedError``), and nothing was applied."""
+    import tinker
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    url, ckpt = server
+    tc = tinker.ServiceClient(base_url=url, api_key=API_KEY).create_lora_training_client(base_model=ckpt,
+                                                                                         rank=4).result()
+    datum = _datum(PROMPT + [41, 42], len(PROMPT), {"advantages": [1.0] * (len(PROMPT) + 1),
+                                                    "logprobs": [-1.0] * (len(PROMPT) + 1)})
+    with pytest.raises(tinker.RequestFailedError, match="registered") as err:
+        tc.forward_backward([datum], "stable_reinforce").result()
+    from tinker.types.request_error_category import RequestErrorCategory
+
+    assert err.value.category == RequestErrorCategory.User

@@ -10,6 +10,8 @@ protobuf the client decodes.
   int64 / int32 / bf16; sparse CSR is refused: its missing entries take a pad value the wire does not carry),
   ``loss_fn_config_v2`` (numbers and strings) over the legacy ``loss_fn_config``; ``forward_only`` -> a ``forward``
   call (``forward_input``).
+* sampling (:mod:`titan_plugin.tinker_sampler`): ``SampleResponse`` — per sequence int32 tokens, float32 log-probs
+  and the stop reason; the prompt's float32 log-probs (``NaN`` where none exists) when asked for.
 * result: one ``ArrayRecord`` whose fields hold every datum's outputs back to back (``offsets``: byte offsets, one
   more than the datums), ``metrics`` as given.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CONTENT_TYPE", "WireError", "forward_backward_output", "forward_backward_request"]
+__all__ = ["CONTENT_TYPE", "WireError", "forward_backward_output", "forward_backward_request", "sample_response"]
 
 CONTENT_TYPE = "application/x-protobuf"
 #: largest decompressed request body accepted (bytes)
@@ -135,4 +137,22 @@ def forward_backward_output(result: dict) -> bytes:
             field.dtype = pb_dtype
             field.data = b"".join(a.tobytes() for a in arrays)
             field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64).tobytes()
+    return out.SerializeToString()
+
+
+def sample_response(result: dict) -> bytes:
+    """An ``asample`` result (``{"sequences": [{"tokens", "logprobs", "stop_reason": "stop" | "length"}],
+    "prompt_logprobs": [float | None] | None}``) as protobuf ``SampleResponse`` bytes (tokens int32, log-probs
+    float32, a missing prompt log-prob ``NaN``: tinker's ``response_conv`` reads it back as ``None``)."""
+    pb = _pb()
+    out = pb.SampleResponse()
+    for s in result.get("sequences") or []:
+        seq = out.sequences.add()
+        seq.stop_reason = pb.STOP_REASON_LENGTH if s.get("stop_reason") == "length" else pb.STOP_REASON_STOP
+        seq.tokens = np.asarray(s["tokens"], dtype="<i4").tobytes()
+        if s.get("logprobs") is not None:
+            seq.logprobs = np.asarray(s["logprobs"], dtype="<f4").tobytes()
+    prompt = result.get("prompt_logprobs")
+    if prompt is not None:
+        out.prompt_logprobs = np.asarray([np.nan if v is None else v for v in prompt], dtype="<f4").tobytes()
     return out.SerializeToString()

@@ -10,7 +10,8 @@ Routes (under ``/api/v1``, key required as ``X-Api-Key``; 401 otherwise): ``crea
 ``session_heartbeat``, ``telemetry``, ``create_model`` (full-parameter; ``lora_config.rank`` > 0 trains LoRA),
 ``get_info``, ``GET get_server_capabilities``, ``forward``, ``forward_backward`` (the losses registered through the
 ``zerokld`` hooks, Tinker's names and ``loss_fn_config``), ``optim_step``, ``save_weights_for_sampler``,
-``save_weights``, ``load_weights``, ``GET list_checkpoints``, ``unload_model``, ``retrieve_future``.
+``save_weights``, ``load_weights``, ``GET list_checkpoints``, ``unload_model``, ``retrieve_future``; tinker's
+``client/config``, ``create_sampling_session``, ``GET samplers/{id}``, ``asample`` (below).
 
 Every training call answers ``{"request_id"}`` at once and runs on the trainer's one worker thread in ``seq_id`` order
 per model (the SDK may upload forward_backward chunks in parallel; a later ``seq_id`` waits for the earlier ones — for
@@ -40,11 +41,18 @@ Restarts (``--state-dir``): every model's state after its last ``optim_step`` is
 the same state dir (and port) resumes each model there — the work after it, accumulated gradients included, is gone —
 and its clients go on with their ``model_id`` and numbering.
 
-tinker 0.38 (``tinker.ServiceClient``, a ``tml-`` key; issue 38, training calls so far): ``client/config`` answers the
-client's defaults but asks for zstd-compressed protobuf bodies, and ``forward`` / ``forward_backward`` bodies in tinker's protobuf (zstd or not) are read as the JSON
-ones (:mod:`titan_plugin.tinker_proto`) — a ``forward_only`` request is a ``forward`` — and their results go back as
-protobuf; the other calls are the JSON ones above. Not yet: sampling sessions (``create_sampling_session``,
-``asample``).
+tinker 0.38 (``tinker.ServiceClient``, a ``tml-`` key; issue 38): ``client/config`` answers the client's defaults but
+asks for zstd-compressed protobuf bodies, and ``forward`` / ``forward_backward`` bodies in tinker's protobuf (zstd or
+not) are read as the JSON ones (:mod:`titan_plugin.tinker_proto`) — a ``forward_only`` request is a ``forward`` — and
+their results go back as protobuf; ``create_lora_training_client(rank=0)`` trains full-parameter. Sampling (with
+``--sampler-url``: the zerokld vLLM server on the same snapshot root, LoRA on for LoRA models;
+:mod:`titan_plugin.tinker_sampler`): tinker's ``save_weights_for_sampler`` (``kind`` set) answers
+``tinker://<model_id>/sampler_weights/<name>``; without a name (``save_weights_and_get_sampling_client``) it loads
+the model's next snapshot into the sampler — a LoRA model's adapter as a version of the vLLM adapter named
+``<model_id>``, a full-parameter model's weights as a delta where the sampler serves the previous one — and answers a
+sampling session on it; ``create_sampling_session`` (a saved ``tinker://`` path, loaded first, or ``base_model``),
+``GET samplers/{id}`` and ``asample`` (``sample_sequence_ids``; the result a protobuf ``SampleResponse``, run beside
+the training calls) complete it.
 
 MoE routing replay (R3): a datum's ``model_input.routing_matrices`` (one per position, as the zerokld vLLM server's
 ``include_routing_matrix`` rows give them) are replayed in its forward (:func:`routes_of`,
@@ -66,6 +74,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import tinker_proto
+from .tinker_sampler import SamplerError
 
 __all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "datums", "main", "routes_of"]
 
@@ -213,7 +222,8 @@ class TrainingServer:
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
                  learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0,
-                 max_lora_rank: int = 0, state_dir: str | None = None) -> None:
+                 max_lora_rank: int = 0, state_dir: str | None = None, sampler_url: str | None = None,
+                 sampler_api_key: str | None = None) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
@@ -226,7 +236,14 @@ class TrainingServer:
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
         self.models: dict[str, _Model] = {}
         self.futures: dict[str, concurrent.futures.Future] = {}
-        self.proto_results: set[str] = set()  # request ids whose results go back as tinker protobuf
+        self.proto_results: dict = {}  # request id -> the encoder of its tinker protobuf result
+        self.sampler = None
+        if sampler_url:
+            from .tinker_sampler import Sampler
+
+            self.sampler = Sampler(sampler_url, sampler_api_key or api_key)
+        self.sample_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="zerokld-sample")
+        self.saved: dict[str, tuple] = {}  # tinker sampler snapshot identity -> (model_id, lora_name, SnapshotInfo)
         self.checkpoints: dict[str, tuple[str, str]] = {}  # save_weights name -> (model_id, trainer checkpoint)
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -385,9 +402,14 @@ class TrainingServer:
                 opt.state.clear()
         return {"path": name, "type": "load_weights"}
 
-    def _save_for_sampler(self, model: _Model, identity: str, checkpoint_type: str) -> dict:
+    def _save_for_sampler(self, model_id: str, model: _Model, body: dict) -> dict:
+        """Fireworks' ``save_weights_for_sampler`` (``path``, ``checkpoint_type``), or tinker's (``kind`` set):
+        :meth:`_save_for_tinker`."""
         from deltasync import SnapshotWriter, read_snapshot_tensors
 
+        if "kind" in body or body.get("sampling_session_seq_id") is not None:
+            return self._save_for_tinker(model_id, model, body)
+        identity, checkpoint_type = str(body.get("path")), str(body.get("checkpoint_type") or "base")
         if model.lora_rank:  # a PEFT adapter snapshot, always full (Fireworks: LoRA saves are always base)
             adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
             writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=model.client.trainer.numerics,
@@ -403,6 +425,45 @@ class TrainingServer:
         info = model.writer.write(identity, model.client.trainer.hf_weights(self.dtype), kind=kind)
         model.writer.confirm(info)  # the next delta is against this snapshot: the server's own chain
         return {"path": info.identity, "type": "save_weights_for_sampler"}
+
+    def _save_for_tinker(self, model_id: str, model: _Model, body: dict) -> dict:
+        """tinker's ``save_weights_for_sampler``: with ``path``, a full snapshot of that name (a LoRA model's PEFT
+        adapter), answered as ``tinker://<model_id>/sampler_weights/<path>``; without (``sampling_session_seq_id``:
+        ``save_weights_and_get_sampling_client``), the next snapshot of the model's chain — a delta where the sampler
+        serves its base — loaded into the sampler and answered with a sampling session on it too."""
+        from deltasync import SnapshotWriter, read_snapshot_tensors
+
+        from .tinker_sampler import tinker_path
+
+        session = body.get("path") is None
+        if session and self.sampler is None:
+            raise UserError("this training server has no sampler: start it with --sampler-url (the zerokld vLLM "
+                            "server on the same snapshot root)")
+        identity = (f"{model_id}-{1 + sum(v[0] == model_id for v in self.saved.values())}" if session
+                    else str(body["path"]))
+        lora_name = model_id if model.lora_rank else None
+        if model.lora_rank:  # the PEFT adapter: its own chain of full snapshots, a version of adapter <model_id>
+            adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
+            writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=model.client.trainer.numerics,
+                                    cache_dir=self.root.parent / ".zerokld_writer_cache")
+            tensors = read_snapshot_tensors(adapter)
+        else:
+            if model.writer is None:
+                model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30,
+                                              numerics=model.client.trainer.numerics,
+                                              cache_dir=self.root.parent / ".zerokld_writer_cache")
+            writer, tensors = model.writer, model.client.trainer.hf_weights(self.dtype)
+        if not session:
+            info = writer.write(identity, tensors, kind="full")
+            if writer is model.writer:  # not loaded: the chain's next snapshot is full again
+                writer.failed(info)
+            self.saved[identity] = (model_id, lora_name, info)
+            return {"path": tinker_path(model_id, identity), "type": "save_weights_for_sampler"}
+        info = self.sampler.push(writer, identity, tensors, lora_name)
+        self.saved[info.identity] = (model_id, lora_name, info)
+        path = tinker_path(model_id, info.identity)
+        s = self.sampler.open(model.base_model, path, info.identity, lora_name, inflight=body.get("kind") == "inflight")
+        return {"path": path, "sampling_session_id": s.sampling_session_id, "type": "save_weights_for_sampler"}
 
     # ---- HTTP ------------------------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
@@ -434,7 +495,8 @@ class TrainingServer:
             return body
 
         @app.exception_handler(UserError)
-        async def refused(request: Request, e: UserError) -> JSONResponse:
+        @app.exception_handler(SamplerError)
+        async def refused(request: Request, e: ValueError) -> JSONResponse:
             """A request refused at submit: 400 ``{"detail"}`` (the SDK raises ``BadRequestError``)."""
             from deltasync.protocol import public_message
 
@@ -495,8 +557,8 @@ class TrainingServer:
                 body = await body_of(request)
                 model = model_of(body)
                 rid = self._submit(body["model_id"], body.get("seq_id"), lambda: run(model, body))
-                if is_proto(request):
-                    self.proto_results.add(rid)  # its result goes back as protobuf too
+                if is_proto(request):  # its result goes back as protobuf too
+                    self.proto_results[rid] = tinker_proto.forward_backward_output
                 return {"request_id": rid, "model_id": body["model_id"]}
             return handler
 
@@ -504,12 +566,68 @@ class TrainingServer:
         # (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
         op("forward_backward", lambda m, b: self._forward(m, b, backward=not b.get("forward_only")))
         op("optim_step", lambda m, b: self._optim(m, b.get("adam_params") or {}))
-        op("save_weights_for_sampler", lambda m, b: self._save_for_sampler(m, str(b.get("path")),
-                                                                         str(b.get("checkpoint_type") or "base")))
+        op("save_weights_for_sampler", lambda m, b: self._save_for_sampler(b["model_id"], m, b))
 
         op("save_weights", lambda m, b: self._save_state(b["model_id"], m, str(b.get("path")),
                                                           bool(b.get("overwrite"))))
         op("load_weights", lambda m, b: self._load_state(m, str(b.get("path")), bool(b.get("optimizer"))))
+
+        def sampler():
+            if self.sampler is None:
+                raise UserError("this training server has no sampler: start it with --sampler-url")
+            return self.sampler
+
+        @app.post(api + "/create_sampling_session")
+        async def create_sampling_session(request: Request):
+            """tinker's ``create_sampling_client``: a session on a saved ``tinker://`` snapshot (loaded into the
+            sampler first unless it serves) or on ``base_model`` (the base weights)."""
+            from deltasync import HotLoadRefused
+
+            from .tinker_sampler import parse_model_path
+
+            body, s = await body_of(request), sampler()
+            if body.get("model_path"):
+                model_id, identity = parse_model_path(body["model_path"])
+                saved = self.saved.get(identity)
+                if saved is None or saved[0] != model_id:
+                    raise UserError(f"no sampler snapshot {str(body['model_path'])[:120]!r} on this server")
+                _, lora_name, info = saved
+                try:
+                    await asyncio.to_thread(s.load, info, lora_name)
+                except HotLoadRefused as e:
+                    raise UserError(f"the sampler cannot load {identity!r}: {e}") from None
+                model = self.models.get(model_id)
+                session = s.open(model.base_model if model else self.checkpoint, str(body["model_path"]), identity,
+                                 lora_name)
+            elif body.get("base_model"):
+                session = s.open(str(body["base_model"]), None, None, None)
+            else:
+                raise UserError("create_sampling_session needs model_path or base_model")
+            return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
+
+        @app.get(api + "/samplers/{sampler_id}")
+        async def get_sampler(sampler_id: str):
+            session = sampler().session(sampler_id)
+            return {"sampler_id": session.sampling_session_id, "base_model": session.base_model,
+                    "model_path": session.model_path}
+
+        @app.post(api + "/asample")
+        async def asample(request: Request):
+            """A sample on a session's snapshot, run beside the training calls; the result (protobuf
+            ``SampleResponse``) through ``retrieve_future``; one ``sample_sequence_ids`` entry per sample."""
+            body, s = await body_of(request), sampler()
+            session = s.session(body.get("sampling_session_id"))
+            n = s.request(session, body)["n"]  # refused here, at submit
+            rid, fut = self._future()
+            self.proto_results[rid] = tinker_proto.sample_response
+
+            def job():
+                try:
+                    fut.set_result(s.sample(session, body))
+                except Exception as e:  # noqa: BLE001 - every failure is the future's answer
+                    fut.set_exception(e)
+            self.sample_pool.submit(job)
+            return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
 
         @app.get(api + "/list_checkpoints")
         async def list_checkpoints():
@@ -542,16 +660,14 @@ class TrainingServer:
             except Exception:  # noqa: BLE001, S110 - the operation's failure: read from the future below
                 pass
             self.futures.pop(rid, None)
-            proto = rid in self.proto_results
-            self.proto_results.discard(rid)
+            proto = self.proto_results.pop(rid, None)
             error = fut.exception()
             if error is not None:  # in the client's error shape
                 user = isinstance(error, (ValueError, KeyError, TypeError, NotImplementedError))  # UserError too
                 return {"error": public_message(error), "category": "user" if user else "server",
                         "error_class": type(error).__name__}
-            if proto:
-                return Response(tinker_proto.forward_backward_output(fut.result()),
-                                media_type=tinker_proto.CONTENT_TYPE)
+            if proto is not None:
+                return Response(proto(fut.result()), media_type=tinker_proto.CONTENT_TYPE)
             return fut.result()
 
         return app
@@ -643,6 +759,10 @@ def main(argv=None) -> None:
                                                                     "are zero-padded to it)")
     ap.add_argument("--state-dir", default=None, help="keep what a restart needs here (a checkpoint per optim_step); "
                                                      "a restart on it resumes every model at its last optim_step")
+    ap.add_argument("--sampler-url", default=None, help="the zerokld vLLM server (hot-load on, on this --snapshot-root) "
+                                                        "that serves tinker's sampling sessions")
+    ap.add_argument("--sampler-api-key", default=os.environ.get("ZEROKLD_SAMPLER_API_KEY"),
+                    help="its API key (default: --api-key)")
     ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
                                                          "contrast")
     ap.add_argument("--host", default="127.0.0.1")
@@ -659,7 +779,8 @@ def main(argv=None) -> None:
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
                             batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s,
-                            max_lora_rank=args.max_lora_rank, state_dir=args.state_dir)
+                            max_lora_rank=args.max_lora_rank, state_dir=args.state_dir,
+                            sampler_url=args.sampler_url, sampler_api_key=args.sampler_api_key)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 
