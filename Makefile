@@ -18,8 +18,10 @@ install: $(VENV)/bin/python
 	$(PIP) install -q -c constraints.txt -e ".[cpu]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 
+# tinker-cookbook without its declared dependencies (tml-renderers>=0.4.1 is not on PyPI; the rest is in the test extra)
 install-test: $(VENV)/bin/python
 	$(PIP) install -q -c constraints.txt -e ".[test]"
+	$(PIP) install -q -c constraints.txt --no-deps tinker-cookbook==0.6.1
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 
 # the countdown example side by side, bf16 then FP8 rollouts (examples/countdown/demo.py): runs/countdown/summary.md

@@ -514,6 +514,11 @@ class TrainingServer:
         async def heartbeat(request: Request):
             return {"type": "session_heartbeat"}
 
+        @app.post(api + "/sessions/{session_id}/finish")
+        async def finish_session(session_id: str):
+            """tinker's ``ServiceClient.close(status)``: the session ends (its models stay until ``unload_model``)."""
+            return None
+
         @app.post(api + "/client/config")
         async def client_config(request: Request):
             """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies zstd-compressed

@@ -120,11 +120,14 @@ class HotLoadServer(OpenAIServer):
         extra_args: more server flags (e.g. ``--enable-lora``).
         max_model_len: ``--max-model-len`` (at most the checkpoint's ``max_position_embeddings``).
         hot_load: more ``hot_load`` settings (:class:`deltasync.HotLoadConfig`), e.g. ``deployment_lora_name``.
+        batch_invariant: ``False``: vLLM's stock numerics (hot-load still on), the negative control of a run.
     """
 
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path, api_key: str,
-                 extra_args: tuple[str, ...] = (), max_model_len: int = 512, hot_load: dict | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), max_model_len: int = 512, hot_load: dict | None = None,
+                 batch_invariant: bool = True) -> None:
         self.ckpt, self.root, self.state, self.api_key, self.extra_args = ckpt, root, state, api_key, extra_args
+        self.batch_invariant = batch_invariant
         self.hot_load = dict(hot_load or {})
         self.max_model_len = max_model_len
         # vllm_plugin.faults: while this file exists, a reload pauses inside the weight copy (inert otherwise)
@@ -135,7 +138,7 @@ class HotLoadServer(OpenAIServer):
 
     def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
         """Start (``api_key_flag=False``: no ``--api-key`` flag; the key may come from ``VLLM_API_KEY``)."""
-        cfg = {"zerokld": {"batch_invariant": True,
+        cfg = {"zerokld": {"batch_invariant": self.batch_invariant,
                            "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state),
                                         **self.hot_load}}}
         self.args = ["--model", self.ckpt, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",

@@ -3,7 +3,7 @@
 The machines that run this project reach no model hub, so tests and the countdown example build their models here:
 an HF ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``LlamaForCausalLM`` directory with any dimensions, random init, and a character-level
 tokenizer made with the ``tokenizers`` library (every printable ASCII character is one token, plus a few specials and
-the tags ``<answer>``/``</answer>``). vLLM and TorchTitan load these directories as they would a downloaded model.
+the tags ``<answer>``/``</answer>``; with ``chat_tokens``, Qwen3's chat specials too, each one token, after them). vLLM and TorchTitan load these directories as they would a downloaded model.
 
 Layout follows HF ``transformers`` (``config.json`` fields of ``Qwen3Config`` / ``LlamaConfig``; weight names of
 ``modeling_qwen3.py`` / ``modeling_qwen3_moe.py`` / ``modeling_llama.py``; MoE experts stored one tensor per
@@ -22,10 +22,14 @@ import torch
 
 from zerokld_models.checkpoint import write_checkpoint
 
-__all__ = ["SPECIAL_TOKENS", "TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
+__all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TOKENS", "SPECIAL_TOKENS", "TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 EXTRA_TOKENS = ["<answer>", "</answer>"]
+#: Qwen3's chat-template specials (``tokenizer_config.json`` of Qwen/Qwen3-8B), for chat renderers (tinker-cookbook's
+#: ``qwen3`` renderer asserts ``<|im_end|>`` is one token); ``<|im_end|>`` is then the EOS token, as in Qwen3
+CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
 @dataclass
@@ -36,7 +40,9 @@ class TinyModelSpec:
 
     ``rope_scaling``: an HF ``rope_scaling`` dict (Llama 3.x: ``{"rope_type": "llama3", "factor": ...}``);
     ``rope_parameters_only``: write the RoPE settings only as transformers >= 4.56 does, in ``rope_parameters``
-    (``rope_theta`` and the scaling inside it, no top-level ``rope_theta``).
+    (``rope_theta`` and the scaling inside it, no top-level ``rope_theta``). ``chat_tokens``: the tokenizer has
+    Qwen3's chat specials (:data:`CHAT_SPECIAL_TOKENS`, :data:`CHAT_TOKENS`; ids after the others, which keep theirs)
+    and ``<|im_end|>`` is the EOS token.
 
     MoE fields (``qwen3_moe`` only): ``num_experts``, ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``,
     ``norm_topk_prob``; ``router_ties``: copy router row ``2j`` into row ``2j + 1`` (experts keep distinct weights),
@@ -62,13 +68,15 @@ class TinyModelSpec:
     router_ties: bool = False
     rope_scaling: dict | None = None
     rope_parameters_only: bool = False
+    chat_tokens: bool = False
 
 
-def make_tokenizer(out_dir: str | Path) -> int:
-    """Write a character-level ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir``.
+def make_tokenizer(out_dir: str | Path, chat_tokens: bool = False) -> int:
+    """Write a character-level ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir`` (``chat_tokens``: with
+    Qwen3's chat specials, ``<|im_end|>`` the EOS token).
 
     Returns:
-        The vocabulary size (specials + printable ASCII + answer tags).
+        The vocabulary size (specials + printable ASCII + answer tags [+ chat tokens]).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -79,13 +87,18 @@ def make_tokenizer(out_dir: str | Path) -> int:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens(EXTRA_TOKENS)
+    eos = "<|eos|>"
+    if chat_tokens:
+        tok.add_special_tokens(CHAT_SPECIAL_TOKENS)
+        tok.add_tokens(CHAT_TOKENS)
+        eos = "<|im_end|>"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
-        "eos_token": "<|eos|>",
+        "eos_token": eos,
         "pad_token": "<|pad|>",
         "unk_token": "?",
         "model_max_length": 4096,
@@ -94,9 +107,17 @@ def make_tokenizer(out_dir: str | Path) -> int:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "unk_token": "?"})
+        json.dumps({"bos_token": "<|bos|>", "eos_token": eos, "pad_token": "<|pad|>", "unk_token": "?"})
     )
     return tok.get_vocab_size()
+
+
+def _eos_id(spec: TinyModelSpec) -> int:
+    """The EOS token's id: ``<|eos|>`` (2), or ``<|im_end|>`` with chat tokens (after the specials, the printable
+    characters, the answer tags and ``<|endoftext|>``, ``<|im_start|>``)."""
+    if not spec.chat_tokens:
+        return 2
+    return len(SPECIAL_TOKENS) + len([c for c in string.printable if c not in "\t\r\x0b\x0c"]) + len(EXTRA_TOKENS) + 2
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
@@ -123,7 +144,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
         "attention_bias": False,
         "torch_dtype": dtype,
         "bos_token_id": 1,
-        "eos_token_id": 2,
+        "eos_token_id": _eos_id(spec),
         "pad_token_id": 0,
     }
     if spec.family == "llama":
@@ -177,7 +198,7 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
-        vocab = make_tokenizer(tok_dir)
+        vocab = make_tokenizer(tok_dir, spec.chat_tokens)
         return _write(out, spec, seed, dtype, tdtype, vocab, tok_dir)
 
 
@@ -221,7 +242,7 @@ def _write(out: Path, spec: TinyModelSpec, seed: int, dtype: str, tdtype: torch.
         w["lm_head.weight"] = rnd(vocab, h) * 4
 
     def extra_files(tmp: Path) -> None:
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": _eos_id(spec),
                                                                 "pad_token_id": 0}))
         (tmp / "zerokld_spec.json").write_text(json.dumps({**asdict(spec), "seed": seed, "dtype": dtype}, indent=2))
 
