@@ -120,6 +120,9 @@ def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
         out = tc.forward_backward(rl, loss, cfg).result()
         assert all(k.count(":") == 1 for k in out.metrics) and out.metrics, loss
         assert [len(o["logprobs"].data) for o in out.loss_fn_outputs] == [b.numel() for b in base]
+    dynamic = requests.post(url + "/api/v1/client/dynamic_config", json={"sdk_version": "0.38.0"}, timeout=30,
+                            headers={"X-Api-Key": API_KEY})
+    assert types.ClientDynamicConfigResponse.model_validate(dynamic.json()) == types.ClientDynamicConfigResponse()
     headers = {"X-Api-Key": API_KEY, "Content-Type": tinker_proto.CONTENT_TYPE}
     r = requests.post(url + "/api/v1/forward_backward", data=b"\x08\xff", timeout=30, headers=headers)
     assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
@@ -135,6 +138,13 @@ def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     moved = logprobs()
     assert not any(torch.equal(a, b) for a, b in zip(moved, base, strict=True))
+    saved = tc.save_state("tinker-state").result().path  # checkpoint calls: save_weights / load_weights
+    tc.forward_backward(rl, "importance_sampling").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert not any(torch.equal(a, b) for a, b in zip(logprobs(), moved, strict=True))
+    with pytest.warns(FutureWarning):  # (tinker 0.38 deprecates load_state for create_training_client_from_state)
+        tc.load_state_with_optimizer(saved).result()
+    assert all(torch.equal(a, b) for a, b in zip(logprobs(), moved, strict=True))  # back at the saved state
     # the same forward by hand, uncompressed, as the last call (the client would wait for the turn of the number
     # taken from it): the result comes back as protobuf
     from tinker.proto.response_conv import deserialize_forward_backward_output

@@ -42,7 +42,7 @@ the same state dir (and port) resumes each model there — the work after it, ac
 and its clients go on with their ``model_id`` and numbering.
 
 tinker 0.38 (``tinker.ServiceClient``, a ``tml-`` key; issue 38): ``client/config`` answers the client's defaults but
-asks for zstd-compressed protobuf bodies, and ``forward`` / ``forward_backward`` bodies in tinker's protobuf (zstd or
+asks for zstd-compressed protobuf bodies (``client/dynamic_config``: the defaults), and ``forward`` / ``forward_backward`` bodies in tinker's protobuf (zstd or
 not) are read as the JSON ones (:mod:`titan_plugin.tinker_proto`) — a ``forward_only`` request is a ``forward`` — and
 their results go back as protobuf; ``create_lora_training_client(rank=0)`` trains full-parameter. Sampling (with
 ``--sampler-url``: the zerokld vLLM server on the same snapshot root, LoRA on for LoRA models;
@@ -524,6 +524,12 @@ class TrainingServer:
             """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies zstd-compressed
             (``proto_compress_fwdbwd``)."""
             return {"proto_compress_fwdbwd": True}
+
+        @app.post(api + "/client/dynamic_config")
+        async def client_dynamic_config(request: Request):
+            """tinker's periodically refreshed flags: its defaults (no ``cancel_future``: an abandoned sample
+            finishes on the engine and its result is dropped)."""
+            return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
         @app.post(api + "/telemetry")
         async def telemetry(request: Request):
