@@ -216,6 +216,15 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// 16 floats rounded as to_bf16 does, the bf16 bits left in the upper half of each 32-bit lane
+inline __m512i bf16_hi(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
 struct Out {
   void* ptr;
   int dtype;  // 0 float32, 1 bf16
@@ -226,7 +235,7 @@ struct Out {
   int accumulate;  // start each element's chain from the float32 output's value instead of zero
 };
 
-// the inverse of write_tile for a float32 output: c[ii][jj] = C[i0 + ii][j0 + jj], zero outside the output
+// the inverse of write_tile_prepare + write_tile_rows for a float32 output: c[ii][jj] = C[i0 + ii][j0 + jj], zero outside the output
 inline void read_tile(float* c, int64_t i0, int64_t j0, const Out& o) {
   const int64_t ni = o.i_rows - i0 < 16 ? o.i_rows - i0 : 16;
   const int64_t nj = o.j_rows - j0 < 16 ? o.j_rows - j0 : 16;
@@ -238,17 +247,21 @@ inline void read_tile(float* c, int64_t i0, int64_t j0, const Out& o) {
                             : 0.0f;
 }
 
-// one 16x16 float32 tile c[ii][jj] = C[i0 + ii][j0 + jj] -> the output (bias, rounding, layout, bounds)
-inline void write_tile(const float* c, int64_t i0, int64_t j0, const Out& o) {
+// one 16x16 float32 tile c[ii][jj] = C[i0 + ii][j0 + jj] -> the output (bias, rounding, layout, bounds), in two
+// halves that the strip interleaves with the next pair's tile products: write_tile_prepare (a [J, I] output: the
+// tile transposed into t; else nothing) then write_tile_rows (bias, rounding, stores)
+inline const float* write_tile_prepare(const float* c, const Out& o, float* t) {
+  if (!o.transpose) return c;
+  transpose16(reinterpret_cast<const uint32_t*>(c), 16, reinterpret_cast<uint32_t*>(t), 16);
+  return t;
+}
+
+inline void write_tile_rows(const float* rows, int64_t i0, int64_t j0, const Out& o) {
   const int64_t ni = o.i_rows - i0 < 16 ? o.i_rows - i0 : 16;
   const int64_t nj = o.j_rows - j0 < 16 ? o.j_rows - j0 : 16;
   if (ni <= 0 || nj <= 0) return;
-  alignas(64) float t[256];
-  const float* rows = c;
   int64_t nr = ni, nc = nj, r0 = i0, c0 = j0;
   if (o.transpose) {  // rows of the output are j, its columns i
-    transpose16(reinterpret_cast<const uint32_t*>(c), 16, reinterpret_cast<uint32_t*>(t), 16);
-    rows = t;
     nr = nj, nc = ni, r0 = j0, c0 = i0;
   }
   const __mmask16 m = static_cast<__mmask16>((1u << nc) - 1);
@@ -266,24 +279,77 @@ inline void write_tile(const float* c, int64_t i0, int64_t j0, const Out& o) {
   }
 }
 
+// a [J, I] bf16 output's rows j0 + rlo .. j0 + rhi - 1 at columns i0 .. i0 + 31 from two transposed tiles (t0: columns
+// i0 .. i0 + 15, t1: the next 16): per row both halves rounded (to_bf16's bits), joined and stored as one 64-byte row
+inline void write_pair_rows_bf16(const float* t0, const float* t1, int64_t i0, int64_t j0, const Out& o, int rlo,
+                                 int rhi) {
+  const int64_t ni = o.i_rows - i0 < 32 ? o.i_rows - i0 : 32, nj = o.j_rows - j0 < rhi ? o.j_rows - j0 : rhi;
+  if (ni <= 0) return;
+  const __mmask32 m = ni >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << ni) - 1);
+  const __mmask16 m0 = static_cast<__mmask16>(ni >= 16 ? 0xffff : (1u << ni) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>(ni >= 32 ? 0xffff : (ni <= 16 ? 0 : (1u << (ni - 16)) - 1));
+  const __m512 b0 = o.bias ? _mm512_maskz_loadu_ps(m0, o.bias + i0) : _mm512_setzero_ps();
+  const __m512 b1 = o.bias ? _mm512_maskz_loadu_ps(m1, o.bias + i0 + 16) : _mm512_setzero_ps();
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
+                                       21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // the upper halves of both
+  uint16_t* out = static_cast<uint16_t*>(o.ptr);
+  for (int64_t r = rlo; r < nj; ++r) {
+    __m512 v0 = _mm512_loadu_ps(t0 + r * 16), v1 = _mm512_loadu_ps(t1 + r * 16);
+    if (o.bias) {
+      v0 = _mm512_add_ps(v0, b0);
+      v1 = _mm512_add_ps(v1, b1);
+    }
+    const __m512i w = _mm512_permutex2var_epi16(bf16_hi(v0), odd, bf16_hi(v1));
+    _mm512_mask_storeu_epi16(out + (j0 + r) * o.ldo + i0, m, w);
+  }
+}
+
 // C rows i0..i0+31 (a: 32 rows, stride lda; kp = padded K) x B blocks jb0..jb1 (pairs, a lone last block alone).
 // K in blocks of KC: the A strip's block (32 x KC bf16) stays in L1 while every B pair of the chunk passes over it;
 // the float32 accumulators wait in c between K blocks (a tile store and load move bits unchanged). A finished pair's
-// output is written while the next pair's first products run (vector work beside the tile unit).
+// output is written in 8 stages (per tile: its transpose, then its rows; a bf16 [J, I] output: per j tile, the two
+// transposes, then its rows in two halves, each row 64 bytes at once), one per K step of the next pair's products,
+// so that the vector work runs beside the tile unit instead of stalling it (2-core Xeon: writing the pair in one burst
+// left the tile unit idle, ~30% of a prefill-sized bf16 GEMM).
 void strip(const uint16_t* a, int64_t lda, int64_t kp, const uint32_t* bp, int64_t jb0, int64_t jb1, int64_t i0,
            const Out& o, float* c) {
   const int64_t kp2 = kp / 2;
   int64_t pending = -1;  // a finished pair (its first B block) whose output is not written yet
-  auto flush = [&]() {
+  int stage = 0;         // of the pending pair's write: tile stage / 2, transpose (even) or rows (odd)
+  alignas(64) float t[256], t1[256];
+  const float* rows = nullptr;
+  const bool joined = o.transpose && o.dtype == 1;  // a linear layer's bf16 [J, I]: both i tiles' rows at once
+  auto flush_stage = [&]() {
     if (pending < 0) return;
-    const float* cc = c + (pending - jb0) * 2 * 256;
-    write_tile(cc, i0, pending * 16, o);
-    write_tile(cc + 256, i0 + 16, pending * 16, o);
-    if (pending + 1 < jb1) {
-      write_tile(cc + 512, i0, pending * 16 + 16, o);
-      write_tile(cc + 768, i0 + 16, pending * 16 + 16, o);
+    if (joined) {  // per j tile: transpose i tile 0, transpose i tile 1, rows 0-7, rows 8-15
+      const int jt = stage / 4, part = stage % 4;
+      const float* cc = c + (pending - jb0) * 2 * 256 + jt * 512;
+      if (part < 2) {
+        if (part == 0) {  // the j tile's 16 output lines on their way (for ownership) while the transposes run
+          const int64_t jj0 = pending * 16 + jt * 16;
+          const uint16_t* ob = static_cast<const uint16_t*>(o.ptr) + i0;
+          for (int64_t r = 0; r < 16 && jj0 + r < o.j_rows; ++r)
+            _mm_prefetch(reinterpret_cast<const char*>(ob + (jj0 + r) * o.ldo), _MM_HINT_ET0);
+        }
+        write_tile_prepare(cc + part * 256, o, part ? t1 : t);
+      } else
+        write_pair_rows_bf16(t, t1, i0, pending * 16 + jt * 16, o, part == 2 ? 0 : 8, part == 2 ? 8 : 16);
+      ++stage;
+      if (stage == 8 || (stage == 4 && pending + 1 >= jb1)) pending = -1;  // (a lone last block: 1 j tile)
+      return;
     }
-    pending = -1;
+    const int tile = stage / 2;
+    const float* cc = c + (pending - jb0) * 2 * 256 + tile * 256;
+    const int64_t ti = i0 + (tile % 2) * 16, tj = pending * 16 + (tile / 2) * 16;
+    if (stage % 2 == 0)
+      rows = write_tile_prepare(cc, o, t);
+    else
+      write_tile_rows(rows, ti, tj, o);
+    ++stage;
+    if (stage == 8 || (stage == 4 && pending + 1 >= jb1)) pending = -1;  // (a lone last block: 2 tiles)
+  };
+  auto flush = [&]() {
+    while (pending >= 0) flush_stage();
   };
   for (int64_t kb = 0; kb < kp; kb += KC) {
     const int64_t ke = kb + KC < kp ? kb + KC : kp;
@@ -319,7 +385,7 @@ void strip(const uint16_t* a, int64_t lda, int64_t kp, const uint32_t* bp, int64
           _tile_loadd(5, a + 16 * lda + k, lda * 2);
           _tile_dpbf16ps(1, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
-          if (k == kb) flush();
+          flush_stage();
         }
       } else {
         for (int64_t k = kb; k < ke; k += 32) {
@@ -328,14 +394,15 @@ void strip(const uint16_t* a, int64_t lda, int64_t kp, const uint32_t* bp, int64
           _tile_loadd(6, b0 + k * 8, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 5, 6);
-          if (k == kb) flush();
+          flush_stage();
         }
       }
+      flush();  // (a K block of fewer than 8 steps)
       _tile_stored(0, cc, 64);
       _tile_stored(1, cc + 256, 64);
       _tile_stored(2, cc + 512, 64);
       _tile_stored(3, cc + 768, 64);
-      if (ke == kp) pending = jb;
+      if (ke == kp) pending = jb, stage = 0;
     }
   }
   flush();
