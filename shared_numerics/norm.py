@@ -32,7 +32,8 @@ def _lib():
 
     lib = load("pointwise")
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.zk_rms_norm.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_float, vp, vp, ctypes.c_int]
+    lib.zk_rms_norm.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_float, vp, ctypes.c_int, vp,
+                                ctypes.c_int]
     lib.zk_rms_norm.restype = None
     lib.zk_rms_norm_bwd.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, ctypes.c_int, vp, ctypes.c_int]
     lib.zk_rms_norm_bwd.restype = None
@@ -46,10 +47,12 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, want_r: boo
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = weight.detach().float().contiguous()
-    y = torch.empty(x2.shape, dtype=torch.float32)
+    direct = x.dtype in (torch.float32, torch.bfloat16)  # written in x.dtype by the kernel (float16: rounded here)
+    y = torch.empty(x2.shape, dtype=x.dtype if direct else torch.float32)
     r = torch.empty(x2.shape[0], dtype=torch.float32) if want_r else None
     _lib().zk_rms_norm(DTYPE_CODES[x.dtype], x2.data_ptr(), x2.shape[0], h, x2.stride(0), w.data_ptr(),
-                       float(eps), y.data_ptr(), None if r is None else r.data_ptr(), torch.get_num_threads())
+                       float(eps), y.data_ptr(), int(y.dtype == torch.bfloat16), None if r is None else r.data_ptr(),
+                       torch.get_num_threads())
     y = y.reshape(x.shape).to(x.dtype)
     return (y, r) if want_r else y
 

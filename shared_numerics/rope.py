@@ -1,13 +1,16 @@
 """Rotary position embedding (RoPE), HF "rotate-half" layout.
 
 The cos/sin table is computed in float64 from the absolute positions and rounded to float32, so a position's angle
-never depends on which other positions are in the call. The rotation itself is elementwise float32.
+never depends on which other positions are in the call. The rotation itself is elementwise float32 (on CPU one pass
+of ``csrc/pointwise.cpp``'s ``zk_rope``, the same operations as the torch ops, the same bits).
 
 Layout: HF checkpoints (Qwen3, Llama) pair dimension ``i`` with ``i + D/2`` ("rotate_half", ``is_neox_style=True`` in
 vLLM). Source: Su et al., "RoFormer" (2021); HF ``modeling_llama.apply_rotary_pos_emb``.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from dataclasses import dataclass
 
@@ -72,7 +75,42 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
+@functools.lru_cache(maxsize=1)
+def _lib():
+    from .cpu_kernels import load
+
+    lib = load("pointwise")
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.zk_rope.argtypes = [ctypes.c_int, vp, i64, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
+    lib.zk_rope.restype = None
+    return lib
+
+
+def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """:func:`_rotate` in one pass (``csrc/pointwise.cpp`` ``zk_rope``: the same operations, the same bits) for a
+    plain CPU ``[N, heads, D]`` float32 / bf16 ``x`` whose last dim is contiguous; ``None`` otherwise."""
+    from .cpu_kernels import DTYPE_CODES, plain
+
+    if (x.device.type != "cpu" or x.dim() != 3 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.device.type != "cpu"
+            or tuple(cos.shape) != (x.shape[0], x.shape[-1] // 2) or tuple(sin.shape) != tuple(cos.shape)):
+        return None
+    xp, cp, sp = plain(x), plain(cos), plain(sin)
+    if xp is None or cp is None or sp is None:
+        return None
+    cp, sp = cp.contiguous(), sp.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype)
+    if y.numel():
+        _lib().zk_rope(DTYPE_CODES[x.dtype], xp.data_ptr(), x.shape[0], x.shape[1], x.shape[2], xp.stride(0),
+                       xp.stride(1), cp.data_ptr(), sp.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 2 == 0:
+        y = _rotate_cpu(x, cos, sin)
+        if y is not None:
+            return y
     half = x.shape[-1] // 2
     x32 = x.float()
     x1, x2 = x32[..., :half], x32[..., half:]

@@ -9,6 +9,11 @@
 // (dy/dg = u (s + g s (1 - s)), dy/du = g s). Source: Shazeer, "GLU Variants Improve Transformer" (2020); vLLM
 // SiluAndMul.forward_native.
 //
+// zk_rope: per (token, head), for i < D/2 with x1 = x[i], x2 = x[i + D/2] (HF rotate-half): y1 = x1 * c - x2 * s,
+// y2 = x2 * c + x1 * s in float32, every product and the difference / sum rounded on its own (the torch ops of
+// shared_numerics.rope._rotate in their order: the same bits), written in the input's dtype (bf16: round to nearest
+// even, NaN -> 0x7FC0, as .to(torch.bfloat16)). Source: Su et al., "RoFormer" (2021); HF apply_rotary_pos_emb.
+//
 // zk_rms_norm: per row of H: sq = x * x; the fixed tree of shared_numerics.reduce.tree_sum (zero-pad to the next
 // power of two p, then a[i] = a[i] + a[i + p/2] until one element); ms = sum / H; r = 1 / sqrtf(ms + eps);
 // y = (x * r) * w. The same IEEE operations in the same order as shared_numerics.norm.rms_norm's torch ops, so the
@@ -132,10 +137,55 @@ void zk_silu_mul_bwd(int dtype, const void* g, const void* u, const float* s, co
   }
 }
 
-// x: rows x h of `dtype`, row stride `stride` elements; w: h float32; y: rows x h float32 (contiguous); r: rows
-// float32 (each row's 1 / sqrt(ms + eps), for the backward) or null
+// x: [n, heads, d] of `dtype` (0 float32, 1 bfloat16), element strides sn (token) and sh (head), d contiguous, d even;
+// cos, sin: [n, d / 2] float32 contiguous; y: [n, heads, d] of `dtype`, contiguous
+void zk_rope(int dtype, const void* x, int64_t n, int64_t heads, int64_t d, int64_t sn, int64_t sh, const float* cos,
+             const float* sin, void* y, int threads) {
+  const int64_t half = d / 2, rows = n * heads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * d >= 32768)
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = row / heads, h = row % heads, src = t * sn + h * sh, dst = row * d;
+    const float* c = cos + t * half;
+    const float* sn_ = sin + t * half;
+    int64_t i = 0;
+    for (; i + 16 <= half; i += 16) {
+      v16f x1, x2;
+      if (dtype == 1) {
+        x1 = zk::load_bf16(static_cast<const uint16_t*>(x) + src + i);
+        x2 = zk::load_bf16(static_cast<const uint16_t*>(x) + src + half + i);
+      } else {
+        x1 = zk::loadv(static_cast<const float*>(x) + src + i);
+        x2 = zk::loadv(static_cast<const float*>(x) + src + half + i);
+      }
+      const v16f cv = zk::loadv(c + i), sv = zk::loadv(sn_ + i);
+      const v16f y1 = x1 * cv - x2 * sv, y2 = x2 * cv + x1 * sv;
+      if (dtype == 1) {
+        zk::store_bf16(static_cast<uint16_t*>(y) + dst + i, y1);
+        zk::store_bf16(static_cast<uint16_t*>(y) + dst + half + i, y2);
+      } else {
+        zk::storev(static_cast<float*>(y) + dst + i, y1);
+        zk::storev(static_cast<float*>(y) + dst + half + i, y2);
+      }
+    }
+    for (; i < half; ++i) {  // the same operations, one element at a time
+      const float x1 = load(x, src + i, dtype), x2 = load(x, src + half + i, dtype);
+      const float y1 = x1 * c[i] - x2 * sn_[i], y2 = x2 * c[i] + x1 * sn_[i];
+      if (dtype == 1) {
+        static_cast<uint16_t*>(y)[dst + i] = zk::float_to_bf16(y1);
+        static_cast<uint16_t*>(y)[dst + half + i] = zk::float_to_bf16(y2);
+      } else {
+        static_cast<float*>(y)[dst + i] = y1;
+        static_cast<float*>(y)[dst + half + i] = y2;
+      }
+    }
+  }
+}
+
+// x: rows x h of `dtype`, row stride `stride` elements; w: h float32; y: rows x h of out_dtype (0 float32, 1 bf16:
+// the float32 value rounded to nearest even, NaN -> 0x7FC0, as .to(torch.bfloat16)), contiguous; r: rows float32 (each
+// row's 1 / sqrt(ms + eps), for the backward) or null
 void zk_rms_norm(int dtype, const void* x, int64_t rows, int64_t h, int64_t stride, const float* w, float eps,
-                 float* y, float* r_out, int threads) {
+                 void* y, int out_dtype, float* r_out, int threads) {
   int64_t p = 1;
   while (p < h) p *= 2;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows * h >= 32768)
@@ -154,8 +204,13 @@ void zk_rms_norm(int dtype, const void* x, int64_t rows, int64_t h, int64_t stri
       const float ms = buf[0] / static_cast<float>(h);
       const float inv = 1.0f / sqrtf(ms + eps);
       if (r_out) r_out[r] = inv;
-      float* out = y + r * h;
-      for (int64_t i = 0; i < h; ++i) out[i] = load(x, base + i, dtype) * inv * w[i];
+      if (out_dtype == 1) {
+        uint16_t* out = static_cast<uint16_t*>(y) + r * h;
+        for (int64_t i = 0; i < h; ++i) out[i] = zk::float_to_bf16(load(x, base + i, dtype) * inv * w[i]);
+      } else {
+        float* out = static_cast<float*>(y) + r * h;
+        for (int64_t i = 0; i < h; ++i) out[i] = load(x, base + i, dtype) * inv * w[i];
+      }
     }
   }
 }
