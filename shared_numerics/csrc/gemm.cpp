@@ -304,6 +304,29 @@ inline void write_pair_rows_bf16(const float* t0, const float* t1, int64_t i0, i
   }
 }
 
+// an [I, J] bf16 output's rows row0 + rlo .. row0 + rhi - 1 at columns col0 .. col0 + 31 from two tiles (p0: columns
+// col0 .. col0 + 15, p1: the next 16; row r of each is output row row0 + r): per row both halves rounded (to_bf16's
+// bits), joined and stored as one 64-byte row
+inline void write_rows_joined_bf16(const float* p0, const float* p1, int64_t row0, int64_t col0, const Out& o,
+                                   int rlo, int rhi) {
+  const int64_t nc = o.j_rows - col0 < 32 ? o.j_rows - col0 : 32, nr = o.i_rows - row0 < rhi ? o.i_rows - row0 : rhi;
+  if (nc <= 0) return;
+  const __mmask32 m = nc >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << nc) - 1);
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
+                                       21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  uint16_t* out = static_cast<uint16_t*>(o.ptr);
+  for (int64_t r = rlo; r < nr; ++r) {
+    __m512 v0 = _mm512_loadu_ps(p0 + r * 16), v1 = _mm512_loadu_ps(p1 + r * 16);
+    if (o.bias) {
+      const __m512 b = _mm512_set1_ps(o.bias[row0 + r]);
+      v0 = _mm512_add_ps(v0, b);
+      v1 = _mm512_add_ps(v1, b);
+    }
+    const __m512i w = _mm512_permutex2var_epi16(bf16_hi(v0), odd, bf16_hi(v1));
+    _mm512_mask_storeu_epi16(out + (row0 + r) * o.ldo + col0, m, w);
+  }
+}
+
 // C rows i0..i0+31 (a: 32 rows, stride lda; kp = padded K) x B blocks jb0..jb1 (pairs, a lone last block alone).
 // K in blocks of KC: the A strip's block (32 x KC bf16) stays in L1 while every B pair of the chunk passes over it;
 // the float32 accumulators wait in c between K blocks (a tile store and load move bits unchanged). A finished pair's
@@ -336,6 +359,19 @@ void strip(const uint16_t* a, int64_t lda, int64_t kp, const uint32_t* bp, int64
         write_pair_rows_bf16(t, t1, i0, pending * 16 + jt * 16, o, part == 2 ? 0 : 8, part == 2 ? 8 : 16);
       ++stage;
       if (stage == 8 || (stage == 4 && pending + 1 >= jb1)) pending = -1;  // (a lone last block: 1 j tile)
+      return;
+    }
+    if (!o.transpose && o.dtype == 1 && pending + 1 < jb1) {  // bf16 [I, J] (dX, dW): per i tile, rows 0-7, 8-15
+      const int it = stage / 2, part = stage % 2;
+      const float* cc = c + (pending - jb0) * 2 * 256 + it * 256;  // (i tile, j 0-15); + 512: (i tile, j 16-31)
+      const int64_t r0 = i0 + it * 16;
+      if (part == 0) {  // the tile's 16 output lines on their way (for ownership)
+        const uint16_t* ob = static_cast<const uint16_t*>(o.ptr) + pending * 16;
+        for (int64_t r = 0; r < 16 && r0 + r < o.i_rows; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(ob + (r0 + r) * o.ldo), _MM_HINT_ET0);
+      }
+      write_rows_joined_bf16(cc, cc + 512, r0, pending * 16, o, part ? 8 : 0, part ? 16 : 8);
+      if (++stage == 4) pending = -1;
       return;
     }
     const int tile = stage / 2;
