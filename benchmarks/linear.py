@@ -6,7 +6,9 @@ For each dtype (float32, bfloat16) and each row count ``M`` (default 1, 16, 32, 
 * forward + backward: ``y = linear(x, W)``, ``y.backward(g)`` with ``x`` and ``W`` requiring grad (the trainer's
   two backward GEMMs, ``dX = dY W`` and ``dW = dY^T X``).
 
-Each timed ``--repeats`` times after a warm-up on the current torch thread count; medians in seconds and
+Stock and ours take turns in each of ``--repeats`` rounds (:func:`benchmarks.timing.wall_times_interleaved`: each
+timing covers as many back-to-back calls as fill 20 ms, so that sub-millisecond calls are not jitter-bound) after a
+warm-up, on the current torch thread count; medians in seconds per call and
 ``speed_ours_over_stock = stock_s / ours_s`` (1.0: no speed tax; the issue's target is >= 0.7). ``--row-tiles``
 re-runs ours with other fixed row tiles (``shared_numerics.linear.ROW_TILE``: the float32 oneDNN calls of a CPU
 without AVX-512) to show the trade-off between decode (few rows, padded to one tile) and prefill/training (many
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import wall_times
+from benchmarks.timing import wall_times_interleaved
 from shared_numerics.machine import machine_facts
 
 
@@ -62,18 +64,21 @@ def measure(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, row_tiles:
     rows = []
     for direction, make in (("forward", lambda fn: _fwd(fn, x, w)), ("forward_backward",
                                                                        lambda fn: _fwd_bwd(fn, x, w, g))):
-        stock = wall_times(make(F.linear), repeats)
-        row = {"dtype": str(dtype).removeprefix("torch."), "M": m, "K": k, "N": n, "direction": direction,
-               "stock_s": statistics.median(stock), "stock_all": stock, "ours": {}}
         contract_tile = sl.ROW_TILE
         try:
-            for tile in row_tiles:
+            runs = {}
+            for tile in row_tiles:  # stock and ours take turns within each round
                 sl.ROW_TILE = tile
-                ours = wall_times(make(sl.linear), repeats)
-                row["ours"][str(tile)] = {"ours_s": statistics.median(ours), "ours_all": ours,
-                                          "speed_ours_over_stock": statistics.median(stock) / statistics.median(ours)}
+                stock, ours = wall_times_interleaved([make(F.linear), make(sl.linear)], repeats)
+                runs[str(tile)] = (stock, ours)
         finally:
             sl.ROW_TILE = contract_tile
+        stock = runs[str(contract_tile)][0]
+        row = {"dtype": str(dtype).removeprefix("torch."), "M": m, "K": k, "N": n, "direction": direction,
+               "stock_s": statistics.median(stock), "stock_all": stock, "ours": {}}
+        for tile, (st, ours) in runs.items():
+            row["ours"][tile] = {"ours_s": statistics.median(ours), "ours_all": ours,
+                                 "speed_ours_over_stock": statistics.median(st) / statistics.median(ours)}
         row["row_tile"] = contract_tile
         row["speed_ours_over_stock"] = row["ours"][str(contract_tile)]["speed_ours_over_stock"]
         print(f"{row['dtype']:9s} M={m:5d} {direction:16s} stock {row['stock_s'] * 1e3:8.2f} ms  ours "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["wall_times"]
+__all__ = ["wall_times", "wall_times_interleaved"]
 
 
 def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -16,4 +16,23 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def wall_times_interleaved(fns: list[Callable[[], object]], repeats: int, min_s: float = 0.02) -> list[list[float]]:
+    """Seconds per call of each of ``fns``, ``repeats`` rounds, the functions taking turns within a round (so that a
+    slow spell of the machine hits all of them alike); each timing covers as many back-to-back calls as fill
+    ``min_s`` (so that sub-millisecond calls are not timer- and jitter-bound), after one untimed call of each."""
+    loops = []
+    for fn in fns:
+        t0 = time.perf_counter()
+        fn()
+        loops.append(max(1, int(min_s / max(time.perf_counter() - t0, 1e-7))))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, (fn, n) in enumerate(zip(fns, loops, strict=True)):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times[i].append((time.perf_counter() - t0) / n)
     return times

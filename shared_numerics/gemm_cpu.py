@@ -20,10 +20,10 @@ outputs are the same bits at decode (one row) and in a 2048-row prefill, on any 
 Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU tensors (an ``AsyncCollectiveTensor``
 is waited).
 
-Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, ours ÷ ``F.linear``, M = 1 / 16 / 256 / 2048;
-``benchmarks/results/linear_xeon_amx_cpu2.json``, one run, spread ~±0.1): forward bf16 1.9x / 2.2x / 1.1x / 0.82x,
-float32 0.52x / 1.5x / 0.82x / 0.87x; forward + backward bf16 0.63x / 0.91x / 0.72x / 0.90x, float32 0.68x / 0.75x /
-0.81x / 0.91x (before the role swap, the float32 packing once per call and the huge-page buffers: 0.56x / 0.48x /
+Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, ours ÷ ``F.linear`` taking turns, M = 1 / 16 / 256 /
+2048; ``benchmarks/results/linear_xeon_amx_cpu2.json``, one run, spread ~±0.1): forward bf16 1.8x / 1.8x / 0.97x /
+0.80x, float32 0.60x / 1.3x / 0.80x / 0.84x; forward + backward bf16 0.74x / 0.86x / 0.90x / 1.02x, float32 0.78x /
+0.70x / 0.82x / 0.85x (the bf16 output writes interleaved with the tile products: before, 0.82x forward at 2048; before the role swap, the float32 packing once per call and the huge-page buffers: 0.56x / 0.48x /
 0.67x / 0.67x; the packed buffers' TLB misses alone cost ~15% with 4 KiB pages). 1 to 8 tokens stream the weight in
 16-row blocks turned in registers (the kernel alone: ~0.85x MKL's GEMV at M = 1, bound by the 16x16 transposes'
 shuffles; the rest is this module's per-call Python and ctypes work, ~10 us), 9 to 48 tokens a path that broadcasts
