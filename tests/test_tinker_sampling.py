@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_tinker_wire import _datum
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import HotLoadServer
 
@@ -46,16 +47,16 @@ def servers(engine_slot, checkpoint_factory, tmp_path_factory):
         vllm.stop()
 
 
-def _datum(tokens: list[int], prompt_len: int, extra: dict | None = None):
-    from tinker import types
+def _training_client(servers, monkeypatch, request, rank: int):
+    """``(service client, training client of rank ``rank``, checkpoint, snapshot root)``; the session closes with the
+    test."""
+    import tinker
 
-    n = len(tokens) - 1
-    inputs = {"target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-              "weights": types.TensorData(data=[0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1),
-                                          dtype="float32", shape=[n])}
-    for k, v in (extra or {}).items():
-        inputs[k] = types.TensorData(data=list(v), dtype="float32", shape=[n])
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    url, ckpt, snapshots = servers
+    svc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+    request.addfinalizer(lambda: svc.close("success"))
+    return svc, svc.create_lora_training_client(base_model=ckpt, rank=rank).result(), ckpt, snapshots
 
 
 def _rl_steps(tc, ckpt: str, steps: int = 2) -> list:
@@ -111,11 +112,7 @@ def test_lora_sampling_sessions_sample_the_trainers_adapter_bitwise(servers, mon
     import tinker
     from tinker import types
 
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    url, ckpt, _ = servers
-    svc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-    request.addfinalizer(lambda: svc.close("success"))
-    tc = svc.create_lora_training_client(base_model=ckpt, rank=4).result()
+    svc, tc, ckpt, _ = _training_client(servers, monkeypatch, request, rank=4)
     clients = _rl_steps(tc, ckpt)
     _refused_when_replaced(clients[0], clients[-1])
 
@@ -140,13 +137,7 @@ def test_lora_sampling_sessions_sample_the_trainers_adapter_bitwise(servers, mon
 def test_full_parameter_sampling_sessions_sample_the_trainers_weights_bitwise(servers, monkeypatch, request):
     """``rank=0`` (full-parameter): each ``save_weights_and_get_sampling_client`` loads the model's next snapshot as
     the engine's weights — the second one a delta against the first — and the samples' log-probs are the trainer's."""
-    import tinker
-
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    url, ckpt, snapshots = servers
-    svc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-    request.addfinalizer(lambda: svc.close("success"))
-    tc = svc.create_lora_training_client(base_model=ckpt, rank=0).result()
+    _, tc, ckpt, snapshots = _training_client(servers, monkeypatch, request, rank=0)
     clients = _rl_steps(tc, ckpt)
     _refused_when_replaced(clients[0], clients[-1])
     assert (snapshots / f"{tc.model_id}-1" / "config.json").is_file()  # full, then a delta against it
