@@ -17,4 +17,4 @@ def test_cookbook_math_rl_logs_kl_sample_train_exactly_zero(engine_slot, tmp_pat
     zerokld, stock = results["zerokld"], results["stock"]
     assert [r["step"] for r in zerokld] == [0, 1, 2] and [r["step"] for r in stock] == [0, 1, 2]
     assert all(r["optim/kl_sample_train_v1"] == 0.0 and r["optim/kl_sample_train_v2"] == 0.0 for r in zerokld)
-    assert all(r["optim/kl_sample_train_v2"] > 0.0 for r in stock)  # the cookbook sees the stock gap
+    assert any(r["optim/kl_sample_train_v2"] > 0.0 for r in stock)  # the cookbook sees the stock gap
