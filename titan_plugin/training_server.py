@@ -402,28 +402,35 @@ class TrainingServer:
                 opt.state.clear()
         return {"path": name, "type": "load_weights"}
 
+    def _snapshot_source(self, model: _Model, identity: str) -> tuple:
+        """``(writer, tensors)`` of a model's next sampler snapshot: a LoRA model's PEFT adapter (exported as
+        ``.adapter-<identity>``, a writer of its own that writes full snapshots), else the model's weights in the
+        serving dtype and its chain's writer over the base checkpoint (made on first use)."""
+        from deltasync import SnapshotWriter, read_snapshot_tensors
+
+        cache = self.root.parent / ".zerokld_writer_cache"
+        numerics = model.client.trainer.numerics
+        if model.lora_rank:
+            adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
+            writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=numerics, cache_dir=cache)
+            return writer, read_snapshot_tensors(adapter)
+        if model.writer is None:
+            model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30, numerics=numerics,
+                                          cache_dir=cache)
+        return model.writer, model.client.trainer.hf_weights(self.dtype)
+
     def _save_for_sampler(self, model_id: str, model: _Model, body: dict) -> dict:
         """Fireworks' ``save_weights_for_sampler`` (``path``, ``checkpoint_type``), or tinker's (``kind`` set):
         :meth:`_save_for_tinker`."""
-        from deltasync import SnapshotWriter, read_snapshot_tensors
-
         if "kind" in body or body.get("sampling_session_seq_id") is not None:
             return self._save_for_tinker(model_id, model, body)
         identity, checkpoint_type = str(body.get("path")), str(body.get("checkpoint_type") or "base")
+        writer, tensors = self._snapshot_source(model, identity)
         if model.lora_rank:  # a PEFT adapter snapshot, always full (Fireworks: LoRA saves are always base)
-            adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
-            writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=model.client.trainer.numerics,
-                                    cache_dir=self.root.parent / ".zerokld_writer_cache")
-            info = writer.write(identity, read_snapshot_tensors(adapter), kind="full")
-            return {"path": info.identity, "type": "save_weights_for_sampler"}
-        if model.writer is None:
-            model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30,
-                                          numerics=model.client.trainer.numerics,
-                                          cache_dir=self.root.parent / ".zerokld_writer_cache")
+            return {"path": writer.write(identity, tensors, kind="full").identity, "type": "save_weights_for_sampler"}
         # base: full; delta: the writer's choice — full while it has no snapshot to diff against, else incremental
-        kind = "full" if checkpoint_type == "base" else None
-        info = model.writer.write(identity, model.client.trainer.hf_weights(self.dtype), kind=kind)
-        model.writer.confirm(info)  # the next delta is against this snapshot: the server's own chain
+        info = writer.write(identity, tensors, kind="full" if checkpoint_type == "base" else None)
+        writer.confirm(info)  # the next delta is against this snapshot: the server's own chain
         return {"path": info.identity, "type": "save_weights_for_sampler"}
 
     def _save_for_tinker(self, model_id: str, model: _Model, body: dict) -> dict:
@@ -431,8 +438,6 @@ class TrainingServer:
         adapter), answered as ``tinker://<model_id>/sampler_weights/<path>``; without (``sampling_session_seq_id``:
         ``save_weights_and_get_sampling_client``), the next snapshot of the model's chain — a delta where the sampler
         serves its base — loaded into the sampler and answered with a sampling session on it too."""
-        from deltasync import SnapshotWriter, read_snapshot_tensors
-
         from .tinker_sampler import tinker_path
 
         session = body.get("path") is None
@@ -441,18 +446,8 @@ class TrainingServer:
                             "server on the same snapshot root)")
         identity = (f"{model_id}-{1 + sum(v[0] == model_id for v in self.saved.values())}" if session
                     else str(body["path"]))
-        lora_name = model_id if model.lora_rank else None
-        if model.lora_rank:  # the PEFT adapter: its own chain of full snapshots, a version of adapter <model_id>
-            adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
-            writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=model.client.trainer.numerics,
-                                    cache_dir=self.root.parent / ".zerokld_writer_cache")
-            tensors = read_snapshot_tensors(adapter)
-        else:
-            if model.writer is None:
-                model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30,
-                                              numerics=model.client.trainer.numerics,
-                                              cache_dir=self.root.parent / ".zerokld_writer_cache")
-            writer, tensors = model.writer, model.client.trainer.hf_weights(self.dtype)
+        lora_name = model_id if model.lora_rank else None  # the adapter's versions: vLLM LoRA <model_id>
+        writer, tensors = self._snapshot_source(model, identity)
         if not session:
             info = writer.write(identity, tensors, kind="full")
             if writer is model.writer:  # not loaded: the chain's next snapshot is full again

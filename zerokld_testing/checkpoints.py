@@ -25,6 +25,8 @@ from zerokld_models.checkpoint import write_checkpoint
 __all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TOKENS", "SPECIAL_TOKENS", "TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+#: every printable ASCII character but the control whitespace, one token each
+_CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 EXTRA_TOKENS = ["<answer>", "</answer>"]
 #: Qwen3's chat-template specials (``tokenizer_config.json`` of Qwen/Qwen3-8B), for chat renderers (tinker-cookbook's
 #: ``qwen3`` renderer asserts ``<|im_end|>`` is one token); ``<|im_end|>`` is then the EOS token, as in Qwen3
@@ -80,8 +82,7 @@ def make_tokenizer(out_dir: str | Path, chat_tokens: bool = False) -> int:
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + _CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -117,7 +118,7 @@ def _eos_id(spec: TinyModelSpec) -> int:
     characters, the answer tags and ``<|endoftext|>``, ``<|im_start|>``)."""
     if not spec.chat_tokens:
         return 2
-    return len(SPECIAL_TOKENS) + len([c for c in string.printable if c not in "\t\r\x0b\x0c"]) + len(EXTRA_TOKENS) + 2
+    return len(SPECIAL_TOKENS) + len(_CHARS) + len(EXTRA_TOKENS) + CHAT_SPECIAL_TOKENS.index("<|im_end|>")
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
