@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,9 @@ from shared_numerics import NumericsMode
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import HotLoadServer
+from zerokld_testing import make_tiny_checkpoint
+
+from tests.conftest import SPECS
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +36,11 @@ API_KEY = "sk-zerokld-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HL = "/zerokld/v1/hot_load"
 PROMPT = [1] + list(range(10, 40))
-MAX_MODEL_LEN = 1024  # the tiny checkpoints' max_position_embeddings: the sync-drain tests' longest in-flight stream
+# the module's checkpoint's max_position_embeddings: the sync-drain test's in-flight request is as long as the context
+# allows. 4096, not the tiny checkpoints' 1024: in a CI run a 990-token request ended within 0.9 s, 0.04 s before the
+# signal it was meant to outlast was verified (here, on an idle 2-core Xeon, the same request takes ~4.8 s and one of
+# 4,060 tokens ~16 s)
+MAX_MODEL_LEN = 4096
 LONG = MAX_MODEL_LEN - len(PROMPT) - 3
 
 
@@ -74,10 +82,11 @@ def _perturb(sd: dict, seed: int, scale: float = 0.02) -> dict:
 
 
 @pytest.fixture(scope="module")
-def env(engine_slot, checkpoint_factory, tmp_path_factory):
+def env(engine_slot, tmp_path_factory):
     engine_slot.close()
-    ckpt = checkpoint_factory("qwen3", "bfloat16")
     tmp = tmp_path_factory.mktemp("hotload")
+    ckpt = str(make_tiny_checkpoint(tmp / "ckpt", replace(SPECS["qwen3"], max_position_embeddings=MAX_MODEL_LEN), seed=1,
+                                    dtype="bfloat16"))
     root, state, full = tmp / "snapshots", tmp / "state", tmp / "expected"
     root.mkdir()
     base = read_snapshot_tensors(ckpt)
@@ -545,10 +554,11 @@ def test_sync_transition_425_exactly_while_swapping(env):
     # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it. In flight = the
     # engine runs it (_wait_running); not streamed: on 2 cores a stream's per-token SSE work starved the API server
     # until the engine had finished (first chunk after 2.9 s, all 990 by 3.0 s, with two busy processes beside the
-    # suite), and the signal found nothing to drain
+    # suite), and the signal found nothing to drain. One sample of ~4,000 tokens outlasts the signal's verification
+    # (~0.8 s) and the 0.2 s drain timeout ~4x at the fastest decode seen so far (~1 ms a token)
     with ThreadPoolExecutor(1) as pool:
         before = _generated(server)
-        long = pool.submit(_timed_completion, server, PROMPT, LONG, 8)
+        long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
         _wait_running(server, long, before)
         r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
                                          "x-zerokld-hot-load-drain-timeout": "0.2"})
@@ -576,7 +586,7 @@ def test_sync_transition_425_exactly_while_swapping(env):
             polling.set()
 
     with ThreadPoolExecutor(3) as pool:
-        # the drain window lasts as long as the in-flight request: one sample as long as the context allows (~3 s),
+        # the drain window lasts as long as the in-flight request: one sample as long as the context allows,
         # not streamed (a streamed one failed twice in fresh-clone suites: the signal was handled 3.7 s after it was
         # sent, when the engine had finished the stream); the signal goes out once the engine has generated a token
         # of it (_wait_running). One sample, not 8: less API-server work per step; with 8 and the gauge-based wait a
