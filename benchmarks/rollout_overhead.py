@@ -5,8 +5,9 @@ each measured ``--repeats`` times after a warm-up:
 
 * prefill: ``--batch`` prompts of ``--prompt-len`` tokens, ``max_tokens=1``, prefix cache reset before each repeat;
   tokens/s = prompt tokens / seconds.
-* decode: ``--batch`` short prompts, ``max_tokens=--decode-len`` (ignore_eos) minus the same with ``max_tokens=1``;
-  tokens/s = batch * (decode_len - 1) / seconds.
+* decode: ``--batch`` prompts of ``--decode-context`` tokens (8: short, the paged attention's share small; 1024 or
+  more: each step reads that much KV cache per sequence), ``max_tokens=--decode-len`` (ignore_eos) minus the same with
+  ``max_tokens=1``; tokens/s = batch * (decode_len - 1) / seconds.
 
 Writes JSON (medians, all repeats, ratios plugin/stock) to ``--out``. Usage:
 ``python -m benchmarks.rollout_overhead --out runs/bench/rollout_overhead.json``
@@ -31,7 +32,7 @@ def _measure(llm, args) -> dict:
 
     rng = random.Random(0)
     long_prompts = [[1] + [rng.randrange(3, 100) for _ in range(args.prompt_len - 1)] for _ in range(args.batch)]
-    short_prompts = [[1] + [rng.randrange(3, 100) for _ in range(7)] for _ in range(args.batch)]
+    short_prompts = [[1] + [rng.randrange(3, 100) for _ in range(args.decode_context - 1)] for _ in range(args.batch)]
     one = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
     many = SamplingParams(max_tokens=args.decode_len, temperature=args.temperature, ignore_eos=True)
 
@@ -59,6 +60,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=32)
+    ap.add_argument("--decode-context", type=int, default=8, help="prompt tokens before each decode sequence")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -74,9 +76,10 @@ def main(argv=None) -> dict:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    max_len = max(1024, args.prompt_len, args.decode_context + args.decode_len)
     spec = TinyModelSpec(family=args.family, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
-                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=1024,
+                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=max_len,
                          moe_intermediate_size=args.hidden)
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
@@ -85,7 +88,7 @@ def main(argv=None) -> dict:
         per = {}
         for mode in ("zerokld", "stock"):
             extra = {"enable_return_routed_experts": True} if args.routes and mode == "zerokld" else {}
-            llm = start_llm(str(ckpt), dtype=dtype, batch_invariant=mode == "zerokld", max_model_len=1024, **extra)
+            llm = start_llm(str(ckpt), dtype=dtype, batch_invariant=mode == "zerokld", max_model_len=max_len, **extra)
             try:
                 per[mode] = _measure(llm, args)
             finally:

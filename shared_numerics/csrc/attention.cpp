@@ -15,6 +15,11 @@
 //     exp_nonpos is Cephes' expf (range reduction by ln 2, degree-6 polynomial; < 2 ulp) written as plain
 //     arithmetic on 16-lane vectors (lanes are independent: a key's bits never depend on its lane); arguments <= 0.
 //   * out = acc / l, float32; m and l are returned for the backward.
+// Speed without touching that arithmetic: the forward runs up to 4 chunks (and up to 4 rows) side by side — their
+// scores, maxima, exps, sums and p . v are independent, only the folding into (m, l, acc) is sequential, chunk after
+// chunk — so a decode row's 32-step sums are not latency-bound; keys reach the transposed [d][32] layout through
+// 16 x 16 in-register transposes of whole 64-byte row pieces on AVX-512 (element by element elsewhere); the next
+// step's cache lines are prefetched. Data movement only: the same floats meet the same operations.
 // Backward (dense layout; unit = (sequence, kv head), which owns its keys' gradients): p = exp_nonpos(s - m) / l,
 // Dd = dO . out, dp_c = dO . v_c (both in d order), ds = p (dp - Dd); dq += ds k, dk += ds q, dv += p dO,
 // accumulated in query-block, chunk, key, row order; dq and dk times scale at the end.
@@ -26,6 +31,11 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ZK_ATT_GATHER 1
+#endif
 
 #include "zk_simd.h"
 
@@ -80,10 +90,24 @@ struct Layout {
     int64_t block = block_table[seq_row * bt_cols + col];
     return block * kv_sb + h * kv_sh + (pos % bs) * kv_sp;
   }
+
+  // kv_offset of positions first .. first + n - 1 into off[0 .. n - 1], one division for the run
+  inline void chunk_offsets(int64_t seq_row, int64_t first, int n, int h, int64_t* off) const {
+    int64_t col = first / bs, slot = first % bs;
+    int64_t row = block_table[seq_row * bt_cols + col] * kv_sb + h * kv_sh;
+    for (int c = 0; c < n; ++c) {
+      off[c] = row + slot * kv_sp;
+      if (++slot == bs && c + 1 < n) {
+        slot = 0;
+        row = block_table[seq_row * bt_cols + ++col] * kv_sb + h * kv_sh;
+      }
+    }
+  }
 };
 
+// the backward's per-unit buffers
 struct Scratch {
-  std::vector<float> qr, kc, kt, vc, vt, s, p, m, l, acc, pv;
+  std::vector<float> qr, kc, kt, vc, vt, s, p;
   void size(int rows, int dp) {
     qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
     kc.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
@@ -92,10 +116,6 @@ struct Scratch {
     vc.assign(static_cast<size_t>(CHUNK) * dp, 0.0f);
     s.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
     p.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
-    m.assign(rows, 0.0f);
-    l.assign(rows, 0.0f);
-    acc.assign(static_cast<size_t>(rows) * dp, 0.0f);
-    pv.assign(static_cast<size_t>(rows) * dp, 0.0f);
   }
 };
 
@@ -146,106 +166,341 @@ inline void score_rows(const Layout& L, int64_t q0, int g, int64_t j, int d, int
   }
 }
 
-// online-softmax step of rows r0..r0+R-1 over the chunk's scores S.s and values S.vc (see the file comment); R rows
-// side by side only for the pipeline, each row's operations the same as alone
-template <int R>
-inline void softmax_pv_rows(int dp, int r0, Scratch& S) {
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const float* sr[R];
-  float mx[R], lsum[R];
-  alignas(64) float pr[R][CHUNK];
-  v16f alpha_in = {};
-  for (int rr = 0; rr < R; ++rr) {
-    sr[rr] = &S.s[static_cast<size_t>(r0 + rr) * CHUNK];
-    mx[rr] = S.m[r0 + rr];
+#ifdef ZK_ATT_GATHER
+// The chunk's keys and values moved with AVX-512 instead of element by element: the same floats land in the same
+// places (bf16 -> float is exact, a move is a move), so nothing downstream changes. Keys c < n_valid of the chunk sit
+// at element offsets off[c]; keys past `last` read as zeros (masked gathers and loads never touch them).
+//   * transposed [d][CHUNK] (kt; vt when asked): one 16-key gather per dimension (float32) or per pair of dimensions
+//     (bfloat16: the dword at element off + i holds dimensions i and i + 1; an odd d's last dimension is the high
+//     half of the dword at off + d - 2, so no read leaves the row);
+//   * row-major [CHUNK][dp] (vc; kc when asked): masked 16-lane loads, zero-padded to dp.
+// Gather indices are int32 offsets from the chunk's first key: callers check that the chunk fits that range.
+// 16 x 16 dwords transposed in registers (unpack 32 / 64-bit, then 128-bit lane shuffles twice)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-  for (int c = 0; c < CHUNK; ++c)
-    for (int rr = 0; rr < R; ++rr) mx[rr] = sr[rr][c] > mx[rr] ? sr[rr][c] : mx[rr];
-  for (int rr = 0; rr < R; ++rr) alpha_in[rr] = S.m[r0 + rr] - mx[rr];
-  const v16f alpha_v = exp_nonpos(alpha_in);  // lane rr: row r0 + rr's exp (lanes are independent)
-  for (int rr = 0; rr < R; ++rr)
-    for (int c0 = 0; c0 < CHUNK; c0 += 16) {
-      const v16f sv = loadv(sr[rr] + c0);
-      storev(pr[rr] + c0, sv == ninf ? (v16f){} : exp_nonpos(sv - mx[rr]));
-    }
-  for (int rr = 0; rr < R; ++rr) lsum[rr] = 0.0f;
-  for (int c = 0; c < CHUNK; ++c)
-    for (int rr = 0; rr < R; ++rr) lsum[rr] = lsum[rr] + pr[rr][c];
-  for (int rr = 0; rr < R; ++rr) {
-    const float alpha = S.m[r0 + rr] == ninf ? 0.0f : alpha_v[rr];
-    S.l[r0 + rr] = S.l[r0 + rr] * alpha + lsum[rr];
-    S.m[r0 + rr] = mx[rr];
-    alpha_in[rr] = alpha;
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
-  for (int i0 = 0; i0 < dp; i0 += LANES) {  // pv_d = sum_c p_c v_cd, c in order; acc = acc * alpha + pv
-    v16f t[R];
-    for (int rr = 0; rr < R; ++rr) t[rr] = (v16f){};
-    for (int c = 0; c < CHUNK; ++c) {
-      const v16f vv = loadv(&S.vc[static_cast<size_t>(c) * dp + i0]);
-      for (int rr = 0; rr < R; ++rr) t[rr] = t[rr] + pr[rr][c] * vv;
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0xdd);
+  }
+}
+
+// 16 keys (rows at element offsets off[0..15] of base; keys k >= n_valid read as zeros) transposed into
+// dst[i * CHUNK + k], i < d: each row's 64-byte pieces loaded whole (masked at the row's end), transposed as dwords
+// in registers — a bf16 dword holds dimensions i (low half) and i + 1 (high half) — and widened to float exactly.
+void transpose_keys(const void* base, int dtype, int d, const int64_t* off, int n_valid, float* dst) {
+  const int per = dtype == 0 ? 16 : 32;  // elements per 64-byte piece
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int e0 = 0; e0 < d; e0 += per) {
+    const int n = d - e0 < per ? d - e0 : per;
+    __m512i r[16];
+    for (int k = 0; k < 16; ++k) {
+      if (k >= n_valid) {
+        r[k] = _mm512_setzero_si512();
+      } else if (dtype == 0) {
+        r[k] = _mm512_castps_si512(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u),
+                                                         static_cast<const float*>(base) + off[k] + e0));
+      } else {
+        const __mmask32 m = n == 32 ? 0xFFFFFFFFu : (1u << n) - 1u;
+        r[k] = _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + off[k] + e0);
+      }
     }
-    for (int rr = 0; rr < R; ++rr) {
-      float* acc = &S.acc[static_cast<size_t>(r0 + rr) * dp + i0];
-      storev(acc, loadv(acc) * alpha_in[rr] + t[rr]);
+    transpose16(r);
+    if (dtype == 0) {
+      for (int p = 0; p < n; ++p) _mm512_storeu_si512(dst + static_cast<size_t>(e0 + p) * CHUNK, r[p]);
+    } else {
+      for (int p = 0; 2 * p < n; ++p) {
+        _mm512_storeu_si512(dst + static_cast<size_t>(e0 + 2 * p) * CHUNK, _mm512_slli_epi32(r[p], 16));
+        if (2 * p + 1 < n)
+          _mm512_storeu_si512(dst + static_cast<size_t>(e0 + 2 * p + 1) * CHUNK, _mm512_and_si512(r[p], hi_mask));
+      }
     }
   }
 }
 
-// keys/values of chunk j (positions <= last only; the rest zero; row-major kc/vc, transposed kt [d][c], and the
-// transposed vt only when `values_transposed`: the backward's dO . v) and the scores of every row (masked: -inf),
-// s[r * CHUNK + c]
-void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq_row, int64_t j, int64_t last,
-                  Scratch& S, bool values_transposed) {
-  const int dp = L.dp, rows = nq * g, d = L.d;
-  const float ninf = -std::numeric_limits<float>::infinity();
+void load_rows(const void* base, int dtype, int d, int dp, const int64_t* off, int n_valid, float* dst) {
+  for (int c = 0; c < CHUNK; ++c) {
+    float* row = dst + static_cast<size_t>(c) * dp;
+    for (int i0 = 0; i0 < dp; i0 += LANES) {
+      const int n = d - i0 < LANES ? (d - i0 > 0 ? d - i0 : 0) : LANES;
+      const __mmask16 m = c < n_valid ? static_cast<__mmask16>((1u << n) - 1u) : 0;
+      __m512 x;
+      if (dtype == 0) {
+        x = _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + (c < n_valid ? off[c] : 0) + i0);
+      } else {
+        const __m256i b = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + (c < n_valid ? off[c] : 0) + i0);
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      }
+      _mm512_storeu_ps(row + i0, x);
+    }
+  }
+}
+
+// the AVX-512 path of move_chunk
+void vector_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt, float* vc, float* kc,
+                  float* vt) {
+  const int64_t first = j * CHUNK;
+  const int n_valid = last - first + 1 < CHUNK ? static_cast<int>(last - first + 1) : CHUNK;
+  int64_t off[CHUNK];
+  L.chunk_offsets(seq_row, first, n_valid, h, off);
+  for (int half = 0; half < 2; ++half) {  // kt / vt columns 0..15, then 16..31
+    const int nv = n_valid - 16 * half;
+    transpose_keys(L.k, L.dtype, L.d, off + 16 * half, nv, kt + 16 * half);
+    if (vt != nullptr) transpose_keys(L.v, L.dtype, L.d, off + 16 * half, nv, vt + 16 * half);
+  }
+  load_rows(L.v, L.dtype, L.d, L.dp, off, n_valid, vc);
+  if (kc != nullptr) load_rows(L.k, L.dtype, L.d, L.dp, off, n_valid, kc);
+}
+#endif
+
+// keys/values of chunk j into float buffers: positions <= last only, the rest zero; transposed keys kt [d][CHUNK],
+// row-major values vc [CHUNK][dp] (zero-padded); when non-null also row-major keys kc and transposed values vt (the
+// backward's dq and dO . v). Moves only: the same floats whichever path (AVX-512 gathers, or element by element).
+void move_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt, float* vc, float* kc,
+                float* vt) {
+#ifdef ZK_ATT_GATHER
+  if (L.dtype != 2) {
+    vector_chunk(L, h, seq_row, j, last, kt, vc, kc, vt);
+    return;
+  }
+#endif
+  const int dp = L.dp, d = L.d;
+  thread_local std::vector<float> kbuf;
+  kbuf.resize(dp);
   for (int c = 0; c < CHUNK; ++c) {
     int64_t pos = j * CHUNK + c;
-    float* kd = &S.kc[static_cast<size_t>(c) * dp];
-    float* vd = &S.vc[static_cast<size_t>(c) * dp];
-    if (pos > last) {
-      std::memset(kd, 0, sizeof(float) * dp);
-      std::memset(vd, 0, sizeof(float) * dp);
-    } else {
+    float* kd = kc != nullptr ? kc + static_cast<size_t>(c) * dp : kbuf.data();
+    float* vd = vc + static_cast<size_t>(c) * dp;
+    std::memset(kd, 0, sizeof(float) * dp);
+    std::memset(vd, 0, sizeof(float) * dp);
+    if (pos <= last) {
       int64_t off = L.kv_offset(seq_row, pos, h);
       load_row(L.k, off, L.dtype, d, kd);
       load_row(L.v, off, L.dtype, d, vd);
     }
-    for (int i = 0; i < d; ++i) S.kt[static_cast<size_t>(i) * CHUNK + c] = kd[i];
-    if (values_transposed)
-      for (int i = 0; i < d; ++i) S.vt[static_cast<size_t>(i) * CHUNK + c] = vd[i];
+    for (int i = 0; i < d; ++i) kt[static_cast<size_t>(i) * CHUNK + c] = kd[i];
+    if (vt != nullptr)
+      for (int i = 0; i < d; ++i) vt[static_cast<size_t>(i) * CHUNK + c] = vd[i];
   }
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) score_rows<4>(L, q0, g, j, d, r, S);
-  for (; r < rows; ++r) score_rows<1>(L, q0, g, j, d, r, S);
-  (void)ninf;
 }
 
-void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float* m_out, float* l_out, Scratch& S) {
-  const int g = L.hq / L.hkv, dp = L.dp, rows = nq * g;
+// the backward's chunk: keys and values of chunk j (move_chunk, all four layouts) and the scores of every row
+// (masked: -inf), s[r * CHUNK + c]
+void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq_row, int64_t j, int64_t last,
+                  Scratch& S) {
+  const int rows = nq * g;
+  move_chunk(L, h, seq_row, j, last, S.kt.data(), S.vc.data(), S.kc.data(), S.vt.data());
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) score_rows<4>(L, q0, g, j, L.d, r, S);
+  for (; r < rows; ++r) score_rows<1>(L, q0, g, j, L.d, r, S);
+}
+
+// The forward's online softmax over NC chunks at a time (see the file comment for a row's arithmetic, which is
+// unchanged): the NC chunks' scores, their maxima, exps, sums and p . v are independent computations, so running them
+// side by side gives the pipeline NC independent dependency chains where one chunk gave it one (a decode row's
+// chains — 32-step sums over d and over keys — were latency-bound). Only the folding into (m, l, acc) is sequential,
+// chunk after chunk, exactly as before. The running max: the old scan started from m, mx = (s_c > mx) ? s_c : mx over
+// c in order; here each chunk's scan starts from -inf and mx = (cmax > m) ? cmax : m — the same element wins (the
+// first maximal one; NaN never; m when nothing beats it), so the same bits.
+constexpr int NC = 4;
+
+// ask for the cache lines of the keys and values of positions first .. first + count - 1 (<= last, count <= NC *
+// CHUNK): the next step's, fetched while this step computes (a unit's rows are spread over its blocks' slots, block
+// after block, which the hardware prefetchers follow poorly). A hint only: no arithmetic depends on it.
+void prefetch_keys(const Layout& L, int h, int64_t seq_row, int64_t first, int64_t count, int64_t last) {
+  const int64_t n = last - first + 1 < count ? last - first + 1 : count;
+  if (n <= 0) return;
+  int64_t off[NC * CHUNK];
+  L.chunk_offsets(seq_row, first, static_cast<int>(n), h, off);
+  const int64_t esz = L.dtype == 0 ? 4 : 2, row_bytes = L.d * esz;
+  for (int64_t c = 0; c < n; ++c) {
+    const char* kp = static_cast<const char*>(L.k) + off[c] * esz;
+    const char* vp = static_cast<const char*>(L.v) + off[c] * esz;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(kp + b, 0, 3);
+      __builtin_prefetch(vp + b, 0, 3);
+    }
+  }
+}
+
+struct FwdScratch {
+  std::vector<float> qr, kt, vc, acc, m, l;
+  void size(int rows, int d, int dp) {
+    qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
+    kt.resize(static_cast<size_t>(NC) * d * CHUNK);
+    vc.resize(static_cast<size_t>(NC) * CHUNK * dp);
+    acc.assign(static_cast<size_t>(rows) * dp, 0.0f);
+    m.assign(rows, -std::numeric_limits<float>::infinity());
+    l.assign(rows, 0.0f);
+  }
+};
+
+// rows r0 .. r0 + R - 1 (queries qpos[]), one step over chunks j0 .. j0 + N - 1 whose keys/values are in F.kt / F.vc
+// slots t0 .. t0 + N - 1; R rows and N chunks side by side only for the pipeline: each (row, chunk)'s operations are
+// the same as alone, and a row folds its chunks in order
+template <int R, int N>
+inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qpos, int64_t j0, int t0) {
+  const int d = L.d, dp = L.dp;
+  const size_t kt_stride = static_cast<size_t>(d) * CHUNK, vc_stride = static_cast<size_t>(CHUNK) * dp;
+  const float* kt_base = F.kt.data() + t0 * kt_stride;
+  const float* vc_base = F.vc.data() + t0 * vc_stride;
   const float ninf = -std::numeric_limits<float>::infinity();
-  S.size(rows, dp);
-  load_queries(L, q0, nq, h, g, S);
-  int64_t seq_row = L.q_row[q0];
+  const float* q[R];
+  for (int rr = 0; rr < R; ++rr) q[rr] = &F.qr[static_cast<size_t>(r0 + rr) * dp];
+  // scores: s = (q_0 k_0 + ... + q_{d-1} k_{d-1}) * scale, d order; -inf past the row
+  v16f s0[R][N], s1[R][N];
+  for (int rr = 0; rr < R; ++rr)
+    for (int t = 0; t < N; ++t) s0[rr][t] = s1[rr][t] = (v16f){};
+  for (int i = 0; i < d; ++i) {
+    for (int t = 0; t < N; ++t) {
+      const float* kt = kt_base + t * kt_stride + static_cast<size_t>(i) * CHUNK;
+      const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
+      for (int rr = 0; rr < R; ++rr) {
+        s0[rr][t] = s0[rr][t] + q[rr][i] * k0;
+        s1[rr][t] = s1[rr][t] + q[rr][i] * k1;
+      }
+    }
+  }
+  v16f pos0, pos1;
+  for (int c = 0; c < 16; ++c) {
+    pos0[c] = static_cast<float>(c);
+    pos1[c] = static_cast<float>(c + 16);
+  }
+  const v16f ninfv = (v16f){} + ninf;
+  alignas(64) float sc[R][N][CHUNK];
+  for (int rr = 0; rr < R; ++rr)
+    for (int t = 0; t < N; ++t) {
+      const float qp = qpos[rr] - static_cast<float>((j0 + t) * CHUNK);  // key c masked when c > qp
+      storev(sc[rr][t], pos0 > qp ? ninfv : s0[rr][t] * L.scale);
+      storev(sc[rr][t] + 16, pos1 > qp ? ninfv : s1[rr][t] * L.scale);
+    }
+  // each chunk's max (scan from -inf), then the running max chunk after chunk
+  float cmax[R][N];
+  for (int rr = 0; rr < R; ++rr)
+    for (int t = 0; t < N; ++t) cmax[rr][t] = ninf;
+  for (int c = 0; c < CHUNK; ++c)
+    for (int rr = 0; rr < R; ++rr)
+      for (int t = 0; t < N; ++t) cmax[rr][t] = sc[rr][t][c] > cmax[rr][t] ? sc[rr][t][c] : cmax[rr][t];
+  float mprev[R][N], mx[R][N];
+  v16f alpha_in = {};
+  for (int rr = 0; rr < R; ++rr) {
+    float m = F.m[r0 + rr];
+    for (int t = 0; t < N; ++t) {
+      mprev[rr][t] = m;
+      mx[rr][t] = cmax[rr][t] > m ? cmax[rr][t] : m;
+      alpha_in[rr * N + t] = m - mx[rr][t];
+      m = mx[rr][t];
+    }
+    F.m[r0 + rr] = m;
+  }
+  const v16f alpha_v = exp_nonpos(alpha_in);  // lane rr * N + t: (row rr, chunk t)'s exp (lanes are independent)
+  alignas(64) float pr[R][N][CHUNK];
+  for (int rr = 0; rr < R; ++rr)
+    for (int t = 0; t < N; ++t)
+      for (int c0 = 0; c0 < CHUNK; c0 += 16) {
+        const v16f sv = loadv(sc[rr][t] + c0);
+        storev(pr[rr][t] + c0, sv == ninf ? (v16f){} : exp_nonpos(sv - mx[rr][t]));
+      }
+  float lsum[R][N];
+  for (int rr = 0; rr < R; ++rr)
+    for (int t = 0; t < N; ++t) lsum[rr][t] = 0.0f;
+  for (int c = 0; c < CHUNK; ++c)
+    for (int rr = 0; rr < R; ++rr)
+      for (int t = 0; t < N; ++t) lsum[rr][t] = lsum[rr][t] + pr[rr][t][c];
+  float alpha[R][N];
+  for (int rr = 0; rr < R; ++rr) {
+    float l = F.l[r0 + rr];
+    for (int t = 0; t < N; ++t) {
+      alpha[rr][t] = mprev[rr][t] == ninf ? 0.0f : alpha_v[rr * N + t];
+      l = l * alpha[rr][t] + lsum[rr][t];
+    }
+    F.l[r0 + rr] = l;
+  }
+  // pv_d = sum_c p_c v_cd (c in order) per chunk; acc = acc * alpha + pv, chunk after chunk
+  for (int i0 = 0; i0 < dp; i0 += LANES) {
+    v16f pv[R][N];
+    for (int rr = 0; rr < R; ++rr)
+      for (int t = 0; t < N; ++t) pv[rr][t] = (v16f){};
+    for (int c = 0; c < CHUNK; ++c)
+      for (int t = 0; t < N; ++t) {
+        const v16f vv = loadv(vc_base + t * vc_stride + static_cast<size_t>(c) * dp + i0);
+        for (int rr = 0; rr < R; ++rr) pv[rr][t] = pv[rr][t] + pr[rr][t][c] * vv;
+      }
+    for (int rr = 0; rr < R; ++rr) {
+      float* acc = &F.acc[static_cast<size_t>(r0 + rr) * dp + i0];
+      v16f a = loadv(acc);
+      for (int t = 0; t < N; ++t) a = a * alpha[rr][t] + pv[rr][t];
+      storev(acc, a);
+    }
+  }
+}
+
+// the step's nc chunks over every row: groups of 4 rows take the chunks 2 at a time (16 score chains), the rows left
+// over (pairs, then one) all nc at once
+template <int N>
+inline void forward_rows(const Layout& L, FwdScratch& F, int rows, const float* qpos, int64_t j0) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    int t = 0;
+    for (; t + 2 <= N; t += 2) forward_step<4, 2>(L, F, r, qpos + r, j0 + t, t);
+    if (t < N) forward_step<4, 1>(L, F, r, qpos + r, j0 + t, t);
+  }
+  for (; r + 2 <= rows; r += 2) forward_step<2, N>(L, F, r, qpos + r, j0, 0);
+  for (; r < rows; ++r) forward_step<1, N>(L, F, r, qpos + r, j0, 0);
+}
+
+void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float* m_out, float* l_out,
+                  FwdScratch& F) {
+  const int g = L.hq / L.hkv, dp = L.dp, rows = nq * g;
+  F.size(rows, L.d, dp);
+  for (int r = 0; r < rows; ++r)
+    load_row(L.q, ((q0 + r / g) * L.hq + h * g + r % g) * L.d, L.dtype, L.d, &F.qr[static_cast<size_t>(r) * dp]);
+  const int64_t seq_row = L.q_row[q0];
   int64_t last = 0;
   for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
-  for (int r = 0; r < rows; ++r) {
-    S.m[r] = ninf;
-    S.l[r] = 0.0f;
-  }
-  for (int64_t j = 0; j * CHUNK <= last; ++j) {
-    chunk_scores(L, q0, nq, h, g, seq_row, j, last, S, false);
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) softmax_pv_rows<4>(dp, r, S);
-    for (; r < rows; ++r) softmax_pv_rows<1>(dp, r, S);
+  const int64_t n_chunks = last / CHUNK + 1;
+  thread_local std::vector<float> qpos;
+  qpos.resize(rows);
+  for (int r = 0; r < rows; ++r) qpos[r] = static_cast<float>(L.q_pos[q0 + r / g]);
+  const int step = L.d <= 32 ? NC : L.d <= 64 ? 2 : 1;  // the steps' keys and values stay in L1
+  for (int64_t j0 = 0; j0 < n_chunks; j0 += step) {
+    const int nc = n_chunks - j0 < step ? static_cast<int>(n_chunks - j0) : step;
+    for (int t = 0; t < nc; ++t)
+      move_chunk(L, h, seq_row, j0 + t, last, F.kt.data() + static_cast<size_t>(t) * L.d * CHUNK,
+                 F.vc.data() + static_cast<size_t>(t) * CHUNK * dp, nullptr, nullptr);
+    if (j0 + step < n_chunks) prefetch_keys(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last);
+    switch (nc) {
+      case 4: forward_rows<4>(L, F, rows, qpos.data(), j0); break;
+      case 3: forward_rows<3>(L, F, rows, qpos.data(), j0); break;
+      case 2: forward_rows<2>(L, F, rows, qpos.data(), j0); break;
+      default: forward_rows<1>(L, F, rows, qpos.data(), j0); break;
+    }
   }
   for (int r = 0; r < rows; ++r) {
     int64_t qi = q0 + r / g;
     int head = h * g + r % g;
     float* o = out + (qi * L.hq + head) * L.d;
-    const float* acc = &S.acc[static_cast<size_t>(r) * dp];
-    for (int i = 0; i < L.d; ++i) o[i] = acc[i] / S.l[r];
-    m_out[qi * L.hq + head] = S.m[r];
-    l_out[qi * L.hq + head] = S.l[r];
+    const float* acc = &F.acc[static_cast<size_t>(r) * dp];
+    for (int i = 0; i < L.d; ++i) o[i] = acc[i] / F.l[r];
+    m_out[qi * L.hq + head] = F.m[r];
+    l_out[qi * L.hq + head] = F.l[r];
   }
 }
 
@@ -374,9 +629,9 @@ int zk_attention_fwd(int dtype, int hq, int hkv, int d, const void* q, const voi
   Layout L{dtype, hq, hkv, d, (d + LANES - 1) / LANES * LANES, bs, q, k, v, kv_sb, kv_sh, kv_sp, block_table,
            bt_cols, q_row, q_pos, scale};
   run_parallel(n_blocks * hkv, threads, [&](int64_t u) {
-    thread_local Scratch S;
+    thread_local FwdScratch F;
     forward_unit(L, block_q0[u / hkv], static_cast<int>(block_nq[u / hkv]), static_cast<int>(u % hkv), out, m_out,
-                 l_out, S);
+                 l_out, F);
   });
   return 0;
 }
@@ -420,7 +675,7 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
       int64_t last = 0;
       for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
       for (int64_t j = 0; j * CHUNK <= last; ++j) {
-        chunk_scores(L, q0, nq, h, g, seq_row, j, last, S, true);
+        chunk_scores(L, q0, nq, h, g, seq_row, j, last, S);
         BwdRows B{L, S, q0, h, g, d, dp, hq, m, l, dO.data(), Dd.data(), ds.data(), dqa.data()};
         int r = 0;
         for (; r + 4 <= rows; r += 4) bwd_rows<4>(B, r);
