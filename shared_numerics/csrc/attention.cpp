@@ -34,7 +34,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define ZK_ATT_GATHER 1
+#define ZK_ATT_VECTOR 1
 #endif
 
 #include "zk_simd.h"
@@ -166,42 +166,12 @@ inline void score_rows(const Layout& L, int64_t q0, int g, int64_t j, int d, int
   }
 }
 
-#ifdef ZK_ATT_GATHER
+#ifdef ZK_ATT_VECTOR
 // The chunk's keys and values moved with AVX-512 instead of element by element: the same floats land in the same
 // places (bf16 -> float is exact, a move is a move), so nothing downstream changes. Keys c < n_valid of the chunk sit
-// at element offsets off[c]; keys past `last` read as zeros (masked gathers and loads never touch them).
-//   * transposed [d][CHUNK] (kt; vt when asked): one 16-key gather per dimension (float32) or per pair of dimensions
-//     (bfloat16: the dword at element off + i holds dimensions i and i + 1; an odd d's last dimension is the high
-//     half of the dword at off + d - 2, so no read leaves the row);
-//   * row-major [CHUNK][dp] (vc; kc when asked): masked 16-lane loads, zero-padded to dp.
-// Gather indices are int32 offsets from the chunk's first key: callers check that the chunk fits that range.
-// 16 x 16 dwords transposed in registers (unpack 32 / 64-bit, then 128-bit lane shuffles twice)
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0x88);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0xdd);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0xdd);
-  }
-}
-
+// at element offsets off[c]; keys past `last` read as zeros (masked loads never touch them).
+//   * transposed [d][CHUNK] (kt; vt when asked): transpose_keys;
+//   * row-major [CHUNK][dp] (vc; kc when asked): load_rows, masked 16-lane loads, zero-padded to dp.
 // 16 keys (rows at element offsets off[0..15] of base; keys k >= n_valid read as zeros) transposed into
 // dst[i * CHUNK + k], i < d: each row's 64-byte pieces loaded whole (masked at the row's end), transposed as dwords
 // in registers — a bf16 dword holds dimensions i (low half) and i + 1 (high half) — and widened to float exactly.
@@ -222,7 +192,7 @@ void transpose_keys(const void* base, int dtype, int d, const int64_t* off, int 
         r[k] = _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + off[k] + e0);
       }
     }
-    transpose16(r);
+    zk::transpose16_regs(r);
     if (dtype == 0) {
       for (int p = 0; p < n; ++p) _mm512_storeu_si512(dst + static_cast<size_t>(e0 + p) * CHUNK, r[p]);
     } else {
@@ -272,10 +242,11 @@ void vector_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t la
 
 // keys/values of chunk j into float buffers: positions <= last only, the rest zero; transposed keys kt [d][CHUNK],
 // row-major values vc [CHUNK][dp] (zero-padded); when non-null also row-major keys kc and transposed values vt (the
-// backward's dq and dO . v). Moves only: the same floats whichever path (AVX-512 gathers, or element by element).
+// backward's dq and dO . v). Moves only: the same floats whichever path (AVX-512 row pieces and register
+// transposes, or element by element).
 void move_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt, float* vc, float* kc,
                 float* vt) {
-#ifdef ZK_ATT_GATHER
+#ifdef ZK_ATT_VECTOR
   if (L.dtype != 2) {
     vector_chunk(L, h, seq_row, j, last, kt, vc, kc, vt);
     return;

@@ -35,6 +35,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ZK_F32_AVX2 1
 #endif
+#include "zk_simd.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define ZK_HAVE_AMX 1
 #include <sys/syscall.h>
@@ -72,31 +73,9 @@ namespace {
 
 // 16x16 transpose of 32-bit words: dst[c][r] = src[r][c]; rows of src `ss` words apart, of dst `ds` words apart
 inline void transpose16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
-  __m512i r[16], t[16];
+  __m512i r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ss);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // r[4q + s]: 128-bit lane l holds rows 4q..4q+3 of column 4l + s; two lane shuffles gather each column
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
+  zk::transpose16_regs(r);
   for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ds, r[c]);  // r[c] = column c
 }
 
