@@ -19,7 +19,8 @@
 // scores, maxima, exps, sums and p . v are independent, only the folding into (m, l, acc) is sequential, chunk after
 // chunk — so a decode row's 32-step sums are not latency-bound; keys reach the transposed [d][32] layout through
 // 16 x 16 in-register transposes of whole 64-byte row pieces on AVX-512 (element by element elsewhere); the next
-// step's cache lines are prefetched. Data movement only: the same floats meet the same operations.
+// step's cache lines are prefetched into L2 while this step computes. Data movement only: the same floats meet the
+// same operations.
 // Backward (dense layout; unit = (sequence, kv head), which owns its keys' gradients): p = exp_nonpos(s - m) / l,
 // Dd = dO . out, dp_c = dO . v_c (both in d order), ds = p (dp - Dd); dq += ds k, dk += ds q, dv += p dO,
 // accumulated in query-block, chunk, key, row order; dq and dk times scale at the end.
@@ -215,7 +216,8 @@ void load_rows(const void* base, int dtype, int d, int dp, const int64_t* off, i
       if (dtype == 0) {
         x = _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + (c < n_valid ? off[c] : 0) + i0);
       } else {
-        const __m256i b = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + (c < n_valid ? off[c] : 0) + i0);
+        const uint16_t* src = static_cast<const uint16_t*>(base) + (c < n_valid ? off[c] : 0) + i0;
+        const __m256i b = _mm256_maskz_loadu_epi16(m, src);
         x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
       }
       _mm512_storeu_ps(row + i0, x);
@@ -292,27 +294,34 @@ void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq
 // first maximal one; NaN never; m when nothing beats it), so the same bits.
 constexpr int NC = 4;
 
-// ask for the cache lines of the keys and values of positions first .. first + count - 1 (<= last, count <= NC *
-// CHUNK): the next step's, fetched while this step computes (a unit's rows are spread over its blocks' slots, block
-// after block, which the hardware prefetchers follow poorly). A hint only: no arithmetic depends on it.
-void prefetch_keys(const Layout& L, int h, int64_t seq_row, int64_t first, int64_t count, int64_t last) {
+// the cache lines of the keys and values of positions first .. first + count - 1 (<= last, count <= NC * CHUNK) into
+// pf; returns their count. The next step's: the first forward_step of a step asks for them into L2, a few per
+// iteration of its d loop, so they arrive while the step computes (a unit's keys lie block after block, which the
+// hardware prefetchers follow poorly; asked all at once, or into L1, they stalled the step instead: 2.6-2.9 ms ->
+// 2.0 ms a call with the cache cold). A hint only: no arithmetic depends on it.
+int next_step_lines(const Layout& L, int h, int64_t seq_row, int64_t first, int64_t count, int64_t last,
+                    const char** pf) {
   const int64_t n = last - first + 1 < count ? last - first + 1 : count;
-  if (n <= 0) return;
+  if (n <= 0) return 0;
   int64_t off[NC * CHUNK];
   L.chunk_offsets(seq_row, first, static_cast<int>(n), h, off);
   const int64_t esz = L.dtype == 0 ? 4 : 2, row_bytes = L.d * esz;
+  int np = 0;
   for (int64_t c = 0; c < n; ++c) {
     const char* kp = static_cast<const char*>(L.k) + off[c] * esz;
     const char* vp = static_cast<const char*>(L.v) + off[c] * esz;
     for (int64_t b = 0; b < row_bytes; b += 64) {
-      __builtin_prefetch(kp + b, 0, 3);
-      __builtin_prefetch(vp + b, 0, 3);
+      pf[np++] = kp + b;
+      pf[np++] = vp + b;
     }
   }
+  return np;
 }
 
 struct FwdScratch {
   std::vector<float> qr, kt, vc, acc, m, l;
+  std::vector<const char*> pf;  // the next step's cache lines (next_step_lines), np of them not yet asked for
+  int np = 0;
   void size(int rows, int d, int dp) {
     qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
     kt.resize(static_cast<size_t>(NC) * d * CHUNK);
@@ -320,6 +329,7 @@ struct FwdScratch {
     acc.assign(static_cast<size_t>(rows) * dp, 0.0f);
     m.assign(rows, -std::numeric_limits<float>::infinity());
     l.assign(rows, 0.0f);
+    pf.resize(static_cast<size_t>(NC) * CHUNK * 2 * ((d * 4 + 63) / 64));
   }
 };
 
@@ -339,7 +349,10 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
   v16f s0[R][N], s1[R][N];
   for (int rr = 0; rr < R; ++rr)
     for (int t = 0; t < N; ++t) s0[rr][t] = s1[rr][t] = (v16f){};
+  const int np = F.np, per = (np + d - 1) / d;
+  F.np = 0;  // the first call of a step issues the next step's prefetches, spread over its d iterations
   for (int i = 0; i < d; ++i) {
+    for (int p = i * per; p < (i + 1) * per && p < np; ++p) __builtin_prefetch(F.pf[p], 0, 2);
     for (int t = 0; t < N; ++t) {
       const float* kt = kt_base + t * kt_stride + static_cast<size_t>(i) * CHUNK;
       const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
@@ -456,7 +469,9 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
     for (int t = 0; t < nc; ++t)
       move_chunk(L, h, seq_row, j0 + t, last, F.kt.data() + static_cast<size_t>(t) * L.d * CHUNK,
                  F.vc.data() + static_cast<size_t>(t) * CHUNK * dp, nullptr, nullptr);
-    if (j0 + step < n_chunks) prefetch_keys(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last);
+    F.np = j0 + step < n_chunks
+               ? next_step_lines(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last, F.pf.data())
+               : 0;
     switch (nc) {
       case 4: forward_rows<4>(L, F, rows, qpos.data(), j0); break;
       case 3: forward_rows<3>(L, F, rows, qpos.data(), j0); break;
