@@ -121,12 +121,12 @@ struct Scratch {
 };
 
 // load the rows' queries (row r = query q0 + r / g, head h * g + r % g), zero-padded to dp
-void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, Scratch& S) {
+void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, float* qr) {
   const int dp = L.dp;
   for (int r = 0; r < nq * g; ++r) {
     int64_t qi = q0 + r / g;
     int head = h * g + r % g;
-    float* dst = &S.qr[static_cast<size_t>(r) * dp];
+    float* dst = qr + static_cast<size_t>(r) * dp;
     std::memset(dst, 0, sizeof(float) * dp);
     load_row(L.q, (qi * L.hq + head) * L.d, L.dtype, L.d, dst);
   }
@@ -173,6 +173,7 @@ inline void score_rows(const Layout& L, int64_t q0, int g, int64_t j, int d, int
 // at element offsets off[c]; keys past `last` read as zeros (masked loads never touch them).
 //   * transposed [d][CHUNK] (kt; vt when asked): transpose_keys;
 //   * row-major [CHUNK][dp] (vc; kc when asked): load_rows, masked 16-lane loads, zero-padded to dp.
+
 // 16 keys (rows at element offsets off[0..15] of base; keys k >= n_valid read as zeros) transposed into
 // dst[i * CHUNK + k], i < d: each row's 64-byte pieces loaded whole (masked at the row's end), transposed as dwords
 // in registers — a bf16 dword holds dimensions i (low half) and i + 1 (high half) — and widened to float exactly.
@@ -206,6 +207,8 @@ void transpose_keys(const void* base, int dtype, int d, const int64_t* off, int 
   }
 }
 
+// rows of CHUNK keys (element offsets off[c] of base; keys c >= n_valid read as zeros) into dst[c * dp + i], widened
+// to float, zero-padded to dp
 void load_rows(const void* base, int dtype, int d, int dp, const int64_t* off, int n_valid, float* dst) {
   for (int c = 0; c < CHUNK; ++c) {
     float* row = dst + static_cast<size_t>(c) * dp;
@@ -320,8 +323,7 @@ int next_step_lines(const Layout& L, int h, int64_t seq_row, int64_t first, int6
 
 struct FwdScratch {
   std::vector<float> qr, kt, vc, acc, m, l;
-  std::vector<const char*> pf;  // the next step's cache lines (next_step_lines), np of them not yet asked for
-  int np = 0;
+  std::vector<const char*> pf;  // the next step's cache lines (next_step_lines)
   void size(int rows, int d, int dp) {
     qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
     kt.resize(static_cast<size_t>(NC) * d * CHUNK);
@@ -335,9 +337,11 @@ struct FwdScratch {
 
 // rows r0 .. r0 + R - 1 (queries qpos[]), one step over chunks j0 .. j0 + N - 1 whose keys/values are in F.kt / F.vc
 // slots t0 .. t0 + N - 1; R rows and N chunks side by side only for the pipeline: each (row, chunk)'s operations are
-// the same as alone, and a row folds its chunks in order
+// the same as alone, and a row folds its chunks in order. Asks for the np cache lines pf[] into L2 on the way, spread
+// over the d loop (next_step_lines).
 template <int R, int N>
-inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qpos, int64_t j0, int t0) {
+inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qpos, int64_t j0, int t0,
+                         const char* const* pf, int np) {
   const int d = L.d, dp = L.dp;
   const size_t kt_stride = static_cast<size_t>(d) * CHUNK, vc_stride = static_cast<size_t>(CHUNK) * dp;
   const float* kt_base = F.kt.data() + t0 * kt_stride;
@@ -349,10 +353,9 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
   v16f s0[R][N], s1[R][N];
   for (int rr = 0; rr < R; ++rr)
     for (int t = 0; t < N; ++t) s0[rr][t] = s1[rr][t] = (v16f){};
-  const int np = F.np, per = (np + d - 1) / d;
-  F.np = 0;  // the first call of a step issues the next step's prefetches, spread over its d iterations
+  const int per = (np + d - 1) / d;
   for (int i = 0; i < d; ++i) {
-    for (int p = i * per; p < (i + 1) * per && p < np; ++p) __builtin_prefetch(F.pf[p], 0, 2);
+    for (int p = i * per; p < (i + 1) * per && p < np; ++p) __builtin_prefetch(pf[p], 0, 2);
     for (int t = 0; t < N; ++t) {
       const float* kt = kt_base + t * kt_stride + static_cast<size_t>(i) * CHUNK;
       const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
@@ -437,25 +440,26 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
 }
 
 // the step's nc chunks over every row: groups of 4 rows take the chunks 2 at a time (16 score chains), the rows left
-// over (pairs, then one) all nc at once
+// over (pairs, then one) all nc at once. The step's first call asks for the next step's np cache lines pf[].
 template <int N>
-inline void forward_rows(const Layout& L, FwdScratch& F, int rows, const float* qpos, int64_t j0) {
+inline void forward_rows(const Layout& L, FwdScratch& F, int rows, const float* qpos, int64_t j0,
+                         const char* const* pf, int np) {
   int r = 0;
   for (; r + 4 <= rows; r += 4) {
     int t = 0;
-    for (; t + 2 <= N; t += 2) forward_step<4, 2>(L, F, r, qpos + r, j0 + t, t);
-    if (t < N) forward_step<4, 1>(L, F, r, qpos + r, j0 + t, t);
+    for (; t + 2 <= N; t += 2, np = 0) forward_step<4, 2>(L, F, r, qpos + r, j0 + t, t, pf, np);
+    if (t < N) forward_step<4, 1>(L, F, r, qpos + r, j0 + t, t, pf, np);
+    np = 0;
   }
-  for (; r + 2 <= rows; r += 2) forward_step<2, N>(L, F, r, qpos + r, j0, 0);
-  for (; r < rows; ++r) forward_step<1, N>(L, F, r, qpos + r, j0, 0);
+  for (; r + 2 <= rows; r += 2, np = 0) forward_step<2, N>(L, F, r, qpos + r, j0, 0, pf, np);
+  for (; r < rows; ++r, np = 0) forward_step<1, N>(L, F, r, qpos + r, j0, 0, pf, np);
 }
 
 void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float* m_out, float* l_out,
                   FwdScratch& F) {
   const int g = L.hq / L.hkv, dp = L.dp, rows = nq * g;
   F.size(rows, L.d, dp);
-  for (int r = 0; r < rows; ++r)
-    load_row(L.q, ((q0 + r / g) * L.hq + h * g + r % g) * L.d, L.dtype, L.d, &F.qr[static_cast<size_t>(r) * dp]);
+  load_queries(L, q0, nq, h, g, F.qr.data());
   const int64_t seq_row = L.q_row[q0];
   int64_t last = 0;
   for (int i = 0; i < nq; ++i) last = L.q_pos[q0 + i] > last ? L.q_pos[q0 + i] : last;
@@ -469,14 +473,15 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
     for (int t = 0; t < nc; ++t)
       move_chunk(L, h, seq_row, j0 + t, last, F.kt.data() + static_cast<size_t>(t) * L.d * CHUNK,
                  F.vc.data() + static_cast<size_t>(t) * CHUNK * dp, nullptr, nullptr);
-    F.np = j0 + step < n_chunks
-               ? next_step_lines(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last, F.pf.data())
-               : 0;
+    const int np = j0 + step < n_chunks
+                       ? next_step_lines(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last, F.pf.data())
+                       : 0;
+    const char* const* pf = F.pf.data();
     switch (nc) {
-      case 4: forward_rows<4>(L, F, rows, qpos.data(), j0); break;
-      case 3: forward_rows<3>(L, F, rows, qpos.data(), j0); break;
-      case 2: forward_rows<2>(L, F, rows, qpos.data(), j0); break;
-      default: forward_rows<1>(L, F, rows, qpos.data(), j0); break;
+      case 4: forward_rows<4>(L, F, rows, qpos.data(), j0, pf, np); break;
+      case 3: forward_rows<3>(L, F, rows, qpos.data(), j0, pf, np); break;
+      case 2: forward_rows<2>(L, F, rows, qpos.data(), j0, pf, np); break;
+      default: forward_rows<1>(L, F, rows, qpos.data(), j0, pf, np); break;
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -648,7 +653,7 @@ int zk_attention_bwd(int dtype, int hq, int hkv, int d, const void* q, const voi
       Dd.assign(rows, 0.0f);
       dqa.assign(static_cast<size_t>(rows) * dp, 0.0f);
       ds.assign(static_cast<size_t>(CHUNK) * rows, 0.0f);
-      load_queries(L, q0, nq, h, g, S);
+      load_queries(L, q0, nq, h, g, S.qr.data());
       for (int r = 0; r < rows; ++r) {
         int64_t idx = (q0 + r / g) * hq + h * g + r % g;
         for (int i = 0; i < d; ++i) {
