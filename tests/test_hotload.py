@@ -11,7 +11,6 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,9 +25,6 @@ from shared_numerics import NumericsMode
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import HotLoadServer
-from zerokld_testing import make_tiny_checkpoint
-
-from tests.conftest import SPECS
 
 pytestmark = pytest.mark.vllm
 
@@ -36,11 +32,10 @@ API_KEY = "sk-zerokld-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HL = "/zerokld/v1/hot_load"
 PROMPT = [1] + list(range(10, 40))
-# the module's checkpoint's max_position_embeddings: the sync-drain test's in-flight request is as long as the context
-# allows. 4096, not the tiny checkpoints' 1024: in a CI run a 990-token request ended within 0.9 s, 0.04 s before the
-# signal it was meant to outlast was verified (here, on an idle 2-core Xeon, the same request takes ~4.8 s and one of
-# 4,060 tokens ~16 s)
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 1024  # the tiny checkpoints' max_position_embeddings
+# the sync-drain test's in-flight request: as long as the context allows, each engine step slowed by STEP_DELAY_S
+# (HotLoadServer.slowed_steps) until the drain has been seen, so it outlasts the signal's verification on any machine
+STEP_DELAY_S = 0.05
 LONG = MAX_MODEL_LEN - len(PROMPT) - 3
 
 
@@ -82,11 +77,10 @@ def _perturb(sd: dict, seed: int, scale: float = 0.02) -> dict:
 
 
 @pytest.fixture(scope="module")
-def env(engine_slot, tmp_path_factory):
+def env(engine_slot, checkpoint_factory, tmp_path_factory):
     engine_slot.close()
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
     tmp = tmp_path_factory.mktemp("hotload")
-    ckpt = str(make_tiny_checkpoint(tmp / "ckpt", replace(SPECS["qwen3"], max_position_embeddings=MAX_MODEL_LEN), seed=1,
-                                    dtype="bfloat16"))
     root, state, full = tmp / "snapshots", tmp / "state", tmp / "expected"
     root.mkdir()
     base = read_snapshot_tensors(ckpt)
@@ -552,16 +546,17 @@ def test_sync_transition_425_exactly_while_swapping(env):
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 200), cur, root / "y1")
     write_full_snapshot(_perturb(read_snapshot_tensors(cur), 201), cur, root / "y2")
     # drain timeout exceeded by a long in-flight request: 425, nothing changes, ledger records it. In flight = the
-    # engine runs it (_wait_running); not streamed: on 2 cores a stream's per-token SSE work starved the API server
-    # until the engine had finished (first chunk after 2.9 s, all 990 by 3.0 s, with two busy processes beside the
-    # suite), and the signal found nothing to drain. One sample of ~4,000 tokens outlasts the signal's verification
-    # (~0.8 s) and the 0.2 s drain timeout ~4x at the fastest decode seen so far (~1 ms a token)
+    # engine runs it (_wait_running), its steps slowed until the 425 has come (HotLoadServer.slowed_steps): unslowed,
+    # requests of 990 and of 4,060 tokens each ended in CI before the signal was verified (the second was first seen
+    # running 11.5 s after it was sent, 0.05 s before it ended). Not streamed: on 2 cores a stream's per-token SSE
+    # work starved the API server until the engine had finished
     with ThreadPoolExecutor(1) as pool:
-        before = _generated(server)
-        long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
-        _wait_running(server, long, before)
-        r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
-                                         "x-zerokld-hot-load-drain-timeout": "0.2"})
+        with server.slowed_steps(STEP_DELAY_S):
+            before = _generated(server)
+            long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
+            _wait_running(server, long, before)
+            r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
+                                             "x-zerokld-hot-load-drain-timeout": "0.2"})
         assert r.status_code == 425, r.text
         assert long.result()[0].json()["choices"][0]["finish_reason"] == "length"
     row = server.get(HL + "/ledger").json()["rows"][-1]  # the 425 is recorded, with its reason
@@ -580,26 +575,27 @@ def test_sync_transition_425_exactly_while_swapping(env):
             r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
                 "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
             statuses.append(r.status_code)
+            if r.status_code == 425:  # the drain window seen: the in-flight request may now finish at full speed
+                server.release_steps()
             r = requests.post(server.base + "/invocations", headers=AUTH, timeout=120, json={  # row 15
                 "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
             invocations.append(r.status_code)
             polling.set()
 
     with ThreadPoolExecutor(3) as pool:
-        # the drain window lasts as long as the in-flight request: one sample as long as the context allows,
-        # not streamed (a streamed one failed twice in fresh-clone suites: the signal was handled 3.7 s after it was
-        # sent, when the engine had finished the stream); the signal goes out once the engine has generated a token
-        # of it (_wait_running). One sample, not 8: less API-server work per step; with 8 and the gauge-based wait a
-        # fresh-clone suite once failed the precondition below (ended 0.01 s before verified; cause not established)
-        before = _generated(server)
-        t_sent = time.monotonic()
-        long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
-        _wait_running(server, long, before)
-        t_running = time.monotonic() - t_sent
-        poller = pool.submit(poll)
-        t_signal = time.monotonic()
-        r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
-                                         "x-zerokld-hot-load-drain-timeout": "120"})
+        # the drain window lasts as long as the in-flight request, whose steps are slowed until the poller has seen a
+        # 425 (at most LONG * STEP_DELAY_S, ~50 s, if no 425 ever came); the signal goes out once the engine has
+        # generated a token of it (_wait_running)
+        with server.slowed_steps(STEP_DELAY_S):
+            before = _generated(server)
+            t_sent = time.monotonic()
+            long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
+            _wait_running(server, long, before)
+            t_running = time.monotonic() - t_sent
+            poller = pool.submit(poll)
+            t_signal = time.monotonic()
+            r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
+                                             "x-zerokld-hot-load-drain-timeout": "120"})
         t_swapped = time.monotonic()
         assert polling.wait(60), "the poller got no response"
         time.sleep(0.5)

@@ -35,9 +35,12 @@ HL = "/zerokld/v1/hot_load"
 MAX_RANK = 8
 ADAPTERS = {"A": (4, 8.0, 11), "B": (8, 16.0, 12)}  # name: (rank, alpha, seed)
 VERSIONS = 4  # v1 full, then deltas; v4 is pushed under a running stream
-# with a 20-token prompt, near --max-model-len 1024: the stream outlasts a swap on 2 busy cores (480 tokens under 512
-# did, until the decode got faster: a fresh-clone run saw vLLM's in-place reload return after the stream's last token)
+# with a 20-token prompt, near --max-model-len 1024. The stream's steps are slowed (STEP_DELAY_S each,
+# HotLoadServer.slowed_steps) until a token has arrived after the mid-stream action returned, so the stream outlasts
+# the action on any machine: unslowed, streams of 480 and of 1,000 tokens each ended in CI before the swap returned
+# (the last one 3.6 s after the action started: on 2 cores a running engine leaves the API server little CPU)
 STREAM_TOKENS = 1000
+STEP_DELAY_S = 0.05
 MAX_MODEL_LEN = 1024
 
 
@@ -122,8 +125,16 @@ def _complete(env: Env, model: str, prompt: list[int], seed: int, max_tokens: in
 
 def _stream(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int, action) -> dict:
     """A streamed completion; ``action()`` runs in a thread once the first token has arrived, while the stream is
-    read on. Returns ``late``: how many tokens arrived more than 0.3 s after ``action`` returned, and ``timing``: the
-    seconds the action and the whole stream took (for the failure message)."""
+    read on. The engine's steps are slowed (:data:`STEP_DELAY_S`) from before the request until a token arrives more
+    than 0.3 s after ``action`` returned (or the stream ends). Returns ``late``: how many tokens arrived more than 0.3 s
+    after ``action`` returned, and ``timing``: the seconds the action and the whole stream took (for the failure
+    message)."""
+    with env.server.slowed_steps(STEP_DELAY_S):
+        return _slowed_stream(env, model, prompt, seed, max_tokens, action)
+
+
+def _slowed_stream(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int, action) -> dict:
+    """:func:`_stream` within its slowed steps."""
     r = requests.post(env.server.base + "/v1/completions", headers=AUTH, timeout=300, stream=True, json={
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
         "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True, "stream": True})
@@ -142,6 +153,8 @@ def _stream(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int,
         arrivals += [time.monotonic()] * len(lp.get("tokens", []))
         if tokens and not worker.ident:
             worker.start()
+        if returned and arrivals and arrivals[-1] > returned[0] + 0.3:
+            env.server.release_steps()  # a token after the action: the rest may come at full speed
     worker.join(timeout=120)
     assert returned, "the mid-stream action did not finish"
     return {"models": models, "tokens": tokens, "logprobs": torch.tensor(lps, dtype=torch.float32),

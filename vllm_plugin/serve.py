@@ -10,6 +10,7 @@ servers with them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -111,8 +112,8 @@ class OpenAIServer:
 class HotLoadServer(OpenAIServer):
     """A bf16 ``vllm serve`` with the zerokld numerics and the hot-load endpoint (``zerokld_hotload``) on, as the
     hot-load tests and benchmark run it: chunked prefill (64-token steps), an API key, prompt-token details
-    (cached-token counts), a pass-through chat template, and the copy-fault hook's arm path (:mod:`vllm_plugin.faults`;
-    inert unless that file exists) in its environment.
+    (cached-token counts), a pass-through chat template, and the arm paths of the copy-fault and step-delay hooks
+    (:mod:`vllm_plugin.faults`; inert unless those files exist) in its environment.
 
     Args:
         ckpt: the ``--model`` checkpoint; root, state: the ``hot_load`` section's snapshot root and state dir.
@@ -132,9 +133,29 @@ class HotLoadServer(OpenAIServer):
         self.max_model_len = max_model_len
         # vllm_plugin.faults: while this file exists, a reload pauses inside the weight copy (inert otherwise)
         self.copy_fault_arm = state.parent / "copy-fault.arm"
+        # vllm_plugin.faults: while this file exists, each engine step first sleeps the seconds it holds
+        self.step_delay_arm = state.parent / "step-delay.arm"
         super().__init__([], log, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
                                        "VLLM_PLUGINS": "zerokld,zerokld_hotload",
-                                       "ZEROKLD_FAULT_COPY_ARM": str(self.copy_fault_arm)})
+                                       "ZEROKLD_FAULT_COPY_ARM": str(self.copy_fault_arm),
+                                       "ZEROKLD_FAULT_STEP_DELAY_ARM": str(self.step_delay_arm)})
+
+    @contextlib.contextmanager
+    def slowed_steps(self, seconds: float):
+        """Within the block each engine step first sleeps ``seconds`` (the step-delay hook,
+        :func:`vllm_plugin.faults.step_delay`): a request sent in it stays in flight for at least its token count times
+        ``seconds``. :meth:`release_steps` ends the delay early (from any thread)."""
+        staged = self.step_delay_arm.with_suffix(".staged")  # renamed into place: the engine never reads half a file
+        staged.write_text(repr(float(seconds)))
+        os.replace(staged, self.step_delay_arm)
+        try:
+            yield
+        finally:
+            self.release_steps()
+
+    def release_steps(self) -> None:
+        """End a :meth:`slowed_steps` delay (the steps after this one run at full speed)."""
+        self.step_delay_arm.unlink(missing_ok=True)
 
     def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
         """Start (``api_key_flag=False``: no ``--api-key`` flag; the key may come from ``VLLM_API_KEY``)."""

@@ -40,7 +40,7 @@ from zerokld_models import ModelConfig, read_model_config, unsupported_features
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
-from ..faults import copy_fault
+from ..faults import copy_fault, step_delay
 from ..sampler import check_sampler_supported, set_logprobs_definition
 
 __all__ = ["DenseDecoder", "ZeroKLDMixin", "check_supported"]
@@ -403,6 +403,7 @@ class ZeroKLDMixin:
         return self.model.embed_tokens.weight[input_ids]
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        step_delay()  # inert unless a test armed it (vllm_plugin.faults)
         if not self.batch_invariant:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         if inputs_embeds is not None or intermediate_tensors is not None:
