@@ -21,13 +21,16 @@ Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU
 is waited).
 
 Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, ours ÷ ``F.linear`` taking turns, M = 1 / 16 / 256 /
-2048; ``benchmarks/results/linear_xeon_amx_cpu2.json``, one run, spread ~±0.1): forward bf16 1.8x / 1.8x / 0.97x /
-0.80x, float32 0.60x / 1.3x / 0.80x / 0.84x; forward + backward bf16 0.74x / 0.86x / 0.90x / 1.02x, float32 0.78x /
-0.70x / 0.82x / 0.85x (the bf16 output writes interleaved with the tile products: before, 0.82x forward at 2048; before the role swap, the float32 packing once per call and the huge-page buffers: 0.56x / 0.48x /
-0.67x / 0.67x; the packed buffers' TLB misses alone cost ~15% with 4 KiB pages). 1 to 8 tokens stream the weight in
-16-row blocks turned in registers (the kernel alone: ~0.85x MKL's GEMV at M = 1, bound by the 16x16 transposes'
-shuffles; the rest is this module's per-call Python and ctypes work, ~10 us), 9 to 48 tokens a path that broadcasts
-the weight's rows in place, and a k-major weight (``Wᵀ`` in ``dX``) is streamed in place for up to 48 tokens.
+2048; ``benchmarks/results/linear_xeon_amx_cpu2.json``, one run, spread ~±0.1): forward bf16 2.3x / 2.3x / 1.03x /
+0.75x, float32 0.70x / 1.11x / 0.75x / 0.85x; forward + backward bf16 0.83x / 0.99x / 0.93x / 0.96x, float32 1.04x /
+0.70x / 0.81x / 0.84x. At decode sizes the Python around the kernel is a large share: it runs with the caches cold
+after the previous GEMM has streamed its weight through them (``torch.empty`` after a 4 MB GEMV: ~19 us, ~1 us warm),
+so the common cases take the fewest calls (``_operand``'s first test; :func:`shared_numerics.linear.linear`'s float32
+path): float32 M = 1 over 16 rotating weights 0.66x -> 0.79x of ``F.linear``, bf16 1.17x -> 1.35x. 1 to 8 tokens
+stream the weight in 16-row blocks turned in registers (the kernel alone: ~0.85x MKL's GEMV at M = 1, bound by the
+16x16 transposes' shuffles, which the per-element K chain needs: lanes are outputs), 9 to 48 tokens a path that
+broadcasts the weight's rows in place, and a k-major weight (``Wᵀ`` in ``dX``) is streamed in place for up to 48
+tokens (1 or 2 row after row, ~15% faster than in column strips).
 ``gemm_abt_accumulate`` continues chains (exact gradient accumulation, :mod:`shared_numerics.grad_chain`).
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
@@ -94,6 +97,15 @@ def f32_available() -> bool:
 def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
     """``(tensor, row stride, k-major)`` of a ``[rows, K]`` operand: K contiguous as is; a transposed view (rows
     contiguous, e.g. ``w.t()`` or ``grad.t()``) read k-major from its storage by the kernel; anything else copied."""
+    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.dtype == dtype and t.dim() == 2 and t.is_cpu:
+        # the common cases first, with the fewest calls (a decode-sized GEMM's Python runs with its caches cold: ~10
+        # us a call less at M = 1)
+        rows, k = t.shape
+        s0, s1 = t.stride()
+        if s1 == 1 and s0 >= k > 0:
+            return t, s0, 0
+        if s0 == 1 and s1 >= rows > 0:
+            return t, s1, 1
     p = plain(t)
     if p is None or p.dtype != dtype or p.dim() != 2:
         raise TypeError(f"zerokld GEMM: {name} must be a 2-d {dtype} plain CPU tensor, got "

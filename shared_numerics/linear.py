@@ -80,11 +80,12 @@ def _openmp():
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def native_bf16_gemm() -> bool:
     """Whether bf16 GEMMs take the native oneDNN path (see the module): the CPU has bf16 matrix units (oneDNN's
     ``_is_mkldnn_bf16_supported``: AVX512-BF16 or AMX). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
     float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
-    :data:`GEMM_PARTITION`."""
+    :data:`GEMM_PARTITION`. Read once per process (it is asked on every linear call)."""
     if os.environ.get("ZEROKLD_NATIVE_BF16", "1") == "0":
         return False
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -285,10 +286,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     chained = weight_chain is not None
     if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not _chain_available(x.dtype)):
         raise ValueError(f"exact gradient accumulation: no kernel path for a {x.dtype} linear on {x.device} here")
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and native_bf16_gemm()):
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and native_bf16_gemm():
         b = None if bias is None else bias.to(torch.bfloat16)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if amx_available():
             if chained:
                 y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
@@ -297,20 +297,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 y = _AmxLinear.apply(x2, weight, b)
             else:
                 y = gemm_abt(weight, x2, b, transpose=True)
-            return y.reshape(*lead, weight.shape[0])
+            return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
         if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
                                         or (b is not None and b.requires_grad)):
             y = _OneDnnLinear.apply(x2, weight, b)
         else:
             y = _onednn_rows(x2, weight, b, ONEDNN_ROWS)
         return y.reshape(*lead, weight.shape[0])
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    w = weight.float()
-    if (not chained and f32_available() and x2.device.type == "cpu"
+    # (no call where none is needed: at decode sizes this Python is a measurable share of a call, run with the caches
+    # cold after the previous GEMM)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    w = weight if weight.dtype == torch.float32 else weight.float()
+    if (not chained and f32_available() and x2.is_cpu
             and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         # inference: one kernel call, the bias added in float32 to each finished chain (the bits of ``y + b``)
         y = gemm_abt(w, x2, bias, transpose=True)
+        if y.dtype == x.dtype and x.dim() == 2:
+            return y
         return y.to(x.dtype).reshape(*lead, weight.shape[0])
     if chained:
         y = _RowTiledLinear.apply(x2, w, weight_chain)

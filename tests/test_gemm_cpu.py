@@ -115,16 +115,17 @@ def _variants(gemm_cpu, a, b, bias):
 
 
 @needs_f32
-@pytest.mark.parametrize("j", [1, 3, 8, 12, 30, 48])
+@pytest.mark.parametrize("j", [1, 2, 3, 8, 12, 30, 48])
 @pytest.mark.parametrize("b_kmajor", [False, True])
 @pytest.mark.parametrize("a_kmajor", [False, True])
 def test_float32_decode_rows_path_is_the_packed_chain(j, b_kmajor, a_kmajor):
     """1..8 rows of B (single-sequence decode: A = the weight), and up to 48 of them when A is k-major (the backward's
-    dX = dY W: A = Wᵀ), run a path that streams A in 16-row blocks instead of packing it; 9..48 rows of B with a
+    dX = dY W: A = Wᵀ), run a path that streams A in 16-row blocks instead of packing it (a k-major A with 1 or 2 rows
+    of B: row after row, 512 outputs a unit — 700 rows of A make a partial second unit); 9..48 rows of B with a
     K-contiguous A take the few-rows path; all the same chains as the packed path, which the same rows take among 60
     more (partial 16-row blocks and K tails included)."""
     g = torch.Generator().manual_seed(j)
-    a, bias = torch.randn(300, 1001, generator=g), torch.randn(300, generator=g)
+    a, bias = torch.randn(700, 1001, generator=g), torch.randn(700, generator=g)
     b = torch.randn(j, 1001, generator=g)
     packed = gemm_cpu.gemm_abt(a, torch.cat([b, torch.randn(60, 1001, generator=g)]), bias, transpose=True)[:j]
     a = a.t().contiguous().t() if a_kmajor else a

@@ -855,6 +855,52 @@ void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_
     }
   }
 }
+#ifndef ZK_STREAM_AHEAD
+#define ZK_STREAM_AHEAD 4
+#endif
+constexpr int F32_STREAM_T = 2;             // rows of B up to which a k-major A is streamed row by row
+constexpr int64_t F32_STREAM_COLS = 512;   // rows of A (output columns) per unit of rows_stream_kmajor
+// k-major A and T <= F32_STREAM_T rows of B (a decode token's dX = dY W): the unit's F32_STREAM_COLS outputs keep
+// their accumulators in L1 (float32, stored and reloaded losslessly: the same chains, acc = fma(a, x, acc) in k
+// order) while each k's segment of A is read as one contiguous 2 KiB run — A streamed row after row, instead of in
+// the 128-column strips of rows_block_kmajor (~15% faster at K = N = 1024, M = 1 and 2 on the 2-core Xeon)
+template <int T>
+void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int, const float* b,
+                        int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
+  alignas(64) float acc[T][F32_STREAM_COLS];
+  const int64_t nv = (ni + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>(ni % 16 ? (1u << (ni % 16)) - 1 : 0xffff);
+  for (int t = 0; t < T; ++t)
+    for (int64_t v = 0; v < nv; ++v) _mm512_store_ps(acc[t] + 16 * v, _mm512_setzero_ps());
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* row = a + kk * lda + i0;
+    const float* ahead = a + (kk + ZK_STREAM_AHEAD < k ? kk + ZK_STREAM_AHEAD : kk) * lda + i0;
+    __m512 x[T];
+    for (int t = 0; t < T; ++t) x[t] = _mm512_set1_ps(b_kmajor ? b[kk * ldb + t] : b[t * ldb + kk]);
+    for (int64_t v = 0; v < nv; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * v), _MM_HINT_T0);
+      const __m512 col = v + 1 < nv ? _mm512_loadu_ps(row + 16 * v) : _mm512_maskz_loadu_ps(tail, row + 16 * v);
+      for (int t = 0; t < T; ++t)
+        _mm512_store_ps(acc[t] + 16 * v, _mm512_fmadd_ps(col, x[t], _mm512_load_ps(acc[t] + 16 * v)));
+    }
+  }
+  for (int64_t v = 0; v < nv; ++v) {
+    const int64_t r0 = i0 + 16 * v, nr = ni - 16 * v < 16 ? ni - 16 * v : 16;
+    const __mmask16 m = static_cast<__mmask16>(nr >= 16 ? 0xffff : (1u << nr) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + r0) : _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      const __m512 val = bias ? _mm512_add_ps(_mm512_load_ps(acc[t] + 16 * v), bv) : _mm512_load_ps(acc[t] + 16 * v);
+      if (transpose) {
+        _mm512_mask_storeu_ps(out + t * ldo + r0, m, val);
+      } else {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, val);
+        for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * ldo + t] = tmp[r];
+      }
+    }
+  }
+}
+
 // T x V accumulators <= 16, or 1 vector for 9..F32_KMAJOR_T rows of B
 constexpr int kmajor_vectors(int t) { return t <= 2 ? 8 : (t <= 4 ? 4 : (t <= 8 ? 2 : 1)); }
 constexpr int F32_KMAJOR_T = 24;  // rows of B per pass of a k-major A (24 accumulators, 1 load, 24 broadcasts)
@@ -875,7 +921,18 @@ constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table(std::make_integer_sequence<int, 
 void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
                    int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
                    int threads) {
-  // a k-major A takes up to F32_P rows of B in near-equal passes of at most F32_KMAJOR_T (A read once per pass)
+  // a k-major A: up to F32_STREAM_T rows of B streamed row by row (rows_stream_kmajor); up to F32_P in near-equal
+  // passes of at most F32_KMAJOR_T (A read once per pass)
+  if (a_kmajor && j_rows <= F32_STREAM_T) {
+    const RowsBlock fn = j_rows == 1 ? &rows_stream_kmajor<1> : &rows_stream_kmajor<2>;
+    const int64_t units = (i_rows + F32_STREAM_COLS - 1) / F32_STREAM_COLS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t i0 = u * F32_STREAM_COLS, ni = i_rows - i0 < F32_STREAM_COLS ? i_rows - i0 : F32_STREAM_COLS;
+      fn(a, i0, ni, k, lda, a_kmajor, b, ldb, b_kmajor, bias, out, transpose, ldo);
+    }
+    return;
+  }
   const int64_t passes = a_kmajor ? (j_rows + F32_KMAJOR_T - 1) / F32_KMAJOR_T : 1;
   const int64_t per_pass = (j_rows + passes - 1) / passes;
   for (int64_t t0 = 0; t0 < j_rows; t0 += per_pass) {
