@@ -412,6 +412,33 @@ def test_paged_attention_equals_dense(dtype, bs):
     out = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38]), torch.tensor([70, 46, 11]), bt,
                                     d ** -0.5)
     assert torch.equal(out, torch.cat([dense[0, 69:70], dense[1, 20:46], dense[2, 0:11]]))
+    # vLLM's own metadata: int32, the block table the first columns of a wider persistent one (read in place)
+    wide = torch.full((b + 2, per_seq + 5), -1, dtype=torch.int32)
+    wide[:b, :per_seq] = bt
+    out32 = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38], dtype=torch.int32),
+                                      torch.tensor([70, 46, 11], dtype=torch.int32), wide[:b, :per_seq], d ** -0.5)
+    assert torch.equal(out32, out)
+
+
+def test_paged_attention_refuses_metadata_that_does_not_fit():
+    """Metadata that does not describe the batch is refused with a clear error, never read past its end: query starts
+    that do not cover the queries, a sequence longer than its block-table row, tensors of mismatched lengths."""
+    g = torch.Generator().manual_seed(8)
+    hq, hkv, d, bs = 4, 2, 16, 16
+    kv = torch.randn(8, hkv, bs, 2 * d, generator=g)
+    kc, vc = kv.split(d, dim=-1)
+    q = torch.randn(5, hq, d, generator=g)
+    bt = torch.arange(6).reshape(2, 3)
+    ok = sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 2, 5]), torch.tensor([10, 48]), bt, 0.25)
+    assert ok.shape == q.shape
+    with pytest.raises(ValueError, match="do not describe 5 queries"):
+        sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 2, 4]), torch.tensor([10, 48]), bt, 0.25)
+    with pytest.raises(ValueError, match="do not describe 5 queries"):  # more queries than the sequence holds
+        sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 2, 5]), torch.tensor([1, 48]), bt, 0.25)
+    with pytest.raises(ValueError, match="reach past the block table"):
+        sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 2, 5]), torch.tensor([10, 49]), bt, 0.25)
+    with pytest.raises(ValueError, match="do not fit one batch"):
+        sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 5]), torch.tensor([10, 48]), bt, 0.25)
 
 
 def test_attention_backward_is_deterministic():
