@@ -84,7 +84,7 @@ def server(checkpoint_factory, tmp_path_factory):
 
 
 @pytest.mark.titan
-def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
+def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch, request):
     """The unmodified tinker client (zstd-compressed protobuf, as the server's client/config asks): a LoRA training
     client; ``forward`` (protobuf, forward_only) gives the base model's log-probs (LoRA B = 0) equal to TorchTitan's
     own bit for bit; ``forward_backward`` with ``importance_sampling`` and ``ppo`` (its clip thresholds) answers
@@ -99,6 +99,7 @@ def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     url, ckpt = server
     svc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+    request.addfinalizer(lambda: svc.close("success"))  # its session heartbeat stops with the test
     tc = svc.create_lora_training_client(base_model=ckpt, rank=4).result()
     seqs = [PROMPT + [41, 42, 43], PROMPT[:12] + [50, 51]]
     data = [_datum(s, len(PROMPT) if i == 0 else 12) for i, s in enumerate(seqs)]
@@ -168,15 +169,16 @@ def test_tinker_client_trains_on_the_protobuf_wire(server, monkeypatch):
 
 
 @pytest.mark.titan
-def test_unknown_loss_fails_the_request_as_the_users(server, monkeypatch):
+def test_unknown_loss_fails_the_request_as_the_users(server, monkeypatch, request):
     """A loss tinker knows but zerokld does not register (``stable_reinforce``) fails its future as the user's error,
     naming the registered losses (the client raises ``RequestFailedError``), and nothing was applied."""
     import tinker
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     url, ckpt = server
-    tc = tinker.ServiceClient(base_url=url, api_key=API_KEY).create_lora_training_client(base_model=ckpt,
-                                                                                         rank=4).result()
+    svc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+    request.addfinalizer(lambda: svc.close("success"))  # its session heartbeat stops with the test
+    tc = svc.create_lora_training_client(base_model=ckpt, rank=4).result()
     datum = _datum(PROMPT + [41, 42], len(PROMPT), {"advantages": [1.0] * (len(PROMPT) + 1),
                                                     "logprobs": [-1.0] * (len(PROMPT) + 1)})
     with pytest.raises(tinker.RequestFailedError, match="registered") as err:
