@@ -758,6 +758,19 @@ void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_
 #ifndef ZK_ROWS_AHEAD
 #define ZK_ROWS_AHEAD 128
 #endif
+// Finished chains of rows r0 .. r0 + nr - 1 of A (lanes of v, nr <= 16, m their mask) for row t of B: + bias[r],
+// then out[t][r] (transpose) or out[r][t]
+inline void store_rows(__m512 v, const float* bias, int64_t r0, int64_t nr, __mmask16 m, int t, float* out,
+                       int transpose, int64_t ldo) {
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + r0));
+  if (transpose) {
+    _mm512_mask_storeu_ps(out + t * ldo + r0, m, v);
+  } else {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v);
+    for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * ldo + t] = tmp[r];
+  }
+}
 // At most F32_RJ rows of B (single-sequence decode, and its backward dX = dY W): A is streamed once, never packed.
 // 16 rows of A at a time, one vector per k of the 16 rows' elements: a k-major A (W read as Wᵀ) holds them
 // contiguously; a K-contiguous A (a weight) is read 16 k at a time and turned in registers (transpose16). So each lane
@@ -800,17 +813,7 @@ void rows_block(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, 
       }
     }
   }
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + i0) : _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) {
-    const __m512 v = bias ? _mm512_add_ps(acc[t], bv) : acc[t];
-    if (transpose) {
-      _mm512_mask_storeu_ps(out + t * ldo + i0, m, v);
-    } else {
-      alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, v);
-      for (int64_t r = 0; r < ni; ++r) out[(i0 + r) * ldo + t] = tmp[r];
-    }
-  }
+  for (int t = 0; t < T; ++t) store_rows(acc[t], bias, i0, ni, m, t, out, transpose, ldo);
 }
 
 #ifndef ZK_KMAJOR_AHEAD
@@ -842,17 +845,7 @@ void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_
   for (int v = 0; v < V; ++v) {
     const int64_t r0 = i0 + 16 * v, nr = ni - 16 * v;
     if (nr <= 0) break;
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m[v], bias + r0) : _mm512_setzero_ps();
-    for (int t = 0; t < T; ++t) {
-      const __m512 val = bias ? _mm512_add_ps(acc[t][v], bv) : acc[t][v];
-      if (transpose) {
-        _mm512_mask_storeu_ps(out + t * ldo + r0, m[v], val);
-      } else {
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, val);
-        for (int64_t r = 0; r < (nr < 16 ? nr : 16); ++r) out[(r0 + r) * ldo + t] = tmp[r];
-      }
-    }
+    for (int t = 0; t < T; ++t) store_rows(acc[t][v], bias, r0, nr < 16 ? nr : 16, m[v], t, out, transpose, ldo);
   }
 }
 #ifndef ZK_STREAM_AHEAD
@@ -887,17 +880,7 @@ void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t r0 = i0 + 16 * v, nr = ni - 16 * v < 16 ? ni - 16 * v : 16;
     const __mmask16 m = static_cast<__mmask16>(nr >= 16 ? 0xffff : (1u << nr) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + r0) : _mm512_setzero_ps();
-    for (int t = 0; t < T; ++t) {
-      const __m512 val = bias ? _mm512_add_ps(_mm512_load_ps(acc[t] + 16 * v), bv) : _mm512_load_ps(acc[t] + 16 * v);
-      if (transpose) {
-        _mm512_mask_storeu_ps(out + t * ldo + r0, m, val);
-      } else {
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, val);
-        for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * ldo + t] = tmp[r];
-      }
-    }
+    for (int t = 0; t < T; ++t) store_rows(_mm512_load_ps(acc[t] + 16 * v), bias, r0, nr, m, t, out, transpose, ldo);
   }
 }
 
