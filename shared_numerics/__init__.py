@@ -37,10 +37,7 @@ _OPS_CACHE: dict[str, dict] = {}
 def backend_name(*tensors) -> str:
     """The backend a call on ``tensors`` uses: ``ZEROKLD_BACKEND`` if set, else ``triton`` for CUDA tensors, else
     ``torch`` (:func:`shared_numerics.mode.backend_for_device`, the rule :class:`NumericsMode` records)."""
-    for t in tensors:  # (a loop, not any() over a generator: this runs on every op call)
-        if getattr(t, "is_cuda", False):
-            return backend_for_device("cuda")
-    return backend_for_device("cpu")
+    return backend_for_device("cuda" if any(getattr(t, "is_cuda", False) for t in tensors) else "cpu")
 
 
 def active_ops(*tensors) -> dict:
@@ -73,96 +70,88 @@ def active_ops(*tensors) -> dict:
     return ops
 
 
-def _ops_for(x) -> dict:
-    """:func:`active_ops` of one tensor, the op wrappers' dispatch: once the table is built, one rule read and one dict
-    lookup (these wrappers run per layer and step; at decode sizes their Python, run with the caches cold after the
-    previous GEMM, is a measurable share of a call)."""
-    ops = _OPS_CACHE.get(backend_for_device("cuda" if getattr(x, "is_cuda", False) else "cpu"))
-    return ops if ops is not None else active_ops(x)
-
-
 def linear(x, weight, bias=None):
     """See :func:`shared_numerics.linear.linear`."""
-    return _ops_for(x)["linear"](x, weight, bias)
+    return active_ops(x)["linear"](x, weight, bias)
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_ids):
     """See :func:`shared_numerics.lora.lora_linear`."""
-    return _ops_for(x)["lora_linear"](x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
+    return active_ops(x)["lora_linear"](x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
 
 
 def add_lora(y, x, lora_a, lora_b, scaling, adapter_ids):
     """See :func:`shared_numerics.lora.add_lora`."""
-    return _ops_for(x)["add_lora"](y, x, lora_a, lora_b, scaling, adapter_ids)
+    return active_ops(x)["add_lora"](y, x, lora_a, lora_b, scaling, adapter_ids)
 
 
 def rms_norm(x, weight, eps):
     """See :func:`shared_numerics.norm.rms_norm`."""
-    return _ops_for(x)["rms_norm"](x, weight, eps)
+    return active_ops(x)["rms_norm"](x, weight, eps)
 
 
 def add_rms_norm(x, residual, weight, eps):
     """See :func:`shared_numerics.norm.add_rms_norm`."""
-    return _ops_for(x)["add_rms_norm"](x, residual, weight, eps)
+    return active_ops(x)["add_rms_norm"](x, residual, weight, eps)
 
 
 def rms_norm_rope(x, weight, eps, cos, sin):
     """See :func:`shared_numerics.rope.rms_norm_rope`."""
-    return _ops_for(x)["rms_norm_rope"](x, weight, eps, cos, sin)
+    return active_ops(x)["rms_norm_rope"](x, weight, eps, cos, sin)
 
 
 def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """See :func:`shared_numerics.rope.rope_cos_sin`."""
-    return _ops_for(positions)["rope_cos_sin"](positions, head_dim, theta, scaling)
+    return active_ops(positions)["rope_cos_sin"](positions, head_dim, theta, scaling)
 
 
 def apply_rope(x, cos, sin):
     """See :func:`shared_numerics.rope.apply_rope`."""
-    return _ops_for(x)["apply_rope"](x, cos, sin)
+    return active_ops(x)["apply_rope"](x, cos, sin)
 
 
 def silu_and_mul(gate, up):
     """See :func:`shared_numerics.activation.silu_and_mul`."""
-    return _ops_for(gate)["silu_and_mul"](gate, up)
+    return active_ops(gate)["silu_and_mul"](gate, up)
 
 
 def log_softmax(logits):
     """See :func:`shared_numerics.logprobs.log_softmax`."""
-    return _ops_for(logits)["log_softmax"](logits)
+    return active_ops(logits)["log_softmax"](logits)
 
 
 def selected_logprobs(logits, token_ids):
     """See :func:`shared_numerics.logprobs.selected_logprobs`."""
-    return _ops_for(logits)["selected_logprobs"](logits, token_ids)
+    return active_ops(logits)["selected_logprobs"](logits, token_ids)
 
 
 def dense_causal_attention(q, k, v, scale):
     """See :func:`shared_numerics.attention.dense_causal_attention`."""
-    return _ops_for(q)["dense_causal_attention"](q, k, v, scale)
+    return active_ops(q)["dense_causal_attention"](q, k, v, scale)
 
 
 def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
                            max_query_len=None, max_seq_len=None):
     """See :func:`shared_numerics.attention.paged_causal_attention`."""
-    return _ops_for(q)["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+    return active_ops(q)["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
                                                   scale, max_query_len, max_seq_len)
 
 
 def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):
     """See :func:`shared_numerics.fp8.fp8_linear`."""
-    return _ops_for(x)["fp8_linear"](x, qweight, weight_scale, granularity)
+    return active_ops(x)["fp8_linear"](x, qweight, weight_scale, granularity)
 
 
 def fp8_linear_qat(x, weight, granularity="per_channel"):
     """See :func:`shared_numerics.fp8.fp8_linear_qat`."""
-    return _ops_for(x)["fp8_linear_qat"](x, weight, granularity)
+    return active_ops(x)["fp8_linear_qat"](x, weight, granularity)
 
 
 def quantize_fp8_weight(weight, granularity="per_channel"):
     """See :func:`shared_numerics.fp8.quantize_fp8_weight`."""
-    return _ops_for(weight)["quantize_fp8_weight"](weight, granularity)
+    return active_ops(weight)["quantize_fp8_weight"](weight, granularity)
 
 
 def fused_selected_logprobs(hidden, weight, targets, chunk=None):
     """See :func:`shared_numerics.fused_logprobs.fused_selected_logprobs`."""
-    return _ops_for(hidden)["fused_selected_logprobs"](hidden, weight, targets, chunk)
+    return active_ops(hidden)["fused_selected_logprobs"](hidden, weight, targets, chunk)

@@ -141,7 +141,7 @@ def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                          f"block_table {tuple(bt.shape)} do not fit one batch")
     if bt.stride(-1) != 1:
         bt = bt.contiguous()
-    q = q if q.is_contiguous() else q.contiguous()
+    q = q.contiguous()
     n_q, h_q, _ = q.shape
     out = torch.empty(n_q, h_q, d, dtype=torch.float32)
     sb, sh, sp, _ = key_cache.stride()
@@ -157,7 +157,7 @@ def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                          f"({bt.shape[1]} blocks of {bs})")
     if rc:
         raise ValueError(f"zerokld CPU attention refused its arguments (code {rc})")
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out.to(q.dtype)
 
 
 def _index_dtype(*tensors) -> torch.dtype:

@@ -80,12 +80,11 @@ def _openmp():
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def native_bf16_gemm() -> bool:
     """Whether bf16 GEMMs take the native oneDNN path (see the module): the CPU has bf16 matrix units (oneDNN's
     ``_is_mkldnn_bf16_supported``: AVX512-BF16 or AMX). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
     float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
-    :data:`GEMM_PARTITION`. Read once per process (it is asked on every linear call)."""
+    :data:`GEMM_PARTITION`."""
     if os.environ.get("ZEROKLD_NATIVE_BF16", "1") == "0":
         return False
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

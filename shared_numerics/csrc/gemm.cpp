@@ -862,7 +862,7 @@ void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64
                         int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
   alignas(64) float acc[T][F32_STREAM_COLS];
   const int64_t nv = (ni + 15) / 16;
-  const __mmask16 tail = static_cast<__mmask16>(ni % 16 ? (1u << (ni % 16)) - 1 : 0xffff);
+  const __mmask16 tail = vf_mask(ni - 16 * (nv - 1));
   for (int t = 0; t < T; ++t)
     for (int64_t v = 0; v < nv; ++v) _mm512_store_ps(acc[t] + 16 * v, _mm512_setzero_ps());
   for (int64_t kk = 0; kk < k; ++kk) {
@@ -879,8 +879,8 @@ void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64
   }
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t r0 = i0 + 16 * v, nr = ni - 16 * v < 16 ? ni - 16 * v : 16;
-    const __mmask16 m = static_cast<__mmask16>(nr >= 16 ? 0xffff : (1u << nr) - 1);
-    for (int t = 0; t < T; ++t) store_rows(_mm512_load_ps(acc[t] + 16 * v), bias, r0, nr, m, t, out, transpose, ldo);
+    for (int t = 0; t < T; ++t)
+      store_rows(_mm512_load_ps(acc[t] + 16 * v), bias, r0, nr, vf_mask(nr), t, out, transpose, ldo);
   }
 }
 
@@ -900,29 +900,23 @@ constexpr std::array<RowsBlock, sizeof...(R)> kmajor_table(std::integer_sequence
   return {&rows_block_kmajor<R + 1, kmajor_vectors(R + 1)>...};
 }
 constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table(std::make_integer_sequence<int, F32_KMAJOR_T>{});
+constexpr std::array<RowsBlock, F32_STREAM_T> ROWS_STREAM_KMAJOR = {&rows_stream_kmajor<1>, &rows_stream_kmajor<2>};
 
 void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
                    int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
                    int threads) {
-  // a k-major A: up to F32_STREAM_T rows of B streamed row by row (rows_stream_kmajor); up to F32_P in near-equal
-  // passes of at most F32_KMAJOR_T (A read once per pass)
-  if (a_kmajor && j_rows <= F32_STREAM_T) {
-    const RowsBlock fn = j_rows == 1 ? &rows_stream_kmajor<1> : &rows_stream_kmajor<2>;
-    const int64_t units = (i_rows + F32_STREAM_COLS - 1) / F32_STREAM_COLS;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && units > 1)
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t i0 = u * F32_STREAM_COLS, ni = i_rows - i0 < F32_STREAM_COLS ? i_rows - i0 : F32_STREAM_COLS;
-      fn(a, i0, ni, k, lda, a_kmajor, b, ldb, b_kmajor, bias, out, transpose, ldo);
-    }
-    return;
-  }
+  // a k-major A takes up to F32_P rows of B in near-equal passes of at most F32_KMAJOR_T (A read once per pass); a
+  // pass of at most F32_STREAM_T rows (only j_rows <= F32_STREAM_T makes one) streams A row by row
   const int64_t passes = a_kmajor ? (j_rows + F32_KMAJOR_T - 1) / F32_KMAJOR_T : 1;
   const int64_t per_pass = (j_rows + passes - 1) / passes;
   for (int64_t t0 = 0; t0 < j_rows; t0 += per_pass) {
     const int64_t nt = j_rows - t0 < per_pass ? j_rows - t0 : per_pass;
-    const int64_t rows = a_kmajor ? 16 * kmajor_vectors(static_cast<int>(nt)) : 16;  // rows of A per block
+    const bool stream = a_kmajor && nt <= F32_STREAM_T;
+    const int64_t rows = stream ? F32_STREAM_COLS : a_kmajor ? 16 * kmajor_vectors(static_cast<int>(nt)) : 16;  // of A
     const int64_t blocks = (i_rows + rows - 1) / rows;
-    const RowsBlock fn = a_kmajor ? ROWS_BLOCK_KMAJOR[nt - 1] : ROWS_BLOCK[nt - 1];
+    const RowsBlock fn = stream     ? ROWS_STREAM_KMAJOR[nt - 1]
+                         : a_kmajor ? ROWS_BLOCK_KMAJOR[nt - 1]
+                                    : ROWS_BLOCK[nt - 1];
     const float* bt = b_kmajor ? b + t0 : b + t0 * ldb;  // the pass's rows of B
     float* ot = transpose ? out + t0 * ldo : out + t0;   // and of the output
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
