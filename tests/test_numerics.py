@@ -433,6 +433,8 @@ def test_paged_attention_refuses_metadata_that_does_not_fit():
     assert ok.shape == q.shape
     with pytest.raises(ValueError, match="do not describe 5 queries"):
         sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 2, 4]), torch.tensor([10, 48]), bt, 0.25)
+    with pytest.raises(ValueError, match="do not describe 5 queries"):  # a start past Nq, then back: never written
+        sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 9, 5]), torch.tensor([20, 48]), bt, 0.25)
     with pytest.raises(ValueError, match="do not describe 5 queries"):  # more queries than the sequence holds
         sn.paged_causal_attention(q, kc, vc, torch.tensor([0, 2, 5]), torch.tensor([1, 48]), bt, 0.25)
     with pytest.raises(ValueError, match="reach past the block table"):

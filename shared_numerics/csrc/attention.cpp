@@ -655,7 +655,7 @@ int zk_attention_paged_fwd(int dtype, int hq, int hkv, int d, const void* q, int
   if (n_seqs == 0 ? n_q != 0 : (at(query_start_loc, 0) != 0 || at(query_start_loc, n_seqs) != n_q)) return 2;
   for (int64_t i = 0; i < n_seqs; ++i) {
     const int64_t a = at(query_start_loc, i), b = at(query_start_loc, i + 1), first = at(seq_lens, i) - (b - a);
-    if (b < a || first < 0) return 2;
+    if (b < a || b > n_q || first < 0) return 2;  // (checked before q_row / q_pos are written)
     if (b > a && at(seq_lens, i) > bt_cols * bs) return 3;
     for (int64_t j = a; j < b; ++j) {
       q_row[j] = i;
