@@ -13,6 +13,10 @@ so every step sees the same weights). Per dtype, each timed ``--repeats`` times 
 * ``one_call``: ``forward_backward`` on the whole batch, then ``optim_step``;
 * ``one_rollout_at_a_time`` (one run): the general exact way (``exact_accumulation`` off), for contrast.
 
+``--lora-rank R``: the same with LoRA adapters (rank ``R``, alpha ``R``) on every projection of a frozen base
+(Tinker's LoRA training); ``--fp8 per_channel``: FP8 QAT projections; ``--moe-experts E``: a Qwen3-MoE of ``E``
+experts (top-2, each expert's FFN ``hidden`` wide) in every layer.
+
 ``streamed_over_rl_step = rl_step_s / streamed_s`` is the throughput of exact streaming relative to the batched step
 (the issue's target: >= 0.8). The JSON records the machine (CPU model, ISA flags, threads) and which way
 ``forward_backward`` took (``exact_accumulation``). Usage:
@@ -21,6 +25,7 @@ so every step sees the same weights). Per dtype, each timed ``--repeats`` times 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -57,13 +62,20 @@ def _timed(fn) -> float:
 
 def run_dtype(args, dtype: str, root: Path) -> dict:
     from benchmarks.trainer import realistic_spec
+    from titan_plugin.lora import lora_converter_config
     from titan_plugin.rl import RLTrainer, rl_trainer_config
     from zerokld_testing import make_tiny_checkpoint
 
     spec = realistic_spec(args.hidden, args.layers, args.prompt + args.max_completion + 32)
-    ckpt = make_tiny_checkpoint(Path("runs/bench") / f"streaming_model_{args.hidden}_{dtype}", spec, seed=0,
-                                dtype=dtype)
-    trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / f"dump_{dtype}"), dtype=dtype, lr=0.0))
+    name = f"streaming_model_{args.hidden}_{dtype}"
+    if args.moe_experts:  # every MLP an MoE of that many experts, top-2, each expert's FFN hidden wide
+        spec = dataclasses.replace(spec, family="qwen3_moe", num_experts=args.moe_experts, num_experts_per_tok=2,
+                                   moe_intermediate_size=args.hidden)
+        name += f"_moe{args.moe_experts}"
+    ckpt = make_tiny_checkpoint(Path("runs/bench") / name, spec, seed=0, dtype=dtype)
+    lora = lora_converter_config(rank=args.lora_rank, alpha=args.lora_rank) if args.lora_rank else None
+    trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / f"dump_{dtype}"), dtype=dtype, lr=0.0, lora=lora,
+                                          fp8=args.fp8))
     try:
         batch = _batch(args, trainer.numerics)
         groups = [batch.select(range(s, s + args.group_size)) for s in range(0, len(batch), args.group_size)]
@@ -122,6 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-completion", type=int, default=32)
     ap.add_argument("--max-completion", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="train LoRA adapters of this rank (alpha = rank) on every projection; 0: all parameters")
+    ap.add_argument("--fp8", default=None, help="FP8 QAT of the decoder projections: per_channel or block")
+    ap.add_argument("--moe-experts", type=int, default=0,
+                    help="Qwen3-MoE: every MLP this many experts (top-2, each FFN hidden wide); 0: dense")
     args = ap.parse_args(argv)
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -319,7 +319,8 @@ class _Fp8LinearSTE(torch.autograd.Function):
     identity (Jacob et al. 2018; Bengio et al. 2013)."""
 
     @staticmethod
-    def forward(ctx, x, weight, granularity):
+    def forward(ctx, x, weight, granularity, chain=None):
+        ctx.chain = chain
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         qw, sw = quantize_fp8_weight(weight.detach(), granularity)
@@ -344,19 +345,26 @@ class _Fp8LinearSTE(torch.autograd.Function):
                 grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x_dq = _dequantize_activation_bf16(qx, sx, ctx.granularity)
-                grad_w = gemm_abt(g.t(), x_dq.t(), out_dtype=torch.float32).to(ctx.w_dtype)
-            return grad_x, grad_w, None
+                if ctx.chain is not None:  # dW's chains over the tokens go on (shared_numerics.grad_chain)
+                    ctx.chain.add_gemm(g.t(), x_dq.t())
+                else:
+                    grad_w = gemm_abt(g.t(), x_dq.t(), out_dtype=torch.float32).to(ctx.w_dtype)
+            return grad_x, grad_w, None, None
         g = gy.reshape(-1, gy.shape[-1]).float()
         if ctx.needs_input_grad[0]:
             w_dq = dequantize_fp8_weight(qw, sw, ctx.granularity)
             grad_x = matmul_rows(g, w_dq).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             x_dq = _dequantize_activation(qx, sx, ctx.granularity)
-            grad_w = (g.t() @ x_dq).to(ctx.w_dtype)
-        return grad_x, grad_w, None
+            if ctx.chain is not None:
+                ctx.chain.add_gemm(g.t(), x_dq.t())
+            else:
+                grad_w = (g.t() @ x_dq).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None
 
 
-def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granularity = "per_channel") -> torch.Tensor:
+def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granularity = "per_channel", *,
+                   weight_chain=None) -> torch.Tensor:
     """FP8 fake-quant ``linear`` for quantization-aware training: the forward is bit for bit :func:`fp8_linear` of
     ``quantize_fp8_weight(weight)``; the backward is the straight-through estimator (deterministic): float32 GEMMs
     of the dequantized operands, or for bf16 activations on an AMX CPU the AMX kernel's bf16 GEMMs (the dequantized
@@ -366,12 +374,24 @@ def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granulari
         x: ``[..., K]`` float32 or bfloat16.
         weight: ``[N, K]`` high-precision weight in the dtype it is served from (bf16 under mixed precision).
         granularity: ``"per_channel"`` or ``"block"``.
+        weight_chain: a :class:`shared_numerics.grad_chain.GradChain` of ``[N, K]`` that the straight-through
+            ``dW`` (the same operands) continues over the tokens instead of returning it to autograd (exact
+            accumulation over micro-batches); on a CPU where :func:`shared_numerics.grad_chain.chain_available`
+            holds for ``x.dtype`` (bf16 on AMX: tokens a multiple of
+            :data:`~shared_numerics.grad_chain.CHAIN_K_MULTIPLE`).
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
 
     Raises:
         Fp8QuantizationError: non-finite input or weight, unknown granularity.
+        ValueError: ``weight_chain`` off a CPU whose kernels cover ``x.dtype``.
     """
     _check_granularity(granularity)
-    return _Fp8LinearSTE.apply(x, weight, granularity)
+    if weight_chain is not None:
+        from .grad_chain import chain_available
+
+        if x.device.type != "cpu" or not chain_available(x.dtype):
+            raise ValueError(f"an FP8 weight chain needs a CPU whose kernels cover {x.dtype} gradients "
+                             f"(shared_numerics.grad_chain.chain_available)")
+    return _Fp8LinearSTE.apply(x, weight, granularity, weight_chain)

@@ -49,17 +49,31 @@ class GradChain:
 
     Attributes:
         acc: float32, the parameter's shape, contiguous: the running sums (zeros at construction).
+        float32_products: :meth:`add_gemm` multiplies on the float32 kernel whatever the operands' dtype (bf16
+            values are widened exactly; their products are exact in float32), so a call may have any number of
+            tokens — for gradients whose tokens are not a fixed layout, e.g. an MoE expert's (the tokens routed to
+            it). A chain keeps its arithmetic for its whole life.
 
     Source: see the module.
     """
 
-    def __init__(self, shape: torch.Size | tuple[int, ...]):
+    def __init__(self, shape: torch.Size | tuple[int, ...], float32_products: bool = False):
         self.acc = torch.zeros(tuple(shape), dtype=torch.float32)
+        self.float32_products = float32_products
+
+    def part(self, index: int) -> "GradChain":
+        """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), sharing the storage and
+        the arithmetic."""
+        sub = GradChain.__new__(GradChain)
+        sub.acc, sub.float32_products = self.acc[index], self.float32_products
+        return sub
 
     def add_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a · bᵀ``, K = tokens: ``a [I, T]`` (e.g. ``dY.t()``), ``b [J, T]`` (e.g. ``X.t()``), one dtype
-        (bf16: ``T`` a multiple of :data:`CHAIN_K_MULTIPLE`). Raises as
+        (bf16 without :attr:`float32_products`: ``T`` a multiple of :data:`CHAIN_K_MULTIPLE`). Raises as
         :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
+        if self.float32_products:
+            a, b = a.float(), b.float()
         gemm_abt_accumulate(self.acc, a, b)
 
     def add_rows(self, src: torch.Tensor, index: torch.Tensor | None = None) -> None:

@@ -56,13 +56,21 @@ def _check_adapters(x: torch.Tensor, n: int, lora_a: torch.Tensor, lora_b: torch
     return ids, _scalings(scaling, n_adapters)
 
 
+def _chained(linear: Callable, x: torch.Tensor, weight: torch.Tensor, chain) -> torch.Tensor:
+    return linear(x, weight) if chain is None else linear(x, weight, weight_chain=chain)
+
+
 def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  scaling: torch.Tensor | Sequence[float], adapter_ids: torch.Tensor) -> torch.Tensor:
-    """:func:`add_lora` on a backend's row-invariant ``linear``."""
+                  scaling: torch.Tensor | Sequence[float], adapter_ids: torch.Tensor,
+                  adapter_chains: Sequence | None = None) -> torch.Tensor:
+    """:func:`add_lora` on a backend's row-invariant ``linear`` (``adapter_chains``: see :func:`lora_linear`; the
+    backend's ``linear`` then takes ``weight_chain``)."""
     n = y.shape[-1]
     if tuple(y.shape[:-1]) != tuple(x.shape[:-1]) or y.dtype != x.dtype:
         raise ValueError(f"y {tuple(y.shape)} {y.dtype} must have x's rows {tuple(x.shape[:-1])} and dtype {x.dtype}")
     ids, scales = _check_adapters(x, n, lora_a, lora_b, scaling, adapter_ids)
+    if adapter_chains is not None and len(adapter_chains) != lora_a.shape[0]:
+        raise ValueError(f"adapter_chains has {len(adapter_chains)} entries for {lora_a.shape[0]} adapters")
     lead = x.shape[:-1]
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, n)
     rows_out, deltas = [], []
@@ -70,8 +78,9 @@ def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: to
         if a < 0:
             continue
         rows = (ids == a).nonzero().squeeze(1)
-        h = linear(x2.index_select(0, rows), lora_a[a].to(x.dtype))
-        d = linear(h, lora_b[a].to(x.dtype))
+        chain_a, chain_b = (None, None) if adapter_chains is None else adapter_chains[a]
+        h = _chained(linear, x2.index_select(0, rows), lora_a[a].to(x.dtype), chain_a)
+        d = _chained(linear, h, lora_b[a].to(x.dtype), chain_b)
         deltas.append((d.float() * scales[a].to(d.device)).to(x.dtype))
         rows_out.append(rows)
     if deltas:
@@ -83,13 +92,13 @@ def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: to
 
 def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
-                     adapter_ids: torch.Tensor) -> torch.Tensor:
+                     adapter_ids: torch.Tensor, adapter_chains: Sequence | None = None) -> torch.Tensor:
     """:func:`lora_linear` on a backend's row-invariant ``linear`` (``linear(x, weight, bias)``, rounding to
     ``x.dtype``); each backend's op table binds its own."""
     k, n = x.shape[-1], weight.shape[0]
     _check_adapters(x, n, lora_a, lora_b, scaling, adapter_ids)
     y = linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
-    return add_lora_with(linear, y, x, lora_a, lora_b, scaling, adapter_ids)
+    return add_lora_with(linear, y, x, lora_a, lora_b, scaling, adapter_ids, adapter_chains)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -112,7 +121,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
-                adapter_ids: torch.Tensor) -> torch.Tensor:
+                adapter_ids: torch.Tensor, adapter_chains: Sequence | None = None) -> torch.Tensor:
     """Batch-invariant multi-LoRA ``linear`` (see the module docstring for the arithmetic).
 
     Args:
@@ -123,11 +132,18 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         scaling: ``[L]`` per-adapter scale, float32 (PEFT: ``lora_alpha / r``; rsLoRA ``lora_alpha / sqrt(r)``).
         adapter_ids: ``x.shape[:-1]`` integer adapter index per row, ``-1`` for the base layer alone (vLLM's
             ``token_lora_mapping`` convention).
+        adapter_chains: exact accumulation over micro-batches (:mod:`shared_numerics.grad_chain`): one pair
+            ``(chain_a, chain_b)`` per adapter, :class:`~shared_numerics.grad_chain.GradChain` s of ``[R, K]`` and
+            ``[N, R]`` (or ``None`` s) that the gradients of ``lora_a[a]`` and ``lora_b[a]`` continue — over the
+            adapter's rows in row order; nothing is returned to autograd for those two. Requirements (and errors) as
+            :func:`shared_numerics.linear` 's ``weight_chain``: bf16 needs a multiple of
+            :data:`~shared_numerics.grad_chain.CHAIN_K_MULTIPLE` rows per adapter.
 
     Returns:
         ``[..., N]`` in ``x.dtype``. Differentiable in ``x``, the adapters and the base weights.
 
     Raises:
-        ValueError: inconsistent shapes, an adapter id outside ``[-1, L)``, or ``scaling`` not of length ``L``.
+        ValueError: inconsistent shapes, an adapter id outside ``[-1, L)``, ``scaling`` not of length ``L``, or
+            ``adapter_chains`` not of length ``L``.
     """
-    return lora_linear_with(_linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
+    return lora_linear_with(_linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids, adapter_chains)

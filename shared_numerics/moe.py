@@ -67,7 +67,8 @@ def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renorma
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None) -> torch.Tensor:
+                w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None,
+                chains=None) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     Args:
@@ -82,13 +83,29 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         gather: with ``k_block`` under tensor parallelism, the all-gather of every rank's float32 subtree roots
             ``[1, N*k, H] -> [TP, N*k, H]`` (see :func:`~shared_numerics.tensor_parallel.row_parallel_linear`),
             applied before the routing weights; ``None`` at TP 1.
+        chains: exact accumulation over micro-batches (:mod:`shared_numerics.grad_chain`): ``(gate, up, down)``
+            :class:`~shared_numerics.grad_chain.GradChain` s of the three stacked weights' shapes (with
+            ``float32_products`` for bf16: an expert's tokens are any number) that the experts' weight gradients
+            continue, expert ``e``'s over its tokens in token order; nothing is returned to autograd for the three.
+            Not with ``k_block``; a CPU where :func:`~shared_numerics.grad_chain.chain_available` holds.
 
     Returns:
         ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
         the TP size). Differentiable.
+
+    Raises:
+        ValueError: ``chains`` with ``k_block``, or where no kernel covers ``x.dtype`` (as
+            :func:`shared_numerics.linear` 's ``weight_chain``).
     """
     from . import linear, silu_and_mul
+    from .linear import linear as cpu_linear
     from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
+
+    if chains is not None and k_block is not None:
+        raise ValueError("MoE gradient chains are for the single-rank experts (k_block None)")
+
+    def lin(a: torch.Tensor, w: torch.Tensor, chain) -> torch.Tensor:  # chained: the CPU backend's linear
+        return linear(a, w) if chain is None else cpu_linear(a, w, weight_chain=chain)
 
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
@@ -97,9 +114,10 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     for e in torch.unique(flat_ids).tolist():  # any grouping gives the same rows (row-invariant linear)
         sel = torch.nonzero(flat_ids == e).squeeze(1)
         xe = x[flat_rows[sel]]
-        act = silu_and_mul(linear(xe, w_gate[e]), linear(xe, w_up[e]))
+        gate, up, down = (None, None, None) if chains is None else (c.part(e) for c in chains)
+        act = silu_and_mul(lin(xe, w_gate[e], gate), lin(xe, w_up[e], up))
         if k_block is None:
-            ye = linear(act, w_down[e]).float()
+            ye = lin(act, w_down[e], down).float()
         else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
             ye = block_tree_sum(k_block_partials(act, w_down[e], k_block))
         outs = outs.index_put((sel,), ye)
@@ -115,7 +133,8 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor, top_k: int, renormalize: bool = True,
                 expert_ids: torch.Tensor | None = None, k_block: int | None = None,
-                gather=None, experts_x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                gather=None, experts_x: torch.Tensor | None = None,
+                chains: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
 
     Args:
@@ -132,6 +151,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
             router is replicated).
         experts_x: the experts' input if not ``x`` itself: the same values on another autograd path (under
             tensor parallelism the router's gradient is complete on every rank, the experts' a partial sum).
+        chains: exact accumulation (:mod:`shared_numerics.grad_chain`): ``{"router": [E, H] chain, "w_gate", "w_up",
+            "w_down": the experts' chains}`` (see :func:`moe_experts`); the router's gradient continues its chain
+            over all ``N`` tokens (bf16: ``N`` a multiple of :data:`~shared_numerics.grad_chain.CHAIN_K_MULTIPLE`).
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)`` — the ids used (recomputed or replayed).
@@ -140,8 +162,12 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
         ValueError: replayed ids of the wrong shape or outside ``[0, E)``.
     """
     from . import linear
+    from .linear import linear as cpu_linear
 
-    scores = _scores(linear(x, router_weight))
+    if chains is None:
+        scores = _scores(linear(x, router_weight))
+    else:
+        scores = _scores(cpu_linear(x, router_weight, weight_chain=chains["router"]))
     ids = _topk_ids(scores, top_k)
     if expert_ids is not None:
         rec = expert_ids.to(device=x.device, dtype=torch.int64)
@@ -153,4 +179,5 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
             raise ValueError(f"replayed expert ids outside [0, {e}) (a row of -1 means: route afresh)")
         ids = torch.where(fresh, ids, rec)
     return moe_experts(x if experts_x is None else experts_x, ids, gather_route_weights(scores, ids, renormalize),
-                       w_gate, w_up, w_down, k_block, gather), ids
+                       w_gate, w_up, w_down, k_block, gather,
+                       None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"])), ids

@@ -50,6 +50,27 @@ def test_zero_tokens_add_nothing(dtype):
     assert torch.equal(plain, padded)
 
 
+@pytest.mark.skipif(not f32_available(), reason="no FMA kernel here")
+def test_float32_products_chain_any_token_count_of_bf16(threads):
+    """An MoE expert's chain (``float32_products``): bf16 operands widened exactly, the float32 kernel's chain — any
+    token counts per call (5, 7, 19: no 32-token steps), one call's bits, the stacked weight's ``part`` writing into
+    its expert's slice. Negative control: without ``float32_products`` such counts are refused for bf16."""
+    g = torch.Generator().manual_seed(9)
+    dy = torch.randn(31, 3, 40, generator=g).to(torch.bfloat16)  # tokens x experts x outputs
+    x = torch.randn(31, 24, generator=g).to(torch.bfloat16)
+    whole = GradChain((3, 40, 24), float32_products=True)
+    whole.part(1).add_gemm(dy[:, 1].t(), x.t())
+    split, s = GradChain((3, 40, 24), float32_products=True), 0
+    for n in (5, 7, 19):
+        split.part(1).add_gemm(dy[s:s + n, 1].t(), x[s:s + n].t())
+        s += n
+    assert torch.equal(split.acc, whole.acc) and not bool(whole.acc[1].eq(0).all())
+    assert bool(whole.acc[0].eq(0).all()) and bool(whole.acc[2].eq(0).all())
+    assert torch.equal(whole.acc[1], gemm_abt(dy[:, 1].float().t(), x.float().t()))
+    with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):
+        GradChain((40, 24)).add_gemm(dy[:7, 1].t(), x[:7].t())
+
+
 def test_accumulate_refuses_what_it_cannot_chain():
     # the checks run before any kernel: refused on every machine
     with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):

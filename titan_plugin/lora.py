@@ -30,9 +30,10 @@ import torch
 from torchtitan.components.lora import LoRAConverter, _get_lora_cls
 
 import shared_numerics as sn
+import shared_numerics.lora as sn_lora
 from zerokld_models.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear
+from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear, grad_chains
 
 __all__ = ["HF_TO_TITAN", "ZeroKLDLoRAConverter", "ZeroKLDLoRALinear", "disable_adapter", "keep_requires_grad",
            "load_peft_adapter", "lora_converter_config", "lora_modules", "peft_adapter_state_dict",
@@ -52,7 +53,9 @@ class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
     ``max_lora_rank``: the padded rank is part of the op's definition), and the scaling folded into ``lora_B`` in
     the forward dtype (``round(B * scaling)``, then scaling 1) — what vLLM does when it loads an adapter
     (``vllm/lora/lora_weights.py`` ``LoRALayerWeights.optimize``). For power-of-two scalings (``alpha / r`` = 2,
-    PEFT's and Tinker's usual choice) that is exactly PEFT's ``lora_B(lora_A(x)) * scaling``."""
+    PEFT's and Tinker's usual choice) that is exactly PEFT's ``lora_B(lora_A(x)) * scaling``. Under exact
+    accumulation (:mod:`titan_plugin.exact_accumulation`) the padded operands' gradients go into the chains
+    ``lora_a.weight`` / ``lora_b.weight`` it is given."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_get_lora_cls(ZeroKLDLinear).Config):
@@ -71,6 +74,10 @@ class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
             a = torch.nn.functional.pad(a, (0, 0, 0, pad))
             b = torch.nn.functional.pad(b, (0, pad))
         ids = torch.full(x.shape[:-1], 0 if self.adapter_enabled else -1, dtype=torch.int64, device=x.device)
+        chains = grad_chains(self)
+        if chains is not None:  # exact accumulation (titan_plugin.exact_accumulation): the CPU op, adapters chained
+            return sn_lora.lora_linear(x, self.weight, self.bias, a.unsqueeze(0), b.unsqueeze(0), [1.0], ids,
+                                       adapter_chains=[(chains["lora_a.weight"], chains["lora_b.weight"])])
         return sn.lora_linear(x, self.weight, self.bias, a.unsqueeze(0), b.unsqueeze(0), [1.0], ids)
 
 

@@ -55,6 +55,7 @@ from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
+import shared_numerics.fp8 as sn_fp8
 import shared_numerics.fused_logprobs as sn_fused
 import shared_numerics.grad_chain as sn_chain
 import shared_numerics.moe as sn_moe
@@ -119,7 +120,8 @@ class _FixedTreeOutput:
 
 class ZeroKLDFp8Linear(ZeroKLDLinear):
     """FP8 quantization-aware linear: forward is :func:`shared_numerics.fp8_linear_qat` — bit for bit the FP8 GEMM
-    vLLM serves (:func:`shared_numerics.fp8_linear` of ``quantize_fp8_weight(weight)``) — backward straight-through."""
+    vLLM serves (:func:`shared_numerics.fp8_linear` of ``quantize_fp8_weight(weight)``) — backward straight-through
+    (under exact accumulation ``dW`` into the weight's chain)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ZeroKLDLinear.Config):
@@ -132,6 +134,9 @@ class ZeroKLDFp8Linear(ZeroKLDLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             raise NotImplementedError("zerokld FP8 linears are bias-free")
+        chains = grad_chains(self)
+        if chains is not None:  # exact accumulation: the CPU op, dW into the chain
+            return sn_fp8.fp8_linear_qat(x, self.weight, self.granularity, weight_chain=chains["weight"])
         return sn.fp8_linear_qat(x, self.weight, self.granularity)
 
 
@@ -323,7 +328,9 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
     :func:`shared_numerics.moe.moe_forward` — the block vLLM's zerokld Qwen3-MoE runs.
 
     ``replay_ids`` (``[B, L, top_k]`` int, ``-1`` rows routed afresh) replays recorded routes;
-    ``last_ids`` holds the ids of the latest forward. Both are set by :mod:`titan_plugin.routing`."""
+    ``last_ids`` holds the ids of the latest forward. Both are set by :mod:`titan_plugin.routing`. Under exact
+    accumulation (:mod:`titan_plugin.exact_accumulation`) the experts' gradients go into its chains ``w1_EFD``,
+    ``w3_EFD``, ``w2_EDF`` and the router's into its gate's."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MoE.Config):
@@ -351,8 +358,13 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             out, ids = moe_dtensor(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
                                    self.router.route_norm, replay, self.k_block)
         else:
+            chains = grad_chains(self)  # exact accumulation: the experts' chains here, the router's on its gate
+            if chains is not None:
+                chains = {"router": grad_chains(self.router.gate)["weight"], "w_gate": chains["w1_EFD"],
+                          "w_up": chains["w3_EFD"], "w_down": chains["w2_EDF"]}
             out, ids = sn_moe.moe_forward(x_BLD.reshape(b * seq, d), self.router.gate.weight, ex.w1_EFD, ex.w3_EFD,
-                                          ex.w2_EDF, k, self.router.route_norm, replay, k_block=self.k_block)
+                                          ex.w2_EDF, k, self.router.route_norm, replay, k_block=self.k_block,
+                                          chains=chains)
         self.last_ids = ids.detach().view(b, seq, k)
         if self.training:  # feeds TorchTitan's load-balancing hook, as MoE.forward does
             with torch.no_grad():

@@ -316,7 +316,8 @@ class RLTrainer(Trainer):
         of one call on their concatenation, whatever the grouping. (TorchTitan's own accumulation back-propagates
         each micro-batch in one batched backward, whose reductions over tokens depend on the grouping.) Two ways:
 
-        * batched (:attr:`exact_accumulation` set; dense zerokld models on CPUs whose kernels cover the dtype,
+        * batched (:attr:`exact_accumulation` set; zerokld models — dense, MoE with or without replayed routes,
+          LoRA, FP8 QAT — on one rank, on CPUs whose kernels cover the dtype,
           :mod:`titan_plugin.exact_accumulation`): one forward and backward of the call's rollouts, every gradient
           element one float32 chain over the tokens in batch order that the next call continues
           (:mod:`shared_numerics.grad_chain`). The batch layout is right-padded to a multiple of
@@ -343,7 +344,7 @@ class RLTrainer(Trainer):
         token_mean = loss.config.normalization == "token_mean"
         if self._pending is not None and self._pending[0] != token_mean:
             raise ValueError("one optimizer step accumulates either token_mean losses or sum/constant ones, not both")
-        exact = self.exact_accumulation if batch.routed_experts is None else None
+        exact = self.exact_accumulation
         configured, parts = self.loss_fn, []
         self.loss_fn = loss
         try:
@@ -419,11 +420,18 @@ class RLTrainer(Trainer):
         grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
         self.optimizers.step()
         self.lr_schedulers.step()
+        self.zero_grad()
+        self.step += 1
+        return {"grad_norm": float(grad_norm)}
+
+    def zero_grad(self) -> None:
+        """Discard what :meth:`forward_backward` accumulated since the last :meth:`optim_step` (which ends with this):
+        the parameters' gradients (TorchTitan's ``optimizers.zero_grad``), the exact-accumulation chains they were
+        read from, and the deferred ``token_mean`` count."""
         self.optimizers.zero_grad()
         if self.exact_accumulation is not None:
             self.exact_accumulation.reset()
-        self.step += 1
-        return {"grad_norm": float(grad_norm)}
+        self._pending = None
 
     def close(self) -> None:
         """TorchTitan's cleanup plus the process group, so another trainer can start in this process."""
