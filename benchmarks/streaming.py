@@ -13,6 +13,10 @@ so every step sees the same weights). Per dtype, each timed ``--repeats`` times 
 * ``one_call``: ``forward_backward`` on the whole batch, then ``optim_step``;
 * ``one_rollout_at_a_time`` (one run): the general exact way (``exact_accumulation`` off), for contrast.
 
+``--stock``: also TorchTitan stock's ``train_step`` (``nn.Linear``, SDPA, its own LoRA / MoE; ``--repeats`` times) on
+the same batch: ``rl_step_over_stock_rl_step`` and ``streamed_over_stock_rl_step`` are the speed tax of the zerokld
+step and of exact streaming against it. (TorchTitan's float32 MoE at hidden 1024 did not fit in 24 GiB here.)
+
 ``--lora-rank R``: the same with LoRA adapters (rank ``R``, alpha ``R``) on every projection of a frozen base
 (Tinker's LoRA training); ``--fp8 per_channel``: FP8 QAT projections; ``--moe-experts E``: a Qwen3-MoE of ``E``
 experts (top-2, each expert's FFN ``hidden`` wide) in every layer.
@@ -109,6 +113,14 @@ def run_dtype(args, dtype: str, root: Path) -> dict:
         per_rollout = _timed(one_call)
     finally:
         trainer.close()
+    if args.stock:  # TorchTitan stock (nn.Linear, SDPA; stock LoRA / MoE), its train_step on the same batch
+        trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / f"stock_{dtype}"), dtype=dtype, lr=0.0,
+                                              lora=lora, batch_invariant=False, fused=False))
+        try:
+            trainer.rl_step(batch)
+            times["stock_rl_step"] = [_timed(lambda: trainer.rl_step(batch)) for _ in range(args.repeats)]
+        finally:
+            trainer.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"exact_accumulation": way, "exact_accumulation_off": off, "all_s": times, "median_s": med,
               "one_rollout_at_a_time_s": per_rollout, "streamed_grads_bitwise_one_call": bitwise,
@@ -116,9 +128,13 @@ def run_dtype(args, dtype: str, root: Path) -> dict:
               "one_call_over_rl_step": med["rl_step"] / med["one_call"],
               "one_rollout_at_a_time_over_rl_step": med["rl_step"] / per_rollout,
               "completion_tokens": sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lengths))}
+    if args.stock:
+        result["rl_step_over_stock_rl_step"] = med["stock_rl_step"] / med["rl_step"]
+        result["streamed_over_stock_rl_step"] = med["stock_rl_step"] / med["streamed"]
     print(f"{dtype}: rl_step {med['rl_step']:.3f} s, streamed {med['streamed']:.3f} s "
           f"({result['streamed_over_rl_step']:.2f}x), one call {med['one_call']:.3f} s, one rollout at a time "
-          f"{per_rollout:.3f} s; {way}; streamed == one call: {bitwise}", flush=True)
+          f"{per_rollout:.3f} s; {way}; streamed == one call: {bitwise}"
+          + (f"; stock rl_step {med['stock_rl_step']:.3f} s" if args.stock else ""), flush=True)
     return result
 
 
@@ -137,9 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="train LoRA adapters of this rank (alpha = rank) on every projection; 0: all parameters")
     ap.add_argument("--fp8", default=None, help="FP8 QAT of the decoder projections: per_channel or block")
+    ap.add_argument("--stock", action="store_true",
+                    help="also time TorchTitan stock's train_step on the batch (not with --fp8: zerokld only)")
     ap.add_argument("--moe-experts", type=int, default=0,
                     help="Qwen3-MoE: every MLP this many experts (top-2, each FFN hidden wide); 0: dense")
     args = ap.parse_args(argv)
+    if args.stock and args.fp8:
+        ap.error("--stock with --fp8: TorchTitan stock has no FP8 QAT of zerokld's quantizer to compare with")
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):

@@ -73,8 +73,16 @@ def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: to
         raise ValueError(f"adapter_chains has {len(adapter_chains)} entries for {lora_a.shape[0]} adapters")
     lead = x.shape[:-1]
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, n)
+    adapters = torch.unique(ids).tolist()
+    if len(adapters) == 1 and adapters[0] >= 0:  # every row on one adapter (a trainer's batch): no gather / scatter
+        a = adapters[0]
+        chain_a, chain_b = (None, None) if adapter_chains is None else adapter_chains[a]
+        d = _chained(linear, _chained(linear, x2, lora_a[a].to(x.dtype), chain_a), lora_b[a].to(x.dtype), chain_b)
+        scale = float(scales[a])
+        # the same roundings as below: ATen's x.dtype ``*`` and ``+`` compute in float32 and round once
+        return (y2 + (d if scale == 1.0 else d * scale)).reshape(*lead, n)
     rows_out, deltas = [], []
-    for a in torch.unique(ids).tolist():
+    for a in adapters:
         if a < 0:
             continue
         rows = (ids == a).nonzero().squeeze(1)

@@ -38,9 +38,9 @@ def test_rows_are_batch_invariant_across_adapters(dtype):
         assert torch.equal(sn.lora_linear(x[i:i + 1], w, b, a, bb, s, ids[i:i + 1]), y[i:i + 1])
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))
     assert torch.equal(sn.lora_linear(x[perm], w, b, a, bb, s, ids[perm]), y[perm])
-    one = ids.clone().fill_(1)  # every row on adapter 1: rows already on adapter 1 keep their bits
-    y1 = sn.lora_linear(x, w, b, a, bb, s, one)
-    assert torch.equal(y1[ids == 1], y[ids == 1])
+    for j in range(3):  # every row on adapter j (scalings 2, 0.5, 1; the op's no-gather path): rows on j keep their bits
+        yj = sn.lora_linear(x, w, b, a, bb, s, ids.clone().fill_(j))
+        assert torch.equal(yj[ids == j], y[ids == j])
     base = sn.lora_linear(x, w, b, a, bb, s, torch.full_like(ids, -1))
     assert torch.equal(base, sn.linear(x, w, b)) and torch.equal(base[ids == -1], y[ids == -1])
     assert not torch.equal(base[ids >= 0], y[ids >= 0])
