@@ -50,6 +50,24 @@ def _custom_loss(batch: RolloutBatch, lps: list[torch.Tensor]):
     return loss, {}
 
 
+def _titan_accumulation_depends_on_the_grouping(client: TrainingClient, batch: RolloutBatch) -> None:
+    """TorchTitan's own accumulation (``forward_backward_step`` per micro-batch, one batched backward each): the
+    whole batch and 3 + 1 + 4 give other gradient bits."""
+    trainer = client.trainer
+
+    def titan(sizes):
+        for mb in _micro_batches(batch, sizes):
+            tokens, labels, adv, q, _ = mb.pack()
+            trainer.loss_fn.set_rl_inputs(adv, q)
+            trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+        grads = _grads(trainer.model)
+        client.optim_step({"learning_rate": 0.0})
+        return grads
+
+    whole, split = titan([8]), titan([3, 1, 4])
+    assert sum(not torch.equal(whole[k], split[k]) for k in whole) > 0
+
+
 @pytest.mark.parametrize("family,dtype,way", [
     ("qwen3", "float32", "batched"), ("qwen3", "bfloat16", "batched"),
     ("qwen3", "float32", "one rollout at a time"), ("qwen3", "bfloat16", "one rollout at a time"),
@@ -89,18 +107,7 @@ def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(check
                 assert grads.keys() == ref_grads.keys()
                 assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads), (mode, name)
 
-        # negative control: TorchTitan's accumulation, one batched backward per micro-batch
-        def titan(sizes):
-            for mb in _micro_batches(batch, sizes):
-                tokens, labels, adv, q, _ = mb.pack()
-                trainer.loss_fn.set_rl_inputs(adv, q)
-                trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
-            grads = _grads(trainer.model)
-            client.optim_step({"learning_rate": 0.0})
-            return grads
-
-        whole, split = titan([8]), titan([3, 1, 4])
-        assert sum(not torch.equal(whole[k], split[k]) for k in whole) > 0
+        _titan_accumulation_depends_on_the_grouping(client, batch)  # negative control
     finally:
         client.close()
 
@@ -171,17 +178,7 @@ def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradien
             a, b = ref[k].full_tensor(), per_rollout[k].full_tensor()
             assert float((a - b).abs().max()) <= tol * float(b.abs().max()), k
 
-        def titan(sizes):  # negative control: one batched backward per micro-batch
-            for mb in _micro_batches(batch, sizes):
-                tokens, labels, adv, q, _ = mb.pack()
-                trainer.loss_fn.set_rl_inputs(adv, q)
-                trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
-            grads = _grads(trainer.model)
-            client.optim_step({"learning_rate": 0.0})
-            return grads
-
-        whole, split = titan([8]), titan([3, 1, 4])
-        assert sum(not torch.equal(whole[k], split[k]) for k in whole) > 0
+        _titan_accumulation_depends_on_the_grouping(client, batch)  # negative control
     finally:
         client.close()
 
