@@ -73,28 +73,30 @@ def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: to
         raise ValueError(f"adapter_chains has {len(adapter_chains)} entries for {lora_a.shape[0]} adapters")
     lead = x.shape[:-1]
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, n)
-    adapters = torch.unique(ids).tolist()
-    if len(adapters) == 1 and adapters[0] >= 0:  # every row on one adapter (a trainer's batch): no gather / scatter
-        a = adapters[0]
+
+    def delta(a: int, x_rows: torch.Tensor) -> torch.Tensor:
+        """``round(scaling[a] * linear(linear(x_rows, A[a]), B[a]))``, the adapter's chains fed (ATen's ``x.dtype``
+        ``*`` computes in float32 and rounds once)."""
         chain_a, chain_b = (None, None) if adapter_chains is None else adapter_chains[a]
-        d = _chained(linear, _chained(linear, x2, lora_a[a].to(x.dtype), chain_a), lora_b[a].to(x.dtype), chain_b)
+        h = _chained(linear, x_rows, lora_a[a].to(x.dtype), chain_a)
+        d = _chained(linear, h, lora_b[a].to(x.dtype), chain_b)
         scale = float(scales[a])
-        # the same roundings as below: ATen's x.dtype ``*`` and ``+`` compute in float32 and round once
-        return (y2 + (d if scale == 1.0 else d * scale)).reshape(*lead, n)
+        return d if scale == 1.0 else d * scale
+
+    adapters = torch.unique(ids).tolist()
+    # (ATen's x.dtype ``+`` computes in float32 and rounds once: ``round(y + delta)``)
+    if len(adapters) == 1 and adapters[0] >= 0:  # every row on one adapter (a trainer's batch): no gather / scatter
+        return (y2 + delta(adapters[0], x2)).reshape(*lead, n)
     rows_out, deltas = [], []
     for a in adapters:
         if a < 0:
             continue
         rows = (ids == a).nonzero().squeeze(1)
-        chain_a, chain_b = (None, None) if adapter_chains is None else adapter_chains[a]
-        h = _chained(linear, x2.index_select(0, rows), lora_a[a].to(x.dtype), chain_a)
-        d = _chained(linear, h, lora_b[a].to(x.dtype), chain_b)
-        deltas.append((d.float() * scales[a].to(d.device)).to(x.dtype))
+        deltas.append(delta(a, x2.index_select(0, rows)))
         rows_out.append(rows)
     if deltas:
         rows = torch.cat(rows_out)
-        base = y2.index_select(0, rows)
-        y2 = y2.index_copy(0, rows, (base.float() + torch.cat(deltas).float()).to(x.dtype))
+        y2 = y2.index_copy(0, rows, y2.index_select(0, rows) + torch.cat(deltas))
     return y2.reshape(*lead, n)
 
 

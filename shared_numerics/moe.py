@@ -21,6 +21,18 @@ import torch
 __all__ = ["gather_route_weights", "moe_experts", "moe_forward", "route_topk"]
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, chain=None) -> torch.Tensor:
+    """The backend's ``linear``; with a :class:`~shared_numerics.grad_chain.GradChain`, the CPU backend's, which
+    feeds it the weight's gradient."""
+    if chain is None:
+        from . import linear
+
+        return linear(x, weight)
+    from .linear import linear as cpu_linear
+
+    return cpu_linear(x, weight, weight_chain=chain)
+
+
 def _scores(router_logits: torch.Tensor) -> torch.Tensor:
     from . import log_softmax
 
@@ -97,16 +109,11 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         ValueError: ``chains`` with ``k_block``, or where no kernel covers ``x.dtype`` (as
             :func:`shared_numerics.linear` 's ``weight_chain``).
     """
-    from . import linear, silu_and_mul
-    from .linear import linear as cpu_linear
+    from . import silu_and_mul
     from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
 
     if chains is not None and k_block is not None:
         raise ValueError("MoE gradient chains are for the single-rank experts (k_block None)")
-
-    def lin(a: torch.Tensor, w: torch.Tensor, chain) -> torch.Tensor:  # chained: the CPU backend's linear
-        return linear(a, w) if chain is None else cpu_linear(a, w, weight_chain=chain)
-
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
@@ -115,9 +122,9 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         sel = torch.nonzero(flat_ids == e).squeeze(1)
         xe = x[flat_rows[sel]]
         gate, up, down = (None, None, None) if chains is None else (c.part(e) for c in chains)
-        act = silu_and_mul(lin(xe, w_gate[e], gate), lin(xe, w_up[e], up))
+        act = silu_and_mul(_linear(xe, w_gate[e], gate), _linear(xe, w_up[e], up))
         if k_block is None:
-            ye = lin(act, w_down[e], down).float()
+            ye = _linear(act, w_down[e], down).float()
         else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
             ye = block_tree_sum(k_block_partials(act, w_down[e], k_block))
         outs = outs.index_put((sel,), ye)
@@ -161,13 +168,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
     Raises:
         ValueError: replayed ids of the wrong shape or outside ``[0, E)``.
     """
-    from . import linear
-    from .linear import linear as cpu_linear
-
-    if chains is None:
-        scores = _scores(linear(x, router_weight))
-    else:
-        scores = _scores(cpu_linear(x, router_weight, weight_chain=chains["router"]))
+    scores = _scores(_linear(x, router_weight, None if chains is None else chains["router"]))
     ids = _topk_ids(scores, top_k)
     if expert_ids is not None:
         rec = expert_ids.to(device=x.device, dtype=torch.int64)
