@@ -1,5 +1,7 @@
 """Rollout throughput with the zerokld plugin ÷ stock vLLM-CPU, same model, same batch, prefill and decode apart.
 
+The model: :func:`benchmarks.trainer.realistic_spec` (the issue's realistic size at the defaults: hidden 1024 x 8
+layers, 16 heads of dim 64 / 4 KV heads, vocabulary 32,768; ``--family qwen3_moe``: every MLP 8 experts, top-2).
 For each dtype, one engine with the plugin on and one with it off (started one after the other: 2-core machines),
 each measured ``--repeats`` times after a warm-up:
 
@@ -15,6 +17,7 @@ Writes JSON (medians, all repeats, ratios plugin/stock) to ``--out``. Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -62,8 +65,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-len", type=int, default=32)
     ap.add_argument("--decode-context", type=int, default=8, help="prompt tokens before each decode sequence")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--family", choices=["qwen3", "qwen3_moe"], default="qwen3",
                     help="qwen3_moe: 8 experts, top-2, expert FFN width = hidden")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (the zerokld side then runs its "
@@ -71,16 +74,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--routes", action="store_true", help="zerokld side also returns routed experts (MoE)")
     args = ap.parse_args(argv)
 
-    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
+    from benchmarks.trainer import realistic_spec
+    from zerokld_testing import make_tiny_checkpoint
     from vllm_plugin.engines import shutdown_llm, start_llm
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     max_len = max(1024, args.prompt_len, args.decode_context + args.decode_len)
-    spec = TinyModelSpec(family=args.family, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
-                         num_key_value_heads=max(1, args.hidden // 64), head_dim=32, max_position_embeddings=max_len,
-                         moe_intermediate_size=args.hidden)
+    spec = realistic_spec(args.hidden, args.layers, max_len)
+    if args.family == "qwen3_moe":  # every MLP an MoE: 8 experts, top-2, each expert's FFN hidden wide
+        spec = dataclasses.replace(spec, family="qwen3_moe", moe_intermediate_size=args.hidden)
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
         # checkpoints go under runs/ (hundreds of MB at hidden 1024), never beside a results JSON

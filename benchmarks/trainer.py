@@ -1,8 +1,8 @@
 """Trainer forward + backward, ours ÷ TorchTitan stock, side by side in one run.
 
-For each dtype, the same HF checkpoint (the project's factory: hidden ``--hidden``, ``--layers`` layers, heads
-``hidden / 32`` of dim 32 with ``hidden / 64`` KV heads, FFN ``3 x hidden``, the factory tokenizer's vocabulary) is
-built twice with
+For each dtype, the same HF checkpoint (the project's factory at :func:`realistic_spec`: hidden ``--hidden``,
+``--layers`` layers, ``hidden / 64`` heads of dim 64 with ``hidden / 256`` KV heads, FFN ``3 x hidden``, vocabulary
+32,768) is built twice with
 :func:`titan_plugin.models.build_titan_model`: with zerokld's overrides (``batch_invariant=True``: zerokld linear,
 attention, norms, SiLU, RoPE, log-softmax) and stock (TorchTitan's ``nn.Linear`` and SDPA). One step = the per-token
 log-probs of ``--batch`` sequences of ``--seq-len`` tokens (:func:`titan_plugin.sequence_logprobs`, prompt length 1)
@@ -28,13 +28,14 @@ from shared_numerics.machine import machine_facts
 
 
 def realistic_spec(hidden: int, layers: int, max_positions: int = 1024):
-    """The benchmarks' Qwen3 at a realistic small size: ``hidden`` and ``layers``, heads ``hidden / 32`` of dim 32,
-    ``hidden / 64`` KV heads, FFN ``3 x hidden``, the factory tokenizer's vocabulary."""
+    """The benchmarks' Qwen3 at the issue's realistic small size: ``hidden`` and ``layers``, ``hidden / 64`` query
+    heads of dim 64 with ``hidden / 256`` KV heads (16 / 4 at hidden 1024), FFN ``3 x hidden``, vocabulary 32,768
+    (the factory tokenizer padded with filler tokens)."""
     from zerokld_testing import TinyModelSpec
 
     return TinyModelSpec(family="qwen3", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
-                         max_position_embeddings=max(1024, max_positions))
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
+                         head_dim=64, max_position_embeddings=max(1024, max_positions), vocab_size=32768)
 
 
 def _step(model, seqs: list[list[int]]) -> None:

@@ -217,3 +217,25 @@ def test_trainer_refuses_rollouts_of_an_engine_in_another_mode(rope_parameters_r
                 assert all(torch.equal(t, q) for t, q in zip(out["train_logprobs"], batch.sampler_logprobs))
         finally:
             trainer.close()
+
+
+def test_factory_pads_the_vocabulary_to_vocab_size(tmp_path):
+    """``TinyModelSpec.vocab_size`` (the benchmarks' 32k vocabulary): config, embedding, lm_head and tokenizer all have
+    that many ids; the unpadded tokenizer's ids keep their tokens; a size below the tokenizer's own is refused."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint, make_tokenizer
+
+    plain = make_tiny_checkpoint(tmp_path / "plain", TinyModelSpec())
+    padded = make_tiny_checkpoint(tmp_path / "padded", TinyModelSpec(vocab_size=300))
+    base = json.loads((plain / "config.json").read_text())["vocab_size"]
+    assert base < 300 and json.loads((padded / "config.json").read_text())["vocab_size"] == 300
+    weights = load_file(str(padded / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].shape[0] == weights["lm_head.weight"].shape[0] == 300
+    tok, tok_plain = AutoTokenizer.from_pretrained(str(padded)), AutoTokenizer.from_pretrained(str(plain))
+    assert len(tok) == 300 and len(tok_plain) == base
+    assert tok.convert_ids_to_tokens(list(range(base))) == tok_plain.convert_ids_to_tokens(list(range(base)))
+    assert tok.convert_ids_to_tokens(299) == f"<|extra_{299 - base}|>"
+    with pytest.raises(ValueError, match="below the tokenizer's own"):
+        make_tokenizer(tmp_path / "tok", vocab_size=base - 1)

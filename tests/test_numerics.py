@@ -213,6 +213,76 @@ def test_dense_attention_matches_sdpa_and_is_batch_invariant(dtype, threads):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
 
 
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _exp_nonpos(x: torch.Tensor) -> torch.Tensor:
+    """``zk::exp_nonpos`` (csrc/zk_simd.h) written out in float32 torch ops, one rounding per operation."""
+    xc = torch.where(x < -87.0, _f32(-87.0), x)
+    fn = (xc * _f32(1.44269504088896341) + _f32(12582912.0)) - _f32(12582912.0)
+    r = xc - fn * _f32(0.693359375)
+    r = r - fn * _f32(-2.12194440e-4)
+    z = r * r
+    y = torch.full_like(x, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = y * r + _f32(c)
+    y = (y * z + r) + _f32(1.0)
+    two_n = ((fn.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(x < -87.0, _f32(0.0), y * two_n)
+
+
+def _decode_row_as_documented(q, keys, values, scale):
+    """One query row at position ``len(keys) - 1`` by the arithmetic csrc/attention.cpp's header states, each
+    operation a float32 torch op: scores summed in d order (multiply, then add), the chunk's max, online softmax with
+    sums in key order."""
+    n, d = keys.shape
+    q, keys, values = q.float(), keys.float(), values.float()
+    m, l, acc = _f32(float("-inf")), _f32(0.0), torch.zeros(d)
+    for j in range((n + 31) // 32):
+        k = torch.zeros(32, d)
+        v = torch.zeros(32, d)
+        k[: min(32, n - 32 * j)] = keys[32 * j: 32 * j + 32]
+        v[: min(32, n - 32 * j)] = values[32 * j: 32 * j + 32]
+        s = torch.zeros(32)
+        for i in range(d):
+            s = s + q[i] * k[:, i]
+        s = torch.where(torch.arange(32) + 32 * j > n - 1, _f32(float("-inf")), s * _f32(scale))
+        mx = torch.maximum(s.max(), m)
+        alpha = _f32(0.0) if m == float("-inf") else _exp_nonpos(m - mx)
+        p = torch.where(s == float("-inf"), _f32(0.0), _exp_nonpos(s - mx))
+        lsum, pv = _f32(0.0), torch.zeros(d)
+        for c in range(32):
+            lsum = lsum + p[c]
+            pv = pv + p[c] * v[c]
+        l, acc, m = l * alpha + lsum, acc * alpha + pv, mx
+    return acc / l
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_kernel_is_the_documented_arithmetic(dtype):
+    """The compiled kernel's bits are those of its header's arithmetic, written out op by op in torch. Covers the
+    fast forms that must not change them: bf16 scores as one fused multiply-add per product (exact products: the same
+    sum as multiply-then-add), the chunk's max as a vector tree (scores are never -0, so equal scores are equal bits),
+    including an all-zero query whose scores all tie."""
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, bs = 3, 4, 2, 64, 32
+    lens = torch.tensor([1, 45, 130])
+    cache = torch.randn(b * 5, hkv, bs, 2 * d, generator=g).to(dtype)
+    kc, vc = cache.split(d, dim=-1)
+    bt = torch.randperm(b * 5, generator=g).reshape(b, 5)
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    q[1, 2] = 0
+    out = sn.paged_causal_attention(q, kc, vc, torch.arange(b + 1), lens, bt, d ** -0.5)
+    for s in range(b):
+        pos = torch.arange(int(lens[s]))
+        blocks = bt[s, pos // bs]
+        for h in range(hq):
+            ref = _decode_row_as_documented(q[s, h], kc[blocks, h // (hq // hkv), pos % bs],
+                                            vc[blocks, h // (hq // hkv), pos % bs], d ** -0.5)
+            assert torch.equal(out[s, h], ref.to(dtype)), (s, h)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_kernel_thread_count_and_streamed_gradients(dtype):
     """The compiled CPU attention (``shared_numerics/csrc/attention.cpp``): the same bits at 1, 2 and 3 threads

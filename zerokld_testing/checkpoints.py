@@ -46,6 +46,8 @@ class TinyModelSpec:
     Qwen3's chat specials (:data:`CHAT_SPECIAL_TOKENS`, :data:`CHAT_TOKENS`; ids after the others, which keep theirs)
     and ``<|im_end|>`` is the EOS token.
 
+    ``vocab_size``: the vocabulary padded with filler tokens to that size (None: the tokenizer's ~100 tokens).
+
     MoE fields (``qwen3_moe`` only): ``num_experts``, ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``,
     ``norm_topk_prob``; ``router_ties``: copy router row ``2j`` into row ``2j + 1`` (experts keep distinct weights),
     so every token's scores for those two experts are exactly equal and only the tie-break decides which one runs.
@@ -71,14 +73,19 @@ class TinyModelSpec:
     rope_scaling: dict | None = None
     rope_parameters_only: bool = False
     chat_tokens: bool = False
+    vocab_size: int | None = None
 
 
-def make_tokenizer(out_dir: str | Path, chat_tokens: bool = False) -> int:
+def make_tokenizer(out_dir: str | Path, chat_tokens: bool = False, vocab_size: int | None = None) -> int:
     """Write a character-level ``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir`` (``chat_tokens``: with
-    Qwen3's chat specials, ``<|im_end|>`` the EOS token).
+    Qwen3's chat specials, ``<|im_end|>`` the EOS token; ``vocab_size``: filler tokens ``<|extra_N|>`` after all the
+    others, up to that many ids, so that a benchmark's lm_head and log-softmax have a real model's width).
 
     Returns:
-        The vocabulary size (specials + printable ASCII + answer tags [+ chat tokens]).
+        The vocabulary size (specials + printable ASCII + answer tags [+ chat tokens] [+ fillers]).
+
+    Raises:
+        ValueError: ``vocab_size`` smaller than the tokens without fillers.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -93,6 +100,11 @@ def make_tokenizer(out_dir: str | Path, chat_tokens: bool = False) -> int:
         tok.add_special_tokens(CHAT_SPECIAL_TOKENS)
         tok.add_tokens(CHAT_TOKENS)
         eos = "<|im_end|>"
+    if vocab_size is not None:
+        base = tok.get_vocab_size()
+        if vocab_size < base:
+            raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's own {base} tokens")
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - base)])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -199,7 +211,7 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
-        vocab = make_tokenizer(tok_dir, spec.chat_tokens)
+        vocab = make_tokenizer(tok_dir, spec.chat_tokens, spec.vocab_size)
         return _write(out, spec, seed, dtype, tdtype, vocab, tok_dir)
 
 

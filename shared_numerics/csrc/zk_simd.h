@@ -52,6 +52,30 @@ inline void store_bf16(uint16_t* p, v16f v) {
   *reinterpret_cast<v16h_unaligned*>(p) = __builtin_convertvector(r, v16h);
 }
 
+// c + a * b in one rounding: a fused multiply-add per lane. Where every product a * b is exact in float32 (bf16 x
+// bf16 or fp16 x fp16 values: 16- or 22-bit significands, products in float32's normal range) this is bit for bit
+// the multiply-then-add c + a * b, in half the instructions; callers use it only there.
+inline v16f fma_exact(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+  return __builtin_bit_cast(v16f, _mm512_fmadd_ps(__builtin_bit_cast(__m512, a), __builtin_bit_cast(__m512, b),
+                                                  __builtin_bit_cast(__m512, c)));
+#else
+  v16f r;
+  for (int l = 0; l < 16; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+// x in every lane
+inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// the largest of 16 lanes by a tree of (y > x ? y : x); lanes must hold no NaN
+inline float hmax(v16f x) {
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int w = 8; w >= 1; w /= 2) {
+    const v16f y = __builtin_shuffle(x, lane ^ w);
+    x = y > x ? y : x;
+  }
+  return x[0];
+}
 // exp(x) for x <= 0 (-inf included), 16 lanes: Cephes expf (range reduction by ln 2, n = x log2(e) rounded to
 // nearest even by the 1.5 * 2^23 trick, degree-6 polynomial, < 2 ulp) as plain arithmetic; 0 below -87.
 inline v16f exp_nonpos(v16f x) {
