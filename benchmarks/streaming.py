@@ -2,8 +2,8 @@
 
 One GRPO batch (``--groups`` prompt groups of ``--group-size`` completions; prompt ``--prompt`` tokens, completions of
 ``--min-completion``..``--max-completion`` tokens, random token ids, on-policy PPO) on the trainer benchmark's model
-(the project's factory: hidden ``--hidden``, ``--layers`` layers, heads ``hidden / 32`` of dim 32, ``hidden / 64`` KV
-heads, FFN ``3 x hidden``), one :class:`titan_plugin.rl.RLTrainer` (TorchTitan, FSDP on one process, learning rate 0
+(:func:`benchmarks.trainer.realistic_spec`: hidden ``--hidden``, ``--layers`` layers, ``hidden / 64`` heads of dim
+64, ``hidden / 256`` KV heads, FFN ``3 x hidden``, vocabulary 32,768), one :class:`titan_plugin.rl.RLTrainer` (TorchTitan, FSDP on one process, learning rate 0
 so every step sees the same weights). Per dtype, each timed ``--repeats`` times after a warm-up, medians in seconds:
 
 * ``rl_step``: TorchTitan's ``train_step`` on the whole batch (one batched forward and backward, optimizer step) —
