@@ -90,6 +90,9 @@ struct Layout {
   const int64_t* q_pos;  // [Nq]
   float scale;
 
+  // bf16 / fp16 operands: every q_i k_ci is exact in float32, so a score's multiply-then-add may be fused (add_product)
+  inline bool exact_products() const { return dtype != 0; }
+
   // key/value of sequence row `seq_row`, absolute position `pos`, kv head `h`: element offset
   inline int64_t kv_offset(int64_t seq_row, int64_t pos, int h) const {
     int64_t col = pos / bs;
@@ -137,6 +140,14 @@ void load_queries(const Layout& L, int64_t q0, int nq, int h, int g, float* qr) 
   }
 }
 
+// s + q k, one term of a score's d-order sum: with exact products (EXACT, Layout::exact_products) one fused
+// multiply-add, bit for bit the multiply-then-add
+template <bool EXACT>
+inline v16f add_product(v16f s, float q, v16f k) {
+  if constexpr (EXACT) return zk::fma_exact(zk::splat(q), k, s);
+  return s + q * k;
+}
+
 // scores of rows r0..r0+R-1 against the chunk's transposed keys S.kt: s = (q_0 k_0 + ... + q_{d-1} k_{d-1}) * scale,
 // summed in d order, then -inf past the row's position. R rows side by side only so that their independent sums
 // overlap in the pipeline; each row's operations are the same as alone.
@@ -154,14 +165,8 @@ inline void score_rows(const Layout& L, int64_t q0, int g, int64_t j, int d, int
     const float* kt = &S.kt[static_cast<size_t>(i) * CHUNK];
     const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
     for (int rr = 0; rr < R; ++rr) {
-      if constexpr (EXACT) {
-        const v16f qb = zk::splat(qr[rr][i]);
-        s0[rr] = zk::fma_exact(qb, k0, s0[rr]);
-        s1[rr] = zk::fma_exact(qb, k1, s1[rr]);
-      } else {
-        s0[rr] = s0[rr] + qr[rr][i] * k0;
-        s1[rr] = s1[rr] + qr[rr][i] * k1;
-      }
+      s0[rr] = add_product<EXACT>(s0[rr], qr[rr][i], k0);
+      s1[rr] = add_product<EXACT>(s1[rr], qr[rr][i], k1);
     }
   }
   const v16f ninf = (v16f){} - std::numeric_limits<float>::infinity();
@@ -288,20 +293,23 @@ void move_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last
   }
 }
 
+// the scores of every row against chunk j (score_rows, 4 rows at a time)
+template <bool EXACT>
+void score_all_rows(const Layout& L, int64_t q0, int rows, int g, int64_t j, Scratch& S) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) score_rows<4, EXACT>(L, q0, g, j, L.d, r, S);
+  for (; r < rows; ++r) score_rows<1, EXACT>(L, q0, g, j, L.d, r, S);
+}
+
 // the backward's chunk: keys and values of chunk j (move_chunk, all four layouts) and the scores of every row
 // (masked: -inf), s[r * CHUNK + c]
 void chunk_scores(const Layout& L, int64_t q0, int nq, int h, int g, int64_t seq_row, int64_t j, int64_t last,
                   Scratch& S) {
-  const int rows = nq * g;
   move_chunk(L, h, seq_row, j, last, S.kt.data(), S.vc.data(), S.kc.data(), S.vt.data());
-  int r = 0;
-  if (L.dtype != 0) {  // bf16 / fp16 operands: exact products (score_rows)
-    for (; r + 4 <= rows; r += 4) score_rows<4, true>(L, q0, g, j, L.d, r, S);
-    for (; r < rows; ++r) score_rows<1, true>(L, q0, g, j, L.d, r, S);
-  } else {
-    for (; r + 4 <= rows; r += 4) score_rows<4, false>(L, q0, g, j, L.d, r, S);
-    for (; r < rows; ++r) score_rows<1, false>(L, q0, g, j, L.d, r, S);
-  }
+  if (L.exact_products())
+    score_all_rows<true>(L, q0, nq * g, g, j, S);
+  else
+    score_all_rows<false>(L, q0, nq * g, g, j, S);
 }
 
 // The forward's online softmax over NC chunks at a time (see the file comment for a row's arithmetic, which is
@@ -376,14 +384,8 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
       const float* kt = kt_base + t * kt_stride + static_cast<size_t>(i) * CHUNK;
       const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
       for (int rr = 0; rr < R; ++rr) {
-        if constexpr (EXACT) {
-          const v16f qb = zk::splat(q[rr][i]);
-          s0[rr][t] = zk::fma_exact(qb, k0, s0[rr][t]);
-          s1[rr][t] = zk::fma_exact(qb, k1, s1[rr][t]);
-        } else {
-          s0[rr][t] = s0[rr][t] + q[rr][i] * k0;
-          s1[rr][t] = s1[rr][t] + q[rr][i] * k1;
-        }
+        s0[rr][t] = add_product<EXACT>(s0[rr][t], q[rr][i], k0);
+        s1[rr][t] = add_product<EXACT>(s1[rr][t], q[rr][i], k1);
       }
     }
   }
@@ -482,6 +484,18 @@ inline void forward_rows(const Layout& L, FwdScratch& F, int rows, const float* 
   for (; r < rows; ++r, np = 0) forward_step<1, N, EXACT>(L, F, r, qpos + r, j0, 0, pf, np);
 }
 
+// forward_rows for the step's nc (1 .. NC) chunks
+template <bool EXACT>
+void forward_chunks(const Layout& L, FwdScratch& F, int rows, const float* qpos, int64_t j0, int nc,
+                    const char* const* pf, int np) {
+  switch (nc) {
+    case 4: forward_rows<4, EXACT>(L, F, rows, qpos, j0, pf, np); break;
+    case 3: forward_rows<3, EXACT>(L, F, rows, qpos, j0, pf, np); break;
+    case 2: forward_rows<2, EXACT>(L, F, rows, qpos, j0, pf, np); break;
+    default: forward_rows<1, EXACT>(L, F, rows, qpos, j0, pf, np); break;
+  }
+}
+
 void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float* m_out, float* l_out,
                   FwdScratch& F) {
   const int g = L.hq / L.hkv, dp = L.dp, rows = nq * g;
@@ -504,21 +518,10 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
                        ? next_step_lines(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last, F.pf.data())
                        : 0;
     const char* const* pf = F.pf.data();
-    if (L.dtype != 0) {  // bf16 / fp16 operands: exact products (forward_step)
-      switch (nc) {
-        case 4: forward_rows<4, true>(L, F, rows, qpos.data(), j0, pf, np); break;
-        case 3: forward_rows<3, true>(L, F, rows, qpos.data(), j0, pf, np); break;
-        case 2: forward_rows<2, true>(L, F, rows, qpos.data(), j0, pf, np); break;
-        default: forward_rows<1, true>(L, F, rows, qpos.data(), j0, pf, np); break;
-      }
-    } else {
-      switch (nc) {
-        case 4: forward_rows<4, false>(L, F, rows, qpos.data(), j0, pf, np); break;
-        case 3: forward_rows<3, false>(L, F, rows, qpos.data(), j0, pf, np); break;
-        case 2: forward_rows<2, false>(L, F, rows, qpos.data(), j0, pf, np); break;
-        default: forward_rows<1, false>(L, F, rows, qpos.data(), j0, pf, np); break;
-      }
-    }
+    if (L.exact_products())
+      forward_chunks<true>(L, F, rows, qpos.data(), j0, nc, pf, np);
+    else
+      forward_chunks<false>(L, F, rows, qpos.data(), j0, nc, pf, np);
   }
   for (int r = 0; r < rows; ++r) {
     int64_t qi = q0 + r / g;
