@@ -18,9 +18,11 @@
 // Speed without touching that arithmetic: the forward runs up to 4 chunks (and up to 4 rows) side by side — their
 // scores, maxima, exps, sums and p . v are independent, only the folding into (m, l, acc) is sequential, chunk after
 // chunk — so a decode row's 32-step sums are not latency-bound; keys reach the transposed [d][32] layout through
-// 16 x 16 in-register transposes of whole 64-byte row pieces on AVX-512 (element by element elsewhere); the next
-// step's cache lines are prefetched into L2 while this step computes. Data movement only: the same floats meet the
-// same operations.
+// 16 x 16 in-register transposes of whole 64-byte row pieces on AVX-512 (element by element elsewhere); on AVX-512
+// a unit of up to 4 rows (a decode step's) reads float32 / bf16 values in place in the cache, 16 lanes at a time in
+// the p . v loop (ValueSource; a copy into a float buffer took ~14% of a long-context decode); the next step's cache lines are prefetched into L2
+// while this step computes, spread over its score and p . v loops. Data movement only: the same floats meet the same
+// operations.
 // Two faster forms of the same bits: with bf16 / fp16 operands every q_i k_ci is exact in float32 (16- / 22-bit
 // significands), so the score's multiply-then-add is one fused multiply-add (half the instructions; prefill -10-15%);
 // the chunk's max is a vector tree of the scan's comparisons (equal scores have equal bits: a score is never -0).
@@ -259,6 +261,20 @@ void vector_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t la
   load_rows(L.v, L.dtype, L.d, L.dp, off, n_valid, vc);
   if (kc != nullptr) load_rows(L.k, L.dtype, L.d, L.dp, off, n_valid, kc);
 }
+
+// the forward's chunk (float32 / bf16 caches): keys transposed into kt as vector_chunk does, values left in place —
+// vrow[c] the cache row of key c, or `zeros` (dp floats) past `last`
+void vector_chunk_in_place(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt,
+                           const void** vrow, const float* zeros) {
+  const int64_t first = j * CHUNK;
+  const int n_valid = last - first + 1 < CHUNK ? static_cast<int>(last - first + 1) : CHUNK;
+  int64_t off[CHUNK];
+  L.chunk_offsets(seq_row, first, n_valid, h, off);
+  for (int half = 0; half < 2; ++half) transpose_keys(L.k, L.dtype, L.d, off + 16 * half, n_valid - 16 * half, kt + 16 * half);
+  const int64_t esz = L.dtype == 0 ? 4 : 2;
+  for (int c = 0; c < CHUNK; ++c)
+    vrow[c] = c < n_valid ? static_cast<const void*>(static_cast<const char*>(L.v) + off[c] * esz) : zeros;
+}
 #endif
 
 // keys/values of chunk j into float buffers: positions <= last only, the rest zero; transposed keys kt [d][CHUNK],
@@ -323,7 +339,7 @@ constexpr int NC = 4;
 
 // the cache lines of the keys and values of positions first .. first + count - 1 (<= last, count <= NC * CHUNK) into
 // pf; returns their count. The next step's: the first forward_step of a step asks for them into L2, a few per
-// iteration of its d loop, so they arrive while the step computes (a unit's keys lie block after block, which the
+// iteration of its d loop and of its p . v loop, so they arrive while the step computes (a unit's keys lie block after block, which the
 // hardware prefetchers follow poorly; asked all at once, or into L1, they stalled the step instead: 2.6-2.9 ms ->
 // 2.0 ms a call with the cache cold). A hint only: no arithmetic depends on it.
 int next_step_lines(const Layout& L, int h, int64_t seq_row, int64_t first, int64_t count, int64_t last,
@@ -345,10 +361,20 @@ int next_step_lines(const Layout& L, int h, int64_t seq_row, int64_t first, int6
   return np;
 }
 
+// Where the forward's p . v reads a chunk's values (FwdScratch::vrow, one row pointer per key): kPadded, float rows of
+// dp in FwdScratch::vc (move_chunk's copy: fp16, or no AVX-512); kF32 / kBF16 (units of up to 4 rows, e.g. a decode
+// step's: one forward_step reads each value), the cache's own float32 / bf16 rows, read in place 16 lanes at a time
+// (masked at d; bf16 widened exactly, as move_chunk did), a key past the unit's last
+// position pointing at a zero row. The same floats either way.
+enum ValueSource { kPadded, kF32, kBF16 };
+
 struct FwdScratch {
-  std::vector<float> qr, kt, vc, acc, m, l;
-  std::vector<const char*> pf;  // the next step's cache lines (next_step_lines)
+  std::vector<float> qr, kt, vc, acc, m, l, zeros;
+  std::vector<const void*> vrow;  // [NC * CHUNK] the step's value rows (ValueSource)
+  std::vector<const char*> pf;    // the next step's cache lines (next_step_lines)
   void size(int rows, int d, int dp) {
+    zeros.assign(dp, 0.0f);
+    vrow.resize(static_cast<size_t>(NC) * CHUNK);
     qr.assign(static_cast<size_t>(rows) * dp, 0.0f);
     kt.resize(static_cast<size_t>(NC) * d * CHUNK);
     vc.resize(static_cast<size_t>(NC) * CHUNK * dp);
@@ -359,17 +385,35 @@ struct FwdScratch {
   }
 };
 
-// rows r0 .. r0 + R - 1 (queries qpos[]), one step over chunks j0 .. j0 + N - 1 whose keys/values are in F.kt / F.vc
+// lanes i0 .. i0 + 15 of a value row (ValueSource VS; lanes past d read as zeros: mask vm)
+template <int VS>
+inline v16f value_lanes(const void* row, int i0, uint32_t vm) {
+  if constexpr (VS == kPadded) {
+    (void)vm;
+    return loadv(static_cast<const float*>(row) + i0);
+  }
+#ifdef ZK_ATT_VECTOR
+  if constexpr (VS == kF32)
+    return __builtin_bit_cast(v16f, _mm512_maskz_loadu_ps(static_cast<__mmask16>(vm), static_cast<const float*>(row) + i0));
+  if constexpr (VS == kBF16) {
+    const __m256i b = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(vm), static_cast<const uint16_t*>(row) + i0);
+    return __builtin_bit_cast(v16f, _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+#endif
+  return (v16f){};
+}
+
+// rows r0 .. r0 + R - 1 (queries qpos[]), one step over chunks j0 .. j0 + N - 1 whose keys/values are in F.kt / F.vrow
 // slots t0 .. t0 + N - 1; R rows and N chunks side by side only for the pipeline: each (row, chunk)'s operations are
 // the same as alone, and a row folds its chunks in order. Asks for the np cache lines pf[] into L2 on the way, spread
 // over the d loop (next_step_lines).
-template <int R, int N, bool EXACT>
+template <int R, int N, bool EXACT, int VS>
 inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qpos, int64_t j0, int t0,
                          const char* const* pf, int np) {
   const int d = L.d, dp = L.dp;
-  const size_t kt_stride = static_cast<size_t>(d) * CHUNK, vc_stride = static_cast<size_t>(CHUNK) * dp;
+  const size_t kt_stride = static_cast<size_t>(d) * CHUNK;
   const float* kt_base = F.kt.data() + t0 * kt_stride;
-  const float* vc_base = F.vc.data() + t0 * vc_stride;
+  const void* const* vrow = F.vrow.data() + static_cast<size_t>(t0) * CHUNK;
   const float ninf = -std::numeric_limits<float>::infinity();
   const float* q[R];
   for (int rr = 0; rr < R; ++rr) q[rr] = &F.qr[static_cast<size_t>(r0 + rr) * dp];
@@ -377,9 +421,12 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
   v16f s0[R][N], s1[R][N];
   for (int rr = 0; rr < R; ++rr)
     for (int t = 0; t < N; ++t) s0[rr][t] = s1[rr][t] = (v16f){};
-  const int per = (np + d - 1) / d;
+  // the prefetches spread over the d loop's d iterations and the p . v loop's (dp / LANES) * CHUNK
+  const int slots = d + (dp / LANES) * CHUNK, per = (np + slots - 1) / slots;
+  int next_pf = 0;
   for (int i = 0; i < d; ++i) {
-    for (int p = i * per; p < (i + 1) * per && p < np; ++p) __builtin_prefetch(pf[p], 0, 2);
+    for (const int end = next_pf + per < np ? next_pf + per : np; next_pf < end; ++next_pf)
+      __builtin_prefetch(pf[next_pf], 0, 2);
     for (int t = 0; t < N; ++t) {
       const float* kt = kt_base + t * kt_stride + static_cast<size_t>(i) * CHUNK;
       const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
@@ -451,14 +498,18 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
   }
   // pv_d = sum_c p_c v_cd (c in order) per chunk; acc = acc * alpha + pv, chunk after chunk
   for (int i0 = 0; i0 < dp; i0 += LANES) {
+    const uint32_t vm = d - i0 >= LANES ? 0xFFFFu : (1u << (d - i0)) - 1u;
     v16f pv[R][N];
     for (int rr = 0; rr < R; ++rr)
       for (int t = 0; t < N; ++t) pv[rr][t] = (v16f){};
-    for (int c = 0; c < CHUNK; ++c)
+    for (int c = 0; c < CHUNK; ++c) {
+      for (const int end = next_pf + per < np ? next_pf + per : np; next_pf < end; ++next_pf)
+        __builtin_prefetch(pf[next_pf], 0, 2);
       for (int t = 0; t < N; ++t) {
-        const v16f vv = loadv(vc_base + t * vc_stride + static_cast<size_t>(c) * dp + i0);
+        const v16f vv = value_lanes<VS>(vrow[t * CHUNK + c], i0, vm);
         for (int rr = 0; rr < R; ++rr) pv[rr][t] = pv[rr][t] + pr[rr][t][c] * vv;
       }
+    }
     for (int rr = 0; rr < R; ++rr) {
       float* acc = &F.acc[static_cast<size_t>(r0 + rr) * dp + i0];
       v16f a = loadv(acc);
@@ -470,29 +521,29 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
 
 // the step's nc chunks over every row: groups of 4 rows take the chunks 2 at a time (16 score chains), the rows left
 // over (pairs, then one) all nc at once. The step's first call asks for the next step's np cache lines pf[].
-template <int N, bool EXACT>
+template <int N, bool EXACT, int VS>
 inline void forward_rows(const Layout& L, FwdScratch& F, int rows, const float* qpos, int64_t j0,
                          const char* const* pf, int np) {
   int r = 0;
   for (; r + 4 <= rows; r += 4) {
     int t = 0;
-    for (; t + 2 <= N; t += 2, np = 0) forward_step<4, 2, EXACT>(L, F, r, qpos + r, j0 + t, t, pf, np);
-    if (t < N) forward_step<4, 1, EXACT>(L, F, r, qpos + r, j0 + t, t, pf, np);
+    for (; t + 2 <= N; t += 2, np = 0) forward_step<4, 2, EXACT, VS>(L, F, r, qpos + r, j0 + t, t, pf, np);
+    if (t < N) forward_step<4, 1, EXACT, VS>(L, F, r, qpos + r, j0 + t, t, pf, np);
     np = 0;
   }
-  for (; r + 2 <= rows; r += 2, np = 0) forward_step<2, N, EXACT>(L, F, r, qpos + r, j0, 0, pf, np);
-  for (; r < rows; ++r, np = 0) forward_step<1, N, EXACT>(L, F, r, qpos + r, j0, 0, pf, np);
+  for (; r + 2 <= rows; r += 2, np = 0) forward_step<2, N, EXACT, VS>(L, F, r, qpos + r, j0, 0, pf, np);
+  for (; r < rows; ++r, np = 0) forward_step<1, N, EXACT, VS>(L, F, r, qpos + r, j0, 0, pf, np);
 }
 
 // forward_rows for the step's nc (1 .. NC) chunks
-template <bool EXACT>
+template <bool EXACT, int VS>
 void forward_chunks(const Layout& L, FwdScratch& F, int rows, const float* qpos, int64_t j0, int nc,
                     const char* const* pf, int np) {
   switch (nc) {
-    case 4: forward_rows<4, EXACT>(L, F, rows, qpos, j0, pf, np); break;
-    case 3: forward_rows<3, EXACT>(L, F, rows, qpos, j0, pf, np); break;
-    case 2: forward_rows<2, EXACT>(L, F, rows, qpos, j0, pf, np); break;
-    default: forward_rows<1, EXACT>(L, F, rows, qpos, j0, pf, np); break;
+    case 4: forward_rows<4, EXACT, VS>(L, F, rows, qpos, j0, pf, np); break;
+    case 3: forward_rows<3, EXACT, VS>(L, F, rows, qpos, j0, pf, np); break;
+    case 2: forward_rows<2, EXACT, VS>(L, F, rows, qpos, j0, pf, np); break;
+    default: forward_rows<1, EXACT, VS>(L, F, rows, qpos, j0, pf, np); break;
   }
 }
 
@@ -509,19 +560,39 @@ void forward_unit(const Layout& L, int64_t q0, int nq, int h, float* out, float*
   qpos.resize(rows);
   for (int r = 0; r < rows; ++r) qpos[r] = static_cast<float>(L.q_pos[q0 + r / g]);
   const int step = L.d <= 32 ? NC : L.d <= 64 ? 2 : 1;  // the steps' keys and values stay in L1
+#ifdef ZK_ATT_VECTOR
+  // values in place only for a unit of one row group (a decode step's): more groups would each widen them again
+  const int vs = rows > 4 ? kPadded : L.dtype == 0 ? kF32 : L.dtype == 1 ? kBF16 : kPadded;
+#else
+  const int vs = kPadded;
+#endif
   for (int64_t j0 = 0; j0 < n_chunks; j0 += step) {
     const int nc = n_chunks - j0 < step ? static_cast<int>(n_chunks - j0) : step;
-    for (int t = 0; t < nc; ++t)
-      move_chunk(L, h, seq_row, j0 + t, last, F.kt.data() + static_cast<size_t>(t) * L.d * CHUNK,
-                 F.vc.data() + static_cast<size_t>(t) * CHUNK * dp, nullptr, nullptr);
+    for (int t = 0; t < nc; ++t) {
+      float* kt = F.kt.data() + static_cast<size_t>(t) * L.d * CHUNK;
+      const void** vrow = F.vrow.data() + static_cast<size_t>(t) * CHUNK;
+#ifdef ZK_ATT_VECTOR
+      if (vs != kPadded) {
+        vector_chunk_in_place(L, h, seq_row, j0 + t, last, kt, vrow, F.zeros.data());
+        continue;
+      }
+#endif
+      float* vc = F.vc.data() + static_cast<size_t>(t) * CHUNK * dp;
+      move_chunk(L, h, seq_row, j0 + t, last, kt, vc, nullptr, nullptr);
+      for (int c = 0; c < CHUNK; ++c) vrow[c] = vc + static_cast<size_t>(c) * dp;
+    }
     const int np = j0 + step < n_chunks
                        ? next_step_lines(L, h, seq_row, (j0 + step) * CHUNK, step * CHUNK, last, F.pf.data())
                        : 0;
     const char* const* pf = F.pf.data();
-    if (L.exact_products())
-      forward_chunks<true>(L, F, rows, qpos.data(), j0, nc, pf, np);
+    if (vs == kBF16)
+      forward_chunks<true, kBF16>(L, F, rows, qpos.data(), j0, nc, pf, np);
+    else if (vs == kF32)
+      forward_chunks<false, kF32>(L, F, rows, qpos.data(), j0, nc, pf, np);
+    else if (L.exact_products())
+      forward_chunks<true, kPadded>(L, F, rows, qpos.data(), j0, nc, pf, np);
     else
-      forward_chunks<false>(L, F, rows, qpos.data(), j0, nc, pf, np);
+      forward_chunks<false, kPadded>(L, F, rows, qpos.data(), j0, nc, pf, np);
   }
   for (int r = 0; r < rows; ++r) {
     int64_t qi = q0 + r / g;
