@@ -9,7 +9,9 @@ each measured ``--repeats`` times after a warm-up:
   tokens/s = prompt tokens / seconds.
 * decode: ``--batch`` prompts of ``--decode-context`` tokens (8: short, the paged attention's share small; 1024 or
   more: each step reads that much KV cache per sequence), ``max_tokens=--decode-len`` (ignore_eos) minus the same with
-  ``max_tokens=1``; tokens/s = batch * (decode_len - 1) / seconds.
+  ``max_tokens=1``, both with the prompts' KV already in the prefix cache (one ``max_tokens=1`` pass after a reset
+  puts it there), so the difference holds the decode steps and not two long prefills' noise (with the cache reset, an
+  8 x 1024-token prefill's +-10% moved the decode estimate by +-15%); tokens/s = batch * (decode_len - 1) / seconds.
 
 Writes JSON (medians, all repeats, ratios plugin/stock) to ``--out``. Usage:
 ``python -m benchmarks.rollout_overhead --out runs/bench/rollout_overhead.json``
@@ -39,8 +41,9 @@ def _measure(llm, args) -> dict:
     one = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
     many = SamplingParams(max_tokens=args.decode_len, temperature=args.temperature, ignore_eos=True)
 
-    def timed(prompts, sp) -> float:
-        llm.reset_prefix_cache()
+    def timed(prompts, sp, reset: bool = True) -> float:
+        if reset:
+            llm.reset_prefix_cache()
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return time.perf_counter() - t0
@@ -50,7 +53,8 @@ def _measure(llm, args) -> dict:
     prefill, decode = [], []
     for _ in range(args.repeats):
         prefill.append(args.batch * args.prompt_len / timed(long_prompts, one))
-        t_many, t_one = timed(short_prompts, many), timed(short_prompts, one)
+        timed(short_prompts, one)  # the prompts' KV into the prefix cache
+        t_many, t_one = timed(short_prompts, many, reset=False), timed(short_prompts, one, reset=False)
         decode.append(args.batch * (args.decode_len - 1) / max(t_many - t_one, 1e-9))
     return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
             "prefill_median": statistics.median(prefill), "decode_median": statistics.median(decode)}
