@@ -20,9 +20,9 @@
 // chunk — so a decode row's 32-step sums are not latency-bound; keys reach the transposed [d][32] layout through
 // 16 x 16 in-register transposes of whole 64-byte row pieces on AVX-512 (element by element elsewhere); on AVX-512
 // a unit of up to 4 rows (a decode step's) reads float32 / bf16 values in place in the cache, 16 lanes at a time in
-// the p . v loop (ValueSource; a copy into a float buffer took ~14% of a long-context decode); the next step's cache lines are prefetched into L2
-// while this step computes, spread over its score and p . v loops. Data movement only: the same floats meet the same
-// operations.
+// the p . v loop (ValueSource; a copy into a float buffer took ~14% of a long-context decode); the next step's cache
+// lines are prefetched into L2 while this step computes, spread over its score and p . v loops. Data movement only:
+// the same floats meet the same operations.
 // Two faster forms of the same bits: with bf16 / fp16 operands every q_i k_ci is exact in float32 (16- / 22-bit
 // significands), so the score's multiply-then-add is one fused multiply-add (half the instructions; prefill -10-15%);
 // the chunk's max is a vector tree of the scan's comparisons (equal scores have equal bits: a score is never -0).
@@ -270,7 +270,8 @@ void vector_chunk_in_place(const Layout& L, int h, int64_t seq_row, int64_t j, i
   const int n_valid = last - first + 1 < CHUNK ? static_cast<int>(last - first + 1) : CHUNK;
   int64_t off[CHUNK];
   L.chunk_offsets(seq_row, first, n_valid, h, off);
-  for (int half = 0; half < 2; ++half) transpose_keys(L.k, L.dtype, L.d, off + 16 * half, n_valid - 16 * half, kt + 16 * half);
+  for (int half = 0; half < 2; ++half)
+    transpose_keys(L.k, L.dtype, L.d, off + 16 * half, n_valid - 16 * half, kt + 16 * half);
   const int64_t esz = L.dtype == 0 ? 4 : 2;
   for (int c = 0; c < CHUNK; ++c)
     vrow[c] = c < n_valid ? static_cast<const void*>(static_cast<const char*>(L.v) + off[c] * esz) : zeros;
@@ -339,9 +340,11 @@ constexpr int NC = 4;
 
 // the cache lines of the keys and values of positions first .. first + count - 1 (<= last, count <= NC * CHUNK) into
 // pf; returns their count. The next step's: the first forward_step of a step asks for them into L2, a few per
-// iteration of its d loop and of its p . v loop, so they arrive while the step computes (a unit's keys lie block after block, which the
-// hardware prefetchers follow poorly; asked all at once, or into L1, they stalled the step instead: 2.6-2.9 ms ->
-// 2.0 ms a call with the cache cold). A hint only: no arithmetic depends on it.
+// iteration of its d loop and of its p . v loop, so they arrive while the step computes (a unit's keys lie block
+// after block, which the hardware prefetchers follow poorly; asked all at once, or into L1, they stalled the step
+// instead: 2.6-2.9 ms -> 2.0 ms a call with the cache cold; only the d loop's iterations: ~5% slower than both loops'
+// at a long-context decode; none, or every other line: 2.3 / 1.8 ms instead of 1.36-1.40). A hint only: no arithmetic
+// depends on it.
 int next_step_lines(const Layout& L, int h, int64_t seq_row, int64_t first, int64_t count, int64_t last,
                     const char** pf) {
   const int64_t n = last - first + 1 < count ? last - first + 1 : count;
@@ -364,8 +367,8 @@ int next_step_lines(const Layout& L, int h, int64_t seq_row, int64_t first, int6
 // Where the forward's p . v reads a chunk's values (FwdScratch::vrow, one row pointer per key): kPadded, float rows of
 // dp in FwdScratch::vc (move_chunk's copy: fp16, or no AVX-512); kF32 / kBF16 (units of up to 4 rows, e.g. a decode
 // step's: one forward_step reads each value), the cache's own float32 / bf16 rows, read in place 16 lanes at a time
-// (masked at d; bf16 widened exactly, as move_chunk did), a key past the unit's last
-// position pointing at a zero row. The same floats either way.
+// (masked at d; bf16 widened exactly, as move_chunk did), a key past the unit's last position pointing at a zero row.
+// The same floats either way.
 enum ValueSource { kPadded, kF32, kBF16 };
 
 struct FwdScratch {
@@ -394,7 +397,8 @@ inline v16f value_lanes(const void* row, int i0, uint32_t vm) {
   }
 #ifdef ZK_ATT_VECTOR
   if constexpr (VS == kF32)
-    return __builtin_bit_cast(v16f, _mm512_maskz_loadu_ps(static_cast<__mmask16>(vm), static_cast<const float*>(row) + i0));
+    return __builtin_bit_cast(v16f,
+                              _mm512_maskz_loadu_ps(static_cast<__mmask16>(vm), static_cast<const float*>(row) + i0));
   if constexpr (VS == kBF16) {
     const __m256i b = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(vm), static_cast<const uint16_t*>(row) + i0);
     return __builtin_bit_cast(v16f, _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
