@@ -246,18 +246,26 @@ void load_rows(const void* base, int dtype, int d, int dp, const int64_t* off, i
   }
 }
 
-// the AVX-512 path of move_chunk
-void vector_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt, float* vc, float* kc,
-                  float* vt) {
+// chunk j's keys transposed into kt (and its values into vt when non-null); the element offsets of its keys into
+// off[CHUNK]; returns how many of them lie at positions <= last
+int transpose_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt, float* vt,
+                    int64_t* off) {
   const int64_t first = j * CHUNK;
   const int n_valid = last - first + 1 < CHUNK ? static_cast<int>(last - first + 1) : CHUNK;
-  int64_t off[CHUNK];
   L.chunk_offsets(seq_row, first, n_valid, h, off);
   for (int half = 0; half < 2; ++half) {  // kt / vt columns 0..15, then 16..31
     const int nv = n_valid - 16 * half;
     transpose_keys(L.k, L.dtype, L.d, off + 16 * half, nv, kt + 16 * half);
     if (vt != nullptr) transpose_keys(L.v, L.dtype, L.d, off + 16 * half, nv, vt + 16 * half);
   }
+  return n_valid;
+}
+
+// the AVX-512 path of move_chunk
+void vector_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt, float* vc, float* kc,
+                  float* vt) {
+  int64_t off[CHUNK];
+  const int n_valid = transpose_chunk(L, h, seq_row, j, last, kt, vt, off);
   load_rows(L.v, L.dtype, L.d, L.dp, off, n_valid, vc);
   if (kc != nullptr) load_rows(L.k, L.dtype, L.d, L.dp, off, n_valid, kc);
 }
@@ -266,12 +274,8 @@ void vector_chunk(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t la
 // vrow[c] the cache row of key c, or `zeros` (dp floats) past `last`
 void vector_chunk_in_place(const Layout& L, int h, int64_t seq_row, int64_t j, int64_t last, float* kt,
                            const void** vrow, const float* zeros) {
-  const int64_t first = j * CHUNK;
-  const int n_valid = last - first + 1 < CHUNK ? static_cast<int>(last - first + 1) : CHUNK;
   int64_t off[CHUNK];
-  L.chunk_offsets(seq_row, first, n_valid, h, off);
-  for (int half = 0; half < 2; ++half)
-    transpose_keys(L.k, L.dtype, L.d, off + 16 * half, n_valid - 16 * half, kt + 16 * half);
+  const int n_valid = transpose_chunk(L, h, seq_row, j, last, kt, nullptr, off);
   const int64_t esz = L.dtype == 0 ? 4 : 2;
   for (int c = 0; c < CHUNK; ++c)
     vrow[c] = c < n_valid ? static_cast<const void*>(static_cast<const char*>(L.v) + off[c] * esz) : zeros;
@@ -410,7 +414,7 @@ inline v16f value_lanes(const void* row, int i0, uint32_t vm) {
 // rows r0 .. r0 + R - 1 (queries qpos[]), one step over chunks j0 .. j0 + N - 1 whose keys/values are in F.kt / F.vrow
 // slots t0 .. t0 + N - 1; R rows and N chunks side by side only for the pipeline: each (row, chunk)'s operations are
 // the same as alone, and a row folds its chunks in order. Asks for the np cache lines pf[] into L2 on the way, spread
-// over the d loop (next_step_lines).
+// over the d loop and the p . v loop (next_step_lines).
 template <int R, int N, bool EXACT, int VS>
 inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qpos, int64_t j0, int t0,
                          const char* const* pf, int np) {
@@ -428,9 +432,12 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
   // the prefetches spread over the d loop's d iterations and the p . v loop's (dp / LANES) * CHUNK
   const int slots = d + (dp / LANES) * CHUNK, per = (np + slots - 1) / slots;
   int next_pf = 0;
-  for (int i = 0; i < d; ++i) {
+  auto prefetch_some = [&]() {  // the next `per` of pf[] into L2
     for (const int end = next_pf + per < np ? next_pf + per : np; next_pf < end; ++next_pf)
       __builtin_prefetch(pf[next_pf], 0, 2);
+  };
+  for (int i = 0; i < d; ++i) {
+    prefetch_some();
     for (int t = 0; t < N; ++t) {
       const float* kt = kt_base + t * kt_stride + static_cast<size_t>(i) * CHUNK;
       const v16f k0 = loadv(kt), k1 = loadv(kt + 16);
@@ -507,8 +514,7 @@ inline void forward_step(const Layout& L, FwdScratch& F, int r0, const float* qp
     for (int rr = 0; rr < R; ++rr)
       for (int t = 0; t < N; ++t) pv[rr][t] = (v16f){};
     for (int c = 0; c < CHUNK; ++c) {
-      for (const int end = next_pf + per < np ? next_pf + per : np; next_pf < end; ++next_pf)
-        __builtin_prefetch(pf[next_pf], 0, 2);
+      prefetch_some();
       for (int t = 0; t < N; ++t) {
         const v16f vv = value_lanes<VS>(vrow[t * CHUNK + c], i0, vm);
         for (int rr = 0; rr < R; ++rr) pv[rr][t] = pv[rr][t] + pr[rr][t][c] * vv;
