@@ -26,17 +26,29 @@ install-test: $(VENV)/bin/python
 
 # the countdown example side by side, bf16 then FP8 rollouts (examples/countdown/demo.py): runs/countdown/summary.md
 demo: install
-	$(PY) -m examples.countdown.demo
+	$(RUN) -m examples.countdown.demo
+
+# CPU_PATH emulates an older CPU's path on this one (README's "CPU paths"): make test CPU_PATH=avx2
+CPU_PATH ?=
+CPU_PATH_avx512 := ZEROKLD_AMX=0
+CPU_PATH_avx512_nobf16 := ZEROKLD_AMX=0 ZEROKLD_CPU_MARCH=skylake-avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE
+CPU_PATH_avx2 := ZEROKLD_AMX=0 ZEROKLD_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+ifneq ($(CPU_PATH),)
+ifeq ($(CPU_PATH_$(CPU_PATH)),)
+$(error CPU_PATH=$(CPU_PATH): not one of avx512 avx512_nobf16 avx2)
+endif
+endif
+RUN := $(if $(CPU_PATH),env $(CPU_PATH_$(CPU_PATH)) )$(PY)
 
 # the default run stays under 45 minutes on 2 cores; tests marked `long` (minutes each) run in their own step
 test: install-test
-	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m "not long" tests
+	$(RUN) -m pytest -q -rs -p no:cacheprovider --durations=25 -m "not long" tests
 
 test-long: install-test
-	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m long tests
+	$(RUN) -m pytest -q -rs -p no:cacheprovider --durations=25 -m long tests
 
 test-fast: install-test
-	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not vllm and not titan" tests
+	$(RUN) -m pytest -q -rs -p no:cacheprovider -m "not vllm and not titan" tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
         for m in (int(v) for v in args.ms.split(",")):
             rows.extend(measure(m, args.k, args.n, getattr(torch, dtype), args.repeats, tiles))
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_facts(), "args": vars(args),
-              "row_tile": sl.ROW_TILE, "gemm_partition": sl.GEMM_PARTITION, "rows": rows}
+              "row_tile": sl.ROW_TILE, "gemm_partition": sl.gemm_partition(), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

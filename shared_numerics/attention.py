@@ -34,7 +34,7 @@ __all__ = ["KEY_CHUNK", "Q_TILE", "attention_over_chunks", "dense_causal_attenti
 KEY_CHUNK = 32
 Q_TILE = 16
 # keys per split of the Triton backend's FlashAttention (absolute positions; :mod:`.ops_triton.attention`): part of
-# the numerics contract (:data:`shared_numerics.mode.CONTRACT`)
+# the numerics contract (:func:`shared_numerics.mode.contract`)
 SPLIT = 512
 
 

@@ -5,10 +5,11 @@ Why compiled: the attention's fixed per-query arithmetic (:mod:`shared_numerics.
 costs tens of elementwise passes per key chunk over padded tiles (measured: 5-6 ms per layer for one demo decode step
 of 224 sequences, two thirds of the rollout). One loop nest per (query block, kv head) does it in one pass.
 
-Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -mprefer-vector-width=512 -ffp-contract=off -fno-fast-math -std=c++17 -shared -fPIC -fopenmp``, never
-``-ffast-math`` — the compiler may vectorise across independent lanes but never reorder a reduction or fuse a
-multiply-add, so the arithmetic is the source's. ``-march=native`` makes the library this machine's: trainer and engine
-on one machine load the same file. ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports
+Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -ffp-contract=off -fno-fast-math -std=c++17 -shared -fPIC
+-fopenmp``, never ``-ffast-math`` — the compiler may vectorise across independent lanes but never reorder a reduction
+or fuse a multiply-add, so the arithmetic is the source's. ``-march=native`` makes the library this machine's: trainer
+and engine on one machine load the same file. ``ZEROKLD_CPU_MARCH`` replaces ``native`` (e.g. ``x86-64-v3``: AVX2 +
+FMA, the kernels of an AVX2-only CPU, built and run on a newer one; see README's "CPU paths"). ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports
 it), the kernel resolves to torch's own OpenMP runtime and shares its thread team. The library is cached under ``$ZEROKLD_CACHE_DIR`` (default
 ``~/.cache/zerokld``), named by a hash of the source and the headers of ``csrc/``, the flags, the compiler's version and the CPU's model and ISA flags, written to a temporary
 name and renamed (concurrent first builds from several processes are safe).
@@ -29,13 +30,15 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the kernels bind to torch's libgomp)
 
-__all__ = ["DTYPE_CODES", "FLAGS", "load", "on_local_shards", "plain"]
+__all__ = ["COMPILER_PACKAGE", "DTYPE_CODES", "FLAGS", "flags", "load", "on_local_shards", "plain"]
 
 #: element types the kernels read (their ``dtype`` argument)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC",
          "-fopenmp")
+#: Debian / Ubuntu package of the default compiler (named in the error raised without one)
+COMPILER_PACKAGE = "g++"
 _SRC = Path(__file__).resolve().parent / "csrc"
 
 
@@ -51,6 +54,12 @@ def _cpu_id() -> str:
     return "|".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+def flags() -> tuple[str, ...]:
+    """:data:`FLAGS` with ``-march=`` set from ``ZEROKLD_CPU_MARCH`` (default ``native``)."""
+    march = os.environ.get("ZEROKLD_CPU_MARCH") or "native"
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("ZEROKLD_CACHE_DIR") or Path.home() / ".cache" / "zerokld")
 
@@ -60,17 +69,20 @@ def load(name: str) -> ctypes.CDLL:
     """The compiled ``csrc/<name>.cpp`` (built on first use on this machine; see the module).
 
     Raises:
-        RuntimeError: no C++ compiler, or the build failed (the compiler's output is in the message).
+        RuntimeError: no C++ compiler (the message names the package to install), or the build failed (the
+            compiler's output is in the message).
     """
     source = (_SRC / f"{name}.cpp").read_bytes()
     source += b"".join(h.name.encode() + h.read_bytes() for h in sorted(_SRC.glob("*.h")))  # the shared headers
     cxx = os.environ.get("CXX") or "g++"
     exe = shutil.which(cxx)
     if exe is None:
-        raise RuntimeError(f"zerokld's CPU attention kernel needs a C++ compiler; {cxx!r} was not found "
-                           "(install g++, or set CXX)")
+        raise RuntimeError(f"zerokld's CPU kernel {name}.cpp is built on first use and needs a C++ compiler; "
+                           f"{cxx!r} was not found on PATH (install it: `apt-get install {COMPILER_PACKAGE}` on "
+                           "Debian / Ubuntu; or set CXX to a C++17 compiler)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + repr(FLAGS).encode() + version.encode() + _cpu_id().encode()).hexdigest()[:16]
+    build_flags = flags()
+    key = hashlib.sha256(source + repr(build_flags).encode() + version.encode() + _cpu_id().encode()).hexdigest()[:16]
     cache = _cache_dir()
     target = cache / f"{name}-{key}.so"
     if not target.exists():
@@ -78,7 +90,7 @@ def load(name: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(prefix=f"{name}-", suffix=".so", dir=cache)
         os.close(fd)
         try:
-            proc = subprocess.run([exe, *FLAGS, "-o", tmp, str(_SRC / f"{name}.cpp")], capture_output=True,
+            proc = subprocess.run([exe, *build_flags, "-o", tmp, str(_SRC / f"{name}.cpp")], capture_output=True,
                                   text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"building zerokld's CPU kernel {name}.cpp with {cxx} failed:\n"

@@ -18,7 +18,7 @@ Definition (every step in float32, in this order):
   go through the AMX bf16 kernel with float32 output (:func:`shared_numerics.gemm_cpu.gemm_abt`; exact products,
   float32 accumulation in fixed 32-element K steps); elsewhere they are widened to float32 (exact) and multiplied with
   the fixed-tile matmul of :mod:`shared_numerics.linear` (float32 accumulation). Either way each row is independent
-  of the others (the machine decides which: ``GEMM_PARTITION`` in the numerics contract); epilogue
+  of the others (the machine decides which: ``gemm_partition()`` in the numerics contract); epilogue
   ``(acc * s_x) * s_w``. ``"block"``: one such product per 128-wide K block, scaled, then summed over the K blocks in
   increasing order — DeepSeek-V3's recipe (fp32 promotion every 128 K elements, arXiv 2412.19437 §3.3.2).
   The result is rounded once to the activation dtype.

@@ -70,7 +70,7 @@ def amx_available() -> bool:
     """Whether this machine runs the AMX kernel: the CPU has AMX-BF16 (``/proc/cpuinfo`` flags ``amx_bf16`` and
     ``amx_tile``), the compiler built the kernel with it and the OS granted the tile state. ``ZEROKLD_AMX=0`` turns it
     off (then :func:`shared_numerics.linear.linear` takes its oneDNN paths). A machine property, in the numerics
-    contract (:data:`shared_numerics.linear.GEMM_PARTITION`)."""
+    contract (:func:`shared_numerics.linear.gemm_partition`)."""
     import os
 
     if os.environ.get("ZEROKLD_AMX", "1") == "0":

@@ -33,7 +33,7 @@ from .gemm_autograd import linear_with
 
 __all__ = ["CUBLAS_ROWS", "fixed_rows_matmul", "linear"]
 
-#: rows of every GEMM call (in the numerics contract, :data:`shared_numerics.mode.CONTRACT`). Measured on an H200,
+#: rows of every GEMM call (in the numerics contract, :func:`shared_numerics.mode.contract`). Measured on an H200,
 #: bf16 4096 -> 12288, ours ÷ ``F.linear`` at M = 64 / 4096 (``benchmarks/results/gpu_kernels_h200*.json``, two runs):
 #: 64 rows 0.82x, 0.69x / 0.28x, 0.30x (64-row GEMMs leave most SMs idle); 128 rows 0.46x, 0.38x / 0.55x, 0.60x;
 #: 256 rows 0.51x, 0.27x / 0.84x, 0.86x; 512 rows 0.38x, 0.34x / 0.91x, 0.93x (M = 64 is dominated by per-call host

@@ -32,9 +32,9 @@ __all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embeddin
 
 def chain_available(dtype: torch.dtype) -> bool:
     """Whether this machine's kernels run exact accumulation for a forward in ``dtype``: every GEMM gradient on a
-    kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or upcast to the float32 kernel where the CPU has no bf16 units),
-    float32 linears and the fused lm_head's float32 gradient on the float32 kernel. bf16 on oneDNN's AVX512-BF16 path
-    (no AMX) and CPUs without FMA units are not covered."""
+    kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or upcast to the float32 kernel where oneDNN has no bf16 GEMMs:
+    AVX2), float32 linears and the fused lm_head's float32 gradient on the float32 kernel. bf16 on oneDNN's path
+    (AVX-512 without AMX) and CPUs without FMA units are not covered."""
     from .linear import native_bf16_gemm
 
     if not f32_available():

@@ -6,7 +6,7 @@ A GEMM library chooses its kernel, its K blocking and whether to split K across 
 bits) from the problem shape and the number of threads, so the same row of ``x`` can come out different bits depending
 on how many other rows share the call or how many threads the process runs (measured on a 2-core Xeon with AMX:
 ``F.linear`` of one row ≠ the same row in 300 at K 1024–4096; one fixed 128-row oneDNN call differs between 1 and 2
-threads at K 3072–8192). Paths, chosen per machine (:data:`GEMM_PARTITION`, in the numerics contract):
+threads at K 3072–8192). Paths, chosen per machine (:func:`gemm_partition`, in the numerics contract):
 
 * **bf16 on AMX** (:func:`shared_numerics.gemm_cpu.amx_available`): ``csrc/gemm.cpp``'s AMX kernel, ``A = W``,
   ``B = x``: K in 32-element ``TDPBF16PS`` steps into one float32 accumulator per element, bias in float32, one
@@ -16,7 +16,7 @@ threads at K 3072–8192). Paths, chosen per machine (:data:`GEMM_PARTITION`, in
   kernel file's FMA kernel (one fused multiply-add chain per element in K order, register tiles of the BLIS/MKL
   micro-kernel form; the same bits on both ISAs), likewise whole per element. bf16 on a CPU without bf16 matrix
   units is upcast (exactly) to it.
-* elsewhere (bf16 on AVX512-BF16 without AMX; CPUs without FMA): oneDNN calls through
+* elsewhere (bf16 on AVX-512 CPUs without AMX, with or without AVX512-BF16; CPUs without FMA): oneDNN calls through
   ``torch.ops.mkldnn._linear_pointwise`` of
   exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last zero-padded),
   each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1) set on the calling thread for
@@ -52,7 +52,7 @@ import torch
 
 from .gemm_cpu import amx_available, f32_available, gemm_abt
 
-__all__ = ["GEMM_PARTITION", "ONEDNN_ROWS", "ONEDNN_THREADS", "ROW_TILE", "linear", "matmul_rows", "native_bf16_gemm"]
+__all__ = ["ONEDNN_ROWS", "ONEDNN_THREADS", "ROW_TILE", "gemm_partition", "linear", "matmul_rows", "native_bf16_gemm"]
 
 ROW_TILE = 32
 #: rows of every oneDNN call of the native bf16 path (decode pads to one call; prefill/training issue M / 128 calls)
@@ -81,20 +81,23 @@ def _openmp():
 
 @functools.lru_cache(maxsize=1)
 def native_bf16_gemm() -> bool:
-    """Whether bf16 GEMMs take the native oneDNN path (see the module): the CPU has bf16 matrix units (oneDNN's
-    ``_is_mkldnn_bf16_supported``: AVX512-BF16 or AMX). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
+    """Whether bf16 GEMMs take the native oneDNN path (see the module): oneDNN has bf16 GEMMs here
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 — AVX512-BF16's instructions where the CPU has them,
+    emulated on plain AVX512F otherwise — or AMX; not on AVX2). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
     float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
-    :data:`GEMM_PARTITION`."""
+    :func:`gemm_partition`."""
     if os.environ.get("ZEROKLD_NATIVE_BF16", "1") == "0":
         return False
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.lru_cache(maxsize=1)
 def gemm_partition() -> str:
     """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
     (``fmachain``: the kernel of :mod:`shared_numerics.gemm_cpu`, the same bits on AVX-512 and AVX2;
     ``onednn:rows=32``) and the bf16 path (``amx``; ``native:rows=128``: pinned oneDNN bf16 calls; ``fp32``: upcast to
-    the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``."""
+    the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds
+    the GEMM kernel (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
     if amx_available():
         bf16 = "amx"
@@ -102,8 +105,6 @@ def gemm_partition() -> str:
         bf16 = f"native:rows={ONEDNN_ROWS}" if native_bf16_gemm() else "fp32"
     return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16}"
 
-
-GEMM_PARTITION = gemm_partition()
 
 
 def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:

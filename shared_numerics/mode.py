@@ -20,22 +20,28 @@ The switch itself has one name everywhere: ``batch_invariant`` (vLLM's own term 
 """
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .attention import KEY_CHUNK, Q_TILE, SPLIT
 from .gemm_cublas import CUBLAS_ROWS
-from .linear import GEMM_PARTITION, ROW_TILE
+from .linear import ROW_TILE, gemm_partition
 
-__all__ = ["CONTRACT", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "NumericsMode", "backend_for_device",
+__all__ = ["contract", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "NumericsMode", "backend_for_device",
            "check_same_numerics"]
 
 #: Version of the fixed constants both sides must share; bump the leading number when a kernel's arithmetic order
 #: changes without a constant changing.
 #: 5: the Triton bf16/fp16 GEMM tile 128x128x64 -> 128x256x64; the cublas backend's row block
 #: 6: Triton attention forward: the softmax scale applied in an fma (``exp2(fma(s, scale, -m))``), no FP contraction
-CONTRACT = (f"6:row_tile={ROW_TILE},gemm={GEMM_PARTITION},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
+@functools.lru_cache(maxsize=1)
+def contract() -> str:
+    """This process's numerics contract string: the fixed constants (above) and :func:`shared_numerics.linear.gemm_partition`
+    (the GEMM paths this machine takes). Computed on first call, not at import (it builds the GEMM kernel: reading a
+    snapshot needs no compiler)."""
+    return (f"6:row_tile={ROW_TILE},gemm={gemm_partition()},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
             f"cublas_rows={CUBLAS_ROWS}")
 DTYPES = ("float32", "bfloat16", "float16")
 FP8_GRANULARITIES = ("per_channel", "block")
@@ -65,7 +71,7 @@ class NumericsMode:
         backend: op table name (``"torch"``, ``"triton"``, ``"cublas"``, or a plugin's), ``None`` when off.
         dtype: activation/parameter dtype of the forward: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         fp8: FP8 granularity of the decoder projections (``"per_channel"``, ``"block"``) or ``None``.
-        contract: :data:`CONTRACT` of the process that built the mode.
+        contract: :func:`contract` of the process that built the mode.
         tp_k_block: ``None``: row-parallel projections are one fused GEMM (TP 1 only). An int: ``o_proj`` /
             ``down_proj`` sum over ``K`` in fixed blocks of this many columns with the TP-aligned tree of
             :mod:`shared_numerics.tensor_parallel`, and log-probs come from the vocab-parallel log-softmax of
@@ -80,7 +86,7 @@ class NumericsMode:
     backend: str | None
     dtype: str
     fp8: str | None = None
-    contract: str = CONTRACT
+    contract: str = field(default_factory=contract)
     tp_k_block: int | None = None
 
     def __post_init__(self) -> None:
@@ -97,7 +103,7 @@ class NumericsMode:
         """The mode of a process running on ``device_type`` (backend from :func:`backend_for_device`)."""
         return cls(bool(batch_invariant), backend_for_device(device_type) if batch_invariant else None,
                    str(dtype).removeprefix("torch."), fp8 if batch_invariant else None,
-                   CONTRACT if batch_invariant else "", tp_k_block if batch_invariant else None)
+                   contract() if batch_invariant else "", tp_k_block if batch_invariant else None)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the one stamped into snapshot specs and rollout responses)."""

@@ -22,11 +22,73 @@ os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "240")
 # few MiB; sizing it from gpu_memory_utilization would allocate ~7 GiB per engine, ~10 s of each start.
 os.environ.setdefault("ZEROKLD_KV_CACHE_BYTES", str(512 << 20))
 
+class Capability:
+    """A hardware capability a test may require: ``@pytest.mark.<marker>`` on a test (or a ``pytest.param``) skips it
+    with exactly ``reason`` where :meth:`present` is false — a declared skip, on the allow-list by construction."""
+
+    def __init__(self, marker: str, reason: str, present) -> None:
+        self.marker, self.reason, self.present = marker, reason, present
+
+
+def _amx() -> bool:
+    from shared_numerics.gemm_cpu import amx_available
+
+    return amx_available()
+
+
+def _native_bf16() -> bool:
+    from shared_numerics.linear import native_bf16_gemm
+
+    return native_bf16_gemm()
+
+
+def _f32_kernel() -> bool:
+    from shared_numerics.gemm_cpu import f32_available
+
+    return f32_available()
+
+
+def _bf16_chain() -> bool:
+    import torch
+
+    from shared_numerics.grad_chain import chain_available
+
+    return chain_available(torch.bfloat16)
+
+
+def _avx512f() -> bool:
+    from shared_numerics.machine import isa_flags
+
+    return "avx512f" in isa_flags()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return CUDA_RUN and torch.cuda.is_available()
+
+
 NO_CUDA_REASON = "no CUDA device, or not a ZEROKLD_CUDA_TESTS=1 run: the GPU parity matrix runs on GPU machines only"
+#: README's "CPU paths" names which path each ISA takes; shared_numerics.linear / gemm_cpu the switches quoted here
+CAPABILITIES = {c.marker: c for c in (
+    Capability("requires_amx", "CPU path without AMX-BF16 (no amx_bf16/amx_tile, ZEROKLD_AMX=0 or ZEROKLD_CPU_MARCH "
+                               "without AMX): bf16 GEMMs take oneDNN's pinned calls or the float32 kernel", _amx),
+    Capability("requires_onednn_bf16", "CPU path without oneDNN bf16 GEMMs (no AVX-512 / AMX: oneDNN's "
+                                       "_is_mkldnn_bf16_supported, or ZEROKLD_NATIVE_BF16=0): bf16 GEMMs are upcast "
+                                       "to the float32 path",
+               _native_bf16),
+    Capability("requires_f32_kernel", "CPU path without the FMA kernel (no AVX-512F / AVX2 + FMA, or "
+                                      "ZEROKLD_F32_KERNEL=0): float32 GEMMs take oneDNN's pinned 32-row calls",
+               _f32_kernel),
+    Capability("requires_bf16_grad_chain", "CPU path where bf16 has no exact gradient accumulation (oneDNN's "
+                                           "bf16 GEMMs: AVX-512 without AMX): bf16 trains one rollout at a time",
+               _bf16_chain),
+    Capability("requires_avx512f", "CPU without AVX-512F: its kernels are the AVX2 build already (nothing to "
+                                   "compare it with)", _avx512f),
+    Capability("requires_cuda", NO_CUDA_REASON, _cuda),
+)}
 # The only skips a run may have; any other skip fails the session (no silent skips).
-ALLOWED_SKIPS = {
-    NO_CUDA_REASON,  # tests/test_cuda.py on CI and developer machines (no GPU)
-}
+ALLOWED_SKIPS = {c.reason for c in CAPABILITIES.values()}
 _BAD_SKIPS: list[str] = []
 
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
@@ -129,6 +191,19 @@ def engine_slot():
     slot = EngineSlot()
     yield slot
     slot.close()
+
+
+def pytest_configure(config):
+    for c in CAPABILITIES.values():
+        config.addinivalue_line("markers", f"{c.marker}: skipped (with a reason on the allow-list) where absent: "
+                                           f"{c.reason}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for c in CAPABILITIES.values():
+        if item.get_closest_marker(c.marker) is not None and not c.present():
+            pytest.skip(c.reason)
 
 
 def pytest_runtest_logreport(report):

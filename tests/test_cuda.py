@@ -10,17 +10,12 @@ each with a stock PyTorch negative control that differs.
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-from tests.conftest import NO_CUDA_REASON
-
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not (torch.cuda.is_available() and os.environ.get("ZEROKLD_CUDA_TESTS") == "1"),
-                                 reason=NO_CUDA_REASON)]
+pytestmark = [pytest.mark.cuda, pytest.mark.requires_cuda]
 
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float32]

@@ -8,6 +8,7 @@ import torch
 import shared_numerics as sn
 from shared_numerics.fp8 import (FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, Fp8QuantizationError, dequantize_fp8_weight,
                                  quantize_fp8_activation, quantize_fp8_weight)
+from zerokld_testing.controls import stock_differs
 
 GRANULARITIES = ["per_channel", "block"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -227,19 +228,20 @@ def test_negative_control_vllm_native_quantizer_differs():
         vq, vs = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN).forward_native(x)
     q, s = quantize_fp8_activation(x)
     assert torch.equal(vs, s)  # same scales ...
-    assert not torch.equal(vq.float(), q.float())  # ... different codes
+    stock_differs(not torch.equal(vq.float(), q.float()), "vLLM's QuantFP8 codes vs the shared quantizer's",
+                  "the input")  # ... different codes
 
 
 def test_negative_control_torchao_fake_quant_differs():
     """torchao computes the scale in the input dtype with no floor: different values on bf16, NaN on a zero row."""
-    pytest.importorskip("torchao")
     from torchao.quantization.granularity import PerRow
     from torchao.quantization.qat import Float8FakeQuantizeConfig, Float8FakeQuantizer
 
     fq = Float8FakeQuantizer(Float8FakeQuantizeConfig(dtype=FP8_DTYPE, granularity=PerRow()))
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     q, s = quantize_fp8_activation(x)
-    assert not torch.equal(fq(x), (q.float() * s).to(torch.bfloat16))
+    stock_differs(not torch.equal(fq(x), (q.float() * s).to(torch.bfloat16)), "torchao's FP8 fake-quant",
+                  "the input")
     assert fq(torch.zeros(2, 512, dtype=torch.bfloat16)).isnan().any()
 
 
@@ -247,11 +249,8 @@ def test_negative_control_scaled_mm_differs_from_fp8_linear():
     x, w = _data(m=64, k=512, n=256)
     qx, sx = quantize_fp8_activation(x)
     qw, sw = quantize_fp8_weight(w)
-    try:
-        ref = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.unsqueeze(0), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on the torch build
-        pytest.skip(f"torch._scaled_mm unavailable on this CPU build: {e}")
-    assert not torch.equal(ref, sn.fp8_linear(x, qw, sw))
+    ref = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.unsqueeze(0), out_dtype=torch.bfloat16)
+    stock_differs(not torch.equal(ref, sn.fp8_linear(x, qw, sw)), "torch._scaled_mm vs fp8_linear", "the shapes")
 
 
 def test_export_and_quantization_config(tmp_path):

@@ -9,9 +9,8 @@ import torch
 
 from shared_numerics import gemm_cpu
 
-needs_amx = pytest.mark.skipif(not gemm_cpu.amx_available(), reason="no AMX-BF16 on this CPU (or ZEROKLD_AMX=0)")
-needs_f32 = pytest.mark.skipif(not gemm_cpu.f32_available(),
-                               reason="no AVX-512F or AVX2 + FMA (or ZEROKLD_F32_KERNEL=0)")
+needs_amx = pytest.mark.requires_amx  # (tests/conftest.py: CAPABILITIES)
+needs_f32 = pytest.mark.requires_f32_kernel
 KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
          pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
          pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32")]

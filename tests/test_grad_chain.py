@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_numerics.gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt, gemm_abt_accumulate
+from shared_numerics.gemm_cpu import CHAIN_K_MULTIPLE, f32_available, gemm_abt, gemm_abt_accumulate
 from shared_numerics.grad_chain import GradChain, chain_available, chained_embedding
 
 pytestmark = pytest.mark.timeout(300)
 
-KERNELS = [pytest.param(torch.float32, marks=pytest.mark.skipif(not f32_available(), reason="no FMA kernel here")),
-           pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not amx_available(), reason="no AMX here"))]
+KERNELS = [pytest.param(torch.float32, marks=pytest.mark.requires_f32_kernel),
+           pytest.param(torch.bfloat16, marks=pytest.mark.requires_amx)]
 # (rows of A, rows of B, token counts of the consecutive calls): several kernel work units, a few-rows shape, tails
 SHAPES = [(1000, 530, [64, 96, 160]), (64, 40, [32, 64]), (300, 1024, [128, 384, 32]), (17, 9, [32, 32])]
 
@@ -50,7 +50,7 @@ def test_zero_tokens_add_nothing(dtype):
     assert torch.equal(plain, padded)
 
 
-@pytest.mark.skipif(not f32_available(), reason="no FMA kernel here")
+@pytest.mark.requires_f32_kernel
 def test_float32_products_chain_any_token_count_of_bf16(threads):
     """An MoE expert's chain (``float32_products``): bf16 operands widened exactly, the float32 kernel's chain — any
     token counts per call (5, 7, 19: no 32-token steps), one call's bits, the stacked weight's ``part`` writing into

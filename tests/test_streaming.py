@@ -17,6 +17,7 @@ from shared_numerics.grad_chain import chain_available
 from shared_numerics.rollout import RolloutBatch
 from titan_plugin import TrainingClient, trainer_logprobs
 from titan_plugin.models import hf_state_dict
+from zerokld_testing.controls import stock_differs
 
 pytestmark = [pytest.mark.titan, pytest.mark.timeout(600)]
 
@@ -65,14 +66,24 @@ def _titan_accumulation_depends_on_the_grouping(client: TrainingClient, batch: R
         return grads
 
     whole, split = titan([8]), titan([3, 1, 4])
-    assert sum(not torch.equal(whole[k], split[k]) for k in whole) > 0
+    assert whole.keys() == split.keys()
+    stock_differs(sum(not torch.equal(whole[k], split[k]) for k in whole) > 0,
+                  "TorchTitan's gradient accumulation over micro-batches [8] vs [3, 1, 4]", "the groupings")
+
+
+def _chained(*values, dtype: str):
+    """A parameter set whose test needs this machine's exact accumulation for ``dtype`` (tests/conftest.py's
+    capabilities: the float32 kernel; for bf16, AMX or no bf16 units)."""
+    return pytest.param(*values, marks=pytest.mark.requires_bf16_grad_chain if dtype == "bfloat16"
+                        else pytest.mark.requires_f32_kernel)
 
 
 @pytest.mark.parametrize("family,dtype,way", [
-    ("qwen3", "float32", "batched"), ("qwen3", "bfloat16", "batched"),
+    _chained("qwen3", "float32", "batched", dtype="float32"), _chained("qwen3", "bfloat16", "batched", dtype="bfloat16"),
     ("qwen3", "float32", "one rollout at a time"), ("qwen3", "bfloat16", "one rollout at a time"),
-    ("qwen2", "bfloat16", "batched"),  # q/k/v biases and tied embeddings: two chains summed into one .grad
-    ("qwen3_tied", "float32", "batched")])
+    # q/k/v biases and tied embeddings: two chains summed into one .grad
+    _chained("qwen2", "bfloat16", "batched", dtype="bfloat16"),
+    _chained("qwen3_tied", "float32", "batched", dtype="float32")])
 def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(checkpoint_factory, tmp_path, family,
                                                                           dtype, way):
     ckpt = checkpoint_factory(family, dtype)
@@ -85,8 +96,6 @@ def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(check
             trainer.exact_accumulation_off
         if way == "one rollout at a time":
             trainer.exact_accumulation = None
-        elif trainer.exact_accumulation is None:
-            pytest.skip(f"this machine has no batched way for {dtype}: {trainer.exact_accumulation_off}")
         for mode in ("fused", "custom"):
             seen = {}
             for name, sizes in GROUPINGS.items():
@@ -122,8 +131,8 @@ def _adapted_client(ckpt: str, dtype: str, variant: str, dump: str) -> TrainingC
     return TrainingClient(RLTrainer(rl_trainer_config(ckpt, dump, dtype=dtype, lr=1e-2, fp8=fp8)), dtype)
 
 
-@pytest.mark.parametrize("variant,dtype", [("lora", "float32"), ("lora", "bfloat16"), ("per_channel", "float32"),
-                                           ("per_channel", "bfloat16"), ("moe", "float32"), ("moe", "bfloat16")])
+@pytest.mark.parametrize("variant,dtype", [_chained(v, d, dtype=d) for v in ("lora", "per_channel", "moe")
+                                           for d in ("float32", "bfloat16")])
 def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradient(checkpoint_factory, tmp_path,
                                                                                   variant, dtype):
     """LoRA (frozen base), FP8 QAT and MoE: their gradients are chains too — a LoRA adapter's the padded, scaling-folded
@@ -137,8 +146,6 @@ def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradien
     client = _adapted_client(ckpt, dtype, variant, str(tmp_path / "c"))
     try:
         trainer = client.trainer
-        if not chain_available(getattr(torch, dtype)):
-            pytest.skip(f"this machine has no batched way for {dtype}: {trainer.exact_accumulation_off}")
         assert trainer.exact_accumulation is not None, trainer.exact_accumulation_off
         batch = dataclasses.replace(_rollouts(ckpt, dtype), numerics=trainer.numerics)
         if variant == "moe":  # replayed routes (R3): random distinct experts per token, one row per input position
@@ -254,14 +261,13 @@ def test_importance_sampling_corrections_reach_the_trainer_loss(checkpoint_facto
     ("qwen3", True, None, None), ("qwen3_tied", True, None, None), ("qwen2", True, None, None),
     ("qwen3_moe", True, None, None), ("qwen3", True, "per_channel", None),
     ("qwen3", False, None, "belongs to a")])
+@pytest.mark.requires_f32_kernel
 def test_batched_way_covers_dense_zerokld_models(checkpoint_factory, family, batch_invariant, fp8, reason):
     """Which models ``forward_backward`` runs batched (every parameter in a module that routes its gradient into a
     chain; tied embeddings and biases included) and which one rollout at a time, with the reason."""
     from titan_plugin.exact_accumulation import unsupported_reason
     from titan_plugin.models import build_titan_model
 
-    if not chain_available(torch.float32):
-        pytest.skip("no float32 kernel on this machine: every model runs one rollout at a time")
     model = build_titan_model(checkpoint_factory(family, "float32"), batch_invariant=batch_invariant, fp8=fp8)[0]
     got = unsupported_reason(model, torch.float32)
     assert got is None if reason is None else reason in got, got

@@ -12,6 +12,7 @@ from titan_plugin import trainer_logprobs
 from vllm_plugin.engines import completion_logprobs, prompt_logprobs
 from vllm_plugin.engines import start_llm
 from zerokld_testing import random_prompts
+from zerokld_testing.controls import stock_differs
 
 pytestmark = pytest.mark.vllm
 
@@ -161,8 +162,9 @@ def test_negative_control_stock_vllm_differs(stock_env):
                         SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, ignore_eos=True), use_tqdm=False)
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=dtype)
-    differing = sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs))
-    assert differing > 0
+    assert len(train) == len(outs)
+    stock_differs(sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs)) > 0,
+                  f"vLLM's {dtype} log-probs vs the trainer's", "the prompts or the load")
     # ...while still being the same model (a sanity bound, not a parity claim)
     bound = 1e-2 if dtype == "float32" else 1.0
     assert max((t - completion_logprobs(o)).abs().max().item() for t, o in zip(train, outs)) < bound

@@ -20,7 +20,7 @@ float32 (:attr:`shared_numerics.grad_chain.GradChain.float32_products`: bf16 val
 dense chains of a bf16 model use the AMX kernel's 32-token steps.
 
 Not covered (the general way runs): tensor parallelism (``tp_k_block``: the row-parallel trees, the vocab-parallel
-lm_head, TP experts), more than one data-parallel rank, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX512-BF16
+lm_head, TP experts), more than one data-parallel rank, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512
 without AMX).
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
