@@ -279,9 +279,9 @@ def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_ser
 
 def test_training_server_refusals_apply_nothing(env, training_server):
     """Bad training requests are answered in the shapes the SDK understands — 401 without the key, 400 at submit
-    (unknown model, a seq_id used twice), ``{"error", "category": "user"}`` from the future (unknown loss, ragged
-    TensorData, out-of-vocabulary tokens, a seq_id gap that never closes) — and change nothing: the model's
-    log-probs after them equal before."""
+    (unknown model, a seq_id used twice, ragged TensorData, out-of-vocabulary tokens: a refused datum still takes its
+    seq_id's turn), ``{"error", "category": "user"}`` from the future (unknown loss, a seq_id gap that never closes)
+    — and change nothing: the model's log-probs after them equal before."""
     import time
 
     def post(path, body, key=API_KEY):
@@ -319,13 +319,14 @@ def test_training_server_refusals_apply_nothing(env, training_server):
     used = post("forward", {"forward_input": {"data": [datum()]}, "model_id": model, "seq_id": 1})
     assert used.status_code == 400 and "already used" in used.json()["detail"]
     ragged = {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [12]}}
-    for spec in ({"data": [datum()], "loss_fn": "no_such_loss"},
-                 {"data": [datum(ragged)], "loss_fn": "cross_entropy"},
-                 {"data": [datum(chunk_tokens=[10 ** 9] * 11)], "loss_fn": "cross_entropy"}):
-        rid = post("forward_backward", {"forward_backward_input": spec, "model_id": model,
-                                        "seq_id": next(seq)}).json()["request_id"]
-        answer = result(rid)
-        assert answer.get("category") == "user" and answer["error"], answer
+    rid = post("forward_backward", {"forward_backward_input": {"data": [datum()], "loss_fn": "no_such_loss"},
+                                    "model_id": model, "seq_id": next(seq)}).json()["request_id"]
+    answer = result(rid)
+    assert answer.get("category") == "user" and "no_such_loss" in answer["error"], answer
+    for spec, why in (({"data": [datum(ragged)], "loss_fn": "cross_entropy"}, "shape"),
+                      ({"data": [datum(chunk_tokens=[10 ** 9] * 11)], "loss_fn": "cross_entropy"}, "token ids")):
+        refused = post("forward_backward", {"forward_backward_input": spec, "model_id": model, "seq_id": next(seq)})
+        assert refused.status_code == 400 and why in refused.json()["detail"], refused.text
     # a gap in the numbering: the later request fails after --seq-gap-s, the missing seq_id stays expected
     expected = next(seq)
     rid = post("forward", {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,12 @@ from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
 from .routing import pack_routes, replay_routes
 
-__all__ = ["RLTrainer", "RolloutQueue", "numerics_mode", "rl_trainer_config"]
+__all__ = ["NonFiniteGradientError", "RLTrainer", "RolloutQueue", "numerics_mode", "rl_trainer_config"]
+
+
+class NonFiniteGradientError(ValueError):
+    """:meth:`RLTrainer.optim_step` refused a step whose gradients are not finite (NaN / inf: inputs that overflow
+    the model's dtype); the gradients were discarded and the weights are as before."""
 
 assert ROLLOUT_IGNORE_INDEX == IGNORE_INDEX, "RolloutBatch.pack labels must use TorchTitan's IGNORE_INDEX"
 
@@ -401,7 +407,8 @@ class RLTrainer(Trainer):
                    eps: float | None = None, weight_decay: float | None = None,
                    max_norm: float | None = None) -> dict:
         """Clip the accumulated gradients (``max_norm``, default ``training.max_norm``; 0: no clipping), step the
-        optimizer and the LR schedule, zero the gradients. ``learning_rate``, ``betas``, ``eps``, ``weight_decay``:
+        optimizer and the LR schedule, zero the gradients. A non-finite gradient norm refuses the step: the
+        gradients are discarded and :class:`NonFiniteGradientError` raised, the weights untouched. ``learning_rate``, ``betas``, ``eps``, ``weight_decay``:
         set on every parameter group from this step on (``None``: unchanged; Tinker's ``AdamParams``). Returns
         ``grad_norm`` (before clipping)."""
         from torchtitan.distributed import utils as dist_utils
@@ -418,6 +425,10 @@ class RLTrainer(Trainer):
         self._pending = None
         norm = self.config.training.max_norm if max_norm is None else max_norm
         grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
+        if not math.isfinite(float(grad_norm)):  # a NaN / inf gradient would make every weight it touches NaN
+            self.zero_grad()
+            raise NonFiniteGradientError(f"the accumulated gradients' norm is {float(grad_norm)}: the step was "
+                                         "refused and its gradients discarded; the weights are unchanged")
         self.optimizers.step()
         self.lr_schedulers.step()
         self.zero_grad()

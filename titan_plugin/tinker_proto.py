@@ -24,15 +24,43 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["CONTENT_TYPE", "WireError", "forward_backward_output", "forward_backward_request", "sample_response"]
+__all__ = ["CONTENT_TYPE", "BodyTooLarge", "WireError", "decompress_zstd", "forward_backward_output",
+           "forward_backward_request", "sample_response"]
 
 CONTENT_TYPE = "application/x-protobuf"
-#: largest decompressed request body accepted (bytes)
-MAX_BODY = 1 << 30
 
 
 class WireError(ValueError):
     """A protobuf body that cannot be read (the user's error)."""
+
+
+class BodyTooLarge(WireError):
+    """A body that decompresses to more than the limit (the user's error)."""
+
+
+def decompress_zstd(body: bytes, limit: int) -> bytes:
+    """``body`` (one or more zstd frames) decompressed as a stream that stops once more than ``limit`` bytes came out:
+    memory stays within ``limit`` plus one 1 MiB read, whatever size the frame header claims (a zstd bomb costs the
+    limit, not its claimed size).
+
+    Raises:
+        BodyTooLarge: more than ``limit`` bytes. WireError: not zstd.
+    """
+    import io
+
+    import zstandard
+
+    out, size = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            while chunk := reader.read(1 << 20):
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"the zstd body decompresses to more than the limit of {limit} bytes")
+                out.append(chunk)
+    except zstandard.ZstdError as e:
+        raise WireError(f"the zstd body does not decompress: {e}") from None
+    return b"".join(out)
 
 
 def _pb():
@@ -67,17 +95,19 @@ def _tensor(msg, name: str) -> dict:
     return {"data": arr.tolist(), "dtype": label, "shape": shape}
 
 
-def forward_backward_request(body: bytes, content_encoding: str | None = None) -> dict:
+def forward_backward_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 64 << 20) -> dict:
     """A protobuf ``ForwardBackwardRequest`` body as the JSON body of the same call.
 
     Args:
         body: the HTTP body. content_encoding: its ``Content-Encoding`` (``zstd`` or none).
+        max_bytes: the largest body accepted after decompression (:func:`decompress_zstd`).
 
     Returns:
         ``{"model_id", "seq_id", "forward_only", "forward_input" | "forward_backward_input": {"data", "loss_fn",
         "loss_fn_config"}}`` with data as the JSON wire's datums (``model_input.chunks``, ``loss_fn_inputs``).
 
     Raises:
+        BodyTooLarge: the decompressed body is over ``max_bytes``.
         WireError: another encoding, a body that is not a ``ForwardBackwardRequest``, a chunk other than encoded
             text, a tensor that does not match its shape or dtype.
     """
@@ -85,12 +115,9 @@ def forward_backward_request(body: bytes, content_encoding: str | None = None) -
     if content_encoding not in (None, "", "identity", "zstd"):
         raise WireError(f"Content-Encoding {content_encoding[:20]!r} is not served (zstd or none)")
     if content_encoding == "zstd":
-        import zstandard
-
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
-        except zstandard.ZstdError as e:
-            raise WireError(f"the zstd body does not decompress: {e}") from None
+        body = decompress_zstd(body, max_bytes)
+    elif len(body) > max_bytes:
+        raise BodyTooLarge(f"the body is over the limit of {max_bytes} bytes")
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)

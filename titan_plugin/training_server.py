@@ -64,6 +64,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -76,26 +77,87 @@ from fastapi.responses import JSONResponse, Response
 from . import tinker_proto
 from .tinker_sampler import SamplerError
 
-__all__ = ["POLL_S", "TrainingServer", "TrainingServerProcess", "datums", "main", "routes_of"]
+__all__ = ["POLL_S", "WORK_DIR", "Limits", "TrainingServer", "TrainingServerProcess", "datums", "main", "routes_of"]
 
 #: seconds ``retrieve_future`` waits for a result before answering ``try_again`` (the SDK's per-call timeout is 45)
 POLL_S = 10.0
 _REGISTRY = "models.json"
-_CAPABILITIES_CONTEXT = 4096
+#: the server's own files without ``--state-dir`` (trainer folders, the snapshot writer's cache) live under the
+#: snapshot root in this folder: a name no snapshot identity can take (identities start with a letter or digit)
+WORK_DIR = ".zerokld-training-server"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost (server options; README's "limits" table).
+
+    Attributes:
+        max_body_bytes: a request body, as sent and after ``Content-Encoding: zstd`` (decompressed as a stream that
+            stops at the limit): 413 beyond.
+        max_context: tokens of one datum's ``model_input`` (advertised by ``get_server_capabilities``): 400 beyond.
+        max_parked: requests of one model waiting for an earlier ``seq_id``: 429 beyond.
+        max_parked_bytes: their bodies' bytes together, per model: 429 beyond.
+    """
+
+    max_body_bytes: int = 64 << 20
+    max_context: int = 4096
+    max_parked: int = 64
+    max_parked_bytes: int = 256 << 20
 
 
 class UserError(ValueError):
-    """A request the client must change (category ``user``)."""
+    """A request the client must change (category ``user``; HTTP 400 at submit)."""
+
+    status = 400
+
+
+class BodyTooLarge(UserError):
+    """A body over :attr:`Limits.max_body_bytes` (HTTP 413)."""
+
+    status = 413
+
+
+class Busy(UserError):
+    """Too many requests parked for an earlier ``seq_id`` (HTTP 429): send the missing one, or retry later."""
+
+    status = 429
+
+
+def _string(body: dict, key: str, required: bool = True) -> str | None:
+    """``body[key]`` as a string (``None`` when absent and not ``required``). Raises UserError."""
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise UserError(f"{key} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _number(value, what: str) -> float:
+    """A finite JSON number (not a boolean). Raises UserError naming ``what``."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{what} must be a finite number, got {str(value)[:40]!r}")
+    return float(value)
 
 
 def _tensor_data(td, name: str) -> list:
-    """Tinker ``TensorData`` (``{"data", "dtype", "shape"}``) as a flat list. Raises UserError: ragged or
-    malformed."""
+    """Tinker ``TensorData`` (``{"data", "dtype", "shape"}``) as a flat list of finite numbers. Raises UserError:
+    ragged or malformed, or a value that is not a finite number (NaN / inf, a string, a boolean) — naming its
+    index."""
+    import math
+
     if not isinstance(td, dict) or not isinstance(td.get("data"), list):
         raise UserError(f"loss_fn_inputs[{name!r}] must be TensorData {{data, dtype, shape}}")
     shape = td.get("shape") or [len(td["data"])]
-    if len(shape) != 1 or int(shape[0]) != len(td["data"]):
-        raise UserError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match {len(td['data'])} values (1-d)")
+    if (not isinstance(shape, list) or len(shape) != 1 or isinstance(shape[0], bool) or not isinstance(shape[0], int)
+            or shape[0] != len(td["data"])):
+        raise UserError(f"loss_fn_inputs[{name!r}]: shape {str(shape)[:40]} does not match {len(td['data'])} values "
+                        "(1-d)")
+    for j, v in enumerate(td["data"]):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UserError(f"loss_fn_inputs[{name!r}][{j}] is {str(v)[:20]!r}, not a finite number")
     return td["data"]
 
 
@@ -141,9 +203,21 @@ def routes_of(matrices: object, positions: int, num_experts: int | None, where: 
     return np.stack([r if r is not None else np.full(shape, -1, dtype=np.int64) for r in rows])
 
 
-def datums(data: object, vocab_size: int, num_experts: int | None = None) -> list[dict]:
+#: loss_fn_inputs with one value per input token (``target_tokens`` and the per-token loss inputs)
+PER_TOKEN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "ref_logprobs")
+
+
+def datums(data: object, vocab_size: int, num_experts: int | None = None, max_context: int | None = None
+           ) -> list[dict]:
     """The wire's ``Datum`` list as :class:`titan_plugin.client.TrainingClient` datums (``model_input.
-    routing_matrices`` as ``routed_experts`` to replay, :func:`routes_of`). Raises UserError."""
+    routing_matrices`` as ``routed_experts`` to replay, :func:`routes_of`).
+
+    Raises:
+        UserError (naming the datum and the field): not a list of datums; chunks that are not encoded text; token
+            ids outside ``[0, vocab_size)``; more than ``max_context`` tokens; a ``loss_fn_inputs`` value that is
+            not finite (NaN, inf) or not a number; a per-token input (:data:`PER_TOKEN_INPUTS`) whose length is not
+            the datum's token count; malformed routing matrices.
+    """
     if not isinstance(data, list) or not data:
         raise UserError("data must be a non-empty list of datums")
     out = []
@@ -156,13 +230,28 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None) -> lis
         for c in chunks:
             if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
                 raise UserError(f"datum {i}: only encoded_text chunks are served")
+            if not isinstance(c.get("tokens") or [], list):
+                raise UserError(f"datum {i}: model_input.chunks[].tokens must be a list of token ids")
             tokens += c.get("tokens") or []
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
+        if max_context is not None and len(tokens) > max_context:
+            raise UserError(f"datum {i}: model_input has {len(tokens)} tokens, more than the served context "
+                            f"{max_context} (get_server_capabilities' max_context_length)")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens):
             raise UserError(f"datum {i}: token ids must be integers in [0, {vocab_size})")
-        inputs = {k: _tensor_data(v, k) for k, v in (d.get("loss_fn_inputs") or {}).items()}
+        raw_inputs = d.get("loss_fn_inputs") or {}
+        if not isinstance(raw_inputs, dict):
+            raise UserError(f"datum {i}: loss_fn_inputs must be an object of TensorData")
+        try:
+            inputs = {k: _tensor_data(v, k) for k, v in raw_inputs.items()}
+        except UserError as e:
+            raise UserError(f"datum {i}: {e}") from None
+        for k in PER_TOKEN_INPUTS:
+            if k in inputs and len(inputs[k]) != len(tokens):
+                raise UserError(f"datum {i}: loss_fn_inputs[{k!r}] has {len(inputs[k])} values for {len(tokens)} "
+                                "input tokens")
         targets = inputs.get("target_tokens")
-        if targets is not None and not all(isinstance(t, (int, float)) and 0 <= t < vocab_size for t in targets):
-            raise UserError(f"datum {i}: target_tokens must be in [0, {vocab_size})")
+        if targets is not None and not all(float(t).is_integer() and 0 <= t < vocab_size for t in targets):
+            raise UserError(f"datum {i}: target_tokens must be integers in [0, {vocab_size})")
         if model_input.get("routing_references") is not None or model_input.get("routing_matrix_format") not in (
                 None, "base64_inline"):
             raise UserError(f"datum {i}: routing references (parquet_v1) are not served; send routing_matrices")
@@ -187,7 +276,8 @@ class _Model:
     lora: dict
     next_seq: int | None = 1  # None: restored after a restart, the first seq_id that arrives is the next one
     checkpoint: str | None = None  # the state after its last optim_step (with a state dir)
-    pending: dict = field(default_factory=dict)  # seq_id -> (fn, placeholder future, arrival time)
+    # seq_id -> (fn, placeholder future, arrival time, body bytes: 0 for a refused request's turn, which holds nothing)
+    pending: dict = field(default_factory=dict)
     writer: object = None
 
     @property
@@ -217,16 +307,20 @@ class TrainingServer:
             model's trainer folder, a TorchTitan checkpoint after every ``optim_step`` (model, optimizer, schedule;
             one per step: size it), the ``save_weights`` names and ``models.json``. A server started on a state dir
             with ``models.json`` recreates every model at its last completed ``optim_step`` — gradients accumulated
-            after it are gone — and takes the first ``seq_id`` each model receives as the next.
+            after it are gone — and takes the first ``seq_id`` each model receives as the next. Without one, the
+            trainer folders and the snapshot writer's cache are ``<snapshot_root>/.zerokld-training-server/``
+            (:data:`WORK_DIR`): the server writes nothing outside these two roots.
+        limits: what one request may cost (:class:`Limits`).
     """
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
                  learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0,
                  max_lora_rank: int = 0, state_dir: str | None = None, sampler_url: str | None = None,
-                 sampler_api_key: str | None = None) -> None:
+                 sampler_api_key: str | None = None, limits: Limits = Limits()) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
+        self.limits = limits
         self.dtype, self.learning_rate, self.batch_invariant = dtype, learning_rate, batch_invariant
         self.seq_gap_s, self.max_lora_rank = seq_gap_s, max_lora_rank
         from zerokld_models import read_model_config
@@ -248,13 +342,15 @@ class TrainingServer:
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
         self.state_dir = Path(state_dir) if state_dir else None
+        #: the trainer folders and the writer's cache: under --state-dir, else under the snapshot root
+        self.work_dir = self.state_dir if self.state_dir is not None else self.root / WORK_DIR
         if self.state_dir is not None and (self.state_dir / _REGISTRY).exists():
             self.worker.submit(self._restore).result()  # on the trainer thread, before anything is served
         self.app = self._build()
 
     # ---- state across restarts ---------------------------------------------------------------------------------
     def _dump_folder(self, model_id: str) -> str:
-        return str(self.state_dir / model_id if self.state_dir else self.root.parent / f".{model_id}")
+        return str(self.work_dir / model_id)
 
     def _persist(self) -> None:
         """``models.json`` (written whole, then renamed): every model's creation and last checkpoint, the saved
@@ -296,21 +392,52 @@ class TrainingServer:
                 fut.set_exception(e)
         self.worker.submit(job)
 
-    def _submit(self, model_id: str, seq_id, fn) -> str:
-        """Queue ``fn`` at ``seq_id`` of the model; runs when every earlier seq_id has. Raises UserError."""
+    def _submit(self, model_id: str, seq_id, fn, nbytes: int = 0, check=None) -> str:
+        """Queue ``fn`` at ``seq_id`` of the model; runs when every earlier seq_id has. ``check()`` (the request's
+        validation, after the seq_id is known to be the model's next or later) raising UserError refuses the request
+        but takes its turn: the numbering goes on without it.
+
+        Raises:
+            UserError: unknown model, a seq_id already used (or not an integer), ``check``'s refusal.
+            Busy: :attr:`Limits.max_parked` requests or :attr:`Limits.max_parked_bytes` bytes of the model already
+                wait for an earlier seq_id (nothing is queued; the same seq_id may be sent again).
+        """
         with self.lock:
             model = self.models.get(model_id)
             if model is None:
                 raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
-            if model.next_seq is None and isinstance(seq_id, int):  # restored: the client's numbering goes on
+            if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+                raise UserError(f"seq_id must be an integer, got {str(seq_id)[:20]!r}")
+            if model.next_seq is None:  # restored: the client's numbering goes on
                 model.next_seq = seq_id
-            if not isinstance(seq_id, int) or seq_id < model.next_seq or seq_id in model.pending:
+            if seq_id < model.next_seq or seq_id in model.pending:
+                raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
+            if seq_id != model.next_seq:
+                waiting = [p[3] for p in model.pending.values() if p[3]]
+                parked = sum(waiting)
+                if len(waiting) >= self.limits.max_parked or parked + nbytes > self.limits.max_parked_bytes:
+                    raise Busy(f"{len(waiting)} requests ({parked} bytes) already wait for seq_id "
+                               f"{model.next_seq} (limits: {self.limits.max_parked} requests, "
+                               f"{self.limits.max_parked_bytes} bytes)")
+        refusal = None
+        if check is not None:
+            try:
+                check()
+            except UserError as e:
+                refusal = e
+        with self.lock:
+            if self.models.get(model_id) is not model or seq_id < model.next_seq or seq_id in model.pending:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             rid, fut = self._future()
-            model.pending[seq_id] = (fn, fut, time.monotonic())
+            if refusal is not None:  # its turn passes without running anything
+                self.futures.pop(rid)
+                fn, nbytes = (lambda: None), 0
+            model.pending[seq_id] = (fn, fut, time.monotonic(), nbytes)
             while model.next_seq in model.pending:
                 self._run(*model.pending.pop(model.next_seq)[:2])
                 model.next_seq += 1
+        if refusal is not None:
+            raise refusal
         return rid
 
     def _expire_gaps(self) -> None:
@@ -356,22 +483,46 @@ class TrainingServer:
         return {"type": "create_model", "model_id": model_id, "supports_router_replay": bool(self.num_experts),
                 "routing_matrix_format": "base64_inline"}
 
-    def _forward(self, model: _Model, body: dict, backward: bool) -> dict:
+    def _forward_input(self, body: dict, backward: bool) -> tuple[list[dict], str, dict | None]:
+        """``(datums, loss_fn, loss_fn_config)`` of a forward / forward_backward body, checked (:func:`datums`).
+        Raises UserError."""
         spec = body.get("forward_backward_input" if backward else "forward_input") or {}
-        data = datums(spec.get("data"), self.vocab_size, self.num_experts)
-        loss_fn = spec.get("loss_fn") or "cross_entropy"
+        if not isinstance(spec, dict):
+            raise UserError("forward_input / forward_backward_input must be an object")
+        loss_fn, config = spec.get("loss_fn") or "cross_entropy", spec.get("loss_fn_config")
+        if not isinstance(loss_fn, str):
+            raise UserError("loss_fn must be a string")
+        if config is not None and not isinstance(config, dict):
+            raise UserError("loss_fn_config must be an object")
+        return datums(spec.get("data"), self.vocab_size, self.num_experts, self.limits.max_context), loss_fn, config
+
+    def _forward(self, model: _Model, parsed: tuple, backward: bool) -> dict:
+        data, loss_fn, config = parsed
         if not backward:
             res = model.client.forward(data)
             return _outputs([o["logprobs"] for o in res["loss_fn_outputs"]], {}, loss_fn)
-        res = model.client.forward_backward(data, loss_fn, spec.get("loss_fn_config"))
+        res = model.client.forward_backward(data, loss_fn, config)
+        if not math.isfinite(float(res["loss"])):  # overflowed (e.g. huge weights): this step cannot be applied
+            model.client.trainer.zero_grad()
+            raise UserError(f"the loss of this forward_backward is {float(res['loss'])} (not finite: inputs too large "
+                            "for the model's dtype); the gradients accumulated since the last optim_step were "
+                            "discarded, the weights are unchanged")
         m = res["metrics"]
         metrics = {"loss:sum": float(res["loss"]), "clipped:sum": float(m["clipped"]),
                    "response_tokens:sum": float(m["num_tokens"])}
         return _outputs([o["logprobs"] for o in res["loss_fn_outputs"]], metrics, loss_fn)
 
-    def _optim(self, model: _Model, adam: dict) -> dict:
+    @staticmethod
+    def _adam_params(body: dict) -> dict:
+        """The request's ``adam_params`` (Tinker's AdamParams) as finite floats. Raises UserError."""
+        adam = body.get("adam_params") or {}
+        if not isinstance(adam, dict):
+            raise UserError("adam_params must be an object")
         known = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-        res = model.client.optim_step({k: float(adam[k]) for k in known if adam.get(k) is not None})
+        return {k: _number(adam[k], f"adam_params.{k}") for k in known if adam.get(k) is not None}
+
+    def _optim(self, model: _Model, adam: dict) -> dict:
+        res = model.client.optim_step(adam)
         if self.state_dir is not None:  # the state a restart comes back to
             model.checkpoint = model.client.save_state("last")
             self._persist()
@@ -379,9 +530,7 @@ class TrainingServer:
                             if isinstance(v, (int, float)) and not isinstance(v, bool)}}
 
     def _save_state(self, model_id: str, model: _Model, name: str, overwrite: bool) -> dict:
-        from deltasync import validate_identity
-
-        validate_identity(name)  # one path segment: a name, never a server path
+        """``save_weights``: ``name`` checked at submit (one path segment, :meth:`_identity`)."""
         with self.lock:
             if name in self.checkpoints and not overwrite:
                 raise UserError(f"checkpoint {name!r} exists (overwrite: true replaces it)")
@@ -408,7 +557,7 @@ class TrainingServer:
         serving dtype and its chain's writer over the base checkpoint (made on first use)."""
         from deltasync import SnapshotWriter, read_snapshot_tensors
 
-        cache = self.root.parent / ".zerokld_writer_cache"
+        cache = self.work_dir / "writer_cache"
         numerics = model.client.trainer.numerics
         if model.lora_rank:
             adapter = Path(model.client.save_weights_for_sampler(f".adapter-{identity}"))
@@ -424,7 +573,7 @@ class TrainingServer:
         :meth:`_save_for_tinker`."""
         if "kind" in body or body.get("sampling_session_seq_id") is not None:
             return self._save_for_tinker(model_id, model, body)
-        identity, checkpoint_type = str(body.get("path")), str(body.get("checkpoint_type") or "base")
+        identity, checkpoint_type = body["path"], str(body.get("checkpoint_type") or "base")
         writer, tensors = self._snapshot_source(model, identity)
         if model.lora_rank:  # a PEFT adapter snapshot, always full (Fireworks: LoRA saves are always base)
             return {"path": writer.write(identity, tensors, kind="full").identity, "type": "save_weights_for_sampler"}
@@ -460,31 +609,99 @@ class TrainingServer:
         s = self.sampler.open(model.base_model, path, info.identity, lora_name, inflight=body.get("kind") == "inflight")
         return {"path": path, "sampling_session_id": s.sampling_session_id, "type": "save_weights_for_sampler"}
 
+    # ---- request checks (at submit, before anything runs or touches the disk) ---------------------------------------
+    @staticmethod
+    def _identity(name, what: str) -> str:
+        """A client-given name that becomes a file or folder name: one path segment
+        (:func:`deltasync.validate_identity`). Raises UserError."""
+        from deltasync import IdentityError, validate_identity
+
+        try:
+            return validate_identity(name)
+        except IdentityError as e:
+            raise UserError(f"{what}: {e}") from None
+
+    def _check_save_for_sampler(self, body: dict) -> None:
+        if "kind" in body or body.get("sampling_session_seq_id") is not None:  # tinker's: path optional
+            if body.get("path") is not None:
+                self._identity(body["path"], "path")
+            return
+        self._identity(body.get("path"), "path")
+        if body.get("checkpoint_type") not in (None, "base", "delta"):
+            raise UserError(f"checkpoint_type must be 'base' or 'delta', got {str(body.get('checkpoint_type'))[:20]!r}")
+
+    def _lora_config(self, body: dict) -> dict:
+        """``create_model``'s ``lora_config`` (``rank`` a non-negative integer; 0 or absent: full-parameter).
+        Raises UserError."""
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise UserError("lora_config must be an object")
+        rank = lora.get("rank") or 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise UserError(f"lora_config.rank must be a non-negative integer, got {str(rank)[:20]!r}")
+        if self.max_lora_rank and rank > self.max_lora_rank:
+            raise UserError(f"lora_config.rank {rank} is above this server's --max-lora-rank {self.max_lora_rank}")
+        if lora.get("seed") is not None and (isinstance(lora["seed"], bool) or not isinstance(lora["seed"], int)):
+            raise UserError("lora_config.seed must be an integer")
+        if lora.get("alpha") is not None:
+            _number(lora["alpha"], "lora_config.alpha")
+        for k in ("train_mlp", "train_attn", "train_unembed"):
+            if lora.get(k) is not None and not isinstance(lora[k], bool):
+                raise UserError(f"lora_config.{k} must be true or false")
+        return lora
+
     # ---- HTTP ------------------------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="zerokld training server (Fireworks Training API)")
         api = "/api/v1"
 
+        limit = self.limits.max_body_bytes
+
         @app.middleware("http")
         async def auth(request: Request, call_next):
             if request.url.path.startswith(api) and request.headers.get("x-api-key") != self.api_key:
                 return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
+                return JSONResponse({"detail": f"body of {declared} bytes is over the limit of {limit} bytes "
+                                               "(--max-body-bytes)"}, status_code=413)
             return await call_next(request)
 
         def is_proto(request: Request) -> bool:
             return request.headers.get("content-type", "").split(";")[0].strip() == tinker_proto.CONTENT_TYPE
 
-        async def body_of(request: Request) -> dict:
-            if is_proto(request):
-                try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
-                    return tinker_proto.forward_backward_request(await request.body(),
-                                                                 request.headers.get("content-encoding"))
-                except tinker_proto.WireError as e:
-                    raise UserError(str(e)) from None
+        def parse_json(raw: bytes):
+            import json
+
             try:
-                body = await request.json()
+                return json.loads(raw)
+            except RecursionError:
+                raise UserError("body is nested too deeply") from None
             except ValueError:
                 raise UserError("body is not JSON") from None
+
+        async def body_of(request: Request) -> dict:
+            """The request's body as a JSON object, read up to ``--max-body-bytes`` (413 beyond: as sent or
+            decompressed) and decoded off the event loop (``/health`` answers meanwhile). Raises UserError."""
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"body is over the limit of {limit} bytes (--max-body-bytes)")
+                chunks.append(chunk)
+            raw = b"".join(chunks)
+            request.state.body_bytes = size
+            if is_proto(request):
+                try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
+                    return await asyncio.to_thread(tinker_proto.forward_backward_request, raw,
+                                                   request.headers.get("content-encoding"), limit)
+                except tinker_proto.BodyTooLarge as e:
+                    raise BodyTooLarge(str(e)) from None
+                except tinker_proto.WireError as e:
+                    raise UserError(str(e)) from None
+            if request.headers.get("content-encoding", "identity") not in ("", "identity"):
+                raise UserError("JSON bodies are read uncompressed (Content-Encoding zstd: protobuf bodies only)")
+            body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
             if not isinstance(body, dict):
                 raise UserError("body must be a JSON object")
             return body
@@ -492,10 +709,23 @@ class TrainingServer:
         @app.exception_handler(UserError)
         @app.exception_handler(SamplerError)
         async def refused(request: Request, e: ValueError) -> JSONResponse:
-            """A request refused at submit: 400 ``{"detail"}`` (the SDK raises ``BadRequestError``)."""
+            """A request refused at submit: 400 ``{"detail"}`` (the SDK raises ``BadRequestError``); 413 a body over
+            the limit, 429 too many parked requests."""
             from deltasync.protocol import public_message
 
-            return JSONResponse({"detail": public_message(e)}, status_code=400)
+            return JSONResponse({"detail": public_message(e)}, status_code=getattr(e, "status", 400))
+
+        async def malformed(request: Request, e: Exception) -> JSONResponse:
+            """A handler that met a value of the wrong type or shape while reading a request (every handler only reads
+            and queues: the work runs on the trainer thread, its failures answer through ``retrieve_future``): the
+            client's error, 400."""
+            from deltasync.protocol import public_message
+
+            return JSONResponse({"detail": f"malformed request ({type(e).__name__}: {public_message(e)[:200]})"},
+                                status_code=400)
+
+        for kind in (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError):
+            app.add_exception_handler(kind, malformed)
 
         @app.get("/health")
         async def health():
@@ -532,19 +762,21 @@ class TrainingServer:
 
         @app.get(api + "/get_server_capabilities")
         async def capabilities():
-            return {"supported_models": [{"model_name": self.checkpoint, "max_context_length": _CAPABILITIES_CONTEXT}]}
+            return {"supported_models": [{"model_name": Path(self.checkpoint).name,
+                                          "max_context_length": self.limits.max_context}]}
 
         @app.post(api + "/create_model")
         async def create_model(request: Request):
             body = await body_of(request)
+            base_model = _string(body, "base_model", required=False) or Path(self.checkpoint).name
+            lora = self._lora_config(body)
             model_id = f"model-{uuid.uuid4().hex[:8]}"
             rid, fut = self._future()
-            self._run(lambda: self._create(model_id, str(body.get("base_model") or self.checkpoint),
-                                           body.get("lora_config") or {}), fut)
+            self._run(lambda: self._create(model_id, base_model, lora), fut)
             return {"request_id": rid, "model_id": model_id}
 
         def model_of(body: dict) -> _Model:
-            model = self.models.get(body.get("model_id"))
+            model = self.models.get(_string(body, "model_id"))
             if model is None:
                 raise UserError(f"unknown model_id {str(body.get('model_id'))[:40]!r}")
             return model
@@ -557,26 +789,43 @@ class TrainingServer:
                     "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
                     "is_lora": bool(model.lora_rank), "lora_rank": model.lora_rank, "model_name": model.base_model}
 
-        def op(path: str, run):
+        def op(path: str, run, check=lambda body: None):
+            """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal takes
+            the request's turn, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread."""
             @app.post(api + "/" + path)
             async def handler(request: Request):
                 body = await body_of(request)
                 model = model_of(body)
-                rid = self._submit(body["model_id"], body.get("seq_id"), lambda: run(model, body))
+                checked = {}
+
+                def validate():
+                    checked["value"] = check(body)
+
+                rid = await asyncio.to_thread(self._submit, body["model_id"], body.get("seq_id"),
+                                              lambda: run(model, body, checked.get("value")),
+                                              getattr(request.state, "body_bytes", 0), validate)
                 if is_proto(request):  # its result goes back as protobuf too
                     self.proto_results[rid] = tinker_proto.forward_backward_output
                 return {"request_id": rid, "model_id": body["model_id"]}
             return handler
 
-        op("forward", lambda m, b: self._forward(m, b, backward=False))
-        # (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
-        op("forward_backward", lambda m, b: self._forward(m, b, backward=not b.get("forward_only")))
-        op("optim_step", lambda m, b: self._optim(m, b.get("adam_params") or {}))
-        op("save_weights_for_sampler", lambda m, b: self._save_for_sampler(b["model_id"], m, b))
+        def flag(body: dict, key: str) -> bool:
+            if not isinstance(body.get(key, False), bool):
+                raise UserError(f"{key} must be true or false")
+            return bool(body.get(key))
 
-        op("save_weights", lambda m, b: self._save_state(b["model_id"], m, str(b.get("path")),
-                                                          bool(b.get("overwrite"))))
-        op("load_weights", lambda m, b: self._load_state(m, str(b.get("path")), bool(b.get("optimizer"))))
+        op("forward", lambda m, b, c: self._forward(m, c, backward=False),
+           lambda b: self._forward_input(b, backward=False))
+        # (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
+        op("forward_backward", lambda m, b, c: self._forward(m, c, backward=not b.get("forward_only")),
+           lambda b: self._forward_input(b, backward=not flag(b, "forward_only")))
+        op("optim_step", lambda m, b, c: self._optim(m, c), self._adam_params)
+        op("save_weights_for_sampler", lambda m, b, c: self._save_for_sampler(b["model_id"], m, b),
+           self._check_save_for_sampler)
+        op("save_weights", lambda m, b, c: self._save_state(b["model_id"], m, b["path"], flag(b, "overwrite")),
+           lambda b: (self._identity(b.get("path"), "path"), flag(b, "overwrite")))
+        op("load_weights", lambda m, b, c: self._load_state(m, b["path"], flag(b, "optimizer")),
+           lambda b: (_string(b, "path"), flag(b, "optimizer")))
 
         def sampler():
             if self.sampler is None:
@@ -592,7 +841,7 @@ class TrainingServer:
             from .tinker_sampler import parse_model_path
 
             body, s = await body_of(request), sampler()
-            if body.get("model_path"):
+            if _string(body, "model_path", required=False):
                 model_id, identity = parse_model_path(body["model_path"])
                 saved = self.saved.get(identity)
                 if saved is None or saved[0] != model_id:
@@ -605,8 +854,8 @@ class TrainingServer:
                 model = self.models.get(model_id)
                 session = s.open(model.base_model if model else self.checkpoint, str(body["model_path"]), identity,
                                  lora_name)
-            elif body.get("base_model"):
-                session = s.open(str(body["base_model"]), None, None, None)
+            elif _string(body, "base_model", required=False):
+                session = s.open(body["base_model"], None, None, None)
             else:
                 raise UserError("create_sampling_session needs model_path or base_model")
             return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
@@ -642,7 +891,7 @@ class TrainingServer:
         @app.post(api + "/unload_model")
         async def unload(request: Request):
             body = await body_of(request)
-            model = self.models.pop(body.get("model_id"), None)
+            model = self.models.pop(_string(body, "model_id"), None)
             self._persist()
             rid, fut = self._future()
             self._run(lambda: (model.client.close() if model else None) or {"model_id": body.get("model_id")}, fut)
@@ -653,7 +902,7 @@ class TrainingServer:
             from deltasync.protocol import public_message
 
             body = await body_of(request)
-            rid = body.get("request_id")
+            rid = _string(body, "request_id")
             fut = self.futures.get(rid)
             if fut is None:
                 return JSONResponse({"detail": f"unknown request_id {str(rid)[:40]!r}"}, status_code=404)
@@ -685,12 +934,18 @@ class TrainingServerProcess:
     Args:
         checkpoint, snapshot_root, api_key: the server's ``--checkpoint``, ``--snapshot-root``, ``--api-key``.
         log_path: its stdout and stderr. extra_args: more flags (``--stock``, ``--max-lora-rank 8``, ...).
+
+    Attributes:
+        python: the interpreter it runs under (default this one's; another virtualenv's to test an install).
     """
 
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, log_path, extra_args=()) -> None:
+        import sys
+
         self.args = ["--checkpoint", str(checkpoint), "--snapshot-root", str(snapshot_root), "--api-key", api_key,
                      *map(str, extra_args)]
         self.log_path, self.proc, self.base = Path(log_path), None, ""
+        self.python = sys.executable
 
     def start(self, budget_s: float = 120.0, env: dict | None = None, port: int | None = None) -> str:
         """Start (on ``port``, default a free one) and wait for ``/health``; returns the base URL.
@@ -701,7 +956,6 @@ class TrainingServerProcess:
         import os
         import socket
         import subprocess
-        import sys
 
         import requests
 
@@ -710,7 +964,7 @@ class TrainingServerProcess:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "titan_plugin.training_server", *self.args,
+            self.proc = subprocess.Popen([self.python, "-m", "titan_plugin.training_server", *self.args,
                                           "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, "TINKER_TELEMETRY": "0", **(env or {})})
         self.base = f"http://127.0.0.1:{port}"
@@ -771,6 +1025,15 @@ def main(argv=None) -> None:
                     help="its API key (default: --api-key)")
     ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
                                                          "contrast")
+    defaults = Limits()
+    ap.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                    help="largest request body, as sent and decompressed (413 beyond)")
+    ap.add_argument("--max-context", type=int, default=defaults.max_context,
+                    help="most tokens in one datum (advertised by get_server_capabilities; 400 beyond)")
+    ap.add_argument("--max-parked", type=int, default=defaults.max_parked,
+                    help="most requests of one model waiting for an earlier seq_id (429 beyond)")
+    ap.add_argument("--max-parked-bytes", type=int, default=defaults.max_parked_bytes,
+                    help="most body bytes of one model's requests waiting for an earlier seq_id (429 beyond)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     args = ap.parse_args(argv)
@@ -786,7 +1049,9 @@ def main(argv=None) -> None:
     server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
                             batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s,
                             max_lora_rank=args.max_lora_rank, state_dir=args.state_dir,
-                            sampler_url=args.sampler_url, sampler_api_key=args.sampler_api_key)
+                            sampler_url=args.sampler_url, sampler_api_key=args.sampler_api_key,
+                            limits=Limits(args.max_body_bytes, args.max_context, args.max_parked,
+                                          args.max_parked_bytes))
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 

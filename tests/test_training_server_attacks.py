@@ -1,0 +1,351 @@
+"""The training server under attack (issue 54), as a hostile client on loopback would try it, with raw HTTP: every
+reproduction is refused cleanly — at submit, with a 4xx that names what is wrong — and nothing is lost: the model's
+log-probs of a fixed datum are bitwise those before, nothing is written outside ``--snapshot-root`` / ``--state-dir``,
+memory stays bounded. The server runs with small limits (``--max-body-bytes 4 MiB``, ``--max-context 64``,
+``--max-parked 4``, ``--max-parked-bytes 1 MiB``) so that each limit is reached quickly."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+pytestmark = [pytest.mark.titan, pytest.mark.timeout(600)]
+
+API_KEY = "fw-zerokld-attack"
+MAX_BODY = 4 << 20
+MAX_CONTEXT = 64
+TOKENS = [1] + list(range(10, 30))  # 21 input tokens + 1 target
+
+
+class Client:
+    """Raw HTTP against the server, with each model's seq_id numbering."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.seq = url, {}
+
+    def post(self, path: str, body=None, raw: bytes | None = None, headers: dict | None = None, **kw):
+        headers = {"X-Api-Key": API_KEY, **(headers or {})}
+        if raw is None:  # json.dumps keeps NaN / Infinity (requests' json= refuses them): a hostile client sends them
+            raw = json.dumps(body).encode()
+            headers.setdefault("Content-Type", "application/json")
+        return requests.post(f"{self.url}/api/v1/{path}", data=raw, headers=headers, timeout=120, **kw)
+
+    def result(self, rid: str) -> dict:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            r = self.post("retrieve_future", {"request_id": rid})
+            assert r.status_code == 200, r.text
+            if r.json().get("type") != "try_again":
+                return r.json()
+        raise AssertionError(f"no result for {rid}")
+
+    def create(self, rank: int) -> str:
+        r = self.post("create_model", {"base_model": "tiny", "lora_config": {"rank": rank}})
+        assert r.status_code == 200, r.text
+        model = self.result(r.json()["request_id"])["model_id"]
+        self.seq[model] = 1
+        return model
+
+    def next_seq(self, model: str) -> int:
+        self.seq[model] += 1
+        return self.seq[model] - 1
+
+    def call(self, path: str, model: str, body: dict) -> requests.Response:
+        """A training call at the model's next seq_id (a refusal still takes its turn)."""
+        return self.post(path, {**body, "model_id": model, "seq_id": self.next_seq(model)})
+
+    def run(self, path: str, model: str, body: dict) -> dict:
+        r = self.call(path, model, body)
+        assert r.status_code == 200, r.text
+        return self.result(r.json()["request_id"])
+
+    def logprobs(self, model: str) -> torch.Tensor:
+        out = self.run("forward", model, {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}})
+        return torch.tensor(out["loss_fn_outputs"][0]["logprobs"]["data"], dtype=torch.float32)
+
+
+def datum(tokens=TOKENS, **inputs) -> dict:
+    n = len(tokens) - 1
+    li = {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]}}
+    for k, v in inputs.items():
+        li[k] = {"data": v, "dtype": "float32", "shape": [len(v)]}
+    return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]}, "loss_fn_inputs": li}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory, tmp_path_factory):
+    """The training server with small limits; its tmp folder holds only the snapshot root, the state dir and the
+    log. Stopped by PID."""
+    from titan_plugin.training_server import TrainingServerProcess
+
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    tmp = tmp_path_factory.mktemp("attack")
+    (tmp / "snapshots").mkdir()
+    proc = TrainingServerProcess(ckpt, tmp / "snapshots", API_KEY, tmp / "trainer.log",
+                                 ["--seq-gap-s", 60, "--max-body-bytes", MAX_BODY, "--max-context", MAX_CONTEXT,
+                                  "--max-parked", 4, "--max-parked-bytes", 1 << 20, "--max-lora-rank", 8])
+    url = proc.start()
+    client = Client(url)
+    yield client, proc, tmp, client.create(0), client.create(4)
+    proc.stop()
+
+
+def _rss_peak_kib(pid: int) -> int:
+    return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("VmHWM")))
+
+
+def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
+    """``save_weights_for_sampler`` / ``save_weights`` with a path that leaves the snapshot root (LoRA and full
+    models, the Fireworks and the tinker spelling) is a 400 at submit naming the rule; no file appears at the target;
+    the numbering goes on (the next call runs). Before: a LoRA model wrote its PEFT adapter into ``<dir>/deep``."""
+    client, _, tmp, full, lora = server
+    target = tmp / "outside"
+    for model in (lora, full):
+        for path, body in (("save_weights_for_sampler", {"path": f"../../../../{target}/deep"}),
+                           ("save_weights_for_sampler", {"path": f"../../{target.name}/x", "checkpoint_type": "delta"}),
+                           ("save_weights_for_sampler", {"path": f"{target}/deep", "kind": "sampler"}),
+                           ("save_weights", {"path": f"../../../../{target}/state"}),
+                           ("save_weights_for_sampler", {"path": "a/b"})):
+            r = client.call(path, model, body)
+            assert r.status_code == 400 and "one path segment" in r.json()["detail"], (model, body, r.text)
+            assert str(tmp / "snapshots") not in r.text  # no server path in the answer (the client's own: echoed)
+    assert not target.exists()
+    before = client.logprobs(lora)  # the refusals took their turns: the numbering goes on
+    saved = client.run("save_weights_for_sampler", lora, {"path": "lora-ok"})
+    assert saved["path"] == "lora-ok" and (tmp / "snapshots" / "lora-ok" / "adapter_config.json").is_file()
+    assert torch.equal(client.logprobs(lora), before)
+
+
+def test_non_finite_and_malformed_training_inputs_leave_the_model_untouched(server):
+    """NaN / inf advantages, NaN sampler logprobs, NaN weights, a per-token input of the wrong length, token ids and
+    targets outside the vocabulary, a datum longer than the served context: each a 400 at submit naming the datum and
+    the field; the model's log-probs bitwise unchanged after each, and its gradients too (the step after them moves
+    the weights exactly as one with none of them would: same bits as a twin model). Weights of 1e38 (finite, but the
+    loss overflows): the forward_backward fails as the user's error and its gradients are discarded."""
+    client, _, _, full, _ = server
+    n = len(TOKENS) - 1
+    ones, lps = [1.0] * n, [-1.0] * n
+    before = client.logprobs(full)
+    cases = [
+        ("importance_sampling", datum(advantages=[float("nan")] + ones[1:], logprobs=lps), "'advantages'][0]"),
+        ("importance_sampling", datum(advantages=ones[:-1] + [float("inf")], logprobs=lps), f"'advantages'][{n - 1}]"),
+        ("importance_sampling", datum(advantages=ones, logprobs=[float("nan")] * n), "'logprobs'][0]"),
+        ("cross_entropy", datum(weights=[float("-inf")] * n), "'weights'][0]"),
+        ("cross_entropy", datum(weights=ones[:-1]), "'weights'] has"),
+        ("importance_sampling", datum(advantages=ones + [1.0], logprobs=lps), "'advantages'] has"),
+        ("cross_entropy", datum(tokens=TOKENS[:-1] + [10 ** 6]), "target_tokens"),
+        ("cross_entropy", datum(tokens=[10 ** 6] + TOKENS[1:]), "token ids"),
+        ("cross_entropy", datum(tokens=[1] * (MAX_CONTEXT + 2)), "served context"),
+        ("cross_entropy", datum(weights=["1"] * n), "'weights'][0]"),
+    ]
+    for loss, d, field in cases:
+        r = client.call("forward_backward", full, {"forward_backward_input": {"data": [datum(), d], "loss_fn": loss}})
+        assert r.status_code == 400, (field, r.text)
+        assert "datum 1" in r.json()["detail"] and field in r.json()["detail"], (field, r.json())
+        assert torch.equal(client.logprobs(full), before), field
+    huge = client.call("forward_backward", full, {"forward_backward_input": {
+        "data": [datum(weights=[1e38] * n)], "loss_fn": "cross_entropy"}})
+    assert huge.status_code == 200, huge.text
+    answer = client.result(huge.json()["request_id"])
+    assert answer.get("category") == "user" and "not finite" in answer["error"], answer
+    assert torch.equal(client.logprobs(full), before)
+    # the step after the refusals: no gradient of theirs survives (a twin model, the same good step, the same bits)
+    twin = client.create(0)
+    good = {"forward_backward_input": {"data": [datum(advantages=ones, logprobs=lps)], "loss_fn": "importance_sampling"}}
+    for model in (full, twin):
+        client.run("forward_backward", model, good)
+        assert "error" not in client.run("optim_step", model, {"adam_params": {"learning_rate": 1e-2}})
+    moved = client.logprobs(full)
+    assert not torch.equal(moved, before) and torch.equal(moved, client.logprobs(twin))
+
+
+def test_a_step_with_non_finite_gradients_is_refused(checkpoint_factory, tmp_path):
+    """``RLTrainer.optim_step`` with a NaN in an accumulated gradient (what overflowing inputs leave) raises
+    ``NonFiniteGradientError``, discards the gradients and leaves every weight bitwise as it was; the next good
+    step applies. Negative control: torch's AdamW applies the NaN (the weight it touches becomes NaN)."""
+    from titan_plugin import TrainingClient
+    from titan_plugin.rl import NonFiniteGradientError
+
+    client = TrainingClient.from_checkpoint(checkpoint_factory("qwen3", "float32"), dtype="float32",
+                                            learning_rate=1e-2, dump_folder=str(tmp_path / "t"))
+    try:
+        n = len(TOKENS) - 1
+        data = [{"model_input": TOKENS[:-1], "loss_fn_inputs": {"target_tokens": TOKENS[1:], "weights": [1.0] * n}}]
+        client.forward_backward(data, "cross_entropy")
+        params = [p for m in client.trainer.model_parts for p in m.parameters() if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        params[0].grad.view(-1)[0] = float("nan")
+        with pytest.raises(NonFiniteGradientError, match="refused"):
+            client.optim_step({"learning_rate": 1e-2})
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+        assert all(p.grad is None or not p.grad.any() for p in params)  # discarded
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step({"learning_rate": 1e-2})
+        assert not all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+        w = torch.nn.Parameter(torch.ones(3))  # negative control: stock AdamW applies a NaN gradient
+        w.grad = torch.tensor([float("nan"), 0.0, 0.0])
+        torch.optim.AdamW([w], lr=1e-2).step()
+        assert w.detach()[0].isnan()
+    finally:
+        client.close()
+
+
+def test_zstd_bomb_and_large_bodies_are_refused_with_memory_bounded(server):
+    """A 1 GiB protobuf body zstd-compressed to a few KB: 413 after at most ``--max-body-bytes`` decompressed (the
+    server's peak memory grows by far less than the bomb), ``/health`` answering meanwhile; a JSON body over the
+    limit: 413 from its Content-Length before it is read, and from the bytes read when it comes chunked (no
+    Content-Length). The model is untouched. Before: the bomb cost +1.25 GiB and stalled ``/health`` up to 3.9 s."""
+    import zstandard
+
+    from titan_plugin import tinker_proto
+
+    client, proc, _, full, _ = server
+    before = client.logprobs(full)
+    packer, zeros = zstandard.ZstdCompressor(level=3).compressobj(size=1 << 30), bytes(1 << 20)
+    bomb = b"".join(packer.compress(zeros) for _ in range(1024)) + packer.flush()  # 1 GiB, streamed
+    assert len(bomb) < 64 << 10
+    peak = _rss_peak_kib(proc.proc.pid)
+    health, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            t = time.monotonic()
+            assert requests.get(client.url + "/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - t)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        r = client.post("forward_backward", raw=bomb, headers={"Content-Type": tinker_proto.CONTENT_TYPE,
+                                                                "Content-Encoding": "zstd"})
+    finally:
+        done.set()
+        poller.join()
+    assert r.status_code == 413 and "decompresses to more than" in r.json()["detail"], r.text
+    grown_mib = (_rss_peak_kib(proc.proc.pid) - peak) / 1024
+    assert grown_mib < 64, f"peak memory grew by {grown_mib:.0f} MiB"
+    assert health and max(health) < 1.0, health  # (bound generous for a loaded 2-core machine; before: 3.9 s)
+    big = {"forward_input": {"data": [datum()] * 15_000}, "model_id": full, "seq_id": 10 ** 6}
+    raw = json.dumps(big).encode()
+    assert len(raw) > MAX_BODY
+    r = client.post("forward", raw=raw)
+    assert r.status_code == 413 and "over the limit" in r.json()["detail"], r.text
+    r = client.post("forward", raw=iter([raw[i:i + (1 << 20)] for i in range(0, len(raw), 1 << 20)]))  # chunked
+    assert r.status_code == 413 and "over the limit" in r.json()["detail"], r.text
+    assert torch.equal(client.logprobs(full), before)
+
+
+def test_requests_parked_for_an_earlier_seq_id_are_bounded(server):
+    """Requests with later seq_ids wait for the missing one; beyond ``--max-parked`` (4) of them, or beyond
+    ``--max-parked-bytes`` (1 MiB) of their bodies, the next is a 429 and nothing is queued; once the missing
+    seq_id arrives every parked one runs, in order. Before: a 200 MiB body was held ~120 s."""
+    client, _, _, full, _ = server
+    base = client.seq[full]
+    fwd = {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
+    parked = [client.post("forward", {**fwd, "model_id": full, "seq_id": base + k}) for k in range(1, 5)]
+    assert all(r.status_code == 200 for r in parked), [r.text for r in parked]
+    r = client.post("forward", {**fwd, "model_id": full, "seq_id": base + 5})
+    assert r.status_code == 429 and "already wait" in r.json()["detail"], r.text
+    client.seq[full] = base  # the missing one: every parked request runs
+    first = client.logprobs(full)
+    results = [client.result(p.json()["request_id"]) for p in parked]
+    assert all(torch.equal(torch.tensor(o["loss_fn_outputs"][0]["logprobs"]["data"], dtype=torch.float32), first)
+               for o in results)
+    client.seq[full] = base + 5  # the refused one's number is still free
+    assert torch.equal(client.logprobs(full), first)
+    base = client.seq[full]
+    heavy = {"forward_input": {"data": [datum()] * 2500, "loss_fn": "cross_entropy"}}
+    assert 600 << 10 < len(json.dumps(heavy)) < MAX_BODY
+    r1 = client.post("forward", {**heavy, "model_id": full, "seq_id": base + 1})
+    assert r1.status_code == 200, r1.text
+    r2 = client.post("forward", {**heavy, "model_id": full, "seq_id": base + 2})
+    assert r2.status_code == 429 and "bytes" in r2.json()["detail"], r2.text
+    assert torch.equal(client.logprobs(full), first)  # base: the missing one
+    assert "error" not in client.result(r1.json()["request_id"])
+    client.seq[full] = base + 2
+
+
+def test_malformed_requests_are_400_never_500(server):
+    """Values of the wrong type (a list as ``model_id``, a string / boolean ``seq_id``, a dict as ``request_id``,
+    ``lora_config`` / ``adam_params`` / ``forward_input`` not objects, ``stream``-style strings as booleans), JSON
+    nested 100,000 deep, a body that is not JSON or not an object: each a 400 with a ``detail``; the model
+    untouched."""
+    client, _, tmp, full, _ = server
+    before = client.logprobs(full)
+    fwd = {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
+    calls = [  # at the model's next seq_id: refused, each still takes its turn
+        ("forward", {"forward_input": [1, 2]}),
+        ("forward", {"forward_input": {"data": [datum()], "loss_fn": 3}}),
+        ("forward", {"forward_input": {"data": [{"model_input": []}]}}),
+        ("forward", {"forward_input": {"data": [{"model_input": {"chunks": [{"tokens": "abc"}]}}]}}),
+        ("forward", {"forward_input": {"data": [{"model_input": {"chunks": [{"tokens": [1, 2]}]},
+                                                 "loss_fn_inputs": [3]}]}}),
+        ("forward_backward", {"forward_backward_input": {"data": [datum()], "loss_fn_config": [1]}}),
+        ("forward_backward", {**fwd, "forward_only": "yes"}),
+        ("optim_step", {"adam_params": "fast"}),
+        ("optim_step", {"adam_params": {"learning_rate": "1e-3"}}),
+        ("optim_step", {"adam_params": {"learning_rate": float("nan")}}),
+        ("save_weights", {"path": "ok", "overwrite": "yes"}),
+        ("load_weights", {"path": ["ok"]}),
+    ]
+    for path, body in calls:
+        r = client.call(path, full, body)
+        assert r.status_code == 400 and r.json().get("detail"), (path, body, r.status_code, r.text)
+    cases = [
+        ("forward", {**fwd, "model_id": [full], "seq_id": 10 ** 6}),
+        ("forward", {**fwd, "model_id": {"a": 1}, "seq_id": 10 ** 6}),
+        ("forward", {**fwd, "model_id": full, "seq_id": "7"}),
+        ("forward", {**fwd, "model_id": full, "seq_id": True}),
+        ("forward", {**fwd, "model_id": full, "seq_id": 1.5}),
+        ("retrieve_future", {"request_id": {"id": 1}}),
+        ("retrieve_future", {"request_id": ["req-1"]}),
+        ("create_model", {"lora_config": [4]}),
+        ("create_model", {"lora_config": {"rank": "4"}}),
+        ("create_model", {"lora_config": {"rank": 64}}),
+        ("create_model", {"base_model": ["x"]}),
+        ("get_info", {"model_id": [full]}),
+        ("unload_model", {"model_id": [full]}),
+        ("create_sampling_session", {"model_path": 3}),
+    ]
+    for path, body in cases:
+        r = client.post(path, body)
+        assert r.status_code == 400 and r.json().get("detail"), (path, body, r.status_code, r.text)
+        assert str(tmp) not in r.text  # (these bodies name no path: anything path-like would be the server's)
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000, b"not json",
+                b"[1, 2]", b"\xff\xfe"):
+        for path in ("forward", "retrieve_future", "create_model", "get_info"):
+            r = client.post(path, raw=raw, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json().get("detail"), (path, raw[:20], r.status_code, r.text)
+    assert torch.equal(client.logprobs(full), before)
+
+
+def test_capabilities_advertise_the_context_and_no_server_path(server):
+    """``get_server_capabilities`` advertises ``--max-context`` and names the model without the server's path."""
+    client, _, tmp, _, _ = server
+    r = requests.get(client.url + "/api/v1/get_server_capabilities", headers={"X-Api-Key": API_KEY}, timeout=30)
+    (model,) = r.json()["supported_models"]
+    assert model["max_context_length"] == MAX_CONTEXT and "/" not in model["model_name"]
+    assert str(tmp) not in r.text
+
+
+def test_everything_the_server_wrote_lies_under_its_roots(server):
+    """After a full model's base + delta saves (the snapshot writer and its cache) and a LoRA model's (its PEFT export),
+    the server's tmp folder holds only the snapshot root and the log: the trainer folders and the writer's cache are
+    under ``<snapshot_root>/.zerokld-training-server/`` (before: ``<root>/../.model-<id>/`` and
+    ``<root>/../.zerokld_writer_cache/``)."""
+    from titan_plugin.training_server import WORK_DIR
+
+    client, _, tmp, full, lora = server
+    assert client.run("save_weights_for_sampler", full, {"path": "full-1", "checkpoint_type": "base"})["path"] == "full-1"
+    assert client.run("save_weights_for_sampler", full, {"path": "full-2", "checkpoint_type": "delta"})["path"] == "full-2"
+    assert client.run("save_weights_for_sampler", lora, {"path": "lora-2"})["path"] == "lora-2"
+    assert sorted(p.name for p in tmp.iterdir()) == ["snapshots", "trainer.log"]
+    work = tmp / "snapshots" / WORK_DIR
+    assert (work / "writer_cache").is_dir() and (work / lora).is_dir()
