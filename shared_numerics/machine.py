@@ -10,10 +10,13 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["ISA_FLAGS", "cpu_model", "isa_flags", "machine_facts"]
+__all__ = ["ISA_FLAGS", "PATH_SWITCHES", "cpu_model", "isa_flags", "machine_facts", "path_switches"]
 
 #: the ISA flags that change which kernels torch and oneDNN pick (and so the bits of a run): ``/proc/cpuinfo`` names
 ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+#: environment switches that put a process on an older CPU's path (README's "CPU paths", ``make ... CPU_PATH=``)
+PATH_SWITCHES = ("ZEROKLD_AMX", "ZEROKLD_NATIVE_BF16", "ZEROKLD_F32_KERNEL", "ZEROKLD_CPU_MARCH", "ATEN_CPU_CAPABILITY",
+                 "ONEDNN_MAX_CPU_ISA")
 
 
 def _cpuinfo() -> str:
@@ -37,11 +40,17 @@ def isa_flags() -> list[str]:
     return [f for f in ISA_FLAGS if f in flags]
 
 
+def path_switches() -> dict[str, str]:
+    """Which of :data:`PATH_SWITCHES` this process has set (``{}``: the machine's own path)."""
+    return {k: os.environ[k] for k in PATH_SWITCHES if k in os.environ}
+
+
 def machine_facts() -> dict:
-    """``{"cpu_model", "isa_flags", "cores", "threads", "platform", "torch"}``: ``threads`` is
+    """``{"cpu_model", "isa_flags", "cores", "threads", "platform", "torch", "path_switches"}``: ``threads`` is
     ``torch.get_num_threads()`` of the calling process (the intra-op threads its CPU kernels use), ``cores``
-    ``os.cpu_count()``."""
+    ``os.cpu_count()``, ``path_switches`` :func:`path_switches` (an emulated older CPU's path)."""
     import torch
 
     return {"cpu_model": cpu_model(), "isa_flags": isa_flags(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__,
+            "path_switches": path_switches()}

@@ -138,3 +138,25 @@ def test_avx2_build_gives_the_avx512_bits(tmp_path):
     stock_differs(any(not torch.equal(s, t) for s, t in zip(a["stock"], b["stock"])),
                   "softmax / silu / exp / bf16 linear under ATEN_CPU_CAPABILITY=avx2 + ONEDNN_MAX_CPU_ISA=AVX2",
                   "the stock ops or their sizes")
+
+
+def test_only_declared_capability_skips_pass(tmp_path):
+    """A test marked with a capability this machine lacks (``requires_cuda`` here) skips with its declared reason and
+    the run passes; any other skip fails the run, naming the test (tests/conftest.py). Run as a pytest of its own
+    with this suite's conftest as a plugin."""
+    probe = ("import pytest\n\n\n@pytest.mark.requires_cuda\ndef test_declared():\n    pass\n\n\n"
+             "def test_passes():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "ZEROKLD_CUDA_TESTS"}
+
+    def run(source: str) -> subprocess.CompletedProcess:
+        (tmp_path / "test_probe.py").write_text(source)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p",
+                               "tests.conftest", "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    declared = run(probe)
+    assert declared.returncode == 0 and "1 passed, 1 skipped" in declared.stdout, declared.stdout[-2000:]
+    undeclared = run(probe + '\n\ndef test_undeclared():\n    pytest.skip("a reason nobody declared")\n')
+    assert undeclared.returncode == 1, undeclared.stdout[-2000:]
+    assert "skips not on the allow-list" in undeclared.stdout and "test_undeclared" in undeclared.stdout
+    assert "test_declared: " not in undeclared.stdout

@@ -1,7 +1,9 @@
 """The training server under attack (issue 54), as a hostile client on loopback would try it, with raw HTTP: every
-reproduction is refused cleanly — at submit, with a 4xx that names what is wrong — and nothing is lost: the model's
-log-probs of a fixed datum are bitwise those before, nothing is written outside ``--snapshot-root`` / ``--state-dir``,
-memory stays bounded. The server runs with small limits (``--max-body-bytes 4 MiB``, ``--max-context 64``,
+reproduction is refused cleanly — checked at submit, before anything of it runs or touches the disk; a training call
+of a known model at a valid ``seq_id`` fails its future as the user's error naming what is wrong (the shape the SDKs
+go on from: a 400 there ends ``fireworks-ai``'s request sequence), anything else is a 4xx — and nothing is lost: the
+model's log-probs of a fixed datum are bitwise those before, nothing is written outside ``--snapshot-root`` /
+``--state-dir``, memory stays bounded. The server runs with small limits (``--max-body-bytes 4 MiB``, ``--max-context 64``,
 ``--max-parked 4``, ``--max-parked-bytes 1 MiB``) so that each limit is reached quickly."""
 from __future__ import annotations
 
@@ -64,6 +66,14 @@ class Client:
         assert r.status_code == 200, r.text
         return self.result(r.json()["request_id"])
 
+    def refused(self, path: str, model: str, body: dict) -> str:
+        """A training call refused at submit: accepted as a request, its future the user's error; the error."""
+        r = self.call(path, model, body)
+        assert r.status_code == 200, r.text
+        answer = self.result(r.json()["request_id"])
+        assert answer.get("category") == "user" and answer.get("error"), (path, body, answer)
+        return answer["error"]
+
     def logprobs(self, model: str) -> torch.Tensor:
         out = self.run("forward", model, {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}})
         return torch.tensor(out["loss_fn_outputs"][0]["logprobs"]["data"], dtype=torch.float32)
@@ -102,8 +112,9 @@ def _rss_peak_kib(pid: int) -> int:
 
 def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
     """``save_weights_for_sampler`` / ``save_weights`` with a path that leaves the snapshot root (LoRA and full
-    models, the Fireworks and the tinker spelling) is a 400 at submit naming the rule; no file appears at the target;
-    the numbering goes on (the next call runs). Before: a LoRA model wrote its PEFT adapter into ``<dir>/deep``."""
+    models, the Fireworks and the tinker spelling) is refused at submit, naming the rule; no file appears at the
+    target; the numbering goes on (the next call runs). Before: a LoRA model wrote its PEFT adapter into
+    ``<dir>/deep``, and the name was refused only after."""
     client, _, tmp, full, lora = server
     target = tmp / "outside"
     for model in (lora, full):
@@ -112,9 +123,9 @@ def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
                            ("save_weights_for_sampler", {"path": f"{target}/deep", "kind": "sampler"}),
                            ("save_weights", {"path": f"../../../../{target}/state"}),
                            ("save_weights_for_sampler", {"path": "a/b"})):
-            r = client.call(path, model, body)
-            assert r.status_code == 400 and "one path segment" in r.json()["detail"], (model, body, r.text)
-            assert str(tmp / "snapshots") not in r.text  # no server path in the answer (the client's own: echoed)
+            error = client.refused(path, model, body)
+            assert "one path segment" in error, (model, body, error)
+            assert str(tmp / "snapshots") not in error  # no server path in the answer (the client's own: echoed)
     assert not target.exists()
     before = client.logprobs(lora)  # the refusals took their turns: the numbering goes on
     saved = client.run("save_weights_for_sampler", lora, {"path": "lora-ok"})
@@ -124,8 +135,8 @@ def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
 
 def test_non_finite_and_malformed_training_inputs_leave_the_model_untouched(server):
     """NaN / inf advantages, NaN sampler logprobs, NaN weights, a per-token input of the wrong length, token ids and
-    targets outside the vocabulary, a datum longer than the served context: each a 400 at submit naming the datum and
-    the field; the model's log-probs bitwise unchanged after each, and its gradients too (the step after them moves
+    targets outside the vocabulary, a datum longer than the served context: each refused at submit naming the datum
+    and the field; the model's log-probs bitwise unchanged after each, and its gradients too (the step after them moves
     the weights exactly as one with none of them would: same bits as a twin model). Weights of 1e38 (finite, but the
     loss overflows): the forward_backward fails as the user's error and its gradients are discarded."""
     client, _, _, full, _ = server
@@ -145,9 +156,9 @@ def test_non_finite_and_malformed_training_inputs_leave_the_model_untouched(serv
         ("cross_entropy", datum(weights=["1"] * n), "'weights'][0]"),
     ]
     for loss, d, field in cases:
-        r = client.call("forward_backward", full, {"forward_backward_input": {"data": [datum(), d], "loss_fn": loss}})
-        assert r.status_code == 400, (field, r.text)
-        assert "datum 1" in r.json()["detail"] and field in r.json()["detail"], (field, r.json())
+        error = client.refused("forward_backward", full, {"forward_backward_input": {"data": [datum(), d],
+                                                                                       "loss_fn": loss}})
+        assert "datum 1" in error and field in error, (field, error)
         assert torch.equal(client.logprobs(full), before), field
     huge = client.call("forward_backward", full, {"forward_backward_input": {
         "data": [datum(weights=[1e38] * n)], "loss_fn": "cross_entropy"}})
@@ -275,8 +286,8 @@ def test_requests_parked_for_an_earlier_seq_id_are_bounded(server):
 def test_malformed_requests_are_400_never_500(server):
     """Values of the wrong type (a list as ``model_id``, a string / boolean ``seq_id``, a dict as ``request_id``,
     ``lora_config`` / ``adam_params`` / ``forward_input`` not objects, ``stream``-style strings as booleans), JSON
-    nested 100,000 deep, a body that is not JSON or not an object: each a 400 with a ``detail``; the model
-    untouched."""
+    nested 100,000 deep, a body that is not JSON or not an object: each a 400 with a ``detail`` (a training call of
+    the model at its next seq_id: its future the user's error); never a 5xx; the model untouched."""
     client, _, tmp, full, _ = server
     before = client.logprobs(full)
     fwd = {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
@@ -296,8 +307,7 @@ def test_malformed_requests_are_400_never_500(server):
         ("load_weights", {"path": ["ok"]}),
     ]
     for path, body in calls:
-        r = client.call(path, full, body)
-        assert r.status_code == 400 and r.json().get("detail"), (path, body, r.status_code, r.text)
+        client.refused(path, full, body)
     cases = [
         ("forward", {**fwd, "model_id": [full], "seq_id": 10 ** 6}),
         ("forward", {**fwd, "model_id": {"a": 1}, "seq_id": 10 ** 6}),

@@ -97,12 +97,15 @@ class Limits:
         max_context: tokens of one datum's ``model_input`` (advertised by ``get_server_capabilities``): 400 beyond.
         max_parked: requests of one model waiting for an earlier ``seq_id``: 429 beyond.
         max_parked_bytes: their bodies' bytes together, per model: 429 beyond.
+        max_models: models held at once (each a trainer: its weights, gradients and optimizer state; ``unload_model``
+            frees one): 429 beyond.
     """
 
     max_body_bytes: int = 64 << 20
     max_context: int = 4096
     max_parked: int = 64
     max_parked_bytes: int = 256 << 20
+    max_models: int = 8
 
 
 class UserError(ValueError):
@@ -135,8 +138,6 @@ def _string(body: dict, key: str, required: bool = True) -> str | None:
 
 def _number(value, what: str) -> float:
     """A finite JSON number (not a boolean). Raises UserError naming ``what``."""
-    import math
-
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UserError(f"{what} must be a finite number, got {str(value)[:40]!r}")
     return float(value)
@@ -146,8 +147,6 @@ def _tensor_data(td, name: str) -> list:
     """Tinker ``TensorData`` (``{"data", "dtype", "shape"}``) as a flat list of finite numbers. Raises UserError:
     ragged or malformed, or a value that is not a finite number (NaN / inf, a string, a boolean) — naming its
     index."""
-    import math
-
     if not isinstance(td, dict) or not isinstance(td.get("data"), list):
         raise UserError(f"loss_fn_inputs[{name!r}] must be TensorData {{data, dtype, shape}}")
     shape = td.get("shape") or [len(td["data"])]
@@ -262,6 +261,56 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None, max_co
     return out
 
 
+def _tensor_data_schema(items: dict) -> dict:
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"type": "array", "items": items}, "dtype": {"type": "string"},
+                           "shape": {"type": "array", "items": {"type": "integer"}}}}
+
+
+#: the forward / forward_backward body (tinker 0.38's ``ForwardBackwardRequest``, ``types/forward_backward_input.py``,
+#: ``datum.py``, ``tensor_data.py``, ``model_input.py``: these are not pydantic models, so written out here)
+_DATUM = {"type": "object", "required": ["model_input"], "properties": {
+    "model_input": {"type": "object", "required": ["chunks"], "properties": {
+        "chunks": {"type": "array", "items": {"type": "object", "required": ["tokens"], "properties": {
+            "type": {"type": "string", "enum": ["encoded_text"]},
+            "tokens": {"type": "array", "items": {"type": "integer"}}}}},
+        "routing_matrices": {"type": "array", "items": {"type": "string"}}}},
+    "loss_fn_inputs": {"type": "object", "additionalProperties": _tensor_data_schema({"type": "number"})}}}
+_FORWARD_INPUT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "array", "items": _DATUM}, "loss_fn": {"type": "string"},
+    "loss_fn_config": {"type": "object", "additionalProperties": {"type": ["number", "string"]}}}}
+_TRAINING_CALL = {"model_id": {"type": "string"}, "seq_id": {"type": "integer"}}
+
+
+def request_schemas() -> dict[str, dict]:
+    """Route (under ``/api/v1``) -> the JSON schema of its request body, for the server's OpenAPI document (what an
+    API fuzzer generates from): tinker 0.38's own request models where they are pydantic (``tinker.types``:
+    ``CreateModelRequest``, ``OptimStepRequest``, ...; references into ``#/components/schemas``), the forward /
+    forward_backward bodies and the Fireworks spellings of the training calls written out (:data:`_DATUM`)."""
+    from tinker import types
+
+    ref = "#/components/schemas/{model}"
+    out = {route: getattr(types, model).model_json_schema(ref_template=ref) for route, model in (
+        ("create_session", "CreateSessionRequest"), ("session_heartbeat", "SessionHeartbeatRequest"),
+        ("client/config", "ClientConfigRequest"), ("telemetry", "TelemetrySendRequest"),
+        ("create_model", "CreateModelRequest"), ("get_info", "GetInfoRequest"), ("unload_model", "UnloadModelRequest"),
+        ("retrieve_future", "FutureRetrieveRequest"), ("save_weights", "SaveWeightsRequest"),
+        ("load_weights", "LoadWeightsRequest"), ("create_sampling_session", "CreateSamplingSessionRequest"),
+        ("asample", "SampleRequest"))}
+    adam = types.AdamParams.model_json_schema(ref_template=ref)
+    out["optim_step"] = {"type": "object", "required": ["model_id", "seq_id"],
+                         "properties": {**_TRAINING_CALL, "adam_params": adam}}
+    out["save_weights_for_sampler"] = {"type": "object", "required": ["model_id", "seq_id"], "properties": {
+        **_TRAINING_CALL, "path": {"type": "string"}, "checkpoint_type": {"type": "string", "enum": ["base", "delta"]},
+        "kind": {"type": "string"}, "sampling_session_seq_id": {"type": "integer"}}}
+    out["forward"] = {"type": "object", "required": ["model_id", "seq_id", "forward_input"],
+                      "properties": {**_TRAINING_CALL, "forward_input": _FORWARD_INPUT}}
+    out["forward_backward"] = {"type": "object", "required": ["model_id", "seq_id", "forward_backward_input"],
+                               "properties": {**_TRAINING_CALL, "forward_backward_input": _FORWARD_INPUT,
+                                              "forward_only": {"type": "boolean"}}}
+    return out
+
+
 def _outputs(lps, metrics: dict, loss_fn: str) -> dict:
     return {"loss_fn_output_type": loss_fn,
             "loss_fn_outputs": [{"logprobs": {"data": [float(x) for x in lp.tolist()], "dtype": "float32",
@@ -329,6 +378,7 @@ class TrainingServer:
         self.vocab_size, self.num_experts = int(config.vocab_size), config.num_experts
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
         self.models: dict[str, _Model] = {}
+        self.creating = 0  # create_model calls queued or running (they count against Limits.max_models)
         self.futures: dict[str, concurrent.futures.Future] = {}
         self.proto_results: dict = {}  # request id -> the encoder of its tinker protobuf result
         self.sampler = None
@@ -395,10 +445,12 @@ class TrainingServer:
     def _submit(self, model_id: str, seq_id, fn, nbytes: int = 0, check=None) -> str:
         """Queue ``fn`` at ``seq_id`` of the model; runs when every earlier seq_id has. ``check()`` (the request's
         validation, after the seq_id is known to be the model's next or later) raising UserError refuses the request
-        but takes its turn: the numbering goes on without it.
+        before anything of it runs: its future fails with that error (category ``user``) at its turn, in the shape
+        the SDKs continue from (a 400 here would end their request sequence: ``fireworks-ai``'s training client
+        raises "Training request sequence failed" for every later call).
 
         Raises:
-            UserError: unknown model, a seq_id already used (or not an integer), ``check``'s refusal.
+            UserError: unknown model, a seq_id already used (or not an integer).
             Busy: :attr:`Limits.max_parked` requests or :attr:`Limits.max_parked_bytes` bytes of the model already
                 wait for an earlier seq_id (nothing is queued; the same seq_id may be sent again).
         """
@@ -429,15 +481,14 @@ class TrainingServer:
             if self.models.get(model_id) is not model or seq_id < model.next_seq or seq_id in model.pending:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             rid, fut = self._future()
-            if refusal is not None:  # its turn passes without running anything
-                self.futures.pop(rid)
-                fn, nbytes = (lambda: None), 0
+            if refusal is not None:  # its turn only fails it: nothing of the request is kept or run
+                def fn(error=refusal):
+                    raise error
+                nbytes = 0
             model.pending[seq_id] = (fn, fut, time.monotonic(), nbytes)
             while model.next_seq in model.pending:
                 self._run(*model.pending.pop(model.next_seq)[:2])
                 model.next_seq += 1
-        if refusal is not None:
-            raise refusal
         return rid
 
     def _expire_gaps(self) -> None:
@@ -446,7 +497,7 @@ class TrainingServer:
         now = time.monotonic()
         with self.lock:
             for model in self.models.values():
-                for seq, (_, fut, arrived) in list(model.pending.items()):
+                for seq, (_, fut, arrived, _) in list(model.pending.items()):
                     if now - arrived > self.seq_gap_s:
                         del model.pending[seq]
                         fut.set_exception(UserError(f"seq_id {seq} waited {self.seq_gap_s:g} s for seq_id "
@@ -655,6 +706,26 @@ class TrainingServer:
         app = FastAPI(title="zerokld training server (Fireworks Training API)")
         api = "/api/v1"
 
+        def openapi() -> dict:
+            """FastAPI's document with every route's request body (:func:`request_schemas`: the handlers read the raw
+            body, so FastAPI cannot see it) and the ``X-Api-Key`` scheme."""
+            if app.openapi_schema is None:
+                from fastapi.openapi.utils import get_openapi
+
+                doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+                components = doc.setdefault("components", {})
+                schemas = components.setdefault("schemas", {})
+                for route, body in request_schemas().items():
+                    schemas.update(body.pop("$defs", {}))
+                    doc["paths"][f"{api}/{route}"]["post"]["requestBody"] = {
+                        "required": True, "content": {"application/json": {"schema": body}}}
+                components["securitySchemes"] = {"key": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}}
+                doc["security"] = [{"key": []}]
+                app.openapi_schema = doc
+            return app.openapi_schema
+
+        app.openapi = openapi
+
         limit = self.limits.max_body_bytes
 
         @app.middleware("http")
@@ -771,8 +842,20 @@ class TrainingServer:
             base_model = _string(body, "base_model", required=False) or Path(self.checkpoint).name
             lora = self._lora_config(body)
             model_id = f"model-{uuid.uuid4().hex[:8]}"
+            with self.lock:
+                if len(self.models) + self.creating >= self.limits.max_models:
+                    raise Busy(f"this server holds {self.limits.max_models} models (--max-models): unload_model one "
+                               "first")
+                self.creating += 1
             rid, fut = self._future()
-            self._run(lambda: self._create(model_id, base_model, lora), fut)
+
+            def create():
+                try:
+                    return self._create(model_id, base_model, lora)
+                finally:
+                    with self.lock:
+                        self.creating -= 1
+            self._run(create, fut)
             return {"request_id": rid, "model_id": model_id}
 
         def model_of(body: dict) -> _Model:
@@ -790,8 +873,8 @@ class TrainingServer:
                     "is_lora": bool(model.lora_rank), "lora_rank": model.lora_rank, "model_name": model.base_model}
 
         def op(path: str, run, check=lambda body: None):
-            """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal takes
-            the request's turn, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread."""
+            """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal fails
+            the request's future, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread."""
             @app.post(api + "/" + path)
             async def handler(request: Request):
                 body = await body_of(request)
@@ -1034,6 +1117,8 @@ def main(argv=None) -> None:
                     help="most requests of one model waiting for an earlier seq_id (429 beyond)")
     ap.add_argument("--max-parked-bytes", type=int, default=defaults.max_parked_bytes,
                     help="most body bytes of one model's requests waiting for an earlier seq_id (429 beyond)")
+    ap.add_argument("--max-models", type=int, default=defaults.max_models,
+                    help="most models held at once (unload_model frees one; 429 beyond)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     args = ap.parse_args(argv)
@@ -1051,7 +1136,7 @@ def main(argv=None) -> None:
                             max_lora_rank=args.max_lora_rank, state_dir=args.state_dir,
                             sampler_url=args.sampler_url, sampler_api_key=args.sampler_api_key,
                             limits=Limits(args.max_body_bytes, args.max_context, args.max_parked,
-                                          args.max_parked_bytes))
+                                          args.max_parked_bytes, args.max_models))
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 

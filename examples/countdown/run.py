@@ -47,7 +47,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from examples.countdown.served import stock_fp8_quantization  # noqa: E402
 from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
-from shared_numerics.machine import ISA_FLAGS, cpu_model, isa_flags  # noqa: E402
+from shared_numerics.machine import ISA_FLAGS, cpu_model, isa_flags, path_switches  # noqa: E402
+from shared_numerics.linear import gemm_partition  # noqa: E402
 
 MODEL_SPEC = TinyModelSpec(family="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
@@ -462,8 +463,10 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
            "policy's log-probs" if args.async_k else ""),
         zk, stock,
         f"machine: {cpu_model()}, {os.cpu_count()} CPU cores (ISA: {', '.join(isa_flags()) or 'none'} of "
-        f"{'/'.join(ISA_FLAGS)}), {platform.platform()}, torch {torch.__version__}; "
-        f"{seconds:.0f} s from SFT to the last step",
+        f"{'/'.join(ISA_FLAGS)}), {platform.platform()}, torch {torch.__version__}; zerokld's GEMM path "
+        f"`{gemm_partition()}`"
+        + (f", emulating an older CPU's path ({' '.join(f'{k}={v}' for k, v in path_switches().items())})"
+           if path_switches() else "") + f"; {seconds:.0f} s from SFT to the last step",
         "bit-reproducibility: a rerun gives the same bits on the same CPU ISA, thread counts (torch's and "
         "ZEROKLD_GEMM_THREADS) and package versions "
         "(constraints.txt); on another ISA (e.g. AMX or AVX512-BF16 instead of AVX2) both runs still compare as "

@@ -65,6 +65,7 @@ import asyncio
 import json
 import logging
 import socket
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -161,6 +162,7 @@ class ZeroKLDHotLoadEndpoint:
         self.auth = None  # vLLM's AuthenticationMiddleware over the server's keys; None: no key configured
         self.salting = False  # prefix caching on: generation requests get their prompt-cache epoch's salt
         self.served_model = None  # the OpenAI model name requests use
+        self.public_model = None  # the name answers give it (the served model, never a server path)
         self.port = None  # this server's port: Fireworks completions are answered by its own /v1/completions
         self._loads: set = set()  # Fireworks-spelled loads still running after their 202
 
@@ -260,7 +262,7 @@ class ZeroKLDHotLoadEndpoint:
             if (resp := self._guard(request) or self._deployment_refused(got)) is not None:
                 return resp
             cfg = self.manager.config
-            return JSONResponse(fireworks.deployment(cfg.deployment_name, self.served_model, cfg.transition))
+            return JSONResponse(fireworks.deployment(cfg.deployment_name, self.public_model, cfg.transition))
 
         @app.post("/inference/v1/completions")
         async def fireworks_completions(request: Request):
@@ -387,6 +389,8 @@ class ZeroKLDHotLoadEndpoint:
         fireworks.enable()  # the key as X-Api-Key too (Fireworks' control-plane calls)
         names = getattr(args, "served_model_name", None)
         self.served_model = (names[0] if isinstance(names, list) and names else names) or args.model
+        # what answers name it by: without --served-model-name vLLM's model name is the --model path, a server path
+        self.public_model = Path(self.served_model).name if Path(self.served_model).is_absolute() else self.served_model
         self.port = args.port
         self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
         self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,

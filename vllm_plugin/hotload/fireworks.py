@@ -109,15 +109,18 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
     version answers requests for the deployment); ``None``: the base model.
 
     Raises:
-        FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model; a
-            refused or unknown field; ``include_routing_matrix`` without ``logprobs``.
+        FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model (the
+            message names the deployment only: the served model may be a server path); a refused or unknown field;
+            ``stream`` not a JSON boolean; ``include_routing_matrix`` without ``logprobs``.
     """
     if not isinstance(body, dict):
         raise FireworksRequestError("request body must be a JSON object", 422)
     model = body.get("model")
     if model not in (deployment_name, served_model):
-        raise FireworksRequestError(f"model must be this server's deployment {deployment_name!r} (or "
-                                    f"{served_model!r}), got {str(model)[:80]!r}")
+        raise FireworksRequestError(f"model must be this server's deployment {deployment_name!r}, got "
+                                    f"{str(model)[:80]!r}")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise FireworksRequestError(f"stream must be true or false, got {str(body['stream'])[:20]!r}")
     refused = sorted(k for k in body if k in _REFUSED and body[k] not in (None, False))
     if refused:
         raise FireworksRequestError(f"not served by zerokld: {refused}")
