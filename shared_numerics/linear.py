@@ -99,10 +99,10 @@ def gemm_partition() -> str:
     the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds
     the GEMM kernel (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
-    if amx_available():
-        bf16 = "amx"
+    if not native_bf16_gemm():  # (linear's own order: ZEROKLD_NATIVE_BF16=0 upcasts on an AMX CPU too)
+        bf16 = "fp32"
     else:
-        bf16 = f"native:rows={ONEDNN_ROWS}" if native_bf16_gemm() else "fp32"
+        bf16 = "amx" if amx_available() else f"native:rows={ONEDNN_ROWS}"
     return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16}"
 
 

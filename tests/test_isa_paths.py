@@ -118,7 +118,7 @@ def test_avx2_build_gives_the_avx512_bits(tmp_path):
     got = {}
     for name, extra in (("avx512", {}), ("avx2", AVX2)):
         env = {k: v for k, v in os.environ.items() if k not in AVX2}
-        env.update(extra, ZEROKLD_NATIVE_BF16="0", ZEROKLD_CACHE_DIR=str(tmp_path / "kernels"),
+        env.update(extra, ZEROKLD_NATIVE_BF16="0", ZEROKLD_AMX="0", ZEROKLD_CACHE_DIR=str(tmp_path / "kernels"),
                    OMP_NUM_THREADS="2")
         out = tmp_path / f"{name}.pt"
         proc = _run(f"from tests.test_isa_paths import _probe; _probe({str(out)!r})", env)
