@@ -70,6 +70,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -136,9 +137,19 @@ def _string(body: dict, key: str, required: bool = True) -> str | None:
     return value
 
 
+def _is_integer(value) -> bool:
+    """A JSON integer (Python's ``bool`` is an ``int``: not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+    """A finite JSON number (not a boolean, NaN or an infinity)."""
+    return (_is_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
 def _number(value, what: str) -> float:
     """A finite JSON number (not a boolean). Raises UserError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _is_finite_number(value):
         raise UserError(f"{what} must be a finite number, got {str(value)[:40]!r}")
     return float(value)
 
@@ -150,12 +161,11 @@ def _tensor_data(td, name: str) -> list:
     if not isinstance(td, dict) or not isinstance(td.get("data"), list):
         raise UserError(f"loss_fn_inputs[{name!r}] must be TensorData {{data, dtype, shape}}")
     shape = td.get("shape") or [len(td["data"])]
-    if (not isinstance(shape, list) or len(shape) != 1 or isinstance(shape[0], bool) or not isinstance(shape[0], int)
-            or shape[0] != len(td["data"])):
+    if not isinstance(shape, list) or len(shape) != 1 or not _is_integer(shape[0]) or shape[0] != len(td["data"]):
         raise UserError(f"loss_fn_inputs[{name!r}]: shape {str(shape)[:40]} does not match {len(td['data'])} values "
                         "(1-d)")
     for j, v in enumerate(td["data"]):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _is_finite_number(v):
             raise UserError(f"loss_fn_inputs[{name!r}][{j}] is {str(v)[:20]!r}, not a finite number")
     return td["data"]
 
@@ -235,7 +245,7 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None, max_co
         if max_context is not None and len(tokens) > max_context:
             raise UserError(f"datum {i}: model_input has {len(tokens)} tokens, more than the served context "
                             f"{max_context} (get_server_capabilities' max_context_length)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens):
+        if not all(_is_integer(t) and 0 <= t < vocab_size for t in tokens):
             raise UserError(f"datum {i}: token ids must be integers in [0, {vocab_size})")
         raw_inputs = d.get("loss_fn_inputs") or {}
         if not isinstance(raw_inputs, dict):
@@ -318,6 +328,15 @@ def _outputs(lps, metrics: dict, loss_fn: str) -> dict:
             "metrics": metrics}
 
 
+class _Parked(NamedTuple):
+    """A training request waiting for its ``seq_id``'s turn."""
+
+    fn: object
+    future: concurrent.futures.Future
+    arrived: float  # time.monotonic()
+    nbytes: int  # its body's bytes (0: a refused request's turn, which holds nothing of it)
+
+
 @dataclass
 class _Model:
     client: object
@@ -325,8 +344,7 @@ class _Model:
     lora: dict
     next_seq: int | None = 1  # None: restored after a restart, the first seq_id that arrives is the next one
     checkpoint: str | None = None  # the state after its last optim_step (with a state dir)
-    # seq_id -> (fn, placeholder future, arrival time, body bytes: 0 for a refused request's turn, which holds nothing)
-    pending: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)  # seq_id -> _Parked
     writer: object = None
 
     @property
@@ -458,14 +476,14 @@ class TrainingServer:
             model = self.models.get(model_id)
             if model is None:
                 raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
-            if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            if not _is_integer(seq_id):
                 raise UserError(f"seq_id must be an integer, got {str(seq_id)[:20]!r}")
             if model.next_seq is None:  # restored: the client's numbering goes on
                 model.next_seq = seq_id
             if seq_id < model.next_seq or seq_id in model.pending:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             if seq_id != model.next_seq:
-                waiting = [p[3] for p in model.pending.values() if p[3]]
+                waiting = [p.nbytes for p in model.pending.values() if p.nbytes]
                 parked = sum(waiting)
                 if len(waiting) >= self.limits.max_parked or parked + nbytes > self.limits.max_parked_bytes:
                     raise Busy(f"{len(waiting)} requests ({parked} bytes) already wait for seq_id "
@@ -485,9 +503,10 @@ class TrainingServer:
                 def fn(error=refusal):
                     raise error
                 nbytes = 0
-            model.pending[seq_id] = (fn, fut, time.monotonic(), nbytes)
+            model.pending[seq_id] = _Parked(fn, fut, time.monotonic(), nbytes)
             while model.next_seq in model.pending:
-                self._run(*model.pending.pop(model.next_seq)[:2])
+                turn = model.pending.pop(model.next_seq)
+                self._run(turn.fn, turn.future)
                 model.next_seq += 1
         return rid
 
@@ -497,11 +516,11 @@ class TrainingServer:
         now = time.monotonic()
         with self.lock:
             for model in self.models.values():
-                for seq, (_, fut, arrived, _) in list(model.pending.items()):
-                    if now - arrived > self.seq_gap_s:
+                for seq, parked in list(model.pending.items()):
+                    if now - parked.arrived > self.seq_gap_s:
                         del model.pending[seq]
-                        fut.set_exception(UserError(f"seq_id {seq} waited {self.seq_gap_s:g} s for seq_id "
-                                                    f"{model.next_seq}, which never arrived"))
+                        parked.future.set_exception(UserError(f"seq_id {seq} waited {self.seq_gap_s:g} s for "
+                                                              f"seq_id {model.next_seq}, which never arrived"))
 
     # ---- operations (on the worker thread) -----------------------------------------------------------------------
     def _create(self, model_id: str, base_model: str, lora: dict, restore: str | None = None,
@@ -688,11 +707,11 @@ class TrainingServer:
         if not isinstance(lora, dict):
             raise UserError("lora_config must be an object")
         rank = lora.get("rank") or 0
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        if not _is_integer(rank) or rank < 0:
             raise UserError(f"lora_config.rank must be a non-negative integer, got {str(rank)[:20]!r}")
         if self.max_lora_rank and rank > self.max_lora_rank:
             raise UserError(f"lora_config.rank {rank} is above this server's --max-lora-rank {self.max_lora_rank}")
-        if lora.get("seed") is not None and (isinstance(lora["seed"], bool) or not isinstance(lora["seed"], int)):
+        if lora.get("seed") is not None and not _is_integer(lora["seed"]):
             raise UserError("lora_config.seed must be an integer")
         if lora.get("alpha") is not None:
             _number(lora["alpha"], "lora_config.alpha")
