@@ -48,7 +48,7 @@ __all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_F
            "FIREWORKS_DEPLOYMENT_HEADER", "FIREWORKS_FIELDS", "FIREWORKS_HOT_LOAD", "FIREWORKS_MODEL_HEADER",
            "fireworks_status",
            "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "SESSION_HEADER",
-           "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version", "public_message"]
+           "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version", "openapi_operations", "public_message"]
 
 PREFIX = "/zerokld/v1/hot_load"
 IDENTITY_HEADER = "x-zerokld-snapshot-identity"
@@ -72,6 +72,46 @@ FIREWORKS_HOT_LOAD = "/hot_load/v1/models/hot_load"
 FIREWORKS_DEPLOYMENT_HEADER = "fireworks-deployment"
 FIREWORKS_MODEL_HEADER = "fireworks-model"
 FIREWORKS_FIELDS = ("identity", "reset_prompt_cache", "incremental_snapshot_metadata")
+
+
+_IDENTITY_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                    "description": "one path segment (deltasync.ledger.validate_identity)"}
+_METADATA_SCHEMA = {"type": "object", "required": ["previous_snapshot_identity"], "properties": {
+    "previous_snapshot_identity": _IDENTITY_SCHEMA, "compression_format": {"type": "string"},
+    "checksum_format": {"type": "string", "enum": list(CHECKSUM_FORMATS)}}}
+
+
+def _json_body(schema: dict) -> dict:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _header(name: str, schema: dict, required: bool = False) -> dict:
+    return {"name": name, "in": "header", "required": required, "schema": schema}
+
+
+def openapi_operations() -> dict[tuple[str, str], dict]:
+    """The OpenAPI operation fields (``requestBody``, ``parameters``) of the hot-load routes, keyed by ``(method,
+    path)``: what each route's body and headers are, for the server's ``/openapi.json`` (FastAPI's ``openapi_extra``)
+    and the API fuzzer that reads it. Descriptive only: the readers are :meth:`Signal.from_request` and
+    :meth:`Signal.from_fireworks`, which refuse anything these schemas refuse (and a few things more: a snapshot
+    identity ending in a staging suffix, a non-finite drain timeout)."""
+    ours = {"type": "object", "required": ["identity"], "properties": {
+        "identity": _IDENTITY_SCHEMA, "reset_prompt_cache": {"type": "string", "enum": list(RESET_MODES)},
+        "lora_name": _IDENTITY_SCHEMA, "incremental_snapshot_metadata": _METADATA_SCHEMA}}
+    fireworks = {"type": "object", "required": ["identity"], "additionalProperties": False, "properties": {
+        "identity": _IDENTITY_SCHEMA, "reset_prompt_cache": {"type": "boolean"},
+        "incremental_snapshot_metadata": _METADATA_SCHEMA}}
+    deployment = _header(FIREWORKS_DEPLOYMENT_HEADER, {"type": "string"}, required=True)
+    lora = {"name": "lora_name", "in": "query", "required": False, "schema": _IDENTITY_SCHEMA}
+    return {
+        ("POST", PREFIX): {"requestBody": _json_body(ours), "parameters": [
+            _header(TRANSITION_HEADER, {"type": "string", "enum": list(TRANSITIONS)}),
+            _header(DRAIN_HEADER, {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"})]},
+        ("POST", FIREWORKS_HOT_LOAD): {"requestBody": _json_body(fireworks), "parameters": [deployment]},
+        ("GET", FIREWORKS_HOT_LOAD): {"parameters": [deployment]},
+        ("GET", PREFIX + "/ledger"): {"parameters": [lora]},
+        ("DELETE", PREFIX + "/ledger"): {"parameters": [lora]},
+    }
 
 
 def lora_version(lora_name: str, identity: str) -> str:

@@ -213,6 +213,11 @@ def test_completion_request_mapping():
     assert "logprobs" not in vllm_completion_request({**body, "logprobs": False}, "/ckpt", NAME)
     with pytest.raises(FireworksRequestError, match="not served by zerokld"):
         vllm_completion_request({**body, "routing_matrix_format": "parquet_v1"}, "/ckpt", NAME)
+    # a malformed top_logprobs is the client's error (a 400), not a ValueError of the server's (500 before issue 54)
+    for top in ("3", [1], -1, True, 2.5):
+        with pytest.raises(FireworksRequestError, match="top_logprobs"):
+            vllm_completion_request({**body, "logprobs": None, "top_logprobs": top}, "/ckpt", NAME)
+    assert vllm_completion_request({**body, "logprobs": None, "top_logprobs": 2}, "/ckpt", NAME)["logprobs"] == 2
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ class Env:
 
     def dir_of(self, model: str) -> Path | None:
         """The PEFT directory of the adapter version a response's ``model`` names (``None``: the base model)."""
-        if model == self.ckpt:
+        if model == Path(self.ckpt).name:  # the base model answers under its directory's name, never its path
             return None
         name, identity = model.split("@")
         return self.versions[name][int(identity.rsplit("-v", 1)[1]) - 1]
@@ -221,14 +221,14 @@ def test_adapter_versions_swapped_under_load_leak_nothing(env):
     assert {m for m in served if m.startswith("B@")} >= {"B@B-v1", "B@B-v3"}, served
     for i in order:
         m = job(i)[0]
-        assert results[i]["model"] == env.ckpt if m == env.ckpt else results[i]["model"].startswith(m + "@")
+        assert results[i]["model"] == Path(env.ckpt).name if m == env.ckpt else results[i]["model"].startswith(m + "@")
     scores = _score(env, [job(i)[1] for i in order], [results[i] for i in order])
     mismatched = [results[i]["model"] for s, i in zip(scores, order) if not torch.equal(s, results[i]["logprobs"])]
     assert mismatched == []
     # the same requests alone, for the versions still served (v3 of both, and the base model)
     for i in order:
         r = results[i]
-        if r["model"] in ("A@A-v3", "B@B-v3", env.ckpt):
+        if r["model"] in ("A@A-v3", "B@B-v3", Path(env.ckpt).name):
             alone = _complete(env, *job(i))
             assert (alone["model"], alone["tokens"]) == (r["model"], r["tokens"])
             assert torch.equal(alone["logprobs"], r["logprobs"])

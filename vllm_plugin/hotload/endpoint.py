@@ -73,7 +73,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from deltasync.ledger import LedgerWriteError
 from deltasync.protocol import (DRAIN_HEADER, FIREWORKS_DEPLOYMENT_HEADER, FIREWORKS_HOT_LOAD, IDENTITY_HEADER,
                                 NO_SPACE, PREFIX, SESSION_HEADER, TRANSITION_HEADER, HotLoadError, Signal,
-                                fireworks_status, public_message)
+                                fireworks_status, openapi_operations, public_message)
 
 from . import fireworks
 from .attribution import versions_in_sse, versions_of
@@ -151,6 +151,34 @@ async def _with_identity(response, admitted: str):
     return response
 
 
+def _serve_without_paths(models, model_path: str) -> str:
+    """Keep server paths out of answers (issue 54): without ``--served-model-name`` vLLM serves a local ``--model``
+    under its path (``launchers/api_server/app_state.py``: ``served_model_names = [args.model]``), so every response's
+    ``model`` and ``/v1/models`` (``id``; ``root``, which is the path even with a served name, and a LoRA card's
+    adapter path) would show it. Here ``models`` (the server's ``OpenAIServingModels``) serves a local model named by
+    its path under the path's last component instead, and ``/v1/models`` cards name no path (``root`` is the card's
+    ``id``); the path is still accepted as a request's ``model``, so clients that send it keep working. A hub id
+    (not a local path) and ``--served-model-name`` names are kept. Returns the first served name."""
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+
+    local = Path(model_path).exists()
+    name = Path(model_path).name if local and Path(model_path).name else model_path
+    paths = models.base_model_paths  # the list its registry shares
+    paths[:] = [BaseModelPath(name=name if p.name == model_path else p.name, model_path=name) for p in paths]
+    registry, show = models.registry, models.show_available_models
+    accepts = registry.is_base_model
+    registry.is_base_model = lambda model: model == model_path or accepts(model)
+
+    async def show_available_models():
+        cards = await show()
+        for card in cards.data:
+            card.root = card.id
+        return cards
+
+    models.show_available_models = show_available_models
+    return paths[0].name
+
+
 class ZeroKLDHotLoadEndpoint:
     """``vllm.endpoint_plugins`` factory result (see the module docstring)."""
 
@@ -161,8 +189,7 @@ class ZeroKLDHotLoadEndpoint:
         self.manager = None
         self.auth = None  # vLLM's AuthenticationMiddleware over the server's keys; None: no key configured
         self.salting = False  # prefix caching on: generation requests get their prompt-cache epoch's salt
-        self.served_model = None  # the OpenAI model name requests use
-        self.public_model = None  # the name answers give it (the served model, never a server path)
+        self.served_model = None  # the OpenAI model name requests use (never a server path: _serve_without_paths)
         self.port = None  # this server's port: Fireworks completions are answered by its own /v1/completions
         self._loads: set = set()  # Fireworks-spelled loads still running after their 202
 
@@ -226,7 +253,9 @@ class ZeroKLDHotLoadEndpoint:
             logger.warning("zerokld hot-load failed after its 202: %s", public_message(error))
 
     def attach_router(self, app: FastAPI) -> None:
-        @app.post(PREFIX)
+        described = openapi_operations()  # each route's body and headers in /openapi.json (the API fuzzer reads it)
+
+        @app.post(PREFIX, openapi_extra=described["POST", PREFIX])
         async def signal(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
@@ -234,7 +263,7 @@ class ZeroKLDHotLoadEndpoint:
             return await self._signal(request, lambda body: Signal.from_request(
                 body, transition, request.headers.get(DRAIN_HEADER)))
 
-        @app.post(FIREWORKS_HOT_LOAD)
+        @app.post(FIREWORKS_HOT_LOAD, openapi_extra=described["POST", FIREWORKS_HOT_LOAD])
         async def fireworks_signal(request: Request):
             if (resp := self._guard(request) or self._deployment_refused(
                     request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))) is not None:
@@ -243,7 +272,7 @@ class ZeroKLDHotLoadEndpoint:
             return await self._signal(request, lambda body: Signal.from_fireworks(
                 body, cfg.transition, cfg.deployment_lora_name), wait=FIREWORKS_ACK_S)
 
-        @app.get(FIREWORKS_HOT_LOAD)
+        @app.get(FIREWORKS_HOT_LOAD, openapi_extra=described["GET", FIREWORKS_HOT_LOAD])
         async def fireworks_hot_load_status(request: Request):
             if (resp := self._guard(request) or self._deployment_refused(
                     request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))) is not None:
@@ -262,9 +291,10 @@ class ZeroKLDHotLoadEndpoint:
             if (resp := self._guard(request) or self._deployment_refused(got)) is not None:
                 return resp
             cfg = self.manager.config
-            return JSONResponse(fireworks.deployment(cfg.deployment_name, self.public_model, cfg.transition))
+            return JSONResponse(fireworks.deployment(cfg.deployment_name, self.served_model, cfg.transition))
 
-        @app.post("/inference/v1/completions")
+        @app.post("/inference/v1/completions", openapi_extra={"requestBody": {
+            "required": True, "content": {"application/json": {"schema": fireworks.COMPLETIONS_SCHEMA}}}})
         async def fireworks_completions(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
@@ -283,7 +313,7 @@ class ZeroKLDHotLoadEndpoint:
                 return JSONResponse({"error": f"no hot-loaded LoRA adapter named {name[:64]!r}"}, status_code=404)
             return self.manager.track_for(name)
 
-        @app.get(PREFIX + "/ledger")
+        @app.get(PREFIX + "/ledger", openapi_extra=described["GET", PREFIX + "/ledger"])
         async def ledger(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
@@ -291,7 +321,7 @@ class ZeroKLDHotLoadEndpoint:
                 return t
             return JSONResponse(t.ledger.to_json())
 
-        @app.delete(PREFIX + "/ledger")
+        @app.delete(PREFIX + "/ledger", openapi_extra=described["DELETE", PREFIX + "/ledger"])
         async def reset_ledger(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
@@ -389,8 +419,8 @@ class ZeroKLDHotLoadEndpoint:
         fireworks.enable()  # the key as X-Api-Key too (Fireworks' control-plane calls)
         names = getattr(args, "served_model_name", None)
         self.served_model = (names[0] if isinstance(names, list) and names else names) or args.model
-        # what answers name it by: without --served-model-name vLLM's model name is the --model path, a server path
-        self.public_model = Path(self.served_model).name if Path(self.served_model).is_absolute() else self.served_model
+        if (models := getattr(state, "openai_serving_models", None)) is not None:
+            self.served_model = _serve_without_paths(models, args.model)
         self.port = args.port
         self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
         self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import time
 
-__all__ = ["API_KEY_HEADER", "FireworksRequestError", "accounts", "deployment", "enable", "fireworks_completion",
+__all__ = ["API_KEY_HEADER", "COMPLETIONS_SCHEMA", "FireworksRequestError", "accounts", "deployment", "enable", "fireworks_completion",
            "install", "routing_matrix", "sse", "vllm_completion_request"]
 
 API_KEY_HEADER = "X-Api-Key"
@@ -50,6 +50,23 @@ _SHAPING = ("model", "stream", "raw_output", "logprobs", "top_logprobs", "top_k"
 _REFUSED = ("images", "routing_matrix_format", "top_sampling_logprobs", "top_sampling_format", "sampling_mask")
 #: request fields that add to the reply (:func:`fireworks_completion`)
 _ADDING = ("include_routing_matrix",)
+
+
+_INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
+#: JSON Schema of the ``/inference/v1/completions`` body, for the server's OpenAPI document (descriptive: the reader
+#: is :func:`vllm_completion_request`, then vLLM's own ``CompletionRequest`` for the passed fields). The refused
+#: fields are left out (a client that sends them gets 400).
+COMPLETIONS_SCHEMA = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+    "model": _STR, "prompt": {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}}, _STR]},
+    "n": {"type": "integer", "minimum": 1}, "max_tokens": {"type": "integer", "minimum": 0}, "temperature": _NUM,
+    "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT, "stop": {"oneOf": [_STR, {"type": "array",
+                                                                                        "items": _STR}]},
+    "echo": _BOOL, "user": _STR, "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM,
+    "ignore_eos": _BOOL, "stop_token_ids": {"type": "array", "items": _INT}, "stream": _BOOL, "raw_output": _BOOL,
+    "logprobs": {"oneOf": [_BOOL, {"type": "integer", "minimum": 0}]}, "top_logprobs": {"type": "integer",
+                                                                                         "minimum": 0},
+    "perf_metrics_in_response": _BOOL, "prompt_cache_key": _STR, "return_token_ids": _BOOL,
+    "include_routing_matrix": _BOOL}}
 
 
 class FireworksRequestError(ValueError):
@@ -111,7 +128,8 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
     Raises:
         FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model (the
             message names the deployment only: the served model may be a server path); a refused or unknown field;
-            ``stream`` not a JSON boolean; ``include_routing_matrix`` without ``logprobs``.
+            ``stream`` not a JSON boolean; ``top_logprobs`` not a non-negative integer; ``include_routing_matrix``
+            without ``logprobs``.
     """
     if not isinstance(body, dict):
         raise FireworksRequestError("request body must be a JSON object", 422)
@@ -134,6 +152,8 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
     if top_k not in (None, 0):
         req["top_k"] = top_k
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise FireworksRequestError(f"top_logprobs must be a non-negative integer, got {str(top)[:20]!r}")
     if logprobs is None or isinstance(logprobs, bool):
         if logprobs or top:
             req["logprobs"] = int(top or 0)  # the sampled token's log-prob (+ top alternatives)
