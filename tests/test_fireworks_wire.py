@@ -122,7 +122,15 @@ def test_refusals_change_nothing(env):
         _manager(server, key="wrong").hotload(DEPLOYMENT, BASE_MODEL, "step-1-0a1b2c3d")
     assert e.value.response.status_code == 401
     assert requests.get(server.base + "/v1/accounts", headers={"X-Api-Key": "wrong"}, timeout=30).status_code == 401
-    assert requests.get(server.base + "/v1/models", headers={"X-Api-Key": API_KEY}, timeout=30).status_code == 200
+    models = requests.get(server.base + "/v1/models", headers={"X-Api-Key": API_KEY}, timeout=30)
+    # no --served-model-name: the model is served under its directory's name, and no card shows a server path (issue
+    # 54 point 8: vLLM's own id and root were the --model path); the path is still accepted as a request's model
+    assert models.status_code == 200 and [(m["id"], m["root"]) for m in models.json()["data"]] == [
+        (Path(ckpt).name, Path(ckpt).name)] and str(Path(ckpt).parent) not in models.text
+    for model in (ckpt, Path(ckpt).name):
+        r = requests.post(server.base + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 1},
+                          headers={"X-Api-Key": API_KEY}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == Path(ckpt).name, r.text
     with pytest.raises(httpx.HTTPStatusError) as e:
         dm.hotload(DEPLOYMENT, BASE_MODEL, "no-such-snapshot")
     assert e.value.response.status_code == 404
