@@ -10,6 +10,14 @@
   expert received; the ``k`` expert outputs are combined in slot order (rank of the routing score), weights applied
   and summed in fp32, rounded once to the activation dtype.
 
+* DeepSeekMoE router (:func:`route_grouped_topk`, DeepSeek-V3 / Kimi K2 / GLM-MoE ``noaux_tc``): float32 sigmoid
+  scores (evaluated in float64, rounded once); the selection bias (``e_score_correction_bias``) added for the choice only; each group's score the sum of
+  its two highest biased scores; the ``topk_group`` best groups, then the ``k`` best experts inside them — both by
+  stable descending sorts, so exact ties go to the lowest group id and then the lowest expert id (HF and vLLM use
+  ``torch.topk``, whose order on ties is implementation-defined); weights from the unbiased scores, normalised by a
+  left-to-right sum (+ 1e-20, as HF), times ``routed_scaling_factor``. Shared experts are one dense SwiGLU added to
+  the routed sum in float32 after the slots (:func:`deepseek_moe_forward`).
+
 Routing replay (R3, arXiv 2510.11370): pass recorded ``expert_ids`` to :func:`moe_experts` instead of recomputing
 them; the weights are still gathered from the current scores (:func:`gather_route_weights`), so gradients flow.
 Source: HF ``modeling_qwen3_moe.py`` (``Qwen3MoeSparseMoeBlock``); vLLM ``fused_moe`` (``topk_softmax``).
@@ -18,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_route_weights", "moe_experts", "moe_forward", "route_topk"]
+__all__ = ["deepseek_moe_forward", "gather_route_weights", "grouped_route_weights", "moe_experts", "moe_forward",
+           "route_grouped_topk", "route_topk"]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, chain=None) -> torch.Tensor:
@@ -80,7 +89,7 @@ def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renorma
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None,
-                chains=None) -> torch.Tensor:
+                chains=None, shared_out: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     Args:
@@ -100,6 +109,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             ``float32_products`` for bf16: an expert's tokens are any number) that the experts' weight gradients
             continue, expert ``e``'s over its tokens in token order; nothing is returned to autograd for the three.
             Not with ``k_block``; a CPU where :func:`~shared_numerics.grad_chain.chain_available` holds.
+        shared_out: ``[N, H]`` the shared experts' output (DeepSeekMoE), added in float32 after the slots.
 
     Returns:
         ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
@@ -134,7 +144,107 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     acc = outs[:, 0]
     for j in range(1, k):  # slot order, fp32
         acc = acc + outs[:, j]
+    if shared_out is not None:
+        acc = acc + shared_out.float()
     return acc.to(x.dtype)
+
+
+def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """float32 ``sigmoid`` evaluated in float64 and rounded once: ATen's float32 ``torch.sigmoid`` takes SIMD in a
+    tensor's body and scalar libm in its tail, so one logit's score could differ by an ulp with the batch around it
+    (:mod:`shared_numerics.reduce`, the reason for ``exp64``; seen as a 1-ulp log-prob difference in a float32
+    DeepSeek-V3 rollout). Differentiable."""
+    return (1.0 / (1.0 + torch.exp(-logits.double()))).float()
+
+
+def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k: int, n_group: int,
+                       topk_group: int) -> torch.Tensor:
+    """DeepSeekMoE's group-limited top-k (``noaux_tc``), deterministic: the expert ids only (weights:
+    :func:`grouped_route_weights`).
+
+    Args:
+        router_logits: ``[N, E]`` (float32: DeepSeek-V3's router runs in float32).
+        bias: ``[E]`` ``e_score_correction_bias`` (selection only), or ``None``.
+        k: experts per token; n_group: groups (``E % n_group == 0``); topk_group: groups a token may use.
+
+    Returns:
+        ``[N, k]`` int64 expert ids, slot 0 the highest biased score; exact ties: lowest group id, then lowest
+        expert id. Source: HF ``modeling_deepseek_v3.DeepseekV3TopkRouter`` (the same selection up to tie order).
+
+    Raises:
+        ValueError: ``E`` not a multiple of ``n_group``, ``topk_group`` outside ``[1, n_group]``, ``k`` larger than
+            the experts of ``topk_group`` groups.
+    """
+    n, e = router_logits.shape
+    if e % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= topk_group * (e // n_group):
+        raise ValueError(f"{e} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts: not a valid "
+                         "group-limited routing")
+    choice = _sigmoid(router_logits)
+    if bias is not None:
+        choice = choice + bias.float()
+    size = e // n_group
+    best = torch.sort(choice.view(n, n_group, size), dim=-1, descending=True, stable=True).values
+    group_scores = best[..., 0] + best[..., 1] if size > 1 else best[..., 0]  # the two highest, in that order
+    groups = _topk_ids(group_scores, topk_group)
+    allowed = torch.zeros((n, n_group), dtype=torch.bool, device=choice.device).scatter(1, groups, True)
+    masked = choice.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
+    return _topk_ids(masked, k)
+
+
+def grouped_route_weights(router_logits: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool,
+                          scaling: float) -> torch.Tensor:
+    """The DeepSeekMoE routing weights ``[N, k]`` float32 of ``expert_ids``: the unbiased sigmoid scores, normalised
+    by their left-to-right sum + 1e-20 (``renormalize``, HF ``norm_topk_prob``), times ``scaling``
+    (``routed_scaling_factor``). Differentiable in ``router_logits`` (also for replayed ids)."""
+    w = _sigmoid(router_logits).gather(-1, expert_ids)
+    if renormalize:
+        total = w[:, 0:1]
+        for j in range(1, w.shape[1]):  # fixed left-to-right order
+            total = total + w[:, j: j + 1]
+        w = w / (total + 1e-20)
+    return w * scaling
+
+
+def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None,
+                         w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                         shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, top_k: int, n_group: int,
+                         topk_group: int, renormalize: bool, scaling: float,
+                         expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One DeepSeekMoE block (HF ``DeepseekV3MoE``): float32 router logits ``linear(x.float(), router_weight.float())``,
+    :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of ``-1`` routed afresh), the routed experts
+    (:func:`moe_experts`) and the shared experts ``shared = (gate [I_s, H], up [I_s, H], down [H, I_s])`` (one dense
+    SwiGLU, added in float32 after the routed slots).
+
+    Returns:
+        ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
+
+    Raises:
+        ValueError: as :func:`route_grouped_topk`; replayed ids of the wrong shape or outside ``[0, E)``.
+    """
+    from . import silu_and_mul
+
+    logits = _linear(x.float(), router_weight.float())
+    ids = route_grouped_topk(logits, bias, top_k, n_group, topk_group)
+    if expert_ids is not None:
+        ids = _replayed(ids, expert_ids, router_weight.shape[0])
+    shared_out = None
+    if shared is not None:
+        sg, su, sd = shared
+        shared_out = _linear(silu_and_mul(_linear(x, sg), _linear(x, su)), sd)
+    out = moe_experts(x, ids, grouped_route_weights(logits, ids, renormalize, scaling), w_gate, w_up, w_down,
+                      shared_out=shared_out)
+    return out, ids
+
+
+def _replayed(ids: torch.Tensor, expert_ids: torch.Tensor, e: int) -> torch.Tensor:
+    """``ids`` with the recorded rows of ``expert_ids`` put in (a row of ``-1``: keep the fresh route)."""
+    rec = expert_ids.to(device=ids.device, dtype=torch.int64)
+    if tuple(rec.shape) != tuple(ids.shape):
+        raise ValueError(f"replayed expert ids have shape {tuple(rec.shape)}, expected {tuple(ids.shape)}")
+    fresh = (rec == -1).all(dim=-1, keepdim=True)
+    if bool(((rec < 0) & ~fresh).any()) or (rec.numel() and int(rec.max()) >= e):
+        raise ValueError(f"replayed expert ids outside [0, {e}) (a row of -1 means: route afresh)")
+    return torch.where(fresh, ids, rec)
 
 
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -171,14 +281,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
     scores = _scores(_linear(x, router_weight, None if chains is None else chains["router"]))
     ids = _topk_ids(scores, top_k)
     if expert_ids is not None:
-        rec = expert_ids.to(device=x.device, dtype=torch.int64)
-        e = router_weight.shape[0]
-        if tuple(rec.shape) != (x.shape[0], top_k):
-            raise ValueError(f"replayed expert ids have shape {tuple(rec.shape)}, expected {(x.shape[0], top_k)}")
-        fresh = (rec == -1).all(dim=-1, keepdim=True)
-        if bool(((rec < 0) & ~fresh).any()) or (rec.numel() and int(rec.max()) >= e):
-            raise ValueError(f"replayed expert ids outside [0, {e}) (a row of -1 means: route afresh)")
-        ids = torch.where(fresh, ids, rec)
+        ids = _replayed(ids, expert_ids, router_weight.shape[0])
     return moe_experts(x if experts_x is None else experts_x, ids, gather_route_weights(scores, ids, renormalize),
                        w_gate, w_up, w_down, k_block, gather,
                        None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"])), ids

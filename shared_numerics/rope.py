@@ -19,7 +19,7 @@ import torch
 from .norm import rms_norm
 from .reduce import true_divide
 
-__all__ = ["RopeScaling", "apply_rope", "rms_norm_rope", "rope_cos_sin"]
+__all__ = ["RopeScaling", "YarnScaling", "apply_rope", "rms_norm_rope", "rope_cos_sin", "yarn_get_mscale"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,69 @@ class RopeScaling:
         return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude factor ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``). Source: HF
+    ``modeling_deepseek_v3.yarn_get_mscale``, DeepSeek-V3 ``inference/model.py``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN frequency scaling (HF ``rope_type: "yarn"``, DeepSeek-V2/V3, Kimi, GLM-MoE): each frequency is a blend of
+    the original (extrapolated) and ``factor``-interpolated one, ramped linearly between the correction dimensions of
+    ``beta_fast`` and ``beta_slow`` rotations (floored / ceiled when ``truncate``), and cos/sin are multiplied by
+    :attr:`attention_factor`. All of it in float64 here. Source: HF ``modeling_rope_utils._compute_yarn_parameters``
+    (the same formula); Peng et al., "YaRN" (2023)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor_override: float | None = None
+    truncate: bool = True
+    rope_type: str = "yarn"
+
+    @property
+    def attention_factor(self) -> float:
+        """The cos/sin multiplier: explicit ``attention_factor``, else ``mscale(factor, mscale) / mscale(factor,
+        mscale_all_dim)`` when both are set, else ``mscale(factor)``."""
+        if self.attention_factor_override is not None:
+            return float(self.attention_factor_override)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        return yarn_get_mscale(self.factor)
+
+    def softmax_scale(self, qk_head_dim: int) -> float:
+        """DeepSeek's attention scale ``qk_head_dim ** -0.5 * mscale(factor, mscale_all_dim) ** 2`` (only the
+        ``qk_head_dim ** -0.5`` part without ``mscale_all_dim``). Source: HF ``modeling_deepseek_v3.
+        yarn_apply_mscale``."""
+        scale = qk_head_dim ** -0.5
+        if self.mscale_all_dim:
+            m = yarn_get_mscale(self.factor, self.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
+        """``[head_dim / 2]`` float64 scaled inverse frequencies."""
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # HF's guard against a zero-width ramp
+        pos_freqs = float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos/sin tables for ``positions``.
 
@@ -57,7 +119,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
         positions: ``[N]`` integer absolute positions (0-based).
         head_dim: rotary dimension ``D`` (even).
         theta: RoPE base (HF ``rope_theta``).
-        scaling: Llama 3.x frequency scaling, or ``None``.
+        scaling: Llama 3.x or YaRN frequency scaling (YaRN also multiplies cos and sin by its attention factor,
+            in float64 before the rounding), or ``None``.
 
     Returns:
         ``(cos, sin)``, each ``[N, D/2]`` float32, on ``positions.device``.
@@ -67,11 +130,17 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     """
     if head_dim % 2:
         raise ValueError(f"rotary dimension must be even, got {head_dim}")
-    exponent = true_divide(torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device), head_dim)
-    inv_freq = 1.0 / (float(theta) ** exponent)
-    if scaling is not None:
-        inv_freq = scaling.apply(inv_freq)
+    if isinstance(scaling, YarnScaling):
+        inv_freq = scaling.inv_freq(head_dim, theta).to(positions.device)
+    else:
+        exponent = true_divide(torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device), head_dim)
+        inv_freq = 1.0 / (float(theta) ** exponent)
+        if scaling is not None:
+            inv_freq = scaling.apply(inv_freq)
     angles = positions.to(torch.float64).reshape(-1, 1) * inv_freq.reshape(1, -1)
+    if isinstance(scaling, YarnScaling) and scaling.attention_factor != 1.0:
+        return (torch.cos(angles) * scaling.attention_factor).float(), (torch.sin(angles) * scaling.attention_factor
+                                                                         ).float()
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 

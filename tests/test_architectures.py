@@ -78,18 +78,21 @@ def test_each_plugin_builds_its_side_from_the_declaration():
 
     from vllm_plugin.models import classes
     from vllm_plugin.models.dense import ZeroKLDMixin
+    from vllm_plugin.models.mla import ZeroKLDMLAMixin
     from vllm_plugin.models.moe import ZeroKLDMoEMixin
     from vllm_plugin.register import register
     from zerokld_plugins import ModelAdapterSpec, registered, resolve
 
     register()
     archs = registered("model")
-    assert {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(archs)
+    assert {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+            "DeepseekV3ForCausalLM"} <= set(archs)
     for arch, reg in archs.items():
         cls = classes.model_class(arch)
         assert cls.adapter is reg.spec
-        assert cls.__mro__[1:3] == ((ZeroKLDMoEMixin, ZeroKLDMixin) if reg.spec.moe else
-                                    (ZeroKLDMixin, resolve(reg.spec.vllm_base)))
+        mixins = ((ZeroKLDMLAMixin, ZeroKLDMoEMixin, ZeroKLDMixin) if reg.spec.attention == "mla" else
+                  (ZeroKLDMoEMixin, ZeroKLDMixin) if reg.spec.moe else (ZeroKLDMixin,))
+        assert cls.__mro__[1:len(mixins) + 2] == (*mixins, resolve(reg.spec.vllm_base))
         assert issubclass(cls, resolve(reg.spec.vllm_base))
         assert resolve(classes.registered_name(arch)) is cls
         assert pickle.loads(pickle.dumps(cls)) is cls

@@ -22,10 +22,10 @@ from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, check_supported, read_model_config
 from zerokld_models.checkpoint import read_tensors
 
-from .overrides import apply_zerokld_overrides, set_tp_k_block
+from .overrides import apply_zerokld_overrides, set_mla, set_tp_k_block
 
 __all__ = ["architecture_config", "build_titan_model", "complex_rope", "cos_sin_rope", "decoder_config",
-           "hf_state_dict", "load_hf_weights", "state_dict_adapter_class", "titan_model_config"]
+           "hf_state_dict", "load_hf_weights", "mla_config", "state_dict_adapter_class", "titan_model_config"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
@@ -116,6 +116,8 @@ def architecture_config(adapter, cfg: ModelConfig):
     """
     from zerokld_plugins import resolve
 
+    if adapter.attention == "mla":
+        return mla_config(cfg)
     if adapter.derived_head_dim and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ValueError(f"TorchTitan's {adapter.titan_model.rpartition(':')[2]} derives the head size: it needs "
                          f"head_dim * num_attention_heads == hidden_size, got {cfg.head_dim} * "
@@ -124,6 +126,56 @@ def architecture_config(adapter, cfg: ModelConfig):
     return decoder_config(cfg, resolve(adapter.titan_model), resolve(adapter.titan_block), rope,
                           qk_norm=adapter.qk_norm, qkv_bias=adapter.qkv_bias, moe=adapter.moe,
                           head_dim=None if adapter.derived_head_dim else _SAME)
+
+
+def mla_config(cfg: ModelConfig):
+    """TorchTitan's ``DeepSeekV3Model`` config (stock components, its own ``build_mla_moe_layers``) for a DeepSeek-V3
+    checkpoint: MLA (``q_lora_rank`` 0 = one ``wq``), YaRN on TorchTitan's complex (interleaved) RoPE with
+    ``mscale = mscale_all_dim``, DeepSeekMoE with the sigmoid router in ``n_group`` groups, ``route_norm =
+    norm_topk_prob``, ``route_scale = routed_scaling_factor``, ``n_shared_experts`` shared experts, the first
+    ``first_k_dense_replace`` layers dense; every RMSNorm with the checkpoint's ``rms_norm_eps``."""
+    import dataclasses
+
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
+    from shared_numerics.rope import YarnScaling
+
+    yarn = cfg.rope_scaling if isinstance(cfg.rope_scaling, YarnScaling) else None
+    rope = ComplexRoPE.Config(dim=cfg.qk_rope_head_dim, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta,
+                              **({"scaling": "none"} if yarn is None else dict(
+                                  scaling="yarn", rope_factor=yarn.factor, beta_fast=yarn.beta_fast,
+                                  beta_slow=yarn.beta_slow, original_seq_len=yarn.original_max_position_embeddings)))
+    experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    layers = build_mla_moe_layers(
+        n_layers=cfg.num_hidden_layers, n_dense_layers=cfg.first_k_dense_replace, dim=cfg.hidden_size,
+        n_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        mscale=(yarn.mscale_all_dim or 1.0) if yarn is not None else 1.0, dense_hidden_dim=cfg.intermediate_size,
+        moe_hidden_dim=cfg.moe_intermediate_size, num_experts=cfg.num_experts, num_shared_experts=cfg.n_shared_experts,
+        router_top_k=cfg.num_experts_per_tok, router_score_func="sigmoid", router_num_expert_groups=cfg.n_group,
+        router_num_limited_groups=cfg.topk_group, router_route_scale=cfg.routed_scaling_factor,
+        router_route_norm=cfg.norm_topk_prob, attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None, linear_init=_INIT, norm_init=_ONES, depth_init=lambda i: _INIT,
+        depth_experts_init=lambda i: experts_init, rope=rope)
+
+    def eps(node):  # every RMSNorm config of the tree gets the checkpoint's epsilon
+        if isinstance(node, RMSNorm.Config):
+            node.eps = cfg.rms_norm_eps
+        elif dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                eps(getattr(node, f.name))
+        elif isinstance(node, list):
+            for x in node:
+                eps(x)
+
+    model_cfg = DeepSeekV3Model.Config(
+        dim=cfg.hidden_size, vocab_size=cfg.vocab_size, norm=RMSNorm.Config(normalized_shape=cfg.hidden_size,
+                                                                            param_init=_ONES),
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size,
+                                        param_init=_INIT),
+        lm_head=Linear.Config(in_features=cfg.hidden_size, out_features=cfg.vocab_size, param_init=_INIT),
+        layers=layers, mtp_layers=[])
+    eps(model_cfg)
+    return model_cfg
 
 
 def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings = ZeroKLDSettings()):
@@ -151,6 +203,10 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings = ZeroKLDSett
     model_cfg = architecture_config(adapter, cfg)
     if settings.batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=settings.fp8)
+        if adapter.attention == "mla":
+            if settings.fp8 or settings.tp_k_block is not None:
+                raise ValueError("zerokld MLA models train without FP8 QAT and tp_k_block (not yet implemented)")
+            set_mla(model_cfg, cfg)
         if settings.tp_k_block is not None:
             set_tp_k_block(model_cfg, settings.tp_k_block)
     else:  # TorchTitan's default inner attention is flex attention, which has no CPU path: its SDPA config instead

@@ -52,6 +52,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+from torchtitan.models.deepseek_v3.model import Attention as DeepSeekMLAAttention
 from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
@@ -64,7 +65,8 @@ import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.linear import linear as torch_backend_linear  # the module; the package's `linear` dispatches
 from shared_numerics.rope import RopeScaling
 
-__all__ = ["OVERRIDE_IMPORTS", "ZeroKLDRowParallelLinear", "apply_zerokld_overrides", "set_tp_k_block"]
+__all__ = ["OVERRIDE_IMPORTS", "ZeroKLDMLAAttention", "ZeroKLDRowParallelLinear", "apply_zerokld_overrides", "set_mla",
+           "set_tp_k_block"]
 
 
 def grad_chains(module: torch.nn.Module) -> dict | None:
@@ -323,6 +325,55 @@ class ZeroKLDAttention(Module):
         return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale if scale is not None else d ** -0.5)
 
 
+class ZeroKLDMLAAttention(DeepSeekMLAAttention):
+    """TorchTitan's DeepSeek-V3 MLA ``Attention`` (same parameters and state-dict keys: ``wq`` or ``wq_a`` / ``q_norm``
+    / ``wq_b``, ``wkv_a``, ``kv_norm``, ``wkv_b``, ``wo``) whose forward is :mod:`shared_numerics.mla`'s absorbed
+    definition — the one vLLM's zerokld DeepSeek-V3 runs over its latent cache: ``[B, L, D]`` in, ``[B, L, D]``
+    out, positions ``0 .. L-1`` (or ``positions``). Made by :func:`set_mla` (it needs the checkpoint's RoPE and
+    norm settings, which TorchTitan's config does not carry)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DeepSeekMLAAttention.Config):
+        dims: object = None  # shared_numerics.mla.MLADims
+        rope_theta: float = 10000.0
+        rope_scaling: object = None  # shared_numerics.rope.YarnScaling or None
+        scale: float = 1.0
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.zerokld = config
+
+    def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        import shared_numerics.mla as sn_mla
+
+        if attention_masks is not None:
+            raise NotImplementedError("zerokld attention runs one causal sequence per row; document masks "
+                                      "(packed sequences) are not supported")
+        c = self.zerokld
+        b, seq, d = x.shape
+        pos = torch.arange(seq, device=x.device).repeat(b) if positions is None else positions.reshape(-1)
+        cos, sin = sn.rope_cos_sin(pos, c.dims.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+        x2 = x.reshape(b * seq, d)
+        q = self.wq(x2) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x2)))
+        qc, latent = sn_mla.mla_query_latent(q, self.wkv_a(x2), self.kv_norm.weight, self.wkv_b.weight, cos, sin,
+                                             c.dims)
+        o = sn_mla.mla_dense_attention(qc.view(b, seq, c.dims.num_heads, -1), latent.view(b, seq, -1), c.scale)
+        return self.wo(sn_mla.mla_output(o.reshape(b * seq, c.dims.num_heads, -1), self.wkv_b.weight,
+                                         c.dims)).view(b, seq, d)
+
+
+def set_mla(model_cfg, cfg) -> None:
+    """Make every layer's TorchTitan DeepSeek-V3 ``Attention`` a :class:`ZeroKLDMLAAttention` with the checkpoint's
+    (:class:`zerokld_models.ModelConfig` ``cfg``) MLA sizes, RoPE base and scaling, and softmax scale; after
+    :func:`apply_zerokld_overrides` (its sub-configs are already zerokld linears and norms)."""
+    from zerokld_models import mla_dims, mla_softmax_scale
+
+    for layer in model_cfg.layers:
+        layer.attention = derive(layer.attention, ZeroKLDMLAAttention.Config, dims=mla_dims(cfg),
+                                 rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                                 scale=mla_softmax_scale(cfg))
+
+
 class ZeroKLDMoE(_FixedTreeOutput, MoE):
     """TorchTitan ``MoE`` (same parameters, buffers and state-dict keys) whose forward is
     :func:`shared_numerics.moe.moe_forward` — the block vLLM's zerokld Qwen3-MoE runs.
@@ -340,10 +391,15 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         super().__init__(config)
         self.k_block = config.k_block or None
         r = config.router
-        if config.shared_experts is not None or r.score_func != "softmax" or r.num_expert_groups is not None \
-                or r.route_scale != 1.0:
-            raise NotImplementedError("zerokld MoE implements Qwen3-MoE routing: softmax scores, no expert groups, "
-                                      "route_scale 1, no shared experts")
+        #: DeepSeekMoE (sigmoid scores in groups, the selection bias, shared experts): the deepseek_v3 block
+        self.deepseek = r.score_func == "sigmoid"
+        if self.deepseek and (config.shared_experts is None or r.num_expert_groups is None):
+            raise NotImplementedError("zerokld MoE with sigmoid scores implements DeepSeekMoE: expert groups and "
+                                      "shared experts")
+        if not self.deepseek and (config.shared_experts is not None or r.num_expert_groups is not None
+                                  or r.route_scale != 1.0):
+            raise NotImplementedError("zerokld MoE implements Qwen3-MoE routing (softmax scores, no expert groups, "
+                                      "route_scale 1, no shared experts) and DeepSeekMoE (sigmoid)")
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
 
@@ -352,7 +408,16 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         k = self.router.top_k
         ex = self.routed_experts.inner_experts
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
-        if _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
+        if self.deepseek:
+            if _is_dtensor(ex.w1_EFD) or grad_chains(self) is not None or self.k_block:
+                raise NotImplementedError("zerokld DeepSeekMoE: tensor parallelism, exact accumulation and "
+                                          "tp_k_block are not implemented yet")
+            r, se = self.router, self.shared_experts
+            out, ids = sn_moe.deepseek_moe_forward(
+                x_BLD.reshape(b * seq, d), r.gate.weight, self.expert_bias_E, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF,
+                (se.w1.weight, se.w3.weight, se.w2.weight), k, r.num_expert_groups, r.num_limited_groups,
+                r.route_norm, r.route_scale, expert_ids=replay)
+        elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
             from .tensor_parallel import moe_dtensor
 
             out, ids = moe_dtensor(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
@@ -435,11 +500,13 @@ def zerokld_fp8_block_linear(cfg: ZeroKLDLinear.Config) -> ZeroKLDFp8Linear.Conf
     return derive(cfg, ZeroKLDFp8Linear.Config, granularity="block")
 
 
-# Two passes: the feed-forward override owns its w1/w2/w3, and TorchTitan rejects an override claiming a node whose
-# ancestor another override of the same pass claims. After pass 1 those linears are ZeroKLDLinear, which the exact
-# Linear override of pass 2 no longer matches.
+# Three passes: TorchTitan rejects an override claiming a node whose ancestor another override of the same pass
+# claims. The MoE goes first (DeepSeekMoE's shared experts are a FeedForward inside it); the feed-forward override owns
+# its w1/w2/w3: after it those linears are ZeroKLDLinear, which the exact Linear override of the last pass no longer
+# matches.
 OVERRIDE_PASSES = [
-    [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head", f"{__name__}.zerokld_moe"],
+    [f"{__name__}.zerokld_moe"],
+    [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head"],
     [f"{__name__}.{fn.__name__}" for fn in (zerokld_linear, zerokld_rmsnorm, zerokld_embedding, zerokld_cos_sin_rope,
                                             zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
 ]

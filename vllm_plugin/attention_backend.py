@@ -32,8 +32,10 @@ from shared_numerics import paged_causal_attention
 from . import cuda
 
 BACKEND_NAME = "ZEROKLD_ATTN"
+LATENT_BACKEND_NAME = "ZEROKLD_LATENT_ATTN"
 
-__all__ = ["BACKEND_NAME", "ZeroKLDAttentionBackend", "ZeroKLDAttentionMetadata", "split_kv_cache"]
+__all__ = ["BACKEND_NAME", "LATENT_BACKEND_NAME", "LatentAttention", "ZeroKLDAttentionBackend",
+           "ZeroKLDAttentionMetadata", "ZeroKLDLatentAttentionBackend", "split_kv_cache"]
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,3 +182,71 @@ class ZeroKLDAttentionBackend(AttentionBackend):
     @classmethod
     def supports_non_causal(cls) -> bool:
         return False
+
+
+class ZeroKLDLatentAttentionImpl(ZeroKLDAttentionImpl):
+    """Multi-query attention over a latent cache (MLA, :mod:`shared_numerics.mla`): one cache row of ``head_size``
+    values per token (``kv_lora_rank + qk_rope_head_dim``), serving as the keys and the values of every query head;
+    the layer's output has ``head_size`` columns per head (the model keeps the first ``kv_lora_rank``)."""
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the scheduled tokens' latents (``key``; ``value`` is the same tensor) at their slots."""
+        bs = kv_cache.shape[2]
+        slots = slot_mapping.long()
+        n = slots.shape[0]
+        valid = slots >= 0
+        slots = slots[valid]
+        kv_cache[slots // bs, :, slots % bs] = key[:n][valid].to(kv_cache.dtype)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by zerokld attention")
+        if attn_metadata is None:  # memory profiling / warm-up
+            return output
+        md = attn_metadata
+        n = md.num_actual_tokens
+        out = paged_causal_attention(query[:n], kv_cache, kv_cache, md.query_start_loc, md.seq_lens,
+                                     md.block_table, self.scale, md.max_query_len, md.max_seq_len)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+
+class ZeroKLDLatentAttentionBackend(ZeroKLDAttentionBackend):
+    """:class:`ZeroKLDAttentionBackend` over a latent cache: the per-layer view is ``[num_blocks, 1, block_size,
+    head_size]`` (vLLM's ``MLAAttentionSpec`` page: one latent per token, no separate values), read as keys and
+    values alike. Registered under :data:`LATENT_BACKEND_NAME`; used by :class:`LatentAttention` layers only."""
+
+    @staticmethod
+    def get_name() -> str:
+        return LATENT_BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[ZeroKLDLatentAttentionImpl]:
+        return ZeroKLDLatentAttentionImpl
+
+
+def _latent_attention_class():
+    from vllm.model_executor.layers.attention import Attention
+
+    class _LatentAttention(Attention):
+        """vLLM's ``Attention`` layer whose KV cache is a latent cache: its spec is vLLM's own ``MLAAttentionSpec``
+        (``head_size`` values per token, ``num_kv_heads`` 1), so the cache holds what vLLM's MLA backends hold;
+        attention runs :class:`ZeroKLDLatentAttentionBackend`."""
+
+        def get_kv_cache_spec(self, vllm_config):
+            from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+            return MLAAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
+                                    head_size=self.head_size, dtype=self.kv_cache_torch_dtype)
+
+    return _LatentAttention
+
+
+def LatentAttention(num_heads: int, head_size: int, scale: float, cache_config, prefix: str):  # noqa: N802
+    """A latent-cache attention layer (see :class:`ZeroKLDLatentAttentionBackend`): ``num_heads`` query heads of
+    ``head_size`` over one latent of ``head_size`` per token; ``forward(q [n, H * head_size], latent [n, head_size],
+    latent)`` returns ``[n, H * head_size]``."""
+    return _latent_attention_class()(num_heads, head_size, scale, num_kv_heads=1, cache_config=cache_config,
+                                     prefix=prefix, attn_backend=ZeroKLDLatentAttentionBackend)

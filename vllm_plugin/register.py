@@ -7,7 +7,9 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
 * every architecture declared through the ``zerokld`` model-adapter hook (ours: ``zerokld_models/<arch>/``) maps to
   the class :mod:`vllm_plugin.models.classes` builds from its declaration: the stock vLLM model when the flag is off,
   the ``shared_numerics`` model when it is on;
-* the attention backend name ``ZEROKLD_ATTN`` is registered for those models' ``Attention`` layers;
+* the attention backend names ``ZEROKLD_ATTN`` and ``ZEROKLD_LATENT_ATTN`` (MLA's latent cache) are registered for
+  those models' attention layers, and vLLM-CPU's MLA scheduling overrides skip zerokld MLA engines
+  (:mod:`vllm_plugin.latent_platform`);
 * the quantization method ``zerokld_fp8`` (FP8 checkpoints exported by the trainer) is added to vLLM's registry;
 * the deterministic sampler (:mod:`vllm_plugin.sampler`), the output fields (:mod:`vllm_plugin.outputs`: seeds,
   numerics stamp, hot-load weight-version spans), the CPU side of vLLM's ``enable_return_routed_experts``
@@ -40,18 +42,19 @@ def register() -> None:
 
     from zerokld_plugins import registered
 
-    from . import lora, outputs, routing, runner, sampler
-    from .attention_backend import BACKEND_NAME
+    from . import latent_platform, lora, outputs, routing, runner, sampler
+    from .attention_backend import BACKEND_NAME, LATENT_BACKEND_NAME
     from .fp8 import register as register_fp8
     from .hotload import attribution, fireworks, worker
     from .models.classes import registered_name
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
+    register_backend(LATENT_BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDLatentAttentionBackend")
     for arch, reg in registered("model").items():
         ModelRegistry.register_model(arch, registered_name(arch))
     register_fp8()
     # every seam of vllm_plugin.seams.SEAMS, once, here (each inert until an engine's settings switch it on)
-    for module in (sampler, outputs, attribution, fireworks, routing, runner, worker, lora):
+    for module in (sampler, outputs, attribution, fireworks, routing, runner, worker, lora, latent_platform):
         module.install()
     _guard_initialize_model()
     _REGISTERED = True

@@ -114,6 +114,10 @@ SEAMS: tuple[Seam, ...] = (
          "accept the server's key as Fireworks' X-Api-Key header too (hot-load servers only)",
          ("vllm_plugin.hotload.fireworks",),
          kind="function", params=("self", "headers")),
+    Seam("vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+         "keep chunked prefill, prefix caching and the block size of zerokld MLA engines (vLLM-CPU turns them off "
+         "for its own MLA kernels)", ("vllm_plugin.latent_platform",),
+         kind="classmethod", params=("cls", "vllm_config")),
     Seam("vllm.lora.utils:_all_lora_classes", "vLLM's LoRA manager wraps zerokld projections with zerokld's layer",
          ("vllm_plugin.lora",),
          kind="tuple", params=()),

@@ -8,10 +8,10 @@ any host library; each plugin builds its side from the declaration (:mod:`vllm_p
 reader (:mod:`.config`), the support check (:mod:`.support`), checkpoint files (:mod:`.checkpoint`). Adding an
 architecture = one folder + one line in :mod:`.hooks`.
 """
-from .config import ModelConfig, read_model_config
+from .config import ModelConfig, mla_dims, mla_softmax_scale, read_model_config
 from .support import UnsupportedModelError, check_supported, unsupported_features
 
-__all__ = ["ModelConfig", "UnsupportedModelError", "adapter_for", "check_supported", "read_model_config",
+__all__ = ["ModelConfig", "mla_dims", "mla_softmax_scale", "UnsupportedModelError", "adapter_for", "check_supported", "read_model_config",
            "unsupported_features"]
 
 

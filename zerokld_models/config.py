@@ -7,7 +7,8 @@ model: ``vllm_config.model_config.hf_config``), and resolves the places HF versi
 * the RoPE base: ``rope_theta``, else ``rope_parameters["rope_theta"]`` (transformers >= 4.56 moved it there), else
   10000;
 * RoPE scaling: ``rope_scaling``, else ``rope_parameters``; ``rope_type`` (or the older ``type``) ``"default"`` /
-  absent = none, ``"llama3"`` = :class:`shared_numerics.rope.RopeScaling`; any other type is kept as
+  absent = none, ``"llama3"`` = :class:`shared_numerics.rope.RopeScaling`, ``"yarn"`` =
+  :class:`shared_numerics.rope.YarnScaling` (the support check admits it for MLA models only); any other type is kept as
   ``unsupported_rope`` for the support check (:mod:`zerokld_models.support`) to refuse;
 * ``head_dim``: explicit, else ``hidden_size // num_attention_heads``; MoE expert count: ``num_experts`` or
   ``num_local_experts``.
@@ -21,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared_numerics.rope import RopeScaling
+from shared_numerics.rope import RopeScaling, YarnScaling
 
-__all__ = ["ModelConfig", "read_model_config"]
+__all__ = ["ModelConfig", "mla_dims", "mla_softmax_scale", "read_model_config"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,21 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V2/V3 family: multi-head latent attention (MLA) and DeepSeekMoE
+    q_lora_rank: int | None = None  # None: q is one projection (q_proj), as DeepSeek-V2-Lite
+    kv_lora_rank: int | None = None  # set: the model uses MLA
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope part's dimensions are stored interleaved (pairs 2i, 2i+1)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -88,6 +104,14 @@ def _rope(d: dict) -> tuple[float, RopeScaling | None, str | None]:
         return float(theta), RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
                                          float(scaling["high_freq_factor"]),
                                          int(scaling["original_max_position_embeddings"])), None
+    if kind == "yarn" and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
+        def opt(key):
+            return None if scaling.get(key) is None else float(scaling[key])
+
+        return float(theta), YarnScaling(float(scaling["factor"]), int(scaling["original_max_position_embeddings"]),
+                                         float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1),
+                                         opt("mscale"), opt("mscale_all_dim"), opt("attention_factor"),
+                                         bool(scaling.get("truncate", True))), None
     return float(theta), None, f"{kind} {dict(scaling)}"
 
 
@@ -114,8 +138,31 @@ def read_model_config(src: Any) -> ModelConfig:
         attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
         sliding_window=bool(window) and bool(d.get("use_sliding_window", True)),
         quant_method=quant.get("quant_method"),
-        num_experts=d.get("num_experts") or d.get("num_local_experts"),
+        num_experts=d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts"),
         num_experts_per_tok=d.get("num_experts_per_tok"), moe_intermediate_size=d.get("moe_intermediate_size"),
         norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
         decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0, raw=d)
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
+        q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d.get("kv_lora_rank"),
+        qk_nope_head_dim=d.get("qk_nope_head_dim") or 0, qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
+        v_head_dim=d.get("v_head_dim") or 0, rope_interleave=bool(d.get("rope_interleave", False)),
+        n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        n_shared_experts=d.get("n_shared_experts") or 0, first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+        moe_layer_freq=d.get("moe_layer_freq") or 1, scoring_func=d.get("scoring_func") or "softmax",
+        topk_method=d.get("topk_method") or "greedy", raw=d)
+
+
+def mla_dims(cfg: ModelConfig):
+    """The :class:`shared_numerics.mla.MLADims` of an MLA checkpoint's config."""
+    from shared_numerics.mla import MLADims
+
+    return MLADims(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                   cfg.v_head_dim, cfg.rope_interleave, cfg.rms_norm_eps)
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """MLA's softmax scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, with DeepSeek's YaRN correction
+    (:meth:`shared_numerics.rope.YarnScaling.softmax_scale`) when the checkpoint has YaRN."""
+    d = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    return cfg.rope_scaling.softmax_scale(d) if isinstance(cfg.rope_scaling, YarnScaling) else d ** -0.5

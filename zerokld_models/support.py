@@ -19,9 +19,16 @@ class UnsupportedModelError(ValueError):
 def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
     """Human-readable list of the unsupported features of ``cfg`` for ``adapter``
     (:class:`zerokld_plugins.ModelAdapterSpec`); empty when the model is supported."""
+    from shared_numerics.rope import YarnScaling
+
     problems = []
+    mla = adapter.attention == "mla"
     if cfg.unsupported_rope:
-        problems.append(f"rope_scaling {cfg.unsupported_rope} (supported: none, llama3)")
+        problems.append(f"rope_scaling {cfg.unsupported_rope} (supported: none, llama3{', yarn' if mla else ''})")
+    if isinstance(cfg.rope_scaling, YarnScaling) and not mla:
+        problems.append("rope_scaling yarn (supported on MLA models)")
+    if mla and (not cfg.kv_lora_rank or not cfg.qk_rope_head_dim or not cfg.qk_nope_head_dim or not cfg.v_head_dim):
+        problems.append("MLA without kv_lora_rank / qk_rope_head_dim / qk_nope_head_dim / v_head_dim")
     if cfg.attention_bias and not adapter.qkv_bias:
         problems.append("attention bias")
     if cfg.mlp_bias:
@@ -32,7 +39,16 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
         problems.append(f"activation {cfg.hidden_act}")
     if cfg.quant_method not in (None, "zerokld_fp8"):
         problems.append(f"quantization {cfg.quant_method} (zerokld serves its own FP8)")
-    if adapter.moe:
+    if adapter.moe and adapter.moe_routing == "grouped_sigmoid":
+        if (cfg.scoring_func, cfg.topk_method) != ("sigmoid", "noaux_tc"):
+            problems.append(f"DeepSeekMoE routing scoring_func={cfg.scoring_func!r} topk_method={cfg.topk_method!r} "
+                            "(supported: sigmoid with noaux_tc, DeepSeek-V3)")
+        if cfg.moe_layer_freq != 1:
+            problems.append(f"moe_layer_freq {cfg.moe_layer_freq}")
+        if not cfg.num_experts or cfg.num_experts % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
+            problems.append(f"n_routed_experts {cfg.num_experts} in n_group {cfg.n_group} groups, topk_group "
+                            f"{cfg.topk_group}")
+    elif adapter.moe:
         if cfg.mlp_only_layers:
             problems.append(f"mlp_only_layers {list(cfg.mlp_only_layers)} (every layer must be MoE)")
         if cfg.decoder_sparse_step != 1:

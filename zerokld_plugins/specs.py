@@ -84,7 +84,10 @@ class ModelAdapterSpec:
     holds q/k rows interleaved: llama3's adapter permutes them, the RoPE override undoes it), ``derived_head_dim``
     (TorchTitan's model derives the head size as ``hidden_size / num_attention_heads``: llama3), ``qk_norm`` (per-head
     RMSNorm of q and k, Qwen3), ``qkv_bias`` (q/k/v projections with bias, Qwen2), ``moe`` (a routed MoE block in
-    every layer, Qwen3-MoE)."""
+    every layer, Qwen3-MoE), ``attention`` (the token mixer: ``"mha"`` grouped-query attention over per-head K/V,
+    ``"mla"`` DeepSeek's multi-head latent attention over a latent cache, :mod:`shared_numerics.mla`), ``moe_routing``
+    (``"softmax"``: softmax top-k, Qwen3-MoE; ``"grouped_sigmoid"``: DeepSeekMoE's group-limited sigmoid top-k with a
+    selection bias, shared experts and dense first layers, :func:`shared_numerics.moe.route_grouped_topk`)."""
 
     architecture: str
     vllm_base: str
@@ -99,8 +102,13 @@ class ModelAdapterSpec:
     qk_norm: bool = False
     qkv_bias: bool = False
     moe: bool = False
+    attention: str = "mha"
+    moe_routing: str = "softmax"
 
     def __post_init__(self):
+        if self.attention not in ("mha", "mla") or self.moe_routing not in ("softmax", "grouped_sigmoid"):
+            raise ValueError(f"ModelAdapterSpec {self.architecture}: attention must be 'mha' or 'mla' and moe_routing "
+                             f"'softmax' or 'grouped_sigmoid', got {self.attention!r}, {self.moe_routing!r}")
         if self.rope not in ("cos_sin", "complex"):
             raise ValueError(f"ModelAdapterSpec {self.architecture}: rope must be 'cos_sin' or 'complex', "
                              f"got {self.rope!r}")

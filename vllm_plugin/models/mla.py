@@ -1,0 +1,165 @@
+"""DeepSeek-V3-family models for vLLM on ``shared_numerics``: multi-head latent attention over a latent cache and
+DeepSeekMoE (:mod:`shared_numerics.mla`, :func:`shared_numerics.moe.deepseek_moe_forward`).
+
+:class:`ZeroKLDMLAMixin` is the base of every architecture declared with ``attention="mla"`` (``zerokld_models/
+deepseek_v3``): with the zerokld flag off the class *is* vLLM's own (``DeepseekV3ForCausalLM``: its MLA backends,
+FusedMoE); with it on, :class:`MLADecoder`. Per layer::
+
+    a = rms_norm(h)
+    q = q_b_proj(rms_norm(q_a_proj(a)))  (or q_proj(a) without q_lora_rank);  q_nope, q_pe = split(q per head)
+    c_kv, k_pe = split(kv_a_proj_with_mqa(a));  c_kv = rms_norm(c_kv)
+    q_pe, k_pe = rope(deinterleave(q_pe)), rope(deinterleave(k_pe))       (YaRN tables, rotate-half)
+    latent = [c_kv ‖ k_pe]  -> the cache (kv_lora_rank + qk_rope_head_dim values per token)
+    o = o_proj(latent_output(MQA([absorb_query(q_nope) ‖ q_pe], latent)))
+    h = h + o;  f = rms_norm(h);  h = h + (dense SwiGLU MLP if layer < first_k_dense_replace else DeepSeekMoE)(f)
+
+The cache is vLLM's ``MLAAttentionSpec`` page (:class:`vllm_plugin.attention_backend.LatentAttention`): the same bytes
+per token as vLLM's own MLA backends. Weights keep HF names (``self_attn.kv_a_proj_with_mqa.weight``,
+``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``).
+Sources: HF ``modeling_deepseek_v3.py``; vLLM ``models/deepseek_v2.py``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import shared_numerics as sn
+import shared_numerics.mla as sn_mla
+import shared_numerics.moe as sn_moe
+from zerokld_models import mla_dims, mla_softmax_scale
+
+from ..attention_backend import LatentAttention
+from ..config import ZeroKLDConfigError
+from .dense import Fp8Mode, _DenseMLP, _param, _proj
+from .moe import ZeroKLDMoEMixin, _stacked
+
+__all__ = ["DeepSeekMoEBlock", "MLADecoder", "ZeroKLDMLAMixin"]
+
+
+def _norm(n: int, dtype: torch.dtype | None = None) -> nn.Module:
+    m = nn.Module()
+    m.weight = _param(n, dtype=dtype)
+    return m
+
+
+class DeepSeekMoEBlock(nn.Module):
+    """DeepSeekMoE (HF ``DeepseekV3MoE``): ``gate.weight [E, H]``, ``gate.e_score_correction_bias [E]`` (float32),
+    ``experts.w_gate|w_up [E, I, H]``, ``experts.w_down [E, H, I]`` (stacked by the loader),
+    ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). ``last_ids``: the latest ``[N, top_k]``
+    expert ids."""
+
+    def __init__(self, cfg, fp8: Fp8Mode) -> None:
+        super().__init__()
+        h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.gate = nn.Module()
+        self.gate.weight = _param(e, h)
+        self.gate.e_score_correction_bias = _param(e, dtype=torch.float32)
+        self.experts = nn.Module()
+        self.experts.w_gate = _stacked(e, inter, h, tp=None, inter_dim=0)
+        self.experts.w_up = _stacked(e, inter, h, tp=None, inter_dim=0)
+        self.experts.w_down = _stacked(e, h, inter, tp=None, inter_dim=1)
+        self.shared_experts = (_DenseMLP(h, inter * cfg.n_shared_experts, fp8) if cfg.n_shared_experts else None)
+        self.last_ids: torch.Tensor | None = None
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        c, ex, se = self.cfg, self.experts, self.shared_experts
+        shared = None if se is None else (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+        out, self.last_ids = sn_moe.deepseek_moe_forward(
+            f, self.gate.weight, self.gate.e_score_correction_bias, ex.w_gate, ex.w_up, ex.w_down, shared,
+            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        return out
+
+
+class _MLALayer(nn.Module):
+    def __init__(self, cfg, vllm_config, prefix: str, mlp: nn.Module, fp8: Fp8Mode) -> None:
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg, self.eps = cfg, cfg.rms_norm_eps
+        dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.input_layernorm = _norm(h)
+        self.post_attention_layernorm = _norm(h)
+        sa = self.self_attn = nn.Module()
+        if cfg.q_lora_rank:
+            sa.q_a_proj = _proj(cfg.q_lora_rank, h, fp8)
+            sa.q_a_layernorm = _norm(cfg.q_lora_rank)
+            sa.q_b_proj = _proj(nh * (dn + dr), cfg.q_lora_rank, fp8)
+        else:
+            sa.q_proj = _proj(nh * (dn + dr), h, fp8)
+        sa.kv_a_proj_with_mqa = _proj(r + dr, h, fp8)
+        sa.kv_a_layernorm = _norm(r)
+        sa.kv_b_proj = _proj(nh * (dn + dv), r, fp8)
+        sa.o_proj = _proj(h, nh * dv, fp8)
+        sa.attn = LatentAttention(nh, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config,
+                                  f"{prefix}.self_attn.attn")
+        self.mlp = mlp
+        self.dims = mla_dims(cfg)
+
+    def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, sa, n = self.cfg, self.self_attn, a.shape[0]
+        if c.q_lora_rank:
+            q = sa.q_b_proj(sn.rms_norm(sa.q_a_proj(a), sa.q_a_layernorm.weight, self.eps))
+        else:
+            q = sa.q_proj(a)
+        qc, latent = sn_mla.mla_query_latent(q, sa.kv_a_proj_with_mqa(a), sa.kv_a_layernorm.weight,
+                                             sa.kv_b_proj.weight, cos, sin, self.dims)
+        o = sa.attn(qc.reshape(n, -1), latent, latent).view(n, self.dims.num_heads, -1)
+        return sa.o_proj(sn_mla.mla_output(o, sa.kv_b_proj.weight, self.dims))
+
+    def forward(self, h, delta, cos, sin):
+        if delta is None:
+            a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
+        else:
+            h, a = sn.add_rms_norm(h, delta, self.input_layernorm.weight, self.eps)
+        h, f = sn.add_rms_norm(h, self.attention(a, cos, sin), self.post_attention_layernorm.weight, self.eps)
+        return h, self.mlp(f)
+
+
+class MLADecoder(nn.Module):
+    """The batch-invariant DeepSeek-V3 decoder body; parameters under ``model.`` with HF names."""
+
+    def __init__(self, vllm_config, cfg, prefix: str, fp8: Fp8Mode) -> None:
+        super().__init__()
+        from .dense import TensorParallel
+
+        self.tp = TensorParallel(vllm_config)
+        self.cfg = cfg
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([
+            _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}",
+                      _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8) if i < cfg.first_k_dense_replace
+                      else DeepSeekMoEBlock(cfg, fp8), fp8)
+            for i in range(cfg.num_hidden_layers)])
+        self.norm = _norm(cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        h = self.embed_tokens.weight[input_ids]
+        cos, sin = sn.rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        delta = None
+        for layer in self.layers:
+            h, delta = layer(h, delta, cos, sin)
+        return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
+
+
+class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
+    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` with :class:`MLADecoder` (MLA + DeepSeekMoE)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not self.batch_invariant:
+            return
+        problems = []
+        if self.model.tp.size > 1:
+            problems.append("tensor parallelism")
+        if vllm_config.lora_config is not None:
+            problems.append("LoRA")
+        if self.capture_routes:
+            problems.append("enable_return_routed_experts")
+        if problems:
+            raise ZeroKLDConfigError(f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: "
+                                     + "; ".join(problems))
+
+    def _decoder(self, vllm_config, prefix: str) -> nn.Module:
+        return MLADecoder(vllm_config, self.model_cfg, prefix, self.fp8)

