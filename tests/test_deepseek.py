@@ -147,3 +147,52 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     stock = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, batch_invariant=False)
     stock_differs(not torch.equal(torch.cat(stock), torch.cat(served)), "TorchTitan's stock deepseek_v3",
                   f"{shape} {dtype}")
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path):
+    """One RL step of TorchTitan's real trainer (FSDP, AdamW) on DeepSeek-V3: its forward is trainer_logprobs' bits
+    (ratio exactly 1), the step changes the weights, its HF export goes to the running engine as a hot-load delta
+    applied in place on the workers (every MLA projection, stacked expert and selection bias it changed), and the
+    engine then samples with exactly the trainer's new log-probs."""
+    from vllm import SamplingParams
+
+    from deltasync import read_snapshot_tensors
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin import trainer_logprobs
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_testing import random_prompts
+    from zerokld_testing.engines import load_delta_offline
+
+    shape, dtype = "yarn_groups_ties", "bfloat16"
+    ckpt = ckpts(shape, dtype)
+    llm = engine_slot.get(("zerokld-deepseek", shape, dtype), lambda: start_llm(
+        ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16))
+    prompts = random_prompts(6, seed=13, lo=4, hi=90)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],
+                        use_tqdm=False)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    lens = [len(p) for p in prompts]
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-3))
+    try:
+        out = trainer.rl_step(RolloutBatch(seqs, lens, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0],
+                                           [completion_logprobs(o) for o in outs], numerics=trainer.numerics))
+        assert out["clipped"] == 0 and torch.equal(torch.cat(out["train_logprobs"]),
+                                                   torch.cat([completion_logprobs(o) for o in outs]))
+        snap = trainer.save_hf(tmp_path / "step1", dtype)
+    finally:
+        trainer.close()
+    new = read_snapshot_tensors(snap)
+    old = read_snapshot_tensors(ckpt)
+    assert sorted(new) == sorted(old) and any(not torch.equal(new[k], old[k]) for k in new)
+    row = load_delta_offline(llm, ckpt, new, tmp_path / "hotload")
+    assert row["applied"] == "in_place" and row["tensors_changed"] > 0
+    after = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         [SamplingParams(max_tokens=6, temperature=1.0, seed=90 + i, logprobs=0) for i in range(6)],
+                         use_tqdm=False)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, after, strict=True)]
+    assert torch.equal(torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
+                       torch.cat([completion_logprobs(o) for o in after]))

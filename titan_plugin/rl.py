@@ -42,7 +42,8 @@ from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
 from .routing import pack_routes, replay_routes
 
-__all__ = ["NonFiniteGradientError", "RLTrainer", "RolloutQueue", "numerics_mode", "rl_trainer_config"]
+__all__ = ["FLOAT32_TENSORS", "NonFiniteGradientError", "RLTrainer", "RolloutQueue", "numerics_mode",
+           "rl_trainer_config"]
 
 
 class NonFiniteGradientError(ValueError):
@@ -192,6 +193,10 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
     )
+
+
+#: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
+FLOAT32_TENSORS = (".e_score_correction_bias",)
 
 
 class RLTrainer(Trainer):
@@ -451,9 +456,13 @@ class RLTrainer(Trainer):
             torch.distributed.destroy_process_group()
 
     def hf_weights(self, dtype: str) -> dict[str, torch.Tensor]:
-        """The current weights under HF names, cast to ``dtype`` (what a snapshot ships; CPU tensors)."""
+        """The current weights under HF names, cast to ``dtype`` (what a snapshot ships; CPU tensors) — but
+        DeepSeekMoE's selection bias (``e_score_correction_bias``), which stays float32 as DeepSeek ships it: the
+        trainer routes with its float32 buffer (updated by TorchTitan's load balancing) and the server must route
+        with the same bits."""
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        return {k: v.to(torch_dtype) for k, v in hf_state_dict(self.model, self.model_config, self._hf).items()}
+        return {k: v.to(torch.float32 if k.endswith(FLOAT32_TENSORS) else torch_dtype)
+                for k, v in hf_state_dict(self.model, self.model_config, self._hf).items()}
 
     def save_hf(self, out_dir: str | Path, dtype: str) -> Path:
         """Publish the current weights as a full HF snapshot directory (:func:`deltasync.write_full_snapshot`; config

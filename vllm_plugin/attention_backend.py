@@ -87,6 +87,17 @@ class ZeroKLDAttentionMetadataBuilder(AttentionMetadataBuilder[ZeroKLDAttentionM
         return cuda.capture_metadata(self.build(0, common_attn_metadata), self.max_model_len)
 
 
+def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache[block, :, offset] = rows`` at each token's slot (``slot = block * block_size + offset``; negative slots
+    are padding). ``cache``: ``[blocks, heads, block_size, width]``; rows: ``[tokens, heads, width]``."""
+    bs = cache.shape[2]
+    slots = slot_mapping.long()
+    n = slots.shape[0]
+    valid = slots >= 0
+    slots = slots[valid]
+    cache[slots // bs, :, slots % bs] = rows[:n][valid].to(cache.dtype)
+
+
 class ZeroKLDAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
@@ -119,14 +130,12 @@ class ZeroKLDAttentionImpl(AttentionImpl):
         if key_cache.is_cuda:
             cuda.write_kv_cache(layer, key, value, key_cache, value_cache, slot_mapping)
             return
-        bs = key_cache.shape[2]
-        slots = slot_mapping.long()
-        n = slots.shape[0]
-        valid = slots >= 0
-        slots = slots[valid]
-        blk, off = slots // bs, slots % bs
-        key_cache[blk, :, off] = key[:n][valid].to(key_cache.dtype)
-        value_cache[blk, :, off] = value[:n][valid].to(value_cache.dtype)
+        _write_slots(key_cache, key, slot_mapping)
+        _write_slots(value_cache, value, slot_mapping)
+
+    def caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[blocks, kv_heads, block_size, head_size]`` key and value views of a layer's cache."""
+        return split_kv_cache(kv_cache, self.head_size)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -136,7 +145,7 @@ class ZeroKLDAttentionImpl(AttentionImpl):
             return output
         md = attn_metadata
         n = md.num_actual_tokens
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = self.caches(kv_cache)
         out = paged_causal_attention(query[:n], key_cache, value_cache, md.query_start_loc, md.seq_lens,
                                      md.block_table, self.scale, md.max_query_len, md.max_seq_len)
         output[:n].copy_(out.reshape(output[:n].shape))
@@ -191,26 +200,12 @@ class ZeroKLDLatentAttentionImpl(ZeroKLDAttentionImpl):
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write the scheduled tokens' latents (``key``; ``value`` is the same tensor) at their slots."""
-        bs = kv_cache.shape[2]
-        slots = slot_mapping.long()
-        n = slots.shape[0]
-        valid = slots >= 0
-        slots = slots[valid]
-        kv_cache[slots // bs, :, slots % bs] = key[:n][valid].to(kv_cache.dtype)
+        """Write the scheduled tokens' latents (``key``; ``value`` is the same tensor) at their slots (torch
+        indexing on every device; not CUDA-graph capturable)."""
+        _write_slots(kv_cache, key, slot_mapping)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported by zerokld attention")
-        if attn_metadata is None:  # memory profiling / warm-up
-            return output
-        md = attn_metadata
-        n = md.num_actual_tokens
-        out = paged_causal_attention(query[:n], kv_cache, kv_cache, md.query_start_loc, md.seq_lens,
-                                     md.block_table, self.scale, md.max_query_len, md.max_seq_len)
-        output[:n].copy_(out.reshape(output[:n].shape))
-        return output
+    def caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache, kv_cache  # the latent is the keys and the values
 
 
 class ZeroKLDLatentAttentionBackend(ZeroKLDAttentionBackend):

@@ -52,7 +52,8 @@ class DeepSeekSpec:
 def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0,
                              dtype: str = "float32") -> Path:
     """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
-    selection biases std 0.1; ``dtype`` ``"float32"`` or ``"bfloat16"``). Returns ``Path(out_dir)``."""
+    selection biases std 0.1, stored float32 as DeepSeek ships them; ``dtype`` ``"float32"`` or ``"bfloat16"``).
+    Returns ``Path(out_dir)``."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     spec = spec or DeepSeekSpec()
@@ -90,6 +91,9 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
                 if spec.expert_ties:
                     w[1::2], bias[1::2] = w[0::2].clone(), bias[0::2].clone()
         model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+        for layer in model.model.layers:  # the selection bias stays float32, as DeepSeek-V3 ships it
+            if getattr(layer.mlp, "gate", None) is not None:
+                layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
         model.config.torch_dtype = dtype
         model.save_pretrained(out)
         for f in Path(tok_dir).iterdir():
