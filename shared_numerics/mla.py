@@ -57,8 +57,9 @@ def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_d
         ``[N, H, R]`` in ``q_nope.dtype``; row ``n`` depends only on ``q_nope[n]``. Differentiable.
     """
     n, h, dn = q_nope.shape
-    w = kv_b_weight.view(h, dn + v_head_dim, -1)
-    return torch.stack([_linear(q_nope[:, i], w[i, :dn].t().contiguous()) for i in range(h)], dim=1)
+    heads = kv_b_weight.view(h, dn + v_head_dim, -1).unbind(0)  # unbind: one stack in backward, not H zero-fills
+    return torch.stack([_linear(q, w[:dn].t().contiguous()) for q, w in zip(q_nope.unbind(1), heads, strict=True)],
+                       dim=1)
 
 
 def latent_output(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
@@ -73,8 +74,8 @@ def latent_output(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_d
         ``[N, H Dv]`` in ``o_lat.dtype``. Differentiable.
     """
     n, h, _ = o_lat.shape
-    w = kv_b_weight.view(h, qk_nope_head_dim + v_head_dim, -1)
-    return torch.cat([_linear(o_lat[:, i], w[i, qk_nope_head_dim:]) for i in range(h)], dim=-1)
+    heads = kv_b_weight.view(h, qk_nope_head_dim + v_head_dim, -1).unbind(0)
+    return torch.cat([_linear(o, w[qk_nope_head_dim:]) for o, w in zip(o_lat.unbind(1), heads, strict=True)], dim=-1)
 
 
 def mla_dense_attention(q: torch.Tensor, latent: torch.Tensor, scale: float) -> torch.Tensor:

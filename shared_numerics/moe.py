@@ -127,17 +127,23 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
-    outs = x.new_zeros((n * k, x.shape[1]), dtype=torch.float32)
+    # one view per expert (unbind: its backward is one stack, not one zero-filled [E, ...] gradient per expert)
+    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    sels, ys = [], []
     for e in torch.unique(flat_ids).tolist():  # any grouping gives the same rows (row-invariant linear)
         sel = torch.nonzero(flat_ids == e).squeeze(1)
         xe = x[flat_rows[sel]]
         gate, up, down = (None, None, None) if chains is None else (c.part(e) for c in chains)
-        act = silu_and_mul(_linear(xe, w_gate[e], gate), _linear(xe, w_up[e], up))
+        act = silu_and_mul(_linear(xe, gates[e], gate), _linear(xe, ups[e], up))
         if k_block is None:
-            ye = _linear(act, w_down[e], down).float()
+            ye = _linear(act, downs[e], down).float()
         else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
-            ye = block_tree_sum(k_block_partials(act, w_down[e], k_block))
-        outs = outs.index_put((sel,), ye)
+            ye = block_tree_sum(k_block_partials(act, downs[e], k_block))
+        sels.append(sel)
+        ys.append(ye)
+    outs = x.new_zeros((n * k, x.shape[1]), dtype=torch.float32)
+    if sels:  # every (token, slot) is one expert's: the rows are placed, never summed
+        outs = outs.index_put((torch.cat(sels),), torch.cat(ys))
     if k_block is not None:  # each expert output rounded once after the cross-rank tree, as without k_block
         outs = reduce_over_ranks(outs, gather).to(x.dtype).float()
     outs = outs.reshape(n, k, -1) * weights.unsqueeze(-1)

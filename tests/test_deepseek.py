@@ -25,6 +25,15 @@ SHAPES = {
 }
 
 
+def _engine(engine_slot, ckpt: str, shape: str, dtype: str):
+    """The zerokld engine of one checkpoint: prefills chunked at 64 tokens, prefix caching, 16-token blocks, routed
+    experts returned (vLLM's own flag)."""
+    from vllm_plugin.engines import start_llm
+
+    return engine_slot.get(("zerokld-deepseek", shape, dtype), lambda: start_llm(
+        ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True))
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     cache: dict = {}
@@ -110,17 +119,17 @@ def test_trainer_is_the_transformers_model(ckpts):
 def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
     """vLLM's zerokld engine (latent cache, chunked prefill at 64 tokens, prefix caching) samples a batch of 24
     requests; each completion's log-probs equal TorchTitan's zerokld trainer on the same tokens bit for bit (whole
-    stacked tensors), a request alone (and again, from the prefix cache) equals itself in the batch, and TorchTitan's
-    stock ``deepseek_v3`` differs (the negative control)."""
+    stacked tensors), also when the trainer replays the engine's routed experts (R3), a request alone (and again,
+    from the prefix cache) equals itself in the batch, and TorchTitan's stock ``deepseek_v3`` differs (the negative
+    control)."""
     from vllm import SamplingParams
 
     from titan_plugin import trainer_logprobs
-    from vllm_plugin.engines import completion_logprobs, start_llm
+    from vllm_plugin.engines import completion_logprobs
     from zerokld_testing import random_prompts
 
     ckpt = ckpts(shape, dtype)
-    llm = engine_slot.get(("zerokld-deepseek", shape, dtype), lambda: start_llm(
-        ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16))
+    llm = _engine(engine_slot, ckpt, shape, dtype)
     prompts = random_prompts(24, seed=55, lo=4, hi=150)
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
 
@@ -136,6 +145,13 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     ours = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
     assert len(ours) == len(served) == 24
     assert torch.equal(torch.cat(ours), torch.cat(served))  # KL exactly 0, every token of every request
+    # routing replay (R3): vLLM's routed_experts, one row per MoE layer (the dense first layers route nothing)
+    spec = SHAPES[shape]
+    routes = [o.outputs[0].routed_experts for o in outs]
+    assert all(r.shape == (len(q) - 1, spec.num_hidden_layers - spec.first_k_dense_replace, spec.num_experts_per_tok)
+               for r, q in zip(routes, seqs, strict=True))
+    replayed = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, routed_experts=routes)
+    assert torch.equal(torch.cat(replayed), torch.cat(served))
     for i in (0, 9, 23):
         llm.reset_prefix_cache()
         alone = gen([prompts[i]], [params[i]])[0]
@@ -162,14 +178,13 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     from shared_numerics.rollout import RolloutBatch
     from titan_plugin import trainer_logprobs
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from vllm_plugin.engines import completion_logprobs, start_llm
+    from vllm_plugin.engines import completion_logprobs
     from zerokld_testing import random_prompts
     from zerokld_testing.engines import load_delta_offline
 
     shape, dtype = "yarn_groups_ties", "bfloat16"
     ckpt = ckpts(shape, dtype)
-    llm = engine_slot.get(("zerokld-deepseek", shape, dtype), lambda: start_llm(
-        ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16))
+    llm = _engine(engine_slot, ckpt, shape, dtype)
     prompts = random_prompts(6, seed=13, lo=4, hi=90)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],

@@ -47,6 +47,7 @@ class DeepSeekSpec:
     expert_ties: bool = False
     init_std: float = 0.08
     max_position_embeddings: int = 512
+    vocab_size: int | None = None  # the tokenizer padded with filler tokens to this size (None: ~100 tokens)
 
 
 def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0,
@@ -59,10 +60,11 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
     spec = spec or DeepSeekSpec()
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
-        vocab = make_tokenizer(tok_dir)
+        vocab = make_tokenizer(tok_dir, vocab_size=spec.vocab_size)
         rope = ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707} if spec.yarn else None)
-        fields = {k: v for k, v in asdict(spec).items() if k not in ("yarn", "group_ties", "expert_ties", "init_std")}
+        fields = {k: v for k, v in asdict(spec).items()
+                  if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size")}
         cfg = DeepseekV3Config(vocab_size=vocab, num_key_value_heads=spec.num_attention_heads, norm_topk_prob=True,
                                rope_theta=10000.0, rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1,
                                eos_token_id=2, pad_token_id=0, topk_method="noaux_tc", scoring_func="sigmoid",

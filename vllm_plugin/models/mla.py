@@ -155,8 +155,6 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
             problems.append("tensor parallelism")
         if vllm_config.lora_config is not None:
             problems.append("LoRA")
-        if self.capture_routes:
-            problems.append("enable_return_routed_experts")
         if problems:
             raise ZeroKLDConfigError(f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: "
                                      + "; ".join(problems))

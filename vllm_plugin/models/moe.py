@@ -7,7 +7,7 @@ Qwen3 attention of :mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`
 ``out, ids = shared_numerics.moe.moe_forward(f, gate, experts..., top_k, norm_topk_prob)``.
 
 Routing capture: when ``enable_return_routed_experts`` is on, the model writes each computed token's expert ids
-(``[layers, top_k]``, int16) into :class:`RouteCache` at the token's KV-cache slot (the attention metadata's
+(``[MoE layers, top_k]``, int16) into :class:`RouteCache` at the token's KV-cache slot (the attention metadata's
 ``slot_mapping``), exactly where its keys and values go. A prefix-cache hit reuses blocks, so the routes of cached
 tokens are still there; a block that is recycled is rewritten together with its KV. :mod:`vllm_plugin.routing` reads
 the rows per request after each step. Source: HF ``modeling_qwen3_moe.py``; vLLM ``models/qwen3_moe.py``.
@@ -131,7 +131,8 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         check_moe_supported(vllm_config, self.fp8.kind)
         cfg = self.model_cfg
         self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
-        self.route_cache = RouteCache(cfg.num_hidden_layers, cfg.num_experts_per_tok)
+        # one row per MoE layer, in layer order (DeepSeek-V3's dense first layers route nothing)
+        self.route_cache = RouteCache(len(self._moe_blocks()), cfg.num_experts_per_tok)
         self.num_experts = cfg.num_experts
 
     def _mlp_factory(self, vllm_config):
@@ -153,8 +154,12 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
             return
         first = next(iter(meta.values())) if isinstance(meta, dict) else meta
         slots = first.slot_mapping[:n].cpu()
-        ids = torch.stack([layer.mlp.last_ids[: slots.shape[0]] for layer in self.model.layers], dim=1)
+        ids = torch.stack([mlp.last_ids[: slots.shape[0]] for mlp in self._moe_blocks()], dim=1)
         self.route_cache.write(slots, ids)
+
+    def _moe_blocks(self) -> list:
+        """The decoder's routed blocks (those recording ``last_ids``), in layer order."""
+        return [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "last_ids")]
 
     def _load_tensor(self, params: dict, name: str, tensor: torch.Tensor) -> None:
         m = _EXPERT.match(name)
