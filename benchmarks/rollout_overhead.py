@@ -34,14 +34,6 @@ from shared_numerics.machine import machine_facts
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def _stock_mla_available() -> bool:
-    """Whether stock vLLM-CPU can serve an MLA model here: its AMX MLA backend (``platforms/cpu.py``:
-    ``torch.cpu._is_amx_tile_supported()``); the reference kernel it falls back to refuses the engine's block size."""
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
-
-
 def _measure(llm, args) -> dict:
     from vllm import SamplingParams
 
@@ -91,7 +83,7 @@ def main(argv=None) -> dict:
     from benchmarks.trainer import deepseek_spec, realistic_spec
     from zerokld_testing import make_tiny_checkpoint
     from zerokld_testing.deepseek import make_deepseek_checkpoint
-    from vllm_plugin.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import STOCK_MLA_UNAVAILABLE, shutdown_llm, start_llm, stock_mla_available
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,9 +100,8 @@ def main(argv=None) -> dict:
         ckpt = make(Path("runs/bench") / f"bench_{args.family}_{dtype}", spec, seed=0, dtype=dtype)
         per = {}
         for mode in ("zerokld", "stock"):
-            if mode == "stock" and args.family == "deepseek_v3" and not _stock_mla_available():
-                per["stock"] = {"unavailable": "stock vLLM-CPU serves MLA with its AMX kernels only; its reference "
-                                               "decode kernel refuses the engine without AMX"}
+            if mode == "stock" and args.family == "deepseek_v3" and not stock_mla_available():
+                per["stock"] = {"unavailable": STOCK_MLA_UNAVAILABLE}
                 continue
             extra = {"enable_return_routed_experts": True} if args.routes and mode == "zerokld" else {}
             llm = start_llm(str(ckpt), dtype=dtype, batch_invariant=mode == "zerokld", max_model_len=max_len, **extra)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["KV_CACHE_ENV", "completion_logprobs", "kv_cache_bytes", "prompt_logprobs", "reload_weights", "shutdown_llm",
-           "start_llm", "zerokld_section"]
+__all__ = ["KV_CACHE_ENV", "STOCK_MLA_UNAVAILABLE", "completion_logprobs", "kv_cache_bytes", "prompt_logprobs",
+           "reload_weights", "shutdown_llm", "start_llm", "stock_mla_available", "zerokld_section"]
 
 #: Environment variable naming the ``kv_cache_memory_bytes`` (vLLM's flag) of every engine and server the helpers
 #: start. Unset: vLLM sizes the KV cache from ``gpu_memory_utilization`` (0.3 of the machine's RAM). The test suite
@@ -49,6 +49,20 @@ def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, 
                enforce_eager=True, enable_prefix_caching=enable_prefix_caching, seed=seed,
                additional_config={"zerokld": zerokld_section(batch_invariant, fp8, **(zerokld or {}))}, **extra,
                **kwargs)
+
+
+def stock_mla_available() -> bool:
+    """Whether stock vLLM-CPU can serve an MLA model (DeepSeek-V3) on this machine: with its AMX MLA backend only
+    (``platforms/cpu.py``: ``torch.cpu._is_amx_tile_supported()``); without AMX its reference decode kernel refuses the
+    engine ("Unsupported block size: 16", vLLM-CPU 0.32), so the engine dies at its first decode step."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+#: why :func:`stock_mla_available` is false (benchmarks record it instead of a dead engine's traceback)
+STOCK_MLA_UNAVAILABLE = ("stock vLLM-CPU serves MLA with its AMX kernels only; without AMX its reference decode kernel "
+                         "refuses the engine (Unsupported block size: 16)")
 
 
 def zerokld_section(batch_invariant: bool, fp8: str | None = None, **extra: Any) -> dict[str, Any]:
