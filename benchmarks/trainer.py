@@ -44,7 +44,7 @@ def deepseek_spec(hidden: int, layers: int, max_positions: int = 1024):
     ``hidden / 64`` heads, q_lora_rank ``hidden / 2``, kv_lora_rank 512 + rope 64 (DeepSeek-V3's latent), nope 128 /
     v 128, 32 routed experts (intermediate ``hidden / 2``) top-4 in 4 groups of which 2 may be used, 1 shared expert,
     dense FFN ``3 x hidden``, vocabulary 32,768."""
-    from zerokld_testing.deepseek import DeepSeekSpec
+    from zerokld_testing import DeepSeekSpec
 
     return DeepSeekSpec(hidden_size=hidden, intermediate_size=3 * hidden, moe_intermediate_size=hidden // 2,
                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), q_lora_rank=hidden // 2,
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     from zerokld_testing import make_tiny_checkpoint
 
     if args.arch == "deepseek_v3":
-        from zerokld_testing.deepseek import make_deepseek_checkpoint as make
+        from zerokld_testing import make_deepseek_checkpoint as make
 
         spec = deepseek_spec(args.hidden, args.layers, args.seq_len)
     else:

@@ -128,8 +128,8 @@ def test_the_example_and_the_benchmarks_use_public_api_only():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} import {[a.name for a in node.names]}")
     assert found == [], found
     assert scanned > 10
-    assert factory == {"TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer", "mixed_sampling_params",
-                       "random_datums", "random_prompts"}
+    assert factory == {"DeepSeekSpec", "TinyModelSpec", "make_deepseek_checkpoint", "make_tiny_checkpoint",
+                       "make_tokenizer", "mixed_sampling_params", "random_datums", "random_prompts"}
 
 
 def _is_package(module: str) -> bool:
