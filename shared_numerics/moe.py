@@ -11,12 +11,12 @@
   and summed in fp32, rounded once to the activation dtype.
 
 * DeepSeekMoE router (:func:`route_grouped_topk`, DeepSeek-V3 / Kimi K2 / GLM-MoE ``noaux_tc``): float32 sigmoid
-  scores (evaluated in float64, rounded once); the selection bias (``e_score_correction_bias``) added for the choice only; each group's score the sum of
-  its two highest biased scores; the ``topk_group`` best groups, then the ``k`` best experts inside them — both by
-  stable descending sorts, so exact ties go to the lowest group id and then the lowest expert id (HF and vLLM use
-  ``torch.topk``, whose order on ties is implementation-defined); weights from the unbiased scores, normalised by a
-  left-to-right sum (+ 1e-20, as HF), times ``routed_scaling_factor``. Shared experts are one dense SwiGLU added to
-  the routed sum in float32 after the slots (:func:`deepseek_moe_forward`).
+  scores (:func:`shared_numerics.reduce.sigmoid64`); the selection bias (``e_score_correction_bias``) added for the
+  choice only; each group's score the sum of its two highest biased scores; the ``topk_group`` best groups, then the
+  ``k`` best experts inside them — both by stable descending sorts, so exact ties go to the lowest group id and then
+  the lowest expert id (HF and vLLM use ``torch.topk``, whose order on ties is implementation-defined); weights from
+  the unbiased scores, normalised by a left-to-right sum (+ 1e-20, as HF), times ``routed_scaling_factor``. Shared
+  experts are one dense SwiGLU added to the routed sum in float32 after the slots (:func:`deepseek_moe_forward`).
 
 Routing replay (R3, arXiv 2510.11370): pass recorded ``expert_ids`` to :func:`moe_experts` instead of recomputing
 them; the weights are still gathered from the current scores (:func:`gather_route_weights`), so gradients flow.
@@ -25,6 +25,8 @@ Source: HF ``modeling_qwen3_moe.py`` (``Qwen3MoeSparseMoeBlock``); vLLM ``fused_
 from __future__ import annotations
 
 import torch
+
+from .reduce import sigmoid64
 
 __all__ = ["deepseek_moe_forward", "gather_route_weights", "grouped_route_weights", "moe_experts", "moe_forward",
            "route_grouped_topk", "route_topk"]
@@ -155,14 +157,6 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     return acc.to(x.dtype)
 
 
-def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
-    """float32 ``sigmoid`` evaluated in float64 and rounded once: ATen's float32 ``torch.sigmoid`` takes SIMD in a
-    tensor's body and scalar libm in its tail, so one logit's score could differ by an ulp with the batch around it
-    (:mod:`shared_numerics.reduce`, the reason for ``exp64``; seen as a 1-ulp log-prob difference in a float32
-    DeepSeek-V3 rollout). Differentiable."""
-    return (1.0 / (1.0 + torch.exp(-logits.double()))).float()
-
-
 def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k: int, n_group: int,
                        topk_group: int) -> torch.Tensor:
     """DeepSeekMoE's group-limited top-k (``noaux_tc``), deterministic: the expert ids only (weights:
@@ -185,7 +179,7 @@ def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k
     if e % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= topk_group * (e // n_group):
         raise ValueError(f"{e} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts: not a valid "
                          "group-limited routing")
-    choice = _sigmoid(router_logits)
+    choice = sigmoid64(router_logits)
     if bias is not None:
         choice = choice + bias.float()
     size = e // n_group
@@ -202,7 +196,7 @@ def grouped_route_weights(router_logits: torch.Tensor, expert_ids: torch.Tensor,
     """The DeepSeekMoE routing weights ``[N, k]`` float32 of ``expert_ids``: the unbiased sigmoid scores, normalised
     by their left-to-right sum + 1e-20 (``renormalize``, HF ``norm_topk_prob``), times ``scaling``
     (``routed_scaling_factor``). Differentiable in ``router_logits`` (also for replayed ids)."""
-    w = _sigmoid(router_logits).gather(-1, expert_ids)
+    w = sigmoid64(router_logits).gather(-1, expert_ids)
     if renormalize:
         total = w[:, 0:1]
         for j in range(1, w.shape[1]):  # fixed left-to-right order

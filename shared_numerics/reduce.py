@@ -6,7 +6,7 @@ These are the two building blocks that make every other op in ``shared_numerics`
   elementwise add is exact IEEE arithmetic on each element, whatever the tensor's shape, strides, thread count or
   SIMD tail handling, so the sum of one row never depends on how many other rows share the call. (``torch.sum``
   picks its vectorisation and split by shape; ATen's reductions are not guaranteed row invariant.)
-* ``exp64`` evaluates the exponential in float64 and rounds to the caller's dtype. ATen computes
+* ``exp64`` (and ``sigmoid64``) evaluates the exponential in float64 and rounds to the caller's dtype. ATen computes
   ``exp`` with SIMD (Sleef) in the body of a tensor and with scalar libm in the tail, and which elements fall
   in the tail depends on the tensor's size and on the per-thread split, so float32 ``torch.exp`` of the same number
   can differ by one ulp depending on what else is in the batch. Both float64 implementations are accurate to < 1
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tree_sum", "exp64", "true_divide"]
+__all__ = ["tree_sum", "exp64", "sigmoid64", "true_divide"]
 
 
 def true_divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -78,3 +78,10 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
 def exp64(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` evaluated in float64 and rounded to ``x.dtype``; see the module docstring for why."""
     return torch.exp(x.double()).to(x.dtype)
+
+
+def sigmoid64(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` evaluated in float64 and rounded once to float32, for the reason of :func:`exp64` (ATen's float32
+    ``torch.sigmoid`` has the same SIMD-body / libm-tail split: seen as a 1-ulp log-prob difference in a float32
+    DeepSeek-V3 rollout). Differentiable."""
+    return (1.0 / (1.0 + torch.exp(-x.double()))).float()

@@ -59,6 +59,7 @@ import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.fused_logprobs as sn_fused
 import shared_numerics.grad_chain as sn_chain
+import shared_numerics.mla as sn_mla
 import shared_numerics.moe as sn_moe
 import shared_numerics.norm as sn_norm
 import shared_numerics.tensor_parallel as sn_tp
@@ -344,8 +345,6 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         self.zerokld = config
 
     def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        import shared_numerics.mla as sn_mla
-
         if attention_masks is not None:
             raise NotImplementedError("zerokld attention runs one causal sequence per row; document masks "
                                       "(packed sequences) are not supported")

@@ -19,6 +19,7 @@ forward performs no device-to-host copy (CUDA-graph capturable: decode-only full
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -222,7 +223,9 @@ class ZeroKLDLatentAttentionBackend(ZeroKLDAttentionBackend):
         return ZeroKLDLatentAttentionImpl
 
 
+@functools.lru_cache(maxsize=1)
 def _latent_attention_class():
+    """The layer class, made once (vLLM's ``Attention`` is imported on first use, not at registration)."""
     from vllm.model_executor.layers.attention import Attention
 
     class _LatentAttention(Attention):

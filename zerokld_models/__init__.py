@@ -11,8 +11,8 @@ architecture = one folder + one line in :mod:`.hooks`.
 from .config import ModelConfig, mla_dims, mla_softmax_scale, read_model_config
 from .support import UnsupportedModelError, check_supported, unsupported_features
 
-__all__ = ["ModelConfig", "mla_dims", "mla_softmax_scale", "UnsupportedModelError", "adapter_for", "check_supported", "read_model_config",
-           "unsupported_features"]
+__all__ = ["ModelConfig", "UnsupportedModelError", "adapter_for", "check_supported", "mla_dims", "mla_softmax_scale",
+           "read_model_config", "unsupported_features"]
 
 
 def adapter_for(cfg: ModelConfig):

@@ -43,7 +43,7 @@ from ..config import ZeroKLDConfigError, from_vllm_config
 from ..faults import copy_fault, step_delay
 from ..sampler import check_sampler_supported, set_logprobs_definition
 
-__all__ = ["DenseDecoder", "ZeroKLDMixin", "check_supported"]
+__all__ = ["DenseDecoder", "ResidualLayer", "ZeroKLDMixin", "check_supported"]
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -247,42 +247,63 @@ class _DenseMLP(nn.Module):
         return self.down_proj(sn.silu_and_mul(self.gate_proj(f), self.up_proj(f)))
 
 
-class _Layer(nn.Module):
+def _norm(n: int) -> nn.Module:
+    """An RMSNorm's parameter holder (HF name ``<norm>.weight``)."""
+    m = nn.Module()
+    m.weight = _param(n)
+    return m
+
+
+class ResidualLayer(nn.Module):
+    """One decoder layer's residual stream, the same for every token mixer: ``a = rms_norm(h)`` (fused with the
+    previous layer's pending MLP output), ``h, f = add_rms_norm(h, attention(a))``, and ``mlp(f)`` returned as this
+    layer's pending delta. Subclasses give ``self_attn`` and :meth:`attention` (``[n, hidden]`` in and out)."""
+
+    def __init__(self, hidden: int, eps: float, mlp: nn.Module) -> None:
+        super().__init__()
+        self.eps = eps
+        self.input_layernorm = _norm(hidden)
+        self.post_attention_layernorm = _norm(hidden)
+        self.mlp = mlp
+
+    def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the residual stream; ``delta``: the previous layer's MLP output still to be added (``None`` for
+        the first layer). Returns ``(h, mlp_out)``: this layer's residual stream and its own pending delta."""
+        if delta is None:
+            a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
+        else:
+            h, a = sn.add_rms_norm(h, delta, self.input_layernorm.weight, self.eps)
+        h, f = sn.add_rms_norm(h, self.attention(a, cos, sin), self.post_attention_layernorm.weight, self.eps)
+        return h, self.mlp(f)
+
+
+class _Layer(ResidualLayer):
     def __init__(self, cfg: ModelConfig, adapter, vllm_config, prefix: str, fp8: Fp8Mode,
                  mlp: nn.Module | None = None, lora: bool = False, tp: TensorParallel | None = None) -> None:
-        super().__init__()
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
+        super().__init__(h, cfg.rms_norm_eps,
+                         mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora, tp=tp))
         qk_norm = adapter.qk_norm
         size = tp.size if tp is not None else 1
-        self.nq, self.nkv, self.hd, self.eps = nq // size, nkv // size, hd, cfg.rms_norm_eps  # this rank's heads
-        self.input_layernorm = nn.Module()
-        self.input_layernorm.weight = _param(h)
-        self.post_attention_layernorm = nn.Module()
-        self.post_attention_layernorm.weight = _param(h)
+        self.nq, self.nkv, self.hd = nq // size, nkv // size, hd  # this rank's heads
         sa = self.self_attn = nn.Module()
         for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
             setattr(sa, name, _proj(out, h, fp8, bias=adapter.qkv_bias, lora=lora, shard="column", tp=tp))
         sa.o_proj = _proj(h, nq * hd, fp8, lora=lora, shard="row", tp=tp)
         self.qk_norm = qk_norm
         if qk_norm:
-            sa.q_norm = nn.Module()
-            sa.q_norm.weight = _param(hd)
-            sa.k_norm = nn.Module()
-            sa.k_norm.weight = _param(hd)
-        # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
-        self.mlp = mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora, tp=tp)
+            sa.q_norm = _norm(hd)
+            sa.k_norm = _norm(hd)
         sa.attn = Attention(self.nq, hd, hd ** -0.5, num_kv_heads=self.nkv, cache_config=vllm_config.cache_config,
                             prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h``: the residual stream; ``delta``: the previous layer's MLP output still to be added (``None`` for
-        the first layer). Returns ``(h, mlp_out)``: this layer's residual stream and its own pending delta."""
-        sa, n = self.self_attn, h.shape[0]
-        if delta is None:
-            a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
-        else:
-            h, a = sn.add_rms_norm(h, delta, self.input_layernorm.weight, self.eps)
+    def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        sa, n = self.self_attn, a.shape[0]
         q = sa.q_proj(a).view(n, self.nq, self.hd)
         k = sa.k_proj(a).view(n, self.nkv, self.hd)
         v = sa.v_proj(a).view(n, self.nkv, self.hd)
@@ -292,35 +313,37 @@ class _Layer(nn.Module):
         else:
             q = sn.apply_rope(q, cos, sin)
             k = sn.apply_rope(k, cos, sin)
-        o = sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
-        h, f = sn.add_rms_norm(h, sa.o_proj(o), self.post_attention_layernorm.weight, self.eps)
-        return h, self.mlp(f)
+        return sa.o_proj(sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)))
 
 
 class DenseDecoder(nn.Module):
-    """The batch-invariant decoder body; parameters under ``model.`` and ``lm_head`` with HF names."""
+    """The batch-invariant decoder body; parameters under ``model.`` and ``lm_head`` with HF names.
+
+    ``layer_factory``: ``(layer index, this decoder's TensorParallel) -> ResidualLayer`` for layers that are not the
+    grouped-query attention layer (MLA, :mod:`vllm_plugin.models.mla`), with ``rotary_dim`` their RoPE width
+    (default ``head_dim``)."""
 
     def __init__(self, vllm_config, cfg: ModelConfig, adapter, prefix: str = "", fp8: Fp8Mode | None = None,
-                 mlp_factory=None) -> None:
+                 mlp_factory=None, layer_factory=None, rotary_dim: int | None = None) -> None:
         super().__init__()
         fp8 = fp8 or Fp8Mode()
         lora = vllm_config.lora_config is not None
         self.tp = tp = TensorParallel(vllm_config)
         self.cfg = cfg
+        self.rotary_dim = rotary_dim or cfg.head_dim
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [_Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8, mlp_factory(i) if mlp_factory else None,
-                    lora=lora, tp=tp)
-             for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = nn.Module()
-        self.norm.weight = _param(cfg.hidden_size)
+        if layer_factory is None:
+            def layer_factory(i: int, tp: TensorParallel) -> ResidualLayer:
+                return _Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8,
+                              mlp_factory(i) if mlp_factory else None, lora=lora, tp=tp)
+        self.layers = nn.ModuleList([layer_factory(i, tp) for i in range(cfg.num_hidden_layers)])
+        self.norm = _norm(cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens.weight[input_ids]
         cfg = self.cfg
-        cos, sin = sn.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = sn.rope_cos_sin(positions, self.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin)

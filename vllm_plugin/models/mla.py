@@ -3,7 +3,7 @@ DeepSeekMoE (:mod:`shared_numerics.mla`, :func:`shared_numerics.moe.deepseek_moe
 
 :class:`ZeroKLDMLAMixin` is the base of every architecture declared with ``attention="mla"`` (``zerokld_models/
 deepseek_v3``): with the zerokld flag off the class *is* vLLM's own (``DeepseekV3ForCausalLM``: its MLA backends,
-FusedMoE); with it on, :class:`MLADecoder`. Per layer::
+FusedMoE); with it on, :class:`vllm_plugin.models.dense.DenseDecoder`'s residual stream over MLA layers. Per layer::
 
     a = rms_norm(h)
     q = q_b_proj(rms_norm(q_a_proj(a)))  (or q_proj(a) without q_lora_rank);  q_nope, q_pe = split(q per head)
@@ -30,16 +30,10 @@ from zerokld_models import mla_dims, mla_softmax_scale
 
 from ..attention_backend import LatentAttention
 from ..config import ZeroKLDConfigError
-from .dense import Fp8Mode, _DenseMLP, _param, _proj
+from .dense import DenseDecoder, Fp8Mode, ResidualLayer, _DenseMLP, _norm, _param, _proj
 from .moe import ZeroKLDMoEMixin, _stacked
 
-__all__ = ["DeepSeekMoEBlock", "MLADecoder", "ZeroKLDMLAMixin"]
-
-
-def _norm(n: int, dtype: torch.dtype | None = None) -> nn.Module:
-    m = nn.Module()
-    m.weight = _param(n, dtype=dtype)
-    return m
+__all__ = ["DeepSeekMoEBlock", "ZeroKLDMLAMixin"]
 
 
 class DeepSeekMoEBlock(nn.Module):
@@ -71,14 +65,12 @@ class DeepSeekMoEBlock(nn.Module):
         return out
 
 
-class _MLALayer(nn.Module):
+class _MLALayer(ResidualLayer):
     def __init__(self, cfg, vllm_config, prefix: str, mlp: nn.Module, fp8: Fp8Mode) -> None:
-        super().__init__()
+        super().__init__(cfg.hidden_size, cfg.rms_norm_eps, mlp)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.cfg, self.eps = cfg, cfg.rms_norm_eps
+        self.cfg = cfg
         dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.input_layernorm = _norm(h)
-        self.post_attention_layernorm = _norm(h)
         sa = self.self_attn = nn.Module()
         if cfg.q_lora_rank:
             sa.q_a_proj = _proj(cfg.q_lora_rank, h, fp8)
@@ -92,7 +84,6 @@ class _MLALayer(nn.Module):
         sa.o_proj = _proj(h, nh * dv, fp8)
         sa.attn = LatentAttention(nh, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config,
                                   f"{prefix}.self_attn.attn")
-        self.mlp = mlp
         self.dims = mla_dims(cfg)
 
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,45 +97,9 @@ class _MLALayer(nn.Module):
         o = sa.attn(qc.reshape(n, -1), latent, latent).view(n, self.dims.num_heads, -1)
         return sa.o_proj(sn_mla.mla_output(o, sa.kv_b_proj.weight, self.dims))
 
-    def forward(self, h, delta, cos, sin):
-        if delta is None:
-            a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
-        else:
-            h, a = sn.add_rms_norm(h, delta, self.input_layernorm.weight, self.eps)
-        h, f = sn.add_rms_norm(h, self.attention(a, cos, sin), self.post_attention_layernorm.weight, self.eps)
-        return h, self.mlp(f)
-
-
-class MLADecoder(nn.Module):
-    """The batch-invariant DeepSeek-V3 decoder body; parameters under ``model.`` with HF names."""
-
-    def __init__(self, vllm_config, cfg, prefix: str, fp8: Fp8Mode) -> None:
-        super().__init__()
-        from .dense import TensorParallel
-
-        self.tp = TensorParallel(vllm_config)
-        self.cfg = cfg
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([
-            _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}",
-                      _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8) if i < cfg.first_k_dense_replace
-                      else DeepSeekMoEBlock(cfg, fp8), fp8)
-            for i in range(cfg.num_hidden_layers)])
-        self.norm = _norm(cfg.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        h = self.embed_tokens.weight[input_ids]
-        cos, sin = sn.rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-        delta = None
-        for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin)
-        return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
-
 
 class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
-    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` with :class:`MLADecoder` (MLA + DeepSeekMoE)."""
+    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` whose decoder layers are MLA (+ DeepSeekMoE)."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -160,4 +115,14 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
                                      + "; ".join(problems))
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
-        return MLADecoder(vllm_config, self.model_cfg, prefix, self.fp8)
+        """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``): the
+        first ``first_k_dense_replace`` with the dense SwiGLU MLP, the others with :class:`DeepSeekMoEBlock`."""
+        cfg, fp8 = self.model_cfg, self.fp8
+
+        def layer(i: int, tp) -> _MLALayer:
+            mlp = (_DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8) if i < cfg.first_k_dense_replace
+                   else DeepSeekMoEBlock(cfg, fp8))
+            return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8)
+
+        return DenseDecoder(vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer,
+                            rotary_dim=cfg.qk_rope_head_dim)
