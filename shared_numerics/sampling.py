@@ -53,7 +53,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     probability ~1e-10 per token).
 
     Args:
-        seeds: ``[N]`` int64, each in ``[0, 2**63)`` (the request's sampling seed).
+        seeds: ``[N]`` int64, any value (the request's sampling seed: vLLM's ``SamplingParams.seed`` takes the whole
+            int64 range, as ``torch.Generator.manual_seed`` does). A seed is its 64 bits: a negative seed draws the
+            noise of its two's-complement value, never an error (an error here would stop the engine mid-step).
         positions: ``[N]`` int64 ``>= 0``: the output position being sampled (0 for the first generated token).
         vocab_size: ``V``.
 
@@ -61,12 +63,12 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
         ``[N, V]`` float64.
 
     Raises:
-        ValueError: a negative seed or position.
+        ValueError: a negative position.
     """
     seeds = seeds.to(torch.int64).reshape(-1, 1)
     positions = positions.to(torch.int64).reshape(-1, 1)
-    if bool((seeds < 0).any()) or bool((positions < 0).any()):
-        raise ValueError("sampling seeds and positions must be non-negative")
+    if bool((positions < 0).any()):
+        raise ValueError("sampling positions must be non-negative")
     key = _mix32(_mix32((seeds & _M32) ^ 0x9E3779B9) ^ ((seeds >> 32) & _M32))
     key = _mix32(key ^ (positions & _M32) ^ 0x7F4A7C15)
     a = _mix32(key ^ _index_hash(vocab_size, seeds.device))

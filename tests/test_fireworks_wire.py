@@ -185,6 +185,23 @@ def test_streamed_completion_is_one_complete_sse_stream(env):
     assert all(row["sampling_logprob"] is None for row in r.json()["choices"][0]["logprobs"]["content"])
 
 
+def test_every_int64_seed_samples_and_repeats(env):
+    """vLLM takes any int64 ``seed``; each one samples, the same seed repeats its tokens, and the engine lives on.
+    Negative control (found by tests/test_server_fuzz.py, seen by hand): before shared_numerics.sampling took negative
+    seeds, ``seed: -1377816`` raised inside the engine's step, the engine stopped, and every later request failed."""
+    server = env[0]
+    tokens = {}
+    for seed in (-1377816, -2**63, 2**63 - 1, 7):
+        for _ in range(2):
+            r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": seed,
+                               "raw_output": True}, path="/inference/v1/completions")
+            assert r.status_code == 200, (seed, r.text)
+            ids = r.json()["choices"][0]["raw_output"]["completion_token_ids"]
+            assert tokens.setdefault(seed, ids) == ids, seed  # the seed, not the call, decides
+    assert len({tuple(v) for v in tokens.values()}) == len(tokens)  # four seeds, four samples
+    assert requests.get(server.base + "/health", timeout=10).status_code == 200
+
+
 def test_protocol_maps_fireworks_spelling_onto_ours():
     """No server: the body mapping (booleans to reset modes, our own fields refused) and the status mapping (a
     failed newest load reads stage "error"; a failure older than the snapshot now serving does not)."""

@@ -21,7 +21,21 @@ def test_noise_is_a_pure_function_of_seed_position_and_index():
     assert len(set(u[0].tolist())) == 1000
     assert abs(float(u.mean()) - 0.5) < 0.02
     with pytest.raises(ValueError, match="non-negative"):
-        uniform_noise(torch.tensor([-1]), torch.tensor([0]), 4)
+        uniform_noise(seeds[:1], torch.tensor([-1]), 4)
+
+
+def test_every_int64_seed_is_a_seed():
+    """vLLM takes any int64 ``seed`` (``CompletionRequest.seed``: ``ge=-2**63``); a negative one is its 64 bits, not an
+    error. Before this, a request with ``seed: -1377816`` raised inside the engine's step and stopped the engine
+    (found by tests/test_server_fuzz.py)."""
+    seeds = torch.tensor([-1, -2**63, 2**63 - 1, -1377816, 1])
+    pos = torch.tensor([0, 5, 5, 2, 0])
+    u = uniform_noise(seeds, pos, 512)
+    assert bool(((u > 0) & (u < 1)).all()) and torch.equal(u, uniform_noise(seeds, pos, 512))
+    for i in range(len(seeds)):
+        assert torch.equal(uniform_noise(seeds[i: i + 1], pos[i: i + 1], 512)[0], u[i])
+    assert len({tuple(row.tolist()) for row in u}) == len(seeds)  # -1 is not 1, -2**63 is not 2**63 - 1
+    assert abs(float(u.mean()) - 0.5) < 0.02
 
 
 def test_samples_follow_the_softmax():

@@ -13,12 +13,20 @@ key is tested in tests/test_fireworks_wire.py and tests/test_hotload.py).
 * The vLLM server with zerokld and its hot-load endpoint (:class:`vllm_plugin.serve.HotLoadServer`): vLLM's own
   routes and the hot-load and Fireworks routes (their bodies and headers: :func:`deltasync.protocol.
   openapi_operations`, :data:`vllm_plugin.hotload.fireworks.COMPLETIONS_SCHEMA`), with the real deployment name, a
-  real snapshot identity and the served model half of the time so that calls reach the loads and the sampler. One 5xx
-  is vLLM's by design and allowed: ``501`` from ``/v1/systemone`` ("The model does not support the structured
-  decision API").
+  real snapshot identity and the served model half of the time so that calls reach the loads and the sampler. Our
+  routes answer no 5xx and the engine never stops. A 5xx of one of vLLM's own routes is taken as vLLM's only when a
+  stock ``vllm serve`` (no plugin, the same model and flags) answers the same request with the same status and
+  message; those are printed. Seen so far: ``501`` from ``/v1/systemone`` (by design: "The model does not support
+  the structured decision API"); ``500`` from ``/v1/chat/completions`` when ``structured_outputs`` is not an object
+  (``'bool' object has no attribute 'get'``) and from ``/v1/responses`` given a refusal as input
+  (``'ResponseOutputRefusal' object has no attribute 'text'``). Found by this test and fixed: a negative ``seed``
+  stopped the engine (tests/test_sampling.py, tests/test_fireworks_wire.py).
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import time
 from pathlib import Path
@@ -31,6 +39,8 @@ pytestmark = [pytest.mark.long, pytest.mark.timeout(1500)]
 API_KEY = "fw-zerokld-fuzz"
 EXAMPLES = 60  # per route and mode
 SEED = 54
+#: the routes the hot-load endpoint adds (vllm_plugin.hotload.endpoint): none may answer a 5xx
+OUR_ROUTES = ("/zerokld/", "/hot_load/", "/v1/accounts", "/inference/")
 
 
 def _peak_mib(pid: int) -> float:
@@ -38,23 +48,59 @@ def _peak_mib(pid: int) -> float:
                     if line.startswith("VmHWM"))) / 1024
 
 
-def _fuzz(url: str, doc: dict, headers: dict, aim, allowed=frozenset()) -> dict:
+def _fuzz(url: str, doc: dict, headers: dict, aim, log_tail, trace: Path) -> tuple[dict, list]:
     """Fuzz every operation of OpenAPI ``doc`` against ``url``, both modes; ``aim(case, pick)`` may point a generated
-    case at real objects (``pick``: the seeded random source). Returns the status-code counts; asserts no 5xx other
-    than ``allowed`` ``(path, status)`` pairs and ``/health`` after every route."""
+    case at real objects (``pick``: a random source seeded per operation and mode, so that one route's examples do
+    not depend on how many the routes before it drew). ``/health`` must answer after every route; a server that stops
+    answering fails at once, with the 5xx answers before it and ``log_tail()``. Every request sent and its status go to
+    ``trace`` (JSON lines) for a failure's reader.
+
+    Returns:
+        the status-code counts, and every 5xx answer (``requests.Response``; ``.request`` is what was sent).
+    """
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, seed, settings
-    from hypothesis.errors import Unsatisfiable
-    from schemathesis import GenerationMode
 
     doc.pop("security", None)
     doc.get("components", {}).pop("securitySchemes", None)
     schema = schemathesis.openapi.from_dict(doc)
-    pick = random.Random(SEED)
-    failures, statuses = [], {}
+    errors, statuses = [], {}
+    with _examples_of_seed_and_schema_only(), trace.open("w") as sent:
+        _fuzz_routes(schema, url, headers, aim, log_tail, sent, errors, statuses)
+    print("status codes:", dict(sorted(statuses.items())))
+    start = time.monotonic()
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    assert time.monotonic() - start < 10
+    return statuses, errors
+
+
+@contextlib.contextmanager
+def _examples_of_seed_and_schema_only():
+    """Hypothesis 6.170 mixes constants of every local module already imported into what it draws
+    (``hypothesis.internal.conjecture.providers._get_local_constants``), so the examples of one seed changed with the
+    tests that ran before (CI's whole long suite drew a negative ``seed`` for ``/inference/v1/completions`` that a
+    run of this file alone never drew). Within the block it draws none: the same examples everywhere."""
+    from hypothesis.internal.conjecture import providers
+
+    get = providers._get_local_constants
+    providers._get_local_constants = providers.Constants
+    providers.CONSTANTS_CACHE.cache.clear()
+    try:
+        yield
+    finally:
+        providers._get_local_constants = get
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+def _fuzz_routes(schema, url, headers, aim, log_tail, sent, errors, statuses) -> None:
+    """:func:`_fuzz`'s loop: counts into ``statuses``, 5xx answers onto ``errors``, each call a JSON line to ``sent``."""
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
     for result in schema.get_all_operations():
         op = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            pick = random.Random(f"{SEED} {op.method} {op.path} {mode.value}")
 
             @seed(SEED)
             @settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -62,22 +108,36 @@ def _fuzz(url: str, doc: dict, headers: dict, aim, allowed=frozenset()) -> dict:
             @given(case=op.as_strategy(mode))
             def fuzz(case):
                 aim(case, pick)
-                r = case.call(base_url=url, headers=headers, timeout=60)
+                try:
+                    r = case.call(base_url=url, headers=headers, timeout=60)
+                except requests.ConnectionError:
+                    pytest.fail(f"the server is gone at {case.method} {case.path} {str(case.body)[:300]}; the 5xx "
+                                f"before: {_shown(errors[-3:])}; its log ends:\n{log_tail()}")
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-                if r.status_code >= 500 and (op.path, r.status_code) not in allowed:
-                    failures.append((case.method, case.path, r.status_code, r.text[:300], str(case.body)[:300]))
+                body = r.request.body or b""
+                sent.write(json.dumps({"method": r.request.method, "url": r.request.path_url, "status": r.status_code,
+                                       "body": body.decode("utf-8", "replace") if isinstance(body, bytes) else body})
+                           + "\n")
+                if r.status_code >= 500:
+                    errors.append(r)
 
             try:
                 fuzz()
             except Unsatisfiable:  # nothing to make invalid (a route without parameters or body)
                 assert mode == GenerationMode.NEGATIVE, op.path
             assert requests.get(url + "/health", timeout=10).status_code == 200, op.path
-    print("status codes:", dict(sorted(statuses.items())))
-    assert failures == [], failures[:5]
-    start = time.monotonic()
-    assert requests.get(url + "/health", timeout=10).status_code == 200
-    assert time.monotonic() - start < 10
-    return statuses
+
+
+def _shown(errors: list) -> list:
+    return [(r.request.method, r.request.path_url, r.status_code, r.text[:300],
+             (r.request.body or b"")[:300]) for r in errors[:5]]
+
+
+def _message(r: requests.Response) -> str:
+    try:
+        return str(r.json().get("error", {}).get("message"))
+    except (ValueError, AttributeError):
+        return r.text
 
 
 @pytest.mark.titan
@@ -106,7 +166,8 @@ def test_every_training_server_route_survives_schema_fuzzing(checkpoint_factory,
             if isinstance(case.body, dict) and "model_id" in case.body and pick.random() < 0.5:
                 case.body["model_id"] = model  # reach the model's own checks too
 
-        statuses = _fuzz(url, doc, headers, aim)
+        statuses, errors = _fuzz(url, doc, headers, aim, proc.log_tail, tmp_path / "calls.jsonl")
+        assert errors == [], _shown(errors)
         assert sum(statuses.values()) >= EXAMPLES * 20 and statuses.get(200) and statuses.get(400)
         peak = _peak_mib(proc.proc.pid)
         assert peak < 6 * 1024, f"server peak memory {peak:.0f} MiB"
@@ -120,7 +181,7 @@ def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint
     from deltasync import read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
     from deltasync.protocol import FIREWORKS_DEPLOYMENT_HEADER, FIREWORKS_HOT_LOAD, PREFIX
     from shared_numerics import NumericsMode
-    from vllm_plugin.serve import HotLoadServer
+    from vllm_plugin.serve import HotLoadServer, OpenAIServer
 
     engine_slot.close()
     ckpt = checkpoint_factory("qwen3", "bfloat16")
@@ -153,12 +214,41 @@ def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint
                 case.body["model"] = deployment if case.path == "/inference/v1/completions" else Path(ckpt).name
 
         pid = server.proc.pid
-        statuses = _fuzz(server.base, doc, {"Authorization": f"Bearer {API_KEY}"}, aim,
-                         allowed={("/v1/systemone", 501)})
+        statuses, errors = _fuzz(server.base, doc, {"Authorization": f"Bearer {API_KEY}"}, aim, server.log_tail,
+                                 tmp_path / "calls.jsonl")
         assert sum(statuses.values()) >= EXAMPLES * 20 and statuses.get(200) and statuses.get(400)
         peak = _peak_mib(pid)
         assert peak < 8 * 1024, f"API server peak memory {peak:.0f} MiB"
     finally:
         server.stop()
     log = (tmp_path / "server.log").read_text(errors="replace")
-    assert "Exception in ASGI application" not in log
+    # the engine never stopped (a request's error stays the request's); vLLM logs this line only for a crash, not for
+    # the EngineDeadError its own shutdown may log
+    assert "EngineCore encountered a fatal error" not in log
+    ours = [r for r in errors if r.request.path_url.startswith(OUR_ROUTES)]
+    assert ours == [], _shown(ours)
+    # a 5xx of vLLM's own routes is vLLM's only if stock vLLM (no plugin; the same model, name, flags and key) answers
+    # the same request with the same status and message, and logs as many unhandled exceptions; it is printed, not
+    # hidden
+    theirs = [r for r in errors if r not in ours]
+    stock_log = ""
+    if theirs:
+        assert server.args[-2] == "--additional-config"  # the zerokld settings: left out
+        stock = OpenAIServer([*server.args[:-2], "--served-model-name", Path(ckpt).name], tmp_path / "stock.log",
+                             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": ""})
+        stock.start()
+        differ = []
+        try:
+            for r in theirs:
+                sent = r.request.copy()
+                sent.prepare_url(stock.base + r.request.path_url, None)
+                again = requests.Session().send(sent, timeout=60)
+                if (again.status_code, _message(again)) != (r.status_code, _message(r)):
+                    differ.append((*_shown([r])[0], again.status_code, _message(again)[:200]))
+        finally:
+            stock.stop()
+        assert differ == [], differ[:5]
+        stock_log = (tmp_path / "stock.log").read_text(errors="replace")
+        print("vLLM's own 5xx, the same on stock vLLM:",
+              sorted({(r.request.path_url, r.status_code, _message(r)[:120]) for r in theirs}))
+    assert log.count("Exception in ASGI application") == stock_log.count("Exception in ASGI application")

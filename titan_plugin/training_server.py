@@ -1074,7 +1074,7 @@ class TrainingServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.proc = None
-                raise RuntimeError("training server exited:\n" + self.log_path.read_text(errors="replace")[-3000:])
+                raise RuntimeError("training server exited:\n" + self.log_tail())
             try:
                 if requests.get(self.base + "/health", timeout=2).status_code == 200:
                     return self.base
@@ -1083,7 +1083,11 @@ class TrainingServerProcess:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"training server not healthy within {budget_s:.0f} s:\n"
-                           + self.log_path.read_text(errors="replace")[-3000:])
+                           + self.log_tail())
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of its log (``""`` before the first start)."""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def stop(self, kill: bool = False) -> None:
         """SIGTERM (``kill``: SIGKILL at once, as a crash would), then SIGKILL after 60 s (this process only: it
