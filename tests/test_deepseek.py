@@ -211,3 +211,73 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, after, strict=True)]
     assert torch.equal(torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
                        torch.cat([completion_logprobs(o) for o in after]))
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monkeypatch, request):
+    """Issue 55 point 5, the whole stack: the unmodified Fireworks SDK (``fireworks-ai``) trains DeepSeek-V3 on our
+    TorchTitan training server (``python -m titan_plugin.training_server``), ``WeightSyncer`` hot-loads each policy
+    (full, then a delta) into a real ``vllm serve`` with zerokld, ``DeploymentSampler`` samples from it, and the
+    sampler's log-probs equal the training server's ``forward`` log-probs of the same tokens bit for bit at every step.
+    Negative control: after ``optim_step`` the trainer's log-probs of those tokens differ (the step moved the MLA and
+    DeepSeekMoE weights the next hot-load must carry)."""
+    import asyncio
+
+    import requests
+    from fireworks.training.sdk import (AdamParams, Datum, DeploymentManager, DeploymentSampler,
+                                        FiretitanServiceClient, ModelInput, TensorData, WeightSyncer)
+
+    from titan_plugin.training_server import TrainingServerProcess
+    from vllm_plugin.serve import HotLoadServer
+
+    engine_slot.close()
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    key, name, base = "fw-deepseek", "accounts/local/deployments/local", "accounts/fireworks/models/tiny-deepseek-v3"
+    ckpt = ckpts("yarn_groups_ties", "bfloat16")
+    root = tmp_path / "snapshots"
+    root.mkdir()
+    server = HotLoadServer(ckpt, root, tmp_path / "state", tmp_path / "vllm.log", key, max_model_len=256)
+    server.start()
+    request.addfinalizer(server.stop)
+    trainer = TrainingServerProcess(ckpt, root, key, tmp_path / "trainer.log", ["--seq-gap-s", 3])
+    url = trainer.start()
+    request.addfinalizer(trainer.stop)
+    svc = FiretitanServiceClient(base_url=url, api_key=key)
+    request.addfinalizer(svc.close)
+    tc = svc.create_training_client(base_model=base)
+    syncer = WeightSyncer(policy_client=tc, deploy_mgr=DeploymentManager(api_key=key, base_url=server.base),
+                          deployment_id="local", base_model=base, hotload_timeout=180)
+    sampler = DeploymentSampler(inference_url=server.base, model=name, api_key=key)
+    prompt = [1] + list(range(10, 70))
+
+    def datum(c, advantage):
+        n = len(c.full_tokens) - 1
+        lead = [0.0] * (c.prompt_len - 1)
+        inputs = {"target_tokens": TensorData(data=c.full_tokens[1:], dtype="int64", shape=[n]),
+                  "weights": TensorData(data=lead + [1.0] * (n - c.prompt_len + 1), dtype="float32", shape=[n]),
+                  "logprobs": TensorData(data=lead + list(c.sampling_logprobs), dtype="float32", shape=[n]),
+                  "advantages": TensorData(data=[advantage] * n, dtype="float32", shape=[n])}
+        return Datum(model_input=ModelInput.from_ints(c.full_tokens[:-1]), loss_fn_inputs=inputs)
+
+    def trainer_lps(data, samples):
+        fwd = tc.forward(data, "cross_entropy").result()
+        return [torch.tensor(o["logprobs"].data, dtype=torch.float32)[c.prompt_len - 1:]
+                for o, c in zip(fwd.loss_fn_outputs, samples, strict=True)]
+
+    for step in range(2):
+        syncer.save_and_hotload(f"policy-{step}")
+        samples = asyncio.run(sampler.sample_with_prompt_tokens(prompt, n=2, max_tokens=8, temperature=1.0,
+                                                                logprobs=True))
+        data = [datum(c, adv) for c, adv in zip(samples, (1.0, -1.0), strict=True)]
+        sampled = torch.cat([torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples])
+        train = trainer_lps(data, samples)
+        assert torch.cat(train).shape == sampled.shape == (16,)
+        assert torch.equal(torch.cat(train), sampled), step  # KL exactly 0 on DeepSeek-V3
+        tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
+        tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+        assert not torch.equal(torch.cat(trainer_lps(data, samples)), sampled)  # negative control
+    ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30).json()
+    kinds = {r["identity"]: r.get("kind") for r in ledger["rows"] if r["identity"].startswith("policy-")}
+    assert sorted(kinds.values()) == ["full", "incremental"], kinds
