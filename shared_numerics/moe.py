@@ -157,34 +157,56 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     return acc.to(x.dtype)
 
 
+#: DeepSeekMoE's scoring functions: ``"sigmoid"`` (DeepSeek-V3, ``topk_method="noaux_tc"``: a group's score is the
+#: sum of its two best experts) and ``"softmax"`` (DeepSeek-V2, ``"group_limited_greedy"``: a group's score is its
+#: best expert's; ``"greedy"`` is the one-group case)
+SCORINGS = ("sigmoid", "softmax")
+
+
+def _deepseek_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "sigmoid":
+        return sigmoid64(router_logits)
+    if scoring == "softmax":
+        return _scores(router_logits)
+    raise ValueError(f"DeepSeekMoE scoring {scoring!r}: expected one of {SCORINGS}")
+
+
 def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k: int, n_group: int,
-                       topk_group: int) -> torch.Tensor:
-    """DeepSeekMoE's group-limited top-k (``noaux_tc``), deterministic: the expert ids only (weights:
-    :func:`grouped_route_weights`).
+                       topk_group: int, scoring: str = "sigmoid") -> torch.Tensor:
+    """DeepSeekMoE's group-limited top-k, deterministic: the expert ids only (weights: :func:`grouped_route_weights`).
 
     Args:
-        router_logits: ``[N, E]`` (float32: DeepSeek-V3's router runs in float32).
-        bias: ``[E]`` ``e_score_correction_bias`` (selection only), or ``None``.
+        router_logits: ``[N, E]`` (float32: DeepSeek's router runs in float32).
+        bias: ``[E]`` ``e_score_correction_bias`` (selection only; DeepSeek-V3), or ``None``.
         k: experts per token; n_group: groups (``E % n_group == 0``); topk_group: groups a token may use.
+        scoring: ``"sigmoid"`` (DeepSeek-V3 ``noaux_tc``: sigmoid scores, a group scores the sum of its two best) or
+            ``"softmax"`` (DeepSeek-V2 ``group_limited_greedy``: softmax scores, a group scores its best; with one
+            group, ``greedy``).
 
     Returns:
-        ``[N, k]`` int64 expert ids, slot 0 the highest biased score; exact ties: lowest group id, then lowest
-        expert id. Source: HF ``modeling_deepseek_v3.DeepseekV3TopkRouter`` (the same selection up to tie order).
+        ``[N, k]`` int64 expert ids, slot 0 the highest (biased) score; exact ties: lowest group id, then lowest
+        expert id. Source: HF ``modeling_deepseek_v3.DeepseekV3TopkRouter``, ``modeling_deepseek_v2.
+        DeepseekV2TopkRouter`` (the same selection up to tie order).
 
     Raises:
         ValueError: ``E`` not a multiple of ``n_group``, ``topk_group`` outside ``[1, n_group]``, ``k`` larger than
-            the experts of ``topk_group`` groups.
+            the experts of ``topk_group`` groups, an unknown ``scoring``.
     """
     n, e = router_logits.shape
     if e % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= topk_group * (e // n_group):
         raise ValueError(f"{e} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts: not a valid "
                          "group-limited routing")
-    choice = sigmoid64(router_logits)
+    choice = _deepseek_scores(router_logits, scoring)
     if bias is not None:
         choice = choice + bias.float()
+    if n_group == 1:
+        return _topk_ids(choice, k)
     size = e // n_group
     best = torch.sort(choice.view(n, n_group, size), dim=-1, descending=True, stable=True).values
-    group_scores = best[..., 0] + best[..., 1] if size > 1 else best[..., 0]  # the two highest, in that order
+    if scoring == "softmax" or size == 1:
+        group_scores = best[..., 0]
+    else:
+        group_scores = best[..., 0] + best[..., 1]  # the two highest, in that order
     groups = _topk_ids(group_scores, topk_group)
     allowed = torch.zeros((n, n_group), dtype=torch.bool, device=choice.device).scatter(1, groups, True)
     masked = choice.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
@@ -192,11 +214,12 @@ def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k
 
 
 def grouped_route_weights(router_logits: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool,
-                          scaling: float) -> torch.Tensor:
-    """The DeepSeekMoE routing weights ``[N, k]`` float32 of ``expert_ids``: the unbiased sigmoid scores, normalised
-    by their left-to-right sum + 1e-20 (``renormalize``, HF ``norm_topk_prob``), times ``scaling``
-    (``routed_scaling_factor``). Differentiable in ``router_logits`` (also for replayed ids)."""
-    w = sigmoid64(router_logits).gather(-1, expert_ids)
+                          scaling: float, scoring: str = "sigmoid") -> torch.Tensor:
+    """The DeepSeekMoE routing weights ``[N, k]`` float32 of ``expert_ids``: the unbiased scores (``scoring`` as in
+    :func:`route_grouped_topk`), normalised by their left-to-right sum + 1e-20 (``renormalize``, HF
+    ``norm_topk_prob``), times ``scaling`` (``routed_scaling_factor``). Differentiable in ``router_logits`` (also
+    for replayed ids)."""
+    w = _deepseek_scores(router_logits, scoring).gather(-1, expert_ids)
     if renormalize:
         total = w[:, 0:1]
         for j in range(1, w.shape[1]):  # fixed left-to-right order
@@ -209,11 +232,12 @@ def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: tor
                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                          shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, top_k: int, n_group: int,
                          topk_group: int, renormalize: bool, scaling: float,
-                         expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One DeepSeekMoE block (HF ``DeepseekV3MoE``): float32 router logits ``linear(x.float(), router_weight.float())``,
-    :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of ``-1`` routed afresh), the routed experts
-    (:func:`moe_experts`) and the shared experts ``shared = (gate [I_s, H], up [I_s, H], down [H, I_s])`` (one dense
-    SwiGLU, added in float32 after the routed slots).
+                         expert_ids: torch.Tensor | None = None,
+                         scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
+    ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
+    ``-1`` routed afresh), the routed experts (:func:`moe_experts`) and the shared experts ``shared = (gate [I_s, H],
+    up [I_s, H], down [H, I_s])`` (one dense SwiGLU, added in float32 after the routed slots).
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
@@ -224,14 +248,14 @@ def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: tor
     from . import silu_and_mul
 
     logits = _linear(x.float(), router_weight.float())
-    ids = route_grouped_topk(logits, bias, top_k, n_group, topk_group)
+    ids = route_grouped_topk(logits, bias, top_k, n_group, topk_group, scoring)
     if expert_ids is not None:
         ids = _replayed(ids, expert_ids, router_weight.shape[0])
     shared_out = None
     if shared is not None:
         sg, su, sd = shared
         shared_out = _linear(silu_and_mul(_linear(x, sg), _linear(x, su)), sd)
-    out = moe_experts(x, ids, grouped_route_weights(logits, ids, renormalize, scaling), w_gate, w_up, w_down,
+    out = moe_experts(x, ids, grouped_route_weights(logits, ids, renormalize, scaling, scoring), w_gate, w_up, w_down,
                       shared_out=shared_out)
     return out, ids
 

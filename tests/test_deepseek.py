@@ -4,7 +4,8 @@
 Checkpoints are made by transformers' own ``DeepseekV3ForCausalLM`` (:mod:`zerokld_testing.deepseek`) in two shapes:
 ``q_lora_rank`` set, YaRN (factor 4, ``mscale_all_dim``), one dense first layer, 8 experts in 4 groups of which a
 token may use 2, with exact ties in group scores and in expert scores; and ``q_lora_rank`` null, no YaRN, every layer
-MoE, no ties. Engines chunk prefills at 64 tokens (prompts up to 150) with prefix caching on.
+MoE, no ties. ``DeepseekV2ForCausalLM`` (softmax routing) in two more: the first shape with ``group_limited_greedy``,
+and DeepSeek-V2-Lite's (``q_lora_rank`` null, ``greedy`` top-3 of 8). Engines chunk prefills at 64 tokens (prompts up to 150) with prefix caching on.
 
 Negative controls: TorchTitan's stock ``deepseek_v3`` (decompressed attention, ``torch.topk`` routing) differs from the
 served log-probs. Stock vLLM cannot be the control on CPUs without AMX: its reference MLA decode kernel refuses the
@@ -22,6 +23,12 @@ SHAPES = {
     "yarn_groups_ties": DeepSeekSpec(yarn=True, group_ties=True, expert_ties=True),
     "no_q_lora_all_moe": DeepSeekSpec(q_lora_rank=None, first_k_dense_replace=0, n_group=2, topk_group=1,
                                       num_experts_per_tok=3, n_shared_experts=2, kv_lora_rank=448),
+    # DeepseekV2ForCausalLM: softmax scores, a group scored by its best expert, no selection bias, weights not
+    # normalised (DeepSeek-V2); and V2-Lite's one-q_proj, greedy top-k over every expert
+    "v2_group_limited_ties": DeepSeekSpec(topk_method="group_limited_greedy", yarn=True, group_ties=True,
+                                          expert_ties=True),
+    "v2_lite_greedy": DeepSeekSpec(topk_method="greedy", q_lora_rank=None, n_group=1, topk_group=1,
+                                   num_experts_per_tok=3),
 }
 
 
@@ -74,6 +81,34 @@ def test_group_limited_routing_breaks_ties_by_lowest_id():
         route_grouped_topk(tied, None, 5, 4, 2)
 
 
+def test_deepseek_v2_routing_is_hfs_with_lowest_id_ties():
+    """DeepSeek-V2's routing (softmax scores): ``group_limited_greedy`` selects HF's ``DeepseekV2TopkRouter``'s experts
+    where nothing ties (a group scores its best expert, not the sum of its two best as in V3) and ``greedy`` is the
+    one-group case; weights are the softmax scores (not normalised) times the scaling; exact ties go to the lowest
+    group, then the lowest expert, whatever the rows around them."""
+    from shared_numerics.moe import grouped_route_weights, route_grouped_topk
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 8, generator=g)
+    scores = logits.softmax(-1)
+    ids = route_grouped_topk(logits, None, 2, 4, 2, "softmax")
+    groups = scores.view(64, 4, 2).max(-1).values.topk(2, dim=-1)[1]  # HF: the group's best expert
+    mask = torch.zeros(64, 4, dtype=torch.bool).scatter(1, groups, True).repeat_interleave(2, dim=1)
+    hf = scores.masked_fill(~mask, 0.0).topk(2, dim=-1)[1]
+    assert torch.equal(ids.sort(-1).values, hf.sort(-1).values)
+    assert not torch.equal(ids.sort(-1).values, route_grouped_topk(logits, None, 2, 4, 2).sort(-1).values)
+    greedy = route_grouped_topk(logits, None, 3, 1, 1, "softmax")
+    assert torch.equal(greedy.sort(-1).values, scores.topk(3, dim=-1)[1].sort(-1).values)
+    w = grouped_route_weights(logits, greedy, False, 2.5, "softmax")
+    assert torch.allclose(w, scores.gather(-1, greedy) * 2.5, rtol=1e-6, atol=0)
+    tied = torch.zeros(3, 8)
+    tied[1, 5] = 1.0
+    assert route_grouped_topk(tied, None, 2, 4, 2, "softmax").tolist() == [[0, 1], [5, 0], [0, 1]]
+    assert route_grouped_topk(tied[1:2], None, 2, 4, 2, "softmax").tolist() == [[5, 0]]
+    with pytest.raises(ValueError, match="scoring"):
+        route_grouped_topk(tied, None, 2, 4, 2, "tanh")
+
+
 def test_yarn_tables_and_scale_follow_hf():
     """YaRN's frequencies, cos/sin factor and DeepSeek's softmax scale equal HF's (float64 here, float32 there)."""
     from transformers import DeepseekV3Config
@@ -97,7 +132,8 @@ def test_yarn_tables_and_scale_follow_hf():
 @pytest.mark.titan
 def test_trainer_is_the_transformers_model(ckpts):
     """TorchTitan's ``deepseek_v3`` with zerokld (absorbed MLA, grouped routing) computes HF's model: float32
-    log-probs within 1e-5 of ``DeepseekV3ForCausalLM``'s on both shapes (YaRN, ties, q_lora null, all-MoE)."""
+    log-probs within 1e-5 of ``DeepseekV3ForCausalLM``'s / ``DeepseekV2ForCausalLM``'s on every shape (YaRN, ties,
+    q_lora null, all-MoE; V2's softmax routing, group-limited and greedy)."""
     from transformers import AutoModelForCausalLM
 
     from titan_plugin.models import build_titan_model
@@ -115,7 +151,8 @@ def test_trainer_is_the_transformers_model(ckpts):
 
 @pytest.mark.vllm
 @pytest.mark.titan
-@pytest.mark.parametrize("shape,dtype", [("yarn_groups_ties", "bfloat16"), ("no_q_lora_all_moe", "float32")])
+@pytest.mark.parametrize("shape,dtype", [("yarn_groups_ties", "bfloat16"), ("no_q_lora_all_moe", "float32"),
+                                         ("v2_group_limited_ties", "bfloat16"), ("v2_lite_greedy", "float32")])
 def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
     """vLLM's zerokld engine (latent cache, chunked prefill at 64 tokens, prefix caching) samples a batch of 24
     requests; each completion's log-probs equal TorchTitan's zerokld trainer on the same tokens bit for bit (whole
@@ -167,11 +204,13 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
 
 @pytest.mark.vllm
 @pytest.mark.titan
-def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path):
+@pytest.mark.parametrize("shape", ["yarn_groups_ties", "v2_lite_greedy"])
+def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path, shape):
     """One RL step of TorchTitan's real trainer (FSDP, AdamW) on DeepSeek-V3: its forward is trainer_logprobs' bits
     (ratio exactly 1), the step changes the weights, its HF export goes to the running engine as a hot-load delta
     applied in place on the workers (every MLA projection, stacked expert and selection bias it changed), and the
-    engine then samples with exactly the trainer's new log-probs."""
+    engine then samples with exactly the trainer's new log-probs. DeepSeek-V2's export has no selection bias, as its
+    checkpoint (the tensor names and shapes of the snapshot equal the checkpoint's)."""
     from vllm import SamplingParams
 
     from deltasync import read_snapshot_tensors
@@ -182,7 +221,7 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     from zerokld_testing import random_prompts
     from zerokld_testing.engines import load_delta_offline
 
-    shape, dtype = "yarn_groups_ties", "bfloat16"
+    dtype = "bfloat16"
     ckpt = ckpts(shape, dtype)
     llm = _engine(engine_slot, ckpt, shape, dtype)
     prompts = random_prompts(6, seed=13, lo=4, hi=90)

@@ -130,8 +130,9 @@ def architecture_config(adapter, cfg: ModelConfig):
 
 def mla_config(cfg: ModelConfig):
     """TorchTitan's ``DeepSeekV3Model`` config (stock components, its own ``build_mla_moe_layers``) for a DeepSeek-V3
-    checkpoint: MLA (``q_lora_rank`` 0 = one ``wq``), YaRN on TorchTitan's complex (interleaved) RoPE with
-    ``mscale = mscale_all_dim``, DeepSeekMoE with the sigmoid router in ``n_group`` groups, ``route_norm =
+    or -V2 checkpoint: MLA (``q_lora_rank`` 0 = one ``wq``), YaRN on TorchTitan's complex (interleaved) RoPE with
+    ``mscale = mscale_all_dim``, DeepSeekMoE with the checkpoint's router (V3: sigmoid with the selection bias as
+    TorchTitan's ``expert_bias_E``; V2: softmax, no bias) in ``n_group`` groups, ``route_norm =
     norm_topk_prob``, ``route_scale = routed_scaling_factor``, ``n_shared_experts`` shared experts, the first
     ``first_k_dense_replace`` layers dense; every RMSNorm with the checkpoint's ``rms_norm_eps``."""
     import dataclasses
@@ -151,11 +152,16 @@ def mla_config(cfg: ModelConfig):
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
         mscale=(yarn.mscale_all_dim or 1.0) if yarn is not None else 1.0, dense_hidden_dim=cfg.intermediate_size,
         moe_hidden_dim=cfg.moe_intermediate_size, num_experts=cfg.num_experts, num_shared_experts=cfg.n_shared_experts,
-        router_top_k=cfg.num_experts_per_tok, router_score_func="sigmoid", router_num_expert_groups=cfg.n_group,
+        router_top_k=cfg.num_experts_per_tok, router_score_func=cfg.scoring_func, router_num_expert_groups=cfg.n_group,
         router_num_limited_groups=cfg.topk_group, router_route_scale=cfg.routed_scaling_factor,
         router_route_norm=cfg.norm_topk_prob, attn_backend="flex", moe_comm_backend="standard",
         non_blocking_capacity_factor=None, linear_init=_INIT, norm_init=_ONES, depth_init=lambda i: _INIT,
         depth_experts_init=lambda i: experts_init, rope=rope)
+
+    if cfg.scoring_func != "sigmoid":  # DeepSeek-V2: no selection bias (TorchTitan's load-balancing bias) at all
+        for layer in layers:
+            if layer.moe is not None:
+                layer.moe.load_balance_coeff = None
 
     def eps(node):  # every RMSNorm config of the tree gets the checkpoint's epsilon
         if isinstance(node, RMSNorm.Config):

@@ -390,15 +390,14 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         super().__init__(config)
         self.k_block = config.k_block or None
         r = config.router
-        #: DeepSeekMoE (sigmoid scores in groups, the selection bias, shared experts): the deepseek_v3 block
-        self.deepseek = r.score_func == "sigmoid"
+        #: DeepSeekMoE (scores in expert groups, shared experts; DeepSeek-V3's sigmoid scores with the selection bias
+        #: or DeepSeek-V2's softmax scores): the deepseek_v3 block (titan_plugin.models.mla_config)
+        self.deepseek = r.num_expert_groups is not None or config.shared_experts is not None
         if self.deepseek and (config.shared_experts is None or r.num_expert_groups is None):
-            raise NotImplementedError("zerokld MoE with sigmoid scores implements DeepSeekMoE: expert groups and "
-                                      "shared experts")
-        if not self.deepseek and (config.shared_experts is not None or r.num_expert_groups is not None
-                                  or r.route_scale != 1.0):
+            raise NotImplementedError("zerokld DeepSeekMoE needs expert groups and shared experts")
+        if not self.deepseek and (r.score_func != "softmax" or r.route_scale != 1.0):
             raise NotImplementedError("zerokld MoE implements Qwen3-MoE routing (softmax scores, no expert groups, "
-                                      "route_scale 1, no shared experts) and DeepSeekMoE (sigmoid)")
+                                      "route_scale 1, no shared experts) and DeepSeekMoE")
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
 
@@ -415,7 +414,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             out, ids = sn_moe.deepseek_moe_forward(
                 x_BLD.reshape(b * seq, d), r.gate.weight, self.expert_bias_E, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF,
                 (se.w1.weight, se.w3.weight, se.w2.weight), k, r.num_expert_groups, r.num_limited_groups,
-                r.route_norm, r.route_scale, expert_ids=replay)
+                r.route_norm, r.route_scale, expert_ids=replay, scoring=r.score_func)
         elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
             from .tensor_parallel import moe_dtensor
 

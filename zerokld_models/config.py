@@ -145,8 +145,12 @@ def read_model_config(src: Any) -> ModelConfig:
         shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
         q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d.get("kv_lora_rank"),
         qk_nope_head_dim=d.get("qk_nope_head_dim") or 0, qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
-        v_head_dim=d.get("v_head_dim") or 0, rope_interleave=bool(d.get("rope_interleave", False)),
-        n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+        v_head_dim=d.get("v_head_dim") or 0,
+        # HF's DeepSeek-V2 always applies its rope part as interleaved pairs (complex RoPE); V3 says so in its config
+        rope_interleave=bool(d.get("rope_interleave", d.get("model_type") == "deepseek_v2")),
+        # DeepSeek-V2's "greedy" top-k ignores n_group / topk_group: one group of every expert
+        n_group=1 if d.get("topk_method") == "greedy" else d.get("n_group") or 1,
+        topk_group=1 if d.get("topk_method") == "greedy" else d.get("topk_group") or 1,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         n_shared_experts=d.get("n_shared_experts") or 0, first_k_dense_replace=d.get("first_k_dense_replace") or 0,
         moe_layer_freq=d.get("moe_layer_freq") or 1, scoring_func=d.get("scoring_func") or "softmax",

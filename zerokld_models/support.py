@@ -39,10 +39,11 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
         problems.append(f"activation {cfg.hidden_act}")
     if cfg.quant_method not in (None, "zerokld_fp8"):
         problems.append(f"quantization {cfg.quant_method} (zerokld serves its own FP8)")
-    if adapter.moe and adapter.moe_routing == "grouped_sigmoid":
-        if (cfg.scoring_func, cfg.topk_method) != ("sigmoid", "noaux_tc"):
+    if adapter.moe and adapter.moe_routing in DEEPSEEK_ROUTINGS:
+        if (cfg.scoring_func, cfg.topk_method) not in DEEPSEEK_ROUTINGS[adapter.moe_routing]:
             problems.append(f"DeepSeekMoE routing scoring_func={cfg.scoring_func!r} topk_method={cfg.topk_method!r} "
-                            "(supported: sigmoid with noaux_tc, DeepSeek-V3)")
+                            f"(supported for {adapter.architecture}: "
+                            + ", ".join(f"{a} with {b}" for a, b in DEEPSEEK_ROUTINGS[adapter.moe_routing]) + ")")
         if cfg.moe_layer_freq != 1:
             problems.append(f"moe_layer_freq {cfg.moe_layer_freq}")
         if not cfg.num_experts or cfg.num_experts % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
@@ -56,6 +57,12 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
         if cfg.shared_expert_intermediate_size:
             problems.append("shared experts")
     return problems
+
+
+#: the (``scoring_func``, ``topk_method``) pairs each DeepSeekMoE routing trait implements
+#: (:func:`shared_numerics.moe.route_grouped_topk`): DeepSeek-V3's and DeepSeek-V2's
+DEEPSEEK_ROUTINGS = {"grouped_sigmoid": (("sigmoid", "noaux_tc"),),
+                     "grouped_softmax": (("softmax", "greedy"), ("softmax", "group_limited_greedy"))}
 
 
 def check_supported(cfg: ModelConfig, adapter) -> None:

@@ -65,6 +65,10 @@ class BackendSpec:
     unavailable_reason: Callable[[], str | None] | str | None = None
 
 
+#: ``ModelAdapterSpec.moe_routing`` values
+MOE_ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax")
+
+
 @dataclass(frozen=True)
 class ModelAdapterSpec:
     """One HF architecture, declared (a ``zerokld_models/<arch>/`` folder registers one; each plugin builds its model
@@ -87,7 +91,9 @@ class ModelAdapterSpec:
     every layer, Qwen3-MoE), ``attention`` (the token mixer: ``"mha"`` grouped-query attention over per-head K/V,
     ``"mla"`` DeepSeek's multi-head latent attention over a latent cache, :mod:`shared_numerics.mla`), ``moe_routing``
     (``"softmax"``: softmax top-k, Qwen3-MoE; ``"grouped_sigmoid"``: DeepSeekMoE's group-limited sigmoid top-k with a
-    selection bias, shared experts and dense first layers, :func:`shared_numerics.moe.route_grouped_topk`)."""
+    selection bias, shared experts and dense first layers, :func:`shared_numerics.moe.route_grouped_topk`, DeepSeek-V3;
+    ``"grouped_softmax"``: the same block with softmax scores, a group scored by its best expert and no selection
+    bias, DeepSeek-V2)."""
 
     architecture: str
     vllm_base: str
@@ -106,9 +112,9 @@ class ModelAdapterSpec:
     moe_routing: str = "softmax"
 
     def __post_init__(self):
-        if self.attention not in ("mha", "mla") or self.moe_routing not in ("softmax", "grouped_sigmoid"):
+        if self.attention not in ("mha", "mla") or self.moe_routing not in MOE_ROUTINGS:
             raise ValueError(f"ModelAdapterSpec {self.architecture}: attention must be 'mha' or 'mla' and moe_routing "
-                             f"'softmax' or 'grouped_sigmoid', got {self.attention!r}, {self.moe_routing!r}")
+                             f"one of {MOE_ROUTINGS}, got {self.attention!r}, {self.moe_routing!r}")
         if self.rope not in ("cos_sin", "complex"):
             raise ValueError(f"ModelAdapterSpec {self.architecture}: rope must be 'cos_sin' or 'complex', "
                              f"got {self.rope!r}")

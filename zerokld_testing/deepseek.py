@@ -1,4 +1,5 @@
-"""Tiny DeepSeek-V3 checkpoints (MLA + DeepSeekMoE), built by transformers' own ``DeepseekV3ForCausalLM`` and saved
+"""Tiny DeepSeek-V3 checkpoints (MLA + DeepSeekMoE), built by transformers' own ``DeepseekV3ForCausalLM`` (or
+``DeepseekV2ForCausalLM``: softmax routing, ``topk_method`` ``"greedy"`` / ``"group_limited_greedy"``) and saved
 with ``save_pretrained`` (HF names: ``self_attn.kv_a_proj_with_mqa``, ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``), with the character tokenizer of :func:`make_tokenizer`.
 
@@ -23,7 +24,10 @@ __all__ = ["DeepSeekSpec", "make_deepseek_checkpoint"]
 @dataclass
 class DeepSeekSpec:
     """Dimensions of a tiny ``DeepseekV3ForCausalLM`` (HF ``DeepseekV3Config`` field names). ``yarn``: a YaRN
-    ``rope_scaling`` (factor 4 over 128 original positions, ``mscale`` = ``mscale_all_dim`` = 0.707: DeepSeek-V3's)."""
+    ``rope_scaling`` (factor 4 over 128 original positions, ``mscale`` = ``mscale_all_dim`` = 0.707: DeepSeek-V3's).
+    ``topk_method``: ``"noaux_tc"`` (DeepSeek-V3: sigmoid scores, a selection bias, normalised weights) or DeepSeek-V2's
+    ``"greedy"`` / ``"group_limited_greedy"`` (a ``DeepseekV2ForCausalLM``: softmax scores, no bias, weights not
+    normalised, as DeepSeek-V2 ships)."""
 
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -48,6 +52,7 @@ class DeepSeekSpec:
     init_std: float = 0.08
     max_position_embeddings: int = 512
     vocab_size: int | None = None  # the tokenizer padded with filler tokens to this size (None: ~100 tokens)
+    topk_method: str = "noaux_tc"
 
 
 def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0,
@@ -55,9 +60,10 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
     """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
     selection biases std 0.1, stored float32 as DeepSeek ships them; ``dtype`` ``"float32"`` or ``"bfloat16"``).
     Returns ``Path(out_dir)``."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
     spec = spec or DeepSeekSpec()
+    v3 = spec.topk_method == "noaux_tc"
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
         vocab = make_tokenizer(tok_dir, vocab_size=spec.vocab_size)
@@ -65,11 +71,13 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707} if spec.yarn else None)
         fields = {k: v for k, v in asdict(spec).items()
                   if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size")}
-        cfg = DeepseekV3Config(vocab_size=vocab, num_key_value_heads=spec.num_attention_heads, norm_topk_prob=True,
-                               rope_theta=10000.0, rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1,
-                               eos_token_id=2, pad_token_id=0, topk_method="noaux_tc", scoring_func="sigmoid",
-                               **fields)
-        model = DeepseekV3ForCausalLM(cfg)
+        common = dict(vocab_size=vocab, num_key_value_heads=spec.num_attention_heads, rope_theta=10000.0,
+                      rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        if v3:
+            model = DeepseekV3ForCausalLM(DeepseekV3Config(norm_topk_prob=True, scoring_func="sigmoid", **common,
+                                                           **fields))
+        else:
+            model = DeepseekV2ForCausalLM(DeepseekV2Config(norm_topk_prob=False, **common, **fields))
         g = torch.Generator().manual_seed(seed)
         size = spec.n_routed_experts // spec.n_group
         with torch.no_grad():
@@ -87,14 +95,14 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is None:
                     continue
-                w, bias = gate.weight, gate.e_score_correction_bias
-                if spec.group_ties:
-                    w[size:2 * size], bias[size:2 * size] = w[:size].clone(), bias[:size].clone()
-                if spec.expert_ties:
-                    w[1::2], bias[1::2] = w[0::2].clone(), bias[0::2].clone()
+                for t in (gate.weight, gate.e_score_correction_bias) if v3 else (gate.weight,):
+                    if spec.group_ties:
+                        t[size:2 * size] = t[:size].clone()
+                    if spec.expert_ties:
+                        t[1::2] = t[0::2].clone()
         model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
         for layer in model.model.layers:  # the selection bias stays float32, as DeepSeek-V3 ships it
-            if getattr(layer.mlp, "gate", None) is not None:
+            if v3 and getattr(layer.mlp, "gate", None) is not None:
                 layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
         model.config.torch_dtype = dtype
         model.save_pretrained(out)

@@ -37,10 +37,11 @@ __all__ = ["DeepSeekMoEBlock", "ZeroKLDMLAMixin"]
 
 
 class DeepSeekMoEBlock(nn.Module):
-    """DeepSeekMoE (HF ``DeepseekV3MoE``): ``gate.weight [E, H]``, ``gate.e_score_correction_bias [E]`` (float32),
-    ``experts.w_gate|w_up [E, I, H]``, ``experts.w_down [E, H, I]`` (stacked by the loader),
-    ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). ``last_ids``: the latest ``[N, top_k]``
-    expert ids."""
+    """DeepSeekMoE (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): ``gate.weight [E, H]``, ``gate.e_score_correction_bias
+    [E]`` (float32; DeepSeek-V3's sigmoid routing only), ``experts.w_gate|w_up [E, I, H]``, ``experts.w_down [E, H,
+    I]`` (stacked by the loader), ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). The scores
+    are the config's ``scoring_func`` (:func:`shared_numerics.moe.route_grouped_topk`). ``last_ids``: the latest
+    ``[N, top_k]`` expert ids."""
 
     def __init__(self, cfg, fp8: Fp8Mode) -> None:
         super().__init__()
@@ -48,7 +49,8 @@ class DeepSeekMoEBlock(nn.Module):
         self.cfg = cfg
         self.gate = nn.Module()
         self.gate.weight = _param(e, h)
-        self.gate.e_score_correction_bias = _param(e, dtype=torch.float32)
+        self.gate.e_score_correction_bias = (_param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid"
+                                             else None)
         self.experts = nn.Module()
         self.experts.w_gate = _stacked(e, inter, h, tp=None, inter_dim=0)
         self.experts.w_up = _stacked(e, inter, h, tp=None, inter_dim=0)
@@ -61,7 +63,8 @@ class DeepSeekMoEBlock(nn.Module):
         shared = None if se is None else (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
         out, self.last_ids = sn_moe.deepseek_moe_forward(
             f, self.gate.weight, self.gate.e_score_correction_bias, ex.w_gate, ex.w_up, ex.w_down, shared,
-            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+            scoring=c.scoring_func)
         return out
 
 

@@ -1,0 +1,22 @@
+"""DeepSeek-V2 (``DeepseekV2ForCausalLM``; DeepSeek-V2-Lite, DeepSeek-Coder-V2): DeepSeek-V3's multi-head latent
+attention (``q_lora_rank`` null in V2-Lite: one ``q_proj``; the rope part applied as interleaved pairs; YaRN with
+``mscale`` / ``mscale_all_dim``) and DeepSeekMoE with softmax scores: ``topk_method`` ``"greedy"`` (top-k over every
+expert) or ``"group_limited_greedy"`` (a group scores its best expert; top ``topk_group`` groups, then top-k), no
+selection bias, weights times ``routed_scaling_factor`` (normalised only with ``norm_topk_prob``), shared experts,
+the first ``first_k_dense_replace`` layers dense. The same layers as ``zerokld_models/deepseek_v3`` on every side
+(vLLM's ``deepseek_v2.py`` serves both; TorchTitan's ``deepseek_v3`` model with a softmax router trains it); only the
+routing trait differs. Sources: HF ``modeling_deepseek_v2.py``; vLLM ``models/deepseek_v2.py``; TorchTitan
+``models/deepseek_v3``."""
+from zerokld_plugins import ModelAdapterSpec
+
+ADAPTER = ModelAdapterSpec(
+    architecture="DeepseekV2ForCausalLM",
+    vllm_base="vllm.model_executor.models.deepseek_v2:DeepseekV2ForCausalLM",
+    titan_model="torchtitan.models.deepseek_v3.model:DeepSeekV3Model",
+    titan_block="torchtitan.models.deepseek_v3.model:DeepSeekV3TransformerBlock",
+    titan_state_dict_adapter="torchtitan.models.deepseek_v3.state_dict_adapter:DeepSeekV3StateDictAdapter",
+    titan_parallelize="torchtitan.models.deepseek_v3.parallelize:parallelize_deepseekv3",
+    moe=True,
+    attention="mla",
+    moe_routing="grouped_softmax",
+)
