@@ -320,3 +320,85 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
                           timeout=30).json()
     kinds = {r["identity"]: r.get("kind") for r in ledger["rows"] if r["identity"].startswith("policy-")}
     assert sorted(kinds.values()) == ["full", "incremental"], kinds
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path):
+    """Issue 55 point 5, LoRA: two adapters the TorchTitan trainer trained with Tinker's switches (``train_attn``,
+    ``train_mlp``: on DeepSeek-V3 the MLA projections ``q_a/q_b/kv_a_proj_with_mqa/o_proj`` and the dense first
+    layer's MLP; ``kv_b_proj``, absorbed per head, and the experts are not adapted) are served by vLLM's multi-LoRA
+    engine co-batched with base requests: each request's tokens and log-probs equal what it gets alone and the
+    trainer's under its adapter (base: the trainer's base-only forward), and each adapter changes the model (the
+    negative control: the base model scores its requests differently). An adapter on ``kv_b_proj`` is refused."""
+    from vllm.lora.request import LoRARequest
+
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin import TrainingClient
+    from titan_plugin.lora import lora_converter_config
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_testing import mixed_sampling_params, random_datums, random_prompts
+
+    import json
+
+    dtype, max_rank = "bfloat16", 8
+    ckpt = ckpts("yarn_groups_ties", dtype)
+    specs = [(4, 8.0, 1), (8, 16.0, 2)]
+
+    def client(i):
+        rank, alpha, seed = specs[i]
+        return TrainingClient.create_lora(ckpt, rank=rank, alpha=alpha, max_rank=max_rank, dtype=dtype,
+                                          learning_rate=2e-2, seed=seed, dump_folder=str(tmp_path / f"c{i}"))
+
+    paths = []
+    for i in range(2):
+        c = client(i)
+        try:
+            for step in range(2):
+                c.forward_backward(random_datums(10 * i + step), "cross_entropy")
+                c.optim_step()
+            paths.append(c.save_weights_for_sampler(f"adapter{i}"))
+        finally:
+            c.close()
+    config = json.loads((tmp_path.glob("**/adapter_config.json").__next__()).read_text())
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "o_proj", "q_a_proj",
+                                                "q_b_proj", "up_proj"]
+    with pytest.raises(ValueError, match="absorbs"):
+        lora_converter_config(target_modules=["kv_b_proj"])
+
+    llm = engine_slot.get(("zerokld-deepseek-lora", ckpt), lambda: start_llm(
+        ckpt, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=max_rank, max_num_batched_tokens=64,
+        block_size=16))
+    loras = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(paths)] + [None]
+    prompts = random_prompts(9, seed=23, lo=4, hi=90)
+    params = [mixed_sampling_params(i, seed=700 + i, max_tokens=8) for i in range(9)]
+    reqs = [loras[i % 3] for i in range(9)]
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=reqs, use_tqdm=False)
+    served = [completion_logprobs(o) for o in together]
+    for p, sp, r, t in zip(prompts, params, reqs, together, strict=True):
+        alone = llm.generate([{"prompt_token_ids": p}], sp, lora_request=r, use_tqdm=False)[0]
+        assert list(alone.outputs[0].token_ids) == list(t.outputs[0].token_ids)
+        assert torch.equal(completion_logprobs(alone), completion_logprobs(t))
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, together, strict=True)]
+    scores: list = [None] * 9
+    base: list = [None] * 9
+    for i in range(2):
+        c = client(i)
+        try:
+            c.trainer.load_lora(paths[i])
+            idx = list(range(i, 9, 3))
+            batch = RolloutBatch([seqs[j] for j in idx], [len(prompts[j]) for j in idx])
+            for j, lp in zip(idx, c.trainer.forward_logprobs(batch), strict=True):
+                scores[j] = lp
+            for j, lp in zip(idx, c.trainer.forward_logprobs(batch, base_only=True), strict=True):
+                base[j] = lp
+            if i == 0:
+                idx = list(range(2, 9, 3))
+                batch = RolloutBatch([seqs[j] for j in idx], [len(prompts[j]) for j in idx])
+                for j, lp in zip(idx, c.trainer.forward_logprobs(batch, base_only=True), strict=True):
+                    scores[j] = lp
+        finally:
+            c.close()
+    assert [torch.equal(s, e) for s, e in zip(scores, served, strict=True)] == [True] * 9
+    for i in range(2):  # each adapter moves its requests' log-probs away from the base model's
+        assert not all(torch.equal(base[j], served[j]) for j in range(i, 9, 3)), f"adapter {i} is inert"

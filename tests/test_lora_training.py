@@ -228,6 +228,8 @@ def test_lora_configuration_errors(checkpoint_factory, tmp_path):
     with pytest.raises(NotImplementedError, match="MoE"):
         rl_trainer_config(checkpoint_factory("qwen3_moe", DTYPE), str(tmp_path / "e"), dtype=DTYPE,
                           lora=lora_converter_config())
+    with pytest.raises(ValueError, match="kv_b_proj: MLA absorbs"):
+        lora_converter_config(target_modules=["q_a_proj", "kv_b_proj"])
     full = TrainingClient.from_checkpoint(ckpt, dtype=DTYPE, dump_folder=str(tmp_path / "full"))
     try:
         with pytest.raises(ValueError, match="no LoRA adapter"):

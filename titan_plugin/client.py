@@ -148,7 +148,8 @@ class TrainingClient:
                     dump_folder: str | None = None, max_norm: float = 1.0) -> "TrainingClient":
         """A LoRA training client on a frozen base checkpoint (Tinker's
         ``ServiceClient.create_lora_training_client(base_model, rank, seed, train_mlp, train_attn, train_unembed)``,
-        ``tinker.types.LoraConfig``): adapters on the attention projections (q/k/v/o) and/or the MLP (gate/up/down),
+        ``tinker.types.LoraConfig``): adapters on the attention projections (q/k/v/o; MLA: q_a/q_b or q, kv_a, o —
+        not kv_b) and/or the dense MLPs (gate/up/down; a MoE block's experts are not adapted),
         scaling ``alpha / rank``, zero-padded to ``max_rank`` (the engine's ``max_lora_rank``; 0: ``rank``);
         optimizer state for the adapters only. :meth:`save_weights_for_sampler` writes a PEFT adapter;
         ``forward(data, base_only=True)`` scores with the base model (reference log-probs).
@@ -158,8 +159,9 @@ class TrainingClient:
             train_unembed: Tinker's lm_head adapter; not supported (the fused lm_head has no LoRA path).
 
         Raises:
-            NotImplementedError: ``train_unembed=True``, or an MoE checkpoint.
-            ValueError: neither ``train_mlp`` nor ``train_attn``.
+            NotImplementedError: ``train_unembed=True``; a MoE checkpoint other than DeepSeek's.
+            ValueError: neither ``train_mlp`` nor ``train_attn``; a switch with nothing to adapt (``train_mlp`` on a
+                DeepSeek checkpoint without dense layers, ``first_k_dense_replace`` 0: set it False).
         """
         from .lora import lora_converter_config
 

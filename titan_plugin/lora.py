@@ -21,6 +21,7 @@ side shares — instead of stock ``F.linear`` s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, fields
@@ -35,15 +36,23 @@ from zerokld_models.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear, grad_chains
 
-__all__ = ["HF_TO_TITAN", "ZeroKLDLoRAConverter", "ZeroKLDLoRALinear", "disable_adapter", "keep_requires_grad",
-           "load_peft_adapter", "lora_converter_config", "lora_modules", "peft_adapter_state_dict",
-           "save_peft_adapter"]
+__all__ = ["ATTN_TARGETS", "HF_TO_TITAN", "MLP_TARGETS", "REFUSED_TARGETS", "ZeroKLDLoRAConverter",
+           "ZeroKLDLoRALinear", "disable_adapter", "keep_requires_grad", "load_peft_adapter", "lora_converter_config",
+           "lora_modules", "peft_adapter_state_dict", "save_peft_adapter"]
 
-# HF / PEFT module names -> TorchTitan config-tree names (wk and wv share one config node, "wkv", when unfused).
+# HF / PEFT module names -> TorchTitan config-tree names (wk and wv share one config node, "wkv", when unfused; MLA's
+# projections are TorchTitan deepseek_v3's wq_a / wq_b / wkv_a).
 HF_TO_TITAN = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo",
+               "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
                "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: Tinker's ``train_attn``: the attention projections a model has (grouped-query attention's q/k/v/o, or MLA's
+#: q_a/q_b (or q)/kv_a/o — never ``kv_b_proj``, whose weight MLA absorbs per head)
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+#: Tinker's ``train_mlp``: the dense MLPs (a MoE block's routed and shared experts are not adapted)
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+#: module names no zerokld adapter may target, with the reason
+REFUSED_TARGETS = {"kv_b_proj": "MLA absorbs kv_b_proj's weight per head (shared_numerics.mla), so an adapter on it "
+                                "is not implemented"}
 
 
 class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
@@ -62,6 +71,11 @@ class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
         max_rank: int = 0  # 0: rank
 
     def __init__(self, config: Config) -> None:
+        if _tp_replicated(config):
+            # TorchTitan 0.3.0's LoRALinear derives its adapters' sharding from a column- or row-wise base only
+            # (components/lora.py _lora_adapter_sharding asserts); MLA's wq_a / wkv_a are TP-replicated. zerokld MLA
+            # runs at TP 1 (its tensor parallelism is refused), where that placement is the identity: none given.
+            config = dataclasses.replace(config, sharding_config=None)
         super().__init__(config)
         self.alpha = config.alpha
         self.max_rank = max(config.max_rank, config.rank)
@@ -96,12 +110,17 @@ class ZeroKLDLoRAConverter(LoRAConverter):
     class Config(LoRAConverter.Config):
         max_rank: int = 0
         """The engine's ``max_lora_rank`` (adapters are zero-padded to it); 0: ``rank``."""
+        switches: tuple = ()
+        """The targets came from Tinker's switches, ``((switch, TorchTitan names), ...)``: the names the model lacks
+        (MLA has no ``wkv``, grouped-query attention no ``wq_a``) are dropped instead of refused, but each switch
+        must find one."""
 
     def __init__(self, config: Config, **kwargs) -> None:
         super().__init__(config, **kwargs)
         if config.max_rank and config.max_rank < config.rank:
             raise ValueError(f"max_rank {config.max_rank} is below the LoRA rank {config.rank}")
         self.max_rank = config.max_rank
+        self.switches = config.switches
 
     def _make_lora_config(self, cfg):
         owner = cfg._owner
@@ -113,38 +132,81 @@ class ZeroKLDLoRAConverter(LoRAConverter):
                                         rank=self.rank, alpha=self.alpha, max_rank=self.max_rank)
 
     def convert(self, model_config):
+        """TorchTitan's ``LoRAConverter.convert`` (targets by their last name; every other module frozen), except
+        inside a MoE block: its shared experts' ``w1`` / ``w2`` / ``w3`` run inside the zerokld MoE op by weight
+        (:func:`shared_numerics.moe.deepseek_moe_forward`) and stay frozen base projections."""
+        from torchtitan.components.lora import _make_frozen_config
+        from torchtitan.protocols.module import Module
+
         targets = self.target_modules or set()
-        found = {fqn.rsplit(".", 1)[-1] for fqn, *_ in model_config.traverse(ZeroKLDLinear.Config, recurse=True)}
+        found = {fqn.rsplit(".", 1)[-1] for fqn, *_ in model_config.traverse(ZeroKLDLinear.Config, recurse=True)
+                 if ".moe." not in f".{fqn}."}
         if self.target_modules is None or "lm_head" in targets:
             raise NotImplementedError("zerokld LoRA adapts named decoder projections, not the lm_head "
                                       "(give target_modules)")
-        if targets - found:
+        if self.switches:
+            for switch, names in self.switches:
+                if not set(names) & found:
+                    raise ValueError(f"{switch}: this model has none of its projections {sorted(names)} (a MoE "
+                                     f"block's experts are not adapted); it has {sorted(found)}")
+            targets = targets & found
+        elif targets - found:
             raise ValueError(f"LoRA targets {sorted(targets - found)} match no projection; the model has "
                              f"{sorted(found)}")
-        return super().convert(model_config)
+        root = model_config
+        for fqn, cfg, parent, attr in reversed(list(model_config.traverse(Module.Config, recurse=True))):
+            target = (isinstance(cfg, ZeroKLDLinear.Config) and fqn.rsplit(".", 1)[-1] in targets
+                      and ".moe." not in f".{fqn}.")
+            new = self._make_lora_config(cfg) if target else _make_frozen_config(cfg)
+            if parent is None:
+                root = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        return root
+
+
+def _tp_replicated(cfg) -> bool:
+    from torchtitan.models.common.decoder_sharding import dense_param_placement
+    import spmd_types as spmd
+
+    sc = cfg.sharding_config
+    placement = sc.state_shardings.get("weight") if sc is not None else None
+    return placement is not None and placement == dense_param_placement(tp=spmd.R)
 
 
 def lora_converter_config(rank: int = 32, alpha: float = 32.0, train_attn: bool = True, train_mlp: bool = True,
                           target_modules: list[str] | None = None, max_rank: int = 0) -> ZeroKLDLoRAConverter.Config:
     """The converter config for Tinker's LoRA switches (``tinker.types.LoraConfig``: ``rank``, ``train_attn``,
-    ``train_mlp``) or explicit HF / PEFT ``target_modules`` (``q_proj`` ... ``down_proj``; they win).
+    ``train_mlp``: :data:`ATTN_TARGETS` / :data:`MLP_TARGETS`, those the model has) or explicit HF / PEFT
+    ``target_modules`` (``q_proj`` ... ``down_proj``, MLA's ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa``;
+    they win, and each must exist in the model).
 
     Args:
         rank: LoRA rank ``r``; alpha: ``lora_alpha`` (scaling ``alpha / r``, PEFT's); max_rank: the engine's
             ``max_lora_rank`` (0: ``rank``).
 
     Raises:
-        ValueError: no target, or an unknown module name.
+        ValueError: no target, an unknown module name, or one of :data:`REFUSED_TARGETS` (``kv_b_proj``).
     """
     names = list(target_modules) if target_modules is not None else \
         [*(ATTN_TARGETS if train_attn else ()), *(MLP_TARGETS if train_mlp else ())]
+    refused = [f"{n}: {REFUSED_TARGETS[n]}" for n in names if n in REFUSED_TARGETS]
+    if refused:
+        raise ValueError("; ".join(refused))
     unknown = [n for n in names if n not in HF_TO_TITAN]
     if unknown or not names:
         raise ValueError(f"LoRA targets must be a non-empty subset of {sorted(HF_TO_TITAN)}; got {names}")
     if ("k_proj" in names) != ("v_proj" in names):
         raise ValueError("k_proj and v_proj are one TorchTitan config node (wkv): adapt both or neither")
     titan = sorted({HF_TO_TITAN[n] for n in names})
-    return ZeroKLDLoRAConverter.Config(rank=rank, alpha=alpha, target_modules=titan, max_rank=max_rank)
+    switches = () if target_modules is not None else tuple(
+        (switch, tuple(sorted({HF_TO_TITAN[n] for n in group})))
+        for switch, on, group in (("train_attn", train_attn, ATTN_TARGETS), ("train_mlp", train_mlp, MLP_TARGETS))
+        if on)
+    return ZeroKLDLoRAConverter.Config(rank=rank, alpha=alpha, target_modules=titan, max_rank=max_rank,
+                                       switches=switches)
 
 
 def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

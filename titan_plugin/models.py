@@ -226,9 +226,16 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings = ZeroKLDSett
 
 def state_dict_adapter_class(cfg: ModelConfig):
     """TorchTitan ``StateDictAdapter`` class of the checkpoint's architecture: the declared stock adapter, extended
-    by the declaration's ``extra_hf_names`` (e.g. Qwen2's q/k/v biases on TorchTitan's Qwen3 adapter)."""
+    by the declaration's ``extra_hf_names`` (e.g. Qwen2's q/k/v biases on TorchTitan's Qwen3 adapter), whose
+    ``to_hf`` leaves LoRA adapters out (``...lora_a.weight`` / ``...lora_b.weight``: not checkpoint tensors; they are
+    saved as PEFT adapters, :func:`titan_plugin.lora.save_peft_adapter`). TorchTitan's Qwen3 adapter skips names it
+    does not know; its DeepSeek-V3 adapter raises ``KeyError`` on them, so a LoRA model's HF load failed there."""
     adapter = adapter_for(cfg)
     return _state_dict_adapter(adapter.titan_state_dict_adapter, adapter.extra_hf_names)
+
+
+def _lora_key(name: str) -> bool:
+    return ".lora_a." in name or ".lora_b." in name
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,15 +243,17 @@ def _state_dict_adapter(stock: str, extra_hf_names: tuple[tuple[str, str], ...])
     from zerokld_plugins import resolve
 
     base = resolve(stock)
-    if not extra_hf_names:
-        return base
 
     def __init__(self, model_config, hf_assets_path):
         base.__init__(self, model_config, hf_assets_path)
         self.from_hf_map.update(extra_hf_names)
 
-    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
-                                         "__doc__": f"{base.__name__} plus {[h for h, _ in extra_hf_names]}"})
+    def to_hf(self, state_dict):
+        return base.to_hf(self, {k: v for k, v in state_dict.items() if not _lora_key(k)})
+
+    extra = f" plus {[h for h, _ in extra_hf_names]}" if extra_hf_names else ""
+    return type(base.__name__, (base,), {"__init__": __init__, "to_hf": to_hf, "__module__": __name__,
+                                         "__doc__": f"{base.__name__}{extra}, LoRA adapters left out of to_hf"})
 
 
 def _adapter(model_cfg, cfg: ModelConfig, checkpoint_dir: str | Path | None):
@@ -275,7 +284,7 @@ def hf_state_dict(model: torch.nn.Module, model_cfg, cfg: ModelConfig) -> dict[s
     from torch.distributed.tensor import DTensor
 
     sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
-          if ".lora_a." not in k and ".lora_b." not in k}  # LoRA adapters: titan_plugin.lora.save_peft_adapter
+          if not _lora_key(k)}  # LoRA adapters: titan_plugin.lora.save_peft_adapter
     if model_cfg.enable_weight_tying:
         sd.pop("lm_head.weight", None)
     out = _adapter(model_cfg, cfg, None).to_hf(sd)

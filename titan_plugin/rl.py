@@ -95,7 +95,8 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
     model_cfg = titan_model_config(cfg, settings)
     parallelize = resolve(adapter_for(cfg).titan_parallelize)
     if lora is not None:
-        model_cfg, parallelize = _apply_lora(model_cfg, lora, batch_invariant), keep_requires_grad(parallelize)
+        model_cfg = _apply_lora(model_cfg, lora, batch_invariant, adapter_for(cfg).attention == "mla")
+        parallelize = keep_requires_grad(parallelize)
     post_optimizer = None
     if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
         # TorchTitan's auxiliary-loss-free load balancing updates expert_bias_E; ZeroKLDMoE never routes by it
@@ -105,11 +106,13 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
                      post_optimizer_build_fn=post_optimizer, state_dict_adapter=state_dict_adapter_class(cfg))
 
 
-def _apply_lora(model_cfg, lora, batch_invariant: bool):
-    """The model config with LoRA adapters: zerokld's converter, or (stock numerics) TorchTitan's own with the same
-    rank, alpha and targets."""
-    if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
-        raise NotImplementedError("zerokld LoRA adapts dense decoder projections; MoE experts are not adapted")
+def _apply_lora(model_cfg, lora, batch_invariant: bool, mla: bool):
+    """The model config with LoRA adapters: zerokld's converter (attention projections and dense MLPs; a MoE block's
+    experts are not adapted), or (stock numerics, dense models only) TorchTitan's own with the same rank, alpha and
+    targets. MoE models: DeepSeek's (MLA, dense first layers) only, with zerokld numerics."""
+    if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers) and not (mla and batch_invariant):
+        raise NotImplementedError("zerokld LoRA on MoE models adapts DeepSeek's MLA projections and dense layers "
+                                  "(zerokld numerics); MoE experts are not adapted")
     if batch_invariant:
         return lora.build().convert(model_cfg)
     from torchtitan.components.lora import LoRAConverter
@@ -157,7 +160,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
             unknown granularity. ValueError: ``fused`` without ``batch_invariant``; ``lora`` with ``fp8``.
-        NotImplementedError: ``lora`` on an MoE model.
+        NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics.
     """
     if fused and not batch_invariant:
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")

@@ -185,7 +185,9 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     if lc is not None:
         if from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config):
             problems.append("LoRA with FP8 (the adapters would bypass the FP8 GEMM)")
-        if cfg.num_experts:
+        if cfg.num_experts and adapter.attention != "mla":
+            # DeepSeek's LoRA (MLA projections and dense first layers) is tested; an all-MoE Qwen3-MoE would adapt
+            # its attention only
             problems.append("LoRA on an MoE model (experts are not adapted)")
         if lc.lora_dtype not in ("auto", None, vllm_config.model_config.dtype):
             problems.append(f"lora_dtype {lc.lora_dtype} (adapters run in the model dtype: leave it auto)")

@@ -69,22 +69,27 @@ class DeepSeekMoEBlock(nn.Module):
 
 
 class _MLALayer(ResidualLayer):
-    def __init__(self, cfg, vllm_config, prefix: str, mlp: nn.Module, fp8: Fp8Mode) -> None:
+    """One MLA decoder layer. With LoRA on (``lora``), every projection that is applied to activations —
+    ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``o_proj`` — is a LoRA target;
+    ``kv_b_proj`` is not: its weight is absorbed per head (:mod:`shared_numerics.mla`), so an adapter naming it is
+    refused by vLLM's LoRA manager (not a module it can adapt)."""
+
+    def __init__(self, cfg, vllm_config, prefix: str, mlp: nn.Module, fp8: Fp8Mode, lora: bool = False) -> None:
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, mlp)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.cfg = cfg
         dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         sa = self.self_attn = nn.Module()
         if cfg.q_lora_rank:
-            sa.q_a_proj = _proj(cfg.q_lora_rank, h, fp8)
+            sa.q_a_proj = _proj(cfg.q_lora_rank, h, fp8, lora=lora)
             sa.q_a_layernorm = _norm(cfg.q_lora_rank)
-            sa.q_b_proj = _proj(nh * (dn + dr), cfg.q_lora_rank, fp8)
+            sa.q_b_proj = _proj(nh * (dn + dr), cfg.q_lora_rank, fp8, lora=lora)
         else:
-            sa.q_proj = _proj(nh * (dn + dr), h, fp8)
-        sa.kv_a_proj_with_mqa = _proj(r + dr, h, fp8)
+            sa.q_proj = _proj(nh * (dn + dr), h, fp8, lora=lora)
+        sa.kv_a_proj_with_mqa = _proj(r + dr, h, fp8, lora=lora)
         sa.kv_a_layernorm = _norm(r)
         sa.kv_b_proj = _proj(nh * (dn + dv), r, fp8)
-        sa.o_proj = _proj(h, nh * dv, fp8)
+        sa.o_proj = _proj(h, nh * dv, fp8, lora=lora)
         sa.attn = LatentAttention(nh, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config,
                                   f"{prefix}.self_attn.attn")
         self.dims = mla_dims(cfg)
@@ -108,24 +113,21 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if not self.batch_invariant:
             return
-        problems = []
         if self.model.tp.size > 1:
-            problems.append("tensor parallelism")
-        if vllm_config.lora_config is not None:
-            problems.append("LoRA")
-        if problems:
-            raise ZeroKLDConfigError(f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: "
-                                     + "; ".join(problems))
+            raise ZeroKLDConfigError(f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: tensor "
+                                     "parallelism")
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
         """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``): the
-        first ``first_k_dense_replace`` with the dense SwiGLU MLP, the others with :class:`DeepSeekMoEBlock`."""
-        cfg, fp8 = self.model_cfg, self.fp8
+        first ``first_k_dense_replace`` with the dense SwiGLU MLP, the others with :class:`DeepSeekMoEBlock`. LoRA
+        targets (vLLM's ``enable_lora``): the MLA projections but ``kv_b_proj``, and the dense MLPs (not the routed
+        or shared experts)."""
+        cfg, fp8, lora = self.model_cfg, self.fp8, vllm_config.lora_config is not None
 
         def layer(i: int, tp) -> _MLALayer:
-            mlp = (_DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8) if i < cfg.first_k_dense_replace
-                   else DeepSeekMoEBlock(cfg, fp8))
-            return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8)
+            mlp = (_DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora)
+                   if i < cfg.first_k_dense_replace else DeepSeekMoEBlock(cfg, fp8))
+            return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora)
 
         return DenseDecoder(vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer,
                             rotary_dim=cfg.qk_rope_head_dim)

@@ -109,7 +109,7 @@ class RouteCache:
         return self.rows[slots.long()]
 
 
-def check_moe_supported(vllm_config, fp8_kind: str) -> None:
+def check_moe_supported(vllm_config, fp8_kind: str, architecture: str = "Qwen3-MoE") -> None:
     """Raise :class:`ZeroKLDConfigError` for MoE engine settings the zerokld path does not implement (the model's own
     MoE structure is checked by :func:`zerokld_models.unsupported_features`)."""
     problems = []
@@ -118,7 +118,7 @@ def check_moe_supported(vllm_config, fp8_kind: str) -> None:
     if vllm_config.parallel_config.enable_expert_parallel:
         problems.append("expert parallelism")
     if problems:
-        raise ZeroKLDConfigError("zerokld Qwen3-MoE does not support: " + "; ".join(problems))
+        raise ZeroKLDConfigError(f"zerokld {architecture} does not support: " + "; ".join(problems))
 
 
 class ZeroKLDMoEMixin(ZeroKLDMixin):
@@ -128,7 +128,7 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if not self.batch_invariant:
             return
-        check_moe_supported(vllm_config, self.fp8.kind)
+        check_moe_supported(vllm_config, self.fp8.kind, self.model_cfg.architecture)
         cfg = self.model_cfg
         self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
         # one row per MoE layer, in layer order (DeepSeek-V3's dense first layers route nothing)
