@@ -7,16 +7,13 @@ the first ``first_k_dense_replace`` layers dense. The same layers as ``zerokld_m
 (vLLM's ``deepseek_v2.py`` serves both; TorchTitan's ``deepseek_v3`` model with a softmax router trains it); only the
 routing trait differs. Sources: HF ``modeling_deepseek_v2.py``; vLLM ``models/deepseek_v2.py``; TorchTitan
 ``models/deepseek_v3``."""
-from zerokld_plugins import ModelAdapterSpec
+import dataclasses
 
-ADAPTER = ModelAdapterSpec(
+from .. import deepseek_v3
+
+ADAPTER = dataclasses.replace(
+    deepseek_v3.ADAPTER,  # the same vLLM file, TorchTitan model, state-dict adapter and parallelize
     architecture="DeepseekV2ForCausalLM",
     vllm_base="vllm.model_executor.models.deepseek_v2:DeepseekV2ForCausalLM",
-    titan_model="torchtitan.models.deepseek_v3.model:DeepSeekV3Model",
-    titan_block="torchtitan.models.deepseek_v3.model:DeepSeekV3TransformerBlock",
-    titan_state_dict_adapter="torchtitan.models.deepseek_v3.state_dict_adapter:DeepSeekV3StateDictAdapter",
-    titan_parallelize="torchtitan.models.deepseek_v3.parallelize:parallelize_deepseekv3",
-    moe=True,
-    attention="mla",
     moe_routing="grouped_softmax",
 )
