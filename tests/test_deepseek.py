@@ -264,11 +264,12 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
     import asyncio
 
     import requests
-    from fireworks.training.sdk import (AdamParams, Datum, DeploymentManager, DeploymentSampler,
-                                        FiretitanServiceClient, ModelInput, TensorData, WeightSyncer)
+    from fireworks.training.sdk import (AdamParams, DeploymentManager, DeploymentSampler, FiretitanServiceClient,
+                                        WeightSyncer)
 
     from titan_plugin.training_server import TrainingServerProcess
     from vllm_plugin.serve import HotLoadServer
+    from zerokld_testing.fireworks import completion_logprobs_from_forward, sdk_datum
 
     engine_slot.close()
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -290,32 +291,20 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
     sampler = DeploymentSampler(inference_url=server.base, model=name, api_key=key)
     prompt = [1] + list(range(10, 70))
 
-    def datum(c, advantage):
-        n = len(c.full_tokens) - 1
-        lead = [0.0] * (c.prompt_len - 1)
-        inputs = {"target_tokens": TensorData(data=c.full_tokens[1:], dtype="int64", shape=[n]),
-                  "weights": TensorData(data=lead + [1.0] * (n - c.prompt_len + 1), dtype="float32", shape=[n]),
-                  "logprobs": TensorData(data=lead + list(c.sampling_logprobs), dtype="float32", shape=[n]),
-                  "advantages": TensorData(data=[advantage] * n, dtype="float32", shape=[n])}
-        return Datum(model_input=ModelInput.from_ints(c.full_tokens[:-1]), loss_fn_inputs=inputs)
-
-    def trainer_lps(data, samples):
-        fwd = tc.forward(data, "cross_entropy").result()
-        return [torch.tensor(o["logprobs"].data, dtype=torch.float32)[c.prompt_len - 1:]
-                for o, c in zip(fwd.loss_fn_outputs, samples, strict=True)]
-
     for step in range(2):
         syncer.save_and_hotload(f"policy-{step}")
         samples = asyncio.run(sampler.sample_with_prompt_tokens(prompt, n=2, max_tokens=8, temperature=1.0,
                                                                 logprobs=True))
-        data = [datum(c, adv) for c, adv in zip(samples, (1.0, -1.0), strict=True)]
+        data = [sdk_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
+                for c, adv in zip(samples, (1.0, -1.0), strict=True)]
         sampled = torch.cat([torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples])
-        train = trainer_lps(data, samples)
+        train = completion_logprobs_from_forward(tc, data, samples)
         assert torch.cat(train).shape == sampled.shape == (16,)
         assert torch.equal(torch.cat(train), sampled), step  # KL exactly 0 on DeepSeek-V3
         tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
         tc.optim_step(AdamParams(learning_rate=1e-2)).result()
-        assert not torch.equal(torch.cat(trainer_lps(data, samples)), sampled)  # negative control
+        moved = torch.cat(completion_logprobs_from_forward(tc, data, samples))
+        assert not torch.equal(moved, sampled)  # negative control
     ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {key}"},
                           timeout=30).json()
     kinds = {r["identity"]: r.get("kind") for r in ledger["rows"] if r["identity"].startswith("policy-")}

@@ -18,6 +18,7 @@ from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_f
 from shared_numerics import NumericsMode
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import HotLoadServer
+from zerokld_testing.fireworks import completion_logprobs_from_forward, sdk_datum
 
 pytestmark = pytest.mark.vllm
 
@@ -258,20 +259,6 @@ def training_server(env, tmp_path_factory):
     server.stop()
 
 
-def _datum(tokens, prompt_len, old_logprobs, advantage):
-    from fireworks.training.sdk import Datum, ModelInput, TensorData
-
-    n = len(tokens) - 1
-    weights = [0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1)
-    inputs = {"target_tokens": TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-              "weights": TensorData(data=weights, dtype="float32", shape=[n])}
-    if old_logprobs is not None:  # an RL datum (``None``: cross_entropy / custom losses)
-        inputs["logprobs"] = TensorData(data=[0.0] * (prompt_len - 1) + list(old_logprobs), dtype="float32",
-                                        shape=[n])
-        inputs["advantages"] = TensorData(data=[advantage] * n, dtype="float32", shape=[n])
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
-
-
 def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_server, monkeypatch, request):
     """The unmodified SDK end to end: ``FiretitanServiceClient`` trains on our TorchTitan server, ``WeightSyncer``
     saves each policy (base, then delta) and hot-loads it into the vLLM server, ``DeploymentSampler`` samples from it;
@@ -287,24 +274,19 @@ def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_ser
     syncer = WeightSyncer(policy_client=tc, deploy_mgr=_manager(server), deployment_id=DEPLOYMENT,
                           base_model=BASE_MODEL, hotload_timeout=120)
 
-    def trainer_lps(data, samples):
-        fwd = tc.forward(data, "cross_entropy").result()
-        return [torch.tensor(o["logprobs"].data, dtype=torch.float32)[c.prompt_len - 1:]
-                for o, c in zip(fwd.loss_fn_outputs, samples, strict=True)]
-
     for step in range(2):
         syncer.save_and_hotload(f"policy-{step}")
         samples = _sample(server, PROMPT, n=2, max_tokens=6, temperature=1.0, logprobs=True)
-        data = [_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
+        data = [sdk_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
                 for c, adv in zip(samples, (1.0, -1.0), strict=True)]
         sampled = [torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples]
-        train = trainer_lps(data, samples)
+        train = completion_logprobs_from_forward(tc, data, samples)
         assert [t.shape for t in train] == [s.shape for s in sampled]
         assert all(torch.equal(t, s) for t, s in zip(train, sampled, strict=True)), step  # KL exactly 0
         out = tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
         assert all(k.count(":") == 1 for k in out.metrics)
         tc.optim_step(AdamParams(learning_rate=1e-2)).result()
-        moved = trainer_lps(data, samples)
+        moved = completion_logprobs_from_forward(tc, data, samples)
         assert not all(torch.equal(t, s) for t, s in zip(moved, sampled, strict=True))  # negative control
     ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {API_KEY}"},
                           timeout=30).json()
@@ -383,7 +365,7 @@ def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monke
     request.addfinalizer(svc.close)
     tc = svc.create_training_client(base_model=BASE_MODEL)
     seqs = [PROMPT + list(range(50, 50 + k)) for k in (5, 9)]
-    data = [_datum(s, len(PROMPT), None, 1.0) for s in seqs]
+    data = [sdk_datum(s, len(PROMPT), None, 1.0) for s in seqs]
 
     def logprobs():
         return [list(o["logprobs"].data) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
@@ -424,7 +406,7 @@ def test_training_server_killed_mid_step_resumes_at_the_last_optim_step(env, tmp
     svc = FiretitanServiceClient(base_url=base, api_key=API_KEY)
     request.addfinalizer(svc.close)
     tc = svc.create_training_client(base_model=BASE_MODEL)
-    data = [_datum(PROMPT + list(range(50, 50 + k)), len(PROMPT), None, 1.0) for k in (5, 9)]
+    data = [sdk_datum(PROMPT + list(range(50, 50 + k)), len(PROMPT), None, 1.0) for k in (5, 9)]
 
     def logprobs():
         return [list(o["logprobs"].data) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]

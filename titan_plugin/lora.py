@@ -139,8 +139,11 @@ class ZeroKLDLoRAConverter(LoRAConverter):
         from torchtitan.protocols.module import Module
 
         targets = self.target_modules or set()
+        def adaptable(fqn: str) -> bool:  # a decoder projection outside any MoE block
+            return ".moe." not in f".{fqn}."
+
         found = {fqn.rsplit(".", 1)[-1] for fqn, *_ in model_config.traverse(ZeroKLDLinear.Config, recurse=True)
-                 if ".moe." not in f".{fqn}."}
+                 if adaptable(fqn)}
         if self.target_modules is None or "lm_head" in targets:
             raise NotImplementedError("zerokld LoRA adapts named decoder projections, not the lm_head "
                                       "(give target_modules)")
@@ -156,7 +159,7 @@ class ZeroKLDLoRAConverter(LoRAConverter):
         root = model_config
         for fqn, cfg, parent, attr in reversed(list(model_config.traverse(Module.Config, recurse=True))):
             target = (isinstance(cfg, ZeroKLDLinear.Config) and fqn.rsplit(".", 1)[-1] in targets
-                      and ".moe." not in f".{fqn}.")
+                      and adaptable(fqn))
             new = self._make_lora_config(cfg) if target else _make_frozen_config(cfg)
             if parent is None:
                 root = new
