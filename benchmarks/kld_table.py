@@ -20,7 +20,8 @@ Engines: ``zerokld`` = vLLM with ``additional_config={"zerokld": {"batch_invaria
 experts; ``tests/test_architectures.py`` checks each stock build against HF ``transformers``). FP8 on: zerokld serves
 online FP8 per channel (``shared_numerics.fp8``) against the FP8 QAT trainer; stock serves vLLM's
 ``quantization="fp8_per_channel"`` against the high-precision trainer (the common production setting). zerokld's FP8
-serves neither Qwen3-MoE experts nor Qwen2's biased q/k/v projections in FP8 (``NO_FP8``), so those have no FP8 rows.
+does not serve Qwen2's biased q/k/v projections in FP8 (``NO_FP8``), so it has no FP8 rows; DeepSeek-V3's FP8 rows
+are DeepSeek's block granularity (``FP8_GRANULARITY``).
 A configuration stock vLLM-CPU cannot run is recorded with its error.
 
 Usage: ``python -m benchmarks.kld_table --out benchmarks/results/kld_table_cpu2`` (writes ``.json`` and ``.md``).
@@ -53,9 +54,11 @@ DEEPSEEK_ARCHS = {
 ARCHS.update({name: {} for name in DEEPSEEK_ARCHS})
 NO_FP8 = {  # architectures zerokld does not serve in FP8 (vllm_plugin.config refuses them), so no FP8 rows
     "qwen2": "the FP8 GEMM is bias-free and Qwen2 has q/k/v biases",
-    "qwen3_moe": "experts are served in bf16/fp32 only",
-    "deepseek_v3": "its FP8 (DeepSeek's 128x128 blocks) is not implemented yet",
 }
+#: FP8 granularity per architecture (default per channel): DeepSeek-V3 as DeepSeek ships it, 1x128 activation groups x
+#: 128x128 weight blocks (stock: vLLM's ``quantization="fp8"`` with ``weight_block_size``-less online quantization
+#: cannot do blocks, and its MLA does not run without AMX anyway)
+FP8_GRANULARITY = {"deepseek_v3": "block"}
 DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
 
@@ -70,24 +73,25 @@ def _sample(llm, prompts: list[list[int]]):
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], [completion_logprobs(o) for o in outs]
 
 
-def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool):
+def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool, granularity: str = "per_channel"):
     from titan_plugin import trainer_logprobs
 
     # stock, FP8 or not: a high-precision trainer (the common FP8-rollout setting)
-    return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8="per_channel" if fp8 and zerokld else None,
+    return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8=granularity if fp8 and zerokld else None,
                             batch_invariant=zerokld)
 
 
-def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool = False) -> dict:
+def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool = False,
+            granularity: str = "per_channel") -> dict:
     """One row: sample with the engine, score with the trainer, compare (``mla``: an MLA model, which stock vLLM-CPU
-    serves only with AMX)."""
+    serves only with AMX; ``granularity``: zerokld's FP8 granularity)."""
     import shared_numerics as sn
     from vllm_plugin.engines import STOCK_MLA_UNAVAILABLE, shutdown_llm, start_llm, stock_mla_available
 
     if mla and not zerokld and not stock_mla_available():
         return {"error": STOCK_MLA_UNAVAILABLE}
 
-    kw = ({"fp8": "per_channel"} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
+    kw = ({"fp8": granularity} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
     t0 = time.perf_counter()
     try:
         llm = start_llm(ckpt, dtype=dtype, batch_invariant=zerokld, max_num_batched_tokens=64, seed=0, **kw)
@@ -99,7 +103,7 @@ def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool 
         if zerokld:
             raise
         return {"error": f"{type(e).__name__}: {e}"[:200]}
-    train = _trainer(ckpt, seqs, [len(p) for p in prompts], dtype, zerokld, fp8)
+    train = _trainer(ckpt, seqs, [len(p) for p in prompts], dtype, zerokld, fp8, granularity)
     m = sn.logprob_diff_metrics(train, served)
     return {"k3": m["k3"], "k1": m["k1"], "max_abs_logprob_diff": m["max_abs_logprob_diff"],
             "tokens_bitwise_equal": 1.0 - m["tokens_bitwise_different"] / m["num_tokens"],
@@ -115,7 +119,8 @@ def markdown(result: dict) -> str:
              "| architecture | dtype | FP8 serving | engine + trainer | k3 (mean) | max \\|Δ log-prob\\| "
              "| tokens bitwise equal |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        head = f"| {r['arch']} | {r['dtype']} | {'on' if r['fp8'] else 'off'} | {r['engine']} |"
+        fp8 = (r.get("granularity") or "on").replace("_", " ") if r["fp8"] else "off"
+        head = f"| {r['arch']} | {r['dtype']} | {fp8} | {r['engine']} |"
         if r.get("error"):
             lines.append(f"{head} not served by stock vLLM-CPU: `{' '.join(r['error'].split())[:120]}` | | |")
         else:
@@ -155,8 +160,11 @@ def main(argv=None) -> dict:
                     ckpt = str(make_tiny_checkpoint(Path(tmp) / f"{arch}_{dtype}", spec, seed=1, dtype=dtype))
                 for fp8 in ((False,) if arch in NO_FP8 else (False, True)):
                     for zerokld in (True, False):
+                        g = FP8_GRANULARITY.get(arch, "per_channel")
                         row = {"arch": arch, "dtype": dtype, "fp8": fp8, "engine": "zerokld" if zerokld else "stock",
-                               **measure(ckpt, dtype, fp8, zerokld, prompts, mla=arch in DEEPSEEK_ARCHS)}
+                               "granularity": g if fp8 else None,
+                               **measure(ckpt, dtype, fp8, zerokld, prompts, mla=arch in DEEPSEEK_ARCHS,
+                                         granularity=g)}
                         print(json.dumps(row), flush=True)
                         rows.append(row)
     result = {"date": time.strftime("%Y-%m-%d"),

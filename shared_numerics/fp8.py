@@ -47,7 +47,8 @@ from .linear import matmul_rows
 from .reduce import true_divide
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity", "fp8_values",
-           "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
+           "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "fp8_weight_qat", "quantize_fp8_activation",
+           "quantize_fp8_weight", "served_fp8_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -224,6 +225,50 @@ def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granula
     if granularity == "per_channel":
         return q.float() * s.unsqueeze(1)
     return q.float() * _expand_block_scales(s, *q.shape)
+
+
+def served_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """The high-precision weight an FP8 checkpoint serves where a projection's weight is used as a tensor, not
+    through :func:`fp8_linear` (MLA's ``kv_b_proj``, absorbed per head: :mod:`shared_numerics.mla`):
+    ``dequantize_fp8_weight(q, s)`` rounded once to the model dtype ``dtype``. vLLM does the same for DeepSeek's FP8
+    checkpoints (its MLA ``process_weights_after_loading`` dequantizes ``kv_b_proj`` before splitting W_UK / W_UV).
+
+    Returns:
+        ``[N, K]`` in ``dtype``.
+    """
+    return dequantize_fp8_weight(q, s, granularity).to(dtype)
+
+
+class _Fp8WeightSTE(torch.autograd.Function):
+    """Forward: :func:`served_fp8_weight` of ``quantize_fp8_weight(weight)`` in ``weight.dtype``; backward: the
+    identity (straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, weight, granularity):
+        return served_fp8_weight(*quantize_fp8_weight(weight.detach(), granularity), granularity, weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fp8_weight_qat(weight: torch.Tensor, granularity: Granularity = "per_channel") -> torch.Tensor:
+    """FP8 fake-quantized weight for a projection used as a tensor (MLA's absorbed ``kv_b_proj``): bit for bit what
+    the server uses — :func:`served_fp8_weight` of the weight's codes — with a straight-through gradient.
+
+    Args:
+        weight: ``[N, K]`` float32 or bfloat16, in the dtype it is served from.
+        granularity: ``"per_channel"`` or ``"block"``.
+
+    Returns:
+        ``[N, K]`` in ``weight.dtype``. Differentiable (identity gradient).
+
+    Raises:
+        Fp8QuantizationError: non-finite weights, unknown granularity, not 2-D.
+    """
+    _check_granularity(granularity)
+    return _Fp8WeightSTE.apply(weight, granularity)
 
 
 def _dequantize_activation(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:

@@ -6,9 +6,11 @@ Layout (same file names and tensor names as the high-precision checkpoint it was
   "activation_scheme": "dynamic", "granularity": "per_channel" | "block", "weight_block_size": [128, 128] | null,
   "modules_to_not_convert": ["lm_head", "embed_tokens", "norm"]}`` — the HF ``quantization_config`` convention
   (``transformers`` ``FineGrainedFP8Config`` / vLLM ``Fp8Config`` use the same keys for the same meanings).
-* each decoder projection ``…{q,k,v,o,gate,up,down}_proj.weight`` is stored as ``float8_e4m3fn`` ``[N, K]`` codes,
-  with ``…_proj.weight_scale`` (float32, ``[N]`` per channel, ``[ceil(N/128), ceil(K/128)]`` per block) next to it;
-  every other tensor (embeddings, norms, lm_head) is copied unchanged.
+* each decoder projection ``…{q,k,v,o,gate,up,down}_proj.weight`` (MoE: each routed and shared expert's; MLA:
+  also ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``) is stored as ``float8_e4m3fn`` ``[N, K]``
+  codes, with ``….weight_scale`` (float32, ``[N]`` per channel, ``[ceil(N/128), ceil(K/128)]`` per block) next to
+  it; every other tensor (embeddings, norms, lm_head, MoE routers and DeepSeek's selection bias) is copied
+  unchanged.
 
 vLLM serves it with the zerokld plugin (``vllm_plugin.fp8`` registers ``zerokld_fp8`` with vLLM's quantization
 registry); codes and scales are exactly what online quantization of the source checkpoint computes. The export
@@ -21,7 +23,10 @@ from .fp8 import BLOCK, GRANULARITIES, Fp8QuantizationError
 __all__ = ["FP8_PROJECTIONS", "QUANT_METHOD", "is_fp8_projection", "parse_quantization_config", "quantization_config"]
 
 QUANT_METHOD = "zerokld_fp8"
-FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   # MLA (DeepSeek-V2/V3): DeepSeek's own FP8 checkpoints quantize these too; the router (mlp.gate)
+                   # stays high precision
+                   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def is_fp8_projection(name: str) -> bool:

@@ -18,6 +18,11 @@
   the unbiased scores, normalised by a left-to-right sum (+ 1e-20, as HF), times ``routed_scaling_factor``. Shared
   experts are one dense SwiGLU added to the routed sum in float32 after the slots (:func:`deepseek_moe_forward`).
 
+FP8 experts (``fp8=`` a granularity of :mod:`shared_numerics.fp8`): every expert's projections are the shared FP8
+GEMM of that expert's own codes (one weight per expert, as DeepSeek's FP8 checkpoints store them) — served codes and
+scales on vLLM, the high-precision weights quantized in the forward with a straight-through gradient in the trainer
+(QAT), the same forward bits; the routers stay high precision.
+
 Routing replay (R3, arXiv 2510.11370): pass recorded ``expert_ids`` to :func:`moe_experts` instead of recomputing
 them; the weights are still gathered from the current scores (:func:`gather_route_weights`), so gradients flow.
 Source: HF ``modeling_qwen3_moe.py`` (``Qwen3MoeSparseMoeBlock``); vLLM ``fused_moe`` (``topk_softmax``).
@@ -42,6 +47,27 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, chain=None) -> torch.Tensor:
     from .linear import linear as cpu_linear
 
     return cpu_linear(x, weight, weight_chain=chain)
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, chain=None, fp8: str | None = None,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert projection: :func:`_linear`; with ``fp8`` (a granularity) the FP8 GEMM — of served codes
+    (``weight`` the ``float8_e4m3fn`` codes, ``scale`` their scales: :func:`shared_numerics.fp8_linear`) or, without
+    ``scale``, of the high-precision weight's codes with a straight-through gradient
+    (:func:`shared_numerics.fp8_linear_qat`, the trainer's QAT): the same forward bits."""
+    if fp8 is None:
+        return _linear(x, weight, chain)
+    if scale is not None:
+        from . import fp8_linear
+
+        return fp8_linear(x, weight, scale, fp8)
+    if chain is not None:
+        from .fp8 import fp8_linear_qat as cpu_fp8_linear_qat
+
+        return cpu_fp8_linear_qat(x, weight, fp8, weight_chain=chain)
+    from . import fp8_linear_qat
+
+    return fp8_linear_qat(x, weight, fp8)
 
 
 def _scores(router_logits: torch.Tensor) -> torch.Tensor:
@@ -91,7 +117,8 @@ def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renorma
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None,
-                chains=None, shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                chains=None, shared_out: torch.Tensor | None = None, fp8: str | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     Args:
@@ -112,33 +139,46 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             continue, expert ``e``'s over its tokens in token order; nothing is returned to autograd for the three.
             Not with ``k_block``; a CPU where :func:`~shared_numerics.grad_chain.chain_available` holds.
         shared_out: ``[N, H]`` the shared experts' output (DeepSeekMoE), added in float32 after the slots.
+        fp8: ``None``, or the FP8 granularity (``"per_channel"`` / ``"block"``) of every expert projection: each is
+            :func:`shared_numerics.fp8_linear` of its own codes (one expert's weight ``[I, H]`` is one FP8 weight,
+            quantized alone, as DeepSeek's checkpoints store it). Without ``scales`` the three weights are
+            high-precision and quantized here with a straight-through gradient (QAT,
+            :func:`shared_numerics.fp8_linear_qat`); with ``scales = (gate, up, down)`` (each ``[E, ...]``, one
+            expert's scales per row) they are the served ``float8_e4m3fn`` codes. Not with ``k_block``.
 
     Returns:
         ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
         the TP size). Differentiable.
 
     Raises:
-        ValueError: ``chains`` with ``k_block``, or where no kernel covers ``x.dtype`` (as
-            :func:`shared_numerics.linear` 's ``weight_chain``).
+        ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, or where no kernel covers
+            ``x.dtype`` (as :func:`shared_numerics.linear` 's ``weight_chain``).
+        shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
     from . import silu_and_mul
     from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
 
     if chains is not None and k_block is not None:
         raise ValueError("MoE gradient chains are for the single-rank experts (k_block None)")
+    if fp8 is not None and k_block is not None:
+        raise ValueError("FP8 experts are single-rank (k_block None): the TP-invariant tree sums a bf16/fp32 GEMM")
+    if scales is not None and fp8 is None:
+        raise ValueError("expert scales without an FP8 granularity")
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
     # one view per expert (unbind: its backward is one stack, not one zero-filled [E, ...] gradient per expert)
     gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    sg, su, sd = (None, None, None) if scales is None else scales
     sels, ys = [], []
     for e in torch.unique(flat_ids).tolist():  # any grouping gives the same rows (row-invariant linear)
         sel = torch.nonzero(flat_ids == e).squeeze(1)
         xe = x[flat_rows[sel]]
         gate, up, down = (None, None, None) if chains is None else (c.part(e) for c in chains)
-        act = silu_and_mul(_linear(xe, gates[e], gate), _linear(xe, ups[e], up))
+        act = silu_and_mul(_expert_linear(xe, gates[e], gate, fp8, None if sg is None else sg[e]),
+                           _expert_linear(xe, ups[e], up, fp8, None if su is None else su[e]))
         if k_block is None:
-            ye = _linear(act, downs[e], down).float()
+            ye = _expert_linear(act, downs[e], down, fp8, None if sd is None else sd[e]).float()
         else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
             ye = block_tree_sum(k_block_partials(act, downs[e], k_block))
         sels.append(sel)
@@ -230,14 +270,17 @@ def grouped_route_weights(router_logits: torch.Tensor, expert_ids: torch.Tensor,
 
 def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None,
                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                         shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, top_k: int, n_group: int,
-                         topk_group: int, renormalize: bool, scaling: float,
-                         expert_ids: torch.Tensor | None = None,
-                         scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+                         shared, top_k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float,
+                         expert_ids: torch.Tensor | None = None, scoring: str = "sigmoid", fp8: str | None = None,
+                         scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
     ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
-    ``-1`` routed afresh), the routed experts (:func:`moe_experts`) and the shared experts ``shared = (gate [I_s, H],
-    up [I_s, H], down [H, I_s])`` (one dense SwiGLU, added in float32 after the routed slots).
+    ``-1`` routed afresh), the routed experts (:func:`moe_experts`, ``fp8`` / ``scales`` as there) and the shared
+    experts (one dense SwiGLU, added in float32 after the routed slots): ``shared = (gate [I_s, H], up [I_s, H],
+    down [H, I_s])`` weights, or the module computing it (``[N, H] -> [N, H]``: ``down(silu_and_mul(gate x, up x))``
+    with the host's projections — FP8 ones under FP8), or ``None``. The router is never quantized (DeepSeek's FP8
+    checkpoints keep ``mlp.gate`` in high precision).
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
@@ -252,11 +295,13 @@ def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: tor
     if expert_ids is not None:
         ids = _replayed(ids, expert_ids, router_weight.shape[0])
     shared_out = None
-    if shared is not None:
+    if callable(shared):
+        shared_out = shared(x)
+    elif shared is not None:
         sg, su, sd = shared
         shared_out = _linear(silu_and_mul(_linear(x, sg), _linear(x, su)), sd)
     out = moe_experts(x, ids, grouped_route_weights(logits, ids, renormalize, scaling, scoring), w_gate, w_up, w_down,
-                      shared_out=shared_out)
+                      shared_out=shared_out, fp8=fp8, scales=scales)
     return out, ids
 
 
@@ -275,7 +320,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
                 w_down: torch.Tensor, top_k: int, renormalize: bool = True,
                 expert_ids: torch.Tensor | None = None, k_block: int | None = None,
                 gather=None, experts_x: torch.Tensor | None = None,
-                chains: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                chains: dict | None = None, fp8: str | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
 
     Args:
@@ -295,6 +342,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
         chains: exact accumulation (:mod:`shared_numerics.grad_chain`): ``{"router": [E, H] chain, "w_gate", "w_up",
             "w_down": the experts' chains}`` (see :func:`moe_experts`); the router's gradient continues its chain
             over all ``N`` tokens (bf16: ``N`` a multiple of :data:`~shared_numerics.grad_chain.CHAIN_K_MULTIPLE`).
+        fp8, scales: FP8 experts (QAT or served codes), see :func:`moe_experts`; the router stays high precision.
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)`` — the ids used (recomputed or replayed).
@@ -308,4 +356,5 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
         ids = _replayed(ids, expert_ids, router_weight.shape[0])
     return moe_experts(x if experts_x is None else experts_x, ids, gather_route_weights(scores, ids, renormalize),
                        w_gate, w_up, w_down, k_block, gather,
-                       None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"])), ids
+                       None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"]),
+                       fp8=fp8, scales=scales), ids

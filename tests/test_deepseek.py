@@ -391,3 +391,94 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
     assert [torch.equal(s, e) for s, e in zip(scores, served, strict=True)] == [True] * 9
     for i in range(2):  # each adapter moves its requests' log-probs away from the base model's
         assert not all(torch.equal(base[j], served[j]) for j in range(i, 9, 3)), f"adapter {i} is inert"
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(engine_slot, ckpts, tmp_path):
+    """Issue 55 point 4, FP8 as DeepSeek ships it (1x128 activation groups x 128x128 weight blocks): every MLA
+    projection, the dense MLP, each routed expert (one FP8 weight per expert) and the shared experts run the shared
+    FP8 GEMM; ``kv_b_proj``, absorbed per head, is its codes dequantized to the model dtype (as vLLM's MLA does with
+    DeepSeek's FP8 checkpoints); the router and the selection bias stay high precision.
+
+    vLLM's online-FP8 engine samples a batch (chunked prefill, prefix caching) whose log-probs equal the TorchTitan
+    trainer's FP8 QAT forward bit for bit, with and without routing replay; after one QAT RL step the high-precision
+    snapshot hot-loads into the engine in place (the changed experts re-quantized) and it serves the trainer's new
+    forward; the exported ``zerokld_fp8`` checkpoint (FP8 codes and scales per expert) serves the same bits.
+    Negative controls: the same trainer without FP8, and with per-channel FP8, differ from what was served; the stale
+    weights differ after the step. (Stock vLLM's FP8 MLA cannot run on a CPU without AMX: see the module docstring.)"""
+    from safetensors import safe_open
+    from vllm import SamplingParams
+
+    from deltasync import read_snapshot_tensors
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin import trainer_logprobs
+    from titan_plugin.overrides import ZeroKLDFp8Linear, ZeroKLDMoE
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_testing import random_prompts
+    from zerokld_testing.engines import load_delta_offline
+
+    dtype, shape, g = "bfloat16", "yarn_groups_ties", "block"
+    spec = SHAPES[shape]
+    ckpt = ckpts(shape, dtype)
+    llm = engine_slot.get(("zerokld-deepseek-fp8", shape, dtype), lambda: start_llm(
+        ckpt, dtype=dtype, fp8=g, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True))
+
+    def sample(engine, prompts, seed):
+        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed + i, logprobs=0)
+                  for i in range(len(prompts))]
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return ([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)],
+                [completion_logprobs(o) for o in outs], [o.outputs[0].routed_experts for o in outs])
+
+    prompts = random_prompts(16, seed=56, lo=4, hi=150)
+    lens = [len(p) for p in prompts]
+    llm.reset_prefix_cache()
+    seqs, served, routes = sample(llm, prompts, 900)
+    assert max(lens) > 64 and len(served) == 16
+    ours = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, fp8=g)
+    assert torch.equal(torch.cat(ours), torch.cat(served))
+    replayed = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, fp8=g, routed_experts=routes)
+    assert torch.equal(torch.cat(replayed), torch.cat(served))
+    for other in (None, "per_channel"):  # FP8 is on, and its granularity is the block one
+        control = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, fp8=other)
+        assert not torch.equal(torch.cat(control), torch.cat(served)), other
+
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-3, fp8=g))
+    try:
+        moe = [m for m in trainer.model.modules() if isinstance(m, ZeroKLDMoE)]
+        assert len(moe) == spec.num_hidden_layers - spec.first_k_dense_replace and {m.fp8 for m in moe} == {g}
+        # per layer wq_a, wq_b, wkv_a, wkv_b, wo; w1-w3 of the dense MLP or of the shared experts; and each router
+        fp8_linears = [m for m in trainer.model.modules() if isinstance(m, ZeroKLDFp8Linear)]
+        assert len(fp8_linears) == 5 * spec.num_hidden_layers + 3 * spec.num_hidden_layers + len(moe)
+        out = trainer.rl_step(RolloutBatch(seqs, lens, [1.0, -1.0] * 8, served, numerics=trainer.numerics))
+        assert out["clipped"] == 0 and torch.equal(torch.cat(out["train_logprobs"]), torch.cat(served))
+        snap = trainer.save_hf(tmp_path / "step1", dtype)
+        exported = trainer.save_fp8(tmp_path / "step1_fp8", dtype, g)
+        row = load_delta_offline(llm, ckpt, read_snapshot_tensors(snap), tmp_path / "hotload")
+        assert row["applied"] == "in_place" and row["tensors_changed"] > 0
+        after_prompts = random_prompts(12, seed=57, lo=4, hi=120)
+        after_lens = [len(p) for p in after_prompts]
+        seqs2, served2, _ = sample(llm, after_prompts, 950)
+        new = trainer.forward_logprobs(RolloutBatch(seqs2, after_lens))
+        assert torch.equal(torch.cat(new), torch.cat(served2))
+        stale = trainer_logprobs(ckpt, seqs2, after_lens, dtype=dtype, fp8=g)
+        assert not torch.equal(torch.cat(stale), torch.cat(served2)), "the hot-load changed nothing"
+
+        with safe_open(str(exported / "model.safetensors"), framework="pt") as f:
+            for name in ("model.layers.1.mlp.experts.3.down_proj.weight",
+                         "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+                         "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+                assert f.get_tensor(name).dtype == torch.float8_e4m3fn, name
+                assert f.get_tensor(name + "_scale").dtype == torch.float32, name
+            for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
+                assert f.get_tensor(name).dtype != torch.float8_e4m3fn and name + "_scale" not in f.keys(), name
+        served_fp8 = engine_slot.get(("zerokld-deepseek-fp8-exported", str(exported)), lambda: start_llm(
+            str(exported), dtype=dtype, max_num_batched_tokens=64, block_size=16))
+        seqs3, served3, _ = sample(served_fp8, after_prompts, 950)
+        assert seqs3 == seqs2 and torch.equal(torch.cat(served3), torch.cat(served2))
+        assert torch.equal(torch.cat(trainer.forward_logprobs(RolloutBatch(seqs3, after_lens))), torch.cat(served3))
+    finally:
+        trainer.close()
+

@@ -143,3 +143,51 @@ def test_tie_checkpoint_ties_decide_the_last_slot_in_the_trainer(checkpoint_fact
     twin = scores.gather(1, ids[:, 2:3] ^ 1)
     assert torch.equal(third, twin)  # the third slot is always half of an exactly tied pair...
     assert bool((ids[:, 2] % 2 == 0).all())  # ...and the lower (even) id of the pair wins
+
+
+@pytest.mark.parametrize("granularity", ["per_channel", "block"])
+def test_fp8_experts_qat_forward_is_the_served_codes_and_rows_are_invariant(granularity):
+    """FP8 experts (each expert's weight quantized alone): the QAT forward (high-precision weights quantized on the
+    fly, straight-through gradients) equals the served codes' forward bit for bit; a token's row does not depend on
+    the batch or on its experts' load; the gradient reaches the stacked weights. Negative control: the bf16 experts
+    differ from the FP8 ones."""
+    from shared_numerics import quantize_fp8_weight
+
+    ws = [w.requires_grad_() for w in _experts(e=4, h=160, i=136, dtype=torch.bfloat16, seed=4)]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 160, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(24)])
+    ids[:12, 0] = 1  # expert 1 gets most tokens
+    weights = torch.rand(24, 2, generator=g)
+    qat = moe_experts(x, ids, weights, *ws, fp8=granularity)
+    codes, scales = [], []
+    for w in ws:
+        per = [quantize_fp8_weight(w[e].detach(), granularity) for e in range(w.shape[0])]
+        codes.append(torch.stack([q for q, _ in per]))
+        scales.append(torch.stack([s for _, s in per]))
+    served = moe_experts(x, ids, weights, *codes, fp8=granularity, scales=tuple(scales))
+    assert torch.equal(qat, served)
+    alone = moe_experts(x[7:9], ids[7:9], weights[7:9], *codes, fp8=granularity, scales=tuple(scales))
+    assert torch.equal(alone, served[7:9])
+    assert not torch.equal(moe_experts(x, ids, weights, *ws), qat)
+    qat.float().square().sum().backward()
+    assert all(w.grad is not None and bool(w.grad.abs().sum() > 0) for w in ws)
+    with pytest.raises(ValueError, match="k_block"):
+        moe_experts(x, ids, weights, *ws, fp8=granularity, k_block=32)
+    with pytest.raises(ValueError, match="without an FP8"):
+        moe_experts(x, ids, weights, *codes, scales=tuple(scales))
+
+
+def test_fp8_weight_qat_is_the_served_dequantized_weight_with_a_straight_through_gradient():
+    """MLA's absorbed ``kv_b_proj`` under FP8: the trainer's fake-quantized weight equals what the server
+    dequantizes from the codes (in the model dtype), and its gradient passes through unchanged."""
+    from shared_numerics.fp8 import fp8_weight_qat, quantize_fp8_weight, served_fp8_weight
+
+    w = (torch.randn(192, 136, generator=torch.Generator().manual_seed(2)) * 0.05).to(torch.bfloat16).requires_grad_()
+    fq = fp8_weight_qat(w, "block")
+    assert fq.dtype == torch.bfloat16
+    assert torch.equal(fq, served_fp8_weight(*quantize_fp8_weight(w.detach(), "block"), "block", torch.bfloat16))
+    assert not torch.equal(fq, w)  # the quantization is real
+    up = torch.randn(192, 136, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    fq.backward(up)
+    assert torch.equal(w.grad, up)

@@ -280,3 +280,29 @@ def test_negative_control_stock_unseeded_sampling_depends_on_the_batch(stock_moe
     assert len(train) == len(outs)
     stock_differs(sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs)) > 0,
                   "vLLM's MoE log-probs vs the trainer's", "the prompts or the load")
+
+
+def test_fp8_experts_served_online_equal_the_qat_trainer(engine_slot, checkpoint_factory):
+    """FP8 on Qwen3-MoE (the shared FP8 GEMM on every projection and on each expert's own weight; the router in
+    high precision): a bf16 engine with online per-channel FP8 samples a batch (chunked prefill) whose log-probs equal
+    TorchTitan's FP8 QAT trainer bit for bit, with and without routing replay; a request alone equals itself in the
+    batch. Negative control: the high-precision trainer differs (the experts' FP8 is real)."""
+    from vllm import SamplingParams
+
+    ckpt = checkpoint_factory(FAMILY, "bfloat16")
+    llm = engine_slot.get(("zerokld-moe-fp8", ckpt), lambda: start_llm(
+        ckpt, dtype="bfloat16", fp8="per_channel", max_num_batched_tokens=64, enable_return_routed_experts=True))
+    prompts = _prompts(16, seed=31)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=300 + i, logprobs=0) for i in range(16)]
+    llm.reset_prefix_cache()
+    outs = _gen(llm, prompts, params)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    lens = [len(p) for p in prompts]
+    served = torch.cat([completion_logprobs(o) for o in outs])
+    routes = [o.outputs[0].routed_experts for o in outs]
+    assert torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16", fp8="per_channel")), served)
+    assert torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16", fp8="per_channel",
+                                                  routed_experts=routes)), served)
+    alone = _gen(llm, [prompts[5]], [params[5]])[0]
+    assert _same(alone, outs[5])
+    assert not torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16")), served)

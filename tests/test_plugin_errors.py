@@ -65,7 +65,7 @@ def test_zerokld_engines_use_the_v1_model_runner(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin",
-                                  "routes_on_dense_model", "fp8_moe", "processed_logprobs", "model_runner_v2"])
+                                  "routes_on_dense_model", "expert_parallel", "processed_logprobs", "model_runner_v2"])
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd, monkeypatch):
     from vllm_plugin.engines import start_llm
 
@@ -88,9 +88,9 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
     if case == "routes_on_dense_model":  # vLLM's routed-experts output on CPU: only for zerokld MoE models
         ckpt, expected = checkpoint_factory("qwen3", "float32"), "routed experts need an MoE model"
         kwargs["enable_return_routed_experts"] = True
-    elif case == "fp8_moe":
-        ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "FP8 for MoE experts"
-        kwargs["fp8"] = "per_channel"
+    elif case == "expert_parallel":  # experts are computed whole on each rank
+        ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "expert parallelism"
+        kwargs["enable_expert_parallel"] = True
     elif case == "processed_logprobs":  # the deterministic sampler returns raw logprobs only
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "logprobs_mode"
         kwargs["logprobs_mode"] = "processed_logprobs"

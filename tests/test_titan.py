@@ -225,3 +225,45 @@ def test_torchtitans_own_qwen3_moe_flavour_runs_the_shared_moe():
         batch = model(tokens)
         alone = model(tokens[1:2])
     assert torch.equal(alone[0], batch[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_optimizer_state_offload_is_bitwise_the_resident_run(checkpoint_factory, tmp_path, family):
+    """Issue 56 point 7: TorchTitan's ``training.enable_cpu_offload`` (FSDP2's ``CPUOffloadPolicy``: sharded float32
+    parameters, gradients and AdamW state in host memory, the optimizer step there) gives, after three RL steps,
+    exactly the weights and optimizer state of the resident run. On this CPU-only machine host memory is the device,
+    so the test covers the code path (every FSDP group runs with the offload policy); a GPU adds the host/device
+    copies and a host AdamW step, whose bits must equal the device's (not measured here)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    ckpt = checkpoint_factory(family, "bfloat16")
+    seqs, plens = _seqs(6, seed=16)
+    results = {}
+    for offload in (False, True):
+        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{offload}"), dtype="bfloat16", lr=1e-3,
+                                              cpu_offload=offload))
+        try:
+            groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules()
+                      if isinstance(m, FSDPModule)]
+            groups = [g for g in groups if g is not None]
+            assert len(groups) > 1 and all(isinstance(g.offload_policy, CPUOffloadPolicy) == offload for g in groups)
+            before = {k: full(v).clone() for k, v in trainer.model.state_dict().items()}
+            for _ in range(3):
+                ref = trainer.forward_logprobs(RolloutBatch(seqs, plens))
+                trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -0.5, 0.25, -1.0, 0.75, -0.25],
+                                             [r.clone() for r in ref], numerics=trainer.numerics))
+            weights = {k: full(v) for k, v in trainer.model.state_dict().items()}
+            state = [full(t) for opt in trainer.optimizers.optimizers for s in opt.state.values()
+                     for t in s.values() if torch.is_tensor(t)]
+            assert any(not torch.equal(before[k], weights[k]) for k in weights)  # the steps moved the weights
+            results[offload] = (weights, state)
+        finally:
+            trainer.close()
+    (w0, s0), (w1, s1) = results[False], results[True]
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert len(s0) == len(s1) > 0 and all(torch.equal(a, b) for a, b in zip(s0, s1, strict=True))

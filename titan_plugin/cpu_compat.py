@@ -6,6 +6,11 @@
   torch 2.13: a no-op stands in.
 * FSDP2 divides gradients with ``ReduceOp.PREMUL_SUM`` when TorchTitan sets a divide factor; gloo has no such op, so
   on CPU FSDP is told to reduce with plain sums and divide after (its own ``force_sum_reduction_for_comms`` path).
+* ``training.enable_cpu_offload`` makes TorchTitan add a ``cpu:gloo`` backend beside the device's; on a CPU-only
+  machine the device's backend already is ``cpu:gloo`` and the doubled string is refused, so the extra backend is
+  not asked for (``init_distributed(enable_cpu_backend=False)``); and FSDP2's ``CPUOffloadPolicy()`` pins host
+  memory by default, which needs an accelerator, so TorchTitan's FSDP builder (``torchtitan.distributed.fsdp``)
+  gets the policy with ``pin_memory=False`` (pinning is a transfer speed-up; nothing else changes).
 * Single-process runs need the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``) for the gloo
   process group TorchTitan creates; :func:`ensure_single_process_env` fills it in (loopback, a free port).
 
@@ -100,6 +105,7 @@ def apply() -> None:
         import torchtitan.tools.utils as tu
 
         _force_sum_reduction_on_cpu()
+        _single_cpu_backend()
 
         tu.device_type = "cpu"
         tu.device_module = CPU_DEVICE_MODULE
@@ -135,6 +141,28 @@ def _force_sum_reduction_on_cpu() -> None:
 
     factors._zerokld = True  # type: ignore[attr-defined]
     fc._get_gradient_divide_factors = factors
+
+
+def _single_cpu_backend() -> None:
+    import functools
+
+    import torchtitan.distributed.utils as du
+
+    original = du.init_distributed
+    if getattr(original, "_zerokld", False):
+        return
+
+    @functools.wraps(original)
+    def init_distributed(comm_config, enable_cpu_backend: bool = False, *args, **kwargs):
+        return original(comm_config, False, *args, **kwargs)  # the device backend is cpu:gloo already
+
+    init_distributed._zerokld = True  # type: ignore[attr-defined]
+    du.init_distributed = init_distributed
+
+    import torchtitan.distributed.fsdp as tf
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    tf.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=False)
 
 
 def ensure_single_process_env() -> None:

@@ -24,8 +24,9 @@ TorchTitan component   zerokld replacement
                        TP-size-invariant row-parallel sum (:mod:`shared_numerics.tensor_parallel`); under
                        TorchTitan's tensor parallelism every zerokld linear, norm and RoPE runs on its local shard
                        (:mod:`titan_plugin.tensor_parallel`)
-``Linear`` (FP8 QAT)   :func:`shared_numerics.fp8_linear_qat` (optional third pass, ``fp8=...``): every decoder
-                       projection, not the lm_head
+``Linear`` (FP8 QAT)   :func:`shared_numerics.fp8_linear_qat` (optional fourth pass, ``fp8=...``): every decoder
+                       projection, not the lm_head; MLA's ``wkv_b``, used as a tensor, through
+                       :func:`shared_numerics.fp8.fp8_weight_qat`; the MoE's routed experts (``ZeroKLDMoE.fp8``)
 ``FlexAttention`` /    :func:`shared_numerics.dense_causal_attention` (fixed 32-key chunks, same arithmetic as
 ``ScaledDotProduct``   vLLM's paged path)
 ``MoE``                :func:`shared_numerics.moe.moe_forward` (softmax router, stable top-k with lowest-id ties,
@@ -354,11 +355,12 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         cos, sin = sn.rope_cos_sin(pos, c.dims.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
         x2 = x.reshape(b * seq, d)
         q = self.wq(x2) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x2)))
-        qc, latent = sn_mla.mla_query_latent(q, self.wkv_a(x2), self.kv_norm.weight, self.wkv_b.weight, cos, sin,
-                                             c.dims)
+        kv_b = self.wkv_b.weight
+        if isinstance(self.wkv_b, ZeroKLDFp8Linear):  # FP8 QAT: the dequantized codes the server absorbs
+            kv_b = sn_fp8.fp8_weight_qat(kv_b, self.wkv_b.granularity)
+        qc, latent = sn_mla.mla_query_latent(q, self.wkv_a(x2), self.kv_norm.weight, kv_b, cos, sin, c.dims)
         o = sn_mla.mla_dense_attention(qc.view(b, seq, c.dims.num_heads, -1), latent.view(b, seq, -1), c.scale)
-        return self.wo(sn_mla.mla_output(o.reshape(b * seq, c.dims.num_heads, -1), self.wkv_b.weight,
-                                         c.dims)).view(b, seq, d)
+        return self.wo(sn_mla.mla_output(o.reshape(b * seq, c.dims.num_heads, -1), kv_b, c.dims)).view(b, seq, d)
 
 
 def set_mla(model_cfg, cfg) -> None:
@@ -385,10 +387,12 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
     @dataclass(kw_only=True, slots=True)
     class Config(MoE.Config):
         k_block: int = 0  # tp_k_block (set_tp_k_block): the experts' down projections sum in the fixed tree
+        fp8: str = ""  # FP8 QAT granularity of the routed experts ("per_channel" / "block"; "": off)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.k_block = config.k_block or None
+        self.fp8 = config.fp8 or None
         r = config.router
         #: DeepSeekMoE (scores in expert groups, shared experts; DeepSeek-V3's sigmoid scores with the selection bias
         #: or DeepSeek-V2's softmax scores): the deepseek_v3 block (titan_plugin.models.mla_config)
@@ -410,13 +414,17 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             if _is_dtensor(ex.w1_EFD) or grad_chains(self) is not None or self.k_block:
                 raise NotImplementedError("zerokld DeepSeekMoE: tensor parallelism, exact accumulation and "
                                           "tp_k_block are not implemented yet")
-            r, se = self.router, self.shared_experts
+            r = self.router
+            # the shared experts are the module (its w1/w2/w3: zerokld linears, FP8 QAT ones under FP8)
             out, ids = sn_moe.deepseek_moe_forward(
                 x_BLD.reshape(b * seq, d), r.gate.weight, self.expert_bias_E, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF,
-                (se.w1.weight, se.w3.weight, se.w2.weight), k, r.num_expert_groups, r.num_limited_groups,
-                r.route_norm, r.route_scale, expert_ids=replay, scoring=r.score_func)
+                self.shared_experts, k, r.num_expert_groups, r.num_limited_groups, r.route_norm, r.route_scale,
+                expert_ids=replay, scoring=r.score_func, fp8=self.fp8)
         elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
             from .tensor_parallel import moe_dtensor
+
+            if self.fp8:
+                raise NotImplementedError("zerokld FP8 experts under tensor parallelism (FP8 is single-rank)")
 
             out, ids = moe_dtensor(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
                                    self.router.route_norm, replay, self.k_block)
@@ -427,7 +435,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                           "w_up": chains["w3_EFD"], "w_down": chains["w2_EDF"]}
             out, ids = sn_moe.moe_forward(x_BLD.reshape(b * seq, d), self.router.gate.weight, ex.w1_EFD, ex.w3_EFD,
                                           ex.w2_EDF, k, self.router.route_norm, replay, k_block=self.k_block,
-                                          chains=chains)
+                                          chains=chains, fp8=self.fp8)
         self.last_ids = ids.detach().view(b, seq, k)
         if self.training:  # feeds TorchTitan's load-balancing hook, as MoE.forward does
             with torch.no_grad():
@@ -466,6 +474,16 @@ def zerokld_feed_forward(cfg: FeedForward.Config) -> ZeroKLDFeedForward.Config:
 @override(target=MoE.Config, exact=True, description="zerokld deterministic MoE (Qwen3-MoE routing)")
 def zerokld_moe(cfg: MoE.Config) -> ZeroKLDMoE.Config:
     return derive(cfg, ZeroKLDMoE.Config)
+
+
+@override(target=MoE.Config, exact=True, description="zerokld deterministic MoE, FP8 QAT experts (per channel)")
+def zerokld_fp8_moe(cfg: MoE.Config) -> ZeroKLDMoE.Config:
+    return derive(cfg, ZeroKLDMoE.Config, fp8="per_channel")
+
+
+@override(target=MoE.Config, exact=True, description="zerokld deterministic MoE, FP8 QAT experts (128x128 blocks)")
+def zerokld_fp8_block_moe(cfg: MoE.Config) -> ZeroKLDMoE.Config:
+    return derive(cfg, ZeroKLDMoE.Config, fp8="block")
 
 
 @override(target=CosSinRoPE.Config, exact=True, description="zerokld rotate-half RoPE")
@@ -509,8 +527,11 @@ OVERRIDE_PASSES = [
                                             zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
 ]
 OVERRIDE_IMPORTS = [name for names in OVERRIDE_PASSES for name in names]
-# FP8 QAT: a third pass turns every decoder linear (exactly ZeroKLDLinear: not the lm_head) into ZeroKLDFp8Linear.
+# FP8 QAT: a fourth pass turns every decoder linear (exactly ZeroKLDLinear: not the lm_head) into ZeroKLDFp8Linear
+# (MLA's wkv_b too: ZeroKLDMLAAttention uses its fake-quantized weight), and the MoE override of the first pass is
+# the one whose routed experts are FP8 (their router stays high precision: it is used as a tensor).
 FP8_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_linear", "block": f"{__name__}.zerokld_fp8_block_linear"}
+FP8_MOE_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_moe", "block": f"{__name__}.zerokld_fp8_block_moe"}
 
 
 def set_tp_k_block(model_cfg, k_block: int) -> None:
@@ -544,7 +565,7 @@ def apply_zerokld_overrides(config_root, fp8: str | None = None) -> list[str]:
     Args:
         config_root: the config tree.
         fp8: ``None`` (no FP8), ``"per_channel"`` or ``"block"``: FP8 QAT on the decoder projections, with the
-            granularity vLLM serves (``additional_config`` ``fp8``).
+            granularity vLLM serves (``additional_config`` ``fp8``), and on the routed experts of MoE blocks.
 
     Returns:
         TorchTitan's log lines, one per replaced node.
@@ -557,6 +578,7 @@ def apply_zerokld_overrides(config_root, fp8: str | None = None) -> list[str]:
         if fp8 not in FP8_OVERRIDES:
             raise ValueError(f"unknown FP8 granularity {fp8!r}; expected one of {sorted(FP8_OVERRIDES)}")
         passes.append([FP8_OVERRIDES[fp8]])
+        passes[0] = [FP8_MOE_OVERRIDES[fp8] if n == f"{__name__}.zerokld_moe" else n for n in passes[0]]
     lines: list[str] = []
     for names in passes:
         lines += apply_overrides(OverrideConfig(imports=names), config_root)

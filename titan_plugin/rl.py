@@ -126,7 +126,7 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
                       loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
                       fp8: str | None = None, corrections: dict | None = None,
                       lora: "ZeroKLDLoRAConverter.Config | None" = None, tp_k_block: int | None = None,
-                      tensor_parallel_degree: int = 1) -> "RLTrainer.Config":
+                      tensor_parallel_degree: int = 1, cpu_offload: bool = False) -> "RLTrainer.Config":
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -156,6 +156,12 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``), or ``None``.
         tensor_parallel_degree: TorchTitan's ``parallelism.tensor_parallel_degree`` (run under ``torchrun`` with as
             many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics).
+        cpu_offload: TorchTitan's ``training.enable_cpu_offload``: FSDP2's ``CPUOffloadPolicy`` keeps the sharded
+            float32 parameters, their gradients and the optimizer state in host memory and the optimizer step runs
+            there; the forward and backward see the same ``dtype`` weights. On a CPU-only machine host memory is
+            the device, so this covers the code path (the weights after N steps are the resident run's bit for
+            bit, ``tests/test_titan.py``); on a GPU the same holds only if the host's AdamW step computes the
+            device's bits.
 
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
@@ -185,7 +191,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
         training=TrainingConfig(local_batch_size=1, seq_len=cfg.max_position_embeddings, steps=steps,
-                                max_norm=max_norm, dtype="float32", mixed_precision_param=dtype),
+                                max_norm=max_norm, dtype="float32", mixed_precision_param=dtype,
+                                enable_cpu_offload=cpu_offload),
         # TP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor on the
         # full mesh before FSDP, which its CPU path does not provide); TP 1 keeps TorchTitan's default
         parallelism=ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree,

@@ -1,5 +1,5 @@
-"""The generic dense decoder for vLLM built only from ``shared_numerics`` ops; the architecture folders
-(``zerokld_models/<arch>/vllm.py``) specialise it by their traits (QK-norm, q/k/v bias).
+"""The generic dense decoder for vLLM built only from ``shared_numerics`` ops; the architecture declarations
+(``zerokld_models/<arch>/__init__.py``) specialise it by their traits (QK-norm, q/k/v bias).
 
 Each registered class subclasses vLLM's own class for the architecture: with the zerokld flag off it *is* the stock
 model (``super().__init__``, stock forward); with ``additional_config={"zerokld": {"batch_invariant": true}}`` it
@@ -15,9 +15,10 @@ runs, one pass fewer over the activations each.
 The sampler's ``compute_logprobs`` becomes :func:`shared_numerics.log_softmax` (with ``tp_k_block``: the vocab-parallel
 definition the trainer computes on its vocabulary shard, :func:`shared_numerics.vocab_parallel.log_softmax`).
 
-FP8 (``additional_config={"zerokld": {"batch_invariant": true, "fp8": true}}``, or a ``zerokld_fp8`` checkpoint):
-the seven decoder projections run :func:`shared_numerics.fp8_linear` (embeddings, norms and lm_head stay in the model
-dtype, as in vLLM's FP8 and the trainer's QAT).
+FP8 (``additional_config={"zerokld": {"batch_invariant": true, "fp8": "per_channel" | "block"}}``, or a
+``zerokld_fp8`` checkpoint): the seven decoder projections run :func:`shared_numerics.fp8_linear` (embeddings, norms
+and lm_head stay in the model dtype, as in vLLM's FP8 and the trainer's QAT); MoE and MLA models extend this to their
+experts and latent projections (:mod:`vllm_plugin.models.moe`, :mod:`vllm_plugin.models.mla`).
 
 Weights keep HF names (``model.layers.N.self_attn.q_proj.weight`` ...), so vLLM's loader feeds a HF checkpoint straight
 in; ``load_weights`` goes through each parameter's ``weight_loader`` so ``reload_weights`` works in place.
@@ -147,6 +148,20 @@ class _Proj(nn.Module):
     def quantize(self) -> None:
         """Online FP8: (re)compute codes and scales from the current high-precision weight."""
         self._codes, self._scales = sn.quantize_fp8_weight(self.weight.data, self.fp8.granularity)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The ``[out, in]`` weight as a tensor in the model dtype ``dtype``, for a projection whose weight is used
+        directly (MLA's absorbed ``kv_b_proj``): the weight itself, or under FP8 its codes dequantized
+        (:func:`shared_numerics.fp8.served_fp8_weight`, what the trainer's QAT uses:
+        :func:`shared_numerics.fp8.fp8_weight_qat`)."""
+        kind = self.fp8.kind
+        if kind == "off":
+            return self.weight
+        if kind == "serialized":
+            return sn_fp8.served_fp8_weight(self.weight, self.weight_scale, self.fp8.granularity, dtype)
+        if self._codes is None:
+            raise RuntimeError("zerokld fp8: weights were not quantized after loading")
+        return sn_fp8.served_fp8_weight(self._codes, self._scales, self.fp8.granularity, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.fp8.kind

@@ -13,6 +13,12 @@ FusedMoE); with it on, :class:`vllm_plugin.models.dense.DenseDecoder`'s residual
     o = o_proj(latent_output(MQA([absorb_query(q_nope) ‖ q_pe], latent)))
     h = h + o;  f = rms_norm(h);  h = h + (dense SwiGLU MLP if layer < first_k_dense_replace else DeepSeekMoE)(f)
 
+FP8 (online or a ``zerokld_fp8`` checkpoint, DeepSeek's 1x128 x 128x128 ``block`` granularity or per channel): every
+projection above, the dense MLPs and each routed and shared expert run :func:`shared_numerics.fp8_linear`;
+``kv_b_proj``, absorbed per head, is its codes dequantized to the model dtype
+(:func:`shared_numerics.fp8.served_fp8_weight`, as vLLM's MLA does with DeepSeek's FP8 checkpoints); the router and
+its selection bias stay high precision.
+
 The cache is vLLM's ``MLAAttentionSpec`` page (:class:`vllm_plugin.attention_backend.LatentAttention`): the same bytes
 per token as vLLM's own MLA backends. Weights keep HF names (``self_attn.kv_a_proj_with_mqa.weight``,
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``).
@@ -31,7 +37,7 @@ from zerokld_models import mla_dims, mla_softmax_scale
 from ..attention_backend import LatentAttention
 from ..config import ZeroKLDConfigError
 from .dense import DenseDecoder, Fp8Mode, ResidualLayer, _DenseMLP, _norm, _param, _proj
-from .moe import ZeroKLDMoEMixin, _stacked
+from .moe import StackedExperts, ZeroKLDMoEMixin
 
 __all__ = ["DeepSeekMoEBlock", "ZeroKLDMLAMixin"]
 
@@ -39,32 +45,30 @@ __all__ = ["DeepSeekMoEBlock", "ZeroKLDMLAMixin"]
 class DeepSeekMoEBlock(nn.Module):
     """DeepSeekMoE (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): ``gate.weight [E, H]``, ``gate.e_score_correction_bias
     [E]`` (float32; DeepSeek-V3's sigmoid routing only), ``experts.w_gate|w_up [E, I, H]``, ``experts.w_down [E, H,
-    I]`` (stacked by the loader), ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). The scores
-    are the config's ``scoring_func`` (:func:`shared_numerics.moe.route_grouped_topk`). ``last_ids``: the latest
-    ``[N, top_k]`` expert ids."""
+    I]`` (stacked by the loader, :class:`vllm_plugin.models.moe.StackedExperts`: FP8 codes under FP8),
+    ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). The scores are the config's
+    ``scoring_func`` (:func:`shared_numerics.moe.route_grouped_topk`). ``last_ids``: the latest ``[N, top_k]`` expert
+    ids."""
 
     def __init__(self, cfg, fp8: Fp8Mode) -> None:
         super().__init__()
         h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.cfg = cfg
         self.gate = nn.Module()
-        self.gate.weight = _param(e, h)
+        self.gate.weight = _param(e, h)  # the router stays high precision (DeepSeek's FP8 checkpoints too)
         self.gate.e_score_correction_bias = (_param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid"
                                              else None)
-        self.experts = nn.Module()
-        self.experts.w_gate = _stacked(e, inter, h, tp=None, inter_dim=0)
-        self.experts.w_up = _stacked(e, inter, h, tp=None, inter_dim=0)
-        self.experts.w_down = _stacked(e, h, inter, tp=None, inter_dim=1)
+        self.experts = StackedExperts(e, h, inter, fp8)
         self.shared_experts = (_DenseMLP(h, inter * cfg.n_shared_experts, fp8) if cfg.n_shared_experts else None)
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
-        c, ex, se = self.cfg, self.experts, self.shared_experts
-        shared = None if se is None else (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+        c = self.cfg
+        (wg, wu, wd), scales, fp8 = self.experts.operands()
         out, self.last_ids = sn_moe.deepseek_moe_forward(
-            f, self.gate.weight, self.gate.e_score_correction_bias, ex.w_gate, ex.w_up, ex.w_down, shared,
+            f, self.gate.weight, self.gate.e_score_correction_bias, wg, wu, wd, self.shared_experts,
             c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
-            scoring=c.scoring_func)
+            scoring=c.scoring_func, fp8=fp8, scales=scales)
         return out
 
 
@@ -100,10 +104,11 @@ class _MLALayer(ResidualLayer):
             q = sa.q_b_proj(sn.rms_norm(sa.q_a_proj(a), sa.q_a_layernorm.weight, self.eps))
         else:
             q = sa.q_proj(a)
-        qc, latent = sn_mla.mla_query_latent(q, sa.kv_a_proj_with_mqa(a), sa.kv_a_layernorm.weight,
-                                             sa.kv_b_proj.weight, cos, sin, self.dims)
+        kv_b = sa.kv_b_proj.dense_weight(a.dtype)  # under FP8: its codes dequantized, as vLLM's MLA does
+        qc, latent = sn_mla.mla_query_latent(q, sa.kv_a_proj_with_mqa(a), sa.kv_a_layernorm.weight, kv_b, cos, sin,
+                                             self.dims)
         o = sa.attn(qc.reshape(n, -1), latent, latent).view(n, self.dims.num_heads, -1)
-        return sa.o_proj(sn_mla.mla_output(o, sa.kv_b_proj.weight, self.dims))
+        return sa.o_proj(sn_mla.mla_output(o, kv_b, self.dims))
 
 
 class ZeroKLDMLAMixin(ZeroKLDMoEMixin):

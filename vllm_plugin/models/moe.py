@@ -18,15 +18,24 @@ import re
 
 import torch
 from torch import nn
+
+import shared_numerics as sn
+import shared_numerics.fp8 as sn_fp8
 import shared_numerics.moe as sn_moe
 
 from ..config import ZeroKLDConfigError
-from .dense import TensorParallel, ZeroKLDMixin, _param
+from .dense import Fp8Mode, TensorParallel, ZeroKLDMixin, _param
 
-__all__ = ["MoEBlock", "RouteCache", "ZeroKLDMoEMixin"]
+__all__ = ["MoEBlock", "RouteCache", "StackedExperts", "ZeroKLDMoEMixin"]
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+
+
+def _stacked_name(m: re.Match) -> str:
+    """The stacked parameter of an expert tensor's name match: ``...experts.w_gate`` (``...experts.w_gate_scale``
+    for an FP8 checkpoint's ``weight_scale``)."""
+    return f"{m.group(1)}.{_STACKED[m.group(3)]}" + ("_scale" if m.group(4) == "weight_scale" else "")
 
 
 def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, expert_id: int) -> None:
@@ -36,7 +45,8 @@ def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, exper
     param.data[expert_id].copy_(loaded_weight)
 
 
-def _stacked(*shape: int, tp: TensorParallel | None, inter_dim: int) -> nn.Parameter:
+def _stacked(*shape: int, tp: TensorParallel | None, inter_dim: int, dtype: torch.dtype | None = None
+             ) -> nn.Parameter:
     """A stacked expert parameter ``[E, ...]`` holding this rank's slice of dimension ``inter_dim`` of each expert's
     tensor (the intermediate size ``I``; all of it without tensor parallelism); its loader takes an expert's full
     checkpoint tensor and keeps the slice."""
@@ -44,10 +54,69 @@ def _stacked(*shape: int, tp: TensorParallel | None, inter_dim: int) -> nn.Param
     full = shape[1 + inter_dim]
     start, width = tp.split(full) if tp is not None else (0, full)
     local[1 + inter_dim] = width
-    p = _param(*local)
+    p = _param(*local, dtype=dtype)
     p.weight_loader = lambda param, w, e: expert_weight_loader(param, w.narrow(inter_dim, start, width), e)
     p.checkpoint_shape = tuple(shape)  # type: ignore[attr-defined]
     return p
+
+
+class StackedExperts(nn.Module):
+    """The routed experts' weights, stacked: ``w_gate``, ``w_up [E, I, H]`` and ``w_down [E, H, I]`` (HF
+    ``experts.{e}.{gate,up,down}_proj.weight``; under tensor parallelism this rank's ``I / TP`` of each).
+
+    FP8 (``fp8``, :class:`vllm_plugin.models.dense.Fp8Mode`; single rank): each expert's projection is one FP8 weight
+    of its own, as DeepSeek's checkpoints store it. ``online``: the stacked weights are high precision and
+    :meth:`quantize` (after every load and hot-load of an expert) computes each expert's codes and scales with
+    :func:`shared_numerics.quantize_fp8_weight`; ``serialized`` (a ``zerokld_fp8`` checkpoint): the stacked
+    weights are the ``float8_e4m3fn`` codes and ``w_gate_scale`` / ``w_up_scale`` / ``w_down_scale`` (``[E, I]``,
+    ``[E, H]`` per channel; ``[E, ceil(rows/128), ceil(cols/128)]`` per block) hold each expert's
+    ``weight_scale``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: Fp8Mode | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.fp8 = fp8 or Fp8Mode()
+        serialized = self.fp8.kind == "serialized"
+        codes = sn_fp8.FP8_DTYPE if serialized else None
+        shapes = {"w_gate": (inter, hidden), "w_up": (inter, hidden), "w_down": (hidden, inter)}
+        for name, (rows, cols) in shapes.items():
+            setattr(self, name, _stacked(num_experts, rows, cols, tp=tp, inter_dim=0 if name != "w_down" else 1,
+                                         dtype=codes))
+            if serialized:
+                b = sn_fp8.BLOCK
+                shape = (rows,) if self.fp8.granularity == "per_channel" else (-(-rows // b), -(-cols // b))
+                setattr(self, f"{name}_scale", _stacked(num_experts, *shape, tp=None, inter_dim=0,
+                                                        dtype=torch.float32))
+        self._codes: dict[str, torch.Tensor] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+
+    def quantize(self, name: str | None = None, expert: int | None = None) -> None:
+        """Online FP8: (re)compute the codes and scales of expert ``expert`` of stacked weight ``name`` (``None``:
+        every weight / every expert) from the current high-precision values."""
+        for n in (name,) if name else ("w_gate", "w_up", "w_down"):
+            w = getattr(self, n).data
+            experts = range(w.shape[0]) if expert is None else (expert,)
+            for e in experts:
+                q, s = sn.quantize_fp8_weight(w[e], self.fp8.granularity)
+                if n not in self._codes:
+                    self._codes[n] = torch.empty((w.shape[0], *q.shape), dtype=q.dtype)
+                    self._scales[n] = torch.empty((w.shape[0], *s.shape), dtype=s.dtype)
+                self._codes[n][e].copy_(q)
+                self._scales[n][e].copy_(s)
+
+    def operands(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None, str | None]:
+        """``((w_gate, w_up, w_down), scales, fp8)`` for :func:`shared_numerics.moe.moe_experts`: the weights (FP8:
+        the codes), the per-expert scales (``None`` off FP8) and the FP8 granularity (``None`` off FP8)."""
+        names = ("w_gate", "w_up", "w_down")
+        kind = self.fp8.kind
+        if kind == "off":
+            return tuple(getattr(self, n) for n in names), None, None
+        if kind == "serialized":
+            return (tuple(getattr(self, n) for n in names), tuple(getattr(self, f"{n}_scale") for n in names),
+                    self.fp8.granularity)
+        if len(self._codes) != 3:
+            raise RuntimeError("zerokld fp8: experts were not quantized after loading")
+        return tuple(self._codes[n] for n in names), tuple(self._scales[n] for n in names), self.fp8.granularity
 
 
 class MoEBlock(nn.Module):
@@ -58,23 +127,20 @@ class MoEBlock(nn.Module):
     latest forward."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, fp8: Fp8Mode | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.k_block = tp.k_block if tp is not None else None
         self.gather = tp.gather() if tp is not None else None
         self.gate = nn.Module()
-        self.gate.weight = _param(num_experts, hidden)  # the router is replicated
-        self.experts = nn.Module()
-        self.experts.w_gate = _stacked(num_experts, inter, hidden, tp=tp, inter_dim=0)
-        self.experts.w_up = _stacked(num_experts, inter, hidden, tp=tp, inter_dim=0)
-        self.experts.w_down = _stacked(num_experts, hidden, inter, tp=tp, inter_dim=1)
+        self.gate.weight = _param(num_experts, hidden)  # the router is replicated, never quantized
+        self.experts = StackedExperts(num_experts, hidden, inter, fp8, tp=tp)
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
-        ex = self.experts
-        out, self.last_ids = sn_moe.moe_forward(f, self.gate.weight, ex.w_gate, ex.w_up, ex.w_down, self.top_k,
-                                                self.renormalize, k_block=self.k_block, gather=self.gather)
+        (wg, wu, wd), scales, fp8 = self.experts.operands()
+        out, self.last_ids = sn_moe.moe_forward(f, self.gate.weight, wg, wu, wd, self.top_k, self.renormalize,
+                                                k_block=self.k_block, gather=self.gather, fp8=fp8, scales=scales)
         return out
 
 
@@ -109,12 +175,10 @@ class RouteCache:
         return self.rows[slots.long()]
 
 
-def check_moe_supported(vllm_config, fp8_kind: str, architecture: str = "Qwen3-MoE") -> None:
+def check_moe_supported(vllm_config, architecture: str = "Qwen3-MoE") -> None:
     """Raise :class:`ZeroKLDConfigError` for MoE engine settings the zerokld path does not implement (the model's own
     MoE structure is checked by :func:`zerokld_models.unsupported_features`)."""
     problems = []
-    if fp8_kind != "off":
-        problems.append("FP8 for MoE experts")
     if vllm_config.parallel_config.enable_expert_parallel:
         problems.append("expert parallelism")
     if problems:
@@ -128,7 +192,7 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if not self.batch_invariant:
             return
-        check_moe_supported(vllm_config, self.fp8.kind, self.model_cfg.architecture)
+        check_moe_supported(vllm_config, self.model_cfg.architecture)
         cfg = self.model_cfg
         self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
         # one row per MoE layer, in layer order (DeepSeek-V3's dense first layers route nothing)
@@ -138,7 +202,7 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
     def _mlp_factory(self, vllm_config):
         c, tp = self.model_cfg, TensorParallel(vllm_config)
         return lambda i: MoEBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                                  c.norm_topk_prob, tp=tp)
+                                  c.norm_topk_prob, tp=tp, fp8=self.fp8)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
@@ -165,10 +229,13 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         m = _EXPERT.match(name)
         if m is None:
             return super()._load_tensor(params, name, tensor)
-        stacked = params.get(f"{m.group(1)}.{_STACKED[m.group(3)]}")
+        stacked = params.get(_stacked_name(m))
         e = int(m.group(2))
         if stacked is None or e >= stacked.shape[0]:
             raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
+        if self.fp8.kind == "serialized" and tensor.dtype != stacked.dtype:
+            raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {stacked.dtype} "
+                             "(zerokld_fp8 snapshots only)")
         expected = tuple(getattr(stacked, "checkpoint_shape", stacked.shape)[1:])  # TP: the loader slices
         if expected != tuple(tensor.shape):
             raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {expected}")
@@ -178,7 +245,7 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         m = _EXPERT.match(name)
         if m is None:
             return super()._checkpoint_view(params, name)
-        stacked = params.get(f"{m.group(1)}.{_STACKED[m.group(3)]}")
+        stacked = params.get(_stacked_name(m))
         e = int(m.group(2))
         if stacked is None or e >= stacked.shape[0]:
             raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
@@ -193,7 +260,7 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
             for name, tensor in items:
                 m = _EXPERT.match(name)
                 if m is not None:
-                    seen.setdefault(f"{m.group(1)}.{_STACKED[m.group(3)]}", set()).add(int(m.group(2)))
+                    seen.setdefault(_stacked_name(m), set()).add(int(m.group(2)))
                 yield name, tensor
 
         loaded = super().load_weights(track(weights))
@@ -203,3 +270,16 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
                 raise ValueError(f"zerokld: {stacked}: checkpoint lacks experts {missing}")
             loaded.add(stacked)
         return loaded
+
+    def checkpoint_updated(self, names) -> None:
+        """:meth:`ZeroKLDMixin.checkpoint_updated`, and online FP8 re-quantizes each routed expert whose tensors
+        ``names`` holds (that expert only)."""
+        names = list(names)
+        super().checkpoint_updated(names)
+        if not self.batch_invariant or self.fp8.kind != "online":
+            return
+        modules = dict(self.named_modules())
+        for name in names:
+            m = _EXPERT.match(name)
+            if m is not None and m.group(4) == "weight":
+                modules[m.group(1)].quantize(_STACKED[m.group(3)], int(m.group(2)))
