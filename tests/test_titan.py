@@ -267,3 +267,15 @@ def test_optimizer_state_offload_is_bitwise_the_resident_run(checkpoint_factory,
     (w0, s0), (w1, s1) = results[False], results[True]
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     assert len(s0) == len(s1) > 0 and all(torch.equal(a, b) for a, b in zip(s0, s1, strict=True))
+
+
+@pytest.mark.parametrize("name", ["pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"])
+def test_trainer_refuses_the_parallelisms_it_does_not_run(checkpoint_factory, tmp_path, name):
+    """Issue 56: pipeline, context and expert parallelism are not implemented on the zerokld trainer; TorchTitan's
+    config asking for one is refused before any process group or model exists, naming it."""
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+
+    config = rl_trainer_config(checkpoint_factory("qwen3_moe", "float32"), str(tmp_path / "d"))
+    setattr(config.parallelism, name, 2)
+    with pytest.raises(NotImplementedError, match=name.split("_")[0]):
+        RLTrainer(config)

@@ -220,7 +220,22 @@ class RLTrainer(Trainer):
     class Config(Trainer.Config):
         zerokld: ZeroKLDSettings = field(default_factory=ZeroKLDSettings)  # the one settings object (both sides)
 
+    #: TorchTitan parallelisms the zerokld trainer does not run yet (issue 56), refused before anything starts
+    UNSUPPORTED_PARALLELISMS = {
+        "pipeline_parallel_degree": "pipeline parallelism (the RL loss and exact accumulation are single-stage)",
+        "context_parallel_degree": "context parallelism (TorchTitan's patches SDPA; zerokld attention has no CP path)",
+        "expert_parallel_degree": "expert parallelism (the zerokld MoE computes every expert on each rank)",
+    }
+
     def __init__(self, config: "RLTrainer.Config") -> None:
+        """Raises:
+            NotImplementedError: a parallelism of :attr:`UNSUPPORTED_PARALLELISMS` above 1 with the zerokld numerics
+                (``config.zerokld.batch_invariant``); nothing was started."""
+        if config.zerokld.batch_invariant:
+            refused = [why for name, why in self.UNSUPPORTED_PARALLELISMS.items()
+                       if getattr(config.parallelism, name) > 1]
+            if refused:
+                raise NotImplementedError("zerokld trainer does not support yet: " + "; ".join(refused))
         cpu_compat.apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat): applied here, not on import
         cpu_compat.ensure_single_process_env()
         super().__init__(config)
