@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test demo test test-long test-fast clean
+.PHONY: install install-test demo test test-long test-fast docs clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ install-test: $(VENV)/bin/python
 demo: install
 	$(RUN) -m examples.countdown.demo
 
-# CPU_PATH emulates an older CPU's path on this one (README's "CPU paths"): make test CPU_PATH=avx2
+# CPU_PATH emulates an older CPU's path on this one (docs/tests.md, "CPU paths"): make test CPU_PATH=avx2
 CPU_PATH ?=
 CPU_PATH_avx512 := ZEROKLD_AMX=0
 CPU_PATH_avx512_nobf16 := ZEROKLD_AMX=0 ZEROKLD_CPU_MARCH=skylake-avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE
@@ -50,5 +50,17 @@ test-long: install-test
 test-fast: install-test
 	$(RUN) -m pytest -q -rs -p no:cacheprovider -m "not vllm and not titan" tests
 
+# the docs site (docs/, mkdocs.yml) into site/, in its own venv with the pinned MkDocs stack (requirements-docs.txt);
+# --strict: a warning (a broken internal link or anchor, a page outside the nav, a docstring mkdocstrings cannot
+# render) fails the build
+DOCS_VENV ?= .venv-docs
+$(DOCS_VENV)/.installed: requirements-docs.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q -r requirements-docs.txt
+	touch $@
+
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(DOCS_VENV) site runs .pytest_cache

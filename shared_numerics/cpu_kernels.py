@@ -9,7 +9,7 @@ Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -ffp-contract=off -fno-fas
 -fopenmp``, never ``-ffast-math`` — the compiler may vectorise across independent lanes but never reorder a reduction
 or fuse a multiply-add, so the arithmetic is the source's. ``-march=native`` makes the library this machine's: trainer
 and engine on one machine load the same file. ``ZEROKLD_CPU_MARCH`` replaces ``native`` (e.g. ``x86-64-v3``: AVX2 +
-FMA, the kernels of an AVX2-only CPU, built and run on a newer one; see README's "CPU paths"). ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports
+FMA, the kernels of an AVX2-only CPU, built and run on a newer one; see docs/tests.md, "CPU paths"). ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports
 it), the kernel resolves to torch's own OpenMP runtime and shares its thread team. The library is cached under ``$ZEROKLD_CACHE_DIR`` (default
 ``~/.cache/zerokld``), named by a hash of the source and the headers of ``csrc/``, the flags, the compiler's version and the CPU's model and ISA flags, written to a temporary
 name and renamed (concurrent first builds from several processes are safe).

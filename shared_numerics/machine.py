@@ -14,7 +14,7 @@ __all__ = ["ISA_FLAGS", "PATH_SWITCHES", "cpu_model", "isa_flags", "machine_fact
 
 #: the ISA flags that change which kernels torch and oneDNN pick (and so the bits of a run): ``/proc/cpuinfo`` names
 ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-#: environment switches that put a process on an older CPU's path (README's "CPU paths", ``make ... CPU_PATH=``)
+#: environment switches that put a process on an older CPU's path (docs/tests.md, "CPU paths"; ``make ... CPU_PATH=``)
 PATH_SWITCHES = ("ZEROKLD_AMX", "ZEROKLD_NATIVE_BF16", "ZEROKLD_F32_KERNEL", "ZEROKLD_CPU_MARCH", "ATEN_CPU_CAPABILITY",
                  "ONEDNN_MAX_CPU_ISA")
 

@@ -75,7 +75,7 @@ def _cuda() -> bool:
 
 
 NO_CUDA_REASON = "no CUDA device, or not a ZEROKLD_CUDA_TESTS=1 run: the GPU parity matrix runs on GPU machines only"
-#: README's "CPU paths" names which path each ISA takes; shared_numerics.linear / gemm_cpu the switches quoted here
+#: docs/tests.md ("CPU paths") names which path each ISA takes; shared_numerics.linear / gemm_cpu the switches quoted here
 CAPABILITIES = {c.marker: c for c in (
     Capability("requires_amx", "CPU path without AMX-BF16 (no amx_bf16/amx_tile, ZEROKLD_AMX=0 or ZEROKLD_CPU_MARCH "
                                "without AMX): bf16 GEMMs take oneDNN's pinned calls or the float32 kernel", _amx),

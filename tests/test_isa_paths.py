@@ -4,7 +4,7 @@
   (``zerokld_models``) need no C++ compiler: the kernels are built on first use of a kernel, never at import. A kernel
   needed where there is no compiler is a RuntimeError that names the package to install.
 * The AVX2 build of the kernels (``ZEROKLD_CPU_MARCH=x86-64-v3``: what an AVX2-only CPU builds) gives the AVX-512 build's
-  bits for every op whose contract is ISA-free (README's "CPU paths"): float32 linear forward and backward, bf16
+  bits for every op whose contract is ISA-free (docs/tests.md, "CPU paths"): float32 linear forward and backward, bf16
   upcast to it, attention (dense and paged), RMSNorm, SiLU-and-mul, the FP8 quantizer. The two run in separate
   processes (a process loads one build); ATen and oneDNN are held to AVX2 too (``ATEN_CPU_CAPABILITY``,
   ``ONEDNN_MAX_CPU_ISA``), and a stock negative control shows those switches do change stock's bits.
@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parent.parent
-#: the switches that put a process on the AVX2 path (README's "CPU paths"); bf16 linears upcast on both sides
+#: the switches that put a process on the AVX2 path (docs/tests.md, "CPU paths"); bf16 linears upcast on both sides
 AVX2 = {"ZEROKLD_CPU_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 

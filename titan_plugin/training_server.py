@@ -90,7 +90,7 @@ WORK_DIR = ".zerokld-training-server"
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may cost (server options; README's "limits" table).
+    """What one request may cost (server options; the limits table of docs/security.md).
 
     Attributes:
         max_body_bytes: a request body, as sent and after ``Content-Encoding: zstd`` (decompressed as a stream that

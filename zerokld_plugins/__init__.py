@@ -1,6 +1,6 @@
 """zerokld extension points: one pluggy hookspec (project ``zerokld``), one manager, entry-point discovery.
 
-See README "Writing a plugin". ``python -m zerokld_plugins`` lists what is registered and by whom.
+See ``docs/plugins.md``. ``python -m zerokld_plugins`` lists what is registered and by whom.
 """
 from .hookspecs import hookimpl, hookspec
 from .manager import (

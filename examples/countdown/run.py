@@ -5,7 +5,7 @@ One command (``python -m examples.countdown.run``, or ``make demo``) builds a ti
 SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts from
 a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock components).
 
-Defaults (chosen so that RL visibly learns on 2 CPU cores in a few minutes; measured in README): countdown with 2
+Defaults (chosen so that RL visibly learns on 2 CPU cores in a few minutes; measured in docs/demo.md): countdown with 2
 numbers in 1..10 and targets built with ``+ - *``, an easy countdown where this 4-layer, hidden-128, character-level
 model learns within minutes (``--numbers 3,4 --max-number 100 --ops +-*/`` is the public Countdown-Tasks-3to4
 difficulty, where this model stayed at ~1.5% correct with a flat reward; with 3 numbers in 1..10 reward rose only 0.14
