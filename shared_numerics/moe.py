@@ -33,7 +33,7 @@ import torch
 
 from .reduce import sigmoid64
 
-__all__ = ["deepseek_moe_forward", "gather_route_weights", "grouped_route_weights", "moe_experts", "moe_forward",
+__all__ = ["ExpertParallel", "deepseek_moe_forward", "gather_route_weights", "grouped_route_weights", "moe_experts", "moe_forward",
            "route_grouped_topk", "route_topk"]
 
 
@@ -118,7 +118,8 @@ def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renorma
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None,
                 chains=None, shared_out: torch.Tensor | None = None, fp8: str | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                expert_parallel: "ExpertParallel | None" = None) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     Args:
@@ -145,18 +146,22 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             high-precision and quantized here with a straight-through gradient (QAT,
             :func:`shared_numerics.fp8_linear_qat`); with ``scales = (gate, up, down)`` (each ``[E, ...]``, one
             expert's scales per row) they are the served ``float8_e4m3fn`` codes. Not with ``k_block``.
+        expert_parallel: :class:`ExpertParallel`: the experts are split over ranks (``w_*`` / ``scales`` are this
+            rank's ``E / EP`` consecutive experts); each (token, slot) row is sent to its expert's rank, computed
+            there and sent back, then combined here as on one rank — the same bits at any EP size. Not with
+            ``k_block`` or ``chains``.
 
     Returns:
         ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
-        the TP size). Differentiable.
+        the TP size; with ``expert_parallel``, not on the EP size). Differentiable.
 
     Raises:
-        ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, or where no kernel covers
-            ``x.dtype`` (as :func:`shared_numerics.linear` 's ``weight_chain``).
+        ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, ``expert_parallel`` with
+            ``k_block`` or ``chains``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
+            ``weight_chain``).
         shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
-    from . import silu_and_mul
-    from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
+    from .tensor_parallel import reduce_over_ranks
 
     if chains is not None and k_block is not None:
         raise ValueError("MoE gradient chains are for the single-rank experts (k_block None)")
@@ -164,9 +169,35 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
         raise ValueError("FP8 experts are single-rank (k_block None): the TP-invariant tree sums a bf16/fp32 GEMM")
     if scales is not None and fp8 is None:
         raise ValueError("expert scales without an FP8 granularity")
+    if expert_parallel is not None and (k_block is not None or chains is not None):
+        raise ValueError("expert parallelism with k_block or gradient chains is not implemented")
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
+    if expert_parallel is not None:  # rows to their experts' ranks, computed there, back in flat order
+        outs = expert_parallel.run(x, flat_rows, flat_ids, w_gate.shape[0], lambda rx, rows, ids: _expert_rows(
+            rx, rows, ids, w_gate, w_up, w_down, None, None, fp8, scales))
+    else:
+        outs = _expert_rows(x, flat_rows, flat_ids, w_gate, w_up, w_down, k_block, chains, fp8, scales)
+    if k_block is not None:  # each expert output rounded once after the cross-rank tree, as without k_block
+        outs = reduce_over_ranks(outs, gather).to(x.dtype).float()
+    outs = outs.reshape(n, k, -1) * weights.unsqueeze(-1)
+    acc = outs[:, 0]
+    for j in range(1, k):  # slot order, fp32
+        acc = acc + outs[:, j]
+    if shared_out is not None:
+        acc = acc + shared_out.float()
+    return acc.to(x.dtype)
+
+
+def _expert_rows(x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, w_gate: torch.Tensor,
+                 w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None, chains, fp8: str | None,
+                 scales) -> torch.Tensor:
+    """``[R, H]`` float32: row ``r`` is expert ``flat_ids[r]``'s output for ``x[flat_rows[r]]`` (rounded to
+    ``x.dtype``; with ``k_block`` this rank's float32 subtree root); ``w_*[e]`` is expert ``e``."""
+    from . import silu_and_mul
+    from .tensor_parallel import block_tree_sum, k_block_partials
+
     # one view per expert (unbind: its backward is one stack, not one zero-filled [E, ...] gradient per expert)
     gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
     sg, su, sd = (None, None, None) if scales is None else scales
@@ -183,18 +214,44 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
             ye = block_tree_sum(k_block_partials(act, downs[e], k_block))
         sels.append(sel)
         ys.append(ye)
-    outs = x.new_zeros((n * k, x.shape[1]), dtype=torch.float32)
+    outs = x.new_zeros((flat_ids.shape[0], x.shape[1]), dtype=torch.float32)
     if sels:  # every (token, slot) is one expert's: the rows are placed, never summed
         outs = outs.index_put((torch.cat(sels),), torch.cat(ys))
-    if k_block is not None:  # each expert output rounded once after the cross-rank tree, as without k_block
-        outs = reduce_over_ranks(outs, gather).to(x.dtype).float()
-    outs = outs.reshape(n, k, -1) * weights.unsqueeze(-1)
-    acc = outs[:, 0]
-    for j in range(1, k):  # slot order, fp32
-        acc = acc + outs[:, j]
-    if shared_out is not None:
-        acc = acc + shared_out.float()
-    return acc.to(x.dtype)
+    return outs
+
+
+class ExpertParallel:
+    """Expert parallelism for :func:`moe_experts`: this rank (``rank`` of ``size``) holds experts ``[rank * E_local,
+    (rank + 1) * E_local)``; ``all_to_all(t, output_splits, input_splits)`` exchanges rows of ``t`` over the EP group
+    (``None`` splits: equal ones), differentiable (its backward the reverse exchange), as
+    ``torch.distributed._functional_collectives.all_to_all_single_autograd``.
+
+    Rows go to their expert's rank grouped by destination, in flat (token, slot) order within each group; the rank
+    computes each received row with its expert (:func:`shared_numerics.linear`'s row tiles: a row's bits do not
+    depend on which other rows share its GEMM) and sends the rows back in the order they came; they are combined on
+    the token's rank in slot order, as on one rank. Each expert's weight gradient is one GEMM over its rows in the
+    order received: source rank 0's, then rank 1's, ... — a single rank's order for the ranks' batches concatenated.
+    Source: TorchTitan ``AllToAllTokenDispatcher`` (the same exchange; its combine is ``scatter_add``)."""
+
+    def __init__(self, rank: int, size: int, all_to_all) -> None:
+        self.rank, self.size, self.all_to_all = rank, size, all_to_all
+
+    def run(self, x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, local_experts: int, compute
+            ) -> torch.Tensor:
+        """``[R, H]`` float32 expert outputs of the rows ``x[flat_rows]`` with experts ``flat_ids`` (global ids),
+        computed on their experts' ranks by ``compute(rows_x, row_index, local_ids)``."""
+        dest = torch.div(flat_ids, local_experts, rounding_mode="floor")
+        if flat_ids.numel() and int(dest.max()) >= self.size:
+            raise ValueError(f"expert id {int(flat_ids.max())} beyond {self.size} ranks x {local_experts} experts")
+        order = torch.sort(dest, stable=True).indices
+        send = torch.bincount(dest, minlength=self.size)
+        recv = self.all_to_all(send, None, None).tolist()
+        send = send.tolist()
+        rx = self.all_to_all(x[flat_rows[order]], recv, send)
+        rids = self.all_to_all(flat_ids[order], recv, send) - self.rank * local_experts
+        y = compute(rx, torch.arange(rx.shape[0], device=x.device), rids)
+        back = self.all_to_all(y, send, recv)  # in the order sent
+        return back.index_select(0, torch.argsort(order))
 
 
 #: DeepSeekMoE's scoring functions: ``"sigmoid"`` (DeepSeek-V3, ``topk_method="noaux_tc"``: a group's score is the
@@ -321,8 +378,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
                 expert_ids: torch.Tensor | None = None, k_block: int | None = None,
                 gather=None, experts_x: torch.Tensor | None = None,
                 chains: dict | None = None, fp8: str | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                expert_parallel: ExpertParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
 
     Args:
@@ -343,6 +400,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
             "w_down": the experts' chains}`` (see :func:`moe_experts`); the router's gradient continues its chain
             over all ``N`` tokens (bf16: ``N`` a multiple of :data:`~shared_numerics.grad_chain.CHAIN_K_MULTIPLE`).
         fp8, scales: FP8 experts (QAT or served codes), see :func:`moe_experts`; the router stays high precision.
+        expert_parallel: the experts split over ranks (``w_*`` this rank's), see :func:`moe_experts`; the router is
+            replicated and ``expert_ids`` stay global ids.
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)`` — the ids used (recomputed or replayed).
@@ -357,4 +416,4 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
     return moe_experts(x if experts_x is None else experts_x, ids, gather_route_weights(scores, ids, renormalize),
                        w_gate, w_up, w_down, k_block, gather,
                        None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"]),
-                       fp8=fp8, scales=scales), ids
+                       fp8=fp8, scales=scales, expert_parallel=expert_parallel), ids

@@ -191,3 +191,95 @@ def test_fp8_weight_qat_is_the_served_dequantized_weight_with_a_straight_through
     up = torch.randn(192, 136, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     fq.backward(up)
     assert torch.equal(w.grad, up)
+
+
+class _Mailbox:
+    """An in-process stand-in for the EP group's all-to-all between ``size`` threads (each thread one rank):
+    rank ``r`` puts its split rows, waits for every rank, takes the ``r``-th split of each. Differentiable: the
+    backward is the reverse exchange, as torch's ``all_to_all_single_autograd``."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.barrier, self.slots = size, threading.Barrier(size), {}
+
+    def exchange(self, rank: int, t: torch.Tensor, output_splits, input_splits) -> torch.Tensor:
+        box = self
+
+        class A2A(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return box._swap(rank, x, input_splits)
+
+            @staticmethod
+            def backward(ctx, g):
+                return box._swap(rank, g.contiguous(), output_splits)
+
+        if output_splits is None:  # the counts: one value per rank
+            return self._swap(rank, t, [1] * self.size)
+        return A2A.apply(t)
+
+    def _swap(self, rank: int, t: torch.Tensor, splits) -> torch.Tensor:
+        self.barrier.wait()
+        self.slots[rank] = list(torch.split(t, list(splits)))
+        self.barrier.wait()
+        out = torch.cat([self.slots[src][rank] for src in range(self.size)])
+        self.barrier.wait()
+        return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
+    """:class:`shared_numerics.moe.ExpertParallel` with 2 ranks (threads exchanging through an in-process
+    all-to-all), each holding 3 of 6 experts and its own tokens: every output row equals one rank's over the two
+    batches concatenated, and each expert's weight gradient too (one GEMM over its rows in the order received: rank
+    0's, then rank 1's — the single rank's order); the tokens' gradients are their own. Negative control: one rank's
+    gradient over the batches in the other order (rank 1's first) differs, so the order is what makes it equal."""
+    import threading
+
+    from shared_numerics.moe import ExpertParallel
+
+    w = [t.requires_grad_() for t in _experts(e=6, h=64, i=96, dtype=dtype, seed=7)]
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, 64, generator=g).to(dtype) for n in (11, 17)]
+    ids = [torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(x.shape[0])]) for x in xs]
+    ws = [torch.rand(x.shape[0], 2, generator=g) for x in xs]
+    ups = [torch.randn(x.shape[0], 64, generator=g).to(dtype) for x in xs]
+
+    def one_rank(order):
+        params = [p.detach().clone().requires_grad_() for p in w]
+        x = torch.cat([xs[i] for i in order]).requires_grad_()
+        out = moe_experts(x, torch.cat([ids[i] for i in order]), torch.cat([ws[i] for i in order]), *params)
+        out.backward(torch.cat([ups[i] for i in order]))
+        return out, x.grad, [p.grad for p in params]
+
+    ref_out, ref_dx, ref_dw = one_rank([0, 1])
+    box, results, errors = _Mailbox(2), {}, []
+    local = [[p.detach()[r * 3:(r + 1) * 3].clone().requires_grad_() for p in w] for r in range(2)]
+
+    def rank(r):
+        try:
+            ep = ExpertParallel(r, 2, lambda t, o, i: box.exchange(r, t, o, i))
+            x = xs[r].clone().requires_grad_()
+            out = moe_experts(x, ids[r], ws[r], *local[r], expert_parallel=ep)
+            out.backward(ups[r])
+            results[r] = (out, x.grad)
+        except Exception as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            box.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert torch.equal(torch.cat([results[0][0], results[1][0]]), ref_out)
+    assert torch.equal(torch.cat([results[0][1], results[1][1]]), ref_dx)
+    for k in range(3):  # each stacked weight: rank r's experts are rows [3r, 3r + 3)
+        assert torch.equal(torch.cat([local[0][k].grad, local[1][k].grad]), ref_dw[k])
+    _, _, swapped = one_rank([1, 0])
+    stock_differs(any(not torch.equal(a, b) for a, b in zip(swapped, ref_dw)),
+                  "an expert's weight gradient over the same rows in another order", "the token counts")
+    with pytest.raises(ValueError, match="k_block"):
+        moe_experts(xs[0], ids[0], ws[0], *w, k_block=32, expert_parallel=ExpertParallel(0, 1, None))

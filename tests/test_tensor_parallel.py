@@ -19,6 +19,7 @@ import torch
 import shared_numerics as sn
 from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
 from shared_numerics.tensor_parallel import block_tree_sum, k_block_partials, row_parallel_linear
+from zerokld_testing.controls import stock_differs
 
 pytestmark = pytest.mark.long  # minutes of TP 2 engines and trainers: `make test-long`
 
@@ -386,17 +387,19 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
 # --- real trainers and engines ---
 
 def _trainer_tp(tmp_path, ckpt, dtype, tp, seqs, lens, batch_invariant=True, tp_k_block=K_BLOCK,
-                train_step=False, nproc=None, fused=False):
+                train_step=False, nproc=None, fused=False, ep=1, split=False, routes=None):
     """TorchTitan's trainer at ``tensor_parallel_degree`` ``tp`` on ``nproc`` ranks (default ``tp``; more: FSDP over
     the rest) under ``torchrun`` (gloo on loopback): ``{"logprobs"}`` of ``seqs`` (``RLTrainer.forward_logprobs``),
     and with ``train_step`` the ``loss`` of one ``rl_step`` and the log-probs ``after`` it
-    (:mod:`zerokld_testing.titan_tp`); ``fused``: the fused lm_head log-probs and loss."""
-    nproc = nproc or tp
-    spec = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}_{fused}.json"
-    out = tmp_path / f"tp{tp}_n{nproc}_{batch_invariant}_{fused}.pt"
+    (:mod:`zerokld_testing.titan_tp`); ``fused``: the fused lm_head log-probs and loss; ``ep``: TorchTitan's
+    ``expert_parallel_degree``; ``split``: each rank scores its own share of ``seqs``; ``routes``: replayed (R3)."""
+    nproc = nproc or max(tp, ep)
+    name = f"tp{tp}_ep{ep}_n{nproc}_{batch_invariant}_{fused}_{split}_{routes is not None}"
+    spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     spec.write_text(json.dumps({"checkpoint": ckpt, "dtype": dtype, "tp": tp, "batch_invariant": batch_invariant,
                                 "tp_k_block": tp_k_block if batch_invariant else None, "sequences": seqs,
-                                "prompt_lengths": lens, "train_step": train_step, "fused": fused}))
+                                "prompt_lengths": lens, "train_step": train_step, "fused": fused, "ep": ep,
+                                "split": split, "routed_experts": routes}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -578,3 +581,43 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     for a, b in zip(served1, trainer_logprobs(str(new_ckpt), seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK)):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(served1, served))
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
+    """Issue 56 point 3: TorchTitan's ``expert_parallel_degree`` 2 on Qwen3-MoE (two ranks, each holding 4 of the 8
+    experts and scoring its own half of the sequences; token rows exchanged by all-to-all, combined on their token's
+    rank in slot order): every log-prob equals one rank's over the whole batch bit for bit, also with routes replayed
+    (R3: random valid routes, which change the log-probs), and an RL step trains through the exchange. Negative
+    control: TorchTitan's stock MoE at EP 2 differs from these log-probs (one rank's, which vLLM serves:
+    ``tests/test_vllm_parity.py``). (Stock at EP 2 equals stock at EP 1 at these shapes: its exchange keeps each
+    expert's rows and the combine order too — the invariance stock lacks is batch invariance, not EP.)"""
+    import numpy as np
+
+    from titan_plugin import trainer_logprobs
+    from zerokld_testing import random_prompts
+
+    ckpt = checkpoint_factory("qwen3_moe", dtype)
+    seqs = random_prompts(6, seed=31, lo=12, hi=70)
+    lens = [len(s) // 2 for s in seqs]
+    one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, train_step=True, ep=2, split=True)
+    assert ep2["expert_parallel_sizes"] == [2]  # every zerokld MoE block ran expert-parallel
+    assert len(ep2["logprobs"]) == len(one) == 6 and torch.equal(torch.cat(ep2["logprobs"]), torch.cat(one))
+    assert all(np.isfinite(loss) for loss in ep2["loss"])
+    assert not torch.equal(torch.cat(ep2["after"]), torch.cat(one))  # the step moved the weights
+    rng = np.random.default_rng(5)  # R3: replay arbitrary valid routes ([len - 1, layers, top_k], distinct per row)
+    routes = [np.stack([np.stack([rng.permutation(8)[:2] for _ in range(2)]) for _ in range(len(s) - 1)])
+              .astype(np.int16).tolist() for s in seqs]
+    replayed_one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype,
+                                    routed_experts=[np.array(r, dtype=np.int16) for r in routes])
+    assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
+    replayed = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, ep=2, split=True, routes=routes)
+    assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
+    stock = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, batch_invariant=False, ep=2, split=True)
+    stock_differs(not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
+                  "TorchTitan's stock MoE at EP 2 vs the zerokld trainer (vLLM's bits)", "the prompts")
+

@@ -100,6 +100,12 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _expert_parallel(weight) -> bool:
+    from .expert_parallel import is_expert_parallel
+
+    return is_expert_parallel(weight)
+
+
 def _per_row(fn, x, *params):
     """``fn(x, *params)`` for an op on each row of the last dimension alone (norms, RoPE); a DTensor ``x`` (tensor
     parallelism) runs on its local shard (:func:`titan_plugin.tensor_parallel.per_row_dtensor`)."""
@@ -404,6 +410,8 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                                       "route_scale 1, no shared experts) and DeepSeekMoE")
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
+        #: the EP size of the latest forward (1: every expert on this rank; titan_plugin.expert_parallel)
+        self.expert_parallel_size = 1
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         b, seq, d = x_BLD.shape
@@ -412,14 +420,23 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
         if self.deepseek:
             if _is_dtensor(ex.w1_EFD) or grad_chains(self) is not None or self.k_block:
-                raise NotImplementedError("zerokld DeepSeekMoE: tensor parallelism, exact accumulation and "
-                                          "tp_k_block are not implemented yet")
+                raise NotImplementedError("zerokld DeepSeekMoE: tensor and expert parallelism, exact accumulation "
+                                          "and tp_k_block are not implemented yet")
             r = self.router
             # the shared experts are the module (its w1/w2/w3: zerokld linears, FP8 QAT ones under FP8)
             out, ids = sn_moe.deepseek_moe_forward(
                 x_BLD.reshape(b * seq, d), r.gate.weight, self.expert_bias_E, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF,
                 self.shared_experts, k, r.num_expert_groups, r.num_limited_groups, r.route_norm, r.route_scale,
                 expert_ids=replay, scoring=r.score_func, fp8=self.fp8)
+        elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
+            from .expert_parallel import moe_expert_parallel
+
+            if self.k_block or grad_chains(self) is not None:
+                raise NotImplementedError("zerokld expert parallelism with tp_k_block or exact accumulation")
+
+            out, ids = moe_expert_parallel(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
+                                           self.router.route_norm, replay, self.fp8)
+            self.expert_parallel_size = ex.w1_EFD.device_mesh.size()
         elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
             from .tensor_parallel import moe_dtensor
 

@@ -126,7 +126,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
                       loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
                       fp8: str | None = None, corrections: dict | None = None,
                       lora: "ZeroKLDLoRAConverter.Config | None" = None, tp_k_block: int | None = None,
-                      tensor_parallel_degree: int = 1, cpu_offload: bool = False) -> "RLTrainer.Config":
+                      tensor_parallel_degree: int = 1, cpu_offload: bool = False,
+                      expert_parallel_degree: int = 1) -> "RLTrainer.Config":
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -156,6 +157,9 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``), or ``None``.
         tensor_parallel_degree: TorchTitan's ``parallelism.tensor_parallel_degree`` (run under ``torchrun`` with as
             many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics).
+        expert_parallel_degree: TorchTitan's ``parallelism.expert_parallel_degree`` (Qwen3-MoE; under ``torchrun``,
+            EP borrowing the data-parallel ranks): each rank holds ``E / EP`` experts and exchanges token rows with
+            the others (:mod:`titan_plugin.expert_parallel`); the log-probs are the same bits at any EP size.
         cpu_offload: TorchTitan's ``training.enable_cpu_offload``: FSDP2's ``CPUOffloadPolicy`` keeps the sharded
             float32 parameters, their gradients and the optimizer state in host memory and the optimizer step runs
             there; the forward and backward see the same ``dtype`` weights. On a CPU-only machine host memory is
@@ -166,7 +170,9 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
             unknown granularity. ValueError: ``fused`` without ``batch_invariant``; ``lora`` with ``fp8``.
-        NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics.
+        NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics; expert
+            parallelism on DeepSeekMoE. ValueError: ``expert_parallel_degree`` on a dense model, or not dividing the
+            expert count.
     """
     if fused and not batch_invariant:
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
@@ -177,6 +183,8 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
     settings = ZeroKLDSettings.parse(dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
                                      "rl_trainer_config settings")
     cfg = read_model_config(checkpoint_dir)
+    if expert_parallel_degree > 1:
+        _check_expert_parallel(cfg, expert_parallel_degree, batch_invariant)
     spec = _model_spec(cfg, settings, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
@@ -192,17 +200,35 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
         training=TrainingConfig(local_batch_size=1, seq_len=cfg.max_position_embeddings, steps=steps,
                                 max_norm=max_norm, dtype="float32", mixed_precision_param=dtype,
-                                enable_cpu_offload=cpu_offload),
+                                enable_cpu_offload=cpu_offload,
+                                # TorchTitan refuses its CPU-synchronising EP dispatcher config under CUDA graphs
+                                disable_cuda_graphs=expert_parallel_degree > 1),
         # TP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor on the
         # full mesh before FSDP, which its CPU path does not provide); TP 1 keeps TorchTitan's default
         parallelism=ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree,
-                                      **({"spmd_backend": "partial_dtensor"} if tensor_parallel_degree > 1 else {})),
+                                      expert_parallel_degree=expert_parallel_degree,
+                                      **({"spmd_backend": "partial_dtensor"}
+                                         if tensor_parallel_degree > 1 or expert_parallel_degree > 1 else {})),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
                                             initial_load_in_hf=True, initial_load_model_only=True, interval=10**9,
                                             last_save_model_only=False),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
     )
+
+
+def _check_expert_parallel(cfg: ModelConfig, degree: int, batch_invariant: bool) -> None:
+    """Refuse an expert-parallel degree the model cannot take, before any process group exists: a dense model, an
+    expert count that does not split evenly (TorchTitan's sharding would fail deep inside DTensor), DeepSeekMoE
+    (its grouped routing and shared experts run on one rank only, for now)."""
+    if not cfg.num_experts:
+        raise ValueError(f"expert_parallel_degree {degree}: {cfg.architecture} has no MoE experts")
+    if cfg.num_experts % degree:
+        raise ValueError(f"expert_parallel_degree {degree}: {cfg.num_experts} experts do not split evenly over "
+                         f"{degree} ranks")
+    if batch_invariant and adapter_for(cfg).attention == "mla":
+        raise NotImplementedError(f"zerokld expert parallelism on {cfg.architecture} (DeepSeekMoE) is not "
+                                  "implemented yet")
 
 
 #: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
@@ -224,7 +250,6 @@ class RLTrainer(Trainer):
     UNSUPPORTED_PARALLELISMS = {
         "pipeline_parallel_degree": "pipeline parallelism (the RL loss and exact accumulation are single-stage)",
         "context_parallel_degree": "context parallelism (TorchTitan's patches SDPA; zerokld attention has no CP path)",
-        "expert_parallel_degree": "expert parallelism (the zerokld MoE computes every expert on each rank)",
     }
 
     def __init__(self, config: "RLTrainer.Config") -> None:
