@@ -13,16 +13,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 from .protocol import DEFAULT_DRAIN_TIMEOUT_S, PREFIX, Signal
 from .writer import SnapshotInfo, SnapshotWriter
 
 __all__ = ["HotLoadClient", "HotLoadRefused", "PushResult"]
 
 
-class HotLoadRefused(RuntimeError):
-    """Replicas refused a snapshot: ``status`` and ``error`` are the first refusal's HTTP status and message,
-    ``failures`` every refusing replica's (URL → (status, error); status 0: unreachable), ``served`` the URLs that
-    loaded it."""
+class HotLoadRefused(ZeroKLDClientError, RuntimeError):
+    """Replicas refused a snapshot: ``status`` (= ``status_code``) and ``error`` are the first refusal's HTTP status
+    and message, ``failures`` every refusing replica's (URL → (status, error); status 0: unreachable), ``served`` the
+    URLs that loaded it."""
+
+    @property
+    def status_code(self) -> int:  # type: ignore[override]
+        return self.status
 
     def __init__(self, status: int, error: str, failures: dict[str, tuple[int, str]] | None = None,
                  served: list[str] | None = None) -> None:

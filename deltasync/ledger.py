@@ -31,6 +31,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from zerokld_plugins.errors import ZeroKLDClientError, ZeroKLDServerError
+
 __all__ = ["IdentityError", "Ledger", "LedgerWriteError", "MAX_REFUSALS", "RESERVED_SUFFIXES", "validate_identity"]
 
 log = logging.getLogger(__name__)
@@ -42,11 +44,11 @@ _IDENTITY = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # \Z: no traili
 RESERVED_SUFFIXES = (".tmp", ".old")
 
 
-class IdentityError(ValueError):
+class IdentityError(ZeroKLDClientError, ValueError):
     """A snapshot identity that is not one safe path segment."""
 
 
-class LedgerWriteError(OSError):
+class LedgerWriteError(ZeroKLDServerError, OSError):
     """The ledger could not be written (``errno``: the cause, e.g. ``ENOSPC``); raised by :meth:`Ledger.begin` only,
     before anything is loaded."""
 

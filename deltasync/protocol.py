@@ -42,6 +42,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from zerokld_plugins.errors import ZeroKLDError
+
 from .ledger import IdentityError, validate_identity
 
 __all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
@@ -165,15 +167,19 @@ def fireworks_status(status: dict, lora_name: str | None = None) -> dict:
     return {**status, "replicas": replicas}
 
 
-class HotLoadError(Exception):
-    """A refused or failed hot-load; ``status`` is the HTTP status the API answers with (400 bad identity or
-    header, 404 no such snapshot, 409 replay / out-of-order chain / full required / busy, 422 refused by verification,
-    425 drain timeout, 500 reload failed and the previous snapshot restored, 507 no space left on the replica's
-    disk: nothing changed)."""
+class HotLoadError(ZeroKLDError):
+    """A refused or failed hot-load; ``status`` (= ``status_code``) is the HTTP status the API answers with (400 bad
+    identity or header, 404 no such snapshot, 409 replay / out-of-order chain / full required / busy, 422 refused by
+    verification, 425 drain timeout — the signal's side —; 500 reload failed and the previous snapshot restored, 507
+    no space left on the replica's disk — the replica's side: nothing changed either way)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+    @property
+    def status_code(self) -> int:  # type: ignore[override]
+        return self.status
 
 
 class HotLoadConfig(BaseModel):

@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from zerokld_plugins.errors import ZeroKLDServerError
+
 from .ledger import IdentityError, Ledger, LedgerWriteError, validate_identity
 from .protocol import NO_SPACE, HotLoadConfig, HotLoadError, Signal, public_message
 from .snapshot import (SnapshotError, check_regular_files, copy_snapshot, delta_weights_digest, materialize_snapshot,
@@ -134,7 +136,7 @@ class ReplicaEngine(Protocol):
         """Snapshot identities of adapter ``name`` that unfinished requests use (their directories must stay)."""
 
 
-class StateDirInUseError(RuntimeError):
+class StateDirInUseError(ZeroKLDServerError, RuntimeError):
     """Another live replica holds the state directory (its ledger and snapshots are that replica's)."""
 
 

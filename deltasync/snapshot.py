@@ -40,6 +40,8 @@ from safetensors.torch import save_file
 
 from zerokld_models.checkpoint import (ADAPTER_CONFIG, INDEX_FILE, read_tensors, staged_dir, weights_file,
                                        write_checkpoint)
+from zerokld_plugins import envs
+from zerokld_plugins.errors import ZeroKLDClientError
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
@@ -51,8 +53,10 @@ __all__ = ["DeltaError", "SnapshotError", "apply_delta_in_place", "apply_increme
            "write_incremental_snapshot"]
 
 
-class SnapshotError(ValueError):
-    """A snapshot that is refused: unreadable, or not the same tensor set / shapes / dtypes as the model."""
+class SnapshotError(ZeroKLDClientError, ValueError):
+    """A snapshot that is refused: unreadable, or not the same tensor set / shapes / dtypes as the model (HTTP 422)."""
+
+    status_code = 422
 
 
 class DeltaError(SnapshotError):
@@ -352,7 +356,7 @@ def read_snapshot_tensors(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 #: threads :func:`write_incremental_snapshot` encodes tensors with (``ZEROKLD_ENCODE_THREADS``; default: the CPUs)
-ENCODE_THREADS = max(1, int(os.environ.get("ZEROKLD_ENCODE_THREADS", 0)) or os.cpu_count() or 1)
+ENCODE_THREADS = max(1, envs.ZEROKLD_ENCODE_THREADS or os.cpu_count() or 1)
 
 WEIGHT_SPEC = "model.weight.spec.json"  # {"tensor_map": {name: {"shape": [...], "dtype": "BF16"}}} (Fireworks)
 _SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
@@ -398,7 +402,6 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
 
     return write_checkpoint(out_dir, {fname: tensors}, assets_dir=src, skip_assets=_SKIP,
                             finalize=write_spec)
-
 
 
 def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torch.Tensor], out_dir: str | Path,

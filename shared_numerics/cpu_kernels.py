@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the kernels bind to torch's libgomp)
 
+from zerokld_plugins import envs
+
 __all__ = ["COMPILER_PACKAGE", "DTYPE_CODES", "FLAGS", "flags", "load", "on_local_shards", "plain"]
 
 #: element types the kernels read (their ``dtype`` argument)
@@ -56,12 +58,12 @@ def _cpu_id() -> str:
 
 def flags() -> tuple[str, ...]:
     """:data:`FLAGS` with ``-march=`` set from ``ZEROKLD_CPU_MARCH`` (default ``native``)."""
-    march = os.environ.get("ZEROKLD_CPU_MARCH") or "native"
+    march = envs.ZEROKLD_CPU_MARCH
     return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("ZEROKLD_CACHE_DIR") or Path.home() / ".cache" / "zerokld")
+    return envs.ZEROKLD_CACHE_DIR
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,6 +41,8 @@ from typing import Literal
 
 import torch
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 from .cpu_kernels import DTYPE_CODES, load, plain
 from .gemm_cpu import amx_available, gemm_abt
 from .linear import matmul_rows
@@ -58,7 +60,7 @@ Granularity = Literal["per_channel", "block"]
 GRANULARITIES = ("per_channel", "block")
 
 
-class Fp8QuantizationError(ValueError):
+class Fp8QuantizationError(ZeroKLDClientError, ValueError):
     """Raised for input the FP8 quantizer refuses (non-finite values, unknown granularity, bad shapes)."""
 
 

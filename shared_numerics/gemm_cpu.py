@@ -71,9 +71,9 @@ def amx_available() -> bool:
     ``amx_tile``), the compiler built the kernel with it and the OS granted the tile state. ``ZEROKLD_AMX=0`` turns it
     off (then :func:`shared_numerics.linear.linear` takes its oneDNN paths). A machine property, in the numerics
     contract (:func:`shared_numerics.linear.gemm_partition`)."""
-    import os
+    from zerokld_plugins import envs
 
-    if os.environ.get("ZEROKLD_AMX", "1") == "0":
+    if not envs.ZEROKLD_AMX:
         return False
     try:
         flags = open("/proc/cpuinfo").read()
@@ -89,9 +89,9 @@ def f32_available() -> bool:
     """Whether this machine runs the float32 kernel: the kernel was built with AVX-512F or with AVX2 + FMA (both give
     the same bits). ``ZEROKLD_F32_KERNEL=0`` turns it off (then float32 takes :mod:`shared_numerics.linear`'s oneDNN
     calls). A machine property, in the numerics contract."""
-    import os
+    from zerokld_plugins import envs
 
-    return os.environ.get("ZEROKLD_F32_KERNEL", "1") != "0" and bool(_lib().zk_gemm_has_f32())
+    return envs.ZEROKLD_F32_KERNEL and bool(_lib().zk_gemm_has_f32())
 
 
 def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:

@@ -50,6 +50,8 @@ import os
 
 import torch
 
+from zerokld_plugins import envs
+
 from .gemm_cpu import amx_available, f32_available, gemm_abt
 
 __all__ = ["ONEDNN_ROWS", "ONEDNN_THREADS", "ROW_TILE", "gemm_partition", "linear", "matmul_rows", "native_bf16_gemm"]
@@ -62,7 +64,7 @@ ONEDNN_ROWS = 128
 #: the cores: vLLM's CPU worker shares them with its engine-core process, torchrun ranks each get one. Measured on a
 #: 2-core Xeon (AMX), countdown demo steps 2-50: rollout 159.5 s at 2 pinned threads vs 18.9 s at 1 (stock 7.1 s);
 #: training 26.1 s vs 30.8 s. Set it to the cores a process owns where trainer and engine do not share them.
-ONEDNN_THREADS = int(os.environ.get("ZEROKLD_GEMM_THREADS") or 1)
+ONEDNN_THREADS = envs.ZEROKLD_GEMM_THREADS
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +88,7 @@ def native_bf16_gemm() -> bool:
     emulated on plain AVX512F otherwise — or AMX; not on AVX2). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
     float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
     :func:`gemm_partition`."""
-    if os.environ.get("ZEROKLD_NATIVE_BF16", "1") == "0":
+    if not envs.ZEROKLD_NATIVE_BF16:
         return False
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

@@ -21,9 +21,10 @@ The switch itself has one name everywhere: ``batch_invariant`` (vLLM's own term 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from zerokld_plugins.errors import ZeroKLDClientError
 
 from .attention import KEY_CHUNK, Q_TILE, SPLIT
 from .gemm_cublas import CUBLAS_ROWS
@@ -47,15 +48,19 @@ DTYPES = ("float32", "bfloat16", "float16")
 FP8_GRANULARITIES = ("per_channel", "block")
 
 
-class NumericsMismatchError(ValueError):
-    """Trainer and rollout engine (or a snapshot) were produced under different :class:`NumericsMode` s."""
+class NumericsMismatchError(ZeroKLDClientError, ValueError):
+    """Trainer and rollout engine (or a snapshot) were produced under different :class:`NumericsMode` s (HTTP 422)."""
+
+    status_code = 422
 
 
 def backend_for_device(device_type: str) -> str:
     """The numerics backend a process uses on ``device_type`` (``"cpu"``, ``"cuda"``): ``ZEROKLD_BACKEND`` if set,
     else ``triton`` on CUDA, else ``torch`` — the same rule the op dispatch applies per call
     (:func:`shared_numerics.backend_name`)."""
-    forced = os.environ.get("ZEROKLD_BACKEND")
+    from zerokld_plugins import envs
+
+    forced = envs.ZEROKLD_BACKEND
     if forced:
         return forced
     return "triton" if device_type == "cuda" else "torch"

@@ -28,12 +28,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, model_validator
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 from .mode import NumericsMode
 
 __all__ = ["ZeroKLDSettings", "ZeroKLDSettingsError"]
 
 
-class ZeroKLDSettingsError(ValueError):
+class ZeroKLDSettingsError(ZeroKLDClientError, ValueError):
     """Settings that are malformed or that do not combine (the message names the setting)."""
 
 

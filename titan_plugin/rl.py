@@ -32,6 +32,7 @@ from shared_numerics.mode import NumericsMode
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch
 from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, read_model_config
+from zerokld_plugins.errors import ZeroKLDClientError
 
 from . import cpu_compat
 from .exact_accumulation import ExactAccumulation, unsupported_reason
@@ -46,7 +47,7 @@ __all__ = ["FLOAT32_TENSORS", "NonFiniteGradientError", "RLTrainer", "RolloutQue
            "rl_trainer_config"]
 
 
-class NonFiniteGradientError(ValueError):
+class NonFiniteGradientError(ZeroKLDClientError, ValueError):
     """:meth:`RLTrainer.optim_step` refused a step whose gradients are not finite (NaN / inf: inputs that overflow
     the model's dtype); the gradients were discarded and the weights are as before."""
 

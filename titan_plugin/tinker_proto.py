@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 __all__ = ["CONTENT_TYPE", "BodyTooLarge", "WireError", "decompress_zstd", "forward_backward_output",
            "forward_backward_request", "sample_response"]
 
 CONTENT_TYPE = "application/x-protobuf"
 
 
-class WireError(ValueError):
+class WireError(ZeroKLDClientError, ValueError):
     """A protobuf body that cannot be read (the user's error)."""
 
 

@@ -27,13 +27,15 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 __all__ = ["Sampler", "SamplerError", "Session", "parse_model_path", "tinker_path"]
 
 _UNSERVED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
 _UNSERVED_SET = ("target_prompt_logprobs", "prompt_logprobs_last_n")
 
 
-class SamplerError(ValueError):
+class SamplerError(ZeroKLDClientError, ValueError):
     """A sampling request the client must change (tinker's ``user`` category / HTTP 400)."""
 
 

@@ -75,6 +75,8 @@ from typing import NamedTuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 from . import tinker_proto
 from .tinker_sampler import SamplerError
 
@@ -109,10 +111,14 @@ class Limits:
     max_models: int = 8
 
 
-class UserError(ValueError):
-    """A request the client must change (category ``user``; HTTP 400 at submit)."""
+class UserError(ZeroKLDClientError, ValueError):
+    """A request the client must change (category ``user``; HTTP 400 at submit; ``status`` = ``status_code``)."""
 
     status = 400
+
+    @property
+    def status_code(self) -> int:  # type: ignore[override]
+        return self.status
 
 
 class BodyTooLarge(UserError):
@@ -803,7 +809,7 @@ class TrainingServer:
             the limit, 429 too many parked requests."""
             from deltasync.protocol import public_message
 
-            return JSONResponse({"detail": public_message(e)}, status_code=getattr(e, "status", 400))
+            return JSONResponse({"detail": public_message(e)}, status_code=e.status_code)
 
         async def malformed(request: Request, e: Exception) -> JSONResponse:
             """A handler that met a value of the wrong type or shape while reading a request (every handler only reads
@@ -1111,12 +1117,14 @@ class TrainingServerProcess:
 def main(argv=None) -> None:
     import os
 
+    from zerokld_plugins import envs
+
     import uvicorn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--snapshot-root", required=True)
-    ap.add_argument("--api-key", default=os.environ.get("ZEROKLD_API_KEY"))
+    ap.add_argument("--api-key", default=envs.ZEROKLD_API_KEY)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
     ap.add_argument("--seq-gap-s", type=float, default=120.0, help="seconds a request waits for an earlier seq_id "
@@ -1127,7 +1135,7 @@ def main(argv=None) -> None:
                                                      "a restart on it resumes every model at its last optim_step")
     ap.add_argument("--sampler-url", default=None, help="the zerokld vLLM server (hot-load on, on this --snapshot-root) "
                                                         "that serves tinker's sampling sessions")
-    ap.add_argument("--sampler-api-key", default=os.environ.get("ZEROKLD_SAMPLER_API_KEY"),
+    ap.add_argument("--sampler-api-key", default=envs.ZEROKLD_SAMPLER_API_KEY,
                     help="its API key (default: --api-key)")
     ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
                                                          "contrast")

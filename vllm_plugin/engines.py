@@ -26,8 +26,9 @@ KV_CACHE_ENV = "ZEROKLD_KV_CACHE_BYTES"
 
 def kv_cache_bytes() -> int | None:
     """The KV cache size from :data:`KV_CACHE_ENV`, or ``None`` (vLLM's own sizing)."""
-    value = os.environ.get(KV_CACHE_ENV)
-    return int(value) if value else None
+    from zerokld_plugins import envs
+
+    return envs.ZEROKLD_KV_CACHE_BYTES
 
 
 def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, max_model_len: int = 512,

@@ -20,16 +20,18 @@ import os
 import time
 from pathlib import Path
 
+from zerokld_plugins import envs
+
 COPY_FAULT_AFTER = 3
 COPY_FAULT_SLEEP_S = 120.0
 
 
 def copy_fault(copied: int) -> None:
     """Called with the number of tensors copied so far; pauses mid-copy when armed (see the module docstring)."""
-    arm = os.environ.get("ZEROKLD_FAULT_COPY_ARM")
-    if not arm or copied != COPY_FAULT_AFTER or not Path(arm).exists():
+    arm = envs.ZEROKLD_FAULT_COPY_ARM
+    if arm is None or copied != COPY_FAULT_AFTER or not arm.exists():
         return
-    Path(arm + ".copying").write_text(str(os.getpid()))
+    Path(str(arm) + ".copying").write_text(str(os.getpid()))
     time.sleep(COPY_FAULT_SLEEP_S)
 
 
@@ -39,11 +41,11 @@ def step_delay() -> None:
     Raises:
         ValueError: the arm file does not hold a number of seconds.
     """
-    arm = os.environ.get("ZEROKLD_FAULT_STEP_DELAY_ARM")
-    if not arm:
+    arm = envs.ZEROKLD_FAULT_STEP_DELAY_ARM
+    if arm is None:
         return
     try:
-        seconds = Path(arm).read_text()
+        seconds = arm.read_text()
     except FileNotFoundError:
         return
     time.sleep(float(seconds))

@@ -26,13 +26,15 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
+from zerokld_plugins.errors import ZeroKLDServerError
+
 __all__ = ["SEAMS", "VERIFIED_VLLM", "Seam", "SeamError", "check", "installed", "missing", "replace"]
 
 #: vLLM versions every target of :data:`SEAMS` was verified with (the test suite runs against them)
 VERIFIED_VLLM = ("0.32.0",)
 
 
-class SeamError(RuntimeError):
+class SeamError(ZeroKLDServerError, RuntimeError):
     """The running vLLM lacks attributes zerokld replaces (the message names each, and the versions)."""
 
 

@@ -7,12 +7,14 @@ definition does not implement; vLLM adds its engine settings (parallelism, LoRA,
 """
 from __future__ import annotations
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 from .config import ModelConfig
 
 __all__ = ["UnsupportedModelError", "check_supported", "unsupported_features"]
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ZeroKLDClientError, ValueError):
     """A checkpoint uses a feature zerokld's definition of its architecture does not implement."""
 
 

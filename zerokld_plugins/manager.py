@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pluggy
 
 from . import hookspecs
+from .errors import ZeroKLDClientError
 from .specs import BackendSpec, CodecSpec, LossSpec, ModelAdapterSpec, StorageSpec
 
 __all__ = ["DuplicateNameError", "Registration", "UnknownNameError", "get_backend", "get_codec", "get_loss",
@@ -20,11 +21,11 @@ __all__ = ["DuplicateNameError", "Registration", "UnknownNameError", "get_backen
            "reset_plugin_manager"]
 
 
-class DuplicateNameError(ValueError):
+class DuplicateNameError(ZeroKLDClientError, ValueError):
     """Two providers registered the same name for the same kind."""
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(ZeroKLDClientError, KeyError):
     """No provider registered that name (the message lists the known ones)."""
 
     def __str__(self) -> str:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import json
 import time
 
+from zerokld_plugins.errors import ZeroKLDClientError
+
 __all__ = ["API_KEY_HEADER", "COMPLETIONS_SCHEMA", "FireworksRequestError", "accounts", "deployment", "enable", "fireworks_completion",
            "install", "routing_matrix", "sse", "vllm_completion_request"]
 
@@ -69,8 +71,12 @@ COMPLETIONS_SCHEMA = {"type": "object", "required": ["model", "prompt"], "additi
     "include_routing_matrix": _BOOL}}
 
 
-class FireworksRequestError(ValueError):
-    """A completions request this server refuses; ``status`` is the HTTP status."""
+class FireworksRequestError(ZeroKLDClientError, ValueError):
+    """A completions request this server refuses; ``status`` (= ``status_code``) is the HTTP status."""
+
+    @property
+    def status_code(self) -> int:  # type: ignore[override]
+        return self.status
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
