@@ -5,17 +5,20 @@
 ``batch_invariant``, ``sequences``, ``prompt_lengths``, ``train_step`` (bool), ``fused`` (bool, default false: the
 fused lm_head log-probs and loss), ``ep`` (TorchTitan's ``expert_parallel_degree``, default 1) and ``split`` (bool,
 default false: rank ``r`` scores sequences ``r::world`` instead of all of them; rank 0 reassembles them in order) and
-``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null);
+``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null), ``repeat``
+(times the forward is run and timed, default 1);
 rank 0 writes ``OUT.pt``
 (``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
 :meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
-:meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it.
+:meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it;
+``seconds``: rank 0's wall clock of each timed forward (and the step), between barriers.
 """
 from __future__ import annotations
 
 import json
 import sys
 import tempfile
+import time
 
 
 def main(argv: list[str]) -> None:
@@ -43,12 +46,24 @@ def main(argv: list[str]) -> None:
         batch = RolloutBatch([spec["sequences"][i] for i in mine], [spec["prompt_lengths"][i] for i in mine],
                              routed_experts=None if routes is None else
                              [np.array(routes[i], dtype=np.int16) for i in mine])
+        dist.barrier()
+        t0 = time.perf_counter()
         result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]}
+        dist.barrier()
+        seconds = {"forward": [time.perf_counter() - t0]}
+        for _ in range(spec.get("repeat", 1) - 1):  # timed again (benchmarks/layouts.py): same batch, same bits
+            t0 = time.perf_counter()
+            trainer.forward_logprobs(batch)
+            dist.barrier()
+            seconds["forward"].append(time.perf_counter() - t0)
         ep_sizes = {getattr(m, "expert_parallel_size", None) for m in trainer.model.modules()} - {None}
         if spec.get("train_step"):
             adv = [1.0 if i % 2 == 0 else -1.0 for i in mine]
+            t0 = time.perf_counter()
             step = trainer.rl_step(RolloutBatch(batch.sequences, batch.prompt_lengths, advantages=adv,
                                                 sampler_logprobs=result["logprobs"], numerics=trainer.numerics))
+            dist.barrier()
+            seconds["step"] = [time.perf_counter() - t0]
             result["loss"] = step["loss"]
             result["after"] = [t.detach().float() for t in trainer.forward_logprobs(batch)]
         if spec.get("split"):  # every rank's rows, back in the batch's order
@@ -63,6 +78,7 @@ def main(argv: list[str]) -> None:
                 merged[key] = [rows[i] for i in range(len(spec["sequences"]))]
             result = merged
         result["expert_parallel_sizes"] = sorted(ep_sizes)  # zerokld MoE blocks: the EP size they ran at
+        result["seconds"] = seconds  # rank 0's wall clock, between barriers
         if dist.get_rank() == 0:
             torch.save(result, argv[1])
         trainer.close()

@@ -1,0 +1,115 @@
+"""The trainer's cost at each tested layout vs one rank, zerokld and stock side by side in one run (issue 56 point 8).
+
+For each layout the same checkpoint and sequences go through :mod:`zerokld_testing.titan_tp` under ``torchrun``
+(gloo on loopback, one process per rank): the batch's log-probs (``RLTrainer.forward_logprobs``, timed ``--repeats``
+times after the first) and one RL step (``rl_step``), rank 0's wall clock between barriers, medians. Layouts:
+
+* ``tp2``: TorchTitan ``tensor_parallel_degree`` 2 (Qwen3; zerokld with ``tp_k_block`` 16, the one-rank baseline
+  with the same ``tp_k_block``, the numerics it must equal); every rank scores the whole batch;
+* ``ep2``: ``expert_parallel_degree`` 2 (Qwen3-MoE, 8 experts top-2; each rank scores half the batch, the baseline
+  one rank the whole batch).
+
+``speed_vs_one_rank = one_rank_s / layout_s`` (above 1: the layout is faster). On a 2-core machine two ranks get one
+core each while one rank gets both (``--threads``), so the figures say what the layout's communication and the
+zerokld definitions cost here, not what it gains on more machines. The JSON records the machine (CPU model, ISA
+flags, threads).
+
+Usage: ``python -m benchmarks.layouts --out benchmarks/results/layouts_cpu2.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shared_numerics.machine import machine_facts
+
+
+def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, repeats: int, **spec) -> dict:
+    path, out = tmp / f"{name}.json", tmp / f"{name}.pt"
+    path.write_text(json.dumps({"checkpoint": ckpt, "dtype": dtype, "sequences": seqs, "prompt_lengths": lens,
+                                "train_step": True, "repeat": repeats, "tp": 1, "tp_k_block": None, **spec}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), "--module",
+                           "zerokld_testing.titan_tp", str(path), str(out)], capture_output=True, text=True,
+                          timeout=1800, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: torchrun failed:\n{proc.stderr[-3000:]}")
+    r = torch.load(out)
+    return {"forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
+            "step_s": r["seconds"]["step"][0], "logprobs": r["logprobs"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench/layouts.json")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+
+    from benchmarks.trainer import realistic_spec
+    from zerokld_testing import make_tiny_checkpoint
+
+    rng = random.Random(0)
+    seqs = [[1] + [rng.randrange(3, 30000) for _ in range(args.seq_len - 1)] for _ in range(args.batch)]
+    lens = [args.seq_len // 2] * args.batch
+    dense = realistic_spec(args.hidden, args.layers)
+    moe = dataclasses.replace(dense, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=args.hidden)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zerokld-layouts-") as tmp_name:
+        tmp = Path(tmp_name)
+        ckpts = {name: str(make_tiny_checkpoint(tmp / name, spec, seed=0, dtype=args.dtype))
+                 for name, spec in (("qwen3", dense), ("qwen3_moe", moe))}
+        layouts = {  # name: (checkpoint, ranks, the layout's spec, the one-rank baseline's spec)
+            "tp2": ("qwen3", 2, {"tp": 2, "tp_k_block": 16}, {"tp_k_block": 16}),
+            "ep2": ("qwen3_moe", 2, {"ep": 2, "split": True}, {}),
+        }
+        for layout, (arch, nproc, spec, base) in layouts.items():
+            for zerokld in (True, False):
+                stock = {} if zerokld else {"tp_k_block": None}
+                one = _run(tmp, f"{layout}_one_{zerokld}", ckpts[arch], args.dtype, seqs, lens, 1, args.repeats,
+                           batch_invariant=zerokld, **{**base, **stock})
+                par = _run(tmp, f"{layout}_{zerokld}", ckpts[arch], args.dtype, seqs, lens, nproc, args.repeats,
+                           batch_invariant=zerokld, **{**spec, **stock})
+                row = {"layout": layout, "arch": arch, "engine": "zerokld" if zerokld else "stock", "ranks": nproc,
+                       "one_rank_forward_s": one["forward_s"], "forward_s": par["forward_s"],
+                       "one_rank_step_s": one["step_s"], "step_s": par["step_s"],
+                       "forward_speed_vs_one_rank": one["forward_s"] / par["forward_s"],
+                       "step_speed_vs_one_rank": one["step_s"] / par["step_s"],
+                       "logprobs_equal_one_rank": bool(torch.equal(torch.cat(one["logprobs"]),
+                                                                   torch.cat(par["logprobs"])))}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_facts(),
+              "workload": f"{args.batch} sequences of {args.seq_len} tokens, {args.dtype}, Qwen3 hidden {args.hidden} "
+                          f"x {args.layers} layers (MoE: 8 experts top-2), forward medians of {args.repeats - 1} "
+                          "timed runs after one, one RL step",
+              "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
