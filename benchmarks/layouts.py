@@ -14,7 +14,7 @@ core each while one rank gets both (``--threads``), so the figures say what the 
 zerokld definitions cost here, not what it gains on more machines. The JSON records the machine (CPU model, ISA
 flags, threads).
 
-Usage: ``python -m benchmarks.layouts --out benchmarks/results/layouts_cpu2.json``.
+Usage: ``python -m benchmarks.layouts --out benchmarks/results/layouts_cpu2.json`` (writes ``.json`` and ``.md``).
 """
 from __future__ import annotations
 
@@ -53,6 +53,23 @@ def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, re
     r = torch.load(out)
     return {"forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
             "step_s": r["seconds"]["step"][0], "logprobs": r["logprobs"]}
+
+
+def markdown(result: dict) -> str:
+    """The table of a result (one line per layout x engine), with its machine and workload."""
+    m = result["machine"]
+    lines = ["# The trainer at each layout vs one rank (`benchmarks/layouts.py`)", "",
+             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} "
+             f"cores, {m['threads']} threads), torch {m['torch']}: {result['workload']}. Two ranks get one core each, "
+             "one rank both.", "",
+             "| layout | model | engine + trainer | forward: one rank / layout (s) | speed | RL step: one rank / layout (s) "
+             "| speed | log-probs == one rank |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['layout']} | {r['arch']} | {r['engine']} | {r['one_rank_forward_s']:.2f} / "
+                     f"{r['forward_s']:.2f} | {r['forward_speed_vs_one_rank']:.2f}x | {r['one_rank_step_s']:.2f} / "
+                     f"{r['step_s']:.2f} | {r['step_speed_vs_one_rank']:.2f}x | "
+                     f"{'yes' if r['logprobs_equal_one_rank'] else 'no'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
@@ -108,6 +125,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
     return result
 
 
