@@ -50,7 +50,7 @@ from .reduce import true_divide
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity", "fp8_values",
            "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "fp8_weight_qat", "quantize_fp8_activation",
-           "quantize_fp8_weight", "served_fp8_weight"]
+           "quantize_fp8_weight", "served_fp8_weight", "weight_scale_shape"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -182,6 +182,13 @@ def _quantize_activation_torch(x: torch.Tensor, granularity: str) -> tuple[torch
     s = _scales(g.abs().amax(dim=-1), "activations")  # [M, KB]
     q = _encode(g, s.unsqueeze(-1)).view(m, -1)[:, :k]
     return q, s
+
+
+def weight_scale_shape(n: int, k: int, granularity: Granularity) -> tuple[int, ...]:
+    """The shape of :func:`quantize_fp8_weight`'s scales for an ``[n, k]`` weight: ``(n,)`` per channel,
+    ``(ceil(n / 128), ceil(k / 128))`` per block (what a ``zerokld_fp8`` checkpoint's ``weight_scale`` holds)."""
+    _check_granularity(granularity)
+    return (n,) if granularity == "per_channel" else (-(-n // BLOCK), -(-k // BLOCK))
 
 
 def quantize_fp8_weight(w: torch.Tensor, granularity: Granularity = "per_channel"

@@ -135,11 +135,8 @@ class _Proj(nn.Module):
         self.bias = _param(out_features) if bias else None
         if fp8.kind == "serialized":
             self.weight = _param(out_features, in_features, dtype=sn_fp8.FP8_DTYPE)
-            if fp8.granularity == "block":
-                b = sn_fp8.BLOCK
-                self.weight_scale = _param(-(-out_features // b), -(-in_features // b), dtype=torch.float32)
-            else:
-                self.weight_scale = _param(out_features, dtype=torch.float32)
+            self.weight_scale = _param(*sn_fp8.weight_scale_shape(out_features, in_features, fp8.granularity),
+                                       dtype=torch.float32)
         else:
             self.weight = _param(out_features, in_features)
         self._codes: torch.Tensor | None = None

@@ -83,8 +83,7 @@ class StackedExperts(nn.Module):
             setattr(self, name, _stacked(num_experts, rows, cols, tp=tp, inter_dim=0 if name != "w_down" else 1,
                                          dtype=codes))
             if serialized:
-                b = sn_fp8.BLOCK
-                shape = (rows,) if self.fp8.granularity == "per_channel" else (-(-rows // b), -(-cols // b))
+                shape = sn_fp8.weight_scale_shape(rows, cols, self.fp8.granularity)
                 setattr(self, f"{name}_scale", _stacked(num_experts, *shape, tp=None, inter_dim=0,
                                                         dtype=torch.float32))
         self._codes: dict[str, torch.Tensor] = {}
