@@ -131,6 +131,7 @@ class _Proj(nn.Module):
             self.weight = tp.param((out_features, in_features), 0 if shard == "column" else 1)
             self._codes: torch.Tensor | None = None
             self._scales: torch.Tensor | None = None
+            self._served: torch.Tensor | None = None
             return
         self.bias = _param(out_features) if bias else None
         if fp8.kind == "serialized":
@@ -141,10 +142,12 @@ class _Proj(nn.Module):
             self.weight = _param(out_features, in_features)
         self._codes: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
+        self._served: torch.Tensor | None = None  # online FP8: dense_weight's result for the current codes
 
     def quantize(self) -> None:
         """Online FP8: (re)compute codes and scales from the current high-precision weight."""
         self._codes, self._scales = sn.quantize_fp8_weight(self.weight.data, self.fp8.granularity)
+        self._served = None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The ``[out, in]`` weight as a tensor in the model dtype ``dtype``, for a projection whose weight is used
@@ -154,11 +157,13 @@ class _Proj(nn.Module):
         kind = self.fp8.kind
         if kind == "off":
             return self.weight
-        if kind == "serialized":
+        if kind == "serialized":  # per call: a delta hot-load rewrites the codes in place, with no hook here
             return sn_fp8.served_fp8_weight(self.weight, self.weight_scale, self.fp8.granularity, dtype)
         if self._codes is None:
             raise RuntimeError("zerokld fp8: weights were not quantized after loading")
-        return sn_fp8.served_fp8_weight(self._codes, self._scales, self.fp8.granularity, dtype)
+        if self._served is None or self._served.dtype != dtype:  # once per (re)quantization, not per step
+            self._served = sn_fp8.served_fp8_weight(self._codes, self._scales, self.fp8.granularity, dtype)
+        return self._served
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = self.fp8.kind
