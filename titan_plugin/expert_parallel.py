@@ -56,12 +56,9 @@ def moe_expert_parallel(x_BLD: torch.Tensor, router_weight: torch.Tensor, w_gate
 
     mesh = w_gate.device_mesh
     size, num_experts = mesh.size(), router_weight.shape[0]
-    if num_experts % size:
+    if num_experts % size:  # then Shard(0) splits the experts evenly: E / EP on every rank
         raise ValueError(f"zerokld expert parallelism: {num_experts} experts do not split over {size} EP ranks")
     local = [w.to_local() for w in (w_gate, w_up, w_down)]
-    if local[0].shape[0] * size != num_experts:
-        raise ValueError(f"zerokld expert parallelism: {local[0].shape[0]} local experts x {size} ranks != "
-                         f"{num_experts} (uneven shards)")
     router = router_weight.to_local() if isinstance(router_weight, DTensor) else router_weight
     x = x_BLD.to_local() if isinstance(x_BLD, DTensor) else x_BLD
     b, seq, d = x.shape
