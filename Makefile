@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test demo test test-long test-fast docs clean
+.PHONY: install install-test demo test test-long test-fast docs lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,5 +62,18 @@ $(DOCS_VENV)/.installed: requirements-docs.txt
 docs: $(DOCS_VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
+# the lint and type gates (.pre-commit-config.yaml: ruff check, ruff format, mypy on the host-free packages), every
+# file, in their own venv with the pinned tools (requirements-lint.txt); mypy reads the project's .venv for torch's
+# types, so `install` comes first. A hook that fails, or that reformats a file, fails the target.
+LINT_VENV ?= .venv-lint
+$(LINT_VENV)/.installed: requirements-lint.txt
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q -r requirements-lint.txt
+	touch $@
+
+lint: install $(LINT_VENV)/.installed
+	PATH="$(abspath $(LINT_VENV))/bin:$$PATH" PRE_COMMIT_HOME="$(abspath $(LINT_VENV))/pre-commit" \
+		$(LINT_VENV)/bin/pre-commit run --all-files --show-diff-on-failure
+
 clean:
-	rm -rf $(VENV) $(DOCS_VENV) site runs .pytest_cache
+	rm -rf $(VENV) $(DOCS_VENV) $(LINT_VENV) site runs .pytest_cache

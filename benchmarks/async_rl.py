@@ -24,6 +24,7 @@ Writes ``<out>.json``, ``<out>.md`` (the tables) and ``<out>.png`` (reward again
 Usage: ``python -m benchmarks.async_rl --out benchmarks/results/async_rl_cpu2.json``; ``--render JSON`` rewrites the
 markdown and the plot of an earlier result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,22 @@ def _countdown_runs(root: Path, steps: int, ks: list[int]) -> dict:
         if any(r["k3"] != 0.0 or r["tokens_bitwise_different"] for r in rows):
             raise AssertionError(f"--async {k}: a token's sampler log-prob differs from its snapshot's")
         out[f"async {k}" if k else "sync"] = {
-            "steps": len(rows), "seconds": s["seconds"], "steps_per_hour": 3600 * len(rows) / s["seconds"],
+            "steps": len(rows),
+            "seconds": s["seconds"],
+            "steps_per_hour": 3600 * len(rows) / s["seconds"],
             "median_rollout_wait_seconds": statistics.median(r["rollout_wait_seconds"] for r in rows),
             "median_train_seconds": statistics.median(r["train_seconds"] for r in rows),
-            "reward_first": s["reward_first"], "reward_last": s["reward_last"],
-            "eval_before": s["eval_before"], "eval_after": s["eval_after"],
+            "reward_first": s["reward_first"],
+            "reward_last": s["reward_last"],
+            "eval_before": s["eval_before"],
+            "eval_after": s["eval_after"],
             "tokens_by_staleness": s["tokens_by_staleness"],
             "reward_vs_seconds": [[round(r["elapsed_seconds"], 2), r["reward_mean"]] for r in rows],
         }
-        print(json.dumps({k: v for k, v in out[f"async {k}" if k else "sync"].items() if k != "reward_vs_seconds"}),
-              flush=True)
+        print(
+            json.dumps({k: v for k, v in out[f"async {k}" if k else "sync"].items() if k != "reward_vs_seconds"}),
+            flush=True,
+        )
     return out
 
 
@@ -76,23 +83,30 @@ def _streaming(root: Path, prompts: int, group: int, repeats: int) -> dict:
     from shared_numerics.rollout import RolloutBatch
     from titan_plugin.losses import grpo_advantages
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from zerokld_testing import make_tiny_checkpoint
     from vllm_plugin.engines import shutdown_llm, start_llm
+    from zerokld_testing import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(root / "model", MODEL_SPEC, seed=0, dtype="bfloat16")
     tok = Tok(ckpt)
     args = argparse.Namespace(numbers="2", max_number=10, ops="+-*")
     problems = task_problems(args, prompts, seed=3)
-    requests = [({"prompt_token_ids": tok.prompt(p)}, SamplingParams(max_tokens=32, temperature=1.0, logprobs=0,
-                                                                     seed=1000 * i + j), p)
-                for i, p in enumerate(problems) for j in range(group)]
+    requests = [
+        (
+            {"prompt_token_ids": tok.prompt(p)},
+            SamplingParams(max_tokens=32, temperature=1.0, logprobs=0, seed=1000 * i + j),
+            p,
+        )
+        for i, p in enumerate(problems)
+        for j in range(group)
+    ]
     llm = start_llm(str(ckpt), dtype="bfloat16", batch_invariant=True, max_model_len=256)
     trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / "dump"), dtype="bfloat16", lr=0.0))
 
     def generate(reqs):  # whole prompt groups: GRPO advantages are per group, so any grouping gives the same
         outs = llm.generate([r for r, _, _ in reqs], [s for _, s, _ in reqs], use_tqdm=False)
-        rewards = torch.tensor([reward(tok.decode(list(o.outputs[0].token_ids)), p)
-                                for o, (_, _, p) in zip(outs, reqs)])
+        rewards = torch.tensor(
+            [reward(tok.decode(list(o.outputs[0].token_ids)), p) for o, (_, _, p) in zip(outs, reqs, strict=True)]
+        )
         return RolloutBatch.from_vllm(outs, grpo_advantages(rewards, group).tolist())
 
     def grads():
@@ -111,7 +125,7 @@ def _streaming(root: Path, prompts: int, group: int, repeats: int) -> dict:
 
         def produce():
             for i in range(0, len(requests), group):
-                q.put(generate(requests[i: i + group]))
+                q.put(generate(requests[i : i + group]))
 
         t0 = time.perf_counter()
         threading.Thread(target=produce, daemon=True).start()
@@ -144,14 +158,25 @@ def _streaming(root: Path, prompts: int, group: int, repeats: int) -> dict:
     finally:
         trainer.close()
         shutdown_llm(llm)
-    med = {name: {"first_result_seconds": statistics.median(f for f, _ in v),
-                  "all_results_seconds": statistics.median(x for _, x in v)} for name, v in res.items()}
-    out = {"completions": len(requests), "group_size": group, "repeats": repeats, **med,
-           "first_result_speedup": med["whole"]["first_result_seconds"] / med["streamed"]["first_result_seconds"],
-           "gradients_bitwise_equal": True,
-           "train_step_seconds": {k: statistics.median(v) for k, v in costs.items()}}
-    out["exact_accumulation_cost_ratio"] = (out["train_step_seconds"]["forward_backward"]
-                                            / out["train_step_seconds"]["rl_step"])
+    med = {
+        name: {
+            "first_result_seconds": statistics.median(f for f, _ in v),
+            "all_results_seconds": statistics.median(x for _, x in v),
+        }
+        for name, v in res.items()
+    }
+    out = {
+        "completions": len(requests),
+        "group_size": group,
+        "repeats": repeats,
+        **med,
+        "first_result_speedup": med["whole"]["first_result_seconds"] / med["streamed"]["first_result_seconds"],
+        "gradients_bitwise_equal": True,
+        "train_step_seconds": {k: statistics.median(v) for k, v in costs.items()},
+    }
+    out["exact_accumulation_cost_ratio"] = (
+        out["train_step_seconds"]["forward_backward"] / out["train_step_seconds"]["rl_step"]
+    )
     print(json.dumps(out), flush=True)
     return out
 
@@ -159,30 +184,61 @@ def _streaming(root: Path, prompts: int, group: int, repeats: int) -> dict:
 def markdown(result: dict) -> str:
     """The result as GitHub markdown: one line per countdown run, then the streaming comparison."""
     m, st = result["machine"], result["streaming"]
-    lines = ["# Sync vs async vs streaming RL (`benchmarks/async_rl.py`)", "",
-             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
-             f"{m['vllm']}; zerokld numerics, bf16, the countdown example's defaults.", ""]
+    lines = [
+        "# Sync vs async vs streaming RL (`benchmarks/async_rl.py`)",
+        "",
+        (
+            f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; "
+            f"{m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
+            f"{m['vllm']}; zerokld numerics, bf16, the countdown example's defaults."
+        ),
+        "",
+    ]
     if result["runs"]:
-        lines += ["| run | RL seconds | steps/hour | median rollout wait / train s per step | reward first 5 → last 5 "
-                  "| held-out accuracy before → after | tokens by staleness |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            (
+                "| run | RL seconds | steps/hour | median rollout wait / train s per step | reward first 5 → last 5 "
+                "| held-out accuracy before → after | tokens by staleness |"
+            ),
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, r in result["runs"].items():
             stale = ", ".join(f"{k}: {100 * v:.0f}%" for k, v in r["tokens_by_staleness"].items())
-            lines.append(f"| {name} | {r['seconds']:.0f} | {r['steps_per_hour']:.0f} | "
-                         f"{r['median_rollout_wait_seconds']:.2f} / {r['median_train_seconds']:.2f} | "
-                         f"{r['reward_first']:.3f} → {r['reward_last']:.3f} | {100 * r['eval_before']:.1f}% → "
-                         f"{100 * r['eval_after']:.1f}% | {stale} |")
-        lines += ["", "Every run's sampled tokens equal the trainer's log-probs under the snapshot that sampled them "
-                      "(k3 = 0, checked by the script). Reward against wall-clock: the `.png` next to this file.", ""]
-    lines += [f"Streaming trainer input, one GRPO batch of {st['completions']} completions (groups of "
-              f"{st['group_size']}), median of {st['repeats']}:", "",
-              "| trainer input | first result s | all results s |", "|---|---|---|",
-              f"| whole batch | {st['whole']['first_result_seconds']:.2f} | {st['whole']['all_results_seconds']:.2f} |",
-              f"| streamed per group | {st['streamed']['first_result_seconds']:.2f} | "
-              f"{st['streamed']['all_results_seconds']:.2f} |", "",
-              f"Gradients bitwise equal: {st['gradients_bitwise_equal']}. Exact accumulation "
-              "vs TorchTitan's batched `train_step` on the same batch: "
-              f"{st['train_step_seconds']['forward_backward']:.2f} s vs {st['train_step_seconds']['rl_step']:.2f} s "
-              f"({st['exact_accumulation_cost_ratio']:.1f}x)."]
+            lines.append(
+                f"| {name} | {r['seconds']:.0f} | {r['steps_per_hour']:.0f} | "
+                f"{r['median_rollout_wait_seconds']:.2f} / {r['median_train_seconds']:.2f} | "
+                f"{r['reward_first']:.3f} → {r['reward_last']:.3f} | {100 * r['eval_before']:.1f}% → "
+                f"{100 * r['eval_after']:.1f}% | {stale} |"
+            )
+        lines += [
+            "",
+            (
+                "Every run's sampled tokens equal the trainer's log-probs under the snapshot that sampled them "
+                "(k3 = 0, checked by the script). Reward against wall-clock: the `.png` next to this file."
+            ),
+            "",
+        ]
+    lines += [
+        (
+            f"Streaming trainer input, one GRPO batch of {st['completions']} completions (groups of "
+            f"{st['group_size']}), median of {st['repeats']}:"
+        ),
+        "",
+        "| trainer input | first result s | all results s |",
+        "|---|---|---|",
+        f"| whole batch | {st['whole']['first_result_seconds']:.2f} | {st['whole']['all_results_seconds']:.2f} |",
+        (
+            f"| streamed per group | {st['streamed']['first_result_seconds']:.2f} | "
+            f"{st['streamed']['all_results_seconds']:.2f} |"
+        ),
+        "",
+        (
+            f"Gradients bitwise equal: {st['gradients_bitwise_equal']}. Exact accumulation "
+            "vs TorchTitan's batched `train_step` on the same batch: "
+            f"{st['train_step_seconds']['forward_backward']:.2f} s vs {st['train_step_seconds']['rl_step']:.2f} s "
+            f"({st['exact_accumulation_cost_ratio']:.1f}x)."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -199,7 +255,7 @@ def render(result: dict, out: Path) -> None:
 
         fig, ax = plt.subplots(figsize=(8, 5))
         for name, r in result["runs"].items():
-            t, y = zip(*r["reward_vs_seconds"])
+            t, y = zip(*r["reward_vs_seconds"], strict=True)
             ax.plot(t, y, label=name)
         ax.set_xlabel("wall-clock seconds since the first GRPO step")
         ax.set_ylabel("reward (mean over the step's rollouts)")
@@ -227,15 +283,17 @@ def main(argv=None) -> dict:
         render(result, Path(args.render))
         return result
 
-    import torch
     import vllm
 
     with tempfile.TemporaryDirectory(prefix="zerokld-async-bench-") as tmp:
         streaming = _streaming(Path(tmp) / "streaming", args.prompts, args.group_size, args.repeats)
         runs = {} if args.skip_runs else _countdown_runs(Path(tmp), args.steps, [int(k) for k in args.ks.split(",")])
-    result = {"date": time.strftime("%Y-%m-%d"),
-              "machine": {**machine_facts(), "vllm": vllm.__version__},
-              "streaming": streaming, "runs": runs}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {**machine_facts(), "vllm": vllm.__version__},
+        "streaming": streaming,
+        "runs": runs,
+    }
     render(result, Path(args.out))
     return result
 

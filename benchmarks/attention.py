@@ -15,6 +15,7 @@ Medians over ``--repeats`` after a warm-up at the current torch thread count; ``
 ours. The JSON records the machine (CPU model, ISA flags, threads). Usage:
 ``python -m benchmarks.attention --out benchmarks/results/attention_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,8 @@ SHAPES = {"demo": dict(hq=4, hkv=2, d=32), "h1024": dict(hq=16, hkv=4, d=64)}
 
 def _sdpa(q, k, v, scale):
     return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=True).transpose(1, 2)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+    ).transpose(1, 2)
 
 
 def _torch_core_dense(q, k, v, scale):
@@ -47,8 +48,9 @@ def _torch_core_dense(q, k, v, scale):
     vc = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).permute(0, 2, 1, 3).reshape(b, hkv, -1, att.KEY_CHUNK, d)
     q_seq = torch.arange(b).repeat_interleave(t)
     q_pos = torch.arange(t).repeat(b)
-    return att.attention_over_chunks(q.reshape(b * t, hq, d), q_seq, q_pos,
-                                     lambda s, j: (kc[s, :, j], vc[s, :, j]), hkv, scale).reshape(b, t, hq, d)
+    return att.attention_over_chunks(
+        q.reshape(b * t, hq, d), q_seq, q_pos, lambda s, j: (kc[s, :, j], vc[s, :, j]), hkv, scale
+    ).reshape(b, t, hq, d)
 
 
 def _paged(batch, ctx, hq, hkv, d, dtype, gen):
@@ -92,14 +94,24 @@ def main(argv=None) -> dict:
     cases = [("demo", 224, 40, 28 * 8, 60), ("h1024", 32, 512, 8, 256)]
     for shape, dec_batch, dec_ctx, train_batch, train_len in cases:
         hq, hkv, d = SHAPES[shape]["hq"], SHAPES[shape]["hkv"], SHAPES[shape]["d"]
-        scale = d ** -0.5
+        scale = d**-0.5
         for dtype in (torch.float32, torch.bfloat16):
             paged = _paged(dec_batch, dec_ctx, hq, hkv, d, dtype, gen)
             with torch.no_grad():
                 ours = _median(lambda: sn.paged_causal_attention(*paged, scale), args.repeats)
                 core = _median(lambda: _torch_core_paged(*paged, scale), args.repeats)
-            rows.append(dict(shape=shape, dtype=str(dtype).removeprefix("torch."), case="decode", batch=dec_batch,
-                             context=dec_ctx, ours_s=ours, torch_core_s=core, speed_ours_over_torch_core=core / ours))
+            rows.append(
+                dict(
+                    shape=shape,
+                    dtype=str(dtype).removeprefix("torch."),
+                    case="decode",
+                    batch=dec_batch,
+                    context=dec_ctx,
+                    ours_s=ours,
+                    torch_core_s=core,
+                    speed_ours_over_torch_core=core / ours,
+                )
+            )
             q = torch.randn(train_batch, train_len, hq, d, generator=gen).to(dtype)
             k = torch.randn(train_batch, train_len, hkv, d, generator=gen).to(dtype)
             v = torch.randn(train_batch, train_len, hkv, d, generator=gen).to(dtype)
@@ -107,9 +119,20 @@ def main(argv=None) -> dict:
                 t_ours = _median(lambda: sn.dense_causal_attention(q, k, v, scale), args.repeats)
                 t_sdpa = _median(lambda: _sdpa(q, k, v, scale), args.repeats)
                 t_core = _median(lambda: _torch_core_dense(q, k, v, scale), max(3, args.repeats // 2))
-            rows.append(dict(shape=shape, dtype=str(dtype).removeprefix("torch."), case="prefill", batch=train_batch,
-                             seq_len=train_len, ours_s=t_ours, stock_sdpa_s=t_sdpa, torch_core_s=t_core,
-                             speed_ours_over_stock=t_sdpa / t_ours, speed_ours_over_torch_core=t_core / t_ours))
+            rows.append(
+                dict(
+                    shape=shape,
+                    dtype=str(dtype).removeprefix("torch."),
+                    case="prefill",
+                    batch=train_batch,
+                    seq_len=train_len,
+                    ours_s=t_ours,
+                    stock_sdpa_s=t_sdpa,
+                    torch_core_s=t_core,
+                    speed_ours_over_stock=t_sdpa / t_ours,
+                    speed_ours_over_torch_core=t_core / t_ours,
+                )
+            )
             gy = torch.randn(q.shape, generator=gen)
 
             def fb(fn):
@@ -117,15 +140,26 @@ def main(argv=None) -> dict:
 
                 def run():
                     (fn(*leaves, scale).float() * gy).sum().backward()
+
                 return run
 
             t_ours = _median(fb(sn.dense_causal_attention), args.repeats)
             t_sdpa = _median(fb(_sdpa), args.repeats)
             t_core = _median(fb(_torch_core_dense), max(3, args.repeats // 2))
-            rows.append(dict(shape=shape, dtype=str(dtype).removeprefix("torch."), case="train_fwd_bwd",
-                             batch=train_batch, seq_len=train_len, ours_s=t_ours, stock_sdpa_s=t_sdpa,
-                             torch_core_s=t_core, speed_ours_over_stock=t_sdpa / t_ours,
-                             speed_ours_over_torch_core=t_core / t_ours))
+            rows.append(
+                dict(
+                    shape=shape,
+                    dtype=str(dtype).removeprefix("torch."),
+                    case="train_fwd_bwd",
+                    batch=train_batch,
+                    seq_len=train_len,
+                    ours_s=t_ours,
+                    stock_sdpa_s=t_sdpa,
+                    torch_core_s=t_core,
+                    speed_ours_over_stock=t_sdpa / t_ours,
+                    speed_ours_over_torch_core=t_core / t_ours,
+                )
+            )
             for r in rows[-3:]:
                 print(json.dumps(r), flush=True)
     result = {"machine": machine_facts(), "args": vars(args), "rows": rows}

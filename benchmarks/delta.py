@@ -13,6 +13,7 @@
 
 Medians go to ``--out`` (JSON). Usage: ``python -m benchmarks.delta --out benchmarks/results/delta.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ import os
 import shutil
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from shared_numerics.machine import machine_facts
@@ -53,9 +55,12 @@ def _layer_scale(codecs: list[str], density: float, n: int = 4096) -> dict:
             t0 = time.perf_counter()
             assert dec(a, payload) == b
             t_dec.append(time.perf_counter() - t0)
-        out[c] = {"ratio": len(payload) / len(b), "bytes_per_changed": len(payload) / max(changed, 1),
-                  "encode_gbps": len(b) / statistics.median(t_enc) / 1e9,
-                  "decode_gbps": len(b) / statistics.median(t_dec) / 1e9}
+        out[c] = {
+            "ratio": len(payload) / len(b),
+            "bytes_per_changed": len(payload) / max(changed, 1),
+            "encode_gbps": len(b) / statistics.median(t_enc) / 1e9,
+            "decode_gbps": len(b) / statistics.median(t_dec) / 1e9,
+        }
     return out
 
 
@@ -70,8 +75,14 @@ def _model_scale(codecs: list[str], density: float = 0.02, tensors: int = 16, n:
     import numpy as np
     import torch
 
-    from deltasync import (apply_delta_in_place, apply_incremental_snapshot, element_density, weight_bytes,
-                           write_full_snapshot, write_incremental_snapshot)
+    from deltasync import (
+        apply_delta_in_place,
+        apply_incremental_snapshot,
+        element_density,
+        weight_bytes,
+        write_full_snapshot,
+        write_incremental_snapshot,
+    )
     from deltasync.snapshot import ENCODE_THREADS
     from zerokld_testing import make_tokenizer
 
@@ -106,10 +117,15 @@ def _model_scale(codecs: list[str], density: float = 0.02, tensors: int = 16, n:
             t_host = time.perf_counter() - t0
             shutil.rmtree(tmp / f"{c}_applied")
             size, mb = weight_bytes(d), out["model_bytes"]
-            out[c] = {"ratio": size / mb, "bytes_per_changed": size / changed, "encode_gbps": mb / t_enc / 1e9,
-                      "in_place_stage_gbps": mb / t_stage / 1e9, "in_place_commit_gbps": mb / t_commit / 1e9,
-                      "host_apply_gbps": mb / t_host / 1e9,
-                      "encode_plus_commit_gbps": mb / (t_enc + t_commit) / 1e9}
+            out[c] = {
+                "ratio": size / mb,
+                "bytes_per_changed": size / changed,
+                "encode_gbps": mb / t_enc / 1e9,
+                "in_place_stage_gbps": mb / t_stage / 1e9,
+                "in_place_commit_gbps": mb / t_commit / 1e9,
+                "host_apply_gbps": mb / t_host / 1e9,
+                "encode_plus_commit_gbps": mb / (t_enc + t_commit) / 1e9,
+            }
     return out
 
 
@@ -119,13 +135,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--run-dir", default=None, help="an existing run (<dir>/zerokld/sync/snapshots)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--swaps", type=int, default=5)
-    ap.add_argument("--codecs-only", action="store_true", help="only the model-scale codec figures (no run, no "
-                    "engines); merged into an existing --out")
-    ap.add_argument("--lr", type=float, default=1e-6, help="GRPO learning rate of the run (1e-6: typical LLM RL; the "
-                    "example's 2e-4 moves most bf16 elements of its tiny model every step)")
+    ap.add_argument(
+        "--codecs-only",
+        action="store_true",
+        help="only the model-scale codec figures (no run, no engines); merged into an existing --out",
+    )
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=1e-6,
+        help="GRPO learning rate of the run (1e-6: typical LLM RL; the "
+        "example's 2e-4 moves most bf16 elements of its tiny model every step)",
+    )
     args = ap.parse_args(argv)
-    from deltasync import (apply_incremental_snapshot, element_density, read_snapshot_tensors, weight_bytes,
-                           write_incremental_snapshot)
+    from deltasync import (
+        apply_incremental_snapshot,
+        element_density,
+        read_snapshot_tensors,
+        weight_bytes,
+        write_incremental_snapshot,
+    )
     from zerokld_plugins import registered
 
     out = Path(args.out)
@@ -142,15 +171,31 @@ def main(argv=None) -> dict:
         from examples.countdown.run import main as countdown
 
         shutil.rmtree(run, ignore_errors=True)
-        countdown(["--out", str(run), "--runs", "zerokld", "--steps", str(args.steps), "--sft-steps", "30",
-                   "--full-every", "1", "--keep-snapshots", "--lr", str(args.lr)])
+        countdown(
+            [
+                "--out",
+                str(run),
+                "--runs",
+                "zerokld",
+                "--steps",
+                str(args.steps),
+                "--sft-steps",
+                "30",
+                "--full-every",
+                "1",
+                "--keep-snapshots",
+                "--lr",
+                str(args.lr),
+            ]
+        )
     snaps = sorted(p for p in snaps_dir.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
     codecs = sorted(registered("codec"))
-    per: dict[str, dict[str, list[float]]] = {c: {"ratio": [], "bytes_per_changed": [], "encode_gbps": [],
-                                                  "apply_gbps": []} for c in codecs}
+    per: dict[str, dict[str, list[float]]] = {
+        c: {"ratio": [], "bytes_per_changed": [], "encode_gbps": [], "apply_gbps": []} for c in codecs
+    }
     densities = []
     work = out.parent / "delta_work"
-    for a, b in zip(snaps, snaps[1:]):
+    for a, b in pairwise(snaps):
         full = weight_bytes(b)
         changed, total = element_density(read_snapshot_tensors(a), read_snapshot_tensors(b))
         densities.append(changed / total)
@@ -169,15 +214,18 @@ def main(argv=None) -> dict:
             per[c]["apply_gbps"].append(full / t_app / 1e9)
     shutil.rmtree(work, ignore_errors=True)
     layer = _layer_scale(codecs, statistics.median(densities))
-    result = {"machine": machine_facts(), "args": vars(args),
-              "snapshots": len(snaps),
-              "model_bytes": weight_bytes(snaps[-1]), "density_median": statistics.median(densities),
-              "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
-              "layer_scale_codecs": layer, "model_scale_codecs": _model_scale(codecs)}
+    result = {
+        "machine": machine_facts(),
+        "args": vars(args),
+        "snapshots": len(snaps),
+        "model_bytes": weight_bytes(snaps[-1]),
+        "density_median": statistics.median(densities),
+        "codecs": {c: {k: statistics.median(v) for k, v in m.items()} for c, m in per.items()},
+        "layer_scale_codecs": layer,
+        "model_scale_codecs": _model_scale(codecs),
+    }
 
-    from vllm_plugin.engines import reload_weights
-
-    from vllm_plugin.engines import shutdown_llm, start_llm
+    from vllm_plugin.engines import reload_weights, shutdown_llm, start_llm
 
     restart, swap = [], []
     for i in range(min(args.swaps, len(snaps) - 1)):

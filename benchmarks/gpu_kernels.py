@@ -15,6 +15,7 @@ Usage (GPU): ``python -m benchmarks.gpu_kernels --out benchmarks/results/gpu_ker
 Without a GPU: ``--smoke`` runs every case at tiny shapes on CPU under Triton's interpreter (checks the script; its
 timings mean nothing and are labelled so); otherwise writes ``{"skipped": ...}`` and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ TARGETS = {  # name -> (metric key path, threshold); {large}/{small}: the run's 
 
 def _timer(device: str):
     if device == "cuda":
+
         def cuda_time(fn, repeats):
             for _ in range(3):
                 fn()
@@ -57,6 +59,7 @@ def _timer(device: str):
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
             return statistics.median(times)
+
         return cuda_time
 
     from benchmarks.timing import wall_times
@@ -114,7 +117,7 @@ def _ops(args, T, C, time_ms, dev, dt) -> dict:
         ids = torch.randint(-1, args.lora_adapters, (m,), generator=g, device=dev)
 
         def lora(ours: bool, a=x, rows=ids):
-            return (T["lora_linear"] if ours else S["lora_linear"])(a, w, None, la, lb, ls, rows[:a.shape[0]])
+            return (T["lora_linear"] if ours else S["lora_linear"])(a, w, None, la, lb, ls, rows[: a.shape[0]])
 
         def cublas_rows(rows):
             from shared_numerics.gemm_cublas import fixed_rows_matmul
@@ -122,34 +125,100 @@ def _ops(args, T, C, time_ms, dev, dt) -> dict:
             return lambda a=x: fixed_rows_matmul(a, w.t(), rows=rows)
 
         cases = {
-            "linear": (lambda: T["linear"](x, w), lambda: F.linear(x, w), 2 * m * n * h, None,
-                       lambda a: T["linear"](a, w), lambda a: F.linear(a, w), x),
-            "linear_cublas": (lambda: C["linear"](x, w), lambda: F.linear(x, w), 2 * m * n * h, None,
-                              lambda a: C["linear"](a, w), None, x),
+            "linear": (
+                lambda: T["linear"](x, w),
+                lambda: F.linear(x, w),
+                2 * m * n * h,
+                None,
+                lambda a: T["linear"](a, w),
+                lambda a: F.linear(a, w),
+                x,
+            ),
+            "linear_cublas": (
+                lambda: C["linear"](x, w),
+                lambda: F.linear(x, w),
+                2 * m * n * h,
+                None,
+                lambda a: C["linear"](a, w),
+                None,
+                x,
+            ),
             # the row block is in the numerics contract; other sizes measured to choose it
             "linear_cublas_rows64": (cublas_rows(64), lambda: F.linear(x, w), 2 * m * n * h, None, None, None, x),
             "linear_cublas_rows128": (cublas_rows(128), lambda: F.linear(x, w), 2 * m * n * h, None, None, None, x),
             "linear_cublas_rows512": (cublas_rows(512), lambda: F.linear(x, w), 2 * m * n * h, None, None, None, x),
-            "lora_linear": (lambda: lora(True), lambda: lora(False),
-                            2 * m * n * h + 4 * m * args.lora_rank * (n + h), None,
-                            lambda a: lora(True, a), lambda a: lora(False, a), x),
-            "fp8_linear": (lambda: T["fp8_linear"](x, qw, sw), scaled_mm, 2 * m * n * h, None,
-                           lambda a: T["fp8_linear"](a, qw, sw), None, x),
-            "rms_norm": (lambda: T["rms_norm"](x, nw, 1e-6), lambda: S["rms_norm"](x, nw, 1e-6), None,
-                         2 * x.numel() * x.element_size(), lambda a: T["rms_norm"](a, nw, 1e-6),
-                         lambda a: S["rms_norm"](a, nw, 1e-6), x),
-            "add_rms_norm": (lambda: T["add_rms_norm"](x, r, nw, 1e-6), lambda: S["add_rms_norm"](x, r, nw, 1e-6),
-                             None, 4 * x.numel() * x.element_size(), None, None, x),
-            "rms_norm_rope": (lambda: T["rms_norm_rope"](q, nw[:d], 1e-6, cos, sin),
-                              lambda: S["rms_norm_rope"](q, nw[:d], 1e-6, cos, sin), None,
-                              2 * q.numel() * q.element_size(), None, None, q),
-            "silu_and_mul": (lambda: T["silu_and_mul"](gate, up), lambda: S["silu_and_mul"](gate, up), None,
-                             3 * gate.numel() * gate.element_size(), None, None, gate),
-            "log_softmax": (lambda: T["log_softmax"](z), lambda: S["log_softmax"](z), None,
-                            z.numel() * (z.element_size() + 4), lambda a: T["log_softmax"](a),
-                            lambda a: S["log_softmax"](a), z),
-            "selected_logprobs": (lambda: T["selected_logprobs"](z, tgt), lambda: S["selected_logprobs"](z, tgt),
-                                  None, z.numel() * z.element_size(), None, None, z),
+            "lora_linear": (
+                lambda: lora(True),
+                lambda: lora(False),
+                2 * m * n * h + 4 * m * args.lora_rank * (n + h),
+                None,
+                lambda a: lora(True, a),
+                lambda a: lora(False, a),
+                x,
+            ),
+            "fp8_linear": (
+                lambda: T["fp8_linear"](x, qw, sw),
+                scaled_mm,
+                2 * m * n * h,
+                None,
+                lambda a: T["fp8_linear"](a, qw, sw),
+                None,
+                x,
+            ),
+            "rms_norm": (
+                lambda: T["rms_norm"](x, nw, 1e-6),
+                lambda: S["rms_norm"](x, nw, 1e-6),
+                None,
+                2 * x.numel() * x.element_size(),
+                lambda a: T["rms_norm"](a, nw, 1e-6),
+                lambda a: S["rms_norm"](a, nw, 1e-6),
+                x,
+            ),
+            "add_rms_norm": (
+                lambda: T["add_rms_norm"](x, r, nw, 1e-6),
+                lambda: S["add_rms_norm"](x, r, nw, 1e-6),
+                None,
+                4 * x.numel() * x.element_size(),
+                None,
+                None,
+                x,
+            ),
+            "rms_norm_rope": (
+                lambda: T["rms_norm_rope"](q, nw[:d], 1e-6, cos, sin),
+                lambda: S["rms_norm_rope"](q, nw[:d], 1e-6, cos, sin),
+                None,
+                2 * q.numel() * q.element_size(),
+                None,
+                None,
+                q,
+            ),
+            "silu_and_mul": (
+                lambda: T["silu_and_mul"](gate, up),
+                lambda: S["silu_and_mul"](gate, up),
+                None,
+                3 * gate.numel() * gate.element_size(),
+                None,
+                None,
+                gate,
+            ),
+            "log_softmax": (
+                lambda: T["log_softmax"](z),
+                lambda: S["log_softmax"](z),
+                None,
+                z.numel() * (z.element_size() + 4),
+                lambda a: T["log_softmax"](a),
+                lambda a: S["log_softmax"](a),
+                z,
+            ),
+            "selected_logprobs": (
+                lambda: T["selected_logprobs"](z, tgt),
+                lambda: S["selected_logprobs"](z, tgt),
+                None,
+                z.numel() * z.element_size(),
+                None,
+                None,
+                z,
+            ),
         }
         for name, (ours, stock, flops, nbytes, ours_rows, stock_rows, inp) in cases.items():
             try:
@@ -175,13 +244,18 @@ def _attention(args, T, time_ms, dev, dt) -> dict:
         return torch.randn(*shape, generator=g, device=dev).to(dt)
 
     q, k, v = rnd(b, t, hq, d), rnd(b, t, hk, d), rnd(b, t, hk, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     out = {}
     flops = 4 * b * hq * d * t * (t + 1) / 2  # causal: half the score matrix, two matmuls
-    out["prefill"] = _pair(time_ms, lambda: T["dense_causal_attention"](q, k, v, scale),
-                           lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                  v.transpose(1, 2), is_causal=True, enable_gqa=True),
-                           args.repeats, flops=flops)
+    out["prefill"] = _pair(
+        time_ms,
+        lambda: T["dense_causal_attention"](q, k, v, scale),
+        lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        ),
+        args.repeats,
+        flops=flops,
+    )
     print("attention prefill", out["prefill"], flush=True)
     # decode: one query per request, each over its own context in a paged cache of block_size blocks
     nreq, ctx, bs = args.decode_requests, args.decode_context, args.block_size
@@ -194,10 +268,13 @@ def _attention(args, T, time_ms, dev, dt) -> dict:
     lens = torch.full((nreq,), ctx, device=dev, dtype=torch.int32)
     kc_contig, vc_contig = rnd(nreq, hk, ctx, d), rnd(nreq, hk, ctx, d)
     kv_bytes = 2 * nreq * ctx * hk * d * kv.element_size()
-    out["decode"] = _pair(time_ms, lambda: T["paged_causal_attention"](qd, kc, vc, qsl, lens, table, scale, 1, ctx),
-                          lambda: F.scaled_dot_product_attention(qd[:, :, None], kc_contig, vc_contig,
-                                                                 enable_gqa=True),
-                          args.repeats, bytes_=kv_bytes)
+    out["decode"] = _pair(
+        time_ms,
+        lambda: T["paged_causal_attention"](qd, kc, vc, qsl, lens, table, scale, 1, ctx),
+        lambda: F.scaled_dot_product_attention(qd[:, :, None], kc_contig, vc_contig, enable_gqa=True),
+        args.repeats,
+        bytes_=kv_bytes,
+    )
     out["decode"]["ours_kv_gb_per_s"] = out["decode"].pop("ours_gb_per_s")
     out["decode"]["stock_contiguous_kv_gb_per_s"] = out["decode"].pop("stock_gb_per_s")
     print("attention decode", out["decode"], flush=True)
@@ -208,9 +285,16 @@ def _layer(args, T, dev, dt, time_ms) -> dict:
     """One Qwen3-8B-shaped decoder layer on ``prefill_batch x prefill_len`` tokens: forward, forward+backward."""
     from benchmarks.op_model import OpModel, OpModelSpec, stock_layer
 
-    spec = OpModelSpec(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=1,
-                       num_attention_heads=args.hidden // args.head_dim, num_key_value_heads=args.kv_heads,
-                       head_dim=args.head_dim, intermediate_size=args.inter, init_std=0.02)
+    spec = OpModelSpec(
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        num_hidden_layers=1,
+        num_attention_heads=args.hidden // args.head_dim,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.inter,
+        init_std=0.02,
+    )
     model = OpModel(spec, dt, device=dev, ops=T)
     lw = {k: v.requires_grad_() for k, v in model.layers[0].items()}
     b, t = args.prefill_batch, args.prefill_len
@@ -228,6 +312,7 @@ def _layer(args, T, dev, dt, time_ms) -> dict:
         def run():
             out = fn()
             out.backward(torch.ones_like(out))
+
         return run
 
     tokens = b * t
@@ -250,13 +335,18 @@ def _gemm_configs(args, time_ms, dev, dt) -> dict:
     g = torch.Generator(device=dev).manual_seed(2)
     w = (torch.randn(args.inter, args.hidden, generator=g, device=dev) * 0.02).to(dt)
     current = matmul.CONFIGS[dt]
-    candidates = {"current": current} if dev != "cuda" else {
-        "current": current,
-        "128x256x64_g8_s3_w8": matmul.GemmConfig(128, 256, 64, 8, 3, 8, ieee=current.ieee),
-        "128x128x64_g8_s4_w4": matmul.GemmConfig(128, 128, 64, 8, 4, 4, ieee=current.ieee),
-        "128x128x128_g8_s3_w8": matmul.GemmConfig(128, 128, 128, 8, 3, 8, ieee=current.ieee),
-        "64x128x64_g8_s4_w4": matmul.GemmConfig(64, 128, 64, 8, 4, 4, ieee=current.ieee),
-        "64x256x64_g8_s3_w8": matmul.GemmConfig(64, 256, 64, 8, 3, 8, ieee=current.ieee)}
+    candidates = (
+        {"current": current}
+        if dev != "cuda"
+        else {
+            "current": current,
+            "128x256x64_g8_s3_w8": matmul.GemmConfig(128, 256, 64, 8, 3, 8, ieee=current.ieee),
+            "128x128x64_g8_s4_w4": matmul.GemmConfig(128, 128, 64, 8, 4, 4, ieee=current.ieee),
+            "128x128x128_g8_s3_w8": matmul.GemmConfig(128, 128, 128, 8, 3, 8, ieee=current.ieee),
+            "64x128x64_g8_s4_w4": matmul.GemmConfig(64, 128, 64, 8, 4, 4, ieee=current.ieee),
+            "64x256x64_g8_s3_w8": matmul.GemmConfig(64, 256, 64, 8, 3, 8, ieee=current.ieee),
+        }
+    )
     out = {}
     try:
         for name, cfg in candidates.items():
@@ -284,16 +374,21 @@ def _attention_configs(args, time_ms, dev, dt) -> dict:
     from shared_numerics.ops_triton import attention as A
 
     current = A.CONFIGS[dt]
-    candidates = {"current": current} if dev != "cuda" else {
-        "current": current,
-        "prefill_s3": replace(current, fwd_stages=3),
-        "prefill_64w4": replace(current, block_m=64, fwd_warps=4),
-        "prefill_64w4_s3": replace(current, block_m=64, fwd_warps=4, fwd_stages=3),
-        "decode_64w4": replace(current, decode_block_m=64, decode_warps=4),
-        "decode_64w4_s3": replace(current, decode_block_m=64, decode_warps=4, decode_stages=3),
-        "decode_128w8_s3": replace(current, decode_stages=3),
-        "bwd_s1": replace(current, bwd_stages=1),
-        "bwd_s3": replace(current, bwd_stages=3)}
+    candidates = (
+        {"current": current}
+        if dev != "cuda"
+        else {
+            "current": current,
+            "prefill_s3": replace(current, fwd_stages=3),
+            "prefill_64w4": replace(current, block_m=64, fwd_warps=4),
+            "prefill_64w4_s3": replace(current, block_m=64, fwd_warps=4, fwd_stages=3),
+            "decode_64w4": replace(current, decode_block_m=64, decode_warps=4),
+            "decode_64w4_s3": replace(current, decode_block_m=64, decode_warps=4, decode_stages=3),
+            "decode_128w8_s3": replace(current, decode_stages=3),
+            "bwd_s1": replace(current, bwd_stages=1),
+            "bwd_s3": replace(current, bwd_stages=3),
+        }
+    )
     b, t, hq, hk, d = args.prefill_batch, args.prefill_len, args.hidden // args.head_dim, args.kv_heads, args.head_dim
     g = torch.Generator(device=dev).manual_seed(3)
     q, k, v = (torch.randn(b, t, h, d, generator=g, device=dev).to(dt) for h in (hq, hk, hk))
@@ -306,7 +401,7 @@ def _attention_configs(args, time_ms, dev, dt) -> dict:
     qd = torch.randn(nreq, hq, d, generator=g, device=dev).to(dt)
     qsl = torch.arange(nreq + 1, device=dev, dtype=torch.int32)
     lens = torch.full((nreq,), ctx, device=dev, dtype=torch.int32)
-    scale = d ** -0.5
+    scale = d**-0.5
 
     def prefill():
         return A.dense_causal_attention(q, k, v, scale)
@@ -324,10 +419,16 @@ def _attention_configs(args, time_ms, dev, dt) -> dict:
         for name, cfg in candidates.items():
             A.CONFIGS[dt] = cfg
             try:
-                res = {"prefill_ms": time_ms(prefill, args.repeats), "fwd_bwd_ms": time_ms(fwd_bwd, args.repeats),
-                       "decode_ms": time_ms(decode, args.repeats)}
-                bits = {"prefill": prefill(), "fwd_bwd": torch.cat([x.flatten() for x in fwd_bwd()]),
-                        "decode": decode()}
+                res = {
+                    "prefill_ms": time_ms(prefill, args.repeats),
+                    "fwd_bwd_ms": time_ms(fwd_bwd, args.repeats),
+                    "decode_ms": time_ms(decode, args.repeats),
+                }
+                bits = {
+                    "prefill": prefill(),
+                    "fwd_bwd": torch.cat([x.flatten() for x in fwd_bwd()]),
+                    "decode": decode(),
+                }
                 if name == "current":
                     ref = bits
                 res.update({f"{key}_bitwise_current": bool(torch.equal(val, ref[key])) for key, val in bits.items()})
@@ -360,9 +461,24 @@ def targets(result: dict, small: int, large: int) -> dict:
 
 def smoke_args(values: dict) -> None:
     """Tiny shapes for a CPU run of the script's logic under Triton's interpreter (updates ``vars(args)``)."""
-    values.update(hidden=128, inter=256, vocab=512, head_dim=32, kv_heads=2, m_small=4, m_large=40, logit_rows=8,
-                prefill_batch=1, prefill_len=80, decode_requests=3, decode_context=64, block_size=16, repeats=1,
-                lora_adapters=3, lora_rank=8)
+    values.update(
+        hidden=128,
+        inter=256,
+        vocab=512,
+        head_dim=32,
+        kv_heads=2,
+        m_small=4,
+        m_large=40,
+        logit_rows=8,
+        prefill_batch=1,
+        prefill_len=80,
+        decode_requests=3,
+        decode_context=64,
+        block_size=16,
+        repeats=1,
+        lora_adapters=3,
+        lora_rank=8,
+    )
 
 
 def main(argv=None) -> dict:
@@ -382,7 +498,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-requests", type=int, default=64)
     ap.add_argument("--decode-context", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--lora-adapters", type=int, default=4, help="lora_linear: adapters (rows spread over them and none)")
+    ap.add_argument(
+        "--lora-adapters", type=int, default=4, help="lora_linear: adapters (rows spread over them and none)"
+    )
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny shapes on CPU under Triton's interpreter")
@@ -411,7 +529,9 @@ def main(argv=None) -> dict:
     time_ms = _timer(dev)
     result = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter: timings meaningless)",
-        "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "args": vars(args),
         "ops": _ops(args, T, C, time_ms, dev, dt),
         "attention": _attention(args, T, time_ms, dev, dt),
         "layer": _layer(args, T, dev, dt, time_ms),

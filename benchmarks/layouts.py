@@ -16,6 +16,7 @@ flags, threads).
 
 Usage: ``python -m benchmarks.layouts --out benchmarks/results/layouts_cpu2.json`` (writes ``.json`` and ``.md``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,37 +39,81 @@ from shared_numerics.machine import machine_facts
 
 def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, repeats: int, **spec) -> dict:
     path, out = tmp / f"{name}.json", tmp / f"{name}.pt"
-    path.write_text(json.dumps({"checkpoint": ckpt, "dtype": dtype, "sequences": seqs, "prompt_lengths": lens,
-                                "train_step": True, "repeat": repeats, "tp": 1, "tp_k_block": None, **spec}))
+    path.write_text(
+        json.dumps(
+            {
+                "checkpoint": ckpt,
+                "dtype": dtype,
+                "sequences": seqs,
+                "prompt_lengths": lens,
+                "train_step": True,
+                "repeat": repeats,
+                "tp": 1,
+                "tp_k_block": None,
+                **spec,
+            }
+        )
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--master-addr", "127.0.0.1", "--master-port", str(port), "--module",
-                           "zerokld_testing.titan_tp", str(path), str(out)], capture_output=True, text=True,
-                          timeout=1800, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--module",
+            "zerokld_testing.titan_tp",
+            str(path),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     if proc.returncode:
         raise RuntimeError(f"{name}: torchrun failed:\n{proc.stderr[-3000:]}")
     r = torch.load(out)
-    return {"forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
-            "step_s": r["seconds"]["step"][0], "logprobs": r["logprobs"]}
+    return {
+        "forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
+        "step_s": r["seconds"]["step"][0],
+        "logprobs": r["logprobs"],
+    }
 
 
 def markdown(result: dict) -> str:
     """The table of a result (one line per layout x engine), with its machine and workload."""
     m = result["machine"]
-    lines = ["# The trainer at each layout vs one rank (`benchmarks/layouts.py`)", "",
-             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} "
-             f"cores, {m['threads']} threads), torch {m['torch']}: {result['workload']}. Two ranks get one core each, "
-             "one rank both.", "",
-             "| layout | model | engine + trainer | forward: one rank / layout (s) | speed | RL step: one rank / layout (s) "
-             "| speed | log-probs == one rank |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# The trainer at each layout vs one rank (`benchmarks/layouts.py`)",
+        "",
+        (
+            f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} "
+            f"cores, {m['threads']} threads), torch {m['torch']}: {result['workload']}. Two ranks get one core each, "
+            "one rank both."
+        ),
+        "",
+        (
+            "| layout | model | engine + trainer | forward: one rank / layout (s) | speed "
+            "| RL step: one rank / layout (s) | speed | log-probs == one rank |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['layout']} | {r['arch']} | {r['engine']} | {r['one_rank_forward_s']:.2f} / "
-                     f"{r['forward_s']:.2f} | {r['forward_speed_vs_one_rank']:.2f}x | {r['one_rank_step_s']:.2f} / "
-                     f"{r['step_s']:.2f} | {r['step_speed_vs_one_rank']:.2f}x | "
-                     f"{'yes' if r['logprobs_equal_one_rank'] else 'no'} |")
+        lines.append(
+            f"| {r['layout']} | {r['arch']} | {r['engine']} | {r['one_rank_forward_s']:.2f} / "
+            f"{r['forward_s']:.2f} | {r['forward_speed_vs_one_rank']:.2f}x | {r['one_rank_step_s']:.2f} / "
+            f"{r['step_s']:.2f} | {r['step_speed_vs_one_rank']:.2f}x | "
+            f"{'yes' if r['logprobs_equal_one_rank'] else 'no'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -90,13 +135,16 @@ def main(argv=None) -> dict:
     seqs = [[1] + [rng.randrange(3, 30000) for _ in range(args.seq_len - 1)] for _ in range(args.batch)]
     lens = [args.seq_len // 2] * args.batch
     dense = realistic_spec(args.hidden, args.layers)
-    moe = dataclasses.replace(dense, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                              moe_intermediate_size=args.hidden)
+    moe = dataclasses.replace(
+        dense, family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=args.hidden
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="zerokld-layouts-") as tmp_name:
         tmp = Path(tmp_name)
-        ckpts = {name: str(make_tiny_checkpoint(tmp / name, spec, seed=0, dtype=args.dtype))
-                 for name, spec in (("qwen3", dense), ("qwen3_moe", moe))}
+        ckpts = {
+            name: str(make_tiny_checkpoint(tmp / name, spec, seed=0, dtype=args.dtype))
+            for name, spec in (("qwen3", dense), ("qwen3_moe", moe))
+        }
         layouts = {  # name: (checkpoint, ranks, the layout's spec, the one-rank baseline's spec)
             "tp2": ("qwen3", 2, {"tp": 2, "tp_k_block": 16}, {"tp_k_block": 16}),
             "ep2": ("qwen3_moe", 2, {"ep": 2, "split": True}, {}),
@@ -104,24 +152,55 @@ def main(argv=None) -> dict:
         for layout, (arch, nproc, spec, base) in layouts.items():
             for zerokld in (True, False):
                 stock = {} if zerokld else {"tp_k_block": None}
-                one = _run(tmp, f"{layout}_one_{zerokld}", ckpts[arch], args.dtype, seqs, lens, 1, args.repeats,
-                           batch_invariant=zerokld, **{**base, **stock})
-                par = _run(tmp, f"{layout}_{zerokld}", ckpts[arch], args.dtype, seqs, lens, nproc, args.repeats,
-                           batch_invariant=zerokld, **{**spec, **stock})
-                row = {"layout": layout, "arch": arch, "engine": "zerokld" if zerokld else "stock", "ranks": nproc,
-                       "one_rank_forward_s": one["forward_s"], "forward_s": par["forward_s"],
-                       "one_rank_step_s": one["step_s"], "step_s": par["step_s"],
-                       "forward_speed_vs_one_rank": one["forward_s"] / par["forward_s"],
-                       "step_speed_vs_one_rank": one["step_s"] / par["step_s"],
-                       "logprobs_equal_one_rank": bool(torch.equal(torch.cat(one["logprobs"]),
-                                                                   torch.cat(par["logprobs"])))}
+                one = _run(
+                    tmp,
+                    f"{layout}_one_{zerokld}",
+                    ckpts[arch],
+                    args.dtype,
+                    seqs,
+                    lens,
+                    1,
+                    args.repeats,
+                    batch_invariant=zerokld,
+                    **{**base, **stock},
+                )
+                par = _run(
+                    tmp,
+                    f"{layout}_{zerokld}",
+                    ckpts[arch],
+                    args.dtype,
+                    seqs,
+                    lens,
+                    nproc,
+                    args.repeats,
+                    batch_invariant=zerokld,
+                    **{**spec, **stock},
+                )
+                row = {
+                    "layout": layout,
+                    "arch": arch,
+                    "engine": "zerokld" if zerokld else "stock",
+                    "ranks": nproc,
+                    "one_rank_forward_s": one["forward_s"],
+                    "forward_s": par["forward_s"],
+                    "one_rank_step_s": one["step_s"],
+                    "step_s": par["step_s"],
+                    "forward_speed_vs_one_rank": one["forward_s"] / par["forward_s"],
+                    "step_speed_vs_one_rank": one["step_s"] / par["step_s"],
+                    "logprobs_equal_one_rank": bool(
+                        torch.equal(torch.cat(one["logprobs"]), torch.cat(par["logprobs"]))
+                    ),
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_facts(),
-              "workload": f"{args.batch} sequences of {args.seq_len} tokens, {args.dtype}, Qwen3 hidden {args.hidden} "
-                          f"x {args.layers} layers (MoE: 8 experts top-2), forward medians of {args.repeats - 1} "
-                          "timed runs after one, one RL step",
-              "rows": rows}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_facts(),
+        "workload": f"{args.batch} sequences of {args.seq_len} tokens, {args.dtype}, Qwen3 hidden {args.hidden} "
+        f"x {args.layers} layers (MoE: 8 experts top-2), forward medians of {args.repeats - 1} "
+        "timed runs after one, one RL step",
+        "rows": rows,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""One linear layer, ours ÷ stock, side by side in one run: ``shared_numerics.linear`` vs ``torch.nn.functional.linear``.
+"""One linear layer, ours ÷ stock, side by side in one run: ``shared_numerics.linear`` vs
+``torch.nn.functional.linear``.
 
 For each dtype (float32, bfloat16) and each row count ``M`` (default 1, 16, 32, 256, 2048) at ``K = N = 1024``:
 
@@ -21,6 +22,7 @@ records ours: the float32 path (``fmachain``: the compiled kernel; ``onednn``: p
 thread count (``ZEROKLD_GEMM_THREADS``, used by the oneDNN paths only). Usage:
 ``python -m benchmarks.linear --out benchmarks/results/linear_xeon_amx_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +43,7 @@ def _fwd(fn, x, w):
     def run():
         with torch.no_grad():
             fn(x, w)
+
     return run
 
 
@@ -50,6 +53,7 @@ def _fwd_bwd(fn, x, w, g):
     def run():
         xg.grad = wg.grad = None
         fn(xg, wg).backward(g)
+
     return run
 
 
@@ -59,11 +63,13 @@ def measure(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, row_tiles:
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
     g = torch.randn(m, n, generator=gen).to(dtype)
     rows = []
-    for direction, make in (("forward", lambda fn: _fwd(fn, x, w)), ("forward_backward",
-                                                                       lambda fn: _fwd_bwd(fn, x, w, g))):
+    for direction, make in (
+        ("forward", lambda fn: _fwd(fn, x, w)),
+        ("forward_backward", lambda fn: _fwd_bwd(fn, x, w, g)),
+    ):
         contract_tile = sl.ROW_TILE
         try:
             runs = {}
@@ -74,15 +80,29 @@ def measure(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, row_tiles:
         finally:
             sl.ROW_TILE = contract_tile
         stock = runs[str(contract_tile)][0]
-        row = {"dtype": str(dtype).removeprefix("torch."), "M": m, "K": k, "N": n, "direction": direction,
-               "stock_s": statistics.median(stock), "stock_all": stock, "ours": {}}
+        row = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "M": m,
+            "K": k,
+            "N": n,
+            "direction": direction,
+            "stock_s": statistics.median(stock),
+            "stock_all": stock,
+            "ours": {},
+        }
         for tile, (st, ours) in runs.items():
-            row["ours"][tile] = {"ours_s": statistics.median(ours), "ours_all": ours,
-                                 "speed_ours_over_stock": statistics.median(st) / statistics.median(ours)}
+            row["ours"][tile] = {
+                "ours_s": statistics.median(ours),
+                "ours_all": ours,
+                "speed_ours_over_stock": statistics.median(st) / statistics.median(ours),
+            }
         row["row_tile"] = contract_tile
         row["speed_ours_over_stock"] = row["ours"][str(contract_tile)]["speed_ours_over_stock"]
-        print(f"{row['dtype']:9s} M={m:5d} {direction:16s} stock {row['stock_s'] * 1e3:8.2f} ms  ours "
-              + "  ".join(f"R{t}: {v['speed_ours_over_stock']:.2f}x" for t, v in row["ours"].items()), flush=True)
+        print(
+            f"{row['dtype']:9s} M={m:5d} {direction:16s} stock {row['stock_s'] * 1e3:8.2f} ms  ours "
+            + "  ".join(f"R{t}: {v['speed_ours_over_stock']:.2f}x" for t, v in row["ours"].items()),
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -104,8 +124,14 @@ def main(argv=None) -> dict:
     for dtype in args.dtypes.split(","):
         for m in (int(v) for v in args.ms.split(",")):
             rows.extend(measure(m, args.k, args.n, getattr(torch, dtype), args.repeats, tiles))
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_facts(), "args": vars(args),
-              "row_tile": sl.ROW_TILE, "gemm_partition": sl.gemm_partition(), "rows": rows}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_facts(),
+        "args": vars(args),
+        "row_tile": sl.ROW_TILE,
+        "gemm_partition": sl.gemm_partition(),
+        "rows": rows,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,6 +8,7 @@ weight. ``naive`` materialises ``[N, V]`` logits; ``fused`` is :func:`shared_num
 its own subprocess so that its peak RSS (``ru_maxrss``) is its own; time is the median of ``--repeats`` steps after
 one warm-up. Usage: ``python -m benchmarks.losses --out runs/bench/losses.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,16 @@ def _one(loss_name: str, path: str, vocab: int, tokens: int, hidden: int, repeat
 
     times = wall_times(step, repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"loss": loss_name, "path": path, "vocab": vocab, "tokens": tokens, "seconds_median": statistics.median(
-        times), "seconds": times, "peak_rss_mib": peak / 1024, "peak_rss_over_inputs_mib": (peak - base_rss) / 1024}
+    return {
+        "loss": loss_name,
+        "path": path,
+        "vocab": vocab,
+        "tokens": tokens,
+        "seconds_median": statistics.median(times),
+        "seconds": times,
+        "peak_rss_mib": peak / 1024,
+        "peak_rss_over_inputs_mib": (peak - base_rss) / 1024,
+    }
 
 
 def main(argv=None) -> dict:
@@ -70,9 +79,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-naive-gib", type=float, default=12.0,
-                    help="skip the naive path where its [tokens, vocab] buffers (~24 bytes per logit: float32 logits, "
-                         "float64 softmax, gradients) would exceed this")
+    ap.add_argument(
+        "--max-naive-gib",
+        type=float,
+        default=12.0,
+        help="skip the naive path where its [tokens, vocab] buffers (~24 bytes per logit: float32 logits, "
+        "float64 softmax, gradients) would exceed this",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:  # child process: one configuration, JSON on stdout
@@ -86,36 +99,62 @@ def main(argv=None) -> dict:
                 for path in ("naive", "fused", "two_pass"):
                     need_gib = tokens * vocab * 24 / 2**30
                     if path == "naive" and need_gib > args.max_naive_gib:
-                        rows.append({"loss": loss_name, "path": path, "vocab": vocab, "tokens": tokens,
-                                     "skipped": f"needs ~{need_gib:.0f} GiB of logits buffers"})
+                        rows.append(
+                            {
+                                "loss": loss_name,
+                                "path": path,
+                                "vocab": vocab,
+                                "tokens": tokens,
+                                "skipped": f"needs ~{need_gib:.0f} GiB of logits buffers",
+                            }
+                        )
                         print(f"{loss_name:14s} V={vocab:6d} N={tokens:5d} naive    skipped (~{need_gib:.0f} GiB)")
                         continue
-                    cmd = [sys.executable, "-m", "benchmarks.losses", "--one", f"{loss_name}:{path}:{vocab}:{tokens}",
-                           "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.losses",
+                        "--one",
+                        f"{loss_name}:{path}:{vocab}:{tokens}",
+                        "--hidden",
+                        str(args.hidden),
+                        "--repeats",
+                        str(args.repeats),
+                    ]
                     res = subprocess.run(cmd, capture_output=True, text=True)
                     if res.returncode != 0:
-                        rows.append({"loss": loss_name, "path": path, "vocab": vocab, "tokens": tokens,
-                                     "failed": f"exit {res.returncode}: {res.stderr.strip()[-300:]}"})
+                        rows.append(
+                            {
+                                "loss": loss_name,
+                                "path": path,
+                                "vocab": vocab,
+                                "tokens": tokens,
+                                "failed": f"exit {res.returncode}: {res.stderr.strip()[-300:]}",
+                            }
+                        )
                         print(f"{loss_name:14s} V={vocab:6d} N={tokens:5d} {path:8s} failed (exit {res.returncode})")
                         continue
                     row = json.loads(res.stdout.strip().splitlines()[-1])
                     rows.append(row)
-                    print(f"{loss_name:14s} V={vocab:6d} N={tokens:5d} {path:8s} "
-                          f"{row['seconds_median'] * 1e3:9.1f} ms  peak {row['peak_rss_mib']:8.0f} MiB", flush=True)
+                    print(
+                        f"{loss_name:14s} V={vocab:6d} N={tokens:5d} {path:8s} "
+                        f"{row['seconds_median'] * 1e3:9.1f} ms  peak {row['peak_rss_mib']:8.0f} MiB",
+                        flush=True,
+                    )
     summary = []
     for r in rows:
         if r["path"] != "fused" or "seconds_median" not in r:
             continue
-        same = {x["path"]: x for x in rows if (x["loss"], x["vocab"], x["tokens"]) == (r["loss"], r["vocab"],
-                                                                                     r["tokens"])}
+        same = {
+            x["path"]: x for x in rows if (x["loss"], x["vocab"], x["tokens"]) == (r["loss"], r["vocab"], r["tokens"])
+        }
         entry = {"loss": r["loss"], "vocab": r["vocab"], "tokens": r["tokens"]}
         if "seconds_median" in same.get("two_pass", {}):
             entry["fused_over_two_pass_time"] = r["seconds_median"] / same["two_pass"]["seconds_median"]
         if "peak_rss_mib" in same.get("naive", {}):
             entry["fused_over_naive_peak_rss"] = r["peak_rss_mib"] / same["naive"]["peak_rss_mib"]
         summary.append(entry)
-    out = {"machine": machine_facts(), "args": vars(args), "rows": rows,
-           "summary": summary}
+    out = {"machine": machine_facts(), "args": vars(args), "rows": rows, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

@@ -17,6 +17,7 @@ the log-prob the engine reports for each generated token must equal, bitwise, th
 per-request attention over the gathered cache), which do not agree with themselves across the two paths.
 Weights are random (``init_std``), shapes any: :data:`QWEN3_8B` gives the layer shapes of Qwen3-8B.
 """
+
 from __future__ import annotations
 
 import random
@@ -28,8 +29,16 @@ import torch.nn.functional as F
 import shared_numerics as sn
 from shared_numerics import sampling
 
-__all__ = ["OpModel", "OpModelSpec", "QWEN3_8B", "STOCK_OPS", "RolloutResult", "peft_lora_linear", "rollout",
-           "stock_layer"]
+__all__ = [
+    "OpModel",
+    "OpModelSpec",
+    "QWEN3_8B",
+    "STOCK_OPS",
+    "RolloutResult",
+    "peft_lora_linear",
+    "rollout",
+    "stock_layer",
+]
 
 
 @dataclass(frozen=True)
@@ -49,8 +58,16 @@ class OpModelSpec:
     init_std: float = 0.05
 
 
-QWEN3_8B = OpModelSpec(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=12288, init_std=0.02)
+QWEN3_8B = OpModelSpec(
+    vocab_size=151936,
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    init_std=0.02,
+)
 
 
 def _stock_rms_norm(x, w, eps):
@@ -65,13 +82,15 @@ def _stock_rope(x, cos, sin):
 
 
 def _stock_dense_attention(q, k, v, scale):
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2)
 
 
-def _stock_paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                           max_query_len=None, max_seq_len=None):
+def _stock_paged_attention(
+    q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None, max_seq_len=None
+):
     """Per request: gather its keys from the cache, SDPA with the causal offset (the stock way to read a cache)."""
     out = torch.empty_like(q)
     bs = key_cache.shape[2]
@@ -84,8 +103,14 @@ def _stock_paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
         v = value_cache[blocks, :, slots]
         qpos = torch.arange(n - (b - a), n, device=q.device)
         mask = pos[None, :] <= qpos[:, None]
-        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[a:b] = o[0].transpose(0, 1)
     return out
 
@@ -133,8 +158,15 @@ class OpModel:
     """Random-weight Qwen3-style decoder on an op table (``ops``: a table like ``shared_numerics.ops_torch.OPS``,
     :data:`STOCK_OPS`, or ``None`` for the dispatching public functions of :mod:`shared_numerics`)."""
 
-    def __init__(self, spec: OpModelSpec, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
-                 ops: dict | None = None, num_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: OpModelSpec,
+        dtype: torch.dtype = torch.bfloat16,
+        device="cpu",
+        seed: int = 0,
+        ops: dict | None = None,
+        num_layers: int | None = None,
+    ) -> None:
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
         self.ops = ops if ops is not None else {name: getattr(sn, name) for name in sn.OP_NAMES}
         self.num_layers = spec.num_hidden_layers if num_layers is None else num_layers
@@ -149,9 +181,22 @@ class OpModel:
             return (1.0 + 0.1 * torch.randn(n, generator=g)).to(device=self.device, dtype=dtype)
 
         self.embed = w(spec.vocab_size, h, std=1.0)
-        self.layers = [dict(input_norm=gain(h), q=w(nq * d, h), k=w(nkv * d, h), v=w(nkv * d, h), o=w(h, nq * d),
-                            q_norm=gain(d), k_norm=gain(d), post_norm=gain(h), gate=w(i, h), up=w(i, h),
-                            down=w(h, i)) for _ in range(self.num_layers)]
+        self.layers = [
+            dict(
+                input_norm=gain(h),
+                q=w(nq * d, h),
+                k=w(nkv * d, h),
+                v=w(nkv * d, h),
+                o=w(h, nq * d),
+                q_norm=gain(d),
+                k_norm=gain(d),
+                post_norm=gain(h),
+                gate=w(i, h),
+                up=w(i, h),
+                down=w(h, i),
+            )
+            for _ in range(self.num_layers)
+        ]
         self.norm = gain(h)
         self.lm_head = w(spec.vocab_size, h)
 
@@ -164,8 +209,11 @@ class OpModel:
         k = o["linear"](a, lw["k"]).view(n, s.num_key_value_heads, s.head_dim)
         v = o["linear"](a, lw["v"]).view(n, s.num_key_value_heads, s.head_dim)
         if s.qk_norm and fused:
-            return (o["rms_norm_rope"](q, lw["q_norm"], s.rms_norm_eps, cos, sin),
-                    o["rms_norm_rope"](k, lw["k_norm"], s.rms_norm_eps, cos, sin), v)
+            return (
+                o["rms_norm_rope"](q, lw["q_norm"], s.rms_norm_eps, cos, sin),
+                o["rms_norm_rope"](k, lw["k_norm"], s.rms_norm_eps, cos, sin),
+                v,
+            )
         if s.qk_norm:
             q, k = o["rms_norm"](q, lw["q_norm"], s.rms_norm_eps), o["rms_norm"](k, lw["k_norm"], s.rms_norm_eps)
         return o["apply_rope"](q, cos, sin), o["apply_rope"](k, cos, sin), v
@@ -180,8 +228,9 @@ class OpModel:
         b, t, _ = h.shape
         a = o["rms_norm"](h, lw["input_norm"], s.rms_norm_eps).reshape(b * t, -1)
         q, k, v = self.attention_inputs(lw, a, cos, sin, fused=False)
-        attn = o["dense_causal_attention"](q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]),
-                                           v.view(b, t, *v.shape[1:]), s.head_dim ** -0.5)
+        attn = o["dense_causal_attention"](
+            q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]), s.head_dim**-0.5
+        )
         h = h + o["linear"](attn.reshape(b, t, -1), lw["o"])
         return h + self.mlp(lw, o["rms_norm"](h, lw["post_norm"], s.rms_norm_eps))
 
@@ -205,18 +254,28 @@ class OpModel:
         out = []
         for i, s in enumerate(seqs):
             logits = self.ops["linear"](h[i, : len(s) - 1], self.lm_head)
-            out.append(self.ops["selected_logprobs"](logits, tokens[i, 1: len(s)]))
+            out.append(self.ops["selected_logprobs"](logits, tokens[i, 1 : len(s)]))
         return out
 
     # ------------------------------------------------------------------ serving path
-    def paged_forward(self, tokens, positions, query_start_loc, seq_lens, block_table, slot_mapping, kv_caches,
-                      max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    def paged_forward(
+        self,
+        tokens,
+        positions,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        slot_mapping,
+        kv_caches,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
         """vLLM's order on a flattened batch: returns the final-normed hidden states ``[N, H]``."""
         o, s = self.ops, self.spec
         h = self.embed[tokens]
         cos, sin = o["rope_cos_sin"](positions, s.head_dim, s.rope_theta)
         delta = None
-        for lw, kv in zip(self.layers, kv_caches):
+        for lw, kv in zip(self.layers, kv_caches, strict=True):
             if delta is None:
                 a = o["rms_norm"](h, lw["input_norm"], s.rms_norm_eps)
             else:
@@ -226,10 +285,20 @@ class OpModel:
             bs = key_cache.shape[2]
             key_cache[slot_mapping // bs, :, slot_mapping % bs] = k
             value_cache[slot_mapping // bs, :, slot_mapping % bs] = v
-            attn = o["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
-                                               s.head_dim ** -0.5, max_query_len, max_seq_len)
-            h, f = o["add_rms_norm"](h, o["linear"](attn.reshape(h.shape[0], -1), lw["o"]), lw["post_norm"],
-                                     s.rms_norm_eps)
+            attn = o["paged_causal_attention"](
+                q,
+                key_cache,
+                value_cache,
+                query_start_loc,
+                seq_lens,
+                block_table,
+                s.head_dim**-0.5,
+                max_query_len,
+                max_seq_len,
+            )
+            h, f = o["add_rms_norm"](
+                h, o["linear"](attn.reshape(h.shape[0], -1), lw["o"]), lw["post_norm"], s.rms_norm_eps
+            )
             delta = self.mlp(lw, f)
         return o["add_rms_norm"](h, delta, self.norm, s.rms_norm_eps)[1]
 
@@ -245,9 +314,18 @@ class RolloutResult:
     mixed_steps: int
 
 
-def rollout(model: OpModel, prompts: list[list[int]], max_new_tokens: int, *, token_budget: int = 64,
-            block_size: int = 16, arrivals: list[int] | None = None, temperature: float = 0.0,
-            seeds: list[int] | None = None, shuffle_seed: int = 0) -> RolloutResult:
+def rollout(
+    model: OpModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    token_budget: int = 64,
+    block_size: int = 16,
+    arrivals: list[int] | None = None,
+    temperature: float = 0.0,
+    seeds: list[int] | None = None,
+    shuffle_seed: int = 0,
+) -> RolloutResult:
     """Serve ``prompts`` with continuous batching; see the module docstring.
 
     Args:
@@ -268,8 +346,10 @@ def rollout(model: OpModel, prompts: list[list[int]], max_new_tokens: int, *, to
     num_blocks = total // block_size + 2 * len(prompts) + 4
     free = list(range(num_blocks))
     random.Random(shuffle_seed).shuffle(free)
-    kv_caches = [torch.zeros(num_blocks, s.num_key_value_heads, block_size, 2 * s.head_dim, dtype=model.dtype,
-                             device=dev) for _ in range(model.num_layers)]
+    kv_caches = [
+        torch.zeros(num_blocks, s.num_key_value_heads, block_size, 2 * s.head_dim, dtype=model.dtype, device=dev)
+        for _ in range(model.num_layers)
+    ]
     seqs = [list(p) for p in prompts]
     done = [0] * len(prompts)  # tokens whose KV is in the cache
     blocks: list[list[int]] = [[] for _ in prompts]
@@ -306,8 +386,17 @@ def rollout(model: OpModel, prompts: list[list[int]], max_new_tokens: int, *, to
         def t(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=dev)
 
-        hid = model.paged_forward(t(toks), t(pos), t(qsl, torch.int32), t(lens, torch.int32), table.to(dev),
-                                  t(slots), kv_caches, max(n for _, n in batch), max(lens))
+        hid = model.paged_forward(
+            t(toks),
+            t(pos),
+            t(qsl, torch.int32),
+            t(lens, torch.int32),
+            table.to(dev),
+            t(slots),
+            kv_caches,
+            max(n for _, n in batch),
+            max(lens),
+        )
         last = t([q - 1 for q in qsl[1:]])
         logits = model.ops["linear"](hid[last], model.lm_head)
         lps = model.ops["log_softmax"](logits)
@@ -316,8 +405,14 @@ def rollout(model: OpModel, prompts: list[list[int]], max_new_tokens: int, *, to
             if done[r] < len(seqs[r]):
                 continue  # a prefill chunk that did not reach the end of the prompt
             if temperature > 0:
-                tok = int(sampling.sample_tokens(logits[i: i + 1], torch.tensor([temperature], device=dev),
-                                                 torch.tensor([seeds[r]]), torch.tensor([len(seqs[r]) - len(prompts[r])]))[0])
+                tok = int(
+                    sampling.sample_tokens(
+                        logits[i : i + 1],
+                        torch.tensor([temperature], device=dev),
+                        torch.tensor([seeds[r]]),
+                        torch.tensor([len(seqs[r]) - len(prompts[r])]),
+                    )[0]
+                )
             else:
                 tok = int(torch.argmax(lps[i]))
             logps[r].append(lps[i, tok].reshape(1))

@@ -18,6 +18,7 @@ each measured ``--repeats`` times after a warm-up:
 Writes JSON (medians, all repeats, ratios plugin/stock) to ``--out``. Usage:
 ``python -m benchmarks.rollout_overhead --out runs/bench/rollout_overhead.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,12 @@ def _measure(llm, args) -> dict:
         timed(short_prompts, one)  # the prompts' KV into the prefix cache
         t_many, t_one = timed(short_prompts, many, reset=False), timed(short_prompts, one, reset=False)
         decode.append(args.batch * (args.decode_len - 1) / max(t_many - t_one, 1e-9))
-    return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
-            "prefill_median": statistics.median(prefill), "decode_median": statistics.median(decode)}
+    return {
+        "prefill_tokens_per_s": prefill,
+        "decode_tokens_per_s": decode,
+        "prefill_median": statistics.median(prefill),
+        "decode_median": statistics.median(decode),
+    }
 
 
 def main(argv=None) -> dict:
@@ -73,16 +78,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--family", choices=["qwen3", "qwen3_moe", "deepseek_v3"], default="qwen3",
-                    help="qwen3_moe: 8 experts, top-2, expert FFN width = hidden; deepseek_v3: MLA + DeepSeekMoE")
-    ap.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (the zerokld side then runs its "
-                    "counter-based sampler; stock its own)")
+    ap.add_argument(
+        "--family",
+        choices=["qwen3", "qwen3_moe", "deepseek_v3"],
+        default="qwen3",
+        help="qwen3_moe: 8 experts, top-2, expert FFN width = hidden; deepseek_v3: MLA + DeepSeekMoE",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0 samples (the zerokld side then runs its counter-based sampler; stock its own)",
+    )
     ap.add_argument("--routes", action="store_true", help="zerokld side also returns routed experts (MoE)")
     args = ap.parse_args(argv)
 
     from benchmarks.trainer import deepseek_spec, realistic_spec
-    from zerokld_testing import make_deepseek_checkpoint, make_tiny_checkpoint
     from vllm_plugin.engines import STOCK_MLA_UNAVAILABLE, shutdown_llm, start_llm, stock_mla_available
+    from zerokld_testing import make_deepseek_checkpoint, make_tiny_checkpoint
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,8 +123,11 @@ def main(argv=None) -> dict:
                 shutdown_llm(llm)
         result["runs"][dtype] = per
         if "unavailable" in per["stock"]:
-            print(f"{dtype}: zerokld prefill {per['zerokld']['prefill_median']:.0f} tok/s, decode "
-                  f"{per['zerokld']['decode_median']:.0f} tok/s; stock unavailable here", flush=True)
+            print(
+                f"{dtype}: zerokld prefill {per['zerokld']['prefill_median']:.0f} tok/s, decode "
+                f"{per['zerokld']['decode_median']:.0f} tok/s; stock unavailable here",
+                flush=True,
+            )
             continue
         per["ratio_prefill"] = per["zerokld"]["prefill_median"] / per["stock"]["prefill_median"]
         per["ratio_decode"] = per["zerokld"]["decode_median"] / per["stock"]["decode_median"]

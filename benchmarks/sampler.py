@@ -11,6 +11,7 @@ timed ``--repeats`` times after a warm-up on the current thread count:
 Writes medians (seconds per step) and the ratio ours/stock as JSON. Usage:
 ``python -m benchmarks.sampler --out benchmarks/results/sampler_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="runs/bench/sampler.json")
     args = ap.parse_args(argv)
 
-    import vllm._custom_ops  # noqa: F401  (loads vllm._C: torch.ops._C.fused_gumbel_argmax)
+    import vllm._custom_ops  # noqa: F401 - loads vllm._C: torch.ops._C.fused_gumbel_argmax
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     from shared_numerics.sampling import sample_tokens
@@ -47,16 +48,24 @@ def main(argv=None) -> None:
         temp = torch.ones(b)
         seeds = torch.arange(b, dtype=torch.int64) * 7919
         pos = torch.full((b,), 17, dtype=torch.int64)
-        for label, k, p in (("plain", None, None), ("top_k50_top_p0.9", torch.full((b,), 50),
-                                                    torch.full((b,), 0.9))):
+        for label, k, p in (("plain", None, None), ("top_k50_top_p0.9", torch.full((b,), 50), torch.full((b,), 0.9))):
             ours = wall_times(lambda: sample_tokens(logits, temp, seeds, pos, k, p), args.repeats)
             theirs = wall_times(lambda: stock(logits.clone(), {}, k, p), args.repeats)
-            row = {"batch": b, "vocab": v, "case": label, "ours_s": statistics.median(ours),
-                   "stock_s": statistics.median(theirs), "ours_all": ours, "stock_all": theirs}
+            row = {
+                "batch": b,
+                "vocab": v,
+                "case": label,
+                "ours_s": statistics.median(ours),
+                "stock_s": statistics.median(theirs),
+                "ours_all": ours,
+                "stock_all": theirs,
+            }
             row["ratio_ours_over_stock"] = row["ours_s"] / row["stock_s"]
             results.append(row)
-            print(f"{b}x{v} {label}: ours {row['ours_s'] * 1e3:.1f} ms, stock {row['stock_s'] * 1e3:.1f} ms, "
-                  f"ratio {row['ratio_ours_over_stock']:.1f}")
+            print(
+                f"{b}x{v} {label}: ours {row['ours_s'] * 1e3:.1f} ms, stock {row['stock_s'] * 1e3:.1f} ms, "
+                f"ratio {row['ratio_ours_over_stock']:.1f}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_facts(), "results": results}, indent=2))

@@ -24,9 +24,11 @@ The preemption and thread engines prefill whole prompts (no chunking) so that st
 
 A claim stock meets too cannot be proven by a test on this machine; these numbers say which. Writes JSON to
 ``--out``. Usage: ``python -m benchmarks.stock_invariance --out benchmarks/results/stock_invariance_cpu2.json``;
-``python -m benchmarks.stock_invariance --preemption --configs qwen3_moe:float32:64,qwen3:float32:1024,llama:bfloat16:128
+``python -m benchmarks.stock_invariance --preemption --configs
+qwen3_moe:float32:64,qwen3:float32:1024,llama:bfloat16:128
 --out benchmarks/results/stock_preemption_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +44,10 @@ from shared_numerics.machine import machine_facts
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 SIZES = {  # hidden size -> (intermediate, heads, kv heads, head_dim)
-    64: (128, 4, 2, 32), 128: (256, 4, 2, 32), 1024: (3072, 16, 8, 128)}
+    64: (128, 4, 2, 32),
+    128: (256, 4, 2, 32),
+    1024: (3072, 16, 8, 128),
+}
 
 
 def _claims(llm, ckpt: str, dtype: str) -> dict:
@@ -73,20 +78,31 @@ def _claims(llm, ckpt: str, dtype: str) -> dict:
     llm.reset_prefix_cache()
     gen([base], greedy())
     warm = gen([base + [5, 6, 7, 8]], greedy())[0]
-    out["prefix_cache"] = {"differs": not torch.equal(completion_logprobs(cold), completion_logprobs(warm)),
-                           "cached_tokens": warm.num_cached_tokens or 0}
+    out["prefix_cache"] = {
+        "differs": not torch.equal(completion_logprobs(cold), completion_logprobs(warm)),
+        "cached_tokens": warm.num_cached_tokens or 0,
+    }
     ps = random_prompts(6, seed=3)
     outs = gen(ps, greedy(20))
     llm.reset_prefix_cache()
-    scored = gen([p + list(o.outputs[0].token_ids) for p, o in zip(ps, outs)], greedy(1, prompt_logprobs=0))
-    out["decode_vs_prompt"] = {"differing": sum(not torch.equal(completion_logprobs(o), prompt_logprobs(s, len(p)))
-                                                for p, o, s in zip(ps, outs, scored)), "of": len(ps)}
+    scored = gen(
+        [p + list(o.outputs[0].token_ids) for p, o in zip(ps, outs, strict=True)], greedy(1, prompt_logprobs=0)
+    )
+    out["decode_vs_prompt"] = {
+        "differing": sum(
+            not torch.equal(completion_logprobs(o), prompt_logprobs(s, len(p)))
+            for p, o, s in zip(ps, outs, scored, strict=True)
+        ),
+        "of": len(ps),
+    }
     long_prompt = random_prompts(1, seed=4, lo=230, hi=231)[0]
     llm.reset_prefix_cache()
     got = prompt_logprobs(gen([long_prompt], greedy(1, prompt_logprobs=0))[0], 1)
     ref = trainer_logprobs(ckpt, [long_prompt], [1], dtype=dtype)[0]
-    out["engine_vs_trainer"] = {"differs": not torch.equal(got, ref),
-                                "max_abs_logprob_diff": (got - ref).abs().max().item()}
+    out["engine_vs_trainer"] = {
+        "differs": not torch.equal(got, ref),
+        "max_abs_logprob_diff": (got - ref).abs().max().item(),
+    }
     return out
 
 
@@ -94,11 +110,8 @@ def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
     """Reference engine (1 thread, no preemption) vs a 2-thread engine and vs a preempting engine."""
     import torch
 
-    from vllm_plugin.engines import completion_logprobs
-    from zerokld_testing import mixed_sampling_params
-
-    from vllm_plugin.engines import shutdown_llm, start_llm
-    from zerokld_testing import random_prompts
+    from vllm_plugin.engines import completion_logprobs, shutdown_llm, start_llm
+    from zerokld_testing import mixed_sampling_params, random_prompts
 
     prompts = random_prompts(32, seed=16, lo=20, hi=60)
     params = [mixed_sampling_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]  # the MoE test's requests
@@ -115,13 +128,15 @@ def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
             shutdown_llm(llm)
 
     def differing(a, b) -> int:
-        return sum(x[0] != y[0] or not torch.equal(x[1], y[1]) for x, y in zip(a, b))
+        return sum(x[0] != y[0] or not torch.equal(x[1], y[1]) for x, y in zip(a, b, strict=True))
 
     ref, _ = run("0")
     two, _ = run("0-1")
     small, pre = run("0", num_gpu_blocks_override=6, block_size=32)
-    out = {"threads": {"differing": differing(ref, two), "of": len(prompts)},
-           "preemption": {"differing": differing(ref, small), "of": len(prompts), "preemptions": pre}}
+    out = {
+        "threads": {"differing": differing(ref, two), "of": len(prompts)},
+        "preemption": {"differing": differing(ref, small), "of": len(prompts), "preemptions": pre},
+    }
     try:  # the tests' setting: prefills chunked at 64 tokens, with seeded requests
         chunked, _ = run("0", max_num_batched_tokens=64)
         out["seeded_chunked_prefill"] = {"error": None, "differing": differing(ref, chunked), "of": len(prompts)}
@@ -133,31 +148,46 @@ def _preemption_claims(ckpt: str, dtype: str, plugin: bool) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench/stock_invariance.json")
-    ap.add_argument("--configs", default="qwen3:float32:64,qwen3:bfloat16:64,llama:bfloat16:128,qwen3:float32:1024",
-                    help="family:dtype:hidden_size, comma-separated")
-    ap.add_argument("--preemption", action="store_true",
-                    help="measure the thread-count and preemption claims instead (3 engines per configuration)")
+    ap.add_argument(
+        "--configs",
+        default="qwen3:float32:64,qwen3:bfloat16:64,llama:bfloat16:128,qwen3:float32:1024",
+        help="family:dtype:hidden_size, comma-separated",
+    )
+    ap.add_argument(
+        "--preemption",
+        action="store_true",
+        help="measure the thread-count and preemption claims instead (3 engines per configuration)",
+    )
     args = ap.parse_args(argv)
-    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
-    from vllm_plugin.engines import shutdown_llm, start_llm
 
-    import torch
+    from vllm_plugin.engines import shutdown_llm, start_llm
+    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.configs.split(","):
             family, dtype, hidden = item.split(":")
             inter, heads, kv, head_dim = SIZES[int(hidden)]
-            spec = TinyModelSpec(family=family, hidden_size=int(hidden), intermediate_size=inter,
-                                 num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                                 init_std=0.08 if int(hidden) <= 128 else 0.02)
+            spec = TinyModelSpec(
+                family=family,
+                hidden_size=int(hidden),
+                intermediate_size=inter,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                head_dim=head_dim,
+                init_std=0.08 if int(hidden) <= 128 else 0.02,
+            )
             if family == "qwen3_moe" and int(hidden) == 64:
                 spec = TinyModelSpec(family="qwen3_moe")  # the MoE tests' model (tests/conftest.py)
             ckpt = str(make_tiny_checkpoint(Path(tmp) / item.replace(":", "_"), spec, seed=1, dtype=dtype))
             for plugin in (False, True):
                 t0 = time.perf_counter()
-                row = {"family": family, "dtype": dtype, "hidden_size": int(hidden),
-                       "engine": "zerokld" if plugin else "stock"}
+                row = {
+                    "family": family,
+                    "dtype": dtype,
+                    "hidden_size": int(hidden),
+                    "engine": "zerokld" if plugin else "stock",
+                }
                 if args.preemption:
                     row.update(_preemption_claims(ckpt, dtype, plugin))
                 else:

@@ -3,8 +3,9 @@
 One GRPO batch (``--groups`` prompt groups of ``--group-size`` completions; prompt ``--prompt`` tokens, completions of
 ``--min-completion``..``--max-completion`` tokens, random token ids, on-policy PPO) on the trainer benchmark's model
 (:func:`benchmarks.trainer.realistic_spec`: hidden ``--hidden``, ``--layers`` layers, ``hidden / 64`` heads of dim
-64, ``hidden / 256`` KV heads, FFN ``3 x hidden``, vocabulary 32,768), one :class:`titan_plugin.rl.RLTrainer` (TorchTitan, FSDP on one process, learning rate 0
-so every step sees the same weights). Per dtype, each timed ``--repeats`` times after a warm-up, medians in seconds:
+64, ``hidden / 256`` KV heads, FFN ``3 x hidden``, vocabulary 32,768), one :class:`titan_plugin.rl.RLTrainer`
+(TorchTitan, FSDP on one process, learning rate 0 so every step sees the same weights). Per dtype, each timed
+``--repeats`` times after a warm-up, medians in seconds:
 
 * ``rl_step``: TorchTitan's ``train_step`` on the whole batch (one batched forward and backward, optimizer step) —
   the reference: no exactness across groupings;
@@ -26,6 +27,7 @@ experts (top-2, each expert's FFN ``hidden`` wide) in every layer.
 ``forward_backward`` took (``exact_accumulation``). Usage:
 ``python -m benchmarks.streaming --out benchmarks/results/streaming_h1024_xeon_amx_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +49,23 @@ def _batch(args, numerics):
 
     rng = random.Random(0)
     n = args.groups * args.group_size
-    seqs = [[1] + [rng.randrange(3, 90) for _ in range(args.prompt - 1 + rng.randrange(args.min_completion,
-                                                                                     args.max_completion + 1))]
-            for _ in range(n)]
+    seqs = [
+        [1]
+        + [
+            rng.randrange(3, 90)
+            for _ in range(args.prompt - 1 + rng.randrange(args.min_completion, args.max_completion + 1))
+        ]
+        for _ in range(n)
+    ]
     return RolloutBatch(seqs, [args.prompt] * n, [rng.uniform(-1, 1) for _ in range(n)], numerics=numerics)
 
 
 def _grads(trainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        for n, p in trainer.model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def _timed(fn) -> float:
@@ -73,13 +83,19 @@ def run_dtype(args, dtype: str, root: Path) -> dict:
     spec = realistic_spec(args.hidden, args.layers, args.prompt + args.max_completion + 32)
     name = f"streaming_model_{args.hidden}_{dtype}"
     if args.moe_experts:  # every MLP an MoE of that many experts, top-2, each expert's FFN hidden wide
-        spec = dataclasses.replace(spec, family="qwen3_moe", num_experts=args.moe_experts, num_experts_per_tok=2,
-                                   moe_intermediate_size=args.hidden)
+        spec = dataclasses.replace(
+            spec,
+            family="qwen3_moe",
+            num_experts=args.moe_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=args.hidden,
+        )
         name += f"_moe{args.moe_experts}"
     ckpt = make_tiny_checkpoint(Path("runs/bench") / name, spec, seed=0, dtype=dtype)
     lora = lora_converter_config(rank=args.lora_rank, alpha=args.lora_rank) if args.lora_rank else None
-    trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / f"dump_{dtype}"), dtype=dtype, lr=0.0, lora=lora,
-                                          fp8=args.fp8))
+    trainer = RLTrainer(
+        rl_trainer_config(str(ckpt), str(root / f"dump_{dtype}"), dtype=dtype, lr=0.0, lora=lora, fp8=args.fp8)
+    )
     try:
         batch = _batch(args, trainer.numerics)
         groups = [batch.select(range(s, s + args.group_size)) for s in range(0, len(batch), args.group_size)]
@@ -114,27 +130,45 @@ def run_dtype(args, dtype: str, root: Path) -> dict:
     finally:
         trainer.close()
     if args.stock:  # TorchTitan stock (nn.Linear, SDPA; stock LoRA / MoE), its train_step on the same batch
-        trainer = RLTrainer(rl_trainer_config(str(ckpt), str(root / f"stock_{dtype}"), dtype=dtype, lr=0.0,
-                                              lora=lora, batch_invariant=False, fused=False))
+        trainer = RLTrainer(
+            rl_trainer_config(
+                str(ckpt),
+                str(root / f"stock_{dtype}"),
+                dtype=dtype,
+                lr=0.0,
+                lora=lora,
+                batch_invariant=False,
+                fused=False,
+            )
+        )
         try:
             trainer.rl_step(batch)
             times["stock_rl_step"] = [_timed(lambda: trainer.rl_step(batch)) for _ in range(args.repeats)]
         finally:
             trainer.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"exact_accumulation": way, "exact_accumulation_off": off, "all_s": times, "median_s": med,
-              "one_rollout_at_a_time_s": per_rollout, "streamed_grads_bitwise_one_call": bitwise,
-              "streamed_over_rl_step": med["rl_step"] / med["streamed"],
-              "one_call_over_rl_step": med["rl_step"] / med["one_call"],
-              "one_rollout_at_a_time_over_rl_step": med["rl_step"] / per_rollout,
-              "completion_tokens": sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lengths))}
+    result = {
+        "exact_accumulation": way,
+        "exact_accumulation_off": off,
+        "all_s": times,
+        "median_s": med,
+        "one_rollout_at_a_time_s": per_rollout,
+        "streamed_grads_bitwise_one_call": bitwise,
+        "streamed_over_rl_step": med["rl_step"] / med["streamed"],
+        "one_call_over_rl_step": med["rl_step"] / med["one_call"],
+        "one_rollout_at_a_time_over_rl_step": med["rl_step"] / per_rollout,
+        "completion_tokens": sum(len(s) - p for s, p in zip(batch.sequences, batch.prompt_lengths, strict=True)),
+    }
     if args.stock:
         result["rl_step_over_stock_rl_step"] = med["stock_rl_step"] / med["rl_step"]
         result["streamed_over_stock_rl_step"] = med["stock_rl_step"] / med["streamed"]
-    print(f"{dtype}: rl_step {med['rl_step']:.3f} s, streamed {med['streamed']:.3f} s "
-          f"({result['streamed_over_rl_step']:.2f}x), one call {med['one_call']:.3f} s, one rollout at a time "
-          f"{per_rollout:.3f} s; {way}; streamed == one call: {bitwise}"
-          + (f"; stock rl_step {med['stock_rl_step']:.3f} s" if args.stock else ""), flush=True)
+    print(
+        f"{dtype}: rl_step {med['rl_step']:.3f} s, streamed {med['streamed']:.3f} s "
+        f"({result['streamed_over_rl_step']:.2f}x), one call {med['one_call']:.3f} s, one rollout at a time "
+        f"{per_rollout:.3f} s; {way}; streamed == one call: {bitwise}"
+        + (f"; stock rl_step {med['stock_rl_step']:.3f} s" if args.stock else ""),
+        flush=True,
+    )
     return result
 
 
@@ -150,13 +184,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-completion", type=int, default=32)
     ap.add_argument("--max-completion", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--lora-rank", type=int, default=0,
-                    help="train LoRA adapters of this rank (alpha = rank) on every projection; 0: all parameters")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (alpha = rank) on every projection; 0: all parameters",
+    )
     ap.add_argument("--fp8", default=None, help="FP8 QAT of the decoder projections: per_channel or block")
-    ap.add_argument("--stock", action="store_true",
-                    help="also time TorchTitan stock's train_step on the batch (not with --fp8: zerokld only)")
-    ap.add_argument("--moe-experts", type=int, default=0,
-                    help="Qwen3-MoE: every MLP this many experts (top-2, each FFN hidden wide); 0: dense")
+    ap.add_argument(
+        "--stock",
+        action="store_true",
+        help="also time TorchTitan stock's train_step on the batch (not with --fp8: zerokld only)",
+    )
+    ap.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        help="Qwen3-MoE: every MLP this many experts (top-2, each FFN hidden wide); 0: dense",
+    )
     args = ap.parse_args(argv)
     if args.stock and args.fp8:
         ap.error("--stock with --fp8: TorchTitan stock has no FP8 QAT of zerokld's quantizer to compare with")

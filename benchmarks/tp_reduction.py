@@ -25,6 +25,7 @@ time on 8 GPUs over NVLink (inputs in the JSON: per-direction link bandwidth, ``
 
 Usage: ``python -m benchmarks.tp_reduction --out benchmarks/results/tp_reduction_cpu2.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,20 @@ from pathlib import Path
 from shared_numerics.machine import machine_facts
 
 SHAPES = [  # (M tokens, K = full input width, N = output width): decode-sized and prefill-sized batches
-    (16, 2048, 2048), (256, 2048, 2048), (16, 4096, 1024), (1024, 1024, 1024),
+    (16, 2048, 2048),
+    (256, 2048, 2048),
+    (16, 4096, 1024),
+    (1024, 1024, 1024),
 ]
 K_BLOCK = 128
 VOCAB, VOCAB_TOKENS = 151936, [16, 256]  # Qwen3's vocabulary; decode- and prefill-sized batches
-PAPER = {"tp": 8, "link_GBps_per_direction": 450.0, "hidden": 4096,
-         "source": "H100 SXM NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100 datasheet); Qwen3-8B hidden 4096",
-         "tokens": [1, 64, 256, 8192]}
+PAPER = {
+    "tp": 8,
+    "link_GBps_per_direction": 450.0,
+    "hidden": 4096,
+    "source": "H100 SXM NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA H100 datasheet); Qwen3-8B hidden 4096",
+    "tokens": [1, 64, 256, 8192],
+}
 
 
 def _rank(rank: int, world: int, port: int, dtype_name: str, repeats: int, out_dir: str) -> None:
@@ -55,8 +63,8 @@ def _rank(rank: int, world: int, port: int, dtype_name: str, repeats: int, out_d
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import shared_numerics as sn
-    from benchmarks.timing import wall_times
     import shared_numerics.vocab_parallel as vp
+    from benchmarks.timing import wall_times
     from shared_numerics.tensor_parallel import row_parallel_linear
 
     dtype = getattr(torch, dtype_name)
@@ -72,7 +80,7 @@ def _rank(rank: int, world: int, port: int, dtype_name: str, repeats: int, out_d
         x = torch.randn(m, k, generator=g).to(dtype)
         w = torch.randn(n, k, generator=g).to(dtype)
         kl = k // world
-        xs, ws = x[:, rank * kl:(rank + 1) * kl].contiguous(), w[:, rank * kl:(rank + 1) * kl].contiguous()
+        xs, ws = x[:, rank * kl : (rank + 1) * kl].contiguous(), w[:, rank * kl : (rank + 1) * kl].contiguous()
         y = torch.randn(m, n, generator=g).to(dtype)
         root = torch.randn(1, m, n, generator=g)
 
@@ -91,8 +99,12 @@ def _rank(rank: int, world: int, port: int, dtype_name: str, repeats: int, out_d
             row_parallel_linear(xs, ws, k_block=K_BLOCK, gather=gather)
 
         res = {"M": m, "K": k, "N": n}
-        for name, fn in (("stock_comm", stock_comm), ("ours_comm", ours_comm), ("stock_layer", stock_layer),
-                         ("ours_layer", ours_layer)):
+        for name, fn in (
+            ("stock_comm", stock_comm),
+            ("ours_comm", ours_comm),
+            ("stock_layer", stock_layer),
+            ("ours_layer", ours_layer),
+        ):
             dist.barrier()
             res[name + "_ms"] = statistics.median(wall_times(fn, repeats, warmup=2)) * 1e3
         res["bytes_received_stock"] = 2 * (world - 1) / world * m * n * y.element_size()
@@ -145,10 +157,18 @@ def _paper() -> list[dict]:
         stock = 2 * (tp - 1) / tp * m * n * 2
         gather = (tp - 1) * m * n * 4
         a2a = (tp - 1) / tp * m * n * (4 + 2)
-        out.append({"M": m, "N": n, "bytes_stock_allreduce_bf16": stock, "bytes_ours_allgather_fp32": gather,
-                    "bytes_ours_alltoall_fp32_plus_allgather_bf16": a2a,
-                    "us_stock": stock / bw * 1e6, "us_ours_allgather": gather / bw * 1e6,
-                    "us_ours_alltoall": a2a / bw * 1e6})
+        out.append(
+            {
+                "M": m,
+                "N": n,
+                "bytes_stock_allreduce_bf16": stock,
+                "bytes_ours_allgather_fp32": gather,
+                "bytes_ours_alltoall_fp32_plus_allgather_bf16": a2a,
+                "us_stock": stock / bw * 1e6,
+                "us_ours_allgather": gather / bw * 1e6,
+                "us_ours_alltoall": a2a / bw * 1e6,
+            }
+        )
     return out
 
 
@@ -159,8 +179,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tp_reduction_cpu2.json")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    result = {"machine": {**machine_facts(), "tp": 2, "backend": "gloo (loopback), one thread per rank"},
-              "k_block": K_BLOCK, "measured": {}, "measured_vocab_parallel": {}, "paper_8gpu_nvlink": {"inputs": PAPER, "rows": _paper()}}
+    result = {
+        "machine": {**machine_facts(), "tp": 2, "backend": "gloo (loopback), one thread per rank"},
+        "k_block": K_BLOCK,
+        "measured": {},
+        "measured_vocab_parallel": {},
+        "paper_8gpu_nvlink": {"inputs": PAPER, "rows": _paper()},
+    }
     for dtype in ("bfloat16", "float32"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -181,14 +206,18 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1))
     for dtype, rows in result["measured"].items():
         for r in rows:
-            print(f"{dtype} M={r['M']} K={r['K']} N={r['N']}: comm stock {r['stock_comm_ms']:.3f} ms ours "
-                  f"{r['ours_comm_ms']:.3f} ms (x{r['comm_ratio']:.2f}); layer stock {r['stock_layer_ms']:.2f} ms "
-                  f"ours {r['ours_layer_ms']:.2f} ms (x{r['layer_ratio']:.2f})")
+            print(
+                f"{dtype} M={r['M']} K={r['K']} N={r['N']}: comm stock {r['stock_comm_ms']:.3f} ms ours "
+                f"{r['ours_comm_ms']:.3f} ms (x{r['comm_ratio']:.2f}); layer stock {r['stock_layer_ms']:.2f} ms "
+                f"ours {r['ours_layer_ms']:.2f} ms (x{r['layer_ratio']:.2f})"
+            )
     for dtype, rows in result["measured_vocab_parallel"].items():
         for r in rows:
-            print(f"{dtype} vocab-parallel M={r['M']} V={r['V']}: stock {r['stock_vocab_ms']:.2f} ms ours "
-                  f"{r['ours_vocab_ms']:.2f} ms (x{r['vocab_ratio']:.2f}); TP 1 tree {r['tp1_tree_ms']:.2f} ms ours "
-                  f"{r['tp1_ours_ms']:.2f} ms (x{r['tp1_ratio_vs_tree']:.2f})")
+            print(
+                f"{dtype} vocab-parallel M={r['M']} V={r['V']}: stock {r['stock_vocab_ms']:.2f} ms ours "
+                f"{r['ours_vocab_ms']:.2f} ms (x{r['vocab_ratio']:.2f}); TP 1 tree {r['tp1_tree_ms']:.2f} ms ours "
+                f"{r['tp1_ours_ms']:.2f} ms (x{r['tp1_ratio_vs_tree']:.2f})"
+            )
 
 
 if __name__ == "__main__":

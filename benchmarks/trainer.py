@@ -14,6 +14,7 @@ after a warm-up on the current torch thread count (stock and ours alternate); me
 The JSON records the machine (CPU model, ISA flags, threads). Usage:
 ``python -m benchmarks.trainer --out benchmarks/results/trainer_h1024_xeon_amx_cpu2.json``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,17 @@ def realistic_spec(hidden: int, layers: int, max_positions: int = 1024):
     (the factory tokenizer padded with filler tokens)."""
     from zerokld_testing import TinyModelSpec
 
-    return TinyModelSpec(family="qwen3", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
-                         head_dim=64, max_position_embeddings=max(1024, max_positions), vocab_size=32768)
+    return TinyModelSpec(
+        family="qwen3",
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        max_position_embeddings=max(1024, max_positions),
+        vocab_size=32768,
+    )
 
 
 def deepseek_spec(hidden: int, layers: int, max_positions: int = 1024):
@@ -46,12 +55,27 @@ def deepseek_spec(hidden: int, layers: int, max_positions: int = 1024):
     dense FFN ``3 x hidden``, vocabulary 32,768."""
     from zerokld_testing import DeepSeekSpec
 
-    return DeepSeekSpec(hidden_size=hidden, intermediate_size=3 * hidden, moe_intermediate_size=hidden // 2,
-                        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), q_lora_rank=hidden // 2,
-                        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                        n_routed_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
-                        first_k_dense_replace=1, init_std=0.02, max_position_embeddings=max(1024, max_positions),
-                        vocab_size=32768)
+    return DeepSeekSpec(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        q_lora_rank=hidden // 2,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=32,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        init_std=0.02,
+        max_position_embeddings=max(1024, max_positions),
+        vocab_size=32768,
+    )
 
 
 def _step(model, seqs: list[list[int]]) -> None:
@@ -90,8 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in args.dtypes.split(","):
         # checkpoints go under runs/ (hundreds of MB at hidden 1024), never beside a results JSON
         ckpt = make(Path("runs/bench") / f"trainer_{args.arch}_{dtype}", spec, seed=0, dtype=dtype)
-        models = {mode: build_titan_model(str(ckpt), dtype=dtype, batch_invariant=mode == "zerokld")[0]
-                  for mode in ("zerokld", "stock")}
+        models = {
+            mode: build_titan_model(str(ckpt), dtype=dtype, batch_invariant=mode == "zerokld")[0]
+            for mode in ("zerokld", "stock")
+        }
         times: dict[str, list[float]] = {mode: [] for mode in models}
         for mode, model in models.items():  # warm-up (the CPU kernels build on first use)
             _step(model, seqs)
@@ -103,8 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
         per = {mode: {"all_s": ts, "median_s": statistics.median(ts)} for mode, ts in times.items()}
         per["speed_ours_over_stock"] = per["stock"]["median_s"] / per["zerokld"]["median_s"]
         result["runs"][dtype] = per
-        print(f"{dtype}: forward+backward zerokld {per['zerokld']['median_s']:.3f} s, stock "
-              f"{per['stock']['median_s']:.3f} s: {per['speed_ours_over_stock']:.2f}x", flush=True)
+        print(
+            f"{dtype}: forward+backward zerokld {per['zerokld']['median_s']:.3f} s, stock "
+            f"{per['stock']['median_s']:.3f} s: {per['speed_ours_over_stock']:.2f}x",
+            flush=True,
+        )
         del models
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

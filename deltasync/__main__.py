@@ -8,6 +8,7 @@
 Exit status 0 on success; on any refusal one line ``deltasync: <reason>`` on stderr and exit status 1 (nothing is
 published by a refused ``diff``/``apply``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ def verify(d: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deltasync", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m deltasync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("diff", help="write an incremental snapshot of NEW against BASE")
     p.add_argument("--base", required=True, type=Path)

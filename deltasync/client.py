@@ -6,6 +6,7 @@ for all, so the chains meet again). :meth:`HotLoadClient.fleet_status` tells whe
 
 Wire format: :mod:`deltasync.protocol` (Fireworks' bring-your-own-trainer signal, ``../shared/DESIGN.md`` §5).
 """
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,13 @@ class HotLoadRefused(ZeroKLDClientError, RuntimeError):
     def status_code(self) -> int:  # type: ignore[override]
         return self.status
 
-    def __init__(self, status: int, error: str, failures: dict[str, tuple[int, str]] | None = None,
-                 served: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        failures: dict[str, tuple[int, str]] | None = None,
+        served: list[str] | None = None,
+    ) -> None:
         n = len(failures or {})
         super().__init__(f"hot-load refused ({status}): {error}" + (f" (and {n - 1} more replicas)" if n > 1 else ""))
         self.status, self.error = status, error
@@ -52,15 +58,21 @@ class PushResult:
 
 class HotLoadClient:
     """Args:
-        base_urls: one or more replica base URLs (``http://host:port``).
-        api_key: the servers' ``--api-key`` (sent as a Bearer token), or ``None``.
-        transition: ``"async"`` or ``"sync"``; ``drain_timeout``: seconds (sync).
-        reset_prompt_cache: ``"all"`` | ``"new_session"`` | ``"none"``.
+    base_urls: one or more replica base URLs (``http://host:port``).
+    api_key: the servers' ``--api-key`` (sent as a Bearer token), or ``None``.
+    transition: ``"async"`` or ``"sync"``; ``drain_timeout``: seconds (sync).
+    reset_prompt_cache: ``"all"`` | ``"new_session"`` | ``"none"``.
     """
 
-    def __init__(self, base_urls: str | list[str], api_key: str | None = None, transition: str = "async",
-                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, reset_prompt_cache: str = "all",
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_urls: str | list[str],
+        api_key: str | None = None,
+        transition: str = "async",
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+        reset_prompt_cache: str = "all",
+        timeout: float = 600.0,
+    ) -> None:
         self.urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.transition, self.drain_timeout = transition, drain_timeout
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -100,7 +112,7 @@ class HotLoadClient:
             answers = {urls[0]: self._post(urls[0], body, headers)}
         else:
             with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-                answers = dict(zip(urls, pool.map(lambda u: self._post(u, body, headers), urls)))
+                answers = dict(zip(urls, pool.map(lambda u: self._post(u, body, headers), urls), strict=True))
         failures = {u: a for u, a in answers.items() if a[0] != 200}
         if failures:
             status, error = next(iter(failures.values()))
@@ -120,16 +132,19 @@ class HotLoadClient:
         rows = []
         for u in self.urls:
             try:
-                rows += [{"url": u, **r} for r in requests.get(u + PREFIX + "/status", headers=self.headers,
-                                                              timeout=30).json()["replicas"]]
+                rows += [
+                    {"url": u, **r}
+                    for r in requests.get(u + PREFIX + "/status", headers=self.headers, timeout=30).json()["replicas"]
+                ]
             except (requests.RequestException, ValueError, KeyError) as e:
                 rows.append({"url": u, "error": f"{type(e).__name__}: {e}"[:200]})
         ok = all("error" not in r and r["readiness"] for r in rows)
         digests = {r.get("weights_digest") or r.get("current_snapshot_identity") for r in rows}
         return {"replicas": rows, "consistent": ok and len(digests) == 1}
 
-    def push(self, writer: SnapshotWriter, identity: str, tensors: dict[str, torch.Tensor],
-             lora_name: str | None = None) -> PushResult:
+    def push(
+        self, writer: SnapshotWriter, identity: str, tensors: dict[str, torch.Tensor], lora_name: str | None = None
+    ) -> PushResult:
         """Write the next snapshot (full or incremental, as the writer's cadence says) and signal the fleet. When
         replicas refuse an incremental snapshot, write ``<identity>-full`` as a full snapshot of the same weights and
         signal those replicas only; the next snapshot is then full for all (their identities differ now).

@@ -10,13 +10,24 @@ safetensors container (below).
 integer differences (an optimizer step moves a bf16 weight by a few units in the last place: its difference is a
 small integer where the XOR of a carry is not), each stream its own zstd frame (below).
 """
+
 from __future__ import annotations
 
 import numpy as np
 import zstandard
 
-__all__ = ["SPARSE_NAME", "SPARSE_V2_NAME", "arc_v2_decode", "arc_v2_encode", "bounded_decompress", "sparse_decode",
-           "sparse_encode", "sparse_v2_decode", "sparse_v2_encode", "xor_bytes"]
+__all__ = [
+    "SPARSE_NAME",
+    "SPARSE_V2_NAME",
+    "arc_v2_decode",
+    "arc_v2_encode",
+    "bounded_decompress",
+    "sparse_decode",
+    "sparse_encode",
+    "sparse_v2_decode",
+    "sparse_v2_encode",
+    "xor_bytes",
+]
 
 
 def bounded_decompress(payload: bytes, limit: int) -> bytes:
@@ -104,12 +115,13 @@ def sparse_encode(base: bytes, new: bytes) -> bytes:
     x = np.frombuffer(xor_bytes(base, new), dtype=np.uint8)
     words = x.view(np.uint16) if x.size % 2 == 0 else x
     idx = np.flatnonzero(words)
-    if idx.size and idx[-1] >= 2 ** 32:
+    if idx.size and idx[-1] >= 2**32:
         raise ValueError(f"{SPARSE_NAME}: tensors over 2^32 words are not supported")
     gaps = np.diff(idx, prepend=-1).astype(np.uint32) - np.uint32(1)
-    container = save({"gaps": torch.from_numpy(_planes(gaps)), "xor": torch.from_numpy(_planes(words[idx]))},
-                     metadata={"codec": SPARSE_NAME, "bytes": str(x.size), "word": str(words.itemsize),
-                               "changed": str(idx.size)})
+    container = save(
+        {"gaps": torch.from_numpy(_planes(gaps)), "xor": torch.from_numpy(_planes(words[idx]))},
+        metadata={"codec": SPARSE_NAME, "bytes": str(x.size), "word": str(words.itemsize), "changed": str(idx.size)},
+    )
     sparse = _SPARSE + zstandard.ZstdCompressor(level=3).compress(container)
     if x.size < (1 << 20) or idx.size * 4 > words.size:  # small or dense tensor: the plain XOR stream may be smaller
         dense = _DENSE + zstandard.ZstdCompressor(level=1).compress(x.tobytes())
@@ -140,10 +152,12 @@ def sparse_decode(base: bytes, payload: bytes) -> bytes:
         raise ValueError(f"{SPARSE_NAME}: unknown payload mode {mode!r}")
     raw = bounded_decompress(payload, 16 * len(base) + (1 << 20))
     header_len = struct.unpack("<Q", raw[:8])[0]
-    meta = json.loads(raw[8: 8 + header_len]).get("__metadata__") or {}
+    meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__") or {}
     if meta.get("codec") != SPARSE_NAME or int(meta.get("bytes", -1)) != len(base):
-        raise ValueError(f"{SPARSE_NAME}: payload is for {meta.get('bytes')} bytes of codec {meta.get('codec')!r}, "
-                         f"base tensor has {len(base)} bytes")
+        raise ValueError(
+            f"{SPARSE_NAME}: payload is for {meta.get('bytes')} bytes of codec {meta.get('codec')!r}, "
+            f"base tensor has {len(base)} bytes"
+        )
     arrays = load(raw)
     wdtype = np.uint16 if meta["word"] == "2" else np.uint8
     n = int(meta["changed"])
@@ -189,7 +203,7 @@ def sparse_v2_encode(base: bytes, new: bytes) -> bytes:
         raise ValueError(f"length mismatch: {len(base)} vs {len(new)} bytes")
     a, b = _words(base), _words(new)
     idx = np.flatnonzero(a != b)
-    if idx.size and idx[-1] >= 2 ** 32:
+    if idx.size and idx[-1] >= 2**32:
         raise ValueError(f"{SPARSE_V2_NAME}: tensors over 2^32 words are not supported")
     if a.nbytes < (1 << 20) or idx.size * 4 > a.size:  # small or dense: the plain XOR stream may be smaller
         dense = _DENSE + zstandard.ZstdCompressor(level=1).compress(np.bitwise_xor(a, b).tobytes())
@@ -202,14 +216,17 @@ def sparse_v2_encode(base: bytes, new: bytes) -> bytes:
     d = (b[idx] - a[idx]).view(signed)  # wraps modulo 2^bits
     zz = ((d << 1) ^ (d >> (8 * a.itemsize - 1))).view(a.dtype)
     zc = zstandard.ZstdCompressor(level=1)
-    sparse = _SPARSE_V2 + save({"gaps": np.frombuffer(zc.compress(_planes(gaps).tobytes()), dtype=np.uint8),
-                                "diff": np.frombuffer(zc.compress(_planes(zz).tobytes()), dtype=np.uint8)},
-                               metadata={"codec": SPARSE_V2_NAME, "bytes": str(a.nbytes), "word": str(a.itemsize),
-                                         "changed": str(idx.size)})
+    sparse = _SPARSE_V2 + save(
+        {
+            "gaps": np.frombuffer(zc.compress(_planes(gaps).tobytes()), dtype=np.uint8),
+            "diff": np.frombuffer(zc.compress(_planes(zz).tobytes()), dtype=np.uint8),
+        },
+        metadata={"codec": SPARSE_V2_NAME, "bytes": str(a.nbytes), "word": str(a.itemsize), "changed": str(idx.size)},
+    )
     return dense if dense is not None and len(dense) < len(sparse) else sparse
 
 
-def sparse_v2_decode(base: bytes, payload: bytes) -> memoryview:
+def sparse_v2_decode(base: bytes, payload: bytes) -> bytes | memoryview:
     """Inverse of :func:`sparse_v2_encode`: the new bytes as a read-write ``memoryview`` (bytes-like; no extra copy
     of the tensor); ``base`` any bytes-like (not modified).
 
@@ -231,16 +248,22 @@ def sparse_v2_decode(base: bytes, payload: bytes) -> memoryview:
         import json
         import struct
 
-        meta = json.loads(body[8: 8 + struct.unpack("<Q", body[:8])[0]]).get("__metadata__") or {}
+        meta = json.loads(body[8 : 8 + struct.unpack("<Q", body[:8])[0]]).get("__metadata__") or {}
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - a container safetensors cannot read
+    except Exception as e:  # a container safetensors cannot read
         raise ValueError(f"{SPARSE_V2_NAME}: unreadable container ({e})") from e
     a = _words(base)
-    if meta.get("codec") != SPARSE_V2_NAME or meta.get("bytes") != str(a.nbytes) or \
-            meta.get("word") != str(a.itemsize) or set(arrays) != {"gaps", "diff"}:
-        raise ValueError(f"{SPARSE_V2_NAME}: payload is for {meta.get('bytes')} bytes of codec {meta.get('codec')!r}, "
-                         f"base tensor has {a.nbytes} bytes")
+    if (
+        meta.get("codec") != SPARSE_V2_NAME
+        or meta.get("bytes") != str(a.nbytes)
+        or meta.get("word") != str(a.itemsize)
+        or set(arrays) != {"gaps", "diff"}
+    ):
+        raise ValueError(
+            f"{SPARSE_V2_NAME}: payload is for {meta.get('bytes')} bytes of codec {meta.get('codec')!r}, "
+            f"base tensor has {a.nbytes} bytes"
+        )
     n = int(meta.get("changed", -1))
     if not 0 <= n <= a.size:
         raise ValueError(f"{SPARSE_V2_NAME}: changed-word count {n} out of range")

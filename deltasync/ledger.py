@@ -21,6 +21,7 @@ Signals refused before anything was loaded (bad identity, replay, out-of-order c
 they are kept in a bounded ring (:data:`MAX_REFUSALS`, newest last, in memory) that the ledger's JSON shows as
 ``refusals``, so a flood of refused signals neither grows the file nor hides the loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,12 +62,18 @@ def validate_identity(identity: object) -> str:
         IdentityError: anything else (``/``, ``\\``, ``..``, a newline, empty, too long, not a string); the message
             quotes at most 64 characters of it.
     """
-    if (not isinstance(identity, str) or not _IDENTITY.match(identity) or ".." in identity
-            or identity.endswith(RESERVED_SUFFIXES)):
+    if (
+        not isinstance(identity, str)
+        or not _IDENTITY.match(identity)
+        or ".." in identity
+        or identity.endswith(RESERVED_SUFFIXES)
+    ):
         shown = repr(identity)[:64] + ("..." if len(repr(identity)) > 64 else "")
-        raise IdentityError(f"invalid snapshot identity {shown}: one path segment of letters, digits, '.', '_' or "
-                            f"'-' (no '/', no '..', not ending in {' or '.join(RESERVED_SUFFIXES)}), at most 128 "
-                            "characters")
+        raise IdentityError(
+            f"invalid snapshot identity {shown}: one path segment of letters, digits, '.', '_' or "
+            f"'-' (no '/', no '..', not ending in {' or '.join(RESERVED_SUFFIXES)}), at most 128 "
+            "characters"
+        )
     return identity
 
 
@@ -112,8 +119,12 @@ class Ledger:
                 self._save(*interrupted)
 
     def _state(self) -> dict:
-        return {"reset_at": self.reset_at, "current": self.current, "current_digest": self.current_digest,
-                "full_required": self.full_required}
+        return {
+            "reset_at": self.reset_at,
+            "current": self.current,
+            "current_digest": self.current_digest,
+            "full_required": self.full_required,
+        }
 
     def _replay(self, text: str) -> None:
         for line in text.splitlines():
@@ -172,9 +183,16 @@ class Ledger:
 
         Raises:
             LedgerWriteError: the row could not be written (e.g. the disk is full); the ledger is unchanged."""
-        row = {"replica": self.replica_id, "identity": identity, "kind": kind, "previous_identity": previous_identity,
-               "compression_format": compression_format, "readiness": "loading", "error": None,
-               "timestamps": {"signaled": time.time()}}
+        row = {
+            "replica": self.replica_id,
+            "identity": identity,
+            "kind": kind,
+            "previous_identity": previous_identity,
+            "compression_format": compression_format,
+            "readiness": "loading",
+            "error": None,
+            "timestamps": {"signaled": time.time()},
+        }
         self.rows.append(row)
         try:
             self._save(len(self.rows) - 1, strict=True)
@@ -183,16 +201,21 @@ class Ledger:
             raise
         return row
 
-    def refused(self, identity: str, error: str, kind: str | None = None, previous_identity: str | None = None
-                ) -> dict:
+    def refused(self, identity: str, error: str, kind: str | None = None, previous_identity: str | None = None) -> dict:
         """Record a signal refused before any loading (bad identity, replay, out-of-order chain, missing snapshot) in
         the bounded ring :attr:`refusals` (not a ledger row; nothing is written to disk). Fields are bounded:
         identities at :data:`MAX_FIELD` characters, the error at 4 times that."""
         now = time.time()
-        row = {"replica": self.replica_id, "identity": _bounded(identity), "kind": kind,
-               "previous_identity": _bounded(previous_identity),
-               "compression_format": None, "readiness": "failed", "error": _bounded(error, 4 * MAX_FIELD),
-               "timestamps": {"signaled": now, "failed": now}}
+        row = {
+            "replica": self.replica_id,
+            "identity": _bounded(identity),
+            "kind": kind,
+            "previous_identity": _bounded(previous_identity),
+            "compression_format": None,
+            "readiness": "failed",
+            "error": _bounded(error, 4 * MAX_FIELD),
+            "timestamps": {"signaled": now, "failed": now},
+        }
         self.refusals.append(row)
         return row
 
@@ -221,12 +244,21 @@ class Ledger:
         for r in self.rows:
             if r["identity"] in lost and r.get("readiness") == "ready":
                 r.update(readiness="failed", error=_bounded(f"lost at restart: {lost[r['identity']]}", 4 * MAX_FIELD))
-        self.rows.append({"replica": self.replica_id, "identity": identity, "kind": "restore",
-                          "previous_identity": _bounded(self.current),
-                          "compression_format": None, "readiness": "ready",
-                          "error": _bounded("restored after a restart; lost: " + "; ".join(
-                              f"{k}: {v}" for k, v in lost.items()), 4 * MAX_FIELD),
-                          "weights_digest": digest, "timestamps": {"signaled": now, "ready": now}})
+        self.rows.append(
+            {
+                "replica": self.replica_id,
+                "identity": identity,
+                "kind": "restore",
+                "previous_identity": _bounded(self.current),
+                "compression_format": None,
+                "readiness": "ready",
+                "error": _bounded(
+                    "restored after a restart; lost: " + "; ".join(f"{k}: {v}" for k, v in lost.items()), 4 * MAX_FIELD
+                ),
+                "weights_digest": digest,
+                "timestamps": {"signaled": now, "ready": now},
+            }
+        )
         self.current = None if identity == self.initial_identity else identity
         self.current_digest = digest
         self._save(*[i for i, r in enumerate(self.rows) if r["identity"] in lost], len(self.rows) - 1, state=True)
@@ -277,6 +309,11 @@ class Ledger:
     def to_json(self) -> dict:
         """The ledger as the API shows it: ``rows`` (loads), ``refusals`` (the bounded ring, newest last) and the
         replica state."""
-        return {"replica": self.replica_id, "current_snapshot_identity": self.current_identity,
-                "full_required": self.full_required, "reset_at": self.reset_at, "rows": self.rows,
-                "refusals": list(self.refusals)}
+        return {
+            "replica": self.replica_id,
+            "current_snapshot_identity": self.current_identity,
+            "full_required": self.full_required,
+            "reset_at": self.reset_at,
+            "rows": self.rows,
+            "refusals": list(self.refusals),
+        }

@@ -32,6 +32,7 @@ The same replica also answers Fireworks' own spelling, as ``fireworks-ai``'s ``D
 (:meth:`Signal.from_fireworks`, :func:`fireworks_status`): ``true`` is ``"all"``, ``false`` ``"none"``; the transition
 is the replica's setting (:attr:`HotLoadConfig.transition`), as Fireworks makes it a deployment's.
 """
+
 from __future__ import annotations
 
 import errno
@@ -46,11 +47,30 @@ from zerokld_plugins.errors import ZeroKLDError
 
 from .ledger import IdentityError, validate_identity
 
-__all__ = ["CHECKSUM_FORMATS", "DEFAULT_CHECKSUM_FORMAT", "DEFAULT_COMPRESSION_FORMAT", "DEFAULT_DRAIN_TIMEOUT_S",
-           "FIREWORKS_DEPLOYMENT_HEADER", "FIREWORKS_FIELDS", "FIREWORKS_HOT_LOAD", "FIREWORKS_MODEL_HEADER",
-           "fireworks_status",
-           "DRAIN_HEADER", "HotLoadConfig", "HotLoadError", "IDENTITY_HEADER", "PREFIX", "RESET_MODES", "SESSION_HEADER",
-           "Signal", "TRANSITIONS", "TRANSITION_HEADER", "lora_version", "openapi_operations", "public_message"]
+__all__ = [
+    "CHECKSUM_FORMATS",
+    "DEFAULT_CHECKSUM_FORMAT",
+    "DEFAULT_COMPRESSION_FORMAT",
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "FIREWORKS_DEPLOYMENT_HEADER",
+    "FIREWORKS_FIELDS",
+    "FIREWORKS_HOT_LOAD",
+    "FIREWORKS_MODEL_HEADER",
+    "fireworks_status",
+    "DRAIN_HEADER",
+    "HotLoadConfig",
+    "HotLoadError",
+    "IDENTITY_HEADER",
+    "PREFIX",
+    "RESET_MODES",
+    "SESSION_HEADER",
+    "Signal",
+    "TRANSITIONS",
+    "TRANSITION_HEADER",
+    "lora_version",
+    "openapi_operations",
+    "public_message",
+]
 
 PREFIX = "/zerokld/v1/hot_load"
 IDENTITY_HEADER = "x-zerokld-snapshot-identity"
@@ -76,11 +96,20 @@ FIREWORKS_MODEL_HEADER = "fireworks-model"
 FIREWORKS_FIELDS = ("identity", "reset_prompt_cache", "incremental_snapshot_metadata")
 
 
-_IDENTITY_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-                    "description": "one path segment (deltasync.ledger.validate_identity)"}
-_METADATA_SCHEMA = {"type": "object", "required": ["previous_snapshot_identity"], "properties": {
-    "previous_snapshot_identity": _IDENTITY_SCHEMA, "compression_format": {"type": "string"},
-    "checksum_format": {"type": "string", "enum": list(CHECKSUM_FORMATS)}}}
+_IDENTITY_SCHEMA = {
+    "type": "string",
+    "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    "description": "one path segment (deltasync.ledger.validate_identity)",
+}
+_METADATA_SCHEMA = {
+    "type": "object",
+    "required": ["previous_snapshot_identity"],
+    "properties": {
+        "previous_snapshot_identity": _IDENTITY_SCHEMA,
+        "compression_format": {"type": "string"},
+        "checksum_format": {"type": "string", "enum": list(CHECKSUM_FORMATS)},
+    },
+}
 
 
 def _json_body(schema: dict) -> dict:
@@ -97,18 +126,36 @@ def openapi_operations() -> dict[tuple[str, str], dict]:
     and the API fuzzer that reads it. Descriptive only: the readers are :meth:`Signal.from_request` and
     :meth:`Signal.from_fireworks`, which refuse anything these schemas refuse (and a few things more: a snapshot
     identity ending in a staging suffix, a non-finite drain timeout)."""
-    ours = {"type": "object", "required": ["identity"], "properties": {
-        "identity": _IDENTITY_SCHEMA, "reset_prompt_cache": {"type": "string", "enum": list(RESET_MODES)},
-        "lora_name": _IDENTITY_SCHEMA, "incremental_snapshot_metadata": _METADATA_SCHEMA}}
-    fireworks = {"type": "object", "required": ["identity"], "additionalProperties": False, "properties": {
-        "identity": _IDENTITY_SCHEMA, "reset_prompt_cache": {"type": "boolean"},
-        "incremental_snapshot_metadata": _METADATA_SCHEMA}}
+    ours = {
+        "type": "object",
+        "required": ["identity"],
+        "properties": {
+            "identity": _IDENTITY_SCHEMA,
+            "reset_prompt_cache": {"type": "string", "enum": list(RESET_MODES)},
+            "lora_name": _IDENTITY_SCHEMA,
+            "incremental_snapshot_metadata": _METADATA_SCHEMA,
+        },
+    }
+    fireworks = {
+        "type": "object",
+        "required": ["identity"],
+        "additionalProperties": False,
+        "properties": {
+            "identity": _IDENTITY_SCHEMA,
+            "reset_prompt_cache": {"type": "boolean"},
+            "incremental_snapshot_metadata": _METADATA_SCHEMA,
+        },
+    }
     deployment = _header(FIREWORKS_DEPLOYMENT_HEADER, {"type": "string"}, required=True)
     lora = {"name": "lora_name", "in": "query", "required": False, "schema": _IDENTITY_SCHEMA}
     return {
-        ("POST", PREFIX): {"requestBody": _json_body(ours), "parameters": [
-            _header(TRANSITION_HEADER, {"type": "string", "enum": list(TRANSITIONS)}),
-            _header(DRAIN_HEADER, {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"})]},
+        ("POST", PREFIX): {
+            "requestBody": _json_body(ours),
+            "parameters": [
+                _header(TRANSITION_HEADER, {"type": "string", "enum": list(TRANSITIONS)}),
+                _header(DRAIN_HEADER, {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?$"}),
+            ],
+        },
         ("POST", FIREWORKS_HOT_LOAD): {"requestBody": _json_body(fireworks), "parameters": [deployment]},
         ("GET", FIREWORKS_HOT_LOAD): {"parameters": [deployment]},
         ("GET", PREFIX + "/ledger"): {"parameters": [lora]},
@@ -155,8 +202,7 @@ def fireworks_status(status: dict, lora_name: str | None = None) -> dict:
         if lora_name is not None:
             current = track.get("current_snapshot_identity")
             replica["loaded_adapters"] = [{"identity": current, "status": "loaded"}] if current else []
-            replica["loading_state"] = track.get("loading_state") or {"stage": "idle",
-                                                                       "target_snapshot_identity": None}
+            replica["loading_state"] = track.get("loading_state") or {"stage": "idle", "target_snapshot_identity": None}
             replica["readiness"] = bool(replica.get("readiness")) and bool(track.get("readiness", True))
         err, state = track.get("last_error"), replica.get("loading_state") or {}
         ready_since = track.get("ready_since")
@@ -249,7 +295,7 @@ class HotLoadConfig(BaseModel):
             return self.state_dir
         if self.remote:
             raise ValueError("hot_load.state_dir is required when snapshot_root is a URL")
-        return str(self.root / ".zerokld_state")
+        return str(Path(self.root) / ".zerokld_state")
 
 
 @dataclass
@@ -285,8 +331,9 @@ class Signal:
         return None if body.get("lora_name") is None else validate_identity(body["lora_name"])
 
     @classmethod
-    def from_request(cls, body: object, transition: str | None = None, drain_timeout: str | float | None = None
-                     ) -> "Signal":
+    def from_request(
+        cls, body: object, transition: str | None = None, drain_timeout: str | float | None = None
+    ) -> Signal:
         """Parse the POST body and headers (``drain_timeout``: the header's text, or seconds).
 
         Raises:
@@ -305,15 +352,21 @@ class Signal:
         try:
             drain = DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else float(drain_timeout)
         except ValueError:
-            raise HotLoadError(f"drain timeout must be a number of seconds, got {str(drain_timeout)[:40]!r}",
-                               422) from None
+            raise HotLoadError(
+                f"drain timeout must be a number of seconds, got {str(drain_timeout)[:40]!r}", 422
+            ) from None
         try:
             lora_name = cls._lora_name(body)
         except IdentityError as e:
             raise HotLoadError(f"invalid lora_name: {e}", 400) from e
         meta = body.get("incremental_snapshot_metadata")
-        sig = cls(identity=identity, reset_prompt_cache=reset, transition="async" if transition is None else transition,
-                  drain_timeout=drain, lora_name=lora_name)
+        sig = cls(
+            identity=identity,
+            reset_prompt_cache=reset,
+            transition="async" if transition is None else transition,
+            drain_timeout=drain,
+            lora_name=lora_name,
+        )
         if meta is not None:
             if not isinstance(meta, dict) or "previous_snapshot_identity" not in meta:
                 raise HotLoadError("incremental_snapshot_metadata needs previous_snapshot_identity", 422)
@@ -324,8 +377,9 @@ class Signal:
             sig.compression_format = meta.get("compression_format", DEFAULT_COMPRESSION_FORMAT)
             sig.checksum_format = meta.get("checksum_format", DEFAULT_CHECKSUM_FORMAT)
             if sig.checksum_format not in CHECKSUM_FORMATS:
-                raise HotLoadError(f"unsupported checksum_format {sig.checksum_format!r} "
-                                   f"({DEFAULT_CHECKSUM_FORMAT})", 422)
+                raise HotLoadError(
+                    f"unsupported checksum_format {sig.checksum_format!r} ({DEFAULT_CHECKSUM_FORMAT})", 422
+                )
         if sig.transition not in TRANSITIONS:  # an empty header is not "async": only a missing one defaults
             raise HotLoadError(f"{TRANSITION_HEADER} must be one of {TRANSITIONS}, got {sig.transition[:40]!r}", 400)
         if not 0 <= sig.drain_timeout < float("inf"):  # refuses nan, negative and infinite timeouts
@@ -333,7 +387,7 @@ class Signal:
         return sig
 
     @classmethod
-    def from_fireworks(cls, body: object, transition: str, lora_name: str | None = None) -> "Signal":
+    def from_fireworks(cls, body: object, transition: str, lora_name: str | None = None) -> Signal:
         """Parse Fireworks' POST body (:data:`FIREWORKS_FIELDS`; ``reset_prompt_cache`` a boolean, default ``true``)
         into the signal :meth:`from_request` would make of ours, with the replica's ``transition`` and, on a LoRA
         deployment (:attr:`HotLoadConfig.deployment_lora_name`), the snapshot a version of adapter ``lora_name``.
@@ -346,26 +400,44 @@ class Signal:
             raise HotLoadError("request body must be a JSON object", 422)
         unknown = sorted(set(body) - set(FIREWORKS_FIELDS))
         if unknown:
-            raise HotLoadError(f"unknown field(s) {[u[:40] for u in unknown][:5]}: the Fireworks hot-load body has "
-                               f"{', '.join(FIREWORKS_FIELDS)}", 422)
+            raise HotLoadError(
+                f"unknown field(s) {[u[:40] for u in unknown][:5]}: the Fireworks hot-load body has "
+                f"{', '.join(FIREWORKS_FIELDS)}",
+                422,
+            )
         reset = body.get("reset_prompt_cache", True)
         if not isinstance(reset, bool):
-            raise HotLoadError(f"reset_prompt_cache must be true or false on {FIREWORKS_HOT_LOAD}, got "
-                               f"{str(reset)[:40]!r} ({PREFIX} takes {RESET_MODES})", 400)
+            raise HotLoadError(
+                f"reset_prompt_cache must be true or false on {FIREWORKS_HOT_LOAD}, got "
+                f"{str(reset)[:40]!r} ({PREFIX} takes {RESET_MODES})",
+                400,
+            )
         ours = {**body, "reset_prompt_cache": "all" if reset else "none"}
         if lora_name is not None:
             ours["lora_name"] = lora_name
         return cls.from_request(ours, transition)
 
     @classmethod
-    def for_snapshot(cls, info, reset_prompt_cache: str = "all", transition: str = "async",
-                     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, lora_name: str | None = None) -> "Signal":
+    def for_snapshot(
+        cls,
+        info,
+        reset_prompt_cache: str = "all",
+        transition: str = "async",
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+        lora_name: str | None = None,
+    ) -> Signal:
         """The signal announcing a written :class:`deltasync.SnapshotInfo` (``lora_name``: a LoRA adapter's)."""
         incremental = info.kind == "incremental"
-        return cls(info.identity, info.previous_identity if incremental else None,
-                   info.compression_format if incremental else None,
-                   DEFAULT_CHECKSUM_FORMAT if incremental else None, reset_prompt_cache, transition, drain_timeout,
-                   lora_name)
+        return cls(
+            info.identity,
+            info.previous_identity if incremental else None,
+            info.compression_format if incremental else None,
+            DEFAULT_CHECKSUM_FORMAT if incremental else None,
+            reset_prompt_cache,
+            transition,
+            drain_timeout,
+            lora_name,
+        )
 
     def body(self) -> dict:
         """The POST body (inverse of :meth:`from_request`; the transition travels in headers)."""
@@ -376,7 +448,8 @@ class Signal:
             body["incremental_snapshot_metadata"] = {
                 "previous_snapshot_identity": self.previous_identity,
                 "compression_format": self.compression_format or DEFAULT_COMPRESSION_FORMAT,
-                "checksum_format": self.checksum_format or DEFAULT_CHECKSUM_FORMAT}
+                "checksum_format": self.checksum_format or DEFAULT_CHECKSUM_FORMAT,
+            }
         return body
 
     def headers(self) -> dict[str, str]:

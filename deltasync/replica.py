@@ -13,14 +13,15 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
    each file opened without following links or blocking and refused unless it is a regular file:
    :func:`deltasync.copy_snapshot`), and that private copy is what is verified and loaded, so bytes the publisher
    changes after the check never serve; the snapshot's numerics stamp must be the
-   engine's (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked against
-   the served model's tensor spec (names, dtypes, shapes, each tensor in one shard, an index naming every tensor and
-   shard), then every tensor against its Adler-32 and SHA-256 in the spec and for finite values (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one,
-   on an engine that applies deltas in place (:attr:`ReplicaEngine.inplace_deltas`), is kept in
-   ``<state_dir>/fetched/<identity>`` and decoded by every worker against its own loaded parameters, each tensor
-   checked against its Adler-32 and SHA-256, nothing written (the stage pass of :meth:`ReplicaEngine.apply_delta`); on other
-   engines it is decoded onto the served snapshot (lengths, key set, Adler-32 of every tensor) into
-   ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving untouched;
+   engine's (:class:`shared_numerics.NumericsMode`; an unstamped snapshot is accepted); a full snapshot is checked
+   against the served model's tensor spec (names, dtypes, shapes, each tensor in one shard, an index naming every tensor
+   and shard), then every tensor against its Adler-32 and SHA-256 in the spec and for finite values
+   (``HotLoadConfig.allow_non_finite`` lifts that); an incremental one, on an engine that applies deltas in place
+   (:attr:`ReplicaEngine.inplace_deltas`), is kept in ``<state_dir>/fetched/<identity>`` and decoded by every worker
+   against its own loaded parameters, each tensor checked against its Adler-32 and SHA-256, nothing written (the stage
+   pass of :meth:`ReplicaEngine.apply_delta`); on other engines it is decoded onto the served snapshot (lengths, key
+   set, Adler-32 of every tensor) into ``<state_dir>/materialized/<identity>``. Any refusal here leaves serving
+   untouched;
 4. **swap** — ``async``: the engine pauses keeping in-flight requests (they freeze with their KV), reloads (a delta
    applied in place: the commit pass writes the new bits into the parameters),
    labels the weights with the identity (so each token is attributed to the snapshot that sampled it), resumes;
@@ -33,8 +34,8 @@ One :class:`Replica` per serving engine. A :class:`deltasync.protocol.Signal` na
 5. **ledger** — every stage is timestamped (:class:`deltasync.Ledger`), the loaded weights' digest recorded; a
    process killed mid-swap restarts, marks the row ``interrupted`` and reloads the last ``ready`` snapshot after
    verifying its bits against that digest (a delta applied in place: its chain replayed — the full snapshot it
-   started from, then each kept delta, every tensor checked again) — or, if it is gone or altered, the newest earlier one that verifies, else
-   the initial weights, the ledger saying so (:meth:`Replica.restore`).
+   started from, then each kept delta, every tensor checked again) — or, if it is gone or altered, the newest earlier
+   one that verifies, else the initial weights, the ledger saying so (:meth:`Replica.restore`).
 
 **LoRA adapters** (a signal with ``lora_name``, vLLM's name for an adapter) go through the same stages on their own
 track: one ledger, chain and retention per adapter name (``<state_dir>/lora/<name>/``), full snapshots being PEFT
@@ -50,6 +51,7 @@ short message before the swap; the staged copy is removed, the engine serves wha
 status never carry absolute server paths (:func:`deltasync.protocol.public_message`).
 Sources: Fireworks' bring-your-own-trainer hot-load API (``../shared/DESIGN.md`` §5).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,8 +69,18 @@ from zerokld_plugins.errors import ZeroKLDServerError
 
 from .ledger import IdentityError, Ledger, LedgerWriteError, validate_identity
 from .protocol import NO_SPACE, HotLoadConfig, HotLoadError, Signal, public_message
-from .snapshot import (SnapshotError, check_regular_files, copy_snapshot, delta_weights_digest, materialize_snapshot,
-                       snapshot_numerics, tensor_spec, verify_adapter_config, verify_full_snapshot, weights_digest)
+from .snapshot import (
+    SnapshotError,
+    check_regular_files,
+    copy_snapshot,
+    delta_weights_digest,
+    materialize_snapshot,
+    snapshot_numerics,
+    tensor_spec,
+    verify_adapter_config,
+    verify_full_snapshot,
+    weights_digest,
+)
 from .storage import fetch_dir
 
 __all__ = ["LEDGER_FILE", "Replica", "ReplicaEngine", "StateDirInUseError", "Track"]
@@ -110,8 +122,9 @@ class ReplicaEngine(Protocol):
         sessions and requests without one get none computed with earlier weights; in-flight requests keep their
         KV. ``False``: the engine has no sessions (the replica resets the prefix cache of idle requests instead)."""
 
-    async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
-                          allow_non_finite: bool = False) -> dict:
+    async def apply_delta(
+        self, path: str, compression_format: str | None, commit: bool, allow_non_finite: bool = False
+    ) -> dict:
         """Decode the incremental snapshot at ``path`` against the loaded weights on every worker
         (:func:`deltasync.apply_delta_in_place`): ``commit=False`` verifies every tensor (and, unless
         ``allow_non_finite``, that its floating-point values are finite) and writes nothing,
@@ -148,15 +161,17 @@ def hold_state_dir(state_dir: Path, replica_id: str):
         StateDirInUseError: another replica (this process or another) holds it; the message names that replica.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
-    f = open(state_dir / "replica.lock", "a+")
+    f = open(state_dir / "replica.lock", "a+")  # noqa: SIM115 - held open: the flock lives as long as the replica
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read()[:200] or "unknown"
         f.close()
-        raise StateDirInUseError(f"hot_load state_dir {state_dir.name!r} is in use by another replica ({holder}); "
-                                 "give each replica its own hot_load.state_dir") from None
+        raise StateDirInUseError(
+            f"hot_load state_dir {state_dir.name!r} is in use by another replica ({holder}); "
+            "give each replica its own hot_load.state_dir"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(json.dumps({"replica": replica_id, "pid": os.getpid()}))
@@ -195,11 +210,14 @@ class Track:
         ``ready_since`` (Unix seconds), ``readiness``, ``loading_state``, and ``last_error`` (the newest refusal or
         failure: ``{"identity", "error", "at"}``, or ``None``)."""
         led, served = self.ledger, self.lora_name is None or self.ledger.current is not None
-        return {"current_snapshot_identity": led.current_identity if served else None,
-                "weights_digest": led.current_digest, "ready_since": led.ready_since,
-                "readiness": self.stage == "idle",
-                "loading_state": {"stage": self.stage, "target_snapshot_identity": self.target},
-                "last_error": led.last_error}
+        return {
+            "current_snapshot_identity": led.current_identity if served else None,
+            "weights_digest": led.current_digest,
+            "ready_since": led.ready_since,
+            "readiness": self.stage == "idle",
+            "loading_state": {"stage": self.stage, "target_snapshot_identity": self.target},
+            "last_error": led.last_error,
+        }
 
 
 class Replica:
@@ -219,8 +237,9 @@ class Replica:
         StateDirInUseError: another live replica holds the state directory.
     """
 
-    def __init__(self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path,
-                 replica_id: str | None = None) -> None:
+    def __init__(
+        self, engine: ReplicaEngine, config: HotLoadConfig, initial_dir: str | Path, replica_id: str | None = None
+    ) -> None:
         self.engine, self.config = engine, config
         self.replica_id = config.replica_id or replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.remote, self.root = config.remote, config.root
@@ -275,14 +294,14 @@ class Replica:
 
     # -- where snapshots are -------------------------------------------------------------------------------------
     def _published(self, identity: str) -> str | Path:
-        return f"{self.root}/{identity}" if self.remote else self.root / identity
+        return f"{self.root}/{identity}" if self.remote else Path(self.root) / identity
 
     def _exists(self, identity: str) -> bool:
         if not self.remote:
-            return (self.root / identity).is_dir()
+            return (Path(self.root) / identity).is_dir()
         from .storage import filesystem_for
 
-        return filesystem_for(self.root).exists(f"{self.root}/{identity}")
+        return filesystem_for(str(self.root)).exists(f"{self.root}/{identity}")
 
     def served_dir(self, identity: str | None = None, track: Track | None = None) -> Path:
         """The local full snapshot directory of ``identity`` (default: the one serving) on ``track`` (default: the
@@ -304,8 +323,15 @@ class Replica:
     def status(self) -> dict:
         """Per replica (this one: ``replica`` is its id): the base track's :meth:`Track.status`, and
         ``lora_adapters``: each adapter name's."""
-        return {"replicas": [{"replica": self.replica_id, **self.base.status(),
-                              "lora_adapters": {n: t.status() for n, t in sorted(self.adapters.items())}}]}
+        return {
+            "replicas": [
+                {
+                    "replica": self.replica_id,
+                    **self.base.status(),
+                    "lora_adapters": {n: t.status() for n, t in sorted(self.adapters.items())},
+                }
+            ]
+        }
 
     def _reference(self, track: Track, path: Path) -> dict:
         """The tensor spec a snapshot of ``track`` must have: the served model's, or for an adapter its own (a new
@@ -317,7 +343,9 @@ class Replica:
         just ``[identity]`` unless it was applied in place, then its ``previous_identity`` chain back to the newest one
         that was not (a full snapshot, a host-decoded one, or the initial weights) — and the ledger row each identity
         was last loaded with (``ready``, not a restore)."""
-        rows = {r["identity"]: r for r in track.ledger.rows if r.get("readiness") == "ready" and r.get("kind") != "restore"}
+        rows = {
+            r["identity"]: r for r in track.ledger.rows if r.get("readiness") == "ready" and r.get("kind") != "restore"
+        }
         chain = [identity]
         while rows.get(chain[-1], {}).get("applied") == "in_place":
             chain.append(rows[chain[-1]]["previous_identity"])
@@ -333,16 +361,21 @@ class Replica:
         chain, rows = self._chain(track, identity)
         if len(chain) > 1:
             first = chain[0]
-            head = self.initial_dir if first == track.ledger.initial_identity else \
-                self._restorable(track, first, rows.get(first, {}).get("weights_digest"))
+            head: Path | list[Path] = (
+                self.initial_dir
+                if first == track.ledger.initial_identity
+                else self._restorable(track, first, rows.get(first, {}).get("weights_digest"))
+            )
             deltas = [track.fetched / i for i in chain[1:]]
             for d in deltas:
                 if not d.is_dir():
                     raise SnapshotError(f"delta {d.name!r} of the chain of {identity!r} is gone")
                 check_regular_files(d, track.fetched)
             if digest is None or delta_weights_digest(deltas[-1]) != digest:
-                raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the "
-                                    "ledger)")
+                raise SnapshotError(
+                    f"snapshot {identity!r} is not the one loaded (weights digest differs from the ledger)"
+                )
+            assert isinstance(head, Path), head  # the chain starts at a full snapshot (or the initial weights)
             return [head, *deltas]
         path = self.served_dir(identity, track)
         if not path.is_dir():
@@ -350,8 +383,9 @@ class Replica:
         check_regular_files(path, track.state_dir)
         if track.lora_name is not None:
             verify_adapter_config(path)
-        verify_full_snapshot(path, self._reference(track, path), check_data=True,
-                             allow_non_finite=self.config.allow_non_finite)
+        verify_full_snapshot(
+            path, self._reference(track, path), check_data=True, allow_non_finite=self.config.allow_non_finite
+        )
         if digest is None or weights_digest(path) != digest:
             raise SnapshotError(f"snapshot {identity!r} is not the one loaded (weights digest differs from the ledger)")
         return path
@@ -380,8 +414,10 @@ class Replica:
     async def _restore(self, track: Track) -> None:
         led, base = track.ledger, track.lora_name is None
         candidates = [(led.current_identity, led.current_digest)] + [
-            (r["identity"], r.get("weights_digest")) for r in reversed(led.rows)
-            if r.get("readiness") == "ready" and r["identity"] != led.current_identity]
+            (r["identity"], r.get("weights_digest"))
+            for r in reversed(led.rows)
+            if r.get("readiness") == "ready" and r["identity"] != led.current_identity
+        ]
         lost: dict[str, str] = {}
         touched = False  # a failed chain may have written some of its deltas: the initial weights are reloaded
         for identity, digest in candidates:
@@ -410,8 +446,9 @@ class Replica:
     def _check(self, track: Track, sig: Signal) -> None:
         led = track.ledger
         if sig.identity == led.initial_identity:
-            raise HotLoadError(f"snapshot identity {sig.identity!r} is reserved for the weights the engine started "
-                               "with", 409)
+            raise HotLoadError(
+                f"snapshot identity {sig.identity!r} is reserved for the weights the engine started with", 409
+            )
         if sig.identity in led.loaded_identities():
             raise HotLoadError(f"snapshot {sig.identity!r} was already loaded (replay refused)", 409)
         if not self._exists(sig.identity):
@@ -420,17 +457,24 @@ class Replica:
             if led.full_required:
                 raise HotLoadError("the ledger was reset: the next snapshot must be full", 409)
             if track.lora_name is not None and led.current is None:
-                raise HotLoadError(f"LoRA adapter {track.lora_name!r} serves no snapshot yet: the first one must be "
-                                   "full", 409)
+                raise HotLoadError(
+                    f"LoRA adapter {track.lora_name!r} serves no snapshot yet: the first one must be full", 409
+                )
             if sig.previous_identity != led.current_identity:
-                raise HotLoadError(f"incremental snapshot {sig.identity!r} is against {sig.previous_identity!r}, "
-                                   f"but this replica serves {led.current_identity!r} (out-of-order chain)", 409)
+                raise HotLoadError(
+                    f"incremental snapshot {sig.identity!r} is against {sig.previous_identity!r}, "
+                    f"but this replica serves {led.current_identity!r} (out-of-order chain)",
+                    409,
+                )
 
     def _fetch(self, track: Track, sig: Signal) -> Path:
         if not self.remote:
-            return self.root / sig.identity
-        return fetch_dir(str(self._published(sig.identity)), track.fetched / sig.identity,
-                         max_concurrency=self.config.fetch_concurrency)
+            return Path(self.root) / sig.identity
+        return fetch_dir(
+            str(self._published(sig.identity)),
+            track.fetched / sig.identity,
+            max_concurrency=self.config.fetch_concurrency,
+        )
 
     def _verify_numerics(self, local: Path) -> None:
         from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
@@ -439,8 +483,9 @@ class Replica:
         if stamp is None or self.engine.numerics is None:
             return
         try:
-            check_same_numerics(NumericsMode.from_dict(self.engine.numerics), stamp, "this replica",
-                                f"snapshot {local.name!r}")
+            check_same_numerics(
+                NumericsMode.from_dict(self.engine.numerics), stamp, "this replica", f"snapshot {local.name!r}"
+            )
         except (NumericsMismatchError, ValueError) as e:
             raise SnapshotError(str(e)) from e
 
@@ -481,10 +526,15 @@ class Replica:
                 if local != track.materialized / sig.identity:  # fetched: the engine reads the adapter from here
                     local = copy_snapshot(local, track.materialized / sig.identity)
                 verify_adapter_config(local)
-            path = materialize_snapshot(local, track.materialized / sig.identity,
-                                        self._reference(track, base if base is not None else local), base,
-                                        sig.compression_format, check_data=True,
-                                        allow_non_finite=self.config.allow_non_finite)
+            path = materialize_snapshot(
+                local,
+                track.materialized / sig.identity,
+                self._reference(track, base if base is not None else local),
+                base,
+                sig.compression_format,
+                check_data=True,
+                allow_non_finite=self.config.allow_non_finite,
+            )
             return path, weights_digest(path)
         except BaseException:  # nothing of a refused snapshot stays in the replica's state
             for folder in (track.materialized, track.fetched):
@@ -514,8 +564,10 @@ class Replica:
         """
         track = self.track_for(sig.lora_name)
         if track.lock.locked():
-            raise HotLoadError("another hot-load is in progress" + (f" for LoRA adapter {sig.lora_name!r}"
-                                                                    if sig.lora_name else ""), 409)
+            raise HotLoadError(
+                "another hot-load is in progress" + (f" for LoRA adapter {sig.lora_name!r}" if sig.lora_name else ""),
+                409,
+            )
         async with track.lock:
             kind = "incremental" if sig.previous_identity else "full"
             try:
@@ -535,9 +587,14 @@ class Replica:
                 if in_place:  # the stage pass on every worker: each tensor decoded and checked, nothing written
                     path = await asyncio.to_thread(self._stage_delta, track, sig)
                     try:
-                        digest = (await self.engine.apply_delta(
-                            str(path), sig.compression_format, commit=False,
-                            allow_non_finite=self.config.allow_non_finite))["weights_digest"]
+                        digest = (
+                            await self.engine.apply_delta(
+                                str(path),
+                                sig.compression_format,
+                                commit=False,
+                                allow_non_finite=self.config.allow_non_finite,
+                            )
+                        )["weights_digest"]
                     except BaseException:
                         shutil.rmtree(path, ignore_errors=True)
                         raise
@@ -596,13 +653,19 @@ class Replica:
                     await self.engine.reload_weights(str(path))
             except Exception as e:  # restore the served weights, then report
                 try:
-                    served = self.initial_dir if led.current_identity == led.initial_identity else \
-                        await asyncio.to_thread(self._restorable, track, led.current_identity, led.current_digest)
+                    served = (
+                        self.initial_dir
+                        if led.current_identity == led.initial_identity
+                        else await asyncio.to_thread(self._restorable, track, led.current_identity, led.current_digest)
+                    )
                     await self._load(track, led.current_identity, served)
                 except Exception as lost:  # noqa: BLE001 - reported with the first failure
                     led.require_full()
-                    raise HotLoadError(f"reload failed ({e}) and the previous snapshot could not be restored "
-                                       f"({lost}); the weights are undefined until the next full snapshot", 500) from e
+                    raise HotLoadError(
+                        f"reload failed ({e}) and the previous snapshot could not be restored "
+                        f"({lost}); the weights are undefined until the next full snapshot",
+                        500,
+                    ) from e
                 raise HotLoadError(f"reload failed, previous snapshot restored: {e}", 500) from e
             await self.engine.set_weight_version(sig.identity)  # still paused: the label switches between steps
             led.stage(row, "loaded")
@@ -611,8 +674,10 @@ class Replica:
             # what really happened: "none" resets nothing; a refused reset is reported, not claimed
             row["prompt_cache_reset"] = cache_reset and sig.reset_prompt_cache != "none"
             if not cache_reset:
-                row["prompt_cache_reset_error"] = (f"reset_prompt_cache {sig.reset_prompt_cache!r} was refused "
-                                                   "by the engine (running requests hold cached blocks)")
+                row["prompt_cache_reset_error"] = (
+                    f"reset_prompt_cache {sig.reset_prompt_cache!r} was refused "
+                    "by the engine (running requests hold cached blocks)"
+                )
         finally:
             if await self.engine.is_paused():
                 await self.engine.resume()
@@ -637,4 +702,3 @@ class Replica:
                 for d in folder.iterdir():
                     if d.name not in keep and not d.name.startswith("."):  # identities only (no .staging)
                         shutil.rmtree(d, ignore_errors=True)
-

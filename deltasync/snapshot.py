@@ -21,6 +21,7 @@ A directory is assembled in the staging namespace beside the target (``.staging/
 half-written snapshot; an incremental snapshot is verified completely (key set, lengths, checksums) before the
 result is published.
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,19 +39,42 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from zerokld_models.checkpoint import (ADAPTER_CONFIG, INDEX_FILE, read_tensors, staged_dir, weights_file,
-                                       write_checkpoint)
+from zerokld_models.checkpoint import (
+    ADAPTER_CONFIG,
+    INDEX_FILE,
+    read_tensors,
+    staged_dir,
+    weights_file,
+    write_checkpoint,
+)
 from zerokld_plugins import envs
 from zerokld_plugins.errors import ZeroKLDClientError
 
 from .protocol import DEFAULT_CHECKSUM_FORMAT, DEFAULT_COMPRESSION_FORMAT
 
-__all__ = ["DeltaError", "SnapshotError", "apply_delta_in_place", "apply_incremental_snapshot", "check_regular_files",
-           "checksums_digest", "copy_snapshot", "delta_checksums", "delta_digests", "delta_weights_digest",
-           "element_density", "tensor_sha256",
-           "materialize_snapshot", "read_snapshot_tensors", "tensor_spec", "verify_adapter_config",
-           "verify_full_snapshot", "weight_bytes", "weights_digest", "write_full_snapshot",
-           "write_incremental_snapshot"]
+__all__ = [
+    "DeltaError",
+    "SnapshotError",
+    "apply_delta_in_place",
+    "apply_incremental_snapshot",
+    "check_regular_files",
+    "checksums_digest",
+    "copy_snapshot",
+    "delta_checksums",
+    "delta_digests",
+    "delta_weights_digest",
+    "element_density",
+    "tensor_sha256",
+    "materialize_snapshot",
+    "read_snapshot_tensors",
+    "tensor_spec",
+    "verify_adapter_config",
+    "verify_full_snapshot",
+    "weight_bytes",
+    "weights_digest",
+    "write_full_snapshot",
+    "write_incremental_snapshot",
+]
 
 
 class SnapshotError(ZeroKLDClientError, ValueError):
@@ -83,7 +107,7 @@ def tensor_spec(snapshot_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...
                     spec[name] = (sl.get_dtype(), tuple(sl.get_shape()))
         except SnapshotError:
             raise
-        except Exception as e:  # noqa: BLE001 - any unreadable header is a refusal
+        except Exception as e:  # any unreadable header is a refusal
             raise SnapshotError(f"{f.name}: cannot read: {e}") from e
     return spec
 
@@ -104,13 +128,24 @@ def check_regular_files(snapshot_dir: str | Path, root: str | Path | None = None
     for entry in d.iterdir():
         mode = entry.lstat().st_mode
         if not stat.S_ISREG(mode):
-            kind = "symlink" if stat.S_ISLNK(mode) else "FIFO" if stat.S_ISFIFO(mode) else \
-                "directory" if stat.S_ISDIR(mode) else "special file"
+            kind = (
+                "symlink"
+                if stat.S_ISLNK(mode)
+                else "FIFO"
+                if stat.S_ISFIFO(mode)
+                else "directory"
+                if stat.S_ISDIR(mode)
+                else "special file"
+            )
             raise SnapshotError(f"snapshot {d.name!r}: {entry.name!r} is a {kind}, not a regular file")
 
 
-def verify_full_snapshot(snapshot_dir: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]],
-                         check_data: bool = False, allow_non_finite: bool = False) -> None:
+def verify_full_snapshot(
+    snapshot_dir: str | Path,
+    reference: dict[str, tuple[str, tuple[int, ...]]],
+    check_data: bool = False,
+    allow_non_finite: bool = False,
+) -> None:
     """Refuse a full snapshot that is not loadable into a model with tensor spec ``reference``: every shard's header
     readable and covering the file exactly (safetensors refuses a truncated or padded file when it opens it), each
     tensor in one shard only, the same tensor names, dtypes and shapes.
@@ -156,9 +191,11 @@ def _check_index(d: Path) -> None:
             held.update({name: f.name for name in fh.keys()})
     if weight_map != held:
         wrong = sorted(n for n in set(held) | set(weight_map) if weight_map.get(n) != held.get(n))
-        raise SnapshotError(f"snapshot {d.name!r}: {INDEX_FILE} does not list every tensor exactly once in the shard "
-                            f"that holds it ({len(wrong)} differ, e.g. {wrong[:2]}); unused shards: "
-                            f"{sorted(set(held.values()) - set(weight_map.values()))[:3]}")
+        raise SnapshotError(
+            f"snapshot {d.name!r}: {INDEX_FILE} does not list every tensor exactly once in the shard "
+            f"that holds it ({len(wrong)} differ, e.g. {wrong[:2]}); unused shards: "
+            f"{sorted(set(held.values()) - set(weight_map.values()))[:3]}"
+        )
 
 
 def tensor_sha256(raw) -> str:
@@ -249,7 +286,7 @@ def _verify_data(d: Path, allow_non_finite: bool) -> None:
                     seen.add(name)
         except SnapshotError:
             raise
-        except Exception as e:  # noqa: BLE001 - unreadable data is a refusal
+        except Exception as e:  # unreadable data is a refusal
             raise SnapshotError(f"{f.name}: cannot read: {e}") from e
     if set(checksums) != seen or set(digests) != seen:
         raise SnapshotError(f"snapshot {d.name!r}: checksums do not cover exactly its tensors")
@@ -266,13 +303,22 @@ def verify_adapter_config(snapshot_dir: str | Path) -> dict:
     try:
         cfg = _read_json(d / ADAPTER_CONFIG)
     except (OSError, ValueError) as e:
-        raise SnapshotError(f"snapshot {d.name!r}: no readable {ADAPTER_CONFIG} (a LoRA adapter snapshot is a PEFT "
-                            f"adapter directory; {type(e).__name__})") from e
+        raise SnapshotError(
+            f"snapshot {d.name!r}: no readable {ADAPTER_CONFIG} (a LoRA adapter snapshot is a PEFT "
+            f"adapter directory; {type(e).__name__})"
+        ) from e
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if (cfg.get("peft_type") != "LORA" or not isinstance(r, int) or isinstance(r, bool) or r < 1
-            or not isinstance(alpha, (int, float)) or isinstance(alpha, bool)):
-        raise SnapshotError(f"snapshot {d.name!r}: {ADAPTER_CONFIG} is not a LoRA config (peft_type LORA, r >= 1, "
-                            "lora_alpha)")
+    if (
+        cfg.get("peft_type") != "LORA"
+        or not isinstance(r, int)
+        or isinstance(r, bool)
+        or r < 1
+        or not isinstance(alpha, (int, float))
+        or isinstance(alpha, bool)
+    ):
+        raise SnapshotError(
+            f"snapshot {d.name!r}: {ADAPTER_CONFIG} is not a LoRA config (peft_type LORA, r >= 1, lora_alpha)"
+        )
     return cfg
 
 
@@ -309,9 +355,15 @@ def element_density(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor])
     return changed, total
 
 
-def materialize_snapshot(src: str | Path, out: str | Path, reference: dict[str, tuple[str, tuple[int, ...]]],
-                         base: str | Path | None = None, compression_format: str | None = None,
-                         check_data: bool = False, allow_non_finite: bool = False) -> Path:
+def materialize_snapshot(
+    src: str | Path,
+    out: str | Path,
+    reference: dict[str, tuple[str, tuple[int, ...]]],
+    base: str | Path | None = None,
+    compression_format: str | None = None,
+    check_data: bool = False,
+    allow_non_finite: bool = False,
+) -> Path:
     """The verified full snapshot a replica loads for ``src``: ``src`` itself when it is full (``base is None``),
     else ``src`` decoded onto ``base`` into ``out`` (replaced). Verified against ``reference``
     (:func:`verify_full_snapshot`) before it is returned; nothing is loaded here.
@@ -347,7 +399,7 @@ def snapshot_numerics(snapshot_dir: str | Path) -> dict | None:
 
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (bytes-like, no copy for a contiguous CPU tensor)."""
-    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def read_snapshot_tensors(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -362,8 +414,13 @@ WEIGHT_SPEC = "model.weight.spec.json"  # {"tensor_map": {name: {"shape": [...],
 _SKIP = {"model.safetensors.index.json", WEIGHT_SPEC}
 
 
-def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str | Path, out_dir: str | Path,
-                        dtype: torch.dtype | None = None, numerics: dict | None = None) -> Path:
+def write_full_snapshot(
+    hf_state_dict: dict[str, torch.Tensor],
+    assets_dir: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    numerics: dict | None = None,
+) -> Path:
     """Write ``hf_state_dict`` as ``out_dir/model.safetensors`` (a PEFT adapter: ``adapter_model.safetensors``) plus
     every non-weight file of ``assets_dir``, and ``model.weight.spec.json`` (``{"tensor_map": {name: {"shape",
     "dtype"}}, "checksum_format": "alder32", "checksums": {name: Adler-32 of the tensor's bytes}, "numerics"?}``,
@@ -396,17 +453,29 @@ def write_full_snapshot(hf_state_dict: dict[str, torch.Tensor], assets_dir: str 
         raws = {name: _raw(t) for name, t in sorted(tensors.items())}
         checksums = {name: str(zlib.adler32(r)) for name, r in raws.items()}
         digests = {name: tensor_sha256(r) for name, r in raws.items()}
-        (tmp / WEIGHT_SPEC).write_text(json.dumps({"tensor_map": spec,
-                                                   "checksum_format": DEFAULT_CHECKSUM_FORMAT,
-                                                   "checksums": checksums, "sha256": digests, **stamp}, indent=1))
+        (tmp / WEIGHT_SPEC).write_text(
+            json.dumps(
+                {
+                    "tensor_map": spec,
+                    "checksum_format": DEFAULT_CHECKSUM_FORMAT,
+                    "checksums": checksums,
+                    "sha256": digests,
+                    **stamp,
+                },
+                indent=1,
+            )
+        )
 
-    return write_checkpoint(out_dir, {fname: tensors}, assets_dir=src, skip_assets=_SKIP,
-                            finalize=write_spec)
+    return write_checkpoint(out_dir, {fname: tensors}, assets_dir=src, skip_assets=_SKIP, finalize=write_spec)
 
 
-def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torch.Tensor], out_dir: str | Path,
-                               compression_format: str = DEFAULT_COMPRESSION_FORMAT, numerics: dict | None = None
-                               ) -> Path:
+def write_incremental_snapshot(
+    base_dir: str | Path,
+    new_tensors: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    compression_format: str = DEFAULT_COMPRESSION_FORMAT,
+    numerics: dict | None = None,
+) -> Path:
     """Encode ``new_tensors`` against the full snapshot in ``base_dir``.
 
     Args:
@@ -459,14 +528,26 @@ def write_incremental_snapshot(base_dir: str | Path, new_tensors: dict[str, torc
         if extra:
             raise DeltaError(f"new weights have tensors the base lacks: {sorted(extra)[:5]}")
         stamp = {"numerics": numerics} if numerics is not None else {}
-        (tmp / "delta.json").write_text(json.dumps({"compression_format": compression_format,
-                                                    "checksum_format": DEFAULT_CHECKSUM_FORMAT,
-                                                    "sha256": dict(sorted(digests.items())), **stamp}))
+        (tmp / "delta.json").write_text(
+            json.dumps(
+                {
+                    "compression_format": compression_format,
+                    "checksum_format": DEFAULT_CHECKSUM_FORMAT,
+                    "sha256": dict(sorted(digests.items())),
+                    **stamp,
+                }
+            )
+        )
     return Path(out_dir)
 
 
-def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_dir: str | Path,
-                               compression_format: str | None = None, require_digests: bool = True) -> Path:
+def apply_incremental_snapshot(
+    base_dir: str | Path,
+    delta_dir: str | Path,
+    out_dir: str | Path,
+    compression_format: str | None = None,
+    require_digests: bool = True,
+) -> Path:
     """Decode a delta onto its base and publish the result as a full snapshot (assets copied from the base).
 
     ``compression_format`` comes from the caller (a hot-load signal carries it) or, when ``None``, from the delta's
@@ -493,8 +574,10 @@ def apply_incremental_snapshot(base_dir: str | Path, delta_dir: str | Path, out_
     new: dict[str, torch.Tensor] = {}
     for fname in delta_files:
         try:
-            with safe_open(str(delta_dir / fname), framework="pt") as d, safe_open(str(base_dir / fname),
-                                                                                  framework="pt") as b:
+            with (
+                safe_open(str(delta_dir / fname), framework="pt") as d,
+                safe_open(str(base_dir / fname), framework="pt") as b,
+            ):
                 meta = d.metadata() or {}
                 if set(d.keys()) != set(b.keys()):
                     raise DeltaError(f"{fname}: tensor names differ from the base")
@@ -522,8 +605,9 @@ def _delta_format(delta_dir: Path, compression_format: str | None) -> str:
     try:
         return _read_json(delta_dir / "delta.json")["compression_format"]
     except (OSError, ValueError, KeyError) as e:
-        raise DeltaError(f"snapshot {delta_dir.name!r}: no compression_format given and no readable delta.json "
-                         f"({type(e).__name__})") from e
+        raise DeltaError(
+            f"snapshot {delta_dir.name!r}: no compression_format given and no readable delta.json ({type(e).__name__})"
+        ) from e
 
 
 def delta_digests(delta_dir: str | Path) -> dict[str, str]:
@@ -560,7 +644,7 @@ def delta_checksums(delta_dir: str | Path) -> dict[str, str]:
         try:
             with safe_open(str(f), framework="pt") as d:
                 meta, names = d.metadata() or {}, list(d.keys())
-        except Exception as e:  # noqa: BLE001 - unreadable header
+        except Exception as e:  # unreadable header
             raise DeltaError(f"{f.name}: cannot read: {e}") from e
         for name in names:
             if name in out or name not in meta:
@@ -571,9 +655,13 @@ def delta_checksums(delta_dir: str | Path) -> dict[str, str]:
 
 #: dtype → (unsigned view, exponent mask): a value is NaN or inf when all its exponent bits are set (IEEE 754; FP8
 #: e4m3fn has no inf, its NaN is the all-ones magnitude)
-_NON_FINITE = {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
-               torch.float32: (np.uint32, 0x7F800000), torch.float64: (np.uint64, 0x7FF0000000000000),
-               torch.float8_e4m3fn: (np.uint8, 0x7F)}
+_NON_FINITE = {
+    torch.bfloat16: (np.uint16, 0x7F80),
+    torch.float16: (np.uint16, 0x7C00),
+    torch.float32: (np.uint32, 0x7F800000),
+    torch.float64: (np.uint64, 0x7FF0000000000000),
+    torch.float8_e4m3fn: (np.uint8, 0x7F),
+}
 
 
 def has_non_finite(raw, dtype: torch.dtype) -> bool:
@@ -586,8 +674,14 @@ def has_non_finite(raw, dtype: torch.dtype) -> bool:
     return bool(((words & view(mask)) == view(mask)).any())
 
 
-def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor], compression_format: str | None = None,
-                         commit: bool = False, after_tensor=None, allow_non_finite: bool = False) -> dict:
+def apply_delta_in_place(
+    delta_dir: str | Path,
+    targets: dict[str, torch.Tensor],
+    compression_format: str | None = None,
+    commit: bool = False,
+    after_tensor=None,
+    allow_non_finite: bool = False,
+) -> dict:
     """Decode an incremental snapshot against the bits of live tensors and, with ``commit``, write the new bits into
     them, tensor by tensor: the extra memory is at most ``2 * ENCODE_THREADS`` decoded tensors (and their payloads),
     never the model.
@@ -638,7 +732,7 @@ def apply_delta_in_place(delta_dir: str | Path, targets: dict[str, torch.Tensor]
         host = t if t.device.type == "cpu" else t.detach().cpu()
         old = host.detach().reshape(-1).view(torch.uint8).numpy()
         try:
-            new = decode(memoryview(old), _raw(payload))
+            new = decode(memoryview(old.data), _raw(payload))
         except Exception as e:  # any codec failure is a refusal of this delta
             raise DeltaError(f"{fname}:{name}: payload does not decode: {e}") from e
         if len(new) != old.size or str(zlib.adler32(new)) != checksums[name]:

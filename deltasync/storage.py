@@ -13,21 +13,29 @@ dies mid-pull of a large snapshot does not start over. Markers of earlier versio
 ``s3://`` goes through ``s3fs``; the endpoint comes from the standard AWS settings (``AWS_ENDPOINT_URL``,
 credentials, region), so any S3-compatible server works.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import fsspec
 
 from zerokld_models.checkpoint import publish_atomically, staging_path
 
-__all__ = ["COMPLETE_MARKER", "fetch_dir", "filesystem_for", "local_filesystem", "memory_filesystem", "publish_dir",
-           "s3_filesystem"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "fetch_dir",
+    "filesystem_for",
+    "local_filesystem",
+    "memory_filesystem",
+    "publish_dir",
+    "s3_filesystem",
+]
 
 COMPLETE_MARKER = "_ZEROKLD_COMPLETE"
 
@@ -77,8 +85,10 @@ def publish_dir(local_dir: str | Path, url: str) -> str:
     fs.makedirs(remote, exist_ok=True)  # local/memory need the directory; object stores ignore it
     for f in files:
         fs.put_file(str(f), f"{remote}/{f.name}")
-    fs.pipe_file(f"{remote}/{COMPLETE_MARKER}", json.dumps(
-        {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files}).encode())
+    fs.pipe_file(
+        f"{remote}/{COMPLETE_MARKER}",
+        json.dumps({f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files}).encode(),
+    )
     return url
 
 
@@ -92,8 +102,10 @@ def _listing(fs, remote: str, url: str) -> dict[str, dict]:
         raise SnapshotError(f"{url}: not a completely published snapshot (no {COMPLETE_MARKER})") from e
     try:
         listing = json.loads(raw)
-        out = {name: ({"size": int(v)} if isinstance(v, int) else {"size": int(v["size"]), "sha256": v.get("sha256")})
-               for name, v in listing.items()}
+        out = {
+            name: ({"size": int(v)} if isinstance(v, int) else {"size": int(v["size"]), "sha256": v.get("sha256")})
+            for name, v in listing.items()
+        }
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise SnapshotError(f"{url}: unreadable {COMPLETE_MARKER}") from e
     for name in out:
@@ -126,8 +138,9 @@ def _fetch_file(fs, src: str, dst: Path, size: int, sha256: str | None, progress
         raise SnapshotError(f"{src}: {what}")
 
 
-def fetch_dir(url: str, local_dir: str | Path, max_concurrency: int = 4,
-              progress: Callable[[int], None] | None = None) -> Path:
+def fetch_dir(
+    url: str, local_dir: str | Path, max_concurrency: int = 4, progress: Callable[[int], None] | None = None
+) -> Path:
     """Download a published snapshot directory into ``local_dir`` (replaced), all or nothing, resuming an earlier
     interrupted download of the same directory.
 

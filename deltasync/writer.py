@@ -7,11 +7,13 @@ successfully loaded** identity, and a full one every ``full_every`` snapshots, a
 incremental snapshot needs the base's full weights: the writer keeps a private full copy of the last loaded snapshot
 (``<cache_dir>/<identity>``, never shipped).
 """
+
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,8 +21,13 @@ from zerokld_models.checkpoint import staged_dir
 
 from .ledger import validate_identity
 from .protocol import DEFAULT_COMPRESSION_FORMAT
-from .snapshot import (element_density, read_snapshot_tensors, weight_bytes, write_full_snapshot,
-                       write_incremental_snapshot)
+from .snapshot import (
+    element_density,
+    read_snapshot_tensors,
+    weight_bytes,
+    write_full_snapshot,
+    write_incremental_snapshot,
+)
 
 __all__ = ["SnapshotInfo", "SnapshotWriter"]
 
@@ -58,10 +65,17 @@ class SnapshotWriter:
             marker last) once written under ``root``.
     """
 
-    def __init__(self, root: str | Path, assets_dir: str | Path, full_every: int = 20,
-                 compression_format: str = DEFAULT_COMPRESSION_FORMAT, cache_dir: str | Path | None = None,
-                 dtype: torch.dtype | None = None, numerics: dict | None = None,
-                 publish_url: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        assets_dir: str | Path,
+        full_every: int = 20,
+        compression_format: str = DEFAULT_COMPRESSION_FORMAT,
+        cache_dir: str | Path | None = None,
+        dtype: torch.dtype | None = None,
+        numerics: Any = None,
+        publish_url: str | None = None,
+    ) -> None:
         if full_every < 1:
             raise ValueError("full_every must be >= 1")
         self.root, self.assets = Path(root), Path(assets_dir)
@@ -111,10 +125,19 @@ class SnapshotWriter:
                         shutil.copyfile(f, tmp / f.name)
                 info = SnapshotInfo(identity, "full", None, out, full_bytes, full_bytes, 1.0, None)
             else:
+                assert self.loaded is not None  # kind is "full" until a replica confirmed one
                 base = self.cache / self.loaded
                 write_incremental_snapshot(base, tensors, out, self.compression_format, numerics=self.numerics)
-                info = SnapshotInfo(identity, "incremental", self.loaded, out, weight_bytes(out), full_bytes,
-                                    self._density(base, tensors), self.compression_format)
+                info = SnapshotInfo(
+                    identity,
+                    "incremental",
+                    self.loaded,
+                    out,
+                    weight_bytes(out),
+                    full_bytes,
+                    self._density(base, tensors),
+                    self.compression_format,
+                )
         except BaseException:
             if private.name != self.loaded:
                 shutil.rmtree(private, ignore_errors=True)

@@ -11,22 +11,49 @@ with fixed-shape cuBLAS GEMMs) on request; ``ZEROKLD_BACKEND=<name>`` forces one
 sides: trainer and vLLM must use the same one). ``ZEROKLD_BACKEND=triton`` on CPU needs Triton's interpreter
 (``TRITON_INTERPRET=1``).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 from .attention import KEY_CHUNK, Q_TILE, attention_over_chunks
 from .linear import ROW_TILE
 from .metrics import logprob_diff_metrics
-from .op_names import OP_NAMES
 from .mode import NumericsMismatchError, NumericsMode, backend_for_device, check_same_numerics
-from .rollout import RolloutBatch
+from .op_names import OP_NAMES
 from .reduce import exp64, tree_sum
+from .rollout import RolloutBatch
 
 __all__ = [
-    "KEY_CHUNK", "NumericsMismatchError", "NumericsMode", "OP_NAMES", "Q_TILE", "ROW_TILE", "RolloutBatch", "active_ops", "add_rms_norm", "apply_rope",
-    "attention_over_chunks", "backend_for_device", "backend_name", "check_same_numerics", "dense_causal_attention", "exp64", "fp8_linear", "fp8_linear_qat",
-    "fused_selected_logprobs", "linear", "log_softmax", "lora_linear", "add_lora", "logprob_diff_metrics", "paged_causal_attention",
-    "quantize_fp8_weight", "rms_norm", "rms_norm_rope", "rope_cos_sin", "selected_logprobs", "silu_and_mul",
+    "KEY_CHUNK",
+    "NumericsMismatchError",
+    "NumericsMode",
+    "OP_NAMES",
+    "Q_TILE",
+    "ROW_TILE",
+    "RolloutBatch",
+    "active_ops",
+    "add_rms_norm",
+    "apply_rope",
+    "attention_over_chunks",
+    "backend_for_device",
+    "backend_name",
+    "check_same_numerics",
+    "dense_causal_attention",
+    "exp64",
+    "fp8_linear",
+    "fp8_linear_qat",
+    "fused_selected_logprobs",
+    "linear",
+    "log_softmax",
+    "lora_linear",
+    "add_lora",
+    "logprob_diff_metrics",
+    "paged_causal_attention",
+    "quantize_fp8_weight",
+    "rms_norm",
+    "rms_norm_rope",
+    "rope_cos_sin",
+    "selected_logprobs",
+    "silu_and_mul",
     "tree_sum",
 ]
 
@@ -64,8 +91,10 @@ def active_ops(*tensors) -> dict:
         table = resolve(spec.ops)
         if set(table) != set(OP_NAMES):
             missing, extra = sorted(set(OP_NAMES) - set(table)), sorted(set(table) - set(OP_NAMES))
-            raise RuntimeError(f"numerics backend {name!r}: op table differs from shared_numerics.OP_NAMES "
-                               f"(missing {missing}, unknown {extra})")
+            raise RuntimeError(
+                f"numerics backend {name!r}: op table differs from shared_numerics.OP_NAMES "
+                f"(missing {missing}, unknown {extra})"
+            )
         ops = _OPS_CACHE[name] = {k: resolve(v) for k, v in table.items()}
     return ops
 
@@ -130,11 +159,13 @@ def dense_causal_attention(q, k, v, scale):
     return active_ops(q)["dense_causal_attention"](q, k, v, scale)
 
 
-def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                           max_query_len=None, max_seq_len=None):
+def paged_causal_attention(
+    q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None, max_seq_len=None
+):
     """See :func:`shared_numerics.attention.paged_causal_attention`."""
-    return active_ops(q)["paged_causal_attention"](q, key_cache, value_cache, query_start_loc, seq_lens, block_table,
-                                                  scale, max_query_len, max_seq_len)
+    return active_ops(q)["paged_causal_attention"](
+        q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, max_seq_len
+    )
 
 
 def fp8_linear(x, qweight, weight_scale, granularity="per_channel"):

@@ -11,8 +11,8 @@ of chunks the longest sequence needs, chunked prefill, prefix-cache hits, or whe
 
 On CPU tensors both layouts run the compiled kernel of :mod:`shared_numerics.attention_cpu` (one loop nest per
 (query block, kv head); its arithmetic per (query, head) is fixed in ``csrc/attention.cpp``: scores summed in head-dim
-order, Cephes' exp as plain arithmetic, sums in key order). On other devices both layouts go through one core of torch ops,
-:func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
+order, Cephes' exp as plain arithmetic, sums in key order). On other devices both layouts go through one core of torch
+ops, :func:`attention_over_chunks`, which asks a ``gather_chunk`` callback for key chunk
 ``j`` of given sequences as a head-major ``[n, kv_heads, 32, head_dim]`` tensor: the dense path slices its padded
 ``[batch, kv_heads, seq, head_dim]`` keys; vLLM's path slices the paged cache (a block of ``block_size`` tokens, a
 multiple of 32, holds whole chunks: chunk ``j`` of sequence ``s`` is rows ``(32j mod bs) .. +32`` of block
@@ -21,6 +21,7 @@ multiple of 32, holds whole chunks: chunk ``j`` of sequence ``s`` is rows ``(32j
 Source: Dao et al., "FlashAttention" (2022) online softmax; fixed split-KV size as in SGLang's deterministic mode and
 vLLM's batch-invariant attention; paged layout of Kwon et al., "PagedAttention" (2023).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -228,9 +229,9 @@ def paged_causal_attention(
         def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
             col = min(j // per_block, bt.shape[1] - 1)  # past the table: masked anyway
             blocks = bt[seq_ids, col]
-            return (k_chunks[blocks, :, j % per_block].contiguous(),
-                    v_chunks[blocks, :, j % per_block].contiguous())
+            return (k_chunks[blocks, :, j % per_block].contiguous(), v_chunks[blocks, :, j % per_block].contiguous())
     else:  # a chunk spans several blocks: gather its 32 positions (the same values, so the same bits)
+
         def gather(seq_ids: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
             pos = j * KEY_CHUNK + offs
             col = torch.clamp(pos // block_size, max=bt.shape[1] - 1)  # past the table: masked anyway

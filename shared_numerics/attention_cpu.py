@@ -3,10 +3,11 @@
 The arithmetic of one (query, head) is fixed by construction (the kernel's header says it in full): keys in chunks of
 :data:`~shared_numerics.attention.KEY_CHUNK` absolute positions, chunk 0 first; scores summed in
 head-dim order (vectorised across the chunk's keys); FlashAttention's online softmax per chunk (Cephes' exp as plain
-arithmetic, sums in key order); ``out = acc / l`` in float32, rounded once to the input dtype. A query's result depends only on its own keys and position: not on the batch, the
-query blocks (``Q_TILE`` queries of one sequence per work unit), the thread count, chunked prefill, prefix-cache hits
-or where the paged cache put the keys. The dense (trainer) and paged (vLLM) layouts are one address computation: dense
-``[B, T, Hkv, D]`` keys are a cache of one block of ``T`` slots per sequence.
+arithmetic, sums in key order); ``out = acc / l`` in float32, rounded once to the input dtype. A query's result depends
+only on its own keys and position: not on the batch, the query blocks (``Q_TILE`` queries of one sequence per work
+unit), the thread count, chunked prefill, prefix-cache hits or where the paged cache put the keys. The dense (trainer)
+and paged (vLLM) layouts are one address computation: dense ``[B, T, Hkv, D]`` keys are a cache of one block of ``T``
+slots per sequence.
 
 The backward (dense layout) is FlashAttention-2's, recomputing the probabilities from the saved ``m`` and ``l``; each
 (sequence, kv head) is one unit that owns its keys' gradients, so a sequence's gradients are the same bits alone or in
@@ -27,6 +28,7 @@ fp32), training 0.76x bf16 and 0.77x fp32.
 
 Source: Dao et al., "FlashAttention" (2022) and "FlashAttention-2" (2023); Kwon et al., "PagedAttention" (2023).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,12 +48,89 @@ _I64 = ctypes.POINTER(ctypes.c_int64)
 def _lib():
     lib = load("attention")
     vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.zk_attention_fwd.argtypes = [c_int, c_int, c_int, c_int, vp, vp, vp, i64, i64, i64, c_int, vp, i64, vp, vp,
-                                     i64, vp, vp, f32, vp, vp, vp, c_int]
-    lib.zk_attention_bwd.argtypes = [c_int, c_int, c_int, c_int, vp, vp, vp, i64, i64, i64, c_int, vp, i64, vp, vp,
-                                     vp, vp, i64, vp, vp, f32, vp, vp, vp, vp, vp, vp, vp, c_int]
-    lib.zk_attention_paged_fwd.argtypes = [c_int, c_int, c_int, c_int, vp, i64, vp, vp, i64, i64, i64, c_int, vp, i64,
-                                           i64, vp, vp, i64, c_int, c_int, f32, vp, vp, vp, c_int]
+    lib.zk_attention_fwd.argtypes = [
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        vp,
+        vp,
+        vp,
+        i64,
+        i64,
+        i64,
+        c_int,
+        vp,
+        i64,
+        vp,
+        vp,
+        i64,
+        vp,
+        vp,
+        f32,
+        vp,
+        vp,
+        vp,
+        c_int,
+    ]
+    lib.zk_attention_bwd.argtypes = [
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        vp,
+        vp,
+        vp,
+        i64,
+        i64,
+        i64,
+        c_int,
+        vp,
+        i64,
+        vp,
+        vp,
+        vp,
+        vp,
+        i64,
+        vp,
+        vp,
+        f32,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        c_int,
+    ]
+    lib.zk_attention_paged_fwd.argtypes = [
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        vp,
+        i64,
+        vp,
+        vp,
+        i64,
+        i64,
+        i64,
+        c_int,
+        vp,
+        i64,
+        i64,
+        vp,
+        vp,
+        i64,
+        c_int,
+        c_int,
+        f32,
+        vp,
+        vp,
+        vp,
+        c_int,
+    ]
     lib.zk_attention_fwd.restype = lib.zk_attention_bwd.restype = lib.zk_attention_paged_fwd.restype = c_int
     return lib
 
@@ -75,15 +154,18 @@ def _blocks(q_row: torch.Tensor):
 def _plain(*tensors):
     out = tuple(plain(t) for t in tensors)
     if any(t is None for t in out):
-        raise TypeError("zerokld CPU attention: inputs must be plain CPU tensors (or DTensors sharded by heads), got "
-                        + ", ".join(type(t).__name__ for t in tensors))
+        raise TypeError(
+            "zerokld CPU attention: inputs must be plain CPU tensors (or DTensors sharded by heads), got "
+            + ", ".join(type(t).__name__ for t in tensors)
+        )
     return out
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h_kv: int) -> None:
     if q.dtype not in DTYPE_CODES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"zerokld CPU attention: q, k, v must share one of {list(DTYPE_CODES)}; got {q.dtype}, "
-                        f"{k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"zerokld CPU attention: q, k, v must share one of {list(DTYPE_CODES)}; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if q.shape[1] % h_kv:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {h_kv}")
 
@@ -97,18 +179,44 @@ def _forward(q, k, v, h_kv, strides, bs, block_table, q_row, q_pos, scale, block
     l = torch.empty(n_q, h_q, dtype=torch.float32)
     block_q0, block_nq = blocks[0], blocks[1]
     rc = _lib().zk_attention_fwd(
-        DTYPE_CODES[q.dtype], h_q, h_kv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
-        strides[2], bs, block_table.data_ptr(), block_table.shape[1], q_row.data_ptr(), q_pos.data_ptr(),
-        block_q0.numel(), block_q0.data_ptr(), block_nq.data_ptr(), float(scale), out.data_ptr(), m.data_ptr(),
-        l.data_ptr(), torch.get_num_threads())
+        DTYPE_CODES[q.dtype],
+        h_q,
+        h_kv,
+        d,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        strides[0],
+        strides[1],
+        strides[2],
+        bs,
+        block_table.data_ptr(),
+        block_table.shape[1],
+        q_row.data_ptr(),
+        q_pos.data_ptr(),
+        block_q0.numel(),
+        block_q0.data_ptr(),
+        block_nq.data_ptr(),
+        float(scale),
+        out.data_ptr(),
+        m.data_ptr(),
+        l.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc:
         raise ValueError(f"zerokld CPU attention refused its arguments (code {rc})")
     return out, m, l
 
 
-def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+def paged_attention_cpu(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of a vLLM batch over the paged cache (the signature of
     :func:`shared_numerics.attention.paged_causal_attention`, which calls this for CPU tensors).
 
@@ -135,10 +243,17 @@ def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     # calls a layer before, ~0.13 ms at decode; the same units)
     idx = _index_dtype(query_start_loc, seq_lens, block_table)
     qsl, lens, bt = (_index(t, idx) for t in (query_start_loc, seq_lens, block_table))
-    if qsl.dim() != 1 or lens.dim() != 1 or bt.dim() != 2 or qsl.shape[0] != lens.shape[0] + 1 \
-            or bt.shape[0] < lens.shape[0]:
-        raise ValueError(f"zerokld CPU attention: query_start_loc {tuple(qsl.shape)}, seq_lens {tuple(lens.shape)} and "
-                         f"block_table {tuple(bt.shape)} do not fit one batch")
+    if (
+        qsl.dim() != 1
+        or lens.dim() != 1
+        or bt.dim() != 2
+        or qsl.shape[0] != lens.shape[0] + 1
+        or bt.shape[0] < lens.shape[0]
+    ):
+        raise ValueError(
+            f"zerokld CPU attention: query_start_loc {tuple(qsl.shape)}, seq_lens {tuple(lens.shape)} and "
+            f"block_table {tuple(bt.shape)} do not fit one batch"
+        )
     if bt.stride(-1) != 1:
         bt = bt.contiguous()
     q = q.contiguous()
@@ -146,15 +261,42 @@ def paged_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     out = torch.empty(n_q, h_q, d, dtype=torch.float32)
     sb, sh, sp, _ = key_cache.stride()
     rc = _lib().zk_attention_paged_fwd(
-        DTYPE_CODES[q.dtype], h_q, h_kv, d, q.data_ptr(), n_q, key_cache.data_ptr(), value_cache.data_ptr(), sb, sh,
-        sp, bs, bt.data_ptr(), bt.stride(0), bt.shape[1], qsl.data_ptr(), lens.data_ptr(), lens.shape[0],
-        int(idx == torch.int32), Q_TILE, float(scale), out.data_ptr(), None, None, torch.get_num_threads())
+        DTYPE_CODES[q.dtype],
+        h_q,
+        h_kv,
+        d,
+        q.data_ptr(),
+        n_q,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        sb,
+        sh,
+        sp,
+        bs,
+        bt.data_ptr(),
+        bt.stride(0),
+        bt.shape[1],
+        qsl.data_ptr(),
+        lens.data_ptr(),
+        lens.shape[0],
+        int(idx == torch.int32),
+        Q_TILE,
+        float(scale),
+        out.data_ptr(),
+        None,
+        None,
+        torch.get_num_threads(),
+    )
     if rc == 2:
-        raise ValueError(f"zerokld CPU attention: query_start_loc {query_start_loc.tolist()} and seq_lens "
-                         f"{seq_lens.tolist()} do not describe {n_q} queries in order")
+        raise ValueError(
+            f"zerokld CPU attention: query_start_loc {query_start_loc.tolist()} and seq_lens "
+            f"{seq_lens.tolist()} do not describe {n_q} queries in order"
+        )
     if rc == 3:
-        raise ValueError(f"zerokld CPU attention: seq_lens {seq_lens.tolist()} reach past the block table "
-                         f"({bt.shape[1]} blocks of {bs})")
+        raise ValueError(
+            f"zerokld CPU attention: seq_lens {seq_lens.tolist()} reach past the block table "
+            f"({bt.shape[1]} blocks of {bs})"
+        )
     if rc:
         raise ValueError(f"zerokld CPU attention refused its arguments (code {rc})")
     return out.to(q.dtype)
@@ -204,11 +346,36 @@ class _DenseAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=torch.float32)
         block_q0, block_nq, seq_b0, seq_b1 = blocks
         rc = _lib().zk_attention_bwd(
-            DTYPE_CODES[q2.dtype], h_q, h_kv, d, q2.data_ptr(), k.data_ptr(), v.data_ptr(), strides[0], strides[1],
-            strides[2], t, bt.data_ptr(), 1, q_row.data_ptr(), q_pos.data_ptr(), block_q0.data_ptr(),
-            block_nq.data_ptr(), seq_b0.numel(), seq_b0.data_ptr(), seq_b1.data_ptr(), float(scale), out.data_ptr(),
-            dout.data_ptr(), m.data_ptr(), l.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-            torch.get_num_threads())
+            DTYPE_CODES[q2.dtype],
+            h_q,
+            h_kv,
+            d,
+            q2.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            strides[0],
+            strides[1],
+            strides[2],
+            t,
+            bt.data_ptr(),
+            1,
+            q_row.data_ptr(),
+            q_pos.data_ptr(),
+            block_q0.data_ptr(),
+            block_nq.data_ptr(),
+            seq_b0.numel(),
+            seq_b0.data_ptr(),
+            seq_b1.data_ptr(),
+            float(scale),
+            out.data_ptr(),
+            dout.data_ptr(),
+            m.data_ptr(),
+            l.data_ptr(),
+            dq.data_ptr(),
+            dk.data_ptr(),
+            dv.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc:
             raise ValueError(f"zerokld CPU attention backward refused its arguments (code {rc})")
         return (dq.reshape(b, t, h_q, d).to(q2.dtype), dk.to(k.dtype), dv.to(v.dtype), None)

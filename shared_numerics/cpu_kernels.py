@@ -9,14 +9,16 @@ Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -ffp-contract=off -fno-fas
 -fopenmp``, never ``-ffast-math`` — the compiler may vectorise across independent lanes but never reorder a reduction
 or fuse a multiply-add, so the arithmetic is the source's. ``-march=native`` makes the library this machine's: trainer
 and engine on one machine load the same file. ``ZEROKLD_CPU_MARCH`` replaces ``native`` (e.g. ``x86-64-v3``: AVX2 +
-FMA, the kernels of an AVX2-only CPU, built and run on a newer one; see docs/tests.md, "CPU paths"). ``-fopenmp`` links ``libgomp.so.1``: loaded after torch (this module imports
-it), the kernel resolves to torch's own OpenMP runtime and shares its thread team. The library is cached under ``$ZEROKLD_CACHE_DIR`` (default
-``~/.cache/zerokld``), named by a hash of the source and the headers of ``csrc/``, the flags, the compiler's version and the CPU's model and ISA flags, written to a temporary
-name and renamed (concurrent first builds from several processes are safe).
+FMA, the kernels of an AVX2-only CPU, built and run on a newer one; see docs/tests.md, "CPU paths"). ``-fopenmp`` links
+``libgomp.so.1``: loaded after torch (this module imports it), the kernel resolves to torch's own OpenMP runtime and
+shares its thread team. The library is cached under ``$ZEROKLD_CACHE_DIR`` (default ``~/.cache/zerokld``), named by a
+hash of the source and the headers of ``csrc/``, the flags, the compiler's version and the CPU's model and ISA flags,
+written to a temporary name and renamed (concurrent first builds from several processes are safe).
 
 Raises (:func:`load`): RuntimeError naming the compiler and its error output when the build fails or no compiler is
 found.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,7 +30,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded first: the kernels bind to torch's libgomp)
+import torch  # loaded first: the kernels bind to torch's libgomp
 
 from zerokld_plugins import envs
 
@@ -37,8 +39,7 @@ __all__ = ["COMPILER_PACKAGE", "DTYPE_CODES", "FLAGS", "flags", "load", "on_loca
 #: element types the kernels read (their ``dtype`` argument)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC",
-         "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 #: Debian / Ubuntu package of the default compiler (named in the error raised without one)
 COMPILER_PACKAGE = "g++"
 _SRC = Path(__file__).resolve().parent / "csrc"
@@ -66,7 +67,7 @@ def _cache_dir() -> Path:
     return envs.ZEROKLD_CACHE_DIR
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> ctypes.CDLL:
     """The compiled ``csrc/<name>.cpp`` (built on first use on this machine; see the module).
 
@@ -79,9 +80,11 @@ def load(name: str) -> ctypes.CDLL:
     cxx = os.environ.get("CXX") or "g++"
     exe = shutil.which(cxx)
     if exe is None:
-        raise RuntimeError(f"zerokld's CPU kernel {name}.cpp is built on first use and needs a C++ compiler; "
-                           f"{cxx!r} was not found on PATH (install it: `apt-get install {COMPILER_PACKAGE}` on "
-                           "Debian / Ubuntu; or set CXX to a C++17 compiler)")
+        raise RuntimeError(
+            f"zerokld's CPU kernel {name}.cpp is built on first use and needs a C++ compiler; "
+            f"{cxx!r} was not found on PATH (install it: `apt-get install {COMPILER_PACKAGE}` on "
+            "Debian / Ubuntu; or set CXX to a C++17 compiler)"
+        )
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     build_flags = flags()
     key = hashlib.sha256(source + repr(build_flags).encode() + version.encode() + _cpu_id().encode()).hexdigest()[:16]
@@ -92,11 +95,13 @@ def load(name: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(prefix=f"{name}-", suffix=".so", dir=cache)
         os.close(fd)
         try:
-            proc = subprocess.run([exe, *build_flags, "-o", tmp, str(_SRC / f"{name}.cpp")], capture_output=True,
-                                  text=True)
+            proc = subprocess.run(
+                [exe, *build_flags, "-o", tmp, str(_SRC / f"{name}.cpp")], capture_output=True, text=True
+            )
             if proc.returncode != 0:
-                raise RuntimeError(f"building zerokld's CPU kernel {name}.cpp with {cxx} failed:\n"
-                                   f"{proc.stderr[-4000:]}")
+                raise RuntimeError(
+                    f"building zerokld's CPU kernel {name}.cpp with {cxx} failed:\n{proc.stderr[-4000:]}"
+                )
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -106,10 +111,13 @@ def load(name: str) -> ctypes.CDLL:
 
 def plain(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as a plain CPU ``torch.Tensor`` whose ``data_ptr`` holds its values, or ``None`` (the kernels then must
-    not run on it): a plain tensor or a ``Parameter`` (any subclass) as is; an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` returns while a
-    collective is in flight) waited; any other subclass (``DTensor``, fake or functional tensors) ``None``."""
+    not run on it): a plain tensor or a ``Parameter`` (any subclass) as is; an ``AsyncCollectiveTensor`` (what
+    ``DTensor.to_local()`` returns while a collective is in flight) waited; any other subclass (``DTensor``, fake or
+    functional tensors) ``None``."""
     if type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
-        return t if t.device.type == "cpu" else None  # (vLLM's parameter classes subclass Parameter; FSDP's hold DTensors)
+        return (
+            t if t.device.type == "cpu" else None
+        )  # (vLLM's parameter classes subclass Parameter; FSDP's hold DTensors)
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     if isinstance(t, AsyncCollectiveTensor):
@@ -131,14 +139,21 @@ def on_local_shards(fn, tensors: tuple, allowed_shard_dims: tuple[int, ...]):
     if not any(isinstance(t, DTensor) for t in tensors):
         return None
     first = tensors[0]
-    if not all(isinstance(t, DTensor) and t.device_mesh == first.device_mesh and t.placements == first.placements
-               for t in tensors):
-        raise NotImplementedError("zerokld CPU kernel: DTensor inputs must share one mesh and one placement, got "
-                                  + ", ".join(str(getattr(t, "placements", "plain tensor")) for t in tensors))
+    if not all(
+        isinstance(t, DTensor) and t.device_mesh == first.device_mesh and t.placements == first.placements
+        for t in tensors
+    ):
+        raise NotImplementedError(
+            "zerokld CPU kernel: DTensor inputs must share one mesh and one placement, got "
+            + ", ".join(str(getattr(t, "placements", "plain tensor")) for t in tensors)
+        )
     for p in first.placements:
         if p.is_shard() and p.dim % first.ndim not in tuple(d % first.ndim for d in allowed_shard_dims):
-            raise NotImplementedError(f"zerokld CPU kernel: DTensor sharded as {first.placements}; only dims "
-                                      f"{allowed_shard_dims} may be sharded for this op")
+            raise NotImplementedError(
+                f"zerokld CPU kernel: DTensor sharded as {first.placements}; only dims "
+                f"{allowed_shard_dims} may be sharded for this op"
+            )
     out = fn(*(t.to_local() for t in tensors))
-    return DTensor.from_local(out, first.device_mesh, first.placements, run_check=False, shape=first.shape,
-                              stride=first.stride())
+    return DTensor.from_local(
+        out, first.device_mesh, first.placements, run_check=False, shape=first.shape, stride=first.stride()
+    )

@@ -33,6 +33,7 @@ c10's e4m3fn rounding; torch's float8 conversions are scalar loops), bitwise the
 Sources: vLLM ``model_executor/layers/quantization/input_quant_fp8.py`` (per-token scale, floor) and
 ``utils/fp8_utils.py`` (block shapes); DeepSeek-V3 ``inference/kernel.py`` (``act_quant``, 128×128 weight blocks).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,9 +49,23 @@ from .gemm_cpu import amx_available, gemm_abt
 from .linear import matmul_rows
 from .reduce import true_divide
 
-__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8QuantizationError", "Granularity", "fp8_values",
-           "dequantize_fp8_weight", "fp8_linear", "fp8_linear_qat", "fp8_weight_qat", "quantize_fp8_activation",
-           "quantize_fp8_weight", "served_fp8_weight", "weight_scale_shape"]
+__all__ = [
+    "BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_MIN_SCALE",
+    "Fp8QuantizationError",
+    "Granularity",
+    "fp8_values",
+    "dequantize_fp8_weight",
+    "fp8_linear",
+    "fp8_linear_qat",
+    "fp8_weight_qat",
+    "quantize_fp8_activation",
+    "quantize_fp8_weight",
+    "served_fp8_weight",
+    "weight_scale_shape",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -77,16 +92,22 @@ def _lib():
     return lib
 
 
-def _dequantize_activation_bf16(v: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
+def _dequantize_activation_bf16(v: torch.Tensor, s: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """``(values.float() * scale).to(torch.bfloat16)`` for an activation's bf16 code values ``v [M, K]`` (plain CPU),
     compiled."""
     v = v.contiguous()
     m, k = v.shape
     out = torch.empty((m, k), dtype=torch.bfloat16)
     if v.numel():
-        _lib().zk_fp8_dequantize_bf16(v.data_ptr(), s.contiguous().data_ptr(), m, k,
-                                      k if granularity == "per_channel" else BLOCK, out.data_ptr(),
-                                      torch.get_num_threads())
+        _lib().zk_fp8_dequantize_bf16(
+            v.data_ptr(),
+            s.contiguous().data_ptr(),
+            m,
+            k,
+            k if granularity == "per_channel" else BLOCK,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -96,7 +117,7 @@ def _compiled(x: torch.Tensor) -> torch.Tensor | None:
     return p if p is not None and p.dtype in (torch.float32, torch.bfloat16) else None
 
 
-def _quantize_compiled(x: torch.Tensor, granularity: str, codes: bool, values: bool):
+def _quantize_compiled(x: torch.Tensor, granularity: Granularity, codes: bool, values: bool):
     """``csrc/fp8.cpp``'s quantizer on ``x [M, K]`` (plain CPU): ``(codes fp8 or None, values bf16 or None,
     scales)``."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -106,9 +127,18 @@ def _quantize_compiled(x: torch.Tensor, granularity: str, codes: bool, values: b
     v = torch.empty((m, k), dtype=torch.bfloat16) if values else None
     s = torch.empty((m, max(1, -(-k // group))), dtype=torch.float32)
     if m and k:
-        rc = _lib().zk_fp8_quantize(DTYPE_CODES[x.dtype], x.data_ptr(), m, k, x.stride(0), group,
-                                    None if q is None else q.data_ptr(), None if v is None else v.data_ptr(),
-                                    s.data_ptr(), torch.get_num_threads())
+        rc = _lib().zk_fp8_quantize(
+            DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            group,
+            None if q is None else q.data_ptr(),
+            None if v is None else v.data_ptr(),
+            s.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise Fp8QuantizationError("FP8 quantization of activations: input contains inf or NaN")
     elif m:
@@ -129,7 +159,7 @@ def fp8_values(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_granularity(granularity: str) -> None:
+def _check_granularity(granularity: Granularity) -> None:
     if granularity not in GRANULARITIES:
         raise Fp8QuantizationError(f"unknown FP8 granularity {granularity!r}; expected one of {GRANULARITIES}")
 
@@ -149,8 +179,9 @@ def _pad_k(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def quantize_fp8_activation(x: torch.Tensor, granularity: Granularity = "per_channel"
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_activation(
+    x: torch.Tensor, granularity: Granularity = "per_channel"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 quantization of activations.
 
     Args:
@@ -171,7 +202,7 @@ def quantize_fp8_activation(x: torch.Tensor, granularity: Granularity = "per_cha
     return _quantize_activation_torch(x, granularity)
 
 
-def _quantize_activation_torch(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_activation_torch(x: torch.Tensor, granularity: Granularity) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation quantizer's definition as torch ops (GPUs and the reference the compiled one is tested on)."""
     xf = x.float()
     if granularity == "per_channel":
@@ -191,8 +222,7 @@ def weight_scale_shape(n: int, k: int, granularity: Granularity) -> tuple[int, .
     return (n,) if granularity == "per_channel" else (-(-n // BLOCK), -(-k // BLOCK))
 
 
-def quantize_fp8_weight(w: torch.Tensor, granularity: Granularity = "per_channel"
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_weight(w: torch.Tensor, granularity: Granularity = "per_channel") -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 quantization of a weight in ``nn.Linear`` layout.
 
     Args:
@@ -226,8 +256,7 @@ def _expand_block_scales(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return s.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
 
 
-def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity = "per_channel"
-                          ) -> torch.Tensor:
+def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity = "per_channel") -> torch.Tensor:
     """``codes * scale`` in float32, ``[N, K]`` (used by the QAT backward and by tests; not by the GEMM). ``q``: the
     ``float8_e4m3fn`` codes or their bf16 values (:func:`fp8_values`), the same result."""
     _check_granularity(granularity)
@@ -236,8 +265,7 @@ def dequantize_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granula
     return q.float() * _expand_block_scales(s, *q.shape)
 
 
-def served_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity, dtype: torch.dtype
-                      ) -> torch.Tensor:
+def served_fp8_weight(q: torch.Tensor, s: torch.Tensor, granularity: Granularity, dtype: torch.dtype) -> torch.Tensor:
     """The high-precision weight an FP8 checkpoint serves where a projection's weight is used as a tensor, not
     through :func:`fp8_linear` (MLA's ``kv_b_proj``, absorbed per head: :mod:`shared_numerics.mla`):
     ``dequantize_fp8_weight(q, s)`` rounded once to the model dtype ``dtype``. vLLM does the same for DeepSeek's FP8
@@ -280,7 +308,7 @@ def fp8_weight_qat(weight: torch.Tensor, granularity: Granularity = "per_channel
     return _Fp8WeightSTE.apply(weight, granularity)
 
 
-def _dequantize_activation(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
+def _dequantize_activation(q: torch.Tensor, s: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     if granularity == "per_channel":
         return q.float() * s
     m, k = q.shape
@@ -297,34 +325,44 @@ def _amx_product(vx: torch.Tensor, vw: torch.Tensor) -> torch.Tensor:
     return gemm_abt(vw, vx, transpose=True, out_dtype=torch.float32)
 
 
-def _gemm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str,
-          product=_fma_product) -> torch.Tensor:
+def _gemm(
+    qx: torch.Tensor,
+    sx: torch.Tensor,
+    qw: torch.Tensor,
+    sw: torch.Tensor,
+    granularity: Granularity,
+    product=_fma_product,
+) -> torch.Tensor:
     """float32 ``[M, N]`` product of FP8 operands: fixed tiles, fixed K-block order, fixed epilogue
     ``(acc * s_x) * s_w`` (in place on a fresh accumulator: the same roundings). ``product``: the row-invariant GEMM
     of one K range (:func:`_fma_product`, or :func:`_amx_product` on the codes' bf16 values)."""
     n, k = qw.shape
     if granularity == "per_channel":
         return product(qx, qw).mul_(sx).mul_(sw.unsqueeze(0))
-    out = None
+    out: torch.Tensor | None = None
     sw_rows = sw.repeat_interleave(BLOCK, dim=0)[:n]  # [N, KB]
     for b in range((k + BLOCK - 1) // BLOCK):
         lo, hi = b * BLOCK, min(k, (b + 1) * BLOCK)
-        part = product(qx[:, lo:hi], qw[:, lo:hi]).mul_(sx[:, b: b + 1]).mul_(sw_rows[:, b])
+        part = product(qx[:, lo:hi], qw[:, lo:hi]).mul_(sx[:, b : b + 1]).mul_(sw_rows[:, b])
         out = part if out is None else out.add_(part)
+    assert out is not None  # k >= 1
     return out
 
 
-def _gemm_amx(vx: torch.Tensor, sx: torch.Tensor, vw: torch.Tensor, sw: torch.Tensor, granularity: str
-              ) -> torch.Tensor:
+def _gemm_amx(
+    vx: torch.Tensor, sx: torch.Tensor, vw: torch.Tensor, sw: torch.Tensor, granularity: Granularity
+) -> torch.Tensor:
     """:func:`_gemm` on the AMX kernel: ``vx [M, K]``, ``vw [N, K]`` the codes' bf16 values."""
     return _gemm(vx, sx, vw, sw, granularity, _amx_product)
 
 
-def _quantized_product(x2: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: str, amx: bool):
+def _quantized_product(x2: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, granularity: Granularity, amx: bool):
     """``(y float32 [M, N], activation operand, its scales, weight operand)`` of the FP8 GEMM of ``x2 [M, K]`` with
     the codes ``qw``: on AMX the operands are the codes' bf16 values, else the codes."""
     if amx:
-        _, qx, sx = _quantize_compiled(_compiled(x2), granularity, codes=False, values=True)
+        plain_x = _compiled(x2)
+        assert plain_x is not None  # amx: only chosen for a plain CPU tensor
+        _, qx, sx = _quantize_compiled(plain_x, granularity, codes=False, values=True)
         qw = fp8_values(qw)
         return _gemm_amx(qx, sx, qw, sw, granularity), qx, sx, qw
     qx, sx = quantize_fp8_activation(x2, granularity)
@@ -339,12 +377,14 @@ def _on_amx(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 def check_fp8_weight(x: torch.Tensor, qweight: torch.Tensor) -> None:
     """Raise :class:`Fp8QuantizationError` unless ``qweight`` is ``float8_e4m3fn [N, K]`` with ``K = x.shape[-1]``."""
     if qweight.dtype != FP8_DTYPE or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
-        raise Fp8QuantizationError(f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], "
-                                   f"got {qweight.dtype} {tuple(qweight.shape)}")
+        raise Fp8QuantizationError(
+            f"fp8_linear: weight must be float8_e4m3fn [N, {x.shape[-1]}], got {qweight.dtype} {tuple(qweight.shape)}"
+        )
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-               granularity: Granularity = "per_channel") -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, granularity: Granularity = "per_channel"
+) -> torch.Tensor:
     """Batch-invariant FP8 ``linear`` with a pre-quantized weight (the serving path).
 
     Args:
@@ -417,8 +457,9 @@ class _Fp8LinearSTE(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granularity = "per_channel", *,
-                   weight_chain=None) -> torch.Tensor:
+def fp8_linear_qat(
+    x: torch.Tensor, weight: torch.Tensor, granularity: Granularity = "per_channel", *, weight_chain=None
+) -> torch.Tensor:
     """FP8 fake-quant ``linear`` for quantization-aware training: the forward is bit for bit :func:`fp8_linear` of
     ``quantize_fp8_weight(weight)``; the backward is the straight-through estimator (deterministic): float32 GEMMs
     of the dequantized operands, or for bf16 activations on an AMX CPU the AMX kernel's bf16 GEMMs (the dequantized
@@ -446,6 +487,8 @@ def fp8_linear_qat(x: torch.Tensor, weight: torch.Tensor, granularity: Granulari
         from .grad_chain import chain_available
 
         if x.device.type != "cpu" or not chain_available(x.dtype):
-            raise ValueError(f"an FP8 weight chain needs a CPU whose kernels cover {x.dtype} gradients "
-                             f"(shared_numerics.grad_chain.chain_available)")
+            raise ValueError(
+                f"an FP8 weight chain needs a CPU whose kernels cover {x.dtype} gradients "
+                f"(shared_numerics.grad_chain.chain_available)"
+            )
     return _Fp8LinearSTE.apply(x, weight, granularity, weight_chain)

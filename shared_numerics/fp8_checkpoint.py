@@ -16,6 +16,7 @@ vLLM serves it with the zerokld plugin (``vllm_plugin.fp8`` registers ``zerokld_
 registry); codes and scales are exactly what online quantization of the source checkpoint computes. The export
 (file I/O) is :func:`zerokld_models.fp8_export.export_fp8_checkpoint`; this module defines the format.
 """
+
 from __future__ import annotations
 
 from .fp8 import BLOCK, GRANULARITIES, Fp8QuantizationError
@@ -23,10 +24,21 @@ from .fp8 import BLOCK, GRANULARITIES, Fp8QuantizationError
 __all__ = ["FP8_PROJECTIONS", "QUANT_METHOD", "is_fp8_projection", "parse_quantization_config", "quantization_config"]
 
 QUANT_METHOD = "zerokld_fp8"
-FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                   # MLA (DeepSeek-V2/V3): DeepSeek's own FP8 checkpoints quantize these too; the router (mlp.gate)
-                   # stays high precision
-                   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+FP8_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    # MLA (DeepSeek-V2/V3): DeepSeek's own FP8 checkpoints quantize these too; the router (mlp.gate)
+    # stays high precision
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
 
 
 def is_fp8_projection(name: str) -> bool:
@@ -39,9 +51,14 @@ def quantization_config(granularity: str = "per_channel") -> dict:
     """The ``config.json`` ``quantization_config`` block for ``granularity``."""
     if granularity not in GRANULARITIES:
         raise Fp8QuantizationError(f"unknown FP8 granularity {granularity!r}; expected one of {GRANULARITIES}")
-    return {"quant_method": QUANT_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic", "granularity": granularity,
-            "weight_block_size": [BLOCK, BLOCK] if granularity == "block" else None,
-            "modules_to_not_convert": ["lm_head", "embed_tokens", "norm"]}
+    return {
+        "quant_method": QUANT_METHOD,
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "granularity": granularity,
+        "weight_block_size": [BLOCK, BLOCK] if granularity == "block" else None,
+        "modules_to_not_convert": ["lm_head", "embed_tokens", "norm"],
+    }
 
 
 def parse_quantization_config(cfg: dict) -> str:

@@ -14,6 +14,7 @@ float32 sums (the tests state the tolerance).
 Source: the chunked cross-entropy of Liger-Kernel (``fused_linear_cross_entropy``) and TorchTitan's
 ``ChunkedLossWrapper``, specialised to selected-token log-probs for RL losses.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,11 +41,12 @@ def rows_per_chunk(chunk: int | None, vocab_size: int) -> int:
 
 class _FusedSelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                chain=None) -> torch.Tensor:
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, chain=None
+    ) -> torch.Tensor:
         out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         for s in range(0, hidden.shape[0], chunk):
-            out[s:s + chunk] = selected_logprobs(linear(hidden[s:s + chunk], weight), targets[s:s + chunk])
+            out[s : s + chunk] = selected_logprobs(linear(hidden[s : s + chunk], weight), targets[s : s + chunk])
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk = chunk
         ctx.chain = chain
@@ -58,15 +60,15 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
         chain = ctx.chain
         grad_w = None if chain is not None else torch.zeros_like(w32)
         for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s:s + ctx.chunk]
+            h = hidden[s : s + ctx.chunk]
             z = linear(h, weight).float()
             z = z - z.amax(dim=-1, keepdim=True)
             e = exp64(z)
             p = e / e.sum(dim=-1, keepdim=True)
             dz = -p
-            dz[torch.arange(z.shape[0], device=z.device), targets[s:s + ctx.chunk]] += 1.0
-            dz = dz * grad_out[s:s + ctx.chunk].float().unsqueeze(1)
-            grad_h[s:s + ctx.chunk] = matmul_rows(dz, w32)
+            dz[torch.arange(z.shape[0], device=z.device), targets[s : s + ctx.chunk]] += 1.0
+            dz = dz * grad_out[s : s + ctx.chunk].float().unsqueeze(1)
+            grad_h[s : s + ctx.chunk] = matmul_rows(dz, w32)
             if chain is not None:  # the float32 kernel's chains over the tokens go on (shared_numerics.grad_chain)
                 chain.add_gemm(dz.t(), h.float().t())
             else:
@@ -74,8 +76,9 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
         return grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
-def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                            chunk: int | None = None, *, weight_chain=None) -> torch.Tensor:
+def fused_selected_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None, *, weight_chain=None
+) -> torch.Tensor:
     """Log-prob of ``targets`` under ``softmax(hidden @ weight^T)``, chunked, with a closed-form backward.
 
     Args:
@@ -93,9 +96,16 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
     Raises:
         ValueError: shape mismatch.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != (
-            hidden.shape[0],):
-        raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    return _FusedSelectedLogprobs.apply(hidden, weight, targets.long(), rows_per_chunk(chunk, weight.shape[0]),
-                                        weight_chain)
+    if (
+        hidden.dim() != 2
+        or weight.dim() != 2
+        or hidden.shape[1] != weight.shape[1]
+        or targets.shape != (hidden.shape[0],)
+    ):
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    return _FusedSelectedLogprobs.apply(
+        hidden, weight, targets.long(), rows_per_chunk(chunk, weight.shape[0]), weight_chain
+    )

@@ -8,6 +8,7 @@ gradient a float32 column sum. The Triton backend (:mod:`shared_numerics.ops_tri
 
 Source: the closed-form backward of ``torch.nn.functional.linear``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,8 +42,9 @@ class _Linear(torch.autograd.Function):
         return None, gx, gw, gb
 
 
-def linear_with(matmul: RowGemm, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_with(
+    matmul: RowGemm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[..., K] x [N, K] (+ [N]) -> [..., N]`` in ``x.dtype`` on ``matmul`` (see the module). The weight and bias
     are used in ``x.dtype`` (rounded if they arrive in another: tensor-core operands share one dtype; under FSDP
     mixed precision the weight already arrives in the compute dtype); ``dW`` comes back in the weight's dtype."""

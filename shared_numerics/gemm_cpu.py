@@ -14,8 +14,9 @@ one rounding to the output dtype:
   micro-batch no longer pack the whole weight.
 
 Either way an element is computed whole by one thread, so its bits depend only on row ``i`` of ``A`` and row ``j`` of
-``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it with ``A`` = the weight and ``B`` = the tokens, so a token's
-outputs are the same bits at decode (one row) and in a 2048-row prefill, on any number of threads.
+``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it
+with ``A`` = the weight and ``B`` = the tokens, so a token's outputs are the same bits at decode (one row) and in a
+2048-row prefill, on any number of threads.
 
 Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU tensors (an ``AsyncCollectiveTensor``
 is waited).
@@ -36,10 +37,12 @@ tokens (1 or 2 row after row, ~15% faster than in column strips).
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI
 operand layout of oneDNN's AMX kernels.
 """
+
 from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
@@ -56,8 +59,24 @@ CHAIN_K_MULTIPLE = 32
 def _lib():
     lib = load("gemm")
     vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.zk_gemm_abt_bf16.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, c_int, i64,
-                                     c_int, c_int]
+    lib.zk_gemm_abt_bf16.argtypes = [
+        vp,
+        i64,
+        i64,
+        i64,
+        c_int,
+        vp,
+        i64,
+        i64,
+        c_int,
+        vp,
+        vp,
+        c_int,
+        c_int,
+        i64,
+        c_int,
+        c_int,
+    ]
     lib.zk_gemm_abt_f32.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, i64, c_int, c_int]
     lib.zk_gemm_abt_bf16.restype = lib.zk_gemm_abt_f32.restype = c_int
     lib.zk_gemm_has_amx.restype = c_int
@@ -76,7 +95,7 @@ def amx_available() -> bool:
     if not envs.ZEROKLD_AMX:
         return False
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     if "amx_bf16" not in flags or "amx_tile" not in flags:
@@ -108,8 +127,10 @@ def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tens
             return t, s1, 1
     p = plain(t)
     if p is None or p.dtype != dtype or p.dim() != 2:
-        raise TypeError(f"zerokld GEMM: {name} must be a 2-d {dtype} plain CPU tensor, got "
-                        f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}")
+        raise TypeError(
+            f"zerokld GEMM: {name} must be a 2-d {dtype} plain CPU tensor, got "
+            f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}"
+        )
     rows, k = p.shape
     if p.stride(1) == 1 and p.stride(0) >= max(k, 1):
         return p, p.stride(0), 0
@@ -119,8 +140,14 @@ def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tens
     return p, max(k, 1), 0
 
 
-def gemm_abt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, transpose: bool = False,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemm_abt(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    transpose: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``A · Bᵀ (+ bias[:, None])``, or its transpose, on the AMX (bf16) or FMA (float32) kernel (see the module).
 
     Args:
@@ -158,8 +185,19 @@ def gemm_abt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             return out.zero_()
         return out.copy_(bias.float().unsqueeze(0 if transpose else 1).expand_as(out))
     b32 = None if bias is None else bias.detach().float().contiguous()
-    args = (a.data_ptr(), i_rows, k, lda, a_kmajor, b.data_ptr(), j_rows, ldb, b_kmajor,
-            None if b32 is None else b32.data_ptr(), out.data_ptr())
+    args = (
+        a.data_ptr(),
+        i_rows,
+        k,
+        lda,
+        a_kmajor,
+        b.data_ptr(),
+        j_rows,
+        ldb,
+        b_kmajor,
+        None if b32 is None else b32.data_ptr(),
+        out.data_ptr(),
+    )
     _run(dtype, args, 0 if out_dtype == torch.float32 else 1, int(transpose), out.stride(0), accumulate=False)
     return out
 
@@ -170,8 +208,10 @@ def _run(dtype, args, out_code: int, transpose: int, ldo: int, accumulate: bool)
     else:
         rc = _lib().zk_gemm_abt_bf16(*args, out_code, transpose, ldo, torch.get_num_threads(), int(accumulate))
     if rc != 0:
-        raise RuntimeError(f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dtype} kernel "
-                           "(see amx_available / f32_available)")
+        raise RuntimeError(
+            f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dtype} kernel "
+            "(see amx_available / f32_available)"
+        )
 
 
 def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -197,16 +237,33 @@ def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"zerokld GEMM: A is {tuple(a.shape)} and B {tuple(b.shape)}: K differs")
     target = plain(acc)
-    if (target is None or target.dtype != torch.float32 or not target.is_contiguous()
-            or tuple(target.shape) != (a.shape[0], b.shape[0])):
-        raise TypeError(f"zerokld GEMM: the accumulator must be a contiguous float32 [{a.shape[0]}, {b.shape[0]}] "
-                        f"plain CPU tensor, got {type(acc).__name__} {tuple(acc.shape)} {acc.dtype}")
+    if (
+        target is None
+        or target.dtype != torch.float32
+        or not target.is_contiguous()
+        or tuple(target.shape) != (a.shape[0], b.shape[0])
+    ):
+        raise TypeError(
+            f"zerokld GEMM: the accumulator must be a contiguous float32 [{a.shape[0]}, {b.shape[0]}] "
+            f"plain CPU tensor, got {type(acc).__name__} {tuple(acc.shape)} {acc.dtype}"
+        )
     k = a.shape[1]
     if dtype == torch.bfloat16 and k % CHAIN_K_MULTIPLE:
         raise ValueError(f"zerokld GEMM: a bf16 chain's K ranges must be multiples of {CHAIN_K_MULTIPLE}, got {k}")
     if k == 0 or target.numel() == 0:
         return acc
-    args = (a.data_ptr(), a.shape[0], k, lda, a_kmajor, b.data_ptr(), b.shape[0], ldb, b_kmajor, None,
-            target.data_ptr())
+    args = (
+        a.data_ptr(),
+        a.shape[0],
+        k,
+        lda,
+        a_kmajor,
+        b.data_ptr(),
+        b.shape[0],
+        ldb,
+        b_kmajor,
+        None,
+        target.data_ptr(),
+    )
     _run(dtype, args, 0, 0, max(b.shape[0], 1), accumulate=True)
     return acc

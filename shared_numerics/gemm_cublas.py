@@ -25,6 +25,7 @@ Cost: ``ceil(M / CUBLAS_ROWS)`` library calls from one Python loop (a call is a 
 Source: the fixed-shape idea of issue "Zero KLD without the speed tax" (``F.linear`` on fixed zero-padded row
 chunks is row-invariant by construction); cuBLAS documentation, section "Results reproducibility".
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ def _rows_operand(a: torch.Tensor) -> torch.Tensor:
     return a.clone(memory_format=torch.contiguous_format)  # a fresh allocation: contiguous and aligned
 
 
-def fixed_rows_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                      rows: int = CUBLAS_ROWS) -> torch.Tensor:
+def fixed_rows_matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, rows: int = CUBLAS_ROWS
+) -> torch.Tensor:
     """``a @ b (+ bias)`` as library calls of exactly ``rows`` rows each.
 
     Args:
@@ -66,8 +68,10 @@ def fixed_rows_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         ValueError: operands that are not 2-D, or whose K or dtypes differ.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.dtype != b.dtype:
-        raise ValueError(f"fixed_rows_matmul: a {tuple(a.shape)} {a.dtype} @ b {tuple(b.shape)} {b.dtype}: need "
-                         "[M, K] @ [K, N] of one dtype")
+        raise ValueError(
+            f"fixed_rows_matmul: a {tuple(a.shape)} {a.dtype} @ b {tuple(b.shape)} {b.dtype}: need "
+            "[M, K] @ [K, N] of one dtype"
+        )
     m, k = a.shape
     n = b.shape[1]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -83,13 +87,13 @@ def fixed_rows_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
     full = m - m % rows
     for s in range(0, full, rows):
-        call(a[s:s + rows], out[s:s + rows])
+        call(a[s : s + rows], out[s : s + rows])
     if full < m:
         pad = a.new_zeros((rows, k))
-        pad[:m - full] = a[full:]
+        pad[: m - full] = a[full:]
         dest = torch.empty((rows, n), dtype=a.dtype, device=a.device)
         call(pad, dest)
-        out[full:] = dest[:m - full]
+        out[full:] = dest[: m - full]
     return out
 
 

@@ -21,6 +21,7 @@ Gradients of parameters wired to a chain are not returned to autograd (``None``)
 Source: the chain form of the float32 GEMM kernel (``csrc/gemm.cpp``); the same idea as a persistent float32 gradient
 accumulation buffer (Megatron's ``main_grad``), with the additional rule that its sums run in token order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,7 +62,7 @@ class GradChain:
         self.acc = torch.zeros(tuple(shape), dtype=torch.float32)
         self.float32_products = float32_products
 
-    def part(self, index: int) -> "GradChain":
+    def part(self, index: int) -> GradChain:
         """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), sharing the storage and
         the arithmetic."""
         sub = GradChain.__new__(GradChain)

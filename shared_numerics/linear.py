@@ -28,7 +28,8 @@ trainer and an engine whose contracts differ are refused before anything runs.
 Measured ours ÷ ``F.linear`` (stock on 2 torch threads, the two taking turns), ``K = N = 1024``, M = 1 / 16 / 256 /
 2048, 2-core Xeon with AMX, ``benchmarks/results/linear_xeon_amx_cpu2.json``: forward bf16 1.8x / 1.8x / 0.97x /
 0.80x, float32 0.60x / 1.3x / 0.80x / 0.84x; forward + backward bf16 0.74x / 0.86x / 0.90x / 1.02x, float32 0.78x /
-0.70x / 0.82x / 0.85x (one run; this machine's run-to-run spread is ~±0.1). The pinned one-thread oneDNN calls these replace measured bf16
+0.70x / 0.82x / 0.85x (one run; this machine's run-to-run spread is ~±0.1). The pinned one-thread oneDNN calls these
+replace measured bf16
 0.20x / 0.25x / 0.29x / 0.26x forward.
 
 Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
@@ -41,6 +42,7 @@ Source: fixed-tile approach of vLLM's batch-invariant mode (``vllm/model_executo
 Thinking Machines' persistent matmul (one fixed tile config); the closed-form backward is the one of
 ``torch.nn.functional.linear``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,8 +87,8 @@ def _openmp():
 def native_bf16_gemm() -> bool:
     """Whether bf16 GEMMs take the native oneDNN path (see the module): oneDNN has bf16 GEMMs here
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 — AVX512-BF16's instructions where the CPU has them,
-    emulated on plain AVX512F otherwise — or AMX; not on AVX2). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to the
-    float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
+    emulated on plain AVX512F otherwise — or AMX; not on AVX2). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to
+    the float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
     :func:`gemm_partition`."""
     if not envs.ZEROKLD_NATIVE_BF16:
         return False
@@ -101,12 +103,9 @@ def gemm_partition() -> str:
     the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds
     the GEMM kernel (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
-    if not native_bf16_gemm():  # (linear's own order: ZEROKLD_NATIVE_BF16=0 upcasts on an AMX CPU too)
-        bf16 = "fp32"
-    else:
-        bf16 = "amx" if amx_available() else f"native:rows={ONEDNN_ROWS}"
+    # (linear's own order: ZEROKLD_NATIVE_BF16=0 upcasts on an AMX CPU too)
+    bf16 = "fp32" if not native_bf16_gemm() else "amx" if amx_available() else f"native:rows={ONEDNN_ROWS}"
     return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16}"
-
 
 
 def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -128,11 +127,11 @@ def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         for i in range(n_calls):
             lo = i * rows
             if lo + rows <= m:
-                src = x[lo: lo + rows]
+                src = x[lo : lo + rows]
             else:
                 src = x.new_zeros(rows, k)
                 src[: m - lo] = x[lo:]
-            out[lo: lo + rows] = torch.ops.mkldnn._linear_pointwise(src, weight, bias, "none", [], "")
+            out[lo : lo + rows] = torch.ops.mkldnn._linear_pointwise(src, weight, bias, "none", [], "")
     return out[:m]
 
 
@@ -142,8 +141,10 @@ def _pinned_threads():
     ``torch.set_num_threads`` would also change MKL's and torch's process-wide counts)."""
     omp = _openmp()
     if omp is None:
-        raise RuntimeError("shared_numerics.linear needs torch's OpenMP runtime (libgomp) to pin oneDNN's thread "
-                           "count; this torch build has none")
+        raise RuntimeError(
+            "shared_numerics.linear needs torch's OpenMP runtime (libgomp) to pin oneDNN's thread "
+            "count; this torch build has none"
+        )
     before = omp.omp_get_max_threads()
     omp.omp_set_num_threads(ONEDNN_THREADS)
     try:
@@ -266,8 +267,9 @@ def _chain_available(dtype: torch.dtype) -> bool:
     return chain_available(dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_chain=None,
-           bias_chain=None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_chain=None, bias_chain=None
+) -> torch.Tensor:
     """Batch-invariant ``torch.nn.functional.linear``.
 
     Args:
@@ -294,14 +296,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if amx_available():
             if chained:
                 y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
-            elif torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
-                                              or (b is not None and b.requires_grad)):
+            elif torch.is_grad_enabled() and (
+                x2.requires_grad or weight.requires_grad or (b is not None and b.requires_grad)
+            ):
                 y = _AmxLinear.apply(x2, weight, b)
             else:
                 y = gemm_abt(weight, x2, b, transpose=True)
             return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
-        if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
-                                        or (b is not None and b.requires_grad)):
+        if torch.is_grad_enabled() and (
+            x2.requires_grad or weight.requires_grad or (b is not None and b.requires_grad)
+        ):
             y = _OneDnnLinear.apply(x2, weight, b)
         else:
             y = _onednn_rows(x2, weight, b, ONEDNN_ROWS)
@@ -312,9 +316,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x2.dtype != torch.float32:
         x2 = x2.float()
     w = weight if weight.dtype == torch.float32 else weight.float()
-    if (not chained and f32_available() and x2.is_cpu
-            and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
+    if (
+        not chained
+        and f32_available()
+        and x2.is_cpu
+        and not (
+            torch.is_grad_enabled()
+            and (x2.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
+        )
+    ):
         # inference: one kernel call, the bias added in float32 to each finished chain (the bits of ``y + b``)
         y = gemm_abt(w, x2, bias, transpose=True)
         if y.dtype == x.dtype and x.dim() == 2:

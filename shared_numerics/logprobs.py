@@ -7,6 +7,7 @@ and vLLM's sampler call these functions, so a token's log-prob is the same bits 
 Source: vLLM ``v1/sample/sampler.py`` (``compute_logprobs``: ``logits.log_softmax(dim=-1, dtype=torch.float32)``),
 which this replaces when the plugin is on.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,8 @@ __all__ = ["log_softmax", "selected_logprobs"]
 
 
 def _logsumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(shifted, lse)``: ``z - max`` (float32) and ``log(sum(exp(z - max)))`` (float64), both ``[..., 1]``-keepdim."""
+    """Return ``(shifted, lse)``: ``z - max`` (float32) and ``log(sum(exp(z - max)))`` (float64), both ``[...,
+    1]``-keepdim."""
     m = z.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     shifted = z - m

@@ -20,6 +20,7 @@ the engine's ``max_lora_rank``; an adapter of rank ``r < R`` is zero-padded (row
 ``B``). The padded rank is part of the definition (the shrink/expand GEMMs reduce over it): the trainer stacks its
 adapter to the same ``R`` to reproduce the engine's bits.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -38,16 +39,20 @@ def _scalings(scaling, n_adapters: int) -> torch.Tensor:
     return s
 
 
-def _check_adapters(x: torch.Tensor, n: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling,
-                    adapter_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_adapters(
+    x: torch.Tensor, n: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling, adapter_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     if lora_a.dim() != 3 or lora_b.dim() != 3 or lora_a.shape[0] != lora_b.shape[0]:
-        raise ValueError(f"lora_a must be [L, R, K] and lora_b [L, N, R]; got {tuple(lora_a.shape)} and "
-                         f"{tuple(lora_b.shape)}")
+        raise ValueError(
+            f"lora_a must be [L, R, K] and lora_b [L, N, R]; got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}"
+        )
     n_adapters, rank = lora_a.shape[0], lora_a.shape[1]
     if lora_a.shape[2] != k or tuple(lora_b.shape[1:]) != (n, rank):
-        raise ValueError(f"adapter shapes {tuple(lora_a.shape)}, {tuple(lora_b.shape)} do not fit x [..., {k}] and "
-                         f"{n} outputs (expected [L, R, {k}] and [L, {n}, R])")
+        raise ValueError(
+            f"adapter shapes {tuple(lora_a.shape)}, {tuple(lora_b.shape)} do not fit x [..., {k}] and "
+            f"{n} outputs (expected [L, R, {k}] and [L, {n}, R])"
+        )
     if tuple(adapter_ids.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"adapter_ids has shape {tuple(adapter_ids.shape)}; x's rows are {tuple(x.shape[:-1])}")
     ids = adapter_ids.reshape(-1).to(torch.int64)
@@ -60,9 +65,16 @@ def _chained(linear: Callable, x: torch.Tensor, weight: torch.Tensor, chain) -> 
     return linear(x, weight) if chain is None else linear(x, weight, weight_chain=chain)
 
 
-def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  scaling: torch.Tensor | Sequence[float], adapter_ids: torch.Tensor,
-                  adapter_chains: Sequence | None = None) -> torch.Tensor:
+def add_lora_with(
+    linear: Callable,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor | Sequence[float],
+    adapter_ids: torch.Tensor,
+    adapter_chains: Sequence | None = None,
+) -> torch.Tensor:
     """:func:`add_lora` on a backend's row-invariant ``linear`` (``adapter_chains``: see :func:`lora_linear`; the
     backend's ``linear`` then takes ``weight_chain``)."""
     n = y.shape[-1]
@@ -100,9 +112,17 @@ def add_lora_with(linear: Callable, y: torch.Tensor, x: torch.Tensor, lora_a: to
     return y2.reshape(*lead, n)
 
 
-def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
-                     adapter_ids: torch.Tensor, adapter_chains: Sequence | None = None) -> torch.Tensor:
+def lora_linear_with(
+    linear: Callable,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor | Sequence[float],
+    adapter_ids: torch.Tensor,
+    adapter_chains: Sequence | None = None,
+) -> torch.Tensor:
     """:func:`lora_linear` on a backend's row-invariant ``linear`` (``linear(x, weight, bias)``, rounding to
     ``x.dtype``); each backend's op table binds its own."""
     k, n = x.shape[-1], weight.shape[0]
@@ -111,8 +131,14 @@ def lora_linear_with(linear: Callable, x: torch.Tensor, weight: torch.Tensor, bi
     return add_lora_with(linear, y, x, lora_a, lora_b, scaling, adapter_ids, adapter_chains)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scaling: torch.Tensor | Sequence[float], adapter_ids: torch.Tensor) -> torch.Tensor:
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor | Sequence[float],
+    adapter_ids: torch.Tensor,
+) -> torch.Tensor:
     """The adapter half of :func:`lora_linear` on an already computed base output ``y = linear(x, W, b)``: rows
     with an adapter become ``round(y + round(scaling * linear(linear(x, A), B)))``, base rows stay ``y``. What the
     serving engine runs after its base projection (vLLM's ``punica_wrapper.add_lora_linear`` seam).
@@ -129,9 +155,16 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     return add_lora_with(_linear, y, x, lora_a, lora_b, scaling, adapter_ids)
 
 
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: torch.Tensor | Sequence[float],
-                adapter_ids: torch.Tensor, adapter_chains: Sequence | None = None) -> torch.Tensor:
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor | Sequence[float],
+    adapter_ids: torch.Tensor,
+    adapter_chains: Sequence | None = None,
+) -> torch.Tensor:
     """Batch-invariant multi-LoRA ``linear`` (see the module docstring for the arithmetic).
 
     Args:

@@ -5,17 +5,17 @@ Every loss here depends only on per-token quantities — the trainer's log-prob 
 ``A`` — and returns ``(loss [N], flags)`` where ``flags`` holds boolean ``[N]`` tensors such as ``clipped`` (ratio
 outside the bounds) and ``grad_zeroed`` (the clipped branch was taken: no gradient). ``r = exp(l - q)``.
 
-| name                  | per-token loss                                   | source                                       |
-|-----------------------|--------------------------------------------------|----------------------------------------------|
-| ``cross_entropy``     | ``-w * l`` (``w`` = the advantages)              | SFT                                          |
-| ``importance_sampling`` | ``-r * A``                                     | Tinker ``importance_sampling``               |
-| ``ppo``               | ``-min(r A, clip(r, lo, hi) A)``                 | Schulman et al. 2017; GRPO (Shao et al. 2024) |
-| ``dapo``              | ``ppo`` with clip-higher (0.8, 1.28)             | Yu et al. 2025 (DAPO)                        |
-| ``dr_grpo``           | ``ppo``; advantages not std-scaled, sum / (G L)  | Liu et al. 2025 (Dr. GRPO)                   |
-| ``gspo``              | ``-min(s A, clip(s, 1-lo, 1+hi) A)`` per token,  | Zheng et al. 2025 (GSPO), token form          |
-|                       | ``s = sg(exp(mean_seq(l - q))) * exp(l - sg(l))``|                                              |
-| ``cispo``             | ``-sg(clip(r, lo, hi)) * A * l``                 | MiniMax-M1 2025 (CISPO)                      |
-| ``dro``               | ``-(l A - beta/2 (l - q)^2)``                    | Richemond et al. 2024 (DRO)                  |
+| name                    | per-token loss                                    | source                                |
+|-------------------------|---------------------------------------------------|---------------------------------------|
+| ``cross_entropy``       | ``-w * l`` (``w`` = the advantages)               | SFT                                   |
+| ``importance_sampling`` | ``-r * A``                                        | Tinker ``importance_sampling``        |
+| ``ppo``                 | ``-min(r A, clip(r, lo, hi) A)``                  | PPO (Schulman 2017); GRPO (Shao 2024) |
+| ``dapo``                | ``ppo`` with clip-higher (0.8, 1.28)              | Yu et al. 2025 (DAPO)                 |
+| ``dr_grpo``             | ``ppo``; advantages not std-scaled, sum / (G L)   | Liu et al. 2025 (Dr. GRPO)            |
+| ``gspo``                | ``-min(s A, clip(s, 1-lo, 1+hi) A)`` per token,   | Zheng et al. 2025 (GSPO), token form  |
+|                         | ``s = sg(exp(mean_seq(l - q))) * exp(l - sg(l))`` |                                       |
+| ``cispo``               | ``-sg(clip(r, lo, hi)) * A * l``                  | MiniMax-M1 2025 (CISPO)               |
+| ``dro``                 | ``-(l A - beta/2 (l - q)^2)``                     | Richemond et al. 2024 (DRO)           |
 
 Normalisation (token mean over the global batch, plain sum, or a constant such as ``G * L_max`` for Dr.GRPO) is a
 separate, named choice of the caller (:class:`titan_plugin.losses.RLLoss`).
@@ -23,6 +23,7 @@ separate, named choice of the caller (:class:`titan_plugin.losses.RLLoss`).
 The registrations (name, formula, config schema) go through the ``zerokld`` pluggy hooks
 (:mod:`shared_numerics.hooks`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,29 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["CorrectionConfig", "apply_corrections", "dapo_dynamic_sampling_keep", "overlong_penalty", "CISPOConfig", "DROConfig", "GSPOConfig", "LossBatch", "NoConfig", "PPOConfig", "cispo_loss",
-           "cross_entropy_loss", "DAPOConfig", "dro_loss", "dr_grpo_advantages", "grpo_advantages", "gspo_loss",
-           "importance_sampling_loss", "NORMALIZATIONS", "normalize_loss", "ppo_loss"]
+__all__ = [
+    "CorrectionConfig",
+    "apply_corrections",
+    "dapo_dynamic_sampling_keep",
+    "overlong_penalty",
+    "CISPOConfig",
+    "DROConfig",
+    "GSPOConfig",
+    "LossBatch",
+    "NoConfig",
+    "PPOConfig",
+    "cispo_loss",
+    "cross_entropy_loss",
+    "DAPOConfig",
+    "dro_loss",
+    "dr_grpo_advantages",
+    "grpo_advantages",
+    "gspo_loss",
+    "importance_sampling_loss",
+    "NORMALIZATIONS",
+    "normalize_loss",
+    "ppo_loss",
+]
 
 
 @dataclass(frozen=True)
@@ -47,12 +68,13 @@ class LossBatch:
     weights: torch.Tensor | None = None
 
     @staticmethod
-    def single(n: int, device=None) -> "LossBatch":
+    def single(n: int, device=None) -> LossBatch:
         return LossBatch(torch.zeros(n, dtype=torch.long, device=device), 1)
 
 
-def segment_mean(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+def segment_mean(
+    values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-sequence (weighted) mean of ``values [N]`` (``seq_ids [N]`` in ``0..num_seqs-1``), float32
     ``[num_seqs]``: ``sum(w v) / sum(w)`` per sequence, ``w = weights [N]`` (``None``: ones, the plain mean).
 
@@ -209,8 +231,13 @@ class CorrectionConfig(BaseModel):
     mis_high: float | None = None
 
 
-def apply_corrections(tok_loss: torch.Tensor, logp: torch.Tensor, sampler_logp: torch.Tensor,
-                      cfg: CorrectionConfig, ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_corrections(
+    tok_loss: torch.Tensor,
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    cfg: CorrectionConfig,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply :class:`CorrectionConfig` to a per-token loss.
 
     Returns:
@@ -240,7 +267,7 @@ def dapo_dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.
     """DAPO dynamic sampling: ``[N]`` bool, False for every member of a group whose rewards are all equal (zero
     advantage, no learning signal); the caller refills the batch with other groups. Yu et al. 2025 (DAPO) §3.2."""
     r = rewards.float().reshape(-1, group_size)
-    informative = (r.amax(dim=1) != r.amin(dim=1))
+    informative = r.amax(dim=1) != r.amin(dim=1)
     return informative.repeat_interleave(group_size)
 
 
@@ -250,15 +277,17 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) 
     lengths = lengths.float()
     start = max_length - cache_length
     ramp = (start - lengths) / cache_length
-    return torch.where(lengths <= start, torch.zeros_like(lengths),
-                       torch.where(lengths <= max_length, ramp, -torch.ones_like(lengths)))
+    return torch.where(
+        lengths <= start, torch.zeros_like(lengths), torch.where(lengths <= max_length, ramp, -torch.ones_like(lengths))
+    )
 
 
 NORMALIZATIONS = ("token_mean", "sum", "constant")
 
 
-def normalize_loss(loss_sum: torch.Tensor, normalization: str, num_tokens=None, normalizer: float = 1.0
-                   ) -> torch.Tensor:
+def normalize_loss(
+    loss_sum: torch.Tensor, normalization: str, num_tokens=None, normalizer: float = 1.0
+) -> torch.Tensor:
     """Turn the summed token losses of a (micro)batch into the step's loss.
 
     Args:

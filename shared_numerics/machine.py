@@ -4,6 +4,7 @@ Ratios against stock vLLM / torch move a lot between CPUs (stock picks AMX or AV
 them; an AVX2-only CPU runs bf16 GEMMs without a matrix unit), and the bits of a run depend on the ISA too, so every
 JSON under ``benchmarks/results/`` and every example summary carries :func:`machine_facts`.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,14 @@ __all__ = ["ISA_FLAGS", "PATH_SWITCHES", "cpu_model", "isa_flags", "machine_fact
 #: the ISA flags that change which kernels torch and oneDNN pick (and so the bits of a run): ``/proc/cpuinfo`` names
 ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 #: environment switches that put a process on an older CPU's path (docs/tests.md, "CPU paths"; ``make ... CPU_PATH=``)
-PATH_SWITCHES = ("ZEROKLD_AMX", "ZEROKLD_NATIVE_BF16", "ZEROKLD_F32_KERNEL", "ZEROKLD_CPU_MARCH", "ATEN_CPU_CAPABILITY",
-                 "ONEDNN_MAX_CPU_ISA")
+PATH_SWITCHES = (
+    "ZEROKLD_AMX",
+    "ZEROKLD_NATIVE_BF16",
+    "ZEROKLD_F32_KERNEL",
+    "ZEROKLD_CPU_MARCH",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+)
 
 
 def _cpuinfo() -> str:
@@ -51,6 +58,12 @@ def machine_facts() -> dict:
     ``os.cpu_count()``, ``path_switches`` :func:`path_switches` (an emulated older CPU's path)."""
     import torch
 
-    return {"cpu_model": cpu_model(), "isa_flags": isa_flags(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__,
-            "path_switches": path_switches()}
+    return {
+        "cpu_model": cpu_model(),
+        "isa_flags": isa_flags(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "path_switches": path_switches(),
+    }

@@ -5,6 +5,7 @@ Definitions (``../shared/DESIGN.md`` §2; Schulman, "Approximating KL Divergence
 each averaged per sequence first, then over sequences. The clipped fraction counts tokens whose ratio
 ``r = exp(-d)`` ... is computed by the loss, not here.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,7 @@ def logprob_diff_metrics(
     if len(train) != len(infer):
         raise ValueError(f"{len(train)} trainer sequences vs {len(infer)} sampler sequences")
     k1s, k3s, max_abs, n_diff, n_clip, n_tok = [], [], 0.0, 0, 0, 0
-    for a, b in zip(train, infer):
+    for a, b in zip(train, infer, strict=True):
         a = a.double().reshape(-1)
         b = b.double().reshape(-1)
         if a.shape != b.shape:
@@ -48,7 +49,7 @@ def logprob_diff_metrics(
         r = torch.exp(d)
         n_clip += int(((r < clip_low) | (r > clip_high)).sum().item())
         n_tok += a.numel()
-    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan
     return {
         "k1": mean(k1s),
         "k3": mean(k3s),

@@ -22,14 +22,22 @@ interleave (:func:`deinterleave`, HF ``apply_rotary_pos_emb_interleave``; ``rope
 Source: DeepSeek-AI, "DeepSeek-V2" (2024) §2.1 (MLA, weight absorption); HF ``modeling_deepseek_v3.py``; vLLM
 ``model_executor/layers/attention/mla_attention.py`` (absorbed decode over ``kv_c ‖ k_pe``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MLADims", "absorb_query", "deinterleave", "latent_output", "mla_dense_attention", "mla_output",
-           "mla_query_latent"]
+__all__ = [
+    "MLADims",
+    "absorb_query",
+    "deinterleave",
+    "latent_output",
+    "mla_dense_attention",
+    "mla_output",
+    "mla_query_latent",
+]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -45,8 +53,9 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*lead, p // 2, 2).transpose(-1, -2).reshape(*lead, p)
 
 
-def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
-                 ) -> torch.Tensor:
+def absorb_query(
+    q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
+) -> torch.Tensor:
     """``q_lat[:, h] = linear(q_nope[:, h], W_UK[h]ᵀ)`` for every head.
 
     Args:
@@ -58,12 +67,14 @@ def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_d
     """
     n, h, dn = q_nope.shape
     heads = kv_b_weight.view(h, dn + v_head_dim, -1).unbind(0)  # unbind: one stack in backward, not H zero-fills
-    return torch.stack([_linear(q, w[:dn].t().contiguous()) for q, w in zip(q_nope.unbind(1), heads, strict=True)],
-                       dim=1)
+    return torch.stack(
+        [_linear(q, w[:dn].t().contiguous()) for q, w in zip(q_nope.unbind(1), heads, strict=True)], dim=1
+    )
 
 
-def latent_output(o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
-                  ) -> torch.Tensor:
+def latent_output(
+    o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
+) -> torch.Tensor:
     """``o[:, h] = linear(o_lat[:, h], W_UV[h])`` for every head, flattened for ``o_proj``.
 
     Args:
@@ -111,8 +122,15 @@ class MLADims:
     eps: float
 
 
-def mla_query_latent(q: torch.Tensor, ckv: torch.Tensor, kv_norm_weight: torch.Tensor, kv_b_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_query_latent(
+    q: torch.Tensor,
+    ckv: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dims: MLADims,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The absorbed queries and the latents of ``N`` tokens, from their projections.
 
     Args:

@@ -18,6 +18,7 @@ A mismatch raises :class:`NumericsMismatchError` naming both modes, before anyth
 The switch itself has one name everywhere: ``batch_invariant`` (vLLM's own term for this mode, ``VLLM_BATCH_INVARIANT``;
 ``additional_config={"zerokld": {"batch_invariant": true}}`` on the engine, ``batch_invariant=True`` on the trainer).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,16 @@ from .attention import KEY_CHUNK, Q_TILE, SPLIT
 from .gemm_cublas import CUBLAS_ROWS
 from .linear import ROW_TILE, gemm_partition
 
-__all__ = ["contract", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "NumericsMode", "backend_for_device",
-           "check_same_numerics"]
+__all__ = [
+    "contract",
+    "DTYPES",
+    "FP8_GRANULARITIES",
+    "NumericsMismatchError",
+    "NumericsMode",
+    "backend_for_device",
+    "check_same_numerics",
+]
+
 
 #: Version of the fixed constants both sides must share; bump the leading number when a kernel's arithmetic order
 #: changes without a constant changing.
@@ -39,11 +48,15 @@ __all__ = ["contract", "DTYPES", "FP8_GRANULARITIES", "NumericsMismatchError", "
 #: 6: Triton attention forward: the softmax scale applied in an fma (``exp2(fma(s, scale, -m))``), no FP contraction
 @functools.lru_cache(maxsize=1)
 def contract() -> str:
-    """This process's numerics contract string: the fixed constants (above) and :func:`shared_numerics.linear.gemm_partition`
-    (the GEMM paths this machine takes). Computed on first call, not at import (it builds the GEMM kernel: reading a
-    snapshot needs no compiler)."""
-    return (f"6:row_tile={ROW_TILE},gemm={gemm_partition()},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
-            f"cublas_rows={CUBLAS_ROWS}")
+    """This process's numerics contract string: the fixed constants (above) and
+    :func:`shared_numerics.linear.gemm_partition` (the GEMM paths this machine takes). Computed on first call, not at
+    import (it builds the GEMM kernel: reading a snapshot needs no compiler)."""
+    return (
+        f"6:row_tile={ROW_TILE},gemm={gemm_partition()},key_chunk={KEY_CHUNK},q_tile={Q_TILE},split={SPLIT},"
+        f"cublas_rows={CUBLAS_ROWS}"
+    )
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 FP8_GRANULARITIES = ("per_channel", "block")
 
@@ -103,39 +116,59 @@ class NumericsMode:
             raise ValueError(f"NumericsMode fp8 {self.fp8!r} not in {FP8_GRANULARITIES}")
 
     @classmethod
-    def build(cls, batch_invariant: bool, dtype: str, fp8: str | None = None, device_type: str = "cpu",
-              tp_k_block: int | None = None) -> "NumericsMode":
+    def build(
+        cls,
+        batch_invariant: bool,
+        dtype: str,
+        fp8: str | None = None,
+        device_type: str = "cpu",
+        tp_k_block: int | None = None,
+    ) -> NumericsMode:
         """The mode of a process running on ``device_type`` (backend from :func:`backend_for_device`)."""
-        return cls(bool(batch_invariant), backend_for_device(device_type) if batch_invariant else None,
-                   str(dtype).removeprefix("torch."), fp8 if batch_invariant else None,
-                   contract() if batch_invariant else "", tp_k_block if batch_invariant else None)
+        return cls(
+            bool(batch_invariant),
+            backend_for_device(device_type) if batch_invariant else None,
+            str(dtype).removeprefix("torch."),
+            fp8 if batch_invariant else None,
+            contract() if batch_invariant else "",
+            tp_k_block if batch_invariant else None,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the one stamped into snapshot specs and rollout responses)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "NumericsMode":
+    def from_dict(cls, d: dict[str, Any]) -> NumericsMode:
         """Inverse of :meth:`to_dict`. Raises ValueError on a malformed dict."""
         try:
-            return cls(bool(d["batch_invariant"]), d.get("backend"), d["dtype"], d.get("fp8"), d.get("contract", ""),
-                       d.get("tp_k_block"))
+            return cls(
+                bool(d["batch_invariant"]),
+                d.get("backend"),
+                d["dtype"],
+                d.get("fp8"),
+                d.get("contract", ""),
+                d.get("tp_k_block"),
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed numerics mode {d!r}: {e}") from e
 
     def __str__(self) -> str:
         if not self.batch_invariant:
             return f"stock {self.dtype} (batch_invariant off)"
-        return (f"batch_invariant backend={self.backend} dtype={self.dtype} fp8={self.fp8 or 'off'} "
-                f"contract={self.contract}" + (f" tp_k_block={self.tp_k_block}" if self.tp_k_block else ""))
+        return (
+            f"batch_invariant backend={self.backend} dtype={self.dtype} fp8={self.fp8 or 'off'} "
+            f"contract={self.contract}" + (f" tp_k_block={self.tp_k_block}" if self.tp_k_block else "")
+        )
 
-    def matches(self, other: "NumericsMode") -> bool:
+    def matches(self, other: NumericsMode) -> bool:
         """Whether the two sides compute the same bits: both on and every field equal."""
         return self.batch_invariant and other.batch_invariant and self == other
 
 
-def check_same_numerics(ours: NumericsMode, theirs: NumericsMode | dict | None, ours_name: str,
-                        theirs_name: str) -> None:
+def check_same_numerics(
+    ours: NumericsMode, theirs: NumericsMode | dict | None, ours_name: str, theirs_name: str
+) -> None:
     """Raise :class:`NumericsMismatchError` unless ``theirs`` (a mode, its dict, or ``None`` = not stamped) is
     ``ours`` with ``batch_invariant`` on. The message names both modes and, per differing setting, both values (e.g.
     ``fp8: engine 'block', snapshot None``).
@@ -144,13 +177,17 @@ def check_same_numerics(ours: NumericsMode, theirs: NumericsMode | dict | None, 
     if not ours.batch_invariant:
         return
     if theirs is None:
-        raise NumericsMismatchError(f"{ours_name} runs {ours}, but the {theirs_name} carries no numerics mode "
-                                    "(produced without zerokld batch_invariant)")
+        raise NumericsMismatchError(
+            f"{ours_name} runs {ours}, but the {theirs_name} carries no numerics mode "
+            "(produced without zerokld batch_invariant)"
+        )
     if isinstance(theirs, dict):
         theirs = NumericsMode.from_dict(theirs)
     if not ours.matches(theirs):
         mine, other = ours.to_dict(), theirs.to_dict()
-        differ = "; ".join(f"{k}: {ours_name} {mine[k]!r}, {theirs_name} {other[k]!r}" for k in mine
-                           if mine[k] != other[k])
-        raise NumericsMismatchError(f"numerics mismatch: {ours_name} runs {ours}; {theirs_name} was produced with "
-                                    f"{theirs} ({differ})")
+        differ = "; ".join(
+            f"{k}: {ours_name} {mine[k]!r}, {theirs_name} {other[k]!r}" for k in mine if mine[k] != other[k]
+        )
+        raise NumericsMismatchError(
+            f"numerics mismatch: {ours_name} runs {ours}; {theirs_name} was produced with {theirs} ({differ})"
+        )

@@ -27,14 +27,28 @@ Routing replay (R3, arXiv 2510.11370): pass recorded ``expert_ids`` to :func:`mo
 them; the weights are still gathered from the current scores (:func:`gather_route_weights`), so gradients flow.
 Source: HF ``modeling_qwen3_moe.py`` (``Qwen3MoeSparseMoeBlock``); vLLM ``fused_moe`` (``topk_softmax``).
 """
+
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from .reduce import sigmoid64
 
-__all__ = ["ExpertParallel", "deepseek_moe_forward", "gather_route_weights", "grouped_route_weights", "moe_experts", "moe_forward",
-           "route_grouped_topk", "route_topk"]
+if TYPE_CHECKING:
+    from .fp8 import Granularity
+
+__all__ = [
+    "ExpertParallel",
+    "deepseek_moe_forward",
+    "gather_route_weights",
+    "grouped_route_weights",
+    "moe_experts",
+    "moe_forward",
+    "route_grouped_topk",
+    "route_topk",
+]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, chain=None) -> torch.Tensor:
@@ -49,8 +63,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, chain=None) -> torch.Tensor:
     return cpu_linear(x, weight, weight_chain=chain)
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, chain=None, fp8: str | None = None,
-                   scale: torch.Tensor | None = None) -> torch.Tensor:
+def _expert_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    chain=None,
+    fp8: Granularity | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One expert projection: :func:`_linear`; with ``fp8`` (a granularity) the FP8 GEMM — of served codes
     (``weight`` the ``float8_e4m3fn`` codes, ``scale`` their scales: :func:`shared_numerics.fp8_linear`) or, without
     ``scale``, of the high-precision weight's codes with a straight-through gradient
@@ -110,16 +129,26 @@ def gather_route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renorma
     if renormalize:
         total = w[:, 0:1]
         for j in range(1, w.shape[1]):  # fixed left-to-right order
-            total = total + w[:, j: j + 1]
+            total = total + w[:, j : j + 1]
         w = w / total
     return w
 
 
-def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None = None, gather=None,
-                chains=None, shared_out: torch.Tensor | None = None, fp8: str | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                expert_parallel: "ExpertParallel | None" = None) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    k_block: int | None = None,
+    gather=None,
+    chains=None,
+    shared_out: torch.Tensor | None = None,
+    fp8: Granularity | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    expert_parallel: ExpertParallel | None = None,
+) -> torch.Tensor:
     """Weighted sum of each token's experts.
 
     Args:
@@ -175,8 +204,13 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
     if expert_parallel is not None:  # rows to their experts' ranks, computed there, back in flat order
-        outs = expert_parallel.run(x, flat_rows, flat_ids, w_gate.shape[0], lambda rx, rows, ids: _expert_rows(
-            rx, rows, ids, w_gate, w_up, w_down, None, None, fp8, scales))
+        outs = expert_parallel.run(
+            x,
+            flat_rows,
+            flat_ids,
+            w_gate.shape[0],
+            lambda rx, rows, ids: _expert_rows(rx, rows, ids, w_gate, w_up, w_down, None, None, fp8, scales),
+        )
     else:
         outs = _expert_rows(x, flat_rows, flat_ids, w_gate, w_up, w_down, k_block, chains, fp8, scales)
     if k_block is not None:  # each expert output rounded once after the cross-rank tree, as without k_block
@@ -190,9 +224,18 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     return acc.to(x.dtype)
 
 
-def _expert_rows(x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, w_gate: torch.Tensor,
-                 w_up: torch.Tensor, w_down: torch.Tensor, k_block: int | None, chains, fp8: str | None,
-                 scales) -> torch.Tensor:
+def _expert_rows(
+    x: torch.Tensor,
+    flat_rows: torch.Tensor,
+    flat_ids: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    k_block: int | None,
+    chains,
+    fp8: Granularity | None,
+    scales,
+) -> torch.Tensor:
     """``[R, H]`` float32: row ``r`` is expert ``flat_ids[r]``'s output for ``x[flat_rows[r]]`` (rounded to
     ``x.dtype``; with ``k_block`` this rank's float32 subtree root); ``w_*[e]`` is expert ``e``."""
     from . import silu_and_mul
@@ -206,8 +249,10 @@ def _expert_rows(x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tenso
         sel = torch.nonzero(flat_ids == e).squeeze(1)
         xe = x[flat_rows[sel]]
         gate, up, down = (None, None, None) if chains is None else (c.part(e) for c in chains)
-        act = silu_and_mul(_expert_linear(xe, gates[e], gate, fp8, None if sg is None else sg[e]),
-                           _expert_linear(xe, ups[e], up, fp8, None if su is None else su[e]))
+        act = silu_and_mul(
+            _expert_linear(xe, gates[e], gate, fp8, None if sg is None else sg[e]),
+            _expert_linear(xe, ups[e], up, fp8, None if su is None else su[e]),
+        )
         if k_block is None:
             ye = _expert_linear(act, downs[e], down, fp8, None if sd is None else sd[e]).float()
         else:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
@@ -236,8 +281,9 @@ class ExpertParallel:
     def __init__(self, rank: int, size: int, all_to_all) -> None:
         self.rank, self.size, self.all_to_all = rank, size, all_to_all
 
-    def run(self, x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, local_experts: int, compute
-            ) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, local_experts: int, compute
+    ) -> torch.Tensor:
         """``[R, H]`` float32 expert outputs of the rows ``x[flat_rows]`` with experts ``flat_ids`` (global ids),
         computed on their experts' ranks by ``compute(rows_x, row_index, local_ids)``."""
         dest = torch.div(flat_ids, local_experts, rounding_mode="floor")
@@ -246,11 +292,11 @@ class ExpertParallel:
         order = torch.sort(dest, stable=True).indices
         send = torch.bincount(dest, minlength=self.size)
         recv = self.all_to_all(send, None, None).tolist()
-        send = send.tolist()
-        rx = self.all_to_all(x[flat_rows[order]], recv, send)
-        rids = self.all_to_all(flat_ids[order], recv, send) - self.rank * local_experts
+        sent = send.tolist()
+        rx = self.all_to_all(x[flat_rows[order]], recv, sent)
+        rids = self.all_to_all(flat_ids[order], recv, sent) - self.rank * local_experts
         y = compute(rx, torch.arange(rx.shape[0], device=x.device), rids)
-        back = self.all_to_all(y, send, recv)  # in the order sent
+        back = self.all_to_all(y, sent, recv)  # in the order sent
         return back.index_select(0, torch.argsort(order))
 
 
@@ -268,8 +314,14 @@ def _deepseek_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
     raise ValueError(f"DeepSeekMoE scoring {scoring!r}: expected one of {SCORINGS}")
 
 
-def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k: int, n_group: int,
-                       topk_group: int, scoring: str = "sigmoid") -> torch.Tensor:
+def route_grouped_topk(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    scoring: str = "sigmoid",
+) -> torch.Tensor:
     """DeepSeekMoE's group-limited top-k, deterministic: the expert ids only (weights: :func:`grouped_route_weights`).
 
     Args:
@@ -291,8 +343,10 @@ def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k
     """
     n, e = router_logits.shape
     if e % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= topk_group * (e // n_group):
-        raise ValueError(f"{e} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts: not a valid "
-                         "group-limited routing")
+        raise ValueError(
+            f"{e} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts: not a valid "
+            "group-limited routing"
+        )
     choice = _deepseek_scores(router_logits, scoring)
     if bias is not None:
         choice = choice + bias.float()
@@ -300,18 +354,17 @@ def route_grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, k
         return _topk_ids(choice, k)
     size = e // n_group
     best = torch.sort(choice.view(n, n_group, size), dim=-1, descending=True, stable=True).values
-    if scoring == "softmax" or size == 1:
-        group_scores = best[..., 0]
-    else:
-        group_scores = best[..., 0] + best[..., 1]  # the two highest, in that order
+    # softmax (or one expert per group): the group's best; else the two highest, summed in that order
+    group_scores = best[..., 0] if scoring == "softmax" or size == 1 else best[..., 0] + best[..., 1]
     groups = _topk_ids(group_scores, topk_group)
     allowed = torch.zeros((n, n_group), dtype=torch.bool, device=choice.device).scatter(1, groups, True)
     masked = choice.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
     return _topk_ids(masked, k)
 
 
-def grouped_route_weights(router_logits: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool,
-                          scaling: float, scoring: str = "sigmoid") -> torch.Tensor:
+def grouped_route_weights(
+    router_logits: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool, scaling: float, scoring: str = "sigmoid"
+) -> torch.Tensor:
     """The DeepSeekMoE routing weights ``[N, k]`` float32 of ``expert_ids``: the unbiased scores (``scoring`` as in
     :func:`route_grouped_topk`), normalised by their left-to-right sum + 1e-20 (``renormalize``, HF
     ``norm_topk_prob``), times ``scaling`` (``routed_scaling_factor``). Differentiable in ``router_logits`` (also
@@ -320,17 +373,29 @@ def grouped_route_weights(router_logits: torch.Tensor, expert_ids: torch.Tensor,
     if renormalize:
         total = w[:, 0:1]
         for j in range(1, w.shape[1]):  # fixed left-to-right order
-            total = total + w[:, j: j + 1]
+            total = total + w[:, j : j + 1]
         w = w / (total + 1e-20)
     return w * scaling
 
 
-def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None,
-                         w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                         shared, top_k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float,
-                         expert_ids: torch.Tensor | None = None, scoring: str = "sigmoid", fp8: str | None = None,
-                         scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def deepseek_moe_forward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+    expert_ids: torch.Tensor | None = None,
+    scoring: str = "sigmoid",
+    fp8: Granularity | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
     ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
     ``-1`` routed afresh), the routed experts (:func:`moe_experts`, ``fp8`` / ``scales`` as there) and the shared
@@ -357,8 +422,17 @@ def deepseek_moe_forward(x: torch.Tensor, router_weight: torch.Tensor, bias: tor
     elif shared is not None:
         sg, su, sd = shared
         shared_out = _linear(silu_and_mul(_linear(x, sg), _linear(x, su)), sd)
-    out = moe_experts(x, ids, grouped_route_weights(logits, ids, renormalize, scaling, scoring), w_gate, w_up, w_down,
-                      shared_out=shared_out, fp8=fp8, scales=scales)
+    out = moe_experts(
+        x,
+        ids,
+        grouped_route_weights(logits, ids, renormalize, scaling, scoring),
+        w_gate,
+        w_up,
+        w_down,
+        shared_out=shared_out,
+        fp8=fp8,
+        scales=scales,
+    )
     return out, ids
 
 
@@ -373,13 +447,23 @@ def _replayed(ids: torch.Tensor, expert_ids: torch.Tensor, e: int) -> torch.Tens
     return torch.where(fresh, ids, rec)
 
 
-def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                w_down: torch.Tensor, top_k: int, renormalize: bool = True,
-                expert_ids: torch.Tensor | None = None, k_block: int | None = None,
-                gather=None, experts_x: torch.Tensor | None = None,
-                chains: dict | None = None, fp8: str | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                expert_parallel: ExpertParallel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_forward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    expert_ids: torch.Tensor | None = None,
+    k_block: int | None = None,
+    gather=None,
+    experts_x: torch.Tensor | None = None,
+    chains: dict | None = None,
+    fp8: Granularity | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    expert_parallel: ExpertParallel | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
 
     Args:
@@ -413,7 +497,17 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tens
     ids = _topk_ids(scores, top_k)
     if expert_ids is not None:
         ids = _replayed(ids, expert_ids, router_weight.shape[0])
-    return moe_experts(x if experts_x is None else experts_x, ids, gather_route_weights(scores, ids, renormalize),
-                       w_gate, w_up, w_down, k_block, gather,
-                       None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"]),
-                       fp8=fp8, scales=scales, expert_parallel=expert_parallel), ids
+    return moe_experts(
+        x if experts_x is None else experts_x,
+        ids,
+        gather_route_weights(scores, ids, renormalize),
+        w_gate,
+        w_up,
+        w_down,
+        k_block,
+        gather,
+        None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"]),
+        fp8=fp8,
+        scales=scales,
+        expert_parallel=expert_parallel,
+    ), ids

@@ -14,6 +14,7 @@ row: ``g = dy * w``, ``dx = r * (g - x̂ * (tree_sum(g * x̂) / H))`` (``x̂ = x
 exact-accumulation chain (:mod:`shared_numerics.grad_chain`). Elsewhere (other devices, DTensors) the torch ops below
 and autograd.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,15 +26,13 @@ from .cpu_kernels import DTYPE_CODES
 from .reduce import tree_sum
 
 
-
 @functools.lru_cache(maxsize=1)
 def _lib():
     from .cpu_kernels import load
 
     lib = load("pointwise")
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.zk_rms_norm.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_float, vp, ctypes.c_int, vp,
-                                ctypes.c_int]
+    lib.zk_rms_norm.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_float, vp, ctypes.c_int, vp, ctypes.c_int]
     lib.zk_rms_norm.restype = None
     lib.zk_rms_norm_bwd.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, ctypes.c_int, vp, ctypes.c_int]
     lib.zk_rms_norm_bwd.restype = None
@@ -50,9 +49,19 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, want_r: boo
     direct = x.dtype in (torch.float32, torch.bfloat16)  # written in x.dtype by the kernel (float16: rounded here)
     y = torch.empty(x2.shape, dtype=x.dtype if direct else torch.float32)
     r = torch.empty(x2.shape[0], dtype=torch.float32) if want_r else None
-    _lib().zk_rms_norm(DTYPE_CODES[x.dtype], x2.data_ptr(), x2.shape[0], h, x2.stride(0), w.data_ptr(),
-                       float(eps), y.data_ptr(), int(y.dtype == torch.bfloat16), None if r is None else r.data_ptr(),
-                       torch.get_num_threads())
+    _lib().zk_rms_norm(
+        DTYPE_CODES[x.dtype],
+        x2.data_ptr(),
+        x2.shape[0],
+        h,
+        x2.stride(0),
+        w.data_ptr(),
+        float(eps),
+        y.data_ptr(),
+        int(y.dtype == torch.bfloat16),
+        None if r is None else r.data_ptr(),
+        torch.get_num_threads(),
+    )
     y = y.reshape(x.shape).to(x.dtype)
     return (y, r) if want_r else y
 
@@ -75,11 +84,13 @@ class _RmsNormCpu(torch.autograd.Function):
         g = plain(grad)  # an AsyncCollectiveTensor (tensor parallelism) is waited for
         if g is None:  # another tensor subclass: autograd of the torch ops (the same definition)
             if ctx.chain is not None:
-                raise TypeError(f"rms_norm: an exact-accumulation chain needs plain gradients, got {type(grad).__name__}")
+                raise TypeError(
+                    f"rms_norm: an exact-accumulation chain needs plain gradients, got {type(grad).__name__}"
+                )
             with torch.enable_grad():
                 xr, wr = x.detach().requires_grad_(), weight.detach().requires_grad_()
-                dx, dw = torch.autograd.grad(_rms_norm_ops(xr, wr, ctx.eps), (xr, wr), grad)
-            return dx, dw if ctx.needs_input_grad[1] else None, None, None
+                dx, dw_ref = torch.autograd.grad(_rms_norm_ops(xr, wr, ctx.eps), (xr, wr), grad)
+            return dx, dw_ref if ctx.needs_input_grad[1] else None, None, None
         grad = g
         h = x.shape[-1]
         x2 = x.reshape(-1, h).contiguous()
@@ -93,11 +104,22 @@ class _RmsNormCpu(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             dw = torch.zeros(h, dtype=torch.float32)
         w = weight.detach().float().contiguous()
-        _lib().zk_rms_norm_bwd(DTYPE_CODES[x.dtype], x2.data_ptr(), dy.data_ptr(), x2.shape[0], h, w.data_ptr(),
-                               r.data_ptr(), dx.data_ptr(), DTYPE_CODES[dx.dtype], None if dw is None else dw.data_ptr(),
-                               torch.get_num_threads())
+        _lib().zk_rms_norm_bwd(
+            DTYPE_CODES[x.dtype],
+            x2.data_ptr(),
+            dy.data_ptr(),
+            x2.shape[0],
+            h,
+            w.data_ptr(),
+            r.data_ptr(),
+            dx.data_ptr(),
+            DTYPE_CODES[dx.dtype],
+            None if dw is None else dw.data_ptr(),
+            torch.get_num_threads(),
+        )
         grad_w = None if chain is not None or dw is None else dw.to(weight.dtype)
         return dx.reshape(x.shape).to(x.dtype), grad_w, None, None
+
 
 __all__ = ["add_rms_norm", "rms_norm"]
 
@@ -123,15 +145,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=
         if xp is not None and wp is not None:  # otherwise (DTensors, fake tensors) the torch ops: the same bits
             if weight_chain is not None:
                 if weight_chain.acc.shape != (x.shape[-1],):
-                    raise ValueError(f"rms_norm: a gain chain of {tuple(weight_chain.acc.shape)} for rows of "
-                                     f"{x.shape[-1]}")
+                    raise ValueError(
+                        f"rms_norm: a gain chain of {tuple(weight_chain.acc.shape)} for rows of {x.shape[-1]}"
+                    )
                 return _RmsNormCpu.apply(xp, wp, eps, weight_chain)
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
                 return _RmsNormCpu.apply(xp, wp, eps, None)
             return _rms_norm_cpu(xp, wp, eps)
     if weight_chain is not None:
-        raise TypeError(f"rms_norm: an exact-accumulation chain needs plain CPU tensors, got "
-                        f"{type(x).__name__} on {x.device}")
+        raise TypeError(
+            f"rms_norm: an exact-accumulation chain needs plain CPU tensors, got {type(x).__name__} on {x.device}"
+        )
     return _rms_norm_ops(x, weight, eps)
 
 
@@ -144,8 +168,9 @@ def _rms_norm_ops(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm, the pattern between two decoder sub-blocks.
 
     Args:

@@ -8,9 +8,10 @@ speed); attention, norms, RoPE, SiLU, log-softmax and the FP8 GEMM are the Trito
 accumulation order), so :class:`shared_numerics.mode.NumericsMode` names the backend and a trainer and an engine on
 different backends are refused.
 """
+
 from __future__ import annotations
 
-__all__ = ["OPS", "available", "unavailable_reason"]
+__all__ = ["OPS", "available", "unavailable_reason"]  # noqa: F822 - OPS: built on first use by __getattr__
 
 
 def unavailable_reason() -> str | None:
@@ -32,7 +33,8 @@ def available() -> bool:
 def _table() -> dict:
     from .gemm_cublas import linear
     from .lora import add_lora_with, lora_linear_with
-    from .ops_triton.table import OPS as TRITON, fused_selected_logprobs_with
+    from .ops_triton.table import OPS as TRITON
+    from .ops_triton.table import fused_selected_logprobs_with
 
     def lora_linear(x, weight, bias, lora_a, lora_b, scaling, adapter_ids):
         return lora_linear_with(linear, x, weight, bias, lora_a, lora_b, scaling, adapter_ids)
@@ -43,8 +45,12 @@ def _table() -> dict:
     def fused_selected_logprobs(hidden, weight, targets, chunk=None):
         return fused_selected_logprobs_with(linear, hidden, weight, targets, chunk)
 
-    gemms = {"linear": linear, "lora_linear": lora_linear, "add_lora": add_lora,
-             "fused_selected_logprobs": fused_selected_logprobs}
+    gemms = {
+        "linear": linear,
+        "lora_linear": lora_linear,
+        "add_lora": add_lora,
+        "fused_selected_logprobs": fused_selected_logprobs,
+    }
     return {name: gemms.get(name, op) for name, op in TRITON.items()}
 
 

@@ -19,6 +19,7 @@ properties in C: one scalar formula per element, sums in a fixed order (:mod:`sh
 Source: the batch-invariance analysis of Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025),
 applied to ATen's CPU kernels (``aten/src/ATen/native/cpu/Loops.h``: ``vectorized_loop`` + scalar ``basic_loop``).
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,10 +9,12 @@ batch sampled under other numerics than the trainer's before anything is compute
 
 :meth:`RolloutBatch.pack` is the one packing of rollouts into the next-token training layout.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -26,9 +28,9 @@ IGNORE_INDEX = -100  # label of positions without a loss (torch cross-entropy's 
 def _completion_logprobs(completion) -> torch.Tensor:
     if completion.logprobs is None:
         raise ValueError("rollout has no logprobs: sample with SamplingParams(logprobs=0)")
-    return torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
-                        dtype=torch.float32)
-
+    return torch.tensor(
+        [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)], dtype=torch.float32
+    )
 
 
 def decode_routes(encoded: str):
@@ -45,6 +47,7 @@ def decode_routes(encoded: str):
     import numpy as np
 
     return np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+
 
 @dataclass
 class RolloutBatch:
@@ -86,12 +89,18 @@ class RolloutBatch:
         n = len(self.sequences)
         if not n:
             raise ValueError("empty rollout batch")
-        for name in ("prompt_lengths", "advantages", "sampler_logprobs", "routed_experts", "loss_weights",
-                     "ref_logprobs"):
+        for name in (
+            "prompt_lengths",
+            "advantages",
+            "sampler_logprobs",
+            "routed_experts",
+            "loss_weights",
+            "ref_logprobs",
+        ):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} rollouts")
-        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths, strict=True)):
             if not 1 <= p <= len(s):
                 raise ValueError(f"rollout {i}: prompt length {p} outside [1, {len(s)}]")
             if self.advantages is not None:
@@ -101,8 +110,9 @@ class RolloutBatch:
             for name in ("sampler_logprobs", "ref_logprobs"):
                 lp = getattr(self, name)
                 if lp is not None and lp[i].numel() != len(s) - p:
-                    raise ValueError(f"rollout {i}: {lp[i].numel()} {name.replace('_', ' ')} for {len(s) - p} "
-                                     f"completion tokens")
+                    raise ValueError(
+                        f"rollout {i}: {lp[i].numel()} {name.replace('_', ' ')} for {len(s) - p} completion tokens"
+                    )
             if self.loss_weights is not None:
                 w = self.loss_weights[i]
                 if w.numel() != len(s) - p:
@@ -116,8 +126,9 @@ class RolloutBatch:
         return len(self.sequences)
 
     @classmethod
-    def from_vllm(cls, outputs: Sequence[Any], advantages: list | None = None,
-                  snapshot_identity: str | None = None) -> "RolloutBatch":
+    def from_vllm(
+        cls, outputs: Sequence[Any], advantages: list | None = None, snapshot_identity: str | None = None
+    ) -> RolloutBatch:
         """From vLLM ``RequestOutput`` s (``LLM.generate``; first completion of each), sampled with
         ``SamplingParams(logprobs=0)``. Reads ``prompt_token_ids``, ``outputs[0].token_ids`` / ``logprobs`` /
         ``routed_experts`` and the zerokld stamp ``outputs[0].zerokld_numerics``.
@@ -126,17 +137,29 @@ class RolloutBatch:
             ValueError: no logprobs, or the outputs carry different numerics modes.
         """
         comps = [o.outputs[0] for o in outputs]
-        routes = [c.routed_experts for c in comps] if all(getattr(c, "routed_experts", None) is not None
-                                                             for c in comps) else None
-        return cls(sequences=[list(o.prompt_token_ids) + list(c.token_ids) for o, c in zip(outputs, comps)],
-                   prompt_lengths=[len(o.prompt_token_ids) for o in outputs], advantages=advantages,
-                   sampler_logprobs=[_completion_logprobs(c) for c in comps], routed_experts=routes,
-                   snapshot_identity=snapshot_identity,
-                   numerics=common_numerics([getattr(c, "zerokld_numerics", None) for c in comps]))
+        routes = (
+            [c.routed_experts for c in comps]
+            if all(getattr(c, "routed_experts", None) is not None for c in comps)
+            else None
+        )
+        return cls(
+            sequences=[list(o.prompt_token_ids) + list(c.token_ids) for o, c in zip(outputs, comps, strict=True)],
+            prompt_lengths=[len(o.prompt_token_ids) for o in outputs],
+            advantages=advantages,
+            sampler_logprobs=[_completion_logprobs(c) for c in comps],
+            routed_experts=routes,
+            snapshot_identity=snapshot_identity,
+            numerics=common_numerics([getattr(c, "zerokld_numerics", None) for c in comps]),
+        )
 
     @classmethod
-    def from_openai(cls, prompts: Sequence[Sequence[int]], choices: Sequence[dict], advantages: list | None = None,
-                    snapshot_identity: str | None = None) -> "RolloutBatch":
+    def from_openai(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        choices: Sequence[dict],
+        advantages: list | None = None,
+        snapshot_identity: str | None = None,
+    ) -> RolloutBatch:
         """From ``/v1/completions`` JSON choices (one per prompt, in order; requested with ``logprobs: 0`` and either
         ``return_token_ids: true`` or ``return_tokens_as_token_ids: true``): the completion's token ids, its
         ``logprobs.token_logprobs``, vLLM's ``routed_experts`` (base64 ``.npy``) if present and the zerokld stamp
@@ -148,37 +171,51 @@ class RolloutBatch:
         if len(prompts) != len(choices):
             raise ValueError(f"{len(prompts)} prompts for {len(choices)} choices")
         seqs, lps, routes = [], [], []
-        for p, c in zip(prompts, choices):
+        for p, c in zip(prompts, choices, strict=True):
             logprobs = c.get("logprobs") or {}
             ids = c.get("token_ids")
             if ids is None and all(str(t).startswith("token_id:") for t in logprobs.get("tokens") or [None]):
                 ids = [int(str(t).split(":", 1)[1]) for t in logprobs["tokens"]]
             if ids is None or logprobs.get("token_logprobs") is None:
-                raise ValueError("choice without token ids or logprobs: request logprobs and return_token_ids "
-                                 "(or return_tokens_as_token_ids)")
+                raise ValueError(
+                    "choice without token ids or logprobs: request logprobs and return_token_ids "
+                    "(or return_tokens_as_token_ids)"
+                )
             seqs.append(list(p) + [int(t) for t in ids])
             lps.append(torch.tensor(logprobs["token_logprobs"], dtype=torch.float32))
             r = c.get("routed_experts")
             routes.append(decode_routes(r) if isinstance(r, str) else r)
-        return cls(sequences=seqs, prompt_lengths=[len(p) for p in prompts], advantages=advantages,
-                   sampler_logprobs=lps, routed_experts=routes if all(r is not None for r in routes) else None,
-                   snapshot_identity=snapshot_identity,
-                   numerics=common_numerics([c.get("zerokld_numerics") for c in choices]))
+        return cls(
+            sequences=seqs,
+            prompt_lengths=[len(p) for p in prompts],
+            advantages=advantages,
+            sampler_logprobs=lps,
+            routed_experts=routes if all(r is not None for r in routes) else None,
+            snapshot_identity=snapshot_identity,
+            numerics=common_numerics([c.get("zerokld_numerics") for c in choices]),
+        )
 
-    def select(self, indices: Sequence[int]) -> "RolloutBatch":
+    def select(self, indices: Sequence[int]) -> RolloutBatch:
         """The rollouts at ``indices`` (in that order) as a batch with the same identity and numerics stamp: a
         micro-batch of this batch.
 
         Raises:
             IndexError: an index outside ``[-B, B)``; ValueError: no index.
         """
+
         def pick(values):
             return None if values is None else [values[i] for i in indices]
 
-        return replace(self, sequences=pick(self.sequences), prompt_lengths=pick(self.prompt_lengths),
-                       advantages=pick(self.advantages), sampler_logprobs=pick(self.sampler_logprobs),
-                       routed_experts=pick(self.routed_experts), loss_weights=pick(self.loss_weights),
-                       ref_logprobs=pick(self.ref_logprobs))
+        return replace(
+            self,
+            sequences=pick(self.sequences),
+            prompt_lengths=pick(self.prompt_lengths),
+            advantages=pick(self.advantages),
+            sampler_logprobs=pick(self.sampler_logprobs),
+            routed_experts=pick(self.routed_experts),
+            loss_weights=pick(self.loss_weights),
+            ref_logprobs=pick(self.ref_logprobs),
+        )
 
     def check_numerics(self, trainer: NumericsMode) -> None:
         """Refuse rollouts sampled under other numerics than ``trainer``'s.
@@ -199,17 +236,17 @@ class RolloutBatch:
         labels = torch.full((n, t), IGNORE_INDEX, dtype=torch.long)
         adv, q = torch.zeros(n, t), torch.zeros(n, t)
         weights = None if self.loss_weights is None else torch.zeros(n, t)
-        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths, strict=True)):
             st = torch.tensor(s, dtype=torch.long)
             tokens[i, : len(s) - 1] = st[:-1]
-            labels[i, p - 1: len(s) - 1] = st[p:]
+            labels[i, p - 1 : len(s) - 1] = st[p:]
             if self.advantages is not None:
                 a = self.advantages[i]
-                adv[i, p - 1: len(s) - 1] = a if isinstance(a, torch.Tensor) else float(a)
+                adv[i, p - 1 : len(s) - 1] = a if isinstance(a, torch.Tensor) else float(a)
             if self.sampler_logprobs is not None:
-                q[i, p - 1: len(s) - 1] = self.sampler_logprobs[i]
-            if weights is not None:
-                weights[i, p - 1: len(s) - 1] = self.loss_weights[i]
+                q[i, p - 1 : len(s) - 1] = self.sampler_logprobs[i]
+            if weights is not None and self.loss_weights is not None:
+                weights[i, p - 1 : len(s) - 1] = self.loss_weights[i]
         return tokens, labels, adv, q, weights
 
     def pack_ref(self) -> torch.Tensor | None:
@@ -218,8 +255,8 @@ class RolloutBatch:
         if self.ref_logprobs is None:
             return None
         ref = torch.zeros(len(self), max(len(s) for s in self.sequences) - 1)
-        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths)):
-            ref[i, p - 1: len(s) - 1] = self.ref_logprobs[i]
+        for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths, strict=True)):
+            ref[i, p - 1 : len(s) - 1] = self.ref_logprobs[i]
         return ref
 
     def padded_tokens(self, pad_id: int = 0) -> torch.Tensor:

@@ -7,6 +7,7 @@ of ``csrc/pointwise.cpp``'s ``zk_rope``, the same operations as the torch ops, t
 Layout: HF checkpoints (Qwen3, Llama) pair dimension ``i`` with ``i + D/2`` ("rotate_half", ``is_neox_style=True`` in
 vLLM). Source: Su et al., "RoFormer" (2021); HF ``modeling_llama.apply_rotary_pos_emb``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,7 +44,8 @@ class RopeScaling:
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
         smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
+            self.high_freq_factor - self.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
@@ -87,7 +89,7 @@ class YarnScaling:
         """DeepSeek's attention scale ``qk_head_dim ** -0.5 * mscale(factor, mscale_all_dim) ** 2`` (only the
         ``qk_head_dim ** -0.5`` part without ``mscale_all_dim``). Source: HF ``modeling_deepseek_v3.
         yarn_apply_mscale``."""
-        scale = qk_head_dim ** -0.5
+        scale = qk_head_dim**-0.5
         if self.mscale_all_dim:
             m = yarn_get_mscale(self.factor, self.mscale_all_dim)
             scale = scale * m * m
@@ -95,9 +97,11 @@ class YarnScaling:
 
     def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
         """``[head_dim / 2]`` float64 scaled inverse frequencies."""
+
         def correction_dim(rotations: float) -> float:
             return (head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
-                2 * math.log(theta))
+                2 * math.log(theta)
+            )
 
         low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
         if self.truncate:
@@ -111,8 +115,9 @@ class YarnScaling:
         return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos/sin tables for ``positions``.
 
     Args:
@@ -139,8 +144,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
             inv_freq = scaling.apply(inv_freq)
     angles = positions.to(torch.float64).reshape(-1, 1) * inv_freq.reshape(1, -1)
     if isinstance(scaling, YarnScaling) and scaling.attention_factor != 1.0:
-        return (torch.cos(angles) * scaling.attention_factor).float(), (torch.sin(angles) * scaling.attention_factor
-                                                                         ).float()
+        return (torch.cos(angles) * scaling.attention_factor).float(), (
+            torch.sin(angles) * scaling.attention_factor
+        ).float()
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
@@ -160,9 +166,17 @@ def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     plain CPU ``[N, heads, D]`` float32 / bf16 ``x`` whose last dim is contiguous; ``None`` otherwise."""
     from .cpu_kernels import DTYPE_CODES, plain
 
-    if (x.device.type != "cpu" or x.dim() != 3 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.device.type != "cpu"
-            or tuple(cos.shape) != (x.shape[0], x.shape[-1] // 2) or tuple(sin.shape) != tuple(cos.shape)):
+    if (
+        x.device.type != "cpu"
+        or x.dim() != 3
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.stride(-1) != 1
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or cos.device.type != "cpu"
+        or tuple(cos.shape) != (x.shape[0], x.shape[-1] // 2)
+        or tuple(sin.shape) != tuple(cos.shape)
+    ):
         return None
     xp, cp, sp = plain(x), plain(cos), plain(sin)
     if xp is None or cp is None or sp is None:
@@ -170,8 +184,19 @@ def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     cp, sp = cp.contiguous(), sp.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype)
     if y.numel():
-        _lib().zk_rope(DTYPE_CODES[x.dtype], xp.data_ptr(), x.shape[0], x.shape[1], x.shape[2], xp.stride(0),
-                       xp.stride(1), cp.data_ptr(), sp.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        _lib().zk_rope(
+            DTYPE_CODES[x.dtype],
+            xp.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            x.shape[2],
+            xp.stride(0),
+            xp.stride(1),
+            cp.data_ptr(),
+            sp.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
     return y
 
 
@@ -223,8 +248,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return _rotate(x, cos, sin)
 
 
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
-                  ) -> torch.Tensor:
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Per-head RMSNorm then RoPE (Qwen3's QK-norm before the rotation): ``apply_rope(rms_norm(x, weight, eps), cos,
     sin)``, by definition bitwise that composition (backends may fuse it into one pass; Triton does).
 

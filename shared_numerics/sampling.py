@@ -14,6 +14,7 @@ descending probability, stable order) whose mass reaches ``p`` — always at lea
 exact fixed point (probabilities rounded to multiples of 2^-52, int64 prefix sums), so the kept set does not depend on
 the device's scan algorithm. Every tensor is made on the logits' device (CPU or CUDA).
 """
+
 from __future__ import annotations
 
 import torch
@@ -119,8 +120,13 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return logits.float() / torch.where(t > 0, t, torch.ones_like(t))
 
 
-def sample_scaled(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, top_k: torch.Tensor | None = None,
-                  top_p: torch.Tensor | None = None) -> torch.Tensor:
+def sample_scaled(
+    z: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sample one token per row of temperature-scaled logits ``z [N, V]`` (float32): top-k, then top-p, then
     Gumbel-max with :func:`gumbel_noise`. ``top_k [N]`` int (``>= V`` keeps all) and ``top_p [N]`` float in
     ``(0, 1]`` (1 keeps all) may be ``None``. Returns ``[N]`` int64; row ``n`` depends only on row ``n`` of every
@@ -130,8 +136,14 @@ def sample_scaled(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     return torch.argmax(scores, dim=-1)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sample one token per row with counter-based Gumbel-max: :func:`scale_logits` then :func:`sample_scaled`.
 
     Args:

@@ -1,10 +1,10 @@
 """zerokld's settings, one object for both sides: :class:`ZeroKLDSettings`.
 
 The engine reads it from vLLM's ``additional_config["zerokld"]`` (:func:`vllm_plugin.config.from_vllm_config`: a
-:class:`vllm_plugin.config.ZeroKLDConfig`, these settings plus the engine-only ``hot_load`` section), the trainer holds it as ``RLTrainer.Config.zerokld``
-(:func:`titan_plugin.rl.rl_trainer_config` builds it from its keyword arguments of the same names). One spelling and
-one default per setting; the rules on which settings combine live here only; the :class:`NumericsMode` each side
-stamps is derived from it (:meth:`ZeroKLDSettings.mode`).
+:class:`vllm_plugin.config.ZeroKLDConfig`, these settings plus the engine-only ``hot_load`` section), the trainer holds
+it as ``RLTrainer.Config.zerokld`` (:func:`titan_plugin.rl.rl_trainer_config` builds it from its keyword arguments of
+the same names). One spelling and one default per setting; the rules on which settings combine live here only; the
+:class:`NumericsMode` each side stamps is derived from it (:meth:`ZeroKLDSettings.mode`).
 
 Settings:
 
@@ -22,6 +22,7 @@ Settings:
 Raises: :class:`ZeroKLDSettingsError` (a ``ValueError``) naming the setting for unknown names, wrong types, a
 combination the rules refuse, or an old spelling (``fp8: true`` / ``fp8_granularity``: now ``fp8: "per_channel"``).
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
@@ -55,13 +56,15 @@ class ZeroKLDSettings(BaseModel):
     @classmethod
     def _old_fp8_spelling(cls, data: Any) -> Any:
         if isinstance(data, dict) and ("fp8_granularity" in data or isinstance(data.get("fp8"), bool)):
-            raise ValueError("fp8 takes the granularity: fp8: 'per_channel' or 'block' (or null); fp8: true and "
-                             f"fp8_granularity are the old spelling (got fp8={data.get('fp8')!r}, "
-                             f"fp8_granularity={data.get('fp8_granularity')!r})")
+            raise ValueError(
+                "fp8 takes the granularity: fp8: 'per_channel' or 'block' (or null); fp8: true and "
+                f"fp8_granularity are the old spelling (got fp8={data.get('fp8')!r}, "
+                f"fp8_granularity={data.get('fp8_granularity')!r})"
+            )
         return data
 
     @model_validator(mode="after")
-    def _rules(self) -> "ZeroKLDSettings":
+    def _rules(self) -> ZeroKLDSettings:
         if self.fp8 is not None and not self.batch_invariant:
             raise ValueError("fp8 needs batch_invariant (the FP8 math is the shared_numerics one)")
         if self.tp_k_block is not None and not self.batch_invariant:
@@ -71,7 +74,7 @@ class ZeroKLDSettings(BaseModel):
         return self
 
     @classmethod
-    def parse(cls, data: dict[str, Any] | None, where: str = "zerokld settings") -> "ZeroKLDSettings":
+    def parse(cls, data: dict[str, Any] | None, where: str = "zerokld settings") -> ZeroKLDSettings:
         """Validate ``data`` (``None`` = every default).
 
         Raises:
@@ -90,5 +93,6 @@ class ZeroKLDSettings(BaseModel):
     def mode(self, dtype: str, device_type: str = "cpu", fp8: str | None = None) -> NumericsMode:
         """The :class:`NumericsMode` of a process running these settings in ``dtype`` on ``device_type``; ``fp8``:
         the granularity a quantized checkpoint imposes (it wins over :attr:`fp8`)."""
-        return NumericsMode.build(self.batch_invariant, dtype, fp8 or self.fp8, device_type=device_type,
-                                  tp_k_block=self.tp_k_block)
+        return NumericsMode.build(
+            self.batch_invariant, dtype, fp8 or self.fp8, device_type=device_type, tp_k_block=self.tp_k_block
+        )

@@ -28,9 +28,10 @@ Source: the fixed cross-device reduction tree of tree-based invariant kernels (T
 "a single fixed cross-GPU reduction path"; vLLM ``model_executor/layers/linear.py`` (``RowParallelLinear``) and torch
 ``distributed/tensor/parallel/style.py`` (``RowwiseParallel``) for the stock behaviour replaced.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -90,8 +91,12 @@ def k_block_partials(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> tor
     if k_block <= 0 or k % k_block:
         raise ValueError(f"row-parallel linear: K={k} (this rank's shard) is not a multiple of tp_k_block={k_block}")
     xf = x.float()
-    return torch.stack([sn.linear(xf[:, s:s + k_block].contiguous(), weight[:, s:s + k_block].float().contiguous())
-                        for s in range(0, k, k_block)])
+    return torch.stack(
+        [
+            sn.linear(xf[:, s : s + k_block].contiguous(), weight[:, s : s + k_block].float().contiguous())
+            for s in range(0, k, k_block)
+        ]
+    )
 
 
 def reduce_over_ranks(root: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
@@ -106,13 +111,21 @@ def reduce_over_ranks(root: torch.Tensor, gather: Callable[[torch.Tensor], torch
     roots = gather(root.unsqueeze(0))
     tp = roots.shape[0]
     if tp & (tp - 1):
-        raise ValueError(f"row-parallel sum: TP size {tp} is not a power of two (the rank subtrees of the fixed "
-                         "reduction tree would not align)")
+        raise ValueError(
+            f"row-parallel sum: TP size {tp} is not a power of two (the rank subtrees of the fixed "
+            "reduction tree would not align)"
+        )
     return block_tree_sum(roots)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, k_block: int,
-                        gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    k_block: int,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``linear(x, W, b)`` with the sum over ``K`` in the fixed TP-aligned tree (see the module docstring).
 
     Args:

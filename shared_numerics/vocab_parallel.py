@@ -33,9 +33,10 @@ all-reduces) and torch ``distributed/tensor/parallel/loss.py`` (``loss_parallel`
 exact fixed-point accumulation as in reproducible BLAS summation (Demmel & Nguyen, "Parallel reproducible summation",
 IEEE TC 2015), here with plain integer limbs since ``0 <= e_i <= 1``.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -108,8 +109,9 @@ def _shift(logits: torch.Tensor, gather: Gather | None) -> tuple[torch.Tensor, t
     return z - m.unsqueeze(-1), m, bad
 
 
-def logsumexp(logits: torch.Tensor, gather: Gather | None = None, vocab_size: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def logsumexp(
+    logits: torch.Tensor, gather: Gather | None = None, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z - max z, log sum exp(z - max z))`` over the whole vocabulary, from this rank's slice.
 
     Args:
@@ -145,8 +147,14 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return (shifted.double() - lse.unsqueeze(-1)).float()
 
 
-def selected_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, vocab_start: int = 0,
-                      vocab_size: int | None = None, gather: Gather | None = None) -> torch.Tensor:
+def selected_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    gather: Gather | None = None,
+) -> torch.Tensor:
     """Log-prob of one token per row from this rank's vocabulary slice.
 
     Args:
@@ -200,11 +208,11 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
         out = hidden.new_empty(n, dtype=torch.float32)
         m_all, s_all = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float64)
         for a in range(0, n, chunk):
-            shifted, m, bad = _shift(linear(hidden[a:a + chunk], weight), gather)
+            shifted, m, bad = _shift(linear(hidden[a : a + chunk], weight), gather)
             s = _sum_exp(shifted, bad, gather)
-            m_all[a:a + chunk], s_all[a:a + chunk] = m, s
-            picked = _picked(shifted, ids[a:a + chunk], vocab_start, gather)
-            out[a:a + chunk] = (picked.double() - torch.log(s)).float()
+            m_all[a : a + chunk], s_all[a : a + chunk] = m, s
+            picked = _picked(shifted, ids[a : a + chunk], vocab_start, gather)
+            out[a : a + chunk] = (picked.double() - torch.log(s)).float()
         ctx.save_for_backward(hidden, weight, ids, m_all, s_all)
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
         return out
@@ -218,22 +226,29 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden, dtype=torch.float32)
         grad_w = torch.zeros_like(w32)
         for a in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[a:a + ctx.chunk]
-            g = grad_out[a:a + ctx.chunk].double().unsqueeze(-1)
-            shifted = linear(h, weight).float() - m_all[a:a + ctx.chunk].unsqueeze(-1)
-            dz = -(g * torch.exp(shifted.double()) / s_all[a:a + ctx.chunk].unsqueeze(-1))
-            owned, local = _owned(ids[a:a + ctx.chunk], ctx.vocab_start, shifted.shape[-1])
+            h = hidden[a : a + ctx.chunk]
+            g = grad_out[a : a + ctx.chunk].double().unsqueeze(-1)
+            shifted = linear(h, weight).float() - m_all[a : a + ctx.chunk].unsqueeze(-1)
+            dz = -(g * torch.exp(shifted.double()) / s_all[a : a + ctx.chunk].unsqueeze(-1))
+            owned, local = _owned(ids[a : a + ctx.chunk], ctx.vocab_start, shifted.shape[-1])
             rows = torch.nonzero(owned).squeeze(-1)
             dz[rows, local[rows]] += g[rows, 0]
             dz = dz.float()
-            grad_h[a:a + ctx.chunk] = matmul_rows(dz, w32)
+            grad_h[a : a + ctx.chunk] = matmul_rows(dz, w32)
             grad_w += dz.t() @ h.float()
         return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
 
 
-def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, *,
-                            vocab_start: int = 0, vocab_size: int | None = None, gather: Gather | None = None,
-                            chunk: int | None = None) -> torch.Tensor:
+def fused_selected_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    gather: Gather | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Fused lm_head + vocab-parallel selected log-probs: :func:`selected_logprobs` of ``linear(hidden, weight)``
     without the ``[N, V_local]`` logits in memory (chunks of rows), with a closed-form backward.
 
@@ -259,12 +274,19 @@ def fused_selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_id
     """
     from .fused_logprobs import rows_per_chunk
 
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or token_ids.shape != (
-            hidden.shape[0],):
-        raise ValueError(f"expected hidden [N, H], weight [V_local, H], token_ids [N]; got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(token_ids.shape)}")
+    if (
+        hidden.dim() != 2
+        or weight.dim() != 2
+        or hidden.shape[1] != weight.shape[1]
+        or token_ids.shape != (hidden.shape[0],)
+    ):
+        raise ValueError(
+            f"expected hidden [N, H], weight [V_local, H], token_ids [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(token_ids.shape)}"
+        )
     vocab_size = vocab_start + weight.shape[0] if vocab_size is None else vocab_size
     _check_vocab(max(weight.shape[0], vocab_size))
     ids = _check_ids(token_ids, vocab_size)
-    return _FusedSelectedLogprobs.apply(hidden, weight, ids, vocab_start, vocab_size, gather,
-                                        rows_per_chunk(chunk, weight.shape[0]))
+    return _FusedSelectedLogprobs.apply(
+        hidden, weight, ids, vocab_start, vocab_size, gather, rows_per_chunk(chunk, weight.shape[0])
+    )

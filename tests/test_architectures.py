@@ -2,11 +2,13 @@
 scaling and Qwen2.5's q/k/v bias — each against Hugging Face ``transformers`` (the reference definition) and, for the
 ``rope_parameters``-only config, trainer == a real vLLM engine bitwise, with the negative controls that show each test
 can fail."""
+
 from __future__ import annotations
 
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +16,22 @@ import torch
 from titan_plugin import trainer_logprobs
 from zerokld_models import UnsupportedModelError, adapter_for, check_supported, read_model_config
 
-BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def test_reader_rope_base_from_rope_parameters_or_rope_theta():
@@ -35,15 +49,20 @@ def test_reader_reads_transformers_configs():
     """A ``PretrainedConfig`` (what vLLM hands a model) reads the same as its config.json."""
     from transformers import LlamaConfig
 
-    hf = LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, rope_theta=5e5, rope_scaling=LLAMA3,
-                     architectures=["LlamaForCausalLM"])
+    hf = LlamaConfig(
+        **{k: v for k, v in BASE.items() if k != "architectures"},
+        rope_theta=5e5,
+        rope_scaling=LLAMA3,
+        architectures=["LlamaForCausalLM"],
+    )
     cfg = read_model_config(hf)
     assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.head_dim) == (5e5, 8.0, 16)
 
 
 def test_support_check_names_every_unsupported_feature():
-    cfg = read_model_config({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "mlp_bias": True,
-                             "attention_bias": True})
+    cfg = read_model_config(
+        {**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "mlp_bias": True, "attention_bias": True}
+    )
     with pytest.raises(UnsupportedModelError, match="yarn") as e:
         check_supported(cfg, adapter_for(cfg))
     assert "MLP bias" in str(e.value) and "attention bias" in str(e.value)
@@ -85,14 +104,24 @@ def test_each_plugin_builds_its_side_from_the_declaration():
 
     register()
     archs = registered("model")
-    assert {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
-            "DeepseekV3ForCausalLM"} <= set(archs)
+    assert {
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+    } <= set(archs)
     for arch, reg in archs.items():
         cls = classes.model_class(arch)
         assert cls.adapter is reg.spec
-        mixins = ((ZeroKLDMLAMixin, ZeroKLDMoEMixin, ZeroKLDMixin) if reg.spec.attention == "mla" else
-                  (ZeroKLDMoEMixin, ZeroKLDMixin) if reg.spec.moe else (ZeroKLDMixin,))
-        assert cls.__mro__[1:len(mixins) + 2] == (*mixins, resolve(reg.spec.vllm_base))
+        mixins = (
+            (ZeroKLDMLAMixin, ZeroKLDMoEMixin, ZeroKLDMixin)
+            if reg.spec.attention == "mla"
+            else (ZeroKLDMoEMixin, ZeroKLDMixin)
+            if reg.spec.moe
+            else (ZeroKLDMixin,)
+        )
+        assert cls.__mro__[1 : len(mixins) + 2] == (*mixins, resolve(reg.spec.vllm_base))
         assert issubclass(cls, resolve(reg.spec.vllm_base))
         assert resolve(classes.registered_name(arch)) is cls
         assert pickle.loads(pickle.dumps(cls)) is cls
@@ -100,8 +129,14 @@ def test_each_plugin_builds_its_side_from_the_declaration():
     with pytest.raises(AttributeError, match="ZeroKLDNoSuchForCausalLM"):
         resolve(classes.registered_name("NoSuchForCausalLM"))
     with pytest.raises(ValueError, match="rope must be"):
-        ModelAdapterSpec(architecture="X", vllm_base="a:b", titan_model="a:b", titan_block="a:b",
-                         titan_state_dict_adapter="a:b", rope="yarn")
+        ModelAdapterSpec(
+            architecture="X",
+            vllm_base="a:b",
+            titan_model="a:b",
+            titan_block="a:b",
+            titan_state_dict_adapter="a:b",
+            rope="yarn",
+        )
 
 
 @pytest.mark.titan
@@ -114,7 +149,7 @@ def test_trainer_is_the_transformers_model(checkpoint_factory, tmp_path, family)
     seqs = _seqs(2, seed=3)
     ref = _hf_logprobs(ckpt, seqs)
     ours = trainer_logprobs(ckpt, seqs, [1, 1], dtype="float32")
-    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True)) < 1e-4
     # negative control: the same weights with the RoPE settings an rope_theta-only reader would have used
     plain = tmp_path / "plain"
     shutil.copytree(ckpt, plain)
@@ -123,7 +158,7 @@ def test_trainer_is_the_transformers_model(checkpoint_factory, tmp_path, family)
         config.pop(key, None)
     (plain / "config.json").write_text(json.dumps(config))
     wrong = trainer_logprobs(str(plain), seqs, [1, 1], dtype="float32")
-    assert max((a - b).abs().max().item() for a, b in zip(wrong, ref)) > 1e-3
+    assert max((a - b).abs().max().item() for a, b in zip(wrong, ref, strict=True)) > 1e-3
 
 
 @pytest.mark.titan
@@ -144,11 +179,13 @@ def test_stock_titan_build_is_the_transformers_model(checkpoint_factory, family)
     model.eval()
     with torch.no_grad():
         stock = sequence_logprobs(model, seqs, [1, 1])
-        assert max((a - b).abs().max().item() for a, b in zip(stock, ref)) < (5e-2 if family == "qwen3_moe" else 1e-4)
+        assert max((a - b).abs().max().item() for a, b in zip(stock, ref, strict=True)) < (
+            5e-2 if family == "qwen3_moe" else 1e-4
+        )
         if family.startswith("llama"):
             model.to(torch.float32)  # what build_titan_model did before it cast parameters only
             wrong = sequence_logprobs(model, seqs, [1, 1])
-            assert max((a - b).abs().max().item() for a, b in zip(wrong, ref)) > 1e-2
+            assert max((a - b).abs().max().item() for a, b in zip(wrong, ref, strict=True)) > 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +196,16 @@ def rope_parameters_rollouts(engine_slot, checkpoint_factory):
     from vllm_plugin.engines import start_llm
 
     ckpt = checkpoint_factory("qwen3_rope_parameters", "float32")
-    llm = engine_slot.get(("zerokld", "qwen3_rope_parameters", "float32"),
-                          lambda: start_llm(ckpt, dtype="float32", batch_invariant=True))
+    llm = engine_slot.get(
+        ("zerokld", "qwen3_rope_parameters", "float32"), lambda: start_llm(ckpt, dtype="float32", batch_invariant=True)
+    )
     rng = random.Random(9)
     prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(60, 200))] for _ in range(12)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     return ckpt, outs
 
 
@@ -177,17 +218,17 @@ def test_rope_parameters_only_config_trainer_equals_vllm(rope_parameters_rollout
     from shared_numerics.rollout import RolloutBatch
 
     ckpt, outs = rope_parameters_rollouts
-    assert "rope_theta" not in json.loads(open(f"{ckpt}/config.json").read())
+    assert "rope_theta" not in json.loads(Path(ckpt, "config.json").read_text())
     batch = RolloutBatch.from_vllm(outs)
     train = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32")
-    assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs))
+    assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs, strict=True))
     default_base = tmp_path / "default_base"
     shutil.copytree(ckpt, default_base)
     config = json.loads((default_base / "config.json").read_text())
     config.pop("rope_parameters")
     (default_base / "config.json").write_text(json.dumps(config))
     wrong = trainer_logprobs(str(default_base), batch.sequences, batch.prompt_lengths, dtype="float32")
-    assert sum(not torch.equal(t, q) for t, q in zip(wrong, batch.sampler_logprobs)) == len(outs)
+    assert sum(not torch.equal(t, q) for t, q in zip(wrong, batch.sampler_logprobs, strict=True)) == len(outs)
 
 
 @pytest.mark.vllm
@@ -217,7 +258,9 @@ def test_trainer_refuses_rollouts_of_an_engine_in_another_mode(rope_parameters_r
                 assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
             else:
                 out = trainer.rl_step(batch)
-                assert all(torch.equal(t, q) for t, q in zip(out["train_logprobs"], batch.sampler_logprobs))
+                assert all(
+                    torch.equal(t, q) for t, q in zip(out["train_logprobs"], batch.sampler_logprobs, strict=True)
+                )
         finally:
             trainer.close()
 

@@ -1,4 +1,5 @@
 """TrainingClient (Tinker-compatible) over the real TorchTitan trainer: fused vs two-pass custom path, state I/O."""
+
 from __future__ import annotations
 
 import random
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 from shared_numerics.rollout import RolloutBatch
-
 from titan_plugin import TrainingClient, trainer_logprobs
 from titan_plugin.models import hf_state_dict
 
@@ -28,7 +28,7 @@ def _weights(n: int, p: int) -> list[float]:
     w = [0.0] * (p - 1) + [1.0] * (n - p + 1)
     a, b = p - 1 + (n - p + 1) // 4, p - 1 + (n - p + 1) // 2
     w[a:b] = [0.0] * (b - a)
-    w[b:b + 2] = [0.5] * len(w[b:b + 2])
+    w[b : b + 2] = [0.5] * len(w[b : b + 2])
     return w
 
 
@@ -36,10 +36,19 @@ def _datums(seqs, plens, adv, sampler):
     """Tinker datums: every per-token input has one value per target token; advantages and sampler log-probs are
     set on every position (the weights alone mask)."""
     out = []
-    for s, p, a, q in zip(seqs, plens, adv, sampler):
+    for s, p, a, q in zip(seqs, plens, adv, sampler, strict=True):
         n = len(s) - 1
-        out.append({"model_input": s[:-1], "loss_fn_inputs": {
-            "target_tokens": s[1:], "weights": _weights(n, p), "advantages": [a] * n, "logprobs": q.tolist()}})
+        out.append(
+            {
+                "model_input": s[:-1],
+                "loss_fn_inputs": {
+                    "target_tokens": s[1:],
+                    "weights": _weights(n, p),
+                    "advantages": [a] * n,
+                    "logprobs": q.tolist(),
+                },
+            }
+        )
     return out
 
 
@@ -48,9 +57,17 @@ def _state(client):
     return hf_state_dict(t.model, t.model_config, t._hf)
 
 
-LOSS_CASES = [("cross_entropy", "qwen3", "float32"), ("ppo", "qwen3", "float32"), ("ppo", "llama", "bfloat16"), ("importance_sampling", "qwen3", "float32"),
-              ("dapo", "qwen3", "float32"), ("dr_grpo", "qwen3", "float32"), ("gspo", "qwen3", "float32"),
-              ("cispo", "qwen3", "float32"), ("dro", "llama", "bfloat16")]
+LOSS_CASES = [
+    ("cross_entropy", "qwen3", "float32"),
+    ("ppo", "qwen3", "float32"),
+    ("ppo", "llama", "bfloat16"),
+    ("importance_sampling", "qwen3", "float32"),
+    ("dapo", "qwen3", "float32"),
+    ("dr_grpo", "qwen3", "float32"),
+    ("gspo", "qwen3", "float32"),
+    ("cispo", "qwen3", "float32"),
+    ("dro", "llama", "bfloat16"),
+]
 
 
 @pytest.mark.parametrize("loss_name,family,dtype", LOSS_CASES)
@@ -68,23 +85,27 @@ def test_fused_and_two_pass_custom_agree_bitwise(checkpoint_factory, tmp_path, l
     ckpt = checkpoint_factory(family, dtype)
     seqs, plens, adv = _batch(31)
     ref = trainer_logprobs(ckpt, seqs, [1] * len(seqs), dtype=dtype)  # every target token
-    sampler = [r + 0.05 * torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in
-               enumerate(ref)]  # ratios around 1, some outside the clip ranges
+    sampler = [
+        r + 0.05 * torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(ref)
+    ]  # ratios around 1, some outside the clip ranges
     results = {}
     for mode in ("fused", "custom"):
-        client = TrainingClient.from_checkpoint(ckpt, dtype=dtype, learning_rate=1e-3,
-                                                dump_folder=str(tmp_path / mode))
+        client = TrainingClient.from_checkpoint(ckpt, dtype=dtype, learning_rate=1e-3, dump_folder=str(tmp_path / mode))
         try:
             data = _datums(seqs, plens, adv, sampler)
             if mode == "fused":
                 out = client.forward_backward(data, loss_name)
             else:
+
                 def loss_fn(batch, lps):  # the registered formula over all tokens, weighted, summed once
                     li = [d["loss_fn_inputs"] for d in batch]
                     assert [lp.numel() for lp in lps] == [len(x["target_tokens"]) for x in li]
                     w = torch.cat([torch.tensor(x["weights"]) for x in li])
-                    adv_t = (torch.ones(w.numel()) if loss_name == "cross_entropy"  # Tinker: -weights * logprobs
-                             else torch.cat([torch.tensor(x["advantages"]) for x in li]))
+                    adv_t = (
+                        torch.ones(w.numel())
+                        if loss_name == "cross_entropy"  # Tinker: -weights * logprobs
+                        else torch.cat([torch.tensor(x["advantages"]) for x in li])
+                    )
                     q = torch.cat([torch.tensor(x["logprobs"]) for x in li])
                     seq_ids = torch.cat([torch.full((lp.numel(),), i) for i, lp in enumerate(lps)])
                     tok, _ = formula(torch.cat(lps), q, adv_t, cfg, LossBatch(seq_ids, len(lps), w))
@@ -92,7 +113,7 @@ def test_fused_and_two_pass_custom_agree_bitwise(checkpoint_factory, tmp_path, l
 
                 out = client.forward_backward_custom(data, loss_fn)
                 assert out["metrics"] == {"custom": True}
-            assert all(torch.equal(o["logprobs"], r) for o, r in zip(out["loss_fn_outputs"], ref))
+            assert all(torch.equal(o["logprobs"], r) for o, r in zip(out["loss_fn_outputs"], ref, strict=True))
             client.optim_step({"learning_rate": 1e-3})
             results[mode] = (out["loss"], _state(client))
         finally:
@@ -110,20 +131,21 @@ def test_weight_zero_tokens_contribute_nothing(checkpoint_factory, tmp_path, los
     ckpt = checkpoint_factory("qwen3", "float32")
     seqs, plens, adv = _batch(33)
     ref = trainer_logprobs(ckpt, seqs, [1] * len(seqs), dtype="float32")
-    sampler = [r + 0.05 * torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in
-               enumerate(ref)]
+    sampler = [r + 0.05 * torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(ref)]
     base = _datums(seqs, plens, adv, sampler)
     noisy = _datums(seqs, plens, adv, sampler)
     for d in noisy:
         li = d["loss_fn_inputs"]
-        li["advantages"] = [a if w > 0 else 7.0 for a, w in zip(li["advantages"], li["weights"])]
-        li["logprobs"] = [q if w > 0 else q - 3.0 for q, w in zip(li["logprobs"], li["weights"])]
-    weighted = [{**d, "loss_fn_inputs": {**d["loss_fn_inputs"], "weights": [1.0] * len(d["model_input"])}}
-                for d in noisy]
+        li["advantages"] = [a if w > 0 else 7.0 for a, w in zip(li["advantages"], li["weights"], strict=True)]
+        li["logprobs"] = [q if w > 0 else q - 3.0 for q, w in zip(li["logprobs"], li["weights"], strict=True)]
+    weighted = [
+        {**d, "loss_fn_inputs": {**d["loss_fn_inputs"], "weights": [1.0] * len(d["model_input"])}} for d in noisy
+    ]
     results = []
     for i, data in enumerate((base, noisy, weighted)):
-        client = TrainingClient.from_checkpoint(ckpt, dtype="float32", learning_rate=1e-3,
-                                                dump_folder=str(tmp_path / str(i)))
+        client = TrainingClient.from_checkpoint(
+            ckpt, dtype="float32", learning_rate=1e-3, dump_folder=str(tmp_path / str(i))
+        )
         try:
             out = client.forward_backward(data, loss_name)
             client.optim_step({"learning_rate": 1e-3})
@@ -143,7 +165,7 @@ def test_forward_state_and_sampler_weights(checkpoint_factory, tmp_path):
     try:
         every = trainer_logprobs(ckpt, seqs, [1] * len(seqs), dtype="float32")
         fwd = client.forward(_datums(seqs, plens, adv, every))  # Tinker: every target token, whatever its weight
-        assert all(torch.equal(o["logprobs"], r) for o, r in zip(fwd["loss_fn_outputs"], every))
+        assert all(torch.equal(o["logprobs"], r) for o, r in zip(fwd["loss_fn_outputs"], every, strict=True))
         data = _datums(seqs, plens, [1.0] * len(seqs), every)
         client.forward_backward(data, "cross_entropy")
         client.optim_step()
@@ -155,25 +177,51 @@ def test_forward_state_and_sampler_weights(checkpoint_factory, tmp_path):
         client.load_state(saved)
         assert all(torch.equal(before[k], v) for k, v in _state(client).items())
         snap = client.save_weights_for_sampler("s1")
-        assert all(torch.equal(a, b) for a, b in zip(trainer_logprobs(snap, seqs, plens, dtype="float32"),
-                                                       client.trainer.forward_logprobs(RolloutBatch(seqs, plens))))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                trainer_logprobs(snap, seqs, plens, dtype="float32"),
+                client.trainer.forward_logprobs(RolloutBatch(seqs, plens)),
+                strict=True,
+            )
+        )
         with pytest.raises(ValueError, match="shifted by one"):
             client.forward([{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [9, 9, 9]}}])
         with pytest.raises(ValueError, match="non-negative"):  # an RL loss's weights are a mask
-            client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {
-                "target_tokens": [5, 6, 7], "weights": [0, 1, -1], "advantages": [1, 1, 1],
-                "logprobs": [-1, -1, -1]}}], "ppo")
+            client.forward_backward(
+                [
+                    {
+                        "model_input": [1, 5, 6],
+                        "loss_fn_inputs": {
+                            "target_tokens": [5, 6, 7],
+                            "weights": [0, 1, -1],
+                            "advantages": [1, 1, 1],
+                            "logprobs": [-1, -1, -1],
+                        },
+                    }
+                ],
+                "ppo",
+            )
         with pytest.raises(ValueError, match="finite"):  # cross_entropy's are any finite coefficients (Tinker)
-            client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7],
-                                                                                  "weights": [0, 1, float("inf")]}}],
-                                    "cross_entropy")
+            client.forward_backward(
+                [
+                    {
+                        "model_input": [1, 5, 6],
+                        "loss_fn_inputs": {"target_tokens": [5, 6, 7], "weights": [0, 1, float("inf")]},
+                    }
+                ],
+                "cross_entropy",
+            )
         with pytest.raises(ValueError, match="2 values for 3 targets"):
-            client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7],
-                                                                                  "weights": [1, 1]}}],
-                                    "cross_entropy")
+            client.forward_backward(
+                [{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7], "weights": [1, 1]}}],
+                "cross_entropy",
+            )
         with pytest.raises(ValueError, match="advantages"):
-            client.forward_backward([{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7],
-                                                                                  "weights": [0, 1, 1]}}], "ppo")
+            client.forward_backward(
+                [{"model_input": [1, 5, 6], "loss_fn_inputs": {"target_tokens": [5, 6, 7], "weights": [0, 1, 1]}}],
+                "ppo",
+            )
     finally:
         client.close()
 
@@ -190,16 +238,20 @@ def test_datums_carry_routed_experts_for_moe_replay(checkpoint_factory, tmp_path
         plain = client.forward(_datums(seqs, plens, adv, [torch.zeros(len(s) - 1) for s in seqs]))
         routes = captured_routes(client.trainer.model)  # [B, T, layers, k] of that forward (full sequences)
         data = _datums(seqs, plens, adv, [torch.zeros(len(s) - 1) for s in seqs])
-        for d, s, r in zip(data, seqs, routes):
+        for d, s, r in zip(data, seqs, routes, strict=True):
             d["loss_fn_inputs"]["routed_experts"] = r[: len(s) - 1].numpy()
         same = client.forward(data)
-        assert all(torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(plain["loss_fn_outputs"],
-                                                                              same["loss_fn_outputs"]))
+        assert all(
+            torch.equal(a["logprobs"], b["logprobs"])
+            for a, b in zip(plain["loss_fn_outputs"], same["loss_fn_outputs"], strict=True)
+        )
         for d in data:
             d["loss_fn_inputs"]["routed_experts"] = (d["loss_fn_inputs"]["routed_experts"] + 1) % 8
         other = client.forward(data)
-        assert any(not torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(plain["loss_fn_outputs"],
-                                                                                  other["loss_fn_outputs"]))
+        assert any(
+            not torch.equal(a["logprobs"], b["logprobs"])
+            for a, b in zip(plain["loss_fn_outputs"], other["loss_fn_outputs"], strict=True)
+        )
         out = client.forward_backward(data, "cross_entropy")
         assert out["loss_fn_outputs"][0]["logprobs"].numel() == len(seqs[0]) - 1  # every target token
     finally:

@@ -1,4 +1,5 @@
 """The countdown summary table (examples/countdown/summary.py) from hand-written metrics: every column's arithmetic."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,17 @@ from examples.countdown.summary import run_summary, write_summary
 
 def _write(run_dir, rewards, k3, diff, clipped, evals=None):
     run_dir.mkdir(parents=True)
-    rows = [{"step": i + 1, "reward_mean": r, "k3": k, "tokens_bitwise_different": d, "num_tokens": 100,
-             "clipped_fraction": c} for i, (r, k, d, c) in enumerate(zip(rewards, k3, diff, clipped))]
+    rows = [
+        {
+            "step": i + 1,
+            "reward_mean": r,
+            "k3": k,
+            "tokens_bitwise_different": d,
+            "num_tokens": 100,
+            "clipped_fraction": c,
+        }
+        for i, (r, k, d, c) in enumerate(zip(rewards, k3, diff, clipped, strict=True))
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if evals is not None:
         (run_dir / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a}) + "\n" for s, a in evals))
@@ -19,8 +29,14 @@ def _write(run_dir, rewards, k3, diff, clipped, evals=None):
 
 def test_run_summary_columns(tmp_path):
     rewards = [0.1, 0.2, 0.1, 0.2, 0.1, 0.05, 0.5, 0.6, 0.5, 0.6, 0.7]
-    _write(tmp_path / "stock", rewards, [1e-4] * 10 + [3e-3], [5] * 11, [0.0] * 10 + [0.5],
-           evals=[(0, 0.25), (5, 0.3), (11, 0.5)])
+    _write(
+        tmp_path / "stock",
+        rewards,
+        [1e-4] * 10 + [3e-3],
+        [5] * 11,
+        [0.0] * 10 + [0.5],
+        evals=[(0, 0.25), (5, 0.3), (11, 0.5)],
+    )
     s = run_summary(tmp_path / "stock")
     assert s["steps"] == 11
     assert s["reward_first"] == pytest.approx(0.14) and s["reward_last"] == pytest.approx(0.58)
@@ -52,9 +68,19 @@ def test_async_staleness_and_wall_clock(tmp_path):
     assert "staleness" not in write_summary(tmp_path, ["sync"], [])[1]
     run = tmp_path / "async"
     run.mkdir()
-    rows = [{"step": i + 1, "reward_mean": 0.5, "k3": 0.0, "tokens_bitwise_different": 0, "num_tokens": n,
-             "clipped_fraction": 0.0, "staleness": st, "elapsed_seconds": 10.0 * (i + 1)}
-            for i, (st, n) in enumerate([(0, 100), (1, 100), (1, 150), (2, 150)])]
+    rows = [
+        {
+            "step": i + 1,
+            "reward_mean": 0.5,
+            "k3": 0.0,
+            "tokens_bitwise_different": 0,
+            "num_tokens": n,
+            "clipped_fraction": 0.0,
+            "staleness": st,
+            "elapsed_seconds": 10.0 * (i + 1),
+        }
+        for i, (st, n) in enumerate([(0, 100), (1, 100), (1, 150), (2, 150)])
+    ]
     rows[2]["tokens_by_staleness"] = {"0": 50, "1": 100}  # a batch that spans a swap: counted per token
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = run_summary(run)
@@ -78,14 +104,27 @@ def test_per_step_wall_clock_and_speed_ratio(tmp_path):
     for name, step in (("zerokld", 2.0), ("stock", 1.5)):
         run = tmp_path / name
         run.mkdir()
-        rows = [{"step": i + 1, "reward_mean": 0.5, "k3": 0.0, "tokens_bitwise_different": 0, "num_tokens": 10,
-                 "clipped_fraction": 0.0, "step_seconds": 9.0 if i == 0 else step, "rollout_seconds": step / 2,
-                 "train_seconds": step / 4} for i in range(5)]
+        rows = [
+            {
+                "step": i + 1,
+                "reward_mean": 0.5,
+                "k3": 0.0,
+                "tokens_bitwise_different": 0,
+                "num_tokens": 10,
+                "clipped_fraction": 0.0,
+                "step_seconds": 9.0 if i == 0 else step,
+                "rollout_seconds": step / 2,
+                "train_seconds": step / 4,
+            }
+            for i in range(5)
+        ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert run_summary(tmp_path / "stock")["step_seconds"] == 6.0
     text = write_summary(tmp_path, ["zerokld", "stock"], [])[1]
-    assert ("Per-step wall-clock, steps 2–5: zerokld 8.0 s (rollout 4.0 s, train 2.0 s); stock 6.0 s (rollout 3.0 s, "
-            "train 1.5 s): zerokld runs at **0.75x** stock's speed") in text
+    assert (
+        "Per-step wall-clock, steps 2–5: zerokld 8.0 s (rollout 4.0 s, train 2.0 s); stock 6.0 s (rollout 3.0 s, "
+        "train 1.5 s): zerokld runs at **0.75x** stock's speed"
+    ) in text
 
 
 def test_demo_table_has_the_four_runs(tmp_path):
@@ -97,10 +136,18 @@ def test_demo_table_has_the_four_runs(tmp_path):
         for mode in ("zerokld", "stock"):
             run = tmp_path / folder / mode
             run.mkdir(parents=True)
-            rows = [{"step": i + 1, "reward_mean": 0.5, "k3": 0.0 if mode == "zerokld" else k3,
-                     "tokens_bitwise_different": 0 if mode == "zerokld" else 10, "num_tokens": 10,
-                     "clipped_fraction": 0.0, "step_seconds": step * (2 if mode == "zerokld" else 1)}
-                    for i in range(3)]
+            rows = [
+                {
+                    "step": i + 1,
+                    "reward_mean": 0.5,
+                    "k3": 0.0 if mode == "zerokld" else k3,
+                    "tokens_bitwise_different": 0 if mode == "zerokld" else 10,
+                    "num_tokens": 10,
+                    "clipped_fraction": 0.0,
+                    "step_seconds": step * (2 if mode == "zerokld" else 1),
+                }
+                for i in range(3)
+            ]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = demo_markdown(tmp_path, seconds=300)
     rows = [x.split(" | ")[0] for x in text.splitlines() if x.startswith("| ") and "---" not in x][1:]

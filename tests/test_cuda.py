@@ -8,6 +8,7 @@ CPU; these prove the GPU's bits: per-row invariance of every op at LLM shapes, d
 backward, and a model built from the op table whose continuous-batching engine equals its trainer token for token —
 each with a stock PyTorch negative control that differs.
 """
+
 from __future__ import annotations
 
 import random
@@ -66,7 +67,7 @@ def test_linear_rows_invariant_at_llm_shapes(G, dtype):
         ref = torch.nn.functional.linear(x, w)
         for m in (1, 7, 64, 300):
             assert torch.equal(G["linear"](x[:m], w), full[:m])
-            assert torch.equal(G["linear"](x[1000:1000 + m], w), full[1000:1000 + m])
+            assert torch.equal(G["linear"](x[1000 : 1000 + m], w), full[1000 : 1000 + m])
             stock_differs |= not torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m])
         assert (full.float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
     assert stock_differs
@@ -170,13 +171,16 @@ def test_attention_dense_equals_paged_across_splits(T, dtype):
     rows; close to SDPA."""
     b, t = 3, 2100
     q, k, v = (_rand(b, t, h, 128, dtype=dtype, seed=s) for h, s in ((32, 13), (8, 14), (8, 15)))
-    od = T["dense_causal_attention"](q, k, v, 128 ** -0.5)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                            is_causal=True, enable_gqa=True).transpose(1, 2)
+    od = T["dense_causal_attention"](q, k, v, 128**-0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     assert (od.float() - sdpa.float()).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
-    batches = [[(0, 2099, 2100), (1, 1500, 1501), (2, 511, 512), (2, 512, 513)],
-               [(0, 1000, 1100), (1, 0, 600), (2, 2000, 2100)],
-               [(1, 1023, 1024), (0, 480, 560), (2, 2099, 2100)]]
+    batches = [
+        [(0, 2099, 2100), (1, 1500, 1501), (2, 511, 512), (2, 512, 513)],
+        [(0, 1000, 1100), (1, 0, 600), (2, 2000, 2100)],
+        [(1, 1023, 1024), (0, 480, 560), (2, 2099, 2100)],
+    ]
     for bs in (16, 32, 64):
         kc, vc, table = _paged_cache(k, v, bs, seed=bs)
         for sched in batches:
@@ -186,7 +190,7 @@ def test_attention_dense_equals_paged_across_splits(T, dtype):
             rows = torch.tensor([s for s, _, _ in sched], device=DEV)
             want = torch.cat([od[s, a:e] for s, a, e in sched])
             for mql in (1, 10_000):  # both launch shapes
-                out = T["paged_causal_attention"](qs, kc, vc, qsl, lens, table[rows], 128 ** -0.5, mql, 2100)
+                out = T["paged_causal_attention"](qs, kc, vc, qsl, lens, table[rows], 128**-0.5, mql, 2100)
                 assert torch.equal(out, want), (bs, sched, mql)
 
 
@@ -214,7 +218,7 @@ def test_backward_is_deterministic(G):
         (T["dense_causal_attention"](q, k, v, 0.088).float() * up.float()).sum().backward()
         T["linear"](x, w).float().square().sum().backward()
         grads.append([t.grad.clone() for t in (q, k, v, x, w)])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_sampler_on_cuda_rows_are_independent():
@@ -227,8 +231,10 @@ def test_sampler_on_cuda_rows_are_independent():
     full = sample_tokens(z, temp, seeds, pos, top_k, top_p)
     assert full.is_cuda
     for i in (0, 13, 63):
-        one = sample_tokens(z[i:i + 1], temp[i:i + 1], seeds[i:i + 1], pos[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])
-        assert torch.equal(one, full[i:i + 1])
+        one = sample_tokens(
+            z[i : i + 1], temp[i : i + 1], seeds[i : i + 1], pos[i : i + 1], top_k[i : i + 1], top_p[i : i + 1]
+        )
+        assert torch.equal(one, full[i : i + 1])
 
 
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
@@ -239,8 +245,16 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype, backend):
     generated tokens each — every engine log-prob == the trainer's; stock PyTorch differs."""
     from benchmarks.op_model import STOCK_OPS, OpModel, OpModelSpec, rollout
 
-    spec = OpModelSpec(vocab_size=32000, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                       num_key_value_heads=4, head_dim=128, intermediate_size=3072, init_std=0.02)
+    spec = OpModelSpec(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=3072,
+        init_std=0.02,
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(rng.randrange(3, 1300))] for _ in range(24)]
     arrivals = [rng.randrange(0, 30) for _ in prompts]
@@ -249,12 +263,12 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype, backend):
     assert res.mixed_steps > 0
     train = [model.trainer_logprobs([s])[0] for s in res.sequences[:12]] + model.trainer_logprobs(res.sequences[12:])
     assert len(train) == len(res.logprobs) == len(prompts)
-    equal = sum(torch.equal(a[-24:], b) for a, b in zip(train, res.logprobs))
+    equal = sum(torch.equal(a[-24:], b) for a, b in zip(train, res.logprobs, strict=True))
     assert equal == len(prompts)
     stock = OpModel(spec, dtype, device=DEV, ops=STOCK_OPS)
     sres = rollout(stock, prompts, 24, token_budget=512, block_size=16, arrivals=arrivals)
     strain = stock.trainer_logprobs(sres.sequences)
-    assert sum(torch.equal(a[-24:], b) for a, b in zip(strain, sres.logprobs)) < len(prompts)
+    assert sum(torch.equal(a[-24:], b) for a, b in zip(strain, sres.logprobs, strict=True)) < len(prompts)
 
 
 def test_losses_run_on_cuda_deterministically():

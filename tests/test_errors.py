@@ -1,5 +1,6 @@
 """One exception base (issue 58 point 5): every error class zerokld raises on purpose is a ``ZeroKLDError``, a client
 error (HTTP 4xx) or a server error (5xx), and keeps the builtin it always was, so existing ``except`` clauses hold."""
+
 from __future__ import annotations
 
 import importlib
@@ -30,7 +31,9 @@ def _error_classes():
 def test_every_error_class_has_the_base_and_keeps_its_builtin():
     classes = _error_classes()
     assert len(classes) >= 20
-    assert [n for n, c in classes.items() if not issubclass(c, ZeroKLDError) and c.__module__ != "zerokld_plugins.errors"] == []
+    assert [
+        n for n, c in classes.items() if not issubclass(c, ZeroKLDError) and c.__module__ != "zerokld_plugins.errors"
+    ] == []
     for name, cls in classes.items():
         if cls in (ZeroKLDError, ZeroKLDClientError, ZeroKLDServerError) or cls.__name__ == "HotLoadError":
             continue

@@ -1,4 +1,5 @@
 """The countdown example end to end on a few steps: real vLLM rollouts, real TorchTitan training, both modes."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def test_task_generator_solver_reward():
     held = frozenset((p.numbers, p.target) for p in easy[:50])
     train = generate_problems(300, seed=5, max_number=10, counts=(2, 3), ops="+-*", exclude=held)
     assert not held & {(p.numbers, p.target) for p in train}
-    assert held & {(p.numbers, p.target) for p in generate_problems(300, seed=5, max_number=10, counts=(2, 3),
-                                                                    ops="+-*")}  # control: overlap without exclude
+    assert held & {
+        (p.numbers, p.target) for p in generate_problems(300, seed=5, max_number=10, counts=(2, 3), ops="+-*")
+    }  # control: overlap without exclude
 
 
 def _metrics(out, run: str) -> list[dict]:
@@ -46,12 +48,38 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
 
     engine_slot.close()
     out = tmp_path / "cd"
-    main(["--out", str(out), "--steps", "3", "--sft-steps", "4", "--prompts-per-step", "8", "--group-size", "4",
-          "--full-every", "2"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--sft-steps",
+            "4",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--full-every",
+            "2",
+        ]
+    )
     rows = {m: _metrics(out, m) for m in ("zerokld", "stock")}
-    required = {"step", "reward_mean", "k1", "k3", "max_abs_logprob_diff", "tokens_bitwise_different",
-                "clipped_fraction", "step_seconds", "sync_kind", "sync_bytes", "full_bytes", "delta_density",
-                "swap_seconds"}
+    required = {
+        "step",
+        "reward_mean",
+        "k1",
+        "k3",
+        "max_abs_logprob_diff",
+        "tokens_bitwise_different",
+        "clipped_fraction",
+        "step_seconds",
+        "sync_kind",
+        "sync_bytes",
+        "full_bytes",
+        "delta_density",
+        "swap_seconds",
+    }
     for m, rs in rows.items():
         assert [r["step"] for r in rs] == [1, 2, 3]
         assert all(required <= r.keys() for r in rs)
@@ -60,7 +88,10 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
         # the sync ran through deltasync's replica: a ledger row per step, each ready, the chain unbroken
         ledger = Ledger(out / m / "sync" / "replica" / LEDGER_FILE).to_json()
         assert [(r["identity"], r["kind"], r["readiness"]) for r in ledger["rows"]] == [
-            ("step-00001", "full", "ready"), ("step-00002", "incremental", "ready"), ("step-00003", "full", "ready")]
+            ("step-00001", "full", "ready"),
+            ("step-00002", "incremental", "ready"),
+            ("step-00003", "full", "ready"),
+        ]
         assert ledger["rows"][1]["previous_identity"] == "step-00001"
     # snapshots carry each trainer's numerics mode; the zerokld run's is the engine's (else the replica refuses)
     spec = json.loads((out / "zerokld" / "sync" / "writer_cache" / "step-00003" / "model.weight.spec.json").read_text())
@@ -87,9 +118,29 @@ def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot
 
     engine_slot.close()
     out = tmp_path / f"cda{k}{'s' if server else ''}"
-    main(["--out", str(out), "--runs", "zerokld", "--async", str(k), "--steps", "4", "--sft-steps", "2",
-          "--prompts-per-step", "8", "--group-size", "4", "--eval-every", "2", "--full-every", "2"]
-         + (["--server"] if server else []))
+    main(
+        [
+            "--out",
+            str(out),
+            "--runs",
+            "zerokld",
+            "--async",
+            str(k),
+            "--steps",
+            "4",
+            "--sft-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--full-every",
+            "2",
+        ]
+        + (["--server"] if server else [])
+    )
     rows = _metrics(out, "zerokld")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["staleness"] == 0 and rows[1]["staleness"] >= 1 and all(r["staleness"] <= k for r in rows)
@@ -103,8 +154,10 @@ def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot
         assert [r["identity"] for r in ledger["rows"]] == [f"step-{v:05d}" for v in range(1, 5)]
     assert [e["step"] for e in map(json.loads, (out / "zerokld" / "eval.jsonl").read_text().splitlines())] == [0, 2, 4]
     assert "Tokens by staleness" in (out / "summary.md").read_text()
-    print(f"--async {k}{' --server' if server else ''}: tokens by staleness per step "
-          f"{[r['tokens_by_staleness'] for r in rows]}, snapshots per step {[r['snapshot_identities'] for r in rows]}")
+    print(
+        f"--async {k}{' --server' if server else ''}: tokens by staleness per step "
+        f"{[r['tokens_by_staleness'] for r in rows]}, snapshots per step {[r['snapshot_identities'] for r in rows]}"
+    )
 
 
 def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
@@ -114,8 +167,24 @@ def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
 
     engine_slot.close()
     out = tmp_path / "cd8"
-    main(["--out", str(out), "--runs", "zerokld", "--fp8", "per_channel", "--steps", "3", "--sft-steps", "2",
-          "--prompts-per-step", "8", "--group-size", "4"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--runs",
+            "zerokld",
+            "--fp8",
+            "per_channel",
+            "--steps",
+            "3",
+            "--sft-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+        ]
+    )
     rows = _metrics(out, "zerokld")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -166,8 +235,23 @@ def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
 
     engine_slot.close()
     out = tmp_path / "cdmoe"
-    main(["--out", str(out), "--runs", "zerokld", "--moe", "--steps", "3", "--sft-steps", "2",
-          "--prompts-per-step", "8", "--group-size", "4"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--runs",
+            "zerokld",
+            "--moe",
+            "--steps",
+            "3",
+            "--sft-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+        ]
+    )
     rows = _metrics(out, "zerokld")
     assert json.loads((out / "base" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -190,8 +274,22 @@ def test_countdown_lora_side_by_side(engine_slot, tmp_path):
         parse_args(["--lora", "4", "--async", "1"])
     engine_slot.close()
     out = tmp_path / "cdlora"
-    main(["--out", str(out), "--lora", "4", "--steps", "3", "--sft-steps", "2", "--prompts-per-step", "8",
-          "--group-size", "4"])
+    main(
+        [
+            "--out",
+            str(out),
+            "--lora",
+            "4",
+            "--steps",
+            "3",
+            "--sft-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+        ]
+    )
     rows = {m: _metrics(out, m) for m in ("zerokld", "stock")}
     for m, rs in rows.items():
         assert [r["step"] for r in rs] == [1, 2, 3]

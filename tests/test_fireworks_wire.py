@@ -3,6 +3,7 @@ against one real ``vllm serve`` with zerokld and its hot-load endpoint (issue 37
 lookups, full and delta hot-loads and their status polling, sampling through ``/inference/v1/completions`` whose
 ``sampling_logprob`` equals the trainer's log-prob bit for bit (negative control: TorchTitan's stock numerics differ),
 prompt log-probs by echo, and refusals in the shapes the client understands, with nothing applied."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,12 @@ BASE_MODEL = "accounts/fireworks/models/tiny-qwen3"  # routing only: the server 
 
 def _perturb(sd: dict, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.where(torch.rand(v.shape, generator=g) < 0.05,
-                           v + (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype), v) for k, v in sd.items()}
+    return {
+        k: torch.where(
+            torch.rand(v.shape, generator=g) < 0.05, v + (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype), v
+        )
+        for k, v in sd.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +89,14 @@ def test_manager_hot_loads_and_sampler_logprobs_equal_the_trainers(env):
 
     assert dm.hotload_and_wait(DEPLOYMENT, BASE_MODEL, "step-1-0a1b2c3d", timeout_seconds=120)
     assert _status(dm)["current_snapshot_identity"] == "step-1-0a1b2c3d"
-    meta = {"previous_snapshot_identity": "step-1-0a1b2c3d", "compression_format": "arc_v2",
-            "checksum_format": "alder32"}
-    assert dm.hotload_and_wait(DEPLOYMENT, BASE_MODEL, "step-2-4e5f6a7b", incremental_snapshot_metadata=meta,
-                               timeout_seconds=120)
+    meta = {
+        "previous_snapshot_identity": "step-1-0a1b2c3d",
+        "compression_format": "arc_v2",
+        "checksum_format": "alder32",
+    }
+    assert dm.hotload_and_wait(
+        DEPLOYMENT, BASE_MODEL, "step-2-4e5f6a7b", incremental_snapshot_metadata=meta, timeout_seconds=120
+    )
     replica = _status(dm)
     assert replica["current_snapshot_identity"] == "step-2-4e5f6a7b" and replica["readiness"]
 
@@ -95,8 +104,12 @@ def test_manager_hot_loads_and_sampler_logprobs_equal_the_trainers(env):
     samples = _sample(server, PROMPT, n=3, max_tokens=8, temperature=1.0, logprobs=True)
     assert len(samples) == 3
     seqs = [c.full_tokens for c in samples]
-    assert all(s[:len(PROMPT)] == PROMPT and c.prompt_len == len(PROMPT) and len(c.sampling_logprobs) ==
-               c.completion_len == len(s) - len(PROMPT) > 0 for s, c in zip(seqs, samples, strict=True))
+    assert all(
+        s[: len(PROMPT)] == PROMPT
+        and c.prompt_len == len(PROMPT)
+        and len(c.sampling_logprobs) == c.completion_len == len(s) - len(PROMPT) > 0
+        for s, c in zip(seqs, samples, strict=True)
+    )
     ours = trainer_logprobs(served, seqs, [len(PROMPT)] * 3, dtype="bfloat16")
     stock = trainer_logprobs(served, seqs, [len(PROMPT)] * 3, dtype="bfloat16", batch_invariant=False)
     sampled = [torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples]
@@ -111,8 +124,12 @@ def test_manager_hot_loads_and_sampler_logprobs_equal_the_trainers(env):
 
 
 def _post(server, body, headers=None, path=HL):
-    return requests.post(server.base + path, json=body, timeout=120, headers={
-        "Authorization": f"Bearer {API_KEY}", "fireworks-deployment": NAME, **(headers or {})})
+    return requests.post(
+        server.base + path,
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {API_KEY}", "fireworks-deployment": NAME, **(headers or {})},
+    )
 
 
 def test_refusals_change_nothing(env):
@@ -126,25 +143,38 @@ def test_refusals_change_nothing(env):
     models = requests.get(server.base + "/v1/models", headers={"X-Api-Key": API_KEY}, timeout=30)
     # no --served-model-name: the model is served under its directory's name, and no card shows a server path (issue
     # 54 point 8: vLLM's own id and root were the --model path); the path is still accepted as a request's model
-    assert models.status_code == 200 and [(m["id"], m["root"]) for m in models.json()["data"]] == [
-        (Path(ckpt).name, Path(ckpt).name)] and str(Path(ckpt).parent) not in models.text
+    assert (
+        models.status_code == 200
+        and [(m["id"], m["root"]) for m in models.json()["data"]] == [(Path(ckpt).name, Path(ckpt).name)]
+        and str(Path(ckpt).parent) not in models.text
+    )
     for model in (ckpt, Path(ckpt).name):
-        r = requests.post(server.base + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 1},
-                          headers={"X-Api-Key": API_KEY}, timeout=60)
+        r = requests.post(
+            server.base + "/v1/completions",
+            json={"model": model, "prompt": PROMPT, "max_tokens": 1},
+            headers={"X-Api-Key": API_KEY},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["model"] == Path(ckpt).name, r.text
     with pytest.raises(httpx.HTTPStatusError) as e:
         dm.hotload(DEPLOYMENT, BASE_MODEL, "no-such-snapshot")
     assert e.value.response.status_code == 404
     # not a deployment of this server; reset_prompt_cache not a boolean; a field of our own spelling
-    assert _post(server, {"identity": "step-1-0a1b2c3d"}, {"fireworks-deployment": "accounts/x/deployments/y"}
-                 ).status_code == 404
+    assert (
+        _post(server, {"identity": "step-1-0a1b2c3d"}, {"fireworks-deployment": "accounts/x/deployments/y"}).status_code
+        == 404
+    )
     r = _post(server, {"identity": "step-1-0a1b2c3d", "reset_prompt_cache": "all"})
     assert r.status_code == 400 and "true or false" in r.json()["error"]
     assert _post(server, {"identity": "step-1-0a1b2c3d", "lora_name": "a"}).status_code == 422
     # a snapshot that fails verification: refused (422), and the SDK's waiter stops on stage "error"
     bad = root / "bad-0c0ffee0"
-    write_full_snapshot({k: v[..., :1] for k, v in read_snapshot_tensors(root / "step-1-0a1b2c3d").items()},
-                        ckpt, bad, numerics=NumericsMode.build(True, "bfloat16").to_dict())
+    write_full_snapshot(
+        {k: v[..., :1] for k, v in read_snapshot_tensors(root / "step-1-0a1b2c3d").items()},
+        ckpt,
+        bad,
+        numerics=NumericsMode.build(True, "bfloat16").to_dict(),
+    )
     with pytest.raises(httpx.HTTPStatusError) as e:
         dm.hotload(DEPLOYMENT, BASE_MODEL, "bad-0c0ffee0")
     assert e.value.response.status_code == 422
@@ -153,11 +183,12 @@ def test_refusals_change_nothing(env):
     assert dm.wait_for_hotload(DEPLOYMENT, BASE_MODEL, "bad-0c0ffee0", timeout_seconds=30, poll_interval=1) is False
     # completions: another model, a feature zerokld does not serve, ``stream`` not a JSON boolean (issue 54 point 8:
     # "yes", 1 and [true] were taken as true)
-    for body, status in (({"model": "accounts/x/deployments/y", "prompt": PROMPT, "max_tokens": 2}, 400),
-                         ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "images": ["data:,"]}, 400),
-                         ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "bogus": 1}, 400),
-                         *(({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "stream": s}, 400)
-                           for s in ("yes", 1, [True], "true"))):
+    for body, status in (
+        ({"model": "accounts/x/deployments/y", "prompt": PROMPT, "max_tokens": 2}, 400),
+        ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "images": ["data:,"]}, 400),
+        ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "bogus": 1}, 400),
+        *(({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "stream": s}, 400) for s in ("yes", 1, [True], "true")),
+    ):
         r = _post(server, body, path="/inference/v1/completions")
         assert r.status_code == status, (body, r.text)
         assert str(ckpt) not in r.text  # the wrong model's answer names no server path
@@ -168,9 +199,21 @@ def test_streamed_completion_is_one_complete_sse_stream(env):
     """``stream: true`` (what DeploymentSampler sends) answers SSE whose chunk carries every token id and log-prob,
     then ``[DONE]``; the snapshot that sampled it is named in the response header."""
     server = env[0]
-    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "stream": True,
-                       "logprobs": True, "raw_output": True, "top_k": 0, "top_p": 1.0},
-              path="/inference/v1/completions")
+    r = _post(
+        server,
+        {
+            "model": NAME,
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "temperature": 1.0,
+            "stream": True,
+            "logprobs": True,
+            "raw_output": True,
+            "top_k": 0,
+            "top_p": 1.0,
+        },
+        path="/inference/v1/completions",
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and len(events) == 2
@@ -180,8 +223,11 @@ def test_streamed_completion_is_one_complete_sse_stream(env):
     assert all(row["sampling_logprob"] == row["logprob"] is not None for row in choice["logprobs"]["content"])
     assert r.headers["x-zerokld-snapshot-identity"]
     # another temperature: no sampling log-prob is claimed (the server returns the model's own)
-    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0.7, "logprobs": True},
-              path="/inference/v1/completions")
+    r = _post(
+        server,
+        {"model": NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0.7, "logprobs": True},
+        path="/inference/v1/completions",
+    )
     assert r.status_code == 200
     assert all(row["sampling_logprob"] is None for row in r.json()["choices"][0]["logprobs"]["content"])
 
@@ -192,10 +238,20 @@ def test_every_int64_seed_samples_and_repeats(env):
     seeds, ``seed: -1377816`` raised inside the engine's step, the engine stopped, and every later request failed."""
     server = env[0]
     tokens = {}
-    for seed in (-1377816, -2**63, 2**63 - 1, 7):
+    for seed in (-1377816, -(2**63), 2**63 - 1, 7):
         for _ in range(2):
-            r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": seed,
-                               "raw_output": True}, path="/inference/v1/completions")
+            r = _post(
+                server,
+                {
+                    "model": NAME,
+                    "prompt": PROMPT,
+                    "max_tokens": 6,
+                    "temperature": 1.0,
+                    "seed": seed,
+                    "raw_output": True,
+                },
+                path="/inference/v1/completions",
+            )
             assert r.status_code == 200, (seed, r.text)
             ids = r.json()["choices"][0]["raw_output"]["completion_token_ids"]
             assert tokens.setdefault(seed, ids) == ids, seed  # the seed, not the call, decides
@@ -211,30 +267,65 @@ def test_protocol_maps_fireworks_spelling_onto_ours():
     sig = Signal.from_fireworks({"identity": "s-1", "reset_prompt_cache": False}, "sync")
     assert (sig.reset_prompt_cache, sig.transition) == ("none", "sync")
     assert Signal.from_fireworks({"identity": "s-1"}, "async").reset_prompt_cache == "all"
-    for body, status in (({"identity": "s-1", "reset_prompt_cache": "none"}, 400), ({"identity": "../x"}, 400),
-                         ({"identity": "s-1", "lora_name": "a"}, 422), (["s-1"], 422)):
+    for body, status in (
+        ({"identity": "s-1", "reset_prompt_cache": "none"}, 400),
+        ({"identity": "../x"}, 400),
+        ({"identity": "s-1", "lora_name": "a"}, 422),
+        (["s-1"], 422),
+    ):
         with pytest.raises(HotLoadError) as e:
             Signal.from_fireworks(body, "async")
         assert e.value.status == status and "extra inputs are not permitted" not in str(e.value).lower()
 
     def replica(ready_since, failed_at):
-        return {"replicas": [{"current_snapshot_identity": "s-1", "readiness": True, "ready_since": ready_since,
-                              "loading_state": {"stage": "idle", "target_snapshot_identity": None},
-                              "last_error": {"identity": "s-2", "error": "refused", "at": failed_at}}]}
+        return {
+            "replicas": [
+                {
+                    "current_snapshot_identity": "s-1",
+                    "readiness": True,
+                    "ready_since": ready_since,
+                    "loading_state": {"stage": "idle", "target_snapshot_identity": None},
+                    "last_error": {"identity": "s-2", "error": "refused", "at": failed_at},
+                }
+            ]
+        }
 
     assert fireworks_status(replica(10.0, 11.0))["replicas"][0]["loading_state"] == {
-        "stage": "error", "target_snapshot_identity": "s-2"}
+        "stage": "error",
+        "target_snapshot_identity": "s-2",
+    }
     assert fireworks_status(replica(12.0, 11.0))["replicas"][0]["loading_state"]["stage"] == "idle"
 
 
 def test_completion_request_mapping():
     from vllm_plugin.hotload.fireworks import FireworksRequestError, vllm_completion_request
 
-    body = {"model": NAME, "prompt": PROMPT, "n": 1, "max_tokens": 4, "temperature": 1.0, "stream": True,
-            "perf_metrics_in_response": True, "raw_output": True, "logprobs": True, "top_p": 1.0, "top_k": 0}
+    body = {
+        "model": NAME,
+        "prompt": PROMPT,
+        "n": 1,
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "stream": True,
+        "perf_metrics_in_response": True,
+        "raw_output": True,
+        "logprobs": True,
+        "top_p": 1.0,
+        "top_k": 0,
+    }
     req = vllm_completion_request(body, "/ckpt", NAME)
-    assert req == {"prompt": PROMPT, "n": 1, "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "model": "/ckpt",
-                   "stream": False, "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": 0}
+    assert req == {
+        "prompt": PROMPT,
+        "n": 1,
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "model": "/ckpt",
+        "stream": False,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "logprobs": 0,
+    }
     assert vllm_completion_request({**body, "top_k": 20, "logprobs": 3}, "/ckpt", NAME)["top_k"] == 20
     assert "logprobs" not in vllm_completion_request({**body, "logprobs": False}, "/ckpt", NAME)
     with pytest.raises(FireworksRequestError, match="not served by zerokld"):
@@ -253,8 +344,9 @@ def training_server(env, tmp_path_factory):
     from titan_plugin.training_server import TrainingServerProcess
 
     _, ckpt, root, _ = env
-    server = TrainingServerProcess(ckpt, root, API_KEY, tmp_path_factory.mktemp("trainer") / "trainer.log",
-                                   ["--seq-gap-s", 3])
+    server = TrainingServerProcess(
+        ckpt, root, API_KEY, tmp_path_factory.mktemp("trainer") / "trainer.log", ["--seq-gap-s", 3]
+    )
     yield server.start()
     server.stop()
 
@@ -271,14 +363,21 @@ def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_ser
     svc = FiretitanServiceClient(base_url=training_server, api_key=API_KEY)
     request.addfinalizer(svc.close)  # its session heartbeat stops with the test
     tc = svc.create_training_client(base_model=BASE_MODEL)
-    syncer = WeightSyncer(policy_client=tc, deploy_mgr=_manager(server), deployment_id=DEPLOYMENT,
-                          base_model=BASE_MODEL, hotload_timeout=120)
+    syncer = WeightSyncer(
+        policy_client=tc,
+        deploy_mgr=_manager(server),
+        deployment_id=DEPLOYMENT,
+        base_model=BASE_MODEL,
+        hotload_timeout=120,
+    )
 
     for step in range(2):
         syncer.save_and_hotload(f"policy-{step}")
         samples = _sample(server, PROMPT, n=2, max_tokens=6, temperature=1.0, logprobs=True)
-        data = [sdk_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
-                for c, adv in zip(samples, (1.0, -1.0), strict=True)]
+        data = [
+            sdk_datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, adv)
+            for c, adv in zip(samples, (1.0, -1.0), strict=True)
+        ]
         sampled = [torch.tensor(c.sampling_logprobs, dtype=torch.float32) for c in samples]
         train = completion_logprobs_from_forward(tc, data, samples)
         assert [t.shape for t in train] == [s.shape for s in sampled]
@@ -288,8 +387,9 @@ def test_sdk_rl_loop_trains_hot_loads_and_samples_with_zero_kl(env, training_ser
         tc.optim_step(AdamParams(learning_rate=1e-2)).result()
         moved = completion_logprobs_from_forward(tc, data, samples)
         assert not all(torch.equal(t, s) for t, s in zip(moved, sampled, strict=True))  # negative control
-    ledger = requests.get(server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {API_KEY}"},
-                          timeout=30).json()
+    ledger = requests.get(
+        server.base + "/zerokld/v1/hot_load/ledger", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    ).json()
     kinds = {r["identity"]: r.get("kind") for r in ledger["rows"] if r["identity"].startswith("policy-")}
     assert sorted(kinds.values()) == ["full", "incremental"], kinds  # base, then a delta the replica verified
 
@@ -314,21 +414,33 @@ def test_training_server_refusals_apply_nothing(env, training_server):
 
     assert post("create_session", {}, key="wrong").status_code == 401
     assert requests.post(f"{training_server}/api/v1/create_session", json={}, timeout=30).status_code == 401
-    created = post("create_model", {"session_id": "s", "model_seq_id": 0, "base_model": BASE_MODEL,
-                                    "lora_config": {"rank": 0}, "type": "create_model"}).json()
+    created = post(
+        "create_model",
+        {
+            "session_id": "s",
+            "model_seq_id": 0,
+            "base_model": BASE_MODEL,
+            "lora_config": {"rank": 0},
+            "type": "create_model",
+        },
+    ).json()
     model = result(created["request_id"])["model_id"]
     tokens = PROMPT[:12]
 
     def datum(inputs=None, chunk_tokens=None):
         td = {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [11]}}
-        return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": chunk_tokens or tokens[:-1]}]},
-                "loss_fn_inputs": inputs or td}
+        return {
+            "model_input": {"chunks": [{"type": "encoded_text", "tokens": chunk_tokens or tokens[:-1]}]},
+            "loss_fn_inputs": inputs or td,
+        }
 
     seq = iter(range(1, 100))
 
     def forward():
-        rid = post("forward", {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model,
-                               "seq_id": next(seq)}).json()["request_id"]
+        rid = post(
+            "forward",
+            {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model, "seq_id": next(seq)},
+        ).json()["request_id"]
         return result(rid)["loss_fn_outputs"][0]["logprobs"]["data"]
 
     before = forward()
@@ -336,17 +448,22 @@ def test_training_server_refusals_apply_nothing(env, training_server):
     used = post("forward", {"forward_input": {"data": [datum()]}, "model_id": model, "seq_id": 1})
     assert used.status_code == 400 and "already used" in used.json()["detail"]
     ragged = {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [12]}}
-    for spec, why in (({"data": [datum()], "loss_fn": "no_such_loss"}, "no_such_loss"),
-                      ({"data": [datum(ragged)], "loss_fn": "cross_entropy"}, "shape"),
-                      ({"data": [datum(chunk_tokens=[10 ** 9] * 11)], "loss_fn": "cross_entropy"}, "token ids")):
-        rid = post("forward_backward", {"forward_backward_input": spec, "model_id": model,
-                                        "seq_id": next(seq)}).json()["request_id"]
+    for spec, why in (
+        ({"data": [datum()], "loss_fn": "no_such_loss"}, "no_such_loss"),
+        ({"data": [datum(ragged)], "loss_fn": "cross_entropy"}, "shape"),
+        ({"data": [datum(chunk_tokens=[10**9] * 11)], "loss_fn": "cross_entropy"}, "token ids"),
+    ):
+        rid = post("forward_backward", {"forward_backward_input": spec, "model_id": model, "seq_id": next(seq)}).json()[
+            "request_id"
+        ]
         answer = result(rid)
         assert answer.get("category") == "user" and why in answer["error"], answer
     # a gap in the numbering: the later request fails after --seq-gap-s, the missing seq_id stays expected
     expected = next(seq)
-    rid = post("forward", {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model,
-                           "seq_id": expected + 1}).json()["request_id"]
+    rid = post(
+        "forward",
+        {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}, "model_id": model, "seq_id": expected + 1},
+    ).json()["request_id"]
     answer = result(rid)
     assert answer.get("category") == "user" and "never arrived" in answer["error"], answer
     seq = iter(range(expected, 100))
@@ -379,8 +496,9 @@ def test_sdk_checkpoints_adam_params_and_custom_loss(env, training_server, monke
         return sum((lp * wi).sum() for lp, wi in zip(lps, w, strict=True)) / sum(x.sum() for x in w), {}
 
     tc.forward_backward_custom(data, loss_fn).result()
-    step = tc.optim_step(AdamParams(learning_rate=5e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.01,
-                                    grad_clip_norm=1.0)).result()
+    step = tc.optim_step(
+        AdamParams(learning_rate=5e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
+    ).result()
     assert step.metrics and "grad_norm:mean" in step.metrics
     after = logprobs()
     assert sum(map(sum, after)) < sum(map(sum, before))  # the custom loss moved the model its way

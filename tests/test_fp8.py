@@ -1,13 +1,21 @@
 """FP8 quantizer and GEMM (shared_numerics.fp8): definition, edge cases, batch invariance, QAT == serving, and negative
 controls against vLLM's native FP8 quantizer, torchao's fake-quant and ``torch._scaled_mm``."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import shared_numerics as sn
-from shared_numerics.fp8 import (FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, Fp8QuantizationError, dequantize_fp8_weight,
-                                 quantize_fp8_activation, quantize_fp8_weight)
+from shared_numerics.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_SCALE,
+    Fp8QuantizationError,
+    dequantize_fp8_weight,
+    quantize_fp8_activation,
+    quantize_fp8_weight,
+)
 from zerokld_testing.controls import stock_differs
 
 GRANULARITIES = ["per_channel", "block"]
@@ -43,13 +51,18 @@ def test_compiled_quantizer_is_the_torch_definition():
     bf16 value within ±448 and, in float32, every midpoint between neighbouring e4m3 values (the ties) and the floats
     just beside them, with the scale exactly 1 (amax 448); random data of both granularities, K with a partial last
     block, float32 and bf16 inputs."""
-    from shared_numerics.fp8 import (_dequantize_activation, _dequantize_activation_bf16, _quantize_activation_torch,
-                                     fp8_values)
+    from shared_numerics.fp8 import (
+        _dequantize_activation,
+        _dequantize_activation_bf16,
+        _quantize_activation_torch,
+        fp8_values,
+    )
 
     grid = _e4m3_grid()
     mid = (grid[1:] + grid[:-1]) / 2
-    ties = torch.cat([mid, torch.nextafter(mid, torch.full_like(mid, -1e9)),
-                      torch.nextafter(mid, torch.full_like(mid, 1e9))])
+    ties = torch.cat(
+        [mid, torch.nextafter(mid, torch.full_like(mid, -1e9)), torch.nextafter(mid, torch.full_like(mid, 1e9))]
+    )
     bf = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     bf = bf[torch.isfinite(bf) & (bf.abs() <= FP8_MAX)]
     cases = [(torch.cat([torch.tensor([FP8_MAX]), v]).unsqueeze(0), "per_channel") for v in (ties, bf)]
@@ -62,12 +75,15 @@ def test_compiled_quantizer_is_the_torch_definition():
         q, s = quantize_fp8_activation(x, granularity)
         q0, s0 = _quantize_activation_torch(x, granularity)
         assert torch.equal(s, s0)
-        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (q.view(torch.uint8) != q0.view(torch.uint8)).sum()
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (
+            q.view(torch.uint8) != q0.view(torch.uint8)
+        ).sum()
         assert torch.equal(fp8_values(q).view(torch.int16), q0.float().to(torch.bfloat16).view(torch.int16))
         if x.shape[0] > 1:  # the QAT backward's compiled dequantization: (q * s) rounded to bf16, as torch does it
             deq = _dequantize_activation(q0, s0, granularity).to(torch.bfloat16)
-            assert torch.equal(_dequantize_activation_bf16(fp8_values(q), s, granularity).view(torch.int16),
-                               deq.view(torch.int16))
+            assert torch.equal(
+                _dequantize_activation_bf16(fp8_values(q), s, granularity).view(torch.int16), deq.view(torch.int16)
+            )
 
 
 def test_fp8_values_table():
@@ -136,9 +152,9 @@ def test_bad_arguments_refused():
 
 def test_subnormals_tiny_and_huge_scales():
     # codes in e4m3's subnormal range (|q| < 2^-6, step 2^-9), round-to-nearest-even there too
-    x = torch.tensor([[448.0, 2.0 ** -9, 1.5 * 2.0 ** -9, 2.5 * 2.0 ** -9, 2.0 ** -11, 3 * 2.0 ** -10]])
+    x = torch.tensor([[448.0, 2.0**-9, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 2.0**-11, 3 * 2.0**-10]])
     q, _ = quantize_fp8_activation(x)
-    assert q.float().tolist() == [[448.0, 2.0 ** -9, 2 * 2.0 ** -9, 2 * 2.0 ** -9, 0.0, 2 * 2.0 ** -9]]
+    assert q.float().tolist() == [[448.0, 2.0**-9, 2 * 2.0**-9, 2 * 2.0**-9, 0.0, 2 * 2.0**-9]]
     # tiny amax: the scale floor applies, values come out as small codes (or 0) and nothing divides by ~0
     tiny = torch.tensor([[1e-10, -3e-8, 0.0]])
     q, s = quantize_fp8_activation(tiny)
@@ -181,8 +197,7 @@ def test_qat_backward_is_straight_through(granularity):
     gy = torch.randn(9, 20, generator=torch.Generator().manual_seed(1))
     sn.fp8_linear_qat(x, w, granularity).backward(gy)
     qx, sx = quantize_fp8_activation(x.detach(), granularity)
-    x_dq = (qx.float() * (sx if granularity == "per_channel" else
-                          sx.repeat_interleave(128, dim=1)[:, :130]))
+    x_dq = qx.float() * (sx if granularity == "per_channel" else sx.repeat_interleave(128, dim=1)[:, :130])
     w_dq = dequantize_fp8_weight(*quantize_fp8_weight(w.detach(), granularity), granularity)
     torch.testing.assert_close(x.grad, gy @ w_dq)
     torch.testing.assert_close(w.grad, gy.t() @ x_dq)
@@ -228,8 +243,9 @@ def test_negative_control_vllm_native_quantizer_differs():
         vq, vs = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN).forward_native(x)
     q, s = quantize_fp8_activation(x)
     assert torch.equal(vs, s)  # same scales ...
-    stock_differs(not torch.equal(vq.float(), q.float()), "vLLM's QuantFP8 codes vs the shared quantizer's",
-                  "the input")  # ... different codes
+    stock_differs(
+        not torch.equal(vq.float(), q.float()), "vLLM's QuantFP8 codes vs the shared quantizer's", "the input"
+    )  # ... different codes
 
 
 def test_negative_control_torchao_fake_quant_differs():
@@ -240,8 +256,7 @@ def test_negative_control_torchao_fake_quant_differs():
     fq = Float8FakeQuantizer(Float8FakeQuantizeConfig(dtype=FP8_DTYPE, granularity=PerRow()))
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     q, s = quantize_fp8_activation(x)
-    stock_differs(not torch.equal(fq(x), (q.float() * s).to(torch.bfloat16)), "torchao's FP8 fake-quant",
-                  "the input")
+    stock_differs(not torch.equal(fq(x), (q.float() * s).to(torch.bfloat16)), "torchao's FP8 fake-quant", "the input")
     assert fq(torch.zeros(2, 512, dtype=torch.bfloat16)).isnan().any()
 
 

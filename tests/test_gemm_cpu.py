@@ -2,7 +2,10 @@
 to a float64 reference, and an element's bits depend only on its row of A and its row of B — not on the other rows,
 the tails, strides or the thread count. Each runs where the CPU has its unit (the test says so and skips otherwise:
 linear then takes oneDNN's pinned calls, tested in test_numerics)."""
+
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,14 +14,23 @@ from shared_numerics import gemm_cpu
 
 needs_amx = pytest.mark.requires_amx  # (tests/conftest.py: CAPABILITIES)
 needs_f32 = pytest.mark.requires_f32_kernel
-KINDS = [pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
-         pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
-         pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32")]
+KINDS = [
+    pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
+    pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
+    pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32"),
+]
 
 # (I, J, K): tails of the 32-row strips, the 16-row B blocks, the 32-element K steps, odd K, K > one 256 block
-SHAPES = [(1, 1, 1), (17, 5, 33), (48, 100, 96), (33, 70, 1000), (300, 257, 64), (64, 19, 2050),
-          (530, 1000, 200),  # several work units of the float32 kernel on both sides
-          (100, 30, 300)]  # the float32 kernel's few-rows path (9..48 rows of B: the tokens are the vector operand)
+SHAPES = [
+    (1, 1, 1),
+    (17, 5, 33),
+    (48, 100, 96),
+    (33, 70, 1000),
+    (300, 257, 64),
+    (64, 19, 2050),
+    (530, 1000, 200),  # several work units of the float32 kernel on both sides
+    (100, 30, 300),
+]  # the float32 kernel's few-rows path (9..48 rows of B: the tokens are the vector operand)
 
 
 def _with_threads(n, fn):
@@ -37,7 +49,7 @@ def test_gemm_abt_close_and_element_invariant(shape, transpose, kind):
     dtype, out_dtype = kind
     i, j, k = shape
     g = torch.Generator().manual_seed(i * 7 + j * 3 + k)
-    a = (torch.randn(i, k, generator=g) * k ** -0.5).to(dtype)
+    a = (torch.randn(i, k, generator=g) * k**-0.5).to(dtype)
     b = torch.randn(j, k, generator=g).to(dtype)
     bias = torch.randn(i, generator=g)
     full = gemm_cpu.gemm_abt(a, b, bias, transpose=transpose, out_dtype=out_dtype)
@@ -48,18 +60,21 @@ def test_gemm_abt_close_and_element_invariant(shape, transpose, kind):
     torch.testing.assert_close(full.double(), ref, **tol)
     c = full.t() if transpose else full  # [I, J] view
     for r in sorted({0, i // 2, i - 1}):  # a row of A alone
-        one = gemm_cpu.gemm_abt(a[r:r + 1], b, bias[r:r + 1], transpose=transpose, out_dtype=out_dtype)
+        one = gemm_cpu.gemm_abt(a[r : r + 1], b, bias[r : r + 1], transpose=transpose, out_dtype=out_dtype)
         assert torch.equal((one.t() if transpose else one)[0], c[r])
     for r in sorted({0, j // 2, j - 1}):  # a row of B alone (a token at decode)
-        one = gemm_cpu.gemm_abt(a, b[r:r + 1], bias, transpose=transpose, out_dtype=out_dtype)
+        one = gemm_cpu.gemm_abt(a, b[r : r + 1], bias, transpose=transpose, out_dtype=out_dtype)
         assert torch.equal((one.t() if transpose else one)[:, 0], c[:, r])
     for n in (1, 3):
-        assert torch.equal(_with_threads(n, lambda: gemm_cpu.gemm_abt(a, b, bias, transpose=transpose,
-                                                                      out_dtype=out_dtype)), full)
+        assert torch.equal(
+            _with_threads(n, lambda: gemm_cpu.gemm_abt(a, b, bias, transpose=transpose, out_dtype=out_dtype)), full
+        )
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"),
-                                   pytest.param(torch.float32, marks=needs_f32, id="f32")])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"), pytest.param(torch.float32, marks=needs_f32, id="f32")],
+)
 def test_gemm_abt_strided_rows_and_errors(dtype):
     g = torch.Generator().manual_seed(0)
     wide_a, wide_b = torch.randn(40, 200, generator=g).to(dtype), torch.randn(70, 300, generator=g).to(dtype)
@@ -78,8 +93,10 @@ def test_gemm_abt_strided_rows_and_errors(dtype):
         gemm_cpu.gemm_abt(a, b.half() if dtype == torch.float32 else b.float())
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"),
-                                   pytest.param(torch.float32, marks=needs_f32, id="f32")])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"), pytest.param(torch.float32, marks=needs_f32, id="f32")],
+)
 def test_linear_gradients_thread_invariant(dtype):
     """``sn.linear``'s backward on the kernels: dX, dW and db are the same bits at 1, 2 and 3 threads; a row's dX is
     the same alone; dW is close to the float32 reference."""
@@ -107,10 +124,14 @@ def _variants(gemm_cpu, a, b, bias):
     """The float32 kernel's paths: ``[J, I]`` and ``[I, J]`` outputs, k-major views of A and of B (read in place or
     packed by row copies), a single row of B (decode), 12 rows of B (the few-rows path, A's rows or its k-major
     view broadcast)."""
-    return (gemm_cpu.gemm_abt(a, b, bias, transpose=True), gemm_cpu.gemm_abt(a, b, bias),
-            gemm_cpu.gemm_abt(a.t().contiguous().t(), b.t().contiguous().t(), bias),
-            gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:1], bias, transpose=True),
-            gemm_cpu.gemm_abt(a, b[:12], bias), gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:12], bias))
+    return (
+        gemm_cpu.gemm_abt(a, b, bias, transpose=True),
+        gemm_cpu.gemm_abt(a, b, bias),
+        gemm_cpu.gemm_abt(a.t().contiguous().t(), b.t().contiguous().t(), bias),
+        gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:1], bias, transpose=True),
+        gemm_cpu.gemm_abt(a, b[:12], bias),
+        gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:12], bias),
+    )
 
 
 @needs_f32
@@ -146,8 +167,10 @@ def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
     import textwrap
 
     wrapper = tmp_path / "cxx"
-    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do shift; [ "$a" = "-march=native" ] && a="-march=haswell"; '
-                       'set -- "$@" "$a"; done\nexec "${ZK_REAL_CXX:-g++}" "$@"\n')
+    wrapper.write_text(
+        '#!/bin/sh\nfor a in "$@"; do shift; [ "$a" = "-march=native" ] && a="-march=haswell"; '
+        'set -- "$@" "$a"; done\nexec "${ZK_REAL_CXX:-g++}" "$@"\n'
+    )
     wrapper.chmod(0o755)
     g = torch.Generator().manual_seed(4)
     a, b, bias = torch.randn(70, 1000, generator=g), torch.randn(37, 1000, generator=g), torch.randn(70, generator=g)
@@ -157,19 +180,23 @@ def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
         import torch
         from shared_numerics import gemm_cpu
         assert not gemm_cpu.amx_available() and gemm_cpu.f32_available(), "not an AVX2 build"
-        a, b, bias = torch.load({str(tmp_path / 'in.pt')!r})
-        torch.save(_variants(gemm_cpu, a, b, bias), {str(tmp_path / 'out.pt')!r})
+        a, b, bias = torch.load({str(tmp_path / "in.pt")!r})
+        torch.save(_variants(gemm_cpu, a, b, bias), {str(tmp_path / "out.pt")!r})
     """)
     script = textwrap.dedent(inspect.getsource(_variants)) + script
-    env = dict(os.environ, CXX=str(wrapper), ZEROKLD_CACHE_DIR=str(tmp_path / "cache"),
-               ZK_REAL_CXX=os.environ.get("CXX") or "g++")
+    env = dict(
+        os.environ,
+        CXX=str(wrapper),
+        ZEROKLD_CACHE_DIR=str(tmp_path / "cache"),
+        ZK_REAL_CXX=os.environ.get("CXX") or "g++",
+    )
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     avx2, here = torch.load(tmp_path / "out.pt"), _variants(gemm_cpu, a, b, bias)
     assert len(avx2) == len(here) == 6
-    for x, y in zip(avx2, here):
+    for x, y in zip(avx2, here, strict=True):
         assert torch.equal(x, y)
-    if "avx512f" not in open("/proc/cpuinfo").read():
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
         print("this machine has no AVX-512: both builds are AVX2 builds")
 
 

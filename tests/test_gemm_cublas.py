@@ -1,15 +1,15 @@
 """The ``cublas`` backend's GEMM (:mod:`shared_numerics.gemm_cublas`): fixed-shape library calls are row-invariant by
 construction. Here on CPU, where the same code issues torch's CPU GEMM (deterministic per shape at a fixed thread
 count); ``tests/test_cuda.py`` proves it on cuBLAS. Negative control: one unchunked ``F.linear`` per batch differs."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from zerokld_testing import controls
-
 from shared_numerics.gemm_cublas import CUBLAS_ROWS, fixed_rows_matmul, linear
+from zerokld_testing import controls
 
 M_VALUES = (1, 7, 64, 128, 300)
 
@@ -36,12 +36,13 @@ def test_rows_alone_equal_rows_in_any_batch_and_stock_differs(dtype):
     assert full.shape == ref.shape and full.dtype == dtype
     for m in M_VALUES:
         for start in (0, 200):
-            assert torch.equal(linear(x[start:start + m], w, b), full[start:start + m]), (m, start)
+            assert torch.equal(linear(x[start : start + m], w, b), full[start : start + m]), (m, start)
     assert (full.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
     stock_differs = [m for m in M_VALUES if not torch.equal(F.linear(x[:m], w, b), ref[:m])]
     if dtype == torch.float32 or native_bf16_gemm():
-        controls.stock_differs(bool(stock_differs), f"{dtype} F.linear's rows alone vs in the batch",
-                               "M_VALUES or the shapes")
+        controls.stock_differs(
+            bool(stock_differs), f"{dtype} F.linear's rows alone vs in the batch", "M_VALUES or the shapes"
+        )
 
 
 def test_any_layout_of_the_same_rows_gives_the_same_bits():

@@ -1,6 +1,7 @@
 """``benchmarks/gpu_kernels.py`` runs end to end (``--smoke``: tiny shapes, CPU, Triton's interpreter), so a lent GPU
 session can run it as is: every case present, our rows batch invariant in every case that checks them, every target
 of the issue reported. The timings of a smoke run mean nothing and are not checked."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,19 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     out = tmp_path / "gpu.json"
     result = main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text())["device"].startswith("cpu (Triton interpreter")
-    for op in ("linear", "linear_cublas", "linear_cublas_rows128", "lora_linear", "fp8_linear", "rms_norm", "add_rms_norm", "rms_norm_rope", "silu_and_mul",
-               "log_softmax", "selected_logprobs"):
+    for op in (
+        "linear",
+        "linear_cublas",
+        "linear_cublas_rows128",
+        "lora_linear",
+        "fp8_linear",
+        "rms_norm",
+        "add_rms_norm",
+        "rms_norm_rope",
+        "silu_and_mul",
+        "log_softmax",
+        "selected_logprobs",
+    ):
         for m in ("M4", "M40"):
             case = result["ops"][op][m]
             assert "error" not in case or op == "fp8_linear", (op, m, case)  # torch._scaled_mm may be GPU-only

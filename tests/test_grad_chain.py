@@ -2,6 +2,7 @@
 tokens, so any split of the tokens into consecutive calls gives the bits of one call on all of them. Negative
 controls: the sum of per-call results (what autograd's accumulation into ``.grad`` does) and one library reduction
 give other bits."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ from shared_numerics.grad_chain import GradChain, chain_available, chained_embed
 
 pytestmark = pytest.mark.timeout(300)
 
-KERNELS = [pytest.param(torch.float32, marks=pytest.mark.requires_f32_kernel),
-           pytest.param(torch.bfloat16, marks=pytest.mark.requires_amx)]
+KERNELS = [
+    pytest.param(torch.float32, marks=pytest.mark.requires_f32_kernel),
+    pytest.param(torch.bfloat16, marks=pytest.mark.requires_amx),
+]
 # (rows of A, rows of B, token counts of the consecutive calls): several kernel work units, a few-rows shape, tails
 SHAPES = [(1000, 530, [64, 96, 160]), (64, 40, [32, 64]), (300, 1024, [128, 384, 32]), (17, 9, [32, 32])]
 
@@ -29,8 +32,8 @@ def test_consecutive_calls_continue_the_chain(dtype, i_rows, j_rows, calls, thre
     assert torch.equal(one, gemm_abt(dy.t(), x.t(), out_dtype=torch.float32))  # a chain from zero: the GEMM's bits
     acc, parts, s = torch.zeros(i_rows, j_rows), torch.zeros(i_rows, j_rows), 0
     for n in calls:
-        gemm_abt_accumulate(acc, dy[s:s + n].t(), x[s:s + n].t())
-        parts += gemm_abt(dy[s:s + n].t(), x[s:s + n].t(), out_dtype=torch.float32)
+        gemm_abt_accumulate(acc, dy[s : s + n].t(), x[s : s + n].t())
+        parts += gemm_abt(dy[s : s + n].t(), x[s : s + n].t(), out_dtype=torch.float32)
         s += n
     assert torch.equal(acc, one)
     if i_rows * j_rows > 1000:  # negative control: per-call results summed (autograd's accumulation)
@@ -62,7 +65,7 @@ def test_float32_products_chain_any_token_count_of_bf16(threads):
     whole.part(1).add_gemm(dy[:, 1].t(), x.t())
     split, s = GradChain((3, 40, 24), float32_products=True), 0
     for n in (5, 7, 19):
-        split.part(1).add_gemm(dy[s:s + n, 1].t(), x[s:s + n].t())
+        split.part(1).add_gemm(dy[s : s + n, 1].t(), x[s : s + n].t())
         s += n
     assert torch.equal(split.acc, whole.acc) and not bool(whole.acc[1].eq(0).all())
     assert bool(whole.acc[0].eq(0).all()) and bool(whole.acc[2].eq(0).all())
@@ -74,8 +77,9 @@ def test_float32_products_chain_any_token_count_of_bf16(threads):
 def test_accumulate_refuses_what_it_cannot_chain():
     # the checks run before any kernel: refused on every machine
     with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):
-        gemm_abt_accumulate(torch.zeros(4, 4), torch.ones(4, 33, dtype=torch.bfloat16),
-                            torch.ones(4, 33, dtype=torch.bfloat16))
+        gemm_abt_accumulate(
+            torch.zeros(4, 4), torch.ones(4, 33, dtype=torch.bfloat16), torch.ones(4, 33, dtype=torch.bfloat16)
+        )
     with pytest.raises(TypeError, match="accumulator"):
         gemm_abt_accumulate(torch.zeros(4, 4, dtype=torch.float64), torch.ones(4, 8), torch.ones(4, 8))
     with pytest.raises(TypeError, match="accumulator"):

@@ -1,6 +1,7 @@
 """Hot-load on a real ``vllm serve`` (OpenAI server on loopback) with the ``zerokld_hotload`` endpoint plugin: full and
 incremental (arc_v2) snapshots swap in place, zero-KLD survives every swap, bad snapshots are refused while the old
 weights keep serving bit-identical logprobs, sync/async transitions, and a restart comes back consistent."""
+
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,8 @@ import zstandard
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared_numerics import NumericsMode
-
 from deltasync import apply_incremental_snapshot, read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot
+from shared_numerics import NumericsMode
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import HotLoadServer
 
@@ -45,26 +46,49 @@ class Server(HotLoadServer):
     def __init__(self, ckpt: str, root: Path, state: Path, log: Path) -> None:
         super().__init__(ckpt, root, state, log, API_KEY, max_model_len=MAX_MODEL_LEN)
 
-    def signal(self, identity: str, previous: str | None = None, headers: dict | None = None,
-               compression_format: str = "arc_v2", **body):
+    def signal(
+        self,
+        identity: str,
+        previous: str | None = None,
+        headers: dict | None = None,
+        compression_format: str = "arc_v2",
+        **body,
+    ):
         body = {"identity": identity, **body}
         if previous is not None:
-            body["incremental_snapshot_metadata"] = {"previous_snapshot_identity": previous,
-                                                     "compression_format": compression_format,
-                                                     "checksum_format": "alder32"}
+            body["incremental_snapshot_metadata"] = {
+                "previous_snapshot_identity": previous,
+                "compression_format": compression_format,
+                "checksum_format": "alder32",
+            }
         return requests.post(self.base + HL, json=body, headers={**AUTH, **(headers or {})}, timeout=300)
 
     def get(self, path: str, **kw):
         return requests.get(self.base + path, headers=AUTH, timeout=60, **kw)
 
     def logprobs(self, prompt=PROMPT, max_tokens: int = 8) -> tuple[list[int], torch.Tensor, str]:
-        r = requests.post(self.base + "/v1/completions", headers=AUTH, timeout=120, json={
-            "model": self.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
-            "ignore_eos": True, "return_tokens_as_token_ids": True})
+        r = requests.post(
+            self.base + "/v1/completions",
+            headers=AUTH,
+            timeout=120,
+            json={
+                "model": self.ckpt,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         assert r.status_code == 200, r.text
         lp = r.json()["choices"][0]["logprobs"]
         toks = [int(t.split(":")[1]) for t in lp["tokens"]]
-        return toks, torch.tensor(lp["token_logprobs"], dtype=torch.float32), r.headers.get("x-zerokld-snapshot-identity")
+        return (
+            toks,
+            torch.tensor(lp["token_logprobs"], dtype=torch.float32),
+            r.headers.get("x-zerokld-snapshot-identity"),
+        )
 
 
 def _perturb(sd: dict, seed: int, scale: float = 0.02) -> dict:
@@ -130,14 +154,22 @@ def test_full_then_incremental_swaps_keep_zero_kld(env):
         _check_serving(server, prev, f"s{i}")
     st = server.get(HL + "/status").json()["replicas"][0]
     rows = server.get(HL + "/ledger").json()["rows"]
-    assert st == {"replica": f"{socket.gethostname()}:{server.base.rsplit(':', 1)[1]}",
-                  "current_snapshot_identity": "s3", "weights_digest": rows[-1]["weights_digest"],
-                  "ready_since": rows[-1]["timestamps"]["ready"], "readiness": True,
-                  "loading_state": {"stage": "idle", "target_snapshot_identity": None}, "last_error": None,
-                  "lora_adapters": {}}
+    assert st == {
+        "replica": f"{socket.gethostname()}:{server.base.rsplit(':', 1)[1]}",
+        "current_snapshot_identity": "s3",
+        "weights_digest": rows[-1]["weights_digest"],
+        "ready_since": rows[-1]["timestamps"]["ready"],
+        "readiness": True,
+        "loading_state": {"stage": "idle", "target_snapshot_identity": None},
+        "last_error": None,
+        "lora_adapters": {},
+    }
     assert {r["replica"] for r in rows} == {st["replica"]}
     assert [(r["identity"], r["kind"], r["readiness"]) for r in rows] == [
-        ("s1", "full", "ready"), ("s2", "incremental", "ready"), ("s3", "incremental", "ready")]
+        ("s1", "full", "ready"),
+        ("s2", "incremental", "ready"),
+        ("s3", "incremental", "ready"),
+    ]
     assert {"signaled", "verified", "paused", "loaded", "ready"} <= rows[-1]["timestamps"].keys()
 
 
@@ -227,8 +259,12 @@ def _bad_snapshots(root: Path, full: Path, current: str, ckpt: str) -> dict:
     save_file(payloads, str(shard), metadata=meta)
     cases["zstd bomb (4 GiB declared)"] = ({"identity": "bad-bomb", "previous": current}, 422)
     # weights a trainer produced under other numerics (FP8 QAT) than the server's (bf16): refused, naming both
-    write_full_snapshot(_perturb(cur_t, 54), cur, root / "bad-numerics",
-                        numerics=NumericsMode.build(True, "bfloat16", "per_channel").to_dict())
+    write_full_snapshot(
+        _perturb(cur_t, 54),
+        cur,
+        root / "bad-numerics",
+        numerics=NumericsMode.build(True, "bfloat16", "per_channel").to_dict(),
+    )
     cases["other numerics mode"] = ({"identity": "bad-numerics"}, 422)
     return cases
 
@@ -287,12 +323,24 @@ def test_malformed_signals_are_refused_and_recorded_bounded(env):
         "reset null": (("r-null",), {"reset_prompt_cache": None}, {}, 400),
         "reset false": (("r-false",), {"reset_prompt_cache": False}, {}, 400),
         "reset ' all'": (("r-space",), {"reset_prompt_cache": " all"}, {}, 400),
-        "drain nan": (("d-nan",), {}, {"x-zerokld-hot-load-transition": "sync",
-                                       "x-zerokld-hot-load-drain-timeout": "nan"}, 422),
-        "drain -1": (("d-neg",), {}, {"x-zerokld-hot-load-transition": "sync",
-                                      "x-zerokld-hot-load-drain-timeout": "-1"}, 422),
-        "drain text": (("d-text",), {}, {"x-zerokld-hot-load-transition": "sync",
-                                         "x-zerokld-hot-load-drain-timeout": "soon"}, 422),
+        "drain nan": (
+            ("d-nan",),
+            {},
+            {"x-zerokld-hot-load-transition": "sync", "x-zerokld-hot-load-drain-timeout": "nan"},
+            422,
+        ),
+        "drain -1": (
+            ("d-neg",),
+            {},
+            {"x-zerokld-hot-load-transition": "sync", "x-zerokld-hot-load-drain-timeout": "-1"},
+            422,
+        ),
+        "drain text": (
+            ("d-text",),
+            {},
+            {"x-zerokld-hot-load-transition": "sync", "x-zerokld-hot-load-drain-timeout": "soon"},
+            422,
+        ),
         "previous recorded": (("no-such", "claimed-prev"), {}, {}, 404),
     }
     for case, (args, body, headers, status) in cases.items():
@@ -307,10 +355,18 @@ def test_malformed_signals_are_refused_and_recorded_bounded(env):
     assert now[0] == reference[0] and torch.equal(now[1], reference[1]) and now[2] == current
     assert len(json.dumps(server.get(HL + "/ledger").json())) < 100_000
     for scheme in ("bearer", "BEARER"):  # vLLM: the scheme is case-insensitive, the token is not
-        assert requests.get(server.base + HL + "/status", headers={"Authorization": f"{scheme} {API_KEY}"},
-                            timeout=30).status_code == 200
-    assert requests.get(server.base + HL + "/status", headers={"Authorization": f"Bearer {API_KEY.upper()}"},
-                        timeout=30).status_code == 401
+        assert (
+            requests.get(
+                server.base + HL + "/status", headers={"Authorization": f"{scheme} {API_KEY}"}, timeout=30
+            ).status_code
+            == 200
+        )
+    assert (
+        requests.get(
+            server.base + HL + "/status", headers={"Authorization": f"Bearer {API_KEY.upper()}"}, timeout=30
+        ).status_code
+        == 401
+    )
 
 
 def test_ledger_reset_requires_full(env):
@@ -326,14 +382,30 @@ def test_ledger_reset_requires_full(env):
     _check_serving(server, root / "r1", "r1")
 
 
-def _stream(server: Server, prompt: list[int], max_tokens: int, started: threading.Event | None = None,
-            stop: threading.Event | None = None) -> tuple[int, str | None]:
+def _stream(
+    server: Server,
+    prompt: list[int],
+    max_tokens: int,
+    started: threading.Event | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[int, str | None]:
     """A streamed completion: ``(chunks with text, finish reason)``; ``started`` is set at the first chunk (the
     request is in flight on the engine); once ``stop`` is set the client disconnects at the next chunk (vLLM aborts
     the request; the finish reason stays ``None``)."""
-    r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
-        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-        "stream": True})
+    r = requests.post(
+        server.base + "/v1/completions",
+        headers=AUTH,
+        stream=True,
+        timeout=600,
+        json={
+            "model": server.ckpt,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
     assert r.status_code == 200, r.text
     n, finish = 0, None
     for line in r.iter_lines():
@@ -349,12 +421,23 @@ def _stream(server: Server, prompt: list[int], max_tokens: int, started: threadi
     return n, finish
 
 
-def _timed_completion(server: Server, prompt: list[int], max_tokens: int, n: int = 1
-                      ) -> tuple[requests.Response, float]:
+def _timed_completion(
+    server: Server, prompt: list[int], max_tokens: int, n: int = 1
+) -> tuple[requests.Response, float]:
     """A non-streamed completion (``n`` samples) and the wall-clock time its answer arrived."""
-    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=600, json={
-        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-        "n": n})
+    r = requests.post(
+        server.base + "/v1/completions",
+        headers=AUTH,
+        timeout=600,
+        json={
+            "model": server.ckpt,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "n": n,
+        },
+    )
     assert r.status_code == 200, r.text
     return r, time.time()
 
@@ -411,23 +494,52 @@ def test_async_swaps_under_concurrent_streams_lose_no_request(env):
 
 def _complete(server: Server, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor, list, str]:
     """A greedy non-streaming completion: tokens, logprobs, the choice's ``weight_versions``, the identity header."""
-    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=300, json={
-        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
-        "ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = requests.post(
+        server.base + "/v1/completions",
+        headers=AUTH,
+        timeout=300,
+        json={
+            "model": server.ckpt,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     toks = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
-    return (toks, torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32), choice["weight_versions"],
-            r.headers["x-zerokld-snapshot-identity"])
+    return (
+        toks,
+        torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32),
+        choice["weight_versions"],
+        r.headers["x-zerokld-snapshot-identity"],
+    )
 
 
-def _stream_spans(server: Server, prompt: list[int], max_tokens: int,
-                  started: threading.Event | None = None) -> tuple[list[list], str, list[int], torch.Tensor]:
+def _stream_spans(
+    server: Server, prompt: list[int], max_tokens: int, started: threading.Event | None = None
+) -> tuple[list[list], str, list[int], torch.Tensor]:
     """A streamed completion: every chunk's ``weight_versions`` (in order), the identity header, the tokens and their
     log-probs; ``started`` is set when the first chunk with a choice arrives."""
-    r = requests.post(server.base + "/v1/completions", headers=AUTH, stream=True, timeout=600, json={
-        "model": server.ckpt, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-        "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+    r = requests.post(
+        server.base + "/v1/completions",
+        headers=AUTH,
+        stream=True,
+        timeout=600,
+        json={
+            "model": server.ckpt,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     spans, tokens, lps = [], [], []
     for line in r.iter_lines():
@@ -448,9 +560,10 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
     sampled its tokens. Non-streaming: the header and the choice's ``weight_versions`` agree, and the tokens of
     every span have exactly that span's snapshot's trainer logprobs (the whole response when it spans no swap; the
     old-weights prefix and, the paused request's KV recomputed under the new weights, each later span when it
-    does: what async RL needs to score a response that spans a swap); negative control: the snapshot the client saw serving when it sent the
-    request (the old header's label) gives other logprobs wherever it differs. Streaming: every chunk carries
-    contiguous spans over the tokens so far, in swap order, and a stream across the swaps says where it switched."""
+    does: what async RL needs to score a response that spans a swap); negative control: the snapshot the client saw
+    serving when it sent the request (the old header's label) gives other logprobs wherever it differs. Streaming: every
+    chunk carries contiguous spans over the tokens so far, in swap order, and a stream across the swaps says where it
+    switched."""
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
     snapshots = {current: _dir_of(current, ckpt, root, full)}
@@ -495,7 +608,7 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
         versions = [sp["version"] for sp in spans]
         assert header == ",".join(versions)
         assert spans[0]["start"] == 0 and spans[-1]["end"] == len(toks)
-        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:]))
+        assert all(a["end"] == b["start"] for a, b in pairwise(spans))
         assert [order.index(v) for v in versions] == sorted(order.index(v) for v in versions)
         groups.setdefault(versions[0], []).append(row)
     relabeled, later = 0, {}
@@ -503,37 +616,54 @@ def test_async_swaps_attribute_every_token_to_its_snapshot(env):
         for sp in row[4][1:]:
             later.setdefault(sp["version"], []).append((row, sp))
     for version, spans_of in later.items():
-        refs = trainer_logprobs(str(snapshots[version]), [r[1] + r[2] for r, _ in spans_of],
-                                [len(r[1]) for r, _ in spans_of], dtype="bfloat16")
-        for ((_, _, _, lps, _, header), sp), ref in zip(spans_of, refs):
-            assert torch.equal(ref[sp["start"]: sp["end"]], lps[sp["start"]: sp["end"]]), (version, header, sp)
+        refs = trainer_logprobs(
+            str(snapshots[version]),
+            [r[1] + r[2] for r, _ in spans_of],
+            [len(r[1]) for r, _ in spans_of],
+            dtype="bfloat16",
+        )
+        for ((_, _, _, lps, _, header), sp), ref in zip(spans_of, refs, strict=True):
+            assert torch.equal(ref[sp["start"] : sp["end"]], lps[sp["start"] : sp["end"]]), (version, header, sp)
     for version, rows in groups.items():  # one trainer load per snapshot
-        refs = trainer_logprobs(str(snapshots[version]), [r[1] + r[2] for r in rows], [len(r[1]) for r in rows],
-                                dtype="bfloat16")
-        for (sent_under, prompt, toks, lps, spans, header), ref in zip(rows, refs):
+        refs = trainer_logprobs(
+            str(snapshots[version]), [r[1] + r[2] for r in rows], [len(r[1]) for r in rows], dtype="bfloat16"
+        )
+        for (sent_under, prompt, toks, lps, spans, header), ref in zip(rows, refs, strict=True):
             k = spans[0]["end"]
             assert torch.equal(ref[:k], lps[:k]), (version, header)
             if sent_under != version and len(spans) == 1:
                 relabeled += 1
-                wrong = trainer_logprobs(str(snapshots[sent_under]), [prompt + toks], [len(prompt)],
-                                         dtype="bfloat16")[0]
+                wrong = trainer_logprobs(str(snapshots[sent_under]), [prompt + toks], [len(prompt)], dtype="bfloat16")[
+                    0
+                ]
                 assert not torch.equal(wrong, lps)  # the admission-time label would have been a lie
     assert later  # some responses spanned a swap, and their later spans were checked
-    print(f"{len(results)} responses, {sum(len(r[4]) > 1 for r in results)} spanning a swap, "
-          f"{relabeled} sent under one snapshot and sampled wholly by the next")
+    print(
+        f"{len(results)} responses, {sum(len(r[4]) > 1 for r in results)} spanning a swap, "
+        f"{relabeled} sent under one snapshot and sampled wholly by the next"
+    )
     for chunks, header, _, _ in stream_results:
         assert chunks and all(chunks) and header == chunks[0][0]["version"]
-        for a, b in zip(chunks, chunks[1:]):
+        for a, b in pairwise(chunks):
             assert b[-1]["end"] >= a[-1]["end"] and [sp["version"] for sp in b[: len(a)]] == [sp["version"] for sp in a]
         final = chunks[-1]
         assert final[0]["start"] == 0 and final[-1]["end"] == 400
-        assert all(a["end"] == b["start"] for a, b in zip(final, final[1:]))
+        assert all(a["end"] == b["start"] for a, b in pairwise(final))
     print(f"{sum(len(r[0][-1]) > 1 for r in stream_results)} of {len(stream_results)} streams spanning a swap")
     assert any(len(r[0][-1]) > 1 for r in stream_results)  # a stream switched mid-way, and says where
     # chat completions carry the same attribution
-    r = requests.post(server.base + "/v1/chat/completions", headers=AUTH, timeout=120, json={
-        "model": server.ckpt, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-        "temperature": 0.0, "ignore_eos": True})
+    r = requests.post(
+        server.base + "/v1/chat/completions",
+        headers=AUTH,
+        timeout=120,
+        json={
+            "model": server.ckpt,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["weight_versions"] == [{"version": order[-1], "start": 0, "end": 4}]
     assert r.headers["x-zerokld-snapshot-identity"] == order[-1]
@@ -555,8 +685,9 @@ def test_sync_transition_425_exactly_while_swapping(env):
             before = _generated(server)
             long = pool.submit(_timed_completion, server, PROMPT, LONG, 1)
             _wait_running(server, long, before)
-            r = server.signal("y1", headers={"x-zerokld-hot-load-transition": "sync",
-                                             "x-zerokld-hot-load-drain-timeout": "0.2"})
+            r = server.signal(
+                "y1", headers={"x-zerokld-hot-load-transition": "sync", "x-zerokld-hot-load-drain-timeout": "0.2"}
+            )
         assert r.status_code == 425, r.text
         assert long.result()[0].json()["choices"][0]["finish_reason"] == "length"
     row = server.get(HL + "/ledger").json()["rows"][-1]  # the 425 is recorded, with its reason
@@ -572,13 +703,25 @@ def test_sync_transition_425_exactly_while_swapping(env):
 
     def poll():
         while not stop.is_set():
-            r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
-                "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
+            r = requests.post(
+                server.base + "/v1/completions",
+                headers=AUTH,
+                timeout=120,
+                json={"model": server.ckpt, "prompt": PROMPT, "max_tokens": 1},
+            )
             statuses.append(r.status_code)
             if r.status_code == 425:  # the drain window seen: the in-flight request may now finish at full speed
                 server.release_steps()
-            r = requests.post(server.base + "/invocations", headers=AUTH, timeout=120, json={  # row 15
-                "model": server.ckpt, "prompt": PROMPT, "max_tokens": 1})
+            r = requests.post(
+                server.base + "/invocations",
+                headers=AUTH,
+                timeout=120,
+                json={  # row 15
+                    "model": server.ckpt,
+                    "prompt": PROMPT,
+                    "max_tokens": 1,
+                },
+            )
             invocations.append(r.status_code)
             polling.set()
 
@@ -594,8 +737,9 @@ def test_sync_transition_425_exactly_while_swapping(env):
             t_running = time.monotonic() - t_sent
             poller = pool.submit(poll)
             t_signal = time.monotonic()
-            r = server.signal("y2", headers={"x-zerokld-hot-load-transition": "sync",
-                                             "x-zerokld-hot-load-drain-timeout": "120"})
+            r = server.signal(
+                "y2", headers={"x-zerokld-hot-load-transition": "sync", "x-zerokld-hot-load-drain-timeout": "120"}
+            )
         t_swapped = time.monotonic()
         assert polling.wait(60), "the poller got no response"
         time.sleep(0.5)
@@ -609,14 +753,16 @@ def test_sync_transition_425_exactly_while_swapping(env):
     assert ended >= row["timestamps"]["verified"], (  # the precondition of what follows: there was a drain window
         f"the in-flight request ended {row['timestamps']['verified'] - ended:.2f} s before the signal was verified "
         f"(the signal took {t_swapped - t_signal:.2f} s; the engine was seen running it {t_running:.2f} s after it "
-        "was sent)")
+        "was sent)"
+    )
     assert 425 in statuses and set(statuses) <= {200, 425}, (
         f"statuses {statuses}; the sync signal took {t_swapped - t_signal:.2f} s; ledger: "
-        f"{server.get(HL + '/ledger').json()['rows'][-1]}")
+        f"{server.get(HL + '/ledger').json()['rows'][-1]}"
+    )
     assert 425 in invocations and set(invocations) <= {200, 425} and invocations[-1] == 200
     assert statuses[-1] == 200
     first_425 = statuses.index(425)
-    assert all(s == 425 for s in statuses[first_425: len(statuses) - statuses[::-1].index(425)])  # one 425 window
+    assert all(s == 425 for s in statuses[first_425 : len(statuses) - statuses[::-1].index(425)])  # one 425 window
     _check_serving(server, root / "y2", "y2")
 
 
@@ -660,12 +806,19 @@ def test_killed_during_the_weight_copy_restarts_into_a_consistent_state(env):
     arm.write_text("")
     try:
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(lambda: requests.post(server.base + HL, headers=AUTH, timeout=300, json={
-                "identity": "k1", "incremental_snapshot_metadata": {"previous_snapshot_identity": current}}))
+            pending = pool.submit(
+                lambda: requests.post(
+                    server.base + HL,
+                    headers=AUTH,
+                    timeout=300,
+                    json={"identity": "k1", "incremental_snapshot_metadata": {"previous_snapshot_identity": current}},
+                )
+            )
             deadline = time.time() + 120
             while not marker.exists():
-                assert time.time() < deadline and not pending.done(), (
-                    "the swap never reached the weight copy: " + (pending.result().text if pending.done() else ""))
+                assert time.time() < deadline and not pending.done(), "the swap never reached the weight copy: " + (
+                    pending.result().text if pending.done() else ""
+                )
                 time.sleep(0.05)
             assert server.get(HL + "/status").json()["replicas"][0]["loading_state"]["stage"] == "loading"
             server.stop(kill=True)
@@ -698,8 +851,9 @@ def test_deltas_apply_in_place_on_the_workers_and_replay_after_restart(env):
     server, ckpt, root, full = env
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
     head = _dir_of(current, ckpt, root, full)
-    write_incremental_snapshot(head, _perturb(read_snapshot_tensors(head), 900), root / "ip1",
-                               compression_format="zkd_sparse_v2")
+    write_incremental_snapshot(
+        head, _perturb(read_snapshot_tensors(head), 900), root / "ip1", compression_format="zkd_sparse_v2"
+    )
     r = server.signal("ip1", previous=current, compression_format="zkd_sparse_v2")
     assert r.status_code == 200, r.text
     ip1 = _expected(root, full, "ip1", head)
@@ -733,9 +887,18 @@ LONG_PROMPT = [1] + list(range(3, 100)) * 2  # 195 tokens: whole KV blocks for t
 def _cached_tokens(server: Server, prompt: list[int], session: str | None = None) -> int:
     """Prompt tokens vLLM served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``) for a request
     of ``session`` (the OpenAI ``user`` field; ``None``: no session)."""
-    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
-        "model": server.ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-        **({"user": session} if session else {})})
+    r = requests.post(
+        server.base + "/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={
+            "model": server.ckpt,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            **({"user": session} if session else {}),
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
 
@@ -765,9 +928,11 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
         assert r.status_code == 200, r.text
         assert r.json()["prompt_cache_reset"] is (mode != "none")
         # a hit can only be a prefix cached with the earlier weights
-        cached = {"no session": _cached_tokens(server, LONG_PROMPT),
-                  "alice": _cached_tokens(server, alices, "alice"),
-                  "new session": _cached_tokens(server, other, f"new-after-{mode}")}
+        cached = {
+            "no session": _cached_tokens(server, LONG_PROMPT),
+            "alice": _cached_tokens(server, alices, "alice"),
+            "new session": _cached_tokens(server, other, f"new-after-{mode}"),
+        }
         expect = {"no session": mode == "none", "alice": mode != "all", "new session": mode == "none"}
         assert {s: c > 0 for s, c in cached.items()} == expect, (mode, cached)
     for i, mode in enumerate(("new_session", "all")):
@@ -788,11 +953,14 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
             spans = chunks[-1]
 
             def seen() -> str:  # evaluated only to report a failure
-                return (f"{len(chunks)} chunks, first {chunks[0]}, header {first!r}, last {spans}, row {r.text}, "
-                        f"ledger tail {server.get(HL + '/ledger').json()['rows'][-3:]}")
+                return (
+                    f"{len(chunks)} chunks, first {chunks[0]}, header {first!r}, last {spans}, row {r.text}, "
+                    f"ledger tail {server.get(HL + '/ledger').json()['rows'][-3:]}"
+                )
+
             if len(spans) >= 2 or attempt == 1:
                 break
-            warnings.warn("reset_prompt_cache stream did not span the swap; retrying once: " + seen())
+            warnings.warn("reset_prompt_cache stream did not span the swap; retrying once: " + seen(), stacklevel=1)
         assert first != identity, "the first token, streamed before the swap, is attributed to it: " + seen()
         assert len(spans) >= 2 and spans[-1]["version"] == identity and spans[-1]["end"] == 400, seen()
         row = r.json()
@@ -806,8 +974,8 @@ def test_restart_verifies_the_snapshot_it_restores(env):
     """Issue 21 row 12: a restart serves the ledger's snapshot only if its bits are the ones loaded (checksums and
     the ledger's weights digest). Replaced bits (a valid snapshot, other weights, same identity): the newest earlier
     snapshot that verifies serves instead (v1, not v2), the ledger says so. Every snapshot gone: the ``--model``
-    weights serve under the initial identity, the ledger says so. Never a crash. Negative control: the replaced bits really are
-    other weights (other trainer logprobs)."""
+    weights serve under the initial identity, the ledger says so. Never a crash. Negative control: the replaced bits
+    really are other weights (other trainer logprobs)."""
     server, ckpt, root, full = env
     base = Path(ckpt)
     full.mkdir(exist_ok=True)
@@ -827,8 +995,10 @@ def test_restart_verifies_the_snapshot_it_restores(env):
     _check_serving(server, full / "v1-kept", "v1")
     toks = server.logprobs()[0]
     seq = [PROMPT + toks]
-    assert not torch.equal(trainer_logprobs(str(full / "v2-orig"), seq, [len(PROMPT)], dtype="bfloat16")[0],
-                           trainer_logprobs(str(full / "v2-other"), seq, [len(PROMPT)], dtype="bfloat16")[0])
+    assert not torch.equal(
+        trainer_logprobs(str(full / "v2-orig"), seq, [len(PROMPT)], dtype="bfloat16")[0],
+        trainer_logprobs(str(full / "v2-other"), seq, [len(PROMPT)], dtype="bfloat16")[0],
+    )
     rows = server.get(HL + "/ledger").json()["rows"]
     assert rows[-1]["kind"] == "restore" and rows[-1]["identity"] == "v1" and "v2" in rows[-1]["error"]
     assert [r["readiness"] for r in rows if r["identity"] == "v2"][-1] == "failed"
@@ -854,15 +1024,24 @@ def test_every_serving_route_is_guarded_while_hot_load_is_on(env):
     assert requests.post(server.base + "/invocations", json=body, timeout=60).status_code == 401
     r = requests.post(server.base + "/invocations", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.headers["x-zerokld-snapshot-identity"] == current, r.text
-    assert requests.post(server.base + "/tokenize", json={"model": server.ckpt, "prompt": "a"},
-                         timeout=60).status_code == 401
+    assert (
+        requests.post(server.base + "/tokenize", json={"model": server.ckpt, "prompt": "a"}, timeout=60).status_code
+        == 401
+    )
     assert requests.get(server.base + "/health", timeout=60).status_code == 200
     assert requests.get(server.base + "/ping", timeout=60).status_code == 200
     wrong = {"Authorization": f"Bearer {API_KEY}x"}  # a wrong key is refused on every guarded route
-    for method, path in [("post", "/v1/completions"), ("post", "/invocations"), ("post", HL),
-                         ("get", HL + "/status"), ("get", HL + "/ledger"), ("delete", HL + "/ledger")]:
-        assert requests.request(method, server.base + path, json=body, headers=wrong,
-                                timeout=60).status_code == 401, path
+    for method, path in [
+        ("post", "/v1/completions"),
+        ("post", "/invocations"),
+        ("post", HL),
+        ("get", HL + "/status"),
+        ("get", HL + "/ledger"),
+        ("delete", HL + "/ledger"),
+    ]:
+        assert requests.request(method, server.base + path, json=body, headers=wrong, timeout=60).status_code == 401, (
+            path
+        )
 
 
 def test_api_key_from_vllm_env_guards_every_hot_load_route(env):

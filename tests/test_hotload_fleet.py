@@ -5,6 +5,7 @@ the replicas download it (resumable, every file checked against its published SH
 that replica alone gets a full snapshot of the same weights, the client says which, and the fleet serves the same
 bits again (same weights digest, bitwise the same log-probs from both); the next snapshot is full for all. Status
 and ledger rows name their replica; each replica's ledger is its own."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,12 @@ PROMPT = [1] + list(range(10, 40))
 
 def _perturbed(sd: dict, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.where(torch.rand(v.shape, generator=g) < 0.05,
-                           v + (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype), v) for k, v in sd.items()}
+    return {
+        k: torch.where(
+            torch.rand(v.shape, generator=g) < 0.05, v + (torch.randn(v.shape, generator=g) * 0.02).to(v.dtype), v
+        )
+        for k, v in sd.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,12 @@ def fleet(engine_slot, checkpoint_factory, tmp_path_factory, s3_server):
     tmp = tmp_path_factory.mktemp("fleet")
     root = f"{s3_server}/fleet"
     # two engines on this machine at once: 1 GiB of KV cache each instead of 30% of the memory
-    servers = [HotLoadServer(ckpt, root, tmp / f"state{i}", tmp / f"server{i}.log", API_KEY,
-                             ("--kv-cache-memory-bytes", str(1 << 30))) for i in range(2)]
+    servers = [
+        HotLoadServer(
+            ckpt, root, tmp / f"state{i}", tmp / f"server{i}.log", API_KEY, ("--kv-cache-memory-bytes", str(1 << 30))
+        )
+        for i in range(2)
+    ]
     try:
         for s in servers:
             s.start()
@@ -47,13 +56,27 @@ def fleet(engine_slot, checkpoint_factory, tmp_path_factory, s3_server):
 
 
 def _greedy(server: HotLoadServer) -> tuple[list[int], torch.Tensor, str]:
-    r = requests.post(server.base + "/v1/completions", headers=AUTH, timeout=120, json={
-        "model": server.ckpt, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
-        "ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = requests.post(
+        server.base + "/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={
+            "model": server.ckpt,
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
-    return ([int(t.split(":")[1]) for t in lp["tokens"]], torch.tensor(lp["token_logprobs"]),
-            r.headers["x-zerokld-snapshot-identity"])
+    return (
+        [int(t.split(":")[1]) for t in lp["tokens"]],
+        torch.tensor(lp["token_logprobs"]),
+        r.headers["x-zerokld-snapshot-identity"],
+    )
 
 
 def test_a_diverged_replica_falls_back_to_full_and_the_fleet_stays_consistent(fleet):
@@ -89,7 +112,7 @@ def test_a_diverged_replica_falls_back_to_full_and_the_fleet_stays_consistent(fl
     assert [r["current_snapshot_identity"] for r in client.fleet_status()["replicas"]] == ["f3", "f3"]
     fourth = client.push(writer, "f4", _perturbed(base, 4))
     assert (fourth.snapshot.kind, fourth.fallback) == ("incremental", [])
-    for s, r in zip(servers, client.fleet_status()["replicas"]):  # each ledger is its replica's own
+    for s, r in zip(servers, client.fleet_status()["replicas"], strict=True):  # each ledger is its replica's own
         led = requests.get(s.base + HL + "/ledger", headers=AUTH, timeout=30).json()
         assert led["replica"] == r["replica"] and {row["replica"] for row in led["rows"]} == {r["replica"]}
     led1 = requests.get(urls[1] + HL + "/ledger", headers=AUTH, timeout=30).json()

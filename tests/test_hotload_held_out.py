@@ -4,12 +4,12 @@ after the check never serves, a FIFO is refused at open), an index must name eve
 tensor catches an edit that keeps every Adler-32, a full disk is a clean 507, no answer carries an absolute path,
 ``new_session`` isolation covers ``/invocations`` and refuses routes that take no salt, an empty transition header is
 400, refused signals live in a bounded ring and the ledger file is appended to."""
+
 from __future__ import annotations
 
 import json
 import os
 import threading
-import time
 import zlib
 from pathlib import Path
 
@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from deltasync import read_snapshot_tensors, weights_digest, write_full_snapshot
 from titan_plugin import trainer_logprobs
-from zerokld_models.checkpoint import INDEX_FILE
 from vllm_plugin.serve import HotLoadServer
+from zerokld_models.checkpoint import INDEX_FILE
 from zerokld_testing.servers import tmpfs_prefix
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -48,8 +48,9 @@ class Env:
         return Path(f"/proc/{self.server.proc.pid}/root") / str(self.server.state).lstrip("/")
 
     def signal(self, identity: str, headers: dict | None = None, **body):
-        return requests.post(self.server.base + HL, json={"identity": identity, **body},
-                             headers={**AUTH, **(headers or {})}, timeout=300)
+        return requests.post(
+            self.server.base + HL, json={"identity": identity, **body}, headers={**AUTH, **(headers or {})}, timeout=300
+        )
 
     def get(self, path: str) -> dict:
         r = requests.get(self.server.base + path, headers=AUTH, timeout=60)
@@ -59,16 +60,33 @@ class Env:
     def current(self) -> str:
         return self.get(HL + "/status")["replicas"][0]["current_snapshot_identity"]
 
-    def logprobs(self, route: str = "/v1/completions", prompt=PROMPT, **extra
-                 ) -> tuple[list[int], torch.Tensor, str, dict]:
-        r = requests.post(self.server.base + route, headers=AUTH, timeout=120, json={
-            "model": self.ckpt, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": 0,
-            "ignore_eos": True, "return_tokens_as_token_ids": True, **extra})
+    def logprobs(
+        self, route: str = "/v1/completions", prompt=PROMPT, **extra
+    ) -> tuple[list[int], torch.Tensor, str, dict]:
+        r = requests.post(
+            self.server.base + route,
+            headers=AUTH,
+            timeout=120,
+            json={
+                "model": self.ckpt,
+                "prompt": prompt,
+                "max_tokens": 6,
+                "temperature": 0.0,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+                **extra,
+            },
+        )
         assert r.status_code == 200, r.text
         data = r.json()
         lp = data["choices"][0]["logprobs"]
-        return ([int(t.split(":")[1]) for t in lp["tokens"]], torch.tensor(lp["token_logprobs"]),
-                r.headers.get("x-zerokld-snapshot-identity"), data.get("usage") or {})
+        return (
+            [int(t.split(":")[1]) for t in lp["tokens"]],
+            torch.tensor(lp["token_logprobs"]),
+            r.headers.get("x-zerokld-snapshot-identity"),
+            data.get("usage") or {},
+        )
 
     def check_serving(self, snapshot: Path) -> None:
         toks, lps, _, _ = self.logprobs()
@@ -157,7 +175,7 @@ def test_an_index_must_name_every_tensor_and_shard(env):
             (out / f.name).write_bytes(f.read_bytes())
     tensors = load_file(str(snap / "model.safetensors"))
     names = sorted(tensors)
-    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
     save_file({k: tensors[k] for k in first}, str(out / "model-00001-of-00002.safetensors"))
     save_file({k: tensors[k] for k in second}, str(out / "model-00002-of-00002.safetensors"))
     (out / INDEX_FILE).write_text(json.dumps({"weight_map": {k: "model-00001-of-00002.safetensors" for k in first}}))
@@ -166,8 +184,16 @@ def test_an_index_must_name_every_tensor_and_shard(env):
     assert r.status_code == 422 and INDEX_FILE in r.json()["error"], r.text
     env.unchanged(before)
     # the same shards with a complete index load
-    (out / INDEX_FILE).write_text(json.dumps({"weight_map": {**{k: "model-00001-of-00002.safetensors" for k in first},
-                                                             **{k: "model-00002-of-00002.safetensors" for k in second}}}))
+    (out / INDEX_FILE).write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    **{k: "model-00001-of-00002.safetensors" for k in first},
+                    **{k: "model-00002-of-00002.safetensors" for k in second},
+                }
+            }
+        )
+    )
     (env.root / "two-shards-ok").mkdir()
     for f in out.iterdir():
         (env.root / "two-shards-ok" / f.name).write_bytes(f.read_bytes())
@@ -196,8 +222,9 @@ def test_an_edit_that_keeps_every_adler32_is_refused(env):
     adler = zlib.adler32(raw)
     adler_preserving_edit(raw)
     assert zlib.adler32(raw) == adler
-    tensors["lm_head.weight"] = torch.frombuffer(raw, dtype=torch.uint8).view(torch.bfloat16).reshape(
-        tensors["lm_head.weight"].shape).clone()
+    tensors["lm_head.weight"] = (
+        torch.frombuffer(raw, dtype=torch.uint8).view(torch.bfloat16).reshape(tensors["lm_head.weight"].shape).clone()
+    )
     save_file(tensors, str(snap / "model.safetensors"), metadata={"format": "pt"})
     before = env.logprobs()
     r = env.signal("edited")
@@ -254,14 +281,26 @@ def test_new_session_isolation_covers_invocations_and_refuses_unsalted_routes(en
     assert env.signal("ns2", reset_prompt_cache="new_session").status_code == 200
     after = env.logprobs("/invocations", LONG_PROMPT)
     assert after[2] == "ns2" and after[3]["prompt_tokens_details"]["cached_tokens"] == 0
-    r = requests.post(env.server.base + "/v1/responses", headers=AUTH, timeout=60,
-                      json={"model": env.ckpt, "input": "abc", "max_output_tokens": 2})
+    r = requests.post(
+        env.server.base + "/v1/responses",
+        headers=AUTH,
+        timeout=60,
+        json={"model": env.ckpt, "input": "abc", "max_output_tokens": 2},
+    )
     assert r.status_code == 409 and "new_session" in r.json()["error"], r.text
-    assert requests.post(env.server.base + "/tokenize", headers=AUTH, timeout=60,
-                         json={"model": env.ckpt, "prompt": "abc"}).status_code == 200
+    assert (
+        requests.post(
+            env.server.base + "/tokenize", headers=AUTH, timeout=60, json={"model": env.ckpt, "prompt": "abc"}
+        ).status_code
+        == 200
+    )
     assert env.signal("ns3", reset_prompt_cache="all").status_code == 200
-    r = requests.post(env.server.base + "/v1/responses", headers=AUTH, timeout=60,
-                      json={"model": env.ckpt, "input": "abc", "max_output_tokens": 2})
+    r = requests.post(
+        env.server.base + "/v1/responses",
+        headers=AUTH,
+        timeout=60,
+        json={"model": env.ckpt, "input": "abc", "max_output_tokens": 2},
+    )
     assert r.status_code != 409, r.text
 
 

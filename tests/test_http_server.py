@@ -1,5 +1,6 @@
 """The OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``) with the plugin switched on via
 ``--additional-config``: concurrent requests on loopback return the trainer's logprobs bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ import requests
 import torch
 
 from titan_plugin import trainer_logprobs
-from vllm_plugin.serve import OpenAIServer
-from vllm_plugin.serve import kv_cache_args
+from vllm_plugin.serve import OpenAIServer, kv_cache_args
 
 pytestmark = pytest.mark.vllm
 
@@ -19,11 +19,26 @@ pytestmark = pytest.mark.vllm
 def _serve(engine_slot, ckpt: str, dtype: str, log_dir, extra_args: tuple = ()):
     """``vllm serve`` (the OpenAI server module) on loopback with the plugin on; yields the base URL."""
     engine_slot.close()  # one engine at a time on this machine
-    server = OpenAIServer(["--model", ckpt, "--dtype", dtype, "--gpu-memory-utilization", "0.3",
-                           "--max-model-len", "512", "--enforce-eager", "--max-num-batched-tokens", "64",
-                           "--additional-config", json.dumps({"zerokld": {"batch_invariant": True}}), *kv_cache_args(),
-                           *extra_args],
-                          log_dir / "server.log")
+    server = OpenAIServer(
+        [
+            "--model",
+            ckpt,
+            "--dtype",
+            dtype,
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--max-num-batched-tokens",
+            "64",
+            "--additional-config",
+            json.dumps({"zerokld": {"batch_invariant": True}}),
+            *kv_cache_args(),
+            *extra_args,
+        ],
+        log_dir / "server.log",
+    )
     server.start()
     try:
         yield server.base
@@ -46,9 +61,19 @@ def test_concurrent_http_requests_match_trainer(server):
     prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(4, 100))] for _ in range(24)]
 
     def complete(p):
-        r = requests.post(base + "/v1/completions", timeout=120, json={
-            "model": ckpt, "prompt": p, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
-            "return_tokens_as_token_ids": True})
+        r = requests.post(
+            base + "/v1/completions",
+            timeout=120,
+            json={
+                "model": ckpt,
+                "prompt": p,
+                "max_tokens": 16,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         r.raise_for_status()
         lp = r.json()["choices"][0]["logprobs"]
         ids = [int(t.split(":")[1]) for t in lp["tokens"]]
@@ -56,16 +81,17 @@ def test_concurrent_http_requests_match_trainer(server):
 
     with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(complete, prompts))
-    seqs = [p + ids for p, (ids, _) in zip(prompts, results)]
+    seqs = [p + ids for p, (ids, _) in zip(prompts, results, strict=True)]
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype="bfloat16")
-    assert [i for i, (t, (_, lp)) in enumerate(zip(train, results)) if not torch.equal(t, lp)] == []
+    assert [i for i, (t, (_, lp)) in enumerate(zip(train, results, strict=True)) if not torch.equal(t, lp)] == []
 
 
 @pytest.fixture(scope="module")
 def moe_server(engine_slot, checkpoint_factory, tmp_path_factory):
     ckpt = checkpoint_factory("qwen3_moe", "float32")
-    for base in _serve(engine_slot, ckpt, "float32", tmp_path_factory.mktemp("moe_server"),
-                       ("--enable-return-routed-experts",)):
+    for base in _serve(
+        engine_slot, ckpt, "float32", tmp_path_factory.mktemp("moe_server"), ("--enable-return-routed-experts",)
+    ):
         yield base, ckpt
 
 
@@ -82,9 +108,20 @@ def test_completions_return_routes_and_seeds(moe_server):
     prompt = [1] + list(range(10, 90))
 
     def complete(**kw):
-        r = requests.post(base + "/v1/completions", timeout=120, json={
-            "model": ckpt, "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
-            "return_tokens_as_token_ids": True, **kw})
+        r = requests.post(
+            base + "/v1/completions",
+            timeout=120,
+            json={
+                "model": ckpt,
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+                **kw,
+            },
+        )
         r.raise_for_status()
         return r.json()["choices"]
 
@@ -105,17 +142,35 @@ def test_completions_return_routes_and_seeds(moe_server):
 
     batch = RolloutBatch.from_openai([prompt, prompt], choices)
     assert batch.numerics == NumericsMode.build(True, "float32")
-    train = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32",
-                             routed_experts=batch.routed_experts)
-    assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs))
+    train = trainer_logprobs(
+        ckpt, batch.sequences, batch.prompt_lengths, dtype="float32", routed_experts=batch.routed_experts
+    )
+    assert all(torch.equal(t, q) for t, q in zip(train, batch.sampler_logprobs, strict=True))
 
 
 def _dp_server(ckpt: str, dtype: str, log_path, batch_invariant: bool) -> OpenAIServer:
     config = {"zerokld": {"batch_invariant": True}} if batch_invariant else {}
-    return OpenAIServer(["--model", ckpt, "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
-                         "--enforce-eager", "--max-num-batched-tokens", "64", "--data-parallel-size", "2",
-                         "--additional-config", json.dumps(config), *kv_cache_args()],
-                        log_path)
+    return OpenAIServer(
+        [
+            "--model",
+            ckpt,
+            "--dtype",
+            dtype,
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--max-num-batched-tokens",
+            "64",
+            "--data-parallel-size",
+            "2",
+            "--additional-config",
+            json.dumps(config),
+            *kv_cache_args(),
+        ],
+        log_path,
+    )
 
 
 def _engine_requests(base: str) -> dict[str, float]:
@@ -124,7 +179,7 @@ def _engine_requests(base: str) -> dict[str, float]:
 
     text = requests.get(base + "/metrics", timeout=30).text
     counts: dict[str, float] = {}
-    for m in re.finditer(r'^vllm:request_success_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+    for m in re.finditer(r"^vllm:request_success_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
         engine = re.search(r'engine="(\d+)"', m.group(1)).group(1)
         counts[engine] = counts.get(engine, 0.0) + float(m.group(2))
     return counts
@@ -147,14 +202,26 @@ def test_data_parallel_2_serves_the_trainers_logprobs(engine_slot, checkpoint_fa
         server = _dp_server(ckpt, "bfloat16", tmp_path / f"dp2_{batch_invariant}.log", batch_invariant)
         server.start({"VLLM_CPU_OMP_THREADS_BIND": "0|1", **({} if batch_invariant else {"VLLM_PLUGINS": ""})})
         try:
+
             def complete(p, base=server.base):
-                r = requests.post(base + "/v1/completions", timeout=120, json={
-                    "model": ckpt, "prompt": p, "max_tokens": 16, "temperature": 1.0, "logprobs": 0,
-                    "ignore_eos": True, "return_tokens_as_token_ids": True})
+                r = requests.post(
+                    base + "/v1/completions",
+                    timeout=120,
+                    json={
+                        "model": ckpt,
+                        "prompt": p,
+                        "max_tokens": 16,
+                        "temperature": 1.0,
+                        "logprobs": 0,
+                        "ignore_eos": True,
+                        "return_tokens_as_token_ids": True,
+                    },
+                )
                 r.raise_for_status()
                 lp = r.json()["choices"][0]["logprobs"]
-                return [int(t.split(":")[1]) for t in lp["tokens"]], torch.tensor(lp["token_logprobs"],
-                                                                                   dtype=torch.float32)
+                return [int(t.split(":")[1]) for t in lp["tokens"]], torch.tensor(
+                    lp["token_logprobs"], dtype=torch.float32
+                )
 
             with ThreadPoolExecutor(max_workers=12) as pool:
                 results[batch_invariant] = list(pool.map(complete, prompts))

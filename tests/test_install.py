@@ -2,6 +2,7 @@
 resolved a newer Triton than CI had tested, whose interpreter refused a kernel). ``make install`` and ``make
 install-test`` install with ``-c constraints.txt``; a package installed by other means at another version fails here,
 naming it."""
+
 from __future__ import annotations
 
 import re
@@ -56,11 +57,16 @@ def test_readme_install_alone_serves_the_tinker_wire(tmp_path, checkpoint_factor
 
     root = Path(__file__).resolve().parent.parent
     venv = tmp_path / "venv"
-    proc = subprocess.run(["make", "-C", str(root), "install", f"VENV={venv}"], capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run(
+        ["make", "-C", str(root), "install", f"VENV={venv}"], capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
-                            capture_output=True, text=True, timeout=120).stdout
+    listed = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "pytest==" not in listed and "tinker==0.38.0" in listed  # the cpu extra alone, tinker with it
     ckpt = checkpoint_factory("qwen3", "bfloat16")
     (tmp_path / "snapshots").mkdir()
@@ -74,9 +80,13 @@ def test_readme_install_alone_serves_the_tinker_wire(tmp_path, checkpoint_factor
             tc = svc.create_lora_training_client(base_model="tiny", rank=4).result()
             tokens = [1] + list(range(10, 30))
             n = len(tokens) - 1
-            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-                "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-                "weights": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n])})
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+                    "weights": types.TensorData(data=[1.0] * n, dtype="float32", shape=[n]),
+                },
+            )
             out = tc.forward_backward([datum], "cross_entropy").result()
             assert len(out.loss_fn_outputs[0]["logprobs"].data) == n
         finally:

@@ -9,6 +9,7 @@ Negative controls: a copy of ``zerokld_models`` with the host binding the folder
 import; the contracts with ``zerokld_models`` moved above ``deltasync`` are reported broken — the linter sees the real
 graph, so a new upward import fails here.
 """
+
 from __future__ import annotations
 
 import configparser
@@ -18,23 +19,23 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 LINT = Path(sys.executable).parent / "lint-imports"
 
 
 def _lint(config: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT), "--no-cache", str(config)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([str(LINT), "--no-cache", str(config)], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def _write_config(section: dict, path: Path) -> Path:
     """``section`` (pyproject's ``[tool.importlinter]`` table) as import-linter's INI config, written by configparser:
     lists as one item per line, each contract in ``[importlinter:contract:<id>]``."""
+
     def val(v):
         return "\n".join(v) if isinstance(v, list) else str(v)
 
@@ -59,11 +60,11 @@ def test_import_contracts_kept():
 
 
 def test_a_host_binding_put_back_into_an_architecture_folder_is_reported(tmp_path):
-    shutil.copytree(ROOT / "zerokld_models", tmp_path / "zerokld_models",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "zerokld_models", tmp_path / "zerokld_models", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "zerokld_models" / "qwen3" / "vllm.py").write_text(
         "from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM\n\n"
-        "from vllm_plugin.models.dense import ZeroKLDMixin\n")
+        "from vllm_plugin.models.dense import ZeroKLDMixin\n"
+    )
     # the linter puts its working directory first on the import path: the copy shadows the installed package
     r = _lint(ROOT / "pyproject.toml", cwd=tmp_path)
     assert r.returncode != 0, r.stdout
@@ -75,8 +76,15 @@ def test_a_host_binding_put_back_into_an_architecture_folder_is_reported(tmp_pat
 def test_layers_in_another_order_are_reported_broken(section, tmp_path):
     """zerokld_models imports shared_numerics (its HF-config reader uses the RoPE scaling type): with
     shared_numerics put above it, the linter reports that import."""
-    contracts = [dict(c, layers=["titan_plugin | vllm_plugin", "deltasync", "shared_numerics", "zerokld_models",
-                                 "zerokld_plugins"]) if c["id"] == "layers" else c for c in section["contracts"]]
+    contracts = [
+        dict(
+            c,
+            layers=["titan_plugin | vllm_plugin", "deltasync", "shared_numerics", "zerokld_models", "zerokld_plugins"],
+        )
+        if c["id"] == "layers"
+        else c
+        for c in section["contracts"]
+    ]
     r = _lint(_write_config({**section, "contracts": contracts}, tmp_path / "reordered.ini"))
     assert r.returncode != 0, r.stdout
     assert "zerokld_models is not allowed to import shared_numerics" in r.stdout, r.stdout
@@ -128,8 +136,16 @@ def test_the_example_and_the_benchmarks_use_public_api_only():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} import {[a.name for a in node.names]}")
     assert found == [], found
     assert scanned > 10
-    assert factory == {"DeepSeekSpec", "TinyModelSpec", "make_deepseek_checkpoint", "make_tiny_checkpoint",
-                       "make_tokenizer", "mixed_sampling_params", "random_datums", "random_prompts"}
+    assert factory == {
+        "DeepSeekSpec",
+        "TinyModelSpec",
+        "make_deepseek_checkpoint",
+        "make_tiny_checkpoint",
+        "make_tokenizer",
+        "mixed_sampling_params",
+        "random_datums",
+        "random_prompts",
+    }
 
 
 def _is_package(module: str) -> bool:
@@ -167,10 +183,12 @@ def test_vllm_attributes_are_replaced_only_through_the_seam_table():
     reports a direct assignment (the form the plugin used before), including through a submodule import."""
     sources = {str(p): p.read_text() for p in sorted((ROOT / "vllm_plugin").rglob("*.py"))}
     assert _vllm_attribute_assignments(sources) == set()
-    assert _vllm_attribute_assignments({"x.py": "from vllm.v1.sample.sampler import Sampler\nSampler.sample = f\n",
-                                        "y.py": "from vllm.model_executor.model_loader import base_loader\n"
-                                                "base_loader.initialize_model = f\n"}) == {
-        "vllm.v1.sample.sampler:Sampler.sample", "vllm.model_executor.model_loader.base_loader:initialize_model"}
+    assert _vllm_attribute_assignments(
+        {
+            "x.py": "from vllm.v1.sample.sampler import Sampler\nSampler.sample = f\n",
+            "y.py": "from vllm.model_executor.model_loader import base_loader\nbase_loader.initialize_model = f\n",
+        }
+    ) == {"vllm.v1.sample.sampler:Sampler.sample", "vllm.model_executor.model_loader.base_loader:initialize_model"}
 
 
 def test_registration_installs_every_declared_seam_and_refuses_others():
@@ -187,13 +205,20 @@ def test_registration_installs_every_declared_seam_and_refuses_others():
     with pytest.raises(seams.SeamError, match="would wrap that patch"):  # a second patch of an installed target
         seams.replace("vllm.v1.sample.sampler:Sampler.sample", lambda original: original)
     gone = seams.Seam("vllm.v1.sample.sampler:Sampler.no_such_method", "a test target", ("tests",))
-    with pytest.raises(seams.SeamError, match=r"vLLM 0\.32\.0 \(verified with 0\.32\.0\): it lacks or changed "
-                                              r"vllm\.v1\.sample\.sampler:Sampler\.no_such_method \(no such attribute"):
+    with pytest.raises(
+        seams.SeamError,
+        match=r"vLLM 0\.32\.0 \(verified with 0\.32\.0\): it lacks or changed "
+        r"vllm\.v1\.sample\.sampler:Sampler\.no_such_method \(no such attribute",
+    ):
         seams.check((*seams.SEAMS, gone))
-    changed = seams.Seam("vllm.v1.sample.sampler:Sampler.sample", "a test target", ("tests",),
-                         params=("self", "logits", "metadata"))
-    with pytest.raises(seams.SeamError, match=r"Sampler\.sample \(parameters \(self, logits, sampling_metadata, "
-                                              r"logprobs_mode_override\), expected \(self, logits, metadata, \.\.\.\)"):
+    changed = seams.Seam(
+        "vllm.v1.sample.sampler:Sampler.sample", "a test target", ("tests",), params=("self", "logits", "metadata")
+    )
+    with pytest.raises(
+        seams.SeamError,
+        match=r"Sampler\.sample \(parameters \(self, logits, sampling_metadata, "
+        r"logprobs_mode_override\), expected \(self, logits, metadata, \.\.\.\)",
+    ):
         seams.check((changed,))
     with pytest.raises(seams.SeamError, match=r"compute_logprobs \(a staticmethod, not a function"):
         seams.check((seams.Seam("vllm.v1.sample.sampler:Sampler.compute_logprobs", "x", ("tests",)),))

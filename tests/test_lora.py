@@ -5,6 +5,7 @@ order of the batch; the arithmetic is PEFT's (``base + lora_B(lora_A(x)) * scali
 activation dtype); gradients reach the adapters, deterministically. Control: the same PEFT arithmetic on ATen's own
 ``F.linear`` (what a stock trainer computes) gives other bits for a row alone than inside the batch.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 def _case(dtype, m=100, k=96, n=200, adapters=3, rank=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
-    w, b = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype), torch.randn(n, generator=g).to(dtype)
-    a = (torch.randn(adapters, rank, k, generator=g) * k ** -0.5).to(dtype)
+    w, b = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype), torch.randn(n, generator=g).to(dtype)
+    a = (torch.randn(adapters, rank, k, generator=g) * k**-0.5).to(dtype)
     bb = (torch.randn(adapters, n, rank, generator=g) * 0.5).to(dtype)
     scaling = torch.tensor([2.0, 0.5, 1.0][:adapters])
     ids = torch.randint(-1, adapters, (m,), generator=g)
@@ -36,10 +37,12 @@ def test_rows_are_batch_invariant_across_adapters(dtype):
     assert set(ids.tolist()) == {-1, 0, 1, 2}
     y = sn.lora_linear(x, w, b, a, bb, s, ids)
     for i in (0, 17, 42, 99):
-        assert torch.equal(sn.lora_linear(x[i:i + 1], w, b, a, bb, s, ids[i:i + 1]), y[i:i + 1])
+        assert torch.equal(sn.lora_linear(x[i : i + 1], w, b, a, bb, s, ids[i : i + 1]), y[i : i + 1])
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))
     assert torch.equal(sn.lora_linear(x[perm], w, b, a, bb, s, ids[perm]), y[perm])
-    for j in range(3):  # every row on adapter j (scalings 2, 0.5, 1; the op's no-gather path): rows on j keep their bits
+    for j in range(
+        3
+    ):  # every row on adapter j (scalings 2, 0.5, 1; the op's no-gather path): rows on j keep their bits
         yj = sn.lora_linear(x, w, b, a, bb, s, ids.clone().fill_(j))
         assert torch.equal(yj[ids == j], y[ids == j])
     base = sn.lora_linear(x, w, b, a, bb, s, torch.full_like(ids, -1))
@@ -86,11 +89,16 @@ def test_stock_peft_arithmetic_depends_on_the_batch():
         return STOCK_OPS["lora_linear"](x[rows], w, b, a, bb, s, ids[rows])
 
     full = stock(slice(None))
-    stock_differs(any(not torch.equal(stock(slice(i, i + 1)), full[i:i + 1]) for i in range(0, 100, 11)),
-                  "LoRA linear (torch ops) of a row alone vs in the batch", "the shapes")
+    stock_differs(
+        any(not torch.equal(stock(slice(i, i + 1)), full[i : i + 1]) for i in range(0, 100, 11)),
+        "LoRA linear (torch ops) of a row alone vs in the batch",
+        "the shapes",
+    )
     ours = sn.lora_linear(x, w, b, a, bb, s, ids)
-    assert all(torch.equal(sn.lora_linear(x[i:i + 1], w, b, a, bb, s, ids[i:i + 1]), ours[i:i + 1])
-               for i in range(0, 100, 11))
+    assert all(
+        torch.equal(sn.lora_linear(x[i : i + 1], w, b, a, bb, s, ids[i : i + 1]), ours[i : i + 1])
+        for i in range(0, 100, 11)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,6 +9,7 @@ request gets served alone. Control: vLLM's own in-place reload (``/v1/load_lora_
 under a running stream gives a response that matches neither version. Refused adapter snapshots leave the served
 version untouched; a restart restores every adapter's last version, verified.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -47,17 +48,21 @@ MAX_MODEL_LEN = 1024
 class Env:
     """The server, the trainer's adapter versions (PEFT dirs) and a LoRA training client per adapter (to score)."""
 
-    def __init__(self, server: HotLoadServer, ckpt: str, clients: dict, versions: dict[str, list[Path]],
-                 tmp: Path) -> None:
+    def __init__(
+        self, server: HotLoadServer, ckpt: str, clients: dict, versions: dict[str, list[Path]], tmp: Path
+    ) -> None:
         self.server, self.ckpt, self.clients, self.versions, self.tmp = server, ckpt, clients, versions, tmp
         self.hl = HotLoadClient(server.base, api_key=API_KEY)
-        self.writers = {n: SnapshotWriter(server.root, versions[n][0], full_every=100, cache_dir=tmp / f"cache-{n}")
-                        for n in versions}
+        self.writers = {
+            n: SnapshotWriter(server.root, versions[n][0], full_every=100, cache_dir=tmp / f"cache-{n}")
+            for n in versions
+        }
 
     def push(self, name: str, v: int):
         """Push version ``v`` (1-based) of adapter ``name``; the :class:`deltasync.PushResult`."""
-        return self.hl.push(self.writers[name], f"{name}-v{v}", read_snapshot_tensors(self.versions[name][v - 1]),
-                            lora_name=name)
+        return self.hl.push(
+            self.writers[name], f"{name}-v{v}", read_snapshot_tensors(self.versions[name][v - 1]), lora_name=name
+        )
 
     def current(self, name: str) -> int:
         """The version of adapter ``name`` the server serves (0: none)."""
@@ -90,18 +95,30 @@ def env(engine_slot, checkpoint_factory, tmp_path_factory):
     clients, versions = {}, {}
     try:
         for name, (rank, alpha, seed) in ADAPTERS.items():
-            c = clients[name] = TrainingClient.create_lora(ckpt, rank=rank, alpha=alpha, max_rank=MAX_RANK,
-                                                           learning_rate=2e-2, seed=seed,
-                                                           dump_folder=str(tmp / f"train-{name}"))
+            c = clients[name] = TrainingClient.create_lora(
+                ckpt,
+                rank=rank,
+                alpha=alpha,
+                max_rank=MAX_RANK,
+                learning_rate=2e-2,
+                seed=seed,
+                dump_folder=str(tmp / f"train-{name}"),
+            )
             versions[name] = []
             for v in range(1, VERSIONS + 1):
                 c.forward_backward(random_datums(100 * seed + v), "cross_entropy")
                 c.optim_step()
                 versions[name].append(Path(c.save_weights_for_sampler(f"{name}-v{v}")))
         (tmp / "snapshots").mkdir()
-        server = HotLoadServer(ckpt, tmp / "snapshots", tmp / "state", tmp / "server.log", API_KEY,
-                               ("--enable-lora", "--max-loras", "3", "--max-cpu-loras", "4", "--max-lora-rank",
-                                str(MAX_RANK)), max_model_len=MAX_MODEL_LEN)
+        server = HotLoadServer(
+            ckpt,
+            tmp / "snapshots",
+            tmp / "state",
+            tmp / "server.log",
+            API_KEY,
+            ("--enable-lora", "--max-loras", "3", "--max-cpu-loras", "4", "--max-lora-rank", str(MAX_RANK)),
+            max_model_len=MAX_MODEL_LEN,
+        )
         server.start(extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # the control's in-place reloads
         try:
             yield Env(server, ckpt, clients, versions, tmp)
@@ -113,14 +130,30 @@ def env(engine_slot, checkpoint_factory, tmp_path_factory):
 
 
 def _complete(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int = 24) -> dict:
-    r = requests.post(env.server.base + "/v1/completions", headers=AUTH, timeout=300, json={
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-        "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = requests.post(
+        env.server.base + "/v1/completions",
+        headers=AUTH,
+        timeout=300,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     lp = body["choices"][0]["logprobs"]
-    return {"model": body["model"], "tokens": [int(t.split(":")[1]) for t in lp["tokens"]],
-            "logprobs": torch.tensor(lp["token_logprobs"], dtype=torch.float32), "done": time.monotonic()}
+    return {
+        "model": body["model"],
+        "tokens": [int(t.split(":")[1]) for t in lp["tokens"]],
+        "logprobs": torch.tensor(lp["token_logprobs"], dtype=torch.float32),
+        "done": time.monotonic(),
+    }
 
 
 def _stream(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int, action) -> dict:
@@ -135,13 +168,28 @@ def _stream(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int,
 
 def _slowed_stream(env: Env, model: str, prompt: list[int], seed: int, max_tokens: int, action) -> dict:
     """:func:`_stream` within its slowed steps."""
-    r = requests.post(env.server.base + "/v1/completions", headers=AUTH, timeout=300, stream=True, json={
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-        "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True, "stream": True})
+    r = requests.post(
+        env.server.base + "/v1/completions",
+        headers=AUTH,
+        timeout=300,
+        stream=True,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+            "stream": True,
+        },
+    )
     assert r.status_code == 200, r.text
     tokens, lps, models, arrivals, returned, started = [], [], set(), [], [], []
-    worker = threading.Thread(target=lambda: (started.append(time.monotonic()), action(),
-                                              returned.append(time.monotonic())))
+    worker = threading.Thread(
+        target=lambda: (started.append(time.monotonic()), action(), returned.append(time.monotonic()))
+    )
     for line in r.iter_lines():
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
@@ -157,9 +205,13 @@ def _slowed_stream(env: Env, model: str, prompt: list[int], seed: int, max_token
             env.server.release_steps()  # a token after the action: the rest may come at full speed
     worker.join(timeout=120)
     assert returned, "the mid-stream action did not finish"
-    return {"models": models, "tokens": tokens, "logprobs": torch.tensor(lps, dtype=torch.float32),
-            "late": sum(a > returned[0] + 0.3 for a in arrivals),
-            "timing": {"action_s": returned[0] - started[0], "stream_after_action_start_s": arrivals[-1] - started[0]}}
+    return {
+        "models": models,
+        "tokens": tokens,
+        "logprobs": torch.tensor(lps, dtype=torch.float32),
+        "late": sum(a > returned[0] + 0.3 for a in arrivals),
+        "timing": {"action_s": returned[0] - started[0], "stream_after_action_start_s": arrivals[-1] - started[0]},
+    }
 
 
 def _score(env: Env, prompts, results) -> list[torch.Tensor]:
@@ -174,7 +226,7 @@ def _score(env: Env, prompts, results) -> list[torch.Tensor]:
         if folder is not None:
             client.trainer.load_lora(folder)
         batch = RolloutBatch([prompts[i] + results[i]["tokens"] for i in idx], [len(prompts[i]) for i in idx])
-        for i, lp in zip(idx, client.trainer.forward_logprobs(batch, base_only=folder is None)):
+        for i, lp in zip(idx, client.trainer.forward_logprobs(batch, base_only=folder is None), strict=True):
             scores[i] = lp
     return scores
 
@@ -213,8 +265,12 @@ def test_adapter_versions_swapped_under_load_leak_nothing(env):
         futures = [pool.submit(client) for _ in range(6)] + [pool.submit(trainer)]
         for f in futures:
             f.result()
-    assert swaps == [("A", 2, "incremental", []), ("B", 2, "incremental", []), ("A", 3, "incremental", []),
-                     ("B", 3, "incremental", [])]
+    assert swaps == [
+        ("A", 2, "incremental", []),
+        ("B", 2, "incremental", []),
+        ("A", 3, "incremental", []),
+        ("B", 3, "incremental", []),
+    ]
     order = sorted(results)
     served = [results[i]["model"] for i in order]
     assert {m for m in served if m.startswith("A@")} >= {"A@A-v1", "A@A-v3"}, served
@@ -223,7 +279,9 @@ def test_adapter_versions_swapped_under_load_leak_nothing(env):
         m = job(i)[0]
         assert results[i]["model"] == Path(env.ckpt).name if m == env.ckpt else results[i]["model"].startswith(m + "@")
     scores = _score(env, [job(i)[1] for i in order], [results[i] for i in order])
-    mismatched = [results[i]["model"] for s, i in zip(scores, order) if not torch.equal(s, results[i]["logprobs"])]
+    mismatched = [
+        results[i]["model"] for s, i in zip(scores, order, strict=True) if not torch.equal(s, results[i]["logprobs"])
+    ]
     assert mismatched == []
     # the same requests alone, for the versions still served (v3 of both, and the base model)
     for i in order:
@@ -233,13 +291,17 @@ def test_adapter_versions_swapped_under_load_leak_nothing(env):
             assert (alone["model"], alone["tokens"]) == (r["model"], r["tokens"])
             assert torch.equal(alone["logprobs"], r["logprobs"])
     status = requests.get(env.server.base + HL + "/status", headers=AUTH, timeout=30).json()["replicas"][0]
-    assert {n: a["current_snapshot_identity"] for n, a in status["lora_adapters"].items()} == {"A": "A-v3",
-                                                                                               "B": "B-v3"}
+    assert {n: a["current_snapshot_identity"] for n, a in status["lora_adapters"].items()} == {"A": "A-v3", "B": "B-v3"}
     led = requests.get(env.server.base + HL + "/ledger", headers=AUTH, params={"lora_name": "B"}, timeout=30).json()
     assert [(r["identity"], r["kind"], r["readiness"]) for r in led["rows"]] == [
-        ("B-v1", "full", "ready"), ("B-v2", "incremental", "ready"), ("B-v3", "incremental", "ready")]
-    assert requests.get(env.server.base + HL + "/ledger", headers=AUTH, params={"lora_name": "Z"},
-                        timeout=30).status_code == 404
+        ("B-v1", "full", "ready"),
+        ("B-v2", "incremental", "ready"),
+        ("B-v3", "incremental", "ready"),
+    ]
+    assert (
+        requests.get(env.server.base + HL + "/ledger", headers=AUTH, params={"lora_name": "Z"}, timeout=30).status_code
+        == 404
+    )
 
 
 def test_a_stream_spanning_an_adapter_swap_keeps_its_version(env):
@@ -266,8 +328,12 @@ def test_negative_control_vllm_in_place_reload_mixes_versions(env):
     v1, v2 = env.versions["A"][0], env.versions["A"][1]
 
     def load(path: Path, inplace: bool) -> None:
-        r = requests.post(env.server.base + "/v1/load_lora_adapter", headers=AUTH, timeout=120,
-                          json={"lora_name": "C", "lora_path": str(path), "load_inplace": inplace})
+        r = requests.post(
+            env.server.base + "/v1/load_lora_adapter",
+            headers=AUTH,
+            timeout=120,
+            json={"lora_name": "C", "lora_path": str(path), "load_inplace": inplace},
+        )
         assert r.status_code == 200, r.text
 
     load(v1, False)
@@ -301,10 +367,12 @@ def test_bad_adapter_snapshots_are_refused_and_the_served_version_stays(env):
     served = before["model"].split("@")[1]
     delta = {"previous_snapshot_identity": "A-never", "compression_format": "arc_v2", "checksum_format": "alder32"}
     (env.server.root / "A-bad-chain").mkdir()  # exists; refused on the chain before it is opened
-    assert signal({"identity": "A-bad-chain", "lora_name": "A", "incremental_snapshot_metadata": delta}
-                  ).status_code == 409
-    assert signal({"identity": "A-bad-chain", "lora_name": "N", "incremental_snapshot_metadata": delta}
-                  ).status_code == 409
+    assert (
+        signal({"identity": "A-bad-chain", "lora_name": "A", "incremental_snapshot_metadata": delta}).status_code == 409
+    )
+    assert (
+        signal({"identity": "A-bad-chain", "lora_name": "N", "incremental_snapshot_metadata": delta}).status_code == 409
+    )
     corrupt = _snap(env, "A-corrupt", a_tensors)
     f = env.server.root / corrupt / "adapter_model.safetensors"
     raw = bytearray(f.read_bytes())
@@ -320,8 +388,10 @@ def test_bad_adapter_snapshots_are_refused_and_the_served_version_stays(env):
     cfg = json.loads((env.versions["A"][0] / "adapter_config.json").read_text())
     (wide / "adapter_config.json").write_text(json.dumps({**cfg, "r": 16, "lora_alpha": 32}))
     g = torch.Generator().manual_seed(0)
-    wide_tensors = {k: torch.randn(*((16, v.shape[1]) if "lora_A" in k else (v.shape[0], 16)), generator=g
-                                   ).to(v.dtype) * 0.01 for k, v in a_tensors.items()}
+    wide_tensors = {
+        k: torch.randn(*((16, v.shape[1]) if "lora_A" in k else (v.shape[0], 16)), generator=g).to(v.dtype) * 0.01
+        for k, v in a_tensors.items()
+    }
     r = signal({"identity": _snap(env, "A-wide", wide_tensors, wide), "lora_name": "A"})
     assert r.status_code == 422 and "rank" in r.json()["error"].lower(), r.text
     assert signal({"identity": "A-v9", "lora_name": "../A"}).status_code == 400

@@ -2,6 +2,7 @@
 with the adapted projections on shared_numerics.lora_linear, a frozen base, adapter-only optimizer state, PEFT export
 that vLLM's own LoRA loader reads, base-only reference log-probs and the k3 KL term through RLTrainer and
 TrainingClient."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,14 +22,15 @@ def _lps(res) -> list[torch.Tensor]:
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _lora_client(ckpt: str, tmp_path, name: str, **kw):
     from titan_plugin import TrainingClient
 
-    return TrainingClient.create_lora(ckpt, rank=4, alpha=8.0, dtype=DTYPE, learning_rate=1e-2, seed=3,
-                                      dump_folder=str(tmp_path / name), **kw)
+    return TrainingClient.create_lora(
+        ckpt, rank=4, alpha=8.0, dtype=DTYPE, learning_rate=1e-2, seed=3, dump_folder=str(tmp_path / name), **kw
+    )
 
 
 def test_lora_trains_the_adapters_only_and_base_only_is_the_full_model(checkpoint_factory, tmp_path):
@@ -36,9 +38,8 @@ def test_lora_trains_the_adapters_only_and_base_only_is_the_full_model(checkpoin
     disabled, the log-probs are bitwise the full-parameter trainer's on the base checkpoint; the trained adapter
     changes them. Control: without keep_requires_grad, TorchTitan 0.3.0's parallelize unfreezes the base."""
     from titan_plugin import TrainingClient
-    from titan_plugin.lora import ZeroKLDLoRALinear, lora_modules
+    from titan_plugin.lora import ZeroKLDLoRALinear, lora_converter_config, lora_modules
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from titan_plugin.lora import lora_converter_config
 
     ckpt = checkpoint_factory("qwen3", DTYPE)
     data = random_datums(1)
@@ -78,8 +79,9 @@ def test_lora_trains_the_adapters_only_and_base_only_is_the_full_model(checkpoin
     cfg.model_spec.parallelize_fn = cfg.model_spec.parallelize_fn.__wrapped__
     bare = RLTrainer(cfg)
     try:
-        assert bare.model.layers["0"].attention_norm.weight.requires_grad, \
+        assert bare.model.layers["0"].attention_norm.weight.requires_grad, (
             "TorchTitan keeps the base frozen by itself: keep_requires_grad is not needed"
+        )
     finally:
         bare.close()
 
@@ -95,8 +97,14 @@ def test_lora_forward_is_batch_invariant_after_training(checkpoint_factory, tmp_
         from titan_plugin.lora import lora_converter_config
         from titan_plugin.rl import RLTrainer, rl_trainer_config
 
-        cfg = rl_trainer_config(ckpt, str(tmp_path / f"bi{batch_invariant}"), dtype=DTYPE, lr=1e-2,
-                                batch_invariant=batch_invariant, lora=lora_converter_config(rank=4, alpha=8.0))
+        cfg = rl_trainer_config(
+            ckpt,
+            str(tmp_path / f"bi{batch_invariant}"),
+            dtype=DTYPE,
+            lr=1e-2,
+            batch_invariant=batch_invariant,
+            lora=lora_converter_config(rank=4, alpha=8.0),
+        )
         client = TrainingClient(RLTrainer(cfg), DTYPE)
         try:
             client.forward_backward(data, "cross_entropy")
@@ -132,8 +140,15 @@ def test_peft_export_is_what_vllms_lora_loader_reads(checkpoint_factory, tmp_pat
         out = client.save_weights_for_sampler("step2")
         t = client.trainer
         sd_adapter = state_dict_adapter_class(t._hf)(t.model_config, None)
-        mods = {fqn: (m.weight.full_tensor().double(), m.lora_a.weight.full_tensor(),
-                      m.lora_b.weight.full_tensor(), m._lora_scaling) for fqn, m in lora_modules(t.model).items()}
+        mods = {
+            fqn: (
+                m.weight.full_tensor().double(),
+                m.lora_a.weight.full_tensor(),
+                m.lora_b.weight.full_tensor(),
+                m._lora_scaling,
+            )
+            for fqn, m in lora_modules(t.model).items()
+        }
     finally:
         client.close()
 
@@ -141,8 +156,7 @@ def test_peft_export_is_what_vllms_lora_loader_reads(checkpoint_factory, tmp_pat
     assert (helper.r, helper.lora_alpha, helper.vllm_lora_scaling_factor) == (4, 8.0, 2.0)
     expected = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert set(helper.target_modules) == expected
-    lora = LoRAModel.from_local_checkpoint(out, expected, helper, lora_model_id=1, device="cpu",
-                                           dtype=torch.bfloat16)
+    lora = LoRAModel.from_local_checkpoint(out, expected, helper, lora_model_id=1, device="cpu", dtype=torch.bfloat16)
     assert len(lora.loras) == len(mods) == 2 * 7
     for fqn, (w, a, b, scaling) in mods.items():
         ((hf_key, w_hf),) = sd_adapter.to_hf({f"{fqn}.weight": w}).items()
@@ -171,9 +185,18 @@ def test_k3_reference_kl_through_trainer_and_client(checkpoint_factory, tmp_path
         lps = _lps(client.forward(data))
 
         def rl(ref):
-            return [{"model_input": d["model_input"], "loss_fn_inputs": {
-                **d["loss_fn_inputs"], "advantages": [0.5] * len(lp), "logprobs": lp.tolist(),
-                **({"ref_logprobs": r.tolist()} if r is not None else {})}} for d, lp, r in zip(data, lps, ref)]
+            return [
+                {
+                    "model_input": d["model_input"],
+                    "loss_fn_inputs": {
+                        **d["loss_fn_inputs"],
+                        "advantages": [0.5] * len(lp),
+                        "logprobs": lp.tolist(),
+                        **({"ref_logprobs": r.tolist()} if r is not None else {}),
+                    },
+                }
+                for d, lp, r in zip(data, lps, ref, strict=True)
+            ]
 
         ref = _lps(client.forward(data, base_only=True))
         with_kl = client.forward_backward(rl(ref), "importance_sampling", {"kl_beta": 0.5})
@@ -196,8 +219,11 @@ def test_k3_reference_kl_through_trainer_and_client(checkpoint_factory, tmp_path
 
         # RLTrainer directly: RolloutBatch.ref_logprobs and the configured corrections
         t = client.trainer
-        batch = RolloutBatch([d["model_input"] + d["loss_fn_inputs"]["target_tokens"][-1:] for d in data],
-                             [4] * len(data), advantages=[0.5] * len(data))
+        batch = RolloutBatch(
+            [d["model_input"] + d["loss_fn_inputs"]["target_tokens"][-1:] for d in data],
+            [4] * len(data),
+            advantages=[0.5] * len(data),
+        )
         ref = t.forward_logprobs(batch, base_only=True)
         loss = t.build_loss("importance_sampling", {"kl_beta": 0.5})
         kl = t.forward_backward(dataclasses.replace(batch, ref_logprobs=ref), loss=loss)["loss"]
@@ -226,8 +252,9 @@ def test_lora_configuration_errors(checkpoint_factory, tmp_path):
     with pytest.raises(ValueError, match="max_rank"):
         rl_trainer_config(ckpt, str(tmp_path / "m"), dtype=DTYPE, lora=lora_converter_config(rank=8, max_rank=4))
     with pytest.raises(NotImplementedError, match="MoE"):
-        rl_trainer_config(checkpoint_factory("qwen3_moe", DTYPE), str(tmp_path / "e"), dtype=DTYPE,
-                          lora=lora_converter_config())
+        rl_trainer_config(
+            checkpoint_factory("qwen3_moe", DTYPE), str(tmp_path / "e"), dtype=DTYPE, lora=lora_converter_config()
+        )
     with pytest.raises(ValueError, match="kv_b_proj: MLA absorbs"):
         lora_converter_config(target_modules=["q_a_proj", "kv_b_proj"])
     full = TrainingClient.from_checkpoint(ckpt, dtype=DTYPE, dump_folder=str(tmp_path / "full"))
@@ -249,10 +276,10 @@ def _hf_peft_logprobs(ckpt: str, adapter_dir: str, batch: RolloutBatch) -> tuple
 
     def score() -> list[torch.Tensor]:
         out = []
-        for seq, p in zip(batch.sequences, batch.prompt_lengths):
+        for seq, p in zip(batch.sequences, batch.prompt_lengths, strict=True):
             logits = model(torch.tensor([seq])).logits[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
-            out.append(lp[p - 1:])
+            out.append(lp[p - 1 :])
         return out
 
     with torch.no_grad():
@@ -265,6 +292,7 @@ def _hf_peft_logprobs(ckpt: str, adapter_dir: str, batch: RolloutBatch) -> tuple
 def _dedup_keep_requires_grad(parallelize_fn):
     """The wrapper before the tied-embedding fix: flags recorded by ``named_parameters()``, which lists a tied
     ``lm_head.weight`` only as ``tok_embeddings.weight``."""
+
     def wrapped(model, **kwargs):
         before = {name: p.requires_grad for name, p in model.named_parameters()}
         out = parallelize_fn(model, **kwargs)
@@ -288,13 +316,15 @@ def test_lora_on_tied_and_untied_checkpoints_is_hf_peft(family, checkpoint_facto
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     ckpt = checkpoint_factory(family, "float32")
-    batch = RolloutBatch([d["model_input"] + d["loss_fn_inputs"]["target_tokens"][-1:] for d in random_datums(7, n=4)],
-                         [6] * 4)
+    batch = RolloutBatch(
+        [d["model_input"] + d["loss_fn_inputs"]["target_tokens"][-1:] for d in random_datums(7, n=4)], [6] * 4
+    )
     reference = trainer_logprobs(ckpt, batch.sequences, batch.prompt_lengths, dtype="float32")
 
     def train(name: str, wrap=None) -> TrainingClient:
-        cfg = rl_trainer_config(ckpt, str(tmp_path / name), dtype="float32", lr=2e-2,
-                                lora=lora_converter_config(rank=4, alpha=8.0))
+        cfg = rl_trainer_config(
+            ckpt, str(tmp_path / name), dtype="float32", lr=2e-2, lora=lora_converter_config(rank=4, alpha=8.0)
+        )
         if wrap is not None:
             cfg.model_spec.parallelize_fn = wrap(cfg.model_spec.parallelize_fn.__wrapped__)
         client = TrainingClient(RLTrainer(cfg), "float32")
@@ -316,12 +346,16 @@ def test_lora_on_tied_and_untied_checkpoints_is_hf_peft(family, checkpoint_facto
         adapter_dir = client.save_weights_for_sampler("adapter")
     finally:
         client.close()
-    assert len(base_only) == len(reference) and all(torch.equal(a, b) for a, b in zip(base_only, reference))
+    assert len(base_only) == len(reference) and all(
+        torch.equal(a, b) for a, b in zip(base_only, reference, strict=True)
+    )
     hf_adapted, hf_base = _hf_peft_logprobs(ckpt, adapter_dir, batch)
     tol = 1e-4
-    assert max((a - b).abs().max().item() for a, b in zip(adapted, hf_adapted)) < tol
-    assert max((a - b).abs().max().item() for a, b in zip(base_only, hf_base)) < tol
-    assert max((a - b).abs().max().item() for a, b in zip(adapted, base_only)) > 10 * tol  # the adapter is not inert
+    assert max((a - b).abs().max().item() for a, b in zip(adapted, hf_adapted, strict=True)) < tol
+    assert max((a - b).abs().max().item() for a, b in zip(base_only, hf_base, strict=True)) < tol
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(adapted, base_only, strict=True)) > 10 * tol
+    )  # the adapter is not inert
 
     if family != "qwen3" and read_config(ckpt).get("tie_word_embeddings"):
         old = train("dedup", _dedup_keep_requires_grad)
@@ -329,4 +363,4 @@ def test_lora_on_tied_and_untied_checkpoints_is_hf_peft(family, checkpoint_facto
             drifted = old.trainer.forward_logprobs(batch, base_only=True)
         finally:
             old.close()
-        assert max((a - b).abs().max().item() for a, b in zip(drifted, hf_base)) > 10 * tol
+        assert max((a - b).abs().max().item() for a, b in zip(drifted, hf_base, strict=True)) > 10 * tol

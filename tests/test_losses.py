@@ -1,4 +1,5 @@
 """GRPO pieces against hand-computed values."""
+
 from __future__ import annotations
 
 import math
@@ -60,7 +61,7 @@ def test_dapo_clip_higher():
 
     loss, grad, flags = _run(ppo_loss, DAPOConfig())
     ref, ref_grad = [], []
-    for lt, qt, at in zip(L, Q, A):
+    for lt, qt, at in zip(L, Q, A, strict=True):
         r = math.exp(lt - qt)
         un, cl = r * at, _clip(r, 0.8, 1.28) * at
         ref.append(-min(un, cl))
@@ -74,9 +75,9 @@ def test_cispo_keeps_gradient_on_clipped_tokens():
 
     cfg = CISPOConfig(clip_low_threshold=0.8, clip_high_threshold=1.3)
     loss, grad, flags = _run(cispo_loss, cfg)
-    w = [_clip(math.exp(lt - qt), 0.8, 1.3) for lt, qt in zip(L, Q)]
-    assert loss == pytest.approx([-wi * at * lt for wi, at, lt in zip(w, A, L)], rel=1e-6)
-    assert grad == pytest.approx([-wi * at for wi, at in zip(w, A)], rel=1e-6)  # never zero
+    w = [_clip(math.exp(lt - qt), 0.8, 1.3) for lt, qt in zip(L, Q, strict=True)]
+    assert loss == pytest.approx([-wi * at * lt for wi, at, lt in zip(w, A, L, strict=True)], rel=1e-6)
+    assert grad == pytest.approx([-wi * at for wi, at in zip(w, A, strict=True)], rel=1e-6)  # never zero
     assert flags["clipped"] == [True, False, True, True, False]
 
 
@@ -84,8 +85,10 @@ def test_dro():
     from shared_numerics.losses import DROConfig, dro_loss
 
     loss, grad, _ = _run(dro_loss, DROConfig(beta=0.1))
-    assert loss == pytest.approx([-(lt * at - 0.05 * (lt - qt) ** 2) for lt, qt, at in zip(L, Q, A)], rel=1e-6)
-    assert grad == pytest.approx([-(at - 0.1 * (lt - qt)) for lt, qt, at in zip(L, Q, A)], rel=1e-6)
+    assert loss == pytest.approx(
+        [-(lt * at - 0.05 * (lt - qt) ** 2) for lt, qt, at in zip(L, Q, A, strict=True)], rel=1e-6
+    )
+    assert grad == pytest.approx([-(at - 0.1 * (lt - qt)) for lt, qt, at in zip(L, Q, A, strict=True)], rel=1e-6)
 
 
 def test_gspo_sequence_ratio():
@@ -94,10 +97,10 @@ def test_gspo_sequence_ratio():
     loss, grad, flags = _run(gspo_loss, GSPOConfig(clip_low=0.2, clip_high=0.2))
     s = []
     for k in (0, 1):
-        d = [lt - qt for lt, qt, sq in zip(L, Q, SEQ) if sq == k]
+        d = [lt - qt for lt, qt, sq in zip(L, Q, SEQ, strict=True) if sq == k]
         s.append(math.exp(sum(d) / len(d)))
     ref, ref_grad = [], []
-    for at, sq in zip(A, SEQ):
+    for at, sq in zip(A, SEQ, strict=True):
         si = s[sq]
         un, cl = si * at, _clip(si, 0.8, 1.2) * at
         ref.append(-min(un, cl))
@@ -150,8 +153,8 @@ def test_corrections_k3_tis_mis():
     out, keep = apply_corrections(base, logp, q, CorrectionConfig(mis_low=0.5, mis_high=1.6))
     assert out.tolist() == pytest.approx([0.0, 2.0, 3.0]) and keep.tolist() == [False, True, True]
     out, _ = apply_corrections(base, logp, q, CorrectionConfig(kl_beta=0.1), ref)
-    k3 = [math.exp(r - lt) - (r - lt) - 1 for r, lt in zip(ref.tolist(), logp.tolist())]
-    assert out.tolist() == pytest.approx([b + 0.1 * k for b, k in zip(base.tolist(), k3)], rel=1e-6)
+    k3 = [math.exp(r - lt) - (r - lt) - 1 for r, lt in zip(ref.tolist(), logp.tolist(), strict=True)]
+    assert out.tolist() == pytest.approx([b + 0.1 * k for b, k in zip(base.tolist(), k3, strict=True)], rel=1e-6)
     with pytest.raises(ValueError, match="reference"):
         apply_corrections(base, logp, q, CorrectionConfig(kl_beta=0.1))
 
@@ -188,7 +191,7 @@ def test_cross_entropy_weights():
     from shared_numerics.losses import NoConfig, cross_entropy_loss
 
     loss, grad, _ = _run(cross_entropy_loss, NoConfig())
-    assert loss == pytest.approx([-a * lt for a, lt in zip(A, L)], rel=1e-6)
+    assert loss == pytest.approx([-a * lt for a, lt in zip(A, L, strict=True)], rel=1e-6)
     assert grad == pytest.approx([-a for a in A], rel=1e-6)
 
 
@@ -202,8 +205,9 @@ def test_segment_mean_is_exact_per_sequence_whatever_the_order():
     ids = torch.randint(0, 5, (50,), generator=g)
     ids[ids == 3] = 4  # sequence 3 has no tokens
     got = segment_mean(d, ids, 6)
-    want = torch.stack([d[ids == i].double().mean() if (ids == i).any() else torch.tensor(0.0, dtype=torch.float64)
-                        for i in range(6)]).float()
+    want = torch.stack(
+        [d[ids == i].double().mean() if (ids == i).any() else torch.tensor(0.0, dtype=torch.float64) for i in range(6)]
+    ).float()
     assert torch.allclose(got, want, atol=1e-7) and got[3] == 0 and got[5] == 0
     perm = torch.randperm(50, generator=g)  # tokens interleaved in another order: the same means
     assert torch.allclose(segment_mean(d[perm], ids[perm], 6), got, atol=1e-7)

@@ -1,4 +1,5 @@
 """MoE numerics (shared_numerics.moe): lowest-id tie-break, batch invariance, invariance to expert load, replay."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,10 +56,13 @@ def test_routing_and_experts_are_batch_and_load_invariant(dtype):
     # too on this machine for the crowded expert (GEMMs of 2+ rows keep each row's bits) and in bf16 (ATen's CPU
     # bf16 linear is row-invariant here): those claims are only proven where stock differs (GPU, tests/test_cuda.py)
     stock = _stock_moe(x, ids, w, wg, wu, wd)
-    alone = [_stock_moe(x[i:i + 1], ids[i:i + 1], w[i:i + 1], wg, wu, wd) for i in (0, 7, 21)]
+    alone = [_stock_moe(x[i : i + 1], ids[i : i + 1], w[i : i + 1], wg, wu, wd) for i in (0, 7, 21)]
     if dtype == torch.float32:
-        stock_differs(any(not torch.equal(a, stock[i:i + 1]) for a, i in zip(alone, (0, 7, 21))),
-                      "float32 MoE experts (F.linear) of a token alone vs in the batch", "the shapes")
+        stock_differs(
+            any(not torch.equal(a, stock[i : i + 1]) for a, i in zip(alone, (0, 7, 21), strict=True)),
+            "float32 MoE experts (F.linear) of a token alone vs in the batch",
+            "the shapes",
+        )
 
 
 def _stock_moe(x, ids, w, wg, wu, wd):
@@ -87,7 +91,7 @@ def test_matches_a_per_token_reference_and_replay_keeps_gradients():
         acc = None
         for j in range(3):
             e = int(ids[n, j])
-            xe = x[n: n + 1]
+            xe = x[n : n + 1]
             part = linear(silu_and_mul(linear(xe, wg[e]), linear(xe, wu[e])), wd[e]).float() * w[n, j]
             acc = part if acc is None else acc + part
         assert torch.equal(acc[0], y[n])
@@ -255,7 +259,7 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
 
     ref_out, ref_dx, ref_dw = one_rank([0, 1])
     box, results, errors = _Mailbox(2), {}, []
-    local = [[p.detach()[r * 3:(r + 1) * 3].clone().requires_grad_() for p in w] for r in range(2)]
+    local = [[p.detach()[r * 3 : (r + 1) * 3].clone().requires_grad_() for p in w] for r in range(2)]
 
     def rank(r):
         try:
@@ -279,7 +283,10 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
     for k in range(3):  # each stacked weight: rank r's experts are rows [3r, 3r + 3)
         assert torch.equal(torch.cat([local[0][k].grad, local[1][k].grad]), ref_dw[k])
     _, _, swapped = one_rank([1, 0])
-    stock_differs(any(not torch.equal(a, b) for a, b in zip(swapped, ref_dw)),
-                  "an expert's weight gradient over the same rows in another order", "the token counts")
+    stock_differs(
+        any(not torch.equal(a, b) for a, b in zip(swapped, ref_dw, strict=True)),
+        "an expert's weight gradient over the same rows in another order",
+        "the token counts",
+    )
     with pytest.raises(ValueError, match="k_block"):
         moe_experts(xs[0], ids[0], ws[0], *w, k_block=32, expert_parallel=ExpertParallel(0, 1, None))

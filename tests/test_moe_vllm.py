@@ -4,21 +4,19 @@ replay (issue 5). The Qwen3-MoE parity matrix (fp32, bf16, router-tie checkpoint
 Engines here chunk prefills at 64 tokens (prompts up to 150 tokens), keep prefix caching on (vLLM requires it for
 routed experts) and return routes (``enable_return_routed_experts=True``).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
 from shared_numerics.rollout import RolloutBatch
-
 from titan_plugin import trainer_logprobs
-from vllm_plugin.engines import start_llm
-from vllm_plugin.engines import completion_logprobs, reload_weights
-from zerokld_testing.engines import load_delta_offline
+from vllm_plugin.engines import completion_logprobs, reload_weights, start_llm
 from zerokld_testing import mixed_sampling_params, random_prompts
 from zerokld_testing.controls import stock_differs
+from zerokld_testing.engines import load_delta_offline
 
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
 
@@ -36,15 +34,22 @@ def _gen(llm, prompts, params):
 def _same(a, b) -> bool:
     """Same tokens, bitwise-equal logprobs and equal routes of two completions."""
     ca, cb = a.outputs[0], b.outputs[0]
-    return (ca.token_ids == cb.token_ids and torch.equal(completion_logprobs(a), completion_logprobs(b))
-            and np.array_equal(ca.routed_experts, cb.routed_experts))
+    return (
+        ca.token_ids == cb.token_ids
+        and torch.equal(completion_logprobs(a), completion_logprobs(b))
+        and np.array_equal(ca.routed_experts, cb.routed_experts)
+    )
 
 
 @pytest.fixture(scope="module")
 def moe(engine_slot, checkpoint_factory):
     ckpt = checkpoint_factory(FAMILY, DTYPE)
-    llm = engine_slot.get(("zerokld-moe-routes", FAMILY, DTYPE), lambda: start_llm(
-        ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
+    llm = engine_slot.get(
+        ("zerokld-moe-routes", FAMILY, DTYPE),
+        lambda: start_llm(
+            ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True
+        ),
+    )
     return llm, ckpt
 
 
@@ -74,7 +79,7 @@ def test_routes_cover_every_forwarded_token_and_load_is_skewed(moe, batch40):
     llm, _ = moe
     prompts, _, outs = batch40
     hf_layers, top_k, experts = 2, 2, 8
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         r = o.outputs[0].routed_experts
         assert r.dtype == np.int16 and r.shape == (len(p) + len(o.outputs[0].token_ids) - 1, hf_layers, top_k)
         assert r.min() >= 0 and r.max() < experts
@@ -90,7 +95,7 @@ def test_trainer_replaying_routes_equals_rollout(moe, batch40):
     """R3 parity: the trainer's forward with the rollout's routes, and without (recomputed), equal vLLM's logprobs."""
     _, ckpt = moe
     prompts, _, outs = batch40
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     routes = [o.outputs[0].routed_experts for o in outs]
     replayed = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=DTYPE, routed_experts=routes)
     recomputed = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=DTYPE)
@@ -116,12 +121,17 @@ def test_sampled_tokens_are_the_counter_based_function_of_the_trainer_logits(moe
             p, sp, comp = prompts[i], params[i], outs[i].outputs[0]
             seq = torch.tensor([p + list(comp.token_ids)])
             with torch.no_grad():
-                logits = model(seq)[0, len(p) - 1: -1].float()
+                logits = model(seq)[0, len(p) - 1 : -1].float()
             n = logits.shape[0]
             vocab = logits.shape[1]
-            got = sample_tokens(logits, torch.full((n,), sp.temperature), torch.full((n,), sp.seed),
-                                torch.arange(n), torch.full((n,), sp.top_k if sp.top_k > 0 else vocab),
-                                torch.full((n,), sp.top_p, dtype=torch.float64))
+            got = sample_tokens(
+                logits,
+                torch.full((n,), sp.temperature),
+                torch.full((n,), sp.seed),
+                torch.arange(n),
+                torch.full((n,), sp.top_k if sp.top_k > 0 else vocab),
+                torch.full((n,), sp.top_p, dtype=torch.float64),
+            )
             assert got.tolist() == list(comp.token_ids), f"request {i}"
             assert torch.equal(sn.selected_logprobs(logits, got), completion_logprobs(outs[i]))
     finally:
@@ -138,7 +148,7 @@ def test_unseeded_requests_get_a_seed_that_reproduces_them(moe):
     assert all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 4
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # the four samples are not copies
     again = _gen(llm, [prompt] * 4, [mixed_sampling_params(0, seed=s, max_tokens=16) for s in seeds])
-    for c, a in zip(first.outputs, again):
+    for c, a in zip(first.outputs, again, strict=True):
         assert c.token_ids == a.outputs[0].token_ids
         assert a.outputs[0].zerokld_seed == c.zerokld_seed
 
@@ -151,13 +161,14 @@ def test_sampler_honours_top_k_and_top_p(moe):
     greedy = _gen(llm, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     top1 = _gen(llm, prompts, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3, ignore_eos=True))
     tiny_p = _gen(llm, prompts, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=3, ignore_eos=True))
-    for g, a, b in zip(greedy, top1, tiny_p):
+    for g, a, b in zip(greedy, top1, tiny_p, strict=True):
         assert a.outputs[0].token_ids == g.outputs[0].token_ids == b.outputs[0].token_ids
-    top5 = _gen(llm, prompts, SamplingParams(max_tokens=12, temperature=2.0, top_k=5, seed=4, logprobs=5,
-                                             ignore_eos=True))
+    top5 = _gen(
+        llm, prompts, SamplingParams(max_tokens=12, temperature=2.0, top_k=5, seed=4, logprobs=5, ignore_eos=True)
+    )
     for o in top5:
         comp = o.outputs[0]
-        for tok, lp in zip(comp.token_ids, comp.logprobs):
+        for tok, lp in zip(comp.token_ids, comp.logprobs, strict=True):
             ranked = sorted(lp.values(), key=lambda x: x.rank)
             assert lp[tok].rank <= 5, f"token outside the top 5: {lp[tok]} of {ranked}"
 
@@ -190,11 +201,13 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
     try:
         llm.reset_prefix_cache()
         outs0 = _gen(llm, prompts, params)
-        seqs0 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs0)]
+        seqs0 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs0, strict=True)]
         routes0 = [o.outputs[0].routed_experts for o in outs0]
         q0 = [completion_logprobs(o) for o in outs0]
-        step = trainer.rl_step(RolloutBatch(seqs0, plens, [1.0, -1.0] * 4, [q.clone() for q in q0], routes0, numerics=trainer.numerics))
-        assert all(torch.equal(a, b) for a, b in zip(step["train_logprobs"], q0))
+        step = trainer.rl_step(
+            RolloutBatch(seqs0, plens, [1.0, -1.0] * 4, [q.clone() for q in q0], routes0, numerics=trainer.numerics)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(step["train_logprobs"], q0, strict=True))
         assert step["clipped"] == 0
 
         # W1 reaches the engine as a delta applied in place on its worker: stacked expert rows included
@@ -204,24 +217,28 @@ def test_replay_through_an_optimizer_step_and_a_hot_reload(moe, tmp_path):
         row = load_delta_offline(llm, ckpt, read_snapshot_tensors(w1), tmp_path, identity="w1")
         assert row["applied"] == "in_place" and row["tensors_changed"] > 0
         outs1 = _gen(llm, prompts, params)
-        seqs1 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs1)]
+        seqs1 = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs1, strict=True)]
         routes1 = [o.outputs[0].routed_experts for o in outs1]
         q1 = [completion_logprobs(o) for o in outs1]
-        flipped = sum(int((r1[: len(p)] != r0[: len(p)]).any(axis=-1).sum()) for p, r0, r1 in
-                      zip(prompts, routes0, routes1))
+        flipped = sum(
+            int((r1[: len(p)] != r0[: len(p)]).any(axis=-1).sum())
+            for p, r0, r1 in zip(prompts, routes0, routes1, strict=True)
+        )
         assert flipped > 0, "one optimizer step changed no prompt token's routing; raise the learning rate"
 
         replayed = trainer.forward_logprobs(RolloutBatch(seqs1, plens, routed_experts=routes1))
-        assert all(torch.equal(a, b) for a, b in zip(replayed, q1))
+        assert all(torch.equal(a, b) for a, b in zip(replayed, q1, strict=True))
         tokens = torch.tensor([seqs1[0]])
         with torch.no_grad():
             trainer.model(tokens)
         assert np.array_equal(captured_routes(trainer.model)[0, :-1].numpy(), routes1[0])
         stale = trainer.forward_logprobs(RolloutBatch(seqs0, plens, routed_experts=routes0))
         fresh = trainer.forward_logprobs(RolloutBatch(seqs0, plens))
-        assert any(not torch.equal(a, b) for a, b in zip(stale, fresh))
-        step2 = trainer.rl_step(RolloutBatch(seqs1, plens, [1.0, -1.0] * 4, [q.clone() for q in q1], routes1, numerics=trainer.numerics))
-        assert all(torch.equal(a, b) for a, b in zip(step2["train_logprobs"], q1))
+        assert any(not torch.equal(a, b) for a, b in zip(stale, fresh, strict=True))
+        step2 = trainer.rl_step(
+            RolloutBatch(seqs1, plens, [1.0, -1.0] * 4, [q.clone() for q in q1], routes1, numerics=trainer.numerics)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(step2["train_logprobs"], q1, strict=True))
     finally:
         trainer.close()
         reload_weights(llm, ckpt)  # leave the shared engine on W0
@@ -237,21 +254,36 @@ def test_same_tokens_across_preemption_and_thread_count(engine_slot, checkpoint_
     ckpt = checkpoint_factory(FAMILY, DTYPE)
     prompts = _prompts(32, seed=16, lo=20, hi=60)
     params = [mixed_sampling_params(i, seed=3000 + i, max_tokens=40) for i in range(32)]
-    ref_llm = engine_slot.get(("zerokld-moe-routes", FAMILY, DTYPE), lambda: start_llm(
-        ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True))
+    ref_llm = engine_slot.get(
+        ("zerokld-moe-routes", FAMILY, DTYPE),
+        lambda: start_llm(
+            ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True
+        ),
+    )
     ref_llm.reset_prefix_cache()
     reference = _gen(ref_llm, prompts, params)
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function (thread count)
-    llm = engine_slot.get(("zerokld-moe-preempt", FAMILY, DTYPE), lambda: start_llm(
-        ckpt, dtype=DTYPE, batch_invariant=True, max_num_batched_tokens=64, enable_return_routed_experts=True,
-        num_gpu_blocks_override=6, block_size=32, max_model_len=128, disable_log_stats=False))
+    llm = engine_slot.get(
+        ("zerokld-moe-preempt", FAMILY, DTYPE),
+        lambda: start_llm(
+            ckpt,
+            dtype=DTYPE,
+            batch_invariant=True,
+            max_num_batched_tokens=64,
+            enable_return_routed_experts=True,
+            num_gpu_blocks_override=6,
+            block_size=32,
+            max_model_len=128,
+            disable_log_stats=False,
+        ),
+    )
     assert llm.collective_rpc(_num_threads) == [2]
     outs = _gen(llm, prompts, params)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     assert preemptions > 0, "the small KV cache preempted nothing"
-    for i, (a, b) in enumerate(zip(reference, outs)):
+    for i, (a, b) in enumerate(zip(reference, outs, strict=True)):
         assert _same(a, b), f"request {i} differs"
 
 
@@ -275,11 +307,14 @@ def test_negative_control_stock_unseeded_sampling_depends_on_the_batch(stock_moe
     last = _gen(llm, others[:7] + [target], sp)[-1]
     assert first.outputs[0].token_ids != last.outputs[0].token_ids
     outs = _gen(llm, others, sp)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(others, outs)]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(others, outs, strict=True)]
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in others], dtype=DTYPE)
     assert len(train) == len(outs)
-    stock_differs(sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs)) > 0,
-                  "vLLM's MoE log-probs vs the trainer's", "the prompts or the load")
+    stock_differs(
+        sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs, strict=True)) > 0,
+        "vLLM's MoE log-probs vs the trainer's",
+        "the prompts or the load",
+    )
 
 
 def test_fp8_experts_served_online_equal_the_qat_trainer(engine_slot, checkpoint_factory):
@@ -290,8 +325,12 @@ def test_fp8_experts_served_online_equal_the_qat_trainer(engine_slot, checkpoint
     from vllm import SamplingParams
 
     ckpt = checkpoint_factory(FAMILY, "bfloat16")
-    llm = engine_slot.get(("zerokld-moe-fp8", ckpt), lambda: start_llm(
-        ckpt, dtype="bfloat16", fp8="per_channel", max_num_batched_tokens=64, enable_return_routed_experts=True))
+    llm = engine_slot.get(
+        ("zerokld-moe-fp8", ckpt),
+        lambda: start_llm(
+            ckpt, dtype="bfloat16", fp8="per_channel", max_num_batched_tokens=64, enable_return_routed_experts=True
+        ),
+    )
     prompts = _prompts(16, seed=31)
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=300 + i, logprobs=0) for i in range(16)]
     llm.reset_prefix_cache()
@@ -301,8 +340,10 @@ def test_fp8_experts_served_online_equal_the_qat_trainer(engine_slot, checkpoint
     served = torch.cat([completion_logprobs(o) for o in outs])
     routes = [o.outputs[0].routed_experts for o in outs]
     assert torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16", fp8="per_channel")), served)
-    assert torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16", fp8="per_channel",
-                                                  routed_experts=routes)), served)
+    assert torch.equal(
+        torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16", fp8="per_channel", routed_experts=routes)),
+        served,
+    )
     alone = _gen(llm, [prompts[5]], [params[5]])[0]
     assert _same(alone, outs[5])
     assert not torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype="bfloat16")), served)

@@ -1,5 +1,6 @@
 """Unit tests of shared_numerics: batch invariance (exact), thread invariance (exact), closeness to torch (tolerance
 stated per op: the reduction order legitimately differs from ATen's)."""
+
 from __future__ import annotations
 
 import os
@@ -13,11 +14,10 @@ from zerokld_testing.controls import stock_differs
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-
 def _rows_invariant(fn, x, *rest, idx=(0, 1, 7, 16, 17, 63, 99)):
     full = fn(x, *rest)
     for i in idx:
-        assert torch.equal(fn(x[i:i + 1], *rest), full[i:i + 1]), f"row {i} differs alone"
+        assert torch.equal(fn(x[i : i + 1], *rest), full[i : i + 1]), f"row {i} differs alone"
     assert torch.equal(fn(x[5:90], *rest), full[5:90])
     return full
 
@@ -31,8 +31,9 @@ def test_linear_batch_invariant_and_close(dtype, threads):
     y = _rows_invariant(lambda a: sn.linear(a, w, b), x)
     assert y.dtype == dtype
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(y.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4
-                               if dtype == torch.float32 else 5e-2)
+    torch.testing.assert_close(
+        y.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4 if dtype == torch.float32 else 5e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,12 +61,20 @@ def test_linear_thread_count_does_not_change_bits(dtype, kernels, monkeypatch):
     for one, many in outs:
         assert torch.equal(one, outs[0][0]) and torch.equal(many, outs[0][1]) and torch.equal(one, many[:1])
     if dtype == torch.float32:  # negative control: stock's GEMM picks another kernel for one row
-        stock_differs(not torch.equal(torch.nn.functional.linear(x[:1], w), torch.nn.functional.linear(x, w)[:1]),
-                      "float32 F.linear's row alone vs in the batch", "the shapes")
+        stock_differs(
+            not torch.equal(torch.nn.functional.linear(x[:1], w), torch.nn.functional.linear(x, w)[:1]),
+            "float32 F.linear's row alone vs in the batch",
+            "the shapes",
+        )
 
 
-@pytest.mark.parametrize("path", [pytest.param("amx", marks=[pytest.mark.requires_onednn_bf16, pytest.mark.requires_amx]),
-                                  pytest.param("onednn", marks=pytest.mark.requires_onednn_bf16)])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param("amx", marks=[pytest.mark.requires_onednn_bf16, pytest.mark.requires_amx]),
+        pytest.param("onednn", marks=pytest.mark.requires_onednn_bf16),
+    ],
+)
 def test_native_bf16_gemm_pins_call_shape_and_threads(path, monkeypatch):
     """bf16 on a CPU with bf16 matrix units: the AMX kernel (``csrc/gemm.cpp``, every element whole on one thread) or,
     without AMX, oneDNN calls of a fixed shape at a pinned thread count. The shapes are ones where oneDNN splits K
@@ -88,14 +97,14 @@ def test_native_bf16_gemm_pins_call_shape_and_threads(path, monkeypatch):
     try:
         for k, n in ((1024, 1024), (3072, 1024), (4096, 1024), (8192, 256), (4096, 4096)):
             x = torch.randn(300, k, generator=g).bfloat16()
-            w, b = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
+            w, b = (torch.randn(n, k, generator=g) * k**-0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
             outs = []
             for threads in (1, 2, 8):
                 torch.set_num_threads(threads)
                 outs += [sn.linear(x[:m], w, b) for m in (1, 33, 128, 300)]
             full = outs[-1]
             for y in outs:
-                assert y.dtype == torch.bfloat16 and torch.equal(y, full[:y.shape[0]]), (k, n, y.shape)
+                assert y.dtype == torch.bfloat16 and torch.equal(y, full[: y.shape[0]]), (k, n, y.shape)
             ref = (x.float() @ w.float().t() + b.float()).bfloat16()  # fp32 accumulation, bias in fp32, one rounding
             torch.testing.assert_close(full.float(), ref.float(), rtol=8e-3, atol=1e-3)
             torch.set_num_threads(2)
@@ -144,8 +153,9 @@ def test_rms_norm(dtype, threads):
     w = torch.rand(64, generator=g).to(dtype)
     y = _rows_invariant(lambda a: sn.rms_norm(a, w, 1e-6), x)
     ref = torch.nn.functional.rms_norm(x.float(), (64,), w.float(), 1e-6)
-    torch.testing.assert_close(y.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
-                               if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(
+        y.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 2e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -155,10 +165,11 @@ def test_silu_and_mul(dtype, threads):
     up = torch.randn(100, 48, generator=g).to(dtype)
     full = sn.silu_and_mul(gate, up)
     for i in (0, 13, 99):
-        assert torch.equal(sn.silu_and_mul(gate[i:i + 1], up[i:i + 1]), full[i:i + 1])
+        assert torch.equal(sn.silu_and_mul(gate[i : i + 1], up[i : i + 1]), full[i : i + 1])
     ref = torch.nn.functional.silu(gate.float()) * up.float()
-    torch.testing.assert_close(full.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6
-                               if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(
+        full.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6 if dtype == torch.float32 else 1e-2
+    )
 
 
 def test_log_softmax_and_selected_logprobs(threads):
@@ -197,8 +208,8 @@ def test_tree_sum_exact_and_shape_independent():
 def _sdpa(q, k, v, scale=None):
     """Stock: ATen's scaled_dot_product_attention in the ``[B, T, H, D]`` layout."""
     return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True,
-        scale=scale).transpose(1, 2)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True, scale=scale
+    ).transpose(1, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -210,9 +221,8 @@ def test_dense_attention_matches_sdpa_and_is_batch_invariant(dtype, threads):
     q = torch.randn(b, t, hq, d, generator=g).to(dtype)
     k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
     v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
-    out = sn.dense_causal_attention(q, k, v, d ** -0.5)
-    assert torch.equal(sn.dense_causal_attention(q[1:2, :342], k[1:2, :342], v[1:2, :342], d ** -0.5),
-                       out[1:2, :342])
+    out = sn.dense_causal_attention(q, k, v, d**-0.5)
+    assert torch.equal(sn.dense_causal_attention(q[1:2, :342], k[1:2, :342], v[1:2, :342], d**-0.5), out[1:2, :342])
     ref = _sdpa(q.float(), k.float(), v.float())
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
 
@@ -246,8 +256,8 @@ def _decode_row_as_documented(q, keys, values, scale):
     for j in range((n + 31) // 32):
         k = torch.zeros(32, d)
         v = torch.zeros(32, d)
-        k[: min(32, n - 32 * j)] = keys[32 * j: 32 * j + 32]
-        v[: min(32, n - 32 * j)] = values[32 * j: 32 * j + 32]
+        k[: min(32, n - 32 * j)] = keys[32 * j : 32 * j + 32]
+        v[: min(32, n - 32 * j)] = values[32 * j : 32 * j + 32]
         s = torch.zeros(32)
         for i in range(d):
             s = s + q[i] * k[:, i]
@@ -277,13 +287,14 @@ def test_attention_kernel_is_the_documented_arithmetic(dtype):
     bt = torch.randperm(b * 5, generator=g).reshape(b, 5)
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     q[1, 2] = 0
-    out = sn.paged_causal_attention(q, kc, vc, torch.arange(b + 1), lens, bt, d ** -0.5)
+    out = sn.paged_causal_attention(q, kc, vc, torch.arange(b + 1), lens, bt, d**-0.5)
     for s in range(b):
         pos = torch.arange(int(lens[s]))
         blocks = bt[s, pos // bs]
         for h in range(hq):
-            ref = _decode_row_as_documented(q[s, h], kc[blocks, h // (hq // hkv), pos % bs],
-                                            vc[blocks, h // (hq // hkv), pos % bs], d ** -0.5)
+            ref = _decode_row_as_documented(
+                q[s, h], kc[blocks, h // (hq // hkv), pos % bs], vc[blocks, h // (hq // hkv), pos % bs], d**-0.5
+            )
             assert torch.equal(out[s, h], ref.to(dtype)), (s, h)
 
 
@@ -311,8 +322,12 @@ def test_attention_kernel_thread_count_and_streamed_gradients(dtype):
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append((sn.dense_causal_attention(q, k, v, d ** -0.5),
-                         sn.paged_causal_attention(decode_q, kc, vc, torch.arange(b + 1), lens, bt, d ** -0.5)))
+            outs.append(
+                (
+                    sn.dense_causal_attention(q, k, v, d**-0.5),
+                    sn.paged_causal_attention(decode_q, kc, vc, torch.arange(b + 1), lens, bt, d**-0.5),
+                )
+            )
     finally:
         torch.set_num_threads(old)
     for dense, paged in outs[1:]:
@@ -323,7 +338,7 @@ def test_attention_kernel_thread_count_and_streamed_gradients(dtype):
 
     def grads(sl):
         leaves = [x[sl].float().requires_grad_() for x in (q, k, v)]
-        out = sn.dense_causal_attention(*leaves, d ** -0.5)
+        out = sn.dense_causal_attention(*leaves, d**-0.5)
         return torch.autograd.grad((out * grad_out[sl]).sum(), leaves)
 
     batch, alone = grads(slice(0, b)), grads(slice(2, 3))
@@ -417,7 +432,7 @@ def test_silu_and_mul_gradients_row_invariant(dtype):
     assert torch.equal(full[0], plain)
     for i in (0, 41, 99):
         one = run(slice(i, i + 1))
-        assert all(torch.equal(f[i:i + 1], o) for f, o in zip(full, one, strict=True))
+        assert all(torch.equal(f[i : i + 1], o) for f, o in zip(full, one, strict=True))
     ref_g, ref_u = gate.float().requires_grad_(), up.float().requires_grad_()
     ref = torch.autograd.grad((torch.nn.functional.silu(ref_g) * ref_u * dy.float()).sum(), (ref_g, ref_u))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -434,24 +449,29 @@ def _stock_linear_rows_alone(dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(100, 96, generator=g).to(dtype)
     w, b = torch.randn(200, 96, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
-    ours = lambda a: sn.linear(a, w, b)  # noqa: E731
-    stock = lambda a: torch.nn.functional.linear(a, w, b)  # noqa: E731
-    return [(f(x[i:i + 1]), f(x)[i:i + 1]) for f in (ours, stock) for i in (0, 17, 99)]
+    ours = lambda a: sn.linear(a, w, b)
+    stock = lambda a: torch.nn.functional.linear(a, w, b)
+    return [(f(x[i : i + 1]), f(x)[i : i + 1]) for f in (ours, stock) for i in (0, 17, 99)]
 
 
 def _stock_attention_prefix(dtype):
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 600, h, 32, generator=g).to(dtype) for h in (4, 2, 2))
     pairs = []
-    for f in (lambda *a: sn.dense_causal_attention(*a, 32 ** -0.5), _sdpa):
+    for f in (lambda *a: sn.dense_causal_attention(*a, 32**-0.5), _sdpa):
         pairs.append((f(q[:, :342], k[:, :342], v[:, :342]), f(q, k, v)[:, :342]))
     return pairs
 
 
-@pytest.mark.parametrize("claim,dtype", [(_stock_linear_rows_alone, torch.float32),
-                                         (_stock_attention_prefix, torch.float32),
-                                         (_stock_attention_prefix, torch.bfloat16)],
-                         ids=["linear-alone-vs-batch-fp32", "attention-prefix-fp32", "attention-prefix-bf16"])
+@pytest.mark.parametrize(
+    "claim,dtype",
+    [
+        (_stock_linear_rows_alone, torch.float32),
+        (_stock_attention_prefix, torch.float32),
+        (_stock_attention_prefix, torch.bfloat16),
+    ],
+    ids=["linear-alone-vs-batch-fp32", "attention-prefix-fp32", "attention-prefix-bf16"],
+)
 def test_negative_controls_stock_ops(claim, dtype, threads):
     """Stock ATen gives other bits alone than in the batch (fp32 linear: MKL's GEMV for one row, GEMM for many;
     SDPA: its flash kernel splits the keys by the query length); ours gives the same bits."""
@@ -459,8 +479,11 @@ def test_negative_controls_stock_ops(claim, dtype, threads):
     half = len(pairs) // 2
     assert all(torch.equal(a, b) for a, b in pairs[:half])
     assert len(pairs[half:]) == half > 0
-    stock_differs(any(not torch.equal(a, b) for a, b in pairs[half:]), claim.__name__.removeprefix("_stock_"),
-                  "the shapes in " + claim.__name__)
+    stock_differs(
+        any(not torch.equal(a, b) for a, b in pairs[half:]),
+        claim.__name__.removeprefix("_stock_"),
+        "the shapes in " + claim.__name__,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -475,7 +498,7 @@ def test_paged_attention_equals_dense(dtype, bs):
     q = torch.randn(b, t, hq, d, generator=g).to(dtype)
     k = torch.randn(b, t, hkv, d, generator=g).to(dtype)
     v = torch.randn(b, t, hkv, d, generator=g).to(dtype)
-    dense = sn.dense_causal_attention(q, k, v, d ** -0.5)
+    dense = sn.dense_causal_attention(q, k, v, d**-0.5)
     per_seq = -(-t // bs)
     kv = torch.full((64 * 32 // bs, hkv, bs, 2 * d), float("nan")).to(dtype)
     kc, vc = kv.split(d, dim=-1)
@@ -485,14 +508,20 @@ def test_paged_attention_equals_dense(dtype, bs):
             kc[bt[s, p // bs], :, p % bs] = k[s, p]
             vc[bt[s, p // bs], :, p % bs] = v[s, p]
     qs = torch.cat([q[0, 69:70], q[1, 20:46], q[2, 0:11]])
-    out = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38]), torch.tensor([70, 46, 11]), bt,
-                                    d ** -0.5)
+    out = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38]), torch.tensor([70, 46, 11]), bt, d**-0.5)
     assert torch.equal(out, torch.cat([dense[0, 69:70], dense[1, 20:46], dense[2, 0:11]]))
     # vLLM's own metadata: int32, the block table the first columns of a wider persistent one (read in place)
     wide = torch.full((b + 2, per_seq + 5), -1, dtype=torch.int32)
     wide[:b, :per_seq] = bt
-    out32 = sn.paged_causal_attention(qs, kc, vc, torch.tensor([0, 1, 27, 38], dtype=torch.int32),
-                                      torch.tensor([70, 46, 11], dtype=torch.int32), wide[:b, :per_seq], d ** -0.5)
+    out32 = sn.paged_causal_attention(
+        qs,
+        kc,
+        vc,
+        torch.tensor([0, 1, 27, 38], dtype=torch.int32),
+        torch.tensor([70, 46, 11], dtype=torch.int32),
+        wide[:b, :per_seq],
+        d**-0.5,
+    )
     assert torch.equal(out32, out)
 
 
@@ -529,11 +558,16 @@ def test_attention_backward_is_deterministic():
         q.grad = k.grad = v.grad = None
         sn.dense_causal_attention(q, k, v, 0.25).square().sum().backward()
         grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     ref_q = q.detach().clone().requires_grad_()
     torch.nn.functional.scaled_dot_product_attention(
-        ref_q.transpose(1, 2), k.detach().transpose(1, 2), v.detach().transpose(1, 2), is_causal=True, scale=0.25,
-        enable_gqa=True).transpose(1, 2).square().sum().backward()
+        ref_q.transpose(1, 2),
+        k.detach().transpose(1, 2),
+        v.detach().transpose(1, 2),
+        is_causal=True,
+        scale=0.25,
+        enable_gqa=True,
+    ).transpose(1, 2).square().sum().backward()
     torch.testing.assert_close(grads[0][0], ref_q.grad, rtol=1e-4, atol=1e-5)
 
 
@@ -571,10 +605,10 @@ def test_fused_selected_logprobs(dtype):
     ga = torch.autograd.grad((sn.fused_selected_logprobs(h, w, t, chunk=64) * up).sum(), (h, w))
     gb = torch.autograd.grad((ref * up).sum(), (h, w))
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    for a, b in zip(ga, gb):
+    for a, b in zip(ga, gb, strict=True):
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
     ga2 = torch.autograd.grad((sn.fused_selected_logprobs(h, w, t, chunk=64) * up).sum(), (h, w))
-    assert all(torch.equal(a, b) for a, b in zip(ga, ga2))
+    assert all(torch.equal(a, b) for a, b in zip(ga, ga2, strict=True))
     with pytest.raises(ValueError, match="expected hidden"):
         sn.fused_selected_logprobs(h, w, t[:5])
 
@@ -597,7 +631,8 @@ def test_cpu_kernel_build_errors_are_clear(monkeypatch, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_silu_backward_kernel_is_the_torch_formula(dtype):
     """The one-pass backward kernel (``zk_silu_mul_bwd``) gives the bits of its torch-op formula on the saved ``s``:
-    ``dg = dy * u * (s + g * s * (1 - s))``, ``du = dy * (g * s)`` in float32, rounded once; odd sizes (vector tails)."""
+    ``dg = dy * u * (s + g * s * (1 - s))``, ``du = dy * (g * s)`` in float32, rounded once; odd sizes (vector
+    tails)."""
     from shared_numerics.activation import _silu_mul_cpu
 
     gen = torch.Generator().manual_seed(9)

@@ -1,6 +1,7 @@
 """The countdown example's rollout pipeline stage (``examples/countdown/pipeline.py``) on its own: the staleness bound,
 the order in which versions are loaded, errors and stopping. The engine is replaced by callables that record what
 the worker asked for (the real-engine run is ``tests/test_example.py``)."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Bad configuration fails at start with a clear error (never a silent fallback to stock numerics)."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ def test_config_schema():
             from_vllm_config(_Cfg({"zerokld": old}))
     # a section takes the settings' defaults (zerokld on); none leaves vLLM stock; one parse per distinct section
     assert from_vllm_config(_Cfg({"zerokld": {}})).batch_invariant is True
-    assert from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}})) is from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}}))
+    assert from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}})) is from_vllm_config(
+        _Cfg({"zerokld": {"fp8": "block"}})
+    )
     assert from_vllm_config(_Cfg({"zerokld": {"fp8": "block"}})).settings == ZeroKLDSettings(fp8="block")
 
 
@@ -64,20 +67,37 @@ def test_zerokld_engines_use_the_v1_model_runner(monkeypatch):
     assert use_v2_model_runner(off, lambda: True) is True
 
 
-@pytest.mark.parametrize("case", ["unsupported_architecture", "rope_scaling", "fp8_checkpoint_without_plugin",
-                                  "routes_on_dense_model", "expert_parallel", "pipeline_parallel", "processed_logprobs", "model_runner_v2"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unsupported_architecture",
+        "rope_scaling",
+        "fp8_checkpoint_without_plugin",
+        "routes_on_dense_model",
+        "expert_parallel",
+        "pipeline_parallel",
+        "processed_logprobs",
+        "model_runner_v2",
+    ],
+)
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, capfd, monkeypatch):
     from vllm_plugin.engines import start_llm
 
     engine_slot.close()
     if case == "unsupported_architecture":  # Mistral has Llama's weights; stock vLLM would serve it silently
-        ckpt = _edited_checkpoint(checkpoint_factory("llama", "float32"), tmp_path / "m",
-                                  architectures=["MistralForCausalLM"], model_type="mistral")
+        ckpt = _edited_checkpoint(
+            checkpoint_factory("llama", "float32"),
+            tmp_path / "m",
+            architectures=["MistralForCausalLM"],
+            model_type="mistral",
+        )
         expected = "does not support architecture"
     elif case == "rope_scaling":
-        ckpt = _edited_checkpoint(checkpoint_factory("qwen3", "float32"), tmp_path / "r",
-                                  rope_scaling={"rope_type": "yarn", "factor": 2.0,
-                                                "original_max_position_embeddings": 512})
+        ckpt = _edited_checkpoint(
+            checkpoint_factory("qwen3", "float32"),
+            tmp_path / "r",
+            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512},
+        )
         expected = "rope_scaling"
     elif case == "fp8_checkpoint_without_plugin":  # stock vLLM layers would misread the FP8 codes
         from zerokld_models.fp8_export import export_fp8_checkpoint
@@ -121,16 +141,21 @@ def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
     def config(family: str, fp8: bool = False, lora_dtype="auto"):
         cfg = read_model_config(checkpoint_factory(family, "bfloat16"))
         extra = {"zerokld": {"batch_invariant": True, **({"fp8": "per_channel"} if fp8 else {})}}
-        vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-                             model_config=SimpleNamespace(dtype=torch.bfloat16), quant_config=None,
-                             lora_config=LoRAConfig(max_lora_rank=8, lora_dtype=lora_dtype),
-                             additional_config=extra)
+        vc = SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            model_config=SimpleNamespace(dtype=torch.bfloat16),
+            quant_config=None,
+            lora_config=LoRAConfig(max_lora_rank=8, lora_dtype=lora_dtype),
+            additional_config=extra,
+        )
         return vc, cfg, adapter_for(cfg)
 
     check_supported(*config("qwen3"))  # served
     check_supported(*config("qwen3", lora_dtype=torch.bfloat16))
-    for args, expected in ((config("qwen3", fp8=True), "LoRA with FP8"),
-                           (config("qwen3_moe"), "LoRA on an MoE model"),
-                           (config("qwen3", lora_dtype=torch.float32), "lora_dtype")):
+    for args, expected in (
+        (config("qwen3", fp8=True), "LoRA with FP8"),
+        (config("qwen3_moe"), "LoRA on an MoE model"),
+        (config("qwen3", lora_dtype=torch.float32), "lora_dtype"),
+    ):
         with pytest.raises(ZeroKLDConfigError, match=expected):
             check_supported(*args)

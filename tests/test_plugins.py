@@ -1,5 +1,6 @@
 """Extension points: a third-party plugin package, discovered through the ``zerokld`` entry-point group, adds a loss
 and a delta codec that are then used end to end (a TorchTitan training step; a snapshot round trip)."""
+
 from __future__ import annotations
 
 import importlib
@@ -10,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import zerokld_plugins as zp
 from shared_numerics.rollout import RolloutBatch
 
-import zerokld_plugins as zp
-
-PLUGIN = textwrap.dedent('''
+PLUGIN = textwrap.dedent("""
     import lzma
 
     import numpy as np
@@ -51,16 +51,16 @@ PLUGIN = textwrap.dedent('''
     @hookimpl
     def zerokld_delta_codecs():
         return [CodecSpec("xor_lzma", encode, decode, "XOR + lzma")]
-''')
+""")
 
-DUPLICATE = textwrap.dedent('''
+DUPLICATE = textwrap.dedent("""
     from zerokld_plugins import LossSpec, hookimpl
 
 
     @hookimpl
     def zerokld_losses():
         return [LossSpec("ppo", lambda *a: None, "shared_numerics.losses:NoConfig")]
-''')
+""")
 
 
 def _install(site, dist: str, module: str, source: str) -> None:
@@ -99,19 +99,33 @@ def test_builtins_are_registered_through_the_hooks():
     """Each of zerokld's packages registers its own built-ins through the same entry-point group as any plugin."""
     zp.reset_plugin_manager()
     names = {(r.kind, r.name): r.provider for r in zp.list_registrations()}
-    expected = {("loss", "ppo"): "shared_numerics", ("loss", "cross_entropy"): "shared_numerics",
-                ("loss", "importance_sampling"): "shared_numerics", ("backend", "torch"): "shared_numerics",
-                ("backend", "triton"): "shared_numerics", ("backend", "cublas"): "shared_numerics",
-                ("codec", "arc_v2"): "deltasync",
-                ("storage", "file"): "deltasync", ("storage", "memory"): "deltasync",
-                ("model", "Qwen3ForCausalLM"): "zerokld_models", ("model", "LlamaForCausalLM"): "zerokld_models",
-                ("model", "Qwen3MoeForCausalLM"): "zerokld_models", ("model", "Qwen2ForCausalLM"): "zerokld_models"}
+    expected = {
+        ("loss", "ppo"): "shared_numerics",
+        ("loss", "cross_entropy"): "shared_numerics",
+        ("loss", "importance_sampling"): "shared_numerics",
+        ("backend", "torch"): "shared_numerics",
+        ("backend", "triton"): "shared_numerics",
+        ("backend", "cublas"): "shared_numerics",
+        ("codec", "arc_v2"): "deltasync",
+        ("storage", "file"): "deltasync",
+        ("storage", "memory"): "deltasync",
+        ("model", "Qwen3ForCausalLM"): "zerokld_models",
+        ("model", "LlamaForCausalLM"): "zerokld_models",
+        ("model", "Qwen3MoeForCausalLM"): "zerokld_models",
+        ("model", "Qwen2ForCausalLM"): "zerokld_models",
+    }
     assert {k: names.get(k) for k in expected} == expected
     import zerokld_plugins
 
     assert sorted(p.name for p in Path(zerokld_plugins.__file__).parent.glob("*.py")) == [
-        "__init__.py", "__main__.py", "envs.py", "errors.py", "hookspecs.py", "manager.py",
-        "specs.py"]  # no built-ins of its own (envs and errors: the shared variables and error base, no registrations)
+        "__init__.py",
+        "__main__.py",
+        "envs.py",
+        "errors.py",
+        "hookspecs.py",
+        "manager.py",
+        "specs.py",
+    ]  # no built-ins of its own (envs and errors: the shared variables and error base, no registrations)
 
 
 def test_third_party_plugin_discovered_and_removable(plugin_site):
@@ -164,17 +178,20 @@ def test_plugin_loss_in_a_training_step(plugin_site, checkpoint_factory, tmp_pat
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     ckpt = checkpoint_factory("qwen3", "float32")
-    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype="float32", lr=1e-3,
-                                          loss_fn="scaled_pg", loss_fn_config={"scale": 2.0}))
+    trainer = RLTrainer(
+        rl_trainer_config(
+            ckpt, str(tmp_path / "dump"), dtype="float32", lr=1e-3, loss_fn="scaled_pg", loss_fn_config={"scale": 2.0}
+        )
+    )
     try:
         seqs = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13, 14]]
         plens, adv = [3, 2], [1.0, -0.5]
         ref = trainer_logprobs(ckpt, seqs, plens, dtype="float32")
         out = trainer.rl_step(RolloutBatch(seqs, plens, adv, [r.clone() for r in ref], numerics=trainer.numerics))
-        expected = sum((-2.0 * a * r).sum().item() for a, r in zip(adv, ref)) / sum(r.numel() for r in ref)
+        expected = sum((-2.0 * a * r).sum().item() for a, r in zip(adv, ref, strict=True)) / sum(r.numel() for r in ref)
         assert out["loss"] == pytest.approx(expected, rel=1e-5)
         after = trainer_logprobs(str(trainer.save_hf(tmp_path / "s1", "float32")), seqs, plens, dtype="float32")
-        assert any(not torch.equal(a, b) for a, b in zip(after, ref))
+        assert any(not torch.equal(a, b) for a, b in zip(after, ref, strict=True))
     finally:
         trainer.close()
     _deactivate(plugin_site, "zk_demo_plugin")  # without the plugin the loss name is refused when the loss is built

@@ -1,4 +1,5 @@
 """Counter-based sampler (shared_numerics.sampling): a pure function of (logits row, seed, position)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,8 @@ def test_noise_is_a_pure_function_of_seed_position_and_index():
     assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
     assert torch.equal(u, uniform_noise(seeds, pos, 1000))
     for i in range(4):  # row i alone == row i in the batch; a prefix of the vocabulary is a prefix of the noise
-        assert torch.equal(uniform_noise(seeds[i: i + 1], pos[i: i + 1], 1000)[0], u[i])
-        assert torch.equal(uniform_noise(seeds[i: i + 1], pos[i: i + 1], 10)[0], u[i, :10])
+        assert torch.equal(uniform_noise(seeds[i : i + 1], pos[i : i + 1], 1000)[0], u[i])
+        assert torch.equal(uniform_noise(seeds[i : i + 1], pos[i : i + 1], 10)[0], u[i, :10])
     assert not torch.equal(u[0], u[1])  # seed matters
     assert not torch.equal(uniform_noise(seeds[:1], torch.tensor([1]), 1000)[0], u[0])  # position matters
     assert len(set(u[0].tolist())) == 1000
@@ -28,12 +29,12 @@ def test_every_int64_seed_is_a_seed():
     """vLLM takes any int64 ``seed`` (``CompletionRequest.seed``: ``ge=-2**63``); a negative one is its 64 bits, not an
     error. Before this, a request with ``seed: -1377816`` raised inside the engine's step and stopped the engine
     (found by tests/test_server_fuzz.py)."""
-    seeds = torch.tensor([-1, -2**63, 2**63 - 1, -1377816, 1])
+    seeds = torch.tensor([-1, -(2**63), 2**63 - 1, -1377816, 1])
     pos = torch.tensor([0, 5, 5, 2, 0])
     u = uniform_noise(seeds, pos, 512)
     assert bool(((u > 0) & (u < 1)).all()) and torch.equal(u, uniform_noise(seeds, pos, 512))
     for i in range(len(seeds)):
-        assert torch.equal(uniform_noise(seeds[i: i + 1], pos[i: i + 1], 512)[0], u[i])
+        assert torch.equal(uniform_noise(seeds[i : i + 1], pos[i : i + 1], 512)[0], u[i])
     assert len({tuple(row.tolist()) for row in u}) == len(seeds)  # -1 is not 1, -2**63 is not 2**63 - 1
     assert abs(float(u.mean()) - 0.5) < 0.02
 
@@ -55,17 +56,18 @@ def test_batch_and_thread_invariance_and_top_k_top_p():
     seeds = torch.randint(0, 2**62, (64,), generator=g)
     pos = torch.randint(0, 1000, (64,), generator=g)
     top_k = torch.where(torch.arange(64) % 3 == 0, torch.tensor(500), torch.tensor(10))
-    top_p = torch.where(torch.arange(64) % 2 == 0, torch.tensor(1.0, dtype=torch.float64),
-                        torch.tensor(0.7, dtype=torch.float64))
+    top_p = torch.where(
+        torch.arange(64) % 2 == 0, torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
+    )
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         batch = sample_tokens(logits, temp, seeds, pos, top_k, top_p)
         torch.set_num_threads(1)
         for i in range(64):
-            k = top_k[i: i + 1] if int(top_k[i]) < 500 else None
-            p = top_p[i: i + 1] if float(top_p[i]) < 1.0 else None
-            alone = sample_tokens(logits[i: i + 1], temp[i: i + 1], seeds[i: i + 1], pos[i: i + 1], k, p)
+            k = top_k[i : i + 1] if int(top_k[i]) < 500 else None
+            p = top_p[i : i + 1] if float(top_p[i]) < 1.0 else None
+            alone = sample_tokens(logits[i : i + 1], temp[i : i + 1], seeds[i : i + 1], pos[i : i + 1], k, p)
             assert int(alone) == int(batch[i]), f"row {i}"
     finally:
         torch.set_num_threads(threads)
@@ -99,13 +101,15 @@ def test_negative_control_stock_vllm_sampler_depends_on_the_batch():
     differing = 0
     for i in range(64):
         torch.manual_seed(5)
-        differing += int(random_sample(probs[i: i + 1].clone(), {})) != int(batch[i])
+        differing += int(random_sample(probs[i : i + 1].clone(), {})) != int(batch[i])
     assert differing > 0
     # ours, same rows, alone vs batch: see test_batch_and_thread_invariance_and_top_k_top_p
     seeds, pos = torch.full((64,), 5), torch.arange(64)
     ours = sample_tokens(probs.log(), torch.ones(64), seeds, pos)
-    assert all(int(sample_tokens(probs[i: i + 1].log(), torch.ones(1), seeds[i: i + 1], pos[i: i + 1])) == int(ours[i])
-               for i in range(64))
+    assert all(
+        int(sample_tokens(probs[i : i + 1].log(), torch.ones(1), seeds[i : i + 1], pos[i : i + 1])) == int(ours[i])
+        for i in range(64)
+    )
 
 
 def test_unseeded_requests_draw_seeds_from_the_engine_seed():
@@ -123,6 +127,6 @@ def test_unseeded_requests_draw_seeds_from_the_engine_seed():
         return [unseeded_request_seed(owner) for _ in range(6)]
 
     a, b = draws(engine(0)), draws(engine(0))
-    assert a == b and len(set(a)) == 6 and all(0 <= x < 2 ** 62 for x in a)
+    assert a == b and len(set(a)) == 6 and all(0 <= x < 2**62 for x in a)
     assert draws(engine(1)) != a
     assert draws(engine(None)) != draws(engine(None))

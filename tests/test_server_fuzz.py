@@ -22,6 +22,7 @@ key is tested in tests/test_fireworks_wire.py and tests/test_hotload.py).
   (``'ResponseOutputRefusal' object has no attribute 'text'``). Found by this test and fixed: a negative ``seed``
   stopped the engine (tests/test_sampling.py, tests/test_fireworks_wire.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,16 @@ OUR_ROUTES = ("/zerokld/", "/hot_load/", "/v1/accounts", "/inference/")
 
 
 def _peak_mib(pid: int) -> float:
-    return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("VmHWM"))) / 1024
+    return (
+        int(
+            next(
+                line.split()[1]
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmHWM")
+            )
+        )
+        / 1024
+    )
 
 
 def _fuzz(url: str, doc: dict, headers: dict, aim, log_tail, trace: Path) -> tuple[dict, list]:
@@ -92,7 +101,8 @@ def _examples_of_seed_and_schema_only():
 
 
 def _fuzz_routes(schema, url, headers, aim, log_tail, sent, errors, statuses) -> None:
-    """:func:`_fuzz`'s loop: counts into ``statuses``, 5xx answers onto ``errors``, each call a JSON line to ``sent``."""
+    """:func:`_fuzz`'s loop: counts into ``statuses``, 5xx answers onto ``errors``, each call a JSON line to
+    ``sent``."""
     from hypothesis import HealthCheck, Phase, given, seed, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
@@ -103,21 +113,36 @@ def _fuzz_routes(schema, url, headers, aim, log_tail, sent, errors, statuses) ->
             pick = random.Random(f"{SEED} {op.method} {op.path} {mode.value}")
 
             @seed(SEED)
-            @settings(max_examples=EXAMPLES, deadline=None, database=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=EXAMPLES,
+                deadline=None,
+                database=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=op.as_strategy(mode))
             def fuzz(case):
                 aim(case, pick)
                 try:
                     r = case.call(base_url=url, headers=headers, timeout=60)
                 except requests.ConnectionError:
-                    pytest.fail(f"the server is gone at {case.method} {case.path} {str(case.body)[:300]}; the 5xx "
-                                f"before: {_shown(errors[-3:])}; its log ends:\n{log_tail()}")
+                    pytest.fail(
+                        f"the server is gone at {case.method} {case.path} {str(case.body)[:300]}; the 5xx "
+                        f"before: {_shown(errors[-3:])}; its log ends:\n{log_tail()}"
+                    )
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
                 body = r.request.body or b""
-                sent.write(json.dumps({"method": r.request.method, "url": r.request.path_url, "status": r.status_code,
-                                       "body": body.decode("utf-8", "replace") if isinstance(body, bytes) else body})
-                           + "\n")
+                sent.write(
+                    json.dumps(
+                        {
+                            "method": r.request.method,
+                            "url": r.request.path_url,
+                            "status": r.status_code,
+                            "body": body.decode("utf-8", "replace") if isinstance(body, bytes) else body,
+                        }
+                    )
+                    + "\n"
+                )
                 if r.status_code >= 500:
                     errors.append(r)
 
@@ -129,8 +154,10 @@ def _fuzz_routes(schema, url, headers, aim, log_tail, sent, errors, statuses) ->
 
 
 def _shown(errors: list) -> list:
-    return [(r.request.method, r.request.path_url, r.status_code, r.text[:300],
-             (r.request.body or b"")[:300]) for r in errors[:5]]
+    return [
+        (r.request.method, r.request.path_url, r.status_code, r.text[:300], (r.request.body or b"")[:300])
+        for r in errors[:5]
+    ]
 
 
 def _message(r: requests.Response) -> str:
@@ -145,17 +172,23 @@ def test_every_training_server_route_survives_schema_fuzzing(checkpoint_factory,
     from titan_plugin.training_server import TrainingServerProcess
 
     (tmp_path / "snapshots").mkdir()
-    proc = TrainingServerProcess(checkpoint_factory("qwen3", "bfloat16"), tmp_path / "snapshots", API_KEY,
-                                 tmp_path / "server.log", ["--seq-gap-s", 5, "--max-models", 4,
-                                                           "--max-body-bytes", 4 << 20])
+    proc = TrainingServerProcess(
+        checkpoint_factory("qwen3", "bfloat16"),
+        tmp_path / "snapshots",
+        API_KEY,
+        tmp_path / "server.log",
+        ["--seq-gap-s", 5, "--max-models", 4, "--max-body-bytes", 4 << 20],
+    )
     url = proc.start()
     headers = {"X-Api-Key": API_KEY}
     try:
-        created = requests.post(url + "/api/v1/create_model", json={"base_model": "tiny"}, headers=headers,
-                                timeout=60).json()
+        created = requests.post(
+            url + "/api/v1/create_model", json={"base_model": "tiny"}, headers=headers, timeout=60
+        ).json()
         while True:
-            done = requests.post(url + "/api/v1/retrieve_future", json={"request_id": created["request_id"]},
-                                 headers=headers, timeout=60).json()
+            done = requests.post(
+                url + "/api/v1/retrieve_future", json={"request_id": created["request_id"]}, headers=headers, timeout=60
+            ).json()
             if done.get("type") != "try_again":
                 break
         model = done["model_id"]
@@ -189,8 +222,9 @@ def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint
     root.mkdir()
     stamp = NumericsMode.build(True, "bfloat16").to_dict()
     base = read_snapshot_tensors(ckpt)
-    write_full_snapshot({k: v + 1 if k.endswith("norm.weight") else v for k, v in base.items()}, ckpt,
-                        root / "step-1", numerics=stamp)
+    write_full_snapshot(
+        {k: v + 1 if k.endswith("norm.weight") else v for k, v in base.items()}, ckpt, root / "step-1", numerics=stamp
+    )
     write_incremental_snapshot(root / "step-1", base, root / "step-2", numerics=stamp)
     server = HotLoadServer(ckpt, root, tmp_path / "state", tmp_path / "server.log", API_KEY, max_model_len=256)
     server.start()
@@ -214,8 +248,9 @@ def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint
                 case.body["model"] = deployment if case.path == "/inference/v1/completions" else Path(ckpt).name
 
         pid = server.proc.pid
-        statuses, errors = _fuzz(server.base, doc, {"Authorization": f"Bearer {API_KEY}"}, aim, server.log_tail,
-                                 tmp_path / "calls.jsonl")
+        statuses, errors = _fuzz(
+            server.base, doc, {"Authorization": f"Bearer {API_KEY}"}, aim, server.log_tail, tmp_path / "calls.jsonl"
+        )
         assert sum(statuses.values()) >= EXAMPLES * 20 and statuses.get(200) and statuses.get(400)
         peak = _peak_mib(pid)
         assert peak < 8 * 1024, f"API server peak memory {peak:.0f} MiB"
@@ -234,8 +269,11 @@ def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint
     stock_log = ""
     if theirs:
         assert server.args[-2] == "--additional-config"  # the zerokld settings: left out
-        stock = OpenAIServer([*server.args[:-2], "--served-model-name", Path(ckpt).name], tmp_path / "stock.log",
-                             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": ""})
+        stock = OpenAIServer(
+            [*server.args[:-2], "--served-model-name", Path(ckpt).name],
+            tmp_path / "stock.log",
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": ""},
+        )
         stock.start()
         differ = []
         try:
@@ -249,6 +287,8 @@ def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint
             stock.stop()
         assert differ == [], differ[:5]
         stock_log = (tmp_path / "stock.log").read_text(errors="replace")
-        print("vLLM's own 5xx, the same on stock vLLM:",
-              sorted({(r.request.path_url, r.status_code, _message(r)[:120]) for r in theirs}))
+        print(
+            "vLLM's own 5xx, the same on stock vLLM:",
+            sorted({(r.request.path_url, r.status_code, _message(r)[:120]) for r in theirs}),
+        )
     assert log.count("Exception in ASGI application") == stock_log.count("Exception in ASGI application")

@@ -5,6 +5,7 @@ kernels cover the dtype) and one rollout at a time (everywhere else) — for the
 loss and a ``token_mean`` loss whose normaliser is known only when the stream ends. Negative control: TorchTitan's own
 accumulation (``forward_backward_step`` per micro-batch, one batched backward each) gives other gradient bits for
 another grouping."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,13 +33,14 @@ def _rollouts(ckpt: str, dtype: str, seed: int = 41) -> RolloutBatch:
     plens = [rng.randrange(2, 10) for _ in seqs]
     ref = trainer_logprobs(ckpt, seqs, plens, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
-    return RolloutBatch(seqs, plens, [rng.uniform(-1, 1) for _ in seqs],
-                        [r + 0.05 * torch.randn(r.shape, generator=g) for r in ref])
+    return RolloutBatch(
+        seqs, plens, [rng.uniform(-1, 1) for _ in seqs], [r + 0.05 * torch.randn(r.shape, generator=g) for r in ref]
+    )
 
 
 def _micro_batches(batch: RolloutBatch, sizes: list[int]) -> list[RolloutBatch]:
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [batch.select(range(s, s + n)) for s, n in zip(starts, sizes)]
+    return [batch.select(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)]
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -47,7 +49,9 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _custom_loss(batch: RolloutBatch, lps: list[torch.Tensor]):
     """A per-rollout additive policy-gradient loss (importance ratio against the sampler, times the advantage)."""
-    loss = sum(-(a * torch.exp(lp - q)).sum() for a, lp, q in zip(batch.advantages, lps, batch.sampler_logprobs))
+    loss = sum(
+        -(a * torch.exp(lp - q)).sum() for a, lp, q in zip(batch.advantages, lps, batch.sampler_logprobs, strict=True)
+    )
     return loss, {}
 
 
@@ -67,33 +71,45 @@ def _titan_accumulation_depends_on_the_grouping(client: TrainingClient, batch: R
 
     whole, split = titan([8]), titan([3, 1, 4])
     assert whole.keys() == split.keys()
-    stock_differs(sum(not torch.equal(whole[k], split[k]) for k in whole) > 0,
-                  "TorchTitan's gradient accumulation over micro-batches [8] vs [3, 1, 4]", "the groupings")
+    stock_differs(
+        sum(not torch.equal(whole[k], split[k]) for k in whole) > 0,
+        "TorchTitan's gradient accumulation over micro-batches [8] vs [3, 1, 4]",
+        "the groupings",
+    )
 
 
 def _chained(*values, dtype: str):
     """A parameter set whose test needs this machine's exact accumulation for ``dtype`` (tests/conftest.py's
     capabilities: the float32 kernel; for bf16, AMX or no bf16 units)."""
-    return pytest.param(*values, marks=pytest.mark.requires_bf16_grad_chain if dtype == "bfloat16"
-                        else pytest.mark.requires_f32_kernel)
+    return pytest.param(
+        *values, marks=pytest.mark.requires_bf16_grad_chain if dtype == "bfloat16" else pytest.mark.requires_f32_kernel
+    )
 
 
-@pytest.mark.parametrize("family,dtype,way", [
-    _chained("qwen3", "float32", "batched", dtype="float32"), _chained("qwen3", "bfloat16", "batched", dtype="bfloat16"),
-    ("qwen3", "float32", "one rollout at a time"), ("qwen3", "bfloat16", "one rollout at a time"),
-    # q/k/v biases and tied embeddings: two chains summed into one .grad
-    _chained("qwen2", "bfloat16", "batched", dtype="bfloat16"),
-    _chained("qwen3_tied", "float32", "batched", dtype="float32")])
-def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(checkpoint_factory, tmp_path, family,
-                                                                          dtype, way):
+@pytest.mark.parametrize(
+    "family,dtype,way",
+    [
+        _chained("qwen3", "float32", "batched", dtype="float32"),
+        _chained("qwen3", "bfloat16", "batched", dtype="bfloat16"),
+        ("qwen3", "float32", "one rollout at a time"),
+        ("qwen3", "bfloat16", "one rollout at a time"),
+        # q/k/v biases and tied embeddings: two chains summed into one .grad
+        _chained("qwen2", "bfloat16", "batched", dtype="bfloat16"),
+        _chained("qwen3_tied", "float32", "batched", dtype="float32"),
+    ],
+)
+def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(
+    checkpoint_factory, tmp_path, family, dtype, way
+):
     ckpt = checkpoint_factory(family, dtype)
     client = TrainingClient.from_checkpoint(ckpt, dtype=dtype, learning_rate=1e-3, dump_folder=str(tmp_path / "c"))
     try:
         batch = dataclasses.replace(_rollouts(ckpt, dtype), numerics=client.trainer.numerics)
         trainer = client.trainer
         # the batched way wherever this machine's kernels cover the dtype (a dense zerokld model)
-        assert (trainer.exact_accumulation is not None) == chain_available(getattr(torch, dtype)), \
+        assert (trainer.exact_accumulation is not None) == chain_available(getattr(torch, dtype)), (
             trainer.exact_accumulation_off
+        )
         if way == "one rollout at a time":
             trainer.exact_accumulation = None
         for mode in ("fused", "custom"):
@@ -112,7 +128,7 @@ def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(check
             assert ref_grads
             for name, (grads, lps) in seen.items():
                 assert len(lps) == len(ref_lps) == len(batch)
-                assert all(torch.equal(a, b) for a, b in zip(lps, ref_lps)), (mode, name)
+                assert all(torch.equal(a, b) for a, b in zip(lps, ref_lps, strict=True)), (mode, name)
                 assert grads.keys() == ref_grads.keys()
                 assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads), (mode, name)
 
@@ -125,16 +141,19 @@ def _adapted_client(ckpt: str, dtype: str, variant: str, dump: str) -> TrainingC
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     if variant == "lora":  # rank 4 zero-padded to the engine's 8, scaling 6 / 4 (not a power of two)
-        return TrainingClient.create_lora(ckpt, rank=4, alpha=6.0, max_rank=8, dtype=dtype, learning_rate=1e-2,
-                                          dump_folder=dump)
+        return TrainingClient.create_lora(
+            ckpt, rank=4, alpha=6.0, max_rank=8, dtype=dtype, learning_rate=1e-2, dump_folder=dump
+        )
     fp8 = None if variant == "moe" else variant
     return TrainingClient(RLTrainer(rl_trainer_config(ckpt, dump, dtype=dtype, lr=1e-2, fp8=fp8)), dtype)
 
 
-@pytest.mark.parametrize("variant,dtype", [_chained(v, d, dtype=d) for v in ("lora", "per_channel", "moe")
-                                           for d in ("float32", "bfloat16")])
-def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradient(checkpoint_factory, tmp_path,
-                                                                                  variant, dtype):
+@pytest.mark.parametrize(
+    "variant,dtype", [_chained(v, d, dtype=d) for v in ("lora", "per_channel", "moe") for d in ("float32", "bfloat16")]
+)
+def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradient(
+    checkpoint_factory, tmp_path, variant, dtype
+):
     """LoRA (frozen base), FP8 QAT and MoE: their gradients are chains too — a LoRA adapter's the padded, scaling-folded
     operand's sums (the parameter's rows / columns of them, ``B``'s times the scaling), an FP8 linear's the
     straight-through ``dW`` of the dequantized operands, an MoE expert's over the tokens routed to it (float32
@@ -154,8 +173,12 @@ def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradien
             layers = moe_layers(trainer.model)
             n_exp, top_k = layers[0].router.gate.weight.shape[0], layers[0].router.top_k
             g = torch.Generator().manual_seed(5)
-            routes = [torch.stack([torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in layers])
-                                   for _ in seq[:-1]]).to(torch.int16) for seq in batch.sequences]
+            routes = [
+                torch.stack(
+                    [torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in layers]) for _ in seq[:-1]]
+                ).to(torch.int16)
+                for seq in batch.sequences
+            ]
             batch = dataclasses.replace(batch, routed_experts=routes)
         client.forward_backward(batch, "ppo")
         client.optim_step({"learning_rate": 1e-2})  # lora_B leaves 0, so lora_A's gradients are not all 0
@@ -198,8 +221,9 @@ def test_streamed_token_mean_step_equals_the_concatenated_batch_step(checkpoint_
     batch = _rollouts(ckpt, "float32", seed=43)
     after = {}
     for name in ("one call", "3+1+4"):
-        client = TrainingClient.from_checkpoint(ckpt, dtype="float32", learning_rate=1e-3,
-                                                dump_folder=str(tmp_path / name.replace(" ", "_")))
+        client = TrainingClient.from_checkpoint(
+            ckpt, dtype="float32", learning_rate=1e-3, dump_folder=str(tmp_path / name.replace(" ", "_"))
+        )
         try:
             assert client.trainer.loss_fn.config.normalization == "token_mean"
             batch = dataclasses.replace(batch, numerics=client.trainer.numerics)
@@ -208,7 +232,7 @@ def test_streamed_token_mean_step_equals_the_concatenated_batch_step(checkpoint_
             for mb in _micro_batches(batch, GROUPINGS[name]):
                 client.trainer.forward_backward(mb)
             mean = client.optim_step({"learning_rate": 1e-3})["grad_norm"]
-            tokens = sum(len(x) - p for x, p in zip(batch.sequences, batch.prompt_lengths))
+            tokens = sum(len(x) - p for x, p in zip(batch.sequences, batch.prompt_lengths, strict=True))
             assert mean * tokens == pytest.approx(summed, rel=1e-5)
             t = client.trainer
             after[name] = hf_state_dict(t.model, t.model_config, t._hf)
@@ -222,9 +246,14 @@ def test_streamed_token_mean_step_equals_the_concatenated_batch_step(checkpoint_
 
 
 def test_select_is_a_micro_batch_of_the_same_rollouts():
-    batch = RolloutBatch([[1, 5, 6, 7], [1, 8, 9], [1, 4, 4, 4, 4]], [2, 1, 3], [0.5, -1.0, torch.tensor([1.0, 2.0])],
-                         [torch.tensor([-0.5, -0.25]), torch.tensor([-1.0, -2.0]), torch.tensor([-0.1, -0.2])],
-                         snapshot_identity="step-00003", loss_weights=[torch.ones(2)] * 3)
+    batch = RolloutBatch(
+        [[1, 5, 6, 7], [1, 8, 9], [1, 4, 4, 4, 4]],
+        [2, 1, 3],
+        [0.5, -1.0, torch.tensor([1.0, 2.0])],
+        [torch.tensor([-0.5, -0.25]), torch.tensor([-1.0, -2.0]), torch.tensor([-0.1, -0.2])],
+        snapshot_identity="step-00003",
+        loss_weights=[torch.ones(2)] * 3,
+    )
     sub = batch.select([2, 0])
     assert sub.sequences == [[1, 4, 4, 4, 4], [1, 5, 6, 7]] and sub.prompt_lengths == [3, 2]
     assert sub.advantages[1] == 0.5 and torch.equal(sub.advantages[0], torch.tensor([1.0, 2.0]))
@@ -244,8 +273,9 @@ def test_importance_sampling_corrections_reach_the_trainer_loss(checkpoint_facto
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     ckpt = checkpoint_factory("qwen3", "float32")
-    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "d"), dtype="float32",
-                                          corrections={"mis_low": 0.97, "mis_high": 1.03}))
+    trainer = RLTrainer(
+        rl_trainer_config(ckpt, str(tmp_path / "d"), dtype="float32", corrections={"mis_low": 0.97, "mis_high": 1.03})
+    )
     try:
         assert trainer.loss_fn.corrections == CorrectionConfig(mis_low=0.97, mis_high=1.03)
         batch = dataclasses.replace(_rollouts(ckpt, "float32", seed=45), numerics=trainer.numerics)
@@ -257,10 +287,17 @@ def test_importance_sampling_corrections_reach_the_trainer_loss(checkpoint_facto
         trainer.close()
 
 
-@pytest.mark.parametrize("family,batch_invariant,fp8,reason", [
-    ("qwen3", True, None, None), ("qwen3_tied", True, None, None), ("qwen2", True, None, None),
-    ("qwen3_moe", True, None, None), ("qwen3", True, "per_channel", None),
-    ("qwen3", False, None, "belongs to a")])
+@pytest.mark.parametrize(
+    "family,batch_invariant,fp8,reason",
+    [
+        ("qwen3", True, None, None),
+        ("qwen3_tied", True, None, None),
+        ("qwen2", True, None, None),
+        ("qwen3_moe", True, None, None),
+        ("qwen3", True, "per_channel", None),
+        ("qwen3", False, None, "belongs to a"),
+    ],
+)
 @pytest.mark.requires_f32_kernel
 def test_batched_way_covers_dense_zerokld_models(checkpoint_factory, family, batch_invariant, fp8, reason):
     """Which models ``forward_backward`` runs batched (every parameter in a module that routes its gradient into a

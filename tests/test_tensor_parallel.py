@@ -4,6 +4,7 @@ The op tests emulate the ranks in one process (each rank's shard, the gather sta
 engine tests start real vLLM-CPU engines with ``--tensor-parallel-size 2`` (two workers, one core each, vLLM's own
 shared-memory all-gather) and compare them with the trainer at TP 1 and with stock vLLM at TP 1 and 2.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
@@ -29,15 +31,23 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _shards(x, w, tp):
     k = x.shape[-1] // tp
-    return [(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k]) for r in range(tp)]
+    return [(x[:, r * k : (r + 1) * k], w[:, r * k : (r + 1) * k]) for r in range(tp)]
 
 
 def _emulated_tp(x, w, b, tp, k_block=K_BLOCK):
     """Every rank's output of :func:`row_parallel_linear`; the gather returns all ranks' roots in rank order."""
     shards = _shards(x, w, tp)
     roots = torch.stack([block_tree_sum(k_block_partials(xs, ws, k_block)) for xs, ws in shards])
-    return [row_parallel_linear(xs, ws, b, k_block=k_block, gather=lambda root, r=r: (
-        torch.testing.assert_close(root[0], roots[r], rtol=0, atol=0), roots)[1]) for r, (xs, ws) in enumerate(shards)]
+    return [
+        row_parallel_linear(
+            xs,
+            ws,
+            b,
+            k_block=k_block,
+            gather=lambda root, r=r: (torch.testing.assert_close(root[0], roots[r], rtol=0, atol=0), roots)[1],
+        )
+        for r, (xs, ws) in enumerate(shards)
+    ]
 
 
 def _stock_tp(x, w, b, tp):
@@ -81,20 +91,27 @@ def test_moe_experts_same_bits_at_tp_1_2_4(dtype):
     n, h, inter, e, k = 29, 64, 64, 8, 2
     x = torch.randn(n, h, generator=g).to(dtype)
     router = torch.randn(e, h, generator=g).to(dtype)
-    wg, wu, wd = ((torch.randn(*shape, generator=g) * 0.2).to(dtype)
-                  for shape in ((e, inter, h), (e, inter, h), (e, h, inter)))
+    wg, wu, wd = (
+        (torch.randn(*shape, generator=g) * 0.2).to(dtype) for shape in ((e, inter, h), (e, inter, h), (e, h, inter))
+    )
     ref, ids = sn_moe.moe_forward(x, router, wg, wu, wd, k, k_block=K_BLOCK)
 
     def shard(q, tp):
         s = inter // tp
-        return wg[:, q * s:(q + 1) * s], wu[:, q * s:(q + 1) * s], wd[:, :, q * s:(q + 1) * s]
+        return wg[:, q * s : (q + 1) * s], wu[:, q * s : (q + 1) * s], wd[:, :, q * s : (q + 1) * s]
 
     for tp in (2, 4):
         roots = []
         for q in range(tp):  # each rank's subtree roots, as its gather receives them
             captured = []
-            sn_moe.moe_forward(x, router, *shard(q, tp), k, k_block=K_BLOCK,
-                               gather=lambda r: captured.append(r) or r.expand(tp, *r.shape[1:]))
+            sn_moe.moe_forward(
+                x,
+                router,
+                *shard(q, tp),
+                k,
+                k_block=K_BLOCK,
+                gather=lambda r: captured.append(r) or r.expand(tp, *r.shape[1:]),
+            )
             roots.append(captured[0])
         stacked = torch.cat(roots)
         for q in range(tp):
@@ -117,7 +134,7 @@ def test_column_shards_of_a_linear_are_its_columns():
         full = sn.linear(x, w)
         for per in (51, 26):
             for s in range(0, 101, per):
-                assert torch.equal(sn.linear(x, w[s:s + per]), full[:, s:s + per])
+                assert torch.equal(sn.linear(x, w[s : s + per]), full[:, s : s + per])
 
 
 class _Exchange(torch.autograd.Function):
@@ -135,7 +152,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.rank:ctx.rank + 1], None, None, None
+        return grad[ctx.rank : ctx.rank + 1], None, None, None
 
 
 def _lockstep(tp, fn):
@@ -167,7 +184,7 @@ def _megatron_logprobs(z, t, bounds):
     z = z.float()
     m = z.amax(-1, keepdim=True)
     total = None
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in pairwise(bounds):
         part = torch.exp(z[:, lo:hi] - m).sum(-1, keepdim=True)
         total = part if total is None else total + part
     return (z - m - torch.log(total)).gather(-1, t.unsqueeze(-1)).squeeze(-1)
@@ -193,22 +210,23 @@ def test_vocab_parallel_log_softmax_same_bits_for_every_split_and_stock_is_not(d
         (full * w).sum().backward()
         assert full.dtype == torch.float32
         assert torch.equal(full, vp.log_softmax(z)[torch.arange(n), t])
-        torch.testing.assert_close(full.double(), torch.log_softmax(z.double(), -1)[torch.arange(n), t],
-                                   rtol=0, atol=2e-6)
+        torch.testing.assert_close(
+            full.double(), torch.log_softmax(z.double(), -1)[torch.arange(n), t], rtol=0, atol=2e-6
+        )
         splits = [[round(i * vocab / tp) for i in range(tp + 1)] for tp in (2, 3, 4)]
         splits += [[0, 7, vocab], [0, -(-vocab // 2), vocab]]  # a 7-wide slice; torch.chunk's ceil split
         for bounds in splits:
             tp = len(bounds) - 1
 
             def rank(r, gather, bounds=bounds):
-                part = z[:, bounds[r]:bounds[r + 1]].clone().requires_grad_()
+                part = z[:, bounds[r] : bounds[r + 1]].clone().requires_grad_()
                 lp = vp.selected_logprobs(part, t, vocab_start=bounds[r], vocab_size=vocab, gather=gather)
                 (lp * w).sum().backward()
                 return lp, part.grad
 
             for r, (lp, grad) in enumerate(_lockstep(tp, rank)):
                 assert torch.equal(lp, full), f"V={vocab} split {bounds} rank {r}"
-                assert torch.equal(grad, z_full.grad[:, bounds[r]:bounds[r + 1]]), f"grad V={vocab} {bounds} {r}"
+                assert torch.equal(grad, z_full.grad[:, bounds[r] : bounds[r + 1]]), f"grad V={vocab} {bounds} {r}"
         stock1 = _megatron_logprobs(z, t, [0, vocab])
         assert any(not torch.equal(stock1, _megatron_logprobs(z, t, b)) for b in splits[:3])
 
@@ -236,16 +254,17 @@ def test_fused_vocab_parallel_logprobs_equal_unfused_for_every_split(dtype):
 
         def rank(r, gather, bounds=bounds):
             hs = hidden.clone().requires_grad_()
-            ws = weight[bounds[r]:bounds[r + 1]].clone().requires_grad_()
-            lp = vp.fused_selected_logprobs(hs, ws, t, vocab_start=bounds[r], vocab_size=vocab,
-                                            gather=gather if tp > 1 else None, chunk=16)
+            ws = weight[bounds[r] : bounds[r + 1]].clone().requires_grad_()
+            lp = vp.fused_selected_logprobs(
+                hs, ws, t, vocab_start=bounds[r], vocab_size=vocab, gather=gather if tp > 1 else None, chunk=16
+            )
             (lp * w).sum().backward()
             return lp, hs.grad, ws.grad
 
         results = _lockstep(tp, rank)
         for r, (lp, _, grad_w) in enumerate(results):
             assert torch.equal(lp, ref), f"split {bounds} rank {r}"
-            torch.testing.assert_close(grad_w.float(), w_ref.grad[bounds[r]:bounds[r + 1]].float(), **tol)
+            torch.testing.assert_close(grad_w.float(), w_ref.grad[bounds[r] : bounds[r + 1]].float(), **tol)
         torch.testing.assert_close(sum(gh.float() for _, gh, _ in results), h_ref.grad.float(), **tol)
 
 
@@ -254,7 +273,8 @@ def test_sampler_logprobs_follow_tp_k_block(monkeypatch):
     """vLLM's ``compute_logprobs`` is the vocab-parallel definition exactly when the process's zerokld model has
     ``tp_k_block``, the dense one for other zerokld models, vLLM's own otherwise (the engine tests cannot tell: the two
     definitions agree on almost every row, see :mod:`shared_numerics.vocab_parallel`). The seam is installed at
-    registration; the model constructor only names the definition (:func:`vllm_plugin.sampler.set_logprobs_definition`)."""
+    registration; the model constructor only names the definition
+    (:func:`vllm_plugin.sampler.set_logprobs_definition`)."""
     from vllm.v1.sample.sampler import Sampler
 
     import shared_numerics.vocab_parallel as vp
@@ -297,16 +317,16 @@ def test_trainer_logprobs_follow_the_lm_head(checkpoint_factory, tmp_path, monke
     lens = [4, 5]
     seen = {}
     for k_block in (K_BLOCK, None):
-        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{k_block}"), dtype="float32",
-                                              tp_k_block=k_block))
+        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{k_block}"), dtype="float32", tp_k_block=k_block))
         try:
             assert trainer.loss_fn.lm_head is trainer.model.lm_head
             assert trainer.build_loss("ppo").lm_head is trainer.model.lm_head
             calls.clear()
             lps = trainer.forward_logprobs(RolloutBatch(seqs, lens))
             forward = len(calls)
-            trainer.rl_step(RolloutBatch(seqs, lens, advantages=[1.0, -1.0], sampler_logprobs=lps,
-                                         numerics=trainer.numerics))
+            trainer.rl_step(
+                RolloutBatch(seqs, lens, advantages=[1.0, -1.0], sampler_logprobs=lps, numerics=trainer.numerics)
+            )
             seen[k_block] = (forward, len(calls) - forward)
         finally:
             trainer.close()
@@ -356,10 +376,21 @@ def test_engine_refuses_tp_it_cannot_keep_invariant():
     from vllm_plugin.models.dense import _tp_problems
     from zerokld_models import ModelConfig
 
-    cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=101, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=512,
-                      tie_word_embeddings=False)
+    cfg = ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling=None,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     assert _tp_problems(2, 16, cfg, lora=False, fp8=False) == []
     assert "without tp_k_block" in " ".join(_tp_problems(2, None, cfg, lora=False, fp8=False))
     assert "power of two" in " ".join(_tp_problems(3, 16, cfg, lora=False, fp8=False))
@@ -378,16 +409,33 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
     with pytest.raises(ValueError, match="tp_k_block with fp8"):  # a settings rule, on both sides
         ZeroKLDSettings(fp8="per_channel", tp_k_block=16)
     with pytest.raises(ValueError, match="FP8 or LoRA"):  # the overrides' own guard, behind it
-        titan_model_config(read_model_config(checkpoint_factory("qwen3", "float32")),
-                           ZeroKLDSettings.model_construct(fp8="per_channel", tp_k_block=16))
+        titan_model_config(
+            read_model_config(checkpoint_factory("qwen3", "float32")),
+            ZeroKLDSettings.model_construct(fp8="per_channel", tp_k_block=16),
+        )
     with pytest.raises(ValueError, match="needs tp_k_block"):
         rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
 
 
 # --- real trainers and engines ---
 
-def _trainer_tp(tmp_path, ckpt, dtype, tp, seqs, lens, batch_invariant=True, tp_k_block=K_BLOCK,
-                train_step=False, nproc=None, fused=False, ep=1, split=False, routes=None):
+
+def _trainer_tp(
+    tmp_path,
+    ckpt,
+    dtype,
+    tp,
+    seqs,
+    lens,
+    batch_invariant=True,
+    tp_k_block=K_BLOCK,
+    train_step=False,
+    nproc=None,
+    fused=False,
+    ep=1,
+    split=False,
+    routes=None,
+):
     """TorchTitan's trainer at ``tensor_parallel_degree`` ``tp`` on ``nproc`` ranks (default ``tp``; more: FSDP over
     the rest) under ``torchrun`` (gloo on loopback): ``{"logprobs"}`` of ``seqs`` (``RLTrainer.forward_logprobs``),
     and with ``train_step`` the ``loss`` of one ``rl_step`` and the log-probs ``after`` it
@@ -396,15 +444,42 @@ def _trainer_tp(tmp_path, ckpt, dtype, tp, seqs, lens, batch_invariant=True, tp_
     nproc = nproc or max(tp, ep)
     name = f"tp{tp}_ep{ep}_n{nproc}_{batch_invariant}_{fused}_{split}_{routes is not None}"
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
-    spec.write_text(json.dumps({"checkpoint": ckpt, "dtype": dtype, "tp": tp, "batch_invariant": batch_invariant,
-                                "tp_k_block": tp_k_block if batch_invariant else None, "sequences": seqs,
-                                "prompt_lengths": lens, "train_step": train_step, "fused": fused, "ep": ep,
-                                "split": split, "routed_experts": routes}))
+    spec.write_text(
+        json.dumps(
+            {
+                "checkpoint": ckpt,
+                "dtype": dtype,
+                "tp": tp,
+                "batch_invariant": batch_invariant,
+                "tp_k_block": tp_k_block if batch_invariant else None,
+                "sequences": seqs,
+                "prompt_lengths": lens,
+                "train_step": train_step,
+                "fused": fused,
+                "ep": ep,
+                "split": split,
+                "routed_experts": routes,
+            }
+        )
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--module", "zerokld_testing.titan_tp", str(spec), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--module",
+        "zerokld_testing.titan_tp",
+        str(spec),
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, _failure_excerpt(proc.stderr)
     return torch.load(out)
@@ -416,7 +491,7 @@ def _failure_excerpt(stderr: str) -> str:
     would otherwise fill the tail), plus the launcher's summary at the end."""
     markers = ("Fatal Python error", "terminate called", "Traceback (most recent call last)")
     starts = [i for i in (stderr.find(m) for m in markers) if i >= 0]
-    head = stderr[min(starts):min(starts) + 4000] if starts else ""
+    head = stderr[min(starts) : min(starts) + 4000] if starts else ""
     return head + "\n...\n" + stderr[-1500:]
 
 
@@ -433,10 +508,11 @@ def test_stock_trainer_tp2_differs_from_tp1(tmp_path, checkpoint_factory):
     lens = [len(s) // 2 for s in seqs]
     tp1 = _trainer_tp(tmp_path, ckpt, "bfloat16", 1, seqs, lens, batch_invariant=False)["logprobs"]
     tp2 = _trainer_tp(tmp_path, ckpt, "bfloat16", 2, seqs, lens, batch_invariant=False)["logprobs"]
-    assert any(not torch.equal(a, b) for a, b in zip(tp1, tp2))
+    assert any(not torch.equal(a, b) for a, b in zip(tp1, tp2, strict=True))
 
 
 # --- real engines -------------------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _one_core_per_worker(tp: int):
@@ -460,8 +536,14 @@ def _engine(engine_slot, ckpt, dtype, tp, batch_invariant, tp_k_block=None):
 
     def factory():
         with _one_core_per_worker(tp):
-            return start_llm(ckpt, dtype=dtype, batch_invariant=batch_invariant, max_num_batched_tokens=64,
-                             tensor_parallel_size=tp, zerokld={"tp_k_block": tp_k_block} if tp_k_block else None)
+            return start_llm(
+                ckpt,
+                dtype=dtype,
+                batch_invariant=batch_invariant,
+                max_num_batched_tokens=64,
+                tensor_parallel_size=tp,
+                zerokld={"tp_k_block": tp_k_block} if tp_k_block else None,
+            )
 
     return engine_slot.get(("tp", ckpt, dtype, tp, batch_invariant, tp_k_block), factory)
 
@@ -473,10 +555,15 @@ def _generate(llm, prompts, seeded: bool = True):
 
     from vllm_plugin.engines import completion_logprobs
 
-    params = [SamplingParams(max_tokens=10, logprobs=0, ignore_eos=True,
-                             **({"temperature": 1.0, "seed": 100 + i} if seeded and i % 2 == 0 else
-                                {"temperature": 0.0}))
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=10,
+            logprobs=0,
+            ignore_eos=True,
+            **({"temperature": 1.0, "seed": 100 + i} if seeded and i % 2 == 0 else {"temperature": 0.0}),
+        )
+        for i in range(len(prompts))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], [completion_logprobs(o) for o in outs]
 
@@ -490,8 +577,11 @@ def _perturbed_copy(ckpt: str, out):
     shutil.copytree(ckpt, out)
     g = torch.Generator().manual_seed(3)
     tensors = load_file(out / "model.safetensors")
-    save_file({k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g))).to(v.dtype)
-               for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=g))).to(v.dtype) for k, v in tensors.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return out
 
 
@@ -515,17 +605,18 @@ def test_vllm_tp1_and_tp2_same_bits_where_stock_differs(engine_slot, checkpoint_
             llm = _engine(engine_slot, ckpt, "bfloat16", tp, batch_invariant, K_BLOCK if batch_invariant else None)
             runs[batch_invariant, tp] = _generate(llm, prompts, seeded=batch_invariant)
     (tok1, lp1), (tok2, lp2) = runs[True, 1], runs[True, 2]
-    assert tok1 == tok2 and all(torch.equal(a, b) for a, b in zip(lp1, lp2))
+    assert tok1 == tok2 and all(torch.equal(a, b) for a, b in zip(lp1, lp2, strict=True))
     (_, s1), (_, s2) = runs[False, 1], runs[False, 2]
-    assert any(not torch.equal(a, b) for a, b in zip(s1, s2))
+    assert any(not torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
 
 
 @pytest.mark.vllm
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family,dtype", [("qwen3", "bfloat16"), ("qwen2", "float32"), ("qwen3_moe", "bfloat16"),
-                                          ("qwen3_moe", "float32")])
+@pytest.mark.parametrize(
+    "family,dtype", [("qwen3", "bfloat16"), ("qwen2", "float32"), ("qwen3_moe", "bfloat16"), ("qwen3_moe", "float32")]
+)
 def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, checkpoint_factory, tmp_path):
     """vLLM ``--tensor-parallel-size 2`` with ``tp_k_block`` serves, bit for bit, the log-probs the trainer computes
     at TP 1 and at TorchTitan ``tensor_parallel_degree`` 2 (alone, and qwen3 bf16 also under FSDP 2) with the same
@@ -543,32 +634,36 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
     prompts = _prompts()
     tokens, served = _generate(llm, prompts)
-    seqs, lens = [p + t for p, t in zip(prompts, tokens)], [len(p) for p in prompts]
+    seqs, lens = [p + t for p, t in zip(prompts, tokens, strict=True)], [len(p) for p in prompts]
     trainer = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
-    for i, (a, b) in enumerate(zip(served, trainer)):
+    for i, (a, b) in enumerate(zip(served, trainer, strict=True)):
         assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
     # TorchTitan TP 2 (gloo): the same bits; and it trains (one GRPO step backward through the gathered roots)
     tp2 = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True)
-    for i, (a, b) in enumerate(zip(served, tp2["logprobs"])):
+    for i, (a, b) in enumerate(zip(served, tp2["logprobs"], strict=True)):
         assert torch.equal(a, b), f"trainer TP 2, sequence {i}: max |diff| {(a - b).abs().max().item()}"
     assert torch.isfinite(torch.tensor(tp2["loss"]))
-    assert any(not torch.equal(a, b) for a, b in zip(tp2["after"], tp2["logprobs"]))
+    assert any(not torch.equal(a, b) for a, b in zip(tp2["after"], tp2["logprobs"], strict=True))
     if (family, dtype) == ("qwen3", "bfloat16"):  # FSDP composes: 4 ranks = FSDP 2 x TP 2, each fed the same batch
         fsdp = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, nproc=4)
-        assert all(torch.equal(a, b) for a, b in zip(served, fsdp["logprobs"]))
+        assert all(torch.equal(a, b) for a, b in zip(served, fsdp["logprobs"], strict=True))
         # identical gradients averaged over the FSDP ranks: the same step, bit for bit
-        assert all(torch.equal(a, b) for a, b in zip(tp2["after"], fsdp["after"]))
+        assert all(torch.equal(a, b) for a, b in zip(tp2["after"], fsdp["after"], strict=True))
     if (family, dtype) == ("qwen2", "float32"):  # the fused lm_head, vocabulary rows split 51 + 50: same bits
-        assert all(torch.equal(a, b) for a, b in zip(
-            served, trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK, fused=True)))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                served, trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK, fused=True), strict=True
+            )
+        )
         fused = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, fused=True)
-        assert all(torch.equal(a, b) for a, b in zip(served, fused["logprobs"]))
+        assert all(torch.equal(a, b) for a, b in zip(served, fused["logprobs"], strict=True))
         # its closed-form backward takes the same step as autograd of the unfused loss, up to float32 sum order
-        for a, b in zip(fused["after"], tp2["after"]):
+        for a, b in zip(fused["after"], tp2["after"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     if dtype == "float32":
         default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
-        assert any(not torch.equal(a, b) for a, b in zip(served, default))
+        assert any(not torch.equal(a, b) for a, b in zip(served, default, strict=True))
     # new weights reach the sharded workers through vLLM's reload_weights (each worker keeps its slices), and the
     # engine then serves the trainer's log-probs of the new checkpoint
     new_ckpt = _perturbed_copy(ckpt, tmp_path / "step1")
@@ -577,10 +672,12 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
         tokens1, served1 = _generate(llm, prompts)
     finally:
         engine_slot.close()  # its key names the old checkpoint: no later test may reuse it
-    seqs1 = [p + t for p, t in zip(prompts, tokens1)]
-    for a, b in zip(served1, trainer_logprobs(str(new_ckpt), seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK)):
+    seqs1 = [p + t for p, t in zip(prompts, tokens1, strict=True)]
+    for a, b in zip(
+        served1, trainer_logprobs(str(new_ckpt), seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK), strict=True
+    ):
         assert torch.equal(a, b)
-    assert any(not torch.equal(a, b) for a, b in zip(served1, served))
+    assert any(not torch.equal(a, b) for a, b in zip(served1, served, strict=True))
 
 
 @pytest.mark.titan
@@ -610,14 +707,21 @@ def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
     assert all(np.isfinite(loss) for loss in ep2["loss"])
     assert not torch.equal(torch.cat(ep2["after"]), torch.cat(one))  # the step moved the weights
     rng = np.random.default_rng(5)  # R3: replay arbitrary valid routes ([len - 1, layers, top_k], distinct per row)
-    routes = [np.stack([np.stack([rng.permutation(8)[:2] for _ in range(2)]) for _ in range(len(s) - 1)])
-              .astype(np.int16).tolist() for s in seqs]
-    replayed_one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype,
-                                    routed_experts=[np.array(r, dtype=np.int16) for r in routes])
+    routes = [
+        np.stack([np.stack([rng.permutation(8)[:2] for _ in range(2)]) for _ in range(len(s) - 1)])
+        .astype(np.int16)
+        .tolist()
+        for s in seqs
+    ]
+    replayed_one = trainer_logprobs(
+        ckpt, seqs, lens, dtype=dtype, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
+    )
     assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
     replayed = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, ep=2, split=True, routes=routes)
     assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
     stock = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, batch_invariant=False, ep=2, split=True)
-    stock_differs(not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
-                  "TorchTitan's stock MoE at EP 2 vs the zerokld trainer (vLLM's bits)", "the prompts")
-
+    stock_differs(
+        not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
+        "TorchTitan's stock MoE at EP 2 vs the zerokld trainer (vLLM's bits)",
+        "the prompts",
+    )

@@ -2,6 +2,7 @@
 own command line, with ``base_url`` at the training server, a LoRA model and a real ``vllm serve`` sampling each
 step's snapshot (:mod:`examples.tinker_cookbook.math_rl`). The cookbook's own ``optim/kl_sample_train_v1`` and ``_v2``
 are exactly 0 at every step; with the plugin off on both servers (negative control) they are not."""
+
 from __future__ import annotations
 
 import pytest

@@ -6,6 +6,7 @@ for a LoRA model (its adapter, a vLLM LoRA) and a full-parameter one (``rank=0``
 the first snapshot) — at every step of a short RL loop (``importance_sampling`` on the samples, ``optim_step``).
 Negative controls: after a step the samples' log-probs differ from the base model's (the new snapshot serves);
 a session whose snapshot a later save replaced is refused, never answered by other weights."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,12 +33,23 @@ def servers(engine_slot, checkpoint_factory, tmp_path_factory):
     ckpt = checkpoint_factory("qwen3", "bfloat16")
     tmp = tmp_path_factory.mktemp("tinker_sampling")
     (tmp / "snapshots").mkdir()
-    vllm = HotLoadServer(ckpt, tmp / "snapshots", tmp / "state", tmp / "server.log", API_KEY,
-                         ("--enable-lora", "--max-loras", "2", "--max-lora-rank", str(MAX_RANK)))
+    vllm = HotLoadServer(
+        ckpt,
+        tmp / "snapshots",
+        tmp / "state",
+        tmp / "server.log",
+        API_KEY,
+        ("--enable-lora", "--max-loras", "2", "--max-lora-rank", str(MAX_RANK)),
+    )
     vllm.start()
     try:
-        trainer = TrainingServerProcess(ckpt, tmp / "snapshots", API_KEY, tmp / "trainer.log",
-                                        ["--max-lora-rank", MAX_RANK, "--sampler-url", vllm.base])
+        trainer = TrainingServerProcess(
+            ckpt,
+            tmp / "snapshots",
+            API_KEY,
+            tmp / "trainer.log",
+            ["--max-lora-rank", MAX_RANK, "--sampler-url", vllm.base],
+        )
         trainer.start()
         try:
             yield trainer.base, ckpt, tmp / "snapshots"
@@ -69,24 +81,35 @@ def _rl_steps(tc, ckpt: str, steps: int = 2) -> list:
     for step in range(steps):
         sc = tc.save_weights_and_get_sampling_client().result()
         clients.append(sc)
-        res = sc.sample(types.ModelInput.from_ints(PROMPT), num_samples=2,
-                        sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=100 + step)).result()
+        res = sc.sample(
+            types.ModelInput.from_ints(PROMPT),
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=100 + step),
+        ).result()
         assert len(res.sequences) == 2 and all(s.sequence_id for s in res.sequences)
         full = [PROMPT + list(s.tokens) for s in res.sequences]
         sampled = [torch.tensor(np.asarray(s.logprobs), dtype=torch.float32) for s in res.sequences]
         data = [_datum(f, len(PROMPT)) for f in full]
         fwd = tc.forward(data, "cross_entropy").result()
         train = [torch.tensor(np.asarray(o["logprobs"].data), dtype=torch.float32) for o in fwd.loss_fn_outputs]
-        assert [t[len(PROMPT) - 1:].shape for t in train] == [s.shape for s in sampled]
-        assert all(torch.equal(t[len(PROMPT) - 1:], s) for t, s in zip(train, sampled, strict=True)), step  # KL = 0
+        assert [t[len(PROMPT) - 1 :].shape for t in train] == [s.shape for s in sampled]
+        assert all(torch.equal(t[len(PROMPT) - 1 :], s) for t, s in zip(train, sampled, strict=True)), step  # KL = 0
         prompt_lps = sc.compute_logprobs(types.ModelInput.from_ints(full[0])).result()
         assert len(prompt_lps) == len(full[0]) and prompt_lps[0] is None
         assert torch.equal(torch.tensor(prompt_lps[1:], dtype=torch.float32), train[0]), step
         base = trainer_logprobs(ckpt, full, [len(PROMPT)] * 2, dtype="bfloat16")
         moved |= not all(torch.equal(b, s) for b, s in zip(base, sampled, strict=True))
-        rl = [_datum(f, len(PROMPT), {"advantages": [0.0] * (len(PROMPT) - 1) + [1.0 - i] * len(s),
-                                      "logprobs": [0.0] * (len(PROMPT) - 1) + s.tolist()})
-              for i, (f, s) in enumerate(zip(full, sampled, strict=True))]
+        rl = [
+            _datum(
+                f,
+                len(PROMPT),
+                {
+                    "advantages": [0.0] * (len(PROMPT) - 1) + [1.0 - i] * len(s),
+                    "logprobs": [0.0] * (len(PROMPT) - 1) + s.tolist(),
+                },
+            )
+            for i, (f, s) in enumerate(zip(full, sampled, strict=True))
+        ]
         out = tc.forward_backward(rl, "importance_sampling").result()
         assert out.metrics and all(k.count(":") == 1 for k in out.metrics)
         tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -120,16 +143,23 @@ def test_lora_sampling_sessions_sample_the_trainers_adapter_bitwise(servers, mon
     assert path == f"tinker://{tc.model_id}/sampler_weights/lora-named"
     named = svc.create_sampling_client(model_path=path).result()
     assert named.get_base_model() == ckpt  # GET samplers/{id}
-    res = named.sample(types.ModelInput.from_ints(PROMPT), 1,
-                       types.SamplingParams(max_tokens=4, temperature=1.0, seed=7)).result()
+    res = named.sample(
+        types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=4, temperature=1.0, seed=7)
+    ).result()
     full = PROMPT + list(res.sequences[0].tokens)
     fwd = tc.forward([_datum(full, len(PROMPT))], "cross_entropy").result()
-    assert torch.equal(torch.tensor(np.asarray(fwd.loss_fn_outputs[0]["logprobs"].data),
-                                    dtype=torch.float32)[len(PROMPT) - 1:],
-                       torch.tensor(np.asarray(res.sequences[0].logprobs), dtype=torch.float32))
+    assert torch.equal(
+        torch.tensor(np.asarray(fwd.loss_fn_outputs[0]["logprobs"].data), dtype=torch.float32)[len(PROMPT) - 1 :],
+        torch.tensor(np.asarray(res.sequences[0].logprobs), dtype=torch.float32),
+    )
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
-        named.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),
-                     include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+        named.sample(
+            types.ModelInput.from_ints(PROMPT),
+            1,
+            types.SamplingParams(max_tokens=2),
+            include_prompt_logprobs=True,
+            topk_prompt_logprobs=3,
+        ).result()
     with pytest.raises(tinker.BadRequestError, match="no sampler snapshot"):
         svc.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/never-saved").result()
 

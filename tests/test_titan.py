@@ -1,4 +1,5 @@
 """TorchTitan side: its own qwen3/llama3 models with the zerokld overrides, and the real ``Trainer`` (RLTrainer)."""
+
 from __future__ import annotations
 
 import random
@@ -7,15 +8,20 @@ import pytest
 import torch
 
 from shared_numerics.rollout import RolloutBatch
-
 from titan_plugin import sequence_logprobs, trainer_logprobs
 from titan_plugin.models import build_titan_model
 from zerokld_testing.controls import stock_differs
 
 pytestmark = pytest.mark.titan
 
-CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "float32"), ("llama", "bfloat16"),
-           ("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16")]
+CONFIGS = [
+    ("qwen3", "float32"),
+    ("qwen3", "bfloat16"),
+    ("llama", "float32"),
+    ("llama", "bfloat16"),
+    ("qwen3_moe", "float32"),
+    ("qwen3_moe", "bfloat16"),
+]
 
 
 def _seqs(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -60,9 +66,12 @@ def test_stock_torchtitan_differs_from_zerokld(checkpoint_factory):
         ours = trainer_logprobs(ckpt, seqs, plens, dtype="float32")
         theirs = sequence_logprobs(stock, seqs, plens)
     assert len(ours) == len(theirs)
-    stock_differs(any(not torch.equal(a, b) for a, b in zip(ours, theirs)), "TorchTitan's stock model vs ours",
-                  "the sequences")
-    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 1e-3
+    stock_differs(
+        any(not torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)),
+        "TorchTitan's stock model vs ours",
+        "the sequences",
+    )
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True)) < 1e-3
 
 
 @pytest.fixture(scope="module", params=[("llama", "bfloat16"), ("qwen3", "float32")], ids=["llama-bf16", "qwen3-fp32"])
@@ -82,14 +91,18 @@ def test_rl_trainer_forward_equals_trainer_logprobs_and_export_roundtrips(rl_tra
     trainer, ckpt, dtype = rl_trainer
     seqs, plens = _seqs(6, seed=13)
     ref = trainer_logprobs(ckpt, seqs, plens, dtype=dtype)
-    out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0], [r.clone() for r in ref], numerics=trainer.numerics))
-    assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
+    out = trainer.rl_step(
+        RolloutBatch(seqs, plens, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0], [r.clone() for r in ref], numerics=trainer.numerics)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref, strict=True))
     assert out["clipped"] == 0  # ratio exactly 1 on-policy
     snap = trainer.save_hf(tmp_path / "step1", dtype)
     exported = trainer_logprobs(str(snap), seqs, plens, dtype=dtype)
-    assert any(not torch.equal(a, b) for a, b in zip(exported, ref)), "the optimizer step changed nothing"
-    nxt = trainer.rl_step(RolloutBatch(seqs, plens, [0.0] * 6, [e.clone() for e in exported], numerics=trainer.numerics))
-    assert all(torch.equal(a, b) for a, b in zip(nxt["train_logprobs"], exported))
+    assert any(not torch.equal(a, b) for a, b in zip(exported, ref, strict=True)), "the optimizer step changed nothing"
+    nxt = trainer.rl_step(
+        RolloutBatch(seqs, plens, [0.0] * 6, [e.clone() for e in exported], numerics=trainer.numerics)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(nxt["train_logprobs"], exported, strict=True))
 
 
 def test_rollout_batch_validates_lengths():
@@ -121,11 +134,13 @@ def test_rl_step_refuses_rollouts_from_another_numerics_mode(rl_trainer):
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     step = trainer.step
     other_dtype = "float32" if dtype == "bfloat16" else "bfloat16"
-    engines = {"cuda engine": dataclasses.replace(trainer.numerics, backend="triton"),
-               "other dtype": dataclasses.replace(trainer.numerics, dtype=other_dtype),
-               "fp8 engine": dataclasses.replace(trainer.numerics, fp8="per_channel"),
-               "stock engine": None,
-               "old contract": dataclasses.replace(trainer.numerics, contract="0:split=256")}
+    engines = {
+        "cuda engine": dataclasses.replace(trainer.numerics, backend="triton"),
+        "other dtype": dataclasses.replace(trainer.numerics, dtype=other_dtype),
+        "fp8 engine": dataclasses.replace(trainer.numerics, fp8="per_channel"),
+        "stock engine": None,
+        "old contract": dataclasses.replace(trainer.numerics, contract="0:split=256"),
+    }
     for name, mode in engines.items():
         batch = RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref], numerics=mode)
         with pytest.raises(NumericsMismatchError) as e:
@@ -138,9 +153,10 @@ def test_rl_step_refuses_rollouts_from_another_numerics_mode(rl_trainer):
     assert trainer.step == step
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
     assert isinstance(trainer.numerics, NumericsMode) and trainer.numerics.batch_invariant
-    out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref],
-                                       numerics=trainer.numerics.to_dict()))
-    assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
+    out = trainer.rl_step(
+        RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref], numerics=trainer.numerics.to_dict())
+    )
+    assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref, strict=True))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
@@ -172,11 +188,10 @@ def test_fused_and_unfused_training_steps_agree(checkpoint_factory, tmp_path):
     ref = trainer_logprobs(ckpt, seqs, plens, dtype="float32")
     results = {}
     for fused in (False, True):
-        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{fused}"), dtype="float32", lr=1e-3,
-                                              fused=fused))
+        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{fused}"), dtype="float32", lr=1e-3, fused=fused))
         try:
             out = trainer.rl_step(RolloutBatch(seqs, plens, adv, [r.clone() for r in ref], numerics=trainer.numerics))
-            assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
+            assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref, strict=True))
             results[fused] = (out["loss"], hf_state_dict(trainer.model, trainer.model_config, trainer._hf))
         finally:
             trainer.close()
@@ -203,7 +218,7 @@ def test_moe_load_balancing_bias_never_changes_the_selection(checkpoint_factory)
         for m in layers:
             m.expert_bias_E.copy_(torch.linspace(-5, 5, m.expert_bias_E.numel()))
         after = sequence_logprobs(model, seqs, plens)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert torch.equal(captured_routes(model), routes)
 
 
@@ -245,21 +260,35 @@ def test_optimizer_state_offload_is_bitwise_the_resident_run(checkpoint_factory,
     seqs, plens = _seqs(6, seed=16)
     results = {}
     for offload in (False, True):
-        trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / f"d{offload}"), dtype="bfloat16", lr=1e-3,
-                                              cpu_offload=offload))
+        trainer = RLTrainer(
+            rl_trainer_config(ckpt, str(tmp_path / f"d{offload}"), dtype="bfloat16", lr=1e-3, cpu_offload=offload)
+        )
         try:
-            groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules()
-                      if isinstance(m, FSDPModule)]
+            groups = [
+                m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)
+            ]
             groups = [g for g in groups if g is not None]
             assert len(groups) > 1 and all(isinstance(g.offload_policy, CPUOffloadPolicy) == offload for g in groups)
             before = {k: full(v).clone() for k, v in trainer.model.state_dict().items()}
             for _ in range(3):
                 ref = trainer.forward_logprobs(RolloutBatch(seqs, plens))
-                trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -0.5, 0.25, -1.0, 0.75, -0.25],
-                                             [r.clone() for r in ref], numerics=trainer.numerics))
+                trainer.rl_step(
+                    RolloutBatch(
+                        seqs,
+                        plens,
+                        [1.0, -0.5, 0.25, -1.0, 0.75, -0.25],
+                        [r.clone() for r in ref],
+                        numerics=trainer.numerics,
+                    )
+                )
             weights = {k: full(v) for k, v in trainer.model.state_dict().items()}
-            state = [full(t) for opt in trainer.optimizers.optimizers for s in opt.state.values()
-                     for t in s.values() if torch.is_tensor(t)]
+            state = [
+                full(t)
+                for opt in trainer.optimizers.optimizers
+                for s in opt.state.values()
+                for t in s.values()
+                if torch.is_tensor(t)
+            ]
             assert any(not torch.equal(before[k], weights[k]) for k in weights)  # the steps moved the weights
             results[offload] = (weights, state)
         finally:

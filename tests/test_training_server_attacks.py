@@ -3,8 +3,9 @@ reproduction is refused cleanly — checked at submit, before anything of it run
 of a known model at a valid ``seq_id`` fails its future as the user's error naming what is wrong (the shape the SDKs
 go on from: a 400 there ends ``fireworks-ai``'s request sequence), anything else is a 4xx — and nothing is lost: the
 model's log-probs of a fixed datum are bitwise those before, nothing is written outside ``--snapshot-root`` /
-``--state-dir``, memory stays bounded. The server runs with small limits (``--max-body-bytes 4 MiB``, ``--max-context 64``,
-``--max-parked 4``, ``--max-parked-bytes 1 MiB``) so that each limit is reached quickly."""
+``--state-dir``, memory stays bounded. The server runs with small limits (``--max-body-bytes 4 MiB``, ``--max-context
+64``, ``--max-parked 4``, ``--max-parked-bytes 1 MiB``) so that each limit is reached quickly."""
+
 from __future__ import annotations
 
 import json
@@ -96,9 +97,26 @@ def server(checkpoint_factory, tmp_path_factory):
     ckpt = checkpoint_factory("qwen3", "bfloat16")
     tmp = tmp_path_factory.mktemp("attack")
     (tmp / "snapshots").mkdir()
-    proc = TrainingServerProcess(ckpt, tmp / "snapshots", API_KEY, tmp / "trainer.log",
-                                 ["--seq-gap-s", 60, "--max-body-bytes", MAX_BODY, "--max-context", MAX_CONTEXT,
-                                  "--max-parked", 4, "--max-parked-bytes", 1 << 20, "--max-lora-rank", 8])
+    proc = TrainingServerProcess(
+        ckpt,
+        tmp / "snapshots",
+        API_KEY,
+        tmp / "trainer.log",
+        [
+            "--seq-gap-s",
+            60,
+            "--max-body-bytes",
+            MAX_BODY,
+            "--max-context",
+            MAX_CONTEXT,
+            "--max-parked",
+            4,
+            "--max-parked-bytes",
+            1 << 20,
+            "--max-lora-rank",
+            8,
+        ],
+    )
     url = proc.start()
     client = Client(url)
     yield client, proc, tmp, client.create(0), client.create(4)
@@ -106,8 +124,11 @@ def server(checkpoint_factory, tmp_path_factory):
 
 
 def _rss_peak_kib(pid: int) -> int:
-    return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("VmHWM")))
+    return int(
+        next(
+            line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM")
+        )
+    )
 
 
 def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
@@ -118,11 +139,13 @@ def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
     client, _, tmp, full, lora = server
     target = tmp / "outside"
     for model in (lora, full):
-        for path, body in (("save_weights_for_sampler", {"path": f"../../../../{target}/deep"}),
-                           ("save_weights_for_sampler", {"path": f"../../{target.name}/x", "checkpoint_type": "delta"}),
-                           ("save_weights_for_sampler", {"path": f"{target}/deep", "kind": "sampler"}),
-                           ("save_weights", {"path": f"../../../../{target}/state"}),
-                           ("save_weights_for_sampler", {"path": "a/b"})):
+        for path, body in (
+            ("save_weights_for_sampler", {"path": f"../../../../{target}/deep"}),
+            ("save_weights_for_sampler", {"path": f"../../{target.name}/x", "checkpoint_type": "delta"}),
+            ("save_weights_for_sampler", {"path": f"{target}/deep", "kind": "sampler"}),
+            ("save_weights", {"path": f"../../../../{target}/state"}),
+            ("save_weights_for_sampler", {"path": "a/b"}),
+        ):
             error = client.refused(path, model, body)
             assert "one path segment" in error, (model, body, error)
             assert str(tmp / "snapshots") not in error  # no server path in the answer (the client's own: echoed)
@@ -150,25 +173,31 @@ def test_non_finite_and_malformed_training_inputs_leave_the_model_untouched(serv
         ("cross_entropy", datum(weights=[float("-inf")] * n), "'weights'][0]"),
         ("cross_entropy", datum(weights=ones[:-1]), "'weights'] has"),
         ("importance_sampling", datum(advantages=ones + [1.0], logprobs=lps), "'advantages'] has"),
-        ("cross_entropy", datum(tokens=TOKENS[:-1] + [10 ** 6]), "target_tokens"),
-        ("cross_entropy", datum(tokens=[10 ** 6] + TOKENS[1:]), "token ids"),
+        ("cross_entropy", datum(tokens=TOKENS[:-1] + [10**6]), "target_tokens"),
+        ("cross_entropy", datum(tokens=[10**6] + TOKENS[1:]), "token ids"),
         ("cross_entropy", datum(tokens=[1] * (MAX_CONTEXT + 2)), "served context"),
         ("cross_entropy", datum(weights=["1"] * n), "'weights'][0]"),
     ]
     for loss, d, field in cases:
-        error = client.refused("forward_backward", full, {"forward_backward_input": {"data": [datum(), d],
-                                                                                       "loss_fn": loss}})
+        error = client.refused(
+            "forward_backward", full, {"forward_backward_input": {"data": [datum(), d], "loss_fn": loss}}
+        )
         assert "datum 1" in error and field in error, (field, error)
         assert torch.equal(client.logprobs(full), before), field
-    huge = client.call("forward_backward", full, {"forward_backward_input": {
-        "data": [datum(weights=[1e38] * n)], "loss_fn": "cross_entropy"}})
+    huge = client.call(
+        "forward_backward",
+        full,
+        {"forward_backward_input": {"data": [datum(weights=[1e38] * n)], "loss_fn": "cross_entropy"}},
+    )
     assert huge.status_code == 200, huge.text
     answer = client.result(huge.json()["request_id"])
     assert answer.get("category") == "user" and "not finite" in answer["error"], answer
     assert torch.equal(client.logprobs(full), before)
     # the step after the refusals: no gradient of theirs survives (a twin model, the same good step, the same bits)
     twin = client.create(0)
-    good = {"forward_backward_input": {"data": [datum(advantages=ones, logprobs=lps)], "loss_fn": "importance_sampling"}}
+    good = {
+        "forward_backward_input": {"data": [datum(advantages=ones, logprobs=lps)], "loss_fn": "importance_sampling"}
+    }
     for model in (full, twin):
         client.run("forward_backward", model, good)
         assert "error" not in client.run("optim_step", model, {"adam_params": {"learning_rate": 1e-2}})
@@ -183,8 +212,9 @@ def test_a_step_with_non_finite_gradients_is_refused(checkpoint_factory, tmp_pat
     from titan_plugin import TrainingClient
     from titan_plugin.rl import NonFiniteGradientError
 
-    client = TrainingClient.from_checkpoint(checkpoint_factory("qwen3", "float32"), dtype="float32",
-                                            learning_rate=1e-2, dump_folder=str(tmp_path / "t"))
+    client = TrainingClient.from_checkpoint(
+        checkpoint_factory("qwen3", "float32"), dtype="float32", learning_rate=1e-2, dump_folder=str(tmp_path / "t")
+    )
     try:
         n = len(TOKENS) - 1
         data = [{"model_input": TOKENS[:-1], "loss_fn_inputs": {"target_tokens": TOKENS[1:], "weights": [1.0] * n}}]
@@ -234,8 +264,11 @@ def test_zstd_bomb_and_large_bodies_are_refused_with_memory_bounded(server):
     poller = threading.Thread(target=poll)
     poller.start()
     try:
-        r = client.post("forward_backward", raw=bomb, headers={"Content-Type": tinker_proto.CONTENT_TYPE,
-                                                                "Content-Encoding": "zstd"})
+        r = client.post(
+            "forward_backward",
+            raw=bomb,
+            headers={"Content-Type": tinker_proto.CONTENT_TYPE, "Content-Encoding": "zstd"},
+        )
     finally:
         done.set()
         poller.join()
@@ -243,12 +276,12 @@ def test_zstd_bomb_and_large_bodies_are_refused_with_memory_bounded(server):
     grown_mib = (_rss_peak_kib(proc.proc.pid) - peak) / 1024
     assert grown_mib < 64, f"peak memory grew by {grown_mib:.0f} MiB"
     assert health and max(health) < 1.0, health  # (bound generous for a loaded 2-core machine; before: 3.9 s)
-    big = {"forward_input": {"data": [datum()] * 15_000}, "model_id": full, "seq_id": 10 ** 6}
+    big = {"forward_input": {"data": [datum()] * 15_000}, "model_id": full, "seq_id": 10**6}
     raw = json.dumps(big).encode()
     assert len(raw) > MAX_BODY
     r = client.post("forward", raw=raw)
     assert r.status_code == 413 and "over the limit" in r.json()["detail"], r.text
-    r = client.post("forward", raw=iter([raw[i:i + (1 << 20)] for i in range(0, len(raw), 1 << 20)]))  # chunked
+    r = client.post("forward", raw=iter([raw[i : i + (1 << 20)] for i in range(0, len(raw), 1 << 20)]))  # chunked
     assert r.status_code == 413 and "over the limit" in r.json()["detail"], r.text
     assert torch.equal(client.logprobs(full), before)
 
@@ -267,8 +300,10 @@ def test_requests_parked_for_an_earlier_seq_id_are_bounded(server):
     client.seq[full] = base  # the missing one: every parked request runs
     first = client.logprobs(full)
     results = [client.result(p.json()["request_id"]) for p in parked]
-    assert all(torch.equal(torch.tensor(o["loss_fn_outputs"][0]["logprobs"]["data"], dtype=torch.float32), first)
-               for o in results)
+    assert all(
+        torch.equal(torch.tensor(o["loss_fn_outputs"][0]["logprobs"]["data"], dtype=torch.float32), first)
+        for o in results
+    )
     client.seq[full] = base + 5  # the refused one's number is still free
     assert torch.equal(client.logprobs(full), first)
     base = client.seq[full]
@@ -296,8 +331,10 @@ def test_malformed_requests_are_400_never_500(server):
         ("forward", {"forward_input": {"data": [datum()], "loss_fn": 3}}),
         ("forward", {"forward_input": {"data": [{"model_input": []}]}}),
         ("forward", {"forward_input": {"data": [{"model_input": {"chunks": [{"tokens": "abc"}]}}]}}),
-        ("forward", {"forward_input": {"data": [{"model_input": {"chunks": [{"tokens": [1, 2]}]},
-                                                 "loss_fn_inputs": [3]}]}}),
+        (
+            "forward",
+            {"forward_input": {"data": [{"model_input": {"chunks": [{"tokens": [1, 2]}]}, "loss_fn_inputs": [3]}]}},
+        ),
         ("forward_backward", {"forward_backward_input": {"data": [datum()], "loss_fn_config": [1]}}),
         ("forward_backward", {**fwd, "forward_only": "yes"}),
         ("optim_step", {"adam_params": "fast"}),
@@ -309,8 +346,8 @@ def test_malformed_requests_are_400_never_500(server):
     for path, body in calls:
         client.refused(path, full, body)
     cases = [
-        ("forward", {**fwd, "model_id": [full], "seq_id": 10 ** 6}),
-        ("forward", {**fwd, "model_id": {"a": 1}, "seq_id": 10 ** 6}),
+        ("forward", {**fwd, "model_id": [full], "seq_id": 10**6}),
+        ("forward", {**fwd, "model_id": {"a": 1}, "seq_id": 10**6}),
         ("forward", {**fwd, "model_id": full, "seq_id": "7"}),
         ("forward", {**fwd, "model_id": full, "seq_id": True}),
         ("forward", {**fwd, "model_id": full, "seq_id": 1.5}),
@@ -328,8 +365,13 @@ def test_malformed_requests_are_400_never_500(server):
         r = client.post(path, body)
         assert r.status_code == 400 and r.json().get("detail"), (path, body, r.status_code, r.text)
         assert str(tmp) not in r.text  # (these bodies name no path: anything path-like would be the server's)
-    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000, b"not json",
-                b"[1, 2]", b"\xff\xfe"):
+    for raw in (
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+        b"not json",
+        b"[1, 2]",
+        b"\xff\xfe",
+    ):
         for path in ("forward", "retrieve_future", "create_model", "get_info"):
             r = client.post(path, raw=raw, headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json().get("detail"), (path, raw[:20], r.status_code, r.text)
@@ -353,8 +395,12 @@ def test_everything_the_server_wrote_lies_under_its_roots(server):
     from titan_plugin.training_server import WORK_DIR
 
     client, _, tmp, full, lora = server
-    assert client.run("save_weights_for_sampler", full, {"path": "full-1", "checkpoint_type": "base"})["path"] == "full-1"
-    assert client.run("save_weights_for_sampler", full, {"path": "full-2", "checkpoint_type": "delta"})["path"] == "full-2"
+    assert (
+        client.run("save_weights_for_sampler", full, {"path": "full-1", "checkpoint_type": "base"})["path"] == "full-1"
+    )
+    assert (
+        client.run("save_weights_for_sampler", full, {"path": "full-2", "checkpoint_type": "delta"})["path"] == "full-2"
+    )
     assert client.run("save_weights_for_sampler", lora, {"path": "lora-2"})["path"] == "lora-2"
     assert sorted(p.name for p in tmp.iterdir()) == ["snapshots", "trainer.log"]
     work = tmp / "snapshots" / WORK_DIR

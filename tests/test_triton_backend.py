@@ -8,24 +8,24 @@ exact batch invariance, deterministic backward close to the torch backward. Then
 sides on Triton: an op-table model (trainer vs a continuous-batching paged engine), TorchTitan's model and a real vLLM
 engine, ``torch.equal``.
 """
+
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first: before anything imports triton
 
-import random  # noqa: E402
+import random
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-from shared_numerics.rollout import RolloutBatch  # noqa: E402
-
-import shared_numerics as sn  # noqa: E402
-from shared_numerics import ops_torch  # noqa: E402
-from shared_numerics.ops_triton import attention as tattn  # noqa: E402
-from shared_numerics.ops_triton.table import OPS as T  # noqa: E402
+import shared_numerics as sn
+from shared_numerics import ops_torch
+from shared_numerics.ops_triton import attention as tattn
+from shared_numerics.ops_triton.table import OPS as T
+from shared_numerics.rollout import RolloutBatch
 
 pytestmark = pytest.mark.long  # minutes of Triton-interpreter and engine runs: `make test-long`
 
@@ -33,10 +33,10 @@ R = ops_torch.OPS
 DTYPES = [torch.float32, torch.bfloat16]
 # Max |triton - torch| allowed, relative to max |torch|: fp32 — a few ulps of accumulated rounding; bf16 outputs —
 # one bf16 ulp (2^-8 relative) where an fp32 intermediate lands on the other side of a bf16 rounding boundary.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 # Attention in bf16: Triton rounds the probabilities to bf16 for the p·v dot (FlashAttention-2), the torch backend
 # keeps them fp32: up to a few bf16 ulps of the output.
-ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -5}
+ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-5}
 
 
 def _close(a, b, dtype, tol=TOL):
@@ -57,8 +57,11 @@ def _attn_inputs(dtype, b=3, t=45, hq=4, hk=2, d=32, seed=1):
 def test_each_op_matches_torch_and_is_batch_invariant(dtype):
     g = _gen()
     # 300 rows: three 128-row GEMM tiles; the slices put rows at other positions of a tile (0, 1, 127, 128, 129)
-    x, w, bias = torch.randn(300, 200, generator=g).to(dtype), (torch.randn(150, 200, generator=g) * .05).to(dtype), \
-        torch.randn(150, generator=g).to(dtype)
+    x, w, bias = (
+        torch.randn(300, 200, generator=g).to(dtype),
+        (torch.randn(150, 200, generator=g) * 0.05).to(dtype),
+        torch.randn(150, generator=g).to(dtype),
+    )
     y = T["linear"](x, w, bias)
     _close(y, R["linear"](x, w, bias), dtype)
     for sl in (slice(0, 1), slice(5, 9), slice(127, 130), slice(130, 300), slice(3, 299)):
@@ -94,8 +97,11 @@ def test_fused_ops_are_bitwise_their_composition(ops, dtype):
     """add_rms_norm == (x + r, rms_norm(x + r)); rms_norm_rope == apply_rope(rms_norm(x)): the vLLM side runs the
     fused ops, TorchTitan the unfused sequence. Rows stay independent (a slice gives the same rows)."""
     g = _gen(11)
-    x, r, w = (torch.randn(70, 96, generator=g).to(dtype), torch.randn(70, 96, generator=g).to(dtype),
-               torch.randn(96, generator=g).to(dtype))
+    x, r, w = (
+        torch.randn(70, 96, generator=g).to(dtype),
+        torch.randn(70, 96, generator=g).to(dtype),
+        torch.randn(96, generator=g).to(dtype),
+    )
     s, y = ops["add_rms_norm"](x, r, w, 1e-6)
     assert torch.equal(s, x + r) and torch.equal(y, ops["rms_norm"](x + r, w, 1e-6))
     assert torch.equal(ops["add_rms_norm"](x[3:4], r[3:4], w, 1e-6)[1], y[3:4])
@@ -114,13 +120,13 @@ def test_lora_linear_matches_torch_and_is_batch_invariant(dtype):
     gives the co-batched row's bits; close to the torch backend."""
     g = _gen(3)
     x = torch.randn(70, 96, generator=g).to(dtype)
-    w, b = (torch.randn(80, 96, generator=g) * .1).to(dtype), torch.randn(80, generator=g).to(dtype)
-    a, bb = (torch.randn(3, 16, 96, generator=g) * .1).to(dtype), (torch.randn(3, 80, 16, generator=g) * .5).to(dtype)
+    w, b = (torch.randn(80, 96, generator=g) * 0.1).to(dtype), torch.randn(80, generator=g).to(dtype)
+    a, bb = (torch.randn(3, 16, 96, generator=g) * 0.1).to(dtype), (torch.randn(3, 80, 16, generator=g) * 0.5).to(dtype)
     s, ids = torch.tensor([2.0, 0.5, 1.0]), torch.randint(-1, 3, (70,), generator=g)
     y = T["lora_linear"](x, w, b, a, bb, s, ids)
     _close(y, R["lora_linear"](x, w, b, a, bb, s, ids), dtype)
     for i in (0, 33, 69):
-        assert torch.equal(T["lora_linear"](x[i:i + 1], w, b, a, bb, s, ids[i:i + 1]), y[i:i + 1])
+        assert torch.equal(T["lora_linear"](x[i : i + 1], w, b, a, bb, s, ids[i : i + 1]), y[i : i + 1])
     perm = torch.randperm(70, generator=g)
     assert torch.equal(T["lora_linear"](x[perm], w, b, a, bb, s, ids[perm]), y[perm])
     # the engine's half (vLLM's add_lora_linear seam): adapters added to the Triton base output
@@ -131,7 +137,7 @@ def test_lora_linear_matches_torch_and_is_batch_invariant(dtype):
 def test_attention_dense_paged_and_invariance(dtype):
     q, k, v = _attn_inputs(dtype)
     b, t, _, d = q.shape
-    scale = d ** -0.5
+    scale = d**-0.5
     od = T["dense_causal_attention"](q, k, v, scale)
     _close(od, R["dense_causal_attention"](q, k, v, scale), dtype, ATTN_TOL)
     # a shorter batch of one sequence: same rows
@@ -148,7 +154,7 @@ def test_attention_shape_matrix_dense_equals_paged(hq, hk, d):
     backend, and the trainer's dense rows are bitwise vLLM's paged rows (decodes and a prefill chunk)."""
     dtype = torch.float32
     q, k, v = _attn_inputs(dtype, b=2, t=40, hq=hq, hk=hk, d=d, seed=hq * 100 + d)
-    scale = d ** -0.5
+    scale = d**-0.5
     od = T["dense_causal_attention"](q, k, v, scale)
     _close(od, R["dense_causal_attention"](q, k, v, scale), dtype, ATTN_TOL)
     kc, vc, table = _paged_cache(k, v, 16, seed=d)
@@ -176,15 +182,17 @@ def _paged(q, kc, vc, table, sched, t, scale, **kw):
     its last scheduled query) over the paged cache."""
     qs = torch.cat([q[s, a:e] for s, a, e in sched])
     qsl = torch.tensor([0] + [e - a for _, a, e in sched]).cumsum(0)
-    return T["paged_causal_attention"](qs, kc, vc, qsl, torch.tensor([e for _, _, e in sched]),
-                                       table[[s for s, _, _ in sched]], scale, **kw)
+    return T["paged_causal_attention"](
+        qs, kc, vc, qsl, torch.tensor([e for _, _, e in sched]), table[[s for s, _, _ in sched]], scale, **kw
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_fixed_splits_dense_equals_paged(dtype):
     """Contexts of 1100 keys (3 splits of 512): the trainer's dense rows == vLLM's paged rows at block sizes 16 and
-    64 (the smallest and one that is not vLLM's default) for decodes (one program per split + the ordered combine), prefill chunks crossing a split boundary (splits
-    merged inside the program), a chunk starting at 0, and a decode batched with a prefill — same bits every way."""
+    64 (the smallest and one that is not vLLM's default) for decodes (one program per split + the ordered combine),
+    prefill chunks crossing a split boundary (splits merged inside the program), a chunk starting at 0, and a decode
+    batched with a prefill — same bits every way."""
     q, k, v = _attn_inputs(dtype, b=2, t=1100, seed=3)
     scale = q.shape[-1] ** -0.5
     od = T["dense_causal_attention"](q, k, v, scale)
@@ -240,11 +248,15 @@ def test_paged_launch_reads_nothing_back_from_the_device(monkeypatch):
     meta = torch.device("meta")
     impl = ZeroKLDAttentionImpl(8, 64, 0.125, 2, None, None, "auto")
     kv = torch.empty(40, 2, 16, 128, dtype=torch.bfloat16, device=meta)
-    md = ZeroKLDAttentionMetadata(num_actual_tokens=5, max_query_len=1, max_seq_len=1500,
-                                  query_start_loc=torch.empty(6, dtype=torch.int32, device=meta),
-                                  seq_lens=torch.empty(5, dtype=torch.int32, device=meta),
-                                  block_table=torch.empty(5, 100, dtype=torch.int32, device=meta),
-                                  slot_mapping=torch.empty(5, dtype=torch.int64, device=meta))
+    md = ZeroKLDAttentionMetadata(
+        num_actual_tokens=5,
+        max_query_len=1,
+        max_seq_len=1500,
+        query_start_loc=torch.empty(6, dtype=torch.int32, device=meta),
+        seq_lens=torch.empty(5, dtype=torch.int32, device=meta),
+        block_table=torch.empty(5, 100, dtype=torch.int32, device=meta),
+        slot_mapping=torch.empty(5, dtype=torch.int64, device=meta),
+    )
     out = torch.empty(5, 8 * 64, dtype=torch.bfloat16, device=meta)
     impl.forward(None, torch.empty(5, 8, 64, dtype=torch.bfloat16, device=meta), None, None, kv, md, out)
     assert launches == [(5 // 32 + 5, 2, 3), (5,)]  # tiles, kv heads, 3 splits of 512; then the combine
@@ -261,11 +273,11 @@ def test_fp8_kernels(granularity):
     g = _gen(5)
     x = torch.randn(37, 300, generator=g).to(torch.bfloat16)
     x[3] = 0.0
-    x[4, :5] = torch.tensor([448.0, 1.0625, 1.1875, 2.0 ** -9 * 1.5, -1e-30])
+    x[4, :5] = torch.tensor([448.0, 1.0625, 1.1875, 2.0**-9 * 1.5, -1e-30])
     tq, ts = triton_quantize(x, granularity)
     rq, rs = quantize_fp8_activation(x, granularity)
     assert torch.equal(tq.float(), rq.float()) and torch.equal(ts, rs)  # the quantizer is exact across backends
-    w = (torch.randn(150, 300, generator=g) * .05).to(torch.bfloat16)
+    w = (torch.randn(150, 300, generator=g) * 0.05).to(torch.bfloat16)
     qw, sw = sn.quantize_fp8_weight(w, granularity)
     y = T["fp8_linear"](x, qw, sw, granularity)
     _close(y, R["fp8_linear"](x, qw, sw, granularity), torch.bfloat16)
@@ -285,18 +297,22 @@ def _grads(fn, args, up):
 
 
 BACKWARD_CASES = {
-    "linear": lambda g: ([torch.randn(37, 200, generator=g), torch.randn(150, 200, generator=g) * .05,
-                          torch.randn(150, generator=g)], ()),
+    "linear": lambda g: (
+        [torch.randn(37, 200, generator=g), torch.randn(150, 200, generator=g) * 0.05, torch.randn(150, generator=g)],
+        (),
+    ),
     "rms_norm": lambda g: ([torch.randn(7, 3, 64, generator=g), torch.randn(64, generator=g)], (1e-6,)),
     "apply_rope": lambda g: ([torch.randn(7, 4, 32, generator=g)], sn.rope_cos_sin(torch.arange(7), 32, 1e4)),
     "silu_and_mul": lambda g: ([torch.randn(9, 130, generator=g), torch.randn(9, 130, generator=g)], ()),
     "log_softmax": lambda g: ([torch.randn(6, 3000, generator=g)], ()),
     "selected_logprobs": lambda g: ([torch.randn(6, 3000, generator=g)], (torch.randint(0, 3000, (6,), generator=g),)),
     # 150 positions, 4 query heads per kv head: several query tiles and key chunks per sequence
-    "dense_causal_attention": lambda g: (_attn_inputs(torch.float32, b=2, t=150, hq=8, hk=2), (32 ** -0.5,)),
-    "fp8_linear_qat": lambda g: ([torch.randn(37, 200, generator=g), torch.randn(150, 200, generator=g) * .05], ()),
-    "fused_selected_logprobs": lambda g: ([torch.randn(40, 64, generator=g), torch.randn(500, 64, generator=g) * .1],
-                                          (torch.randint(0, 500, (40,), generator=g), 16)),
+    "dense_causal_attention": lambda g: (_attn_inputs(torch.float32, b=2, t=150, hq=8, hk=2), (32**-0.5,)),
+    "fp8_linear_qat": lambda g: ([torch.randn(37, 200, generator=g), torch.randn(150, 200, generator=g) * 0.05], ()),
+    "fused_selected_logprobs": lambda g: (
+        [torch.randn(40, 64, generator=g), torch.randn(500, 64, generator=g) * 0.1],
+        (torch.randint(0, 500, (40,), generator=g), 16),
+    ),
 }
 
 
@@ -307,14 +323,14 @@ def test_backward_close_to_torch_and_deterministic(op):
     up = torch.randn(R[op](*args, *extra).shape, generator=_gen(7))
     gt = _grads(lambda *a: T[op](*a, *extra), args, up)
     gr = _grads(lambda *a: R[op](*a, *extra), args, up)
-    for a, b in zip(gt, gr):
+    for a, b in zip(gt, gr, strict=True):
         assert (a - b).abs().max().item() <= 1e-5 * max(b.abs().max().item(), 1.0)
-    assert all(torch.equal(a, b) for a, b in zip(gt, _grads(lambda *a: T[op](*a, *extra), args, up)))
+    assert all(torch.equal(a, b) for a, b in zip(gt, _grads(lambda *a: T[op](*a, *extra), args, up), strict=True))
 
 
 def test_fused_head_equals_unfused_on_triton():
     g = _gen(8)
-    h, w, t = torch.randn(40, 64, generator=g), torch.randn(500, 64, generator=g) * .1, torch.randint(0, 500, (40,))
+    h, w, t = torch.randn(40, 64, generator=g), torch.randn(500, 64, generator=g) * 0.1, torch.randint(0, 500, (40,))
     assert torch.equal(T["fused_selected_logprobs"](h, w, t, 16), T["selected_logprobs"](T["linear"](h, w), t))
 
 
@@ -330,7 +346,7 @@ def test_interpreter_gaps_are_filled():
 
     a = torch.randn(16, 32, generator=_gen(9))
     b = torch.randn(32, 16, generator=_gen(10))
-    bits = lambda t: t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    bits = lambda t: t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     acc = TensorHandle(np.zeros((16, 16), np.float32), tl.float32)
     ha, hb = TensorHandle(bits(a), tl.bfloat16), TensorHandle(bits(b), tl.bfloat16)
     exact = a.bfloat16().float() @ b.bfloat16().float()
@@ -345,7 +361,7 @@ def test_interpreter_gaps_are_filled():
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 32)).astype(np.float32)
     moved = [not np.array_equal((x @ y)[r], (_at0(x, r) @ y)[0]) for r in range(64)]
-    alone = [not np.array_equal((x @ y)[r], (x[r:r + 1] @ y)[0]) for r in range(64)]
+    alone = [not np.array_equal((x @ y)[r], (x[r : r + 1] @ y)[0]) for r in range(64)]
     assert any(moved) or any(alone)
     hx, hy = TensorHandle(x, tl.float32), TensorHandle(y, tl.float32)
     z = TensorHandle(np.zeros((64, 32), np.float32), tl.float32)
@@ -353,9 +369,13 @@ def test_interpreter_gaps_are_filled():
     for r in range(64):
         one = interpreter_builder.create_dot(TensorHandle(_at0(x, r), tl.float32), hy, z, None, None).data
         assert np.array_equal(one[0], full[r])
-        single = interpreter_builder.create_dot(TensorHandle(x[r:r + 1].copy(), tl.float32), hy,
-                                                TensorHandle(np.zeros((1, 32), np.float32), tl.float32), None,
-                                                None).data
+        single = interpreter_builder.create_dot(
+            TensorHandle(x[r : r + 1].copy(), tl.float32),
+            hy,
+            TensorHandle(np.zeros((1, 32), np.float32), tl.float32),
+            None,
+            None,
+        ).data
         assert np.array_equal(single[0], full[r])
 
 
@@ -381,11 +401,11 @@ def test_op_model_trainer_equals_continuous_batching_engine(dtype):
     res = rollout(model, prompts, 5, token_budget=48, block_size=16, arrivals=arrivals)
     assert res.mixed_steps > 0
     train = model.trainer_logprobs(res.sequences[:4]) + model.trainer_logprobs(res.sequences[4:])
-    assert all(torch.equal(a[-5:], b) for a, b in zip(train, res.logprobs))
+    assert all(torch.equal(a[-5:], b) for a, b in zip(train, res.logprobs, strict=True))
     stock = OpModel(spec, dtype, ops=STOCK_OPS)
     sres = rollout(stock, prompts, 5, token_budget=48, block_size=16, arrivals=arrivals)
     strain = stock.trainer_logprobs(sres.sequences)
-    assert not all(torch.equal(a[-5:], b) for a, b in zip(strain, sres.logprobs))
+    assert not all(torch.equal(a[-5:], b) for a, b in zip(strain, sres.logprobs, strict=True))
 
 
 def test_backend_selection(monkeypatch):
@@ -412,9 +432,10 @@ def triton_engine(engine_slot, checkpoint_factory):
     saved = os.environ.get("ZEROKLD_BACKEND")
     os.environ["ZEROKLD_BACKEND"] = "triton"
     try:
-        llm = engine_slot.get(("zerokld-triton", ckpt),
-                              lambda: start_llm(ckpt, dtype="float32", max_num_batched_tokens=64, max_model_len=256,
-                                                block_size=16))
+        llm = engine_slot.get(
+            ("zerokld-triton", ckpt),
+            lambda: start_llm(ckpt, dtype="float32", max_num_batched_tokens=64, max_model_len=256, block_size=16),
+        )
     finally:
         if saved is None:
             os.environ.pop("ZEROKLD_BACKEND")
@@ -440,9 +461,9 @@ def test_parity_matrix_both_sides_on_triton(triton_engine, monkeypatch):
     prompts = [[1] + [rng.randrange(3, 100) for _ in range(rng.randrange(4, 110))] for _ in range(10)]
     sp = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype="float32")
-    assert all(torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs))
+    assert all(torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs, strict=True))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     llm.reset_prefix_cache()
@@ -460,13 +481,14 @@ def test_parity_matrix_both_sides_on_triton(triton_engine, monkeypatch):
     # the longest sequence scored as a prompt (prefilled in 64-token chunks) == the trainer
     longest = max(seqs, key=len)
     llm.reset_prefix_cache()
-    scored = llm.generate([{"prompt_token_ids": longest}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)[0]
+    scored = llm.generate(
+        [{"prompt_token_ids": longest}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
     assert torch.equal(prompt_logprobs(scored, start=1), trainer_logprobs(ckpt, [longest], [1], dtype="float32")[0])
     # negative control: the torch backend's trainer logprobs are other bits (the two backends reduce differently)
     monkeypatch.setenv("ZEROKLD_BACKEND", "torch")
     torch_train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype="float32")
-    assert any(not torch.equal(a, b) for a, b in zip(torch_train, train))
+    assert any(not torch.equal(a, b) for a, b in zip(torch_train, train, strict=True))
 
 
 @pytest.mark.titan
@@ -483,12 +505,16 @@ def test_torchtitan_training_step_on_triton(checkpoint_factory, tmp_path, monkey
     ref = trainer_logprobs(ckpt, seqs, plens, dtype="bfloat16")
     trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype="bfloat16", lr=1e-2))
     try:
-        out = trainer.rl_step(RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref], numerics=trainer.numerics))
-        assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref))
+        out = trainer.rl_step(
+            RolloutBatch(seqs, plens, [1.0, -1.0, 0.5], [r.clone() for r in ref], numerics=trainer.numerics)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], ref, strict=True))
         after = trainer.forward_logprobs(RolloutBatch(seqs, plens))
-        assert any(not torch.equal(a, b) for a, b in zip(after, ref))
+        assert any(not torch.equal(a, b) for a, b in zip(after, ref, strict=True))
         snap = trainer.save_hf(tmp_path / "step1", "bfloat16")
-        assert all(torch.equal(a, b) for a, b in zip(trainer_logprobs(str(snap), seqs, plens, dtype="bfloat16"),
-                                                      after))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(trainer_logprobs(str(snap), seqs, plens, dtype="bfloat16"), after, strict=True)
+        )
     finally:
         trainer.close()

@@ -3,14 +3,14 @@
 Every engine here runs with ``max_num_batched_tokens=64``, so long prompts are prefilled in chunks and big batches
 mix prefill chunks with decodes; prefix caching is on.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from titan_plugin import trainer_logprobs
-from vllm_plugin.engines import completion_logprobs, prompt_logprobs
-from vllm_plugin.engines import start_llm
+from vllm_plugin.engines import completion_logprobs, prompt_logprobs, start_llm
 from zerokld_testing import random_prompts
 from zerokld_testing.controls import stock_differs
 
@@ -18,11 +18,21 @@ pytestmark = pytest.mark.vllm
 
 # (family, dtype, fp8): fp8 is None, or (how vLLM gets FP8, granularity): "online" quantizes the high-precision
 # checkpoint at load; "export" serves the trainer's exported zerokld_fp8 checkpoint. The trainer runs FP8 QAT.
-CONFIGS = [("qwen3", "float32", None), ("qwen3", "bfloat16", None), ("llama", "float32", None),
-           ("llama", "bfloat16", None), ("qwen3", "bfloat16", ("online", "per_channel")),
-           ("llama", "bfloat16", ("export", "per_channel")), ("qwen3", "float32", ("export", "block")),
-           ("qwen3_moe", "float32", None), ("qwen3_moe", "bfloat16", None), ("qwen3_moe_ties", "bfloat16", None),
-           ("qwen2", "bfloat16", None), ("llama31", "bfloat16", None), ("llama31", "float32", None)]
+CONFIGS = [
+    ("qwen3", "float32", None),
+    ("qwen3", "bfloat16", None),
+    ("llama", "float32", None),
+    ("llama", "bfloat16", None),
+    ("qwen3", "bfloat16", ("online", "per_channel")),
+    ("llama", "bfloat16", ("export", "per_channel")),
+    ("qwen3", "float32", ("export", "block")),
+    ("qwen3_moe", "float32", None),
+    ("qwen3_moe", "bfloat16", None),
+    ("qwen3_moe_ties", "bfloat16", None),
+    ("qwen2", "bfloat16", None),
+    ("llama31", "bfloat16", None),
+    ("llama31", "float32", None),
+]
 
 
 def _config_id(c) -> str:
@@ -87,11 +97,12 @@ def test_decode_logprobs_equal_prompt_logprobs(env):
     llm, _ = env
     prompts = random_prompts(6, seed=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens=20), use_tqdm=False)
-    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     llm.reset_prefix_cache()
-    scored = llm.generate([{"prompt_token_ids": s} for s in full], greedy(max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)
-    for p, o, s in zip(prompts, outs, scored):
+    scored = llm.generate(
+        [{"prompt_token_ids": s} for s in full], greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
+    for p, o, s in zip(prompts, outs, scored, strict=True):
         assert torch.equal(completion_logprobs(o), prompt_logprobs(s, start=len(p)))
 
 
@@ -99,8 +110,7 @@ def test_chunked_prefill_matches_trainer(env):
     llm, trainer = env
     long_prompt = random_prompts(1, seed=4, lo=230, hi=231)[0]  # 231 tokens: 4 chunks of <= 64
     llm.reset_prefix_cache()
-    out = llm.generate([{"prompt_token_ids": long_prompt}], greedy(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
+    out = llm.generate([{"prompt_token_ids": long_prompt}], greedy(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ref = trainer([long_prompt], [1])[0]
     assert torch.equal(prompt_logprobs(out, start=1), ref)
 
@@ -113,12 +123,14 @@ def test_trainer_logprobs_equal_sampled_logprobs(env):
     prompts = random_prompts(56, seed=5, lo=4, hi=60)
     sp = SamplingParams(max_tokens=24, temperature=1.0, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     train = trainer(seqs, [len(p) for p in prompts])
-    mismatched = [i for i, (t, o) in enumerate(zip(train, outs)) if not torch.equal(t, completion_logprobs(o))]
+    mismatched = [
+        i for i, (t, o) in enumerate(zip(train, outs, strict=True)) if not torch.equal(t, completion_logprobs(o))
+    ]
     assert mismatched == []
     fused = trainer(seqs, [len(p) for p in prompts], fused=True)  # fused lm_head path
-    assert all(torch.equal(f, completion_logprobs(o)) for f, o in zip(fused, outs))
+    assert all(torch.equal(f, completion_logprobs(o)) for f, o in zip(fused, outs, strict=True))
 
 
 MOE_CONFIGS = [c for c in CONFIGS if c[0].startswith("qwen3_moe")]
@@ -135,9 +147,9 @@ def test_moe_skewed_expert_load_matches_trainer(env):
     llm.reset_prefix_cache()
     alone = llm.generate([{"prompt_token_ids": prompts[3]}], greedy(max_tokens=16), use_tqdm=False)[0]
     assert torch.equal(completion_logprobs(alone), completion_logprobs(batch[3]))
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, batch)]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, batch, strict=True)]
     train = trainer(seqs, [len(p) for p in prompts])
-    assert all(torch.equal(t, completion_logprobs(o)) for t, o in zip(train, batch))
+    assert all(torch.equal(t, completion_logprobs(o)) for t, o in zip(train, batch, strict=True))
 
 
 STOCK_CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "bfloat16")]
@@ -158,13 +170,19 @@ def test_negative_control_stock_vllm_differs(stock_env):
     from vllm import SamplingParams
 
     prompts = random_prompts(16, seed=6)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, ignore_eos=True), use_tqdm=False)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     train = trainer_logprobs(ckpt, seqs, [len(p) for p in prompts], dtype=dtype)
     assert len(train) == len(outs)
-    stock_differs(sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs)) > 0,
-                  f"vLLM's {dtype} log-probs vs the trainer's", "the prompts or the load")
+    stock_differs(
+        sum(not torch.equal(t, completion_logprobs(o)) for t, o in zip(train, outs, strict=True)) > 0,
+        f"vLLM's {dtype} log-probs vs the trainer's",
+        "the prompts or the load",
+    )
     # ...while still being the same model (a sanity bound, not a parity claim)
     bound = 1e-2 if dtype == "float32" else 1.0
-    assert max((t - completion_logprobs(o)).abs().max().item() for t, o in zip(train, outs)) < bound
+    assert max((t - completion_logprobs(o)).abs().max().item() for t, o in zip(train, outs, strict=True)) < bound

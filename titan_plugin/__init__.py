@@ -3,6 +3,7 @@ an RL trainer (``RLTrainer``) on TorchTitan's own ``Trainer``.
 
 Importing it changes nothing in torch or TorchTitan: the CPU shims (:mod:`.cpu_compat`) are applied by the entry
 points that run TorchTitan (``RLTrainer``, :func:`titan_plugin.models.build_titan_model`)."""
+
 from zerokld_models.fp8_export import export_fp8_checkpoint
 
 from .logprobs import sequence_logprobs, trainer_logprobs

@@ -32,6 +32,7 @@ with ``zerokld_numerics``) is checked against the trainer's numerics mode
 (:class:`shared_numerics.NumericsMismatchError`, nothing computed); Tinker's datum format has no stamp, so unstamped
 datums are taken as sampled in the trainer's mode. Losses are the ones registered through the ``zerokld`` hooks.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -78,8 +79,7 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         n = len(x)
         if len(tgt) != n or tgt[:-1] != x[1:]:
             raise ValueError(f"datum {i}: target_tokens must be model_input shifted by one (length {n})")
-        row = {key: _t(li[key]) if key in li else None for key in ("weights", "advantages", "logprobs",
-                                                                     "ref_logprobs")}
+        row = {key: _t(li[key]) if key in li else None for key in ("weights", "advantages", "logprobs", "ref_logprobs")}
         for key, value in row.items():
             if value is not None and value.numel() != n:
                 raise ValueError(f"datum {i}: loss_fn_inputs[{key!r}] has {value.numel()} values for {n} targets")
@@ -105,10 +105,16 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
     if any(r is None for r in refs) and any(r is not None for r in refs):
         raise ValueError("loss_fn_inputs 'ref_logprobs' must be given for every datum or for none")
     stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
-    return RolloutBatch(seqs, [1] * len(seqs), adv, q, _routes(inputs),
-                        numerics=common_numerics(stamped) if stamped else numerics,
-                        loss_weights=masks if masks is not None else [i["weights"] for i in inputs],
-                        ref_logprobs=None if refs[0] is None else refs)
+    return RolloutBatch(
+        seqs,
+        [1] * len(seqs),
+        adv,
+        q,
+        _routes(inputs),
+        numerics=common_numerics(stamped) if stamped else numerics,
+        loss_weights=masks if masks is not None else [i["weights"] for i in inputs],
+        ref_logprobs=None if refs[0] is None else refs,
+    )
 
 
 def _routes(inputs: list[dict]):
@@ -131,21 +137,48 @@ class TrainingClient:
         self._losses: dict = {}
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str, dtype: str = "bfloat16", learning_rate: float = 1e-4,
-                        fused: bool = True, dump_folder: str | None = None, max_norm: float = 1.0,
-                        batch_invariant: bool = True) -> "TrainingClient":
+    def from_checkpoint(
+        cls,
+        checkpoint_dir: str,
+        dtype: str = "bfloat16",
+        learning_rate: float = 1e-4,
+        fused: bool = True,
+        dump_folder: str | None = None,
+        max_norm: float = 1.0,
+        batch_invariant: bool = True,
+    ) -> TrainingClient:
         """Start a TorchTitan trainer on an HF checkpoint (``dtype``: the serving dtype of the forward;
         ``batch_invariant=False``: TorchTitan's stock numerics, for contrast)."""
         dump = dump_folder or str(Path(checkpoint_dir).resolve().parent / (Path(checkpoint_dir).name + "_train"))
-        cfg = rl_trainer_config(checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused and batch_invariant,
-                                max_norm=max_norm, batch_invariant=batch_invariant)
+        cfg = rl_trainer_config(
+            checkpoint_dir,
+            dump,
+            dtype=dtype,
+            lr=learning_rate,
+            fused=fused and batch_invariant,
+            max_norm=max_norm,
+            batch_invariant=batch_invariant,
+        )
         return cls(RLTrainer(cfg), dtype)
 
     @classmethod
-    def create_lora(cls, checkpoint_dir: str, rank: int = 32, seed: int | None = None, train_mlp: bool = True,
-                    train_attn: bool = True, train_unembed: bool = False, *, alpha: float = 32.0,
-                    max_rank: int = 0, dtype: str = "bfloat16", learning_rate: float = 1e-4, fused: bool = True,
-                    dump_folder: str | None = None, max_norm: float = 1.0) -> "TrainingClient":
+    def create_lora(
+        cls,
+        checkpoint_dir: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = False,
+        *,
+        alpha: float = 32.0,
+        max_rank: int = 0,
+        dtype: str = "bfloat16",
+        learning_rate: float = 1e-4,
+        fused: bool = True,
+        dump_folder: str | None = None,
+        max_norm: float = 1.0,
+    ) -> TrainingClient:
         """A LoRA training client on a frozen base checkpoint (Tinker's
         ``ServiceClient.create_lora_training_client(base_model, rank, seed, train_mlp, train_attn, train_unembed)``,
         ``tinker.types.LoraConfig``): adapters on the attention projections (q/k/v/o; MLA: q_a/q_b or q, kv_a, o —
@@ -167,11 +200,13 @@ class TrainingClient:
 
         if train_unembed:
             raise NotImplementedError("zerokld LoRA does not adapt the lm_head (train_unembed=False)")
-        lora = lora_converter_config(rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp,
-                                     max_rank=max_rank)
+        lora = lora_converter_config(
+            rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp, max_rank=max_rank
+        )
         dump = dump_folder or str(Path(checkpoint_dir).resolve().parent / (Path(checkpoint_dir).name + "_lora"))
-        cfg = rl_trainer_config(checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused, max_norm=max_norm,
-                                lora=lora)
+        cfg = rl_trainer_config(
+            checkpoint_dir, dump, dtype=dtype, lr=learning_rate, fused=fused, max_norm=max_norm, lora=lora
+        )
         if seed is not None:
             cfg.debug.seed = seed
         return cls(RLTrainer(cfg), dtype)
@@ -201,22 +236,28 @@ class TrainingClient:
         lps = self.trainer.forward_logprobs(self._batch(data), base_only=base_only)
         return {"loss_fn_outputs": [{"logprobs": lp} for lp in lps]}
 
-    def forward_backward(self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None
-                         ) -> dict:
+    def forward_backward(
+        self, data: list[dict] | RolloutBatch, loss_fn: str, loss_fn_config: dict | None = None
+    ) -> dict:
         """Accumulate the gradient of ``loss_fn`` summed over the weighted tokens (Tinker: sum, no normaliser).
         Call it on micro-batches as they arrive: the accumulated gradients are bitwise those of one call on the
         concatenated data (:meth:`titan_plugin.rl.RLTrainer.forward_backward`)."""
         res = self.trainer.forward_backward(self._batch(data, loss_fn), loss=self._loss(loss_fn, loss_fn_config))
-        return {"loss": res["loss"], "metrics": {"clipped": res["clipped"], "grad_zeroed": res["grad_zeroed"],
-                                                 "num_tokens": res["num_tokens"]},
-                "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
+        return {
+            "loss": res["loss"],
+            "metrics": {"clipped": res["clipped"], "grad_zeroed": res["grad_zeroed"], "num_tokens": res["num_tokens"]},
+            "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]],
+        }
 
     def forward_backward_custom(self, data: list[dict] | RolloutBatch, loss_fn) -> dict:
         """Two-pass custom loss (Tinker's): ``loss_fn(data, logprobs_list) -> (loss, metrics)``, ``logprobs_list[i]``
         float32 ``[n]`` with a gradient, one per target token of datum ``i``; the weights are the loss's to apply."""
         res = self.trainer.forward_backward_custom(self._batch(data), lambda lps: loss_fn(data, lps))
-        return {"loss": res["loss"], "metrics": res["metrics"],
-                "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]]}
+        return {
+            "loss": res["loss"],
+            "metrics": res["metrics"],
+            "loss_fn_outputs": [{"logprobs": lp} for lp in res["train_logprobs"]],
+        }
 
     def optim_step(self, adam_params: dict | None = None) -> dict:
         """Apply the accumulated gradients (AdamW). ``adam_params``: Tinker's ``AdamParams`` fields, each optional —
@@ -227,8 +268,13 @@ class TrainingClient:
         if "beta1" in p or "beta2" in p:
             group = self.trainer.optimizers.optimizers[0].param_groups[0]
             betas = (float(p.get("beta1", group["betas"][0])), float(p.get("beta2", group["betas"][1])))
-        return self.trainer.optim_step(learning_rate=p.get("learning_rate"), betas=betas, eps=p.get("eps"),
-                                       weight_decay=p.get("weight_decay"), max_norm=p.get("grad_clip_norm"))
+        return self.trainer.optim_step(
+            learning_rate=p.get("learning_rate"),
+            betas=betas,
+            eps=p.get("eps"),
+            weight_decay=p.get("weight_decay"),
+            max_norm=p.get("grad_clip_norm"),
+        )
 
     def save_state(self, name: str) -> str:
         """Full training state (model + optimizer + schedule) through TorchTitan's checkpointer; returns its path."""

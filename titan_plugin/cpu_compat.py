@@ -16,6 +16,7 @@
 
 Everything is idempotent and does nothing when a CUDA device is present.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,7 @@ class _CPUDeviceModule:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0,
-                "num_ooms": 0}
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
 
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
@@ -89,8 +89,11 @@ class _CPUDeviceModule:
 
 CPU_DEVICE_MODULE = _CPUDeviceModule()
 _MODULES_WITH_DEVICE_NAMES = (
-    "torchtitan.components.metrics", "torchtitan.models.common.token_dispatcher", "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.utils", "torchtitan.tools.profiler",
+    "torchtitan.components.metrics",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.tools.profiler",
 )
 
 
@@ -114,8 +117,11 @@ def apply() -> None:
             mod = sys.modules.get(name)
             if mod is None:
                 continue
-            for attr, value in (("device_type", "cpu"), ("device_module", CPU_DEVICE_MODULE),
-                                ("get_local_device", tu.get_local_device)):
+            for attr, value in (
+                ("device_type", "cpu"),
+                ("device_module", CPU_DEVICE_MODULE),
+                ("get_local_device", tu.get_local_device),
+            ):
                 if hasattr(mod, attr):
                     setattr(mod, attr, value)
     _APPLIED = True

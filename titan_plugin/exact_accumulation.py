@@ -27,6 +27,7 @@ Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``f
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
 sharded parameters' ``.grad`` directly).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,7 @@ import torch
 from shared_numerics.grad_chain import CHAIN_K_MULTIPLE, GradChain, chain_available
 
 from .lora import ZeroKLDLoRALinear
-from .overrides import (ZeroKLDEmbedding, ZeroKLDFp8Linear, ZeroKLDLinear, ZeroKLDLMHead, ZeroKLDMoE,
-                        ZeroKLDRMSNorm)
+from .overrides import ZeroKLDEmbedding, ZeroKLDFp8Linear, ZeroKLDLinear, ZeroKLDLMHead, ZeroKLDMoE, ZeroKLDRMSNorm
 
 __all__ = ["CHAIN_MODULES", "ExactAccumulation", "unsupported_reason"]
 
@@ -190,8 +190,9 @@ class ExactAccumulation:
                 sums[id(p)] = (p, g)
         for p, g in sums.values():
             g = g.to(p.dtype)  # float32 master weights: the accumulator itself
-            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) if isinstance(
-                p, DTensor) else g
+            p.grad = (
+                DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else g
+            )
 
     def reset(self) -> None:
         """The next :meth:`attach` starts new chains from zero (after an optimizer step zeroed the gradients)."""

@@ -8,6 +8,7 @@ functional all-to-all: each (token, slot) row goes to its expert's rank and come
 token's rank in slot order — a rank's log-probs are the same bits at any EP size. The router is replicated.
 Source: ``torchtitan/models/common/token_dispatcher.py`` (``AllToAllTokenDispatcher``), ``moe.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,9 +36,17 @@ def _all_to_all(mesh):
     return exchange
 
 
-def moe_expert_parallel(x_BLD: torch.Tensor, router_weight: torch.Tensor, w_gate: DTensor, w_up: DTensor,
-                        w_down: DTensor, top_k: int, renormalize: bool, expert_ids: torch.Tensor | None,
-                        fp8: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_expert_parallel(
+    x_BLD: torch.Tensor,
+    router_weight: torch.Tensor,
+    w_gate: DTensor,
+    w_up: DTensor,
+    w_down: DTensor,
+    top_k: int,
+    renormalize: bool,
+    expert_ids: torch.Tensor | None,
+    fp8: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`shared_numerics.moe.moe_forward` with the experts split over TorchTitan's EP mesh.
 
     Args:
@@ -63,5 +72,6 @@ def moe_expert_parallel(x_BLD: torch.Tensor, router_weight: torch.Tensor, w_gate
     x = x_BLD.to_local() if isinstance(x_BLD, DTensor) else x_BLD
     b, seq, d = x.shape
     ep = sn_moe.ExpertParallel(mesh.get_local_rank(), size, _all_to_all(mesh))
-    return sn_moe.moe_forward(x.reshape(b * seq, d), router, *local, top_k, renormalize, expert_ids, fp8=fp8,
-                              expert_parallel=ep)
+    return sn_moe.moe_forward(
+        x.reshape(b * seq, d), router, *local, top_k, renormalize, expert_ids, fp8=fp8, expert_parallel=ep
+    )

@@ -1,4 +1,5 @@
 """``trainer_logprobs``: the trainer-side log-probs of completion tokens, from TorchTitan's model on zerokld ops."""
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,14 @@ def logprob_scorer(logits: torch.Tensor, lm_head: torch.nn.Module | None):
     return local, functools.partial(sn_vocab.selected_logprobs, **kwargs)
 
 
-def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt_lengths: list[int],
-                      pad_id: int = 0, fused: bool = False, routed_experts=None) -> list[torch.Tensor]:
+def sequence_logprobs(
+    model: torch.nn.Module,
+    token_ids: list[list[int]],
+    prompt_lengths: list[int],
+    pad_id: int = 0,
+    fused: bool = False,
+    routed_experts=None,
+) -> list[torch.Tensor]:
     """Per-sequence float32 log-probs of the tokens after each prompt, from one right-padded batch forward. The
     log-softmax is the one ``model.lm_head`` names (:func:`logprob_scorer`): vocab-parallel when the model was built
     with ``tp_k_block``.
@@ -80,20 +87,31 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[list[int]], prompt
         finally:
             model._skip_lm_head = skip
         hidden = model.lm_head.fused_input(hidden)
-        return [model.lm_head(hidden[i, p - 1: len(s) - 1], targets=tokens[i, p: len(s)])
-                for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
+        return [
+            model.lm_head(hidden[i, p - 1 : len(s) - 1], targets=tokens[i, p : len(s)])
+            for i, (s, p) in enumerate(zip(token_ids, prompt_lengths, strict=True))
+        ]
     with replay_routes(model, routes):
         logits = model(tokens)
     logits, score = logprob_scorer(logits, model.lm_head)
-    return [score(logits[i, p - 1: len(s) - 1], tokens[i, p: len(s)])
-            for i, (s, p) in enumerate(zip(token_ids, prompt_lengths))]
+    return [
+        score(logits[i, p - 1 : len(s) - 1], tokens[i, p : len(s)])
+        for i, (s, p) in enumerate(zip(token_ids, prompt_lengths, strict=True))
+    ]
 
 
 @torch.no_grad()
-def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_lengths: list[int],
-                     dtype: str = "bfloat16", fused: bool = False, fp8: str | None = None,
-                     routed_experts=None, batch_invariant: bool = True, tp_k_block: int | None = None
-                     ) -> list[torch.Tensor]:
+def trainer_logprobs(
+    checkpoint_dir: str,
+    token_ids: list[list[int]],
+    prompt_lengths: list[int],
+    dtype: str = "bfloat16",
+    fused: bool = False,
+    fp8: str | None = None,
+    routed_experts=None,
+    batch_invariant: bool = True,
+    tp_k_block: int | None = None,
+) -> list[torch.Tensor]:
     """Load an HF checkpoint into TorchTitan's model with zerokld numerics (``batch_invariant=False``: TorchTitan's
     stock components, :func:`titan_plugin.models.build_titan_model`) and score completions.
 
@@ -119,7 +137,8 @@ def trainer_logprobs(checkpoint_dir: str, token_ids: list[list[int]], prompt_len
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` without ``batch_invariant``, an unknown granularity.
     """
-    model, _, _ = build_titan_model(checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=fp8,
-                                    tp_k_block=tp_k_block)
+    model, _, _ = build_titan_model(
+        checkpoint_dir, dtype=dtype, batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block
+    )
     model.eval()
     return sequence_logprobs(model, token_ids, prompt_lengths, fused=fused, routed_experts=routed_experts)

@@ -18,6 +18,7 @@ side shares — instead of stock ``F.linear`` s.
   adapters only (fixed upstream after 0.3.0: pytorch/torchtitan#4267, "Preserve requires_grad when distributing
   parameters"; the wrapper is then a no-op).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,23 +37,45 @@ from zerokld_models.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear, grad_chains
 
-__all__ = ["ATTN_TARGETS", "HF_TO_TITAN", "MLP_TARGETS", "REFUSED_TARGETS", "ZeroKLDLoRAConverter",
-           "ZeroKLDLoRALinear", "disable_adapter", "keep_requires_grad", "load_peft_adapter", "lora_converter_config",
-           "lora_modules", "peft_adapter_state_dict", "save_peft_adapter"]
+__all__ = [
+    "ATTN_TARGETS",
+    "HF_TO_TITAN",
+    "MLP_TARGETS",
+    "REFUSED_TARGETS",
+    "ZeroKLDLoRAConverter",
+    "ZeroKLDLoRALinear",
+    "disable_adapter",
+    "keep_requires_grad",
+    "load_peft_adapter",
+    "lora_converter_config",
+    "lora_modules",
+    "peft_adapter_state_dict",
+    "save_peft_adapter",
+]
 
 # HF / PEFT module names -> TorchTitan config-tree names (wk and wv share one config node, "wkv", when unfused; MLA's
 # projections are TorchTitan deepseek_v3's wq_a / wq_b / wkv_a).
-HF_TO_TITAN = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo",
-               "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
-               "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+HF_TO_TITAN = {
+    "q_proj": "wq",
+    "k_proj": "wkv",
+    "v_proj": "wkv",
+    "o_proj": "wo",
+    "q_a_proj": "wq_a",
+    "q_b_proj": "wq_b",
+    "kv_a_proj_with_mqa": "wkv_a",
+    "gate_proj": "w1",
+    "up_proj": "w3",
+    "down_proj": "w2",
+}
 #: Tinker's ``train_attn``: the attention projections a model has (grouped-query attention's q/k/v/o, or MLA's
 #: q_a/q_b (or q)/kv_a/o — never ``kv_b_proj``, whose weight MLA absorbs per head)
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 #: Tinker's ``train_mlp``: the dense MLPs (a MoE block's routed and shared experts are not adapted)
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 #: module names no zerokld adapter may target, with the reason
-REFUSED_TARGETS = {"kv_b_proj": "MLA absorbs kv_b_proj's weight per head (shared_numerics.mla), so an adapter on it "
-                                "is not implemented"}
+REFUSED_TARGETS = {
+    "kv_b_proj": "MLA absorbs kv_b_proj's weight per head (shared_numerics.mla), so an adapter on it is not implemented"
+}
 
 
 class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
@@ -90,8 +113,16 @@ class ZeroKLDLoRALinear(_get_lora_cls(ZeroKLDLinear)):
         ids = torch.full(x.shape[:-1], 0 if self.adapter_enabled else -1, dtype=torch.int64, device=x.device)
         chains = grad_chains(self)
         if chains is not None:  # exact accumulation (titan_plugin.exact_accumulation): the CPU op, adapters chained
-            return sn_lora.lora_linear(x, self.weight, self.bias, a.unsqueeze(0), b.unsqueeze(0), [1.0], ids,
-                                       adapter_chains=[(chains["lora_a.weight"], chains["lora_b.weight"])])
+            return sn_lora.lora_linear(
+                x,
+                self.weight,
+                self.bias,
+                a.unsqueeze(0),
+                b.unsqueeze(0),
+                [1.0],
+                ids,
+                adapter_chains=[(chains["lora_a.weight"], chains["lora_b.weight"])],
+            )
         return sn.lora_linear(x, self.weight, self.bias, a.unsqueeze(0), b.unsqueeze(0), [1.0], ids)
 
 
@@ -125,11 +156,18 @@ class ZeroKLDLoRAConverter(LoRAConverter):
     def _make_lora_config(self, cfg):
         owner = cfg._owner
         if owner is not ZeroKLDLinear:
-            kind = "FP8 QAT linears" if owner is not None and issubclass(owner, ZeroKLDFp8Linear) else \
-                f"{getattr(owner, '__name__', owner)} (only zerokld decoder projections)"
+            kind = (
+                "FP8 QAT linears"
+                if owner is not None and issubclass(owner, ZeroKLDFp8Linear)
+                else f"{getattr(owner, '__name__', owner)} (only zerokld decoder projections)"
+            )
             raise NotImplementedError(f"zerokld LoRA does not adapt {kind}")
-        return ZeroKLDLoRALinear.Config(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init},
-                                        rank=self.rank, alpha=self.alpha, max_rank=self.max_rank)
+        return ZeroKLDLoRALinear.Config(
+            **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init},
+            rank=self.rank,
+            alpha=self.alpha,
+            max_rank=self.max_rank,
+        )
 
     def convert(self, model_config):
         """TorchTitan's ``LoRAConverter.convert`` (targets by their last name; every other module frozen), except
@@ -139,27 +177,34 @@ class ZeroKLDLoRAConverter(LoRAConverter):
         from torchtitan.protocols.module import Module
 
         targets = self.target_modules or set()
+
         def adaptable(fqn: str) -> bool:  # a decoder projection outside any MoE block
             return ".moe." not in f".{fqn}."
 
-        found = {fqn.rsplit(".", 1)[-1] for fqn, *_ in model_config.traverse(ZeroKLDLinear.Config, recurse=True)
-                 if adaptable(fqn)}
+        found = {
+            fqn.rsplit(".", 1)[-1]
+            for fqn, *_ in model_config.traverse(ZeroKLDLinear.Config, recurse=True)
+            if adaptable(fqn)
+        }
         if self.target_modules is None or "lm_head" in targets:
-            raise NotImplementedError("zerokld LoRA adapts named decoder projections, not the lm_head "
-                                      "(give target_modules)")
+            raise NotImplementedError(
+                "zerokld LoRA adapts named decoder projections, not the lm_head (give target_modules)"
+            )
         if self.switches:
             for switch, names in self.switches:
                 if not set(names) & found:
-                    raise ValueError(f"{switch}: this model has none of its projections {sorted(names)} (a MoE "
-                                     f"block's experts are not adapted); it has {sorted(found)}")
+                    raise ValueError(
+                        f"{switch}: this model has none of its projections {sorted(names)} (a MoE "
+                        f"block's experts are not adapted); it has {sorted(found)}"
+                    )
             targets = targets & found
         elif targets - found:
-            raise ValueError(f"LoRA targets {sorted(targets - found)} match no projection; the model has "
-                             f"{sorted(found)}")
+            raise ValueError(
+                f"LoRA targets {sorted(targets - found)} match no projection; the model has {sorted(found)}"
+            )
         root = model_config
         for fqn, cfg, parent, attr in reversed(list(model_config.traverse(Module.Config, recurse=True))):
-            target = (isinstance(cfg, ZeroKLDLinear.Config) and fqn.rsplit(".", 1)[-1] in targets
-                      and adaptable(fqn))
+            target = isinstance(cfg, ZeroKLDLinear.Config) and fqn.rsplit(".", 1)[-1] in targets and adaptable(fqn)
             new = self._make_lora_config(cfg) if target else _make_frozen_config(cfg)
             if parent is None:
                 root = new
@@ -171,16 +216,22 @@ class ZeroKLDLoRAConverter(LoRAConverter):
 
 
 def _tp_replicated(cfg) -> bool:
-    from torchtitan.models.common.decoder_sharding import dense_param_placement
     import spmd_types as spmd
+    from torchtitan.models.common.decoder_sharding import dense_param_placement
 
     sc = cfg.sharding_config
     placement = sc.state_shardings.get("weight") if sc is not None else None
     return placement is not None and placement == dense_param_placement(tp=spmd.R)
 
 
-def lora_converter_config(rank: int = 32, alpha: float = 32.0, train_attn: bool = True, train_mlp: bool = True,
-                          target_modules: list[str] | None = None, max_rank: int = 0) -> ZeroKLDLoRAConverter.Config:
+def lora_converter_config(
+    rank: int = 32,
+    alpha: float = 32.0,
+    train_attn: bool = True,
+    train_mlp: bool = True,
+    target_modules: list[str] | None = None,
+    max_rank: int = 0,
+) -> ZeroKLDLoRAConverter.Config:
     """The converter config for Tinker's LoRA switches (``tinker.types.LoraConfig``: ``rank``, ``train_attn``,
     ``train_mlp``: :data:`ATTN_TARGETS` / :data:`MLP_TARGETS`, those the model has) or explicit HF / PEFT
     ``target_modules`` (``q_proj`` ... ``down_proj``, MLA's ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa``;
@@ -193,8 +244,11 @@ def lora_converter_config(rank: int = 32, alpha: float = 32.0, train_attn: bool 
     Raises:
         ValueError: no target, an unknown module name, or one of :data:`REFUSED_TARGETS` (``kv_b_proj``).
     """
-    names = list(target_modules) if target_modules is not None else \
-        [*(ATTN_TARGETS if train_attn else ()), *(MLP_TARGETS if train_mlp else ())]
+    names = (
+        list(target_modules)
+        if target_modules is not None
+        else [*(ATTN_TARGETS if train_attn else ()), *(MLP_TARGETS if train_mlp else ())]
+    )
     refused = [f"{n}: {REFUSED_TARGETS[n]}" for n in names if n in REFUSED_TARGETS]
     if refused:
         raise ValueError("; ".join(refused))
@@ -204,20 +258,30 @@ def lora_converter_config(rank: int = 32, alpha: float = 32.0, train_attn: bool 
     if ("k_proj" in names) != ("v_proj" in names):
         raise ValueError("k_proj and v_proj are one TorchTitan config node (wkv): adapt both or neither")
     titan = sorted({HF_TO_TITAN[n] for n in names})
-    switches = () if target_modules is not None else tuple(
-        (switch, tuple(sorted({HF_TO_TITAN[n] for n in group})))
-        for switch, on, group in (("train_attn", train_attn, ATTN_TARGETS), ("train_mlp", train_mlp, MLP_TARGETS))
-        if on)
-    return ZeroKLDLoRAConverter.Config(rank=rank, alpha=alpha, target_modules=titan, max_rank=max_rank,
-                                       switches=switches)
+    switches = (
+        ()
+        if target_modules is not None
+        else tuple(
+            (switch, tuple(sorted({HF_TO_TITAN[n] for n in group})))
+            for switch, on, group in (("train_attn", train_attn, ATTN_TARGETS), ("train_mlp", train_mlp, MLP_TARGETS))
+            if on
+        )
+    )
+    return ZeroKLDLoRAConverter.Config(
+        rank=rank, alpha=alpha, target_modules=titan, max_rank=max_rank, switches=switches
+    )
 
 
 def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The model's LoRA projections by TorchTitan FQN: :class:`ZeroKLDLoRALinear`, or TorchTitan's own ``LoRALinear``
     classes (stock numerics); empty for a full-parameter model."""
-    return {name: m for name, m in model.named_modules()
-            if hasattr(m, "_lora_scaling") and isinstance(getattr(m, "lora_a", None), torch.nn.Module)
-            and isinstance(getattr(m, "lora_b", None), torch.nn.Module)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "_lora_scaling")
+        and isinstance(getattr(m, "lora_a", None), torch.nn.Module)
+        and isinstance(getattr(m, "lora_b", None), torch.nn.Module)
+    }
 
 
 def _alpha(m: torch.nn.Module) -> float:
@@ -242,13 +306,14 @@ def disable_adapter(model: torch.nn.Module):
     try:
         yield model
     finally:
-        for m, s in zip(mods, saved):
+        for m, s in zip(mods, saved, strict=True):
             m.adapter_enabled = s
 
 
 def keep_requires_grad(parallelize_fn):
     """Wrap a TorchTitan ``parallelize_fn`` so every parameter keeps the ``requires_grad`` it had before (see the
     module docstring: TorchTitan 0.3.0's ``spmd_types`` path resets it, unfreezing a LoRA model's base)."""
+
     @functools.wraps(parallelize_fn)
     def wrapped(model, **kwargs):
         # every name, tied ones included: a tied checkpoint's ``lm_head.weight`` is the embedding's parameter, which
@@ -305,8 +370,9 @@ def peft_adapter_state_dict(model: torch.nn.Module, sd_adapter) -> dict[str, tor
     return out
 
 
-def save_peft_adapter(model: torch.nn.Module, sd_adapter, out_dir: str | Path, dtype: str,
-                      base_model_name_or_path: str = "") -> Path:
+def save_peft_adapter(
+    model: torch.nn.Module, sd_adapter, out_dir: str | Path, dtype: str, base_model_name_or_path: str = ""
+) -> Path:
     """Write the adapters as a PEFT LoRA directory: ``adapter_model.safetensors`` (``dtype``: ``"float32"`` or
     ``"bfloat16"``, round-to-nearest casts as the serving copy gets) and ``adapter_config.json`` (``peft_type``
     ``LORA``, ``r``, ``lora_alpha``, ``target_modules`` as HF module names). Loadable by vLLM (``--lora-modules``,
@@ -329,11 +395,21 @@ def save_peft_adapter(model: torch.nn.Module, sd_adapter, out_dir: str | Path, d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.weight.shape[0],
-              "lora_alpha": _alpha(first), "target_modules": targets,
-              "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
-              "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
-              "inference_mode": True}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": first.lora_a.weight.shape[0],
+        "lora_alpha": _alpha(first),
+        "target_modules": targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "inference_mode": True,
+    }
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -366,8 +442,10 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
     first = next(iter(mods.values()))
     rank = first.lora_a.weight.shape[0]
     if config.get("r") != rank or float(config.get("lora_alpha", -1)) != _alpha(first):
-        raise ValueError(f"{folder}: adapter r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
-                         f"LoRA has r={rank}, alpha={_alpha(first)}")
+        raise ValueError(
+            f"{folder}: adapter r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
+            f"LoRA has r={rank}, alpha={_alpha(first)}"
+        )
     tensors = load_file(str(folder / ADAPTER_WEIGHTS))
     plan = []
     for m, prefix, rows in _peft_modules(model, sd_adapter):
@@ -375,8 +453,10 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
         if a is None or b_hf is None:
             raise ValueError(f"{folder}: no lora_A / lora_B for {prefix}")
         if tuple(a.shape) != tuple(m.lora_a.weight.shape) or tuple(b_hf.shape) != tuple(m.lora_b.weight.shape):
-            raise ValueError(f"{folder}: {prefix} has shapes {tuple(a.shape)}, {tuple(b_hf.shape)}; the model expects "
-                             f"{tuple(m.lora_a.weight.shape)}, {tuple(m.lora_b.weight.shape)}")
+            raise ValueError(
+                f"{folder}: {prefix} has shapes {tuple(a.shape)}, {tuple(b_hf.shape)}; the model expects "
+                f"{tuple(m.lora_a.weight.shape)}, {tuple(m.lora_b.weight.shape)}"
+            )
         b = torch.empty_like(b_hf)
         b[rows] = b_hf
         plan.append((m, a, b))

@@ -13,6 +13,7 @@ The RL inputs (advantages, sampler log-probs ``q``) are not labels, so the train
 :meth:`RLLoss.set_rl_inputs` right before each step; the loss keeps the training forward's log-probs and the flags in
 :attr:`RLLoss.last`. Formulas: :mod:`shared_numerics.losses`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,8 +21,14 @@ from dataclasses import dataclass, field
 import torch
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 
-from shared_numerics.losses import (NORMALIZATIONS, CorrectionConfig, LossBatch, apply_corrections, grpo_advantages,
-                                    normalize_loss)
+from shared_numerics.losses import (
+    NORMALIZATIONS,
+    CorrectionConfig,
+    LossBatch,
+    apply_corrections,
+    grpo_advantages,
+    normalize_loss,
+)
 from zerokld_plugins import get_loss, resolve
 
 from .logprobs import logprob_scorer
@@ -64,8 +71,13 @@ class RLLoss(BaseLoss):
         Without it, unfused log-probs are the TP 1 definition."""
         self.lm_head = lm_head
 
-    def set_rl_inputs(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor | None,
-                      ref_logprobs: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+    def set_rl_inputs(
+        self,
+        advantages: torch.Tensor,
+        sampler_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> None:
         """Advantages and sampler log-probs for the next step, both ``[B, T]`` aligned with the labels.
 
         ``sampler_logprobs=None`` means on-policy (``q = stop_gradient(l)``, ratio 1). ``ref_logprobs`` ``[B, T]``:
@@ -102,9 +114,15 @@ class RLLoss(BaseLoss):
         kept = None if global_valid_tokens is None else global_valid_tokens - int((~keep).sum())  # masked tokens
         loss = normalize_loss(tok_loss.sum(), self.config.normalization, kept, self.config.normalizer)
         zeros = torch.zeros_like(weighted)
-        self.last = {"train_logprobs": logp.detach(), "mask": mask, "weighted": weighted, "kept": int(keep.sum()),
-                     "token_losses": tok_loss.detach(),
-                     "clipped": flags.get("clipped", zeros) & weighted,
-                     "grad_zeroed": flags.get("grad_zeroed", zeros) & weighted, "loss": loss.detach()}
+        self.last = {
+            "train_logprobs": logp.detach(),
+            "mask": mask,
+            "weighted": weighted,
+            "kept": int(keep.sum()),
+            "token_losses": tok_loss.detach(),
+            "clipped": flags.get("clipped", zeros) & weighted,
+            "grad_zeroed": flags.get("grad_zeroed", zeros) & weighted,
+            "loss": loss.detach(),
+        }
         self._adv = self._sampler_logp = self._ref_logp = self._weights = None
         return loss, {}

@@ -8,6 +8,7 @@ builders (``make_gqa_config``, ``make_ffn_config``, the router/experts builders)
 architecture's ``StateDictAdapter.from_hf`` (e.g. ``torchtitan/models/{qwen3,llama3}/state_dict_adapter.py``),
 exactly as TorchTitan's ``--checkpoint.initial_load_in_hf`` does, and come back out through ``to_hf``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,18 @@ from zerokld_models.checkpoint import read_tensors
 
 from .overrides import apply_zerokld_overrides, set_mla, set_tp_k_block
 
-__all__ = ["architecture_config", "build_titan_model", "complex_rope", "cos_sin_rope", "decoder_config",
-           "hf_state_dict", "load_hf_weights", "mla_config", "state_dict_adapter_class", "titan_model_config"]
+__all__ = [
+    "architecture_config",
+    "build_titan_model",
+    "complex_rope",
+    "cos_sin_rope",
+    "decoder_config",
+    "hf_state_dict",
+    "load_hf_weights",
+    "mla_config",
+    "state_dict_adapter_class",
+    "titan_model_config",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INIT = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
@@ -41,36 +52,63 @@ def complex_rope(cfg: ModelConfig) -> ComplexRoPE.Config:
     """TorchTitan's interleaved RoPE (llama3), with ``scaling="llama"`` and the checkpoint's factors when it has
     Llama 3.x scaling."""
     sc = cfg.rope_scaling
-    extra = {} if sc is None else dict(scaling="llama", scaling_factor=sc.factor, low_freq_factor=sc.low_freq_factor,
-                                       high_freq_factor=sc.high_freq_factor,
-                                       original_max_position_embeddings=sc.original_max_position_embeddings)
-    return ComplexRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta,
-                              **({"scaling": "none"} | extra))
+    extra = (
+        {}
+        if sc is None
+        else dict(
+            scaling="llama",
+            scaling_factor=sc.factor,
+            low_freq_factor=sc.low_freq_factor,
+            high_freq_factor=sc.high_freq_factor,
+            original_max_position_embeddings=sc.original_max_position_embeddings,
+        )
+    )
+    return ComplexRoPE.Config(
+        dim=cfg.head_dim, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta, **({"scaling": "none"} | extra)
+    )
 
 
 def _moe_config(cfg: ModelConfig):
     """TorchTitan ``MoE.Config`` for a Qwen3-MoE layer (softmax router, ``route_norm = norm_topk_prob``, no shared
     expert), built as ``torchtitan.models.qwen3._build_qwen3_moe_layers`` does."""
-    from torchtitan.models.common.config_utils import (make_moe_config, make_routed_experts_config,
-                                                        make_router_config)
+    from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
 
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
     return make_moe_config(
         num_experts=e,
-        router=make_router_config(dim=cfg.hidden_size, num_experts=e, gate_param_init=_INIT, top_k=k,
-                                  score_func="softmax", route_norm=cfg.norm_topk_prob),
-        routed_experts=make_routed_experts_config(dim=cfg.hidden_size, hidden_dim=cfg.moe_intermediate_size,
-                                                  num_experts=e, top_k=k, param_init=experts_init,
-                                                  comm_backend="standard"),
+        router=make_router_config(
+            dim=cfg.hidden_size,
+            num_experts=e,
+            gate_param_init=_INIT,
+            top_k=k,
+            score_func="softmax",
+            route_norm=cfg.norm_topk_prob,
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=cfg.hidden_size,
+            hidden_dim=cfg.moe_intermediate_size,
+            num_experts=e,
+            top_k=k,
+            param_init=experts_init,
+            comm_backend="standard",
+        ),
     )
 
 
 _SAME = object()
 
 
-def decoder_config(cfg: ModelConfig, model_cls, block_cls, rope, qk_norm: bool, qkv_bias: bool = False,
-                   moe: bool = False, head_dim=_SAME):
+def decoder_config(
+    cfg: ModelConfig,
+    model_cls,
+    block_cls,
+    rope,
+    qk_norm: bool,
+    qkv_bias: bool = False,
+    moe: bool = False,
+    head_dim=_SAME,
+):
     """A TorchTitan decoder config (stock components) of ``model_cls`` / ``block_cls`` for ``cfg``.
 
     Args:
@@ -78,28 +116,45 @@ def decoder_config(cfg: ModelConfig, model_cls, block_cls, rope, qk_norm: bool, 
         qk_norm: per-head RMSNorm of q and k; qkv_bias: biased wq/wk/wv; moe: an MoE block in every layer.
         head_dim: what ``make_gqa_config`` gets (default ``cfg.head_dim``; llama3 passes ``None``: derived).
     """
+
     def norm(n: int) -> RMSNorm.Config:
         return RMSNorm.Config(normalized_shape=n, eps=cfg.rms_norm_eps, param_init=_ONES)
 
     layers = []
     for _ in range(cfg.num_hidden_layers):
         attention = make_gqa_config(
-            dim=cfg.hidden_size, n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim if head_dim is _SAME else head_dim, wqkv_param_init=_INIT, wo_param_init=_INIT,
-            inner_attention=get_attention_config("flex"), fuse_qkv=False, rope=rope,
-            qk_norm=norm(cfg.head_dim) if qk_norm else None)
+            dim=cfg.hidden_size,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim if head_dim is _SAME else head_dim,
+            wqkv_param_init=_INIT,
+            wo_param_init=_INIT,
+            inner_attention=get_attention_config("flex"),
+            fuse_qkv=False,
+            rope=rope,
+            qk_norm=norm(cfg.head_dim) if qk_norm else None,
+        )
         if qkv_bias:
             attention.qkv_linear.wq.bias = attention.qkv_linear.wkv.bias = True
-        layers.append(block_cls.Config(
-            attention_norm=norm(cfg.hidden_size), ffn_norm=norm(cfg.hidden_size), attention=attention,
-            feed_forward=None if moe else make_ffn_config(dim=cfg.hidden_size, hidden_dim=cfg.intermediate_size,
-                                                          w1_param_init=_INIT, w2w3_param_init=_INIT),
-            moe=_moe_config(cfg) if moe else None))
+        layers.append(
+            block_cls.Config(
+                attention_norm=norm(cfg.hidden_size),
+                ffn_norm=norm(cfg.hidden_size),
+                attention=attention,
+                feed_forward=None
+                if moe
+                else make_ffn_config(
+                    dim=cfg.hidden_size, hidden_dim=cfg.intermediate_size, w1_param_init=_INIT, w2w3_param_init=_INIT
+                ),
+                moe=_moe_config(cfg) if moe else None,
+            )
+        )
     return model_cls.Config(
-        dim=cfg.hidden_size, vocab_size=cfg.vocab_size, norm=norm(cfg.hidden_size),
+        dim=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        norm=norm(cfg.hidden_size),
         enable_weight_tying=cfg.tie_word_embeddings,
-        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size,
-                                        param_init=_INIT),
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size, param_init=_INIT),
         lm_head=Linear.Config(in_features=cfg.hidden_size, out_features=cfg.vocab_size, param_init=_INIT),
         layers=layers,
     )
@@ -119,13 +174,22 @@ def architecture_config(adapter, cfg: ModelConfig):
     if adapter.attention == "mla":
         return mla_config(cfg)
     if adapter.derived_head_dim and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-        raise ValueError(f"TorchTitan's {adapter.titan_model.rpartition(':')[2]} derives the head size: it needs "
-                         f"head_dim * num_attention_heads == hidden_size, got {cfg.head_dim} * "
-                         f"{cfg.num_attention_heads} != {cfg.hidden_size}")
+        raise ValueError(
+            f"TorchTitan's {adapter.titan_model.rpartition(':')[2]} derives the head size: it needs "
+            f"head_dim * num_attention_heads == hidden_size, got {cfg.head_dim} * "
+            f"{cfg.num_attention_heads} != {cfg.hidden_size}"
+        )
     rope = complex_rope(cfg) if adapter.rope == "complex" else cos_sin_rope(cfg)
-    return decoder_config(cfg, resolve(adapter.titan_model), resolve(adapter.titan_block), rope,
-                          qk_norm=adapter.qk_norm, qkv_bias=adapter.qkv_bias, moe=adapter.moe,
-                          head_dim=None if adapter.derived_head_dim else _SAME)
+    return decoder_config(
+        cfg,
+        resolve(adapter.titan_model),
+        resolve(adapter.titan_block),
+        rope,
+        qk_norm=adapter.qk_norm,
+        qkv_bias=adapter.qkv_bias,
+        moe=adapter.moe,
+        head_dim=None if adapter.derived_head_dim else _SAME,
+    )
 
 
 def mla_config(cfg: ModelConfig):
@@ -138,25 +202,57 @@ def mla_config(cfg: ModelConfig):
     import dataclasses
 
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
+
     from shared_numerics.rope import YarnScaling
 
     yarn = cfg.rope_scaling if isinstance(cfg.rope_scaling, YarnScaling) else None
-    rope = ComplexRoPE.Config(dim=cfg.qk_rope_head_dim, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta,
-                              **({"scaling": "none"} if yarn is None else dict(
-                                  scaling="yarn", rope_factor=yarn.factor, beta_fast=yarn.beta_fast,
-                                  beta_slow=yarn.beta_slow, original_seq_len=yarn.original_max_position_embeddings)))
+    rope = ComplexRoPE.Config(
+        dim=cfg.qk_rope_head_dim,
+        max_seq_len=cfg.max_position_embeddings,
+        theta=cfg.rope_theta,
+        **(
+            {"scaling": "none"}
+            if yarn is None
+            else dict(
+                scaling="yarn",
+                rope_factor=yarn.factor,
+                beta_fast=yarn.beta_fast,
+                beta_slow=yarn.beta_slow,
+                original_seq_len=yarn.original_max_position_embeddings,
+            )
+        ),
+    )
     experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
     layers = build_mla_moe_layers(
-        n_layers=cfg.num_hidden_layers, n_dense_layers=cfg.first_k_dense_replace, dim=cfg.hidden_size,
-        n_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        mscale=(yarn.mscale_all_dim or 1.0) if yarn is not None else 1.0, dense_hidden_dim=cfg.intermediate_size,
-        moe_hidden_dim=cfg.moe_intermediate_size, num_experts=cfg.num_experts, num_shared_experts=cfg.n_shared_experts,
-        router_top_k=cfg.num_experts_per_tok, router_score_func=cfg.scoring_func, router_num_expert_groups=cfg.n_group,
-        router_num_limited_groups=cfg.topk_group, router_route_scale=cfg.routed_scaling_factor,
-        router_route_norm=cfg.norm_topk_prob, attn_backend="flex", moe_comm_backend="standard",
-        non_blocking_capacity_factor=None, linear_init=_INIT, norm_init=_ONES, depth_init=lambda i: _INIT,
-        depth_experts_init=lambda i: experts_init, rope=rope)
+        n_layers=cfg.num_hidden_layers,
+        n_dense_layers=cfg.first_k_dense_replace,
+        dim=cfg.hidden_size,
+        n_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank or 0,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        mscale=(yarn.mscale_all_dim or 1.0) if yarn is not None else 1.0,
+        dense_hidden_dim=cfg.intermediate_size,
+        moe_hidden_dim=cfg.moe_intermediate_size,
+        num_experts=cfg.num_experts,
+        num_shared_experts=cfg.n_shared_experts,
+        router_top_k=cfg.num_experts_per_tok,
+        router_score_func=cfg.scoring_func,
+        router_num_expert_groups=cfg.n_group,
+        router_num_limited_groups=cfg.topk_group,
+        router_route_scale=cfg.routed_scaling_factor,
+        router_route_norm=cfg.norm_topk_prob,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        linear_init=_INIT,
+        norm_init=_ONES,
+        depth_init=lambda i: _INIT,
+        depth_experts_init=lambda i: experts_init,
+        rope=rope,
+    )
 
     if cfg.scoring_func != "sigmoid":  # DeepSeek-V2: no selection bias (TorchTitan's load-balancing bias) at all
         for layer in layers:
@@ -174,25 +270,27 @@ def mla_config(cfg: ModelConfig):
                 eps(x)
 
     model_cfg = DeepSeekV3Model.Config(
-        dim=cfg.hidden_size, vocab_size=cfg.vocab_size, norm=RMSNorm.Config(normalized_shape=cfg.hidden_size,
-                                                                            param_init=_ONES),
-        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size,
-                                        param_init=_INIT),
+        dim=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        norm=RMSNorm.Config(normalized_shape=cfg.hidden_size, param_init=_ONES),
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size, param_init=_INIT),
         lm_head=Linear.Config(in_features=cfg.hidden_size, out_features=cfg.vocab_size, param_init=_INIT),
-        layers=layers, mtp_layers=[])
+        layers=layers,
+        mtp_layers=[],
+    )
     eps(model_cfg)
     return model_cfg
 
 
-def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings = ZeroKLDSettings()):
+def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None):
     """TorchTitan model config for a checkpoint's :class:`zerokld_models.ModelConfig`, built from its architecture's
     declaration (:func:`architecture_config`), under the trainer's settings.
 
     Args:
         cfg: from :func:`zerokld_models.read_model_config`.
-        settings: :class:`shared_numerics.settings.ZeroKLDSettings`: ``batch_invariant`` applies the
-            :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, with TorchTitan's SDPA inner
-            attention where its default is flex attention, which has no CPU path); ``fp8``: FP8 QAT granularity;
+        settings: :class:`shared_numerics.settings.ZeroKLDSettings` (default: its defaults): ``batch_invariant``
+            applies the :mod:`titan_plugin.overrides` (otherwise stock TorchTitan components, with TorchTitan's SDPA
+            inner attention where its default is flex attention, which has no CPU path); ``fp8``: FP8 QAT granularity;
             ``tp_k_block``: the fixed K-block of the TP-size-invariant row-parallel sum
             (:func:`titan_plugin.overrides.set_tp_k_block`).
 
@@ -202,6 +300,7 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings = ZeroKLDSett
             ...); ValueError: a quantized checkpoint (train from the high-precision one; export with
             :func:`titan_plugin.export_fp8_checkpoint`); ``tp_k_block`` with FP8.
     """
+    settings = ZeroKLDSettings() if settings is None else settings
     if cfg.quant_method:
         raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized ({cfg.quant_method})")
     adapter = adapter_for(cfg)
@@ -238,7 +337,7 @@ def _lora_key(name: str) -> bool:
     return ".lora_a." in name or ".lora_b." in name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _state_dict_adapter(stock: str, extra_hf_names: tuple[tuple[str, str], ...]):
     from zerokld_plugins import resolve
 
@@ -252,8 +351,16 @@ def _state_dict_adapter(stock: str, extra_hf_names: tuple[tuple[str, str], ...])
         return base.to_hf(self, {k: v for k, v in state_dict.items() if not _lora_key(k)})
 
     extra = f" plus {[h for h, _ in extra_hf_names]}" if extra_hf_names else ""
-    return type(base.__name__, (base,), {"__init__": __init__, "to_hf": to_hf, "__module__": __name__,
-                                         "__doc__": f"{base.__name__}{extra}, LoRA adapters left out of to_hf"})
+    return type(
+        base.__name__,
+        (base,),
+        {
+            "__init__": __init__,
+            "to_hf": to_hf,
+            "__module__": __name__,
+            "__doc__": f"{base.__name__}{extra}, LoRA adapters left out of to_hf",
+        },
+    )
 
 
 def _adapter(model_cfg, cfg: ModelConfig, checkpoint_dir: str | Path | None):
@@ -283,8 +390,11 @@ def hf_state_dict(model: torch.nn.Module, model_cfg, cfg: ModelConfig) -> dict[s
     model's base weights (its adapters: :func:`titan_plugin.lora.peft_adapter_state_dict`)."""
     from torch.distributed.tensor import DTensor
 
-    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
-          if not _lora_key(k)}  # LoRA adapters: titan_plugin.lora.save_peft_adapter
+    sd = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+        if not _lora_key(k)
+    }  # LoRA adapters: titan_plugin.lora.save_peft_adapter
     if model_cfg.enable_weight_tying:
         sd.pop("lm_head.weight", None)
     out = _adapter(model_cfg, cfg, None).to_hf(sd)
@@ -293,8 +403,13 @@ def hf_state_dict(model: torch.nn.Module, model_cfg, cfg: ModelConfig) -> dict[s
     return out
 
 
-def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_invariant: bool = True,
-                      fp8: str | None = None, tp_k_block: int | None = None):
+def build_titan_model(
+    checkpoint_dir: str | Path,
+    dtype: str = "float32",
+    batch_invariant: bool = True,
+    fp8: str | None = None,
+    tp_k_block: int | None = None,
+):
     """Build TorchTitan's model for an HF checkpoint directory and load its weights.
 
     Args:
@@ -314,8 +429,9 @@ def build_titan_model(checkpoint_dir: str | Path, dtype: str = "float32", batch_
 
     apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat)
     cfg = read_model_config(checkpoint_dir)
-    settings = ZeroKLDSettings.parse(dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
-                                     "build_titan_model settings")
+    settings = ZeroKLDSettings.parse(
+        dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block), "build_titan_model settings"
+    )
     model_cfg = titan_model_config(cfg, settings)
     with torch.device("cpu"):
         model = model_cfg.build()

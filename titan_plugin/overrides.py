@@ -39,6 +39,7 @@ TorchTitan component   zerokld replacement
 Backward passes are autograd through these plain torch ops: deterministic on CPU (no atomics, fixed shapes).
 Source: ``torchtitan/config/override.py`` (the override mechanism), ``torchtitan/models/common/*`` (the components).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,14 @@ import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.linear import linear as torch_backend_linear  # the module; the package's `linear` dispatches
 from shared_numerics.rope import RopeScaling
 
-__all__ = ["OVERRIDE_IMPORTS", "ZeroKLDMLAAttention", "ZeroKLDRowParallelLinear", "apply_zerokld_overrides", "set_mla",
-           "set_tp_k_block"]
+__all__ = [
+    "OVERRIDE_IMPORTS",
+    "ZeroKLDMLAAttention",
+    "ZeroKLDRowParallelLinear",
+    "apply_zerokld_overrides",
+    "set_mla",
+    "set_tp_k_block",
+]
 
 
 def grad_chains(module: torch.nn.Module) -> dict | None:
@@ -85,8 +92,9 @@ class ZeroKLDLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chains = grad_chains(self)
         if chains is not None:
-            return torch_backend_linear(x, self.weight, self.bias, weight_chain=chains["weight"],
-                                    bias_chain=chains.get("bias"))
+            return torch_backend_linear(
+                x, self.weight, self.bias, weight_chain=chains["weight"], bias_chain=chains.get("bias")
+            )
         if _is_dtensor(self.weight):  # TorchTitan tensor parallelism: compute on the local shard
             from .tensor_parallel import column_parallel_dtensor
 
@@ -224,8 +232,9 @@ class ZeroKLDLMHead(ZeroKLDLinear):
             raise NotImplementedError("fused log-probs under tensor parallelism need tp_k_block")
         chains = grad_chains(self)
         if chains is not None:
-            return sn_fused.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk,
-                                                    weight_chain=chains["weight"])
+            return sn_fused.fused_selected_logprobs(
+                x, self.weight, targets, self.fused_chunk, weight_chain=chains["weight"]
+            )
         return sn.fused_selected_logprobs(x, self.weight, targets, self.fused_chunk)
 
 
@@ -270,8 +279,9 @@ def _rope_forward(cfg, query, key, positions, interleaved: bool):
     b, seqlen, _, d = query.shape
     scaling = None
     if cfg.scaling == "llama":
-        scaling = RopeScaling(cfg.scaling_factor, cfg.low_freq_factor, cfg.high_freq_factor,
-                              cfg.original_max_position_embeddings)
+        scaling = RopeScaling(
+            cfg.scaling_factor, cfg.low_freq_factor, cfg.high_freq_factor, cfg.original_max_position_embeddings
+        )
     elif cfg.scaling not in (None, "none", "") and not (cfg.scaling == "yarn" and cfg.rope_factor <= 1.0):
         raise NotImplementedError(f"zerokld RoPE supports unscaled and Llama 3.x RoPE, got scaling={cfg.scaling!r}")
     if positions is None:
@@ -324,13 +334,16 @@ class ZeroKLDAttention(Module):
     def __init__(self, config: Config):
         super().__init__()
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
-                is_causal=True, **kwargs):
+    def forward(
+        self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs
+    ):
         if attention_masks is not None:
-            raise NotImplementedError("zerokld attention runs one causal sequence per row; document masks "
-                                      "(packed sequences) are not supported")
+            raise NotImplementedError(
+                "zerokld attention runs one causal sequence per row; document masks "
+                "(packed sequences) are not supported"
+            )
         d = q_BLNH.shape[-1]
-        return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale if scale is not None else d ** -0.5)
+        return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale if scale is not None else d**-0.5)
 
 
 class ZeroKLDMLAAttention(DeepSeekMLAAttention):
@@ -353,8 +366,10 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
 
     def forward(self, x: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None) -> torch.Tensor:
         if attention_masks is not None:
-            raise NotImplementedError("zerokld attention runs one causal sequence per row; document masks "
-                                      "(packed sequences) are not supported")
+            raise NotImplementedError(
+                "zerokld attention runs one causal sequence per row; document masks "
+                "(packed sequences) are not supported"
+            )
         c = self.zerokld
         b, seq, d = x.shape
         pos = torch.arange(seq, device=x.device).repeat(b) if positions is None else positions.reshape(-1)
@@ -376,9 +391,14 @@ def set_mla(model_cfg, cfg) -> None:
     from zerokld_models import mla_dims, mla_softmax_scale
 
     for layer in model_cfg.layers:
-        layer.attention = derive(layer.attention, ZeroKLDMLAAttention.Config, dims=mla_dims(cfg),
-                                 rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                                 scale=mla_softmax_scale(cfg))
+        layer.attention = derive(
+            layer.attention,
+            ZeroKLDMLAAttention.Config,
+            dims=mla_dims(cfg),
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            scale=mla_softmax_scale(cfg),
+        )
 
 
 class ZeroKLDMoE(_FixedTreeOutput, MoE):
@@ -406,8 +426,10 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         if self.deepseek and (config.shared_experts is None or r.num_expert_groups is None):
             raise NotImplementedError("zerokld DeepSeekMoE needs expert groups and shared experts")
         if not self.deepseek and (r.score_func != "softmax" or r.route_scale != 1.0):
-            raise NotImplementedError("zerokld MoE implements Qwen3-MoE routing (softmax scores, no expert groups, "
-                                      "route_scale 1, no shared experts) and DeepSeekMoE")
+            raise NotImplementedError(
+                "zerokld MoE implements Qwen3-MoE routing (softmax scores, no expert groups, "
+                "route_scale 1, no shared experts) and DeepSeekMoE"
+            )
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
         #: the EP size of the latest forward (1: every expert on this rank; titan_plugin.expert_parallel)
@@ -420,22 +442,46 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
         if self.deepseek:
             if _is_dtensor(ex.w1_EFD) or grad_chains(self) is not None or self.k_block:
-                raise NotImplementedError("zerokld DeepSeekMoE: tensor and expert parallelism, exact accumulation "
-                                          "and tp_k_block are not implemented yet")
+                raise NotImplementedError(
+                    "zerokld DeepSeekMoE: tensor and expert parallelism, exact accumulation "
+                    "and tp_k_block are not implemented yet"
+                )
             r = self.router
             # the shared experts are the module (its w1/w2/w3: zerokld linears, FP8 QAT ones under FP8)
             out, ids = sn_moe.deepseek_moe_forward(
-                x_BLD.reshape(b * seq, d), r.gate.weight, self.expert_bias_E, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF,
-                self.shared_experts, k, r.num_expert_groups, r.num_limited_groups, r.route_norm, r.route_scale,
-                expert_ids=replay, scoring=r.score_func, fp8=self.fp8)
+                x_BLD.reshape(b * seq, d),
+                r.gate.weight,
+                self.expert_bias_E,
+                ex.w1_EFD,
+                ex.w3_EFD,
+                ex.w2_EDF,
+                self.shared_experts,
+                k,
+                r.num_expert_groups,
+                r.num_limited_groups,
+                r.route_norm,
+                r.route_scale,
+                expert_ids=replay,
+                scoring=r.score_func,
+                fp8=self.fp8,
+            )
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
 
             if self.k_block or grad_chains(self) is not None:
                 raise NotImplementedError("zerokld expert parallelism with tp_k_block or exact accumulation")
 
-            out, ids = moe_expert_parallel(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
-                                           self.router.route_norm, replay, self.fp8)
+            out, ids = moe_expert_parallel(
+                x_BLD,
+                self.router.gate.weight,
+                ex.w1_EFD,
+                ex.w3_EFD,
+                ex.w2_EDF,
+                k,
+                self.router.route_norm,
+                replay,
+                self.fp8,
+            )
             self.expert_parallel_size = ex.w1_EFD.device_mesh.size()
         elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
             from .tensor_parallel import moe_dtensor
@@ -443,16 +489,39 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             if self.fp8:
                 raise NotImplementedError("zerokld FP8 experts under tensor parallelism (FP8 is single-rank)")
 
-            out, ids = moe_dtensor(x_BLD, self.router.gate.weight, ex.w1_EFD, ex.w3_EFD, ex.w2_EDF, k,
-                                   self.router.route_norm, replay, self.k_block)
+            out, ids = moe_dtensor(
+                x_BLD,
+                self.router.gate.weight,
+                ex.w1_EFD,
+                ex.w3_EFD,
+                ex.w2_EDF,
+                k,
+                self.router.route_norm,
+                replay,
+                self.k_block,
+            )
         else:
             chains = grad_chains(self)  # exact accumulation: the experts' chains here, the router's on its gate
             if chains is not None:
-                chains = {"router": grad_chains(self.router.gate)["weight"], "w_gate": chains["w1_EFD"],
-                          "w_up": chains["w3_EFD"], "w_down": chains["w2_EDF"]}
-            out, ids = sn_moe.moe_forward(x_BLD.reshape(b * seq, d), self.router.gate.weight, ex.w1_EFD, ex.w3_EFD,
-                                          ex.w2_EDF, k, self.router.route_norm, replay, k_block=self.k_block,
-                                          chains=chains, fp8=self.fp8)
+                chains = {
+                    "router": grad_chains(self.router.gate)["weight"],
+                    "w_gate": chains["w1_EFD"],
+                    "w_up": chains["w3_EFD"],
+                    "w_down": chains["w2_EDF"],
+                }
+            out, ids = sn_moe.moe_forward(
+                x_BLD.reshape(b * seq, d),
+                self.router.gate.weight,
+                ex.w1_EFD,
+                ex.w3_EFD,
+                ex.w2_EDF,
+                k,
+                self.router.route_norm,
+                replay,
+                k_block=self.k_block,
+                chains=chains,
+                fp8=self.fp8,
+            )
         self.last_ids = ids.detach().view(b, seq, k)
         if self.training:  # feeds TorchTitan's load-balancing hook, as MoE.forward does
             with torch.no_grad():
@@ -540,8 +609,18 @@ def zerokld_fp8_block_linear(cfg: ZeroKLDLinear.Config) -> ZeroKLDFp8Linear.Conf
 OVERRIDE_PASSES = [
     [f"{__name__}.zerokld_moe"],
     [f"{__name__}.zerokld_feed_forward", f"{__name__}.zerokld_lm_head"],
-    [f"{__name__}.{fn.__name__}" for fn in (zerokld_linear, zerokld_rmsnorm, zerokld_embedding, zerokld_cos_sin_rope,
-                                            zerokld_complex_rope, zerokld_flex_attention, zerokld_sdpa_attention)],
+    [
+        f"{__name__}.{fn.__name__}"
+        for fn in (
+            zerokld_linear,
+            zerokld_rmsnorm,
+            zerokld_embedding,
+            zerokld_cos_sin_rope,
+            zerokld_complex_rope,
+            zerokld_flex_attention,
+            zerokld_sdpa_attention,
+        )
+    ],
 ]
 OVERRIDE_IMPORTS = [name for names in OVERRIDE_PASSES for name in names]
 # FP8 QAT: a fourth pass turns every decoder linear (exactly ZeroKLDLinear: not the lm_head) into ZeroKLDFp8Linear
@@ -571,8 +650,9 @@ def set_tp_k_block(model_cfg, k_block: int) -> None:
                 continue
             cfg = getattr(owner, name)
             if type(cfg) is not ZeroKLDLinear.Config:
-                raise ValueError(f"tp_k_block: layer {i} {name} is {type(cfg).__qualname__} (FP8 or LoRA), not the "
-                                 "zerokld linear")
+                raise ValueError(
+                    f"tp_k_block: layer {i} {name} is {type(cfg).__qualname__} (FP8 or LoRA), not the zerokld linear"
+                )
             setattr(owner, name, derive(cfg, ZeroKLDRowParallelLinear.Config, k_block=int(k_block)))
 
 

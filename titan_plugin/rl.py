@@ -6,6 +6,7 @@ only the data path: rollouts are queued into :class:`RolloutQueue` (a TorchTitan
 go to :class:`titan_plugin.losses.RLLoss`. :func:`rl_trainer_config` builds the ``Trainer.Config`` for an HF
 checkpoint (source of the config layout: ``torchtitan/models/qwen3/config_registry.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,12 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.protocols.model_spec import ModelSpec
@@ -29,7 +29,8 @@ from torchtitan.trainer import Trainer
 
 from shared_numerics.losses import CorrectionConfig, normalize_loss
 from shared_numerics.mode import NumericsMode
-from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX, RolloutBatch
+from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX
+from shared_numerics.rollout import RolloutBatch
 from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, read_model_config
 from zerokld_plugins.errors import ZeroKLDClientError
@@ -37,19 +38,25 @@ from zerokld_plugins.errors import ZeroKLDClientError
 from . import cpu_compat
 from .exact_accumulation import ExactAccumulation, unsupported_reason
 from .logprobs import sequence_logprobs
-from .lora import (ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter,
-                   save_peft_adapter)
+from .lora import ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter, save_peft_adapter
 from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
 from .routing import pack_routes, replay_routes
 
-__all__ = ["FLOAT32_TENSORS", "NonFiniteGradientError", "RLTrainer", "RolloutQueue", "numerics_mode",
-           "rl_trainer_config"]
+__all__ = [
+    "FLOAT32_TENSORS",
+    "NonFiniteGradientError",
+    "RLTrainer",
+    "RolloutQueue",
+    "numerics_mode",
+    "rl_trainer_config",
+]
 
 
 class NonFiniteGradientError(ZeroKLDClientError, ValueError):
     """:meth:`RLTrainer.optim_step` refused a step whose gradients are not finite (NaN / inf: inputs that overflow
     the model's dtype); the gradients were discarded and the weights are as before."""
+
 
 assert ROLLOUT_IGNORE_INDEX == IGNORE_INDEX, "RolloutBatch.pack labels must use TorchTitan's IGNORE_INDEX"
 
@@ -102,9 +109,15 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
     if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
         # TorchTitan's auxiliary-loss-free load balancing updates expert_bias_E; ZeroKLDMoE never routes by it
         from torchtitan.components.optimizer import register_moe_load_balancing_hook as post_optimizer
-    return ModelSpec(name=cfg.architecture, flavor="hf", model=model_cfg,
-                     parallelize_fn=parallelize, pipelining_fn=None,
-                     post_optimizer_build_fn=post_optimizer, state_dict_adapter=state_dict_adapter_class(cfg))
+    return ModelSpec(
+        name=cfg.architecture,
+        flavor="hf",
+        model=model_cfg,
+        parallelize_fn=parallelize,
+        pipelining_fn=None,
+        post_optimizer_build_fn=post_optimizer,
+        state_dict_adapter=state_dict_adapter_class(cfg),
+    )
 
 
 def _apply_lora(model_cfg, lora, batch_invariant: bool, mla: bool):
@@ -112,8 +125,10 @@ def _apply_lora(model_cfg, lora, batch_invariant: bool, mla: bool):
     experts are not adapted), or (stock numerics, dense models only) TorchTitan's own with the same rank, alpha and
     targets. MoE models: DeepSeek's (MLA, dense first layers) only, with zerokld numerics."""
     if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers) and not (mla and batch_invariant):
-        raise NotImplementedError("zerokld LoRA on MoE models adapts DeepSeek's MLA projections and dense layers "
-                                  "(zerokld numerics); MoE experts are not adapted")
+        raise NotImplementedError(
+            "zerokld LoRA on MoE models adapts DeepSeek's MLA projections and dense layers "
+            "(zerokld numerics); MoE experts are not adapted"
+        )
     if batch_invariant:
         return lora.build().convert(model_cfg)
     from torchtitan.components.lora import LoRAConverter
@@ -122,13 +137,25 @@ def _apply_lora(model_cfg, lora, batch_invariant: bool, mla: bool):
     return stock.build().convert(model_cfg)
 
 
-def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float32", lr: float = 1e-4,
-                      steps: int = 1000, batch_invariant: bool = True, loss_fn: str = "ppo",
-                      loss_fn_config: dict | None = None, max_norm: float = 1.0, fused: bool = False,
-                      fp8: str | None = None, corrections: dict | None = None,
-                      lora: "ZeroKLDLoRAConverter.Config | None" = None, tp_k_block: int | None = None,
-                      tensor_parallel_degree: int = 1, cpu_offload: bool = False,
-                      expert_parallel_degree: int = 1) -> "RLTrainer.Config":
+def rl_trainer_config(
+    checkpoint_dir: str,
+    dump_folder: str,
+    dtype: str = "float32",
+    lr: float = 1e-4,
+    steps: int = 1000,
+    batch_invariant: bool = True,
+    loss_fn: str = "ppo",
+    loss_fn_config: dict | None = None,
+    max_norm: float = 1.0,
+    fused: bool = False,
+    fp8: str | None = None,
+    corrections: dict | None = None,
+    lora: ZeroKLDLoRAConverter.Config | None = None,
+    tp_k_block: int | None = None,
+    tensor_parallel_degree: int = 1,
+    cpu_offload: bool = False,
+    expert_parallel_degree: int = 1,
+) -> RLTrainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
     Args:
@@ -181,8 +208,9 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
     if tensor_parallel_degree > 1 and batch_invariant and tp_k_block is None:
         raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block")
-    settings = ZeroKLDSettings.parse(dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block),
-                                     "rl_trainer_config settings")
+    settings = ZeroKLDSettings.parse(
+        dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block), "rl_trainer_config settings"
+    )
     cfg = read_model_config(checkpoint_dir)
     if expert_parallel_degree > 1:
         _check_expert_parallel(cfg, expert_parallel_degree, batch_invariant)
@@ -193,26 +221,40 @@ def rl_trainer_config(checkpoint_dir: str, dump_folder: str, dtype: str = "float
         zerokld=settings,
         hf_assets_path=ckpt,
         dump_folder=dump_folder,
-        loss=RLLoss.Config(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused,
-                           corrections=dict(corrections or {})),
+        loss=RLLoss.Config(
+            loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}), fused=fused, corrections=dict(corrections or {})
+        ),
         dataloader=RolloutQueue.Config(),
         optimizer=default_adamw(lr=lr, weight_decay=0.0),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
-        training=TrainingConfig(local_batch_size=1, seq_len=cfg.max_position_embeddings, steps=steps,
-                                max_norm=max_norm, dtype="float32", mixed_precision_param=dtype,
-                                enable_cpu_offload=cpu_offload,
-                                # TorchTitan refuses its CPU-synchronising EP dispatcher config under CUDA graphs
-                                disable_cuda_graphs=expert_parallel_degree > 1),
+        training=TrainingConfig(
+            local_batch_size=1,
+            seq_len=cfg.max_position_embeddings,
+            steps=steps,
+            max_norm=max_norm,
+            dtype="float32",
+            mixed_precision_param=dtype,
+            enable_cpu_offload=cpu_offload,
+            # TorchTitan refuses its CPU-synchronising EP dispatcher config under CUDA graphs
+            disable_cuda_graphs=expert_parallel_degree > 1,
+        ),
         # TP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor on the
         # full mesh before FSDP, which its CPU path does not provide); TP 1 keeps TorchTitan's default
-        parallelism=ParallelismConfig(tensor_parallel_degree=tensor_parallel_degree,
-                                      expert_parallel_degree=expert_parallel_degree,
-                                      **({"spmd_backend": "partial_dtensor"}
-                                         if tensor_parallel_degree > 1 or expert_parallel_degree > 1 else {})),
-        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=ckpt,
-                                            initial_load_in_hf=True, initial_load_model_only=True, interval=10**9,
-                                            last_save_model_only=False),
+        parallelism=ParallelismConfig(
+            tensor_parallel_degree=tensor_parallel_degree,
+            expert_parallel_degree=expert_parallel_degree,
+            **({"spmd_backend": "partial_dtensor"} if tensor_parallel_degree > 1 or expert_parallel_degree > 1 else {}),
+        ),
+        checkpoint=CheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            initial_load_path=ckpt,
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
+            interval=10**9,
+            last_save_model_only=False,
+        ),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
     )
@@ -225,11 +267,13 @@ def _check_expert_parallel(cfg: ModelConfig, degree: int, batch_invariant: bool)
     if not cfg.num_experts:
         raise ValueError(f"expert_parallel_degree {degree}: {cfg.architecture} has no MoE experts")
     if cfg.num_experts % degree:
-        raise ValueError(f"expert_parallel_degree {degree}: {cfg.num_experts} experts do not split evenly over "
-                         f"{degree} ranks")
+        raise ValueError(
+            f"expert_parallel_degree {degree}: {cfg.num_experts} experts do not split evenly over {degree} ranks"
+        )
     if batch_invariant and adapter_for(cfg).attention == "mla":
-        raise NotImplementedError(f"zerokld expert parallelism on {cfg.architecture} (DeepSeekMoE) is not "
-                                  "implemented yet")
+        raise NotImplementedError(
+            f"zerokld expert parallelism on {cfg.architecture} (DeepSeekMoE) is not implemented yet"
+        )
 
 
 #: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
@@ -253,13 +297,14 @@ class RLTrainer(Trainer):
         "context_parallel_degree": "context parallelism (TorchTitan's patches SDPA; zerokld attention has no CP path)",
     }
 
-    def __init__(self, config: "RLTrainer.Config") -> None:
+    def __init__(self, config: RLTrainer.Config) -> None:
         """Raises:
-            NotImplementedError: a parallelism of :attr:`UNSUPPORTED_PARALLELISMS` above 1 with the zerokld numerics
-                (``config.zerokld.batch_invariant``); nothing was started."""
+        NotImplementedError: a parallelism of :attr:`UNSUPPORTED_PARALLELISMS` above 1 with the zerokld numerics
+            (``config.zerokld.batch_invariant``); nothing was started."""
         if config.zerokld.batch_invariant:
-            refused = [why for name, why in self.UNSUPPORTED_PARALLELISMS.items()
-                       if getattr(config.parallelism, name) > 1]
+            refused = [
+                why for name, why in self.UNSUPPORTED_PARALLELISMS.items() if getattr(config.parallelism, name) > 1
+            ]
             if refused:
                 raise NotImplementedError("zerokld trainer does not support yet: " + "; ".join(refused))
         cpu_compat.apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat): applied here, not on import
@@ -325,8 +370,9 @@ class RLTrainer(Trainer):
             self.exact_accumulation.reset()
         t_pack = time.perf_counter()
         tokens, labels, adv, q, weights = batch.pack()
-        self.loss_fn.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, batch.pack_ref(),
-                                   weights=weights)
+        self.loss_fn.set_rl_inputs(
+            adv, None if batch.sampler_logprobs is None else q, batch.pack_ref(), weights=weights
+        )
         self.dataloader.put({"input": tokens}, labels)
         self.step += 1
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
@@ -355,8 +401,13 @@ class RLTrainer(Trainer):
         self._check(batch)
         ctx = disable_adapter(self.model) if base_only else contextlib.nullcontext()
         with ctx:
-            return sequence_logprobs(self.model, batch.sequences, batch.prompt_lengths,
-                                     fused=self.config.loss.fused, routed_experts=batch.routed_experts)
+            return sequence_logprobs(
+                self.model,
+                batch.sequences,
+                batch.prompt_lengths,
+                fused=self.config.loss.fused,
+                routed_experts=batch.routed_experts,
+            )
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
         """An :class:`RLLoss` for this trainer (fused like the configured loss, the model's lm_head
@@ -365,8 +416,13 @@ class RLTrainer(Trainer):
         ``tis_cap``, ``mis_low``, ``mis_high``): they go to the loss's corrections."""
         config = dict(loss_fn_config or {})
         corrections = {k: config.pop(k) for k in CorrectionConfig.model_fields if k in config}
-        loss = RLLoss.Config(loss_fn=loss_fn, loss_fn_config=config, fused=self.config.loss.fused,
-                             normalization=normalization, corrections=corrections).build()
+        loss = RLLoss.Config(
+            loss_fn=loss_fn,
+            loss_fn_config=config,
+            fused=self.config.loss.fused,
+            normalization=normalization,
+            corrections=corrections,
+        ).build()
         loss.set_lm_head(self.model.lm_head)
         return loss
 
@@ -410,21 +466,29 @@ class RLTrainer(Trainer):
         configured, parts = self.loss_fn, []
         self.loss_fn = loss
         try:
-            for one in ([batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]):
+            for one in [batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]:
                 tokens, labels, adv, q, weights = one.pack()
                 ref = one.pack_ref()
                 if exact is not None:  # the chains' layout: a multiple of token_multiple positions per rollout
                     pad = -tokens.shape[1] % exact.token_multiple
                     tokens, labels, adv, q, ref, weights = (
                         None if t is None else torch.nn.functional.pad(t, (0, pad), value=v)
-                        for t, v in ((tokens, 0), (labels, IGNORE_INDEX), (adv, 0.0), (q, 0.0), (ref, 0.0),
-                                     (weights, 0.0)))
+                        for t, v in (
+                            (tokens, 0),
+                            (labels, IGNORE_INDEX),
+                            (adv, 0.0),
+                            (q, 0.0),
+                            (ref, 0.0),
+                            (weights, 0.0),
+                        )
+                    )
                     exact.attach()
                 loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, ref, weights=weights)
                 try:
                     with replay_routes(self.model, self._routes(one, tokens.shape[1])):
-                        self.forward_backward_step(input_dict={"input": tokens}, labels=labels,
-                                                   global_valid_tokens=None)
+                        self.forward_backward_step(
+                            input_dict={"input": tokens}, labels=labels, global_valid_tokens=None
+                        )
                 finally:
                     if exact is not None:
                         exact.detach()
@@ -434,12 +498,15 @@ class RLTrainer(Trainer):
         kept = sum(p["kept"] for p in parts)
         self._pending = (token_mean, kept + (self._pending[1] if self._pending else 0))
         summed = torch.cat([p["token_losses"] for p in parts]).sum()
-        return {"train_logprobs": [lp for p in parts for lp in torch.split(p["train_logprobs"],
-                                                                           p["mask"].sum(dim=1).tolist())],
-                "clipped": sum(int(p["clipped"].sum()) for p in parts),
-                "grad_zeroed": sum(int(p["grad_zeroed"].sum()) for p in parts),
-                "num_tokens": sum(int(p["weighted"].sum()) for p in parts),
-                "loss": float(normalize_loss(summed, loss.config.normalization, kept, loss.config.normalizer))}
+        return {
+            "train_logprobs": [
+                lp for p in parts for lp in torch.split(p["train_logprobs"], p["mask"].sum(dim=1).tolist())
+            ],
+            "clipped": sum(int(p["clipped"].sum()) for p in parts),
+            "grad_zeroed": sum(int(p["grad_zeroed"].sum()) for p in parts),
+            "num_tokens": sum(int(p["weighted"].sum()) for p in parts),
+            "loss": float(normalize_loss(summed, loss.config.normalization, kept, loss.config.normalizer)),
+        }
 
     def forward_backward_custom(self, batch: RolloutBatch, loss_fn) -> dict:
         """Two-pass custom loss: pass 1 computes the log-probs, ``loss_fn(logprobs_list) -> (loss, metrics)`` (any
@@ -454,19 +521,24 @@ class RLTrainer(Trainer):
         lps = [lp.clone().requires_grad_(True) for lp in self.forward_logprobs(batch)]
         loss, metrics = loss_fn(lps)
         grads = torch.autograd.grad(loss, lps, allow_unused=True)
-        weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps)]
+        weights = [-(g if g is not None else torch.zeros_like(lp)) for g, lp in zip(grads, lps, strict=True)]
         on_policy = dataclasses.replace(batch, advantages=weights, sampler_logprobs=None, loss_weights=None)
         self.forward_backward(on_policy, loss=self.build_loss("cross_entropy", normalization="sum"))
         return {"loss": float(loss), "metrics": metrics, "train_logprobs": [lp.detach() for lp in lps]}
 
-    def optim_step(self, learning_rate: float | None = None, betas: tuple[float, float] | None = None,
-                   eps: float | None = None, weight_decay: float | None = None,
-                   max_norm: float | None = None) -> dict:
+    def optim_step(
+        self,
+        learning_rate: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        max_norm: float | None = None,
+    ) -> dict:
         """Clip the accumulated gradients (``max_norm``, default ``training.max_norm``; 0: no clipping), step the
         optimizer and the LR schedule, zero the gradients. A non-finite gradient norm refuses the step: the
-        gradients are discarded and :class:`NonFiniteGradientError` raised, the weights untouched. ``learning_rate``, ``betas``, ``eps``, ``weight_decay``:
-        set on every parameter group from this step on (``None``: unchanged; Tinker's ``AdamParams``). Returns
-        ``grad_norm`` (before clipping)."""
+        gradients are discarded and :class:`NonFiniteGradientError` raised, the weights untouched. ``learning_rate``,
+        ``betas``, ``eps``, ``weight_decay``: set on every parameter group from this step on (``None``: unchanged;
+        Tinker's ``AdamParams``). Returns ``grad_norm`` (before clipping)."""
         from torchtitan.distributed import utils as dist_utils
 
         settings = {"lr": learning_rate, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -483,8 +555,10 @@ class RLTrainer(Trainer):
         grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
         if not math.isfinite(float(grad_norm)):  # a NaN / inf gradient would make every weight it touches NaN
             self.zero_grad()
-            raise NonFiniteGradientError(f"the accumulated gradients' norm is {float(grad_norm)}: the step was "
-                                         "refused and its gradients discarded; the weights are unchanged")
+            raise NonFiniteGradientError(
+                f"the accumulated gradients' norm is {float(grad_norm)}: the step was "
+                "refused and its gradients discarded; the weights are unchanged"
+            )
         self.optimizers.step()
         self.lr_schedulers.step()
         self.zero_grad()
@@ -512,8 +586,10 @@ class RLTrainer(Trainer):
         trainer routes with its float32 buffer (updated by TorchTitan's load balancing) and the server must route
         with the same bits."""
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        return {k: v.to(torch.float32 if k.endswith(FLOAT32_TENSORS) else torch_dtype)
-                for k, v in hf_state_dict(self.model, self.model_config, self._hf).items()}
+        return {
+            k: v.to(torch.float32 if k.endswith(FLOAT32_TENSORS) else torch_dtype)
+            for k, v in hf_state_dict(self.model, self.model_config, self._hf).items()
+        }
 
     def save_hf(self, out_dir: str | Path, dtype: str) -> Path:
         """Publish the current weights as a full HF snapshot directory (:func:`deltasync.write_full_snapshot`; config
@@ -528,8 +604,13 @@ class RLTrainer(Trainer):
 
         Raises:
             ValueError: the trainer has no LoRA adapters."""
-        return save_peft_adapter(self.model, state_dict_adapter_class(self._hf)(self.model_config, None), out_dir,
-                                 dtype, base_model_name_or_path=str(self.config.hf_assets_path))
+        return save_peft_adapter(
+            self.model,
+            state_dict_adapter_class(self._hf)(self.model_config, None),
+            out_dir,
+            dtype,
+            base_model_name_or_path=str(self.config.hf_assets_path),
+        )
 
     def load_lora(self, adapter_dir: str | Path) -> None:
         """Load a PEFT adapter directory into this LoRA trainer's adapters (:func:`titan_plugin.lora.load_peft_adapter`:

@@ -8,6 +8,7 @@ the rollout's forward, i.e. every token but the last. The trainer's input for ne
 full sequence is scored) are routed afresh (``-1`` rows, :func:`shared_numerics.moe.moe_forward`). Gate weights are
 always recomputed from the trainer's own router, so gradients reach it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -44,8 +45,9 @@ def pack_routes(routed_experts: Sequence, seq_len: int) -> torch.Tensor:
     out = torch.full((len(arrays), seq_len, *shape), -1, dtype=torch.int64)
     for i, r in enumerate(arrays):
         if r.dim() != 3 or tuple(r.shape[1:]) != shape:
-            raise ValueError(f"routes of sequence {i} have shape {tuple(r.shape)}; expected [n, {shape[0]}, "
-                             f"{shape[1]}]")
+            raise ValueError(
+                f"routes of sequence {i} have shape {tuple(r.shape)}; expected [n, {shape[0]}, {shape[1]}]"
+            )
         if r.shape[0] > seq_len:
             raise ValueError(f"routes of sequence {i} cover {r.shape[0]} positions; the batch has {seq_len}")
         out[i, : r.shape[0]] = r
@@ -70,8 +72,10 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterat
     if not layers:
         raise ValueError("routing replay needs an MoE model with the zerokld overrides")
     if routes.dim() != 4 or routes.shape[2] != len(layers) or routes.shape[3] != layers[0].router.top_k:
-        raise ValueError(f"routes of shape {tuple(routes.shape)} do not fit {len(layers)} MoE layers with top-k "
-                         f"{layers[0].router.top_k}")
+        raise ValueError(
+            f"routes of shape {tuple(routes.shape)} do not fit {len(layers)} MoE layers with top-k "
+            f"{layers[0].router.top_k}"
+        )
     try:
         for i, layer in enumerate(layers):
             layer.replay_ids = routes[:, :, i]

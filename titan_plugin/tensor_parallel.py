@@ -16,6 +16,7 @@ all-reduce adds the ranks' rounded partials, so the bits depend on the TP size. 
 Source: torch ``distributed/tensor/parallel/style.py`` (``ColwiseParallel`` / ``RowwiseParallel``, the layouts
 TorchTitan declares); vLLM ``model_executor/layers/linear.py`` for the same split on the serving side.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import shared_numerics as sn
 import shared_numerics.tensor_parallel as sn_tp
 
-__all__ = ["column_parallel_dtensor", "moe_dtensor", "per_row_dtensor", "replicate_output_sharding",
-           "row_parallel_dtensor", "vocab_rows", "vocab_shard"]
+__all__ = [
+    "column_parallel_dtensor",
+    "moe_dtensor",
+    "per_row_dtensor",
+    "replicate_output_sharding",
+    "row_parallel_dtensor",
+    "vocab_rows",
+    "vocab_shard",
+]
 
 
 class _GatherRoots(torch.autograd.Function):
@@ -45,7 +53,7 @@ class _GatherRoots(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.rank:ctx.rank + 1], None
+        return grad[ctx.rank : ctx.rank + 1], None
 
 
 def _gather_over(mesh):
@@ -64,8 +72,9 @@ def per_row_dtensor(fn, x: DTensor, *params) -> DTensor:
     Raises:
         NotImplementedError: ``x`` sharded along its last dimension."""
     if any(p.is_shard() and p.dim % x.ndim == x.ndim - 1 for p in x.placements):
-        raise NotImplementedError(f"zerokld: a per-row op on a DTensor sharded along its last dimension "
-                                  f"({x.placements})")
+        raise NotImplementedError(
+            f"zerokld: a per-row op on a DTensor sharded along its last dimension ({x.placements})"
+        )
     grad = [Partial() if any(p.is_shard() for p in x.placements) else Replicate()]
     local = [q.to_local(grad_placements=grad) if isinstance(q, DTensor) else q for q in params]
     out = fn(x.to_local(), *local)
@@ -111,8 +120,9 @@ def _vocab_slice(t: DTensor, dim: int) -> tuple[torch.Tensor, dict]:
     if placement.is_replicate():
         return t.to_local(), {"vocab_start": 0, "vocab_size": vocab}
     if placement != Shard(dim):
-        raise NotImplementedError(f"zerokld vocab-parallel log-softmax: placements {t.placements} (vocabulary on "
-                                  f"dimension {dim})")
+        raise NotImplementedError(
+            f"zerokld vocab-parallel log-softmax: placements {t.placements} (vocabulary on dimension {dim})"
+        )
     _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
     return t.to_local(), {"vocab_start": int(offset[dim]), "vocab_size": vocab, "gather": _gather_over(mesh)}
 
@@ -172,13 +182,23 @@ def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | 
         raise NotImplementedError(f"zerokld row-parallel linear: weight placements {weight.placements} (Shard(1))")
     if isinstance(x, DTensor) and x.placements != (Shard(x.ndim - 1),):
         raise NotImplementedError(f"zerokld row-parallel linear: input placements {x.placements} (Shard(-1))")
-    out = sn_tp.row_parallel_linear(_local(x), weight.to_local(), _local(bias), k_block=k_block,
-                                    gather=_gather_over(mesh))
+    out = sn_tp.row_parallel_linear(
+        _local(x), weight.to_local(), _local(bias), k_block=k_block, gather=_gather_over(mesh)
+    )
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
-def moe_dtensor(x: DTensor, router_weight: DTensor, w_gate: DTensor, w_up: DTensor, w_down: DTensor, top_k: int,
-                renormalize: bool, expert_ids: torch.Tensor | None, k_block: int | None):
+def moe_dtensor(
+    x: DTensor,
+    router_weight: DTensor,
+    w_gate: DTensor,
+    w_up: DTensor,
+    w_down: DTensor,
+    top_k: int,
+    renormalize: bool,
+    expert_ids: torch.Tensor | None,
+    k_block: int | None,
+):
     """:func:`shared_numerics.moe.moe_forward` under TorchTitan tensor parallelism: ``x [B, L, D]`` replicated, the
     router replicated, each expert's ``w1/w3 [E, I, D]`` ``Shard(1)`` and ``w2 [E, D, I]`` ``Shard(2)``; the experts'
     down projections sum with the fixed tree (subtree roots all-gathered before the routing weights).
@@ -201,9 +221,19 @@ def moe_dtensor(x: DTensor, router_weight: DTensor, w_gate: DTensor, w_up: DTens
     # the router's gradient is complete on every rank; the experts' (this rank's I columns) is a partial sum
     x_router = _local(x).reshape(b * seq, d)
     x_experts = x.to_local(grad_placements=[Partial()]).reshape(b * seq, d) if isinstance(x, DTensor) else x_router
-    out, ids = sn_moe.moe_forward(x_router, _local(router_weight), w_gate.to_local(), w_up.to_local(),
-                                  w_down.to_local(), top_k, renormalize, expert_ids, k_block=k_block,
-                                  gather=_gather_over(mesh), experts_x=x_experts)
+    out, ids = sn_moe.moe_forward(
+        x_router,
+        _local(router_weight),
+        w_gate.to_local(),
+        w_up.to_local(),
+        w_down.to_local(),
+        top_k,
+        renormalize,
+        expert_ids,
+        k_block=k_block,
+        gather=_gather_over(mesh),
+        experts_x=x_experts,
+    )
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False), ids
 
 

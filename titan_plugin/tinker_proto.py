@@ -20,14 +20,22 @@ The schema is tinker's own (``tinker.proto.tinker_public_pb2``, shipped in the `
 
 Source: ``tinker==0.38.0`` (``tinker/proto/request_conv.py``, ``response_conv.py``, ``resources/training.py``).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from zerokld_plugins.errors import ZeroKLDClientError
 
-__all__ = ["CONTENT_TYPE", "BodyTooLarge", "WireError", "decompress_zstd", "forward_backward_output",
-           "forward_backward_request", "sample_response"]
+__all__ = [
+    "CONTENT_TYPE",
+    "BodyTooLarge",
+    "WireError",
+    "decompress_zstd",
+    "forward_backward_output",
+    "forward_backward_request",
+    "sample_response",
+]
 
 CONTENT_TYPE = "application/x-protobuf"
 
@@ -76,8 +84,12 @@ def _pb():
 def _tensor(msg, name: str) -> dict:
     """A ``tinker_public.Tensor`` as TensorData JSON. Raises WireError."""
     pb = _pb()
-    dtypes = {pb.DTYPE_FLOAT32: ("float32", np.float32), pb.DTYPE_INT64: ("int64", np.int64),
-              pb.DTYPE_INT32: ("int64", np.int32), pb.DTYPE_BFLOAT16: ("float32", np.uint16)}
+    dtypes = {
+        pb.DTYPE_FLOAT32: ("float32", np.float32),
+        pb.DTYPE_INT64: ("int64", np.int64),
+        pb.DTYPE_INT32: ("int64", np.int32),
+        pb.DTYPE_BFLOAT16: ("float32", np.uint16),
+    }
     if msg.dtype not in dtypes:
         raise WireError(f"loss_fn_inputs[{name!r}]: unknown dtype {msg.dtype}")
     label, np_dtype = dtypes[msg.dtype]
@@ -135,14 +147,22 @@ def forward_backward_request(body: bytes, content_encoding: str | None = None, m
             if len(raw) % 4:
                 raise WireError(f"datum {i}: encoded_text tokens are not int32 bytes")
             chunks.append({"type": "encoded_text", "tokens": np.frombuffer(raw, dtype="<i4").tolist()})
-        data.append({"model_input": {"chunks": chunks},
-                     "loss_fn_inputs": {k: _tensor(v, k) for k, v in d.loss_fn_inputs.items()}})
+        data.append(
+            {
+                "model_input": {"chunks": chunks},
+                "loss_fn_inputs": {k: _tensor(v, k) for k, v in d.loss_fn_inputs.items()},
+            }
+        )
     config: dict = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():  # v2 wins (numbers and strings)
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
     spec = {"data": data, "loss_fn": msg.loss_fn, "loss_fn_config": config or None}
-    return {"model_id": msg.model_id, "seq_id": int(msg.seq_id), "forward_only": bool(msg.forward_only),
-            ("forward_input" if msg.forward_only else "forward_backward_input"): spec}
+    return {
+        "model_id": msg.model_id,
+        "seq_id": int(msg.seq_id),
+        "forward_only": bool(msg.forward_only),
+        ("forward_input" if msg.forward_only else "forward_backward_input"): spec,
+    }
 
 
 def forward_backward_output(result: dict) -> bytes:

@@ -7,9 +7,10 @@ snapshot root. A sampling session is bound to one snapshot: a full-parameter mod
 weights (a later one replaces it), a LoRA model's as a version of the adapter named after its ``model_id`` (vLLM
 multi-LoRA: each model its own adapter, on the base weights); a ``base_model`` session samples the base weights.
 A ``kind="inflight"`` session follows its model's later snapshots (tinker's
-contract: the weights saved when it was made, or newer). Every sample is checked against the snapshot that produced it — the response's ``x-zerokld-snapshot-identity``
-header (base weights) and ``model`` (``<adapter>@<identity>``, :func:`deltasync.lora_version`) — so a session whose
-snapshot was replaced is refused (the user's error), never answered by other weights.
+contract: the weights saved when it was made, or newer). Every sample is checked against the snapshot that produced it —
+the response's ``x-zerokld-snapshot-identity`` header (base weights) and ``model`` (``<adapter>@<identity>``,
+:func:`deltasync.lora_version`) — so a session whose snapshot was replaced is refused (the user's error), never answered
+by other weights.
 
 ``asample`` → vLLM's ``/v1/completions``: the prompt's token ids, ``n`` = ``num_samples``, ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k`` (``-1``: off), ``seed``; ``stop``: strings → ``stop``, token ids →
@@ -21,6 +22,7 @@ log-probs, target / alternative prompt tokens, ``prompt_logprobs_last_n`` and st
 Source: ``tinker==0.38.0`` (``types/sample_request.py``, ``types/sampling_params.py``,
 ``lib/public_interfaces/sampling_client.py``); vLLM's completions API.
 """
+
 from __future__ import annotations
 
 import threading
@@ -132,8 +134,14 @@ class Sampler:
             self._full = identity
 
     # ---- sessions --------------------------------------------------------------------------------------------
-    def open(self, base_model: str, model_path: str | None, identity: str | None, lora_name: str | None,
-             inflight: bool = False) -> Session:
+    def open(
+        self,
+        base_model: str,
+        model_path: str | None,
+        identity: str | None,
+        lora_name: str | None,
+        inflight: bool = False,
+    ) -> Session:
         """A new session on what serves now (``identity`` ``None``: the base weights)."""
         s = Session(f"sampler-{uuid.uuid4().hex[:12]}", base_model, model_path, identity, lora_name, inflight)
         with self.lock:
@@ -159,9 +167,11 @@ class Sampler:
             if not s.inflight:
                 gone |= s.identity != (self._adapters.get(s.lora_name) if s.lora_name else self._full)
         if gone:
-            raise SamplerError(f"sampling session {s.sampling_session_id}: its weights "
-                               f"({s.identity or 'the base model'}) no longer serve — a later save replaced them; "
-                               "sample through a sampling client of the newer weights")
+            raise SamplerError(
+                f"sampling session {s.sampling_session_id}: its weights "
+                f"({s.identity or 'the base model'}) no longer serve — a later save replaced them; "
+                "sample through a sampling client of the newer weights"
+            )
         for key in _UNSERVED:
             if body.get(key):
                 raise SamplerError(f"{key} is not served by zerokld's sampler")
@@ -169,7 +179,7 @@ class Sampler:
             if body.get(key) not in (None, False):
                 raise SamplerError(f"{key} is not served by zerokld's sampler")
         tokens = []
-        for c in ((body.get("prompt") or {}).get("chunks") or []):
+        for c in (body.get("prompt") or {}).get("chunks") or []:
             if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
                 raise SamplerError("only encoded_text prompt chunks are served")
             tokens += c.get("tokens") or []
@@ -180,9 +190,17 @@ class Sampler:
             raise SamplerError(f"num_samples must be a positive integer, got {str(n)[:20]!r}")
         params = body.get("sampling_params") or {}
         model, _ = self._engine()
-        req = {"model": s.lora_name or model, "prompt": tokens, "n": n, "stream": False, "logprobs": 0,
-               "return_token_ids": True, "return_tokens_as_token_ids": True,
-               "temperature": float(params.get("temperature", 1.0)), "top_p": float(params.get("top_p", 1.0))}
+        req = {
+            "model": s.lora_name or model,
+            "prompt": tokens,
+            "n": n,
+            "stream": False,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "temperature": float(params.get("temperature", 1.0)),
+            "top_p": float(params.get("top_p", 1.0)),
+        }
         if params.get("max_tokens") is not None:
             req["max_tokens"] = int(params["max_tokens"])
         if params.get("top_k") not in (None, -1, 0):
@@ -209,7 +227,8 @@ class Sampler:
         None}`` (:func:`titan_plugin.tinker_proto.sample_response` encodes it).
 
         Raises:
-            SamplerError: as :meth:`request`. RuntimeError: the engine failed the request or answered with other weights than the session's.
+            SamplerError: as :meth:`request`. RuntimeError: the engine failed the request or answered with other weights
+            than the session's.
         """
         import requests
 
@@ -228,22 +247,30 @@ class Sampler:
         want_header = identity if s.lora_name is None and identity else base
         want_model = lora_version(s.lora_name, identity) if s.lora_name else None
         if r.headers.get(IDENTITY_HEADER) != want_header or (want_model and reply.get("model") != want_model):
-            raise RuntimeError(f"sampling session {s.sampling_session_id} expected snapshot {identity or base!r}, "
-                               f"the sampler answered with {r.headers.get(IDENTITY_HEADER)!r} "
-                               f"({str(reply.get('model'))[:80]!r})")
+            raise RuntimeError(
+                f"sampling session {s.sampling_session_id} expected snapshot {identity or base!r}, "
+                f"the sampler answered with {r.headers.get(IDENTITY_HEADER)!r} "
+                f"({str(reply.get('model'))[:80]!r})"
+            )
         sequences, prompt_lps = [], None
         for c in reply.get("choices", []):
             ids, lp = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
             if ids is None or lp is None or len(lp) != len(ids):
                 raise RuntimeError("the sampler's reply lacks token ids or their log-probs")
-            sequences.append({"tokens": list(ids), "logprobs": [float(x) for x in lp],
-                              "stop_reason": "length" if c.get("finish_reason") == "length" else "stop"})
+            sequences.append(
+                {
+                    "tokens": list(ids),
+                    "logprobs": [float(x) for x in lp],
+                    "stop_reason": "length" if c.get("finish_reason") == "length" else "stop",
+                }
+            )
             if body.get("prompt_logprobs") and prompt_lps is None:
                 rows = c.get("prompt_logprobs")
                 if rows is None or len(rows) != len(req["prompt"]):
                     raise RuntimeError("the sampler's reply lacks the prompt log-probs")
-                prompt_lps = [None if row is None else _prompt_logprob(row, t)
-                              for row, t in zip(rows, req["prompt"], strict=True)]
+                prompt_lps = [
+                    None if row is None else _prompt_logprob(row, t) for row, t in zip(rows, req["prompt"], strict=True)
+                ]
         if len(sequences) != req["n"]:
             raise RuntimeError(f"the sampler answered {len(sequences)} samples for {req['n']}")
         return {"sequences": sequences, "prompt_logprobs": prompt_lps}

@@ -42,22 +42,23 @@ the same state dir (and port) resumes each model there — the work after it, ac
 and its clients go on with their ``model_id`` and numbering.
 
 tinker 0.38 (``tinker.ServiceClient``, a ``tml-`` key; issue 38): ``client/config`` answers the client's defaults but
-asks for zstd-compressed protobuf bodies (``client/dynamic_config``: the defaults), and ``forward`` / ``forward_backward`` bodies in tinker's protobuf (zstd or
-not) are read as the JSON ones (:mod:`titan_plugin.tinker_proto`) — a ``forward_only`` request is a ``forward`` — and
-their results go back as protobuf; ``create_lora_training_client(rank=0)`` trains full-parameter. Sampling (with
-``--sampler-url``: the zerokld vLLM server on the same snapshot root, LoRA on for LoRA models;
-:mod:`titan_plugin.tinker_sampler`): tinker's ``save_weights_for_sampler`` (``kind`` set) answers
-``tinker://<model_id>/sampler_weights/<name>``; without a name (``save_weights_and_get_sampling_client``) it loads
-the model's next snapshot into the sampler — a LoRA model's adapter as a version of the vLLM adapter named
-``<model_id>``, a full-parameter model's weights as a delta where the sampler serves the previous one — and answers a
-sampling session on it; ``create_sampling_session`` (a saved ``tinker://`` path, loaded first, or ``base_model``),
-``GET samplers/{id}`` and ``asample`` (``sample_sequence_ids``; the result a protobuf ``SampleResponse``, run beside
-the training calls) complete it.
+asks for zstd-compressed protobuf bodies (``client/dynamic_config``: the defaults), and ``forward`` /
+``forward_backward`` bodies in tinker's protobuf (zstd or not) are read as the JSON ones
+(:mod:`titan_plugin.tinker_proto`) — a ``forward_only`` request is a ``forward`` — and their results go back as
+protobuf; ``create_lora_training_client(rank=0)`` trains full-parameter. Sampling (with ``--sampler-url``: the zerokld
+vLLM server on the same snapshot root, LoRA on for LoRA models; :mod:`titan_plugin.tinker_sampler`): tinker's
+``save_weights_for_sampler`` (``kind`` set) answers ``tinker://<model_id>/sampler_weights/<name>``; without a name
+(``save_weights_and_get_sampling_client``) it loads the model's next snapshot into the sampler — a LoRA model's adapter
+as a version of the vLLM adapter named ``<model_id>``, a full-parameter model's weights as a delta where the sampler
+serves the previous one — and answers a sampling session on it; ``create_sampling_session`` (a saved ``tinker://`` path,
+loaded first, or ``base_model``), ``GET samplers/{id}`` and ``asample`` (``sample_sequence_ids``; the result a protobuf
+``SampleResponse``, run beside the training calls) complete it.
 
 MoE routing replay (R3): a datum's ``model_input.routing_matrices`` (one per position, as the zerokld vLLM server's
 ``include_routing_matrix`` rows give them) are replayed in its forward (:func:`routes_of`,
 :mod:`titan_plugin.routing`); Parquet routing references are refused.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -168,8 +169,9 @@ def _tensor_data(td, name: str) -> list:
         raise UserError(f"loss_fn_inputs[{name!r}] must be TensorData {{data, dtype, shape}}")
     shape = td.get("shape") or [len(td["data"])]
     if not isinstance(shape, list) or len(shape) != 1 or not _is_integer(shape[0]) or shape[0] != len(td["data"]):
-        raise UserError(f"loss_fn_inputs[{name!r}]: shape {str(shape)[:40]} does not match {len(td['data'])} values "
-                        "(1-d)")
+        raise UserError(
+            f"loss_fn_inputs[{name!r}]: shape {str(shape)[:40]} does not match {len(td['data'])} values (1-d)"
+        )
     for j, v in enumerate(td["data"]):
         if not _is_finite_number(v):
             raise UserError(f"loss_fn_inputs[{name!r}][{j}] is {str(v)[:20]!r}, not a finite number")
@@ -207,8 +209,10 @@ def routes_of(matrices: object, positions: int, num_experts: int | None, where: 
         except (ValueError, EOFError, OSError):
             raise UserError(f"{where}: routing_matrices[{p}] is not base64 .npy") from None
         if a.ndim != 2 or a.dtype.kind not in "iu" or (shape is not None and a.shape != shape):
-            raise UserError(f"{where}: routing_matrices[{p}] is {a.dtype} {a.shape}; expected integer "
-                            f"[layers, top_k]{'' if shape is None else ' ' + str(list(shape))}")
+            raise UserError(
+                f"{where}: routing_matrices[{p}] is {a.dtype} {a.shape}; expected integer "
+                f"[layers, top_k]{'' if shape is None else ' ' + str(list(shape))}"
+            )
         if a.size and (int(a.min()) < 0 or int(a.max()) >= num_experts):
             raise UserError(f"{where}: routing_matrices[{p}] names experts outside [0, {num_experts})")
         shape = a.shape
@@ -222,8 +226,7 @@ def routes_of(matrices: object, positions: int, num_experts: int | None, where: 
 PER_TOKEN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "ref_logprobs")
 
 
-def datums(data: object, vocab_size: int, num_experts: int | None = None, max_context: int | None = None
-           ) -> list[dict]:
+def datums(data: object, vocab_size: int, num_experts: int | None = None, max_context: int | None = None) -> list[dict]:
     """The wire's ``Datum`` list as :class:`titan_plugin.client.TrainingClient` datums (``model_input.
     routing_matrices`` as ``routed_experts`` to replay, :func:`routes_of`).
 
@@ -249,8 +252,10 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None, max_co
                 raise UserError(f"datum {i}: model_input.chunks[].tokens must be a list of token ids")
             tokens += c.get("tokens") or []
         if max_context is not None and len(tokens) > max_context:
-            raise UserError(f"datum {i}: model_input has {len(tokens)} tokens, more than the served context "
-                            f"{max_context} (get_server_capabilities' max_context_length)")
+            raise UserError(
+                f"datum {i}: model_input has {len(tokens)} tokens, more than the served context "
+                f"{max_context} (get_server_capabilities' max_context_length)"
+            )
         if not all(_is_integer(t) and 0 <= t < vocab_size for t in tokens):
             raise UserError(f"datum {i}: token ids must be integers in [0, {vocab_size})")
         raw_inputs = d.get("loss_fn_inputs") or {}
@@ -262,39 +267,73 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None, max_co
             raise UserError(f"datum {i}: {e}") from None
         for k in PER_TOKEN_INPUTS:
             if k in inputs and len(inputs[k]) != len(tokens):
-                raise UserError(f"datum {i}: loss_fn_inputs[{k!r}] has {len(inputs[k])} values for {len(tokens)} "
-                                "input tokens")
+                raise UserError(
+                    f"datum {i}: loss_fn_inputs[{k!r}] has {len(inputs[k])} values for {len(tokens)} input tokens"
+                )
         targets = inputs.get("target_tokens")
         if targets is not None and not all(float(t).is_integer() and 0 <= t < vocab_size for t in targets):
             raise UserError(f"datum {i}: target_tokens must be integers in [0, {vocab_size})")
         if model_input.get("routing_references") is not None or model_input.get("routing_matrix_format") not in (
-                None, "base64_inline"):
+            None,
+            "base64_inline",
+        ):
             raise UserError(f"datum {i}: routing references (parquet_v1) are not served; send routing_matrices")
         if model_input.get("routing_matrices") is not None:
-            inputs["routed_experts"] = routes_of(model_input["routing_matrices"], len(tokens), num_experts,
-                                                 f"datum {i}")
+            inputs["routed_experts"] = routes_of(
+                model_input["routing_matrices"], len(tokens), num_experts, f"datum {i}"
+            )
         out.append({"model_input": tokens, "loss_fn_inputs": inputs})
     return out
 
 
 def _tensor_data_schema(items: dict) -> dict:
-    return {"type": "object", "required": ["data"],
-            "properties": {"data": {"type": "array", "items": items}, "dtype": {"type": "string"},
-                           "shape": {"type": "array", "items": {"type": "integer"}}}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "array", "items": items},
+            "dtype": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer"}},
+        },
+    }
 
 
 #: the forward / forward_backward body (tinker 0.38's ``ForwardBackwardRequest``, ``types/forward_backward_input.py``,
 #: ``datum.py``, ``tensor_data.py``, ``model_input.py``: these are not pydantic models, so written out here)
-_DATUM = {"type": "object", "required": ["model_input"], "properties": {
-    "model_input": {"type": "object", "required": ["chunks"], "properties": {
-        "chunks": {"type": "array", "items": {"type": "object", "required": ["tokens"], "properties": {
-            "type": {"type": "string", "enum": ["encoded_text"]},
-            "tokens": {"type": "array", "items": {"type": "integer"}}}}},
-        "routing_matrices": {"type": "array", "items": {"type": "string"}}}},
-    "loss_fn_inputs": {"type": "object", "additionalProperties": _tensor_data_schema({"type": "number"})}}}
-_FORWARD_INPUT = {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "array", "items": _DATUM}, "loss_fn": {"type": "string"},
-    "loss_fn_config": {"type": "object", "additionalProperties": {"type": ["number", "string"]}}}}
+_DATUM = {
+    "type": "object",
+    "required": ["model_input"],
+    "properties": {
+        "model_input": {
+            "type": "object",
+            "required": ["chunks"],
+            "properties": {
+                "chunks": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["tokens"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["encoded_text"]},
+                            "tokens": {"type": "array", "items": {"type": "integer"}},
+                        },
+                    },
+                },
+                "routing_matrices": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "loss_fn_inputs": {"type": "object", "additionalProperties": _tensor_data_schema({"type": "number"})},
+    },
+}
+_FORWARD_INPUT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "array", "items": _DATUM},
+        "loss_fn": {"type": "string"},
+        "loss_fn_config": {"type": "object", "additionalProperties": {"type": ["number", "string"]}},
+    },
+}
 _TRAINING_CALL = {"model_id": {"type": "string"}, "seq_id": {"type": "integer"}}
 
 
@@ -306,32 +345,62 @@ def request_schemas() -> dict[str, dict]:
     from tinker import types
 
     ref = "#/components/schemas/{model}"
-    out = {route: getattr(types, model).model_json_schema(ref_template=ref) for route, model in (
-        ("create_session", "CreateSessionRequest"), ("session_heartbeat", "SessionHeartbeatRequest"),
-        ("client/config", "ClientConfigRequest"), ("telemetry", "TelemetrySendRequest"),
-        ("create_model", "CreateModelRequest"), ("get_info", "GetInfoRequest"), ("unload_model", "UnloadModelRequest"),
-        ("retrieve_future", "FutureRetrieveRequest"), ("save_weights", "SaveWeightsRequest"),
-        ("load_weights", "LoadWeightsRequest"), ("create_sampling_session", "CreateSamplingSessionRequest"),
-        ("asample", "SampleRequest"))}
+    out = {
+        route: getattr(types, model).model_json_schema(ref_template=ref)
+        for route, model in (
+            ("create_session", "CreateSessionRequest"),
+            ("session_heartbeat", "SessionHeartbeatRequest"),
+            ("client/config", "ClientConfigRequest"),
+            ("telemetry", "TelemetrySendRequest"),
+            ("create_model", "CreateModelRequest"),
+            ("get_info", "GetInfoRequest"),
+            ("unload_model", "UnloadModelRequest"),
+            ("retrieve_future", "FutureRetrieveRequest"),
+            ("save_weights", "SaveWeightsRequest"),
+            ("load_weights", "LoadWeightsRequest"),
+            ("create_sampling_session", "CreateSamplingSessionRequest"),
+            ("asample", "SampleRequest"),
+        )
+    }
     adam = types.AdamParams.model_json_schema(ref_template=ref)
-    out["optim_step"] = {"type": "object", "required": ["model_id", "seq_id"],
-                         "properties": {**_TRAINING_CALL, "adam_params": adam}}
-    out["save_weights_for_sampler"] = {"type": "object", "required": ["model_id", "seq_id"], "properties": {
-        **_TRAINING_CALL, "path": {"type": "string"}, "checkpoint_type": {"type": "string", "enum": ["base", "delta"]},
-        "kind": {"type": "string"}, "sampling_session_seq_id": {"type": "integer"}}}
-    out["forward"] = {"type": "object", "required": ["model_id", "seq_id", "forward_input"],
-                      "properties": {**_TRAINING_CALL, "forward_input": _FORWARD_INPUT}}
-    out["forward_backward"] = {"type": "object", "required": ["model_id", "seq_id", "forward_backward_input"],
-                               "properties": {**_TRAINING_CALL, "forward_backward_input": _FORWARD_INPUT,
-                                              "forward_only": {"type": "boolean"}}}
+    out["optim_step"] = {
+        "type": "object",
+        "required": ["model_id", "seq_id"],
+        "properties": {**_TRAINING_CALL, "adam_params": adam},
+    }
+    out["save_weights_for_sampler"] = {
+        "type": "object",
+        "required": ["model_id", "seq_id"],
+        "properties": {
+            **_TRAINING_CALL,
+            "path": {"type": "string"},
+            "checkpoint_type": {"type": "string", "enum": ["base", "delta"]},
+            "kind": {"type": "string"},
+            "sampling_session_seq_id": {"type": "integer"},
+        },
+    }
+    out["forward"] = {
+        "type": "object",
+        "required": ["model_id", "seq_id", "forward_input"],
+        "properties": {**_TRAINING_CALL, "forward_input": _FORWARD_INPUT},
+    }
+    out["forward_backward"] = {
+        "type": "object",
+        "required": ["model_id", "seq_id", "forward_backward_input"],
+        "properties": {**_TRAINING_CALL, "forward_backward_input": _FORWARD_INPUT, "forward_only": {"type": "boolean"}},
+    }
     return out
 
 
 def _outputs(lps, metrics: dict, loss_fn: str) -> dict:
-    return {"loss_fn_output_type": loss_fn,
-            "loss_fn_outputs": [{"logprobs": {"data": [float(x) for x in lp.tolist()], "dtype": "float32",
-                                              "shape": [int(lp.numel())]}} for lp in lps],
-            "metrics": metrics}
+    return {
+        "loss_fn_output_type": loss_fn,
+        "loss_fn_outputs": [
+            {"logprobs": {"data": [float(x) for x in lp.tolist()], "dtype": "float32", "shape": [int(lp.numel())]}}
+            for lp in lps
+        ],
+        "metrics": metrics,
+    }
 
 
 class _Parked(NamedTuple):
@@ -386,10 +455,21 @@ class TrainingServer:
         limits: what one request may cost (:class:`Limits`).
     """
 
-    def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, dtype: str = "bfloat16",
-                 learning_rate: float = 1e-4, batch_invariant: bool = True, seq_gap_s: float = 120.0,
-                 max_lora_rank: int = 0, state_dir: str | None = None, sampler_url: str | None = None,
-                 sampler_api_key: str | None = None, limits: Limits = Limits()) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        snapshot_root: str,
+        api_key: str,
+        dtype: str = "bfloat16",
+        learning_rate: float = 1e-4,
+        batch_invariant: bool = True,
+        seq_gap_s: float = 120.0,
+        max_lora_rank: int = 0,
+        state_dir: str | None = None,
+        sampler_url: str | None = None,
+        sampler_api_key: str | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
         if not api_key:
             raise ValueError("an API key is required")
         self.checkpoint, self.root, self.api_key = checkpoint, Path(snapshot_root), api_key
@@ -435,9 +515,13 @@ class TrainingServer:
         import os
 
         with self.lock:
-            data = {"models": {i: {"base_model": m.base_model, "lora": m.lora, "checkpoint": m.checkpoint}
-                               for i, m in self.models.items()},
-                    "checkpoints": {n: list(v) for n, v in self.checkpoints.items()}}
+            data = {
+                "models": {
+                    i: {"base_model": m.base_model, "lora": m.lora, "checkpoint": m.checkpoint}
+                    for i, m in self.models.items()
+                },
+                "checkpoints": {n: list(v) for n, v in self.checkpoints.items()},
+            }
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_dir / (_REGISTRY + ".tmp")
         tmp.write_text(json.dumps(data))
@@ -464,6 +548,7 @@ class TrainingServer:
                 fut.set_result(fn())
             except Exception as e:  # noqa: BLE001 - every failure is the future's answer
                 fut.set_exception(e)
+
         self.worker.submit(job)
 
     def _submit(self, model_id: str, seq_id, fn, nbytes: int = 0, check=None) -> str:
@@ -492,9 +577,11 @@ class TrainingServer:
                 waiting = [p.nbytes for p in model.pending.values() if p.nbytes]
                 parked = sum(waiting)
                 if len(waiting) >= self.limits.max_parked or parked + nbytes > self.limits.max_parked_bytes:
-                    raise Busy(f"{len(waiting)} requests ({parked} bytes) already wait for seq_id "
-                               f"{model.next_seq} (limits: {self.limits.max_parked} requests, "
-                               f"{self.limits.max_parked_bytes} bytes)")
+                    raise Busy(
+                        f"{len(waiting)} requests ({parked} bytes) already wait for seq_id "
+                        f"{model.next_seq} (limits: {self.limits.max_parked} requests, "
+                        f"{self.limits.max_parked_bytes} bytes)"
+                    )
         refusal = None
         if check is not None:
             try:
@@ -506,8 +593,10 @@ class TrainingServer:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             rid, fut = self._future()
             if refusal is not None:  # its turn only fails it: nothing of the request is kept or run
+
                 def fn(error=refusal):
                     raise error
+
                 nbytes = 0
             model.pending[seq_id] = _Parked(fn, fut, time.monotonic(), nbytes)
             while model.next_seq in model.pending:
@@ -525,39 +614,57 @@ class TrainingServer:
                 for seq, parked in list(model.pending.items()):
                     if now - parked.arrived > self.seq_gap_s:
                         del model.pending[seq]
-                        parked.future.set_exception(UserError(f"seq_id {seq} waited {self.seq_gap_s:g} s for "
-                                                              f"seq_id {model.next_seq}, which never arrived"))
+                        parked.future.set_exception(
+                            UserError(
+                                f"seq_id {seq} waited {self.seq_gap_s:g} s for "
+                                f"seq_id {model.next_seq}, which never arrived"
+                            )
+                        )
 
     # ---- operations (on the worker thread) -----------------------------------------------------------------------
-    def _create(self, model_id: str, base_model: str, lora: dict, restore: str | None = None,
-                restored: bool = False) -> dict:
+    def _create(
+        self, model_id: str, base_model: str, lora: dict, restore: str | None = None, restored: bool = False
+    ) -> dict:
         """Build the model's trainer; ``restored`` (a restart): load ``restore``, its last checkpoint, if any."""
         from .client import TrainingClient
 
         rank = _lora_rank(lora)
         if rank > 0:
-            client = TrainingClient.create_lora(self.checkpoint, rank=rank, seed=lora.get("seed"),
-                                                train_mlp=bool(lora.get("train_mlp", True)),
-                                                train_attn=bool(lora.get("train_attn", True)),
-                                                alpha=float(lora.get("alpha") or 32.0), dtype=self.dtype,
-                                                max_rank=self.max_lora_rank,
-                                                learning_rate=self.learning_rate,
-                                                dump_folder=self._dump_folder(model_id))
+            client = TrainingClient.create_lora(
+                self.checkpoint,
+                rank=rank,
+                seed=lora.get("seed"),
+                train_mlp=bool(lora.get("train_mlp", True)),
+                train_attn=bool(lora.get("train_attn", True)),
+                alpha=float(lora.get("alpha") or 32.0),
+                dtype=self.dtype,
+                max_rank=self.max_lora_rank,
+                learning_rate=self.learning_rate,
+                dump_folder=self._dump_folder(model_id),
+            )
         else:
-            client = TrainingClient.from_checkpoint(self.checkpoint, dtype=self.dtype,
-                                                    learning_rate=self.learning_rate,
-                                                    dump_folder=self._dump_folder(model_id),
-                                                    batch_invariant=self.batch_invariant)
+            client = TrainingClient.from_checkpoint(
+                self.checkpoint,
+                dtype=self.dtype,
+                learning_rate=self.learning_rate,
+                dump_folder=self._dump_folder(model_id),
+                batch_invariant=self.batch_invariant,
+            )
         if restore is not None:
             client.load_state(restore)
         with self.lock:
-            self.models[model_id] = _Model(client, base_model, dict(lora), next_seq=None if restored else 1,
-                                           checkpoint=restore)
+            self.models[model_id] = _Model(
+                client, base_model, dict(lora), next_seq=None if restored else 1, checkpoint=restore
+            )
         if not restored:  # a restart re-reads the registry; rewriting it model by model would drop the rest
             self._persist()
         # capabilities the SDK reads from the reply: routing replay (R3) for MoE models, routes inline (base64)
-        return {"type": "create_model", "model_id": model_id, "supports_router_replay": bool(self.num_experts),
-                "routing_matrix_format": "base64_inline"}
+        return {
+            "type": "create_model",
+            "model_id": model_id,
+            "supports_router_replay": bool(self.num_experts),
+            "routing_matrix_format": "base64_inline",
+        }
 
     def _forward_input(self, body: dict, backward: bool) -> tuple[list[dict], str, dict | None]:
         """``(datums, loss_fn, loss_fn_config)`` of a forward / forward_backward body, checked (:func:`datums`).
@@ -580,12 +687,17 @@ class TrainingServer:
         res = model.client.forward_backward(data, loss_fn, config)
         if not math.isfinite(float(res["loss"])):  # overflowed (e.g. huge weights): this step cannot be applied
             model.client.trainer.zero_grad()
-            raise UserError(f"the loss of this forward_backward is {float(res['loss'])} (not finite: inputs too large "
-                            "for the model's dtype); the gradients accumulated since the last optim_step were "
-                            "discarded, the weights are unchanged")
+            raise UserError(
+                f"the loss of this forward_backward is {float(res['loss'])} (not finite: inputs too large "
+                "for the model's dtype); the gradients accumulated since the last optim_step were "
+                "discarded, the weights are unchanged"
+            )
         m = res["metrics"]
-        metrics = {"loss:sum": float(res["loss"]), "clipped:sum": float(m["clipped"]),
-                   "response_tokens:sum": float(m["num_tokens"])}
+        metrics = {
+            "loss:sum": float(res["loss"]),
+            "clipped:sum": float(m["clipped"]),
+            "response_tokens:sum": float(m["num_tokens"]),
+        }
         return _outputs([o["logprobs"] for o in res["loss_fn_outputs"]], metrics, loss_fn)
 
     @staticmethod
@@ -602,8 +714,13 @@ class TrainingServer:
         if self.state_dir is not None:  # the state a restart comes back to
             model.checkpoint = model.client.save_state("last")
             self._persist()
-        return {"metrics": {f"{k}:mean": float(v) for k, v in (res or {}).items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+        return {
+            "metrics": {
+                f"{k}:mean": float(v)
+                for k, v in (res or {}).items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+        }
 
     def _save_state(self, model_id: str, model: _Model, name: str, overwrite: bool) -> dict:
         """``save_weights``: ``name`` checked at submit (one path segment, :meth:`_identity`)."""
@@ -640,8 +757,9 @@ class TrainingServer:
             writer = SnapshotWriter(self.root, adapter, full_every=1, numerics=numerics, cache_dir=cache)
             return writer, read_snapshot_tensors(adapter)
         if model.writer is None:
-            model.writer = SnapshotWriter(self.root, self.checkpoint, full_every=1 << 30, numerics=numerics,
-                                          cache_dir=cache)
+            model.writer = SnapshotWriter(
+                self.root, self.checkpoint, full_every=1 << 30, numerics=numerics, cache_dir=cache
+            )
         return model.writer, model.client.trainer.hf_weights(self.dtype)
 
     def _save_for_sampler(self, model_id: str, model: _Model, body: dict) -> dict:
@@ -667,10 +785,13 @@ class TrainingServer:
 
         session = body.get("path") is None
         if session and self.sampler is None:
-            raise UserError("this training server has no sampler: start it with --sampler-url (the zerokld vLLM "
-                            "server on the same snapshot root)")
-        identity = (f"{model_id}-{1 + sum(v[0] == model_id for v in self.saved.values())}" if session
-                    else str(body["path"]))
+            raise UserError(
+                "this training server has no sampler: start it with --sampler-url (the zerokld vLLM "
+                "server on the same snapshot root)"
+            )
+        identity = (
+            f"{model_id}-{1 + sum(v[0] == model_id for v in self.saved.values())}" if session else str(body["path"])
+        )
         lora_name = model_id if model.lora_rank else None  # the adapter's versions: vLLM LoRA <model_id>
         writer, tensors = self._snapshot_source(model, identity)
         if not session:
@@ -743,7 +864,9 @@ class TrainingServer:
                 for route, body in request_schemas().items():
                     schemas.update(body.pop("$defs", {}))
                     doc["paths"][f"{api}/{route}"]["post"]["requestBody"] = {
-                        "required": True, "content": {"application/json": {"schema": body}}}
+                        "required": True,
+                        "content": {"application/json": {"schema": body}},
+                    }
                 components["securitySchemes"] = {"key": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}}
                 doc["security"] = [{"key": []}]
                 app.openapi_schema = doc
@@ -759,8 +882,10 @@ class TrainingServer:
                 return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
             declared = request.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
-                return JSONResponse({"detail": f"body of {declared} bytes is over the limit of {limit} bytes "
-                                               "(--max-body-bytes)"}, status_code=413)
+                return JSONResponse(
+                    {"detail": f"body of {declared} bytes is over the limit of {limit} bytes (--max-body-bytes)"},
+                    status_code=413,
+                )
             return await call_next(request)
 
         def is_proto(request: Request) -> bool:
@@ -789,8 +914,9 @@ class TrainingServer:
             request.state.body_bytes = size
             if is_proto(request):
                 try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
-                    return await asyncio.to_thread(tinker_proto.forward_backward_request, raw,
-                                                   request.headers.get("content-encoding"), limit)
+                    return await asyncio.to_thread(
+                        tinker_proto.forward_backward_request, raw, request.headers.get("content-encoding"), limit
+                    )
                 except tinker_proto.BodyTooLarge as e:
                     raise BodyTooLarge(str(e)) from None
                 except tinker_proto.WireError as e:
@@ -817,8 +943,9 @@ class TrainingServer:
             client's error, 400."""
             from deltasync.protocol import public_message
 
-            return JSONResponse({"detail": f"malformed request ({type(e).__name__}: {public_message(e)[:200]})"},
-                                status_code=400)
+            return JSONResponse(
+                {"detail": f"malformed request ({type(e).__name__}: {public_message(e)[:200]})"}, status_code=400
+            )
 
         for kind in (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError):
             app.add_exception_handler(kind, malformed)
@@ -842,8 +969,8 @@ class TrainingServer:
 
         @app.post(api + "/client/config")
         async def client_config(request: Request):
-            """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies zstd-compressed
-            (``proto_compress_fwdbwd``)."""
+            """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies
+            zstd-compressed (``proto_compress_fwdbwd``)."""
             return {"proto_compress_fwdbwd": True}
 
         @app.post(api + "/client/dynamic_config")
@@ -858,8 +985,11 @@ class TrainingServer:
 
         @app.get(api + "/get_server_capabilities")
         async def capabilities():
-            return {"supported_models": [{"model_name": Path(self.checkpoint).name,
-                                          "max_context_length": self.limits.max_context}]}
+            return {
+                "supported_models": [
+                    {"model_name": Path(self.checkpoint).name, "max_context_length": self.limits.max_context}
+                ]
+            }
 
         @app.post(api + "/create_model")
         async def create_model(request: Request):
@@ -869,8 +999,9 @@ class TrainingServer:
             model_id = f"model-{uuid.uuid4().hex[:8]}"
             with self.lock:
                 if len(self.models) + self.creating >= self.limits.max_models:
-                    raise Busy(f"this server holds {self.limits.max_models} models (--max-models): unload_model one "
-                               "first")
+                    raise Busy(
+                        f"this server holds {self.limits.max_models} models (--max-models): unload_model one first"
+                    )
                 self.creating += 1
             rid, fut = self._future()
 
@@ -880,6 +1011,7 @@ class TrainingServer:
                 finally:
                     with self.lock:
                         self.creating -= 1
+
             self._run(create, fut)
             return {"request_id": rid, "model_id": model_id}
 
@@ -893,13 +1025,19 @@ class TrainingServer:
         async def get_info(request: Request):
             body = await body_of(request)
             model = model_of(body)
-            return {"type": "get_info", "model_id": body["model_id"],
-                    "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
-                    "is_lora": bool(model.lora_rank), "lora_rank": model.lora_rank, "model_name": model.base_model}
+            return {
+                "type": "get_info",
+                "model_id": body["model_id"],
+                "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
+                "is_lora": bool(model.lora_rank),
+                "lora_rank": model.lora_rank,
+                "model_name": model.base_model,
+            }
 
         def op(path: str, run, check=lambda body: None):
             """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal fails
             the request's future, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread."""
+
             @app.post(api + "/" + path)
             async def handler(request: Request):
                 body = await body_of(request)
@@ -909,12 +1047,18 @@ class TrainingServer:
                 def validate():
                     checked["value"] = check(body)
 
-                rid = await asyncio.to_thread(self._submit, body["model_id"], body.get("seq_id"),
-                                              lambda: run(model, body, checked.get("value")),
-                                              getattr(request.state, "body_bytes", 0), validate)
+                rid = await asyncio.to_thread(
+                    self._submit,
+                    body["model_id"],
+                    body.get("seq_id"),
+                    lambda: run(model, body, checked.get("value")),
+                    getattr(request.state, "body_bytes", 0),
+                    validate,
+                )
                 if is_proto(request):  # its result goes back as protobuf too
                     self.proto_results[rid] = tinker_proto.forward_backward_output
                 return {"request_id": rid, "model_id": body["model_id"]}
+
             return handler
 
         def flag(body: dict, key: str) -> bool:
@@ -922,18 +1066,33 @@ class TrainingServer:
                 raise UserError(f"{key} must be true or false")
             return bool(body.get(key))
 
-        op("forward", lambda m, b, c: self._forward(m, c, backward=False),
-           lambda b: self._forward_input(b, backward=False))
+        op(
+            "forward",
+            lambda m, b, c: self._forward(m, c, backward=False),
+            lambda b: self._forward_input(b, backward=False),
+        )
         # (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
-        op("forward_backward", lambda m, b, c: self._forward(m, c, backward=not b.get("forward_only")),
-           lambda b: self._forward_input(b, backward=not flag(b, "forward_only")))
+        op(
+            "forward_backward",
+            lambda m, b, c: self._forward(m, c, backward=not b.get("forward_only")),
+            lambda b: self._forward_input(b, backward=not flag(b, "forward_only")),
+        )
         op("optim_step", lambda m, b, c: self._optim(m, c), self._adam_params)
-        op("save_weights_for_sampler", lambda m, b, c: self._save_for_sampler(b["model_id"], m, b),
-           self._check_save_for_sampler)
-        op("save_weights", lambda m, b, c: self._save_state(b["model_id"], m, b["path"], flag(b, "overwrite")),
-           lambda b: (self._identity(b.get("path"), "path"), flag(b, "overwrite")))
-        op("load_weights", lambda m, b, c: self._load_state(m, b["path"], flag(b, "optimizer")),
-           lambda b: (_string(b, "path"), flag(b, "optimizer")))
+        op(
+            "save_weights_for_sampler",
+            lambda m, b, c: self._save_for_sampler(b["model_id"], m, b),
+            self._check_save_for_sampler,
+        )
+        op(
+            "save_weights",
+            lambda m, b, c: self._save_state(b["model_id"], m, b["path"], flag(b, "overwrite")),
+            lambda b: (self._identity(b.get("path"), "path"), flag(b, "overwrite")),
+        )
+        op(
+            "load_weights",
+            lambda m, b, c: self._load_state(m, b["path"], flag(b, "optimizer")),
+            lambda b: (_string(b, "path"), flag(b, "optimizer")),
+        )
 
         def sampler():
             if self.sampler is None:
@@ -960,8 +1119,9 @@ class TrainingServer:
                 except HotLoadRefused as e:
                     raise UserError(f"the sampler cannot load {identity!r}: {e}") from None
                 model = self.models.get(model_id)
-                session = s.open(model.base_model if model else self.checkpoint, str(body["model_path"]), identity,
-                                 lora_name)
+                session = s.open(
+                    model.base_model if model else self.checkpoint, str(body["model_path"]), identity, lora_name
+                )
             elif _string(body, "base_model", required=False):
                 session = s.open(body["base_model"], None, None, None)
             else:
@@ -971,8 +1131,11 @@ class TrainingServer:
         @app.get(api + "/samplers/{sampler_id}")
         async def get_sampler(sampler_id: str):
             session = sampler().session(sampler_id)
-            return {"sampler_id": session.sampling_session_id, "base_model": session.base_model,
-                    "model_path": session.model_path}
+            return {
+                "sampler_id": session.sampling_session_id,
+                "base_model": session.base_model,
+                "model_path": session.model_path,
+            }
 
         @app.post(api + "/asample")
         async def asample(request: Request):
@@ -989,6 +1152,7 @@ class TrainingServer:
                     fut.set_result(s.sample(session, body))
                 except Exception as e:  # noqa: BLE001 - every failure is the future's answer
                     fut.set_exception(e)
+
             self.sample_pool.submit(job)
             return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
 
@@ -1020,15 +1184,18 @@ class TrainingServer:
                 self._expire_gaps()
                 if not fut.done():
                     return {"type": "try_again", "request_id": rid, "queue_state": "active"}
-            except Exception:  # noqa: BLE001, S110 - the operation's failure: read from the future below
+            except Exception:  # noqa: BLE001 - the operation's failure: read from the future below
                 pass
             self.futures.pop(rid, None)
             proto = self.proto_results.pop(rid, None)
             error = fut.exception()
             if error is not None:  # in the client's error shape
                 user = isinstance(error, (ValueError, KeyError, TypeError, NotImplementedError))  # UserError too
-                return {"error": public_message(error), "category": "user" if user else "server",
-                        "error_class": type(error).__name__}
+                return {
+                    "error": public_message(error),
+                    "category": "user" if user else "server",
+                    "error_class": type(error).__name__,
+                }
             if proto is not None:
                 return Response(proto(fut.result()), media_type=tinker_proto.CONTENT_TYPE)
             return fut.result()
@@ -1050,8 +1217,15 @@ class TrainingServerProcess:
     def __init__(self, checkpoint: str, snapshot_root: str, api_key: str, log_path, extra_args=()) -> None:
         import sys
 
-        self.args = ["--checkpoint", str(checkpoint), "--snapshot-root", str(snapshot_root), "--api-key", api_key,
-                     *map(str, extra_args)]
+        self.args = [
+            "--checkpoint",
+            str(checkpoint),
+            "--snapshot-root",
+            str(snapshot_root),
+            "--api-key",
+            api_key,
+            *map(str, extra_args),
+        ]
         self.log_path, self.proc, self.base = Path(log_path), None, ""
         self.python = sys.executable
 
@@ -1072,9 +1246,12 @@ class TrainingServerProcess:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen([self.python, "-m", "titan_plugin.training_server", *self.args,
-                                          "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "TINKER_TELEMETRY": "0", **(env or {})})
+            self.proc = subprocess.Popen(
+                [self.python, "-m", "titan_plugin.training_server", *self.args, "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "TINKER_TELEMETRY": "0", **(env or {})},
+            )
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + budget_s
         while time.monotonic() < deadline:
@@ -1088,8 +1265,7 @@ class TrainingServerProcess:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"training server not healthy within {budget_s:.0f} s:\n"
-                           + self.log_tail())
+        raise RuntimeError(f"training server not healthy within {budget_s:.0f} s:\n" + self.log_tail())
 
     def log_tail(self, chars: int = 3000) -> str:
         """The last ``chars`` characters of its log (``""`` before the first start)."""
@@ -1117,9 +1293,9 @@ class TrainingServerProcess:
 def main(argv=None) -> None:
     import os
 
-    from zerokld_plugins import envs
-
     import uvicorn
+
+    from zerokld_plugins import envs
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
@@ -1127,29 +1303,61 @@ def main(argv=None) -> None:
     ap.add_argument("--api-key", default=envs.ZEROKLD_API_KEY)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--learning-rate", type=float, default=1e-4)
-    ap.add_argument("--seq-gap-s", type=float, default=120.0, help="seconds a request waits for an earlier seq_id "
-                                                                     "before failing")
-    ap.add_argument("--max-lora-rank", type=int, default=0, help="the vLLM server's --max-lora-rank (LoRA models "
-                                                                    "are zero-padded to it)")
-    ap.add_argument("--state-dir", default=None, help="keep what a restart needs here (a checkpoint per optim_step); "
-                                                     "a restart on it resumes every model at its last optim_step")
-    ap.add_argument("--sampler-url", default=None, help="the zerokld vLLM server (hot-load on, on this --snapshot-root) "
-                                                        "that serves tinker's sampling sessions")
-    ap.add_argument("--sampler-api-key", default=envs.ZEROKLD_SAMPLER_API_KEY,
-                    help="its API key (default: --api-key)")
-    ap.add_argument("--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for "
-                                                         "contrast")
+    ap.add_argument(
+        "--seq-gap-s", type=float, default=120.0, help="seconds a request waits for an earlier seq_id before failing"
+    )
+    ap.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=0,
+        help="the vLLM server's --max-lora-rank (LoRA models are zero-padded to it)",
+    )
+    ap.add_argument(
+        "--state-dir",
+        default=None,
+        help="keep what a restart needs here (a checkpoint per optim_step); "
+        "a restart on it resumes every model at its last optim_step",
+    )
+    ap.add_argument(
+        "--sampler-url",
+        default=None,
+        help="the zerokld vLLM server (hot-load on, on this --snapshot-root) that serves tinker's sampling sessions",
+    )
+    ap.add_argument("--sampler-api-key", default=envs.ZEROKLD_SAMPLER_API_KEY, help="its API key (default: --api-key)")
+    ap.add_argument(
+        "--stock", action="store_true", help="TorchTitan's stock numerics (batch_invariant off), for contrast"
+    )
     defaults = Limits()
-    ap.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
-                    help="largest request body, as sent and decompressed (413 beyond)")
-    ap.add_argument("--max-context", type=int, default=defaults.max_context,
-                    help="most tokens in one datum (advertised by get_server_capabilities; 400 beyond)")
-    ap.add_argument("--max-parked", type=int, default=defaults.max_parked,
-                    help="most requests of one model waiting for an earlier seq_id (429 beyond)")
-    ap.add_argument("--max-parked-bytes", type=int, default=defaults.max_parked_bytes,
-                    help="most body bytes of one model's requests waiting for an earlier seq_id (429 beyond)")
-    ap.add_argument("--max-models", type=int, default=defaults.max_models,
-                    help="most models held at once (unload_model frees one; 429 beyond)")
+    ap.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        help="largest request body, as sent and decompressed (413 beyond)",
+    )
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=defaults.max_context,
+        help="most tokens in one datum (advertised by get_server_capabilities; 400 beyond)",
+    )
+    ap.add_argument(
+        "--max-parked",
+        type=int,
+        default=defaults.max_parked,
+        help="most requests of one model waiting for an earlier seq_id (429 beyond)",
+    )
+    ap.add_argument(
+        "--max-parked-bytes",
+        type=int,
+        default=defaults.max_parked_bytes,
+        help="most body bytes of one model's requests waiting for an earlier seq_id (429 beyond)",
+    )
+    ap.add_argument(
+        "--max-models",
+        type=int,
+        default=defaults.max_models,
+        help="most models held at once (unload_model frees one; 429 beyond)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     args = ap.parse_args(argv)
@@ -1162,12 +1370,20 @@ def main(argv=None) -> None:
     with socket.socket() as s:  # its one-process group's own port: an inherited MASTER_PORT may be held by the
         s.bind(("127.0.0.1", 0))  # process that started it (one that ran a trainer in-process, e.g. a test run)
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    server = TrainingServer(args.checkpoint, args.snapshot_root, args.api_key, args.dtype, args.learning_rate,
-                            batch_invariant=not args.stock, seq_gap_s=args.seq_gap_s,
-                            max_lora_rank=args.max_lora_rank, state_dir=args.state_dir,
-                            sampler_url=args.sampler_url, sampler_api_key=args.sampler_api_key,
-                            limits=Limits(args.max_body_bytes, args.max_context, args.max_parked,
-                                          args.max_parked_bytes, args.max_models))
+    server = TrainingServer(
+        args.checkpoint,
+        args.snapshot_root,
+        args.api_key,
+        args.dtype,
+        args.learning_rate,
+        batch_invariant=not args.stock,
+        seq_gap_s=args.seq_gap_s,
+        max_lora_rank=args.max_lora_rank,
+        state_dir=args.state_dir,
+        sampler_url=args.sampler_url,
+        sampler_api_key=args.sampler_api_key,
+        limits=Limits(args.max_body_bytes, args.max_context, args.max_parked, args.max_parked_bytes, args.max_models),
+    )
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 

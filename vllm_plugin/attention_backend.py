@@ -17,6 +17,7 @@ The metadata builder keeps vLLM's device tensors (``query_start_loc``, ``seq_len
 forward performs no device-to-host copy (CUDA-graph capturable: decode-only full graphs,
 ``UNIFORM_SINGLE_TOKEN_DECODE``). What only CUDA needs is in :mod:`vllm_plugin.cuda`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
-                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from shared_numerics import paged_causal_attention
@@ -35,8 +43,15 @@ from . import cuda
 BACKEND_NAME = "ZEROKLD_ATTN"
 LATENT_BACKEND_NAME = "ZEROKLD_LATENT_ATTN"
 
-__all__ = ["BACKEND_NAME", "LATENT_BACKEND_NAME", "LatentAttention", "ZeroKLDAttentionBackend",
-           "ZeroKLDAttentionMetadata", "ZeroKLDLatentAttentionBackend", "split_kv_cache"]
+__all__ = [
+    "BACKEND_NAME",
+    "LATENT_BACKEND_NAME",
+    "LatentAttention",
+    "ZeroKLDAttentionBackend",
+    "ZeroKLDAttentionMetadata",
+    "ZeroKLDLatentAttentionBackend",
+    "split_kv_cache",
+]
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +83,11 @@ class ZeroKLDAttentionMetadataBuilder(AttentionMetadataBuilder[ZeroKLDAttentionM
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.max_model_len = vllm_config.model_config.max_model_len
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> ZeroKLDAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> ZeroKLDAttentionMetadata:
         m = common_attn_metadata
-        if not (m.causal is True):
+        if m.causal is not True:
             raise NotImplementedError("zerokld attention supports causal decoder attention only")
         n = m.num_reqs
         return ZeroKLDAttentionMetadata(
@@ -100,10 +116,20 @@ def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Te
 
 
 class ZeroKLDAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
-                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes is not None,
             "sliding_window": sliding_window not in (None, -1),
@@ -123,8 +149,14 @@ class ZeroKLDAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.attn_type = attn_type
 
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Write the scheduled tokens' keys and values at their slots (``slot = block * block_size + offset``;
         negative slots are padding). Data movement only: the same bits on every device."""
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
@@ -138,8 +170,9 @@ class ZeroKLDAttentionImpl(AttentionImpl):
         """The ``[blocks, kv_heads, block_size, head_size]`` key and value views of a layer's cache."""
         return split_kv_cache(kv_cache, self.head_size)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by zerokld attention")
         if attn_metadata is None:  # memory profiling / warm-up
@@ -147,8 +180,17 @@ class ZeroKLDAttentionImpl(AttentionImpl):
         md = attn_metadata
         n = md.num_actual_tokens
         key_cache, value_cache = self.caches(kv_cache)
-        out = paged_causal_attention(query[:n], key_cache, value_cache, md.query_start_loc, md.seq_lens,
-                                     md.block_table, self.scale, md.max_query_len, md.max_seq_len)
+        out = paged_causal_attention(
+            query[:n],
+            key_cache,
+            value_cache,
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_table,
+            self.scale,
+            md.max_query_len,
+            md.max_seq_len,
+        )
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 
@@ -199,8 +241,14 @@ class ZeroKLDLatentAttentionImpl(ZeroKLDAttentionImpl):
     values per token (``kv_lora_rank + qk_rope_head_dim``), serving as the keys and the values of every query head;
     the layer's output has ``head_size`` columns per head (the model keeps the first ``kv_lora_rank``)."""
 
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Write the scheduled tokens' latents (``key``; ``value`` is the same tensor) at their slots (torch
         indexing on every device; not CUDA-graph capturable)."""
         _write_slots(kv_cache, key, slot_mapping)
@@ -236,15 +284,26 @@ def _latent_attention_class():
         def get_kv_cache_spec(self, vllm_config):
             from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-            return MLAAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
-                                    head_size=self.head_size, dtype=self.kv_cache_torch_dtype)
+            return MLAAttentionSpec(
+                block_size=vllm_config.cache_config.block_size,
+                num_kv_heads=1,
+                head_size=self.head_size,
+                dtype=self.kv_cache_torch_dtype,
+            )
 
     return _LatentAttention
 
 
-def LatentAttention(num_heads: int, head_size: int, scale: float, cache_config, prefix: str):  # noqa: N802
+def LatentAttention(num_heads: int, head_size: int, scale: float, cache_config, prefix: str):
     """A latent-cache attention layer (see :class:`ZeroKLDLatentAttentionBackend`): ``num_heads`` query heads of
     ``head_size`` over one latent of ``head_size`` per token; ``forward(q [n, H * head_size], latent [n, head_size],
     latent)`` returns ``[n, H * head_size]``."""
-    return _latent_attention_class()(num_heads, head_size, scale, num_kv_heads=1, cache_config=cache_config,
-                                     prefix=prefix, attn_backend=ZeroKLDLatentAttentionBackend)
+    return _latent_attention_class()(
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads=1,
+        cache_config=cache_config,
+        prefix=prefix,
+        attn_backend=ZeroKLDLatentAttentionBackend,
+    )

@@ -6,6 +6,7 @@ Pass it as ``--additional-config '{"zerokld": {"batch_invariant": true}}'`` to t
 takes the settings' defaults (``batch_invariant`` on). :func:`from_vllm_config` is the one reader: each distinct
 section is parsed once per process and every caller gets that object.
 """
+
 from __future__ import annotations
 
 import functools

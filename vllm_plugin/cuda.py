@@ -11,6 +11,7 @@
 Model Runner V2 (vLLM's CUDA default when Triton is present) is refused or avoided in :mod:`vllm_plugin.runner`,
 which is not CUDA-specific and is tested on CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,14 +19,28 @@ import torch
 __all__ = ["capture_metadata", "write_kv_cache"]
 
 
-def write_kv_cache(layer, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    layer,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """``key``/``value`` ``[tokens, kv_heads, head_size]`` into ``[blocks, kv_heads, block_size, head_size]``
     cache views at ``slot_mapping`` (``-1``: skip)."""
     from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
-    triton_reshape_and_cache_flash(key, value, key_cache.transpose(1, 2), value_cache.transpose(1, 2), slot_mapping,
-                                   "auto", layer._k_scale, layer._v_scale)
+    triton_reshape_and_cache_flash(
+        key,
+        value,
+        key_cache.transpose(1, 2),
+        value_cache.transpose(1, 2),
+        slot_mapping,
+        "auto",
+        layer._k_scale,
+        layer._v_scale,
+    )
 
 
 def capture_metadata(metadata, max_model_len: int):

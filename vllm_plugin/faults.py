@@ -14,6 +14,7 @@ in the middle of a stream) arm it. (Without it such a request once ended before 
 the engine core's busy loop and the worker each hold a core while a request runs, and the API server and the test
 share what is left.)
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ models, so :meth:`ZeroKLDFp8Config.get_quant_method` has nothing to return.
 Source: ``vllm/model_executor/layers/quantization/__init__.py`` (``register_quantization_config``),
 ``base_config.py`` (the interface).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,7 +47,7 @@ class ZeroKLDFp8Config(QuantizationConfig):
         return []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ZeroKLDFp8Config":
+    def from_config(cls, config: dict[str, Any]) -> ZeroKLDFp8Config:
         return cls(parse_quantization_config(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

@@ -10,6 +10,7 @@ declared ``attention="mla"``, those four settings come out of the platform's pas
 MLA: the user's values, and the CPU default block size 128 when none was given. Every other engine — stock DeepSeek
 included — gets vLLM's own pass unchanged.
 """
+
 from __future__ import annotations
 
 __all__ = ["CPU_DEFAULT_BLOCK_SIZE", "install", "zerokld_latent_engine"]
@@ -45,11 +46,19 @@ def install() -> None:
             if not zerokld_latent_engine(vllm_config):
                 return original(vllm_config)
             cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
-            before = (cache.block_size if cache.user_specified_block_size else CPU_DEFAULT_BLOCK_SIZE,
-                      sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
+            before = (
+                cache.block_size if cache.user_specified_block_size else CPU_DEFAULT_BLOCK_SIZE,
+                sched.enable_chunked_prefill,
+                cache.enable_prefix_caching,
+                sched.max_num_batched_tokens,
+            )
             original(vllm_config)
-            (cache.block_size, sched.enable_chunked_prefill, cache.enable_prefix_caching,
-             sched.max_num_batched_tokens) = before
+            (
+                cache.block_size,
+                sched.enable_chunked_prefill,
+                cache.enable_prefix_caching,
+                sched.max_num_batched_tokens,
+            ) = before
 
         return classmethod(check_and_update_config)
 

@@ -16,6 +16,7 @@ none) share the batch — and equal the trainer's :class:`titan_plugin.lora.Zero
 so stock models in the same process are untouched. Source: ``vllm/lora/layers/{base_linear,replicated_linear}.py``,
 ``vllm/lora/model_manager.py``, ``vllm/lora/punica_wrapper/punica_base.py`` (vLLM 0.32).
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ features contribute to the same two targets, so neither wraps the other's patch.
   each ``/v1/completions`` choice gets the same fields (:func:`vllm_plugin.sampler.tag_choice`,
   :func:`vllm_plugin.hotload.attribution.tag_choice`).
 """
+
 from __future__ import annotations
 
 from .seams import replace
@@ -33,7 +34,7 @@ def install() -> None:
         def zerokld_completion_response(self, final_res_batch, *args, **kwargs):
             response = original(self, final_res_batch, *args, **kwargs)
             outputs = [o for res in final_res_batch for o in res.outputs]
-            for choice, out in zip(response.choices, outputs):  # vLLM appends choices in this order
+            for choice, out in zip(response.choices, outputs, strict=True):  # vLLM appends choices in this order
                 tag_choice(choice, out)
                 attribution.tag_choice(choice, out)
             return response
@@ -41,5 +42,7 @@ def install() -> None:
         return zerokld_completion_response
 
     replace("vllm.v1.engine.output_processor:RequestState._new_completion_output", completion_output)
-    replace("vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.request_output_to_completion_response",
-            completion_response)
+    replace(
+        "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.request_output_to_completion_response",
+        completion_response,
+    )

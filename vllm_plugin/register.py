@@ -24,6 +24,7 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
 Every vLLM attribute replaced on the way is declared in :data:`vllm_plugin.seams.SEAMS` and checked against the running
 vLLM first (:class:`vllm_plugin.seams.SeamError` names what is missing).
 """
+
 from __future__ import annotations
 
 _REGISTERED = False

@@ -14,6 +14,7 @@ model's :class:`vllm_plugin.models.moe.RouteCache` through the request's block t
 their slots still hold the routes written with their KV). Rows are int16.
 Sources: ``vllm/distributed/aux_output_connector/connector.py``, ``vllm/v1/engine/output_processor.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -74,18 +75,17 @@ def _patch_runner() -> None:
             state = self.execute_model_state
             output = sample_tokens(self, grammar_output)
             model = self.get_model() if state is not None else None
-            meta = (getattr(state.scheduler_output, "aux_output_connector_metadata", None) if state is not None
-                    else None)
-            if (meta is None or not getattr(model, "capture_routes", False)
-                    or not isinstance(output, ModelRunnerOutput)):
+            meta = getattr(state.scheduler_output, "aux_output_connector_metadata", None) if state is not None else None
+            if meta is None or not getattr(model, "capture_routes", False) or not isinstance(output, ModelRunnerOutput):
                 return output
             rows = {}
             bs = _block_size(self)
             for req_id, start in meta.requests.items():
                 req = self.requests[req_id]
                 end = req.num_computed_tokens + state.scheduler_output.num_scheduled_tokens[req_id]
-                rows[req_id] = AuxRequestOutput(token_start=start,
-                                                rows=request_rows(model, req.block_ids[0], bs, start, end))
+                rows[req_id] = AuxRequestOutput(
+                    token_start=start, rows=request_rows(model, req.block_ids[0], bs, start, end)
+                )
             output.aux_output_connector_output = rows
             return output
 

@@ -11,6 +11,7 @@ silently not run and the returned logprobs would be vLLM's, not ours. So, with `
 
 Engines without zerokld keep vLLM's own choice.
 """
+
 from __future__ import annotations
 
 from .config import ZeroKLDConfigError, from_vllm_config
@@ -31,7 +32,8 @@ def use_v2_model_runner(vllm_config, vllm_default) -> bool:
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise ZeroKLDConfigError(
             "zerokld batch_invariant needs vLLM's V1 model runner (its sampler/logprobs hooks); "
-            "VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2: unset it or set it to 0")
+            "VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2: unset it or set it to 0"
+        )
     return False
 
 
@@ -39,5 +41,9 @@ def install() -> None:
     """Wrap ``VllmConfig.use_v2_model_runner`` (idempotent)."""
     from .seams import replace
 
-    replace("vllm.config.vllm:VllmConfig.use_v2_model_runner", lambda original: property(
-        lambda self: use_v2_model_runner(self, lambda: original.fget(self)), doc=original.__doc__))
+    replace(
+        "vllm.config.vllm:VllmConfig.use_v2_model_runner",
+        lambda original: property(
+            lambda self: use_v2_model_runner(self, lambda: original.fget(self)), doc=original.__doc__
+        ),
+    )

@@ -26,6 +26,7 @@ sampler:
 * ``Sampler.compute_logprobs``: the log-softmax on ``shared_numerics`` in processes whose model is zerokld's
   (:func:`set_logprobs_definition`), vLLM's own elsewhere.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -39,8 +40,14 @@ import shared_numerics.sampling as sn_sampling
 from .config import ZeroKLDConfigError, from_vllm_config, numerics_stamp
 from .seams import replace
 
-__all__ = ["check_sampler_supported", "install", "set_logprobs_definition", "tag_choice", "tag_output",
-           "unseeded_request_seed"]
+__all__ = [
+    "check_sampler_supported",
+    "install",
+    "set_logprobs_definition",
+    "tag_choice",
+    "tag_output",
+    "unseeded_request_seed",
+]
 
 _ROWS: contextvars.ContextVar = contextvars.ContextVar("zerokld_sampler_rows", default=None)
 _EPS = 1e-5
@@ -96,7 +103,8 @@ def unseeded_request_seed(owner) -> int:
     if stream is None:
         seed = getattr(owner.vllm_config.model_config, "seed", None)
         stream = owner.__dict__["_zerokld_seed_stream"] = (
-            random.Random(f"zerokld-sampler-{seed}") if seed is not None else None)
+            random.Random(f"zerokld-sampler-{seed}") if seed is not None else None
+        )
     return secrets.randbits(62) if stream is None else stream.getrandbits(62)
 
 
@@ -220,8 +228,10 @@ def _patch_sampler() -> None:
                 return original(self, logits, sampling_metadata, logprobs_mode_override)
             seeds, positions = rows
             if seeds.shape[0] != logits.shape[0]:
-                raise RuntimeError(f"zerokld sampler: {logits.shape[0]} logit rows for {seeds.shape[0]} requests "
-                                   "(speculative decoding is not supported)")
+                raise RuntimeError(
+                    f"zerokld sampler: {logits.shape[0]} logit rows for {seeds.shape[0]} requests "
+                    "(speculative decoding is not supported)"
+                )
             greedy = None if md.all_random else self.greedy_sample(logits)
             z = sn_sampling.scale_logits(logits, md.temperature)
             for processor in md.logitsprocs.argmax_invariant:

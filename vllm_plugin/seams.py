@@ -20,6 +20,7 @@ pinned vLLM, catch.
 
 Source: vLLM's plugin system (``vllm/plugins/__init__.py``: ``load_general_plugins`` in every process).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -58,71 +59,140 @@ _COMPLETION = "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletio
 _CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
 
 SEAMS: tuple[Seam, ...] = (
-    Seam("vllm.model_executor.model_loader.base_loader:initialize_model",
-         "refuse to start a zerokld engine whose architecture did not switch to zerokld numerics",
-         ("vllm_plugin.register",),
-         kind="function", params=("vllm_config",)),
-    Seam("vllm.v1.engine.input_processor:InputProcessor.process_inputs",
-         "draw a seed for requests without one (deterministic sampler), stamp the engine's numerics",
-         ("vllm_plugin.sampler",),
-         kind="function", params=("self",)),
-    Seam(f"{_STATE}.from_new_request", "carry the request's seed and numerics stamp to its outputs",
-         ("vllm_plugin.sampler",),
-         kind="classmethod", params=("cls", "tokenizer", "request")),
-    Seam(f"{_STATE}._new_completion_output",
-         "CompletionOutput.zerokld_seed / zerokld_numerics; the weight-version spans so far (hot-load attribution)",
-         ("vllm_plugin.outputs", "vllm_plugin.sampler", "vllm_plugin.hotload.attribution"),
-         kind="function", params=("self",)),
-    Seam(f"{_COMPLETION}.request_output_to_completion_response",
-         "zerokld_seed / zerokld_numerics and weight_versions on each /v1/completions choice",
-         ("vllm_plugin.outputs", "vllm_plugin.sampler", "vllm_plugin.hotload.attribution"),
-         kind="function", params=("self", "final_res_batch")),
-    Seam(f"{_COMPLETION}.completion_stream_generator", "weight_versions on streamed completion choices",
-         ("vllm_plugin.hotload.attribution",),
-         kind="function", params=("self", "request", "engine_inputs", "result_generator")),
-    Seam(f"{_CHAT}.chat_completion_full_generator", "weight_versions on chat choices",
-         ("vllm_plugin.hotload.attribution",),
-         kind="function", params=("self", "request", "result_generator")),
-    Seam(f"{_CHAT}.chat_completion_stream_generator", "weight_versions on streamed chat choices",
-         ("vllm_plugin.hotload.attribution",),
-         kind="function", params=("self", "request", "result_generator")),
-    Seam(f"{_RUNNER}._update_states", "keep vLLM's per-request torch.Generator bookkeeping off for zerokld seeds",
-         ("vllm_plugin.sampler",),
-         kind="function", params=("self", "scheduler_output")),
-    Seam(f"{_RUNNER}._sample", "sample with shared_numerics.sampling (noise = hash(seed, position, vocab id))",
-         ("vllm_plugin.sampler",),
-         kind="function", params=("self", "logits", "spec_decode_metadata")),
-    Seam(f"{_RUNNER}.sample_tokens", "attach the routed experts recorded on CPU (enable_return_routed_experts)",
-         ("vllm_plugin.routing",),
-         kind="function", params=("self", "grammar_output")),
-    Seam("vllm.v1.sample.sampler:Sampler.sample", "the deterministic sampler inside vLLM's Sampler",
-         ("vllm_plugin.sampler",),
-         kind="function", params=("self", "logits", "sampling_metadata", "logprobs_mode_override")),
-    Seam("vllm.v1.sample.sampler:Sampler.compute_logprobs",
-         "the sampler's log-softmax on shared_numerics (vocab-parallel with tp_k_block)",
-         ("vllm_plugin.models.dense",),
-         kind="staticmethod", params=("logits",)),
-    Seam("vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
-         "allow enable_return_routed_experts on CPU for zerokld MoE models, with zerokld's own checks",
-         ("vllm_plugin.routing",),
-         kind="function", params=("self",)),
-    Seam("vllm.config.vllm:VllmConfig.use_v2_model_runner",
-         "select vLLM's V1 model runner (where the hooks live) for zerokld engines", ("vllm_plugin.runner",),
-         kind="property", params=("self",)),
-    Seam("vllm.engine.arg_utils:EngineArgs.create_engine_config",
-         "give zerokld engines the hot-load worker extension", ("vllm_plugin.hotload.worker",),
-         kind="function", params=("self",)),
-    Seam("vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.verify_token",
-         "accept the server's key as Fireworks' X-Api-Key header too (hot-load servers only)",
-         ("vllm_plugin.hotload.fireworks",),
-         kind="function", params=("self", "headers")),
-    Seam("vllm.platforms.cpu:CpuPlatform.check_and_update_config",
-         "keep chunked prefill, prefix caching and the block size of zerokld MLA engines (vLLM-CPU turns them off "
-         "for its own MLA kernels)", ("vllm_plugin.latent_platform",),
-         kind="classmethod", params=("cls", "vllm_config")),
-    Seam("vllm.lora.utils:_all_lora_classes", "vLLM's LoRA manager wraps zerokld projections with zerokld's layer",
-         ("vllm_plugin.lora",),
-         kind="tuple", params=()),
+    Seam(
+        "vllm.model_executor.model_loader.base_loader:initialize_model",
+        "refuse to start a zerokld engine whose architecture did not switch to zerokld numerics",
+        ("vllm_plugin.register",),
+        kind="function",
+        params=("vllm_config",),
+    ),
+    Seam(
+        "vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+        "draw a seed for requests without one (deterministic sampler), stamp the engine's numerics",
+        ("vllm_plugin.sampler",),
+        kind="function",
+        params=("self",),
+    ),
+    Seam(
+        f"{_STATE}.from_new_request",
+        "carry the request's seed and numerics stamp to its outputs",
+        ("vllm_plugin.sampler",),
+        kind="classmethod",
+        params=("cls", "tokenizer", "request"),
+    ),
+    Seam(
+        f"{_STATE}._new_completion_output",
+        "CompletionOutput.zerokld_seed / zerokld_numerics; the weight-version spans so far (hot-load attribution)",
+        ("vllm_plugin.outputs", "vllm_plugin.sampler", "vllm_plugin.hotload.attribution"),
+        kind="function",
+        params=("self",),
+    ),
+    Seam(
+        f"{_COMPLETION}.request_output_to_completion_response",
+        "zerokld_seed / zerokld_numerics and weight_versions on each /v1/completions choice",
+        ("vllm_plugin.outputs", "vllm_plugin.sampler", "vllm_plugin.hotload.attribution"),
+        kind="function",
+        params=("self", "final_res_batch"),
+    ),
+    Seam(
+        f"{_COMPLETION}.completion_stream_generator",
+        "weight_versions on streamed completion choices",
+        ("vllm_plugin.hotload.attribution",),
+        kind="function",
+        params=("self", "request", "engine_inputs", "result_generator"),
+    ),
+    Seam(
+        f"{_CHAT}.chat_completion_full_generator",
+        "weight_versions on chat choices",
+        ("vllm_plugin.hotload.attribution",),
+        kind="function",
+        params=("self", "request", "result_generator"),
+    ),
+    Seam(
+        f"{_CHAT}.chat_completion_stream_generator",
+        "weight_versions on streamed chat choices",
+        ("vllm_plugin.hotload.attribution",),
+        kind="function",
+        params=("self", "request", "result_generator"),
+    ),
+    Seam(
+        f"{_RUNNER}._update_states",
+        "keep vLLM's per-request torch.Generator bookkeeping off for zerokld seeds",
+        ("vllm_plugin.sampler",),
+        kind="function",
+        params=("self", "scheduler_output"),
+    ),
+    Seam(
+        f"{_RUNNER}._sample",
+        "sample with shared_numerics.sampling (noise = hash(seed, position, vocab id))",
+        ("vllm_plugin.sampler",),
+        kind="function",
+        params=("self", "logits", "spec_decode_metadata"),
+    ),
+    Seam(
+        f"{_RUNNER}.sample_tokens",
+        "attach the routed experts recorded on CPU (enable_return_routed_experts)",
+        ("vllm_plugin.routing",),
+        kind="function",
+        params=("self", "grammar_output"),
+    ),
+    Seam(
+        "vllm.v1.sample.sampler:Sampler.sample",
+        "the deterministic sampler inside vLLM's Sampler",
+        ("vllm_plugin.sampler",),
+        kind="function",
+        params=("self", "logits", "sampling_metadata", "logprobs_mode_override"),
+    ),
+    Seam(
+        "vllm.v1.sample.sampler:Sampler.compute_logprobs",
+        "the sampler's log-softmax on shared_numerics (vocab-parallel with tp_k_block)",
+        ("vllm_plugin.models.dense",),
+        kind="staticmethod",
+        params=("logits",),
+    ),
+    Seam(
+        "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
+        "allow enable_return_routed_experts on CPU for zerokld MoE models, with zerokld's own checks",
+        ("vllm_plugin.routing",),
+        kind="function",
+        params=("self",),
+    ),
+    Seam(
+        "vllm.config.vllm:VllmConfig.use_v2_model_runner",
+        "select vLLM's V1 model runner (where the hooks live) for zerokld engines",
+        ("vllm_plugin.runner",),
+        kind="property",
+        params=("self",),
+    ),
+    Seam(
+        "vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        "give zerokld engines the hot-load worker extension",
+        ("vllm_plugin.hotload.worker",),
+        kind="function",
+        params=("self",),
+    ),
+    Seam(
+        "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.verify_token",
+        "accept the server's key as Fireworks' X-Api-Key header too (hot-load servers only)",
+        ("vllm_plugin.hotload.fireworks",),
+        kind="function",
+        params=("self", "headers"),
+    ),
+    Seam(
+        "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+        "keep chunked prefill, prefix caching and the block size of zerokld MLA engines (vLLM-CPU turns them off "
+        "for its own MLA kernels)",
+        ("vllm_plugin.latent_platform",),
+        kind="classmethod",
+        params=("cls", "vllm_config"),
+    ),
+    Seam(
+        "vllm.lora.utils:_all_lora_classes",
+        "vLLM's LoRA manager wraps zerokld projections with zerokld's layer",
+        ("vllm_plugin.lora",),
+        kind="tuple",
+        params=(),
+    ),
 )
 
 
@@ -149,14 +219,15 @@ def _problem(seam: Seam) -> str | None:
         return "no such module"
     except AttributeError:
         return "no such attribute"
-    kind = {classmethod: "classmethod", staticmethod: "staticmethod", property: "property",
-            tuple: "tuple"}.get(type(held), "function" if callable(held) else type(held).__name__)
+    kind = {classmethod: "classmethod", staticmethod: "staticmethod", property: "property", tuple: "tuple"}.get(
+        type(held), "function" if callable(held) else type(held).__name__
+    )
     if kind != seam.kind:
         return f"a {kind}, not a {seam.kind}"
     if seam.params:
         fn = held.fget if isinstance(held, property) else getattr(held, "__func__", held)
         got = tuple(inspect.signature(fn).parameters)
-        if got[:len(seam.params)] != seam.params:
+        if got[: len(seam.params)] != seam.params:
             return f"parameters ({', '.join(got)}), expected ({', '.join(seam.params)}, ...)"
     return None
 
@@ -178,9 +249,11 @@ def check(seams: tuple[Seam, ...] = SEAMS) -> None:
     if problems:
         import vllm
 
-        raise SeamError(f"zerokld cannot run on vLLM {getattr(vllm, '__version__', '?')} (verified with "
-                        f"{', '.join(VERIFIED_VLLM)}): it lacks or changed " + "; ".join(
-                            f"{s.target} ({p}; zerokld needs it to {s.purpose})" for s, p in problems))
+        raise SeamError(
+            f"zerokld cannot run on vLLM {getattr(vllm, '__version__', '?')} (verified with "
+            f"{', '.join(VERIFIED_VLLM)}): it lacks or changed "
+            + "; ".join(f"{s.target} ({p}; zerokld needs it to {s.purpose})" for s, p in problems)
+        )
 
 
 _INSTALLED: dict[str, object] = {}  # target -> vLLM's original
@@ -199,8 +272,10 @@ def replace(target: str, make) -> None:
     who = f"{make.__module__}.{make.__qualname__}"
     if target in _INSTALLED:
         if _BY[target] != who:
-            raise SeamError(f"{target} is replaced by {_BY[target]}; {who} would wrap that patch (contribute to "
-                            "the one replacement instead)")
+            raise SeamError(
+                f"{target} is replaced by {_BY[target]}; {who} would wrap that patch (contribute to "
+                "the one replacement instead)"
+            )
         return
     seam = next((s for s in SEAMS if s.target == target), None)
     if seam is None:

@@ -8,6 +8,7 @@ SIGKILL orphaned them — and nothing else on the host. :class:`HotLoadServer` i
 hot-load endpoint on. The countdown example's ``--server`` mode, the hot-load benchmark and the tests start their
 servers with them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,9 @@ class OpenAIServer:
         start_budget_s: seconds :meth:`start` waits for ``/health`` before it gives up.
     """
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
-                 start_budget_s: float = START_BUDGET_S) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict | None = None, start_budget_s: float = START_BUDGET_S
+    ) -> None:
         self.args, self.log_path, self.start_budget_s = list(args), Path(log_path), start_budget_s
         self.env = env if env is not None else {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
         self.proc: subprocess.Popen | None = None
@@ -64,11 +66,21 @@ class OpenAIServer:
                 (it is stopped first).
         """
         port = free_port()
-        cmd = [*self.prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.args, "--host",
-               "127.0.0.1", "--port", str(port)]
-        log = open(self.log_path, "a+")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(extra_env or {})},
-                                     start_new_session=True)
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *self.args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        log = open(self.log_path, "a+")  # noqa: SIM115 - the server process writes to it until stop()
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(extra_env or {})}, start_new_session=True
+        )
         log.close()  # the child holds its own descriptor
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_budget_s
@@ -83,8 +95,9 @@ class OpenAIServer:
                 pass
             time.sleep(1)
         self.stop(kill=True)
-        raise RuntimeError(f"server not healthy within its {self.start_budget_s:.0f} s start budget:\n"
-                           + self.log_tail())
+        raise RuntimeError(
+            f"server not healthy within its {self.start_budget_s:.0f} s start budget:\n" + self.log_tail()
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
@@ -102,10 +115,9 @@ class OpenAIServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=30)
-        try:  # the engine core / workers a SIGKILL orphaned: the group this server was started in
+        # the engine core / workers a SIGKILL orphaned: the group this server was started in
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc = None
 
 
@@ -124,9 +136,18 @@ class HotLoadServer(OpenAIServer):
         batch_invariant: ``False``: vLLM's stock numerics (hot-load still on), the negative control of a run.
     """
 
-    def __init__(self, ckpt: str, root: Path, state: Path, log: Path, api_key: str,
-                 extra_args: tuple[str, ...] = (), max_model_len: int = 512, hot_load: dict | None = None,
-                 batch_invariant: bool = True) -> None:
+    def __init__(
+        self,
+        ckpt: str,
+        root: Path,
+        state: Path,
+        log: Path,
+        api_key: str,
+        extra_args: tuple[str, ...] = (),
+        max_model_len: int = 512,
+        hot_load: dict | None = None,
+        batch_invariant: bool = True,
+    ) -> None:
         self.ckpt, self.root, self.state, self.api_key, self.extra_args = ckpt, root, state, api_key, extra_args
         self.batch_invariant = batch_invariant
         self.hot_load = dict(hot_load or {})
@@ -135,10 +156,17 @@ class HotLoadServer(OpenAIServer):
         self.copy_fault_arm = state.parent / "copy-fault.arm"
         # vllm_plugin.faults: while this file exists, each engine step first sleeps the seconds it holds
         self.step_delay_arm = state.parent / "step-delay.arm"
-        super().__init__([], log, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
-                                       "VLLM_PLUGINS": "zerokld,zerokld_hotload",
-                                       "ZEROKLD_FAULT_COPY_ARM": str(self.copy_fault_arm),
-                                       "ZEROKLD_FAULT_STEP_DELAY_ARM": str(self.step_delay_arm)})
+        super().__init__(
+            [],
+            log,
+            env={
+                **os.environ,
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_PLUGINS": "zerokld,zerokld_hotload",
+                "ZEROKLD_FAULT_COPY_ARM": str(self.copy_fault_arm),
+                "ZEROKLD_FAULT_STEP_DELAY_ARM": str(self.step_delay_arm),
+            },
+        )
 
     @contextlib.contextmanager
     def slowed_steps(self, seconds: float):
@@ -159,15 +187,33 @@ class HotLoadServer(OpenAIServer):
 
     def start(self, extra_env: dict | None = None, api_key_flag: bool = True) -> None:
         """Start (``api_key_flag=False``: no ``--api-key`` flag; the key may come from ``VLLM_API_KEY``)."""
-        cfg = {"zerokld": {"batch_invariant": self.batch_invariant,
-                           "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state),
-                                        **self.hot_load}}}
-        self.args = ["--model", self.ckpt, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-                     "--max-model-len", str(self.max_model_len), "--enforce-eager", "--max-num-batched-tokens", "64",
-                     "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits
-                     *(["--api-key", self.api_key] if api_key_flag else []), *kv_cache_args(), *self.extra_args,
-                     "--additional-config", json.dumps(cfg)]
+        cfg = {
+            "zerokld": {
+                "batch_invariant": self.batch_invariant,
+                "hot_load": {"snapshot_root": str(self.root), "state_dir": str(self.state), **self.hot_load},
+            }
+        }
+        self.args = [
+            "--model",
+            self.ckpt,
+            "--dtype",
+            "bfloat16",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--max-num-batched-tokens",
+            "64",
+            "--chat-template",
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits
+            *(["--api-key", self.api_key] if api_key_flag else []),
+            *kv_cache_args(),
+            *self.extra_args,
+            "--additional-config",
+            json.dumps(cfg),
+        ]
         super().start(extra_env)
 
 

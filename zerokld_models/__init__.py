@@ -8,11 +8,20 @@ any host library; each plugin builds its side from the declaration (:mod:`vllm_p
 reader (:mod:`.config`), the support check (:mod:`.support`), checkpoint files (:mod:`.checkpoint`). Adding an
 architecture = one folder + one line in :mod:`.hooks`.
 """
+
 from .config import ModelConfig, mla_dims, mla_softmax_scale, read_model_config
 from .support import UnsupportedModelError, check_supported, unsupported_features
 
-__all__ = ["ModelConfig", "UnsupportedModelError", "adapter_for", "check_supported", "mla_dims", "mla_softmax_scale",
-           "read_model_config", "unsupported_features"]
+__all__ = [
+    "ModelConfig",
+    "UnsupportedModelError",
+    "adapter_for",
+    "check_supported",
+    "mla_dims",
+    "mla_softmax_scale",
+    "read_model_config",
+    "unsupported_features",
+]
 
 
 def adapter_for(cfg: ModelConfig):

@@ -2,28 +2,42 @@
 ``model.safetensors.index.json``, tokenizer and generation files).
 
 Used by the snapshot protocol (:func:`deltasync.write_full_snapshot`), the FP8 export
-(:func:`zerokld_models.fp8_export.export_fp8_checkpoint`), TorchTitan loading (:func:`titan_plugin.models.load_hf_weights`)
-and the test factory (:func:`zerokld_testing.make_tiny_checkpoint`). Every write is atomic: the directory is built as
-``<out>.tmp`` and renamed over ``<out>`` only when complete, so a reader (vLLM's loader, a replica) never sees half a
-checkpoint. Layout: HF ``transformers`` ``save_pretrained`` (``safetensors`` shards; an index with ``weight_map`` when
-there is more than one shard).
+(:func:`zerokld_models.fp8_export.export_fp8_checkpoint`), TorchTitan loading
+(:func:`titan_plugin.models.load_hf_weights`) and the test factory (:func:`zerokld_testing.make_tiny_checkpoint`). Every
+write is atomic: the directory is built as ``<out>.tmp`` and renamed over ``<out>`` only when complete, so a reader
+(vLLM's loader, a replica) never sees half a checkpoint. Layout: HF ``transformers`` ``save_pretrained``
+(``safetensors`` shards; an index with ``weight_map`` when there is more than one shard).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "INDEX_FILE", "STAGING_DIR", "copy_assets", "iter_shards",
-           "publish_atomically", "read_config", "read_tensors", "shard_files", "staged_dir", "staging_path",
-           "weights_file", "write_checkpoint"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "INDEX_FILE",
+    "STAGING_DIR",
+    "copy_assets",
+    "iter_shards",
+    "publish_atomically",
+    "read_config",
+    "read_tensors",
+    "shard_files",
+    "staged_dir",
+    "staging_path",
+    "weights_file",
+    "write_checkpoint",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 #: a PEFT LoRA adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT ``save_pretrained``;
@@ -42,6 +56,8 @@ def staging_path(out: str | Path, kind: str = "tmp") -> Path:
     out = Path(out)
     (out.parent / STAGING_DIR).mkdir(parents=True, exist_ok=True)
     return out.parent / STAGING_DIR / f"{out.name}.{kind}"
+
+
 WEIGHT_SUFFIX = ".safetensors"
 
 
@@ -124,10 +140,16 @@ def staged_dir(out: str | Path) -> Iterator[Path]:
     publish_atomically(tmp, out)
 
 
-def write_checkpoint(out_dir: str | Path, shards: dict[str, dict[str, torch.Tensor]], *,
-                     assets_dir: str | Path | None = None, config: dict | None = None,
-                     metadata: dict[str, dict | None] | None = None, skip_assets: set[str] | frozenset = frozenset(),
-                     finalize: Callable[[Path], None] | None = None) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    shards: dict[str, dict[str, torch.Tensor]],
+    *,
+    assets_dir: str | Path | None = None,
+    config: dict | None = None,
+    metadata: dict[str, dict | None] | None = None,
+    skip_assets: set[str] | frozenset = frozenset(),
+    finalize: Callable[[Path], None] | None = None,
+) -> Path:
     """Write an HF checkpoint directory atomically.
 
     Args:
@@ -158,12 +180,12 @@ def write_checkpoint(out_dir: str | Path, shards: dict[str, dict[str, torch.Tens
                     raise ValueError(f"tensor {name} in two shards ({weight_map[name]}, {fname})")
                 weight_map[name] = fname
             meta = (metadata or {}).get(fname) or {"format": "pt"}
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / fname),
-                      metadata=meta)
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / fname), metadata=meta)
         if len(shards) > 1:
             size = sum(f.stat().st_size for f in shard_files(tmp))
-            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
-                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            (tmp / INDEX_FILE).write_text(
+                json.dumps({"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+            )
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if finalize is not None:

@@ -15,6 +15,7 @@ model: ``vllm_config.model_config.hf_config``), and resolves the places HF versi
 
 Source: HF ``transformers`` ``PretrainedConfig`` and ``modeling_rope_utils`` (``rope_parameters`` standardisation).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | YarnScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     hidden_act: str = "silu"
@@ -87,11 +88,12 @@ def _as_dict(src: Any) -> dict:
             if key not in d and getattr(src, key, None) is not None:
                 d[key] = getattr(src, key)
         return d
-    raise TypeError(f"read_model_config needs a config dict, a checkpoint directory or a PretrainedConfig, "
-                    f"got {type(src).__name__}")
+    raise TypeError(
+        f"read_model_config needs a config dict, a checkpoint directory or a PretrainedConfig, got {type(src).__name__}"
+    )
 
 
-def _rope(d: dict) -> tuple[float, RopeScaling | None, str | None]:
+def _rope(d: dict) -> tuple[float, RopeScaling | YarnScaling | None, str | None]:
     params = d.get("rope_parameters") or {}
     theta = d.get("rope_theta")
     if theta is None:
@@ -101,17 +103,35 @@ def _rope(d: dict) -> tuple[float, RopeScaling | None, str | None]:
     if kind == "default":
         return float(theta), None, None
     if kind == "llama3":
-        return float(theta), RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                         float(scaling["high_freq_factor"]),
-                                         int(scaling["original_max_position_embeddings"])), None
+        return (
+            float(theta),
+            RopeScaling(
+                float(scaling["factor"]),
+                float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]),
+                int(scaling["original_max_position_embeddings"]),
+            ),
+            None,
+        )
     if kind == "yarn" and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
+
         def opt(key):
             return None if scaling.get(key) is None else float(scaling[key])
 
-        return float(theta), YarnScaling(float(scaling["factor"]), int(scaling["original_max_position_embeddings"]),
-                                         float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1),
-                                         opt("mscale"), opt("mscale_all_dim"), opt("attention_factor"),
-                                         bool(scaling.get("truncate", True))), None
+        return (
+            float(theta),
+            YarnScaling(
+                float(scaling["factor"]),
+                int(scaling["original_max_position_embeddings"]),
+                float(scaling.get("beta_fast") or 32),
+                float(scaling.get("beta_slow") or 1),
+                opt("mscale"),
+                opt("mscale_all_dim"),
+                opt("attention_factor"),
+                bool(scaling.get("truncate", True)),
+            ),
+            None,
+        )
     return float(theta), None, f"{kind} {dict(scaling)}"
 
 
@@ -128,23 +148,35 @@ def read_model_config(src: Any) -> ModelConfig:
     quant = d.get("quantization_config") or {}
     return ModelConfig(
         architecture=(d.get("architectures") or [""])[0],
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d.get("intermediate_size", 0),
-        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=nq,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d.get("intermediate_size", 0),
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=nq,
         num_key_value_heads=d.get("num_key_value_heads") or nq,
-        head_dim=d.get("head_dim") or d["hidden_size"] // nq, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, rope_scaling=scaling, unsupported_rope=unsupported,
+        head_dim=d.get("head_dim") or d["hidden_size"] // nq,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        unsupported_rope=unsupported,
         max_position_embeddings=d.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), hidden_act=d.get("hidden_act", "silu"),
-        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        hidden_act=d.get("hidden_act", "silu"),
+        attention_bias=bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
         sliding_window=bool(window) and bool(d.get("use_sliding_window", True)),
         quant_method=quant.get("quant_method"),
         num_experts=d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts"),
-        num_experts_per_tok=d.get("num_experts_per_tok"), moe_intermediate_size=d.get("moe_intermediate_size"),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+        num_experts_per_tok=d.get("num_experts_per_tok"),
+        moe_intermediate_size=d.get("moe_intermediate_size"),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
         decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
         shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
-        q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d.get("kv_lora_rank"),
-        qk_nope_head_dim=d.get("qk_nope_head_dim") or 0, qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
+        q_lora_rank=d.get("q_lora_rank"),
+        kv_lora_rank=d.get("kv_lora_rank"),
+        qk_nope_head_dim=d.get("qk_nope_head_dim") or 0,
+        qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
         v_head_dim=d.get("v_head_dim") or 0,
         # HF's DeepSeek-V2 always applies its rope part as interleaved pairs (complex RoPE); V3 says so in its config
         rope_interleave=bool(d.get("rope_interleave", d.get("model_type") == "deepseek_v2")),
@@ -152,21 +184,38 @@ def read_model_config(src: Any) -> ModelConfig:
         n_group=1 if d.get("topk_method") == "greedy" else d.get("n_group") or 1,
         topk_group=1 if d.get("topk_method") == "greedy" else d.get("topk_group") or 1,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
-        n_shared_experts=d.get("n_shared_experts") or 0, first_k_dense_replace=d.get("first_k_dense_replace") or 0,
-        moe_layer_freq=d.get("moe_layer_freq") or 1, scoring_func=d.get("scoring_func") or "softmax",
-        topk_method=d.get("topk_method") or "greedy", raw=d)
+        n_shared_experts=d.get("n_shared_experts") or 0,
+        first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+        moe_layer_freq=d.get("moe_layer_freq") or 1,
+        scoring_func=d.get("scoring_func") or "softmax",
+        topk_method=d.get("topk_method") or "greedy",
+        raw=d,
+    )
 
 
 def mla_dims(cfg: ModelConfig):
-    """The :class:`shared_numerics.mla.MLADims` of an MLA checkpoint's config."""
+    """The :class:`shared_numerics.mla.MLADims` of an MLA checkpoint's config.
+
+    Raises:
+        ValueError: ``cfg`` is not an MLA config (no ``kv_lora_rank``)."""
     from shared_numerics.mla import MLADims
 
-    return MLADims(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                   cfg.v_head_dim, cfg.rope_interleave, cfg.rms_norm_eps)
+    if cfg.kv_lora_rank is None:
+        raise ValueError(f"{cfg.architecture} has no kv_lora_rank: not a multi-head latent attention model")
+
+    return MLADims(
+        cfg.num_attention_heads,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.rope_interleave,
+        cfg.rms_norm_eps,
+    )
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """MLA's softmax scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, with DeepSeek's YaRN correction
     (:meth:`shared_numerics.rope.YarnScaling.softmax_scale`) when the checkpoint has YaRN."""
     d = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    return cfg.rope_scaling.softmax_scale(d) if isinstance(cfg.rope_scaling, YarnScaling) else d ** -0.5
+    return cfg.rope_scaling.softmax_scale(d) if isinstance(cfg.rope_scaling, YarnScaling) else d**-0.5

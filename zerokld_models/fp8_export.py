@@ -1,10 +1,11 @@
 """Export the FP8 serving checkpoint (format: :mod:`shared_numerics.fp8_checkpoint`) of an HF checkpoint, through
 the one checkpoint writer (:func:`zerokld_models.checkpoint.write_checkpoint`: atomic, shards and index kept)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-from shared_numerics.fp8 import Fp8QuantizationError, quantize_fp8_weight
+from shared_numerics.fp8 import Fp8QuantizationError, Granularity, quantize_fp8_weight
 from shared_numerics.fp8_checkpoint import is_fp8_projection, quantization_config
 
 from .checkpoint import iter_shards, read_config, write_checkpoint
@@ -12,7 +13,7 @@ from .checkpoint import iter_shards, read_config, write_checkpoint
 __all__ = ["export_fp8_checkpoint"]
 
 
-def export_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, granularity: str = "per_channel") -> Path:
+def export_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, granularity: Granularity = "per_channel") -> Path:
     """Write the FP8 serving checkpoint of an HF checkpoint (as the trainer saves it, in the serving dtype).
 
     Args:

@@ -1,4 +1,5 @@
 """zerokld_models' registrations (entry point ``zerokld_models`` in the ``zerokld`` group): one line per folder."""
+
 from __future__ import annotations
 
 from zerokld_plugins import hookimpl
@@ -8,5 +9,4 @@ from . import deepseek_v2, deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 
 @hookimpl
 def zerokld_model_adapters():
-    return [qwen3.ADAPTER, qwen3_moe.ADAPTER, llama.ADAPTER, qwen2.ADAPTER, deepseek_v3.ADAPTER,
-            deepseek_v2.ADAPTER]
+    return [qwen3.ADAPTER, qwen3_moe.ADAPTER, llama.ADAPTER, qwen2.ADAPTER, deepseek_v3.ADAPTER, deepseek_v2.ADAPTER]

@@ -5,6 +5,7 @@ definition does not implement; vLLM adds its engine settings (parallelism, LoRA,
 (:func:`vllm_plugin.models.dense.check_supported`), the trainer refuses when it builds the model
 (:func:`titan_plugin.models.titan_model_config`). Nothing is ever silently served or trained with stock numerics.
 """
+
 from __future__ import annotations
 
 from zerokld_plugins.errors import ZeroKLDClientError
@@ -43,14 +44,18 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
         problems.append(f"quantization {cfg.quant_method} (zerokld serves its own FP8)")
     if adapter.moe and adapter.moe_routing in DEEPSEEK_ROUTINGS:
         if (cfg.scoring_func, cfg.topk_method) not in DEEPSEEK_ROUTINGS[adapter.moe_routing]:
-            problems.append(f"DeepSeekMoE routing scoring_func={cfg.scoring_func!r} topk_method={cfg.topk_method!r} "
-                            f"(supported for {adapter.architecture}: "
-                            + ", ".join(f"{a} with {b}" for a, b in DEEPSEEK_ROUTINGS[adapter.moe_routing]) + ")")
+            problems.append(
+                f"DeepSeekMoE routing scoring_func={cfg.scoring_func!r} topk_method={cfg.topk_method!r} "
+                f"(supported for {adapter.architecture}: "
+                + ", ".join(f"{a} with {b}" for a, b in DEEPSEEK_ROUTINGS[adapter.moe_routing])
+                + ")"
+            )
         if cfg.moe_layer_freq != 1:
             problems.append(f"moe_layer_freq {cfg.moe_layer_freq}")
         if not cfg.num_experts or cfg.num_experts % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
-            problems.append(f"n_routed_experts {cfg.num_experts} in n_group {cfg.n_group} groups, topk_group "
-                            f"{cfg.topk_group}")
+            problems.append(
+                f"n_routed_experts {cfg.num_experts} in n_group {cfg.n_group} groups, topk_group {cfg.topk_group}"
+            )
     elif adapter.moe:
         if cfg.mlp_only_layers:
             problems.append(f"mlp_only_layers {list(cfg.mlp_only_layers)} (every layer must be MoE)")
@@ -63,8 +68,10 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
 
 #: the (``scoring_func``, ``topk_method``) pairs each DeepSeekMoE routing trait implements
 #: (:func:`shared_numerics.moe.route_grouped_topk`): DeepSeek-V3's and DeepSeek-V2's
-DEEPSEEK_ROUTINGS = {"grouped_sigmoid": (("sigmoid", "noaux_tc"),),
-                     "grouped_softmax": (("softmax", "greedy"), ("softmax", "group_limited_greedy"))}
+DEEPSEEK_ROUTINGS = {
+    "grouped_sigmoid": (("sigmoid", "noaux_tc"),),
+    "grouped_softmax": (("softmax", "greedy"), ("softmax", "group_limited_greedy")),
+}
 
 
 def check_supported(cfg: ModelConfig, adapter) -> None:

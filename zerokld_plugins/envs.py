@@ -9,12 +9,14 @@ or once per process (the machine-property functions, ``functools.lru_cache``), a
 reads (``TRITON_INTERPRET``, ``CXX``, ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*``, vLLM's ``VLLM_*``, oneDNN's
 ``ONEDNN_MAX_CPU_ISA``, ATen's ``ATEN_CPU_CAPABILITY``) keep their owners' names and documentation.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["VARIABLES", "EnvVar", "describe"]
 
@@ -54,36 +56,82 @@ class EnvVar:
             raise ValueError(f"{self.name}={raw!r}: {e}") from None
 
 
-VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
-    # numerics (shared_numerics): both sides of an RL loop must agree; the numerics contract records what matters
-    EnvVar("ZEROKLD_BACKEND", str, None,
-           "the numerics backend on both sides, `torch` | `triton` | `cublas` (unset: `triton` on CUDA, `torch` "
-           "elsewhere; part of the NumericsMode)"),
-    EnvVar("ZEROKLD_AMX", _on, True, "`0`: never use the AMX tiles (the bf16 GEMMs take the oneDNN path; emulates an "
-           "AVX-512 CPU without AMX)"),
-    EnvVar("ZEROKLD_F32_KERNEL", _on, True, "`0`: float32 GEMMs take oneDNN calls instead of zerokld's FMA kernel"),
-    EnvVar("ZEROKLD_NATIVE_BF16", _on, True, "`0`: bf16 GEMMs are upcast (exactly) to the float32 path instead of "
-           "oneDNN's bf16 calls"),
-    EnvVar("ZEROKLD_GEMM_THREADS", int, 1, "OpenMP threads of every pinned oneDNN GEMM call (both sides the same; "
-           "in the numerics contract)"),
-    EnvVar("ZEROKLD_CPU_MARCH", str, "native", "`-march` the CPU kernels are compiled with (`x86-64-v3`: an AVX2 "
-           "CPU's kernels on a newer one)"),
-    EnvVar("ZEROKLD_CACHE_DIR", Path, None, "where the compiled CPU kernels are kept (default `~/.cache/zerokld`)",
-           default_factory=_cache_dir),
-    # hot-load (deltasync)
-    EnvVar("ZEROKLD_ENCODE_THREADS", int, 0, "threads that encode and decode delta snapshots (0: every CPU)"),
-    # vLLM plugin helpers
-    EnvVar("ZEROKLD_KV_CACHE_BYTES", int, None, "`kv_cache_memory_bytes` of every engine and server the helpers "
-           "start (`vllm_plugin.engines.start_llm`, `vllm_plugin.serve`); unset: vLLM sizes it"),
-    EnvVar("ZEROKLD_FAULT_COPY_ARM", Path, None, "tests only: while this file exists, a hot-load's weight copy "
-           "pauses after its third tensor, so a kill lands inside the copy (`vllm_plugin.faults`)"),
-    EnvVar("ZEROKLD_FAULT_STEP_DELAY_ARM", Path, None, "tests only: while this file exists, each engine step sleeps "
-           "the seconds it holds (`vllm_plugin.faults`)"),
-    # the training server (titan_plugin.training_server)
-    EnvVar("ZEROKLD_API_KEY", str, None, "the training server's API key (`--api-key` default)"),
-    EnvVar("ZEROKLD_SAMPLER_API_KEY", str, None, "the key the training server sends to its `--sampler-url` "
-           "(`--sampler-api-key` default)"),
-)}
+VARIABLES: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        # numerics (shared_numerics): both sides of an RL loop must agree; the numerics contract records what matters
+        EnvVar(
+            "ZEROKLD_BACKEND",
+            str,
+            None,
+            "the numerics backend on both sides, `torch` | `triton` | `cublas` (unset: `triton` on CUDA, `torch` "
+            "elsewhere; part of the NumericsMode)",
+        ),
+        EnvVar(
+            "ZEROKLD_AMX",
+            _on,
+            True,
+            "`0`: never use the AMX tiles (the bf16 GEMMs take the oneDNN path; emulates an AVX-512 CPU without AMX)",
+        ),
+        EnvVar("ZEROKLD_F32_KERNEL", _on, True, "`0`: float32 GEMMs take oneDNN calls instead of zerokld's FMA kernel"),
+        EnvVar(
+            "ZEROKLD_NATIVE_BF16",
+            _on,
+            True,
+            "`0`: bf16 GEMMs are upcast (exactly) to the float32 path instead of oneDNN's bf16 calls",
+        ),
+        EnvVar(
+            "ZEROKLD_GEMM_THREADS",
+            int,
+            1,
+            "OpenMP threads of every pinned oneDNN GEMM call (both sides the same; in the numerics contract)",
+        ),
+        EnvVar(
+            "ZEROKLD_CPU_MARCH",
+            str,
+            "native",
+            "`-march` the CPU kernels are compiled with (`x86-64-v3`: an AVX2 CPU's kernels on a newer one)",
+        ),
+        EnvVar(
+            "ZEROKLD_CACHE_DIR",
+            Path,
+            None,
+            "where the compiled CPU kernels are kept (default `~/.cache/zerokld`)",
+            default_factory=_cache_dir,
+        ),
+        # hot-load (deltasync)
+        EnvVar("ZEROKLD_ENCODE_THREADS", int, 0, "threads that encode and decode delta snapshots (0: every CPU)"),
+        # vLLM plugin helpers
+        EnvVar(
+            "ZEROKLD_KV_CACHE_BYTES",
+            int,
+            None,
+            "`kv_cache_memory_bytes` of every engine and server the helpers "
+            "start (`vllm_plugin.engines.start_llm`, `vllm_plugin.serve`); unset: vLLM sizes it",
+        ),
+        EnvVar(
+            "ZEROKLD_FAULT_COPY_ARM",
+            Path,
+            None,
+            "tests only: while this file exists, a hot-load's weight copy "
+            "pauses after its third tensor, so a kill lands inside the copy (`vllm_plugin.faults`)",
+        ),
+        EnvVar(
+            "ZEROKLD_FAULT_STEP_DELAY_ARM",
+            Path,
+            None,
+            "tests only: while this file exists, each engine step sleeps the seconds it holds (`vllm_plugin.faults`)",
+        ),
+        # the training server (titan_plugin.training_server)
+        EnvVar("ZEROKLD_API_KEY", str, None, "the training server's API key (`--api-key` default)"),
+        EnvVar(
+            "ZEROKLD_SAMPLER_API_KEY",
+            str,
+            None,
+            "the key the training server sends to its `--sampler-url` (`--sampler-api-key` default)",
+        ),
+    )
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ Each concrete class also keeps the builtin it always was (``ValueError``, ``KeyE
 ``OSError``), so ``except ValueError`` keeps catching what it caught: ``class Fp8QuantizationError(ZeroKLDClientError,
 ValueError)``. Catch ``ZeroKLDError`` for anything zerokld refused or failed.
 """
+
 from __future__ import annotations
 
 __all__ = ["ZeroKLDClientError", "ZeroKLDError", "ZeroKLDServerError"]

@@ -9,6 +9,7 @@ exposed through an entry point in the ``zerokld`` group of its distribution::
 Each hook returns a list of specs (:mod:`zerokld_plugins.specs`); a plugin implements only the hooks it needs.
 Source: pluggy's hookspec/hookimpl model (https://pluggy.readthedocs.io), as used by pytest.
 """
+
 from __future__ import annotations
 
 import pluggy

@@ -5,6 +5,7 @@ installed third-party plugins, by name.
 Every loss, delta codec, storage, numerics backend and model adapter — ours included — is looked up here; there is no
 other registry. Names must be unique across providers: a second provider of a name is an error naming both.
 """
+
 from __future__ import annotations
 
 import threading
@@ -16,9 +17,20 @@ from . import hookspecs
 from .errors import ZeroKLDClientError
 from .specs import BackendSpec, CodecSpec, LossSpec, ModelAdapterSpec, StorageSpec
 
-__all__ = ["DuplicateNameError", "Registration", "UnknownNameError", "get_backend", "get_codec", "get_loss",
-           "get_model_adapter", "get_plugin_manager", "get_storage", "list_registrations", "registered",
-           "reset_plugin_manager"]
+__all__ = [
+    "DuplicateNameError",
+    "Registration",
+    "UnknownNameError",
+    "get_backend",
+    "get_codec",
+    "get_loss",
+    "get_model_adapter",
+    "get_plugin_manager",
+    "get_storage",
+    "list_registrations",
+    "registered",
+    "reset_plugin_manager",
+]
 
 
 class DuplicateNameError(ZeroKLDClientError, ValueError):
@@ -95,13 +107,16 @@ def _collect(pm: pluggy.PluginManager) -> dict[str, dict[str, Registration]]:
         for impl in hook.get_hookimpls():  # registration order: built-ins first
             for spec in impl.function() or []:
                 if not isinstance(spec, spec_cls):
-                    raise TypeError(f"plugin {impl.plugin_name!r} returned {type(spec).__name__} from {hook_name}, "
-                                    f"expected {spec_cls.__name__}")
+                    raise TypeError(
+                        f"plugin {impl.plugin_name!r} returned {type(spec).__name__} from {hook_name}, "
+                        f"expected {spec_cls.__name__}"
+                    )
                 name = getattr(spec, key)
                 if name in table[kind]:
                     raise DuplicateNameError(
                         f"{kind} {name!r} is registered twice: by {table[kind][name].provider!r} and by "
-                        f"{impl.plugin_name!r}")
+                        f"{impl.plugin_name!r}"
+                    )
                 table[kind][name] = Registration(kind, name, impl.plugin_name, spec)
     return table
 
@@ -119,8 +134,10 @@ def registered(kind: str) -> dict[str, Registration]:
 def _get(kind: str, name: str):
     regs = _table()[kind]
     if name not in regs:
-        raise UnknownNameError(f"unknown {kind} {name!r}; registered: {sorted(regs)} "
-                               "(plugins are discovered through the 'zerokld' entry-point group)")
+        raise UnknownNameError(
+            f"unknown {kind} {name!r}; registered: {sorted(regs)} "
+            "(plugins are discovered through the 'zerokld' entry-point group)"
+        )
     return regs[name].spec
 
 

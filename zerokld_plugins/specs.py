@@ -1,5 +1,6 @@
 """What each ``zerokld`` hook returns. All fields are plain Python; ``"module:attr"`` strings are imported on use so
 that listing plugins never imports vLLM or TorchTitan."""
+
 from __future__ import annotations
 
 import importlib
@@ -56,11 +57,12 @@ class StorageSpec:
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """``ops``: op name → function, same signatures as ``shared_numerics``; ``available()`` says whether it can run
+    """``ops``: op name → function, same signatures as ``shared_numerics`` (or a ``"module:attribute"`` path to
+    such a table, resolved on first use); ``available()`` says whether it can run
     here, ``unavailable_reason()`` (optional) why not, for the error message."""
 
     name: str
-    ops: Mapping[str, Callable | str]
+    ops: Mapping[str, Callable | str] | str
     available: Callable[[], bool] | str = field(default=lambda: True)
     unavailable_reason: Callable[[], str | None] | str | None = None
 
@@ -113,8 +115,11 @@ class ModelAdapterSpec:
 
     def __post_init__(self):
         if self.attention not in ("mha", "mla") or self.moe_routing not in MOE_ROUTINGS:
-            raise ValueError(f"ModelAdapterSpec {self.architecture}: attention must be 'mha' or 'mla' and moe_routing "
-                             f"one of {MOE_ROUTINGS}, got {self.attention!r}, {self.moe_routing!r}")
+            raise ValueError(
+                f"ModelAdapterSpec {self.architecture}: attention must be 'mha' or 'mla' and moe_routing "
+                f"one of {MOE_ROUTINGS}, got {self.attention!r}, {self.moe_routing!r}"
+            )
         if self.rope not in ("cos_sin", "complex"):
-            raise ValueError(f"ModelAdapterSpec {self.architecture}: rope must be 'cos_sin' or 'complex', "
-                             f"got {self.rope!r}")
+            raise ValueError(
+                f"ModelAdapterSpec {self.architecture}: rope must be 'cos_sin' or 'complex', got {self.rope!r}"
+            )

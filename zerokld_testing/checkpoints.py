@@ -1,15 +1,17 @@
 """Tiny HF-format checkpoints (config.json + tokenizer + safetensors) built locally with a seed.
 
 The machines that run this project reach no model hub, so tests and the countdown example build their models here:
-an HF ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``LlamaForCausalLM`` directory with any dimensions, random init, and a character-level
-tokenizer made with the ``tokenizers`` library (every printable ASCII character is one token, plus a few specials and
-the tags ``<answer>``/``</answer>``; with ``chat_tokens``, Qwen3's chat specials too, each one token, after them). vLLM and TorchTitan load these directories as they would a downloaded model.
+an HF ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``LlamaForCausalLM`` directory with any dimensions, random init,
+and a character-level tokenizer made with the ``tokenizers`` library (every printable ASCII character is one token, plus
+a few specials and the tags ``<answer>``/``</answer>``; with ``chat_tokens``, Qwen3's chat specials too, each one token,
+after them). vLLM and TorchTitan load these directories as they would a downloaded model.
 
 Layout follows HF ``transformers`` (``config.json`` fields of ``Qwen3Config`` / ``LlamaConfig``; weight names of
 ``modeling_qwen3.py`` / ``modeling_qwen3_moe.py`` / ``modeling_llama.py``; MoE experts stored one tensor per
 expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight``, and the router as ``mlp.gate.weight``, as Qwen3-MoE
 checkpoints on the hub are).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +24,14 @@ import torch
 
 from zerokld_models.checkpoint import write_checkpoint
 
-__all__ = ["CHAT_SPECIAL_TOKENS", "CHAT_TOKENS", "SPECIAL_TOKENS", "TinyModelSpec", "make_tiny_checkpoint", "make_tokenizer"]
+__all__ = [
+    "CHAT_SPECIAL_TOKENS",
+    "CHAT_TOKENS",
+    "SPECIAL_TOKENS",
+    "TinyModelSpec",
+    "make_tiny_checkpoint",
+    "make_tokenizer",
+]
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 #: every printable ASCII character but the control whitespace, one token each
@@ -134,8 +143,12 @@ def _eos_id(spec: TinyModelSpec) -> int:
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
-    arch = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-            "llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+    arch = {
+        "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        "llama": ("LlamaForCausalLM", "llama"),
+        "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    }
     if spec.family not in arch:
         raise ValueError(f"unknown family {spec.family!r}; expected one of {sorted(arch)}")
     name, model_type = arch[spec.family]
@@ -168,13 +181,22 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, dtype: str) -> dict:
     if spec.rope_scaling:
         cfg["rope_scaling"] = dict(spec.rope_scaling)
     if spec.rope_parameters_only:
-        cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta"), "rope_type": "default",
-                                  **cfg.pop("rope_scaling", {})}
+        cfg["rope_parameters"] = {
+            "rope_theta": cfg.pop("rope_theta"),
+            "rope_type": "default",
+            **cfg.pop("rope_scaling", {}),
+        }
     if spec.family == "qwen3_moe":
-        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-                   moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=spec.norm_topk_prob,
-                   decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
-                   router_aux_loss_coef=0.001)
+        cfg.update(
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
     return cfg
 
 
@@ -192,8 +214,9 @@ def _moe_weights(prefix: str, spec: TinyModelSpec, rnd) -> dict[str, torch.Tenso
     return w
 
 
-def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0,
-                         dtype: str = "float32") -> Path:
+def make_tiny_checkpoint(
+    out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0, dtype: str = "float32"
+) -> Path:
     """Build an HF checkpoint directory.
 
     Args:
@@ -215,21 +238,28 @@ def make_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec | None = None,
         return _write(out, spec, seed, dtype, tdtype, vocab, tok_dir)
 
 
-def _write(out: Path, spec: TinyModelSpec, seed: int, dtype: str, tdtype: torch.dtype, vocab: int,
-           tok_dir: str) -> Path:
+def _write(
+    out: Path, spec: TinyModelSpec, seed: int, dtype: str, tdtype: torch.dtype, vocab: int, tok_dir: str
+) -> Path:
     cfg = _hf_config(spec, vocab, dtype)
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * spec.init_std).to(tdtype)
 
-    h, hd, nq, nkv, inter = (spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads,
-                             spec.intermediate_size)
+    h, hd, nq, nkv, inter = (
+        spec.hidden_size,
+        spec.head_dim,
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+        spec.intermediate_size,
+    )
     # tied: the embedding is also the output head; at std 1 the next-token entropy was ~1e-12 nats (every sampled
     # token's logprob 0, comparisons vacuous); 3 * init_std gives ~1.7 nats, as the untied models' lm_head does
     emb_std = 3 * spec.init_std if spec.tie_word_embeddings else 1.0
     w: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": (torch.randn(vocab, h, generator=g) * emb_std).to(tdtype)}
+        "model.embed_tokens.weight": (torch.randn(vocab, h, generator=g) * emb_std).to(tdtype)
+    }
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(h, dtype=tdtype)
@@ -255,8 +285,9 @@ def _write(out: Path, spec: TinyModelSpec, seed: int, dtype: str, tdtype: torch.
         w["lm_head.weight"] = rnd(vocab, h) * 4
 
     def extra_files(tmp: Path) -> None:
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": _eos_id(spec),
-                                                                "pad_token_id": 0}))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": 1, "eos_token_id": _eos_id(spec), "pad_token_id": 0})
+        )
         (tmp / "zerokld_spec.json").write_text(json.dumps({**asdict(spec), "seed": seed, "dtype": dtype}, indent=2))
 
     return write_checkpoint(out, {"model.safetensors": w}, assets_dir=tok_dir, config=cfg, finalize=extra_files)

@@ -5,6 +5,7 @@ upstream version, the CPU's ISA and the shapes, not on zerokld. :func:`stock_dif
 where stock happens to be invariant, the test fails as a setup error that says so and what to change — never a pass
 that proves nothing.
 """
+
 from __future__ import annotations
 
 __all__ = ["StockInvariantHere", "stock_differs"]
@@ -31,6 +32,8 @@ def stock_differs(differs: bool, what: str, change: str) -> None:
 
     from shared_numerics.machine import cpu_model, isa_flags
 
-    raise StockInvariantHere(f"negative control's precondition: stock {what} happens to be invariant here "
-                             f"({cpu_model()}, ISA {'+'.join(isa_flags()) or 'none listed'}, torch {torch.__version__}"
-                             f"): the test proves nothing at this setup; change {change}")
+    raise StockInvariantHere(
+        f"negative control's precondition: stock {what} happens to be invariant here "
+        f"({cpu_model()}, ISA {'+'.join(isa_flags()) or 'none listed'}, torch {torch.__version__}"
+        f"): the test proves nothing at this setup; change {change}"
+    )

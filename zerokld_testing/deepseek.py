@@ -8,6 +8,7 @@ latent is 256 + 64. ``group_ties`` / ``expert_ties`` make the routing's tie-brea
 biases are copied from group 0 (equal group scores for every token), and in every group expert ``2j + 1``'s row and
 bias from expert ``2j`` (equal expert scores).
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -55,8 +56,9 @@ class DeepSeekSpec:
     topk_method: str = "noaux_tc"
 
 
-def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0,
-                             dtype: str = "float32") -> Path:
+def make_deepseek_checkpoint(
+    out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0, dtype: str = "float32"
+) -> Path:
     """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
     selection biases std 0.1, stored float32 as DeepSeek ships them; ``dtype`` ``"float32"`` or ``"bfloat16"``).
     Returns ``Path(out_dir)``."""
@@ -67,15 +69,38 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
         vocab = make_tokenizer(tok_dir, vocab_size=spec.vocab_size)
-        rope = ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
-                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707} if spec.yarn else None)
-        fields = {k: v for k, v in asdict(spec).items()
-                  if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size")}
-        common = dict(vocab_size=vocab, num_key_value_heads=spec.num_attention_heads, rope_theta=10000.0,
-                      rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        rope = (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            }
+            if spec.yarn
+            else None
+        )
+        fields = {
+            k: v
+            for k, v in asdict(spec).items()
+            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size")
+        }
+        common = dict(
+            vocab_size=vocab,
+            num_key_value_heads=spec.num_attention_heads,
+            rope_theta=10000.0,
+            rope_scaling=rope,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
         if v3:
-            model = DeepseekV3ForCausalLM(DeepseekV3Config(norm_topk_prob=True, scoring_func="sigmoid", **common,
-                                                           **fields))
+            model = DeepseekV3ForCausalLM(
+                DeepseekV3Config(norm_topk_prob=True, scoring_func="sigmoid", **common, **fields)
+            )
         else:
             model = DeepseekV2ForCausalLM(DeepseekV2Config(norm_topk_prob=False, **common, **fields))
         g = torch.Generator().manual_seed(seed)
@@ -97,7 +122,7 @@ def make_deepseek_checkpoint(out_dir: str | Path, spec: DeepSeekSpec | None = No
                     continue
                 for t in (gate.weight, gate.e_score_correction_bias) if v3 else (gate.weight,):
                     if spec.group_ties:
-                        t[size:2 * size] = t[:size].clone()
+                        t[size : 2 * size] = t[:size].clone()
                     if spec.expert_ties:
                         t[1::2] = t[0::2].clone()
         model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])

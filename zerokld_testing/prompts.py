@@ -1,5 +1,6 @@
 """Synthetic requests for the tiny checkpoints (tests, benchmarks): random token-id prompts in the tiny tokenizer's
 vocabulary, Tinker datums, a batch of varied sampling settings."""
+
 from __future__ import annotations
 
 import random
@@ -33,6 +34,10 @@ def mixed_sampling_params(i: int, seed: int | None = None, max_tokens: int = 24,
     overrides any of them."""
     from vllm import SamplingParams
 
-    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.9),
-                dict(temperature=0.9, top_k=40, top_p=0.8)][i % 4]
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=20),
+        dict(temperature=1.3, top_p=0.9),
+        dict(temperature=0.9, top_k=40, top_p=0.8),
+    ][i % 4]
     return SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=seed, **{**settings, **kw})

@@ -13,12 +13,14 @@ rank 0 writes ``OUT.pt``
 :meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it;
 ``seconds``: rank 0's wall clock of each timed forward (and the step), between barriers.
 """
+
 from __future__ import annotations
 
 import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def main(argv: list[str]) -> None:
@@ -31,21 +33,29 @@ def main(argv: list[str]) -> None:
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     cpu_compat.apply()
-    spec = json.loads(open(argv[0]).read())
+    spec = json.loads(Path(argv[0]).read_text())
     with tempfile.TemporaryDirectory(prefix="zerokld-titan-tp-") as dump:
-        config = rl_trainer_config(spec["checkpoint"], dump, dtype=spec["dtype"],
-                                   batch_invariant=spec["batch_invariant"], tp_k_block=spec["tp_k_block"],
-                                   tensor_parallel_degree=spec["tp"], fused=spec.get("fused", False),
-                                   expert_parallel_degree=spec.get("ep", 1))
+        config = rl_trainer_config(
+            spec["checkpoint"],
+            dump,
+            dtype=spec["dtype"],
+            batch_invariant=spec["batch_invariant"],
+            tp_k_block=spec["tp_k_block"],
+            tensor_parallel_degree=spec["tp"],
+            fused=spec.get("fused", False),
+            expert_parallel_degree=spec.get("ep", 1),
+        )
         config.checkpoint.enable = True
         trainer = RLTrainer(config)
         mine = list(range(len(spec["sequences"])))
         if spec.get("split"):
-            mine = mine[dist.get_rank()::dist.get_world_size()]
+            mine = mine[dist.get_rank() :: dist.get_world_size()]
         routes = spec.get("routed_experts")
-        batch = RolloutBatch([spec["sequences"][i] for i in mine], [spec["prompt_lengths"][i] for i in mine],
-                             routed_experts=None if routes is None else
-                             [np.array(routes[i], dtype=np.int16) for i in mine])
+        batch = RolloutBatch(
+            [spec["sequences"][i] for i in mine],
+            [spec["prompt_lengths"][i] for i in mine],
+            routed_experts=None if routes is None else [np.array(routes[i], dtype=np.int16) for i in mine],
+        )
         dist.barrier()
         t0 = time.perf_counter()
         result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]}
@@ -60,8 +70,15 @@ def main(argv: list[str]) -> None:
         if spec.get("train_step"):
             adv = [1.0 if i % 2 == 0 else -1.0 for i in mine]
             t0 = time.perf_counter()
-            step = trainer.rl_step(RolloutBatch(batch.sequences, batch.prompt_lengths, advantages=adv,
-                                                sampler_logprobs=result["logprobs"], numerics=trainer.numerics))
+            step = trainer.rl_step(
+                RolloutBatch(
+                    batch.sequences,
+                    batch.prompt_lengths,
+                    advantages=adv,
+                    sampler_logprobs=result["logprobs"],
+                    numerics=trainer.numerics,
+                )
+            )
             dist.barrier()
             seconds["step"] = [time.perf_counter() - t0]
             result["loss"] = step["loss"]

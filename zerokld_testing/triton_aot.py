@@ -6,9 +6,11 @@ configs, and shows the resource use that decides their speed (a kernel that spil
 than an SM has, or loads synchronously is slow) — before any GPU is lent. It runs the backend's real host wrappers on
 CPU tensors of Qwen3-8B-like shapes; each kernel launch is intercepted, specialised exactly as Triton's JIT would
 specialise it (16-byte alignment, integers equal to 1, ``do_not_specialize``), compiled with Triton's compiler and the
-``ptxas`` its wheel ships, and not run; the cubin's resource use is read back with the wheel's ``cuobjdump``. ``python -m zerokld_testing.triton_aot`` prints the table;
-``tests/test_triton_compile.py`` asserts it. Must run *without* ``TRITON_INTERPRET=1``.
+``ptxas`` its wheel ships, and not run; the cubin's resource use is read back with the wheel's ``cuobjdump``.
+``python -m zerokld_testing.triton_aot`` prints the table; ``tests/test_triton_compile.py`` asserts it. Must run
+*without* ``TRITON_INTERPRET=1``.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +66,9 @@ def _capture(arch: int, sink: list):
         binder = create_function_from_signature(self.signature, self.params, backend)
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
-        compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
+        compiled = triton.compile(
+            ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
         sink.append((self.fn.__name__, compiled))
         return compiled
 
@@ -84,9 +87,17 @@ def _report(scenario: str, name: str, compiled) -> KernelReport:
         path.write_bytes(compiled.asm["cubin"])
         out = subprocess.run([_cuobjdump(), "-res-usage", str(path)], check=True, capture_output=True, text=True).stdout
     usage = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return KernelReport(scenario, name, int(usage.group(1)), int(usage.group(2)), compiled.metadata.shared,
-                        compiled.metadata.num_warps, len(re.findall(r"wgmma\.mma_async", ptx)),
-                        len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)), len(re.findall(r"cp\.async\.bulk", ptx)))
+    return KernelReport(
+        scenario,
+        name,
+        int(usage.group(1)),
+        int(usage.group(2)),
+        compiled.metadata.shared,
+        compiled.metadata.num_warps,
+        len(re.findall(r"wgmma\.mma_async", ptx)),
+        len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
+        len(re.findall(r"cp\.async\.bulk", ptx)),
+    )
 
 
 def scenarios() -> dict:
@@ -109,8 +120,18 @@ def scenarios() -> dict:
             kv = e(256, 8, 16, 256, dtype=dtype)
             kc, vc = kv.split(128, dim=-1)
             qsl = torch.arange(5, dtype=torch.int32)
-            A.paged_causal_attention(e(4, 32, 128, dtype=dtype), kc, vc, qsl, torch.full((4,), 1000),
-                                     torch.zeros(4, 64, dtype=torch.int32), 0.088, 1, 1000)  # split-KV + combine
+            A.paged_causal_attention(
+                e(4, 32, 128, dtype=dtype),
+                kc,
+                vc,
+                qsl,
+                torch.full((4,), 1000),
+                torch.zeros(4, 64, dtype=torch.int32),
+                0.088,
+                1,
+                1000,
+            )  # split-KV + combine
+
         return run
 
     return {
@@ -118,19 +139,32 @@ def scenarios() -> dict:
         "linear_fp32": lambda: T["linear"](e(512, 1024, dtype=fp32), e(1024, 1024, dtype=fp32)),
         "attention_bf16": attention(bf16),
         "attention_fp32": attention(fp32),
-        "fp8_per_channel": lambda: F8._gemm(e(4096, 4096, dtype=torch.float8_e4m3fn), e(4096, 1, dtype=fp32),
-                                            e(12288, 4096, dtype=torch.float8_e4m3fn), e(12288, dtype=fp32),
-                                            "per_channel", bf16),
-        "fp8_block": lambda: F8._gemm(e(4096, 4096, dtype=torch.float8_e4m3fn), e(4096, 32, dtype=fp32),
-                                      e(12288, 4096, dtype=torch.float8_e4m3fn), e(96, 32, dtype=fp32), "block",
-                                      bf16),
+        "fp8_per_channel": lambda: F8._gemm(
+            e(4096, 4096, dtype=torch.float8_e4m3fn),
+            e(4096, 1, dtype=fp32),
+            e(12288, 4096, dtype=torch.float8_e4m3fn),
+            e(12288, dtype=fp32),
+            "per_channel",
+            bf16,
+        ),
+        "fp8_block": lambda: F8._gemm(
+            e(4096, 4096, dtype=torch.float8_e4m3fn),
+            e(4096, 32, dtype=fp32),
+            e(12288, 4096, dtype=torch.float8_e4m3fn),
+            e(96, 32, dtype=fp32),
+            "block",
+            bf16,
+        ),
         "fp8_quant": lambda: F8.quantize_fp8_activation(torch.zeros(64, 4096, dtype=bf16)),
-        "norms": lambda: (T["add_rms_norm"](e(64, 4096), e(64, 4096), e(4096), 1e-6),
-                          T["rms_norm_rope"](e(64, 32, 128), e(128), 1e-6, e(64, 64, dtype=fp32),
-                                             e(64, 64, dtype=fp32))),
-        "rope_silu_logsoftmax": lambda: (T["apply_rope"](e(64, 32, 128), e(64, 64, dtype=fp32), e(64, 64, dtype=fp32)),
-                                         T["silu_and_mul"](e(64, 12288), e(64, 12288)),
-                                         T["log_softmax"](e(64, 151936))),
+        "norms": lambda: (
+            T["add_rms_norm"](e(64, 4096), e(64, 4096), e(4096), 1e-6),
+            T["rms_norm_rope"](e(64, 32, 128), e(128), 1e-6, e(64, 64, dtype=fp32), e(64, 64, dtype=fp32)),
+        ),
+        "rope_silu_logsoftmax": lambda: (
+            T["apply_rope"](e(64, 32, 128), e(64, 64, dtype=fp32), e(64, 64, dtype=fp32)),
+            T["silu_and_mul"](e(64, 12288), e(64, 12288)),
+            T["log_softmax"](e(64, 151936)),
+        ),
     }
 
 
@@ -171,11 +205,22 @@ if __name__ == "__main__":
     if args.json:
         import triton
 
-        Path(args.json).write_text(json.dumps({
-            "what": "resource use of the triton backend's kernels compiled for sm_%da (no GPU: Triton's compiler and "
-                    "the ptxas / cuobjdump of its wheel), Qwen3-8B-like shapes" % args.arch,
-            "triton": triton.__version__, "arch": args.arch, "kernels": [asdict(r) for r in reports]}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "what": f"resource use of the triton backend's kernels compiled for sm_{args.arch}a "
+                    "(no GPU: Triton's compiler and the ptxas / cuobjdump of its wheel), Qwen3-8B-like shapes",
+                    "triton": triton.__version__,
+                    "arch": args.arch,
+                    "kernels": [asdict(r) for r in reports],
+                },
+                indent=1,
+            )
+        )
     for r in reports:
-        print(f"{r.scenario:22s} {r.kernel:18s} regs {r.registers:3d}  stack {r.stack_bytes:5d}"
-              f"  smem {r.shared_bytes:6d}  warps {r.num_warps}  wgmma {r.wgmma}  cp.async {r.cp_async}"
-              f"  tma {r.tma}", flush=True)
+        print(
+            f"{r.scenario:22s} {r.kernel:18s} regs {r.registers:3d}  stack {r.stack_bytes:5d}"
+            f"  smem {r.shared_bytes:6d}  warps {r.num_warps}  wgmma {r.wgmma}  cp.async {r.cp_async}"
+            f"  tma {r.tma}",
+            flush=True,
+        )

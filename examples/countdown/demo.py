@@ -1,5 +1,5 @@
-"""``make demo``: the countdown example side by side twice — bf16 rollouts, then FP8 rollouts — and one table of the four
-runs (the seeds' table: with vs without zero KLD, bf16 and FP8).
+"""``make demo``: the countdown example side by side twice — bf16 rollouts, then FP8 rollouts — and one table of the
+four runs (the seeds' table: with vs without zero KLD, bf16 and FP8).
 
 * bf16: ``python -m examples.countdown.run --out <out>/bf16`` (rollouts and training in bf16);
 * FP8 rollouts: ``python -m examples.countdown.run --out <out>/fp8_block --fp8 block`` (stock: vLLM's own online
@@ -9,6 +9,7 @@ runs (the seeds' table: with vs without zero KLD, bf16 and FP8).
 Same data, seeds, steps and hyper-parameters in every run (the example's defaults; extra arguments go to both runs).
 Writes each run's outputs under ``<out>/{bf16,fp8_block}/`` and ``<out>/summary.md`` (the four-row table, also printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,11 @@ def demo_markdown(out: Path, seconds: float | None = None) -> str:
     summaries, ratios, missing = {}, [], []
     for folder, label, _ in PRECISIONS:
         # (a stock run a CPU cannot run — vLLM-CPU's FP8 without AMX — has no metrics; its summary says why)
-        runs = {mode: run_summary(out / folder / mode) for mode in ("zerokld", "stock")
-                if (out / folder / mode / "metrics.jsonl").exists() or mode == "zerokld"}
+        runs = {
+            mode: run_summary(out / folder / mode)
+            for mode in ("zerokld", "stock")
+            if (out / folder / mode / "metrics.jsonl").exists() or mode == "zerokld"
+        }
         for mode, s in runs.items():
             summaries[f"{mode}, {label}"] = s
         if "stock" not in runs:
@@ -41,10 +45,14 @@ def demo_markdown(out: Path, seconds: float | None = None) -> str:
         z, st = runs["zerokld"].get("step_seconds"), runs.get("stock", {}).get("step_seconds")
         if z and st:
             ratios.append(f"{label}: zerokld {z:.1f} s, stock {st:.1f} s (**{st / z:.2f}x** stock's speed)")
-    setup = [f"{label}: `{' '.join(['python -m examples.countdown.run', *extra])}` — setup and curves: "
-             f"`{folder}/summary.md`, `{folder}/curves.png`" for folder, label, extra in PRECISIONS] + missing
-    text = summary_markdown(summaries, setup).replace("# Countdown GRPO: zerokld vs stock",
-                                                      "# Countdown GRPO: zerokld vs stock, bf16 and FP8 rollouts")
+    setup = [
+        f"{label}: `{' '.join(['python -m examples.countdown.run', *extra])}` — setup and curves: "
+        f"`{folder}/summary.md`, `{folder}/curves.png`"
+        for folder, label, extra in PRECISIONS
+    ] + missing
+    text = summary_markdown(summaries, setup).replace(
+        "# Countdown GRPO: zerokld vs stock", "# Countdown GRPO: zerokld vs stock, bf16 and FP8 rollouts"
+    )
     if ratios:
         text += "\nRL steps 2–last, wall-clock per precision: " + "; ".join(ratios) + "\n"
     if seconds is not None:

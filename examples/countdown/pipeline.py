@@ -10,13 +10,15 @@ engine every published version is loaded by this thread, in order, through the e
 the trainer pushes each version over HTTP itself, also while this thread's requests are in flight, and ``load`` only
 records it. Either way a batch carries, per rollout, the spans of tokens each snapshot sampled.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["GeneratedBatch", "RolloutWorker"]
 
@@ -47,8 +49,14 @@ class RolloutWorker(threading.Thread):
     each loaded version to its ``load`` stats.
     """
 
-    def __init__(self, steps: int, staleness: int, generate: Callable[[int], tuple],
-                 load: Callable[[int, Any], dict], on_loaded: Callable[[int], None] = lambda v: None) -> None:
+    def __init__(
+        self,
+        steps: int,
+        staleness: int,
+        generate: Callable[[int], tuple],
+        load: Callable[[int, Any], dict],
+        on_loaded: Callable[[int], None] = lambda v: None,
+    ) -> None:
         super().__init__(name="rollout-worker", daemon=True)
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")

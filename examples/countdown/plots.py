@@ -1,4 +1,5 @@
 """``curves.png`` for the side-by-side countdown runs: reward, held-out accuracy, k3 and clipped fraction per step."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,9 +27,13 @@ def plot_curves(run_dirs: dict[str, Path], out_png: str | Path) -> Path:
         ax_e.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="o", label=name)
         ax_k.plot(steps, [r["k3"] for r in rows], label=name)
         ax_c.plot(steps, [r["clipped_fraction"] for r in rows], label=name)
-    titles = ["reward (mean over rollouts)", "held-out accuracy (greedy)", "train-inference KL (k3, nats)",
-              "clipped-token fraction"]
-    for ax, title in zip(axes.flat, titles):
+    titles = [
+        "reward (mean over rollouts)",
+        "held-out accuracy (greedy)",
+        "train-inference KL (k3, nats)",
+        "clipped-token fraction",
+    ]
+    for ax, title in zip(axes.flat, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("GRPO step")
         ax.legend()

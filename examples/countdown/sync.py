@@ -9,6 +9,7 @@ the snapshot before anything is swapped, reloads in place and resets the prefix 
 HTTP to the hot-load endpoint of a live ``vllm serve`` (:mod:`examples.countdown.served`). A refused incremental
 snapshot falls back to a full one.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -49,12 +50,21 @@ class DeltaSync:
     server pauses requests in flight, swaps, recomputes their KV under the new weights and resumes them).
     """
 
-    def __init__(self, root: Path, dtype: str, initial_dir: Path, llm=None, full_every: int = 10,
-                 keep_snapshots: bool = False, numerics=None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        dtype: str,
+        initial_dir: Path,
+        llm=None,
+        full_every: int = 10,
+        keep_snapshots: bool = False,
+        numerics=None,
+    ) -> None:
         root = Path(root)
         self.dtype, self.keep_snapshots = dtype, keep_snapshots
-        self.writer = SnapshotWriter(root / "snapshots", initial_dir, full_every=full_every,
-                                     cache_dir=root / "writer_cache", numerics=numerics)
+        self.writer = SnapshotWriter(
+            root / "snapshots", initial_dir, full_every=full_every, cache_dir=root / "writer_cache", numerics=numerics
+        )
         self.config = HotLoadConfig(snapshot_root=str(root / "snapshots"), state_dir=str(root / "replica"))
         (root / "snapshots").mkdir(parents=True, exist_ok=True)
         self.replica = None
@@ -91,10 +101,16 @@ class DeltaSync:
         self._shipped.append(info.path)
         while len(self._shipped) > 2 and not self.keep_snapshots:  # the replica holds its own copy
             shutil.rmtree(self._shipped.pop(0), ignore_errors=True)
-        return {"sync_identity": info.identity, "sync_kind": info.kind, "sync_bytes": info.bytes,
-                "full_bytes": info.full_bytes,
-                "delta_density": info.density, "swap_seconds": res.swap_seconds,
-                "sync_seconds": time.perf_counter() - t0, "sync_refused": len(res.refused)}
+        return {
+            "sync_identity": info.identity,
+            "sync_kind": info.kind,
+            "sync_bytes": info.bytes,
+            "full_bytes": info.full_bytes,
+            "delta_density": info.density,
+            "swap_seconds": res.swap_seconds,
+            "sync_seconds": time.perf_counter() - t0,
+            "sync_refused": len(res.refused),
+        }
 
 
 class AdapterSync:
@@ -107,8 +123,16 @@ class AdapterSync:
 
     NAME = "policy"
 
-    def __init__(self, root: Path, dtype: str, initial_dir: Path, llm, full_every: int = 10,
-                 keep_snapshots: bool = False, numerics=None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        dtype: str,
+        initial_dir: Path,
+        llm,
+        full_every: int = 10,
+        keep_snapshots: bool = False,
+        numerics=None,
+    ) -> None:
         from vllm_plugin.hotload.offline import OfflineReplica
 
         self.root, self.dtype, self.keep_snapshots = Path(root), dtype, keep_snapshots
@@ -138,10 +162,16 @@ class AdapterSync:
             assets = self.root / "assets"
             assets.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(adapter_dir / "adapter_config.json", assets / "adapter_config.json")
-            self.writer = SnapshotWriter(self.root / "snapshots", assets, full_every=self.full_every,
-                                         cache_dir=self.root / "writer_cache", numerics=self.numerics)
-        res = self.client.push(self.writer, f"lora-step-{step:05d}", read_snapshot_tensors(adapter_dir),
-                               lora_name=self.NAME)
+            self.writer = SnapshotWriter(
+                self.root / "snapshots",
+                assets,
+                full_every=self.full_every,
+                cache_dir=self.root / "writer_cache",
+                numerics=self.numerics,
+            )
+        res = self.client.push(
+            self.writer, f"lora-step-{step:05d}", read_snapshot_tensors(adapter_dir), lora_name=self.NAME
+        )
         info = res.snapshot
         self.lora_request = self.replica.lora_request(self.NAME)
         self.identity = info.identity
@@ -149,6 +179,13 @@ class AdapterSync:
         self._shipped += [adapter_dir, info.path]
         while len(self._shipped) > 4 and not self.keep_snapshots:  # the replica holds its own copy
             shutil.rmtree(self._shipped.pop(0), ignore_errors=True)
-        return {"sync_identity": info.identity, "sync_kind": info.kind, "sync_bytes": info.bytes,
-                "full_bytes": info.full_bytes, "delta_density": info.density, "swap_seconds": res.swap_seconds,
-                "sync_seconds": time.perf_counter() - t0, "sync_refused": len(res.refused)}
+        return {
+            "sync_identity": info.identity,
+            "sync_kind": info.kind,
+            "sync_bytes": info.bytes,
+            "full_bytes": info.full_bytes,
+            "delta_density": info.density,
+            "swap_seconds": res.swap_seconds,
+            "sync_seconds": time.perf_counter() - t0,
+            "sync_refused": len(res.refused),
+        }

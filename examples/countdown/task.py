@@ -5,6 +5,7 @@ tag is there but the expression is invalid, uses other numbers, or misses the ta
 number exactly once and evaluates to the target within 1e-5. The generator is seeded and only emits solvable problems
 (checked by the exhaustive solver), which also writes the SFT warm-start answers.
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,6 +31,7 @@ class Problem:
 
 def solve(numbers: tuple[int, ...], target: int) -> str | None:
     """An expression using every number once with + - * / that equals ``target`` (exact rationals), or ``None``."""
+
     def rec(items: list[tuple[Fraction, str]]) -> str | None:
         if len(items) == 1:
             return items[0][1] if items[0][0] == target else None
@@ -66,9 +68,14 @@ def _random_expression(nums: list[int], rng: random.Random, ops: str = "+-*/") -
     return (value, expr[1:-1]) if 1 <= value <= 100 else None
 
 
-def generate_problems(n: int, seed: int, max_number: int = 100, counts: tuple[int, ...] = (3, 4),
-                      ops: str = "+-*/", exclude: set[tuple[tuple[int, ...], int]] | frozenset = frozenset()
-                      ) -> list[Problem]:
+def generate_problems(
+    n: int,
+    seed: int,
+    max_number: int = 100,
+    counts: tuple[int, ...] = (3, 4),
+    ops: str = "+-*/",
+    exclude: set[tuple[tuple[int, ...], int]] | frozenset = frozenset(),
+) -> list[Problem]:
     """``n`` problems, deterministic for a seed: ``counts`` numbers (one of them, uniformly) in ``1..max_number`` and a
     target in ``1..100`` reached by a random expression over all of them with ``ops`` (``-`` and ``/`` only where the
     result stays a positive integer, else ``+``), so every problem is solvable; that expression is the SFT answer.
@@ -94,8 +101,11 @@ def _eval(expr: str) -> Fraction:
             return ev(node.body)
         if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
             a, b = ev(node.left), ev(node.right)
-            return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}.get(type(node.op)) if not isinstance(
-                node.op, ast.Div) else a / b
+            return (
+                {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}.get(type(node.op))
+                if not isinstance(node.op, ast.Div)
+                else a / b
+            )
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
             return Fraction(node.value)
         raise ValueError("not an arithmetic expression")

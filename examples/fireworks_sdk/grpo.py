@@ -12,6 +12,7 @@ are bitwise equal) — then ``forward_backward(ppo)`` and ``optim_step``. Before
 through the same SDK (``forward_backward(cross_entropy)`` on solver answers). Nothing here is zerokld-specific except
 the servers' command lines; the client code is what a Fireworks user writes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from examples.countdown.run import MODEL_SPEC, Tok  # noqa: E402
-from examples.countdown.task import generate_problems, reward  # noqa: E402
-from zerokld_testing import make_tiny_checkpoint  # noqa: E402
+from examples.countdown.run import MODEL_SPEC, Tok
+from examples.countdown.task import generate_problems, reward
+from zerokld_testing import make_tiny_checkpoint
 
 KEY = "fw-local-example"
 DEPLOYMENT = "local"
@@ -59,12 +60,29 @@ def start_servers(ckpt: Path, run_dir: Path, zerokld: bool) -> tuple[str, str, l
 
     root = run_dir / "snapshots"
     root.mkdir(parents=True, exist_ok=True)
-    section = {"batch_invariant": zerokld,
-               "hot_load": {"snapshot_root": str(root), "state_dir": str(run_dir / "state")}}
-    vllm = OpenAIServer(["--model", str(ckpt), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-                         "--max-model-len", "256", "--enforce-eager", "--api-key", KEY,
-                         "--additional-config", json.dumps({"zerokld": section})], run_dir / "vllm.log",
-                        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload"})
+    section = {
+        "batch_invariant": zerokld,
+        "hot_load": {"snapshot_root": str(root), "state_dir": str(run_dir / "state")},
+    }
+    vllm = OpenAIServer(
+        [
+            "--model",
+            str(ckpt),
+            "--dtype",
+            "bfloat16",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            "--api-key",
+            KEY,
+            "--additional-config",
+            json.dumps({"zerokld": section}),
+        ],
+        run_dir / "vllm.log",
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_PLUGINS": "zerokld,zerokld_hotload"},
+    )
     trainer = TrainingServerProcess(ckpt, root, KEY, run_dir / "trainer.log", [] if zerokld else ["--stock"])
     vllm.start()
     try:
@@ -87,8 +105,10 @@ def datum(tokens: list[int], prompt_len: int, sampler_lps: list[float] | None, a
 
     n = len(tokens) - 1
     completion = n - prompt_len + 1
-    inputs = {"target_tokens": TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-              "weights": TensorData(data=[0.0] * (prompt_len - 1) + [1.0] * completion, dtype="float32", shape=[n])}
+    inputs = {
+        "target_tokens": TensorData(data=tokens[1:], dtype="int64", shape=[n]),
+        "weights": TensorData(data=[0.0] * (prompt_len - 1) + [1.0] * completion, dtype="float32", shape=[n]),
+    }
     if sampler_lps is not None:
         inputs["logprobs"] = TensorData(data=[0.0] * (prompt_len - 1) + list(sampler_lps), dtype="float32", shape=[n])
         inputs["advantages"] = TensorData(data=[advantage] * n, dtype="float32", shape=[n])
@@ -97,8 +117,13 @@ def datum(tokens: list[int], prompt_len: int, sampler_lps: list[float] | None, a
 
 def run(mode: str, ckpt: Path, out: Path, args, tok: Tok) -> dict:
     """One run (``mode`` ``zerokld`` or ``stock``); per-step rows to ``<out>/<mode>/metrics.jsonl``."""
-    from fireworks.training.sdk import (AdamParams, DeploymentManager, DeploymentSampler, FiretitanServiceClient,
-                                        WeightSyncer)
+    from fireworks.training.sdk import (
+        AdamParams,
+        DeploymentManager,
+        DeploymentSampler,
+        FiretitanServiceClient,
+        WeightSyncer,
+    )
 
     run_dir = out / mode
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -108,10 +133,12 @@ def run(mode: str, ckpt: Path, out: Path, args, tok: Tok) -> dict:
         svc = FiretitanServiceClient(base_url=training_url, api_key=KEY)
         tc = svc.create_training_client(base_model=BASE_MODEL)
         dm = DeploymentManager(api_key=KEY, base_url=inference_url)
-        syncer = WeightSyncer(policy_client=tc, deploy_mgr=dm, deployment_id=DEPLOYMENT, base_model=BASE_MODEL,
-                              hotload_timeout=300)
-        sampler = DeploymentSampler(inference_url=inference_url, model=f"accounts/{dm.account_id}/deployments/"
-                                    f"{DEPLOYMENT}", api_key=KEY)
+        syncer = WeightSyncer(
+            policy_client=tc, deploy_mgr=dm, deployment_id=DEPLOYMENT, base_model=BASE_MODEL, hotload_timeout=300
+        )
+        sampler = DeploymentSampler(
+            inference_url=inference_url, model=f"accounts/{dm.account_id}/deployments/{DEPLOYMENT}", api_key=KEY
+        )
         rng = random.Random(args.seed)
         problems = generate_problems(400, seed=args.seed, max_number=10, counts=(2,), ops="+-*")
         for _ in range(args.sft_steps):  # supervised warm start through the same SDK
@@ -126,26 +153,35 @@ def run(mode: str, ckpt: Path, out: Path, args, tok: Tok) -> dict:
             samples = asyncio.run(_sample_groups(sampler, [tok.prompt(p) for p in group], args))
             data, diffs, rewards = [], [], []
             for p, comps in zip(group, samples, strict=True):
-                rs = [reward(tok.decode(c.full_tokens[c.prompt_len:]), p) for c in comps]
+                rs = [reward(tok.decode(c.full_tokens[c.prompt_len :]), p) for c in comps]
                 mean, std = statistics.fmean(rs), statistics.pstdev(rs)
                 rewards += rs
-                data += [datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, (r - mean) / (std + 1e-6))
-                         for c, r in zip(comps, rs, strict=True)]
+                data += [
+                    datum(c.full_tokens, c.prompt_len, c.sampling_logprobs, (r - mean) / (std + 1e-6))
+                    for c, r in zip(comps, rs, strict=True)
+                ]
             comps = [c for cs in samples for c in cs]
             fwd = tc.forward(data, "cross_entropy").result()
             for o, c in zip(fwd.loss_fn_outputs, comps, strict=True):
-                train = o["logprobs"].data[c.prompt_len - 1:]
+                train = o["logprobs"].data[c.prompt_len - 1 :]
                 diffs += [s - t for s, t in zip(c.sampling_logprobs, train, strict=True)]
             tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
             tc.optim_step(AdamParams(learning_rate=args.lr)).result()
-            row = {"step": step, "reward_mean": statistics.fmean(rewards), "kl_k1": statistics.fmean(diffs),
-                   "max_abs_logprob_diff": max(abs(d) for d in diffs),
-                   "bitwise_equal_share": sum(d == 0.0 for d in diffs) / len(diffs), "tokens": len(diffs),
-                   "seconds": time.time() - t0}
+            row = {
+                "step": step,
+                "reward_mean": statistics.fmean(rewards),
+                "kl_k1": statistics.fmean(diffs),
+                "max_abs_logprob_diff": max(abs(d) for d in diffs),
+                "bitwise_equal_share": sum(d == 0.0 for d in diffs) / len(diffs),
+                "tokens": len(diffs),
+                "seconds": time.time() - t0,
+            }
             rows.append(row)
-            print(f"[{mode}] step {step}: reward {row['reward_mean']:.3f}  k1 {row['kl_k1']:+.3e}  "
-                  f"max|diff| {row['max_abs_logprob_diff']:.3e}  bitwise equal {row['bitwise_equal_share']:.1%}",
-                  flush=True)
+            print(
+                f"[{mode}] step {step}: reward {row['reward_mean']:.3f}  k1 {row['kl_k1']:+.3e}  "
+                f"max|diff| {row['max_abs_logprob_diff']:.3e}  bitwise equal {row['bitwise_equal_share']:.1%}",
+                flush=True,
+            )
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     finally:
         if svc is not None:
@@ -155,22 +191,30 @@ def run(mode: str, ckpt: Path, out: Path, args, tok: Tok) -> dict:
 
 
 async def _sample_groups(sampler, prompts: list[list[int]], args) -> list:
-    return await asyncio.gather(*(sampler.sample_with_prompt_tokens(p, n=args.group_size, max_tokens=args.max_tokens,
-                                                                      temperature=1.0, logprobs=True)
-                                  for p in prompts))
+    return await asyncio.gather(
+        *(
+            sampler.sample_with_prompt_tokens(
+                p, n=args.group_size, max_tokens=args.max_tokens, temperature=1.0, logprobs=True
+            )
+            for p in prompts
+        )
+    )
 
 
 def summary(results: list[dict]) -> str:
-    lines = ["| run | steps | reward (first → last) | max \\|sampler − trainer\\| log-prob | "
-             "bitwise-equal tokens |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| run | steps | reward (first → last) | max \\|sampler − trainer\\| log-prob | bitwise-equal tokens |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         rows = r["rows"]
         if not rows:
             continue
         equal = sum(x["bitwise_equal_share"] * x["tokens"] for x in rows) / sum(x["tokens"] for x in rows)
-        lines.append(f"| {r['mode']} | {len(rows)} | {rows[0]['reward_mean']:.3f} → {rows[-1]['reward_mean']:.3f} | "
-                     f"{max(x['max_abs_logprob_diff'] for x in rows):.3e} | {equal:.1%} |")
+        lines.append(
+            f"| {r['mode']} | {len(rows)} | {rows[0]['reward_mean']:.3f} → {rows[-1]['reward_mean']:.3f} | "
+            f"{max(x['max_abs_logprob_diff'] for x in rows):.3e} | {equal:.1%} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ zerokld both are exactly 0 at every step; with the plugin off they are not. The 
 declared dependency ``tml-renderers>=0.4.1`` (not on PyPI; the ``qwen3`` renderer does not use it): ``make
 install-test`` installs it with ``--no-deps`` and its other dependencies from the test extra.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
+from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
 
 KEY = "tml-local-example"  # tinker takes tml- keys only
 MAX_LORA_RANK = 8
@@ -54,11 +55,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def recipe_command(base_url: str, ckpt: Path, log_path: Path, args) -> list[str]:
     """The cookbook's own entry point and flags (nothing zerokld-specific but ``base_url``)."""
-    return [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"base_url={base_url}",
-            f"model_name={ckpt}", "renderer_name=qwen3", f"lora_rank={args.lora_rank}",
-            f"group_size={args.group_size}", f"groups_per_batch={args.groups_per_batch}", f"max_steps={args.steps}",
-            f"max_tokens={args.max_tokens}", "loss_fn=importance_sampling", f"learning_rate={args.learning_rate}",
-            "eval_every=0", "save_every=0", f"log_path={log_path}", "behavior_if_log_dir_exists=delete"]
+    return [
+        sys.executable,
+        "-m",
+        "tinker_cookbook.recipes.math_rl.train",
+        f"base_url={base_url}",
+        f"model_name={ckpt}",
+        "renderer_name=qwen3",
+        f"lora_rank={args.lora_rank}",
+        f"group_size={args.group_size}",
+        f"groups_per_batch={args.groups_per_batch}",
+        f"max_steps={args.steps}",
+        f"max_tokens={args.max_tokens}",
+        "loss_fn=importance_sampling",
+        f"learning_rate={args.learning_rate}",
+        "eval_every=0",
+        "save_every=0",
+        f"log_path={log_path}",
+        "behavior_if_log_dir_exists=delete",
+    ]
 
 
 def run(mode: str, ckpt: Path, out: Path, args) -> list[dict]:
@@ -74,21 +89,41 @@ def run(mode: str, ckpt: Path, out: Path, args) -> list[dict]:
     run_dir = out / mode
     (run_dir / "snapshots").mkdir(parents=True, exist_ok=True)
     zerokld = mode == "zerokld"
-    vllm = HotLoadServer(str(ckpt), run_dir / "snapshots", run_dir / "state", run_dir / "vllm.log", KEY,
-                         ("--enable-lora", "--max-loras", "2", "--max-lora-rank", str(MAX_LORA_RANK)),
-                         batch_invariant=zerokld)
+    vllm = HotLoadServer(
+        str(ckpt),
+        run_dir / "snapshots",
+        run_dir / "state",
+        run_dir / "vllm.log",
+        KEY,
+        ("--enable-lora", "--max-loras", "2", "--max-lora-rank", str(MAX_LORA_RANK)),
+        batch_invariant=zerokld,
+    )
     vllm.start()
     try:
-        trainer = TrainingServerProcess(ckpt, run_dir / "snapshots", KEY, run_dir / "trainer.log",
-                                        ["--max-lora-rank", MAX_LORA_RANK, "--sampler-url", vllm.base,
-                                         *([] if zerokld else ["--stock"])])
+        trainer = TrainingServerProcess(
+            ckpt,
+            run_dir / "snapshots",
+            KEY,
+            run_dir / "trainer.log",
+            ["--max-lora-rank", MAX_LORA_RANK, "--sampler-url", vllm.base, *([] if zerokld else ["--stock"])],
+        )
         trainer.start()
         try:
-            env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
-                   "HF_DATASETS_OFFLINE": "1"}
+            env = {
+                **os.environ,
+                "TINKER_API_KEY": KEY,
+                "TINKER_TELEMETRY": "0",
+                "HF_HUB_OFFLINE": "1",
+                "HF_DATASETS_OFFLINE": "1",
+            }
             t0 = time.time()
-            proc = subprocess.run(recipe_command(trainer.base, ckpt, run_dir / "run", args), env=env,
-                                  capture_output=True, text=True, timeout=args.recipe_timeout_s)
+            proc = subprocess.run(
+                recipe_command(trainer.base, ckpt, run_dir / "run", args),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=args.recipe_timeout_s,
+            )
             (run_dir / "recipe.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 raise RuntimeError(f"the recipe failed ({mode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -109,8 +144,10 @@ def summary(results: dict[str, list[dict]]) -> str:
     lines = ["| run | step | kl_sample_train_v1 | kl_sample_train_v2 | entropy |", "| --- | --- | --- | --- | --- |"]
     for mode, rows in results.items():
         for r in rows:
-            lines.append(f"| {mode} | {r['step']} | {r['optim/kl_sample_train_v1']:.3g} | "
-                         f"{r['optim/kl_sample_train_v2']:.3g} | {r.get('optim/entropy', float('nan')):.3f} |")
+            lines.append(
+                f"| {mode} | {r['step']} | {r['optim/kl_sample_train_v1']:.3g} | "
+                f"{r['optim/kl_sample_train_v2']:.3g} | {r.get('optim/entropy', float('nan')):.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -119,8 +156,9 @@ def main(argv=None) -> dict[str, list[dict]]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = make_tiny_checkpoint(out / "model", MODEL_SPEC, seed=0, dtype="bfloat16")
-    results = {mode: run(mode, ckpt, out, args)
-               for mode in (["zerokld", "stock"] if args.runs == "both" else [args.runs])}
+    results = {
+        mode: run(mode, ckpt, out, args) for mode in (["zerokld", "stock"] if args.runs == "both" else [args.runs])
+    }
     (out / "summary.json").write_text(json.dumps(results, indent=2))
     (out / "summary.md").write_text(summary(results))
     print(summary(results))

@@ -31,6 +31,7 @@ norm, rope, SiLU and log-softmax, FlashAttention-2 dQ and dK/dV kernels for dens
 over rows for weight gradients — linear's ``dW`` as one ``torch.mm`` (cuBLAS), the others fixed-shape ``torch.sum`` —
 are deterministic for their shapes (:mod:`shared_numerics.gemm_autograd`).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,10 @@ def unavailable_reason() -> str | None:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(standard.sum, InterpretedFunction):  # triton.language was imported before the variable was set
-        return ("TRITON_INTERPRET=1 was set after Triton was first imported in this process (by vLLM, TorchTitan, "
-                "...); set it in the environment before starting Python")
+        return (
+            "TRITON_INTERPRET=1 was set after Triton was first imported in this process (by vLLM, TorchTitan, "
+            "...); set it in the environment before starting Python"
+        )
     return None
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by the Triton kernels' host wrappers."""
+
 from __future__ import annotations
 
 import triton

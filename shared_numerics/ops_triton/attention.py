@@ -26,13 +26,14 @@ a query's bits do not depend on which other queries share its tile either.
 
 A program owns one tile: ``block_m`` rows (prefill 128 and decode 64 for bf16/fp16, 32 for fp32), each row one
 (query, query head) pair —
-``block_m // G`` consecutive queries of one sequence times the ``G`` query heads of one kv head (grouped-query attention: the K/V chunk loaded
-once serves all of them). Sequences are found from ``query_start_loc`` inside the kernel (tile ``t`` belongs to the
-last sequence ``s`` with ``query_start_loc[s] // Q + s <= t``, the upper-bound grid of vLLM's unified attention), so
-the host launches ``N_q // Q + num_seqs`` tile programs (last first: the causal mask makes late tiles the longest)
-and builds no maps: no host sync, CUDA-graph capturable. Keys are addressed through a block table in both layouts:
-vLLM's paged ``[blocks, kv_heads, block_size, D]`` cache (any block size and strides; power-of-two sizes compiled in)
-and the trainer's dense ``[B, T, kv_heads, D]`` keys seen as one ``T``-token block per sequence (addressed directly).
+``block_m // G`` consecutive queries of one sequence times the ``G`` query heads of one kv head (grouped-query
+attention: the K/V chunk loaded once serves all of them). Sequences are found from ``query_start_loc`` inside the kernel
+(tile ``t`` belongs to the last sequence ``s`` with ``query_start_loc[s] // Q + s <= t``, the upper-bound grid of vLLM's
+unified attention), so the host launches ``N_q // Q + num_seqs`` tile programs (last first: the causal mask makes late
+tiles the longest) and builds no maps: no host sync, CUDA-graph capturable. Keys are addressed through a block table in
+both layouts: vLLM's paged ``[blocks, kv_heads, block_size, D]`` cache (any block size and strides; power-of-two sizes
+compiled in) and the trainer's dense ``[B, T, kv_heads, D]`` keys seen as one ``T``-token block per sequence (addressed
+directly).
 
 Backward (dense layout): FlashAttention-2 (Dao 2023): ``dQ`` per query tile, ``dK``/``dV`` per (sequence, key
 chunk, kv head) walking the query tiles in order, both recomputing ``p = exp2(s - lse)`` from the forward's saved
@@ -43,6 +44,7 @@ bitwise: trainer and engine must run the same backend. Sources: Dao, "FlashAtten
 "Flash-Decoding" (2023), with the fixed split size of SGLang's deterministic mode; vLLM
 ``v1/attention/ops/triton_unified_attention.py`` (tile search, paged loads).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,10 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CONFIGS", "AttnConfig", "SPLIT", "dense_causal_attention", "paged_causal_attention",
-           "queries_per_tile"]
+__all__ = ["CONFIGS", "AttnConfig", "SPLIT", "dense_causal_attention", "paged_causal_attention", "queries_per_tile"]
 
-from ..attention import SPLIT  # noqa: E402  keys per split (absolute positions); part of the numerics contract
+from ..attention import SPLIT  # keys per split (absolute positions); part of the numerics contract
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def _merge(m, l, acc, m2, l2, acc2):
 def _mma(a, b, acc, IEEE: tl.constexpr):
     """``acc + a @ b``: exact fp32 products for fp32 models (``ieee``), else a tensor-core dot with ``a`` rounded to
     ``b``'s dtype (FlashAttention-2 rounds the probabilities / their gradients to the value dtype)."""
-    if IEEE:
+    if IEEE:  # noqa: SIM108 - a constexpr if: Triton compiles only the branch taken
         out = tl.dot(a, b, acc, input_precision="ieee")
     else:
         out = tl.dot(a.to(b.dtype), b, acc)
@@ -163,11 +164,45 @@ def _finalize(l, acc):
 
 
 @triton.jit(do_not_specialize=["num_seqs", "splits_per_program", "n_groups", "block_size", "G"])
-def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_ptr, sl_ptr, bt_ptr,
-              num_seqs, splits_per_program, n_groups, G, NHQ, D,
-              sqt, sqh, sot, soh, skb, skh, skt, svb, svh, svt, sbt, block_size, qk_scale,
-              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
-              STORE_LSE: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_fwd(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    mp_ptr,
+    lp_ptr,
+    ap_ptr,
+    qsl_ptr,
+    sl_ptr,
+    bt_ptr,
+    num_seqs,
+    splits_per_program,
+    n_groups,
+    G,
+    NHQ,
+    D,
+    sqt,
+    sqh,
+    sot,
+    soh,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    sbt,
+    block_size,
+    qk_scale,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    SPLIT_: tl.constexpr,
+    IEEE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program (tile, kv head, split group): splits ``[g * splits_per_program, ...)`` of one tile."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles (the longest: causal) first
     hk = tl.program_id(1)
@@ -196,8 +231,11 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
     d = tl.arange(0, BD)
     dmask = d < D
     token = (q0 + qi).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :],
-                mask=rvalid[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :],
+        mask=rvalid[:, None] & dmask[None, :],
+        other=0.0,
+    )
     offs = tl.arange(0, BN)
     k_base = k_ptr + hk * skh
     v_base = v_ptr + hk * svh
@@ -246,8 +284,11 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
     # comparison in a block ``&`` is promoted to int32 by Triton 3.9, whose masked store then refuses the mask
     done = rvalid & (r * 0 + s_lo == 0) & (pos // SPLIT_ + 1 <= s_hi)
     out = _finalize(l_run, acc_run)
-    tl.store(o_ptr + token[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=done[:, None] & dmask[None, :])
+    tl.store(
+        o_ptr + token[:, None] * sot + head[:, None] * soh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=done[:, None] & dmask[None, :],
+    )
     if STORE_LSE:
         tl.store(lse_ptr + token * NHQ + head, m_run + tl.log2(tl.where(l_run > 0, l_run, 1.0)), mask=done)
     part = rvalid & ~done  # rows with splits in other programs: this group's state goes to the combine kernel
@@ -258,8 +299,23 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_p
 
 
 @triton.jit(do_not_specialize=["num_seqs", "n_groups"])
-def _attn_combine(o_ptr, mp_ptr, lp_ptr, ap_ptr, qsl_ptr, sl_ptr, num_seqs, n_groups, NHQ, D, sot, soh,
-                  BH: tl.constexpr, BD: tl.constexpr, SPLIT_: tl.constexpr):
+def _attn_combine(
+    o_ptr,
+    mp_ptr,
+    lp_ptr,
+    ap_ptr,
+    qsl_ptr,
+    sl_ptr,
+    num_seqs,
+    n_groups,
+    NHQ,
+    D,
+    sot,
+    soh,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+    SPLIT_: tl.constexpr,
+):
     """Program (query token): merge its heads' split states in increasing split order (one split per group)."""
     token = tl.program_id(0)
     seq = _find_seq(qsl_ptr, token, num_seqs, 1, 0)
@@ -304,8 +360,20 @@ def _block_key(block_size: int, dense: bool) -> int:
     return block_size if block_size & (block_size - 1) == 0 and 0 < block_size <= 1024 else -1
 
 
-def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_size, scale, max_seq_len,
-             split_kv: bool, store_lse: bool, dense: bool = False):
+def _forward(
+    q,
+    k_store,
+    v_store,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    block_size,
+    scale,
+    max_seq_len,
+    split_kv: bool,
+    store_lse: bool,
+    dense: bool = False,
+):
     """``q [Nq, Hq, D]`` (head stride may be anything, last stride 1); ``k_store``/``v_store``
     ``[blocks, Hkv, slot, D]``-strided. Returns ``(out [Nq, Hq, D], lse2 [Nq, Hq] base-2 or None)``."""
     n_q, h_q, d = q.shape
@@ -337,24 +405,90 @@ def _forward(q, k_store, v_store, query_start_loc, seq_lens, block_table, block_
     bt = block_table.to(device=q.device, dtype=torch.int32)
     bd = triton.next_power_of_2(d)
     grid = (n_q // qt + num_seqs, h_kv, n_groups)
-    _attn_fwd[grid](q, k_store, v_store, out, lse if lse is not None else out, mp, lp, ap, qsl, sl, bt,
-                    num_seqs, max_splits if n_groups == 1 else 1, n_groups, g, h_q, d,
-                    q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                    k_store.stride(0), k_store.stride(1), k_store.stride(2),
-                    v_store.stride(0), v_store.stride(1), v_store.stride(2), bt.stride(0), block_size,
-                    float(scale) * _LOG2E, BM=block_m, BN=_config(q.dtype).block_n, BD=bd, SPLIT_=SPLIT,
-                    IEEE=q.dtype == torch.float32, STORE_LSE=store_lse, BLOCK=_block_key(block_size, dense),
-                    num_warps=warps, num_stages=stages,
-                    enable_fp_fusion=False)
+    _attn_fwd[grid](
+        q,
+        k_store,
+        v_store,
+        out,
+        lse if lse is not None else out,
+        mp,
+        lp,
+        ap,
+        qsl,
+        sl,
+        bt,
+        num_seqs,
+        max_splits if n_groups == 1 else 1,
+        n_groups,
+        g,
+        h_q,
+        d,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_store.stride(0),
+        k_store.stride(1),
+        k_store.stride(2),
+        v_store.stride(0),
+        v_store.stride(1),
+        v_store.stride(2),
+        bt.stride(0),
+        block_size,
+        float(scale) * _LOG2E,
+        BM=block_m,
+        BN=_config(q.dtype).block_n,
+        BD=bd,
+        SPLIT_=SPLIT,
+        IEEE=q.dtype == torch.float32,
+        STORE_LSE=store_lse,
+        BLOCK=_block_key(block_size, dense),
+        num_warps=warps,
+        num_stages=stages,
+        enable_fp_fusion=False,
+    )
     if n_groups > 1:
-        _attn_combine[(n_q,)](out, mp, lp, ap, qsl, sl, num_seqs, n_groups, h_q, d, out.stride(0), out.stride(1),
-                              BH=triton.next_power_of_2(h_q), BD=bd, SPLIT_=SPLIT)
+        _attn_combine[(n_q,)](
+            out,
+            mp,
+            lp,
+            ap,
+            qsl,
+            sl,
+            num_seqs,
+            n_groups,
+            h_q,
+            d,
+            out.stride(0),
+            out.stride(1),
+            BH=triton.next_power_of_2(h_q),
+            BD=bd,
+            SPLIT_=SPLIT,
+        )
     return out, lse
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, NHQ, NHK, D, G, qk_scale, scale,
-                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+def _attn_bwd_dq(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    T,
+    NHQ,
+    NHK,
+    D,
+    G,
+    qk_scale,
+    scale,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Dense ``[B, T, H, D]`` contiguous. Program: (sequence b, query tile i, kv head)."""
     b = tl.program_id(0)
     i = tl.program_id(1)
@@ -392,8 +526,27 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, NHQ
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_bwd_dkv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, NHQ, NHK, D, G, qk_scale,
-                  scale, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+def _attn_bwd_dkv(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    T,
+    NHQ,
+    NHK,
+    D,
+    G,
+    qk_scale,
+    scale,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program: (sequence b, key chunk j, kv head); walks the query tiles that can see the chunk, in order."""
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -449,8 +602,20 @@ class _DenseAttention(torch.autograd.Function):
         k_store = k.as_strided((b, h_kv, t, d), (t * h_kv * d, d, h_kv * d, 1))
         v_store = v.as_strided((b, h_kv, t, d), (t * h_kv * d, d, h_kv * d, 1))
         qsl, seq_lens, block_table = _dense_metadata(b, t, q.device)
-        out, lse = _forward(q.reshape(b * t, h_q, d), k_store, v_store, qsl, seq_lens, block_table, t, scale, t,
-                            split_kv=False, store_lse=True, dense=True)
+        out, lse = _forward(
+            q.reshape(b * t, h_q, d),
+            k_store,
+            v_store,
+            qsl,
+            seq_lens,
+            block_table,
+            t,
+            scale,
+            t,
+            split_kv=False,
+            store_lse=True,
+            dense=True,
+        )
         out = out.reshape(b, t, h_q, d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -467,8 +632,15 @@ class _DenseAttention(torch.autograd.Function):
         do = do.to(q.dtype).contiguous()
         delta = (do.float() * out.float()).sum(-1).reshape(-1).contiguous()  # [B*T*Hq]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        meta = dict(BM=cfg.block_m, BN=cfg.block_n, BD=triton.next_power_of_2(d), IEEE=q.dtype == torch.float32,
-                    num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, enable_fp_fusion=False)
+        meta = dict(
+            BM=cfg.block_m,
+            BN=cfg.block_n,
+            BD=triton.next_power_of_2(d),
+            IEEE=q.dtype == torch.float32,
+            num_warps=cfg.bwd_warps,
+            num_stages=cfg.bwd_stages,
+            enable_fp_fusion=False,
+        )
         args = (t, h_q, h_kv, d, g, ctx.scale * _LOG2E, ctx.scale)
         _attn_bwd_dq[(b, triton.cdiv(t, qt), h_kv)](q, k, v, do, lse, delta, dq, *args, **meta)
         _attn_bwd_dkv[(b, triton.cdiv(t, cfg.block_n), h_kv)](q, k, v, do, lse, delta, dk, dv, *args, **meta)
@@ -485,8 +657,17 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return _DenseAttention.apply(q, k, v, float(scale))
 
 
-def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-                           max_query_len: int | None = None, max_seq_len: int | None = None):
+def paged_causal_attention(
+    q,
+    key_cache,
+    value_cache,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    scale,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+):
     """Triton :func:`shared_numerics.attention.paged_causal_attention` over vLLM's cache (inference only).
 
     Args:
@@ -511,7 +692,17 @@ def paged_causal_attention(q, key_cache, value_cache, query_start_loc, seq_lens,
         max_query_len = int((qsl[1:] - qsl[:-1]).max().item()) if qsl.numel() > 1 else 0
     g = q.shape[1] // key_cache.shape[1]
     split_kv = g <= _config(q.dtype).decode_block_m and max_query_len <= _config(q.dtype).decode_block_m // g
-    out, _ = _forward(q, key_cache, value_cache, query_start_loc, seq_lens, block_table, key_cache.shape[2], scale,
-                      max_seq_len, split_kv=split_kv, store_lse=False)
+    out, _ = _forward(
+        q,
+        key_cache,
+        value_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        key_cache.shape[2],
+        scale,
+        max_seq_len,
+        split_kv=split_kv,
+        store_lse=False,
+    )
     return out
-

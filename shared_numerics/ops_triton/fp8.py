@@ -14,6 +14,7 @@ products added in increasing order — exactly the order :mod:`shared_numerics.f
 the result is batch invariant; against the torch backend (exact fp32 products of widened codes on CPU) it agrees to
 fp32 rounding. The QAT backward (straight-through) runs two GEMMs of :mod:`.matmul` in the gradient's dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,7 @@ def quantize_fp8_activation(x: torch.Tensor, granularity: str = "per_channel") -
     Raises:
         Fp8QuantizationError: inf or NaN in ``x`` (flagged by the kernel; one small device-to-host read).
     """
-    ref._check_granularity(granularity)
+    ref._check_granularity(granularity)  # type: ignore[arg-type]  # (its message names a bad value)
     x = x.contiguous()
     m, k = x.shape
     group = k if granularity == "per_channel" else ref.BLOCK
@@ -88,9 +89,25 @@ FP8_CONFIG = dict(BM=128, BN=128, BK=128, GROUP_M=8, num_stages=2, num_warps=8)
 
 
 @triton.jit
-def _fp8_gemm(qx_ptr, sx_ptr, qw_ptr, sw_ptr, y_ptr, M, N, K, NGX, NGW,
-              BLOCKWISE: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+def _fp8_gemm(
+    qx_ptr,
+    sx_ptr,
+    qw_ptr,
+    sw_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    NGX,
+    NGW,
+    BLOCKWISE: tl.constexpr,
+    NATIVE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
     """Persistent FP8 GEMM. ``NATIVE``: e4m3 operands straight into ``tl.dot`` (sm89+); else widened to bf16
     (exact: every e4m3 value is a bf16 value). ``BLOCKWISE``: ``BK`` = 128 = one K block per dot, each block's
     product scaled and added in increasing block order (DeepSeek-V3's fp32 promotion)."""
@@ -120,8 +137,11 @@ def _fp8_gemm(qx_ptr, sx_ptr, qw_ptr, sw_ptr, y_ptr, M, N, K, NGX, NGW,
             sx = tl.load(sx_ptr + ra)
             sw = tl.load(sw_ptr + rb)
             out = (acc * sx[:, None]) * sw[None, :]
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(
+            y_ptr + rm[:, None] * N + rn[None, :],
+            out.to(y_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -137,8 +157,21 @@ def _gemm(qx, sx, qw, sw, granularity, out_dtype):
         cfg = FP8_CONFIG
         programs = min(num_programs(qx.device), triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]))
         _fp8_gemm[(programs,)](
-            qx, sx.contiguous(), qw.contiguous(), sw, y, m, n, k, sx.shape[1], sw.shape[1] if sw.dim() == 2 else 1,
-            BLOCKWISE=granularity == "block", NATIVE=_native_fp8(qx.device), NUM_PROGRAMS=programs, **cfg)
+            qx,
+            sx.contiguous(),
+            qw.contiguous(),
+            sw,
+            y,
+            m,
+            n,
+            k,
+            sx.shape[1],
+            sw.shape[1] if sw.dim() == 2 else 1,
+            BLOCKWISE=granularity == "block",
+            NATIVE=_native_fp8(qx.device),
+            NUM_PROGRAMS=programs,
+            **cfg,
+        )
     return y
 
 

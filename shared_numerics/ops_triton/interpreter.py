@@ -19,6 +19,7 @@ row's result depend on where it sits in a tile; :func:`install` fills them, once
 
 Nothing here runs on a GPU; :func:`install` is a no-op unless ``TRITON_INTERPRET=1``.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def install() -> None:
         return h.data
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        prod = np.einsum("...ik,...kj->...ij", operand(a).astype(np.float64), operand(b).astype(np.float64),
-                         optimize=False)
+        prod = np.einsum(
+            "...ik,...kj->...ij", operand(a).astype(np.float64), operand(b).astype(np.float64), optimize=False
+        )
         return it.TensorHandle(prod.astype(d.data.dtype) + d.data, d.dtype.scalar)
 
     cast_impl = it.InterpreterBuilder.cast_impl
@@ -75,5 +77,6 @@ def install() -> None:
     it.InterpreterBuilder.create_dot = create_dot
     it.InterpreterBuilder.cast_impl = lambda self, src, dst_type: to_bf16(self, src, dst_type, cast_impl)
     it.InterpreterBuilder.create_fp_to_fp = lambda self, src, dst_type, rounding_mode: to_bf16(
-        self, src, dst_type, fp_to_fp, rounding_mode)
+        self, src, dst_type, fp_to_fp, rounding_mode
+    )
     _INSTALLED = True

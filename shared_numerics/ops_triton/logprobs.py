@@ -6,6 +6,7 @@ An all ``-inf`` row uses max 0, as :mod:`shared_numerics.logprobs` does. Against
 agreement to ~1e-6 absolute; trainer and vLLM on this backend agree bit for bit (same kernel, same row).
 Source: vLLM ``v1/sample/sampler.py`` ``compute_logprobs``; the row-per-program softmax of the Triton tutorials.
 """
+
 from __future__ import annotations
 
 import torch

@@ -21,6 +21,7 @@ Source: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025) pe
 3 stages, 8 warps for bf16 — measured 451 TFLOP/s at 4096x4096->12288 on an H100, ``../shared/DESIGN.md``; 128x256x64
 measured faster here, see :data:`CONFIGS`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,9 +81,29 @@ def tile_offsets(tile_id, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
-                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, LARGE: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+def _gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    sam,
+    sak,
+    sbk,
+    sbn,
+    scm,
+    scn,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    LARGE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
     k_tiles = tl.cdiv(K, BK)
     rk0 = tl.arange(0, BK)
     for tile_id in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_PROGRAMS, flatten=True):
@@ -100,14 +121,17 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, sam, sak, sbk, sbn, scm
                 rk = rk.to(tl.int64)
             a = tl.load(a_ptr + ra[:, None] * sam + rk[None, :] * sak, mask=rk0[None, :] < K - ki * BK, other=0.0)
             b = tl.load(b_ptr + rk[:, None] * sbk + rb[None, :] * sbn, mask=rk0[:, None] < K - ki * BK, other=0.0)
-            if IEEE:
+            if IEEE:  # noqa: SIM108 - a constexpr if: Triton compiles only the branch taken
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(
+            c_ptr + rm[:, None] * scm + rn[None, :] * scn,
+            acc.to(c_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,12 +153,32 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.T
     cfg = CONFIGS[a.dtype]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(num_programs(a.device), tiles)
-    large = max(a.numel(), b.numel(), c.numel()) >= 2 ** 31
+    large = max(a.numel(), b.numel(), c.numel()) >= 2**31
     _gemm_kernel[(programs,)](
-        a, b, c, bias if bias is not None else c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c.stride(0), c.stride(1), HAS_BIAS=bias is not None, IEEE=cfg.ieee, LARGE=large, BM=cfg.block_m,
-        BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, num_stages=cfg.num_stages,
-        num_warps=cfg.num_warps)
+        a,
+        b,
+        c,
+        bias if bias is not None else c,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        HAS_BIAS=bias is not None,
+        IEEE=cfg.ieee,
+        LARGE=large,
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        BK=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
     return c
 
 

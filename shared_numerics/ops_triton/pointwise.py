@@ -14,6 +14,7 @@ with explicit ``fma`` (``x1*c - x2*s = fma(x1, c, -(x2*s))``) in both the fused 
 compiler contraction choice can differ between them. Against the torch backend they agree to a few fp32 ulps (the
 norm's sum of squares is a Triton tree, not ``tree_sum``'s; exp is fp32).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,25 @@ def _rotate(x1, x2, c, s):
 
 
 @triton.jit(do_not_specialize=["M", "has_res", "rope", "heads"])
-def _norm_row(x_ptr, r_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, cos_ptr, sin_ptr, M, H, eps, has_res, rope, heads,
-              BLOCK: tl.constexpr, ROWS: tl.constexpr, BHALF: tl.constexpr):
+def _norm_row(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    sum_ptr,
+    rstd_ptr,
+    cos_ptr,
+    sin_ptr,
+    M,
+    H,
+    eps,
+    has_res,
+    rope,
+    heads,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BHALF: tl.constexpr,
+):
     """Program = ``ROWS`` contiguous rows of ``H``. ``has_res``: ``x <- round(x + r)`` (stored to ``sum_ptr``)
     first. ``rope``: the normalised row (rounded) is rotated by table row ``row // heads`` before it is stored."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -99,9 +117,25 @@ def _launch_norm(x2, weight, eps, residual=None, cos=None, sin=None, heads=1):
     if m:
         block, rows, warps = _norm_tile(h)
         _norm_row[(triton.cdiv(m, rows),)](
-            x2, residual if residual is not None else x2, weight, y, s, rstd, cos if cos is not None else rstd,
-            sin if sin is not None else rstd, m, h, float(eps), int(residual is not None), int(cos is not None),
-            heads, BLOCK=block, ROWS=rows, BHALF=next_pow2(max(h // 2, 1)), num_warps=warps)
+            x2,
+            residual if residual is not None else x2,
+            weight,
+            y,
+            s,
+            rstd,
+            cos if cos is not None else rstd,
+            sin if sin is not None else rstd,
+            m,
+            h,
+            float(eps),
+            int(residual is not None),
+            int(cos is not None),
+            heads,
+            BLOCK=block,
+            ROWS=rows,
+            BHALF=next_pow2(max(h // 2, 1)),
+            num_warps=warps,
+        )
     return y, s, rstd
 
 
@@ -136,8 +170,7 @@ class _RMSNorm(torch.autograd.Function):
         gw_rows = torch.empty((m, h), dtype=torch.float32, device=x2.device)
         if m:
             block = next_pow2(h)
-            _rms_bwd[(m,)](x2, weight, gy.contiguous(), rstd, gx, gw_rows, h, BLOCK=block,
-                           num_warps=_row_warps(block))
+            _rms_bwd[(m,)](x2, weight, gy.contiguous(), rstd, gx, gw_rows, h, BLOCK=block, num_warps=_row_warps(block))
         return gx, gw_rows.sum(0).to(weight.dtype), None
 
 
@@ -150,8 +183,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, float(eps)).reshape(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`shared_numerics.norm.add_rms_norm`: ``s = x + residual`` (rounded to ``x.dtype``) and
     ``rms_norm(s)`` in one pass; bitwise ``(x + residual, rms_norm(x + residual))`` of this backend. With gradients
     required it runs exactly that composition (differentiable)."""
@@ -163,16 +197,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return s.reshape(x.shape), y.reshape(x.shape)
 
 
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
-                  ) -> torch.Tensor:
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Triton :func:`shared_numerics.rope.rms_norm_rope`: per-head ``rms_norm`` of ``x [N, heads, D]`` then RoPE with
     ``cos, sin [N, D/2]``, one pass; bitwise ``apply_rope(rms_norm(x), cos, sin)`` of this backend. With gradients
     required it runs exactly that composition (differentiable)."""
     if _needs_grad(x, weight):
         return apply_rope(rms_norm(x, weight, eps), cos, sin)
     n, heads, d = x.shape
-    y, _, _ = _launch_norm(x.reshape(n * heads, d).contiguous(), weight, eps, cos=cos.float().contiguous(),
-                           sin=sin.float().contiguous(), heads=heads)
+    y, _, _ = _launch_norm(
+        x.reshape(n * heads, d).contiguous(),
+        weight,
+        eps,
+        cos=cos.float().contiguous(),
+        sin=sin.float().contiguous(),
+        heads=heads,
+    )
     return y.reshape(x.shape)
 
 
@@ -200,8 +241,19 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: fl
     if n:
         bd = next_pow2(d // 2)
         rows = max(1, _TILE_ELEMS // bd)
-        _rope_kernel[(triton.cdiv(n * nh, rows),)](x, cos.float().contiguous(), sin.float().contiguous(), y, n * nh,
-                                                   nh, d // 2, sign, ROWS=rows, BD=bd, num_warps=4)
+        _rope_kernel[(triton.cdiv(n * nh, rows),)](
+            x,
+            cos.float().contiguous(),
+            sin.float().contiguous(),
+            y,
+            n * nh,
+            nh,
+            d // 2,
+            sign,
+            ROWS=rows,
+            BD=bd,
+            num_warps=4,
+        )
     return y
 
 
@@ -263,8 +315,7 @@ class _SiluMul(torch.autograd.Function):
         gg, gu = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
-            _silu_bwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, gy.contiguous(), gg, gu, n, BLOCK=_EW_BLOCK,
-                                                    num_warps=8)
+            _silu_bwd[(triton.cdiv(n, _EW_BLOCK),)](gate, up, gy.contiguous(), gg, gu, n, BLOCK=_EW_BLOCK, num_warps=8)
         return gg, gu
 
 

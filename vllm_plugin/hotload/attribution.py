@@ -18,6 +18,7 @@ hot-load endpoint starts in the API server (:meth:`vllm_plugin.hotload.endpoint.
 calls :func:`enable`).
 Source: vLLM ``v1/engine/output_processor.py``, ``entrypoints/scale_out/token_in_token_out/protocol.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -112,8 +113,9 @@ def _patch_streams() -> None:
                 return
             spans: dict[int, list[dict]] = {}
             n = 1 if request.n is None else request.n
-            async for chunk in stream(self, request, engine_inputs, _tracking(result_generator, spans, n), *args,
-                                      **kwargs):
+            async for chunk in stream(
+                self, request, engine_inputs, _tracking(result_generator, spans, n), *args, **kwargs
+            ):
                 yield _annotate_sse(chunk, spans)
 
         return stream_with_spans

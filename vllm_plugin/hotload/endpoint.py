@@ -1,7 +1,8 @@
 """The hot-load HTTP API on vLLM's OpenAI server, as a ``vllm.endpoint_plugins`` entry point (``zerokld_hotload``).
 
 The replica state machine and the wire protocol are :mod:`deltasync`'s (:class:`deltasync.Replica`,
-:mod:`deltasync.protocol`); this module only maps HTTP onto them. Switch it on with both plugin names allow-listed and the ``hot_load`` section in the zerokld config::
+:mod:`deltasync.protocol`); this module only maps HTTP onto them. Switch it on with both plugin names allow-listed and
+the ``hot_load`` section in the zerokld config::
 
     VLLM_PLUGINS=zerokld,zerokld_hotload python -m vllm.entrypoints.openai.api_server --model DIR ... \\
         --additional-config '{"zerokld": {"batch_invariant": true,
@@ -54,11 +55,12 @@ prefix cache get 409); ``none`` keeps everything.
 
 With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/v1/*``, SageMaker's
 ``/invocations``, ``/pooling``, ``/tokenize``, ...) needs the key, gets HTTP 425 during a ``sync`` swap, and answers
-with ``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of use
-when a response spans a swap; for a stream, the one that sampled its first token). Completion and chat choices
+with ``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of
+use when a response spans a swap; for a stream, the one that sampled its first token). Completion and chat choices
 carry ``weight_versions`` (vLLM's per-token spans, :mod:`vllm_plugin.hotload.attribution`), streamed chunks too.
 Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API (``../shared/DESIGN.md`` §5).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,9 +73,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltasync.ledger import LedgerWriteError
-from deltasync.protocol import (DRAIN_HEADER, FIREWORKS_DEPLOYMENT_HEADER, FIREWORKS_HOT_LOAD, IDENTITY_HEADER,
-                                NO_SPACE, PREFIX, SESSION_HEADER, TRANSITION_HEADER, HotLoadError, Signal,
-                                fireworks_status, openapi_operations, public_message)
+from deltasync.protocol import (
+    DRAIN_HEADER,
+    FIREWORKS_DEPLOYMENT_HEADER,
+    FIREWORKS_HOT_LOAD,
+    IDENTITY_HEADER,
+    NO_SPACE,
+    PREFIX,
+    SESSION_HEADER,
+    TRANSITION_HEADER,
+    HotLoadError,
+    Signal,
+    fireworks_status,
+    openapi_operations,
+    public_message,
+)
 
 from . import fireworks
 from .attribution import versions_in_sse, versions_of
@@ -105,13 +119,15 @@ async def _salt(request: Request, epochs) -> None:
     user = data.get("user")
     session = request.headers.get(SESSION_HEADER) or (user if isinstance(user, str) and user else None)
     client_salt = data.get("cache_salt")
-    data["cache_salt"] = epochs.salt(None if session is None else session[:256],
-                                     client_salt if isinstance(client_salt, str) else None)
+    data["cache_salt"] = epochs.salt(
+        None if session is None else session[:256], client_salt if isinstance(client_salt, str) else None
+    )
     new = json.dumps(data).encode()
     # Starlette's BaseHTTPMiddleware replays the body the middleware read (Request._body) to the route
     request._body = new
     request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-length"] + [
-        (b"content-length", str(len(new)).encode())]
+        (b"content-length", str(len(new)).encode())
+    ]
 
 
 async def _with_identity(response, admitted: str):
@@ -202,8 +218,9 @@ class ZeroKLDHotLoadEndpoint:
         if not self._authorized(request):
             return JSONResponse({"error": "missing or wrong API key"}, status_code=401)
         if self.manager is None:
-            return JSONResponse({"error": "hot-load is not enabled (additional_config zerokld.hot_load)"},
-                                status_code=404)
+            return JSONResponse(
+                {"error": "hot-load is not enabled (additional_config zerokld.hot_load)"}, status_code=404
+            )
         return None
 
     def _deployment_refused(self, got: str | None):
@@ -211,8 +228,9 @@ class ZeroKLDHotLoadEndpoint:
         (``None``: it does)."""
         name = self.manager.config.deployment_name
         if got != name:
-            return JSONResponse({"error": f"no deployment {str(got)[:120]!r} here: this server is {name!r}"},
-                                status_code=404)
+            return JSONResponse(
+                {"error": f"no deployment {str(got)[:120]!r} here: this server is {name!r}"}, status_code=404
+            )
         return None
 
     async def _signal(self, request: Request, parse, wait: float | None = None):
@@ -234,8 +252,13 @@ class ZeroKLDHotLoadEndpoint:
                     row = await asyncio.wait_for(asyncio.shield(load), wait)
                 except TimeoutError:
                     self._loads.add(load)
-                    return JSONResponse({"identity": sig.identity, "loading_state": self.manager.status()[
-                        "replicas"][0]["loading_state"]}, status_code=202)
+                    return JSONResponse(
+                        {
+                            "identity": sig.identity,
+                            "loading_state": self.manager.status()["replicas"][0]["loading_state"],
+                        },
+                        status_code=202,
+                    )
         except HotLoadError as e:
             if sig is None:  # refused while parsing: recorded under the identities as sent (bounded)
                 identity, previous, lora_name = Signal.claimed(body)
@@ -260,22 +283,30 @@ class ZeroKLDHotLoadEndpoint:
             if (resp := self._guard(request)) is not None:
                 return resp
             transition = request.headers.get(TRANSITION_HEADER, self.manager.config.transition)
-            return await self._signal(request, lambda body: Signal.from_request(
-                body, transition, request.headers.get(DRAIN_HEADER)))
+            return await self._signal(
+                request, lambda body: Signal.from_request(body, transition, request.headers.get(DRAIN_HEADER))
+            )
 
         @app.post(FIREWORKS_HOT_LOAD, openapi_extra=described["POST", FIREWORKS_HOT_LOAD])
         async def fireworks_signal(request: Request):
-            if (resp := self._guard(request) or self._deployment_refused(
-                    request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))) is not None:
+            if (
+                resp := self._guard(request)
+                or self._deployment_refused(request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))
+            ) is not None:
                 return resp
             cfg = self.manager.config
-            return await self._signal(request, lambda body: Signal.from_fireworks(
-                body, cfg.transition, cfg.deployment_lora_name), wait=FIREWORKS_ACK_S)
+            return await self._signal(
+                request,
+                lambda body: Signal.from_fireworks(body, cfg.transition, cfg.deployment_lora_name),
+                wait=FIREWORKS_ACK_S,
+            )
 
         @app.get(FIREWORKS_HOT_LOAD, openapi_extra=described["GET", FIREWORKS_HOT_LOAD])
         async def fireworks_hot_load_status(request: Request):
-            if (resp := self._guard(request) or self._deployment_refused(
-                    request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))) is not None:
+            if (
+                resp := self._guard(request)
+                or self._deployment_refused(request.headers.get(FIREWORKS_DEPLOYMENT_HEADER))
+            ) is not None:
                 return resp
             return JSONResponse(fireworks_status(self.manager.status(), self.manager.config.deployment_lora_name))
 
@@ -293,8 +324,15 @@ class ZeroKLDHotLoadEndpoint:
             cfg = self.manager.config
             return JSONResponse(fireworks.deployment(cfg.deployment_name, self.served_model, cfg.transition))
 
-        @app.post("/inference/v1/completions", openapi_extra={"requestBody": {
-            "required": True, "content": {"application/json": {"schema": fireworks.COMPLETIONS_SCHEMA}}}})
+        @app.post(
+            "/inference/v1/completions",
+            openapi_extra={
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": fireworks.COMPLETIONS_SCHEMA}},
+                }
+            },
+        )
         async def fireworks_completions(request: Request):
             if (resp := self._guard(request)) is not None:
                 return resp
@@ -339,21 +377,33 @@ class ZeroKLDHotLoadEndpoint:
         async def serving_routes(request: Request, call_next):
             manager = self.manager
             path = request.url.path
-            if (manager is None or path.startswith((PREFIX, FIREWORKS_HOT_LOAD, _ACCOUNTS)) or path in PROBES
-                    or request.method == "OPTIONS"):
+            if (
+                manager is None
+                or path.startswith((PREFIX, FIREWORKS_HOT_LOAD, _ACCOUNTS))
+                or path in PROBES
+                or request.method == "OPTIONS"
+            ):
                 return await call_next(request)
             # vLLM's own guard covers /v1, /v2, /inference, /cohere only; with hot-load on, every serving route
             # (SageMaker's /invocations, /pooling, /tokenize, ...) needs the key and honours the sync drain
             if not self._authorized(request):
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
             if manager.draining:
-                return JSONResponse({"error": "a sync hot-load is in progress; retry"}, status_code=425,
-                                    headers={IDENTITY_HEADER: manager.ledger.current_identity})
+                return JSONResponse(
+                    {"error": "a sync hot-load is in progress; retry"},
+                    status_code=425,
+                    headers={IDENTITY_HEADER: manager.ledger.current_identity},
+                )
             if self.salting and manager.engine.epochs.isolating and isolation_refuses(request.method, path):
-                return JSONResponse({"error": f"{path} takes no prompt-cache salt: refused while a reset_prompt_cache "
-                                              "'new_session' isolation is in force (use /v1/completions, "
-                                              "/v1/chat/completions or /invocations)"}, status_code=409,
-                                    headers={IDENTITY_HEADER: manager.ledger.current_identity})
+                return JSONResponse(
+                    {
+                        "error": f"{path} takes no prompt-cache salt: refused while a reset_prompt_cache "
+                        "'new_session' isolation is in force (use /v1/completions, "
+                        "/v1/chat/completions or /invocations)"
+                    },
+                    status_code=409,
+                    headers={IDENTITY_HEADER: manager.ledger.current_identity},
+                )
             if self.salting and request.method == "POST" and path in SALTED_ROUTES:
                 await _salt(request, manager.engine.epochs)
             return await _with_identity(await call_next(request), manager.ledger.current_identity)
@@ -381,8 +431,7 @@ class ZeroKLDHotLoadEndpoint:
             inner = await client.post("/v1/completions", json=req, headers=headers)
         passed = {k: v for k, v in inner.headers.items() if k.lower() == IDENTITY_HEADER}
         if inner.status_code != 200:
-            return Response(inner.content, status_code=inner.status_code, media_type="application/json",
-                            headers=passed)
+            return Response(inner.content, status_code=inner.status_code, media_type="application/json", headers=passed)
         try:
             reply = fireworks.fireworks_completion(inner.json(), body, name)
         except fireworks.FireworksRequestError as e:
@@ -423,6 +472,10 @@ class ZeroKLDHotLoadEndpoint:
             self.served_model = _serve_without_paths(models, args.model)
         self.port = args.port
         self.salting = bool(engine_client.vllm_config.cache_config.enable_prefix_caching)
-        self.manager = Replica(ServerEngine(engine_client, getattr(state, "openai_serving_models", None)), cfg,
-                               args.model, replica_id=f"{socket.gethostname()}:{args.port}")
+        self.manager = Replica(
+            ServerEngine(engine_client, getattr(state, "openai_serving_models", None)),
+            cfg,
+            args.model,
+            replica_id=f"{socket.gethostname()}:{args.port}",
+        )
         await self.manager.restore()

@@ -13,6 +13,7 @@ Source: vLLM ``v1/engine/async_llm.py`` (``pause_generation(mode="keep"|"wait")`
 (:mod:`vllm_plugin.hotload.worker`); ``add_lora``; ``output_processor.request_states``),
 ``entrypoints/openai/models/serving.py`` (``load_lora_adapter``).
 """
+
 from __future__ import annotations
 
 from deltasync.protocol import HotLoadError, lora_version
@@ -25,7 +26,7 @@ __all__ = ["ServerEngine", "versions_in_use"]
 def versions_in_use(lora_names, name: str) -> set[str]:
     """Snapshot identities of adapter ``name`` among the vLLM adapter names ``lora_names`` (``None``: no adapter)."""
     prefix = lora_version(name, "")
-    return {n[len(prefix):] for n in lora_names if n and n.startswith(prefix)}
+    return {n[len(prefix) :] for n in lora_names if n and n.startswith(prefix)}
 
 
 class ServerEngine:
@@ -52,12 +53,13 @@ class ServerEngine:
             raise HotLoadError("LoRA is not enabled on this server (start it with --enable-lora)", 409)
         if self.models.is_base_model(name):
             raise HotLoadError(f"lora_name {name!r} is the name of a served base model", 400)
-        request = LoRARequest(lora_name=lora_version(name, identity), lora_int_id=self.models.lora_id_counter.inc(1),
-                              lora_path=path)
+        request = LoRARequest(
+            lora_name=lora_version(name, identity), lora_int_id=self.models.lora_id_counter.inc(1), lora_path=path
+        )
         async with self.models.lora_resolver_lock[name]:  # the lock vLLM's own load/unload take for this name
             try:  # loads (and checks) it on every worker before anyone can use it
                 await self.client.add_lora(request)
-            except Exception as e:  # noqa: BLE001 - the engine's refusal, whatever its type
+            except Exception as e:  # the engine's refusal, whatever its type
                 raise HotLoadError(f"the engine refused the adapter: {e}", 422) from e
             self.models.lora_requests[name] = request
 
@@ -69,20 +71,23 @@ class ServerEngine:
     def inplace_deltas(self) -> bool:
         return has_delta_worker(self.client.vllm_config)
 
-    async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
-                          allow_non_finite: bool = False) -> dict:
+    async def apply_delta(
+        self, path: str, compression_format: str | None, commit: bool, allow_non_finite: bool = False
+    ) -> dict:
         """The stage pass runs on the workers' threads while the engine keeps serving
         (:func:`vllm_plugin.hotload.worker.stage_in_background`); the commit pass is one ``collective_rpc``.
 
         Raises :class:`deltasync.HotLoadError` 422: a worker refused the delta (stage pass: nothing written)."""
         try:
             if commit:
-                results = await self.client.collective_rpc(METHOD, kwargs={
-                    "path": path, "compression_format": compression_format, "commit": True})
+                results = await self.client.collective_rpc(
+                    METHOD, kwargs={"path": path, "compression_format": compression_format, "commit": True}
+                )
             else:  # serving goes on while the workers decode and check
-                results = await stage_in_background(self.client.collective_rpc, path, compression_format,
-                                                    allow_non_finite)
-        except Exception as e:  # noqa: BLE001 - the worker's DeltaError arrives re-raised by the engine client
+                results = await stage_in_background(
+                    self.client.collective_rpc, path, compression_format, allow_non_finite
+                )
+        except Exception as e:  # the worker's DeltaError arrives re-raised by the engine client
             raise HotLoadError(f"delta refused by the engine's workers: {e}", 422) from e
         return same_digest(results)
 

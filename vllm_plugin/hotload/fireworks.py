@@ -28,6 +28,7 @@ FIREWORKS_HOT_LOAD`); this module holds the rest:
 
 Source: ``fireworks-ai==1.2.30`` (``fireworks/training/sdk/deployment.py``, ``sampling.py``, ``_rest_client.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,19 +36,54 @@ import time
 
 from zerokld_plugins.errors import ZeroKLDClientError
 
-__all__ = ["API_KEY_HEADER", "COMPLETIONS_SCHEMA", "FireworksRequestError", "accounts", "deployment", "enable", "fireworks_completion",
-           "install", "routing_matrix", "sse", "vllm_completion_request"]
+__all__ = [
+    "API_KEY_HEADER",
+    "COMPLETIONS_SCHEMA",
+    "FireworksRequestError",
+    "accounts",
+    "deployment",
+    "enable",
+    "fireworks_completion",
+    "install",
+    "routing_matrix",
+    "sse",
+    "vllm_completion_request",
+]
 
 API_KEY_HEADER = "X-Api-Key"
 _AUTH_TARGET = "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.verify_token"
 _ENABLED = [False]
 
 #: request fields passed to vLLM unchanged (same meaning in both APIs)
-_PASSED = ("prompt", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "echo", "user", "min_p",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids")
+_PASSED = (
+    "prompt",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "echo",
+    "user",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+)
 #: request fields that only shape Fireworks' reply (always given) or its gateway's metrics
-_SHAPING = ("model", "stream", "raw_output", "logprobs", "top_logprobs", "top_k", "perf_metrics_in_response",
-            "prompt_cache_key", "return_token_ids")
+_SHAPING = (
+    "model",
+    "stream",
+    "raw_output",
+    "logprobs",
+    "top_logprobs",
+    "top_k",
+    "perf_metrics_in_response",
+    "prompt_cache_key",
+    "return_token_ids",
+)
 #: request fields for features this server does not serve: refused, not silently ignored
 _REFUSED = ("images", "routing_matrix_format", "top_sampling_logprobs", "top_sampling_format", "sampling_mask")
 #: request fields that add to the reply (:func:`fireworks_completion`)
@@ -58,17 +94,38 @@ _INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boo
 #: JSON Schema of the ``/inference/v1/completions`` body, for the server's OpenAPI document (descriptive: the reader
 #: is :func:`vllm_completion_request`, then vLLM's own ``CompletionRequest`` for the passed fields). The refused
 #: fields are left out (a client that sends them gets 400).
-COMPLETIONS_SCHEMA = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
-    "model": _STR, "prompt": {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}}, _STR]},
-    "n": {"type": "integer", "minimum": 1}, "max_tokens": {"type": "integer", "minimum": 0}, "temperature": _NUM,
-    "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT, "stop": {"oneOf": [_STR, {"type": "array",
-                                                                                        "items": _STR}]},
-    "echo": _BOOL, "user": _STR, "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM,
-    "ignore_eos": _BOOL, "stop_token_ids": {"type": "array", "items": _INT}, "stream": _BOOL, "raw_output": _BOOL,
-    "logprobs": {"oneOf": [_BOOL, {"type": "integer", "minimum": 0}]}, "top_logprobs": {"type": "integer",
-                                                                                         "minimum": 0},
-    "perf_metrics_in_response": _BOOL, "prompt_cache_key": _STR, "return_token_ids": _BOOL,
-    "include_routing_matrix": _BOOL}}
+COMPLETIONS_SCHEMA = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "additionalProperties": False,
+    "properties": {
+        "model": _STR,
+        "prompt": {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}}, _STR]},
+        "n": {"type": "integer", "minimum": 1},
+        "max_tokens": {"type": "integer", "minimum": 0},
+        "temperature": _NUM,
+        "top_p": _NUM,
+        "top_k": _INT,
+        "min_p": _NUM,
+        "seed": _INT,
+        "stop": {"oneOf": [_STR, {"type": "array", "items": _STR}]},
+        "echo": _BOOL,
+        "user": _STR,
+        "presence_penalty": _NUM,
+        "frequency_penalty": _NUM,
+        "repetition_penalty": _NUM,
+        "ignore_eos": _BOOL,
+        "stop_token_ids": {"type": "array", "items": _INT},
+        "stream": _BOOL,
+        "raw_output": _BOOL,
+        "logprobs": {"oneOf": [_BOOL, {"type": "integer", "minimum": 0}]},
+        "top_logprobs": {"type": "integer", "minimum": 0},
+        "perf_metrics_in_response": _BOOL,
+        "prompt_cache_key": _STR,
+        "return_token_ids": _BOOL,
+        "include_routing_matrix": _BOOL,
+    },
+}
 
 
 class FireworksRequestError(ZeroKLDClientError, ValueError):
@@ -117,16 +174,22 @@ def deployment(name: str, served_model: str, transition: str) -> dict:
 
 def _samples_from_model(body: dict) -> bool:
     """The request samples from the model's own distribution, so its log-prob is the sampling log-prob."""
+
     def num(key, default):
         value = body.get(key, default)
         return default if value is None else value
 
-    return (num("temperature", 1.0) == 1.0 and num("top_p", 1.0) == 1.0 and num("top_k", 0) in (0, -1)
-            and num("min_p", 0.0) == 0.0)
+    return (
+        num("temperature", 1.0) == 1.0
+        and num("top_p", 1.0) == 1.0
+        and num("top_k", 0) in (0, -1)
+        and num("min_p", 0.0) == 0.0
+    )
 
 
-def vllm_completion_request(body: object, served_model: str, deployment_name: str,
-                            lora_name: str | None = None) -> dict:
+def vllm_completion_request(
+    body: object, served_model: str, deployment_name: str, lora_name: str | None = None
+) -> dict:
     """The ``/v1/completions`` body that answers Fireworks' completions ``body`` (never streamed: the reply is
     reshaped, see :func:`fireworks_completion`). ``lora_name``: the adapter a LoRA deployment serves (its newest
     version answers requests for the deployment); ``None``: the base model.
@@ -141,8 +204,9 @@ def vllm_completion_request(body: object, served_model: str, deployment_name: st
         raise FireworksRequestError("request body must be a JSON object", 422)
     model = body.get("model")
     if model not in (deployment_name, served_model):
-        raise FireworksRequestError(f"model must be this server's deployment {deployment_name!r}, got "
-                                    f"{str(model)[:80]!r}")
+        raise FireworksRequestError(
+            f"model must be this server's deployment {deployment_name!r}, got {str(model)[:80]!r}"
+        )
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise FireworksRequestError(f"stream must be true or false, got {str(body['stream'])[:20]!r}")
     refused = sorted(k for k in body if k in _REFUSED and body[k] not in (None, False))
@@ -186,8 +250,10 @@ def _routes(choice: dict, positions: int):
     from shared_numerics.rollout import decode_routes
 
     if choice.get("routed_experts") is None:
-        raise FireworksRequestError("include_routing_matrix: this deployment records no routes (an MoE model served "
-                                    "with --enable-return-routed-experts does)")
+        raise FireworksRequestError(
+            "include_routing_matrix: this deployment records no routes (an MoE model served "
+            "with --enable-return-routed-experts does)"
+        )
     routes = decode_routes(choice["routed_experts"])
     if routes.ndim != 3 or routes.shape[0] != positions:
         raise FireworksRequestError(f"vLLM's routes cover {routes.shape[:1]} positions, not {positions}", 500)
@@ -200,15 +266,21 @@ def _content(lp: dict, ids: list[int], prompt_rows: int, exact: bool, first: int
     ``routing_matrix``)."""
     out = []
     top = lp.get("top_logprobs") or [None] * len(ids)
-    for i, (tok, value, alts) in enumerate(zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], top,
-                                               strict=True)):
+    for i, (tok, value, alts) in enumerate(
+        zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], top, strict=True)
+    ):
         if value is None and i == 0:  # an echoed first prompt token: nothing precedes it, the SDK drops the row
             value = 0.0
-        entry = {"token": tok, "token_id": ids[i], "logprob": value,
-                 "sampling_logprob": value if exact and i >= prompt_rows else None}
+        entry = {
+            "token": tok,
+            "token_id": ids[i],
+            "logprob": value,
+            "sampling_logprob": value if exact and i >= prompt_rows else None,
+        }
         if alts:
-            entry["top_logprobs"] = [{"token": t, "token_id": int(t.split(":", 1)[1]), "logprob": v}
-                                     for t, v in alts.items()]
+            entry["top_logprobs"] = [
+                {"token": t, "token_id": int(t.split(":", 1)[1]), "logprob": v} for t, v in alts.items()
+            ]
         if routes is not None:  # the forward at the previous position produced this row
             entry["routing_matrix"] = routing_matrix(routes[first + i - 1]) if first + i else ""
         out.append(entry)
@@ -235,8 +307,9 @@ def fireworks_completion(vllm_reply: dict, body: dict, deployment_name: str) -> 
         if prompt_ids is None or ids is None:
             raise FireworksRequestError("vLLM's reply carries no token ids", 500)
         completion = (list(prompt_ids) + list(ids)) if echo else list(ids)
-        out = {k: v for k, v in choice.items() if k not in ("logprobs", "token_ids", "prompt_token_ids",
-                                                              "prompt_logprobs")}
+        out = {
+            k: v for k, v in choice.items() if k not in ("logprobs", "token_ids", "prompt_token_ids", "prompt_logprobs")
+        }
         out["raw_output"] = {"prompt_token_ids": list(prompt_ids), "completion_token_ids": completion}
         routes = None
         if body.get("include_routing_matrix") and choice.get("logprobs") is not None:
@@ -245,12 +318,20 @@ def fireworks_completion(vllm_reply: dict, body: dict, deployment_name: str) -> 
             lp = choice["logprobs"]
             if len(lp.get("tokens") or []) != len(completion):
                 raise FireworksRequestError("vLLM's log-probs do not cover the token ids", 500)
-            out["logprobs"] = {"content": _content(lp, completion, len(prompt_ids) if echo else 0, exact,
-                                                   0 if echo else len(prompt_ids), routes)}
+            out["logprobs"] = {
+                "content": _content(
+                    lp, completion, len(prompt_ids) if echo else 0, exact, 0 if echo else len(prompt_ids), routes
+                )
+            }
         choices.append(out)
-    return {"id": vllm_reply.get("id"), "object": "text_completion",
-            "created": vllm_reply.get("created", int(time.time())), "model": deployment_name, "choices": choices,
-            "usage": vllm_reply.get("usage")}
+    return {
+        "id": vllm_reply.get("id"),
+        "object": "text_completion",
+        "created": vllm_reply.get("created", int(time.time())),
+        "model": deployment_name,
+        "choices": choices,
+        "usage": vllm_reply.get("usage"),
+    }
 
 
 def sse(reply: dict) -> bytes:

@@ -6,6 +6,7 @@ checks, numerics check, verify-before-swap included.
 between two ``generate`` calls. Use :meth:`OfflineReplica.load` from synchronous code. LoRA adapter versions
 (signals with ``lora_name``) are loaded with ``add_lora``; ``generate`` takes :meth:`OfflineReplica.lora_request`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,8 @@ LORA_ID_BASE = 1 << 30
 
 class OfflineEngine:
     """Adapter of an offline ``vllm.LLM`` (``collective_rpc("reload_weights")`` and the delta worker extension's,
-    ``reset_prefix_cache``, ``add_lora``); :attr:`lora_requests` maps each hot-loaded adapter name to its serving version's ``LoRARequest``."""
+    ``reset_prefix_cache``, ``add_lora``); :attr:`lora_requests` maps each hot-loaded adapter name to its serving
+    version's ``LoRARequest``."""
 
     def __init__(self, llm) -> None:
         from ..config import numerics_stamp
@@ -44,7 +46,7 @@ class OfflineEngine:
         request = LoRARequest(lora_version(name, identity), next(self._lora_ids), path)
         try:  # loads and checks it before generate can use it
             self.llm.llm_engine.add_lora(request)
-        except Exception as e:  # noqa: BLE001 - the engine's refusal, whatever its type
+        except Exception as e:  # the engine's refusal, whatever its type
             raise HotLoadError(f"the engine refused the adapter: {e}", 422) from e
         self.lora_requests[name] = request
 
@@ -55,13 +57,20 @@ class OfflineEngine:
     def inplace_deltas(self) -> bool:
         return has_delta_worker(self.llm.llm_engine.vllm_config)
 
-    async def apply_delta(self, path: str, compression_format: str | None, commit: bool,
-                          allow_non_finite: bool = False) -> dict:
+    async def apply_delta(
+        self, path: str, compression_format: str | None, commit: bool, allow_non_finite: bool = False
+    ) -> dict:
         try:
-            results = self.llm.collective_rpc(METHOD, kwargs={
-                "path": path, "compression_format": compression_format, "commit": commit,
-                "allow_non_finite": allow_non_finite})
-        except Exception as e:  # noqa: BLE001 - a worker's refusal
+            results = self.llm.collective_rpc(
+                METHOD,
+                kwargs={
+                    "path": path,
+                    "compression_format": compression_format,
+                    "commit": commit,
+                    "allow_non_finite": allow_non_finite,
+                },
+            )
+        except Exception as e:  # a worker's refusal
             raise HotLoadError(f"delta refused by the engine's workers: {e}", 422) from e
         return same_digest(results)
 

@@ -18,6 +18,7 @@ weights under the new identity. Routes that never read it (:data:`CACHE_FREE_ROU
 
 Source: Fireworks' hot-load ``reset_prompt_cache`` modes (``../shared/DESIGN.md`` §5); vLLM's ``cache_salt``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,16 +31,31 @@ MAX_SESSIONS = 100_000
 SALTED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 #: POST routes that never read the prefix cache (vLLM 0.32's tokenizer, adapter and admin routes; ``*/render`` and
 #: ``*/derender`` too): open while a ``new_session`` isolation is in force
-CACHE_FREE_ROUTES = frozenset({"/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/load_lora_adapter",
-                               "/v1/unload_lora_adapter", "/reset_prefix_cache", "/reset_mm_cache",
-                               "/reset_encoder_cache", "/start_profile", "/stop_profile"})
+CACHE_FREE_ROUTES = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/v1/messages/count_tokens",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/start_profile",
+        "/stop_profile",
+    }
+)
 
 
 def isolation_refuses(method: str, path: str) -> bool:
     """Whether a request must be refused while a ``new_session`` isolation is in force: a POST to a route that is
     neither salted (:data:`SALTED_ROUTES`) nor free of the prefix cache."""
-    return (method == "POST" and path not in SALTED_ROUTES and path not in CACHE_FREE_ROUTES
-            and not path.endswith(("/render", "/derender")))
+    return (
+        method == "POST"
+        and path not in SALTED_ROUTES
+        and path not in CACHE_FREE_ROUTES
+        and not path.endswith(("/render", "/derender"))
+    )
 
 
 class CacheEpochs:

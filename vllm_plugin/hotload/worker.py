@@ -15,10 +15,18 @@ whose bits changed. Peak extra memory: one tensor and its payload.
 Source: vLLM ``v1/worker/worker_base.py`` (``worker_extension_cls``), ``config/parallel.py``
 (``ParallelConfig.worker_extension_cls``), ``engine/arg_utils.py`` (``EngineArgs.create_engine_config``).
 """
+
 from __future__ import annotations
 
-__all__ = ["EXTENSION", "METHOD", "DeltaWorkerExtension", "has_delta_worker", "install", "same_digest",
-           "stage_in_background"]
+__all__ = [
+    "EXTENSION",
+    "METHOD",
+    "DeltaWorkerExtension",
+    "has_delta_worker",
+    "install",
+    "same_digest",
+    "stage_in_background",
+]
 
 #: the qualified name set as ``parallel_config.worker_extension_cls``
 EXTENSION = "vllm_plugin.hotload.worker.DeltaWorkerExtension"
@@ -40,8 +48,12 @@ class DeltaWorkerExtension:
             self._zerokld_stage_pool = ThreadPoolExecutor(1, thread_name_prefix="zerokld-stage")
         else:
             self._zerokld_stage[1].exception()  # wait; its outcome was never collected
-        self._zerokld_stage = (path, self._zerokld_stage_pool.submit(
-            self.zerokld_apply_delta, path, compression_format, False, allow_non_finite))
+        self._zerokld_stage = (
+            path,
+            self._zerokld_stage_pool.submit(
+                self.zerokld_apply_delta, path, compression_format, False, allow_non_finite
+            ),
+        )
 
     def zerokld_stage_result(self, path: str) -> dict | None:
         """``None`` while the stage pass of ``path`` runs, then its :meth:`zerokld_apply_delta` result (once).
@@ -56,14 +68,16 @@ class DeltaWorkerExtension:
         self._zerokld_stage = (None, stage[1])
         return stage[1].result()
 
-    def zerokld_apply_delta(self, path: str, compression_format: str | None, commit: bool,
-                            allow_non_finite: bool = False) -> dict:
+    def zerokld_apply_delta(
+        self, path: str, compression_format: str | None, commit: bool, allow_non_finite: bool = False
+    ) -> dict:
         """Stage (``commit=False``) or commit one incremental snapshot at ``path`` on this worker's model
         (``allow_non_finite``: accept NaN/inf weights, ``HotLoadConfig.allow_non_finite``).
 
         Returns:
-            ``{"weights_digest": hex}`` (the digest of the weights the delta produces: :func:`deltasync.checksums_digest`
-            of the per-tensor SHA-256 it verified) and ``"changed"``: the number of tensors whose bits changed (commit).
+            ``{"weights_digest": hex}`` (the digest of the weights the delta produces:
+            :func:`deltasync.checksums_digest` of the per-tensor SHA-256 it verified) and ``"changed"``: the number of
+            tensors whose bits changed (commit).
 
         Raises:
             deltasync.DeltaError: refused (wrong base, corrupt payload, tensor set differs from the model's); in the
@@ -80,22 +94,31 @@ class DeltaWorkerExtension:
             targets = model.checkpoint_views(names)
         except KeyError as e:
             raise DeltaError(f"delta tensors differ from the model's: {e.args[0]}") from e
-        out = apply_delta_in_place(path, targets, compression_format, commit=commit,
-                                   after_tensor=copy_fault if commit else None, allow_non_finite=allow_non_finite)
+        out = apply_delta_in_place(
+            path,
+            targets,
+            compression_format,
+            commit=commit,
+            after_tensor=copy_fault if commit else None,
+            allow_non_finite=allow_non_finite,
+        )
         if commit:
             model.checkpoint_updated(out["changed"])
         return {"weights_digest": checksums_digest(out["sha256"]), "changed": len(out["changed"])}
 
 
-async def stage_in_background(collective_rpc, path: str, compression_format: str | None,
-                              allow_non_finite: bool, poll_s: float = 0.05) -> list[dict]:
+async def stage_in_background(
+    collective_rpc, path: str, compression_format: str | None, allow_non_finite: bool, poll_s: float = 0.05
+) -> list[dict]:
     """The stage pass on every worker while the engine keeps serving: ``zerokld_start_stage``, then
     ``zerokld_stage_result`` every ``poll_s`` seconds until each worker answered (``collective_rpc``: the engine
     client's, awaitable). Returns the per-worker results; raises what a worker raised."""
     import asyncio
 
-    await collective_rpc("zerokld_start_stage", kwargs={"path": path, "compression_format": compression_format,
-                                                         "allow_non_finite": allow_non_finite})
+    await collective_rpc(
+        "zerokld_start_stage",
+        kwargs={"path": path, "compression_format": compression_format, "allow_non_finite": allow_non_finite},
+    )
     while True:
         results = await collective_rpc("zerokld_stage_result", kwargs={"path": path})
         if all(r is not None for r in results):
@@ -125,8 +148,11 @@ def _configure(vllm_config) -> None:
 
     parallel = vllm_config.parallel_config
     # sharded workers (TP > 1) hold slices, not checkpoint tensors: their deltas go through reload_weights
-    if from_vllm_config(vllm_config).batch_invariant and not parallel.worker_extension_cls \
-            and parallel.tensor_parallel_size == 1:
+    if (
+        from_vllm_config(vllm_config).batch_invariant
+        and not parallel.worker_extension_cls
+        and parallel.tensor_parallel_size == 1
+    ):
         parallel.worker_extension_cls = EXTENSION
 
 

@@ -10,6 +10,7 @@ vLLM registers them lazily by name (``ModelRegistry.register_model(arch, "vllm_p
 ``__getattr__``), in whichever process that is, so registering imports no vLLM model module; a class pickles by
 that name.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,7 @@ def registered_name(architecture: str) -> str:
     return f"{__name__}:{class_name(architecture)}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_class(architecture: str) -> type:
     """The vLLM model class of a registered architecture (built once per process).
 
@@ -47,15 +48,23 @@ def model_class(architecture: str) -> type:
         from .dense import ZeroKLDMixin as mixin
     base = resolve(spec.vllm_base)
     name = class_name(architecture)
-    return type(name, (mixin, base), {"adapter": spec, "__module__": __name__, "__qualname__": name,
-                                      "__doc__": f"vLLM's {base.__name__}, with zerokld numerics when the switch "
-                                                 f"is on (declared by {architecture}'s ModelAdapterSpec)."})
+    return type(
+        name,
+        (mixin, base),
+        {
+            "adapter": spec,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"vLLM's {base.__name__}, with zerokld numerics when the switch "
+            f"is on (declared by {architecture}'s ModelAdapterSpec).",
+        },
+    )
 
 
 def __getattr__(name: str):
     if name.startswith(_PREFIX):
         from zerokld_plugins import registered
 
-        if name[len(_PREFIX):] in registered("model"):
-            return model_class(name[len(_PREFIX):])
+        if name[len(_PREFIX) :] in registered("model"):
+            return model_class(name[len(_PREFIX) :])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

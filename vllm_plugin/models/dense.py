@@ -24,6 +24,7 @@ Weights keep HF names (``model.layers.N.self_attn.q_proj.weight`` ...), so vLLM'
 in; ``load_weights`` goes through each parameter's ``weight_loader`` so ``reload_weights`` works in place.
 Sources: HF ``modeling_qwen3.py`` / ``modeling_llama.py``; vLLM ``model_executor/models/qwen3.py`` / ``llama.py``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -72,7 +73,7 @@ class TensorParallel:
         else:
             self.rank = 0
 
-    def gather(self) -> "callable | None":
+    def gather(self) -> callable | None:
         """The all-gather over the TP group that :func:`row_parallel_linear` takes (``None`` at TP 1)."""
         if self.size == 1:
             return None
@@ -91,8 +92,13 @@ class TensorParallel:
         """This rank's ``(start, length)`` in an even split of ``length`` over the TP ranks."""
         return self.rank * (length // self.size), length // self.size
 
-    def param(self, full_shape: tuple[int, ...], dim: int | None, dtype: torch.dtype | None = None,
-              rows: tuple[int, int] | None = None) -> nn.Parameter:
+    def param(
+        self,
+        full_shape: tuple[int, ...],
+        dim: int | None,
+        dtype: torch.dtype | None = None,
+        rows: tuple[int, int] | None = None,
+    ) -> nn.Parameter:
         """A parameter holding this rank's slice of a checkpoint tensor of ``full_shape`` along ``dim`` (``None``:
         replicated; ``rows``: the ``(start, length)`` slice, else an even split); its ``weight_loader`` takes the
         full checkpoint tensor and keeps the slice."""
@@ -119,8 +125,15 @@ class _Proj(nn.Module):
     """One decoder projection ``[out, in]`` with HF parameter names (``weight``; FP8 checkpoints add
     ``weight_scale``). ``shard``: ``"column"`` / ``"row"`` under tensor parallelism (``tp``), else ``None``."""
 
-    def __init__(self, out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False,
-                 shard: str | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        fp8: Fp8Mode,
+        bias: bool = False,
+        shard: str | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.fp8 = fp8
         self.row_parallel = shard == "row" and tp is not None and tp.k_block is not None
@@ -136,8 +149,9 @@ class _Proj(nn.Module):
         self.bias = _param(out_features) if bias else None
         if fp8.kind == "serialized":
             self.weight = _param(out_features, in_features, dtype=sn_fp8.FP8_DTYPE)
-            self.weight_scale = _param(*sn_fp8.weight_scale_shape(out_features, in_features, fp8.granularity),
-                                       dtype=torch.float32)
+            self.weight_scale = _param(
+                *sn_fp8.weight_scale_shape(out_features, in_features, fp8.granularity), dtype=torch.float32
+            )
         else:
             self.weight = _param(out_features, in_features)
         self._codes: torch.Tensor | None = None
@@ -189,15 +203,21 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     problems = unsupported_features(cfg, adapter)
     if pc.pipeline_parallel_size != 1:
         problems.append("pipeline parallelism (use PP=1)")
-    problems += _tp_problems(pc.tensor_parallel_size, from_vllm_config(vllm_config).tp_k_block, cfg,
-                             lora=vllm_config.lora_config is not None,
-                             fp8=from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config))
+    problems += _tp_problems(
+        pc.tensor_parallel_size,
+        from_vllm_config(vllm_config).tp_k_block,
+        cfg,
+        lora=vllm_config.lora_config is not None,
+        fp8=from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config),
+    )
     if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"dtype {vllm_config.model_config.dtype} (use float32 or bfloat16)")
     qc = vllm_config.quant_config
     if qc is not None and getattr(qc, "get_name", lambda: None)() != QUANT_METHOD:
-        problems.append(f"quantization {qc.get_name()} (zerokld serves its own FP8: additional_config fp8, or a "
-                        f"{QUANT_METHOD} checkpoint)")
+        problems.append(
+            f"quantization {qc.get_name()} (zerokld serves its own FP8: additional_config fp8, or a "
+            f"{QUANT_METHOD} checkpoint)"
+        )
     lc = vllm_config.lora_config
     if lc is not None:
         if from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config):
@@ -211,19 +231,23 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     if adapter.qkv_bias and (from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config)):
         problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
     if problems:
-        raise ZeroKLDConfigError(f"zerokld batch_invariant mode does not support ({cfg.architecture}): "
-                                 + "; ".join(problems))
+        raise ZeroKLDConfigError(
+            f"zerokld batch_invariant mode does not support ({cfg.architecture}): " + "; ".join(problems)
+        )
 
 
 def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8: bool) -> list[str]:
     """What keeps ``cfg`` from running at TP size ``tp`` with ``tp_k_block`` ``k_block`` (empty: it runs)."""
     problems = []
     if tp > 1 and k_block is None:
-        problems.append(f"tensor_parallel_size {tp} without tp_k_block (set additional_config zerokld tp_k_block: "
-                        "the fixed K-block of the TP-invariant row-parallel sum)")
+        problems.append(
+            f"tensor_parallel_size {tp} without tp_k_block (set additional_config zerokld tp_k_block: "
+            "the fixed K-block of the TP-invariant row-parallel sum)"
+        )
     if tp & (tp - 1):
-        problems.append(f"tensor_parallel_size {tp} (a power of two: the rank subtrees of the fixed reduction tree "
-                        "must align)")
+        problems.append(
+            f"tensor_parallel_size {tp} (a power of two: the rank subtrees of the fixed reduction tree must align)"
+        )
     if k_block is None:
         return problems
     if lora:
@@ -241,8 +265,15 @@ def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8
     return problems
 
 
-def _proj(out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False, lora: bool = False,
-          shard: str | None = None, tp: TensorParallel | None = None) -> nn.Module:
+def _proj(
+    out_features: int,
+    in_features: int,
+    fp8: Fp8Mode,
+    bias: bool = False,
+    lora: bool = False,
+    shard: str | None = None,
+    tp: TensorParallel | None = None,
+) -> nn.Module:
     """A decoder projection: :class:`vllm_plugin.lora.LoRAProj` when the engine serves LoRA adapters (vLLM's
     LoRA manager wraps it), else :class:`_Proj` (``shard``: its tensor-parallel split, see :class:`_Proj`)."""
     if lora:
@@ -255,8 +286,7 @@ def _proj(out_features: int, in_features: int, fp8: Fp8Mode, bias: bool = False,
 class _DenseMLP(nn.Module):
     """``down(silu_and_mul(gate f, up f))`` with HF names ``gate_proj`` / ``up_proj`` / ``down_proj``."""
 
-    def __init__(self, h: int, inter: int, fp8: Fp8Mode, lora: bool = False, tp: TensorParallel | None = None
-                 ) -> None:
+    def __init__(self, h: int, inter: int, fp8: Fp8Mode, lora: bool = False, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate_proj = _proj(inter, h, fp8, lora=lora, shard="column", tp=tp)
         self.up_proj = _proj(inter, h, fp8, lora=lora, shard="column", tp=tp)
@@ -288,8 +318,9 @@ class ResidualLayer(nn.Module):
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h``: the residual stream; ``delta``: the previous layer's MLP output still to be added (``None`` for
         the first layer). Returns ``(h, mlp_out)``: this layer's residual stream and its own pending delta."""
         if delta is None:
@@ -301,12 +332,22 @@ class ResidualLayer(nn.Module):
 
 
 class _Layer(ResidualLayer):
-    def __init__(self, cfg: ModelConfig, adapter, vllm_config, prefix: str, fp8: Fp8Mode,
-                 mlp: nn.Module | None = None, lora: bool = False, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        adapter,
+        vllm_config,
+        prefix: str,
+        fp8: Fp8Mode,
+        mlp: nn.Module | None = None,
+        lora: bool = False,
+        tp: TensorParallel | None = None,
+    ) -> None:
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # dense SwiGLU MLP, unless an MoE decoder passes its sparse block (vllm_plugin.models.moe)
-        super().__init__(h, cfg.rms_norm_eps,
-                         mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora, tp=tp))
+        super().__init__(
+            h, cfg.rms_norm_eps, mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora, tp=tp)
+        )
         qk_norm = adapter.qk_norm
         size = tp.size if tp is not None else 1
         self.nq, self.nkv, self.hd = nq // size, nkv // size, hd  # this rank's heads
@@ -318,8 +359,15 @@ class _Layer(ResidualLayer):
         if qk_norm:
             sa.q_norm = _norm(hd)
             sa.k_norm = _norm(hd)
-        sa.attn = Attention(self.nq, hd, hd ** -0.5, num_kv_heads=self.nkv, cache_config=vllm_config.cache_config,
-                            prefix=f"{prefix}.self_attn.attn", attn_backend=ZeroKLDAttentionBackend)
+        sa.attn = Attention(
+            self.nq,
+            hd,
+            hd**-0.5,
+            num_kv_heads=self.nkv,
+            cache_config=vllm_config.cache_config,
+            prefix=f"{prefix}.self_attn.attn",
+            attn_backend=ZeroKLDAttentionBackend,
+        )
 
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         sa, n = self.self_attn, a.shape[0]
@@ -342,8 +390,17 @@ class DenseDecoder(nn.Module):
     grouped-query attention layer (MLA, :mod:`vllm_plugin.models.mla`), with ``rotary_dim`` their RoPE width
     (default ``head_dim``)."""
 
-    def __init__(self, vllm_config, cfg: ModelConfig, adapter, prefix: str = "", fp8: Fp8Mode | None = None,
-                 mlp_factory=None, layer_factory=None, rotary_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config,
+        cfg: ModelConfig,
+        adapter,
+        prefix: str = "",
+        fp8: Fp8Mode | None = None,
+        mlp_factory=None,
+        layer_factory=None,
+        rotary_dim: int | None = None,
+    ) -> None:
         super().__init__()
         fp8 = fp8 or Fp8Mode()
         lora = vllm_config.lora_config is not None
@@ -353,9 +410,19 @@ class DenseDecoder(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
         if layer_factory is None:
+
             def layer_factory(i: int, tp: TensorParallel) -> ResidualLayer:
-                return _Layer(cfg, adapter, vllm_config, f"{prefix}layers.{i}", fp8,
-                              mlp_factory(i) if mlp_factory else None, lora=lora, tp=tp)
+                return _Layer(
+                    cfg,
+                    adapter,
+                    vllm_config,
+                    f"{prefix}layers.{i}",
+                    fp8,
+                    mlp_factory(i) if mlp_factory else None,
+                    lora=lora,
+                    tp=tp,
+                )
+
         self.layers = nn.ModuleList([layer_factory(i, tp) for i in range(cfg.num_hidden_layers)])
         self.norm = _norm(cfg.hidden_size)
 
@@ -399,8 +466,10 @@ class ZeroKLDMixin:
         self.batch_invariant = cfg.batch_invariant
         if not cfg.batch_invariant:
             if _is_zerokld_fp8(vllm_config):
-                raise ZeroKLDConfigError(f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
-                                         "additional_config={'zerokld': {'batch_invariant': true}}")
+                raise ZeroKLDConfigError(
+                    f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
+                    "additional_config={'zerokld': {'batch_invariant': true}}"
+                )
             super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
             return
         self.model_cfg = read_model_config(vllm_config.model_config.hf_config)
@@ -421,8 +490,14 @@ class ZeroKLDMixin:
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
         """The decoder body under ``model.`` (MLA models build their own, :mod:`vllm_plugin.models.mla`)."""
-        return DenseDecoder(vllm_config, self.model_cfg, self.adapter, prefix=prefix, fp8=self.fp8,
-                            mlp_factory=self._mlp_factory(vllm_config))
+        return DenseDecoder(
+            vllm_config,
+            self.model_cfg,
+            self.adapter,
+            prefix=prefix,
+            fp8=self.fp8,
+            mlp_factory=self._mlp_factory(vllm_config),
+        )
 
     def _mlp_factory(self, vllm_config):
         """``layer index -> MLP module``, or ``None`` for the dense SwiGLU MLP (MoE models override this)."""
@@ -433,10 +508,10 @@ class ZeroKLDMixin:
         if name not in params:
             raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
         p = params[name]
-        if p.dtype in (sn_fp8.FP8_DTYPE, torch.float32) and self.fp8.kind == "serialized" \
-                and tensor.dtype != p.dtype:
-            raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {p.dtype} "
-                             f"({QUANT_METHOD} snapshots only)")
+        if p.dtype in (sn_fp8.FP8_DTYPE, torch.float32) and self.fp8.kind == "serialized" and tensor.dtype != p.dtype:
+            raise ValueError(
+                f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {p.dtype} ({QUANT_METHOD} snapshots only)"
+            )
         expected = tuple(getattr(p, "checkpoint_shape", p.shape))  # a TP shard's loader slices the full tensor
         if expected != tuple(tensor.shape):
             raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {expected}")

@@ -24,6 +24,7 @@ per token as vLLM's own MLA backends. Weights keep HF names (``self_attn.kv_a_pr
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``).
 Sources: HF ``modeling_deepseek_v3.py``; vLLM ``models/deepseek_v2.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,19 +57,31 @@ class DeepSeekMoEBlock(nn.Module):
         self.cfg = cfg
         self.gate = nn.Module()
         self.gate.weight = _param(e, h)  # the router stays high precision (DeepSeek's FP8 checkpoints too)
-        self.gate.e_score_correction_bias = (_param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid"
-                                             else None)
+        self.gate.e_score_correction_bias = _param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid" else None
         self.experts = StackedExperts(e, h, inter, fp8)
-        self.shared_experts = (_DenseMLP(h, inter * cfg.n_shared_experts, fp8) if cfg.n_shared_experts else None)
+        self.shared_experts = _DenseMLP(h, inter * cfg.n_shared_experts, fp8) if cfg.n_shared_experts else None
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         (wg, wu, wd), scales, fp8 = self.experts.operands()
         out, self.last_ids = sn_moe.deepseek_moe_forward(
-            f, self.gate.weight, self.gate.e_score_correction_bias, wg, wu, wd, self.shared_experts,
-            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
-            scoring=c.scoring_func, fp8=fp8, scales=scales)
+            f,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            wg,
+            wu,
+            wd,
+            self.shared_experts,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+            scoring=c.scoring_func,
+            fp8=fp8,
+            scales=scales,
+        )
         return out
 
 
@@ -94,8 +107,9 @@ class _MLALayer(ResidualLayer):
         sa.kv_a_layernorm = _norm(r)
         sa.kv_b_proj = _proj(nh * (dn + dv), r, fp8)
         sa.o_proj = _proj(h, nh * dv, fp8, lora=lora)
-        sa.attn = LatentAttention(nh, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config,
-                                  f"{prefix}.self_attn.attn")
+        sa.attn = LatentAttention(
+            nh, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config, f"{prefix}.self_attn.attn"
+        )
         self.dims = mla_dims(cfg)
 
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,8 +119,9 @@ class _MLALayer(ResidualLayer):
         else:
             q = sa.q_proj(a)
         kv_b = sa.kv_b_proj.dense_weight(a.dtype)  # under FP8: its codes dequantized, as vLLM's MLA does
-        qc, latent = sn_mla.mla_query_latent(q, sa.kv_a_proj_with_mqa(a), sa.kv_a_layernorm.weight, kv_b, cos, sin,
-                                             self.dims)
+        qc, latent = sn_mla.mla_query_latent(
+            q, sa.kv_a_proj_with_mqa(a), sa.kv_a_layernorm.weight, kv_b, cos, sin, self.dims
+        )
         o = sa.attn(qc.reshape(n, -1), latent, latent).view(n, self.dims.num_heads, -1)
         return sa.o_proj(sn_mla.mla_output(o, kv_b, self.dims))
 
@@ -119,8 +134,9 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
         if not self.batch_invariant:
             return
         if self.model.tp.size > 1:
-            raise ZeroKLDConfigError(f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: tensor "
-                                     "parallelism")
+            raise ZeroKLDConfigError(
+                f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: tensor parallelism"
+            )
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
         """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``): the
@@ -130,9 +146,13 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
         cfg, fp8, lora = self.model_cfg, self.fp8, vllm_config.lora_config is not None
 
         def layer(i: int, tp) -> _MLALayer:
-            mlp = (_DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora)
-                   if i < cfg.first_k_dense_replace else DeepSeekMoEBlock(cfg, fp8))
+            mlp = (
+                _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora)
+                if i < cfg.first_k_dense_replace
+                else DeepSeekMoEBlock(cfg, fp8)
+            )
             return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora)
 
-        return DenseDecoder(vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer,
-                            rotary_dim=cfg.qk_rope_head_dim)
+        return DenseDecoder(
+            vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer, rotary_dim=cfg.qk_rope_head_dim
+        )

@@ -12,6 +12,7 @@ Routing capture: when ``enable_return_routed_experts`` is on, the model writes e
 tokens are still there; a block that is recycled is rewritten together with its KV. :mod:`vllm_plugin.routing` reads
 the rows per request after each step. Source: HF ``modeling_qwen3_moe.py``; vLLM ``models/qwen3_moe.py``.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,8 +46,7 @@ def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, exper
     param.data[expert_id].copy_(loaded_weight)
 
 
-def _stacked(*shape: int, tp: TensorParallel | None, inter_dim: int, dtype: torch.dtype | None = None
-             ) -> nn.Parameter:
+def _stacked(*shape: int, tp: TensorParallel | None, inter_dim: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     """A stacked expert parameter ``[E, ...]`` holding this rank's slice of dimension ``inter_dim`` of each expert's
     tensor (the intermediate size ``I``; all of it without tensor parallelism); its loader takes an expert's full
     checkpoint tensor and keeps the slice."""
@@ -72,20 +72,23 @@ class StackedExperts(nn.Module):
     ``[E, H]`` per channel; ``[E, ceil(rows/128), ceil(cols/128)]`` per block) hold each expert's
     ``weight_scale``."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: Fp8Mode | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, fp8: Fp8Mode | None = None, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.fp8 = fp8 or Fp8Mode()
         serialized = self.fp8.kind == "serialized"
         codes = sn_fp8.FP8_DTYPE if serialized else None
         shapes = {"w_gate": (inter, hidden), "w_up": (inter, hidden), "w_down": (hidden, inter)}
         for name, (rows, cols) in shapes.items():
-            setattr(self, name, _stacked(num_experts, rows, cols, tp=tp, inter_dim=0 if name != "w_down" else 1,
-                                         dtype=codes))
+            setattr(
+                self,
+                name,
+                _stacked(num_experts, rows, cols, tp=tp, inter_dim=0 if name != "w_down" else 1, dtype=codes),
+            )
             if serialized:
                 shape = sn_fp8.weight_scale_shape(rows, cols, self.fp8.granularity)
-                setattr(self, f"{name}_scale", _stacked(num_experts, *shape, tp=None, inter_dim=0,
-                                                        dtype=torch.float32))
+                setattr(self, f"{name}_scale", _stacked(num_experts, *shape, tp=None, inter_dim=0, dtype=torch.float32))
         self._codes: dict[str, torch.Tensor] = {}
         self._scales: dict[str, torch.Tensor] = {}
 
@@ -111,8 +114,11 @@ class StackedExperts(nn.Module):
         if kind == "off":
             return tuple(getattr(self, n) for n in names), None, None
         if kind == "serialized":
-            return (tuple(getattr(self, n) for n in names), tuple(getattr(self, f"{n}_scale") for n in names),
-                    self.fp8.granularity)
+            return (
+                tuple(getattr(self, n) for n in names),
+                tuple(getattr(self, f"{n}_scale") for n in names),
+                self.fp8.granularity,
+            )
         if len(self._codes) != 3:
             raise RuntimeError("zerokld fp8: experts were not quantized after loading")
         return tuple(self._codes[n] for n in names), tuple(self._scales[n] for n in names), self.fp8.granularity
@@ -125,8 +131,16 @@ class MoEBlock(nn.Module):
     :func:`shared_numerics.moe.moe_experts` ``k_block``). ``last_ids`` holds the ``[N, top_k]`` expert ids of the
     latest forward."""
 
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
-                 tp: TensorParallel | None = None, fp8: Fp8Mode | None = None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TensorParallel | None = None,
+        fp8: Fp8Mode | None = None,
+    ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.k_block = tp.k_block if tp is not None else None
@@ -138,8 +152,19 @@ class MoEBlock(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         (wg, wu, wd), scales, fp8 = self.experts.operands()
-        out, self.last_ids = sn_moe.moe_forward(f, self.gate.weight, wg, wu, wd, self.top_k, self.renormalize,
-                                                k_block=self.k_block, gather=self.gather, fp8=fp8, scales=scales)
+        out, self.last_ids = sn_moe.moe_forward(
+            f,
+            self.gate.weight,
+            wg,
+            wu,
+            wd,
+            self.top_k,
+            self.renormalize,
+            k_block=self.k_block,
+            gather=self.gather,
+            fp8=fp8,
+            scales=scales,
+        )
         return out
 
 
@@ -200,8 +225,15 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
 
     def _mlp_factory(self, vllm_config):
         c, tp = self.model_cfg, TensorParallel(vllm_config)
-        return lambda i: MoEBlock(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                                  c.norm_topk_prob, tp=tp, fp8=self.fp8)
+        return lambda i: MoEBlock(
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            tp=tp,
+            fp8=self.fp8,
+        )
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
@@ -233,8 +265,9 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         if stacked is None or e >= stacked.shape[0]:
             raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
         if self.fp8.kind == "serialized" and tensor.dtype != stacked.dtype:
-            raise ValueError(f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {stacked.dtype} "
-                             "(zerokld_fp8 snapshots only)")
+            raise ValueError(
+                f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {stacked.dtype} (zerokld_fp8 snapshots only)"
+            )
         expected = tuple(getattr(stacked, "checkpoint_shape", stacked.shape)[1:])  # TP: the loader slices
         if expected != tuple(tensor.shape):
             raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {expected}")

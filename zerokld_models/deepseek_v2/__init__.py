@@ -7,6 +7,7 @@ the first ``first_k_dense_replace`` layers dense. The same layers as ``zerokld_m
 (vLLM's ``deepseek_v2.py`` serves both; TorchTitan's ``deepseek_v3`` model with a softmax router trains it); only the
 routing trait differs. Sources: HF ``modeling_deepseek_v2.py``; vLLM ``models/deepseek_v2.py``; TorchTitan
 ``models/deepseek_v3``."""
+
 import dataclasses
 
 from .. import deepseek_v3

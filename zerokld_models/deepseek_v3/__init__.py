@@ -4,6 +4,7 @@ token, a decoupled rope part stored interleaved, YaRN with ``mscale`` / ``mscale
 sigmoid router with a selection bias, group-limited top-k, normalised weights times ``routed_scaling_factor``, shared
 experts, the first ``first_k_dense_replace`` layers dense). Sources: HF ``modeling_deepseek_v3.py``; vLLM
 ``models/deepseek_v2.py``; TorchTitan ``models/deepseek_v3``."""
+
 from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(

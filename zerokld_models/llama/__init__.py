@@ -3,6 +3,7 @@
 (its adapter stores q/k rows interleaved) and derives the head size (``hidden_size / num_attention_heads``).
 Sources: HF ``modeling_llama.py`` / ``modeling_rope_utils.py``; vLLM ``models/llama.py``; TorchTitan
 ``models/llama3``."""
+
 from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(

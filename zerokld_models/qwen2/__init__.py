@@ -2,6 +2,7 @@
 RoPE, SwiGLU MLP. TorchTitan has no qwen2: the trainer builds TorchTitan's Qwen3 model without QK-norm and with
 biased wq/wk/wv, and loads HF weights with the Qwen3 state-dict adapter extended by the three biases.
 Sources: HF ``modeling_qwen2.py``; vLLM ``models/qwen2.py``."""
+
 from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(
@@ -11,7 +12,9 @@ ADAPTER = ModelAdapterSpec(
     titan_block="torchtitan.models.qwen3.model:Qwen3TransformerBlock",
     titan_state_dict_adapter="torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter",
     titan_parallelize="torchtitan.models.qwen3:parallelize_qwen3",
-    extra_hf_names=tuple((f"model.layers.{{}}.self_attn.{hf}_proj.bias", f"layers.{{}}.attention.qkv_linear.{tt}.bias")
-                         for hf, tt in (("q", "wq"), ("k", "wk"), ("v", "wv"))),
+    extra_hf_names=tuple(
+        (f"model.layers.{{}}.self_attn.{hf}_proj.bias", f"layers.{{}}.attention.qkv_linear.{tt}.bias")
+        for hf, tt in (("q", "wq"), ("k", "wk"), ("v", "wv"))
+    ),
     qkv_bias=True,
 )

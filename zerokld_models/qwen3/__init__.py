@@ -1,5 +1,6 @@
 """Qwen3 (``Qwen3ForCausalLM``): GQA with per-head RMSNorm of q and k, rotate-half RoPE, SwiGLU MLP.
 Sources: HF ``modeling_qwen3.py``; vLLM ``models/qwen3.py``; TorchTitan ``models/qwen3``."""
+
 from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(

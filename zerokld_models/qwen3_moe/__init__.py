@@ -1,6 +1,7 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3 attention, a routed MoE block (softmax router, top-k, no shared
 expert) in every layer. Sources: HF ``modeling_qwen3_moe.py``; vLLM ``models/qwen3_moe.py``; TorchTitan
 ``models/qwen3`` (MoE flavours)."""
+
 from zerokld_plugins import ModelAdapterSpec
 
 ADAPTER = ModelAdapterSpec(
