@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test demo test test-long test-fast docs lint clean
+.PHONY: install install-test demo test test-long test-fast docs lint results-tables clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ $(DOCS_VENV)/.installed: requirements-docs.txt
 
 docs: $(DOCS_VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+# the measured figures of README.md and docs/ (the <!-- results: NAME --> blocks), regenerated from benchmarks/results/
+# (benchmarks/tables.py; tests/test_results_tables.py fails while a committed block differs from it)
+results-tables: install
+	$(PY) -m benchmarks.tables
 
 # the lint and type gates (.pre-commit-config.yaml: ruff check, ruff format, mypy on the host-free packages), every
 # file, in their own venv with the pinned tools (requirements-lint.txt); mypy reads the project's .venv for torch's

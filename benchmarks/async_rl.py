@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.timing import machine_phrase
 from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -188,9 +189,8 @@ def markdown(result: dict) -> str:
         "# Sync vs async vs streaming RL (`benchmarks/async_rl.py`)",
         "",
         (
-            f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; "
-            f"{m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
-            f"{m['vllm']}; zerokld numerics, bf16, the countdown example's defaults."
+            f"Measured {result['date']} on {machine_phrase(m)}, torch {m['torch']}, vLLM {m['vllm']}; zerokld "
+            "numerics, bf16, the countdown example's defaults."
         ),
         "",
     ]

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.timing import machine_phrase
 from shared_numerics.machine import machine_facts
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -136,14 +137,11 @@ def measure(
 def markdown(result: dict) -> str:
     """The table as GitHub markdown (one line per architecture x dtype x FP8 x engine)."""
     m = result["machine"]
+    where = machine_phrase(m)
     lines = [
         "# Train-inference KL per model (`benchmarks/kld_table.py`)",
         "",
-        (
-            f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; "
-            f"{m['cores']} cores, {m['threads']} threads, {m['platform']}), torch {m['torch']}, vLLM "
-            f"{m['vllm']}: {result['workload']}."
-        ),
+        f"Measured {result['date']} on {where}, torch {m['torch']}, vLLM {m['vllm']}: {result['workload']}.",
         "",
         (
             "| architecture | dtype | FP8 serving | engine + trainer | k3 (mean) | max \\|Δ log-prob\\| "

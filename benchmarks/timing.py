@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["wall_times", "wall_times_interleaved"]
+__all__ = ["machine_phrase", "wall_times", "wall_times_interleaved"]
 
 
 def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -37,3 +37,12 @@ def wall_times_interleaved(fns: list[Callable[[], object]], repeats: int, min_s:
                 fn()
             times[i].append((time.perf_counter() - t0) / n)
     return times
+
+
+def machine_phrase(m: dict) -> str:
+    """A results table's "measured on" phrase for :func:`shared_numerics.machine.machine_facts` (CPU model, ISA flags,
+    cores, threads, platform); early results recorded only the CPU count and the platform."""
+    if "cpu_model" not in m:
+        return f"{m['cpus']} CPU cores ({m['platform']})"
+    isa = ", ".join(m["isa_flags"]) or "no AVX2"
+    return f"{m['cpu_model']} ({isa}; {m['cores']} cores, {m['threads']} threads, {m['platform']})"

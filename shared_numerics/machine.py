@@ -53,9 +53,12 @@ def path_switches() -> dict[str, str]:
 
 
 def machine_facts() -> dict:
-    """``{"cpu_model", "isa_flags", "cores", "threads", "platform", "torch", "path_switches"}``: ``threads`` is
+    """``{"cpu_model", "isa_flags", "cores", "threads", "platform", "torch", "path_switches", "date"}``: ``threads`` is
     ``torch.get_num_threads()`` of the calling process (the intra-op threads its CPU kernels use), ``cores``
-    ``os.cpu_count()``, ``path_switches`` :func:`path_switches` (an emulated older CPU's path)."""
+    ``os.cpu_count()``, ``path_switches`` :func:`path_switches` (an emulated older CPU's path), ``date`` today's
+    (ISO 8601, local time: the day a benchmark measured)."""
+    import datetime
+
     import torch
 
     return {
@@ -66,4 +69,5 @@ def machine_facts() -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "path_switches": path_switches(),
+        "date": datetime.date.today().isoformat(),
     }

@@ -21,8 +21,9 @@ def load_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def run_summary(run_dir: str | Path) -> dict:
-    """One run's numbers.
+def run_summary(run_dir: str | Path, side: str | None = None) -> dict:
+    """One run's numbers: ``run_dir/metrics.jsonl`` and ``eval.jsonl``, or with ``side`` the copies a results
+    folder keeps side by side, ``run_dir/<side>_metrics.jsonl`` and ``<side>_eval.jsonl``.
 
     Returns:
         ``steps``; ``k3_mean`` / ``k3_max`` over steps (each step's k3: mean over its sequences of the per-token
@@ -39,10 +40,11 @@ def run_summary(run_dir: str | Path) -> dict:
         ValueError: ``metrics.jsonl`` has no rows.
     """
     run_dir = Path(run_dir)
-    rows = load_jsonl(run_dir / "metrics.jsonl")
+    prefix = f"{side}_" if side else ""
+    rows = load_jsonl(run_dir / f"{prefix}metrics.jsonl")
     if not rows:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no steps")
-    evals = load_jsonl(run_dir / "eval.jsonl")
+        raise ValueError(f"{run_dir.name}/{prefix}metrics.jsonl has no steps")
+    evals = load_jsonl(run_dir / f"{prefix}eval.jsonl")
     rewards = [r["reward_mean"] for r in rows]
     n = min(WINDOW, len(rows))
     tokens = sum(r["num_tokens"] for r in rows)
