@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test demo test test-long test-fast docs lint results-tables clean
+.PHONY: install install-test demo test test-long test-fast docs docs-screenshots lint results-tables clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,17 @@ $(DOCS_VENV)/.installed: requirements-docs.txt
 
 docs: $(DOCS_VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+# the built site as a reader sees it: headless Chromium (Debian's `chromium` package) screenshots of the front page
+# and topic pages into runs/docs_screenshots/ (docs/tests.md, "Looking at the docs")
+SCREENSHOT_PAGES ?= index demo benchmarks deepseek
+docs-screenshots: docs
+	mkdir -p runs/docs_screenshots
+	for page in $(SCREENSHOT_PAGES); do \
+		f=site/$$page/index.html; [ $$page = index ] && f=site/index.html; \
+		chromium --headless=new --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,1800 \
+			--screenshot=runs/docs_screenshots/$$page.png file://$(abspath .)/$$f || exit 1; \
+	done
 
 # the measured figures of README.md and docs/ (the <!-- results: NAME --> blocks), regenerated from benchmarks/results/
 # (benchmarks/tables.py; tests/test_results_tables.py fails while a committed block differs from it)

@@ -24,7 +24,7 @@ from examples.countdown.summary import run_summary, summary_markdown
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 #: the Markdown files that hold generated blocks
-FILES = ("README.md", "docs/demo.md", "docs/benchmarks.md", "docs/hotload.md", "docs/deepseek.md")
+FILES = ("README.md", "docs/index.md", "docs/demo.md", "docs/benchmarks.md", "docs/hotload.md", "docs/deepseek.md")
 BLOCK = re.compile(r"(<!-- results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 #: the countdown demo's results, one folder per CPU path (``make demo`` on that machine; ``run.json``: date, machine)
 DEMOS = (
@@ -59,6 +59,18 @@ def machine(d: dict) -> str:
         return f"CPU model not recorded, {m.get('cores', '?')} cores, {date}"
     isa = " + ".join(f.upper().replace("_", "-") for f in m["isa_flags"]) or "no AVX2"
     return f"{m['cpu_model']}, {isa}, {m['cores']} cores / {m['threads']} threads, torch {m['torch']}, {date}"
+
+
+def machine_short(d: dict) -> str:
+    """``"<CPU model> (<widest ISA path>), <cores> cores, <date>"``: :func:`machine` for a table cell."""
+    date = d.get("date") or d.get("machine", {}).get("date") or "date not recorded"
+    if "device" in d:
+        return f"{d['device']}, {date}"
+    m = d["machine"]
+    flags = set(m.get("isa_flags") or ())
+    isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86-64"
+    model = m.get("cpu_model", "CPU").replace("(R)", "").replace(" Processor", "")
+    return f"{model} ({isa}), {m.get('cores', '?')} cores, {date}"
 
 
 def _demo(folder: str) -> dict:
@@ -145,8 +157,9 @@ def _kld_zerokld_max() -> float:
     return worst
 
 
-def headline() -> list[str]:
-    """README.md: the headline figures."""
+def headline(docs: str = "docs/") -> list[str]:
+    """README.md (``docs`` the docs folder, relative to the page) and the site's front page (``""``): the headline
+    figures."""
     label, folder = DEMOS[0]
     d = _demo(folder)
     b, f = d["bf16"], d["fp8_block"]
@@ -154,7 +167,7 @@ def headline() -> list[str]:
     trainer = _load("trainer_h1024_xeon_amx_cpu2.json")
     gpu = _load("gpu_kernels_h200.json")
     stock_kl = _kld_max_stock()
-    cpu = d["run"]["machine"].split(",")[0]
+    cpu = d["run"]["machine"].split(",")[0].replace("(R)", "").replace(" Processor", "")
     return [
         "| what | zerokld | stock | measured on |",
         "| --- | --- | --- | --- |",
@@ -163,30 +176,30 @@ def headline() -> list[str]:
             f"{b['zerokld']['tokens_bitwise_different']} of {b['zerokld']['num_tokens']} "
             f"| {_g(b['stock']['k3_mean'])}, "
             f"{b['stock']['tokens_bitwise_different']} of {b['stock']['num_tokens']} "
-            f"| {cpu}, {d['run']['date']} ([demo](docs/demo.md)) |"
+            f"| {cpu}, {d['run']['date']} ([demo]({docs}demo.md)) |"
         ),
-        f"| countdown GRPO, bf16: RL step speed | {_x(_speed(b))} stock | 1 | same run |",
+        f"| countdown GRPO, bf16: RL step speed | {_x(_speed(b))} stock | 1x | same run |",
         (
             f"| countdown GRPO, FP8 rollouts: k3; RL step speed | {_g(f['zerokld']['k3_mean'])}; {_x(_speed(f))} stock "
-            f"| {_g(f['stock']['k3_mean'])}; 1 | same run |"
+            f"| {_g(f['stock']['k3_mean'])}; 1x | same run |"
         ),
         (
             f"| KL per model and dtype (largest k3 over `benchmarks/results/kld_table_*`) | {_g(_kld_zerokld_max())} "
-            f"| {', '.join(f'{k} {_g(v)}' for k, v in sorted(stock_kl.items()))} | [benchmarks](docs/benchmarks.md) |"
+            f"| {', '.join(f'{k} {_g(v)}' for k, v in sorted(stock_kl.items()))} | [benchmarks]({docs}benchmarks.md) |"
         ),
         (
             f"| rollout tokens/s at hidden 1024, batch 32, bf16 (prefill / decode) "
             f"| {_x(roll['runs']['bfloat16']['ratio_prefill'])} / {_x(roll['runs']['bfloat16']['ratio_decode'])} stock "
-            f"| 1 | {machine(roll)} |"
+            f"| 1x | {machine_short(roll)} |"
         ),
         (
             f"| trainer forward + backward at hidden 1024 (bf16 / fp32) "
             f"| {_x(trainer['runs']['bfloat16']['speed_ours_over_stock'])} / "
-            f"{_x(trainer['runs']['float32']['speed_ours_over_stock'])} stock | 1 | {machine(trainer)} |"
+            f"{_x(trainer['runs']['float32']['speed_ours_over_stock'])} stock | 1x | {machine_short(trainer)} |"
         ),
         (
             f"| GPU linear at M = 64 / 4096 (Triton backend) | {_x(gpu['ops']['linear']['M64']['stock_over_ours'])} / "
-            f"{_x(gpu['ops']['linear']['M4096']['stock_over_ours'])} cuBLAS | 1 | {machine(gpu)} |"
+            f"{_x(gpu['ops']['linear']['M4096']['stock_over_ours'])} cuBLAS | 1x | {machine_short(gpu)} |"
         ),
     ]
 
@@ -243,8 +256,10 @@ def cpu_benchmarks() -> list[str]:
     ]
     sections.append(("linear.py", name, cases))
     rows: list[str] = []
-    for bench, name, cases in sections:
-        rows += [f"`{bench}`, `benchmarks/results/{name}`: {machine(_load(name))}", ""]
+    for i, (bench, name, cases) in enumerate(sections):
+        if i == 0 or sections[i - 1][0] != bench:
+            rows += [f"### `{bench}`", ""]
+        rows += [f"`benchmarks/results/{name}`: {machine(_load(name))}", ""]
         rows += ["| case | zerokld ÷ stock |", "| --- | --- |"]
         rows += [f"| {case} | {_x(ratio)} |" for case, ratio in cases]
         rows.append("")
@@ -324,6 +339,7 @@ def deepseek_speed() -> list[str]:
 #: block name → its renderer (a list of Markdown lines)
 RENDERERS: dict[str, Callable[[], list[str]]] = {
     "headline": headline,
+    "headline-site": lambda: headline(""),
     "demo-paths": demo_paths,
     "demo-runs": demo_runs,
     "cpu-benchmarks": cpu_benchmarks,

@@ -17,47 +17,13 @@ Source: Shazeer, "GLU Variants Improve Transformer" (2020); vLLM ``SiluAndMul.fo
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
+from . import cpu_ops
 from .cpu_kernels import DTYPE_CODES
 from .reduce import exp64
 
 __all__ = ["silu_and_mul"]
-
-
-@functools.lru_cache(maxsize=1)
-def _lib():
-    from .cpu_kernels import load
-
-    lib = load("pointwise")
-    lib.zk_silu_mul.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    lib.zk_silu_mul.restype = None
-    lib.zk_silu_mul_bwd.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    lib.zk_silu_mul_bwd.restype = None
-    return lib
 
 
 def _silu_mul_cpu(g: torch.Tensor, u: torch.Tensor, want_s: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,16 +32,7 @@ def _silu_mul_cpu(g: torch.Tensor, u: torch.Tensor, want_s: bool) -> tuple[torch
     direct = g.dtype in (torch.float32, torch.bfloat16)
     y = torch.empty(g.shape, dtype=g.dtype if direct else torch.float32)
     s = torch.empty(g.shape, dtype=torch.float32) if want_s else None
-    _lib().zk_silu_mul(
-        DTYPE_CODES[g.dtype],
-        g.data_ptr(),
-        u.data_ptr(),
-        g.numel(),
-        y.data_ptr(),
-        DTYPE_CODES[y.dtype],
-        None if s is None else s.data_ptr(),
-        torch.get_num_threads(),
-    )
+    cpu_ops.silu_mul(g, u, y, s)
     return y.to(g.dtype), s
 
 
@@ -96,18 +53,7 @@ class _SiluMulCpu(torch.autograd.Function):
         direct = gate.dtype in (torch.float32, torch.bfloat16)
         out_dtype = gate.dtype if direct else torch.float32
         dg, du = torch.empty(gate.shape, dtype=out_dtype), torch.empty(gate.shape, dtype=out_dtype)
-        _lib().zk_silu_mul_bwd(
-            DTYPE_CODES[gate.dtype],
-            g.data_ptr(),
-            u.data_ptr(),
-            s.data_ptr(),
-            dy.data_ptr(),
-            gate.numel(),
-            dg.data_ptr(),
-            du.data_ptr(),
-            DTYPE_CODES[out_dtype],
-            torch.get_num_threads(),
-        )
+        cpu_ops.silu_mul_backward(g, u, s, dy, dg, du)
         return (
             dg.to(gate.dtype) if ctx.needs_input_grad[0] else None,
             du.to(up.dtype) if ctx.needs_input_grad[1] else None,

@@ -31,108 +31,13 @@ Source: Dao et al., "FlashAttention" (2022) and "FlashAttention-2" (2023); Kwon 
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
+from . import cpu_ops
 from .attention import Q_TILE
-from .cpu_kernels import DTYPE_CODES, load, on_local_shards, plain
+from .cpu_kernels import DTYPE_CODES, on_local_shards, plain
 
 __all__ = ["dense_attention_cpu", "paged_attention_cpu"]
-
-_I64 = ctypes.POINTER(ctypes.c_int64)
-
-
-@functools.lru_cache(maxsize=1)
-def _lib():
-    lib = load("attention")
-    vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.zk_attention_fwd.argtypes = [
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        vp,
-        vp,
-        vp,
-        i64,
-        i64,
-        i64,
-        c_int,
-        vp,
-        i64,
-        vp,
-        vp,
-        i64,
-        vp,
-        vp,
-        f32,
-        vp,
-        vp,
-        vp,
-        c_int,
-    ]
-    lib.zk_attention_bwd.argtypes = [
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        vp,
-        vp,
-        vp,
-        i64,
-        i64,
-        i64,
-        c_int,
-        vp,
-        i64,
-        vp,
-        vp,
-        vp,
-        vp,
-        i64,
-        vp,
-        vp,
-        f32,
-        vp,
-        vp,
-        vp,
-        vp,
-        vp,
-        vp,
-        vp,
-        c_int,
-    ]
-    lib.zk_attention_paged_fwd.argtypes = [
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        vp,
-        i64,
-        vp,
-        vp,
-        i64,
-        i64,
-        i64,
-        c_int,
-        vp,
-        i64,
-        i64,
-        vp,
-        vp,
-        i64,
-        c_int,
-        c_int,
-        f32,
-        vp,
-        vp,
-        vp,
-        c_int,
-    ]
-    lib.zk_attention_fwd.restype = lib.zk_attention_bwd.restype = lib.zk_attention_paged_fwd.restype = c_int
-    return lib
 
 
 def _blocks(q_row: torch.Tensor):
@@ -178,31 +83,10 @@ def _forward(q, k, v, h_kv, strides, bs, block_table, q_row, q_pos, scale, block
     m = torch.empty(n_q, h_q, dtype=torch.float32)
     l = torch.empty(n_q, h_q, dtype=torch.float32)
     block_q0, block_nq = blocks[0], blocks[1]
-    rc = _lib().zk_attention_fwd(
-        DTYPE_CODES[q.dtype],
-        h_q,
-        h_kv,
-        d,
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        strides[0],
-        strides[1],
-        strides[2],
-        bs,
-        block_table.data_ptr(),
-        block_table.shape[1],
-        q_row.data_ptr(),
-        q_pos.data_ptr(),
-        block_q0.numel(),
-        block_q0.data_ptr(),
-        block_nq.data_ptr(),
-        float(scale),
-        out.data_ptr(),
-        m.data_ptr(),
-        l.data_ptr(),
-        torch.get_num_threads(),
-    )
+    rc = cpu_ops.attention_forward(
+        q, k, v, h_kv, strides[0], strides[1], strides[2], bs, block_table, q_row, q_pos, block_q0, block_nq,
+        float(scale), out, m, l,
+    )  # fmt: skip
     if rc:
         raise ValueError(f"zerokld CPU attention refused its arguments (code {rc})")
     return out, m, l
@@ -260,33 +144,7 @@ def paged_attention_cpu(
     n_q, h_q, _ = q.shape
     out = torch.empty(n_q, h_q, d, dtype=torch.float32)
     sb, sh, sp, _ = key_cache.stride()
-    rc = _lib().zk_attention_paged_fwd(
-        DTYPE_CODES[q.dtype],
-        h_q,
-        h_kv,
-        d,
-        q.data_ptr(),
-        n_q,
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        sb,
-        sh,
-        sp,
-        bs,
-        bt.data_ptr(),
-        bt.stride(0),
-        bt.shape[1],
-        qsl.data_ptr(),
-        lens.data_ptr(),
-        lens.shape[0],
-        int(idx == torch.int32),
-        Q_TILE,
-        float(scale),
-        out.data_ptr(),
-        None,
-        None,
-        torch.get_num_threads(),
-    )
+    rc = cpu_ops.paged_attention_forward(q, key_cache, value_cache, bt, qsl, lens, Q_TILE, float(scale), out)
     if rc == 2:
         raise ValueError(
             f"zerokld CPU attention: query_start_loc {query_start_loc.tolist()} and seq_lens "
@@ -345,37 +203,10 @@ class _DenseAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32)
         dv = torch.zeros(v.shape, dtype=torch.float32)
         block_q0, block_nq, seq_b0, seq_b1 = blocks
-        rc = _lib().zk_attention_bwd(
-            DTYPE_CODES[q2.dtype],
-            h_q,
-            h_kv,
-            d,
-            q2.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            strides[0],
-            strides[1],
-            strides[2],
-            t,
-            bt.data_ptr(),
-            1,
-            q_row.data_ptr(),
-            q_pos.data_ptr(),
-            block_q0.data_ptr(),
-            block_nq.data_ptr(),
-            seq_b0.numel(),
-            seq_b0.data_ptr(),
-            seq_b1.data_ptr(),
-            float(scale),
-            out.data_ptr(),
-            dout.data_ptr(),
-            m.data_ptr(),
-            l.data_ptr(),
-            dq.data_ptr(),
-            dk.data_ptr(),
-            dv.data_ptr(),
-            torch.get_num_threads(),
-        )
+        rc = cpu_ops.attention_backward(
+            q2, k, v, h_kv, strides[0], strides[1], strides[2], t, bt, q_row, q_pos, block_q0, block_nq, seq_b0,
+            seq_b1, float(scale), out, dout, m, l, dq, dk, dv,
+        )  # fmt: skip
         if rc:
             raise ValueError(f"zerokld CPU attention backward refused its arguments (code {rc})")
         return (dq.reshape(b, t, h_q, d).to(q2.dtype), dk.to(k.dtype), dv.to(v.dtype), None)

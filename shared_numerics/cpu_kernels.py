@@ -111,14 +111,19 @@ def load(name: str) -> ctypes.CDLL:
 
 def plain(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as a plain CPU ``torch.Tensor`` whose ``data_ptr`` holds its values, or ``None`` (the kernels then must
-    not run on it): a plain tensor or a ``Parameter`` (any subclass) as is; an ``AsyncCollectiveTensor`` (what
-    ``DTensor.to_local()`` returns while a collective is in flight) waited; any other subclass (``DTensor``, fake or
-    functional tensors) ``None``."""
+    not run on it): a plain tensor or a ``Parameter`` (any subclass) as is; a fake tensor (``FakeTensorMode``,
+    ``torch.compile``'s tracing) as is, since the kernels are torch ops with fake implementations
+    (:mod:`shared_numerics.cpu_ops`); an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` returns while a
+    collective is in flight) waited; any other subclass (``DTensor``, functional tensors) ``None``."""
     if type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
         return (
             t if t.device.type == "cpu" else None
         )  # (vLLM's parameter classes subclass Parameter; FSDP's hold DTensors)
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if type(t) is FakeTensor:
+        return t if t.device.type == "cpu" else None
 
     if isinstance(t, AsyncCollectiveTensor):
         return plain(t.wait())

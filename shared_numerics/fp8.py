@@ -36,15 +36,14 @@ Sources: vLLM ``model_executor/layers/quantization/input_quant_fp8.py`` (per-tok
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from typing import Literal
 
 import torch
 
 from zerokld_plugins.errors import ZeroKLDClientError
 
-from .cpu_kernels import DTYPE_CODES, load, plain
+from . import cpu_ops
+from .cpu_kernels import plain
 from .gemm_cpu import amx_available, gemm_abt
 from .linear import matmul_rows
 from .reduce import true_divide
@@ -79,19 +78,6 @@ class Fp8QuantizationError(ZeroKLDClientError, ValueError):
     """Raised for input the FP8 quantizer refuses (non-finite values, unknown granularity, bad shapes)."""
 
 
-@functools.lru_cache(maxsize=1)
-def _lib():
-    lib = load("fp8")
-    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.zk_fp8_quantize.argtypes = [c_int, vp, i64, i64, i64, i64, vp, vp, vp, c_int]
-    lib.zk_fp8_quantize.restype = c_int
-    lib.zk_fp8_to_bf16.argtypes = [vp, i64, vp, c_int]
-    lib.zk_fp8_to_bf16.restype = None
-    lib.zk_fp8_dequantize_bf16.argtypes = [vp, vp, i64, i64, i64, vp, c_int]
-    lib.zk_fp8_dequantize_bf16.restype = None
-    return lib
-
-
 def _dequantize_activation_bf16(v: torch.Tensor, s: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """``(values.float() * scale).to(torch.bfloat16)`` for an activation's bf16 code values ``v [M, K]`` (plain CPU),
     compiled."""
@@ -99,15 +85,7 @@ def _dequantize_activation_bf16(v: torch.Tensor, s: torch.Tensor, granularity: G
     m, k = v.shape
     out = torch.empty((m, k), dtype=torch.bfloat16)
     if v.numel():
-        _lib().zk_fp8_dequantize_bf16(
-            v.data_ptr(),
-            s.contiguous().data_ptr(),
-            m,
-            k,
-            k if granularity == "per_channel" else BLOCK,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
+        cpu_ops.fp8_dequantize_bf16(v, s.contiguous(), k if granularity == "per_channel" else BLOCK, out)
     return out
 
 
@@ -127,19 +105,7 @@ def _quantize_compiled(x: torch.Tensor, granularity: Granularity, codes: bool, v
     v = torch.empty((m, k), dtype=torch.bfloat16) if values else None
     s = torch.empty((m, max(1, -(-k // group))), dtype=torch.float32)
     if m and k:
-        rc = _lib().zk_fp8_quantize(
-            DTYPE_CODES[x.dtype],
-            x.data_ptr(),
-            m,
-            k,
-            x.stride(0),
-            group,
-            None if q is None else q.data_ptr(),
-            None if v is None else v.data_ptr(),
-            s.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
+        if not cpu_ops.fp8_quantize(x, group, q, v, s):
             raise Fp8QuantizationError("FP8 quantization of activations: input contains inf or NaN")
     elif m:
         s.fill_(FP8_MIN_SCALE)
@@ -155,7 +121,7 @@ def fp8_values(codes: torch.Tensor) -> torch.Tensor:
     p = p.contiguous()
     out = torch.empty(p.shape, dtype=torch.bfloat16)
     if p.numel():
-        _lib().zk_fp8_to_bf16(p.data_ptr(), p.numel(), out.data_ptr(), torch.get_num_threads())
+        cpu_ops.fp8_to_bf16(p, out)
     return out
 
 

@@ -40,48 +40,19 @@ operand layout of oneDNN's AMX kernels.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
 import torch
 
-from .cpu_kernels import load, plain
+from . import cpu_ops
+from .cpu_kernels import plain
 
 __all__ = ["CHAIN_K_MULTIPLE", "amx_available", "f32_available", "gemm_abt", "gemm_abt_accumulate"]
 
 #: K of every :func:`gemm_abt_accumulate` call on bf16 operands must be a multiple of this (the AMX kernel's K step),
 #: so that consecutive calls walk the same 32-element steps as one call on their concatenation
 CHAIN_K_MULTIPLE = 32
-
-
-@functools.lru_cache(maxsize=1)
-def _lib():
-    lib = load("gemm")
-    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.zk_gemm_abt_bf16.argtypes = [
-        vp,
-        i64,
-        i64,
-        i64,
-        c_int,
-        vp,
-        i64,
-        i64,
-        c_int,
-        vp,
-        vp,
-        c_int,
-        c_int,
-        i64,
-        c_int,
-        c_int,
-    ]
-    lib.zk_gemm_abt_f32.argtypes = [vp, i64, i64, i64, c_int, vp, i64, i64, c_int, vp, vp, c_int, i64, c_int, c_int]
-    lib.zk_gemm_abt_bf16.restype = lib.zk_gemm_abt_f32.restype = c_int
-    lib.zk_gemm_has_amx.restype = c_int
-    lib.zk_gemm_has_f32.restype = c_int
-    return lib
 
 
 @functools.lru_cache(maxsize=1)
@@ -100,7 +71,7 @@ def amx_available() -> bool:
         return False
     if "amx_bf16" not in flags or "amx_tile" not in flags:
         return False
-    return bool(_lib().zk_gemm_has_amx())
+    return cpu_ops.gemm_has_amx()
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,21 +81,20 @@ def f32_available() -> bool:
     calls). A machine property, in the numerics contract."""
     from zerokld_plugins import envs
 
-    return envs.ZEROKLD_F32_KERNEL and bool(_lib().zk_gemm_has_f32())
+    return envs.ZEROKLD_F32_KERNEL and cpu_ops.gemm_has_f32()
 
 
-def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
-    """``(tensor, row stride, k-major)`` of a ``[rows, K]`` operand: K contiguous as is; a transposed view (rows
-    contiguous, e.g. ``w.t()`` or ``grad.t()``) read k-major from its storage by the kernel; anything else copied."""
+def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[rows, K]`` operand the kernel reads in place: K contiguous as is; a transposed view (rows contiguous, e.g.
+    ``w.t()`` or ``grad.t()``) read k-major from its storage (``zerokld::gemm_abt`` takes the layout from the
+    strides); anything else copied."""
     if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.dtype == dtype and t.dim() == 2 and t.is_cpu:
         # the common cases first, with the fewest calls (a decode-sized GEMM's Python runs with its caches cold: ~10
         # us a call less at M = 1)
         rows, k = t.shape
         s0, s1 = t.stride()
-        if s1 == 1 and s0 >= k > 0:
-            return t, s0, 0
-        if s0 == 1 and s1 >= rows > 0:
-            return t, s1, 1
+        if (s1 == 1 and s0 >= k > 0) or (s0 == 1 and s1 >= rows > 0):
+            return t
     p = plain(t)
     if p is None or p.dtype != dtype or p.dim() != 2:
         raise TypeError(
@@ -132,12 +102,9 @@ def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> tuple[torch.Tens
             f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}"
         )
     rows, k = p.shape
-    if p.stride(1) == 1 and p.stride(0) >= max(k, 1):
-        return p, p.stride(0), 0
-    if p.stride(0) == 1 and p.stride(1) >= max(rows, 1):
-        return p, p.stride(1), 1
-    p = p.contiguous()
-    return p, max(k, 1), 0
+    if (p.stride(1) == 1 and p.stride(0) >= max(k, 1)) or (p.stride(0) == 1 and p.stride(1) >= max(rows, 1)):
+        return p
+    return p.contiguous()
 
 
 def gemm_abt(
@@ -167,7 +134,7 @@ def gemm_abt(
         RuntimeError: no kernel for the dtype here (check :func:`amx_available` / :func:`f32_available` first).
     """
     dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-    (a, lda, a_kmajor), (b, ldb, b_kmajor) = _operand(a, "A", dtype), _operand(b, "B", dtype)
+    a, b = _operand(a, "A", dtype), _operand(b, "B", dtype)
     out_dtype = out_dtype or dtype
     if dtype == torch.float32 and out_dtype != torch.float32:
         raise TypeError(f"zerokld GEMM: float32 inputs give float32, got out_dtype={out_dtype}")
@@ -185,33 +152,8 @@ def gemm_abt(
             return out.zero_()
         return out.copy_(bias.float().unsqueeze(0 if transpose else 1).expand_as(out))
     b32 = None if bias is None else bias.detach().float().contiguous()
-    args = (
-        a.data_ptr(),
-        i_rows,
-        k,
-        lda,
-        a_kmajor,
-        b.data_ptr(),
-        j_rows,
-        ldb,
-        b_kmajor,
-        None if b32 is None else b32.data_ptr(),
-        out.data_ptr(),
-    )
-    _run(dtype, args, 0 if out_dtype == torch.float32 else 1, int(transpose), out.stride(0), accumulate=False)
+    cpu_ops.gemm_abt(a, b, b32, out, transpose, False)
     return out
-
-
-def _run(dtype, args, out_code: int, transpose: int, ldo: int, accumulate: bool) -> None:
-    if dtype == torch.float32:
-        rc = _lib().zk_gemm_abt_f32(*args, transpose, ldo, torch.get_num_threads(), int(accumulate))
-    else:
-        rc = _lib().zk_gemm_abt_bf16(*args, out_code, transpose, ldo, torch.get_num_threads(), int(accumulate))
-    if rc != 0:
-        raise RuntimeError(
-            f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dtype} kernel "
-            "(see amx_available / f32_available)"
-        )
 
 
 def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -233,7 +175,7 @@ def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
         RuntimeError: no kernel for the dtype here.
     """
     dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-    (a, lda, a_kmajor), (b, ldb, b_kmajor) = _operand(a, "A", dtype), _operand(b, "B", dtype)
+    a, b = _operand(a, "A", dtype), _operand(b, "B", dtype)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"zerokld GEMM: A is {tuple(a.shape)} and B {tuple(b.shape)}: K differs")
     target = plain(acc)
@@ -252,18 +194,5 @@ def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
         raise ValueError(f"zerokld GEMM: a bf16 chain's K ranges must be multiples of {CHAIN_K_MULTIPLE}, got {k}")
     if k == 0 or target.numel() == 0:
         return acc
-    args = (
-        a.data_ptr(),
-        a.shape[0],
-        k,
-        lda,
-        a_kmajor,
-        b.data_ptr(),
-        b.shape[0],
-        ldb,
-        b_kmajor,
-        None,
-        target.data_ptr(),
-    )
-    _run(dtype, args, 0, 0, max(b.shape[0], 1), accumulate=True)
+    cpu_ops.gemm_abt(a, b, None, target, False, True)
     return acc

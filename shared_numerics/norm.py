@@ -17,26 +17,11 @@ and autograd.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
+from . import cpu_ops
 from .cpu_kernels import DTYPE_CODES
 from .reduce import tree_sum
-
-
-@functools.lru_cache(maxsize=1)
-def _lib():
-    from .cpu_kernels import load
-
-    lib = load("pointwise")
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.zk_rms_norm.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_float, vp, ctypes.c_int, vp, ctypes.c_int]
-    lib.zk_rms_norm.restype = None
-    lib.zk_rms_norm_bwd.argtypes = [ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, ctypes.c_int, vp, ctypes.c_int]
-    lib.zk_rms_norm_bwd.restype = None
-    return lib
 
 
 def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, want_r: bool = False):
@@ -49,19 +34,7 @@ def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, want_r: boo
     direct = x.dtype in (torch.float32, torch.bfloat16)  # written in x.dtype by the kernel (float16: rounded here)
     y = torch.empty(x2.shape, dtype=x.dtype if direct else torch.float32)
     r = torch.empty(x2.shape[0], dtype=torch.float32) if want_r else None
-    _lib().zk_rms_norm(
-        DTYPE_CODES[x.dtype],
-        x2.data_ptr(),
-        x2.shape[0],
-        h,
-        x2.stride(0),
-        w.data_ptr(),
-        float(eps),
-        y.data_ptr(),
-        int(y.dtype == torch.bfloat16),
-        None if r is None else r.data_ptr(),
-        torch.get_num_threads(),
-    )
+    cpu_ops.rms_norm(x2, w, float(eps), y, r)
     y = y.reshape(x.shape).to(x.dtype)
     return (y, r) if want_r else y
 
@@ -104,19 +77,7 @@ class _RmsNormCpu(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             dw = torch.zeros(h, dtype=torch.float32)
         w = weight.detach().float().contiguous()
-        _lib().zk_rms_norm_bwd(
-            DTYPE_CODES[x.dtype],
-            x2.data_ptr(),
-            dy.data_ptr(),
-            x2.shape[0],
-            h,
-            w.data_ptr(),
-            r.data_ptr(),
-            dx.data_ptr(),
-            DTYPE_CODES[dx.dtype],
-            None if dw is None else dw.data_ptr(),
-            torch.get_num_threads(),
-        )
+        cpu_ops.rms_norm_backward(x2, dy, w, r, dx, dw)
         grad_w = None if chain is not None or dw is None else dw.to(weight.dtype)
         return dx.reshape(x.shape).to(x.dtype), grad_w, None, None
 

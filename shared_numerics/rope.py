@@ -10,8 +10,6 @@ vLLM). Source: Su et al., "RoFormer" (2021); HF ``modeling_llama.apply_rotary_po
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 from dataclasses import dataclass
 
@@ -150,21 +148,11 @@ def rope_cos_sin(
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
-@functools.lru_cache(maxsize=1)
-def _lib():
-    from .cpu_kernels import load
-
-    lib = load("pointwise")
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.zk_rope.argtypes = [ctypes.c_int, vp, i64, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
-    lib.zk_rope.restype = None
-    return lib
-
-
 def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """:func:`_rotate` in one pass (``csrc/pointwise.cpp`` ``zk_rope``: the same operations, the same bits) for a
     plain CPU ``[N, heads, D]`` float32 / bf16 ``x`` whose last dim is contiguous; ``None`` otherwise."""
-    from .cpu_kernels import DTYPE_CODES, plain
+    from . import cpu_ops
+    from .cpu_kernels import plain
 
     if (
         x.device.type != "cpu"
@@ -184,19 +172,7 @@ def _rotate_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     cp, sp = cp.contiguous(), sp.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype)
     if y.numel():
-        _lib().zk_rope(
-            DTYPE_CODES[x.dtype],
-            xp.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            x.shape[2],
-            xp.stride(0),
-            xp.stride(1),
-            cp.data_ptr(),
-            sp.data_ptr(),
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
+        cpu_ops.rope(xp, cp, sp, y)
     return y
 
 

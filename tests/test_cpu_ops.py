@@ -1,0 +1,96 @@
+"""The CPU kernels as torch ops (issue 58 point 6): ``torch.ops.zerokld.*`` (:mod:`shared_numerics.cpu_ops`).
+
+What the registration buys, each checked here: a wrong argument is a schema error or a checked ``TypeError`` /
+``ValueError`` (the raw ctypes call took a pointer and wrote wherever it pointed); the ops run on fake tensors and
+inside ``torch.compile`` (``fullgraph=True``: the op is one node of the graph) with the eager bits. That the bits are
+the kernels' own is what the rest of the suite checks (test_numerics, test_gemm_cpu, test_fp8, test_isa_paths, ...).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from shared_numerics import cpu_ops, gemm_cpu
+from shared_numerics.activation import silu_and_mul
+from shared_numerics.fp8 import quantize_fp8_activation
+from shared_numerics.norm import rms_norm
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_every_kernel_entry_point_is_a_registered_op_with_its_schema():
+    names = [
+        "gemm_abt",
+        "fp8_quantize",
+        "fp8_to_bf16",
+        "fp8_dequantize_bf16",
+        "silu_mul",
+        "silu_mul_backward",
+        "rms_norm",
+        "rms_norm_backward",
+        "rope",
+        "attention_forward",
+        "paged_attention_forward",
+        "attention_backward",
+    ]
+    assert list(cpu_ops.OPS) == names
+    for name, schema in cpu_ops.OPS.items():
+        assert str(getattr(torch.ops.zerokld, name).default._schema) == f"zerokld::{schema}"
+
+
+def test_argument_mistakes_are_errors_not_memory_writes():
+    a, b = torch.randn(8, 32), torch.randn(4, 32)
+    out = torch.empty(8, 4)
+    with pytest.raises(TypeError, match="out must be a tensor, got None"):  # bias and out swapped
+        torch.ops.zerokld.gemm_abt(a, b, out, None, False, False)
+    with pytest.raises(RuntimeError, match=r"zerokld::gemm_abt\(Tensor a"):  # an int where a tensor goes
+        torch.ops.zerokld.gemm_abt(a, 32, None, out, False, False)
+    with pytest.raises(RuntimeError, match="missing value for argument 'accumulate'"):
+        torch.ops.zerokld.gemm_abt(a, b, None, out, False)
+    small = torch.full((2, 4), 7.0)  # the kernel would write 8 x 4 floats from its first element
+    with pytest.raises(TypeError, match=r"out must be \(8, 4\)"):
+        torch.ops.zerokld.gemm_abt(a, b, None, small, False, False)
+    assert torch.equal(small, torch.full((2, 4), 7.0))
+    with pytest.raises(TypeError, match="b must be"):
+        torch.ops.zerokld.gemm_abt(a, b.double(), None, out, False, False)
+    with pytest.raises(ValueError, match="K differs"):
+        torch.ops.zerokld.gemm_abt(a, torch.randn(4, 16), None, out, False, False)
+    x = torch.randn(3, 64)
+    with pytest.raises(TypeError, match=r"weight must be \(64,\)"):
+        torch.ops.zerokld.rms_norm(x, torch.ones(32), 1e-6, torch.empty(3, 64), None)
+    with pytest.raises(TypeError, match=r"scales must be \(3, 1\)"):
+        torch.ops.zerokld.fp8_quantize(x, 64, None, None, torch.empty(3, 2))
+    with pytest.raises(TypeError, match="out must be"):
+        torch.ops.zerokld.rope(torch.randn(4, 2, 8), torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 2, 4))
+
+
+def test_the_ops_run_on_fake_tensors():
+    with FakeTensorMode() as mode:
+        a, b = mode.from_tensor(torch.randn(7, 64)), mode.from_tensor(torch.randn(5, 64, dtype=torch.float32))
+        y = gemm_cpu.gemm_abt(a, b)
+        assert type(y) is FakeTensor and tuple(y.shape) == (7, 5)
+        x, w = mode.from_tensor(torch.randn(3, 64)), mode.from_tensor(torch.randn(64))
+        assert tuple(rms_norm(x, w, 1e-6).shape) == (3, 64)
+        g = mode.from_tensor(torch.randn(3, 16))
+        assert tuple(silu_and_mul(g, g).shape) == (3, 16)
+        q, s = quantize_fp8_activation(x, "block")
+        assert tuple(q.shape) == (3, 64) and tuple(s.shape) == (3, 1)
+
+
+def test_the_ops_compile_into_one_graph_with_the_eager_bits():
+    a, b, bias = torch.randn(7, 64), torch.randn(5, 64), torch.randn(7)
+
+    def gemm(a, b, bias):
+        out = torch.empty(5, 7)
+        torch.ops.zerokld.gemm_abt(a, b, bias, out, True, False)
+        return out * 2
+
+    compiled = torch.compile(gemm, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(a, b, bias), gemm(a, b, bias))
+    x, w = torch.randn(3, 64), torch.randn(64)
+    eager = rms_norm(x, w, 1e-6)
+    assert torch.equal(torch.compile(lambda x, w: rms_norm(x, w, 1e-6))(x, w), eager)
+    g, u = torch.randn(5, 48), torch.randn(5, 48)
+    assert torch.equal(torch.compile(silu_and_mul)(g, u), silu_and_mul(g, u))
