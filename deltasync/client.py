@@ -4,7 +4,7 @@ some replicas refuse an incremental snapshot, send those replicas — and only t
 weights, so the fleet serves the same bits again (:attr:`PushResult.fallback` says which; the next snapshot is full
 for all, so the chains meet again). :meth:`HotLoadClient.fleet_status` tells whether the fleet is consistent.
 
-Wire format: :mod:`deltasync.protocol` (Fireworks' bring-your-own-trainer signal, ``../shared/DESIGN.md`` §5).
+Wire format: :mod:`deltasync.protocol` (Fireworks' bring-your-own-trainer signal, ``docs/design.md`` §5).
 """
 
 from __future__ import annotations

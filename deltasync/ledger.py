@@ -1,6 +1,6 @@
 """The hot-load ledger: one row per snapshot a replica was asked to load, persisted as JSON, plus identity rules.
 
-Row fields (Fireworks' bring-your-own-trainer ledger, ``../shared/DESIGN.md`` §5): ``replica`` (the replica id
+Row fields (Fireworks' bring-your-own-trainer ledger, ``docs/design.md`` §5): ``replica`` (the replica id
 that wrote it: a fleet's ledgers can be merged and told apart), ``identity``, ``kind``
 (``full`` | ``incremental``; ``restore``: a restart fell back to an earlier snapshot), ``previous_identity``,
 ``compression_format``, ``readiness`` (``loading`` | ``ready`` | ``failed``), ``error``, ``weights_digest`` (SHA-256 of

@@ -2,7 +2,7 @@
 
 The trainer side (:class:`deltasync.HotLoadClient`), the replica (:class:`deltasync.Replica`) and every engine
 adapter (the vLLM server's endpoint :mod:`vllm_plugin.hotload`, the offline ``vllm.LLM`` adapter) read these and
-nothing else. Wire format (Fireworks' bring-your-own-trainer hot-load API, ``../shared/DESIGN.md`` §5)::
+nothing else. Wire format (Fireworks' bring-your-own-trainer hot-load API, ``docs/design.md`` §5)::
 
     POST {PREFIX}                    {"identity", "incremental_snapshot_metadata"?: {"previous_snapshot_identity",
                                       "compression_format", "checksum_format"}, "reset_prompt_cache"?,
@@ -23,7 +23,7 @@ Serving responses carry :data:`IDENTITY_HEADER`: the snapshot(s) that sampled th
 use when a response spans an async swap; per token: the choices' ``weight_versions`` spans).
 
 The same replica also answers Fireworks' own spelling, as ``fireworks-ai``'s ``DeploymentManager`` sends it
-(``../shared/wire/fireworks_tinker_wire.md`` §3)::
+(``docs/wire.md`` §3)::
 
     POST {FIREWORKS_HOT_LOAD}        {"identity", "reset_prompt_cache"?: true|false, "incremental_snapshot_metadata"?}
         headers fireworks-deployment: accounts/<account_id>/deployments/<deployment_id>, fireworks-model

@@ -49,7 +49,7 @@ The engine side is :class:`ReplicaEngine`: vLLM's OpenAI server (:mod:`vllm_plug
 A full disk anywhere (the ledger's first write, a private copy, a decoded delta) refuses the signal with 507 and a
 short message before the swap; the staged copy is removed, the engine serves what it served. Errors, ledger rows and
 status never carry absolute server paths (:func:`deltasync.protocol.public_message`).
-Sources: Fireworks' bring-your-own-trainer hot-load API (``../shared/DESIGN.md`` §5).
+Sources: Fireworks' bring-your-own-trainer hot-load API (``docs/design.md`` §5).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Trainer side of the snapshot protocol: :class:`SnapshotWriter` decides full vs incremental and writes the next
 snapshot into the snapshot root.
 
-Cadence (``../shared/DESIGN.md`` §5): the first snapshot is full; then incremental snapshots against the **last
+Cadence (``docs/design.md`` §5): the first snapshot is full; then incremental snapshots against the **last
 successfully loaded** identity, and a full one every ``full_every`` snapshots, after any failed load
 (:meth:`SnapshotWriter.failed`), or when the replica's ledger was reset (:meth:`SnapshotWriter.require_full`). An
 incremental snapshot needs the base's full weights: the writer keeps a private full copy of the last loaded snapshot

@@ -20,11 +20,8 @@ run on their local shards when sharded by heads or sequences.
 Rows of a unit (and, in the backward, keys) are processed four side by side so that their independent sums overlap
 in the pipeline; each row's operations stay the same as alone (the results are bitwise the one-row-at-a-time loop's).
 
-Measured (``benchmarks/results/attention_xeon_amx_cpu2.json``, 2-core Xeon with AMX, 2 threads), ours vs ATen's SDPA
-(not batch invariant) and vs the torch-op core this replaced on CPU: demo decode (224 sequences, 4 heads / 2 KV, head
-dim 32) 0.84 ms vs 5.6 ms torch-op core bf16; demo training forward + backward (224 x 60 tokens) 27 ms vs SDPA 90 ms
-bf16 (3.3x), 22 ms vs 18 ms fp32; hidden-1024 shapes (16 heads / 4 KV, head dim 64) prefill 0.26x SDPA bf16 (0.68x
-fp32), training 0.76x bf16 and 0.77x fp32.
+Speed vs ATen's SDPA (not batch invariant) and vs the torch-op core this replaced on CPU: ``benchmarks/attention.py``
+(figures in the docs' Benchmarks page, generated from ``benchmarks/results/attention_*.json``).
 
 Source: Dao et al., "FlashAttention" (2022) and "FlashAttention-2" (2023); Kwon et al., "PagedAttention" (2023).
 """

@@ -21,17 +21,14 @@ with ``A`` = the weight and ``B`` = the tokens, so a token's outputs are the sam
 Threads: torch's own OpenMP team, ``torch.get_num_threads()``. Inputs: plain CPU tensors (an ``AsyncCollectiveTensor``
 is waited).
 
-Measured (2-core Xeon with AMX, 2 threads, ``K = N = 1024``, ours ÷ ``F.linear`` taking turns, M = 1 / 16 / 256 /
-2048; ``benchmarks/results/linear_xeon_amx_cpu2.json``, one run, spread ~±0.1): forward bf16 2.3x / 2.3x / 1.03x /
-0.75x, float32 0.70x / 1.11x / 0.75x / 0.85x; forward + backward bf16 0.83x / 0.99x / 0.93x / 0.96x, float32 1.04x /
-0.70x / 0.81x / 0.84x. At decode sizes the Python around the kernel is a large share: it runs with the caches cold
-after the previous GEMM has streamed its weight through them (``torch.empty`` after a 4 MB GEMV: ~19 us, ~1 us warm),
-so the common cases take the fewest calls (``_operand``'s first test; :func:`shared_numerics.linear.linear`'s float32
-path): float32 M = 1 over 16 rotating weights 0.66x -> 0.79x of ``F.linear``, bf16 1.17x -> 1.35x. 1 to 8 tokens
-stream the weight in 16-row blocks turned in registers (the kernel alone: ~0.85x MKL's GEMV at M = 1, bound by the
-16x16 transposes' shuffles, which the per-element K chain needs: lanes are outputs), 9 to 48 tokens a path that
-broadcasts the weight's rows in place, and a k-major weight (``Wᵀ`` in ``dX``) is streamed in place for up to 48
-tokens (1 or 2 row after row, ~15% faster than in column strips).
+Speed ÷ ``F.linear``: ``benchmarks/linear.py`` (figures in the docs' Benchmarks page, generated from
+``benchmarks/results/linear_*.json``). At decode sizes the Python around the kernel is a large share: it runs with
+the caches cold after the previous GEMM has streamed its weight through them, so the common cases take the fewest
+calls (``_operand``'s first test; :func:`shared_numerics.linear.linear`'s float32 path). 1 to 8 tokens stream the
+weight in 16-row blocks turned in registers (at M = 1 the kernel is bound by the 16x16 transposes' shuffles, which
+the per-element K chain needs: lanes are outputs), 9 to 48 tokens a path that broadcasts the weight's rows in place,
+and a k-major weight (``Wᵀ`` in ``dX``) is streamed in place for up to 48 tokens (1 or 2 row after row, faster than
+in column strips).
 ``gemm_abt_accumulate`` continues chains (exact gradient accumulation, :mod:`shared_numerics.grad_chain`).
 
 Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2 (``TDPBF16PS``, ``LDTILECFG``); the VNNI

@@ -25,12 +25,8 @@ threads at K 3072–8192). Paths, chosen per machine (:func:`gemm_partition`, in
 So a row's result depends only on the row, ``W`` and ``b``. Trainer and engine on one machine take the same path; a
 trainer and an engine whose contracts differ are refused before anything runs.
 
-Measured ours ÷ ``F.linear`` (stock on 2 torch threads, the two taking turns), ``K = N = 1024``, M = 1 / 16 / 256 /
-2048, 2-core Xeon with AMX, ``benchmarks/results/linear_xeon_amx_cpu2.json``: forward bf16 1.8x / 1.8x / 0.97x /
-0.80x, float32 0.60x / 1.3x / 0.80x / 0.84x; forward + backward bf16 0.74x / 0.86x / 0.90x / 1.02x, float32 0.78x /
-0.70x / 0.82x / 0.85x (one run; this machine's run-to-run spread is ~±0.1). The pinned one-thread oneDNN calls these
-replace measured bf16
-0.20x / 0.25x / 0.29x / 0.26x forward.
+Speed, ours ÷ ``F.linear`` per dtype, M and direction: ``benchmarks/linear.py``; the committed run's figures are in
+the docs' Benchmarks page (generated from ``benchmarks/results/linear_*.json``).
 
 Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
 depends only on its row of ``dY``: row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows

@@ -1,6 +1,6 @@
 """Train-inference mismatch metrics (k1, k3, max |Δ|, bitwise-different tokens, clipped fraction).
 
-Definitions (``../shared/DESIGN.md`` §2; Schulman, "Approximating KL Divergence", 2020): with
+Definitions (``docs/design.md`` §2; Schulman, "Approximating KL Divergence", 2020): with
 ``d = logp_train - logp_infer`` over sampled completion tokens, ``k1 = mean(d)``, ``k3 = mean(exp(d) - d - 1)``,
 each averaged per sequence first, then over sequences. The clipped fraction counts tokens whose ratio
 ``r = exp(-d)`` ... is computed by the loss, not here.

@@ -4,7 +4,7 @@
   normaliser, fixed tree), then the ``k`` highest scores by a **stable** descending sort, so exact ties go to the
   lowest expert id — never ``torch.topk``'s implementation-defined order (vLLM-CPU's ``CPURouter`` takes top-k on raw
   logits with ``sorted=False``; HF softmaxes then top-k: equal in exact math, but a bf16 tie flipped 1 row in 20,000,
-  ``../shared/DESIGN.md`` §4). Optional renormalisation of the selected weights (Qwen3-MoE ``norm_topk_prob``) in fp32.
+  ``docs/design.md`` §4). Optional renormalisation of the selected weights (Qwen3-MoE ``norm_topk_prob``) in fp32.
 * Experts (:func:`moe_experts`): every token's expert FFN is ``down(silu(gate x) * up x)`` with
   :func:`shared_numerics.linear`, whose fixed row tiles make a token's result independent of how many tokens its
   expert received; the ``k`` expert outputs are combined in slot order (rank of the routing score), weights applied

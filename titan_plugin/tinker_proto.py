@@ -1,4 +1,4 @@
-"""tinker 0.38's protobuf training wire, as the training server speaks it (``../shared/wire/fireworks_tinker_wire.md``
+"""tinker 0.38's protobuf training wire, as the training server speaks it (``docs/wire.md``
 §4): ``POST /api/v1/forward_backward`` bodies arrive as ``tinker_public.ForwardBackwardRequest`` (``Content-Type:
 application/x-protobuf``, zstd-compressed when ``Content-Encoding: zstd``), and their results go back as
 ``tinker_public.ForwardBackwardOutput``. This module only converts: a request becomes the JSON body the Fireworks

@@ -1,6 +1,6 @@
 """tinker 0.38's sampling sessions on the zerokld vLLM server (issue 38): what the training server's
 ``create_sampling_session``, ``GET samplers/{id}``, ``asample`` and ``save_weights_and_get_sampling_client`` do
-(``../shared/wire/fireworks_tinker_wire.md`` §4).
+(``docs/wire.md`` §4).
 
 The sampler is one ``vllm serve`` with zerokld's hot-load API (:mod:`vllm_plugin.hotload`) on the training server's
 snapshot root. A sampling session is bound to one snapshot: a full-parameter model's snapshot serves as the engine's

@@ -1,5 +1,5 @@
 """Fireworks' Training API over the real TorchTitan trainer: the JSON wire ``fireworks-ai``'s
-``FiretitanServiceClient`` sends (Tinker 0.23's, ``../shared/wire/fireworks_tinker_wire.md`` §1-2), served by
+``FiretitanServiceClient`` sends (Tinker 0.23's, ``docs/wire.md`` §1-2), served by
 FastAPI + uvicorn over :class:`titan_plugin.client.TrainingClient`, so Fireworks' SDK — unmodified — trains with
 zerokld's numerics and its snapshots hot-load into the zerokld vLLM server (``vllm_plugin.hotload``)::
 

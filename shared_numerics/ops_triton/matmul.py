@@ -18,7 +18,7 @@ GPU): on an H200 the Qwen3-8B-shaped layer's forward+backward went from 0.35x to
 
 Source: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025) persistent matmul; vLLM
 ``model_executor/determinism/batch_invariant.py`` (``matmul_kernel_persistent``, config 128x128x64, GROUP_M 8,
-3 stages, 8 warps for bf16 — measured 451 TFLOP/s at 4096x4096->12288 on an H100, ``../shared/DESIGN.md``; 128x256x64
+3 stages, 8 warps for bf16 — measured 451 TFLOP/s at 4096x4096->12288 on an H100, ``docs/design.md``; 128x256x64
 measured faster here, see :data:`CONFIGS`).
 """
 

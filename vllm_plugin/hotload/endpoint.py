@@ -58,7 +58,7 @@ With hot-load on, every serving route (all but the probes in :data:`PROBES`: ``/
 with ``x-zerokld-snapshot-identity``: the snapshot(s) that sampled the response's tokens (comma-separated in order of
 use when a response spans a swap; for a stream, the one that sampled its first token). Completion and chat choices
 carry ``weight_versions`` (vLLM's per-token spans, :mod:`vllm_plugin.hotload.attribution`), streamed chunks too.
-Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API (``../shared/DESIGN.md`` §5).
+Source: vLLM ``plugins/endpoint_plugins/interface.py``; Fireworks' hot-load API (``docs/design.md`` §5).
 """
 
 from __future__ import annotations

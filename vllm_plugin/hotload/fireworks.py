@@ -1,5 +1,5 @@
 """Fireworks' serving wire on the zerokld vLLM server: what ``fireworks-ai``'s ``DeploymentManager`` and
-``DeploymentSampler`` send, mapped onto vLLM's own OpenAI routes (``../shared/wire/fireworks_tinker_wire.md`` §3).
+``DeploymentSampler`` send, mapped onto vLLM's own OpenAI routes (``docs/wire.md`` §3).
 
 The hot-load routes themselves are :mod:`deltasync.protocol`'s second spelling (:data:`~deltasync.protocol.
 FIREWORKS_HOT_LOAD`); this module holds the rest:

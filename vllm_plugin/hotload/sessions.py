@@ -16,7 +16,7 @@ every cached prefix), the endpoint refuses (409) every other POST route that cou
 (``/v1/responses``, ``/v1/messages``, ...): they take no salt, so they would reuse prefixes computed with the old
 weights under the new identity. Routes that never read it (:data:`CACHE_FREE_ROUTES`, renderers) stay open.
 
-Source: Fireworks' hot-load ``reset_prompt_cache`` modes (``../shared/DESIGN.md`` §5); vLLM's ``cache_salt``.
+Source: Fireworks' hot-load ``reset_prompt_cache`` modes (``docs/design.md`` §5); vLLM's ``cache_salt``.
 """
 
 from __future__ import annotations
