@@ -24,7 +24,15 @@ from examples.countdown.summary import run_summary, summary_markdown
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 #: the Markdown files that hold generated blocks
-FILES = ("README.md", "docs/index.md", "docs/demo.md", "docs/benchmarks.md", "docs/hotload.md", "docs/deepseek.md")
+FILES = (
+    "README.md",
+    "docs/index.md",
+    "docs/demo.md",
+    "docs/benchmarks.md",
+    "docs/hotload.md",
+    "docs/deepseek.md",
+    "docs/layouts.md",
+)
 BLOCK = re.compile(r"(<!-- results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 #: the countdown demo's results, one folder per CPU path (``make demo`` on that machine; ``run.json``: date, machine)
 DEMOS = (
@@ -345,6 +353,8 @@ RENDERERS: dict[str, Callable[[], list[str]]] = {
     "cpu-benchmarks": cpu_benchmarks,
     "gpu-benchmarks": gpu_benchmarks,
     "delta-codecs": delta_codecs,
+    "kld-tables": lambda: _embedded("kld_table*.json"),
+    "layouts-table": lambda: _embedded("layouts_*.json"),
     "deepseek-speed": deepseek_speed,
 }
 
@@ -368,6 +378,18 @@ def standalone_tables() -> dict[Path, str]:
         for path in sorted(RESULTS.glob(pattern)):
             out[path.with_suffix(".md")] = markdown(json.loads(path.read_text()))
     return out
+
+
+def _embedded(pattern: str) -> list[str]:
+    """The standalone tables of ``pattern`` for a docs page: each one's title a ``###`` heading, its source named."""
+    rows: list[str] = []
+    for path, text in standalone_tables().items():
+        if not path.with_suffix(".json").match(pattern):
+            continue
+        lines = text.rstrip("\n").splitlines()
+        title, body = lines[0].lstrip("# ").strip(), "\n".join(lines[1:]).strip("\n").splitlines()
+        rows += [f"### {title}", "", f"`benchmarks/results/{path.with_suffix('.json').name}`:", "", *body, ""]
+    return rows[:-1]
 
 
 def render_file(text: str) -> tuple[str, list[str]]:
