@@ -416,6 +416,22 @@ def _attention_out(op, q, out, m, l):
             _shape(op, name, t, q.shape[:2])
 
 
+def _dense_layout(op, q, k, v, num_kv_heads, strides, block_size, block_table, q_row, q_pos, block_q0, block_nq):
+    """Check the dense (block-table) layout both dense ops share; return the kernels' leading arguments (dtype,
+    heads, head dim, the q / k / v pointers, the K/V strides, the block table, the query rows and positions)."""
+    _attention_common(op, q, k, v, num_kv_heads)
+    for name, t in (("block_table", block_table), ("q_row", q_row), ("q_pos", q_pos)):
+        _cpu(op, name, t, _I64, contiguous=True)
+    for name, t in (("q_row", q_row), ("q_pos", q_pos)):
+        _shape(op, name, t, q.shape[:1])
+    _cpu(op, "block_q0", block_q0, _I64, 1, contiguous=True)
+    _same(op, block_q0, block_nq=block_nq)
+    return (
+        DTYPE_CODES[q.dtype], q.shape[1], num_kv_heads, q.shape[2], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        *strides, block_size, block_table.data_ptr(), block_table.shape[-1], q_row.data_ptr(), q_pos.data_ptr(),
+    )  # fmt: skip
+
+
 @_define(
     "attention_forward(Tensor q, Tensor k, Tensor v, int num_kv_heads, int kv_block_stride, int kv_head_stride, "
     "int kv_slot_stride, int block_size, Tensor block_table, Tensor q_row, Tensor q_pos, Tensor block_q0, "
@@ -430,30 +446,11 @@ def _attention_forward(
     ``block_nq``, float32 ``out``, row max ``m`` and sum ``l``; returns the kernel's code (0: done)
     (``csrc/attention.cpp`` ``zk_attention_fwd``)."""
     op = "attention_forward"
-    _attention_common(op, q, k, v, num_kv_heads)
-    for name, t in (("block_table", block_table), ("q_row", q_row), ("q_pos", q_pos)):
-        _cpu(op, name, t, _I64, contiguous=True)
-    for name, t in (("q_row", q_row), ("q_pos", q_pos)):
-        _shape(op, name, t, q.shape[:1])
-    _cpu(op, "block_q0", block_q0, _I64, 1, contiguous=True)
-    _same(op, block_q0, block_nq=block_nq)
+    strides = (kv_block_stride, kv_head_stride, kv_slot_stride)
+    lead = _dense_layout(op, q, k, v, num_kv_heads, strides, block_size, block_table, q_row, q_pos, block_q0, block_nq)
     _attention_out(op, q, out, m, l)
     return _lib("attention").zk_attention_fwd(
-        DTYPE_CODES[q.dtype],
-        q.shape[1],
-        num_kv_heads,
-        q.shape[2],
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        kv_block_stride,
-        kv_head_stride,
-        kv_slot_stride,
-        block_size,
-        block_table.data_ptr(),
-        block_table.shape[-1],
-        q_row.data_ptr(),
-        q_pos.data_ptr(),
+        *lead,
         block_q0.numel(),
         block_q0.data_ptr(),
         block_nq.data_ptr(),
@@ -539,11 +536,8 @@ def _attention_backward(
     ``seq_b1[i] - 1`` of sequence ``i``): float32 ``dq``, ``dk``, ``dv`` (zeroed by the caller; ``dk``/``dv`` with
     ``k``'s / ``v``'s shapes and strides); returns the kernel's code (``zk_attention_bwd``)."""
     op = "attention_backward"
-    _attention_common(op, q, k, v, num_kv_heads)
-    for name, t in (("block_table", block_table), ("q_row", q_row), ("q_pos", q_pos)):
-        _cpu(op, name, t, _I64, contiguous=True)
-    _cpu(op, "block_q0", block_q0, _I64, 1, contiguous=True)
-    _same(op, block_q0, block_nq=block_nq)
+    strides = (kv_block_stride, kv_head_stride, kv_slot_stride)
+    lead = _dense_layout(op, q, k, v, num_kv_heads, strides, block_size, block_table, q_row, q_pos, block_q0, block_nq)
     _cpu(op, "seq_b0", seq_b0, _I64, 1, contiguous=True)
     _same(op, seq_b0, seq_b1=seq_b1)
     _attention_out(op, q, out, m, l)
@@ -554,21 +548,7 @@ def _attention_backward(
         if t.shape != ref.shape or t.stride() != ref.stride():
             _fail(op, f"{name} must have the shape and strides of {'k' if t is dk else 'v'}", t)
     return _lib("attention").zk_attention_bwd(
-        DTYPE_CODES[q.dtype],
-        q.shape[1],
-        num_kv_heads,
-        q.shape[2],
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        kv_block_stride,
-        kv_head_stride,
-        kv_slot_stride,
-        block_size,
-        block_table.data_ptr(),
-        block_table.shape[-1],
-        q_row.data_ptr(),
-        q_pos.data_ptr(),
+        *lead,
         block_q0.data_ptr(),
         block_nq.data_ptr(),
         seq_b0.numel(),
