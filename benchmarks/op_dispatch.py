@@ -1,11 +1,12 @@
 """What calling the CPU kernels as torch ops costs (issue 58 point 6), side by side in one run.
 
-Times one decode-sized GEMM (``[M, K] x [N, K]ᵀ``, float32 and bf16 where this machine has the kernel) called four
+Times one decode-sized GEMM (``[M, K] x [N, K]ᵀ``, float32 and bf16 where this machine has the kernel) called five
 ways, taking turns (:func:`benchmarks.timing.wall_times_interleaved`): the kernel through ctypes with the pointers
-computed by hand (what the callers did before), the registered op ``torch.ops.zerokld.gemm_abt`` (what they do now:
-schema, argument checks, dispatcher), the same kernel wrapped by :func:`torch.library.custom_op` (the heavier API,
-for reference), and ``F.linear`` (stock, the scale). JSON: per-call medians in microseconds, the op's extra cost
-over the raw call, and the machine.
+computed by hand (what the callers did before); ``shared_numerics.cpu_ops.gemm_abt`` (what they call now: on plain
+tensors the op's checks and kernel without the dispatcher); the registered op through the dispatcher
+(``torch.ops.zerokld.gemm_abt``: what fake tensors and ``torch.compile`` take); the same kernel wrapped by
+:func:`torch.library.custom_op` (the heavier API, for reference); and ``F.linear`` (stock, the scale). JSON:
+per-call medians in microseconds, each path's extra cost over the raw call, and the machine.
 
 ``python -m benchmarks.op_dispatch --out benchmarks/results/op_dispatch_<machine>.json``
 """
@@ -37,8 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench/op_dispatch.json")
     ap.add_argument("--ms", default="1,8,64", help="rows M of the activation")
-    ap.add_argument("--k", type=int, default=1024)
-    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--sizes", default="256,1024", help="K = N of the weight, one run per size")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
 
@@ -49,13 +49,16 @@ def main(argv: list[str] | None = None) -> dict:
     lib = cpu_ops._lib("gemm")
     dtypes = [dt for dt, ok in ((torch.float32, f32_available()), (torch.bfloat16, amx_available())) if ok]
     rows = []
+    sizes, ms = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.ms.split(",")]
+    shapes = [(m, size) for size in sizes for m in ms]
     for dtype in dtypes:
-        for m in (int(x) for x in args.ms.split(",")):
-            a, b = torch.randn(m, args.k).to(dtype), torch.randn(args.n, args.k).to(dtype)
-            out = torch.empty(m, args.n, dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16)
+        for m, size in shapes:
+            a, b = torch.randn(m, size).to(dtype), torch.randn(size, size).to(dtype)
+            out = torch.empty(m, size, dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16)
             calls = {
                 "ctypes": lambda a=a, b=b, out=out: _raw(lib, a, b, out),
-                "zerokld_op": lambda a=a, b=b, out=out: cpu_ops.gemm_abt(a, b, None, out, False, False),
+                "zerokld": lambda a=a, b=b, out=out: cpu_ops.gemm_abt(a, b, None, out, False, False),
+                "zerokld_op": lambda a=a, b=b, out=out: cpu_ops.gemm_abt.op(a, b, None, out, False, False),
                 "custom_op": lambda a=a, b=b, out=out: custom(a, b, out),
                 "F.linear": lambda a=a, b=b: torch.nn.functional.linear(a, b),
             }
@@ -65,9 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
                 {
                     "dtype": str(dtype).removeprefix("torch."),
                     "M": m,
-                    "K": args.k,
-                    "N": args.n,
+                    "K": size,
+                    "N": size,
                     "median_us": med,
+                    "zerokld_over_ctypes_us": med["zerokld"] - med["ctypes"],
                     "op_over_ctypes_us": med["zerokld_op"] - med["ctypes"],
                     "custom_op_over_ctypes_us": med["custom_op"] - med["ctypes"],
                 }

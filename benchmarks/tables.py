@@ -274,6 +274,30 @@ def cpu_benchmarks() -> list[str]:
     return rows[:-1]
 
 
+def op_dispatch() -> list[str]:
+    """docs/benchmarks.md: what calling a CPU kernel costs by each path (``benchmarks/op_dispatch.py``)."""
+    rows = []
+    for path in sorted(RESULTS.glob("op_dispatch_*.json")):
+        d = json.loads(path.read_text())
+        rows += [
+            f"`benchmarks/results/{path.name}`: {machine(d)}; median microseconds per call of one GEMM:",
+            "",
+            (
+                "| dtype, M x K → N | ctypes (before) | `cpu_ops.gemm_abt` (now) | via the dispatcher | `custom_op` "
+                "| `F.linear` |"
+            ),
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in d["rows"]:
+            t = r["median_us"]
+            rows.append(
+                f"| {r['dtype']}, {r['M']} x {r['K']} → {r['N']} | {t['ctypes']:.1f} | {t['zerokld']:.1f} "
+                f"| {t['zerokld_op']:.1f} | {t['custom_op']:.1f} | {t['F.linear']:.1f} |"
+            )
+        rows.append("")
+    return rows[:-1]
+
+
 def gpu_benchmarks() -> list[str]:
     """docs/benchmarks.md: the GPU kernels, stock ÷ ours (a speed: > 1 is faster)."""
     name = "gpu_kernels_h200.json"
@@ -353,6 +377,7 @@ RENDERERS: dict[str, Callable[[], list[str]]] = {
     "cpu-benchmarks": cpu_benchmarks,
     "gpu-benchmarks": gpu_benchmarks,
     "delta-codecs": delta_codecs,
+    "op-dispatch": op_dispatch,
     "kld-tables": lambda: _embedded("kld_table*.json"),
     "layouts-table": lambda: _embedded("layouts_*.json"),
     "deepseek-speed": deepseek_speed,

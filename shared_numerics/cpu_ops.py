@@ -9,10 +9,12 @@ argument is a schema error (``RuntimeError`` naming the op's declaration) or a `
 checks, never a pointer into the wrong memory. The callers (:mod:`shared_numerics.gemm_cpu`, ``attention_cpu``,
 ``fp8``, ``norm``, ``activation``, ``rope``) keep their own Python API; the bits are the kernels', unchanged.
 
-Why ``Library.define`` + ``impl`` rather than :func:`torch.library.custom_op`: dispatch cost, measured on this
-project's 2-core CPU machines (``benchmarks/op_dispatch.py``): a direct ctypes call ~0.5 us, a ``Library`` op ~2.4 us,
-a ``custom_op`` ~15 us — at decode a step makes a few hundred kernel calls. Source: PyTorch, "Custom C++ and CUDA
-Operators" / ``torch.library`` (schemas, ``Tensor(a!)`` aliasing annotations, fake implementations).
+Why ``Library.define`` + ``impl`` rather than :func:`torch.library.custom_op`, and why the callers skip the
+dispatcher on plain tensors (:func:`_define`): per-call cost, measured side by side by ``benchmarks/op_dispatch.py``
+(``benchmarks/results/op_dispatch_*.json``: the raw ctypes call, the checked call the callers make, the op through
+the dispatcher, a ``custom_op``) — at decode a step makes a few hundred kernel calls of a few microseconds each.
+Source: PyTorch, "Custom C++ and CUDA Operators" / ``torch.library`` (schemas, ``Tensor(a!)`` aliasing annotations,
+fake implementations).
 
 The table contents the attention ops read (block tables, query rows and positions) are trusted to index their
 tensors: they come from vLLM's scheduler or from :mod:`shared_numerics.attention_cpu` itself; the paged op checks the
@@ -104,16 +106,32 @@ def gemm_has_f32() -> bool:
 
 def _define(schema: str, fake_result=None):
     """Register ``zerokld::<schema>`` with the decorated CPU implementation and a fake one (outputs are arguments:
-    nothing to allocate; it returns ``fake_result``, the op's success value); returns the op's overload
-    (``torch.ops.zerokld.<name>.default``)."""
+    nothing to allocate; it returns ``fake_result``, the op's success value).
+
+    Returns the function the callers use: on plain CPU tensors outside ``torch.compile`` it runs the implementation
+    itself — the same checks, the same kernel, without the dispatcher's ~2 us (a decode-sized GEMM of a small model
+    takes a few microseconds); on anything else (fake tensors, tensor subclasses, tracing) it calls the op,
+    ``torch.ops.zerokld.<name>``, so the dispatcher routes it (fake implementation, compiled graph)."""
     name = schema.split("(", 1)[0]
+    plain_types = (torch.Tensor, torch.nn.Parameter)
 
     def register(impl):
         LIBRARY.define(schema)
         LIBRARY.impl(name, impl, "CPU")
         torch.library.register_fake(f"zerokld::{name}", lambda *args, **kwargs: fake_result, lib=LIBRARY)
         OPS[name] = schema
-        return getattr(torch.ops.zerokld, name).default
+        op = getattr(torch.ops.zerokld, name).default
+        is_compiling = torch.compiler.is_compiling
+
+        def call(*args):
+            if type(args[0]) in plain_types and not is_compiling():
+                return impl(*args)
+            return op(*args)
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = impl.__doc__
+        call.op = op  # type: ignore[attr-defined]
+        return call
 
     return register
 
@@ -156,37 +174,80 @@ def _operand(op: str, name: str, t: torch.Tensor) -> tuple[int, int]:
     raise AssertionError  # unreachable
 
 
-@_define("gemm_abt(Tensor a, Tensor b, Tensor? bias, Tensor(a!) out, bool transpose, bool accumulate) -> ()")
-def _gemm_abt(a, b, bias, out, transpose, accumulate):
-    """``out = A · Bᵀ (+ bias[:, None])`` (or its transpose), or with ``accumulate`` ``out += A · Bᵀ`` continuing each
-    element's chain: ``csrc/gemm.cpp`` (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``gemm_abt_accumulate``)."""
+def _gemm_abt_refusal(a, b, bias, out, transpose, accumulate) -> None:
+    """Raise the error that names what :func:`_gemm_abt`'s one-expression test refused."""
     op = "gemm_abt"
     _cpu(op, "a", a, _FLOATS, 2)
     _cpu(op, "b", b, (a.dtype,), 2)
     if a.shape[1] != b.shape[1] or a.shape[1] == 0:
         raise ValueError(f"zerokld::{op}: A is {tuple(a.shape)} and B {tuple(b.shape)}: K differs or is 0")
-    (lda, a_kmajor), (ldb, b_kmajor) = _operand(op, "a", a), _operand(op, "b", b)
-    i_rows, j_rows = a.shape[0], b.shape[0]
+    _operand(op, "a", a), _operand(op, "b", b)
     _cpu(op, "out", out, _F32 if a.dtype == torch.float32 or accumulate else _FLOATS, 2)
-    _shape(op, "out", out, (j_rows, i_rows) if transpose else (i_rows, j_rows))
+    _shape(op, "out", out, (b.shape[0], a.shape[0]) if transpose else (a.shape[0], b.shape[0]))
     if out.stride(1) != 1 or out.stride(0) < out.shape[1]:
         _fail(op, "out must have contiguous rows", out)
     if accumulate and (transpose or bias is not None):
         raise ValueError(f"zerokld::{op}: accumulate takes no bias and no transpose")
     if bias is not None:
         _cpu(op, "bias", bias, _F32, 1, contiguous=True)
-        _shape(op, "bias", bias, (i_rows,))
-    args = (a.data_ptr(), i_rows, a.shape[1], lda, a_kmajor, b.data_ptr(), j_rows, ldb, b_kmajor)
+        _shape(op, "bias", bias, (a.shape[0],))
+    raise AssertionError("zerokld::gemm_abt: refused arguments that its checks accept")
+
+
+_FP32, _BF16 = torch.float32, torch.bfloat16
+
+
+@_define("gemm_abt(Tensor a, Tensor b, Tensor? bias, Tensor(a!) out, bool transpose, bool accumulate) -> ()")
+def _gemm_abt(a, b, bias, out, transpose, accumulate):
+    """``out = A · Bᵀ (+ bias[:, None])`` (or its transpose), or with ``accumulate`` ``out += A · Bᵀ`` continuing each
+    element's chain: ``csrc/gemm.cpp`` (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``gemm_abt_accumulate``). ``a``
+    ``[I, K]`` and ``b`` ``[J, K]`` float32 or bf16 (one dtype), each with K or its rows contiguous; ``out`` ``[I, J]``
+    (``[J, I]`` transposed) with contiguous rows, float32 (or bf16 for bf16 inputs); ``bias`` float32 ``[I]``."""
+    # one expression on the hot path (a decode GEMM of a small model takes microseconds); the refusal names the fault
+    if a is None or b is None or out is None:
+        _gemm_abt_refusal(a, b, bias, out, transpose, accumulate)
+    dt, od = a.dtype, out.dtype
+    ash, bsh, osh = a.shape, b.shape, out.shape
+    ok = (
+        a.is_cpu and b.is_cpu and out.is_cpu and len(ash) == 2 and len(bsh) == 2 and len(osh) == 2
+        and (dt is _FP32 or dt is _BF16) and b.dtype is dt
+        and (od is _FP32 or (od is _BF16 and dt is _BF16 and not accumulate))
+        and ash[1] == bsh[1] and ash[1] > 0
+        and (osh[0], osh[1]) == ((bsh[0], ash[0]) if transpose else (ash[0], bsh[0]))
+        and not (accumulate and (transpose or bias is not None))
+        and (bias is None or (bias.is_cpu and bias.dtype is _FP32 and bias.is_contiguous() and bias.shape == ash[:1]))
+    )  # fmt: skip
+    if ok:
+        ost = out.stride()
+        ok = ost[1] == 1 and ost[0] >= osh[1]
+    if ok:
+        k = ash[1]
+        (s0, s1), (t0, t1) = a.stride(), b.stride()
+        if s1 == 1 and s0 >= k:
+            lda, a_kmajor = s0, 0
+        elif s0 == 1 and s1 >= max(ash[0], 1):
+            lda, a_kmajor = s1, 1
+        else:
+            ok = False
+        if t1 == 1 and t0 >= k:
+            ldb, b_kmajor = t0, 0
+        elif t0 == 1 and t1 >= max(bsh[0], 1):
+            ldb, b_kmajor = t1, 1
+        else:
+            ok = False
+    if not ok:
+        _gemm_abt_refusal(a, b, bias, out, transpose, accumulate)
+    args = (a.data_ptr(), ash[0], ash[1], lda, a_kmajor, b.data_ptr(), bsh[0], ldb, b_kmajor)
     args2 = (*args, None if bias is None else bias.data_ptr(), out.data_ptr())
     lib, threads = _lib("gemm"), torch.get_num_threads()
-    if a.dtype == torch.float32:
-        rc = lib.zk_gemm_abt_f32(*args2, int(transpose), out.stride(0), threads, int(accumulate))
+    if dt is _FP32:
+        rc = lib.zk_gemm_abt_f32(*args2, int(transpose), ost[0], threads, int(accumulate))
     else:
-        code = 0 if out.dtype == torch.float32 else 1
-        rc = lib.zk_gemm_abt_bf16(*args2, code, int(transpose), out.stride(0), threads, int(accumulate))
+        code = 0 if od is _FP32 else 1
+        rc = lib.zk_gemm_abt_bf16(*args2, code, int(transpose), ost[0], threads, int(accumulate))
     if rc != 0:
         raise RuntimeError(
-            f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {a.dtype} kernel "
+            f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dt} kernel "
             "(see amx_available / f32_available)"
         )
 
@@ -566,7 +627,7 @@ def _attention_backward(
     )
 
 
-#: the ops' handles (``torch.ops.zerokld.<name>.default``), what the callers invoke
+#: what the callers invoke (see :func:`_define`; each one's registered op is its ``.op``)
 gemm_abt = _gemm_abt
 fp8_quantize = _fp8_quantize
 fp8_to_bf16 = _fp8_to_bf16
