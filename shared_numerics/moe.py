@@ -187,7 +187,7 @@ def moe_experts(
     Raises:
         ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, ``expert_parallel`` with
             ``k_block`` or ``chains``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
-            ``weight_chain``).
+            ``weight_chain``); without ``expert_parallel``, an expert id beyond the experts held.
         shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
     from .tensor_parallel import reduce_over_ranks
@@ -203,6 +203,8 @@ def moe_experts(
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
+    if expert_parallel is None and flat_ids.numel() and int(flat_ids.max()) >= w_gate.shape[0]:
+        raise ValueError(f"expert id {int(flat_ids.max())} beyond the {w_gate.shape[0]} experts held here")
     if expert_parallel is not None:  # rows to their experts' ranks, computed there, back in flat order
         outs = expert_parallel.run(
             x,
@@ -395,6 +397,7 @@ def deepseek_moe_forward(
     scoring: str = "sigmoid",
     fp8: Granularity | None = None,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
     ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
@@ -402,7 +405,9 @@ def deepseek_moe_forward(
     experts (one dense SwiGLU, added in float32 after the routed slots): ``shared = (gate [I_s, H], up [I_s, H],
     down [H, I_s])`` weights, or the module computing it (``[N, H] -> [N, H]``: ``down(silu_and_mul(gate x, up x))``
     with the host's projections — FP8 ones under FP8), or ``None``. The router is never quantized (DeepSeek's FP8
-    checkpoints keep ``mlp.gate`` in high precision).
+    checkpoints keep ``mlp.gate`` in high precision). ``expert_parallel``: the routed experts split over ranks as in
+    :func:`moe_experts` (``w_*`` this rank's ``E / EP``; the router, the bias and the shared experts replicated, each
+    rank routing and combining its own tokens), bitwise one rank's.
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
@@ -432,6 +437,7 @@ def deepseek_moe_forward(
         shared_out=shared_out,
         fp8=fp8,
         scales=scales,
+        expert_parallel=expert_parallel,
     )
     return out, ids
 

@@ -290,3 +290,59 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
     )
     with pytest.raises(ValueError, match="k_block"):
         moe_experts(xs[0], ids[0], ws[0], *w, k_block=32, expert_parallel=ExpertParallel(0, 1, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_parallel_deepseekmoe_is_one_ranks_bits_and_gradients(dtype):
+    """DeepSeekMoE (:func:`shared_numerics.moe.deepseek_moe_forward`: grouped sigmoid routing with a selection bias,
+    8 experts in 4 groups, top-2 of 2 groups, a shared expert) with the routed experts split over 2 ranks (threads
+    exchanging through :class:`_Mailbox`; router, bias and shared expert replicated, each rank its own tokens): the
+    outputs, the routes, the tokens' gradients and each routed expert's weight gradient equal one rank's over the
+    batches concatenated. Negative control: without the exchange a rank holding only its own experts cannot serve
+    these routes (they name the other rank's experts: refused)."""
+    import threading
+
+    from shared_numerics.moe import ExpertParallel, deepseek_moe_forward
+
+    e, h, i = 8, 64, 48
+    w = [t.requires_grad_() for t in _experts(e=e, h=h, i=i, dtype=dtype, seed=11)]
+    g = torch.Generator().manual_seed(12)
+    router = torch.randn(e, h, generator=g) * 0.3
+    bias = torch.randn(e, generator=g) * 0.1
+    shared = [(torch.randn(*s, generator=g) * 0.1).to(dtype) for s in ((i, h), (i, h), (h, i))]
+    xs = [torch.randn(n, h, generator=g).to(dtype) for n in (13, 9)]
+    ups = [torch.randn(x.shape[0], h, generator=g).to(dtype) for x in xs]
+    kw = dict(top_k=2, n_group=4, topk_group=2, renormalize=True, scaling=2.5)
+
+    params = [p.detach().clone().requires_grad_() for p in w]
+    x_all = torch.cat(xs).requires_grad_()
+    ref_out, ref_ids = deepseek_moe_forward(x_all, router, bias, *params, shared, **kw)
+    ref_out.backward(torch.cat(ups))
+    box, results, errors = _Mailbox(2), {}, []
+    local = [[p.detach()[r * 4 : (r + 1) * 4].clone().requires_grad_() for p in w] for r in range(2)]
+
+    def rank(r):
+        try:
+            ep = ExpertParallel(r, 2, lambda t, o, i_: box.exchange(r, t, o, i_))
+            x = xs[r].clone().requires_grad_()
+            out, ids = deepseek_moe_forward(x, router, bias, *local[r], shared, **kw, expert_parallel=ep)
+            out.backward(ups[r])
+            results[r] = (out, ids, x.grad)
+        except Exception as err:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(err)
+            box.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert torch.equal(torch.cat([results[0][0], results[1][0]]), ref_out)
+    assert torch.equal(torch.cat([results[0][1], results[1][1]]), ref_ids)
+    assert torch.equal(torch.cat([results[0][2], results[1][2]]), x_all.grad)
+    for k in range(3):  # each stacked weight: rank r's experts are rows [4r, 4r + 4)
+        assert torch.equal(torch.cat([local[0][k].grad, local[1][k].grad]), params[k].grad)
+    assert int(ref_ids.max()) >= 4  # negative control: rank 0 alone (experts 0-3) cannot serve these routes
+    with pytest.raises(ValueError, match="beyond the 4 experts held here"):
+        deepseek_moe_forward(xs[0], router, bias, *[p.detach() for p in local[0]], shared, **kw)

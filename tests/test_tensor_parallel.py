@@ -725,3 +725,51 @@ def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
         "TorchTitan's stock MoE at EP 2 vs the zerokld trainer (vLLM's bits)",
         "the prompts",
     )
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
+    """Issue 56 point 3 on DeepSeek-V3 (MLA + DeepSeekMoE: grouped sigmoid routing with the selection bias, 8 routed
+    experts in 4 groups, a shared expert, the first layer dense): TorchTitan's ``expert_parallel_degree`` 2, each rank
+    holding 4 routed experts (the router, the bias and the shared expert replicated) and scoring its own sequences,
+    gives every log-prob of one rank bit for bit, with routes replayed (R3) too, and an RL step trains through the
+    exchange. Negative control: TorchTitan's stock ``deepseek_v3`` at EP 2 differs from these log-probs (one rank's,
+    which vLLM serves: ``tests/test_deepseek.py``)."""
+    import numpy as np
+
+    from titan_plugin import trainer_logprobs
+    from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint, random_prompts
+
+    spec = DeepSeekSpec(hidden_size=64, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    ckpt = str(make_deepseek_checkpoint(tmp_path / f"ds_{dtype}", spec, seed=3, dtype=dtype))
+    seqs = random_prompts(6, seed=33, lo=12, hi=70)
+    lens = [len(s) // 2 for s in seqs]
+    one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, train_step=True, ep=2, split=True)
+    assert ep2["expert_parallel_sizes"] == [2]  # every zerokld MoE block ran expert-parallel
+    assert len(ep2["logprobs"]) == len(one) == 6 and torch.equal(torch.cat(ep2["logprobs"]), torch.cat(one))
+    assert all(np.isfinite(loss) for loss in ep2["loss"])
+    assert not torch.equal(torch.cat(ep2["after"]), torch.cat(one))  # the step moved the weights
+    moe_layers = spec.num_hidden_layers - spec.first_k_dense_replace
+    rng = np.random.default_rng(6)  # R3: arbitrary valid routes, one row per MoE layer
+    routes = [
+        np.stack([np.stack([rng.permutation(8)[:2] for _ in range(moe_layers)]) for _ in range(len(s) - 1)])
+        .astype(np.int16)
+        .tolist()
+        for s in seqs
+    ]
+    replayed_one = trainer_logprobs(
+        ckpt, seqs, lens, dtype=dtype, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
+    )
+    assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
+    replayed = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, ep=2, split=True, routes=routes)
+    assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
+    stock = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, batch_invariant=False, ep=2, split=True)
+    stock_differs(
+        not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
+        "TorchTitan's stock deepseek_v3 at EP 2 vs the zerokld trainer (vLLM's bits)",
+        "the prompts",
+    )

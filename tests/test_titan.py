@@ -312,8 +312,8 @@ def test_trainer_refuses_the_parallelisms_it_does_not_run(checkpoint_factory, tm
 
 def test_expert_parallel_degrees_the_model_cannot_take_are_refused(checkpoint_factory, tmp_path):
     """``rl_trainer_config(expert_parallel_degree=...)`` refuses, before any process starts, a dense model, an expert
-    count the degree does not divide (TorchTitan's sharding would fail inside DTensor: "Not supported split") and
-    DeepSeekMoE (not implemented yet). The working layout, EP 2 == one rank, is ``tests/test_tensor_parallel.py``."""
+    count the degree does not divide (TorchTitan's sharding would fail inside DTensor: "Not supported split"), Qwen3-MoE
+    and DeepSeekMoE alike. The working layouts, EP 2 == one rank, are in ``tests/test_tensor_parallel.py``."""
     from titan_plugin.rl import rl_trainer_config
     from zerokld_testing import DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 
@@ -323,6 +323,7 @@ def test_expert_parallel_degrees_the_model_cannot_take_are_refused(checkpoint_fa
     with pytest.raises(ValueError, match="5 experts do not split evenly over 2 ranks"):
         rl_trainer_config(str(odd), str(tmp_path / "b"), expert_parallel_degree=2)
     rl_trainer_config(str(odd), str(tmp_path / "c"), expert_parallel_degree=5)  # 5 / 5: accepted
-    ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(), seed=1)
-    with pytest.raises(NotImplementedError, match="DeepSeekMoE"):
-        rl_trainer_config(str(ds), str(tmp_path / "d"), expert_parallel_degree=2)
+    ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(n_routed_experts=6), seed=1)
+    with pytest.raises(ValueError, match="6 experts do not split evenly over 4 ranks"):
+        rl_trainer_config(str(ds), str(tmp_path / "d"), expert_parallel_degree=4)
+    rl_trainer_config(str(ds), str(tmp_path / "e"), expert_parallel_degree=2)  # DeepSeekMoE: 6 / 2, accepted

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["is_expert_parallel", "moe_expert_parallel"]
+__all__ = ["expert_shards", "is_expert_parallel", "moe_expert_parallel"]
 
 
 def is_expert_parallel(weight) -> bool:
@@ -63,15 +63,27 @@ def moe_expert_parallel(
     """
     import shared_numerics.moe as sn_moe
 
-    mesh = w_gate.device_mesh
-    size, num_experts = mesh.size(), router_weight.shape[0]
-    if num_experts % size:  # then Shard(0) splits the experts evenly: E / EP on every rank
-        raise ValueError(f"zerokld expert parallelism: {num_experts} experts do not split over {size} EP ranks")
-    local = [w.to_local() for w in (w_gate, w_up, w_down)]
+    local, ep = expert_shards(w_gate, w_up, w_down, router_weight.shape[0])
     router = router_weight.to_local() if isinstance(router_weight, DTensor) else router_weight
     x = x_BLD.to_local() if isinstance(x_BLD, DTensor) else x_BLD
     b, seq, d = x.shape
-    ep = sn_moe.ExpertParallel(mesh.get_local_rank(), size, _all_to_all(mesh))
     return sn_moe.moe_forward(
         x.reshape(b * seq, d), router, *local, top_k, renormalize, expert_ids, fp8=fp8, expert_parallel=ep
     )
+
+
+def expert_shards(w_gate: DTensor, w_up: DTensor, w_down: DTensor, num_experts: int):
+    """``([w_gate, w_up, w_down] this rank's E / EP experts, ExpertParallel over their EP mesh)``: what
+    :func:`shared_numerics.moe.moe_experts` (and the MoE blocks that call it, Qwen3-MoE's and DeepSeekMoE's) takes to
+    split the routed experts over TorchTitan's ``ep`` mesh.
+
+    Raises:
+        ValueError: the experts do not split evenly over the EP ranks (``E % EP``)."""
+    from shared_numerics.moe import ExpertParallel
+
+    mesh = w_gate.device_mesh
+    size = mesh.size()
+    if num_experts % size:  # then Shard(0) splits the experts evenly: E / EP on every rank
+        raise ValueError(f"zerokld expert parallelism: {num_experts} experts do not split over {size} EP ranks")
+    local = [w.to_local() for w in (w_gate, w_up, w_down)]
+    return local, ExpertParallel(mesh.get_local_rank(), size, _all_to_all(mesh))

@@ -441,20 +441,25 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         ex = self.routed_experts.inner_experts
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
         if self.deepseek:
-            if _is_dtensor(ex.w1_EFD) or grad_chains(self) is not None or self.k_block:
+            weights, ep = (ex.w1_EFD, ex.w3_EFD, ex.w2_EDF), None
+            if grad_chains(self) is not None or self.k_block:
                 raise NotImplementedError(
-                    "zerokld DeepSeekMoE: tensor and expert parallelism, exact accumulation "
-                    "and tp_k_block are not implemented yet"
+                    "zerokld DeepSeekMoE: tensor parallelism, exact accumulation and tp_k_block are not implemented yet"
                 )
+            if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
+                from .expert_parallel import expert_shards
+
+                weights, ep = expert_shards(*weights, self.router.gate.weight.shape[0])
+                self.expert_parallel_size = ep.size
+            elif _is_dtensor(ex.w1_EFD):
+                raise NotImplementedError("zerokld DeepSeekMoE: tensor parallelism is not implemented yet")
             r = self.router
             # the shared experts are the module (its w1/w2/w3: zerokld linears, FP8 QAT ones under FP8)
             out, ids = sn_moe.deepseek_moe_forward(
                 x_BLD.reshape(b * seq, d),
                 r.gate.weight,
                 self.expert_bias_E,
-                ex.w1_EFD,
-                ex.w3_EFD,
-                ex.w2_EDF,
+                *weights,
                 self.shared_experts,
                 k,
                 r.num_expert_groups,
@@ -464,6 +469,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 expert_ids=replay,
                 scoring=r.score_func,
                 fp8=self.fp8,
+                expert_parallel=ep,
             )
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel

@@ -198,9 +198,8 @@ def rl_trainer_config(
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
             unknown granularity. ValueError: ``fused`` without ``batch_invariant``; ``lora`` with ``fp8``.
-        NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics; expert
-            parallelism on DeepSeekMoE. ValueError: ``expert_parallel_degree`` on a dense model, or not dividing the
-            expert count.
+        NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics.
+            ValueError: ``expert_parallel_degree`` on a dense model, or not dividing the expert count.
     """
     if fused and not batch_invariant:
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
@@ -262,17 +261,12 @@ def rl_trainer_config(
 
 def _check_expert_parallel(cfg: ModelConfig, degree: int, batch_invariant: bool) -> None:
     """Refuse an expert-parallel degree the model cannot take, before any process group exists: a dense model, an
-    expert count that does not split evenly (TorchTitan's sharding would fail deep inside DTensor), DeepSeekMoE
-    (its grouped routing and shared experts run on one rank only, for now)."""
+    expert count that does not split evenly (TorchTitan's sharding would fail deep inside DTensor)."""
     if not cfg.num_experts:
         raise ValueError(f"expert_parallel_degree {degree}: {cfg.architecture} has no MoE experts")
     if cfg.num_experts % degree:
         raise ValueError(
             f"expert_parallel_degree {degree}: {cfg.num_experts} experts do not split evenly over {degree} ranks"
-        )
-    if batch_invariant and adapter_for(cfg).attention == "mla":
-        raise NotImplementedError(
-            f"zerokld expert parallelism on {cfg.architecture} (DeepSeekMoE) is not implemented yet"
         )
 
 
