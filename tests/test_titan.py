@@ -323,7 +323,7 @@ def test_expert_parallel_degrees_the_model_cannot_take_are_refused(checkpoint_fa
     with pytest.raises(ValueError, match="5 experts do not split evenly over 2 ranks"):
         rl_trainer_config(str(odd), str(tmp_path / "b"), expert_parallel_degree=2)
     rl_trainer_config(str(odd), str(tmp_path / "c"), expert_parallel_degree=5)  # 5 / 5: accepted
-    ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(n_routed_experts=6), seed=1)
+    ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(n_routed_experts=6, n_group=2, topk_group=1), seed=1)
     with pytest.raises(ValueError, match="6 experts do not split evenly over 4 ranks"):
         rl_trainer_config(str(ds), str(tmp_path / "d"), expert_parallel_degree=4)
     rl_trainer_config(str(ds), str(tmp_path / "e"), expert_parallel_degree=2)  # DeepSeekMoE: 6 / 2, accepted
