@@ -232,6 +232,29 @@ class _Mailbox:
         return out
 
 
+def _run_ranks(size: int, fn) -> dict:
+    """``{rank: fn(rank, exchange)}`` with ``size`` threads as ranks, ``exchange`` their :class:`_Mailbox` all-to-all
+    (what :class:`shared_numerics.moe.ExpertParallel` takes); an error on any rank is raised here."""
+    import threading
+
+    box, results, errors = _Mailbox(size), {}, []
+
+    def rank(r):
+        try:
+            results[r] = fn(r, lambda t, o, i: box.exchange(r, t, o, i))
+        except Exception as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            box.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return results
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
     """:class:`shared_numerics.moe.ExpertParallel` with 2 ranks (threads exchanging through an in-process
@@ -239,7 +262,6 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
     batches concatenated, and each expert's weight gradient too (one GEMM over its rows in the order received: rank
     0's, then rank 1's — the single rank's order); the tokens' gradients are their own. Negative control: one rank's
     gradient over the batches in the other order (rank 1's first) differs, so the order is what makes it equal."""
-    import threading
 
     from shared_numerics.moe import ExpertParallel
 
@@ -258,26 +280,15 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
         return out, x.grad, [p.grad for p in params]
 
     ref_out, ref_dx, ref_dw = one_rank([0, 1])
-    box, results, errors = _Mailbox(2), {}, []
     local = [[p.detach()[r * 3 : (r + 1) * 3].clone().requires_grad_() for p in w] for r in range(2)]
 
-    def rank(r):
-        try:
-            ep = ExpertParallel(r, 2, lambda t, o, i: box.exchange(r, t, o, i))
-            x = xs[r].clone().requires_grad_()
-            out = moe_experts(x, ids[r], ws[r], *local[r], expert_parallel=ep)
-            out.backward(ups[r])
-            results[r] = (out, x.grad)
-        except Exception as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-            box.barrier.abort()
+    def rank(r, exchange):
+        x = xs[r].clone().requires_grad_()
+        out = moe_experts(x, ids[r], ws[r], *local[r], expert_parallel=ExpertParallel(r, 2, exchange))
+        out.backward(ups[r])
+        return out, x.grad
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    results = _run_ranks(2, rank)
     assert torch.equal(torch.cat([results[0][0], results[1][0]]), ref_out)
     assert torch.equal(torch.cat([results[0][1], results[1][1]]), ref_dx)
     for k in range(3):  # each stacked weight: rank r's experts are rows [3r, 3r + 3)
@@ -300,7 +311,6 @@ def test_expert_parallel_deepseekmoe_is_one_ranks_bits_and_gradients(dtype):
     outputs, the routes, the tokens' gradients and each routed expert's weight gradient equal one rank's over the
     batches concatenated. Negative control: without the exchange a rank holding only its own experts cannot serve
     these routes (they name the other rank's experts: refused)."""
-    import threading
 
     from shared_numerics.moe import ExpertParallel, deepseek_moe_forward
 
@@ -318,26 +328,17 @@ def test_expert_parallel_deepseekmoe_is_one_ranks_bits_and_gradients(dtype):
     x_all = torch.cat(xs).requires_grad_()
     ref_out, ref_ids = deepseek_moe_forward(x_all, router, bias, *params, shared, **kw)
     ref_out.backward(torch.cat(ups))
-    box, results, errors = _Mailbox(2), {}, []
     local = [[p.detach()[r * 4 : (r + 1) * 4].clone().requires_grad_() for p in w] for r in range(2)]
 
-    def rank(r):
-        try:
-            ep = ExpertParallel(r, 2, lambda t, o, i_: box.exchange(r, t, o, i_))
-            x = xs[r].clone().requires_grad_()
-            out, ids = deepseek_moe_forward(x, router, bias, *local[r], shared, **kw, expert_parallel=ep)
-            out.backward(ups[r])
-            results[r] = (out, ids, x.grad)
-        except Exception as err:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(err)
-            box.barrier.abort()
+    def rank(r, exchange):
+        x = xs[r].clone().requires_grad_()
+        out, ids = deepseek_moe_forward(
+            x, router, bias, *local[r], shared, **kw, expert_parallel=ExpertParallel(r, 2, exchange)
+        )
+        out.backward(ups[r])
+        return out, ids, x.grad
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    results = _run_ranks(2, rank)
     assert torch.equal(torch.cat([results[0][0], results[1][0]]), ref_out)
     assert torch.equal(torch.cat([results[0][1], results[1][1]]), ref_ids)
     assert torch.equal(torch.cat([results[0][2], results[1][2]]), x_all.grad)

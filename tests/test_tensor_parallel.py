@@ -680,6 +680,44 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     assert any(not torch.equal(a, b) for a, b in zip(served1, served, strict=True))
 
 
+def _check_expert_parallel_2(tmp_path, ckpt, dtype, experts, moe_layers, seed, stock):
+    """TorchTitan's ``expert_parallel_degree`` 2 (each rank scoring its own half of 6 sequences) against one rank:
+    the same log-probs, with random valid routes replayed (R3) too; an RL step trains through the exchange; TorchTitan's
+    stock MoE (``stock``: its name, for the message) at EP 2 differs from one rank's (vLLM's) bits."""
+    import numpy as np
+
+    from titan_plugin import trainer_logprobs
+    from zerokld_testing import random_prompts
+
+    seqs = random_prompts(6, seed=seed, lo=12, hi=70)
+    lens = [len(s) // 2 for s in seqs]
+    one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, train_step=True, ep=2, split=True)
+    assert ep2["expert_parallel_sizes"] == [2]  # every zerokld MoE block ran expert-parallel
+    assert len(ep2["logprobs"]) == len(one) == 6 and torch.equal(torch.cat(ep2["logprobs"]), torch.cat(one))
+    assert all(np.isfinite(loss) for loss in ep2["loss"])
+    assert not torch.equal(torch.cat(ep2["after"]), torch.cat(one))  # the step moved the weights
+    rng = np.random.default_rng(seed)  # R3: arbitrary valid routes ([len - 1, MoE layers, top_k], distinct per row)
+    routes = [
+        np.stack([np.stack([rng.permutation(experts)[:2] for _ in range(moe_layers)]) for _ in range(len(s) - 1)])
+        .astype(np.int16)
+        .tolist()
+        for s in seqs
+    ]
+    replayed_one = trainer_logprobs(
+        ckpt, seqs, lens, dtype=dtype, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
+    )
+    assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
+    replayed = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, ep=2, split=True, routes=routes)
+    assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
+    stock_run = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, batch_invariant=False, ep=2, split=True)
+    stock_differs(
+        not torch.equal(torch.cat(stock_run["logprobs"]), torch.cat(one)),
+        f"TorchTitan's stock {stock} at EP 2 vs the zerokld trainer (vLLM's bits)",
+        "the prompts",
+    )
+
+
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
@@ -692,38 +730,9 @@ def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
     control: TorchTitan's stock MoE at EP 2 differs from these log-probs (one rank's, which vLLM serves:
     ``tests/test_vllm_parity.py``). (Stock at EP 2 equals stock at EP 1 at these shapes: its exchange keeps each
     expert's rows and the combine order too — the invariance stock lacks is batch invariance, not EP.)"""
-    import numpy as np
 
-    from titan_plugin import trainer_logprobs
-    from zerokld_testing import random_prompts
-
-    ckpt = checkpoint_factory("qwen3_moe", dtype)
-    seqs = random_prompts(6, seed=31, lo=12, hi=70)
-    lens = [len(s) // 2 for s in seqs]
-    one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
-    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, train_step=True, ep=2, split=True)
-    assert ep2["expert_parallel_sizes"] == [2]  # every zerokld MoE block ran expert-parallel
-    assert len(ep2["logprobs"]) == len(one) == 6 and torch.equal(torch.cat(ep2["logprobs"]), torch.cat(one))
-    assert all(np.isfinite(loss) for loss in ep2["loss"])
-    assert not torch.equal(torch.cat(ep2["after"]), torch.cat(one))  # the step moved the weights
-    rng = np.random.default_rng(5)  # R3: replay arbitrary valid routes ([len - 1, layers, top_k], distinct per row)
-    routes = [
-        np.stack([np.stack([rng.permutation(8)[:2] for _ in range(2)]) for _ in range(len(s) - 1)])
-        .astype(np.int16)
-        .tolist()
-        for s in seqs
-    ]
-    replayed_one = trainer_logprobs(
-        ckpt, seqs, lens, dtype=dtype, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
-    )
-    assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
-    replayed = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, ep=2, split=True, routes=routes)
-    assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
-    stock = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, batch_invariant=False, ep=2, split=True)
-    stock_differs(
-        not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
-        "TorchTitan's stock MoE at EP 2 vs the zerokld trainer (vLLM's bits)",
-        "the prompts",
+    _check_expert_parallel_2(
+        tmp_path, checkpoint_factory("qwen3_moe", dtype), dtype, experts=8, moe_layers=2, seed=31, stock="MoE"
     )
 
 
@@ -738,38 +747,10 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
     gives every log-prob of one rank bit for bit, with routes replayed (R3) too, and an RL step trains through the
     exchange. Negative control: TorchTitan's stock ``deepseek_v3`` at EP 2 differs from these log-probs (one rank's,
     which vLLM serves: ``tests/test_deepseek.py``)."""
-    import numpy as np
 
-    from titan_plugin import trainer_logprobs
-    from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint, random_prompts
+    from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint
 
     spec = DeepSeekSpec(hidden_size=64, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
     ckpt = str(make_deepseek_checkpoint(tmp_path / f"ds_{dtype}", spec, seed=3, dtype=dtype))
-    seqs = random_prompts(6, seed=33, lo=12, hi=70)
-    lens = [len(s) // 2 for s in seqs]
-    one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
-    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, train_step=True, ep=2, split=True)
-    assert ep2["expert_parallel_sizes"] == [2]  # every zerokld MoE block ran expert-parallel
-    assert len(ep2["logprobs"]) == len(one) == 6 and torch.equal(torch.cat(ep2["logprobs"]), torch.cat(one))
-    assert all(np.isfinite(loss) for loss in ep2["loss"])
-    assert not torch.equal(torch.cat(ep2["after"]), torch.cat(one))  # the step moved the weights
     moe_layers = spec.num_hidden_layers - spec.first_k_dense_replace
-    rng = np.random.default_rng(6)  # R3: arbitrary valid routes, one row per MoE layer
-    routes = [
-        np.stack([np.stack([rng.permutation(8)[:2] for _ in range(moe_layers)]) for _ in range(len(s) - 1)])
-        .astype(np.int16)
-        .tolist()
-        for s in seqs
-    ]
-    replayed_one = trainer_logprobs(
-        ckpt, seqs, lens, dtype=dtype, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
-    )
-    assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
-    replayed = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, tp_k_block=None, ep=2, split=True, routes=routes)
-    assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
-    stock = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, batch_invariant=False, ep=2, split=True)
-    stock_differs(
-        not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
-        "TorchTitan's stock deepseek_v3 at EP 2 vs the zerokld trainer (vLLM's bits)",
-        "the prompts",
-    )
+    _check_expert_parallel_2(tmp_path, ckpt, dtype, experts=8, moe_layers=moe_layers, seed=33, stock="deepseek_v3")
