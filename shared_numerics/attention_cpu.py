@@ -140,7 +140,6 @@ def paged_attention_cpu(
     q = q.contiguous()
     n_q, h_q, _ = q.shape
     out = torch.empty(n_q, h_q, d, dtype=torch.float32)
-    sb, sh, sp, _ = key_cache.stride()
     rc = cpu_ops.paged_attention_forward(q, key_cache, value_cache, bt, qsl, lens, Q_TILE, float(scale), out)
     if rc == 2:
         raise ValueError(

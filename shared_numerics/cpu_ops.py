@@ -25,13 +25,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from .cpu_kernels import DTYPE_CODES, load
 
-__all__ = ["LIBRARY", "OPS", "gemm_has_amx", "gemm_has_f32"]
+__all__ = [
+    "LIBRARY",
+    "OPS",
+    "attention_backward",
+    "attention_forward",
+    "fp8_dequantize_bf16",
+    "fp8_quantize",
+    "fp8_to_bf16",
+    "gemm_abt",
+    "gemm_has_amx",
+    "gemm_has_f32",
+    "gemm_layout",
+    "paged_attention_forward",
+    "rms_norm",
+    "rms_norm_backward",
+    "rope",
+    "silu_mul",
+    "silu_mul_backward",
+]
 
 #: the ``zerokld`` operator library (``torch.ops.zerokld``)
 LIBRARY = torch.library.Library("zerokld", "DEF")
@@ -108,7 +126,8 @@ def _define(schema: str, fake_result=None):
     """Register ``zerokld::<schema>`` with the decorated CPU implementation and a fake one (outputs are arguments:
     nothing to allocate; it returns ``fake_result``, the op's success value).
 
-    Returns the function the callers use: on plain CPU tensors outside ``torch.compile`` it runs the implementation
+    Returns the function the callers use (the module-level name of the decorated definition; the op itself is its
+    ``.op``): on plain CPU tensors outside ``torch.compile`` it runs the implementation
     itself — the same checks, the same kernel, without the dispatcher's ~2 us (a decode-sized GEMM of a small model
     takes a few microseconds); on anything else (fake tensors, tensor subclasses, tracing) it calls the op,
     ``torch.ops.zerokld.<name>``, so the dispatcher routes it (fake implementation, compiled graph)."""
@@ -145,7 +164,8 @@ def _cpu(op: str, name: str, t: torch.Tensor, dtypes: tuple, dim: int | None = N
     if t is None:  # the dispatcher passes None for a missing tensor
         raise TypeError(f"zerokld::{op}: {name} must be a tensor, got None")
     if t.device.type != "cpu" or t.dtype not in dtypes or (dim is not None and t.dim() != dim):
-        _fail(op, f"{name} must be a {dim}-d CPU tensor of {', '.join(map(str, dtypes))}", t)
+        rank = f"{dim}-d " if dim is not None else ""
+        _fail(op, f"{name} must be a {rank}CPU tensor of {', '.join(map(str, dtypes))}", t)
     if contiguous and not t.is_contiguous():
         _fail(op, f"{name} must be contiguous", t)
 
@@ -161,21 +181,29 @@ _F32 = (torch.float32,)
 _I64 = (torch.int64,)
 
 
-def _operand(op: str, name: str, t: torch.Tensor) -> tuple[int, int]:
-    """``(row stride, k-major)`` of a 2-d GEMM operand read in place: K contiguous, or rows contiguous (a transposed
-    view), as :func:`shared_numerics.gemm_cpu.gemm_abt` hands it over."""
-    rows, k = t.shape
-    s0, s1 = t.stride()
-    if s1 == 1 and s0 >= max(k, 1):
+def gemm_layout(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(row stride, k-major)`` of a 2-d ``[rows, K]`` GEMM operand the kernel reads in place — K contiguous
+    (``(s0, 0)``), or rows contiguous, a transposed view such as ``w.t()`` (``(s1, 1)``) — else ``None`` (the caller
+    copies it: :func:`shared_numerics.gemm_cpu.gemm_abt`)."""
+    (rows, k), (s0, s1) = t.shape, t.stride()
+    if s1 == 1 and s0 >= k and s0 > 0:
         return s0, 0
-    if s0 == 1 and s1 >= max(rows, 1):
+    if s0 == 1 and s1 >= rows and s1 > 0:
         return s1, 1
-    _fail(op, f"{name} must have K or its rows contiguous", t)
-    raise AssertionError  # unreachable
+    return None
 
 
-def _gemm_abt_refusal(a, b, bias, out, transpose, accumulate) -> None:
-    """Raise the error that names what :func:`_gemm_abt`'s one-expression test refused."""
+def _operand(op: str, name: str, t: torch.Tensor) -> tuple[int, int]:
+    """:func:`gemm_layout` of ``t``, or the refusal naming it."""
+    layout = gemm_layout(t)
+    if layout is None:
+        _fail(op, f"{name} must have K or its rows contiguous", t)
+        raise AssertionError  # unreachable
+    return layout
+
+
+def _gemm_abt_refusal(a, b, bias, out, transpose, accumulate) -> NoReturn:
+    """Raise the error that names what :func:`gemm_abt`'s one-expression test refused."""
     op = "gemm_abt"
     _cpu(op, "a", a, _FLOATS, 2)
     _cpu(op, "b", b, (a.dtype,), 2)
@@ -198,7 +226,7 @@ _FP32, _BF16 = torch.float32, torch.bfloat16
 
 
 @_define("gemm_abt(Tensor a, Tensor b, Tensor? bias, Tensor(a!) out, bool transpose, bool accumulate) -> ()")
-def _gemm_abt(a, b, bias, out, transpose, accumulate):
+def gemm_abt(a, b, bias, out, transpose, accumulate):
     """``out = A · Bᵀ (+ bias[:, None])`` (or its transpose), or with ``accumulate`` ``out += A · Bᵀ`` continuing each
     element's chain: ``csrc/gemm.cpp`` (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``gemm_abt_accumulate``). ``a``
     ``[I, K]`` and ``b`` ``[J, K]`` float32 or bf16 (one dtype), each with K or its rows contiguous; ``out`` ``[I, J]``
@@ -220,31 +248,18 @@ def _gemm_abt(a, b, bias, out, transpose, accumulate):
     if ok:
         ost = out.stride()
         ok = ost[1] == 1 and ost[0] >= osh[1]
-    if ok:
-        k = ash[1]
-        (s0, s1), (t0, t1) = a.stride(), b.stride()
-        if s1 == 1 and s0 >= k:
-            lda, a_kmajor = s0, 0
-        elif s0 == 1 and s1 >= max(ash[0], 1):
-            lda, a_kmajor = s1, 1
-        else:
-            ok = False
-        if t1 == 1 and t0 >= k:
-            ldb, b_kmajor = t0, 0
-        elif t0 == 1 and t1 >= max(bsh[0], 1):
-            ldb, b_kmajor = t1, 1
-        else:
-            ok = False
-    if not ok:
+    a_layout = gemm_layout(a) if ok else None
+    b_layout = gemm_layout(b) if ok else None
+    if a_layout is None or b_layout is None:
         _gemm_abt_refusal(a, b, bias, out, transpose, accumulate)
-    args = (a.data_ptr(), ash[0], ash[1], lda, a_kmajor, b.data_ptr(), bsh[0], ldb, b_kmajor)
-    args2 = (*args, None if bias is None else bias.data_ptr(), out.data_ptr())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    args = (a.data_ptr(), ash[0], ash[1], *a_layout, b.data_ptr(), bsh[0], *b_layout, bias_ptr, out.data_ptr())
     lib, threads = _lib("gemm"), torch.get_num_threads()
     if dt is _FP32:
-        rc = lib.zk_gemm_abt_f32(*args2, int(transpose), ost[0], threads, int(accumulate))
+        rc = lib.zk_gemm_abt_f32(*args, int(transpose), ost[0], threads, int(accumulate))
     else:
         code = 0 if od is _FP32 else 1
-        rc = lib.zk_gemm_abt_bf16(*args2, code, int(transpose), ost[0], threads, int(accumulate))
+        rc = lib.zk_gemm_abt_bf16(*args, code, int(transpose), ost[0], threads, int(accumulate))
     if rc != 0:
         raise RuntimeError(
             f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dt} kernel "
@@ -253,7 +268,7 @@ def _gemm_abt(a, b, bias, out, transpose, accumulate):
 
 
 @_define("fp8_quantize(Tensor x, int group, Tensor(a!)? codes, Tensor(b!)? values, Tensor(c!) scales) -> bool", True)
-def _fp8_quantize(x, group, codes, values, scales):
+def fp8_quantize(x, group, codes, values, scales):
     """FP8 (e4m3) quantization of ``x [M, K]`` (K contiguous) in groups of ``group`` along K: the ``uint8`` codes
     and / or their bf16 values ``[M, K]`` and the float32 scales ``[M, ceil(K / group)]``. Returns ``False`` when
     ``x`` holds inf or NaN (``csrc/fp8.cpp`` ``zk_fp8_quantize``)."""
@@ -286,7 +301,7 @@ def _fp8_quantize(x, group, codes, values, scales):
 
 
 @_define("fp8_to_bf16(Tensor codes, Tensor(a!) out) -> ()")
-def _fp8_to_bf16(codes, out):
+def fp8_to_bf16(codes, out):
     """The bf16 values (exact) of ``float8_e4m3fn`` codes, any shape, contiguous (``zk_fp8_to_bf16``)."""
     op = "fp8_to_bf16"
     _cpu(op, "codes", codes, (torch.float8_e4m3fn, torch.uint8), contiguous=True)
@@ -296,7 +311,7 @@ def _fp8_to_bf16(codes, out):
 
 
 @_define("fp8_dequantize_bf16(Tensor values, Tensor scales, int group, Tensor(a!) out) -> ()")
-def _fp8_dequantize_bf16(values, scales, group, out):
+def fp8_dequantize_bf16(values, scales, group, out):
     """``(values.float() * scale).to(bf16)`` of an activation's bf16 code values ``[M, K]`` with scales
     ``[M, ceil(K / group)]`` (``zk_fp8_dequantize_bf16``)."""
     op = "fp8_dequantize_bf16"
@@ -320,7 +335,7 @@ def _same(op: str, ref: torch.Tensor, **tensors: torch.Tensor) -> None:
 
 
 @_define("silu_mul(Tensor gate, Tensor up, Tensor(a!) y, Tensor(b!)? s) -> ()")
-def _silu_mul(gate, up, y, s):
+def silu_mul(gate, up, y, s):
     """``y = silu(gate) * up`` (and ``s = sigmoid(gate)`` float32), elementwise over contiguous tensors of one shape
     (``csrc/pointwise.cpp`` ``zk_silu_mul``)."""
     op = "silu_mul"
@@ -344,7 +359,7 @@ def _silu_mul(gate, up, y, s):
 
 
 @_define("silu_mul_backward(Tensor gate, Tensor up, Tensor s, Tensor dy, Tensor(a!) dgate, Tensor(b!) dup) -> ()")
-def _silu_mul_backward(gate, up, s, dy, dgate, dup):
+def silu_mul_backward(gate, up, s, dy, dgate, dup):
     """``dgate = (dy up)(s + (gate s)(1 - s))``, ``dup = dy (gate s)`` in float32, one pass (``zk_silu_mul_bwd``)."""
     op = "silu_mul_backward"
     _cpu(op, "gate", gate, _ANY_FLOAT, contiguous=True)
@@ -369,7 +384,7 @@ def _silu_mul_backward(gate, up, s, dy, dgate, dup):
 
 
 @_define("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) y, Tensor(b!)? rstd) -> ()")
-def _rms_norm(x, weight, eps, y, rstd):
+def rms_norm(x, weight, eps, y, rstd):
     """``y = x * rsqrt(mean(x²) + eps) * weight`` per row of ``x [rows, H]`` (H contiguous), ``rstd`` each row's
     ``rsqrt(ms + eps)`` float32 (``zk_rms_norm``)."""
     op = "rms_norm"
@@ -400,7 +415,7 @@ def _rms_norm(x, weight, eps, y, rstd):
 
 
 @_define("rms_norm_backward(Tensor x, Tensor dy, Tensor weight, Tensor rstd, Tensor(a!) dx, Tensor(b!)? dweight) -> ()")
-def _rms_norm_backward(x, dy, weight, rstd, dx, dweight):
+def rms_norm_backward(x, dy, weight, rstd, dx, dweight):
     """RMSNorm's backward over contiguous ``x``, ``dy [rows, H]``: ``dx`` and (accumulated into, float32)
     ``dweight [H]`` (``zk_rms_norm_bwd``)."""
     op = "rms_norm_backward"
@@ -432,7 +447,7 @@ def _rms_norm_backward(x, dy, weight, rstd, dx, dweight):
 
 
 @_define("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()")
-def _rope(x, cos, sin, out):
+def rope(x, cos, sin, out):
     """Rotary embedding (rotate-half) of ``x [N, heads, D]`` (D contiguous) with ``cos``, ``sin`` ``[N, D / 2]``
     float32 into contiguous ``out`` (``zk_rope``)."""
     op = "rope"
@@ -499,7 +514,7 @@ def _dense_layout(op, q, k, v, num_kv_heads, strides, block_size, block_table, q
     "Tensor block_nq, float scale, Tensor(a!) out, Tensor(b!) m, Tensor(c!) l) -> int",
     0,
 )
-def _attention_forward(
+def attention_forward(
     q, k, v, num_kv_heads, kv_block_stride, kv_head_stride, kv_slot_stride, block_size, block_table, q_row, q_pos,
     block_q0, block_nq, scale, out, m, l
 ):  # fmt: skip
@@ -528,7 +543,7 @@ def _attention_forward(
     "Tensor query_start_loc, Tensor seq_lens, int q_tile, float scale, Tensor(a!) out) -> int",
     0,
 )
-def _paged_attention_forward(q, key_cache, value_cache, block_table, query_start_loc, seq_lens, q_tile, scale, out):
+def paged_attention_forward(q, key_cache, value_cache, block_table, query_start_loc, seq_lens, q_tile, scale, out):
     """vLLM's paged layout: ``q [Nq, Hq, D]``, caches ``[blocks, Hkv, block_size, D]`` with equal strides, the
     metadata int32 or int64 as vLLM keeps it; returns the kernel's code (0: done; 2: the queries are not in order;
     3: a sequence reaches past its block-table row) (``zk_attention_paged_fwd``)."""
@@ -589,11 +604,11 @@ def _paged_attention_forward(q, key_cache, value_cache, block_table, query_start
     "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> int",
     0,
 )
-def _attention_backward(
+def attention_backward(
     q, k, v, num_kv_heads, kv_block_stride, kv_head_stride, kv_slot_stride, block_size, block_table, q_row, q_pos,
     block_q0, block_nq, seq_b0, seq_b1, scale, out, dout, m, l, dq, dk, dv
 ):  # fmt: skip
-    """FlashAttention-2's backward of :func:`_attention_forward` over dense sequences (query blocks ``seq_b0[i]`` ..
+    """FlashAttention-2's backward of :func:`attention_forward` over dense sequences (query blocks ``seq_b0[i]`` ..
     ``seq_b1[i] - 1`` of sequence ``i``): float32 ``dq``, ``dk``, ``dv`` (zeroed by the caller; ``dk``/``dv`` with
     ``k``'s / ``v``'s shapes and strides); returns the kernel's code (``zk_attention_bwd``)."""
     op = "attention_backward"
@@ -604,10 +619,10 @@ def _attention_backward(
     _attention_out(op, q, out, m, l)
     _attention_out(op, q, dout, None, None)
     _attention_out(op, q, dq, None, None)
-    for name, t, ref in (("dk", dk, k), ("dv", dv, v)):
+    for name, t, ref_name, ref in (("dk", dk, "k", k), ("dv", dv, "v", v)):
         _cpu(op, name, t, _F32)
         if t.shape != ref.shape or t.stride() != ref.stride():
-            _fail(op, f"{name} must have the shape and strides of {'k' if t is dk else 'v'}", t)
+            _fail(op, f"{name} must have the shape and strides of {ref_name}", t)
     return _lib("attention").zk_attention_bwd(
         *lead,
         block_q0.data_ptr(),
@@ -625,18 +640,3 @@ def _attention_backward(
         dv.data_ptr(),
         torch.get_num_threads(),
     )
-
-
-#: what the callers invoke (see :func:`_define`; each one's registered op is its ``.op``)
-gemm_abt = _gemm_abt
-fp8_quantize = _fp8_quantize
-fp8_to_bf16 = _fp8_to_bf16
-fp8_dequantize_bf16 = _fp8_dequantize_bf16
-silu_mul = _silu_mul
-silu_mul_backward = _silu_mul_backward
-rms_norm = _rms_norm
-rms_norm_backward = _rms_norm_backward
-rope = _rope
-attention_forward = _attention_forward
-paged_attention_forward = _paged_attention_forward
-attention_backward = _attention_backward

@@ -82,26 +82,26 @@ def f32_available() -> bool:
 
 
 def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """A ``[rows, K]`` operand the kernel reads in place: K contiguous as is; a transposed view (rows contiguous, e.g.
-    ``w.t()`` or ``grad.t()``) read k-major from its storage (``zerokld::gemm_abt`` takes the layout from the
-    strides); anything else copied."""
-    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.dtype == dtype and t.dim() == 2 and t.is_cpu:
-        # the common cases first, with the fewest calls (a decode-sized GEMM's Python runs with its caches cold: ~10
-        # us a call less at M = 1)
-        rows, k = t.shape
-        s0, s1 = t.stride()
-        if (s1 == 1 and s0 >= k > 0) or (s0 == 1 and s1 >= rows > 0):
-            return t
+    """A ``[rows, K]`` operand the kernel reads in place (:func:`shared_numerics.cpu_ops.gemm_layout`: K contiguous,
+    or a transposed view such as ``w.t()`` or ``grad.t()`` read k-major from its storage) as is; anything else
+    copied."""
+    # the common cases first, with the fewest calls (a decode-sized GEMM's Python runs with its caches cold: ~10 us a
+    # call less at M = 1)
+    if (
+        (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)
+        and t.dtype == dtype
+        and t.dim() == 2
+        and t.is_cpu
+        and cpu_ops.gemm_layout(t) is not None
+    ):
+        return t
     p = plain(t)
     if p is None or p.dtype != dtype or p.dim() != 2:
         raise TypeError(
             f"zerokld GEMM: {name} must be a 2-d {dtype} plain CPU tensor, got "
             f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}"
         )
-    rows, k = p.shape
-    if (p.stride(1) == 1 and p.stride(0) >= max(k, 1)) or (p.stride(0) == 1 and p.stride(1) >= max(rows, 1)):
-        return p
-    return p.contiguous()
+    return p if cpu_ops.gemm_layout(p) is not None else p.contiguous()
 
 
 def gemm_abt(

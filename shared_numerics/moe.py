@@ -187,7 +187,7 @@ def moe_experts(
     Raises:
         ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, ``expert_parallel`` with
             ``k_block`` or ``chains``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
-            ``weight_chain``); without ``expert_parallel``, an expert id beyond the experts held.
+            ``weight_chain``); an expert id beyond the experts held (``E``, or ``E / EP`` on each of the EP ranks).
         shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
     from .tensor_parallel import reduce_over_ranks
@@ -203,8 +203,9 @@ def moe_experts(
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
-    if expert_parallel is None and flat_ids.numel() and int(flat_ids.max()) >= w_gate.shape[0]:
-        raise ValueError(f"expert id {int(flat_ids.max())} beyond the {w_gate.shape[0]} experts held here")
+    held = w_gate.shape[0] * (1 if expert_parallel is None else expert_parallel.size)  # every rank holds E / EP
+    if flat_ids.numel() and int(flat_ids.max()) >= held:
+        raise ValueError(f"expert id {int(flat_ids.max())} beyond the {held} experts held here")
     if expert_parallel is not None:  # rows to their experts' ranks, computed there, back in flat order
         outs = expert_parallel.run(
             x,
@@ -288,9 +289,7 @@ class ExpertParallel:
     ) -> torch.Tensor:
         """``[R, H]`` float32 expert outputs of the rows ``x[flat_rows]`` with experts ``flat_ids`` (global ids),
         computed on their experts' ranks by ``compute(rows_x, row_index, local_ids)``."""
-        dest = torch.div(flat_ids, local_experts, rounding_mode="floor")
-        if flat_ids.numel() and int(dest.max()) >= self.size:
-            raise ValueError(f"expert id {int(flat_ids.max())} beyond {self.size} ranks x {local_experts} experts")
+        dest = torch.div(flat_ids, local_experts, rounding_mode="floor")  # ids in range: moe_experts checks them
         order = torch.sort(dest, stable=True).indices
         send = torch.bincount(dest, minlength=self.size)
         recv = self.all_to_all(send, None, None).tolist()
