@@ -55,30 +55,36 @@ def _g(v: float) -> str:
     return "0" if v == 0 else f"{v:.3g}"
 
 
+def _date(d: dict) -> str:
+    return d.get("date") or d.get("machine", {}).get("date") or "date not recorded"
+
+
+def _model(cpu_model: str) -> str:
+    """A CPU model name for a table cell (``"Intel(R) Xeon(R) Processor"`` -> ``"Intel Xeon"``)."""
+    return cpu_model.replace("(R)", "").replace(" Processor", "")
+
+
 def machine(d: dict) -> str:
     """``"<CPU model>, <ISA flags>, <cores> cores / <threads> threads, torch <version>, <date>"`` of a result's
     ``machine`` (:func:`shared_numerics.machine.machine_facts`) and ``date``; a GPU result: its ``device``, torch and
     Triton versions."""
-    date = d.get("date") or d.get("machine", {}).get("date") or "date not recorded"
     if "device" in d:
-        return f"{d['device']}, torch {d['torch']}, Triton {d['triton']}, {date}"
+        return f"{d['device']}, torch {d['torch']}, Triton {d['triton']}, {_date(d)}"
     m = d["machine"]
     if not m.get("cpu_model"):  # an early result: the CPU model and ISA were not recorded
-        return f"CPU model not recorded, {m.get('cores', '?')} cores, {date}"
+        return f"CPU model not recorded, {m.get('cores', '?')} cores, {_date(d)}"
     isa = " + ".join(f.upper().replace("_", "-") for f in m["isa_flags"]) or "no AVX2"
-    return f"{m['cpu_model']}, {isa}, {m['cores']} cores / {m['threads']} threads, torch {m['torch']}, {date}"
+    return f"{m['cpu_model']}, {isa}, {m['cores']} cores / {m['threads']} threads, torch {m['torch']}, {_date(d)}"
 
 
 def machine_short(d: dict) -> str:
     """``"<CPU model> (<widest ISA path>), <cores> cores, <date>"``: :func:`machine` for a table cell."""
-    date = d.get("date") or d.get("machine", {}).get("date") or "date not recorded"
     if "device" in d:
-        return f"{d['device']}, {date}"
+        return f"{d['device']}, {_date(d)}"
     m = d["machine"]
     flags = set(m.get("isa_flags") or ())
     isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86-64"
-    model = m.get("cpu_model", "CPU").replace("(R)", "").replace(" Processor", "")
-    return f"{model} ({isa}), {m.get('cores', '?')} cores, {date}"
+    return f"{_model(m.get('cpu_model', 'CPU'))} ({isa}), {m.get('cores', '?')} cores, {_date(d)}"
 
 
 def _demo(folder: str) -> dict:
@@ -145,24 +151,19 @@ def demo_runs() -> list[str]:
     ]
 
 
-def _kld_max_stock() -> dict[str, float]:
-    """Largest stock k3 per serving kind over the KL tables (``bf16`` / ``FP8``)."""
-    out: dict[str, float] = {}
+def _kld_largest() -> tuple[float, dict[str, float]]:
+    """``(zerokld's largest k3, stock's largest k3 per serving kind: a dtype or "FP8")`` over the KL tables."""
+    ours, stock = 0.0, {}
     for path in sorted(RESULTS.glob("kld_table*.json")):
         for r in json.loads(path.read_text())["rows"]:
-            if r.get("engine", "").startswith("stock") and r.get("k3") is not None:
+            if r.get("k3") is None:
+                continue
+            if r.get("engine", "").startswith("zerokld"):
+                ours = max(ours, r["k3"])
+            elif r.get("engine", "").startswith("stock"):
                 key = "FP8" if r.get("fp8") else r.get("dtype", "")
-                out[key] = max(out.get(key, 0.0), r["k3"])
-    return out
-
-
-def _kld_zerokld_max() -> float:
-    worst = 0.0
-    for path in sorted(RESULTS.glob("kld_table*.json")):
-        for r in json.loads(path.read_text())["rows"]:
-            if r.get("engine", "").startswith("zerokld") and r.get("k3") is not None:
-                worst = max(worst, r["k3"])
-    return worst
+                stock[key] = max(stock.get(key, 0.0), r["k3"])
+    return ours, stock
 
 
 def headline(docs: str = "docs/") -> list[str]:
@@ -174,8 +175,8 @@ def headline(docs: str = "docs/") -> list[str]:
     roll = _load("rollout_overhead_h1024_xeon_amx.json")
     trainer = _load("trainer_h1024_xeon_amx_cpu2.json")
     gpu = _load("gpu_kernels_h200.json")
-    stock_kl = _kld_max_stock()
-    cpu = d["run"]["machine"].split(",")[0].replace("(R)", "").replace(" Processor", "")
+    ours_kl, stock_kl = _kld_largest()
+    cpu = _model(d["run"]["machine"].split(",")[0])
     return [
         "| what | zerokld | stock | measured on |",
         "| --- | --- | --- | --- |",
@@ -192,7 +193,7 @@ def headline(docs: str = "docs/") -> list[str]:
             f"| {_g(f['stock']['k3_mean'])}; 1x | same run |"
         ),
         (
-            f"| KL per model and dtype (largest k3 over `benchmarks/results/kld_table_*`) | {_g(_kld_zerokld_max())} "
+            f"| KL per model and dtype (largest k3 over `benchmarks/results/kld_table_*`) | {_g(ours_kl)} "
             f"| {', '.join(f'{k} {_g(v)}' for k, v in sorted(stock_kl.items()))} | [benchmarks]({docs}benchmarks.md) |"
         ),
         (
