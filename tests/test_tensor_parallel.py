@@ -435,14 +435,18 @@ def _trainer_tp(
     ep=1,
     split=False,
     routes=None,
+    **layout,
 ):
     """TorchTitan's trainer at ``tensor_parallel_degree`` ``tp`` on ``nproc`` ranks (default ``tp``; more: FSDP over
     the rest) under ``torchrun`` (gloo on loopback): ``{"logprobs"}`` of ``seqs`` (``RLTrainer.forward_logprobs``),
     and with ``train_step`` the ``loss`` of one ``rl_step`` and the log-probs ``after`` it
     (:mod:`zerokld_testing.titan_tp`); ``fused``: the fused lm_head log-probs and loss; ``ep``: TorchTitan's
-    ``expert_parallel_degree``; ``split``: each rank scores its own share of ``seqs``; ``routes``: replayed (R3)."""
-    nproc = nproc or max(tp, ep)
-    name = f"tp{tp}_ep{ep}_n{nproc}_{batch_invariant}_{fused}_{split}_{routes is not None}"
+    ``expert_parallel_degree``; ``split``: each data-parallel rank scores its own share of ``seqs``; ``routes``:
+    replayed (R3); ``layout``: more keys of the spec (pipeline parallelism, ``streaming``, ``steps``, ``weights``:
+    :mod:`zerokld_testing.titan_tp`)."""
+    nproc = nproc or max(tp, ep, layout.get("pp", 1))
+    extra = "_".join(f"{k}{v}" for k, v in sorted(layout.items()))
+    name = f"tp{tp}_ep{ep}_n{nproc}_{batch_invariant}_{fused}_{split}_{routes is not None}_{extra}"
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     spec.write_text(
         json.dumps(
@@ -459,6 +463,7 @@ def _trainer_tp(
                 "ep": ep,
                 "split": split,
                 "routed_experts": routes,
+                **layout,
             }
         )
     )
@@ -754,3 +759,144 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
     ckpt = str(make_deepseek_checkpoint(tmp_path / f"ds_{dtype}", spec, seed=3, dtype=dtype))
     moe_layers = spec.num_hidden_layers - spec.first_k_dense_replace
     _check_expert_parallel_2(tmp_path, ckpt, dtype, experts=8, moe_layers=moe_layers, seed=33, stock="deepseek_v3")
+
+
+# --- pipeline parallelism (issue 56 point 1) ----------------------------------------------------------------------
+
+
+def _same_run(a: dict, b: dict, keys=("logprobs", "step_logprobs", "after")) -> dict:
+    """Which of two runs' stacked log-probs (and HF weights, when both have them) are the same bits."""
+    out = {}
+    for k in keys:
+        assert len(a[k]) == len(b[k]) > 0
+        out[k] = torch.equal(torch.cat(a[k]), torch.cat(b[k]))
+    if "weights" in a and "weights" in b:
+        assert a["weights"].keys() == b["weights"].keys()
+        out["weights"] = all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
+    return out
+
+
+def _pipeline_checkpoint(tmp_path, family="qwen3"):
+    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint
+
+    layers = 4 if family == "qwen3" else 2  # Interleaved1F1B at PP 2: four stages of one layer
+    spec = TinyModelSpec(family=family, num_hidden_layers=layers)
+    return str(make_tiny_checkpoint(tmp_path / f"{family}_pp", spec, seed=1, dtype="float32"))
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_pipeline_parallel_2_equals_one_rank(tmp_path):
+    """Issue 56 point 1: TorchTitan's ``pipeline_parallel_degree`` 2 (its ``pipeline_llm`` stages and the
+    ``torch.distributed.pipelining`` schedules 1F1B, Interleaved1F1B and GPipe, with micro-batches of one and two
+    rollouts) gives one rank's log-probs bit for bit — before, during and after RL steps — and after two
+    ``rl_step``s every weight of the model (HF names, gathered from both stages) equals one rank's after the same
+    two streamed steps (``forward_backward`` + ``optim_step``, exact accumulation). The sequences have different
+    lengths; the schedule sees each padded to ``seq_len``. Negative control: TorchTitan's stock components at PP 2
+    (micro-batches of two rollouts, autograd accumulating their gradients) end the same steps with other weights
+    and other log-probs than stock on one rank."""
+    from zerokld_testing import random_prompts
+
+    ckpt = _pipeline_checkpoint(tmp_path)
+    seqs = random_prompts(6, seed=41, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, steps=2, seq_len=64)
+
+    def run(nproc=None, batch_invariant=True, **layout):
+        return _trainer_tp(
+            tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant, None, nproc=nproc, **common, **layout
+        )
+
+    one = run(streaming=True)
+    assert not torch.equal(torch.cat(one["after"]), torch.cat(one["logprobs"]))  # the steps moved the weights
+    for layout in (
+        dict(pp_schedule="1F1B", pp_microbatches=4),
+        dict(pp_schedule="Interleaved1F1B", pp_microbatches=2, pp_microbatch_size=2),
+        dict(pp_schedule="GPipe", pp_microbatches=2),
+    ):
+        same = _same_run(one, run(pp=2, **layout))
+        assert all(same.values()), (layout, same)
+    stock_one = run(batch_invariant=False, streaming=True)
+    stock_pp = run(batch_invariant=False, pp=2, pp_microbatches=2, pp_microbatch_size=2)
+    same = _same_run(stock_one, stock_pp)
+    stock_differs(not same["weights"], "TorchTitan's trainer at PP 2 (micro-batches of 2) vs one rank", "the prompts")
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_pipeline_parallel_2_on_qwen3_moe_equals_one_rank(tmp_path):
+    """Issue 56 point 1 on Qwen3-MoE (every layer a top-2 MoE, one layer per stage): at PP 2 (1F1B, four
+    micro-batches) the log-probs and the weights after an RL step — the router's and every expert's included — are
+    one rank's bit for bit."""
+    from zerokld_testing import random_prompts
+
+    ckpt = _pipeline_checkpoint(tmp_path, "qwen3_moe")
+    seqs = random_prompts(6, seed=43, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, seq_len=64)
+    one = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, streaming=True, **common)
+    pp = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, pp=2, pp_microbatches=4, **common)
+    same = _same_run(one, pp)
+    assert all(same.values()), same
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_data_parallel_2_x_pipeline_parallel_2_logprobs_equal_one_rank(tmp_path):
+    """Issue 56 point 4, DP 2 x PP 2 on 4 ranks (gloo): FSDP over two data-parallel ranks, each pair a two-stage
+    pipeline (1F1B) scoring its own half of the sequences: every log-prob is one rank's (vLLM's) bit for bit.
+    Negative control: TorchTitan's stock components at the same layout give other log-probs."""
+    from titan_plugin import trainer_logprobs
+    from zerokld_testing import random_prompts
+
+    ckpt = _pipeline_checkpoint(tmp_path)
+    seqs = random_prompts(6, seed=45, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    one = trainer_logprobs(ckpt, seqs, lens, dtype="float32")
+    layout = dict(nproc=4, split=True, pp=2, pp_microbatches=2, seq_len=64)
+    mine = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, **layout)["logprobs"]
+    assert len(mine) == len(one) == 6 and torch.equal(torch.cat(mine), torch.cat(one))
+    stock = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant=False, **layout)["logprobs"]
+    stock_differs(
+        not torch.equal(torch.cat(stock), torch.cat(one)), "TorchTitan at DP 2 x PP 2 vs vLLM's bits", "the prompts"
+    )
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_pipeline_parallel_refuses_what_it_cannot_keep_exact(tmp_path):
+    """Under PP 2, a call the pipeline cannot keep exact is refused with the reason, nothing run: routing replay
+    (R3: the routes would have to follow the micro-batches; not yet), and an RL step in bf16 on a CPU whose bf16
+    GEMMs cannot run exact accumulation (AVX-512 without AMX); where they can, bf16 steps equal one rank's."""
+    import numpy as np
+
+    from shared_numerics.grad_chain import chain_available
+    from zerokld_testing import TinyModelSpec, make_tiny_checkpoint, random_prompts
+
+    seqs = random_prompts(4, seed=47, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    moe = _pipeline_checkpoint(tmp_path, "qwen3_moe")
+    rng = np.random.default_rng(47)
+    routes = [[[rng.permutation(8)[:2].tolist() for _ in range(2)] for _ in range(len(s) - 1)] for s in seqs]
+    pp = dict(pp=2, pp_microbatches=2, seq_len=64)
+    refused = _trainer_tp(
+        tmp_path, moe, "float32", 1, seqs, lens, tp_k_block=None, routes=routes, refusal="logprobs", **pp
+    )
+    assert refused["refused"].startswith("NotImplementedError: routing replay (R3) under pipeline parallelism")
+    bf16 = str(make_tiny_checkpoint(tmp_path / "bf16", TinyModelSpec(num_hidden_layers=4), seed=1, dtype="bfloat16"))
+    if chain_available(torch.bfloat16):
+        one = _trainer_tp(
+            tmp_path, bf16, "bfloat16", 1, seqs, lens, None, streaming=True, train_step=True, weights=True
+        )
+        two = _trainer_tp(
+            tmp_path, bf16, "bfloat16", 1, seqs, lens, tp_k_block=None, train_step=True, weights=True, **pp
+        )
+        same = _same_run(one, two)
+        assert all(same.values()), same
+    else:
+        refused = _trainer_tp(tmp_path, bf16, "bfloat16", 1, seqs, lens, tp_k_block=None, refusal="train", **pp)
+        assert refused["refused"].startswith("NotImplementedError: training under pipeline parallelism needs exact")

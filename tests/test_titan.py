@@ -298,16 +298,47 @@ def test_optimizer_state_offload_is_bitwise_the_resident_run(checkpoint_factory,
     assert len(s0) == len(s1) > 0 and all(torch.equal(a, b) for a, b in zip(s0, s1, strict=True))
 
 
-@pytest.mark.parametrize("name", ["pipeline_parallel_degree", "context_parallel_degree"])
-def test_trainer_refuses_the_parallelisms_it_does_not_run(checkpoint_factory, tmp_path, name):
-    """Issue 56: pipeline, context and expert parallelism are not implemented on the zerokld trainer; TorchTitan's
-    config asking for one is refused before any process group or model exists, naming it."""
+def test_trainer_refuses_the_parallelisms_it_does_not_run(checkpoint_factory, tmp_path):
+    """Issue 56: context parallelism is not implemented on the zerokld trainer; TorchTitan's config asking for it is
+    refused before any process group or model exists, naming it."""
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
     config = rl_trainer_config(checkpoint_factory("qwen3_moe", "float32"), str(tmp_path / "d"))
-    setattr(config.parallelism, name, 2)
-    with pytest.raises(NotImplementedError, match=name.split("_")[0]):
+    config.parallelism.context_parallel_degree = 2
+    with pytest.raises(NotImplementedError, match="context parallelism"):
         RLTrainer(config)
+
+
+def test_pipeline_layouts_the_trainer_cannot_keep_exact_are_refused(checkpoint_factory, tmp_path):
+    """``rl_trainer_config(pipeline_parallel_degree=...)`` refuses, before any process starts: a schedule that does not
+    back-propagate each stage's micro-batches in order (zero-bubble schedules defer weight gradients), tied
+    embeddings (one weight on the first and the last stage), fewer layers than stages. Accepted layouts: 1F1B, GPipe,
+    Interleaved1F1B (``tests/test_tensor_parallel.py``: the same bits as one rank); the stock trainer takes any
+    schedule TorchTitan does."""
+    from titan_plugin.rl import rl_trainer_config
+
+    qwen3 = checkpoint_factory("qwen3", "float32")  # two layers
+    with pytest.raises(ValueError, match="zero-bubble"):
+        rl_trainer_config(
+            qwen3, str(tmp_path / "a"), pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"
+        )
+    with pytest.raises(ValueError, match="tied embeddings"):
+        rl_trainer_config(checkpoint_factory("qwen3_tied", "float32"), str(tmp_path / "b"), pipeline_parallel_degree=2)
+    with pytest.raises(ValueError, match="2 layers for 4 stages"):
+        rl_trainer_config(
+            qwen3, str(tmp_path / "c"), pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B"
+        )
+    config = rl_trainer_config(qwen3, str(tmp_path / "d"), pipeline_parallel_degree=2, seq_len=128)
+    assert config.parallelism.pipeline_parallel_degree == 2 and config.training.local_batch_size == 4  # 2 x stages
+    assert config.training.seq_len == 128
+    stock = rl_trainer_config(
+        qwen3,
+        str(tmp_path / "e"),
+        batch_invariant=False,
+        pipeline_parallel_degree=2,
+        pipeline_parallel_schedule="ZBVZeroBubble",
+    )
+    assert stock.parallelism.pipeline_parallel_schedule == "ZBVZeroBubble"
 
 
 def test_expert_parallel_degrees_the_model_cannot_take_are_refused(checkpoint_factory, tmp_path):

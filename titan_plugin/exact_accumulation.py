@@ -47,11 +47,16 @@ __all__ = ["CHAIN_MODULES", "ExactAccumulation", "unsupported_reason"]
 CHAIN_MODULES = (ZeroKLDLinear, ZeroKLDFp8Linear, ZeroKLDLMHead, ZeroKLDRMSNorm, ZeroKLDEmbedding)
 
 
-def _params(model: torch.nn.Module):
-    for mod_name, module in model.named_modules():
+def _params(model: torch.nn.Module | list[torch.nn.Module]):
+    for mod_name, module in (m for part in _parts(model) for m in part.named_modules()):
         for name, p in module._parameters.items():
             if p is not None and p.requires_grad:
                 yield mod_name, module, name, p
+
+
+def _parts(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """A model, or the model parts of this rank's pipeline stages (TorchTitan's ``model_parts``)."""
+    return list(model) if isinstance(model, list) else [model]
 
 
 def _own_class(module: torch.nn.Module) -> type:
@@ -97,11 +102,13 @@ def _expert_site(moe: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Sit
     return _Site(moe, name, p, tuple(p.shape), float32_products=True)
 
 
-def _fed_by_another(model: torch.nn.Module) -> dict[int, Callable[[str, torch.nn.Parameter], _Site | None]]:
+def _fed_by_another(
+    model: torch.nn.Module | list[torch.nn.Module],
+) -> dict[int, Callable[[str, torch.nn.Parameter], _Site | None]]:
     """``id(module) -> site of (name, param)`` for modules whose parameters another module's forward uses: the
     adapters of a :class:`ZeroKLDLoRALinear`, the experts of a :class:`ZeroKLDMoE`."""
     out = {}
-    for m in model.modules():
+    for m in (m for part in _parts(model) for m in part.modules()):
         if _own_class(m) is ZeroKLDLoRALinear:
             for which in ("lora_a", "lora_b"):
                 out[id(getattr(m, which))] = functools.partial(_adapter_site, m, which)
@@ -110,7 +117,7 @@ def _fed_by_another(model: torch.nn.Module) -> dict[int, Callable[[str, torch.nn
     return out
 
 
-def _sites(model: torch.nn.Module):
+def _sites(model: torch.nn.Module | list[torch.nn.Module]):
     """``(mod_name, module, name, site)`` for every trainable parameter (``site`` ``None``: no module feeds a
     chain)."""
     others = _fed_by_another(model)
@@ -123,7 +130,7 @@ def _sites(model: torch.nn.Module):
             yield mod_name, module, name, None
 
 
-def unsupported_reason(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+def unsupported_reason(model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter outside
     :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, a vocab-parallel lm_head, MoE experts with
     ``tp_k_block``, a parameter sharded over more than one rank, or no kernel coverage for ``dtype`` on this
@@ -158,7 +165,7 @@ class ExactAccumulation:
             kernel's 32-token K steps; float32: 1).
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype):
         reason = unsupported_reason(model, dtype)
         if reason is not None:
             raise ValueError(f"exact accumulation with batched passes: {reason}")

@@ -10,7 +10,7 @@ from shared_numerics.rollout import RolloutBatch
 from .models import build_titan_model
 from .routing import pack_routes, replay_routes
 
-__all__ = ["logprob_scorer", "sequence_logprobs", "trainer_logprobs"]
+__all__ = ["completion_logprobs", "logprob_scorer", "sequence_logprobs", "trainer_logprobs"]
 
 
 def logprob_scorer(logits: torch.Tensor, lm_head: torch.nn.Module | None):
@@ -86,14 +86,40 @@ def sequence_logprobs(
                 hidden = model(tokens)
         finally:
             model._skip_lm_head = skip
-        hidden = model.lm_head.fused_input(hidden)
-        return [
-            model.lm_head(hidden[i, p - 1 : len(s) - 1], targets=tokens[i, p : len(s)])
-            for i, (s, p) in enumerate(zip(token_ids, prompt_lengths, strict=True))
-        ]
+        return completion_logprobs(hidden, tokens, token_ids, prompt_lengths, model.lm_head, fused=True)
     with replay_routes(model, routes):
         logits = model(tokens)
-    logits, score = logprob_scorer(logits, model.lm_head)
+    return completion_logprobs(logits, tokens, token_ids, prompt_lengths, model.lm_head)
+
+
+def completion_logprobs(
+    output: torch.Tensor,
+    tokens: torch.Tensor,
+    token_ids: list[list[int]],
+    prompt_lengths: list[int],
+    lm_head: torch.nn.Module | None,
+    fused: bool = False,
+) -> list[torch.Tensor]:
+    """The completion tokens' log-probs from a decoder's output over right-padded ``tokens`` (the rows of
+    :func:`sequence_logprobs`, also a pipeline's last stage's, :mod:`titan_plugin.pipeline`).
+
+    Args:
+        output: ``[B', T', V]`` logits or, ``fused``, ``[B', T', H]`` final hidden states (``B' >= B``,
+            ``T' >= max len``: padding rows and positions are not read). tokens: ``[B', T']`` int64.
+        token_ids, prompt_lengths: the ``B`` sequences and their prompt lengths.
+        lm_head: the model's lm_head (fused: it scores the hidden states; unfused: it names the log-softmax,
+            :func:`logprob_scorer`).
+
+    Returns:
+        As :func:`sequence_logprobs`.
+    """
+    if fused:
+        hidden = lm_head.fused_input(output)
+        return [
+            lm_head(hidden[i, p - 1 : len(s) - 1], targets=tokens[i, p : len(s)])
+            for i, (s, p) in enumerate(zip(token_ids, prompt_lengths, strict=True))
+        ]
+    logits, score = logprob_scorer(output, lm_head)
     return [
         score(logits[i, p - 1 : len(s) - 1], tokens[i, p : len(s)])
         for i, (s, p) in enumerate(zip(token_ids, prompt_lengths, strict=True))

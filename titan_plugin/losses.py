@@ -58,10 +58,7 @@ class RLLoss(BaseLoss):
         self.token_loss = resolve(spec.token_loss)
         self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)
         self.corrections = CorrectionConfig.model_validate(config.corrections)
-        self._ref_logp: torch.Tensor | None = None
-        self._adv: torch.Tensor | None = None
-        self._sampler_logp: torch.Tensor | None = None
-        self._weights: torch.Tensor | None = None
+        self._inputs: list[tuple] = []  # set_rl_inputs' queue: one entry per call, in order
         self.lm_head: torch.nn.Module | None = None
         self.last: dict = {}
 
@@ -85,13 +82,26 @@ class RLLoss(BaseLoss):
         every labelled position): each token's loss, KL term included, is multiplied by its weight (Tinker's
         ``weights``); weight-0 tokens are scored but count in neither the ``token_mean`` normaliser nor the
         clipped / grad-zeroed flags, and GSPO's sequence ratio averages over the weighted tokens.
+
+        Calls queue up: each loss call takes the oldest inputs, so a pipeline schedule's micro-batches (the last
+        stage calls the loss once per micro-batch, in order) can be given theirs up front.
         """
-        self._adv, self._sampler_logp, self._ref_logp = advantages, sampler_logprobs, ref_logprobs
-        self._weights = weights
+        self._inputs.append((advantages, sampler_logprobs, ref_logprobs, weights))
+
+    def clear_rl_inputs(self) -> None:
+        """Drop queued inputs no call took (a failed step's)."""
+        self._inputs.clear()
+
+    @staticmethod
+    def metadata_loss(pred: torch.Tensor, labels: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """A scalar that depends on ``pred`` (zero gradients), for a pipeline schedule's shape inference
+        (:mod:`titan_plugin.pipeline`): it takes no RL inputs and records nothing."""
+        return pred.float().sum() * 0.0
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None, **kwargs):
-        if self._adv is None:
+        if not self._inputs:
             raise RuntimeError("RLLoss needs set_rl_inputs(advantages, sampler_logprobs) before each step")
+        adv_all, sampler_all, ref_all, weights_all = self._inputs.pop(0)
         mask = labels != IGNORE_INDEX
         if self.config.fused:
             if self.lm_head is None:
@@ -100,12 +110,12 @@ class RLLoss(BaseLoss):
         else:  # vocab-parallel logits: this rank's slice (the lm_head's vocab_parallel) or gathered
             pred, score = logprob_scorer(pred, self.lm_head)
             logp = score(pred[mask], labels[mask])
-        q = logp.detach() if self._sampler_logp is None else self._sampler_logp.to(pred.device)[mask]
-        adv = self._adv.to(pred.device)[mask]
-        w = None if self._weights is None else self._weights.to(device=pred.device, dtype=torch.float32)[mask]
+        q = logp.detach() if sampler_all is None else sampler_all.to(pred.device)[mask]
+        adv = adv_all.to(pred.device)[mask]
+        w = None if weights_all is None else weights_all.to(device=pred.device, dtype=torch.float32)[mask]
         batch = LossBatch(seq_ids=torch.nonzero(mask)[:, 0], num_seqs=mask.shape[0], weights=w)
         tok_loss, flags = self.token_loss(logp, q, adv, self.loss_cfg, batch)
-        ref = None if self._ref_logp is None else self._ref_logp.to(pred.device)[mask]
+        ref = None if ref_all is None else ref_all.to(pred.device)[mask]
         tok_loss, keep = apply_corrections(tok_loss, logp, q, self.corrections, ref)
         weighted = torch.ones_like(mask[mask]) if w is None else w > 0
         if w is not None:
@@ -124,5 +134,4 @@ class RLLoss(BaseLoss):
             "grad_zeroed": flags.get("grad_zeroed", zeros) & weighted,
             "loss": loss.detach(),
         }
-        self._adv = self._sampler_logp = self._ref_logp = self._weights = None
         return loss, {}

@@ -385,16 +385,29 @@ def load_hf_weights(model: torch.nn.Module, model_cfg, cfg: ModelConfig, checkpo
     model.load_state_dict(sd, strict=True)
 
 
-def hf_state_dict(model: torch.nn.Module, model_cfg, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_state_dict(
+    model: torch.nn.Module | list[torch.nn.Module], model_cfg, cfg: ModelConfig, group=None
+) -> dict[str, torch.Tensor]:
     """The model's weights under HF names (TorchTitan's ``to_hf``; DTensors gathered), detached copies; a LoRA
-    model's base weights (its adapters: :func:`titan_plugin.lora.peft_adapter_state_dict`)."""
+    model's base weights (its adapters: :func:`titan_plugin.lora.peft_adapter_state_dict`).
+
+    ``model`` may be a list of model parts (pipeline stages, TorchTitan's ``model_parts``); with ``group`` (the
+    ``pp`` process group) every rank's parts are gathered, so each rank returns the whole model's weights."""
     from torch.distributed.tensor import DTensor
 
+    parts = model if isinstance(model, list) else [model]
     sd = {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-        for k, v in model.state_dict().items()
+        for part in parts
+        for k, v in part.state_dict().items()
         if not _lora_key(k)
     }  # LoRA adapters: titan_plugin.lora.save_peft_adapter
+    if group is not None:
+        import torch.distributed as dist
+
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sd, group=group)
+        sd = {k: v for stage in gathered for k, v in stage.items()}
     if model_cfg.enable_weight_tying:
         sd.pop("lm_head.weight", None)
     out = _adapter(model_cfg, cfg, None).to_hf(sd)

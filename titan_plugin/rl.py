@@ -37,10 +37,11 @@ from zerokld_plugins.errors import ZeroKLDClientError
 
 from . import cpu_compat
 from .exact_accumulation import ExactAccumulation, unsupported_reason
-from .logprobs import sequence_logprobs
+from .logprobs import completion_logprobs, sequence_logprobs
 from .lora import ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter, save_peft_adapter
 from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
+from .pipeline import PipelineRunner, total_grad_norm
 from .routing import pack_routes, replay_routes
 
 __all__ = [
@@ -114,7 +115,7 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
         flavor="hf",
         model=model_cfg,
         parallelize_fn=parallelize,
-        pipelining_fn=None,
+        pipelining_fn=resolve(adapter_for(cfg).titan_pipelining) if adapter_for(cfg).titan_pipelining else None,
         post_optimizer_build_fn=post_optimizer,
         state_dict_adapter=state_dict_adapter_class(cfg),
     )
@@ -155,6 +156,11 @@ def rl_trainer_config(
     tensor_parallel_degree: int = 1,
     cpu_offload: bool = False,
     expert_parallel_degree: int = 1,
+    pipeline_parallel_degree: int = 1,
+    pipeline_parallel_schedule: str = "1F1B",
+    pipeline_parallel_microbatch_size: int = 1,
+    pipeline_parallel_microbatches: int | None = None,
+    seq_len: int | None = None,
 ) -> RLTrainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
@@ -194,6 +200,14 @@ def rl_trainer_config(
             the device, so this covers the code path (the weights after N steps are the resident run's bit for
             bit, ``tests/test_titan.py``); on a GPU the same holds only if the host's AdamW step computes the
             device's bits.
+        pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatch_size: TorchTitan's
+            ``parallelism`` fields of the same names (under ``torchrun``; :mod:`titan_plugin.pipeline`). With the
+            zerokld numerics the schedule is one of :data:`titan_plugin.pipeline.EXACT_SCHEDULES` and the log-probs
+            and the weights after :meth:`RLTrainer.rl_step` are one rank's bit for bit.
+        pipeline_parallel_microbatches: micro-batches per schedule step (default: twice the stages); one schedule
+            step takes ``microbatches * microbatch_size`` rollouts (TorchTitan's ``training.local_batch_size``).
+        seq_len: TorchTitan's ``training.seq_len`` (default: the model's ``max_position_embeddings``); under pipeline
+            parallelism every rollout is padded to it (the schedule's shapes are fixed).
 
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
@@ -213,6 +227,11 @@ def rl_trainer_config(
     cfg = read_model_config(checkpoint_dir)
     if expert_parallel_degree > 1:
         _check_expert_parallel(cfg, expert_parallel_degree, batch_invariant)
+    microbatches = 1
+    if pipeline_parallel_degree > 1:
+        microbatches = _check_pipeline_parallel(
+            cfg, pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatches, batch_invariant
+        )
     spec = _model_spec(cfg, settings, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
@@ -228,22 +247,29 @@ def rl_trainer_config(
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
         training=TrainingConfig(
-            local_batch_size=1,
-            seq_len=cfg.max_position_embeddings,
+            local_batch_size=microbatches * pipeline_parallel_microbatch_size,
+            seq_len=seq_len or cfg.max_position_embeddings,
             steps=steps,
             max_norm=max_norm,
             dtype="float32",
             mixed_precision_param=dtype,
             enable_cpu_offload=cpu_offload,
-            # TorchTitan refuses its CPU-synchronising EP dispatcher config under CUDA graphs
-            disable_cuda_graphs=expert_parallel_degree > 1,
+            # TorchTitan refuses CUDA graphs with its CPU-synchronising EP dispatcher and with pipeline parallelism
+            disable_cuda_graphs=expert_parallel_degree > 1 or pipeline_parallel_degree > 1,
         ),
-        # TP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor on the
-        # full mesh before FSDP, which its CPU path does not provide); TP 1 keeps TorchTitan's default
+        # TP, EP, PP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor
+        # on the full mesh before FSDP, which its CPU path does not provide); one rank keeps TorchTitan's default
         parallelism=ParallelismConfig(
             tensor_parallel_degree=tensor_parallel_degree,
             expert_parallel_degree=expert_parallel_degree,
-            **({"spmd_backend": "partial_dtensor"} if tensor_parallel_degree > 1 or expert_parallel_degree > 1 else {}),
+            pipeline_parallel_degree=pipeline_parallel_degree,
+            pipeline_parallel_schedule=pipeline_parallel_schedule,
+            pipeline_parallel_microbatch_size=pipeline_parallel_microbatch_size,
+            **(
+                {"spmd_backend": "partial_dtensor"}
+                if max(tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree) > 1
+                else {}
+            ),
         ),
         checkpoint=CheckpointManager.Config(
             enable=True,
@@ -270,6 +296,28 @@ def _check_expert_parallel(cfg: ModelConfig, degree: int, batch_invariant: bool)
         )
 
 
+def _check_pipeline_parallel(
+    cfg: ModelConfig, degree: int, schedule: str, microbatches: int | None, batch_invariant: bool
+) -> int:
+    """Refuse a pipeline layout the zerokld trainer cannot keep exact, before any process group exists; the number of
+    micro-batches per schedule step."""
+    from .pipeline import EXACT_SCHEDULES
+
+    if batch_invariant and schedule not in EXACT_SCHEDULES:
+        raise ValueError(
+            f"pipeline_parallel_schedule {schedule!r}: the zerokld trainer runs {', '.join(EXACT_SCHEDULES)} (each "
+            "stage back-propagates its micro-batches in order; zero-bubble schedules defer weight gradients)"
+        )
+    if cfg.tie_word_embeddings:
+        raise ValueError(
+            f"pipeline_parallel_degree {degree}: tied embeddings put one weight on the first and the last stage"
+        )
+    stages = degree * (2 if schedule.startswith("Interleaved") else 1)
+    if cfg.num_hidden_layers < stages:
+        raise ValueError(f"pipeline_parallel_degree {degree}: {cfg.num_hidden_layers} layers for {stages} stages")
+    return microbatches or 2 * stages
+
+
 #: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
 FLOAT32_TENSORS = (".e_score_correction_bias",)
 
@@ -287,7 +335,6 @@ class RLTrainer(Trainer):
 
     #: TorchTitan parallelisms the zerokld trainer does not run yet (issue 56), refused before anything starts
     UNSUPPORTED_PARALLELISMS = {
-        "pipeline_parallel_degree": "pipeline parallelism (the RL loss and exact accumulation are single-stage)",
         "context_parallel_degree": "context parallelism (TorchTitan's patches SDPA; zerokld attention has no CP path)",
     }
 
@@ -310,14 +357,35 @@ class RLTrainer(Trainer):
         self.numerics = numerics_mode(config)
         self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
         dtype = getattr(torch, config.training.mixed_precision_param)
-        reason = unsupported_reason(self.model, dtype) if len(self.model_parts) == 1 else "pipeline stages"
+        reason = unsupported_reason(self.model_parts, dtype)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)
-        self.exact_accumulation = None if reason else ExactAccumulation(self.model, dtype)
+        self.exact_accumulation = None if reason else ExactAccumulation(self.model_parts, dtype)
         self.exact_accumulation_off = reason
-        self.loss_fn.set_lm_head(self.model.lm_head)  # its log-softmax (and, fused, the lm_head itself)
-        if config.loss.fused:  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
-            self.model._skip_lm_head = True
+        #: the pipeline schedule's driver (titan_plugin.pipeline) under pipeline parallelism, else None
+        self.pipeline: PipelineRunner | None = None
+        last = self.model_parts[-1]
+        if self.parallel_dims.pp_enabled:
+            pp_mesh = self.parallel_dims.get_mesh("pp")
+            self.pipeline = PipelineRunner(
+                self.pp_schedule,
+                self.model_parts,
+                pp_mesh.get_group(),
+                pp_mesh.size() - 1,
+                config.training.local_batch_size,
+                config.training.seq_len,
+                self.pp_has_first_stage,
+                self.pp_has_last_stage,
+            )
+            if self.exact_accumulation is not None and config.training.seq_len % self.exact_accumulation.token_multiple:
+                raise ValueError(
+                    f"seq_len {config.training.seq_len} must be a multiple of "
+                    f"{self.exact_accumulation.token_multiple} (exact accumulation's token steps)"
+                )
+        # its log-softmax (and, fused, the lm_head itself); a pipeline's other stages have none
+        self.loss_fn.set_lm_head(getattr(last, "lm_head", None))
+        if config.loss.fused and getattr(last, "lm_head", None) is not None:
+            last._skip_lm_head = True  # the model returns final hidden states; the loss calls lm_head(h, targets=...)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -359,11 +427,17 @@ class RLTrainer(Trainer):
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
         """
         self._check(batch)
+        if self.pipeline is not None:  # the schedule's micro-batches: forward_backward's exact accumulation
+            self.zero_grad()
+            result = self.forward_backward(batch)
+            self.optim_step()
+            return result
         self._pending = None  # train_step zeroes the gradients forward_backward accumulated
         if self.exact_accumulation is not None:
             self.exact_accumulation.reset()
         t_pack = time.perf_counter()
         tokens, labels, adv, q, weights = batch.pack()
+        self.loss_fn.clear_rl_inputs()
         self.loss_fn.set_rl_inputs(
             adv, None if batch.sampler_logprobs is None else q, batch.pack_ref(), weights=weights
         )
@@ -393,6 +467,8 @@ class RLTrainer(Trainer):
             ValueError: ``base_only`` on a trainer without LoRA adapters.
         """
         self._check(batch)
+        if self.pipeline is not None:
+            return self._pipeline_logprobs(batch)
         ctx = disable_adapter(self.model) if base_only else contextlib.nullcontext()
         with ctx:
             return sequence_logprobs(
@@ -402,6 +478,78 @@ class RLTrainer(Trainer):
                 fused=self.config.loss.fused,
                 routed_experts=batch.routed_experts,
             )
+
+    def _pipeline_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """:meth:`forward_logprobs` through the pipeline schedule (forward only), scored on the last stage and
+        shared with every rank."""
+        if batch.routed_experts is not None:
+            raise NotImplementedError("routing replay (R3) under pipeline parallelism is not supported yet")
+        pipe = self.pipeline
+        tokens = pipe.pad(batch.padded_tokens(0), 0)
+        outputs = [pipe.forward(chunk) for chunk in pipe.chunks(tokens)]
+        result = None
+        if pipe.last:
+            result = completion_logprobs(
+                torch.cat(outputs),
+                tokens,
+                batch.sequences,
+                batch.prompt_lengths,
+                self.model_parts[-1].lm_head,
+                fused=self.config.loss.fused,
+            )
+        return pipe.share(result)
+
+    def _pipeline_forward_backward(self, batch: RolloutBatch, loss: RLLoss) -> list[dict]:
+        """:meth:`forward_backward` through the pipeline schedule: the batch in ``local_batch_size`` chunks, each
+        one schedule step of micro-batches; every stage's chains continue across them in batch order. Returns the
+        loss's records of the real rows (every rank: the last stage's)."""
+        if batch.routed_experts is not None:
+            raise NotImplementedError("routing replay (R3) under pipeline parallelism is not supported yet")
+        exact, pipe = self.exact_accumulation, self.pipeline
+        if exact is None and self.config.zerokld.batch_invariant:
+            raise NotImplementedError(
+                "training under pipeline parallelism needs exact accumulation (its micro-batches' gradients would "
+                f"otherwise depend on the schedule): {self.exact_accumulation_off}"
+            )
+        tokens, labels, adv, q, weights = batch.pack()
+        ref = batch.pack_ref()
+        tokens, labels, adv, q, ref, weights = (
+            pipe.pad(t, v)
+            for t, v in ((tokens, 0), (labels, IGNORE_INDEX), (adv, 0.0), (q, 0.0), (ref, 0.0), (weights, 0.0))
+        )
+        records: list[dict] = []
+
+        def scored(pred, target, **kwargs):
+            out, _ = loss(pred, target)  # no global_valid_tokens: summed, divided at optim_step (token_mean)
+            records.append(loss.last)
+            return out
+
+        mb = self.config.parallelism.pipeline_parallel_microbatch_size
+        for rows in range(0, tokens.shape[0], pipe.local_batch_size):
+            loss.clear_rl_inputs()
+            for i in range(rows, rows + pipe.local_batch_size, mb):
+                sl = slice(i, i + mb)
+                loss.set_rl_inputs(
+                    adv[sl],
+                    None if batch.sampler_logprobs is None else q[sl],
+                    None if ref is None else ref[sl],
+                    weights=None if weights is None else weights[sl],
+                )
+            chunk = slice(rows, rows + pipe.local_batch_size)
+            try:
+                pipe.train(
+                    tokens[chunk],
+                    labels[chunk],
+                    scored,
+                    RLLoss.metadata_loss,
+                    attach=None if exact is None else exact.attach,
+                )
+            finally:
+                loss.clear_rl_inputs()
+                if exact is not None:
+                    exact.detach()
+        keys = ("train_logprobs", "mask", "weighted", "kept", "token_losses", "clipped", "grad_zeroed")
+        return pipe.share([{k: r[k] for k in keys} for r in records] if pipe.last else None)
 
     def build_loss(self, loss_fn: str, loss_fn_config: dict | None = None, normalization: str = "token_mean") -> RLLoss:
         """An :class:`RLLoss` for this trainer (fused like the configured loss, the model's lm_head
@@ -434,6 +582,9 @@ class RLTrainer(Trainer):
           element one float32 chain over the tokens in batch order that the next call continues
           (:mod:`shared_numerics.grad_chain`). The batch layout is right-padded to a multiple of
           ``exact_accumulation.token_multiple`` positions.
+        * under pipeline parallelism (:mod:`titan_plugin.pipeline`): the batched way through the schedule's
+          micro-batches, each stage's chains continued in micro-batch order — one rank's bits; refused where exact
+          accumulation is off.
         * one rollout at a time (elsewhere; :attr:`exact_accumulation_off` says why): each rollout's forward and
           backward run alone (the forward is batch-invariant: the same log-prob bits as in any batch) and autograd
           adds its contribution into ``.grad`` in batch order.
@@ -449,7 +600,10 @@ class RLTrainer(Trainer):
 
         Raises:
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
-            ValueError: a ``token_mean`` loss and another normalisation accumulated into one optimizer step.
+            ValueError: a ``token_mean`` loss and another normalisation accumulated into one optimizer step; under
+                pipeline parallelism, a rollout longer than ``seq_len``.
+            NotImplementedError: under pipeline parallelism, routes to replay (R3), or the zerokld numerics without
+                exact accumulation (nothing ran).
         """
         self._check(batch)
         loss = loss or self.loss_fn
@@ -460,7 +614,11 @@ class RLTrainer(Trainer):
         configured, parts = self.loss_fn, []
         self.loss_fn = loss
         try:
-            for one in [batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]:
+            if self.pipeline is not None:  # the schedule's micro-batches (titan_plugin.pipeline)
+                parts, groups = self._pipeline_forward_backward(batch, loss), []
+            else:
+                groups = [batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]
+            for one in groups:
                 tokens, labels, adv, q, weights = one.pack()
                 ref = one.pack_ref()
                 if exact is not None:  # the chains' layout: a multiple of token_multiple positions per rollout
@@ -477,6 +635,7 @@ class RLTrainer(Trainer):
                         )
                     )
                     exact.attach()
+                loss.clear_rl_inputs()
                 loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, ref, weights=weights)
                 try:
                     with replay_routes(self.model, self._routes(one, tokens.shape[1])):
@@ -495,7 +654,7 @@ class RLTrainer(Trainer):
         return {
             "train_logprobs": [
                 lp for p in parts for lp in torch.split(p["train_logprobs"], p["mask"].sum(dim=1).tolist())
-            ],
+            ][: len(batch)],  # a pipeline's padding rows score nothing
             "clipped": sum(int(p["clipped"].sum()) for p in parts),
             "grad_zeroed": sum(int(p["grad_zeroed"].sum()) for p in parts),
             "num_tokens": sum(int(p["weighted"].sum()) for p in parts),
@@ -546,7 +705,11 @@ class RLTrainer(Trainer):
                     p.grad.div_(max(1, self._pending[1]))
         self._pending = None
         norm = self.config.training.max_norm if max_norm is None else max_norm
-        grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
+        if self.pipeline is not None:  # the one-rank norm of every stage's gradients (titan_plugin.pipeline)
+            grad_norm = total_grad_norm([p.grad for p in params if p.grad is not None], self.pipeline.group)
+            torch.nn.utils.clip_grads_with_norm_(params, norm if norm > 0 else float("inf"), grad_norm, foreach=True)
+        else:
+            grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
         if not math.isfinite(float(grad_norm)):  # a NaN / inf gradient would make every weight it touches NaN
             self.zero_grad()
             raise NonFiniteGradientError(
@@ -582,7 +745,9 @@ class RLTrainer(Trainer):
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         return {
             k: v.to(torch.float32 if k.endswith(FLOAT32_TENSORS) else torch_dtype)
-            for k, v in hf_state_dict(self.model, self.model_config, self._hf).items()
+            for k, v in hf_state_dict(
+                self.model_parts, self.model_config, self._hf, None if self.pipeline is None else self.pipeline.group
+            ).items()
         }
 
     def save_hf(self, out_dir: str | Path, dtype: str) -> Path:

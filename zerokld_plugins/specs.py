@@ -83,7 +83,8 @@ class ModelAdapterSpec:
     ``titan_state_dict_adapter``: TorchTitan's ``StateDictAdapter`` between that model and HF weights, extended by
     ``extra_hf_names`` (``(HF name, TorchTitan name)`` pairs, ``{}`` = the layer index, for weights the stock adapter
     lacks);
-    ``titan_parallelize``: TorchTitan's ``parallelize_fn``.
+    ``titan_parallelize``: TorchTitan's ``parallelize_fn``; ``titan_pipelining``: its ``pipelining_fn`` (every
+    decoder folder of TorchTitan's uses ``pipeline_llm``).
 
     Traits every side reads: ``rope`` (``"cos_sin"``: rotate-half RoPE, TorchTitan's ``CosSinRoPE``; ``"complex"``:
     TorchTitan's ``ComplexRoPE``, with Llama 3.x scaling when the checkpoint has it), ``interleaved_rope`` (TorchTitan
@@ -103,6 +104,7 @@ class ModelAdapterSpec:
     titan_block: str
     titan_state_dict_adapter: str
     titan_parallelize: str = ""
+    titan_pipelining: str = "torchtitan.distributed.pipeline_parallel:pipeline_llm"
     extra_hf_names: tuple[tuple[str, str], ...] = ()
     rope: str = "cos_sin"
     interleaved_rope: bool = False

@@ -4,9 +4,15 @@
 ``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),
 ``batch_invariant``, ``sequences``, ``prompt_lengths``, ``train_step`` (bool), ``fused`` (bool, default false: the
 fused lm_head log-probs and loss), ``ep`` (TorchTitan's ``expert_parallel_degree``, default 1) and ``split`` (bool,
-default false: rank ``r`` scores sequences ``r::world`` instead of all of them; rank 0 reassembles them in order) and
+default false: data-parallel rank ``r`` of ``n`` scores sequences ``r::n`` instead of all of them; rank 0
+reassembles them in order) and
 ``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null), ``repeat``
-(times the forward is run and timed, default 1);
+(times the forward is run and timed, default 1); pipeline parallelism: ``pp`` (TorchTitan's
+``pipeline_parallel_degree``, default 1), ``pp_schedule``, ``pp_microbatch_size``, ``pp_microbatches``, ``seq_len``
+(:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and ``seq_len``); ``streaming`` (bool: the step is
+``forward_backward`` + ``optim_step`` instead of ``rl_step``), ``steps`` (RL steps, default 1), ``weights`` (bool:
+also ``weights``, the float32 HF weights after the steps); ``refusal`` (``"train"``: an ``rl_step``, else
+``forward_logprobs``, that must be refused: rank 0 writes only ``refused``, the exception's message, or ``None``);
 rank 0 writes ``OUT.pt``
 (``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
 :meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
@@ -44,18 +50,38 @@ def main(argv: list[str]) -> None:
             tensor_parallel_degree=spec["tp"],
             fused=spec.get("fused", False),
             expert_parallel_degree=spec.get("ep", 1),
+            pipeline_parallel_degree=spec.get("pp", 1),
+            pipeline_parallel_schedule=spec.get("pp_schedule", "1F1B"),
+            pipeline_parallel_microbatch_size=spec.get("pp_microbatch_size", 1),
+            pipeline_parallel_microbatches=spec.get("pp_microbatches"),
+            seq_len=spec.get("seq_len"),
         )
         config.checkpoint.enable = True
         trainer = RLTrainer(config)
         mine = list(range(len(spec["sequences"])))
-        if spec.get("split"):
-            mine = mine[dist.get_rank() :: dist.get_world_size()]
+        if spec.get("split"):  # by data-parallel rank (EP borrows those ranks; pipeline stages share their rows)
+            dp = trainer.parallel_dims.get_optional_mesh("batch")
+            dp_rank, dp_size = (0, 1) if dp is None else (dp.get_local_rank(), dp.size())
+            mine = mine[dp_rank::dp_size]
         routes = spec.get("routed_experts")
         batch = RolloutBatch(
             [spec["sequences"][i] for i in mine],
             [spec["prompt_lengths"][i] for i in mine],
             routed_experts=None if routes is None else [np.array(routes[i], dtype=np.int16) for i in mine],
         )
+        if spec.get("refusal"):  # the call that must be refused (every rank raises alike): its message
+            try:
+                if spec["refusal"] == "train":
+                    trainer.rl_step(RolloutBatch(batch.sequences, batch.prompt_lengths, advantages=[1.0] * len(mine)))
+                else:
+                    trainer.forward_logprobs(batch)
+                result = {"refused": None}
+            except (NotImplementedError, ValueError) as e:
+                result = {"refused": f"{type(e).__name__}: {e}"}
+            if dist.get_rank() == 0:
+                torch.save(result, argv[1])
+            trainer.close()
+            return
         dist.barrier()
         t0 = time.perf_counter()
         result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]}
@@ -69,26 +95,33 @@ def main(argv: list[str]) -> None:
         ep_sizes = {getattr(m, "expert_parallel_size", None) for m in trainer.model.modules()} - {None}
         if spec.get("train_step"):
             adv = [1.0 if i % 2 == 0 else -1.0 for i in mine]
-            t0 = time.perf_counter()
-            step = trainer.rl_step(
-                RolloutBatch(
-                    batch.sequences,
-                    batch.prompt_lengths,
-                    advantages=adv,
-                    sampler_logprobs=result["logprobs"],
-                    numerics=trainer.numerics,
-                )
+            rollouts = RolloutBatch(
+                batch.sequences,
+                batch.prompt_lengths,
+                advantages=adv,
+                sampler_logprobs=result["logprobs"],
+                numerics=trainer.numerics,
             )
+            t0 = time.perf_counter()
+            for _ in range(spec.get("steps", 1)):
+                if spec.get("streaming"):
+                    step = trainer.forward_backward(rollouts)
+                    trainer.optim_step()
+                else:
+                    step = trainer.rl_step(rollouts)
             dist.barrier()
             seconds["step"] = [time.perf_counter() - t0]
             result["loss"] = step["loss"]
+            result["step_logprobs"] = [t.detach().float() for t in step["train_logprobs"]]
             result["after"] = [t.detach().float() for t in trainer.forward_logprobs(batch)]
+            if spec.get("weights"):
+                result["weights"] = trainer.hf_weights("float32")
         if spec.get("split"):  # every rank's rows, back in the batch's order
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, (mine, result))
             merged = {}
             for key in result:
-                if key == "loss":
+                if key in ("loss", "weights"):
                     merged[key] = [r["loss"] for _, r in parts]
                     continue
                 rows = {i: t for idx, r in parts for i, t in zip(idx, r[key], strict=True)}
