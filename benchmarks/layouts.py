@@ -7,7 +7,13 @@ times after the first) and one RL step (``rl_step``), rank 0's wall clock betwee
 * ``tp2``: TorchTitan ``tensor_parallel_degree`` 2 (Qwen3; zerokld with ``tp_k_block`` 16, the one-rank baseline
   with the same ``tp_k_block``, the numerics it must equal); every rank scores the whole batch;
 * ``ep2``: ``expert_parallel_degree`` 2 (Qwen3-MoE, 8 experts top-2; each rank scores half the batch, the baseline
-  one rank the whole batch).
+  one rank the whole batch);
+* ``pp2``: ``pipeline_parallel_degree`` 2 (Qwen3, 1F1B, four micro-batches of two rollouts, float32: exact
+  accumulation covers float32 on every CPU); its RL step is ``forward_backward`` + ``optim_step``, and so is the
+  zerokld one-rank baseline's (the step it equals bit for bit);
+* ``cp2``: ``context_parallel_degree`` 2 (Qwen3; each rank a contiguous half of every sequence): the forward only
+  (training under CP is not supported yet); stock TorchTitan's CP cannot run on CPU (no sharding strategy for the
+  CPU flash-attention op), so its row is the zerokld one alone.
 
 ``speed_vs_one_rank = one_rank_s / layout_s`` (above 1: the layout is faster). On a 2-core machine two ranks get one
 core each while one rank gets both (``--threads``), so the figures say what the layout's communication and the
@@ -38,6 +44,7 @@ from shared_numerics.machine import machine_facts
 
 
 def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, repeats: int, **spec) -> dict:
+    spec.setdefault("train_step", True)
     path, out = tmp / f"{name}.json", tmp / f"{name}.pt"
     path.write_text(
         json.dumps(
@@ -46,7 +53,6 @@ def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, re
                 "dtype": dtype,
                 "sequences": seqs,
                 "prompt_lengths": lens,
-                "train_step": True,
                 "repeat": repeats,
                 "tp": 1,
                 "tp_k_block": None,
@@ -84,14 +90,14 @@ def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, re
     r = torch.load(out)
     return {
         "forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
-        "step_s": r["seconds"]["step"][0],
+        "step_s": r["seconds"]["step"][0] if "step" in r["seconds"] else None,
         "logprobs": r["logprobs"],
     }
 
 
 def markdown(result: dict) -> str:
     """The table of a result (one line per layout x engine), with its machine and workload."""
-    m = result["machine"]
+    m, dt = result["machine"], result.get("dtype")
     lines = [
         "# The trainer at each layout vs one rank (`benchmarks/layouts.py`)",
         "",
@@ -108,10 +114,13 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        model = r["arch"] if r.get("dtype", dt) == dt else f"{r['arch']} ({r['dtype']})"
+        step = "— | —"  # a layout without training (context parallelism: not yet)
+        if r["step_s"] is not None:
+            step = f"{r['one_rank_step_s']:.2f} / {r['step_s']:.2f} | {r['step_speed_vs_one_rank']:.2f}x"
         lines.append(
-            f"| {r['layout']} | {r['arch']} | {r['engine']} | {r['one_rank_forward_s']:.2f} / "
-            f"{r['forward_s']:.2f} | {r['forward_speed_vs_one_rank']:.2f}x | {r['one_rank_step_s']:.2f} / "
-            f"{r['step_s']:.2f} | {r['step_speed_vs_one_rank']:.2f}x | "
+            f"| {r['layout']} | {model} | {r['engine']} | {r['one_rank_forward_s']:.2f} / "
+            f"{r['forward_s']:.2f} | {r['forward_speed_vs_one_rank']:.2f}x | {step} | "
             f"{'yes' if r['logprobs_equal_one_rank'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
@@ -142,21 +151,28 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="zerokld-layouts-") as tmp_name:
         tmp = Path(tmp_name)
         ckpts = {
-            name: str(make_tiny_checkpoint(tmp / name, spec, seed=0, dtype=args.dtype))
-            for name, spec in (("qwen3", dense), ("qwen3_moe", moe))
+            (name, dtype): str(make_tiny_checkpoint(tmp / f"{name}_{dtype}", spec, seed=0, dtype=dtype))
+            for name, spec, dtype in (
+                ("qwen3", dense, args.dtype),
+                ("qwen3_moe", moe, args.dtype),
+                ("qwen3", dense, "float32"),
+            )
         }
-        layouts = {  # name: (checkpoint, ranks, the layout's spec, the one-rank baseline's spec)
-            "tp2": ("qwen3", 2, {"tp": 2, "tp_k_block": 16}, {"tp_k_block": 16}),
-            "ep2": ("qwen3_moe", 2, {"ep": 2, "split": True}, {}),
+        pp = {"pp": 2, "pp_microbatches": 4, "pp_microbatch_size": 2, "seq_len": args.seq_len}
+        layouts = {  # name: (checkpoint, dtype, ranks, the layout's spec, the one-rank baseline's spec)
+            "tp2": ("qwen3", args.dtype, 2, {"tp": 2, "tp_k_block": 16}, {"tp_k_block": 16}),
+            "ep2": ("qwen3_moe", args.dtype, 2, {"ep": 2, "split": True}, {}),
+            "pp2": ("qwen3", "float32", 2, pp, {"streaming": True}),
+            "cp2": ("qwen3", args.dtype, 2, {"cp": 2, "train_step": False}, {}),
         }
-        for layout, (arch, nproc, spec, base) in layouts.items():
-            for zerokld in (True, False):
-                stock = {} if zerokld else {"tp_k_block": None}
+        for layout, (arch, dtype, nproc, spec, base) in layouts.items():
+            for zerokld in (True,) if layout == "cp2" else (True, False):  # stock CP: not on CPU
+                stock = {} if zerokld else {"tp_k_block": None, "streaming": False}
                 one = _run(
                     tmp,
                     f"{layout}_one_{zerokld}",
-                    ckpts[arch],
-                    args.dtype,
+                    ckpts[arch, dtype],
+                    dtype,
                     seqs,
                     lens,
                     1,
@@ -167,8 +183,8 @@ def main(argv=None) -> dict:
                 par = _run(
                     tmp,
                     f"{layout}_{zerokld}",
-                    ckpts[arch],
-                    args.dtype,
+                    ckpts[arch, dtype],
+                    dtype,
                     seqs,
                     lens,
                     nproc,
@@ -179,6 +195,7 @@ def main(argv=None) -> dict:
                 row = {
                     "layout": layout,
                     "arch": arch,
+                    "dtype": dtype,
                     "engine": "zerokld" if zerokld else "stock",
                     "ranks": nproc,
                     "one_rank_forward_s": one["forward_s"],
@@ -186,7 +203,7 @@ def main(argv=None) -> dict:
                     "one_rank_step_s": one["step_s"],
                     "step_s": par["step_s"],
                     "forward_speed_vs_one_rank": one["forward_s"] / par["forward_s"],
-                    "step_speed_vs_one_rank": one["step_s"] / par["step_s"],
+                    "step_speed_vs_one_rank": None if par["step_s"] is None else one["step_s"] / par["step_s"],
                     "logprobs_equal_one_rank": bool(
                         torch.equal(torch.cat(one["logprobs"]), torch.cat(par["logprobs"]))
                     ),
@@ -196,9 +213,10 @@ def main(argv=None) -> dict:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_facts(),
+        "dtype": args.dtype,
         "workload": f"{args.batch} sequences of {args.seq_len} tokens, {args.dtype}, Qwen3 hidden {args.hidden} "
         f"x {args.layers} layers (MoE: 8 experts top-2), forward medians of {args.repeats - 1} "
-        "timed runs after one, one RL step",
+        "timed runs after one, one RL step (pp2: float32, 1F1B, 4 micro-batches of 2)",
         "rows": rows,
     }
     out = Path(args.out)

@@ -444,7 +444,7 @@ def _trainer_tp(
     ``expert_parallel_degree``; ``split``: each data-parallel rank scores its own share of ``seqs``; ``routes``:
     replayed (R3); ``layout``: more keys of the spec (pipeline parallelism, ``streaming``, ``steps``, ``weights``:
     :mod:`zerokld_testing.titan_tp`)."""
-    nproc = nproc or max(tp, ep, layout.get("pp", 1))
+    nproc = nproc or max(tp, ep, layout.get("pp", 1), layout.get("cp", 1))
     extra = "_".join(f"{k}{v}" for k, v in sorted(layout.items()))
     name = f"tp{tp}_ep{ep}_n{nproc}_{batch_invariant}_{fused}_{split}_{routes is not None}_{extra}"
     spec, out = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
@@ -486,6 +486,9 @@ def _trainer_tp(
         str(out),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    if layout.get("fails"):  # the run must fail: its stderr
+        assert proc.returncode != 0
+        return proc.stderr
     assert proc.returncode == 0, _failure_excerpt(proc.stderr)
     return torch.load(out)
 
@@ -900,3 +903,51 @@ def test_pipeline_parallel_refuses_what_it_cannot_keep_exact(tmp_path):
     else:
         refused = _trainer_tp(tmp_path, bf16, "bfloat16", 1, seqs, lens, tp_k_block=None, refusal="train", **pp)
         assert refused["refused"].startswith("NotImplementedError: training under pipeline parallelism needs exact")
+
+
+# --- context parallelism (issue 56 point 2) -----------------------------------------------------------------------
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_context_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
+    """Issue 56 point 2: TorchTitan's ``context_parallel_degree`` 2 with the zerokld attention (each rank a contiguous
+    half of every sequence, K/V all-gathered over the ``cp`` mesh dimension as a DTensor, the same fixed key-chunk
+    order): every log-prob equals one rank's — which vLLM serves (``tests/test_vllm_parity.py``) — bit for bit,
+    unfused and fused, on Qwen3 and on Qwen3-MoE with random routes replayed (R3, sliced like the tokens); CP 2 x DP 2
+    on 4 ranks too. Training under CP is refused at the call (not yet). Negative controls: TorchTitan's own CP cannot
+    run on CPU (its SDPA CP has no sharding strategy for the CPU flash-attention op), and the stock trainer's
+    log-probs on one rank differ from these."""
+    import numpy as np
+
+    from titan_plugin import trainer_logprobs
+    from zerokld_testing import random_prompts
+
+    seqs = random_prompts(6, seed=51, lo=12, hi=90)  # lengths that do not split evenly: the last slice is padded
+    lens = [len(s) // 2 for s in seqs]
+    qwen3 = checkpoint_factory("qwen3", dtype)
+    one = trainer_logprobs(qwen3, seqs, lens, dtype=dtype)
+    for fused in (False, True):
+        cp2 = _trainer_tp(tmp_path, qwen3, dtype, 1, seqs, lens, tp_k_block=None, fused=fused, cp=2)["logprobs"]
+        assert len(cp2) == len(one) == 6 and torch.equal(torch.cat(cp2), torch.cat(one)), fused
+    layout = dict(nproc=4, split=True, cp=2)
+    cp2dp2 = _trainer_tp(tmp_path, qwen3, dtype, 1, seqs, lens, tp_k_block=None, **layout)["logprobs"]
+    assert torch.equal(torch.cat(cp2dp2), torch.cat(one))
+    moe = checkpoint_factory("qwen3_moe", dtype)
+    rng = np.random.default_rng(51)
+    routes = [[[rng.permutation(8)[:2].tolist() for _ in range(2)] for _ in range(len(s) - 1)] for s in seqs]
+    replayed = trainer_logprobs(
+        moe, seqs, lens, dtype=dtype, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
+    )
+    cp2 = _trainer_tp(tmp_path, moe, dtype, 1, seqs, lens, tp_k_block=None, routes=routes, cp=2)["logprobs"]
+    assert torch.equal(torch.cat(cp2), torch.cat(replayed))
+    refused = _trainer_tp(tmp_path, qwen3, dtype, 1, seqs, lens, tp_k_block=None, cp=2, refusal="train")
+    assert refused["refused"].startswith("NotImplementedError: training under context parallelism")
+    stock = _trainer_tp(tmp_path, qwen3, dtype, 1, seqs, lens, batch_invariant=False, cp=2, fails=True)
+    assert "does not have a sharding strategy registered" in stock
+    stock_one = trainer_logprobs(qwen3, seqs, lens, dtype=dtype, batch_invariant=False)
+    stock_differs(
+        not torch.equal(torch.cat(stock_one), torch.cat(one)), "TorchTitan's trainer vs vLLM's bits", "the prompts"
+    )

@@ -333,6 +333,7 @@ class ZeroKLDAttention(Module):
 
     def __init__(self, config: Config):
         super().__init__()
+        self.cp_mesh = None  # the ``cp`` DeviceMesh under context parallelism (titan_plugin.context_parallel)
 
     def forward(
         self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs
@@ -343,7 +344,12 @@ class ZeroKLDAttention(Module):
                 "(packed sequences) are not supported"
             )
         d = q_BLNH.shape[-1]
-        return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale if scale is not None else d**-0.5)
+        scale = scale if scale is not None else d**-0.5
+        if self.cp_mesh is not None:  # this rank's slice of the sequences, over all their keys
+            from .context_parallel import cp_attention
+
+            return cp_attention(q_BLNH, k_BLNH, v_BLNH, scale, self.cp_mesh)
+        return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale)
 
 
 class ZeroKLDMLAAttention(DeepSeekMLAAttention):

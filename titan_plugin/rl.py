@@ -36,6 +36,7 @@ from zerokld_models import ModelConfig, adapter_for, read_model_config
 from zerokld_plugins.errors import ZeroKLDClientError
 
 from . import cpu_compat
+from .context_parallel import gather_sequence, shard_sequence, with_context_parallel
 from .exact_accumulation import ExactAccumulation, unsupported_reason
 from .logprobs import completion_logprobs, sequence_logprobs
 from .lora import ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter, save_peft_adapter
@@ -103,6 +104,8 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
     batch_invariant = settings.batch_invariant
     model_cfg = titan_model_config(cfg, settings)
     parallelize = resolve(adapter_for(cfg).titan_parallelize)
+    if batch_invariant:  # zerokld runs context parallelism itself (titan_plugin.context_parallel)
+        parallelize = with_context_parallel(parallelize)
     if lora is not None:
         model_cfg = _apply_lora(model_cfg, lora, batch_invariant, adapter_for(cfg).attention == "mla")
         parallelize = keep_requires_grad(parallelize)
@@ -161,6 +164,7 @@ def rl_trainer_config(
     pipeline_parallel_microbatch_size: int = 1,
     pipeline_parallel_microbatches: int | None = None,
     seq_len: int | None = None,
+    context_parallel_degree: int = 1,
 ) -> RLTrainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
@@ -206,6 +210,10 @@ def rl_trainer_config(
             and the weights after :meth:`RLTrainer.rl_step` are one rank's bit for bit.
         pipeline_parallel_microbatches: micro-batches per schedule step (default: twice the stages); one schedule
             step takes ``microbatches * microbatch_size`` rollouts (TorchTitan's ``training.local_batch_size``).
+        context_parallel_degree: TorchTitan's ``parallelism.context_parallel_degree`` (under ``torchrun``;
+            :mod:`titan_plugin.context_parallel`): each rank scores a contiguous slice of every sequence, the keys and
+            values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit. Training under
+            CP: not yet (refused at the call).
         seq_len: TorchTitan's ``training.seq_len`` (default: the model's ``max_position_embeddings``); under pipeline
             parallelism every rollout is padded to it (the schedule's shapes are fixed).
 
@@ -232,6 +240,8 @@ def rl_trainer_config(
         microbatches = _check_pipeline_parallel(
             cfg, pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatches, batch_invariant
         )
+    if context_parallel_degree > 1 and batch_invariant and adapter_for(cfg).attention == "mla":
+        raise ValueError(f"context_parallel_degree {context_parallel_degree}: not yet on MLA attention")
     spec = _model_spec(cfg, settings, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
@@ -265,9 +275,14 @@ def rl_trainer_config(
             pipeline_parallel_degree=pipeline_parallel_degree,
             pipeline_parallel_schedule=pipeline_parallel_schedule,
             pipeline_parallel_microbatch_size=pipeline_parallel_microbatch_size,
+            context_parallel_degree=context_parallel_degree,
+            context_parallel_load_balancer=None,  # contiguous slices (titan_plugin.context_parallel)
             **(
                 {"spmd_backend": "partial_dtensor"}
-                if max(tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree) > 1
+                if max(
+                    tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree, context_parallel_degree
+                )
+                > 1
                 else {}
             ),
         ),
@@ -333,21 +348,7 @@ class RLTrainer(Trainer):
     class Config(Trainer.Config):
         zerokld: ZeroKLDSettings = field(default_factory=ZeroKLDSettings)  # the one settings object (both sides)
 
-    #: TorchTitan parallelisms the zerokld trainer does not run yet (issue 56), refused before anything starts
-    UNSUPPORTED_PARALLELISMS = {
-        "context_parallel_degree": "context parallelism (TorchTitan's patches SDPA; zerokld attention has no CP path)",
-    }
-
     def __init__(self, config: RLTrainer.Config) -> None:
-        """Raises:
-        NotImplementedError: a parallelism of :attr:`UNSUPPORTED_PARALLELISMS` above 1 with the zerokld numerics
-            (``config.zerokld.batch_invariant``); nothing was started."""
-        if config.zerokld.batch_invariant:
-            refused = [
-                why for name, why in self.UNSUPPORTED_PARALLELISMS.items() if getattr(config.parallelism, name) > 1
-            ]
-            if refused:
-                raise NotImplementedError("zerokld trainer does not support yet: " + "; ".join(refused))
         cpu_compat.apply()  # TorchTitan on a CPU-only torch (titan_plugin.cpu_compat): applied here, not on import
         cpu_compat.ensure_single_process_env()
         super().__init__(config)
@@ -427,6 +428,7 @@ class RLTrainer(Trainer):
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
         """
         self._check(batch)
+        self._refuse_context_parallel_training()
         if self.pipeline is not None:  # the schedule's micro-batches: forward_backward's exact accumulation
             self.zero_grad()
             result = self.forward_backward(batch)
@@ -469,6 +471,8 @@ class RLTrainer(Trainer):
         self._check(batch)
         if self.pipeline is not None:
             return self._pipeline_logprobs(batch)
+        if self.parallel_dims.cp_enabled:
+            return self._context_parallel_logprobs(batch)
         ctx = disable_adapter(self.model) if base_only else contextlib.nullcontext()
         with ctx:
             return sequence_logprobs(
@@ -477,6 +481,39 @@ class RLTrainer(Trainer):
                 batch.prompt_lengths,
                 fused=self.config.loss.fused,
                 routed_experts=batch.routed_experts,
+            )
+
+    def _context_parallel_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """:meth:`forward_logprobs` under context parallelism (:mod:`titan_plugin.context_parallel`): this rank's
+        contiguous slice of every sequence through the model (global positions for RoPE), each position's next-token
+        log-prob scored there, the slices gathered over the ``cp`` mesh dimension."""
+        from .logprobs import logprob_scorer
+
+        mesh = self.parallel_dims.get_mesh("cp")
+        tokens = batch.padded_tokens(0)
+        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # position p scores token p + 1
+        local, local_targets = shard_sequence(tokens, mesh), shard_sequence(targets, mesh)
+        start = mesh.get_local_rank() * local.shape[1]
+        positions = torch.arange(start, start + local.shape[1]).unsqueeze(0)
+        routes = self._routes(batch, tokens.shape[1])
+        with replay_routes(self.model, None if routes is None else shard_sequence(routes, mesh)):
+            out = self.model(local, positions=positions)
+        lm_head, rows = self.model.lm_head, local_targets.reshape(-1)
+        if self.config.loss.fused:
+            scores = lm_head(lm_head.fused_input(out).reshape(rows.numel(), -1), targets=rows)
+        else:
+            logits, score = logprob_scorer(out, lm_head)
+            scores = score(logits.reshape(rows.numel(), -1), rows)
+        every = gather_sequence(scores.reshape(local_targets.shape), mesh)
+        return [
+            every[i, p - 1 : len(s) - 1]
+            for i, (s, p) in enumerate(zip(batch.sequences, batch.prompt_lengths, strict=True))
+        ]
+
+    def _refuse_context_parallel_training(self) -> None:
+        if self.parallel_dims.cp_enabled:
+            raise NotImplementedError(
+                "training under context parallelism is not supported yet (its log-probs are: forward_logprobs)"
             )
 
     def _pipeline_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
@@ -606,6 +643,7 @@ class RLTrainer(Trainer):
                 exact accumulation (nothing ran).
         """
         self._check(batch)
+        self._refuse_context_parallel_training()
         loss = loss or self.loss_fn
         token_mean = loss.config.normalization == "token_mean"
         if self._pending is not None and self._pending[0] != token_mean:

@@ -9,7 +9,8 @@ reassembles them in order) and
 ``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null), ``repeat``
 (times the forward is run and timed, default 1); pipeline parallelism: ``pp`` (TorchTitan's
 ``pipeline_parallel_degree``, default 1), ``pp_schedule``, ``pp_microbatch_size``, ``pp_microbatches``, ``seq_len``
-(:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and ``seq_len``); ``streaming`` (bool: the step is
+(:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and ``seq_len``); ``cp``
+(``context_parallel_degree``, default 1); ``streaming`` (bool: the step is
 ``forward_backward`` + ``optim_step`` instead of ``rl_step``), ``steps`` (RL steps, default 1), ``weights`` (bool:
 also ``weights``, the float32 HF weights after the steps); ``refusal`` (``"train"``: an ``rl_step``, else
 ``forward_logprobs``, that must be refused: rank 0 writes only ``refused``, the exception's message, or ``None``);
@@ -55,6 +56,7 @@ def main(argv: list[str]) -> None:
             pipeline_parallel_microbatch_size=spec.get("pp_microbatch_size", 1),
             pipeline_parallel_microbatches=spec.get("pp_microbatches"),
             seq_len=spec.get("seq_len"),
+            context_parallel_degree=spec.get("cp", 1),
         )
         config.checkpoint.enable = True
         trainer = RLTrainer(config)

@@ -1,0 +1,100 @@
+"""Context parallelism for the zerokld trainer: the sequence split over the ``cp`` ranks, attention over all keys.
+
+TorchTitan's own CP (``torchtitan/distributed/context_parallel``) wraps SDPA (ring attention through DTensor's
+dispatcher, whose partial results merge in ring order) or FlexAttention (an all-gather of K/V), and shards the inputs
+with a head-tail load balancer. The zerokld trainer's attention (:func:`shared_numerics.dense_causal_attention`) walks
+each query's keys in fixed 32-position chunks from position 0 with one online softmax; a query's result depends only
+on its keys. So under CP each rank holds one contiguous slice of every sequence (positions ``[r * T/cp, (r+1) *
+T/cp)``), all-gathers the keys and values of the ``cp`` mesh dimension as a DTensor (``Shard(1)`` → whole;
+differentiable: its backward reduce-scatters the K/V gradients), and runs the same attention for its queries over the
+whole prefix — every query sees its keys in the single-rank chunk order, so each log-prob is CP 1's (and vLLM's) bit
+for bit. Everything else in a decoder is per token.
+
+What this costs: each rank computes attention for the rows before its slice too (zero queries, results dropped), so
+CP splits the per-token work (projections, MLP, lm_head), not the attention's.
+
+Source: ``torchtitan/distributed/context_parallel/api.py`` (``apply_cp_to_forward``, the K/V all-gather for
+FlexAttention); the DeviceMesh ``cp`` dimension of ``torchtitan/distributed/parallel_dims.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["cp_attention", "gather_sequence", "shard_sequence", "with_context_parallel"]
+
+
+class _WithoutTitanCP:
+    """``parallel_dims`` as TorchTitan's ``parallelize_fn`` should see it when zerokld runs CP itself: the same
+    meshes (FSDP still shards over ``dp_shard x cp``), but ``cp_enabled`` false, so TorchTitan does not wrap the
+    inner attention with its own CP (which refuses the zerokld attention)."""
+
+    cp_enabled = False
+
+    def __init__(self, parallel_dims) -> None:
+        self._dims = parallel_dims
+
+    def __getattr__(self, name):
+        return getattr(self._dims, name)
+
+
+def with_context_parallel(parallelize_fn):
+    """Wrap a TorchTitan ``parallelize_fn``: under context parallelism, give every zerokld inner attention the ``cp``
+    mesh (:class:`titan_plugin.overrides.ZeroKLDAttention`) and run TorchTitan's parallelisms without its CP."""
+
+    @functools.wraps(parallelize_fn)
+    def wrapped(model, *, parallel_dims, **kwargs):
+        if not parallel_dims.cp_enabled:
+            return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+        from .overrides import ZeroKLDAttention
+
+        mesh = parallel_dims.get_mesh("cp")
+        attention = [m for m in model.modules() if isinstance(m, ZeroKLDAttention)]
+        if not attention:
+            raise NotImplementedError("zerokld context parallelism needs the zerokld attention (not MLA yet)")
+        for m in attention:
+            m.cp_mesh = mesh
+        return parallelize_fn(model, parallel_dims=_WithoutTitanCP(parallel_dims), **kwargs)
+
+    return wrapped
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mesh) -> torch.Tensor:
+    """Causal attention of this rank's contiguous slice of the sequences over all their keys.
+
+    Args:
+        q: ``[B, T/cp, Hq, D]``, k, v: ``[B, T/cp, Hkv, D]``: this rank's positions ``[r * T/cp, (r + 1) * T/cp)``
+            (``r`` its rank on ``mesh``, the ``cp`` DeviceMesh dimension). scale: softmax scale.
+
+    Returns:
+        ``[B, T/cp, Hq, D]``: rows bitwise those of :func:`shared_numerics.dense_causal_attention` on the whole
+        sequences (differentiable).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    import shared_numerics as sn
+
+    rank, t = mesh.get_local_rank(), q.shape[1]
+    end = (rank + 1) * t  # keys past this rank's last query are never read: gather all, keep the prefix
+    k_all = DTensor.from_local(k, mesh, [Shard(1)], run_check=False).full_tensor()[:, :end]
+    v_all = DTensor.from_local(v, mesh, [Shard(1)], run_check=False).full_tensor()[:, :end]
+    q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, rank * t, 0))  # zero queries before this rank's slice
+    return sn.dense_causal_attention(q_all, k_all, v_all, scale)[:, rank * t :]
+
+
+def shard_sequence(t: torch.Tensor, mesh, value=0) -> torch.Tensor:
+    """This rank's contiguous slice of ``[B, T, ...]`` along dim 1, ``T`` right-padded with ``value`` to a multiple
+    of the ``cp`` size."""
+    rank, size = mesh.get_local_rank(), mesh.size()
+    n = -(-t.shape[1] // size)
+    pad = [0, 0] * (t.dim() - 2) + [0, n * size - t.shape[1]]
+    return torch.nn.functional.pad(t, pad, value=value)[:, rank * n : (rank + 1) * n]
+
+
+def gather_sequence(t: torch.Tensor, mesh) -> torch.Tensor:
+    """The ranks' slices ``[B, T/cp, ...]`` of :func:`shard_sequence`, whole again (``[B, T_padded, ...]``)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t.contiguous(), mesh, [Shard(1)], run_check=False).full_tensor()
