@@ -11,9 +11,9 @@ times after the first) and one RL step (``rl_step``), rank 0's wall clock betwee
 * ``pp2``: ``pipeline_parallel_degree`` 2 (Qwen3, 1F1B, four micro-batches of two rollouts, float32: exact
   accumulation covers float32 on every CPU); its RL step is ``forward_backward`` + ``optim_step``, and so is the
   zerokld one-rank baseline's (the step it equals bit for bit);
-* ``cp2``: ``context_parallel_degree`` 2 (Qwen3; each rank a contiguous half of every sequence): the forward only
-  (training under CP is not supported yet); stock TorchTitan's CP cannot run on CPU (no sharding strategy for the
-  CPU flash-attention op), so its row is the zerokld one alone.
+* ``cp2``: ``context_parallel_degree`` 2 (Qwen3; each rank a contiguous half of every sequence; its RL step is
+  ``forward_backward`` + ``optim_step``); stock TorchTitan's CP cannot run on CPU (no sharding strategy for the CPU
+  flash-attention op), so its row is the zerokld one alone.
 
 ``speed_vs_one_rank = one_rank_s / layout_s`` (above 1: the layout is faster). On a 2-core machine two ranks get one
 core each while one rank gets both (``--threads``), so the figures say what the layout's communication and the
@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
             "tp2": ("qwen3", args.dtype, 2, {"tp": 2, "tp_k_block": 16}, {"tp_k_block": 16}),
             "ep2": ("qwen3_moe", args.dtype, 2, {"ep": 2, "split": True}, {}),
             "pp2": ("qwen3", "float32", 2, pp, {"streaming": True}),
-            "cp2": ("qwen3", args.dtype, 2, {"cp": 2, "train_step": False}, {}),
+            "cp2": ("qwen3", args.dtype, 2, {"cp": 2}, {}),
         }
         for layout, (arch, dtype, nproc, spec, base) in layouts.items():
             for zerokld in (True,) if layout == "cp2" else (True, False):  # stock CP: not on CPU

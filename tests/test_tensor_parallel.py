@@ -767,13 +767,14 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
 # --- pipeline parallelism (issue 56 point 1) ----------------------------------------------------------------------
 
 
-def _same_run(a: dict, b: dict, keys=("logprobs", "step_logprobs", "after")) -> dict:
-    """Which of two runs' stacked log-probs (and HF weights, when both have them) are the same bits."""
+def _same_run(a: dict, b: dict, keys=("logprobs", "step_logprobs", "after"), weights: bool = True) -> dict:
+    """Which of two runs' stacked log-probs (and HF weights, when both have them and ``weights``) are the same
+    bits."""
     out = {}
     for k in keys:
         assert len(a[k]) == len(b[k]) > 0
         out[k] = torch.equal(torch.cat(a[k]), torch.cat(b[k]))
-    if "weights" in a and "weights" in b:
+    if weights and "weights" in a and "weights" in b:
         assert a["weights"].keys() == b["weights"].keys()
         out["weights"] = all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
     return out
@@ -917,7 +918,7 @@ def test_context_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype)
     half of every sequence, K/V all-gathered over the ``cp`` mesh dimension as a DTensor, the same fixed key-chunk
     order): every log-prob equals one rank's — which vLLM serves (``tests/test_vllm_parity.py``) — bit for bit,
     unfused and fused, on Qwen3 and on Qwen3-MoE with random routes replayed (R3, sliced like the tokens); CP 2 x DP 2
-    on 4 ranks too. Training under CP is refused at the call (not yet). Negative controls: TorchTitan's own CP cannot
+    on 4 ranks too. Negative controls: TorchTitan's own CP cannot
     run on CPU (its SDPA CP has no sharding strategy for the CPU flash-attention op), and the stock trainer's
     log-probs on one rank differ from these."""
     import numpy as np
@@ -943,11 +944,40 @@ def test_context_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype)
     )
     cp2 = _trainer_tp(tmp_path, moe, dtype, 1, seqs, lens, tp_k_block=None, routes=routes, cp=2)["logprobs"]
     assert torch.equal(torch.cat(cp2), torch.cat(replayed))
-    refused = _trainer_tp(tmp_path, qwen3, dtype, 1, seqs, lens, tp_k_block=None, cp=2, refusal="train")
-    assert refused["refused"].startswith("NotImplementedError: training under context parallelism")
     stock = _trainer_tp(tmp_path, qwen3, dtype, 1, seqs, lens, batch_invariant=False, cp=2, fails=True)
     assert "does not have a sharding strategy registered" in stock
     stock_one = trainer_logprobs(qwen3, seqs, lens, dtype=dtype, batch_invariant=False)
     stock_differs(
         not torch.equal(torch.cat(stock_one), torch.cat(one)), "TorchTitan's trainer vs vLLM's bits", "the prompts"
     )
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_context_parallel_2_trains_like_one_rank(tmp_path, checkpoint_factory):
+    """Training under context parallelism 2: each rank back-propagates the losses of its halves of the rollouts
+    through the K/V all-gather (whose backward sums every rank's K/V gradients) and FSDP sums the parameter gradients
+    over the ranks. The step's log-probs and loss are one rank's bit for bit; the gradient norm and the weights after
+    the step are one rank's up to summation order (float32: relative 1e-5; absolute 1e-5 on weights, a tenth of
+    the learning rate). This catches a lost gradient term: ``DTensor.full_tensor``'s own backward, which treats the
+    gathered keys' gradient as replicated, gave a gradient norm 12% off. GSPO (its sequence-level ratio would span
+    the ranks) is refused."""
+    from zerokld_testing import random_prompts
+
+    ckpt = checkpoint_factory("qwen3", "float32")
+    seqs = random_prompts(6, seed=53, lo=12, hi=90)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, streaming=True)
+    one = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, **common)
+    cp2 = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, cp=2, **common)
+    same = _same_run(one, cp2, keys=("logprobs", "step_logprobs"), weights=False)
+    assert all(same.values()) and one["loss"] == cp2["loss"], same
+    assert not torch.equal(torch.cat(one["after"]), torch.cat(one["logprobs"]))  # the step moved the weights
+    torch.testing.assert_close(torch.tensor(cp2["grad_norm"]), torch.tensor(one["grad_norm"]), rtol=1e-5, atol=0)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(cp2["weights"][name], w, rtol=1e-5, atol=1e-5)
+    refused = _trainer_tp(
+        tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, cp=2, loss_fn="gspo", refusal="train"
+    )
+    assert refused["refused"].startswith("NotImplementedError: GSPO under context parallelism")

@@ -6,12 +6,13 @@ with a head-tail load balancer. The zerokld trainer's attention (:func:`shared_n
 each query's keys in fixed 32-position chunks from position 0 with one online softmax; a query's result depends only
 on its keys. So under CP each rank holds one contiguous slice of every sequence (positions ``[r * T/cp, (r+1) *
 T/cp)``), all-gathers the keys and values of the ``cp`` mesh dimension as a DTensor (``Shard(1)`` → whole;
-differentiable: its backward reduce-scatters the K/V gradients), and runs the same attention for its queries over the
-whole prefix — every query sees its keys in the single-rank chunk order, so each log-prob is CP 1's (and vLLM's) bit
-for bit. Everything else in a decoder is per token.
+its backward sums the ranks' K/V gradients, ``Partial`` → ``Shard(1)``), and runs the same attention for its
+queries over the whole prefix — every query sees its keys in the single-rank chunk order, so each log-prob is CP
+1's (and vLLM's) bit for bit. Everything else in a decoder is per token.
 
 What this costs: each rank computes attention for the rows before its slice too (zero queries, results dropped), so
-CP splits the per-token work (projections, MLP, lm_head), not the attention's.
+CP splits the per-token work (projections, MLP, lm_head), not the attention's. Training: each rank back-propagates
+its slices' losses; the gradients are summed over the ranks (FSDP), one rank's up to summation order.
 
 Source: ``torchtitan/distributed/context_parallel/api.py`` (``apply_cp_to_forward``, the K/V all-gather for
 FlexAttention); the DeviceMesh ``cp`` dimension of ``torchtitan/distributed/parallel_dims.py``.
@@ -61,6 +62,27 @@ def with_context_parallel(parallelize_fn):
     return wrapped
 
 
+class _GatherKeys(torch.autograd.Function):
+    """The ranks' ``Shard(1)`` slices whole (forward), and the backward the sum over the ranks of each rank's
+    gradient for the whole, sliced back (``Partial`` → ``Shard(1)``): every rank's queries read every rank's keys.
+    (``DTensor.full_tensor``'s own backward treats the whole's gradient as replicated, identical on every rank, and
+    would drop the other ranks' contributions.)"""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, mesh) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        ctx.mesh = mesh
+        return DTensor.from_local(local.contiguous(), mesh, [Shard(1)], run_check=False).full_tensor()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        whole = DTensor.from_local(grad.contiguous(), ctx.mesh, [Partial()], run_check=False)
+        return whole.redistribute(ctx.mesh, [Shard(1)]).to_local(), None
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mesh) -> torch.Tensor:
     """Causal attention of this rank's contiguous slice of the sequences over all their keys.
 
@@ -72,14 +94,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ``[B, T/cp, Hq, D]``: rows bitwise those of :func:`shared_numerics.dense_causal_attention` on the whole
         sequences (differentiable).
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     import shared_numerics as sn
 
     rank, t = mesh.get_local_rank(), q.shape[1]
     end = (rank + 1) * t  # keys past this rank's last query are never read: gather all, keep the prefix
-    k_all = DTensor.from_local(k, mesh, [Shard(1)], run_check=False).full_tensor()[:, :end]
-    v_all = DTensor.from_local(v, mesh, [Shard(1)], run_check=False).full_tensor()[:, :end]
+    k_all = _GatherKeys.apply(k, mesh)[:, :end]
+    v_all = _GatherKeys.apply(v, mesh)[:, :end]
     q_all = torch.nn.functional.pad(q, (0, 0, 0, 0, rank * t, 0))  # zero queries before this rank's slice
     return sn.dense_causal_attention(q_all, k_all, v_all, scale)[:, rank * t :]
 

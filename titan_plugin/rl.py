@@ -212,8 +212,9 @@ def rl_trainer_config(
             step takes ``microbatches * microbatch_size`` rollouts (TorchTitan's ``training.local_batch_size``).
         context_parallel_degree: TorchTitan's ``parallelism.context_parallel_degree`` (under ``torchrun``;
             :mod:`titan_plugin.context_parallel`): each rank scores a contiguous slice of every sequence, the keys and
-            values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit. Training under
-            CP: not yet (refused at the call).
+            values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit. Training: each
+            rank back-propagates its slices' losses, FSDP sums the gradients over the ranks (the one-rank gradient up
+            to summation order; not bitwise).
         seq_len: TorchTitan's ``training.seq_len`` (default: the model's ``max_position_embeddings``); under pipeline
             parallelism every rollout is padded to it (the schedule's shapes are fixed).
 
@@ -428,8 +429,7 @@ class RLTrainer(Trainer):
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
         """
         self._check(batch)
-        self._refuse_context_parallel_training()
-        if self.pipeline is not None:  # the schedule's micro-batches: forward_backward's exact accumulation
+        if self.pipeline is not None or self.parallel_dims.cp_enabled:  # forward_backward + optim_step
             self.zero_grad()
             result = self.forward_backward(batch)
             self.optim_step()
@@ -510,11 +510,54 @@ class RLTrainer(Trainer):
             for i, (s, p) in enumerate(zip(batch.sequences, batch.prompt_lengths, strict=True))
         ]
 
-    def _refuse_context_parallel_training(self) -> None:
-        if self.parallel_dims.cp_enabled:
-            raise NotImplementedError(
-                "training under context parallelism is not supported yet (its log-probs are: forward_logprobs)"
-            )
+    def _context_parallel_forward_backward(self, batch: RolloutBatch, loss: RLLoss) -> list[dict]:
+        """:meth:`forward_backward` under context parallelism: this rank's contiguous slice of every rollout (tokens,
+        labels, the loss's RL inputs, routes) through one forward and backward; the K/V all-gather's backward
+        reduce-scatters the attention gradients and FSDP sums the parameter gradients over the ``cp`` (and data-
+        parallel) ranks. Returns one loss record whose per-position tensors are whole again (gathered over ``cp``)
+        and whose counts are summed over the ranks."""
+        import torch.distributed as dist
+
+        if loss.config.loss_fn == "gspo":
+            raise NotImplementedError("GSPO under context parallelism: its sequence-level ratio spans the cp ranks")
+        mesh = self.parallel_dims.get_mesh("cp")
+        tokens, labels, adv, q, weights = batch.pack()
+        ref = batch.pack_ref()
+        tokens, labels, adv, q, ref, weights = (
+            None if t is None else shard_sequence(t, mesh, v)
+            for t, v in ((tokens, 0), (labels, IGNORE_INDEX), (adv, 0.0), (q, 0.0), (ref, 0.0), (weights, 0.0))
+        )
+        start = mesh.get_local_rank() * tokens.shape[1]
+        positions = torch.arange(start, start + tokens.shape[1]).unsqueeze(0)
+        routes = self._routes(batch, batch.padded_tokens(0).shape[1])
+        loss.clear_rl_inputs()
+        loss.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, ref, weights=weights)
+        with replay_routes(self.model, None if routes is None else shard_sequence(routes, mesh)):
+            out, _ = loss(self.model(tokens, positions=positions), labels)  # summed: divided at optim_step
+        out.backward()
+        last = loss.last
+        mask = last["mask"]
+        per_position = {}
+        for key in ("train_logprobs", "token_losses", "weighted", "clipped", "grad_zeroed"):
+            full = torch.zeros(mask.shape, dtype=last[key].dtype)
+            full[mask] = last[key]
+            per_position[key] = gather_sequence(full, mesh)
+        whole = gather_sequence(mask, mesh)
+        kept = torch.tensor(last["kept"])
+        dist.all_reduce(kept, group=mesh.get_group())
+        return [{**{k: v[whole] for k, v in per_position.items()}, "mask": whole, "kept": int(kept)}]
+
+    def _count_over_ranks(self, kept: int) -> int:
+        """``kept`` summed over the data-parallel ranks: each rank's ``token_mean`` divides its gradient shard by
+        the whole batch's kept tokens."""
+        import torch.distributed as dist
+
+        mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
+        if mesh is None:
+            return kept
+        total = torch.tensor(kept)
+        dist.all_reduce(total, group=mesh.get_group())
+        return int(total)
 
     def _pipeline_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """:meth:`forward_logprobs` through the pipeline schedule (forward only), scored on the last stage and
@@ -622,6 +665,8 @@ class RLTrainer(Trainer):
         * under pipeline parallelism (:mod:`titan_plugin.pipeline`): the batched way through the schedule's
           micro-batches, each stage's chains continued in micro-batch order — one rank's bits; refused where exact
           accumulation is off.
+        * under context parallelism (:mod:`titan_plugin.context_parallel`): one forward and backward of this rank's
+          slices of the rollouts; FSDP sums the ranks' gradients (not bitwise one rank's: summation order).
         * one rollout at a time (elsewhere; :attr:`exact_accumulation_off` says why): each rollout's forward and
           backward run alone (the forward is batch-invariant: the same log-prob bits as in any batch) and autograd
           adds its contribution into ``.grad`` in batch order.
@@ -629,7 +674,8 @@ class RLTrainer(Trainer):
         The two ways give different bits (each is exact across groupings). ``token_mean`` divides by the kept tokens
         of the whole accumulated batch, which a stream knows only at its end: the rollouts back-propagate the summed
         token losses and :meth:`optim_step` divides the accumulated gradients by the kept tokens counted since the
-        previous step. ``sum`` (Tinker's) and ``constant`` need no deferral.
+        previous step — over every data-parallel rank, since FSDP sums their gradients. ``sum`` (Tinker's) and
+        ``constant`` need no deferral.
 
         Returns:
             Like :meth:`rl_step`; ``loss`` is this call's (summed token losses, ``token_mean``: divided by this
@@ -640,10 +686,9 @@ class RLTrainer(Trainer):
             ValueError: a ``token_mean`` loss and another normalisation accumulated into one optimizer step; under
                 pipeline parallelism, a rollout longer than ``seq_len``.
             NotImplementedError: under pipeline parallelism, routes to replay (R3), or the zerokld numerics without
-                exact accumulation (nothing ran).
+                exact accumulation; under context parallelism, GSPO (its sequence ratio spans ranks); nothing ran.
         """
         self._check(batch)
-        self._refuse_context_parallel_training()
         loss = loss or self.loss_fn
         token_mean = loss.config.normalization == "token_mean"
         if self._pending is not None and self._pending[0] != token_mean:
@@ -654,6 +699,8 @@ class RLTrainer(Trainer):
         try:
             if self.pipeline is not None:  # the schedule's micro-batches (titan_plugin.pipeline)
                 parts, groups = self._pipeline_forward_backward(batch, loss), []
+            elif self.parallel_dims.cp_enabled:  # the sequences split over the cp ranks
+                parts, groups = self._context_parallel_forward_backward(batch, loss), []
             else:
                 groups = [batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]
             for one in groups:
@@ -687,7 +734,9 @@ class RLTrainer(Trainer):
         finally:
             self.loss_fn = configured
         kept = sum(p["kept"] for p in parts)
-        self._pending = (token_mean, kept + (self._pending[1] if self._pending else 0))
+        # the whole batch's, for optim_step (a pipeline shares the last stage's counts; cp ranks summed theirs)
+        batch_kept = kept if self.pipeline is not None else self._count_over_ranks(kept)
+        self._pending = (token_mean, batch_kept + (self._pending[1] if self._pending else 0))
         summed = torch.cat([p["token_losses"] for p in parts]).sum()
         return {
             "train_logprobs": [

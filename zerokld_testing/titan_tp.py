@@ -1,21 +1,24 @@
 """Score sequences with the TorchTitan trainer under tensor parallelism, under ``torchrun`` (one process per rank).
 
-``python -m torch.distributed.run --nproc-per-node 2 -m zerokld_testing.titan_tp IN.json OUT.pt``: ``IN.json`` holds
-``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),
-``batch_invariant``, ``sequences``, ``prompt_lengths``, ``train_step`` (bool), ``fused`` (bool, default false: the
-fused lm_head log-probs and loss), ``ep`` (TorchTitan's ``expert_parallel_degree``, default 1) and ``split`` (bool,
-default false: data-parallel rank ``r`` of ``n`` scores sequences ``r::n`` instead of all of them; rank 0
-reassembles them in order) and
-``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null), ``repeat``
-(times the forward is run and timed, default 1); pipeline parallelism: ``pp`` (TorchTitan's
-``pipeline_parallel_degree``, default 1), ``pp_schedule``, ``pp_microbatch_size``, ``pp_microbatches``, ``seq_len``
-(:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and ``seq_len``); ``cp``
-(``context_parallel_degree``, default 1); ``streaming`` (bool: the step is
-``forward_backward`` + ``optim_step`` instead of ``rl_step``), ``steps`` (RL steps, default 1), ``weights`` (bool:
-also ``weights``, the float32 HF weights after the steps); ``refusal`` (``"train"``: an ``rl_step``, else
-``forward_logprobs``, that must be refused: rank 0 writes only ``refused``, the exception's message, or ``None``);
-rank 0 writes ``OUT.pt``
-(``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
+``python -m torch.distributed.run --nproc-per-node 2 -m zerokld_testing.titan_tp IN.json OUT.pt``. ``IN.json`` holds:
+
+* ``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),
+  ``batch_invariant``, ``sequences``, ``prompt_lengths``, ``train_step`` (bool), ``fused`` (bool, default false: the
+  fused lm_head log-probs and loss), ``ep`` (``expert_parallel_degree``, default 1);
+* ``split`` (bool, default false: data-parallel rank ``r`` of ``n`` scores sequences ``r::n`` instead of all of
+  them; rank 0 reassembles them in order);
+* ``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null), ``repeat``
+  (times the forward is run and timed, default 1);
+* pipeline parallelism: ``pp`` (``pipeline_parallel_degree``, default 1), ``pp_schedule``, ``pp_microbatch_size``,
+  ``pp_microbatches``, ``seq_len`` (:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and
+  ``seq_len``); ``cp`` (``context_parallel_degree``, default 1); ``loss_fn`` (default ``"ppo"``);
+* ``streaming`` (bool: the step is ``forward_backward`` + ``optim_step`` instead of ``rl_step``; ``grad_norm``: each
+  step's), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
+  steps);
+* ``refusal`` (``"train"``: an ``rl_step``, else ``forward_logprobs``, that must be refused: rank 0 writes only
+  ``refused``, the exception's message, or ``None``).
+
+Rank 0 writes ``OUT.pt`` (``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
 :meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
 :meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it;
 ``seconds``: rank 0's wall clock of each timed forward (and the step), between barriers.
@@ -57,6 +60,7 @@ def main(argv: list[str]) -> None:
             pipeline_parallel_microbatches=spec.get("pp_microbatches"),
             seq_len=spec.get("seq_len"),
             context_parallel_degree=spec.get("cp", 1),
+            loss_fn=spec.get("loss_fn", "ppo"),
         )
         config.checkpoint.enable = True
         trainer = RLTrainer(config)
@@ -108,7 +112,7 @@ def main(argv: list[str]) -> None:
             for _ in range(spec.get("steps", 1)):
                 if spec.get("streaming"):
                     step = trainer.forward_backward(rollouts)
-                    trainer.optim_step()
+                    result.setdefault("grad_norm", []).append(trainer.optim_step()["grad_norm"])
                 else:
                     step = trainer.rl_step(rollouts)
             dist.barrier()
@@ -123,7 +127,7 @@ def main(argv: list[str]) -> None:
             dist.all_gather_object(parts, (mine, result))
             merged = {}
             for key in result:
-                if key in ("loss", "weights"):
+                if key in ("loss", "weights", "grad_norm"):
                     merged[key] = [r["loss"] for _, r in parts]
                     continue
                 rows = {i: t for idx, r in parts for i, t in zip(idx, r[key], strict=True)}
