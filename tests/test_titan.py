@@ -298,15 +298,21 @@ def test_optimizer_state_offload_is_bitwise_the_resident_run(checkpoint_factory,
     assert len(s0) == len(s1) > 0 and all(torch.equal(a, b) for a, b in zip(s0, s1, strict=True))
 
 
-def test_trainer_refuses_the_parallelisms_it_does_not_run(checkpoint_factory, tmp_path):
-    """Issue 56: context parallelism is not implemented on the zerokld trainer; TorchTitan's config asking for it is
-    refused before any process group or model exists, naming it."""
-    from titan_plugin.rl import RLTrainer, rl_trainer_config
+def test_context_parallel_layouts_not_run_yet_are_refused(tmp_path):
+    """Issue 56: ``rl_trainer_config(context_parallel_degree=2)`` is refused before any process starts on an MLA model
+    (DeepSeek-V3: zerokld's CP gathers the keys and values of its own attention, ``titan_plugin.context_parallel``,
+    not MLA's latent ones yet) and combined with PP or TP (not run yet). Qwen3 alone is accepted
+    (``tests/test_tensor_parallel.py``: CP 2 == one rank)."""
+    from titan_plugin.rl import rl_trainer_config
+    from zerokld_testing import DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 
-    config = rl_trainer_config(checkpoint_factory("qwen3_moe", "float32"), str(tmp_path / "d"))
-    config.parallelism.context_parallel_degree = 2
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        RLTrainer(config)
+    ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(), seed=1)
+    with pytest.raises(ValueError, match="context_parallel_degree 2: not yet on MLA attention"):
+        rl_trainer_config(str(ds), str(tmp_path / "a"), context_parallel_degree=2)
+    qwen3 = make_tiny_checkpoint(tmp_path / "q", TinyModelSpec(num_hidden_layers=4), seed=1)
+    for other in ({"pipeline_parallel_degree": 2}, {"tensor_parallel_degree": 2, "tp_k_block": 16}):
+        with pytest.raises(ValueError, match="context_parallel_degree 2 with TP, EP or PP: not yet"):
+            rl_trainer_config(str(qwen3), str(tmp_path / "b"), context_parallel_degree=2, **other)
 
 
 def test_pipeline_layouts_the_trainer_cannot_keep_exact_are_refused(checkpoint_factory, tmp_path):

@@ -222,7 +222,9 @@ def rl_trainer_config(
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
             unknown granularity. ValueError: ``fused`` without ``batch_invariant``; ``lora`` with ``fp8``.
         NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics.
-            ValueError: ``expert_parallel_degree`` on a dense model, or not dividing the expert count.
+            ValueError: ``expert_parallel_degree`` on a dense model, or not dividing the expert count; a pipeline
+            layout the zerokld trainer cannot keep exact (schedule, tied embeddings, too few layers); context
+            parallelism on MLA or with TP, EP or PP.
     """
     if fused and not batch_invariant:
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
@@ -241,8 +243,11 @@ def rl_trainer_config(
         microbatches = _check_pipeline_parallel(
             cfg, pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatches, batch_invariant
         )
-    if context_parallel_degree > 1 and batch_invariant and adapter_for(cfg).attention == "mla":
-        raise ValueError(f"context_parallel_degree {context_parallel_degree}: not yet on MLA attention")
+    if context_parallel_degree > 1 and batch_invariant:
+        if adapter_for(cfg).attention == "mla":
+            raise ValueError(f"context_parallel_degree {context_parallel_degree}: not yet on MLA attention")
+        if max(tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree) > 1:
+            raise ValueError(f"context_parallel_degree {context_parallel_degree} with TP, EP or PP: not yet")
     spec = _model_spec(cfg, settings, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
     return RLTrainer.Config(
