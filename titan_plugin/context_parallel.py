@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-__all__ = ["cp_attention", "gather_sequence", "shard_sequence", "with_context_parallel"]
+__all__ = ["cp_attention", "gather_sequence", "local_positions", "shard_sequence", "with_context_parallel"]
 
 
 class _WithoutTitanCP:
@@ -111,6 +111,13 @@ def shard_sequence(t: torch.Tensor, mesh, value=0) -> torch.Tensor:
     n = -(-t.shape[1] // size)
     pad = [0, 0] * (t.dim() - 2) + [0, n * size - t.shape[1]]
     return torch.nn.functional.pad(t, pad, value=value)[:, rank * n : (rank + 1) * n]
+
+
+def local_positions(length: int, mesh) -> torch.Tensor:
+    """``[1, length]`` int64: the global positions of this rank's slice of :func:`shard_sequence` (RoPE's
+    ``positions``)."""
+    start = mesh.get_local_rank() * length
+    return torch.arange(start, start + length).unsqueeze(0)
 
 
 def gather_sequence(t: torch.Tensor, mesh) -> torch.Tensor:

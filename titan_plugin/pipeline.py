@@ -30,6 +30,7 @@ Source: ``torchtitan/distributed/pipeline_parallel.py`` (``pipeline_llm``, ``_bu
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 
@@ -96,33 +97,39 @@ class PipelineRunner:
         total = self.steps(rows) * self.local_batch_size
         return torch.nn.functional.pad(t, (0, self.seq_len - cols, 0, total - rows), value=value)
 
-    def chunks(self, t: torch.Tensor | None) -> Iterator[torch.Tensor | None]:
-        """The schedule steps' ``[local_batch_size, seq_len]`` slices of a padded batch."""
-        rows = self.local_batch_size
-        for i in range(0, self.steps(1) if t is None else t.shape[0], rows):
-            yield None if t is None else t[i : i + rows]
+    def chunks(self, rows: int) -> Iterator[slice]:
+        """The row slices of a padded batch (:meth:`pad` of ``rows`` rollouts) that one schedule step takes each."""
+        for i in range(0, self.steps(rows) * self.local_batch_size, self.local_batch_size):
+            yield slice(i, i + self.local_batch_size)
 
     # --- running --------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _loss(self, loss_fn: Callable | None) -> Iterator[None]:
+        """The schedule calls ``loss_fn`` on the last stage within the block (``None``: no loss), its own after."""
+        s = self.schedule
+        previous, s._loss_fn = s._loss_fn, loss_fn
+        try:
+            yield
+        finally:
+            s._loss_fn = previous
 
     def _initialize(self, tokens: torch.Tensor, labels: torch.Tensor, metadata_loss: Callable) -> None:
         """The schedule's shape inference for a step with backward, run now (before any chain is attached) with
         ``metadata_loss`` as the loss; its stray gradients cleared."""
-        if self._ready and getattr(self.schedule, "_has_backward", True):
+        if self._ready:
             return
         s = self.schedule
         mb = self.local_batch_size // s._n_microbatches
         args = (tokens[:mb],) if self.first else ()
         target = labels[:mb] if self.last else None
-        loss_fn, s._loss_fn = s._loss_fn, metadata_loss
-        try:
+        with self._loss(metadata_loss):
             for stage in getattr(s, "_stages", None) or [s._stage]:  # as step() does before initialising
                 stage.has_backward = s._has_backward
             if hasattr(s, "_initialize_stage"):
                 s._initialize_stage(args, {}, target)
             else:
                 s._initialize_stages(args, {}, target)
-        finally:
-            s._loss_fn = loss_fn
         for part in self.model_parts:
             for p in part.parameters():
                 p.grad = None
@@ -142,26 +149,17 @@ class PipelineRunner:
         self._initialize(tokens, labels, metadata_loss)
         if attach is not None:
             attach()
-        s = self.schedule
-        previous, s._loss_fn = s._loss_fn, loss
-        try:
-            if self.first:
-                s.step(tokens, target=labels if self.last else None, return_outputs=False)
-            else:
-                s.step(target=labels if self.last else None, return_outputs=False)
-        finally:
-            s._loss_fn = previous
+        args = (tokens,) if self.first else ()
+        with self._loss(loss):
+            self.schedule.step(*args, target=labels if self.last else None, return_outputs=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The last stage's output for ``[local_batch_size, seq_len]`` ``tokens`` (forward only; ``None`` on the
         other ranks). The next :meth:`train` initialises the stages for backward again."""
         self._ready = False
-        s = self.schedule
-        loss_fn, s._loss_fn = s._loss_fn, None  # eval would score a loss on the last stage: it needs targets
-        try:
-            out = s.eval(tokens) if self.first else s.eval()
-        finally:
-            s._loss_fn = loss_fn
+        args = (tokens,) if self.first else ()
+        with self._loss(None):  # eval would score a loss on the last stage: it needs targets
+            out = self.schedule.eval(*args)
         return out if self.last else None
 
     def share(self, obj):
@@ -171,23 +169,21 @@ class PipelineRunner:
         return box[0]
 
 
-def total_grad_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
     """The 2-norm of all ``grads`` as one rank computes it for the whole model.
 
     ``torch.nn.utils.get_total_norm(grads, foreach=True)`` on one rank takes each gradient's norm
     (``torch._foreach_norm``) and the norm of their stack. Here each rank takes its own gradients' norms, the ranks of
     ``group`` (the pipeline's, in stage order) gather them, and the norm of the concatenation is taken — the one-rank
-    list in the one-rank order, so the same bits. ``group=None``: this rank's gradients only.
+    list in the one-rank order, so the same bits.
 
     Args:
-        grads: float32 gradients (plain tensors), in parameter order. group: the ``pp`` process group, or ``None``.
+        grads: float32 gradients (plain tensors), in parameter order. group: the ``pp`` process group.
 
     Returns:
         A float32 scalar tensor, the same on every rank.
     """
     local = torch.stack(torch._foreach_norm(grads)) if grads else torch.zeros(0)
-    if group is None:
-        return torch.linalg.vector_norm(local)
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, local, group=group)  # uneven lengths: gloo's all_gather needs equal ones
     return torch.linalg.vector_norm(torch.cat(parts))

@@ -36,9 +36,9 @@ from zerokld_models import ModelConfig, adapter_for, read_model_config
 from zerokld_plugins.errors import ZeroKLDClientError
 
 from . import cpu_compat
-from .context_parallel import gather_sequence, shard_sequence, with_context_parallel
+from .context_parallel import gather_sequence, local_positions, shard_sequence, with_context_parallel
 from .exact_accumulation import ExactAccumulation, unsupported_reason
-from .logprobs import completion_logprobs, sequence_logprobs
+from .logprobs import completion_logprobs, logprob_scorer, sequence_logprobs
 from .lora import ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, load_peft_adapter, save_peft_adapter
 from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
@@ -103,11 +103,12 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
 
     batch_invariant = settings.batch_invariant
     model_cfg = titan_model_config(cfg, settings)
-    parallelize = resolve(adapter_for(cfg).titan_parallelize)
+    adapter = adapter_for(cfg)
+    parallelize = resolve(adapter.titan_parallelize)
     if batch_invariant:  # zerokld runs context parallelism itself (titan_plugin.context_parallel)
         parallelize = with_context_parallel(parallelize)
     if lora is not None:
-        model_cfg = _apply_lora(model_cfg, lora, batch_invariant, adapter_for(cfg).attention == "mla")
+        model_cfg = _apply_lora(model_cfg, lora, batch_invariant, adapter.attention == "mla")
         parallelize = keep_requires_grad(parallelize)
     post_optimizer = None
     if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
@@ -118,7 +119,7 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
         flavor="hf",
         model=model_cfg,
         parallelize_fn=parallelize,
-        pipelining_fn=resolve(adapter_for(cfg).titan_pipelining) if adapter_for(cfg).titan_pipelining else None,
+        pipelining_fn=resolve(adapter.titan_pipelining) if adapter.titan_pipelining else None,
         post_optimizer_build_fn=post_optimizer,
         state_dict_adapter=state_dict_adapter_class(cfg),
     )
@@ -339,6 +340,19 @@ def _check_pipeline_parallel(
     return microbatches or 2 * stages
 
 
+def _rollout_tensors(batch: RolloutBatch, layout=None) -> tuple:
+    """``batch.pack()`` and ``batch.pack_ref()`` as ``(tokens, labels, advantages, sampler log-probs, reference
+    log-probs, weights)``, each ``[B, T]`` (the last three may be ``None``), passed through ``layout(t, pad_value)``
+    when given (a chain layout, a pipeline's fixed shape, a context-parallel slice): padding takes token 0, no label,
+    and zero for the rest."""
+    tokens, labels, adv, q, weights = batch.pack()
+    tensors = (tokens, labels, adv, q, batch.pack_ref(), weights)
+    if layout is None:
+        return tensors
+    pad_values = (0, IGNORE_INDEX, 0.0, 0.0, 0.0, 0.0)
+    return tuple(None if t is None else layout(t, v) for t, v in zip(tensors, pad_values, strict=True))
+
+
 #: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
 FLOAT32_TENSORS = (".e_score_correction_bias",)
 
@@ -492,14 +506,11 @@ class RLTrainer(Trainer):
         """:meth:`forward_logprobs` under context parallelism (:mod:`titan_plugin.context_parallel`): this rank's
         contiguous slice of every sequence through the model (global positions for RoPE), each position's next-token
         log-prob scored there, the slices gathered over the ``cp`` mesh dimension."""
-        from .logprobs import logprob_scorer
-
         mesh = self.parallel_dims.get_mesh("cp")
         tokens = batch.padded_tokens(0)
         targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # position p scores token p + 1
         local, local_targets = shard_sequence(tokens, mesh), shard_sequence(targets, mesh)
-        start = mesh.get_local_rank() * local.shape[1]
-        positions = torch.arange(start, start + local.shape[1]).unsqueeze(0)
+        positions = local_positions(local.shape[1], mesh)
         routes = self._routes(batch, tokens.shape[1])
         with replay_routes(self.model, None if routes is None else shard_sequence(routes, mesh)):
             out = self.model(local, positions=positions)
@@ -526,14 +537,8 @@ class RLTrainer(Trainer):
         if loss.config.loss_fn == "gspo":
             raise NotImplementedError("GSPO under context parallelism: its sequence-level ratio spans the cp ranks")
         mesh = self.parallel_dims.get_mesh("cp")
-        tokens, labels, adv, q, weights = batch.pack()
-        ref = batch.pack_ref()
-        tokens, labels, adv, q, ref, weights = (
-            None if t is None else shard_sequence(t, mesh, v)
-            for t, v in ((tokens, 0), (labels, IGNORE_INDEX), (adv, 0.0), (q, 0.0), (ref, 0.0), (weights, 0.0))
-        )
-        start = mesh.get_local_rank() * tokens.shape[1]
-        positions = torch.arange(start, start + tokens.shape[1]).unsqueeze(0)
+        tokens, labels, adv, q, ref, weights = _rollout_tensors(batch, lambda t, v: shard_sequence(t, mesh, v))
+        positions = local_positions(tokens.shape[1], mesh)
         routes = self._routes(batch, batch.padded_tokens(0).shape[1])
         loss.clear_rl_inputs()
         loss.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, ref, weights=weights)
@@ -571,7 +576,7 @@ class RLTrainer(Trainer):
             raise NotImplementedError("routing replay (R3) under pipeline parallelism is not supported yet")
         pipe = self.pipeline
         tokens = pipe.pad(batch.padded_tokens(0), 0)
-        outputs = [pipe.forward(chunk) for chunk in pipe.chunks(tokens)]
+        outputs = [pipe.forward(tokens[chunk]) for chunk in pipe.chunks(tokens.shape[0])]
         result = None
         if pipe.last:
             result = completion_logprobs(
@@ -596,12 +601,7 @@ class RLTrainer(Trainer):
                 "training under pipeline parallelism needs exact accumulation (its micro-batches' gradients would "
                 f"otherwise depend on the schedule): {self.exact_accumulation_off}"
             )
-        tokens, labels, adv, q, weights = batch.pack()
-        ref = batch.pack_ref()
-        tokens, labels, adv, q, ref, weights = (
-            pipe.pad(t, v)
-            for t, v in ((tokens, 0), (labels, IGNORE_INDEX), (adv, 0.0), (q, 0.0), (ref, 0.0), (weights, 0.0))
-        )
+        tokens, labels, adv, q, ref, weights = _rollout_tensors(batch, pipe.pad)
         records: list[dict] = []
 
         def scored(pred, target, **kwargs):
@@ -610,9 +610,9 @@ class RLTrainer(Trainer):
             return out
 
         mb = self.config.parallelism.pipeline_parallel_microbatch_size
-        for rows in range(0, tokens.shape[0], pipe.local_batch_size):
+        for chunk in pipe.chunks(tokens.shape[0]):
             loss.clear_rl_inputs()
-            for i in range(rows, rows + pipe.local_batch_size, mb):
+            for i in range(chunk.start, chunk.stop, mb):
                 sl = slice(i, i + mb)
                 loss.set_rl_inputs(
                     adv[sl],
@@ -620,7 +620,6 @@ class RLTrainer(Trainer):
                     None if ref is None else ref[sl],
                     weights=None if weights is None else weights[sl],
                 )
-            chunk = slice(rows, rows + pipe.local_batch_size)
             try:
                 pipe.train(
                     tokens[chunk],
@@ -708,22 +707,15 @@ class RLTrainer(Trainer):
                 parts, groups = self._context_parallel_forward_backward(batch, loss), []
             else:
                 groups = [batch] if exact is not None else [batch.select([i]) for i in range(len(batch))]
+            chain_layout = None
+            if exact is not None:  # the chains' layout: a multiple of token_multiple positions per rollout
+
+                def chain_layout(t, v, multiple=exact.token_multiple):
+                    return torch.nn.functional.pad(t, (0, -t.shape[1] % multiple), value=v)
+
             for one in groups:
-                tokens, labels, adv, q, weights = one.pack()
-                ref = one.pack_ref()
-                if exact is not None:  # the chains' layout: a multiple of token_multiple positions per rollout
-                    pad = -tokens.shape[1] % exact.token_multiple
-                    tokens, labels, adv, q, ref, weights = (
-                        None if t is None else torch.nn.functional.pad(t, (0, pad), value=v)
-                        for t, v in (
-                            (tokens, 0),
-                            (labels, IGNORE_INDEX),
-                            (adv, 0.0),
-                            (q, 0.0),
-                            (ref, 0.0),
-                            (weights, 0.0),
-                        )
-                    )
+                tokens, labels, adv, q, ref, weights = _rollout_tensors(one, chain_layout)
+                if exact is not None:
                     exact.attach()
                 loss.clear_rl_inputs()
                 loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, ref, weights=weights)
