@@ -28,7 +28,7 @@ import torch
 
 from .gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt_accumulate
 
-__all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding"]
+__all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding", "replay"]
 
 
 def chain_available(dtype: torch.dtype) -> bool:
@@ -58,16 +58,37 @@ class GradChain:
     Source: see the module.
     """
 
-    def __init__(self, shape: torch.Size | tuple[int, ...], float32_products: bool = False):
-        self.acc = torch.zeros(tuple(shape), dtype=torch.float32)
+    def __init__(
+        self,
+        shape: torch.Size | tuple[int, ...],
+        float32_products: bool = False,
+        acc: torch.Tensor | None = None,
+        log: list | None = None,
+    ):
+        self.acc = torch.zeros(tuple(shape), dtype=torch.float32) if acc is None else acc
+        if self.acc.shape != tuple(shape) or self.acc.dtype != torch.float32 or not self.acc.is_contiguous():
+            raise ValueError(f"grad chain: acc must be contiguous float32 of {tuple(shape)}")
         self.float32_products = float32_products
+        #: ``None``: additions run at once; a list: they are recorded in call order, to be run later by
+        #: :func:`replay` (a data-parallel rank whose chains continue where the previous rank's ended)
+        self.log = log
 
     def part(self, index: int) -> GradChain:
-        """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), sharing the storage and
-        the arithmetic."""
+        """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), sharing the storage, the
+        arithmetic and the log."""
         sub = GradChain.__new__(GradChain)
-        sub.acc, sub.float32_products = self.acc[index], self.float32_products
+        sub.acc, sub.float32_products, sub.log = self.acc[index], self.float32_products, self.log
         return sub
+
+    def add(self, fn, *args) -> None:
+        """``fn(acc, *args)``, an addition into the chains (e.g. a norm's backward kernel accumulating ``dweight``):
+        now, or recorded when :attr:`log` is set — with copies of the tensor operands (strides kept): a pipeline
+        stage receives each micro-batch's activations and gradients into the same buffers, FSDP frees the unsharded
+        weights."""
+        if self.log is None:
+            fn(self.acc, *args)
+        else:
+            self.log.append((fn, self.acc, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
 
     def add_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a · bᵀ``, K = tokens: ``a [I, T]`` (e.g. ``dY.t()``), ``b [J, T]`` (e.g. ``X.t()``), one dtype
@@ -75,7 +96,7 @@ class GradChain:
         :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
         if self.float32_products:
             a, b = a.float(), b.float()
-        gemm_abt_accumulate(self.acc, a, b)
+        self.add(gemm_abt_accumulate, a, b)
 
     def add_rows(self, src: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Add the rows of ``src [T, H]`` (any float dtype, used as float32) in order: into ``acc[index[t]]``
@@ -90,7 +111,21 @@ class GradChain:
         src = src.reshape(-1, rows.shape[-1]).float()
         if index is None:
             index = torch.zeros(src.shape[0], dtype=torch.long)
-        rows.index_add_(0, index.reshape(-1).long(), src)
+        self.add(_index_add_rows, index.reshape(-1).long(), src, rows.shape)
+
+
+def _index_add_rows(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor, rows: torch.Size) -> None:
+    """``acc`` viewed as ``rows`` (``[V, H]``, or ``[1, H]`` for a vector) gets ``src``'s rows at ``index``, in
+    index order (``Tensor.index_add_`` on CPU)."""
+    acc.view(rows).index_add_(0, index, src)
+
+
+def replay(log: list) -> None:
+    """Run the additions :class:`GradChain` s recorded in ``log`` (their :attr:`~GradChain.log`), in call order, into
+    their accumulators as they are now — the chains continue from there — and empty the log."""
+    for fn, acc, args in log:
+        fn(acc, *args)
+    log.clear()
 
 
 class _ChainedEmbedding(torch.autograd.Function):

@@ -77,9 +77,19 @@ class _RmsNormCpu(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             dw = torch.zeros(h, dtype=torch.float32)
         w = weight.detach().float().contiguous()
-        cpu_ops.rms_norm_backward(x2, dy, w, r, dx, dw)
+        if chain is not None and chain.log is not None:  # a recorded chain: dx now, the gain's additions later
+            cpu_ops.rms_norm_backward(x2, dy, w, r, dx, None)
+            chain.add(_chain_rms_norm_gain, x2, dy, w, r, dx.dtype)
+        else:
+            cpu_ops.rms_norm_backward(x2, dy, w, r, dx, dw)
         grad_w = None if chain is not None or dw is None else dw.to(weight.dtype)
         return dx.reshape(x.shape).to(x.dtype), grad_w, None, None
+
+
+def _chain_rms_norm_gain(acc, x2, dy, w, r, dx_dtype) -> None:
+    """The gain's gradient of :class:`_RmsNormCpu`'s backward added into ``acc`` (the same kernel; its ``dx`` is
+    discarded)."""
+    cpu_ops.rms_norm_backward(x2, dy, w, r, torch.empty(x2.shape, dtype=dx_dtype), acc)
 
 
 __all__ = ["add_rms_norm", "rms_norm"]

@@ -131,3 +131,50 @@ def test_chained_embedding_gradient():
 def test_chain_available_follows_the_kernels():
     assert chain_available(torch.float32) == f32_available()
     assert not chain_available(torch.float16)
+
+
+@pytest.mark.requires_f32_kernel
+def test_recorded_additions_continue_another_ranks_chain(threads):
+    """The data-parallel hand-off (:class:`titan_plugin.exact_accumulation.ExactAccumulation`): rank 1 records its
+    additions (GEMM, rows, a norm's gain through its kernel) while rank 0 runs its own, then replays them into the sums
+    rank 0 handed over: the bits of one rank running both halves in order. The recorded operands are copies: writing
+    the caller's buffers after recording (a pipeline stage reuses its receive buffers) changes nothing. Negative
+    control: the sum of the two halves' separate chains (FSDP's reduce-scatter) gives other bits."""
+    from shared_numerics.grad_chain import replay
+    from shared_numerics.norm import rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    dy, x = torch.randn(192, 300, generator=g), torch.randn(192, 64, generator=g) * 30
+    h = torch.randn(192, 64, generator=g) * 10
+    gain = torch.rand(64, generator=g) + 0.5
+
+    def run(chains, rows):
+        chains[0].add_gemm(dy[rows].t(), x[rows].t())
+        chains[1].add_rows(dy[rows, :64] * 7)
+        hr = h[rows].clone().requires_grad_(True)
+        rms_norm(hr, gain, 1e-6, weight_chain=chains[2]).backward(dy[rows, :64])
+        return hr.grad
+
+    first, second = slice(0, 96), slice(96, 192)
+    one = [GradChain((300, 64)), GradChain((64,)), GradChain((64,))]
+    run(one, first)
+    dx_one = run(one, second)
+    rank0 = [GradChain((300, 64)), GradChain((64,)), GradChain((64,))]
+    run(rank0, first)
+    log: list = []
+    rank1 = [GradChain((300, 64), log=log), GradChain((64,), log=log), GradChain((64,), log=log)]
+    saved = dy.clone()
+    dx_rank1 = run(rank1, second)
+    assert all(torch.equal(c.acc, torch.zeros_like(c.acc)) for c in rank1)  # nothing added yet
+    assert torch.equal(dx_rank1, dx_one)  # the input gradient is computed at once
+    dy[96:].normal_(generator=g)  # the caller's buffer is reused after recording
+    for mine, handed in zip(rank1, rank0, strict=True):
+        mine.acc.copy_(handed.acc)
+    replay(log)
+    assert not log
+    for mine, ref in zip(rank1, one, strict=True):
+        assert torch.equal(mine.acc, ref.acc)
+    dy.copy_(saved)
+    alone = [GradChain((300, 64)), GradChain((64,)), GradChain((64,))]
+    run(alone, second)
+    assert not torch.equal(rank0[0].acc + alone[0].acc, one[0].acc)

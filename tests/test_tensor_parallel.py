@@ -849,28 +849,70 @@ def test_pipeline_parallel_2_on_qwen3_moe_equals_one_rank(tmp_path):
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
-def test_data_parallel_2_x_pipeline_parallel_2_logprobs_equal_one_rank(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_data_parallel_2_trains_like_one_rank(tmp_path, family):
+    """Issue 56 point 6: FSDP over two data-parallel ranks (gloo), each streaming its own half of the batch through
+    ``forward_backward`` (one batched forward and backward per call, exact accumulation with the chains handed from
+    rank 0 to rank 1), then ``optim_step``, twice: the log-probs before, during and after the steps, each step's
+    gradient norm and every HF weight are one rank's bit for bit (its ``forward_backward`` on the whole batch) — for
+    Qwen3 and Qwen3-MoE (router and experts). ``rl_step`` at DP 2 takes the same path and gives the same bits.
+    Negative control: TorchTitan's stock components at DP 2 (FSDP's reduce-scatter of each rank's gradients) end
+    with other weights than stock on one rank."""
+    from zerokld_testing import random_prompts
+
+    ckpt = _pipeline_checkpoint(tmp_path, family)
+    seqs = random_prompts(6, seed=47, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, steps=2)
+
+    def run(nproc=None, batch_invariant=True, **layout):
+        return _trainer_tp(
+            tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant, None, nproc=nproc, **common, **layout
+        )
+
+    one = run(streaming=True)
+    assert not torch.equal(torch.cat(one["after"]), torch.cat(one["logprobs"]))  # the steps moved the weights
+    dp2 = run(nproc=2, split=True, streaming=True)
+    same = _same_run(one, dp2)
+    assert all(same.values()), same
+    assert len(one["grad_norm"]) == len(dp2["grad_norm"]) == 2 and one["grad_norm"] == dp2["grad_norm"]
+    assert all(_same_run(one, run(nproc=2, split=True)).values())  # rl_step: forward_backward + optim_step
+    stock_one = run(batch_invariant=False)
+    stock_dp2 = run(batch_invariant=False, nproc=2, split=True)
+    stock_differs(
+        not _same_run(stock_one, stock_dp2)["weights"], "TorchTitan's trainer at DP 2 vs one rank", "the prompts"
+    )
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_data_parallel_2_x_pipeline_parallel_2_equals_one_rank(tmp_path):
     """Issue 56 point 4, DP 2 x PP 2 on 4 ranks (gloo): FSDP over two data-parallel ranks, each pair a two-stage
-    pipeline (1F1B) scoring its own half of the sequences: every log-prob is one rank's (vLLM's) bit for bit.
-    Negative control: TorchTitan's stock components at the same layout give other log-probs. Training there is
-    refused with the reason (the sum over data-parallel ranks is not exact yet)."""
-    from titan_plugin import trainer_logprobs
+    pipeline (1F1B) training on its own half of the sequences: the log-probs before, during and after two RL steps,
+    the gradient norms and every HF weight are one rank's bit for bit (the stages' chains handed from data-parallel
+    rank to rank). Negative control: TorchTitan's stock components at the same layout give other log-probs than
+    vLLM's (one rank's) and other weights than stock on one rank."""
     from zerokld_testing import random_prompts
 
     ckpt = _pipeline_checkpoint(tmp_path)
     seqs = random_prompts(6, seed=45, lo=12, hi=60)
     lens = [len(s) // 2 for s in seqs]
-    one = trainer_logprobs(ckpt, seqs, lens, dtype="float32")
-    layout = dict(nproc=4, split=True, pp=2, pp_microbatches=2, seq_len=64)
-    mine = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, **layout)["logprobs"]
-    assert len(mine) == len(one) == 6 and torch.equal(torch.cat(mine), torch.cat(one))
-    stock = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant=False, **layout)["logprobs"]
+    common = dict(train_step=True, weights=True, steps=2, seq_len=64)
+    one = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, streaming=True, **common)
+    layout = dict(nproc=4, split=True, pp=2, pp_microbatches=2, **common)
+    mine = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, streaming=True, **layout)
+    same = _same_run(one, mine)
+    assert all(same.values()), same
+    assert len(mine["grad_norm"]) == 2 and one["grad_norm"] == mine["grad_norm"]
+    stock = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant=False, **layout)
     stock_differs(
-        not torch.equal(torch.cat(stock), torch.cat(one)), "TorchTitan at DP 2 x PP 2 vs vLLM's bits", "the prompts"
+        not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one["logprobs"])),
+        "TorchTitan at DP 2 x PP 2 vs vLLM's bits",
+        "the prompts",
     )
-    refused = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, refusal="train", **layout)
-    assert refused["refused"].startswith("NotImplementedError: training under pipeline parallelism needs exact")
-    assert "sharded over 2 ranks" in refused["refused"]  # the data-parallel sum is not exact yet
+    stock_one = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant=False, **common)
+    stock_differs(not _same_run(stock_one, stock)["weights"], "TorchTitan at DP 2 x PP 2 vs one rank", "the prompts")
 
 
 @pytest.mark.titan

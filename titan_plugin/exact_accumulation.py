@@ -19,8 +19,12 @@ An MoE expert's chain runs over the tokens routed to it, in token order; their n
 float32 (:attr:`shared_numerics.grad_chain.GradChain.float32_products`: bf16 values widened exactly) where the
 dense chains of a bf16 model use the AMX kernel's 32-token steps.
 
+Data parallelism (FSDP2 over TorchTitan's ``dp_shard`` / ``dp_replicate`` ranks): the chains are handed from rank to
+rank in rank order, so the gradients are one rank's on the concatenation of the ranks' rollouts (see
+:class:`ExactAccumulation`).
+
 Not covered (the general way runs): tensor parallelism (``tp_k_block``: the row-parallel trees, the vocab-parallel
-lm_head, TP experts), more than one data-parallel rank, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512
+lm_head, TP experts), context and expert parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512
 without AMX).
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
@@ -31,6 +35,7 @@ sharded parameters' ``.grad`` directly).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +46,7 @@ from shared_numerics.grad_chain import CHAIN_K_MULTIPLE, GradChain, chain_availa
 from .lora import ZeroKLDLoRALinear
 from .overrides import ZeroKLDEmbedding, ZeroKLDFp8Linear, ZeroKLDLinear, ZeroKLDLMHead, ZeroKLDMoE, ZeroKLDRMSNorm
 
-__all__ = ["CHAIN_MODULES", "ExactAccumulation", "unsupported_reason"]
+__all__ = ["CHAIN_MODULES", "DATA_PARALLEL_DIMS", "ExactAccumulation", "unsupported_reason"]
 
 #: module types (exact) whose parameters' gradients go into chains
 CHAIN_MODULES = (ZeroKLDLinear, ZeroKLDFp8Linear, ZeroKLDLMHead, ZeroKLDRMSNorm, ZeroKLDEmbedding)
@@ -130,11 +135,19 @@ def _sites(model: torch.nn.Module | list[torch.nn.Module]):
             yield mod_name, module, name, None
 
 
-def unsupported_reason(model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype) -> str | None:
+#: DeviceMesh dimensions over which FSDP2 shards or replicates parameters (TorchTitan's ``ParallelDims``): data
+#: parallelism, which the chains' hand-off between data-parallel ranks covers
+DATA_PARALLEL_DIMS = frozenset({"dp_replicate", "dp_shard", "fsdp"})
+
+
+def unsupported_reason(
+    model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype, data_parallel: bool = False
+) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter outside
     :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, a vocab-parallel lm_head, MoE experts with
-    ``tp_k_block``, a parameter sharded over more than one rank, or no kernel coverage for ``dtype`` on this
-    machine."""
+    ``tp_k_block``, a parameter sharded over more than one rank (but over the data-parallel mesh dimensions,
+    :data:`DATA_PARALLEL_DIMS`, when ``data_parallel``: the chains are handed from rank to rank), or no kernel
+    coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
@@ -148,7 +161,9 @@ def unsupported_reason(model: torch.nn.Module | list[torch.nn.Module], dtype: to
             return f"{mod_name}.{name}: MoE experts with tp_k_block"
         p = site.param
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
-            return f"{mod_name}.{name} is sharded over {p.device_mesh.size()} ranks"
+            dims = set(p.device_mesh.mesh_dim_names or ())
+            if not (data_parallel and dims <= DATA_PARALLEL_DIMS):
+                return f"{mod_name}.{name} is sharded over {p.device_mesh.size()} ranks ({', '.join(sorted(dims))})"
     return None
 
 
@@ -156,36 +171,75 @@ class ExactAccumulation:
     """The chains of one model's parameters between two optimizer steps.
 
     :meth:`attach` before a micro-batch's forward (the zerokld modules read their chains from it,
-    :func:`titan_plugin.overrides.grad_chains`), :meth:`detach` after its backward: it writes each parameter's
-    ``.grad`` (float32; the chain's accumulator itself, or for a tied parameter the sum of its modules' chains in
-    module order). :meth:`reset` starts the next step's chains from zero.
+    :func:`titan_plugin.overrides.grad_chains`), :meth:`detach` after its backward, :meth:`write_grads` at the end of
+    each ``forward_backward`` call: it writes each parameter's ``.grad`` (float32; the chain's accumulator itself, or
+    for a tied parameter the sum of its modules' chains in module order). :meth:`reset` starts the next step's chains
+    from zero.
+
+    **Data parallelism** (``data_parallel``: TorchTitan's ``batch`` DeviceMesh, FSDP2 sharding the parameters): the
+    one-rank batch is the concatenation of the data-parallel ranks' rollouts in rank order, so each chain must pass
+    through rank 0's tokens, then rank 1's, and so on. Each rank runs its forward and backward at once; rank 0 adds
+    into the chains as it goes, the other ranks record their additions (:attr:`shared_numerics.grad_chain.GradChain.
+    log`: the operands, ``dY`` and ``X``, kept until then — memory of the order of the activations). At
+    :meth:`write_grads`, rank ``r`` receives the chains (one flat float32 buffer) from rank ``r - 1``, replays its
+    additions into them, sends them to ``r + 1``; the last rank broadcasts the sums, so every rank holds the whole
+    gradients — the next call continues from them on rank 0, :meth:`full_grads` gives the one-rank gradient norm —
+    and takes its FSDP shard as ``.grad``. The weight-gradient GEMMs of ranks ``1..n-1`` thus run one after another;
+    forward, ``dX`` and the optimizer step run in parallel. Traffic per call: ``n`` times the gradients' size.
 
     Attributes:
         token_multiple: the micro-batch layout's sequence length must be a multiple of this (bf16: the AMX
             kernel's 32-token K steps; float32: 1).
+        data_parallel: the data-parallel DeviceMesh (1-D) the chains are handed over, or ``None`` (one rank).
     """
 
-    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype):
-        reason = unsupported_reason(model, dtype)
+    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype, data_parallel=None) -> None:
+        if data_parallel is not None and data_parallel.size() == 1:
+            data_parallel = None
+        reason = unsupported_reason(model, dtype, data_parallel is not None)
         if reason is not None:
             raise ValueError(f"exact accumulation with batched passes: {reason}")
         self._sites = [site for *_, site in _sites(model)]
         self.token_multiple = CHAIN_K_MULTIPLE if dtype == torch.bfloat16 else 1
+        self.data_parallel = data_parallel
+        self._sizes = [math.prod(site.shape) for site in self._sites]
+        self._flat: torch.Tensor | None = None  # every chain's accumulator, one float32 buffer (the hand-off's)
         self._chains: list[GradChain] | None = None
+        self._log: list | None = None  # a data-parallel rank > 0: the additions to replay at write_grads
+        self._full: dict[int, torch.Tensor] = {}  # id(param) -> its whole gradient (data parallelism)
 
     def attach(self) -> None:
         """Give every module its chains (created from zero at the first micro-batch of a step)."""
         if self._chains is None:
-            self._chains = [GradChain(site.shape, site.float32_products) for site in self._sites]
+            self._flat = torch.zeros(sum(self._sizes), dtype=torch.float32)
+            accs = torch.split(self._flat, self._sizes)
+            self._chains = [
+                GradChain(site.shape, site.float32_products, acc=acc.view(site.shape))
+                for site, acc in zip(self._sites, accs, strict=True)
+            ]
+        if self.data_parallel is not None and self.data_parallel.get_local_rank() > 0 and self._log is None:
+            self._log = []
         for site, chain in zip(self._sites, self._chains, strict=True):
+            chain.log = self._log
             site.feeder.__dict__.setdefault("_zerokld_grad_chains", {})[site.name] = chain
 
     def detach(self) -> None:
-        """Take the chains back from the modules and write the parameters' ``.grad``."""
-        from torch.distributed.tensor import DTensor
-
+        """Take the chains back from the modules (after a micro-batch's backward)."""
         for site in self._sites:
             site.feeder.__dict__.pop("_zerokld_grad_chains", None)
+
+    def write_grads(self) -> None:
+        """After a ``forward_backward`` call's micro-batches (every data-parallel rank calls it, also one without
+        rollouts): the hand-off between data-parallel ranks, then every parameter's ``.grad`` (a DTensor parameter:
+        its shard of the sums)."""
+        from torch.distributed.tensor import DTensor
+
+        self.detach()
+        if self.data_parallel is not None:
+            if self._chains is None:
+                self.attach()
+                self.detach()
+            self._hand_off()
         if self._chains is None:
             return
         sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
@@ -195,12 +249,56 @@ class ExactAccumulation:
                 sums[id(p)] = (p, sums[id(p)][1] + g)
             else:
                 sums[id(p)] = (p, g)
+        self._full = {}
         for p, g in sums.values():
             g = g.to(p.dtype)  # float32 master weights: the accumulator itself
-            p.grad = (
-                DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else g
-            )
+            if isinstance(p, DTensor):
+                if self.data_parallel is not None:
+                    self._full[id(p)] = g
+                    g = _local_shard(g, p).clone()  # optim_step divides .grad in place: not the whole one's storage
+                p.grad = DTensor.from_local(
+                    g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            else:
+                p.grad = g
+
+    def full_grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+        """Under data parallelism, the whole gradients of ``params`` (those with a ``.grad``, in order) after the last
+        :meth:`write_grads` — every rank's the same, one rank's bits — else ``None``."""
+        if self.data_parallel is None:
+            return None
+        return [self._full.get(id(p), p.grad) for p in params if p.grad is not None]
+
+    def _hand_off(self) -> None:
+        import torch.distributed as dist
+
+        from shared_numerics.grad_chain import replay
+
+        mesh = self.data_parallel
+        group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+        if rank > 0:  # continue the chains where rank - 1 left them
+            dist.recv(self._flat, group=group, group_src=rank - 1)
+            replay(self._log)
+        if rank < size - 1:
+            dist.send(self._flat, group=group, group_dst=rank + 1)
+        dist.broadcast(self._flat, group=group, group_src=size - 1)
 
     def reset(self) -> None:
         """The next :meth:`attach` starts new chains from zero (after an optimizer step zeroed the gradients)."""
-        self._chains = None
+        self._chains = self._flat = None
+        self._log = None
+        self._full = {}
+
+
+def _local_shard(full: torch.Tensor, p) -> torch.Tensor:
+    """This rank's block of ``full`` (the whole of DTensor ``p``), as ``p``'s placements (FSDP2: ``Shard(0)``,
+    ``torch.chunk`` blocks) lay it out."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
+    block = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    if block.shape != p.to_local().shape:
+        raise RuntimeError(
+            f"exact accumulation: shard {tuple(block.shape)} of {tuple(full.shape)} is not the parameter's"
+        )
+    return block

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,8 +275,9 @@ def rl_trainer_config(
             # TorchTitan refuses CUDA graphs with its CPU-synchronising EP dispatcher and with pipeline parallelism
             disable_cuda_graphs=expert_parallel_degree > 1 or pipeline_parallel_degree > 1,
         ),
-        # TP, EP, PP: DTensor on the TP axis only (TorchTitan's default "spmd_types" needs every parameter a DTensor
-        # on the full mesh before FSDP, which its CPU path does not provide); one rank keeps TorchTitan's default
+        # more than one rank: DTensor on the model-parallel axes only (TorchTitan's default "spmd_types" needs every
+        # parameter a DTensor on the full mesh before FSDP, which its CPU path does not provide); one rank keeps
+        # TorchTitan's default
         parallelism=ParallelismConfig(
             tensor_parallel_degree=tensor_parallel_degree,
             expert_parallel_degree=expert_parallel_degree,
@@ -287,7 +289,11 @@ def rl_trainer_config(
             **(
                 {"spmd_backend": "partial_dtensor"}
                 if max(
-                    tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree, context_parallel_degree
+                    tensor_parallel_degree,
+                    expert_parallel_degree,
+                    pipeline_parallel_degree,
+                    context_parallel_degree,
+                    int(os.environ.get("WORLD_SIZE", "1")),  # FSDP alone (torchrun's ranks)
                 )
                 > 1
                 else {}
@@ -378,10 +384,13 @@ class RLTrainer(Trainer):
         self.numerics = numerics_mode(config)
         self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
         dtype = getattr(torch, config.training.mixed_precision_param)
-        reason = unsupported_reason(self.model_parts, dtype)
+        dims = self.parallel_dims
+        # the chains are handed from data-parallel rank to rank (a rank's rollouts are whole: not under CP)
+        data_parallel = dims.get_optional_mesh("batch") if dims.dp_enabled and not dims.cp_enabled else None
+        reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)
-        self.exact_accumulation = None if reason else ExactAccumulation(self.model_parts, dtype)
+        self.exact_accumulation = None if reason else ExactAccumulation(self.model_parts, dtype, data_parallel)
         self.exact_accumulation_off = reason
         #: the pipeline schedule's driver (titan_plugin.pipeline) under pipeline parallelism, else None
         self.pipeline: PipelineRunner | None = None
@@ -448,7 +457,9 @@ class RLTrainer(Trainer):
             shared_numerics.NumericsMismatchError: the rollouts were sampled in another numerics mode (nothing ran).
         """
         self._check(batch)
-        if self.pipeline is not None or self.parallel_dims.cp_enabled:  # forward_backward + optim_step
+        exact = self.exact_accumulation
+        streamed = exact is not None and exact.data_parallel is not None  # the chains' data-parallel hand-off
+        if self.pipeline is not None or self.parallel_dims.cp_enabled or streamed:  # forward_backward + optim_step
             self.zero_grad()
             result = self.forward_backward(batch)
             self.optim_step()
@@ -632,6 +643,8 @@ class RLTrainer(Trainer):
                 loss.clear_rl_inputs()
                 if exact is not None:
                     exact.detach()
+        if exact is not None:
+            exact.write_grads()
         keys = ("train_logprobs", "mask", "weighted", "kept", "token_losses", "clipped", "grad_zeroed")
         return pipe.share([{k: r[k] for k in keys} for r in records] if pipe.last else None)
 
@@ -661,11 +674,13 @@ class RLTrainer(Trainer):
         each micro-batch in one batched backward, whose reductions over tokens depend on the grouping.) Two ways:
 
         * batched (:attr:`exact_accumulation` set; zerokld models — dense, MoE with or without replayed routes,
-          LoRA, FP8 QAT — on one rank, on CPUs whose kernels cover the dtype,
-          :mod:`titan_plugin.exact_accumulation`): one forward and backward of the call's rollouts, every gradient
-          element one float32 chain over the tokens in batch order that the next call continues
-          (:mod:`shared_numerics.grad_chain`). The batch layout is right-padded to a multiple of
-          ``exact_accumulation.token_multiple`` positions.
+          LoRA, FP8 QAT — on CPUs whose kernels cover the dtype, :mod:`titan_plugin.exact_accumulation`): one
+          forward and backward of the call's rollouts, every gradient element one float32 chain over the tokens in
+          batch order that the next call continues (:mod:`shared_numerics.grad_chain`). The batch layout is
+          right-padded to a multiple of ``exact_accumulation.token_multiple`` positions. Under data parallelism
+          (FSDP) each rank passes its own rollouts; the call's batch is their concatenation in data-parallel rank
+          order, and the chains are handed from rank to rank: one rank's gradient bits, and :meth:`optim_step`
+          takes one rank's gradient norm of them.
         * under pipeline parallelism (:mod:`titan_plugin.pipeline`): the batched way through the schedule's
           micro-batches, each stage's chains continued in micro-batch order — one rank's bits; refused where exact
           accumulation is off.
@@ -728,11 +743,14 @@ class RLTrainer(Trainer):
                     if exact is not None:
                         exact.detach()
                 parts.append(loss.last)
+            if exact is not None and self.pipeline is None:
+                exact.write_grads()  # under data parallelism, after the chains' hand-off between ranks
         finally:
             self.loss_fn = configured
         kept = sum(p["kept"] for p in parts)
-        # the whole batch's, for optim_step (a pipeline shares the last stage's counts; cp ranks summed theirs)
-        batch_kept = kept if self.pipeline is not None else self._count_over_ranks(kept)
+        # the whole batch's, for optim_step (a pipeline's stages share the last stage's counts; cp ranks summed
+        # theirs): summed over the data-parallel ranks
+        batch_kept = self._count_over_ranks(kept)
         self._pending = (token_mean, batch_kept + (self._pending[1] if self._pending else 0))
         summed = torch.cat([p["token_losses"] for p in parts]).sum()
         return {
@@ -783,17 +801,35 @@ class RLTrainer(Trainer):
             for group in opt.param_groups:
                 group.update({k: v for k, v in settings.items() if v is not None})
         params = [p for m in self.model_parts for p in m.parameters()]
+        divided = None
         if self._pending is not None and self._pending[0]:  # forward_backward's deferred token_mean
+            divided = max(1, self._pending[1])
             for p in params:
                 if p.grad is not None:
-                    p.grad.div_(max(1, self._pending[1]))
+                    p.grad.div_(divided)
         self._pending = None
         norm = self.config.training.max_norm if max_norm is None else max_norm
-        if self.pipeline is not None:  # the one-rank norm of every stage's gradients (titan_plugin.pipeline)
-            grad_norm = total_grad_norm([p.grad for p in params if p.grad is not None], self.pipeline.group)
-            torch.nn.utils.clip_grads_with_norm_(params, norm if norm > 0 else float("inf"), grad_norm, foreach=True)
-        else:
-            grad_norm = dist_utils.clip_grad_norm_(params, norm if norm > 0 else float("inf"), foreach=True)
+        exact = self.exact_accumulation
+        whole = None if exact is None else exact.full_grads(params)  # data parallelism: every rank has them
+        if whole is not None and divided is not None:
+            whole = [g.div(divided) for g in whole]  # as .grad was, in place
+        if whole is not None or (self.pipeline is not None and exact is not None):  # the one-rank norm
+            grads = whole if whole is not None else [p.grad for p in params if p.grad is not None]
+            if self.pipeline is not None:  # every stage's (titan_plugin.pipeline)
+                grad_norm = total_grad_norm(grads, self.pipeline.group)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)  # TorchTitan's, on one rank
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            with implicit_replication():  # the norm is a plain tensor, the FSDP shards' gradients DTensors
+                torch.nn.utils.clip_grads_with_norm_(
+                    params, norm if norm > 0 else float("inf"), grad_norm, foreach=True
+                )
+        else:  # TorchTitan's (train_step's call)
+            pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
+            grad_norm = dist_utils.clip_grad_norm_(
+                params, norm if norm > 0 else float("inf"), foreach=True, pp_mesh=pp_mesh
+            )
         if not math.isfinite(float(grad_norm)):  # a NaN / inf gradient would make every weight it touches NaN
             self.zero_grad()
             raise NonFiniteGradientError(

@@ -5,8 +5,9 @@
 * ``checkpoint``, ``dtype``, ``tp`` (TorchTitan's ``tensor_parallel_degree``), ``tp_k_block`` (or null),
   ``batch_invariant``, ``sequences``, ``prompt_lengths``, ``train_step`` (bool), ``fused`` (bool, default false: the
   fused lm_head log-probs and loss), ``ep`` (``expert_parallel_degree``, default 1);
-* ``split`` (bool, default false: data-parallel rank ``r`` of ``n`` scores sequences ``r::n`` instead of all of
-  them; rank 0 reassembles them in order);
+* ``split`` (bool, default false: data-parallel rank ``r`` of ``n`` scores the ``r``-th of ``n`` contiguous blocks of
+  the sequences (their concatenation in rank order is the batch) instead of all of them; rank 0 reassembles them in
+  order);
 * ``routed_experts`` (per sequence a ``[len - 1, MoE layers, top_k]`` nested list to replay, or null), ``repeat``
   (times the forward is run and timed, default 1);
 * pipeline parallelism: ``pp`` (``pipeline_parallel_degree``, default 1), ``pp_schedule``, ``pp_microbatch_size``,
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> None:
         if spec.get("split"):  # by data-parallel rank (EP borrows those ranks; pipeline stages share their rows)
             dp = trainer.parallel_dims.get_optional_mesh("batch")
             dp_rank, dp_size = (0, 1) if dp is None else (dp.get_local_rank(), dp.size())
-            mine = mine[dp_rank::dp_size]
+            mine = [int(i) for i in np.array_split(mine, dp_size)[dp_rank]]  # contiguous: one rank's batch order
         routes = spec.get("routed_experts")
         batch = RolloutBatch(
             [spec["sequences"][i] for i in mine],
@@ -127,8 +128,11 @@ def main(argv: list[str]) -> None:
             dist.all_gather_object(parts, (mine, result))
             merged = {}
             for key in result:
-                if key in ("loss", "weights", "grad_norm"):
+                if key == "loss":
                     merged[key] = [r["loss"] for _, r in parts]
+                    continue
+                if key in ("weights", "grad_norm"):  # every rank's the same (gathered; the whole model's norm)
+                    merged[key] = result[key]
                     continue
                 rows = {i: t for idx, r in parts for i, t in zip(idx, r[key], strict=True)}
                 merged[key] = [rows[i] for i in range(len(spec["sequences"]))]
