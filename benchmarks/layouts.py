@@ -11,6 +11,9 @@ times after the first) and one RL step (``rl_step``), rank 0's wall clock betwee
 * ``pp2``: ``pipeline_parallel_degree`` 2 (Qwen3, 1F1B, four micro-batches of two rollouts, float32: exact
   accumulation covers float32 on every CPU); its RL step is ``forward_backward`` + ``optim_step``, and so is the
   zerokld one-rank baseline's (the step it equals bit for bit);
+* ``dp2``: FSDP over two data-parallel ranks (Qwen3, float32; each rank half the batch); zerokld's RL step is
+  ``forward_backward`` + ``optim_step`` with the chains handed from rank to rank, as is its one-rank baseline's;
+  stock's is ``rl_step`` (FSDP's reduce-scatter) against stock on one rank;
 * ``cp2``: ``context_parallel_degree`` 2 (Qwen3; each rank a contiguous half of every sequence; its RL step is
   ``forward_backward`` + ``optim_step``); stock TorchTitan's CP cannot run on CPU (no sharding strategy for the CPU
   flash-attention op), so its row is the zerokld one alone.
@@ -164,6 +167,7 @@ def main(argv=None) -> dict:
             "ep2": ("qwen3_moe", args.dtype, 2, {"ep": 2, "split": True}, {}),
             "pp2": ("qwen3", "float32", 2, pp, {"streaming": True}),
             "cp2": ("qwen3", args.dtype, 2, {"cp": 2}, {}),
+            "dp2": ("qwen3", "float32", 2, {"split": True, "streaming": True}, {"streaming": True}),
         }
         for layout, (arch, dtype, nproc, spec, base) in layouts.items():
             for zerokld in (True,) if layout == "cp2" else (True, False):  # stock CP: not on CPU
@@ -216,7 +220,7 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "workload": f"{args.batch} sequences of {args.seq_len} tokens, {args.dtype}, Qwen3 hidden {args.hidden} "
         f"x {args.layers} layers (MoE: 8 experts top-2), forward medians of {args.repeats - 1} "
-        "timed runs after one, one RL step (pp2: float32, 1F1B, 4 micro-batches of 2)",
+        "timed runs after one, one RL step (pp2: float32, 1F1B, 4 micro-batches of 2; dp2: float32)",
         "rows": rows,
     }
     out = Path(args.out)
