@@ -178,7 +178,8 @@ def moe_experts(
         expert_parallel: :class:`ExpertParallel`: the experts are split over ranks (``w_*`` / ``scales`` are this
             rank's ``E / EP`` consecutive experts); each (token, slot) row is sent to its expert's rank, computed
             there and sent back, then combined here as on one rank — the same bits at any EP size. Not with
-            ``k_block`` or ``chains``.
+            ``k_block``. With ``chains`` (of this rank's ``E / EP`` experts), each local expert's chain continues over
+            the rows it receives, source rank 0's first: one rank's token order for the ranks' batches concatenated.
 
     Returns:
         ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
@@ -186,7 +187,7 @@ def moe_experts(
 
     Raises:
         ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, ``expert_parallel`` with
-            ``k_block`` or ``chains``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
+            ``k_block``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
             ``weight_chain``); an expert id beyond the experts held (``E``, or ``E / EP`` on each of the EP ranks).
         shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
@@ -198,8 +199,8 @@ def moe_experts(
         raise ValueError("FP8 experts are single-rank (k_block None): the TP-invariant tree sums a bf16/fp32 GEMM")
     if scales is not None and fp8 is None:
         raise ValueError("expert scales without an FP8 granularity")
-    if expert_parallel is not None and (k_block is not None or chains is not None):
-        raise ValueError("expert parallelism with k_block or gradient chains is not implemented")
+    if expert_parallel is not None and k_block is not None:
+        raise ValueError("expert parallelism with k_block is not implemented")
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
@@ -212,7 +213,8 @@ def moe_experts(
             flat_rows,
             flat_ids,
             w_gate.shape[0],
-            lambda rx, rows, ids: _expert_rows(rx, rows, ids, w_gate, w_up, w_down, None, None, fp8, scales),
+            # the local experts' chains (E / EP each): rows arrive in one rank's order (see ExpertParallel)
+            lambda rx, rows, ids: _expert_rows(rx, rows, ids, w_gate, w_up, w_down, None, chains, fp8, scales),
         )
     else:
         outs = _expert_rows(x, flat_rows, flat_ids, w_gate, w_up, w_down, k_block, chains, fp8, scales)

@@ -858,6 +858,12 @@ def test_data_parallel_2_trains_like_one_rank(tmp_path, family):
     Qwen3 and Qwen3-MoE (router and experts). ``rl_step`` at DP 2 takes the same path and gives the same bits.
     Negative control: TorchTitan's stock components at DP 2 (FSDP's reduce-scatter of each rank's gradients) end
     with other weights than stock on one rank."""
+    _check_trains_like_one_rank(tmp_path, family, "DP 2")
+
+
+def _check_trains_like_one_rank(tmp_path, family: str, name: str, **layout) -> None:
+    """Two ranks (each half the batch) at ``layout`` against one rank: two streamed steps, then ``rl_step``; stock
+    at the same layout against stock on one rank (the control)."""
     from zerokld_testing import random_prompts
 
     ckpt = _pipeline_checkpoint(tmp_path, family)
@@ -865,23 +871,37 @@ def test_data_parallel_2_trains_like_one_rank(tmp_path, family):
     lens = [len(s) // 2 for s in seqs]
     common = dict(train_step=True, weights=True, steps=2)
 
-    def run(nproc=None, batch_invariant=True, **layout):
+    def run(nproc=None, batch_invariant=True, **spec):
         return _trainer_tp(
-            tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant, None, nproc=nproc, **common, **layout
+            tmp_path, ckpt, "float32", 1, seqs, lens, batch_invariant, None, nproc=nproc, **common, **spec
         )
 
     one = run(streaming=True)
     assert not torch.equal(torch.cat(one["after"]), torch.cat(one["logprobs"]))  # the steps moved the weights
-    dp2 = run(nproc=2, split=True, streaming=True)
-    same = _same_run(one, dp2)
+    two = run(nproc=2, split=True, streaming=True, **layout)
+    if "ep" in layout:
+        assert two["expert_parallel_sizes"] == [layout["ep"]]  # every zerokld MoE block ran expert-parallel
+    same = _same_run(one, two)
     assert all(same.values()), same
-    assert len(one["grad_norm"]) == len(dp2["grad_norm"]) == 2 and one["grad_norm"] == dp2["grad_norm"]
-    assert all(_same_run(one, run(nproc=2, split=True)).values())  # rl_step: forward_backward + optim_step
+    assert len(one["grad_norm"]) == len(two["grad_norm"]) == 2 and one["grad_norm"] == two["grad_norm"]
+    assert all(_same_run(one, run(nproc=2, split=True, **layout)).values())  # rl_step: forward_backward + optim_step
     stock_one = run(batch_invariant=False)
-    stock_dp2 = run(batch_invariant=False, nproc=2, split=True)
+    stock_two = run(batch_invariant=False, nproc=2, split=True, **layout)
     stock_differs(
-        not _same_run(stock_one, stock_dp2)["weights"], "TorchTitan's trainer at DP 2 vs one rank", "the prompts"
+        not _same_run(stock_one, stock_two)["weights"], f"TorchTitan's trainer at {name} vs one rank", "the prompts"
     )
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_expert_parallel_2_trains_like_one_rank(tmp_path):
+    """Issue 56 points 3 and 6: TorchTitan's ``expert_parallel_degree`` 2 on Qwen3-MoE (each rank 4 of the 8 experts
+    and half the batch) trains with one rank's bits: each local expert's chain continues over the rows the EP exchange
+    delivers (source rank 0's first: one rank's token order), the router, attention and norms' chains are handed
+    between the data-parallel ranks; two streamed steps and ``rl_step`` give one rank's log-probs, gradient norms and
+    weights. Negative control: TorchTitan's stock MoE at EP 2 ends with other weights than stock on one rank."""
+    _check_trains_like_one_rank(tmp_path, "qwen3_moe", "EP 2", ep=2)
 
 
 @pytest.mark.titan

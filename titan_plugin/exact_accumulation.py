@@ -75,7 +75,8 @@ def _own_class(module: torch.nn.Module) -> type:
 class _Site:
     """Where one parameter's chain is fed: ``feeder``'s forward reads it as ``grad_chains(feeder)[name]``; the chain
     has ``shape`` (and :attr:`~shared_numerics.grad_chain.GradChain.float32_products`); ``finish`` turns its sums
-    (float32) into the parameter's gradient."""
+    (float32) into the parameter's gradient. ``expert_parallel``: the chain is this rank's experts' (``shape`` the
+    local shard's), fed in one rank's order by the EP exchange itself, never handed between ranks."""
 
     feeder: torch.nn.Module
     name: str
@@ -83,6 +84,7 @@ class _Site:
     shape: tuple[int, ...]
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None
     float32_products: bool = False
+    expert_parallel: bool = False
 
 
 def _adapter_site(lora: torch.nn.Module, which: str, name: str, p: torch.nn.Parameter) -> _Site | None:
@@ -104,7 +106,15 @@ def _expert_site(moe: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Sit
     are any number: float32 products). Its router's gate is a :class:`ZeroKLDLinear` of its own."""
     if name not in ("w1_EFD", "w2_EDF", "w3_EFD"):
         return None
+    if _ep_sharded(p):  # TorchTitan EP: this rank's E / EP experts (titan_plugin.expert_parallel)
+        return _Site(moe, name, p, tuple(p.to_local().shape), float32_products=True, expert_parallel=True)
     return _Site(moe, name, p, tuple(p.shape), float32_products=True)
+
+
+def _ep_sharded(p) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh["ep"].size() > 1
 
 
 def _fed_by_another(
@@ -145,9 +155,9 @@ def unsupported_reason(
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter outside
     :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, a vocab-parallel lm_head, MoE experts with
-    ``tp_k_block``, a parameter sharded over more than one rank (but over the data-parallel mesh dimensions,
-    :data:`DATA_PARALLEL_DIMS`, when ``data_parallel``: the chains are handed from rank to rank), or no kernel
-    coverage for ``dtype`` on this machine."""
+    ``tp_k_block`` or DeepSeekMoE's, a parameter sharded over more than one rank (but, when ``data_parallel``, over
+    the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` — the chains are handed from rank to rank — or
+    experts over TorchTitan's ``ep`` dimension alone), or no kernel coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
@@ -159,11 +169,18 @@ def unsupported_reason(
             return "the vocab-parallel lm_head (tp_k_block)"
         if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block is not None:
             return f"{mod_name}.{name}: MoE experts with tp_k_block"
+        if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.deepseek:
+            return f"{mod_name}.{name}: DeepSeekMoE experts (their chains are not implemented yet)"
         p = site.param
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
-            dims = set(p.device_mesh.mesh_dim_names or ())
-            if not (data_parallel and dims <= DATA_PARALLEL_DIMS):
-                return f"{mod_name}.{name} is sharded over {p.device_mesh.size()} ranks ({', '.join(sorted(dims))})"
+            mesh = p.device_mesh
+            dims = set(mesh.mesh_dim_names or ())
+            if site.expert_parallel:  # EP borrows the data-parallel ranks: its exchange keeps one rank's order
+                others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
+                if not data_parallel or others:
+                    return f"{mod_name}.{name}: experts sharded over {', '.join(others) or 'ep'} without the hand-off"
+            elif not (data_parallel and dims <= DATA_PARALLEL_DIMS):
+                return f"{mod_name}.{name} is sharded over {mesh.size()} ranks ({', '.join(sorted(dims))})"
     return None
 
 
@@ -202,7 +219,6 @@ class ExactAccumulation:
         self._sites = [site for *_, site in _sites(model)]
         self.token_multiple = CHAIN_K_MULTIPLE if dtype == torch.bfloat16 else 1
         self.data_parallel = data_parallel
-        self._sizes = [math.prod(site.shape) for site in self._sites]
         self._flat: torch.Tensor | None = None  # every chain's accumulator, one float32 buffer (the hand-off's)
         self._chains: list[GradChain] | None = None
         self._log: list | None = None  # a data-parallel rank > 0: the additions to replay at write_grads
@@ -211,16 +227,21 @@ class ExactAccumulation:
     def attach(self) -> None:
         """Give every module its chains (created from zero at the first micro-batch of a step)."""
         if self._chains is None:
-            self._flat = torch.zeros(sum(self._sizes), dtype=torch.float32)
-            accs = torch.split(self._flat, self._sizes)
+            handed = [site for site in self._sites if not site.expert_parallel]
+            self._flat = torch.zeros(sum(math.prod(site.shape) for site in handed), dtype=torch.float32)
+            accs = iter(torch.split(self._flat, [math.prod(site.shape) for site in handed]))
             self._chains = [
-                GradChain(site.shape, site.float32_products, acc=acc.view(site.shape))
-                for site, acc in zip(self._sites, accs, strict=True)
+                GradChain(
+                    site.shape,
+                    site.float32_products,
+                    acc=None if site.expert_parallel else next(accs).view(site.shape),
+                )
+                for site in self._sites
             ]
         if self.data_parallel is not None and self.data_parallel.get_local_rank() > 0 and self._log is None:
             self._log = []
         for site, chain in zip(self._sites, self._chains, strict=True):
-            chain.log = self._log
+            chain.log = None if site.expert_parallel else self._log
             site.feeder.__dict__.setdefault("_zerokld_grad_chains", {})[site.name] = chain
 
     def detach(self) -> None:
@@ -253,7 +274,7 @@ class ExactAccumulation:
         for p, g in sums.values():
             g = g.to(p.dtype)  # float32 master weights: the accumulator itself
             if isinstance(p, DTensor):
-                if self.data_parallel is not None:
+                if self.data_parallel is not None and not _ep_sharded(p):
                     self._full[id(p)] = g
                     g = _local_shard(g, p).clone()  # optim_step divides .grad in place: not the whole one's storage
                 p.grad = DTensor.from_local(
@@ -262,12 +283,22 @@ class ExactAccumulation:
             else:
                 p.grad = g
 
-    def full_grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    def full_grads(self, params: list[torch.nn.Parameter], divisor: int | None = None) -> list[torch.Tensor] | None:
         """Under data parallelism, the whole gradients of ``params`` (those with a ``.grad``, in order) after the last
-        :meth:`write_grads` — every rank's the same, one rank's bits — else ``None``."""
+        :meth:`write_grads`, divided by ``divisor`` as ``.grad`` was in place (``optim_step``'s ``token_mean``) —
+        every rank's the same, one rank's bits; EP-sharded experts all-gathered — else ``None``."""
+        from torch.distributed.tensor import DTensor
+
         if self.data_parallel is None:
             return None
-        return [self._full.get(id(p), p.grad) for p in params if p.grad is not None]
+        out = []
+        for p in (p for p in params if p.grad is not None):
+            if id(p) in self._full:
+                g = self._full[id(p)]
+                out.append(g if divisor is None else g.div(divisor))
+            else:  # already divided in place (an expert's local sums are its .grad)
+                out.append(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        return out
 
     def _hand_off(self) -> None:
         import torch.distributed as dist

@@ -46,6 +46,7 @@ def moe_expert_parallel(
     renormalize: bool,
     expert_ids: torch.Tensor | None,
     fp8: str | None = None,
+    chains: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`shared_numerics.moe.moe_forward` with the experts split over TorchTitan's EP mesh.
 
@@ -54,6 +55,8 @@ def moe_expert_parallel(
         router_weight: ``[E, D]`` (replicated).
         w_gate, w_up, w_down: the stacked experts, DTensors ``Shard(0)`` on the EP mesh.
         top_k, renormalize, expert_ids, fp8: as :func:`~shared_numerics.moe.moe_forward` (replayed ids are global).
+        chains: exact accumulation (:mod:`titan_plugin.exact_accumulation`): the router's chain and this rank's
+            experts' (``[E / EP, ...]``), as :func:`~shared_numerics.moe.moe_forward` takes them.
 
     Returns:
         ``(out [B*L, D], expert_ids [B*L, top_k])``, bitwise what one rank holding every expert computes.
@@ -68,7 +71,15 @@ def moe_expert_parallel(
     x = x_BLD.to_local() if isinstance(x_BLD, DTensor) else x_BLD
     b, seq, d = x.shape
     return sn_moe.moe_forward(
-        x.reshape(b * seq, d), router, *local, top_k, renormalize, expert_ids, fp8=fp8, expert_parallel=ep
+        x.reshape(b * seq, d),
+        router,
+        *local,
+        top_k,
+        renormalize,
+        expert_ids,
+        chains=chains,
+        fp8=fp8,
+        expert_parallel=ep,
     )
 
 

@@ -441,6 +441,19 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         #: the EP size of the latest forward (1: every expert on this rank; titan_plugin.expert_parallel)
         self.expert_parallel_size = 1
 
+    def _moe_chains(self) -> dict | None:
+        """Exact accumulation's chains for :func:`shared_numerics.moe.moe_forward`: the experts' here (under EP this
+        rank's experts'), the router's on its gate; ``None`` when none are attached."""
+        chains = grad_chains(self)
+        if chains is None:
+            return None
+        return {
+            "router": grad_chains(self.router.gate)["weight"],
+            "w_gate": chains["w1_EFD"],
+            "w_up": chains["w3_EFD"],
+            "w_down": chains["w2_EDF"],
+        }
+
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         b, seq, d = x_BLD.shape
         k = self.router.top_k
@@ -480,8 +493,8 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
 
-            if self.k_block or grad_chains(self) is not None:
-                raise NotImplementedError("zerokld expert parallelism with tp_k_block or exact accumulation")
+            if self.k_block:
+                raise NotImplementedError("zerokld expert parallelism with tp_k_block")
 
             out, ids = moe_expert_parallel(
                 x_BLD,
@@ -493,6 +506,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 self.router.route_norm,
                 replay,
                 self.fp8,
+                chains=self._moe_chains(),
             )
             self.expert_parallel_size = ex.w1_EFD.device_mesh.size()
         elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I
@@ -513,14 +527,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 self.k_block,
             )
         else:
-            chains = grad_chains(self)  # exact accumulation: the experts' chains here, the router's on its gate
-            if chains is not None:
-                chains = {
-                    "router": grad_chains(self.router.gate)["weight"],
-                    "w_gate": chains["w1_EFD"],
-                    "w_up": chains["w3_EFD"],
-                    "w_down": chains["w2_EDF"],
-                }
+            chains = self._moe_chains()
             out, ids = sn_moe.moe_forward(
                 x_BLD.reshape(b * seq, d),
                 self.router.gate.weight,

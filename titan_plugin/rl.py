@@ -810,9 +810,7 @@ class RLTrainer(Trainer):
         self._pending = None
         norm = self.config.training.max_norm if max_norm is None else max_norm
         exact = self.exact_accumulation
-        whole = None if exact is None else exact.full_grads(params)  # data parallelism: every rank has them
-        if whole is not None and divided is not None:
-            whole = [g.div(divided) for g in whole]  # as .grad was, in place
+        whole = None if exact is None else exact.full_grads(params, divided)  # data parallelism: on every rank
         if whole is not None or (self.pipeline is not None and exact is not None):  # the one-rank norm
             grads = whole if whole is not None else [p.grad for p in params if p.grad is not None]
             if self.pipeline is not None:  # every stage's (titan_plugin.pipeline)
@@ -821,10 +819,14 @@ class RLTrainer(Trainer):
                 grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)  # TorchTitan's, on one rank
             from torch.distributed.tensor.experimental import implicit_replication
 
-            with implicit_replication():  # the norm is a plain tensor, the FSDP shards' gradients DTensors
-                torch.nn.utils.clip_grads_with_norm_(
-                    params, norm if norm > 0 else float("inf"), grad_norm, foreach=True
-                )
+            meshes: dict = {}  # a DTensor foreach op takes one mesh: FSDP shards, EP experts (TorchTitan EP clip)
+            for p in params:
+                meshes.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+            with implicit_replication():  # the norm is a plain tensor, the sharded gradients DTensors
+                for group in meshes.values():  # elementwise: the grouping does not change a bit
+                    torch.nn.utils.clip_grads_with_norm_(
+                        group, norm if norm > 0 else float("inf"), grad_norm, foreach=True
+                    )
         else:  # TorchTitan's (train_step's call)
             pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
             grad_norm = dist_utils.clip_grad_norm_(
