@@ -72,12 +72,15 @@ class GradChain:
         #: ``None``: additions run at once; a list: they are recorded in call order, to be run later by
         #: :func:`replay` (a data-parallel rank whose chains continue where the previous rank's ended)
         self.log = log
+        #: set by a feeder whose rows are this rank's share of a sum over ranks (a tensor-parallel replica of a
+        #: norm's gain fed one head shard): the owner of the chains sums the ranks' chains into the gradient
+        self.partial = False
 
     def part(self, index: int) -> GradChain:
         """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), sharing the storage, the
         arithmetic and the log."""
         sub = GradChain.__new__(GradChain)
-        sub.acc, sub.float32_products, sub.log = self.acc[index], self.float32_products, self.log
+        sub.acc, sub.float32_products, sub.log, sub.partial = self.acc[index], self.float32_products, self.log, False
         return sub
 
     def add(self, fn, *args) -> None:

@@ -764,6 +764,40 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
     _check_expert_parallel_2(tmp_path, ckpt, dtype, experts=8, moe_layers=moe_layers, seed=33, stock="deepseek_v3")
 
 
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family):
+    """Issue 56 point 6 under TP 2 (``tp_k_block``, float32): ``forward_backward`` in batched passes with exact
+    accumulation — each rank's chains over its shards (column- and row-parallel weights, the vocab-parallel embedding
+    and lm_head), the replicated norm gains' chains over every token (zerokld TP keeps the activations replicated),
+    Qwen3's q/k-norm gains summed over the head shards when written — so one call on the batch and three calls on
+    its slices leave the same gradients: the log-probs during and after two steps, the gradient norms and every
+    weight are equal. Qwen2 adds the column-parallel biases. Negative control: TorchTitan's stock TP 2 — one batched
+    step (``rl_step``) vs the same rollouts accumulated over three ``forward_backward`` calls — ends with other
+    weights."""
+    from zerokld_testing import random_prompts
+
+    ckpt = checkpoint_factory(family, "float32")
+    seqs = random_prompts(6, seed=51, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, steps=2, streaming=True)
+
+    def run(batch_invariant=True, **spec):
+        k_block = K_BLOCK if batch_invariant else None
+        return _trainer_tp(tmp_path, ckpt, "float32", 2, seqs, lens, batch_invariant, k_block, **{**common, **spec})
+
+    whole, sliced = run(), run(stream_calls=3)
+    assert whole["exact_accumulation_off"] is None and sliced["exact_accumulation_off"] is None  # batched chains
+    same = _same_run(whole, sliced, keys=("logprobs", "step_logprobs", "after"))
+    assert all(same.values()), same
+    assert len(whole["grad_norm"]) == 2 and whole["grad_norm"] == sliced["grad_norm"]
+    assert not torch.equal(torch.cat(whole["after"]), torch.cat(whole["logprobs"]))  # the steps moved the weights
+    stock = _same_run(run(batch_invariant=False, streaming=False), run(batch_invariant=False, stream_calls=3))
+    stock_differs(not stock["weights"], "TorchTitan at TP 2: one batched step vs three accumulated", "the prompts")
+
+
 # --- pipeline parallelism (issue 56 point 1) ----------------------------------------------------------------------
 
 

@@ -23,9 +23,14 @@ Data parallelism (FSDP2 over TorchTitan's ``dp_shard`` / ``dp_replicate`` ranks)
 rank in rank order, so the gradients are one rank's on the concatenation of the ranks' rollouts (see
 :class:`ExactAccumulation`).
 
-Not covered (the general way runs): tensor parallelism (``tp_k_block``: the row-parallel trees, the vocab-parallel
-lm_head, TP experts), context and expert parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512
-without AMX).
+Expert parallelism: each rank's experts keep chains of their own (the EP exchange delivers an expert's rows in one
+rank's order). Tensor parallelism (``tp_k_block``, no FSDP): each rank's shards keep chains of their own — column- and
+row-parallel weights, the vocab-parallel embedding and (unfused) lm_head, the norm gains over the replicated
+activations; a gain fed a head shard (Qwen3's q/k norms) is summed over the TP ranks when written — so any grouping of
+a TP run's micro-batches gives the same bits.
+
+Not covered (the general way runs): TP with FSDP, TP experts, the fused vocab-parallel lm_head, context parallelism,
+DeepSeekMoE's experts, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX).
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -44,12 +49,27 @@ import torch
 from shared_numerics.grad_chain import CHAIN_K_MULTIPLE, GradChain, chain_available
 
 from .lora import ZeroKLDLoRALinear
-from .overrides import ZeroKLDEmbedding, ZeroKLDFp8Linear, ZeroKLDLinear, ZeroKLDLMHead, ZeroKLDMoE, ZeroKLDRMSNorm
+from .overrides import (
+    ZeroKLDEmbedding,
+    ZeroKLDFp8Linear,
+    ZeroKLDLinear,
+    ZeroKLDLMHead,
+    ZeroKLDMoE,
+    ZeroKLDRMSNorm,
+    ZeroKLDRowParallelLinear,
+)
 
 __all__ = ["CHAIN_MODULES", "DATA_PARALLEL_DIMS", "ExactAccumulation", "unsupported_reason"]
 
 #: module types (exact) whose parameters' gradients go into chains
-CHAIN_MODULES = (ZeroKLDLinear, ZeroKLDFp8Linear, ZeroKLDLMHead, ZeroKLDRMSNorm, ZeroKLDEmbedding)
+CHAIN_MODULES = (
+    ZeroKLDLinear,
+    ZeroKLDFp8Linear,
+    ZeroKLDLMHead,
+    ZeroKLDRMSNorm,
+    ZeroKLDEmbedding,
+    ZeroKLDRowParallelLinear,
+)
 
 
 def _params(model: torch.nn.Module | list[torch.nn.Module]):
@@ -75,8 +95,9 @@ def _own_class(module: torch.nn.Module) -> type:
 class _Site:
     """Where one parameter's chain is fed: ``feeder``'s forward reads it as ``grad_chains(feeder)[name]``; the chain
     has ``shape`` (and :attr:`~shared_numerics.grad_chain.GradChain.float32_products`); ``finish`` turns its sums
-    (float32) into the parameter's gradient. ``expert_parallel``: the chain is this rank's experts' (``shape`` the
-    local shard's), fed in one rank's order by the EP exchange itself, never handed between ranks."""
+    (float32) into the parameter's gradient. ``local``: the chain is this rank's model-parallel shard's (``shape``
+    the local tensor's: TP shards and TP-replicated weights, EP's experts — the EP exchange feeds them in one rank's
+    order), never handed between ranks."""
 
     feeder: torch.nn.Module
     name: str
@@ -84,7 +105,7 @@ class _Site:
     shape: tuple[int, ...]
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None
     float32_products: bool = False
-    expert_parallel: bool = False
+    local: bool = False
 
 
 def _adapter_site(lora: torch.nn.Module, which: str, name: str, p: torch.nn.Parameter) -> _Site | None:
@@ -106,15 +127,23 @@ def _expert_site(moe: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Sit
     are any number: float32 products). Its router's gate is a :class:`ZeroKLDLinear` of its own."""
     if name not in ("w1_EFD", "w2_EDF", "w3_EFD"):
         return None
-    if _ep_sharded(p):  # TorchTitan EP: this rank's E / EP experts (titan_plugin.expert_parallel)
-        return _Site(moe, name, p, tuple(p.to_local().shape), float32_products=True, expert_parallel=True)
+    if _model_parallel(p):  # TorchTitan EP: this rank's E / EP experts (titan_plugin.expert_parallel)
+        return _Site(moe, name, p, tuple(p.to_local().shape), float32_products=True, local=True)
     return _Site(moe, name, p, tuple(p.shape), float32_products=True)
 
 
-def _ep_sharded(p) -> bool:
+#: DeviceMesh dimensions whose shards (or replicas) keep chains of their own: tensor and expert parallelism
+MODEL_PARALLEL_DIMS = ("tp", "ep")
+
+
+def _model_parallel(p) -> bool:
+    """Whether ``p`` is a DTensor over TorchTitan's ``tp`` or ``ep`` mesh dimension (of more than one rank)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh["ep"].size() > 1
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(d in names and p.device_mesh[d].size() > 1 for d in MODEL_PARALLEL_DIMS)
 
 
 def _fed_by_another(
@@ -140,7 +169,10 @@ def _sites(model: torch.nn.Module | list[torch.nn.Module]):
         if id(module) in others:
             yield mod_name, module, name, others[id(module)](name, p)
         elif _own_class(module) in CHAIN_MODULES:
-            yield mod_name, module, name, _Site(module, name, p, tuple(p.shape))
+            if _model_parallel(p):  # TP: this rank's shard (or replica), its own chain
+                yield mod_name, module, name, _Site(module, name, p, tuple(p.to_local().shape), local=True)
+            else:
+                yield mod_name, module, name, _Site(module, name, p, tuple(p.shape))
         else:
             yield mod_name, module, name, None
 
@@ -151,13 +183,17 @@ DATA_PARALLEL_DIMS = frozenset({"dp_replicate", "dp_shard", "fsdp"})
 
 
 def unsupported_reason(
-    model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype, data_parallel: bool = False
+    model: torch.nn.Module | list[torch.nn.Module],
+    dtype: torch.dtype,
+    data_parallel: bool = False,
+    fused: bool = False,
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter outside
-    :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, a vocab-parallel lm_head, MoE experts with
-    ``tp_k_block`` or DeepSeekMoE's, a parameter sharded over more than one rank (but, when ``data_parallel``, over
-    the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` — the chains are handed from rank to rank — or
-    experts over TorchTitan's ``ep`` dimension alone), or no kernel coverage for ``dtype`` on this machine."""
+    :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, the ``fused`` vocab-parallel lm_head, MoE experts
+    with ``tp_k_block`` or DeepSeekMoE's, a parameter sharded over more than one rank — but over the data-parallel
+    mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank),
+    experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp``
+    alone (its own chain; TP with FSDP is not covered yet) — or no kernel coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
@@ -165,8 +201,8 @@ def unsupported_reason(
     for mod_name, module, name, site in _sites(model):
         if site is None:
             return f"{mod_name}.{name} belongs to a {_own_class(module).__name__}"
-        if isinstance(module, ZeroKLDLMHead) and module.vocab_parallel:
-            return "the vocab-parallel lm_head (tp_k_block)"
+        if isinstance(module, ZeroKLDLMHead) and module.vocab_parallel and fused:
+            return "the fused vocab-parallel lm_head (tp_k_block)"
         if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block is not None:
             return f"{mod_name}.{name}: MoE experts with tp_k_block"
         if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.deepseek:
@@ -175,10 +211,14 @@ def unsupported_reason(
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
             mesh = p.device_mesh
             dims = set(mesh.mesh_dim_names or ())
-            if site.expert_parallel:  # EP borrows the data-parallel ranks: its exchange keeps one rank's order
+            if site.local and "ep" in dims and mesh["ep"].size() > 1:  # EP borrows the data-parallel ranks
                 others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
                 if not data_parallel or others:
                     return f"{mod_name}.{name}: experts sharded over {', '.join(others) or 'ep'} without the hand-off"
+            elif site.local:  # tensor parallelism
+                others = sorted(d for d in dims - {"tp"} if mesh[d].size() > 1)
+                if others:
+                    return f"{mod_name}.{name}: tensor parallelism with {', '.join(others)} (not covered yet)"
             elif not (data_parallel and dims <= DATA_PARALLEL_DIMS):
                 return f"{mod_name}.{name} is sharded over {mesh.size()} ranks ({', '.join(sorted(dims))})"
     return None
@@ -227,21 +267,21 @@ class ExactAccumulation:
     def attach(self) -> None:
         """Give every module its chains (created from zero at the first micro-batch of a step)."""
         if self._chains is None:
-            handed = [site for site in self._sites if not site.expert_parallel]
+            handed = [site for site in self._sites if not site.local]
             self._flat = torch.zeros(sum(math.prod(site.shape) for site in handed), dtype=torch.float32)
             accs = iter(torch.split(self._flat, [math.prod(site.shape) for site in handed]))
             self._chains = [
                 GradChain(
                     site.shape,
                     site.float32_products,
-                    acc=None if site.expert_parallel else next(accs).view(site.shape),
+                    acc=None if site.local else next(accs).view(site.shape),
                 )
                 for site in self._sites
             ]
         if self.data_parallel is not None and self.data_parallel.get_local_rank() > 0 and self._log is None:
             self._log = []
         for site, chain in zip(self._sites, self._chains, strict=True):
-            chain.log = None if site.expert_parallel else self._log
+            chain.log = None if site.local else self._log
             site.feeder.__dict__.setdefault("_zerokld_grad_chains", {})[site.name] = chain
 
     def detach(self) -> None:
@@ -266,6 +306,8 @@ class ExactAccumulation:
         sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         for site, chain in zip(self._sites, self._chains, strict=True):
             p, g = site.param, chain.acc if site.finish is None else site.finish(chain.acc)
+            if chain.partial:  # this rank's share: the ranks' chains summed (a copy: the chain goes on)
+                g = _sum_over_mesh(g, p)
             if id(p) in sums:  # tied (embedding and lm_head): the chains' sum, in module order
                 sums[id(p)] = (p, sums[id(p)][1] + g)
             else:
@@ -274,7 +316,7 @@ class ExactAccumulation:
         for p, g in sums.values():
             g = g.to(p.dtype)  # float32 master weights: the accumulator itself
             if isinstance(p, DTensor):
-                if self.data_parallel is not None and not _ep_sharded(p):
+                if self.data_parallel is not None and not _model_parallel(p):
                     self._full[id(p)] = g
                     g = _local_shard(g, p).clone()  # optim_step divides .grad in place: not the whole one's storage
                 p.grad = DTensor.from_local(
@@ -319,6 +361,16 @@ class ExactAccumulation:
         self._chains = self._flat = None
         self._log = None
         self._full = {}
+
+
+def _sum_over_mesh(g: torch.Tensor, p) -> torch.Tensor:
+    """``g`` summed over the ranks of DTensor ``p``'s tensor-parallel mesh dimension (a copy; gloo's all-reduce:
+    at TP 2 one commutative addition, the same bits on both ranks)."""
+    import torch.distributed as dist
+
+    total = g.clone()
+    dist.all_reduce(total, group=p.device_mesh.get_group("tp"))
+    return total
 
 
 def _local_shard(full: torch.Tensor, p) -> torch.Tensor:

@@ -90,15 +90,15 @@ class ZeroKLDLinear(Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        chains = grad_chains(self)
-        if chains is not None:
-            return torch_backend_linear(
-                x, self.weight, self.bias, weight_chain=chains["weight"], bias_chain=chains.get("bias")
-            )
+        chains = grad_chains(self) or {}
         if _is_dtensor(self.weight):  # TorchTitan tensor parallelism: compute on the local shard
             from .tensor_parallel import column_parallel_dtensor
 
-            return column_parallel_dtensor(x, self.weight, self.bias)
+            return column_parallel_dtensor(x, self.weight, self.bias, chains.get("weight"), chains.get("bias"))
+        if chains:
+            return torch_backend_linear(
+                x, self.weight, self.bias, weight_chain=chains["weight"], bias_chain=chains.get("bias")
+            )
         return sn.linear(x, self.weight, self.bias)
 
 
@@ -176,11 +176,19 @@ class ZeroKLDRowParallelLinear(_FixedTreeOutput, ZeroKLDLinear):
         self.k_block = config.k_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _is_dtensor(self.weight):
-            return sn_tp.row_parallel_linear(x, self.weight, self.bias, k_block=self.k_block)
-        from .tensor_parallel import row_parallel_dtensor
+        chain = (grad_chains(self) or {}).get("weight")  # exact accumulation: dW into the chain
+        if _is_dtensor(self.weight):
+            from .tensor_parallel import row_parallel_dtensor
 
-        return row_parallel_dtensor(x, self.weight, self.bias, self.k_block)
+            return row_parallel_dtensor(x, self.weight, self.bias, self.k_block, chain)
+        if chain is None:
+            return sn_tp.row_parallel_linear(x, self.weight, self.bias, k_block=self.k_block)
+        if self.bias is not None:
+            raise NotImplementedError("zerokld row-parallel linear: exact accumulation with a bias")
+        from .tensor_parallel import chain_weight_grad
+
+        out = sn_tp.row_parallel_linear(x, self.weight.detach(), None, k_block=self.k_block)
+        return chain_weight_grad(out, x, chain)
 
 
 class ZeroKLDLMHead(ZeroKLDLinear):
@@ -246,8 +254,16 @@ class ZeroKLDRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         chains = grad_chains(self)
-        if chains is not None:
-            return sn_norm.rms_norm(x, self.weight, eps, weight_chain=chains["weight"])
+        if chains is not None:  # the gain's gradient into its chain (under TP: x replicated, the whole rows)
+            chain = chains["weight"]
+            if _is_dtensor(x) and any(q.is_shard() for q in x.placements):  # e.g. q/k norms on a head shard
+                chain.partial = True
+
+            def chained(t, w):
+                w = w.to_local() if _is_dtensor(w) else w  # the gradient is the chain's
+                return sn_norm.rms_norm(t, w, eps, weight_chain=chain)
+
+            return _per_row(chained, x, self.weight)
         return _per_row(lambda t, w: sn.rms_norm(t, w, eps), x, self.weight)
 
 
@@ -261,9 +277,20 @@ class ZeroKLDEmbedding(Embedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         chains = grad_chains(self)
-        if chains is not None and self.tp_group is None:
+        if chains is None:
+            return super().forward(input)
+        if self.tp_group is None:
             return sn_chain.chained_embedding(input, self.weight, chains["weight"])
-        return super().forward(input)
+        # TorchTitan's vocab-parallel embedding (this rank's rows; the others' tokens masked to zero, their zero
+        # gradients added to a clamped row: exact zeros), the rows' gradients into the chain
+        import torch.distributed as dist
+
+        weight = self.weight.to_local() if _is_dtensor(self.weight) else self.weight
+        offset = dist.get_rank(self.tp_group) * -(-self.num_embeddings // dist.get_world_size(self.tp_group))
+        mask = (input >= offset) & (input < offset + weight.shape[0])
+        local = (input - offset).clamp(0, weight.shape[0] - 1)
+        out = sn_chain.chained_embedding(local, weight, chains["weight"])
+        return out * mask.unsqueeze(-1).to(out.dtype)
 
 
 class ZeroKLDFeedForward(FeedForward):

@@ -280,6 +280,9 @@ def rl_trainer_config(
         # TorchTitan's default
         parallelism=ParallelismConfig(
             tensor_parallel_degree=tensor_parallel_degree,
+            # zerokld TP keeps the activations replicated: the norms' gain chains then see every token in order
+            # (titan_plugin.exact_accumulation); sequence parallelism would split them by the call's padded length
+            enable_sequence_parallel=not batch_invariant,
             expert_parallel_degree=expert_parallel_degree,
             pipeline_parallel_degree=pipeline_parallel_degree,
             pipeline_parallel_schedule=pipeline_parallel_schedule,
@@ -387,7 +390,7 @@ class RLTrainer(Trainer):
         dims = self.parallel_dims
         # the chains are handed from data-parallel rank to rank (a rank's rollouts are whole: not under CP)
         data_parallel = dims.get_optional_mesh("batch") if dims.dp_enabled and not dims.cp_enabled else None
-        reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None)
+        reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None, config.loss.fused)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)
         self.exact_accumulation = None if reason else ExactAccumulation(self.model_parts, dtype, data_parallel)

@@ -27,6 +27,7 @@ import shared_numerics as sn
 import shared_numerics.tensor_parallel as sn_tp
 
 __all__ = [
+    "chain_weight_grad",
     "column_parallel_dtensor",
     "moe_dtensor",
     "per_row_dtensor",
@@ -138,8 +139,12 @@ def _mesh_1d(weight: DTensor):
     return mesh
 
 
-def column_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None) -> DTensor:
+def column_parallel_dtensor(
+    x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, weight_chain=None, bias_chain=None
+) -> DTensor:
     """``linear(x, W, b)`` for a ``Shard(0)`` (column-parallel) or ``Replicate`` weight DTensor; ``x`` replicated.
+    ``weight_chain`` / ``bias_chain``: exact accumulation (:mod:`shared_numerics.grad_chain`) of the local shards'
+    gradients (``dW_local = dY_localᵀ X`` over the tokens in order).
 
     Returns:
         ``[..., N]`` DTensor: ``Shard(-1)`` for a sharded weight, else ``Replicate``.
@@ -152,7 +157,12 @@ def column_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor
         raise NotImplementedError(f"zerokld column-parallel linear: input placements {x.placements} (Replicate only)")
     # x's gradient from this rank's columns is a partial sum over the output columns: Partial, reduced by DTensor
     x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
-    out = sn.linear(x_local, weight.to_local(), _local(bias))
+    if weight_chain is not None:
+        from shared_numerics.linear import linear as chained_linear
+
+        out = chained_linear(x_local, weight.to_local(), _local(bias), weight_chain=weight_chain, bias_chain=bias_chain)
+    else:
+        out = sn.linear(x_local, weight.to_local(), _local(bias))
     if placement == Shard(0):  # the global width is the weight's (uneven shards, e.g. an odd vocabulary)
         shape = (*out.shape[:-1], weight.shape[0])
         stride = torch.empty(shape, device="meta").stride()
@@ -162,7 +172,9 @@ def column_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor
     raise NotImplementedError(f"zerokld column-parallel linear: weight placement {placement}")
 
 
-def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, k_block: int) -> DTensor:
+def row_parallel_dtensor(
+    x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, k_block: int, weight_chain=None
+) -> DTensor:
     """``linear(x, W, b)`` for a ``Shard(1)`` (row-parallel) weight DTensor with the TP-size-invariant sum.
 
     Args:
@@ -170,6 +182,8 @@ def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | 
         weight: ``[N, K]`` DTensor ``Shard(1)`` on the 1-D TP mesh.
         bias: ``[N]`` replicated or ``None``.
         k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`.
+        weight_chain: exact accumulation of the local shard's gradient, ``dW_local = dYᵀ X_local`` over the tokens
+            in order (:mod:`shared_numerics.grad_chain`; bias-free only).
 
     Returns:
         ``[..., N]`` DTensor ``Replicate``, bitwise :func:`shared_numerics.tensor_parallel.row_parallel_linear` of
@@ -182,10 +196,40 @@ def row_parallel_dtensor(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | 
         raise NotImplementedError(f"zerokld row-parallel linear: weight placements {weight.placements} (Shard(1))")
     if isinstance(x, DTensor) and x.placements != (Shard(x.ndim - 1),):
         raise NotImplementedError(f"zerokld row-parallel linear: input placements {x.placements} (Shard(-1))")
-    out = sn_tp.row_parallel_linear(
-        _local(x), weight.to_local(), _local(bias), k_block=k_block, gather=_gather_over(mesh)
-    )
+    x_local, w_local = _local(x), weight.to_local()
+    if weight_chain is not None:
+        if bias is not None:
+            raise NotImplementedError("zerokld row-parallel linear: exact accumulation with a bias")
+        w_local = w_local.detach()  # its gradient goes into the chain (_ChainedRowParallel)
+    out = sn_tp.row_parallel_linear(x_local, w_local, _local(bias), k_block=k_block, gather=_gather_over(mesh))
+    if weight_chain is not None:
+        out = chain_weight_grad(out, x_local, weight_chain)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def chain_weight_grad(out: torch.Tensor, x: torch.Tensor, chain) -> torch.Tensor:
+    """``out`` (``[..., N]``, a linear's output computed from ``x [..., K]`` with a detached weight) unchanged, whose
+    backward adds ``dYᵀ X`` into the weight's ``chain`` (:class:`shared_numerics.grad_chain.GradChain`) — for the
+    row-parallel tree's weight (its own ops give the input's gradient)."""
+    return _ChainedRowParallel.apply(out, x.detach(), chain)
+
+
+class _ChainedRowParallel(torch.autograd.Function):
+    """Identity on a row-parallel output ``[..., N]`` whose backward adds ``dYᵀ X_local`` (this rank's weight columns)
+    into the weight's chain and passes ``dY`` on (the input's gradient runs through the detached-weight tree)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, x_local: torch.Tensor, chain) -> torch.Tensor:
+        ctx.save_for_backward(x_local)
+        ctx.chain = chain
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x_local,) = ctx.saved_tensors
+        dy = grad.reshape(-1, grad.shape[-1]).to(x_local.dtype).contiguous()
+        ctx.chain.add_gemm(dy.t(), x_local.reshape(-1, x_local.shape[-1]).contiguous().t())
+        return grad, None, None
 
 
 def moe_dtensor(

@@ -14,7 +14,8 @@
   ``pp_microbatches``, ``seq_len`` (:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and
   ``seq_len``); ``cp`` (``context_parallel_degree``, default 1); ``loss_fn`` (default ``"ppo"``);
 * ``streaming`` (bool: the step is ``forward_backward`` + ``optim_step`` instead of ``rl_step``; ``grad_norm``: each
-  step's), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
+  step's; ``stream_calls``: that many ``forward_backward`` calls on consecutive slices of the rank's rollouts, default
+  1), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
   steps);
 * ``refusal`` (``"train"``: an ``rl_step``, else ``forward_logprobs``, that must be refused: rank 0 writes only
   ``refused``, the exception's message, or ``None``).
@@ -112,7 +113,12 @@ def main(argv: list[str]) -> None:
             t0 = time.perf_counter()
             for _ in range(spec.get("steps", 1)):
                 if spec.get("streaming"):
-                    step = trainer.forward_backward(rollouts)
+                    calls = np.array_split(np.arange(len(mine)), spec.get("stream_calls", 1))
+                    parts = [trainer.forward_backward(rollouts.select(c.tolist())) for c in calls if len(c)]
+                    step = {
+                        "loss": parts[-1]["loss"],
+                        "train_logprobs": [lp for part in parts for lp in part["train_logprobs"]],
+                    }
                     result.setdefault("grad_norm", []).append(trainer.optim_step()["grad_norm"])
                 else:
                     step = trainer.rl_step(rollouts)
@@ -138,6 +144,7 @@ def main(argv: list[str]) -> None:
                 merged[key] = [rows[i] for i in range(len(spec["sequences"]))]
             result = merged
         result["expert_parallel_sizes"] = sorted(ep_sizes)  # zerokld MoE blocks: the EP size they ran at
+        result["exact_accumulation_off"] = trainer.exact_accumulation_off  # None: batched chains
         result["seconds"] = seconds  # rank 0's wall clock, between barriers
         if dist.get_rank() == 0:
             torch.save(result, argv[1])
