@@ -267,9 +267,9 @@ class ExactAccumulation:
     def attach(self) -> None:
         """Give every module its chains (created from zero at the first micro-batch of a step)."""
         if self._chains is None:
-            handed = [site for site in self._sites if not site.local]
-            self._flat = torch.zeros(sum(math.prod(site.shape) for site in handed), dtype=torch.float32)
-            accs = iter(torch.split(self._flat, [math.prod(site.shape) for site in handed]))
+            sizes = [math.prod(site.shape) for site in self._sites if not site.local]
+            self._flat = torch.zeros(sum(sizes), dtype=torch.float32)
+            accs = iter(torch.split(self._flat, sizes))
             self._chains = [
                 GradChain(
                     site.shape,
@@ -303,20 +303,21 @@ class ExactAccumulation:
             self._hand_off()
         if self._chains is None:
             return
-        sums: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        sums: dict[int, tuple[_Site, torch.Tensor]] = {}
         for site, chain in zip(self._sites, self._chains, strict=True):
             p, g = site.param, chain.acc if site.finish is None else site.finish(chain.acc)
             if chain.partial:  # this rank's share: the ranks' chains summed (a copy: the chain goes on)
                 g = _sum_over_mesh(g, p)
             if id(p) in sums:  # tied (embedding and lm_head): the chains' sum, in module order
-                sums[id(p)] = (p, sums[id(p)][1] + g)
+                sums[id(p)] = (site, sums[id(p)][1] + g)
             else:
-                sums[id(p)] = (p, g)
+                sums[id(p)] = (site, g)
         self._full = {}
-        for p, g in sums.values():
+        for site, g in sums.values():
+            p = site.param
             g = g.to(p.dtype)  # float32 master weights: the accumulator itself
             if isinstance(p, DTensor):
-                if self.data_parallel is not None and not _model_parallel(p):
+                if self.data_parallel is not None and not site.local:
                     self._full[id(p)] = g
                     g = _local_shard(g, p).clone()  # optim_step divides .grad in place: not the whole one's storage
                 p.grad = DTensor.from_local(

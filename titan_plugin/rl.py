@@ -646,8 +646,6 @@ class RLTrainer(Trainer):
                 loss.clear_rl_inputs()
                 if exact is not None:
                     exact.detach()
-        if exact is not None:
-            exact.write_grads()
         keys = ("train_logprobs", "mask", "weighted", "kept", "token_losses", "clipped", "grad_zeroed")
         return pipe.share([{k: r[k] for k in keys} for r in records] if pipe.last else None)
 
@@ -746,8 +744,8 @@ class RLTrainer(Trainer):
                     if exact is not None:
                         exact.detach()
                 parts.append(loss.last)
-            if exact is not None and self.pipeline is None:
-                exact.write_grads()  # under data parallelism, after the chains' hand-off between ranks
+            if exact is not None:  # every path's chains (under data parallelism after their hand-off)
+                exact.write_grads()
         finally:
             self.loss_fn = configured
         kept = sum(p["kept"] for p in parts)
@@ -812,6 +810,7 @@ class RLTrainer(Trainer):
                     p.grad.div_(divided)
         self._pending = None
         norm = self.config.training.max_norm if max_norm is None else max_norm
+        norm = norm if norm > 0 else float("inf")
         exact = self.exact_accumulation
         whole = None if exact is None else exact.full_grads(params, divided)  # data parallelism: on every rank
         if whole is not None or (self.pipeline is not None and exact is not None):  # the one-rank norm
@@ -827,14 +826,10 @@ class RLTrainer(Trainer):
                 meshes.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
             with implicit_replication():  # the norm is a plain tensor, the sharded gradients DTensors
                 for group in meshes.values():  # elementwise: the grouping does not change a bit
-                    torch.nn.utils.clip_grads_with_norm_(
-                        group, norm if norm > 0 else float("inf"), grad_norm, foreach=True
-                    )
+                    torch.nn.utils.clip_grads_with_norm_(group, norm, grad_norm, foreach=True)
         else:  # TorchTitan's (train_step's call)
             pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
-            grad_norm = dist_utils.clip_grad_norm_(
-                params, norm if norm > 0 else float("inf"), foreach=True, pp_mesh=pp_mesh
-            )
+            grad_norm = dist_utils.clip_grad_norm_(params, norm, foreach=True, pp_mesh=pp_mesh)
         if not math.isfinite(float(grad_norm)):  # a NaN / inf gradient would make every weight it touches NaN
             self.zero_grad()
             raise NonFiniteGradientError(
