@@ -114,7 +114,9 @@ def plain(t: torch.Tensor) -> torch.Tensor | None:
     not run on it): a plain tensor or a ``Parameter`` (any subclass) as is; a fake tensor (``FakeTensorMode``,
     ``torch.compile``'s tracing) as is, since the kernels are torch ops with fake implementations
     (:mod:`shared_numerics.cpu_ops`); an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` returns while a
-    collective is in flight) waited; any other subclass (``DTensor``, functional tensors) ``None``."""
+    collective is in flight) waited, or cloned when it carries gradient history (a clone is an op on the wrapper,
+    so autograd links the plain result to it; the inner tensor is cut from the graph); any other subclass
+    (``DTensor``, functional tensors) ``None``."""
     if type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor):
         return (
             t if t.device.type == "cpu" else None
@@ -126,6 +128,12 @@ def plain(t: torch.Tensor) -> torch.Tensor | None:
         return t if t.device.type == "cpu" else None
 
     if isinstance(t, AsyncCollectiveTensor):
+        if t.requires_grad and torch.is_grad_enabled():
+            # its autograd history is the wrapper's (e.g. DTensor.to_local() of a redistributed activation: the
+            # embedding's all-reduced output under TP); wait() would hand back the inner tensor, cut from the graph,
+            # and the gradient of every op on it would be lost. A clone is an op on the wrapper: a plain tensor
+            # that autograd links to it.
+            return plain(t.clone())
         return plain(t.wait())
     return None
 

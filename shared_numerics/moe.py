@@ -30,6 +30,7 @@ Source: HF ``modeling_qwen3_moe.py`` (``Qwen3MoeSparseMoeBlock``); vLLM ``fused_
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -178,8 +179,10 @@ def moe_experts(
         expert_parallel: :class:`ExpertParallel`: the experts are split over ranks (``w_*`` / ``scales`` are this
             rank's ``E / EP`` consecutive experts); each (token, slot) row is sent to its expert's rank, computed
             there and sent back, then combined here as on one rank — the same bits at any EP size. Not with
-            ``k_block``. With ``chains`` (of this rank's ``E / EP`` experts), each local expert's chain continues over
-            the rows it receives, source rank 0's first: one rank's token order for the ranks' batches concatenated.
+            ``k_block`` under tensor parallelism (``gather``); with ``k_block`` alone (TP x EP: every expert whole on
+            its rank) each row sums with TP 1's tree. With ``chains`` (of this rank's ``E / EP`` experts), each local
+            expert's chain continues over the rows it receives, source rank 0's first: one rank's token order for the
+            ranks' batches concatenated.
 
     Returns:
         ``[N, H]`` in ``x.dtype``; row ``n`` depends only on ``x[n]``, its ids and weights (and with ``k_block``, not on
@@ -187,7 +190,7 @@ def moe_experts(
 
     Raises:
         ValueError: ``chains`` or ``fp8`` with ``k_block``, ``scales`` without ``fp8``, ``expert_parallel`` with
-            ``k_block``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
+            ``k_block`` and ``gather``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
             ``weight_chain``); an expert id beyond the experts held (``E``, or ``E / EP`` on each of the EP ranks).
         shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
@@ -199,8 +202,8 @@ def moe_experts(
         raise ValueError("FP8 experts are single-rank (k_block None): the TP-invariant tree sums a bf16/fp32 GEMM")
     if scales is not None and fp8 is None:
         raise ValueError("expert scales without an FP8 granularity")
-    if expert_parallel is not None and k_block is not None:
-        raise ValueError("expert parallelism with k_block is not implemented")
+    if expert_parallel is not None and k_block is not None and gather is not None:
+        raise ValueError("expert parallelism with tensor-parallel experts (k_block with gather) is not implemented")
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
@@ -214,7 +217,8 @@ def moe_experts(
             flat_ids,
             w_gate.shape[0],
             # the local experts' chains (E / EP each): rows arrive in one rank's order (see ExpertParallel)
-            lambda rx, rows, ids: _expert_rows(rx, rows, ids, w_gate, w_up, w_down, None, chains, fp8, scales),
+            # with k_block (TP x EP: whole experts), each row's float32 root, rounded below as at TP 1
+            lambda rx, rows, ids: _expert_rows(rx, rows, ids, w_gate, w_up, w_down, k_block, chains, fp8, scales),
         )
     else:
         outs = _expert_rows(x, flat_rows, flat_ids, w_gate, w_up, w_down, k_block, chains, fp8, scales)
@@ -281,16 +285,37 @@ class ExpertParallel:
     depend on which other rows share its GEMM) and sends the rows back in the order they came; they are combined on
     the token's rank in slot order, as on one rank. Each expert's weight gradient is one GEMM over its rows in the
     order received: source rank 0's, then rank 1's, ... — a single rank's order for the ranks' batches concatenated.
-    Source: TorchTitan ``AllToAllTokenDispatcher`` (the same exchange; its combine is ``scatter_add``)."""
+    Source: TorchTitan ``AllToAllTokenDispatcher`` (the same exchange; its combine is ``scatter_add``).
 
-    def __init__(self, rank: int, size: int, all_to_all) -> None:
-        self.rank, self.size, self.all_to_all = rank, size, all_to_all
+    ``gather_rows`` (tensor parallelism with EP over the same ranks: every rank holds the same tokens): rank ``r``
+    exchanges only the rows of its share of the tokens (tokens ``[r N / size, (r + 1) N / size)``, so the ranks'
+    shares concatenated are the batch in order, and an expert's rows arrive in one rank's order), and
+    ``gather_rows(rows, sizes)`` concatenates the ranks' outputs ``[sizes[r], H]`` in rank order (its backward: this
+    rank's slice of the gradient, which every rank has whole). The input's gradient through the experts is then this
+    rank's share's: a partial sum over the ranks (exact zeros elsewhere)."""
+
+    def __init__(self, rank: int, size: int, all_to_all, gather_rows=None) -> None:
+        self.rank, self.size, self.all_to_all, self.gather_rows = rank, size, all_to_all, gather_rows
 
     def run(
         self, x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, local_experts: int, compute
     ) -> torch.Tensor:
         """``[R, H]`` float32 expert outputs of the rows ``x[flat_rows]`` with experts ``flat_ids`` (global ids),
-        computed on their experts' ranks by ``compute(rows_x, row_index, local_ids)``."""
+        computed on their experts' ranks by ``compute(rows_x, row_index, local_ids)``. With ``gather_rows``,
+        ``flat_rows`` must be non-decreasing (token order)."""
+        if self.gather_rows is None:
+            return self._exchange(x, flat_rows, flat_ids, local_experts, compute)
+        n = x.shape[0]
+        bounds = [(n * r) // self.size for r in range(self.size + 1)]  # token shares, in rank order
+        at = torch.tensor(bounds, dtype=flat_rows.dtype, device=flat_rows.device)
+        cuts: list[int] = torch.searchsorted(flat_rows, at).tolist()
+        lo, hi = cuts[self.rank], cuts[self.rank + 1]
+        own = self._exchange(x, flat_rows[lo:hi], flat_ids[lo:hi], local_experts, compute)
+        return self.gather_rows(own, [b - a for a, b in itertools.pairwise(cuts)])
+
+    def _exchange(
+        self, x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, local_experts: int, compute
+    ) -> torch.Tensor:
         dest = torch.div(flat_ids, local_experts, rounding_mode="floor")  # ids in range: moe_experts checks them
         order = torch.sort(dest, stable=True).indices
         send = torch.bincount(dest, minlength=self.size)

@@ -747,6 +747,61 @@ def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
+def test_tensor_parallel_2_x_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory):
+    """Issue 56 point 4, TP 2 x EP 2 on Qwen3-MoE (``tp_k_block``, bf16): TorchTitan borrows the TP ranks for EP, so
+    both ranks hold the same tokens and 4 of the 8 whole experts each. Each rank exchanges only its share of the
+    tokens' rows (first half / second half), its experts compute them with TP 1's down-projection tree, and the rows
+    are all-gathered and combined in slot order on every rank. On 2 ranks (TP 2 x EP 2) and on 4 (FSDP 2 x TP 2 x
+    EP 2, each data-parallel rank its half of the batch) every log-prob equals one rank's with the same
+    ``tp_k_block`` (vLLM's at TP 1 and 2: ``test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2``), with routes
+    replayed (R3) too, and an RL step trains through it; two streamed float32 steps update every weight as one rank
+    does to rounding (each expert's gradient counted once). Negative control: TorchTitan's stock MoE at TP 2 x EP 2
+    differs from one rank's bits."""
+    import numpy as np
+
+    from titan_plugin import trainer_logprobs
+    from zerokld_testing import random_prompts
+
+    dtype = "bfloat16"
+    ckpt = checkpoint_factory("qwen3_moe", dtype)
+    # at most 64 tokens: stock TorchTitan's TP x EP (sequence parallel) fails on an odd padded length (65 here)
+    seqs = [s[:64] for s in random_prompts(6, seed=37, lo=12, hi=70)]
+    lens = [len(s) // 2 for s in seqs]
+    one = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
+    two = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, ep=2)
+    assert two["expert_parallel_sizes"] == [2]  # every zerokld MoE block ran expert-parallel
+    assert len(two["logprobs"]) == len(one) == 6 and torch.equal(torch.cat(two["logprobs"]), torch.cat(one))
+    assert np.all(np.isfinite(two["loss"]))
+    assert not torch.equal(torch.cat(two["after"]), torch.cat(one))  # the step moved the weights
+    four = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, ep=2, nproc=4, split=True)
+    assert len(four["logprobs"]) == 6 and torch.equal(torch.cat(four["logprobs"]), torch.cat(one))
+    assert np.all(np.isfinite(four["loss"]))
+    rng = np.random.default_rng(37)  # R3: arbitrary valid routes ([len - 1, MoE layers, top_k], distinct per row)
+    routes = [
+        np.stack([np.stack([rng.permutation(8)[:2] for _ in range(2)]) for _ in range(len(s) - 1)])
+        .astype(np.int16)
+        .tolist()
+        for s in seqs
+    ]
+    replayed_one = trainer_logprobs(
+        ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK, routed_experts=[np.array(r, dtype=np.int16) for r in routes]
+    )
+    assert not torch.equal(torch.cat(replayed_one), torch.cat(one))
+    replayed = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, ep=2, routes=routes)
+    assert torch.equal(torch.cat(replayed["logprobs"]), torch.cat(replayed_one))
+    stock = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, batch_invariant=False, ep=2)
+    stock_differs(
+        not torch.equal(torch.cat(stock["logprobs"]), torch.cat(one)),
+        "TorchTitan's stock MoE at TP 2 x EP 2 vs the zerokld trainer (vLLM's bits)",
+        "the prompts",
+    )
+    # training: every expert's gradient once (each rank exchanges its share of the tokens, not all of them)
+    _check_trains_like(tmp_path, checkpoint_factory("qwen3_moe", "float32"), seqs, {"tp": 1}, {"tp": 2, "ep": 2})
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
     """Issue 56 point 3 on DeepSeek-V3 (MLA + DeepSeekMoE: grouped sigmoid routing with the selection bias, 8 routed
@@ -796,6 +851,86 @@ def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family)
     assert not torch.equal(torch.cat(whole["after"]), torch.cat(whole["logprobs"]))  # the steps moved the weights
     stock = _same_run(run(batch_invariant=False, streaming=False), run(batch_invariant=False, stream_calls=3))
     stock_differs(not stock["weights"], "TorchTitan at TP 2: one batched step vs three accumulated", "the prompts")
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_tensor_parallel_2_trains_like_tp_1(tmp_path, checkpoint_factory):
+    """TP 2 training updates every weight as TP 1 does (``tp_k_block``, float32, two streamed steps). The log-probs
+    before the steps are TP 1's bit for bit; the backward's input gradients sum the ranks' partials (an all-reduce),
+    so the updates agree to rounding, not bitwise: each parameter's update within 1e-3 of TP 1's (relative), the
+    gradient norms within 1e-5. This caught the embedding defect of 2026-11-28: the first layer's attention-norm
+    path contributed nothing to the embedding's gradient at TP 2 (the norm kernel waited on the all-reduced
+    embedding output and computed on the inner tensor, cut from the graph; 77% of the embedding's update)."""
+    from zerokld_testing import random_prompts
+
+    ckpt = checkpoint_factory("qwen3", "float32")
+    seqs = random_prompts(6, seed=51, lo=12, hi=60)
+    _check_trains_like(tmp_path, ckpt, seqs, {"tp": 1}, {"tp": 2})
+
+
+def _check_trains_like(tmp_path, ckpt, seqs, ref: dict, layout: dict) -> None:
+    """Two streamed float32 steps at ``layout`` update every weight as at ``ref`` (``_trainer_tp`` keys ``tp``,
+    ``ep``, ...) to rounding: the log-probs before them equal, each parameter's update within 1e-3 (relative), the
+    gradient norms within 1e-5."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    lens = [len(s) // 2 for s in seqs]
+    spec = dict(train_step=True, weights=True, steps=2, streaming=True)
+    one, two = (
+        _trainer_tp(tmp_path, ckpt, "float32", run.pop("tp"), seqs, lens, **spec, **run)
+        for run in (dict(ref), dict(layout))
+    )
+    assert torch.equal(torch.cat(one["logprobs"]), torch.cat(two["logprobs"]))
+    assert len(one["grad_norm"]) == len(two["grad_norm"]) == 2
+    for a, b in zip(one["grad_norm"], two["grad_norm"], strict=True):
+        assert abs(a - b) <= 1e-5 * a, (one["grad_norm"], two["grad_norm"])
+    start = {}
+    for f in glob.glob(f"{ckpt}/*.safetensors"):
+        start.update(load_file(f))
+    assert one["weights"].keys() == two["weights"].keys() and len(one["weights"]) > 20
+    off = {}
+    for name, w1 in one["weights"].items():
+        update = (w1 - start[name].float()).norm()
+        assert update > 0, name  # every weight moved
+        off[name] = float((two["weights"][name] - w1).norm() / update)
+    assert max(off.values()) < 1e-3, sorted(off.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_fsdp_2_x_tensor_parallel_2_streams_like_tp_2(tmp_path, checkpoint_factory):
+    """Issue 56 point 6 with FSDP and TP at once (4 ranks: FSDP 2 x TP 2, ``tp_k_block``, float32): each
+    data-parallel rank streams its half of the batch in batched passes; each TP rank's shard chains are handed
+    between its two data-parallel ranks, and every rank takes its FSDP block of its TP shard's sums. Two streamed steps
+    and ``rl_step`` give TP 2's (one data-parallel rank's, the whole batch) log-probs before, during and after,
+    gradient norms and every weight, bit for bit. Negative control: TorchTitan's stock components at FSDP 2 x TP 2
+    end with other weights than stock TP 2."""
+    from zerokld_testing import random_prompts
+
+    ckpt = checkpoint_factory("qwen3", "float32")
+    seqs = random_prompts(6, seed=53, lo=12, hi=60)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, steps=2)
+
+    def run(batch_invariant=True, **spec):
+        k_block = K_BLOCK if batch_invariant else None
+        return _trainer_tp(tmp_path, ckpt, "float32", 2, seqs, lens, batch_invariant, k_block, **common, **spec)
+
+    tp2 = run(streaming=True)
+    fsdp = run(streaming=True, nproc=4, split=True)
+    assert tp2["exact_accumulation_off"] is None and fsdp["exact_accumulation_off"] is None  # batched chains
+    same = _same_run(tp2, fsdp)
+    assert all(same.values()), same
+    assert len(tp2["grad_norm"]) == 2 and tp2["grad_norm"] == fsdp["grad_norm"]
+    assert not torch.equal(torch.cat(tp2["after"]), torch.cat(tp2["logprobs"]))  # the steps moved the weights
+    assert all(_same_run(tp2, run(nproc=4, split=True)).values())  # rl_step: forward_backward + optim_step
+    stock = _same_run(run(batch_invariant=False), run(batch_invariant=False, nproc=4, split=True))
+    stock_differs(not stock["weights"], "TorchTitan at FSDP 2 x TP 2 vs TP 2", "the prompts")
 
 
 # --- pipeline parallelism (issue 56 point 1) ----------------------------------------------------------------------

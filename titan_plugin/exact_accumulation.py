@@ -24,12 +24,13 @@ rank in rank order, so the gradients are one rank's on the concatenation of the 
 :class:`ExactAccumulation`).
 
 Expert parallelism: each rank's experts keep chains of their own (the EP exchange delivers an expert's rows in one
-rank's order). Tensor parallelism (``tp_k_block``, no FSDP): each rank's shards keep chains of their own — column- and
+rank's order). Tensor parallelism (``tp_k_block``): each rank's shards keep chains of their own — column- and
 row-parallel weights, the vocab-parallel embedding and (unfused) lm_head, the norm gains over the replicated
 activations; a gain fed a head shard (Qwen3's q/k norms) is summed over the TP ranks when written — so any grouping of
-a TP run's micro-batches gives the same bits.
+a TP run's micro-batches gives the same bits. With FSDP as well, each TP rank's chains are handed between its
+data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
 
-Not covered (the general way runs): TP with FSDP, TP experts, the fused vocab-parallel lm_head, context parallelism,
+Not covered (the general way runs): TP experts and TP x EP, the fused vocab-parallel lm_head, context parallelism,
 DeepSeekMoE's experts, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX).
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
@@ -39,6 +40,7 @@ sharded parameters' ``.grad`` directly).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -97,7 +99,9 @@ class _Site:
     has ``shape`` (and :attr:`~shared_numerics.grad_chain.GradChain.float32_products`); ``finish`` turns its sums
     (float32) into the parameter's gradient. ``local``: the chain is this rank's model-parallel shard's (``shape``
     the local tensor's: TP shards and TP-replicated weights, EP's experts — the EP exchange feeds them in one rank's
-    order), never handed between ranks."""
+    order), never handed between ranks. ``tp``: a tensor-parallel site (``shape``: this rank's TP shard, what the
+    module computes with once FSDP has all-gathered it); with data parallelism its chain is handed between the
+    data-parallel ranks of this TP rank (:class:`ExactAccumulation`)."""
 
     feeder: torch.nn.Module
     name: str
@@ -106,6 +110,7 @@ class _Site:
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None
     float32_products: bool = False
     local: bool = False
+    tp: bool = False
 
 
 def _adapter_site(lora: torch.nn.Module, which: str, name: str, p: torch.nn.Parameter) -> _Site | None:
@@ -170,11 +175,25 @@ def _sites(model: torch.nn.Module | list[torch.nn.Module]):
             yield mod_name, module, name, others[id(module)](name, p)
         elif _own_class(module) in CHAIN_MODULES:
             if _model_parallel(p):  # TP: this rank's shard (or replica), its own chain
-                yield mod_name, module, name, _Site(module, name, p, tuple(p.to_local().shape), local=True)
+                yield mod_name, module, name, _Site(module, name, p, _tp_shape(p), local=True, tp=True)
             else:
                 yield mod_name, module, name, _Site(module, name, p, tuple(p.shape))
         else:
             yield mod_name, module, name, None
+
+
+def _tp_placement(p):
+    """DTensor ``p``'s placement over TorchTitan's ``tp`` mesh dimension."""
+    return p.placements[p.device_mesh.mesh_dim_names.index("tp")]
+
+
+def _tp_shape(p) -> tuple[int, ...]:
+    """This rank's tensor-parallel shard of DTensor ``p`` (on the ``tp`` mesh dimension alone; FSDP's sharding over
+    data-parallel ranks on top of it left out): the shape the zerokld TP modules compute with."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh["tp"], [_tp_placement(p)])
+    return tuple(shape)
 
 
 #: DeviceMesh dimensions over which FSDP2 shards or replicates parameters (TorchTitan's ``ParallelDims``): data
@@ -193,7 +212,7 @@ def unsupported_reason(
     with ``tp_k_block`` or DeepSeekMoE's, a parameter sharded over more than one rank — but over the data-parallel
     mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank),
     experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp``
-    alone (its own chain; TP with FSDP is not covered yet) — or no kernel coverage for ``dtype`` on this machine."""
+    (its own chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
@@ -215,9 +234,9 @@ def unsupported_reason(
                 others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
                 if not data_parallel or others:
                     return f"{mod_name}.{name}: experts sharded over {', '.join(others) or 'ep'} without the hand-off"
-            elif site.local:  # tensor parallelism
+            elif site.local:  # tensor parallelism (with FSDP: the chains handed between data-parallel ranks)
                 others = sorted(d for d in dims - {"tp"} if mesh[d].size() > 1)
-                if others:
+                if others and not (data_parallel and set(others) <= DATA_PARALLEL_DIMS):
                     return f"{mod_name}.{name}: tensor parallelism with {', '.join(others)} (not covered yet)"
             elif not (data_parallel and dims <= DATA_PARALLEL_DIMS):
                 return f"{mod_name}.{name} is sharded over {mesh.size()} ranks ({', '.join(sorted(dims))})"
@@ -257,6 +276,8 @@ class ExactAccumulation:
         if reason is not None:
             raise ValueError(f"exact accumulation with batched passes: {reason}")
         self._sites = [site for *_, site in _sites(model)]
+        if data_parallel is not None:  # FSDP x TP: the TP shards' chains are handed on like the rest
+            self._sites = [dataclasses.replace(s, local=False) if s.tp else s for s in self._sites]
         self.token_multiple = CHAIN_K_MULTIPLE if dtype == torch.bfloat16 else 1
         self.data_parallel = data_parallel
         self._flat: torch.Tensor | None = None  # every chain's accumulator, one float32 buffer (the hand-off's)
@@ -319,7 +340,8 @@ class ExactAccumulation:
             if isinstance(p, DTensor):
                 if self.data_parallel is not None and not site.local:
                     self._full[id(p)] = g
-                    g = _local_shard(g, p).clone()  # optim_step divides .grad in place: not the whole one's storage
+                    shard = _fsdp_shard_of_tp_shard(g, p, self.data_parallel) if site.tp else _local_shard(g, p)
+                    g = shard.clone()  # optim_step divides .grad in place: not the whole one's storage
                 p.grad = DTensor.from_local(
                     g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 )
@@ -329,16 +351,23 @@ class ExactAccumulation:
     def full_grads(self, params: list[torch.nn.Parameter], divisor: int | None = None) -> list[torch.Tensor] | None:
         """Under data parallelism, the whole gradients of ``params`` (those with a ``.grad``, in order) after the last
         :meth:`write_grads`, divided by ``divisor`` as ``.grad`` was in place (``optim_step``'s ``token_mean``) —
-        every rank's the same, one rank's bits; EP-sharded experts all-gathered — else ``None``."""
+        every rank's the same, one rank's bits; EP-sharded experts all-gathered; under TP, DTensors on the ``tp``
+        mesh dimension, the gradients TP alone has — else ``None``."""
         from torch.distributed.tensor import DTensor
 
         if self.data_parallel is None:
             return None
+        tp = {id(site.param) for site in self._sites if site.tp}
         out = []
         for p in (p for p in params if p.grad is not None):
             if id(p) in self._full:
                 g = self._full[id(p)]
-                out.append(g if divisor is None else g.div(divisor))
+                g = g if divisor is None else g.div(divisor)
+                if id(p) in tp:  # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
+                    g = DTensor.from_local(
+                        g, p.device_mesh["tp"], [_tp_placement(p)], run_check=False, shape=p.shape, stride=p.stride()
+                    )
+                out.append(g)
             else:  # already divided in place (an expert's local sums are its .grad)
                 out.append(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
         return out
@@ -384,5 +413,24 @@ def _local_shard(full: torch.Tensor, p) -> torch.Tensor:
     if block.shape != p.to_local().shape:
         raise RuntimeError(
             f"exact accumulation: shard {tuple(block.shape)} of {tuple(full.shape)} is not the parameter's"
+        )
+    return block
+
+
+def _fsdp_shard_of_tp_shard(tp_shard: torch.Tensor, p, data_parallel) -> torch.Tensor:
+    """This rank's block of ``tp_shard`` (its TP shard of DTensor ``p``, whole over the data-parallel ranks) as FSDP2
+    lays it out over them: ``torch.chunk`` blocks of dimension 0, the data-parallel rank's
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``: FSDP2 shards a DTensor parameter's local tensor on
+    dimension 0).
+
+    Raises:
+        RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
+    blocks = torch.chunk(tp_shard, data_parallel.size(), dim=0)
+    rank = data_parallel.get_local_rank()
+    block = blocks[rank] if rank < len(blocks) else tp_shard[:0]
+    if block.shape != p.to_local().shape:
+        raise RuntimeError(
+            f"exact accumulation: FSDP block {tuple(block.shape)} of the TP shard {tuple(tp_shard.shape)} is not "
+            f"the parameter's {tuple(p.to_local().shape)}"
         )
     return block

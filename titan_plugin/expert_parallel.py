@@ -11,8 +11,10 @@ Source: ``torchtitan/models/common/token_dispatcher.py`` (``AllToAllTokenDispatc
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 __all__ = ["expert_shards", "is_expert_parallel", "moe_expert_parallel"]
 
@@ -47,46 +49,106 @@ def moe_expert_parallel(
     expert_ids: torch.Tensor | None,
     fp8: str | None = None,
     chains: dict | None = None,
+    k_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`shared_numerics.moe.moe_forward` with the experts split over TorchTitan's EP mesh.
 
     Args:
-        x_BLD: ``[B, L, D]`` this rank's tokens (plain tensors: EP borrows the data-parallel ranks).
+        x_BLD: ``[B, L, D]`` this rank's tokens (plain tensors: EP borrows the data-parallel ranks), or under
+            tensor parallelism a ``Replicate`` DTensor on the TP mesh, whose ranks must be the EP ranks (TP x EP:
+            each rank exchanges its share of the tokens, the outputs all-gathered; ``out`` then a ``Replicate``
+            DTensor too).
         router_weight: ``[E, D]`` (replicated).
         w_gate, w_up, w_down: the stacked experts, DTensors ``Shard(0)`` on the EP mesh.
         top_k, renormalize, expert_ids, fp8: as :func:`~shared_numerics.moe.moe_forward` (replayed ids are global).
         chains: exact accumulation (:mod:`titan_plugin.exact_accumulation`): the router's chain and this rank's
-            experts' (``[E / EP, ...]``), as :func:`~shared_numerics.moe.moe_forward` takes them.
+            experts' (``[E / EP, ...]``), as :func:`~shared_numerics.moe.moe_forward` takes them. Not under TP.
+        k_block: :attr:`shared_numerics.NumericsMode.tp_k_block` (TP x EP): each whole expert's down projection sums
+            with TP 1's tree.
 
     Returns:
         ``(out [B*L, D], expert_ids [B*L, top_k])``, bitwise what one rank holding every expert computes.
 
     Raises:
-        ValueError: the experts do not split evenly over the EP ranks (``E % EP``).
+        ValueError: the experts do not split evenly over the EP ranks (``E % EP``). NotImplementedError: TP x EP
+            with other EP ranks than the TP ranks, or with ``chains``.
     """
     import shared_numerics.moe as sn_moe
 
-    local, ep = expert_shards(w_gate, w_up, w_down, router_weight.shape[0])
+    tensor_parallel = isinstance(x_BLD, DTensor)  # TP x EP: the tokens replicated over the TP (= EP) ranks
+    if tensor_parallel:
+        _check_same_ranks(x_BLD.device_mesh, w_gate.device_mesh)
+        if chains is not None:
+            raise NotImplementedError("zerokld TP x EP: exact accumulation of the experts' gradients")
+    local, ep = expert_shards(w_gate, w_up, w_down, router_weight.shape[0], replicated_tokens=tensor_parallel)
     router = router_weight.to_local() if isinstance(router_weight, DTensor) else router_weight
-    x = x_BLD.to_local() if isinstance(x_BLD, DTensor) else x_BLD
+    x = x_BLD.to_local() if tensor_parallel else x_BLD
     b, seq, d = x.shape
-    return sn_moe.moe_forward(
+    # under TP the router's gradient is whole on every rank, the experts' this rank's share of the tokens: Partial
+    experts_x = x_BLD.to_local(grad_placements=[Partial()]).reshape(b * seq, d) if tensor_parallel else None
+    out, ids = sn_moe.moe_forward(
         x.reshape(b * seq, d),
         router,
         *local,
         top_k,
         renormalize,
         expert_ids,
+        k_block=k_block,
+        experts_x=experts_x,
         chains=chains,
         fp8=fp8,
         expert_parallel=ep,
     )
+    if tensor_parallel:
+        out = DTensor.from_local(out, x_BLD.device_mesh, [Replicate()], run_check=False)
+    return out, ids
 
 
-def expert_shards(w_gate: DTensor, w_up: DTensor, w_down: DTensor, num_experts: int):
+def _check_same_ranks(tp_mesh, ep_mesh) -> None:
+    """TP x EP runs where the EP group is the TP group (TorchTitan borrows the TP ranks for EP: ``efsdp`` 1).
+
+    Raises:
+        NotImplementedError: other groups (e.g. EP across data-parallel ranks as well as TP ones)."""
+    import torch.distributed as dist
+
+    tp = dist.get_process_group_ranks(tp_mesh.get_group())
+    ep = dist.get_process_group_ranks(ep_mesh.get_group())
+    if tp != ep:
+        raise NotImplementedError(f"zerokld TP x EP: the EP ranks {ep} must be the TP ranks {tp}")
+
+
+def _gather_rows(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    return _GatherRows.apply(rows, sizes, group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of each rank's rows ``[sizes[rank], H]`` into ``[sum(sizes), H]`` in rank order (gloo's all-gather
+    takes equal sizes: padded to the largest). Backward: this rank's slice of the gradient — every rank computes the
+    same (replicated) result from the gathered rows, so its slice is already complete."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group)
+        ctx.start, ctx.stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+        width = max(sizes)
+        padded = rows.new_zeros((width, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.start : ctx.stop], None, None
+
+
+def expert_shards(w_gate: DTensor, w_up: DTensor, w_down: DTensor, num_experts: int, replicated_tokens: bool = False):
     """``([w_gate, w_up, w_down] this rank's E / EP experts, ExpertParallel over their EP mesh)``: what
     :func:`shared_numerics.moe.moe_experts` (and the MoE blocks that call it, Qwen3-MoE's and DeepSeekMoE's) takes to
-    split the routed experts over TorchTitan's ``ep`` mesh.
+    split the routed experts over TorchTitan's ``ep`` mesh; ``replicated_tokens``: every EP rank holds the same
+    tokens (TP x EP), see :class:`shared_numerics.moe.ExpertParallel`'s ``gather_rows``.
 
     Raises:
         ValueError: the experts do not split evenly over the EP ranks (``E % EP``)."""
@@ -97,4 +159,8 @@ def expert_shards(w_gate: DTensor, w_up: DTensor, w_down: DTensor, num_experts: 
     if num_experts % size:  # then Shard(0) splits the experts evenly: E / EP on every rank
         raise ValueError(f"zerokld expert parallelism: {num_experts} experts do not split over {size} EP ranks")
     local = [w.to_local() for w in (w_gate, w_up, w_down)]
-    return local, ExpertParallel(mesh.get_local_rank(), size, _all_to_all(mesh))
+    gather_rows = None
+    if replicated_tokens:  # every EP rank holds the same tokens (TP x EP): each exchanges its share
+        group = mesh.get_group()
+        gather_rows = functools.partial(_gather_rows, group=group)
+    return local, ExpertParallel(mesh.get_local_rank(), size, _all_to_all(mesh), gather_rows)

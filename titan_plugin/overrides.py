@@ -520,9 +520,6 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
 
-            if self.k_block:
-                raise NotImplementedError("zerokld expert parallelism with tp_k_block")
-
             out, ids = moe_expert_parallel(
                 x_BLD,
                 self.router.gate.weight,
@@ -534,6 +531,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 replay,
                 self.fp8,
                 chains=self._moe_chains(),
+                k_block=self.k_block,
             )
             self.expert_parallel_size = ex.w1_EFD.device_mesh.size()
         elif _is_dtensor(ex.w1_EFD):  # TorchTitan tensor parallelism: experts sharded along I

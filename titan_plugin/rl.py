@@ -819,6 +819,8 @@ class RLTrainer(Trainer):
                 grad_norm = total_grad_norm(grads, self.pipeline.group)
             else:
                 grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)  # TorchTitan's, on one rank
+                if hasattr(grad_norm, "full_tensor"):  # FSDP x TP: the TP shards' norm, as at TP alone
+                    grad_norm = grad_norm.full_tensor()
             from torch.distributed.tensor.experimental import implicit_replication
 
             meshes: dict = {}  # a DTensor foreach op takes one mesh: FSDP shards, EP experts (TorchTitan EP clip)
@@ -829,7 +831,9 @@ class RLTrainer(Trainer):
                     torch.nn.utils.clip_grads_with_norm_(group, norm, grad_norm, foreach=True)
         else:  # TorchTitan's (train_step's call)
             pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
-            grad_norm = dist_utils.clip_grad_norm_(params, norm, foreach=True, pp_mesh=pp_mesh)
+            grad_norm = dist_utils.clip_grad_norm_(
+                params, norm, foreach=True, pp_mesh=pp_mesh, ep_enabled=self.parallel_dims.ep_enabled
+            )
         if not math.isfinite(float(grad_norm)):  # a NaN / inf gradient would make every weight it touches NaN
             self.zero_grad()
             raise NonFiniteGradientError(
