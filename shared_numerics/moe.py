@@ -424,6 +424,7 @@ def deepseek_moe_forward(
     fp8: Granularity | None = None,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     expert_parallel: ExpertParallel | None = None,
+    chains: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
     ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
@@ -433,7 +434,9 @@ def deepseek_moe_forward(
     with the host's projections — FP8 ones under FP8), or ``None``. The router is never quantized (DeepSeek's FP8
     checkpoints keep ``mlp.gate`` in high precision). ``expert_parallel``: the routed experts split over ranks as in
     :func:`moe_experts` (``w_*`` this rank's ``E / EP``; the router, the bias and the shared experts replicated, each
-    rank routing and combining its own tokens), bitwise one rank's.
+    rank routing and combining its own tokens), bitwise one rank's. ``chains``: exact accumulation, as
+    :func:`moe_forward` takes them (the router's chain continues the float32 logits' weight gradient over all ``N``
+    tokens; a shared-experts module feeds its own chains).
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
@@ -443,7 +446,7 @@ def deepseek_moe_forward(
     """
     from . import silu_and_mul
 
-    logits = _linear(x.float(), router_weight.float())
+    logits = _linear(x.float(), router_weight.float(), None if chains is None else chains["router"])
     ids = route_grouped_topk(logits, bias, top_k, n_group, topk_group, scoring)
     if expert_ids is not None:
         ids = _replayed(ids, expert_ids, router_weight.shape[0])
@@ -460,6 +463,7 @@ def deepseek_moe_forward(
         w_gate,
         w_up,
         w_down,
+        chains=None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"]),
         shared_out=shared_out,
         fp8=fp8,
         scales=scales,

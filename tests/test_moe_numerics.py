@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -300,7 +302,68 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
         "the token counts",
     )
     with pytest.raises(ValueError, match="k_block"):
-        moe_experts(xs[0], ids[0], ws[0], *w, k_block=32, expert_parallel=ExpertParallel(0, 1, None))
+        moe_experts(  # tensor-parallel experts (I split, roots gathered) with EP: not implemented
+            xs[0], ids[0], ws[0], *w, k_block=32, gather=lambda root: root, expert_parallel=ExpertParallel(0, 1, None)
+        )
+
+
+@pytest.mark.parametrize("k_block", [None, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_parallel_over_replicated_tokens_is_one_ranks_bits(dtype, k_block):
+    """TP x EP (:class:`shared_numerics.moe.ExpertParallel` with ``gather_rows``): both ranks hold the same 28 tokens
+    and 3 of 6 experts each; each rank exchanges only its share of the tokens' rows (the first 14 tokens on rank 0,
+    the rest on rank 1) and all-gathers the outputs. Every rank's output equals one rank's bit for bit (with
+    ``k_block``: TP 1's down-projection tree), the ranks' input gradients (each its share's, exact zeros elsewhere)
+    sum to one rank's, and each expert's weight gradient is one rank's (each expert's gradient counted once).
+    Negative control: without the share (every rank exchanging every token) the weight gradients double."""
+    from shared_numerics.moe import ExpertParallel
+
+    w = [t.requires_grad_() for t in _experts(e=6, h=64, i=96, dtype=dtype, seed=9)]
+    g = torch.Generator().manual_seed(10)
+    x0 = torch.randn(28, 64, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(28)])
+    ws = torch.rand(28, 2, generator=g)
+    up = torch.randn(28, 64, generator=g).to(dtype)
+
+    params = [p.detach().clone().requires_grad_() for p in w]
+    x = x0.clone().requires_grad_()
+    ref = moe_experts(x, ids, ws, *params, k_block=k_block)
+    ref.backward(up)
+    ref_dx, ref_dw = x.grad, [p.grad for p in params]
+
+    def run(share: bool):
+        local = [[p.detach()[r * 3 : (r + 1) * 3].clone().requires_grad_() for p in w] for r in range(2)]
+
+        def rank(r, exchange):
+            class GatherRows(torch.autograd.Function):  # every rank's rows in rank order; backward: this rank's
+                @staticmethod
+                def forward(ctx, rows, sizes):
+                    ctx.start, ctx.stop = sum(sizes[:r]), sum(sizes[: r + 1])
+                    return exchange(torch.cat([rows] * 2), sizes, [rows.shape[0]] * 2).detach()
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return grad[ctx.start : ctx.stop], None
+
+            ep = ExpertParallel(r, 2, exchange, GatherRows.apply if share else None)
+            xr = x0.clone().requires_grad_()
+            out = moe_experts(xr, ids, ws, *local[r], k_block=k_block, expert_parallel=ep)
+            out.backward(up)
+            return out, xr.grad
+
+        results = _run_ranks(2, rank)
+        return results, [torch.cat([local[0][k].grad, local[1][k].grad]) for k in range(3)]
+
+    results, dw = run(share=True)
+    assert torch.equal(results[0][0], ref) and torch.equal(results[1][0], ref)
+    assert torch.equal(results[0][1] + results[1][1], ref_dx)
+    assert all(torch.equal(a, b) for a, b in zip(dw, ref_dw, strict=True))
+    _, doubled = run(share=False)
+    stock_differs(
+        any(not torch.equal(a, b) for a, b in zip(doubled, ref_dw, strict=True)),
+        "every rank exchanging every replicated token",
+        "the token counts",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -347,3 +410,55 @@ def test_expert_parallel_deepseekmoe_is_one_ranks_bits_and_gradients(dtype):
     assert int(ref_ids.max()) >= 4  # negative control: rank 0 alone (experts 0-3) cannot serve these routes
     with pytest.raises(ValueError, match="beyond the 4 experts held here"):
         deepseek_moe_forward(xs[0], router, bias, *[p.detach() for p in local[0]], shared, **kw)
+
+
+@pytest.mark.requires_f32_kernel
+def test_deepseekmoe_chains_are_grouping_invariant_gradients():
+    """DeepSeekMoE with exact-accumulation chains (:func:`shared_numerics.moe.deepseek_moe_forward` ``chains``,
+    float32): the router's chain continues the float32 logits' weight gradient over every token, each routed
+    expert's over its rows, so one call on 22 tokens and calls on 9 + 13 leave the same bits in every chain; and the
+    chains hold the gradient (autograd's on the whole batch within 1e-5). Negative control: autograd's gradients
+    summed over the two calls differ from one call's."""
+    from shared_numerics.grad_chain import GradChain
+    from shared_numerics.moe import deepseek_moe_forward
+
+    e, h, i = 8, 64, 48
+    w = _experts(e=e, h=h, i=i, dtype=torch.float32, seed=13)
+    g = torch.Generator().manual_seed(14)
+    router = torch.randn(e, h, generator=g) * 0.3
+    bias = torch.randn(e, generator=g) * 0.1
+    shared = [torch.randn(*s, generator=g) * 0.1 for s in ((i, h), (i, h), (h, i))]
+    x = torch.randn(22, h, generator=g)
+    up = torch.randn(22, h, generator=g)
+    kw = dict(top_k=2, n_group=4, topk_group=2, renormalize=True, scaling=2.5)
+
+    def chained(cuts):
+        chains = {
+            "router": GradChain((e, h)),
+            **{
+                k: GradChain(tuple(p.shape), float32_products=True)
+                for k, p in zip(("w_gate", "w_up", "w_down"), w, strict=True)
+            },
+        }
+        for a, b in itertools.pairwise(cuts):
+            xa = x[a:b].clone().requires_grad_()  # the weights' gradients go into the chains
+            out, _ = deepseek_moe_forward(xa, router, bias, *w, shared, **kw, chains=chains)
+            out.backward(up[a:b])
+        return {k: c.acc.clone() for k, c in chains.items()}
+
+    def autograd(cuts):
+        params = [router.clone().requires_grad_()] + [p.clone().requires_grad_() for p in w]
+        for a, b in itertools.pairwise(cuts):
+            out, _ = deepseek_moe_forward(x[a:b], params[0], bias, *params[1:], shared, **kw)
+            out.backward(up[a:b])
+        return dict(zip(("router", "w_gate", "w_up", "w_down"), (p.grad for p in params), strict=True))
+
+    whole, split = chained([0, 22]), chained([0, 9, 22])
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+    ref = autograd([0, 22])
+    for k in whole:
+        assert float((whole[k] - ref[k]).abs().max()) <= 1e-5 * float(ref[k].abs().max()), k
+    summed = autograd([0, 9, 22])
+    stock_differs(
+        any(not torch.equal(summed[k], ref[k]) for k in ref), "autograd's gradients summed over 9 + 13", "the tokens"
+    )

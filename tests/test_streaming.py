@@ -193,7 +193,7 @@ def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradien
         assert sorted(ref) == sorted(trainable)
         if variant == "lora":
             assert len(ref) == 28 and all(".lora_" in k for k in ref)  # 7 projections x 2 layers x (A, B)
-        assert not any(bool((g == 0).all()) for g in ref.values())
+        assert not [k for k, g in ref.items() if bool((g == 0).all())]  # every parameter has a gradient
         for name, grads in seen.items():
             assert grads.keys() == ref.keys()
             assert all(torch.equal(grads[k], ref[k]) for k in ref), name
@@ -308,3 +308,48 @@ def test_batched_way_covers_dense_zerokld_models(checkpoint_factory, family, bat
     model = build_titan_model(checkpoint_factory(family, "float32"), batch_invariant=batch_invariant, fp8=fp8)[0]
     got = unsupported_reason(model, torch.float32)
     assert got is None if reason is None else reason in got, got
+
+
+def test_deepseek_streams_one_rollout_at_a_time_until_mla_has_chains(tmp_path):
+    """DeepSeek-V3 (MLA + DeepSeekMoE, float32): MLA absorbs ``kv_norm`` and ``wkv_b`` into the latent attention as
+    tensors, outside their modules' forwards, so no chain sees their gradients; batched exact accumulation would
+    write them from empty chains (all zero: what this test caught once DeepSeekMoE's router and experts had chains).
+    The trainer names the reason and streams one rollout at a time (exact too): every parameter gets a gradient, and
+    the groupings of :data:`GROUPINGS` give one call's bits."""
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(), seed=3, dtype="float32"))
+    client = TrainingClient(RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "c"), dtype="float32")), "float32")
+    try:
+        trainer = client.trainer
+        assert trainer.exact_accumulation is None and "MLA absorbs" in trainer.exact_accumulation_off
+        batch = dataclasses.replace(_rollouts(ckpt, "float32"), numerics=trainer.numerics)
+        # replayed routes (R3): optim_step's aux-loss-free bias update (DeepSeek-V3's load balancing) would otherwise
+        # change the routes between the groupings
+        from titan_plugin.routing import moe_layers
+
+        layers = moe_layers(trainer.model)
+        n_exp, top_k = layers[0].router.gate.weight.shape[0], layers[0].router.top_k
+        g = torch.Generator().manual_seed(5)
+        routes = [
+            torch.stack(
+                [torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in layers]) for _ in seq[:-1]]
+            ).to(torch.int16)
+            for seq in batch.sequences
+        ]
+        batch = dataclasses.replace(batch, routed_experts=routes)
+        seen = {}
+        for name, sizes in GROUPINGS.items():
+            for mb in _micro_batches(batch, sizes):
+                client.forward_backward(mb, "ppo")
+            seen[name] = _grads(trainer.model)
+            client.optim_step({"learning_rate": 0.0})
+        ref = seen["one call"]
+        assert sorted(ref) == sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+        assert not [k for k, g in ref.items() if bool((g == 0).all())]
+        assert any(".wkv_b." in k for k in ref) and any(".kv_norm." in k for k in ref)
+        for name, grads in seen.items():
+            assert all(torch.equal(grads[k], ref[k]) for k in ref), name
+    finally:
+        client.close()

@@ -1030,12 +1030,12 @@ def test_data_parallel_2_trains_like_one_rank(tmp_path, family):
     _check_trains_like_one_rank(tmp_path, family, "DP 2")
 
 
-def _check_trains_like_one_rank(tmp_path, family: str, name: str, **layout) -> None:
+def _check_trains_like_one_rank(tmp_path, family: str, name: str, ckpt: str | None = None, **layout) -> None:
     """Two ranks (each half the batch) at ``layout`` against one rank: two streamed steps, then ``rl_step``; stock
-    at the same layout against stock on one rank (the control)."""
+    at the same layout against stock on one rank (the control). ``ckpt``: this checkpoint instead of ``family``'s."""
     from zerokld_testing import random_prompts
 
-    ckpt = _pipeline_checkpoint(tmp_path, family)
+    ckpt = ckpt or _pipeline_checkpoint(tmp_path, family)
     seqs = random_prompts(6, seed=47, lo=12, hi=60)
     lens = [len(s) // 2 for s in seqs]
     common = dict(train_step=True, weights=True, steps=2)

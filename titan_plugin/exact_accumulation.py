@@ -30,8 +30,10 @@ activations; a gain fed a head shard (Qwen3's q/k norms) is summed over the TP r
 a TP run's micro-batches gives the same bits. With FSDP as well, each TP rank's chains are handed between its
 data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
 
-Not covered (the general way runs): TP experts and TP x EP, the fused vocab-parallel lm_head, context parallelism,
-DeepSeekMoE's experts, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX).
+Not covered (the general way runs): MLA (its absorbed ``kv_norm`` / ``wkv_b``), TP experts and TP x EP, the fused
+vocab-parallel lm_head, context parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX).
+DeepSeekMoE's router and experts have chains (:func:`shared_numerics.moe.deepseek_moe_forward`), but its models
+carry MLA.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -56,6 +58,7 @@ from .overrides import (
     ZeroKLDFp8Linear,
     ZeroKLDLinear,
     ZeroKLDLMHead,
+    ZeroKLDMLAAttention,
     ZeroKLDMoE,
     ZeroKLDRMSNorm,
     ZeroKLDRowParallelLinear,
@@ -166,6 +169,17 @@ def _fed_by_another(
     return out
 
 
+def _absorbed(model: torch.nn.Module | list[torch.nn.Module]) -> set[int]:
+    """``id`` of the modules whose weights another module's forward reads as tensors, outside their own forward, with
+    no chain yet: MLA's ``kv_norm`` and ``wkv_b`` (:class:`titan_plugin.overrides.ZeroKLDMLAAttention` absorbs them
+    into the latent attention). Their autograd gradients would be overwritten by empty chains."""
+    out = set()
+    for m in (m for part in _parts(model) for m in part.modules()):
+        if _own_class(m) is ZeroKLDMLAAttention:
+            out.update((id(m.kv_norm), id(m.wkv_b)))
+    return out
+
+
 def _sites(model: torch.nn.Module | list[torch.nn.Module]):
     """``(mod_name, module, name, site)`` for every trainable parameter (``site`` ``None``: no module feeds a
     chain)."""
@@ -207,25 +221,27 @@ def unsupported_reason(
     data_parallel: bool = False,
     fused: bool = False,
 ) -> str | None:
-    """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter outside
-    :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, the ``fused`` vocab-parallel lm_head, MoE experts
-    with ``tp_k_block`` or DeepSeekMoE's, a parameter sharded over more than one rank — but over the data-parallel
-    mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank),
+    """Why exact accumulation cannot chain this model's gradients (``None``: it can): MLA's absorbed ``kv_norm`` /
+    ``wkv_b``, a parameter outside :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, the ``fused``
+    vocab-parallel lm_head, MoE experts with ``tp_k_block``, a parameter sharded over more than one rank — but over
+    the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from
+    rank to rank),
     experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp``
     (its own chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
         return f"this machine's kernels do not cover {dtype} gradients (shared_numerics.grad_chain.chain_available)"
+    absorbed = _absorbed(model)
     for mod_name, module, name, site in _sites(model):
+        if id(module) in absorbed:
+            return f"{mod_name}.{name}: MLA absorbs it into the latent attention (its chain is not implemented yet)"
         if site is None:
             return f"{mod_name}.{name} belongs to a {_own_class(module).__name__}"
         if isinstance(module, ZeroKLDLMHead) and module.vocab_parallel and fused:
             return "the fused vocab-parallel lm_head (tp_k_block)"
         if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block is not None:
             return f"{mod_name}.{name}: MoE experts with tp_k_block"
-        if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.deepseek:
-            return f"{mod_name}.{name}: DeepSeekMoE experts (their chains are not implemented yet)"
         p = site.param
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
             mesh = p.device_mesh

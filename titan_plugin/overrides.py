@@ -488,9 +488,9 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
         if self.deepseek:
             weights, ep = (ex.w1_EFD, ex.w3_EFD, ex.w2_EDF), None
-            if grad_chains(self) is not None or self.k_block:
+            if self.k_block:
                 raise NotImplementedError(
-                    "zerokld DeepSeekMoE: tensor parallelism, exact accumulation and tp_k_block are not implemented yet"
+                    "zerokld DeepSeekMoE: tensor parallelism and tp_k_block are not implemented yet"
                 )
             if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
                 from .expert_parallel import expert_shards
@@ -516,6 +516,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 scoring=r.score_func,
                 fp8=self.fp8,
                 expert_parallel=ep,
+                chains=self._moe_chains(),
             )
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
