@@ -137,6 +137,35 @@ def test_streamed_micro_batches_accumulate_the_concatenated_batch_gradient(
         client.close()
 
 
+def _grads_by_grouping(client: TrainingClient, batch: RolloutBatch) -> dict[str, dict[str, torch.Tensor]]:
+    """The gradients ``forward_backward`` leaves for ``batch`` cut as each of :data:`GROUPINGS` (``"ppo"``; an
+    ``optim_step`` at learning rate 0 between groupings clears them)."""
+    seen = {}
+    for name, sizes in GROUPINGS.items():
+        for mb in _micro_batches(batch, sizes):
+            client.forward_backward(mb, "ppo")
+        seen[name] = _grads(client.trainer.model)
+        client.optim_step({"learning_rate": 0.0})
+    return seen
+
+
+def _with_replayed_routes(trainer, batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with replayed routes (R3): random distinct experts per token for every MoE layer, one row per input
+    position."""
+    from titan_plugin.routing import moe_layers
+
+    layers = moe_layers(trainer.model)
+    n_exp, top_k = layers[0].router.gate.weight.shape[0], layers[0].router.top_k
+    g = torch.Generator().manual_seed(5)
+    routes = [
+        torch.stack([torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in layers]) for _ in seq[:-1]]).to(
+            torch.int16
+        )
+        for seq in batch.sequences
+    ]
+    return dataclasses.replace(batch, routed_experts=routes)
+
+
 def _adapted_client(ckpt: str, dtype: str, variant: str, dump: str) -> TrainingClient:
     from titan_plugin.rl import RLTrainer, rl_trainer_config
 
@@ -167,27 +196,11 @@ def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradien
         trainer = client.trainer
         assert trainer.exact_accumulation is not None, trainer.exact_accumulation_off
         batch = dataclasses.replace(_rollouts(ckpt, dtype), numerics=trainer.numerics)
-        if variant == "moe":  # replayed routes (R3): random distinct experts per token, one row per input position
-            from titan_plugin.routing import moe_layers
-
-            layers = moe_layers(trainer.model)
-            n_exp, top_k = layers[0].router.gate.weight.shape[0], layers[0].router.top_k
-            g = torch.Generator().manual_seed(5)
-            routes = [
-                torch.stack(
-                    [torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in layers]) for _ in seq[:-1]]
-                ).to(torch.int16)
-                for seq in batch.sequences
-            ]
-            batch = dataclasses.replace(batch, routed_experts=routes)
+        if variant == "moe":
+            batch = _with_replayed_routes(trainer, batch)
         client.forward_backward(batch, "ppo")
         client.optim_step({"learning_rate": 1e-2})  # lora_B leaves 0, so lora_A's gradients are not all 0
-        seen = {}
-        for name, sizes in GROUPINGS.items():
-            for mb in _micro_batches(batch, sizes):
-                client.forward_backward(mb, "ppo")
-            seen[name] = _grads(trainer.model)
-            client.optim_step({"learning_rate": 0.0})
+        seen = _grads_by_grouping(client, batch)
         ref = seen["one call"]
         trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
         assert sorted(ref) == sorted(trainable)
@@ -327,24 +340,8 @@ def test_deepseek_streams_one_rollout_at_a_time_until_mla_has_chains(tmp_path):
         batch = dataclasses.replace(_rollouts(ckpt, "float32"), numerics=trainer.numerics)
         # replayed routes (R3): optim_step's aux-loss-free bias update (DeepSeek-V3's load balancing) would otherwise
         # change the routes between the groupings
-        from titan_plugin.routing import moe_layers
-
-        layers = moe_layers(trainer.model)
-        n_exp, top_k = layers[0].router.gate.weight.shape[0], layers[0].router.top_k
-        g = torch.Generator().manual_seed(5)
-        routes = [
-            torch.stack(
-                [torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in layers]) for _ in seq[:-1]]
-            ).to(torch.int16)
-            for seq in batch.sequences
-        ]
-        batch = dataclasses.replace(batch, routed_experts=routes)
-        seen = {}
-        for name, sizes in GROUPINGS.items():
-            for mb in _micro_batches(batch, sizes):
-                client.forward_backward(mb, "ppo")
-            seen[name] = _grads(trainer.model)
-            client.optim_step({"learning_rate": 0.0})
+        batch = _with_replayed_routes(trainer, batch)
+        seen = _grads_by_grouping(client, batch)
         ref = seen["one call"]
         assert sorted(ref) == sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
         assert not [k for k, g in ref.items() if bool((g == 0).all())]
