@@ -225,9 +225,9 @@ def unsupported_reason(
     ``wkv_b``, a parameter outside :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, the ``fused``
     vocab-parallel lm_head, MoE experts with ``tp_k_block``, a parameter sharded over more than one rank — but over
     the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from
-    rank to rank),
-    experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp``
-    (its own chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
+    rank to rank), experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard
+    over ``tp`` (its own chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this
+    machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
