@@ -76,11 +76,19 @@ class GradChain:
         #: norm's gain fed one head shard): the owner of the chains sums the ranks' chains into the gradient
         self.partial = False
 
-    def part(self, index: int) -> GradChain:
-        """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), sharing the storage, the
-        arithmetic and the log."""
+    def part(self, index, shape: tuple[int, ...] | None = None) -> GradChain:
+        """The chains of ``acc[index]`` (e.g. one expert of a stacked ``[E, I, H]`` weight), viewed as ``shape`` if
+        given (e.g. one head's block of MLA's ``kv_b_proj``, :func:`shared_numerics.mla.kv_b_chain_shape`), sharing
+        the storage, the arithmetic and the log.
+
+        Raises:
+            ValueError: the part is not contiguous (``acc[index]`` must be one block of the storage)."""
+        acc = self.acc[index]
+        if not acc.is_contiguous():
+            raise ValueError(f"grad chain: part {index!r} of {tuple(self.acc.shape)} is not contiguous")
         sub = GradChain.__new__(GradChain)
-        sub.acc, sub.float32_products, sub.log, sub.partial = self.acc[index], self.float32_products, self.log, False
+        sub.acc = acc if shape is None else acc.view(shape)
+        sub.float32_products, sub.log, sub.partial = self.float32_products, self.log, False
         return sub
 
     def add(self, fn, *args) -> None:

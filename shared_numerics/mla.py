@@ -33,6 +33,8 @@ __all__ = [
     "MLADims",
     "absorb_query",
     "deinterleave",
+    "kv_b_chain_shape",
+    "kv_b_grad_from_chain",
     "latent_output",
     "mla_dense_attention",
     "mla_output",
@@ -40,10 +42,51 @@ __all__ = [
 ]
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    from . import linear
+def _linear(x: torch.Tensor, weight: torch.Tensor, chain=None) -> torch.Tensor:
+    if chain is None:
+        from . import linear
 
-    return linear(x, weight)
+        return linear(x, weight)
+    from .linear import linear as chained_linear  # the same forward bits; dW into the chain
+
+    return chained_linear(x, weight, weight_chain=chain)
+
+
+def kv_b_chain_shape(num_heads: int, qk_nope_head_dim: int, v_head_dim: int, kv_lora_rank: int) -> tuple[int, int]:
+    """The shape of ``kv_b_proj.weight``'s exact-accumulation chain (:class:`shared_numerics.grad_chain.GradChain`):
+    ``(H, (Dn + Dv) R)``, one row per head — first ``W_UK[h]ᵀ``'s gradient ``[R, Dn]`` (what :func:`absorb_query`'s
+    linear computes with), then ``W_UV[h]``'s ``[Dv, R]`` (:func:`latent_output`'s), each flattened row-major. Two
+    disjoint blocks of the weight, each a plain token-order chain; :func:`kv_b_grad_from_chain` lays the sums out as
+    the weight."""
+    return num_heads, (qk_nope_head_dim + v_head_dim) * kv_lora_rank
+
+
+def kv_b_grad_from_chain(acc: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int) -> torch.Tensor:
+    """``kv_b_proj.weight``'s gradient ``[H (Dn + Dv), R]`` from its chain's sums ``acc`` (:func:`kv_b_chain_shape`,
+    float32): ``W_UK[h]``'s block transposed back, ``W_UV[h]``'s as it is. Data movement only (the same bits).
+
+    Raises:
+        ValueError: ``acc``'s row is not ``(Dn + Dv) R`` long."""
+    h, width = acc.shape
+    r, rest = divmod(width, qk_nope_head_dim + v_head_dim)
+    if rest:
+        raise ValueError(f"kv_b chain rows of {width} are not (Dn + Dv) R with Dn={qk_nope_head_dim}, Dv={v_head_dim}")
+    uk = acc[:, : r * qk_nope_head_dim].reshape(h, r, qk_nope_head_dim).transpose(1, 2)
+    uv = acc[:, r * qk_nope_head_dim :].reshape(h, v_head_dim, r)
+    return torch.cat([uk, uv], dim=1).reshape(h * (qk_nope_head_dim + v_head_dim), r)
+
+
+def _head_chains(chain, heads: int, part: str, qk_nope_head_dim: int, v_head_dim: int, r: int) -> list:
+    """Each head's chain of ``W_UK[h]ᵀ`` (``part`` ``"uk"``, ``[R, Dn]``) or ``W_UV[h]`` (``"uv"``, ``[Dv, R]``) in
+    the kv_b chain's layout (:func:`kv_b_chain_shape`); ``[None] * heads`` without a chain."""
+    if chain is None:
+        return [None] * heads
+    if tuple(chain.acc.shape) != kv_b_chain_shape(heads, qk_nope_head_dim, v_head_dim, r):
+        raise ValueError(f"a kv_b chain of {tuple(chain.acc.shape)} for {heads} heads of (Dn + Dv) R")
+    uk = r * qk_nope_head_dim
+    if part == "uk":
+        return [chain.part((h, slice(0, uk)), (r, qk_nope_head_dim)) for h in range(heads)]
+    return [chain.part((h, slice(uk, None)), (v_head_dim, r)) for h in range(heads)]
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -54,39 +97,54 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 def absorb_query(
-    q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
+    q_nope: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, *, kv_b_chain=None
 ) -> torch.Tensor:
     """``q_lat[:, h] = linear(q_nope[:, h], W_UK[h]ᵀ)`` for every head.
 
     Args:
         q_nope: ``[N, H, Dn]``.
         kv_b_weight: ``kv_b_proj.weight`` ``[H (Dn + Dv), R]`` (all ``H`` heads of ``q_nope``).
+        kv_b_chain: the weight's exact-accumulation chain (:func:`kv_b_chain_shape`): each head's ``W_UK[h]ᵀ``
+            gradient goes into its block (none to autograd); ``None``: autograd's gradient.
 
     Returns:
         ``[N, H, R]`` in ``q_nope.dtype``; row ``n`` depends only on ``q_nope[n]``. Differentiable.
+
+    Raises:
+        ValueError: a chain of another shape, or (:func:`shared_numerics.linear`) no kernel path for the chain.
     """
     n, h, dn = q_nope.shape
     heads = kv_b_weight.view(h, dn + v_head_dim, -1).unbind(0)  # unbind: one stack in backward, not H zero-fills
+    chains = _head_chains(kv_b_chain, h, "uk", dn, v_head_dim, kv_b_weight.shape[-1])
     return torch.stack(
-        [_linear(q, w[:dn].t().contiguous()) for q, w in zip(q_nope.unbind(1), heads, strict=True)], dim=1
+        [_linear(q, w[:dn].t().contiguous(), c) for q, w, c in zip(q_nope.unbind(1), heads, chains, strict=True)],
+        dim=1,
     )
 
 
 def latent_output(
-    o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int
+    o_lat: torch.Tensor, kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int, *, kv_b_chain=None
 ) -> torch.Tensor:
     """``o[:, h] = linear(o_lat[:, h], W_UV[h])`` for every head, flattened for ``o_proj``.
 
     Args:
         o_lat: ``[N, H, R]`` the attention's latent output.
         kv_b_weight: ``[H (Dn + Dv), R]``.
+        kv_b_chain: as :func:`absorb_query`'s; each head's ``W_UV[h]`` gradient goes into its block.
 
     Returns:
         ``[N, H Dv]`` in ``o_lat.dtype``. Differentiable.
+
+    Raises:
+        ValueError: as :func:`absorb_query`.
     """
-    n, h, _ = o_lat.shape
+    n, h, r = o_lat.shape
     heads = kv_b_weight.view(h, qk_nope_head_dim + v_head_dim, -1).unbind(0)
-    return torch.cat([_linear(o, w[qk_nope_head_dim:]) for o, w in zip(o_lat.unbind(1), heads, strict=True)], dim=-1)
+    chains = _head_chains(kv_b_chain, h, "uv", qk_nope_head_dim, v_head_dim, r)
+    return torch.cat(
+        [_linear(o, w[qk_nope_head_dim:], c) for o, w, c in zip(o_lat.unbind(1), heads, chains, strict=True)],
+        dim=-1,
+    )
 
 
 def mla_dense_attention(q: torch.Tensor, latent: torch.Tensor, scale: float) -> torch.Tensor:
@@ -130,6 +188,9 @@ def mla_query_latent(
     cos: torch.Tensor,
     sin: torch.Tensor,
     dims: MLADims,
+    *,
+    kv_norm_chain=None,
+    kv_b_chain=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The absorbed queries and the latents of ``N`` tokens, from their projections.
 
@@ -138,6 +199,9 @@ def mla_query_latent(
         ckv: ``[N, R + P]`` ``kv_a_proj_with_mqa(a)``.
         kv_norm_weight: ``[R]`` ``kv_a_layernorm.weight``; kv_b_weight: ``[H (Dn + Dv), R]``.
         cos, sin: ``[N, P/2]`` (:func:`shared_numerics.rope_cos_sin` of the tokens' positions, rope dim ``P``).
+        kv_norm_chain, kv_b_chain: exact accumulation (:mod:`shared_numerics.grad_chain`): the latent norm's gain
+            gradient (``[R]``, :func:`shared_numerics.norm.rms_norm` ``weight_chain``) and ``kv_b_weight``'s
+            ``W_UK`` blocks (:func:`absorb_query`); ``None``: autograd's. The forward bits do not change.
 
     Returns:
         ``(q [N, H, R + P], latent [N, R + P])``: ``[absorb_query(q_nope) ‖ rope(q_pe)]`` and
@@ -145,23 +209,30 @@ def mla_query_latent(
         row ``n`` of the inputs. Differentiable.
     """
     from . import apply_rope, rms_norm
+    from .norm import rms_norm as chained_rms_norm
 
     n, d = q.shape[0], dims
     r, dn, dr = d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim
     q = q.reshape(n, d.num_heads, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
-    c = rms_norm(ckv[:, :r].contiguous(), kv_norm_weight, d.eps)
+    c_kv = ckv[:, :r].contiguous()
+    if kv_norm_chain is None:
+        c = rms_norm(c_kv, kv_norm_weight, d.eps)
+    else:
+        c = chained_rms_norm(c_kv, kv_norm_weight, d.eps, weight_chain=kv_norm_chain)
     k_pe = ckv[:, r:].reshape(n, 1, dr)
     if d.rope_interleave:
         q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
     q_pe = apply_rope(q_pe.contiguous(), cos, sin)
     k_pe = apply_rope(k_pe.contiguous(), cos, sin)
-    q_lat = absorb_query(q_nope.contiguous(), kv_b_weight, dn, d.v_head_dim)
+    q_lat = absorb_query(q_nope.contiguous(), kv_b_weight, dn, d.v_head_dim, kv_b_chain=kv_b_chain)
     return torch.cat([q_lat, q_pe], dim=-1), torch.cat([c, k_pe.reshape(n, dr)], dim=-1)
 
 
-def mla_output(o: torch.Tensor, kv_b_weight: torch.Tensor, dims: MLADims) -> torch.Tensor:
-    """``[N, H Dv]`` from the attention's ``[N, H, R + P]`` output (its first ``R`` columns: :func:`latent_output`),
-    ready for ``o_proj``."""
+def mla_output(o: torch.Tensor, kv_b_weight: torch.Tensor, dims: MLADims, *, kv_b_chain=None) -> torch.Tensor:
+    """``[N, H Dv]`` from the attention's ``[N, H, R + P]`` output (its first ``R`` columns: :func:`latent_output`,
+    ``kv_b_chain`` as there), ready for ``o_proj``."""
     r = dims.kv_lora_rank
-    return latent_output(o[..., :r].contiguous(), kv_b_weight, dims.qk_nope_head_dim, dims.v_head_dim)
+    return latent_output(
+        o[..., :r].contiguous(), kv_b_weight, dims.qk_nope_head_dim, dims.v_head_dim, kv_b_chain=kv_b_chain
+    )

@@ -149,6 +149,37 @@ def _grads_by_grouping(client: TrainingClient, batch: RolloutBatch) -> dict[str,
     return seen
 
 
+def _check_batched_gradients(client: TrainingClient, batch: RolloutBatch, dtype: str) -> dict[str, torch.Tensor]:
+    """The batched way's gradients of ``batch`` (``client.trainer.exact_accumulation`` set): every trainable
+    parameter has one, not all zero; every grouping of :data:`GROUPINGS` gives one call's bits; and they are the
+    gradient — close to the one-rollout-at-a-time way's (other bits: autograd's sums per rollout; float32 1e-5, bf16
+    2e-2 of the largest element). Returns one call's gradients."""
+    trainer = client.trainer
+    seen = _grads_by_grouping(client, batch)
+    ref = seen["one call"]
+    assert sorted(ref) == sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    assert not [k for k, g in ref.items() if bool((g == 0).all())]  # every parameter has a gradient
+    for name, grads in seen.items():
+        assert grads.keys() == ref.keys()
+        assert all(torch.equal(grads[k], ref[k]) for k in ref), name
+    exact, trainer.exact_accumulation = trainer.exact_accumulation, None
+    try:
+        client.forward_backward(batch, "ppo")
+        per_rollout = _grads(trainer.model)
+        client.optim_step({"learning_rate": 0.0})
+    finally:
+        trainer.exact_accumulation = exact
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for k in ref:
+        a, b = _full(ref[k]), _full(per_rollout[k])
+        assert float((a - b).abs().max()) <= tol * float(b.abs().max()), k
+    return ref
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _with_replayed_routes(trainer, batch: RolloutBatch) -> RolloutBatch:
     """``batch`` with replayed routes (R3): random distinct experts per token for every MoE layer, one row per input
     position."""
@@ -200,27 +231,9 @@ def test_lora_fp8_qat_and_moe_stream_batched_with_the_concatenated_batch_gradien
             batch = _with_replayed_routes(trainer, batch)
         client.forward_backward(batch, "ppo")
         client.optim_step({"learning_rate": 1e-2})  # lora_B leaves 0, so lora_A's gradients are not all 0
-        seen = _grads_by_grouping(client, batch)
-        ref = seen["one call"]
-        trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
-        assert sorted(ref) == sorted(trainable)
+        ref = _check_batched_gradients(client, batch, dtype)
         if variant == "lora":
             assert len(ref) == 28 and all(".lora_" in k for k in ref)  # 7 projections x 2 layers x (A, B)
-        assert not [k for k, g in ref.items() if bool((g == 0).all())]  # every parameter has a gradient
-        for name, grads in seen.items():
-            assert grads.keys() == ref.keys()
-            assert all(torch.equal(grads[k], ref[k]) for k in ref), name
-
-        exact, trainer.exact_accumulation = trainer.exact_accumulation, None
-        client.forward_backward(batch, "ppo")
-        per_rollout = _grads(trainer.model)
-        client.optim_step({"learning_rate": 0.0})
-        trainer.exact_accumulation = exact
-        tol = 1e-5 if dtype == "float32" else 2e-2
-        for k in ref:
-            a, b = ref[k].full_tensor(), per_rollout[k].full_tensor()
-            assert float((a - b).abs().max()) <= tol * float(b.abs().max()), k
-
         _titan_accumulation_depends_on_the_grouping(client, batch)  # negative control
     finally:
         client.close()
@@ -323,12 +336,55 @@ def test_batched_way_covers_dense_zerokld_models(checkpoint_factory, family, bat
     assert got is None if reason is None else reason in got, got
 
 
-def test_deepseek_streams_one_rollout_at_a_time_until_mla_has_chains(tmp_path):
-    """DeepSeek-V3 (MLA + DeepSeekMoE, float32): MLA absorbs ``kv_norm`` and ``wkv_b`` into the latent attention as
-    tensors, outside their modules' forwards, so no chain sees their gradients; batched exact accumulation would
-    write them from empty chains (all zero: what this test caught once DeepSeekMoE's router and experts had chains).
-    The trainer names the reason and streams one rollout at a time (exact too): every parameter gets a gradient, and
-    the groupings of :data:`GROUPINGS` give one call's bits."""
+@pytest.mark.requires_f32_kernel
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_deepseek_streams_batched_with_the_concatenated_batch_gradient(tmp_path, fp8):
+    """DeepSeek-V3 (MLA + DeepSeekMoE, float32; also with FP8 block QAT): MLA reads ``kv_norm`` and ``wkv_b`` as
+    tensors (absorbed into the latent attention, one linear per head for ``W_UK`` and for ``W_UV``), and their
+    gradients go into chains too — ``wkv_b``'s one block per head and linear, laid out as the weight when written —
+    as do DeepSeekMoE's router and experts, so ``forward_backward`` runs batched: every parameter has a gradient, the
+    groupings of :data:`GROUPINGS` give one call's bits, close to the one-rollout-at-a-time way's. Routes are replayed
+    (R3): ``optim_step``'s aux-loss-free bias update (DeepSeek-V3's load balancing) would otherwise change the routes
+    between the groupings. Negative control: TorchTitan's accumulation differs between groupings. (Before MLA had
+    chains, batched passes wrote ``kv_norm`` / ``wkv_b`` from empty chains: all zero, which this test catches.)"""
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(), seed=3, dtype="float32"))
+    config = rl_trainer_config(ckpt, str(tmp_path / "c"), dtype="float32", fp8=fp8)
+    client = TrainingClient(RLTrainer(config), "float32")
+    try:
+        trainer = client.trainer
+        assert trainer.exact_accumulation is not None, trainer.exact_accumulation_off
+        batch = dataclasses.replace(_rollouts(ckpt, "float32"), numerics=trainer.numerics)
+        batch = _with_replayed_routes(trainer, batch)
+        ref = _check_batched_gradients(client, batch, "float32")
+        assert any(".wkv_b." in k for k in ref) and any(".kv_norm." in k for k in ref)
+        _titan_accumulation_depends_on_the_grouping(client, batch)  # negative control
+    finally:
+        client.close()
+
+
+def _taken_counts(trainer) -> torch.Tensor:
+    """The MoE layers' load-balancing counts (``tokens_per_expert_E``, ``[layers, E]``), then zeroed."""
+    from titan_plugin.routing import moe_layers
+
+    layers = moe_layers(trainer.model)
+    counts = torch.stack([_full(m.tokens_per_expert_E).clone() for m in layers])
+    for m in layers:
+        m.tokens_per_expert_E.zero_()
+    return counts
+
+
+def test_moe_load_balancing_counts_the_rollouts_tokens_whatever_the_grouping(tmp_path):
+    """DeepSeek-V3's auxiliary-loss-free load balancing (TorchTitan's optimizer hook moves ``expert_bias_E`` by the
+    sign of each expert's count against the mean) counts the routes of the rollouts' tokens alone
+    (:func:`titan_plugin.routing.counted_positions`): after ``forward_backward`` of the batch in each grouping of
+    :data:`GROUPINGS` the counts are the same, ``top_k`` per input token of each MoE layer, and scoring
+    (``forward_logprobs``) counts nothing — so the bias a step leaves does not depend on the grouping, nor on the
+    data-parallel split (``test_expert_parallel_2_on_deepseek_trains_like_one_rank``). Negative control:
+    TorchTitan's accumulation (``forward_backward_step`` per micro-batch, every padded position counted) gives other
+    counts for another grouping."""
     from titan_plugin.rl import RLTrainer, rl_trainer_config
     from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
 
@@ -336,17 +392,28 @@ def test_deepseek_streams_one_rollout_at_a_time_until_mla_has_chains(tmp_path):
     client = TrainingClient(RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "c"), dtype="float32")), "float32")
     try:
         trainer = client.trainer
-        assert trainer.exact_accumulation is None and "MLA absorbs" in trainer.exact_accumulation_off
         batch = dataclasses.replace(_rollouts(ckpt, "float32"), numerics=trainer.numerics)
-        # replayed routes (R3): optim_step's aux-loss-free bias update (DeepSeek-V3's load balancing) would otherwise
-        # change the routes between the groupings
-        batch = _with_replayed_routes(trainer, batch)
-        seen = _grads_by_grouping(client, batch)
+        _taken_counts(trainer)
+        trainer.forward_logprobs(batch)
+        assert not _taken_counts(trainer).any()  # scoring counts nothing
+        seen = {}
+        for name, sizes in GROUPINGS.items():
+            for mb in _micro_batches(batch, sizes):
+                client.forward_backward(mb, "ppo")
+            seen[name] = _taken_counts(trainer)
         ref = seen["one call"]
-        assert sorted(ref) == sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
-        assert not [k for k, g in ref.items() if bool((g == 0).all())]
-        assert any(".wkv_b." in k for k in ref) and any(".kv_norm." in k for k in ref)
-        for name, grads in seen.items():
-            assert all(torch.equal(grads[k], ref[k]) for k in ref), name
+        top_k = trainer.model_config.layers[-1].moe.router.top_k
+        inputs = sum(len(s) - 1 for s in batch.sequences)
+        assert ref.sum(dim=1).tolist() == [float(top_k * inputs)] * ref.shape[0]
+        assert all(torch.equal(counts, ref) for counts in seen.values())
+
+        def titan(sizes):  # TorchTitan's own accumulation: every position of each padded micro-batch counted
+            for mb in _micro_batches(batch, sizes):
+                tokens, labels, adv, q, _ = mb.pack()
+                trainer.loss_fn.set_rl_inputs(adv, q)
+                trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+            return _taken_counts(trainer)
+
+        stock_differs(not torch.equal(titan([8]), titan([3, 1, 4])), "TorchTitan's MoE token counts", "the groupings")
     finally:
         client.close()

@@ -1076,6 +1076,24 @@ def test_expert_parallel_2_trains_like_one_rank(tmp_path):
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
+def test_expert_parallel_2_on_deepseek_trains_like_one_rank(tmp_path):
+    """Issue 56 points 3 and 6 on DeepSeek-V3 (MLA + DeepSeekMoE, float32): at ``expert_parallel_degree`` 2 each rank
+    holds 4 of the 8 routed experts and streams half the batch; MLA's absorbed ``kv_norm`` / ``wkv_b`` chains (one
+    block per head and linear), the router's and the shared expert's are handed between the data-parallel ranks, each
+    routed expert's continues over the rows the EP exchange delivers; the aux-loss-free bias update counts the whole
+    batch's routes. Two streamed steps and ``rl_step`` give one rank's log-probs, gradient norms and weights bit for
+    bit. Negative control: TorchTitan's stock ``deepseek_v3`` at EP 2 ends with other weights than stock on one
+    rank."""
+    from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint
+
+    spec = DeepSeekSpec(hidden_size=64, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", spec, seed=3, dtype="float32"))
+    _check_trains_like_one_rank(tmp_path, "deepseek", "EP 2 (deepseek_v3)", ckpt=ckpt, ep=2)
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
 def test_data_parallel_2_x_pipeline_parallel_2_equals_one_rank(tmp_path):
     """Issue 56 point 4, DP 2 x PP 2 on 4 ranks (gloo): FSDP over two data-parallel ranks, each pair a two-stage
     pipeline (1F1B) training on its own half of the sequences: the log-probs before, during and after two RL steps,

@@ -5,7 +5,8 @@
 autograd add each rollout's gradient — exact, and ~6-10x slower than one batched step. Where every parameter belongs to
 a zerokld module that can route its gradient into a :class:`shared_numerics.grad_chain.GradChain` (zerokld linear,
 lm_head with or without fused log-probs, FP8 QAT linear, RMSNorm, embedding, the LoRA adapters of
-:class:`titan_plugin.lora.ZeroKLDLoRALinear`, the router and experts of :class:`titan_plugin.overrides.ZeroKLDMoE`) and
+:class:`titan_plugin.lora.ZeroKLDLoRALinear`, the router and experts of :class:`titan_plugin.overrides.ZeroKLDMoE`,
+MLA's absorbed ``kv_norm`` and ``wkv_b`` in :class:`titan_plugin.overrides.ZeroKLDMLAAttention`) and
 the machine's kernels cover the forward dtype (:func:`shared_numerics.grad_chain.chain_available`), a call instead runs
 **one batched forward and backward** of its rollouts, and each gradient element is one float32 chain over the tokens in
 batch order that the next call continues. The per-token quantities (``dY``, ``X``) are batch-invariant, so the chains
@@ -14,6 +15,11 @@ see the same numbers in the same order whatever the grouping.
 A LoRA adapter's chain is the gradient of the operand the op sees (``A`` zero-padded to the engine's rank ``R``,
 ``B * scaling`` padded likewise); its parameter's gradient is the first ``r`` rows or columns of the sums, ``B``'s
 times the scaling — applied once to the step's sums, so every grouping gets the same bits.
+
+MLA's ``wkv_b`` is read as a tensor, one linear per head for the absorbed queries (``W_UK[h]ᵀ``) and one for the
+latent output (``W_UV[h]``): its chain holds one block per head and linear
+(:func:`shared_numerics.mla.kv_b_chain_shape`), laid out as the weight when written; ``kv_norm``'s gain chain is the
+norm module's, fed by the attention.
 
 An MoE expert's chain runs over the tokens routed to it, in token order; their number is any, so its products are
 float32 (:attr:`shared_numerics.grad_chain.GradChain.float32_products`: bf16 values widened exactly) where the
@@ -30,10 +36,8 @@ activations; a gain fed a head shard (Qwen3's q/k norms) is summed over the TP r
 a TP run's micro-batches gives the same bits. With FSDP as well, each TP rank's chains are handed between its
 data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
 
-Not covered (the general way runs): MLA (its absorbed ``kv_norm`` / ``wkv_b``), TP experts and TP x EP, the fused
-vocab-parallel lm_head, context parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX).
-DeepSeekMoE's router and experts have chains (:func:`shared_numerics.moe.deepseek_moe_forward`), but its models
-carry MLA.
+Not covered (the general way runs): TP experts and TP x EP, the fused vocab-parallel lm_head, context parallelism,
+bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX), MLA under tensor parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -158,7 +162,9 @@ def _fed_by_another(
     model: torch.nn.Module | list[torch.nn.Module],
 ) -> dict[int, Callable[[str, torch.nn.Parameter], _Site | None]]:
     """``id(module) -> site of (name, param)`` for modules whose parameters another module's forward uses: the
-    adapters of a :class:`ZeroKLDLoRALinear`, the experts of a :class:`ZeroKLDMoE`."""
+    adapters of a :class:`ZeroKLDLoRALinear`, the experts of a :class:`ZeroKLDMoE`, MLA's ``wkv_b`` (absorbed per
+    head by :class:`ZeroKLDMLAAttention`; its ``kv_norm`` is an ordinary norm site, whose chain the attention
+    feeds)."""
     out = {}
     for m in (m for part in _parts(model) for m in part.modules()):
         if _own_class(m) is ZeroKLDLoRALinear:
@@ -166,18 +172,25 @@ def _fed_by_another(
                 out[id(getattr(m, which))] = functools.partial(_adapter_site, m, which)
         elif _own_class(m) is ZeroKLDMoE:
             out[id(m.routed_experts.inner_experts)] = functools.partial(_expert_site, m)
+        elif _own_class(m) is ZeroKLDMLAAttention and _own_class(m.wkv_b) in CHAIN_MODULES:
+            out[id(m.wkv_b)] = functools.partial(_kv_b_site, m)
     return out
 
 
-def _absorbed(model: torch.nn.Module | list[torch.nn.Module]) -> set[int]:
-    """``id`` of the modules whose weights another module's forward reads as tensors, outside their own forward, with
-    no chain yet: MLA's ``kv_norm`` and ``wkv_b`` (:class:`titan_plugin.overrides.ZeroKLDMLAAttention` absorbs them
-    into the latent attention). Their autograd gradients would be overwritten by empty chains."""
-    out = set()
-    for m in (m for part in _parts(model) for m in part.modules()):
-        if _own_class(m) is ZeroKLDMLAAttention:
-            out.update((id(m.kv_norm), id(m.wkv_b)))
-    return out
+def _kv_b_site(mla: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Site | None:
+    """MLA's ``kv_b_proj`` weight ``[H (Dn + Dv), R]``: its chain is one block per head
+    (:func:`shared_numerics.mla.kv_b_chain_shape`: ``W_UK[h]ᵀ``'s gradient, then ``W_UV[h]``'s), fed by
+    :class:`ZeroKLDMLAAttention`'s absorbed linears; the sums are laid out as the weight when written
+    (:func:`shared_numerics.mla.kv_b_grad_from_chain`). None (unsupported) for a bias or a model-parallel weight."""
+    from shared_numerics.mla import kv_b_chain_shape, kv_b_grad_from_chain
+
+    if name != "weight" or _model_parallel(p):
+        return None
+    d = mla.zerokld.dims
+    shape = kv_b_chain_shape(d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank)
+    if math.prod(shape) != p.numel():
+        return None
+    return _Site(mla.wkv_b, name, p, shape, lambda acc: kv_b_grad_from_chain(acc, d.qk_nope_head_dim, d.v_head_dim))
 
 
 def _sites(model: torch.nn.Module | list[torch.nn.Module]):
@@ -221,21 +234,18 @@ def unsupported_reason(
     data_parallel: bool = False,
     fused: bool = False,
 ) -> str | None:
-    """Why exact accumulation cannot chain this model's gradients (``None``: it can): MLA's absorbed ``kv_norm`` /
-    ``wkv_b``, a parameter outside :data:`CHAIN_MODULES`, the LoRA adapters and the MoE experts, the ``fused``
-    vocab-parallel lm_head, MoE experts with ``tp_k_block``, a parameter sharded over more than one rank — but over
-    the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from
-    rank to rank), experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard
-    over ``tp`` (its own chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this
-    machine."""
+    """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
+    feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
+    ``wkv_b`` under tensor parallelism), the ``fused`` vocab-parallel lm_head, MoE experts with ``tp_k_block``, a
+    parameter sharded over more than one rank — but over the data-parallel mesh dimensions
+    :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank), experts over
+    TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp`` (its own chain;
+    with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
         return f"this machine's kernels do not cover {dtype} gradients (shared_numerics.grad_chain.chain_available)"
-    absorbed = _absorbed(model)
     for mod_name, module, name, site in _sites(model):
-        if id(module) in absorbed:
-            return f"{mod_name}.{name}: MLA absorbs it into the latent attention (its chain is not implemented yet)"
         if site is None:
             return f"{mod_name}.{name} belongs to a {_own_class(module).__name__}"
         if isinstance(module, ZeroKLDLMHead) and module.vocab_parallel and fused:

@@ -411,10 +411,26 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         q = self.wq(x2) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x2)))
         kv_b = self.wkv_b.weight
         if isinstance(self.wkv_b, ZeroKLDFp8Linear):  # FP8 QAT: the dequantized codes the server absorbs
+            # (with a chain, the straight-through gradient is the chain's: the linears' dW of the codes' values)
             kv_b = sn_fp8.fp8_weight_qat(kv_b, self.wkv_b.granularity)
-        qc, latent = sn_mla.mla_query_latent(q, self.wkv_a(x2), self.kv_norm.weight, kv_b, cos, sin, c.dims)
+        # exact accumulation: the absorbed weights' gradients into their modules' chains (kv_b: one block per head,
+        # shared_numerics.mla.kv_b_chain_shape; titan_plugin.exact_accumulation lays the sums out as the weight)
+        norm_chain = (grad_chains(self.kv_norm) or {}).get("weight")
+        kv_b_chain = (grad_chains(self.wkv_b) or {}).get("weight")
+        qc, latent = sn_mla.mla_query_latent(
+            q,
+            self.wkv_a(x2),
+            self.kv_norm.weight,
+            kv_b,
+            cos,
+            sin,
+            c.dims,
+            kv_norm_chain=norm_chain,
+            kv_b_chain=kv_b_chain,
+        )
         o = sn_mla.mla_dense_attention(qc.view(b, seq, c.dims.num_heads, -1), latent.view(b, seq, -1), c.scale)
-        return self.wo(sn_mla.mla_output(o.reshape(b * seq, c.dims.num_heads, -1), kv_b, c.dims)).view(b, seq, d)
+        o = sn_mla.mla_output(o.reshape(b * seq, c.dims.num_heads, -1), kv_b, c.dims, kv_b_chain=kv_b_chain)
+        return self.wo(o).view(b, seq, d)
 
 
 def set_mla(model_cfg, cfg) -> None:
@@ -439,7 +455,11 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
     :func:`shared_numerics.moe.moe_forward` — the block vLLM's zerokld Qwen3-MoE runs.
 
     ``replay_ids`` (``[B, L, top_k]`` int, ``-1`` rows routed afresh) replays recorded routes;
-    ``last_ids`` holds the ids of the latest forward. Both are set by :mod:`titan_plugin.routing`. Under exact
+    ``last_ids`` holds the ids of the latest forward. Both are set by :mod:`titan_plugin.routing`. A training
+    forward (grad enabled; scoring passes count nothing) adds its routes to ``tokens_per_expert_E``, TorchTitan's
+    load-balancing counts — every position, as TorchTitan's ``MoE`` does, or with ``count_masks`` set
+    (:func:`titan_plugin.routing.counted_positions`) only the positions the next mask marks (a rollout's tokens, not
+    padding: counts that do not depend on how a batch is padded, split or grouped). Under exact
     accumulation (:mod:`titan_plugin.exact_accumulation`) the experts' gradients go into its chains ``w1_EFD``,
     ``w3_EFD``, ``w2_EDF`` and the router's into its gate's."""
 
@@ -465,6 +485,9 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             )
         self.replay_ids: torch.Tensor | None = None
         self.last_ids: torch.Tensor | None = None
+        #: ``[B, L]`` bool masks, one per coming training forward (in order), of the positions its load-balancing
+        #: counts take (titan_plugin.routing.counted_positions); ``None``: every position
+        self.count_masks: list[torch.Tensor] | None = None
         #: the EP size of the latest forward (1: every expert on this rank; titan_plugin.expert_parallel)
         self.expert_parallel_size = 1
 
@@ -568,12 +591,27 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 fp8=self.fp8,
             )
         self.last_ids = ids.detach().view(b, seq, k)
-        if self.training:  # feeds TorchTitan's load-balancing hook, as MoE.forward does
-            with torch.no_grad():
-                counts = self.tokens_per_expert_E
-                counts = counts.to_local() if _is_dtensor(counts) else counts
-                counts.add_(torch.bincount(ids.reshape(-1), minlength=ex.num_experts).float())
+        if self.training and torch.is_grad_enabled():  # feeds TorchTitan's load-balancing hook, as MoE.forward does
+            self._count_routes(self.last_ids, ex.num_experts)
         return out.view(b, seq, d)
+
+    @torch.no_grad()
+    def _count_routes(self, ids: torch.Tensor, num_experts: int) -> None:
+        """Add the routes ``ids [B, L, top_k]`` of this training forward's counted positions to
+        ``tokens_per_expert_E`` (integer counts in float32: exact, in any order below 2**24).
+
+        Raises:
+            RuntimeError: ``count_masks`` is set but holds no mask for this forward, or one of another shape."""
+        if self.count_masks is not None:
+            if not self.count_masks:
+                raise RuntimeError("zerokld MoE: a training forward beyond the counted micro-batches")
+            mask = self.count_masks.pop(0)
+            if tuple(mask.shape) != tuple(ids.shape[:2]):
+                raise RuntimeError(f"zerokld MoE: a count mask of {tuple(mask.shape)} for {tuple(ids.shape[:2])}")
+            ids = ids[mask.bool()]
+        counts = self.tokens_per_expert_E
+        counts = counts.to_local() if _is_dtensor(counts) else counts
+        counts.add_(torch.bincount(ids.reshape(-1), minlength=num_experts).float())
 
 
 @override(target=Linear.Config, exact=True, description="zerokld batch-invariant linear")

@@ -44,7 +44,7 @@ from .lora import ZeroKLDLoRAConverter, disable_adapter, keep_requires_grad, loa
 from .losses import RLLoss
 from .models import hf_state_dict, state_dict_adapter_class, titan_model_config
 from .pipeline import PipelineRunner, total_grad_norm
-from .routing import pack_routes, replay_routes
+from .routing import counted_positions, pack_routes, replay_routes
 
 __all__ = [
     "FLOAT32_TENSORS",
@@ -362,6 +362,15 @@ def _rollout_tensors(batch: RolloutBatch, layout=None) -> tuple:
     return tuple(None if t is None else layout(t, v) for t, v in zip(tensors, pad_values, strict=True))
 
 
+def _input_positions(batch: RolloutBatch, layout=None) -> torch.Tensor:
+    """``[B, T]`` bool: the positions of ``batch.pack()``'s inputs that hold a rollout's token (``j < len(seq) - 1``;
+    not padding), through ``layout(t, False)`` when given as :func:`_rollout_tensors`' tensors — the positions whose
+    routes MoE load balancing counts (:func:`titan_plugin.routing.counted_positions`)."""
+    t = max(len(s) for s in batch.sequences) - 1
+    mask = torch.arange(t).unsqueeze(0) < torch.tensor([len(s) - 1 for s in batch.sequences]).unsqueeze(1)
+    return mask if layout is None else layout(mask, False)
+
+
 #: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
 FLOAT32_TENSORS = (".e_score_correction_bias",)
 
@@ -481,13 +490,22 @@ class RLTrainer(Trainer):
         # Trainer.train() records data-loading time per step; the metrics logger averages it.
         self.metrics_processor.data_loading_times.append(time.perf_counter() - t_pack)
         self.metrics_processor.ntokens_since_last_log += int((labels != IGNORE_INDEX).sum())
-        with replay_routes(self.model, self._routes(batch, tokens.shape[1])):
+        with replay_routes(self.model, self._routes(batch, tokens.shape[1])), self._counted([_input_positions(batch)]):
             self.train_step(iter(self.dataloader))
         return self._results()
 
     @staticmethod
     def _routes(batch: RolloutBatch, seq_len: int):
         return None if batch.routed_experts is None else pack_routes(batch.routed_experts, seq_len)
+
+    @contextlib.contextmanager
+    def _counted(self, masks: list[torch.Tensor]):
+        """MoE load balancing counts the routes of the rollouts' tokens alone (``masks``: one ``[B, T]`` per training
+        forward, :func:`titan_plugin.routing.counted_positions`) in every model part of this rank."""
+        with contextlib.ExitStack() as stack:
+            for part in self.model_parts:
+                stack.enter_context(counted_positions(part, masks))
+            yield
 
     @torch.no_grad()
     def forward_logprobs(self, batch: RolloutBatch, base_only: bool = False) -> list[torch.Tensor]:
@@ -556,7 +574,11 @@ class RLTrainer(Trainer):
         routes = self._routes(batch, batch.padded_tokens(0).shape[1])
         loss.clear_rl_inputs()
         loss.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, ref, weights=weights)
-        with replay_routes(self.model, None if routes is None else shard_sequence(routes, mesh)):
+        counted = [shard_sequence(_input_positions(batch), mesh, False)]
+        with (
+            replay_routes(self.model, None if routes is None else shard_sequence(routes, mesh)),
+            self._counted(counted),
+        ):
             out, _ = loss(self.model(tokens, positions=positions), labels)  # summed: divided at optim_step
         out.backward()
         last = loss.last
@@ -616,6 +638,7 @@ class RLTrainer(Trainer):
                 f"otherwise depend on the schedule): {self.exact_accumulation_off}"
             )
         tokens, labels, adv, q, ref, weights = _rollout_tensors(batch, pipe.pad)
+        counted = _input_positions(batch, pipe.pad)
         records: list[dict] = []
 
         def scored(pred, target, **kwargs):
@@ -635,13 +658,14 @@ class RLTrainer(Trainer):
                     weights=None if weights is None else weights[sl],
                 )
             try:
-                pipe.train(
-                    tokens[chunk],
-                    labels[chunk],
-                    scored,
-                    RLLoss.metadata_loss,
-                    attach=None if exact is None else exact.attach,
-                )
+                with self._counted([counted[i : i + mb] for i in range(chunk.start, chunk.stop, mb)]):
+                    pipe.train(
+                        tokens[chunk],
+                        labels[chunk],
+                        scored,
+                        RLLoss.metadata_loss,
+                        attach=None if exact is None else exact.attach,
+                    )
             finally:
                 loss.clear_rl_inputs()
                 if exact is not None:
@@ -736,7 +760,8 @@ class RLTrainer(Trainer):
                 loss.clear_rl_inputs()
                 loss.set_rl_inputs(adv, None if one.sampler_logprobs is None else q, ref, weights=weights)
                 try:
-                    with replay_routes(self.model, self._routes(one, tokens.shape[1])):
+                    counted = [_input_positions(one, chain_layout)]
+                    with replay_routes(self.model, self._routes(one, tokens.shape[1])), self._counted(counted):
                         self.forward_backward_step(
                             input_dict={"input": tokens}, labels=labels, global_valid_tokens=None
                         )

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-__all__ = ["captured_routes", "moe_layers", "pack_routes", "replay_routes"]
+__all__ = ["captured_routes", "counted_positions", "moe_layers", "pack_routes", "replay_routes"]
 
 
 def moe_layers(model: torch.nn.Module) -> list:
@@ -83,6 +83,32 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterat
     finally:
         for layer in layers:
             layer.replay_ids = None
+
+
+@contextmanager
+def counted_positions(model: torch.nn.Module, masks: Sequence[torch.Tensor] | None) -> Iterator[None]:
+    """Within the block, the training forwards of every MoE layer of ``model`` count (TorchTitan's
+    ``tokens_per_expert_E``, which its auxiliary-loss-free load balancing turns into the ``expert_bias_E`` update at
+    the optimizer step) only the routes of the positions ``masks`` mark: the ``i``-th forward of each layer takes
+    ``masks[i]`` (a pipeline stage runs its micro-batches in order). The trainer marks the rollouts' tokens, not
+    their padding, so the counts — and the bias — are the same however the batch is padded, split over ranks or
+    grouped into calls.
+
+    Args:
+        masks: ``[B, L]`` bool, one per training forward in the block, each the shape of its token batch; ``None``
+            does nothing (every position counts, as TorchTitan's ``MoE``).
+
+    Raises:
+        RuntimeError: (in the forward) more training forwards than masks, or a mask of another shape.
+    """
+    layers = moe_layers(model) if masks is not None else []
+    try:
+        for layer in layers:
+            layer.count_masks = list(masks)
+        yield
+    finally:
+        for layer in layers:
+            layer.count_masks = None
 
 
 def captured_routes(model: torch.nn.Module) -> torch.Tensor:
