@@ -16,7 +16,16 @@ times after the first) and one RL step (``rl_step``), rank 0's wall clock betwee
   stock's is ``rl_step`` (FSDP's reduce-scatter) against stock on one rank;
 * ``cp2``: ``context_parallel_degree`` 2 (Qwen3; each rank a contiguous half of every sequence; its RL step is
   ``forward_backward`` + ``optim_step``); stock TorchTitan's CP cannot run on CPU (no sharding strategy for the CPU
-  flash-attention op), so its row is the zerokld one alone.
+  flash-attention op), so its row is the zerokld one alone;
+* ``fsdp2xtp2``: FSDP 2 x TP 2 on four ranks (Qwen3, float32, ``tp_k_block`` 16; each data-parallel pair half the
+  batch); zerokld's RL step is ``forward_backward`` (exact accumulation, the TP shards' chains handed between the
+  data-parallel ranks) + ``optim_step``, as is its one-rank baseline's (with the same ``tp_k_block``); four ranks
+  share the two cores;
+* ``tp2xep2``: TP 2 x EP 2 (Qwen3-MoE, ``tp_k_block`` 16: TorchTitan borrows the TP ranks for EP; both ranks score
+  the whole batch). A layout whose run fails (stock TorchTitan's TP x EP fails on an odd padded length) gets a row
+  that says so.
+
+``--layouts`` picks some of them (default: all).
 
 ``speed_vs_one_rank = one_rank_s / layout_s`` (above 1: the layout is faster). On a 2-core machine two ranks get one
 core each while one rank gets both (``--threads``), so the figures say what the layout's communication and the
@@ -44,6 +53,17 @@ from pathlib import Path
 import torch
 
 from shared_numerics.machine import machine_facts
+
+
+class LayoutFailed(RuntimeError):
+    """A layout's ``torchrun`` exited with an error (its stderr's tail in the message)."""
+
+
+def _failure_line(stderr: str) -> str:
+    """The last line of a failed run's stderr that names an error (for the table), else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (named or lines or ["(no stderr)"])[-1][:200]
 
 
 def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, repeats: int, **spec) -> dict:
@@ -89,7 +109,7 @@ def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, re
         env=env,
     )
     if proc.returncode:
-        raise RuntimeError(f"{name}: torchrun failed:\n{proc.stderr[-3000:]}")
+        raise LayoutFailed(f"{name}: torchrun failed:\n{proc.stderr[-3000:]}")
     r = torch.load(out)
     return {
         "forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
@@ -118,6 +138,9 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         model = r["arch"] if r.get("dtype", dt) == dt else f"{r['arch']} ({r['dtype']})"
+        if r.get("failed"):
+            lines.append(f"| {r['layout']} | {model} | {r['engine']} | fails: {r['failed']} | — | — | — | — |")
+            continue
         step = "— | —"  # a layout without training (context parallelism: not yet)
         if r["step_s"] is not None:
             step = f"{r['one_rank_step_s']:.2f} / {r['step_s']:.2f} | {r['step_speed_vs_one_rank']:.2f}x"
@@ -138,6 +161,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layouts", default="", help="comma-separated layout names (default: all)")
     args = ap.parse_args(argv)
 
     from benchmarks.trainer import realistic_spec
@@ -168,8 +192,20 @@ def main(argv=None) -> dict:
             "pp2": ("qwen3", "float32", 2, pp, {"streaming": True}),
             "cp2": ("qwen3", args.dtype, 2, {"cp": 2}, {}),
             "dp2": ("qwen3", "float32", 2, {"split": True, "streaming": True}, {"streaming": True}),
+            "fsdp2xtp2": (
+                "qwen3",
+                "float32",
+                4,
+                {"tp": 2, "tp_k_block": 16, "split": True, "streaming": True},
+                {"tp_k_block": 16, "streaming": True},
+            ),
+            "tp2xep2": ("qwen3_moe", args.dtype, 2, {"tp": 2, "tp_k_block": 16, "ep": 2}, {"tp_k_block": 16}),
         }
-        for layout, (arch, dtype, nproc, spec, base) in layouts.items():
+        chosen = [n for n in args.layouts.split(",") if n] or list(layouts)
+        unknown = sorted(set(chosen) - set(layouts))
+        if unknown:
+            raise SystemExit(f"unknown layouts {unknown}; expected some of {sorted(layouts)}")
+        for layout, (arch, dtype, nproc, spec, base) in ((n, layouts[n]) for n in chosen):
             for zerokld in (True,) if layout == "cp2" else (True, False):  # stock CP: not on CPU
                 stock = {} if zerokld else {"tp_k_block": None, "streaming": False}
                 one = _run(
@@ -184,18 +220,31 @@ def main(argv=None) -> dict:
                     batch_invariant=zerokld,
                     **{**base, **stock},
                 )
-                par = _run(
-                    tmp,
-                    f"{layout}_{zerokld}",
-                    ckpts[arch, dtype],
-                    dtype,
-                    seqs,
-                    lens,
-                    nproc,
-                    args.repeats,
-                    batch_invariant=zerokld,
-                    **{**spec, **stock},
-                )
+                try:
+                    par = _run(
+                        tmp,
+                        f"{layout}_{zerokld}",
+                        ckpts[arch, dtype],
+                        dtype,
+                        seqs,
+                        lens,
+                        nproc,
+                        args.repeats,
+                        batch_invariant=zerokld,
+                        **{**spec, **stock},
+                    )
+                except LayoutFailed as e:
+                    row = {
+                        "layout": layout,
+                        "arch": arch,
+                        "dtype": dtype,
+                        "engine": "zerokld" if zerokld else "stock",
+                        "ranks": nproc,
+                        "failed": _failure_line(str(e)),
+                    }
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    continue
                 row = {
                     "layout": layout,
                     "arch": arch,
@@ -220,7 +269,7 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "workload": f"{args.batch} sequences of {args.seq_len} tokens, {args.dtype}, Qwen3 hidden {args.hidden} "
         f"x {args.layers} layers (MoE: 8 experts top-2), forward medians of {args.repeats - 1} "
-        "timed runs after one, one RL step (pp2: float32, 1F1B, 4 micro-batches of 2; dp2: float32)",
+        "timed runs after one, one RL step (pp2: float32, 1F1B, 4 micro-batches of 2; dp2, fsdp2xtp2: float32)",
         "rows": rows,
     }
     out = Path(args.out)

@@ -28,7 +28,7 @@ import torch
 
 from .gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt_accumulate
 
-__all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding", "replay"]
+__all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding", "chained_weight_grad", "replay"]
 
 
 def chain_available(dtype: torch.dtype) -> bool:
@@ -164,3 +164,33 @@ def chained_embedding(ids: torch.Tensor, weight: torch.Tensor, chain: GradChain)
         ``[..., H]`` in ``weight.dtype``.
     """
     return _ChainedEmbedding.apply(ids, weight, chain)
+
+
+class _ChainedWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, x: torch.Tensor, chain: GradChain) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.chain = chain
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        ctx.chain.add_gemm(grad.t(), x.t())
+        return grad, None, None
+
+
+def chained_weight_grad(y: torch.Tensor, x: torch.Tensor, chain: GradChain) -> torch.Tensor:
+    """``y`` unchanged, whose backward also adds ``dYᵀ X`` into ``chain`` (K = tokens, in row order): the weight
+    gradient of a product ``y = X Wᵀ`` computed some other way — e.g. summed over ``K`` blocks in the TP-invariant
+    tree (:func:`shared_numerics.tensor_parallel.k_block_partials`), whose ``W`` is then passed detached. The weight
+    gradient of a product does not depend on how the forward blocked its sum.
+
+    Args:
+        y: ``[T, N]`` (float32: the chain's GEMM takes ``dY`` in ``chain``'s arithmetic). x: ``[T, K]``, detached
+            or not (its gradient is the forward's). chain: ``[N, K]``.
+
+    Returns:
+        ``y`` (a view), differentiable: its gradient passes through.
+    """
+    return _ChainedWeightGrad.apply(y, x.detach(), chain)

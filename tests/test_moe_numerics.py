@@ -366,6 +366,76 @@ def test_expert_parallel_over_replicated_tokens_is_one_ranks_bits(dtype, k_block
     )
 
 
+@pytest.mark.requires_f32_kernel
+def test_whole_expert_chains_with_k_block_are_one_ranks_under_tp_x_ep():
+    """Exact accumulation of whole experts with ``k_block`` (TP x EP, ``tp_k_block``; float32): the down projection
+    sums in the TP-invariant tree and its chain takes ``dYᵀ act`` of the tree's root
+    (:func:`shared_numerics.grad_chain.chained_weight_grad`). On one rank one call on 28 tokens and calls on 11 + 17
+    leave the same chains; on two ranks holding the same tokens and 3 of 6 experts each (each exchanging its share of
+    the rows, ``gather_rows``), each rank's experts' chains after the same two calls are one rank's slices, bit for
+    bit; the chains are autograd's gradient within 1e-5. Negative control: autograd's gradients summed over 11 + 17
+    differ from one call's."""
+    from shared_numerics.grad_chain import GradChain
+    from shared_numerics.moe import ExpertParallel
+
+    w = _experts(e=6, h=64, i=96, dtype=torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    x0 = torch.randn(28, 64, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(28)])
+    ws = torch.rand(28, 2, generator=g)
+    up = torch.randn(28, 64, generator=g)
+
+    def chains(experts):
+        return [GradChain((experts, *p.shape[1:]), float32_products=True) for p in w]
+
+    def one_rank(cuts):
+        cs = chains(6)
+        for a, b in itertools.pairwise(cuts):
+            xa = x0[a:b].clone().requires_grad_()
+            moe_experts(xa, ids[a:b], ws[a:b], *w, k_block=32, chains=cs).backward(up[a:b])
+        return [c.acc.clone() for c in cs]
+
+    def autograd(cuts):
+        params = [p.clone().requires_grad_() for p in w]
+        for a, b in itertools.pairwise(cuts):
+            moe_experts(x0[a:b], ids[a:b], ws[a:b], *params, k_block=32).backward(up[a:b])
+        return [p.grad for p in params]
+
+    whole = one_rank([0, 28])
+    assert all(torch.equal(a, b) for a, b in zip(whole, one_rank([0, 11, 28]), strict=True))
+    ref = autograd([0, 28])
+    for mine, theirs in zip(whole, ref, strict=True):
+        assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+    def rank(r, exchange):
+        class GatherRows(torch.autograd.Function):  # every rank's rows in rank order; backward: this rank's
+            @staticmethod
+            def forward(ctx, rows, sizes):
+                ctx.start, ctx.stop = sum(sizes[:r]), sum(sizes[: r + 1])
+                return exchange(torch.cat([rows] * 2), sizes, [rows.shape[0]] * 2).detach()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad[ctx.start : ctx.stop], None
+
+        local, cs = [p[r * 3 : (r + 1) * 3] for p in w], chains(3)
+        for a, b in ((0, 11), (11, 28)):
+            ep = ExpertParallel(r, 2, exchange, GatherRows.apply)
+            xa = x0[a:b].clone().requires_grad_()
+            moe_experts(xa, ids[a:b], ws[a:b], *local, k_block=32, chains=cs, expert_parallel=ep).backward(up[a:b])
+        return [c.acc for c in cs]
+
+    ranks = _run_ranks(2, rank)
+    for k in range(3):
+        assert torch.equal(torch.cat([ranks[0][k], ranks[1][k]]), whole[k])
+    summed = autograd([0, 11, 28])
+    stock_differs(
+        any(not torch.equal(a, b) for a, b in zip(summed, ref, strict=True)),
+        "autograd's expert gradients (k_block) summed over 11 + 17",
+        "the tokens",
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_expert_parallel_deepseekmoe_is_one_ranks_bits_and_gradients(dtype):
     """DeepSeekMoE (:func:`shared_numerics.moe.deepseek_moe_forward`: grouped sigmoid routing with a selection bias,

@@ -822,22 +822,26 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family):
+@pytest.mark.parametrize("family,ep", [("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)])
+def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family, ep):
     """Issue 56 point 6 under TP 2 (``tp_k_block``, float32): ``forward_backward`` in batched passes with exact
     accumulation — each rank's chains over its shards (column- and row-parallel weights, the vocab-parallel embedding
     and lm_head), the replicated norm gains' chains over every token (zerokld TP keeps the activations replicated),
     Qwen3's q/k-norm gains summed over the head shards when written — so one call on the batch and three calls on
     its slices leave the same gradients: the log-probs during and after two steps, the gradient norms and every
-    weight are equal. Qwen2 adds the column-parallel biases. Negative control: TorchTitan's stock TP 2 — one batched
-    step (``rl_step``) vs the same rollouts accumulated over three ``forward_backward`` calls — ends with other
-    weights."""
+    weight are equal. Qwen2 adds the column-parallel biases; Qwen3-MoE at TP 2 x EP 2 each rank's 4 whole experts,
+    whose chains continue over every token's rows (each rank exchanges its share of the replicated tokens; the down
+    projections' chains take the TP-invariant tree's ``dYᵀ act``) and the router's. Negative control: TorchTitan's
+    stock TP 2 (x EP 2) — one batched step (``rl_step``) vs the same rollouts accumulated over three
+    ``forward_backward`` calls — ends with other weights."""
     from zerokld_testing import random_prompts
 
     ckpt = checkpoint_factory(family, "float32")
     seqs = random_prompts(6, seed=51, lo=12, hi=60)
+    if ep > 1:  # one even padded length in every call: stock TorchTitan's TP x EP fails on an odd one
+        seqs = [(s * 5)[:65] for s in seqs]
     lens = [len(s) // 2 for s in seqs]
-    common = dict(train_step=True, weights=True, steps=2, streaming=True)
+    common = dict(train_step=True, weights=True, steps=2, streaming=True, ep=ep)
 
     def run(batch_invariant=True, **spec):
         k_block = K_BLOCK if batch_invariant else None

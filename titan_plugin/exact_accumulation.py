@@ -36,8 +36,13 @@ activations; a gain fed a head shard (Qwen3's q/k norms) is summed over the TP r
 a TP run's micro-batches gives the same bits. With FSDP as well, each TP rank's chains are handed between its
 data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
 
-Not covered (the general way runs): TP experts and TP x EP, the fused vocab-parallel lm_head, context parallelism,
-bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX), MLA under tensor parallelism.
+Under TP x EP (``tp_k_block``: TorchTitan borrows the TP ranks for EP, every rank holds every token) each rank's whole
+experts keep chains of their own too: each rank exchanges its share of the tokens, so an expert receives every
+token's rows in token order; their down projections' chains take ``dYᵀ act`` of the TP-invariant tree's root.
+
+Not covered (the general way runs): experts split over TP ranks, TP x EP with data parallelism, the fused
+vocab-parallel lm_head, context parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX),
+MLA under tensor parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -209,6 +214,17 @@ def _sites(model: torch.nn.Module | list[torch.nn.Module]):
             yield mod_name, module, name, None
 
 
+def _expert_parallel_site(site: _Site) -> bool:
+    """An MoE block's experts split over TorchTitan's ``ep`` mesh dimension (more than one rank)."""
+    from torch.distributed.tensor import DTensor
+
+    p = site.param
+    if not (site.local and isinstance(site.feeder, ZeroKLDMoE) and isinstance(p, DTensor)):
+        return False
+    dims = p.device_mesh.mesh_dim_names or ()
+    return "ep" in dims and p.device_mesh["ep"].size() > 1
+
+
 def _tp_placement(p):
     """DTensor ``p``'s placement over TorchTitan's ``tp`` mesh dimension."""
     return p.placements[p.device_mesh.mesh_dim_names.index("tp")]
@@ -236,7 +252,8 @@ def unsupported_reason(
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
     feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
-    ``wkv_b`` under tensor parallelism), the ``fused`` vocab-parallel lm_head, MoE experts with ``tp_k_block``, a
+    ``wkv_b`` under tensor parallelism), the ``fused`` vocab-parallel lm_head, MoE experts split over TP ranks, TP x EP
+    experts with data parallelism, a
     parameter sharded over more than one rank — but over the data-parallel mesh dimensions
     :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank), experts over
     TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp`` (its own chain;
@@ -250,14 +267,18 @@ def unsupported_reason(
             return f"{mod_name}.{name} belongs to a {_own_class(module).__name__}"
         if isinstance(module, ZeroKLDLMHead) and module.vocab_parallel and fused:
             return "the fused vocab-parallel lm_head (tp_k_block)"
-        if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block is not None:
-            return f"{mod_name}.{name}: MoE experts with tp_k_block"
         p = site.param
+        expert_parallel = _expert_parallel_site(site)
+        if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block and _model_parallel(p) and not expert_parallel:
+            return f"{mod_name}.{name}: MoE experts split over tensor-parallel ranks (tp_k_block)"
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
             mesh = p.device_mesh
             dims = set(mesh.mesh_dim_names or ())
-            if site.local and "ep" in dims and mesh["ep"].size() > 1:  # EP borrows the data-parallel ranks
-                others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
+            others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
+            if expert_parallel and site.feeder.k_block is not None:  # TP x EP: EP over the TP ranks, every token
+                if data_parallel or others:
+                    return f"{mod_name}.{name}: TP x EP experts with data parallelism (not covered yet)"
+            elif expert_parallel:  # EP borrows the data-parallel ranks
                 if not data_parallel or others:
                     return f"{mod_name}.{name}: experts sharded over {', '.join(others) or 'ep'} without the hand-off"
             elif site.local:  # tensor parallelism (with FSDP: the chains handed between data-parallel ranks)
@@ -310,6 +331,7 @@ class ExactAccumulation:
         self._chains: list[GradChain] | None = None
         self._log: list | None = None  # a data-parallel rank > 0: the additions to replay at write_grads
         self._full: dict[int, torch.Tensor] = {}  # id(param) -> its whole gradient (data parallelism)
+        self._tp_ids = {id(site.param) for site in self._sites if site.tp}  # tensor-parallel parameters
 
     def attach(self) -> None:
         """Give every module its chains (created from zero at the first micro-batch of a step)."""
@@ -383,13 +405,12 @@ class ExactAccumulation:
 
         if self.data_parallel is None:
             return None
-        tp = {id(site.param) for site in self._sites if site.tp}
         out = []
         for p in (p for p in params if p.grad is not None):
             if id(p) in self._full:
                 g = self._full[id(p)]
                 g = g if divisor is None else g.div(divisor)
-                if id(p) in tp:  # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
+                if id(p) in self._tp_ids:  # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
                     g = DTensor.from_local(
                         g, p.device_mesh["tp"], [_tp_placement(p)], run_check=False, shape=p.shape, stride=p.stride()
                     )

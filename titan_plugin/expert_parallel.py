@@ -62,7 +62,8 @@ def moe_expert_parallel(
         w_gate, w_up, w_down: the stacked experts, DTensors ``Shard(0)`` on the EP mesh.
         top_k, renormalize, expert_ids, fp8: as :func:`~shared_numerics.moe.moe_forward` (replayed ids are global).
         chains: exact accumulation (:mod:`titan_plugin.exact_accumulation`): the router's chain and this rank's
-            experts' (``[E / EP, ...]``), as :func:`~shared_numerics.moe.moe_forward` takes them. Not under TP.
+            experts' (``[E / EP, ...]``), as :func:`~shared_numerics.moe.moe_forward` takes them. Under TP x EP each
+            rank's experts receive every token's rows (each rank's share, rank 0's first: token order).
         k_block: :attr:`shared_numerics.NumericsMode.tp_k_block` (TP x EP): each whole expert's down projection sums
             with TP 1's tree.
 
@@ -71,15 +72,13 @@ def moe_expert_parallel(
 
     Raises:
         ValueError: the experts do not split evenly over the EP ranks (``E % EP``). NotImplementedError: TP x EP
-            with other EP ranks than the TP ranks, or with ``chains``.
+            with other EP ranks than the TP ranks.
     """
     import shared_numerics.moe as sn_moe
 
     tensor_parallel = isinstance(x_BLD, DTensor)  # TP x EP: the tokens replicated over the TP (= EP) ranks
     if tensor_parallel:
         _check_same_ranks(x_BLD.device_mesh, w_gate.device_mesh)
-        if chains is not None:
-            raise NotImplementedError("zerokld TP x EP: exact accumulation of the experts' gradients")
     local, ep = expert_shards(w_gate, w_up, w_down, router_weight.shape[0], replicated_tokens=tensor_parallel)
     router = router_weight.to_local() if isinstance(router_weight, DTensor) else router_weight
     x = x_BLD.to_local() if tensor_parallel else x_BLD

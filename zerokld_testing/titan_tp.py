@@ -148,6 +148,10 @@ def main(argv: list[str]) -> None:
         result["seconds"] = seconds  # rank 0's wall clock, between barriers
         if dist.get_rank() == 0:
             torch.save(result, argv[1])
+        # every rank past its last collective before any tears the process group down: a rank destroying its gloo
+        # group while a peer still completes a collective with it can abort the peer ("terminate called without an
+        # active exception", seen once at TP 2's exit)
+        dist.barrier()
         trainer.close()
 
 
