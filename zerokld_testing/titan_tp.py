@@ -18,7 +18,9 @@
   1), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
   steps);
 * ``refusal`` (``"train"``: an ``rl_step``, else ``forward_logprobs``, that must be refused: rank 0 writes only
-  ``refused``, the exception's message, or ``None``).
+  ``refused``, the exception's message, or ``None``);
+* ``score`` (bool, default true): false runs no ``forward_logprobs`` (no ``logprobs`` and ``after``; the rollouts
+  are on-policy, no sampler log-probs) — for a layout whose stock run cannot score the batch's padded length.
 
 Rank 0 writes ``OUT.pt`` (``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
 :meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
@@ -91,11 +93,12 @@ def main(argv: list[str]) -> None:
             trainer.close()
             return
         dist.barrier()
+        score = spec.get("score", True)
         t0 = time.perf_counter()
-        result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]}
+        result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]} if score else {}
         dist.barrier()
-        seconds = {"forward": [time.perf_counter() - t0]}
-        for _ in range(spec.get("repeat", 1) - 1):  # timed again (benchmarks/layouts.py): same batch, same bits
+        seconds = {"forward": [time.perf_counter() - t0] if score else []}
+        for _ in range(spec.get("repeat", 1) - 1 if score else 0):  # timed again (benchmarks/layouts.py): same batch, same bits
             t0 = time.perf_counter()
             trainer.forward_logprobs(batch)
             dist.barrier()
@@ -107,7 +110,7 @@ def main(argv: list[str]) -> None:
                 batch.sequences,
                 batch.prompt_lengths,
                 advantages=adv,
-                sampler_logprobs=result["logprobs"],
+                sampler_logprobs=result["logprobs"] if score else None,
                 numerics=trainer.numerics,
             )
             t0 = time.perf_counter()
@@ -126,7 +129,8 @@ def main(argv: list[str]) -> None:
             seconds["step"] = [time.perf_counter() - t0]
             result["loss"] = step["loss"]
             result["step_logprobs"] = [t.detach().float() for t in step["train_logprobs"]]
-            result["after"] = [t.detach().float() for t in trainer.forward_logprobs(batch)]
+            if score:
+                result["after"] = [t.detach().float() for t in trainer.forward_logprobs(batch)]
             if spec.get("weights"):
                 result["weights"] = trainer.hf_weights("float32")
         if spec.get("split"):  # every rank's rows, back in the batch's order
