@@ -234,33 +234,28 @@ def main(argv=None) -> dict:
                         **{**spec, **stock},
                     )
                 except LayoutFailed as e:
-                    row = {
-                        "layout": layout,
-                        "arch": arch,
-                        "dtype": dtype,
-                        "engine": "zerokld" if zerokld else "stock",
-                        "ranks": nproc,
-                        "failed": _failure_line(str(e)),
-                    }
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-                    continue
+                    par = {"failed": _failure_line(str(e))}
                 row = {
                     "layout": layout,
                     "arch": arch,
                     "dtype": dtype,
                     "engine": "zerokld" if zerokld else "stock",
                     "ranks": nproc,
-                    "one_rank_forward_s": one["forward_s"],
-                    "forward_s": par["forward_s"],
-                    "one_rank_step_s": one["step_s"],
-                    "step_s": par["step_s"],
-                    "forward_speed_vs_one_rank": one["forward_s"] / par["forward_s"],
-                    "step_speed_vs_one_rank": None if par["step_s"] is None else one["step_s"] / par["step_s"],
-                    "logprobs_equal_one_rank": bool(
-                        torch.equal(torch.cat(one["logprobs"]), torch.cat(par["logprobs"]))
-                    ),
                 }
+                if "failed" in par:
+                    row["failed"] = par["failed"]
+                else:
+                    row |= {
+                        "one_rank_forward_s": one["forward_s"],
+                        "forward_s": par["forward_s"],
+                        "one_rank_step_s": one["step_s"],
+                        "step_s": par["step_s"],
+                        "forward_speed_vs_one_rank": one["forward_s"] / par["forward_s"],
+                        "step_speed_vs_one_rank": None if par["step_s"] is None else one["step_s"] / par["step_s"],
+                        "logprobs_equal_one_rank": bool(
+                            torch.equal(torch.cat(one["logprobs"]), torch.cat(par["logprobs"]))
+                        ),
+                    }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     result = {

@@ -176,19 +176,25 @@ class _ChainedWeightGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        ctx.chain.add_gemm(grad.t(), x.t())
+        dy = grad.reshape(-1, grad.shape[-1])
+        if not ctx.chain.float32_products:  # the GEMM takes one dtype: dY as the linear's backward has it
+            dy = dy.to(x.dtype)
+        ctx.chain.add_gemm(dy.contiguous().t(), x.reshape(-1, x.shape[-1]).contiguous().t())
         return grad, None, None
 
 
 def chained_weight_grad(y: torch.Tensor, x: torch.Tensor, chain: GradChain) -> torch.Tensor:
     """``y`` unchanged, whose backward also adds ``dYᵀ X`` into ``chain`` (K = tokens, in row order): the weight
-    gradient of a product ``y = X Wᵀ`` computed some other way — e.g. summed over ``K`` blocks in the TP-invariant
-    tree (:func:`shared_numerics.tensor_parallel.k_block_partials`), whose ``W`` is then passed detached. The weight
-    gradient of a product does not depend on how the forward blocked its sum.
+    gradient of a product ``y = X Wᵀ`` computed some other way, whose ``W`` is then passed detached — summed over
+    ``K`` blocks in the TP-invariant tree (:func:`shared_numerics.tensor_parallel.k_block_partials`: a whole MoE
+    expert's down projection under TP x EP; a row-parallel linear's local columns,
+    :func:`titan_plugin.tensor_parallel.row_parallel_dtensor`). The weight gradient of a product does not depend on
+    how the forward blocked its sum.
 
     Args:
-        y: ``[T, N]`` (float32: the chain's GEMM takes ``dY`` in ``chain``'s arithmetic). x: ``[T, K]``, detached
-            or not (its gradient is the forward's). chain: ``[N, K]``.
+        y: ``[..., N]``. x: ``[..., K]`` with ``y``'s leading dimensions, detached or not (its gradient is the
+            forward's). chain: ``[N, K]``; without :attr:`GradChain.float32_products`, ``dY`` is taken in
+            ``x.dtype`` (as a linear's backward has it).
 
     Returns:
         ``y`` (a view), differentiable: its gradient passes through.

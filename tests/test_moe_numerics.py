@@ -307,6 +307,23 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
         )
 
 
+def _gather_rows(r: int, exchange):
+    """Rank ``r`` of 2's ``gather_rows`` for :class:`shared_numerics.moe.ExpertParallel` over :func:`_run_ranks`'
+    ``exchange``: every rank's rows in rank order; the backward keeps this rank's slice."""
+
+    class GatherRows(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, sizes):
+            ctx.start, ctx.stop = sum(sizes[:r]), sum(sizes[: r + 1])
+            return exchange(torch.cat([rows] * 2), sizes, [rows.shape[0]] * 2).detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad[ctx.start : ctx.stop], None
+
+    return GatherRows.apply
+
+
 @pytest.mark.parametrize("k_block", [None, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_expert_parallel_over_replicated_tokens_is_one_ranks_bits(dtype, k_block):
@@ -335,17 +352,7 @@ def test_expert_parallel_over_replicated_tokens_is_one_ranks_bits(dtype, k_block
         local = [[p.detach()[r * 3 : (r + 1) * 3].clone().requires_grad_() for p in w] for r in range(2)]
 
         def rank(r, exchange):
-            class GatherRows(torch.autograd.Function):  # every rank's rows in rank order; backward: this rank's
-                @staticmethod
-                def forward(ctx, rows, sizes):
-                    ctx.start, ctx.stop = sum(sizes[:r]), sum(sizes[: r + 1])
-                    return exchange(torch.cat([rows] * 2), sizes, [rows.shape[0]] * 2).detach()
-
-                @staticmethod
-                def backward(ctx, grad):
-                    return grad[ctx.start : ctx.stop], None
-
-            ep = ExpertParallel(r, 2, exchange, GatherRows.apply if share else None)
+            ep = ExpertParallel(r, 2, exchange, _gather_rows(r, exchange) if share else None)
             xr = x0.clone().requires_grad_()
             out = moe_experts(xr, ids, ws, *local[r], k_block=k_block, expert_parallel=ep)
             out.backward(up)
@@ -408,19 +415,9 @@ def test_whole_expert_chains_with_k_block_are_one_ranks_under_tp_x_ep():
         assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
 
     def rank(r, exchange):
-        class GatherRows(torch.autograd.Function):  # every rank's rows in rank order; backward: this rank's
-            @staticmethod
-            def forward(ctx, rows, sizes):
-                ctx.start, ctx.stop = sum(sizes[:r]), sum(sizes[: r + 1])
-                return exchange(torch.cat([rows] * 2), sizes, [rows.shape[0]] * 2).detach()
-
-            @staticmethod
-            def backward(ctx, grad):
-                return grad[ctx.start : ctx.stop], None
-
         local, cs = [p[r * 3 : (r + 1) * 3] for p in w], chains(3)
         for a, b in ((0, 11), (11, 28)):
-            ep = ExpertParallel(r, 2, exchange, GatherRows.apply)
+            ep = ExpertParallel(r, 2, exchange, _gather_rows(r, exchange))
             xa = x0[a:b].clone().requires_grad_()
             moe_experts(xa, ids[a:b], ws[a:b], *local, k_block=32, chains=cs, expert_parallel=ep).backward(up[a:b])
         return [c.acc for c in cs]

@@ -185,10 +185,10 @@ class ZeroKLDRowParallelLinear(_FixedTreeOutput, ZeroKLDLinear):
             return sn_tp.row_parallel_linear(x, self.weight, self.bias, k_block=self.k_block)
         if self.bias is not None:
             raise NotImplementedError("zerokld row-parallel linear: exact accumulation with a bias")
-        from .tensor_parallel import chain_weight_grad
+        from shared_numerics.grad_chain import chained_weight_grad
 
         out = sn_tp.row_parallel_linear(x, self.weight.detach(), None, k_block=self.k_block)
-        return chain_weight_grad(out, x, chain)
+        return chained_weight_grad(out, x, chain)
 
 
 class ZeroKLDLMHead(ZeroKLDLinear):

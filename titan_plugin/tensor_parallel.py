@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import shared_numerics as sn
 import shared_numerics.tensor_parallel as sn_tp
+from shared_numerics.grad_chain import chained_weight_grad
 
 __all__ = [
-    "chain_weight_grad",
     "column_parallel_dtensor",
     "moe_dtensor",
     "per_row_dtensor",
@@ -200,36 +200,11 @@ def row_parallel_dtensor(
     if weight_chain is not None:
         if bias is not None:
             raise NotImplementedError("zerokld row-parallel linear: exact accumulation with a bias")
-        w_local = w_local.detach()  # its gradient goes into the chain (_ChainedRowParallel)
+        w_local = w_local.detach()  # its gradient goes into the chain (chained_weight_grad)
     out = sn_tp.row_parallel_linear(x_local, w_local, _local(bias), k_block=k_block, gather=_gather_over(mesh))
     if weight_chain is not None:
-        out = chain_weight_grad(out, x_local, weight_chain)
+        out = chained_weight_grad(out, x_local, weight_chain)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-
-
-def chain_weight_grad(out: torch.Tensor, x: torch.Tensor, chain) -> torch.Tensor:
-    """``out`` (``[..., N]``, a linear's output computed from ``x [..., K]`` with a detached weight) unchanged, whose
-    backward adds ``dYᵀ X`` into the weight's ``chain`` (:class:`shared_numerics.grad_chain.GradChain`) — for the
-    row-parallel tree's weight (its own ops give the input's gradient)."""
-    return _ChainedRowParallel.apply(out, x.detach(), chain)
-
-
-class _ChainedRowParallel(torch.autograd.Function):
-    """Identity on a row-parallel output ``[..., N]`` whose backward adds ``dYᵀ X_local`` (this rank's weight columns)
-    into the weight's chain and passes ``dY`` on (the input's gradient runs through the detached-weight tree)."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, x_local: torch.Tensor, chain) -> torch.Tensor:
-        ctx.save_for_backward(x_local)
-        ctx.chain = chain
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (x_local,) = ctx.saved_tensors
-        dy = grad.reshape(-1, grad.shape[-1]).to(x_local.dtype).contiguous()
-        ctx.chain.add_gemm(dy.t(), x_local.reshape(-1, x_local.shape[-1]).contiguous().t())
-        return grad, None, None
 
 
 def moe_dtensor(
