@@ -127,7 +127,7 @@ def markdown(result: dict) -> str:
         (
             f"Measured {result['date']} on {m['cpu_model']} ({', '.join(m['isa_flags']) or 'no AVX2'}; {m['cores']} "
             f"cores, {m['threads']} threads), torch {m['torch']}: {result['workload']}. Two ranks get one core each, "
-            "one rank both."
+            "one rank both; four ranks (fsdp2xtp2) share them, two per core."
         ),
         "",
         (
