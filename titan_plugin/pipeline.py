@@ -114,9 +114,10 @@ class PipelineRunner:
         finally:
             s._loss_fn = previous
 
-    def _initialize(self, tokens: torch.Tensor, labels: torch.Tensor, metadata_loss: Callable) -> None:
-        """The schedule's shape inference for a step with backward, run now (before any chain is attached) with
-        ``metadata_loss`` as the loss; its stray gradients cleared."""
+    def prepare(self, tokens: torch.Tensor, labels: torch.Tensor, metadata_loss: Callable) -> None:
+        """The schedule's shape inference for a step with backward (a forward and backward of the first micro-batch),
+        run now — before any chain is attached, outside the MoE layers' counted micro-batches — with
+        ``metadata_loss`` as the loss; its stray gradients cleared. :meth:`train` runs it if it has not run."""
         if self._ready:
             return
         s = self.schedule
@@ -146,7 +147,7 @@ class PipelineRunner:
         """One schedule step with backward over ``[local_batch_size, seq_len]`` ``tokens`` / ``labels``;
         ``loss(pred, labels) -> scalar`` is called on the last stage once per micro-batch, in order. ``attach``
         (the gradient chains') runs after the stages' shape inference, right before the step."""
-        self._initialize(tokens, labels, metadata_loss)
+        self.prepare(tokens, labels, metadata_loss)
         if attach is not None:
             attach()
         args = (tokens,) if self.first else ()

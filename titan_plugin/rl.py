@@ -658,6 +658,7 @@ class RLTrainer(Trainer):
                     weights=None if weights is None else weights[sl],
                 )
             try:
+                pipe.prepare(tokens[chunk], labels[chunk], RLLoss.metadata_loss)  # its forward counts no routes
                 with self._counted([counted[i : i + mb] for i in range(chunk.start, chunk.stop, mb)]):
                     pipe.train(
                         tokens[chunk],
