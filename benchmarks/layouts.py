@@ -25,7 +25,8 @@ times after the first) and one RL step (``rl_step``), rank 0's wall clock betwee
   the whole batch). A layout whose run fails (stock TorchTitan's TP x EP fails on an odd padded length) gets a row
   that says so.
 
-``--layouts`` picks some of them (default: all).
+``--layouts`` picks some of them (default: all); with ``--merge`` their rows replace those of an existing ``--out``
+(same machine and workload; every row records the date it was measured).
 
 ``speed_vs_one_rank = one_rank_s / layout_s`` (above 1: the layout is faster). On a 2-core machine two ranks get one
 core each while one rank gets both (``--threads``), so the figures say what the layout's communication and the
@@ -42,6 +43,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -60,10 +62,11 @@ class LayoutFailed(RuntimeError):
 
 
 def _failure_line(stderr: str) -> str:
-    """The last line of a failed run's stderr that names an error (for the table), else its last line."""
+    """The first exception line (``SomeError: message``) of a failed run's stderr, without its rank prefix (for the
+    table), else its last line."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    named = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (named or lines or ["(no stderr)"])[-1][:200]
+    named = [m.group(1) for ln in lines if (m := re.search(r"\b(\w+(?:Error|Exception): .*)", ln))]
+    return (named[:1] or lines[-1:] or ["(no stderr)"])[0][:200]
 
 
 def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, repeats: int, **spec) -> dict:
@@ -162,6 +165,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layouts", default="", help="comma-separated layout names (default: all)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only these layouts' rows in an existing --out (each row keeps the date it was measured)",
+    )
     args = ap.parse_args(argv)
 
     from benchmarks.trainer import realistic_spec
@@ -268,6 +276,15 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     out = Path(args.out)
+    for row in rows:
+        row["date"] = result["date"]
+    if args.merge and out.exists():  # the other layouts' rows as measured before (their dates kept)
+        old = json.loads(out.read_text())
+        if old["machine"]["cpu_model"] != result["machine"]["cpu_model"] or old.get("workload") != result["workload"]:
+            raise SystemExit(f"--merge: {out} was measured on another machine or workload")
+        redone = {r["layout"] for r in rows}
+        kept = [dict(r, date=r.get("date", old["date"])) for r in old["rows"] if r["layout"] not in redone]
+        result["rows"] = kept + rows
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result))

@@ -192,9 +192,10 @@ def moe_experts(
         the TP size; with ``expert_parallel``, not on the EP size). Differentiable.
 
     Raises:
-        ValueError: ``chains`` with ``gather``, ``fp8`` with ``k_block``, ``scales`` without ``fp8``, ``expert_parallel`` with
-            ``k_block`` and ``gather``, or where no kernel covers ``x.dtype`` (as :func:`shared_numerics.linear` 's
-            ``weight_chain``); an expert id beyond the experts held (``E``, or ``E / EP`` on each of the EP ranks).
+        ValueError: ``chains`` with ``gather``, ``fp8`` with ``k_block``, ``scales`` without ``fp8``,
+            ``expert_parallel`` with ``k_block`` and ``gather``, or where no kernel covers ``x.dtype`` (as
+            :func:`shared_numerics.linear` 's ``weight_chain``); an expert id beyond the experts held (``E``, or
+            ``E / EP`` on each of the EP ranks).
         shared_numerics.fp8.Fp8QuantizationError: non-finite activations or weights under ``fp8``.
     """
     from .tensor_parallel import reduce_over_ranks

@@ -858,7 +858,9 @@ def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family,
     # (stock TP x EP cannot score the padded length of 65 tokens; it trains on 64: weights only)
     stock_spec = {"batch_invariant": False, "score": ep == 1}
     stock = _same_run(run(**stock_spec, streaming=False), run(**stock_spec, stream_calls=3), keys=())
-    stock_differs(not stock["weights"], f"TorchTitan at TP 2 x EP {ep}: one batched step vs three accumulated", "the prompts")
+    stock_differs(
+        not stock["weights"], f"TorchTitan at TP 2 x EP {ep}: one batched step vs three accumulated", "the prompts"
+    )
 
 
 @pytest.mark.titan

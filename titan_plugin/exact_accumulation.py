@@ -410,7 +410,9 @@ class ExactAccumulation:
             if id(p) in self._full:
                 g = self._full[id(p)]
                 g = g if divisor is None else g.div(divisor)
-                if id(p) in self._tp_ids:  # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
+                if (
+                    id(p) in self._tp_ids
+                ):  # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
                     g = DTensor.from_local(
                         g, p.device_mesh["tp"], [_tp_placement(p)], run_check=False, shape=p.shape, stride=p.stride()
                     )

@@ -98,7 +98,9 @@ def main(argv: list[str]) -> None:
         result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]} if score else {}
         dist.barrier()
         seconds = {"forward": [time.perf_counter() - t0] if score else []}
-        for _ in range(spec.get("repeat", 1) - 1 if score else 0):  # timed again (benchmarks/layouts.py): same batch, same bits
+        for _ in range(
+            spec.get("repeat", 1) - 1 if score else 0
+        ):  # timed again (benchmarks/layouts.py): same batch, same bits
             t0 = time.perf_counter()
             trainer.forward_logprobs(batch)
             dist.barrier()
