@@ -55,16 +55,22 @@ def _custom_loss(batch: RolloutBatch, lps: list[torch.Tensor]):
     return loss, {}
 
 
+def _titan_accumulate(trainer, batch: RolloutBatch, sizes: list[int]) -> None:
+    """TorchTitan's own accumulation of ``batch`` cut as ``sizes``: ``forward_backward_step`` per micro-batch (one
+    batched backward each; an MoE counts every padded position for load balancing)."""
+    for mb in _micro_batches(batch, sizes):
+        tokens, labels, adv, q, _ = mb.pack()
+        trainer.loss_fn.set_rl_inputs(adv, q)
+        trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+
+
 def _titan_accumulation_depends_on_the_grouping(client: TrainingClient, batch: RolloutBatch) -> None:
-    """TorchTitan's own accumulation (``forward_backward_step`` per micro-batch, one batched backward each): the
-    whole batch and 3 + 1 + 4 give other gradient bits."""
+    """TorchTitan's own accumulation (:func:`_titan_accumulate`): the whole batch and 3 + 1 + 4 give other gradient
+    bits."""
     trainer = client.trainer
 
     def titan(sizes):
-        for mb in _micro_batches(batch, sizes):
-            tokens, labels, adv, q, _ = mb.pack()
-            trainer.loss_fn.set_rl_inputs(adv, q)
-            trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+        _titan_accumulate(trainer, batch, sizes)
         grads = _grads(trainer.model)
         client.optim_step({"learning_rate": 0.0})
         return grads
@@ -408,10 +414,7 @@ def test_moe_load_balancing_counts_the_rollouts_tokens_whatever_the_grouping(tmp
         assert all(torch.equal(counts, ref) for counts in seen.values())
 
         def titan(sizes):  # TorchTitan's own accumulation: every position of each padded micro-batch counted
-            for mb in _micro_batches(batch, sizes):
-                tokens, labels, adv, q, _ = mb.pack()
-                trainer.loss_fn.set_rl_inputs(adv, q)
-                trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels, global_valid_tokens=None)
+            _titan_accumulate(trainer, batch, sizes)
             return _taken_counts(trainer)
 
         stock_differs(not torch.equal(titan([8]), titan([3, 1, 4])), "TorchTitan's MoE token counts", "the groupings")

@@ -253,11 +253,10 @@ def unsupported_reason(
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
     feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
     ``wkv_b`` under tensor parallelism), the ``fused`` vocab-parallel lm_head, MoE experts split over TP ranks, TP x EP
-    experts with data parallelism, a
-    parameter sharded over more than one rank — but over the data-parallel mesh dimensions
-    :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank), experts over
-    TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp`` (its own chain;
-    with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
+    experts with data parallelism, a parameter sharded over more than one rank — but over the data-parallel mesh
+    dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank), experts
+    over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp`` (its own
+    chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
@@ -274,12 +273,12 @@ def unsupported_reason(
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
             mesh = p.device_mesh
             dims = set(mesh.mesh_dim_names or ())
-            others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
-            if expert_parallel and site.feeder.k_block is not None:  # TP x EP: EP over the TP ranks, every token
-                if data_parallel or others:
-                    return f"{mod_name}.{name}: TP x EP experts with data parallelism (not covered yet)"
-            elif expert_parallel:  # EP borrows the data-parallel ranks
-                if not data_parallel or others:
+            if expert_parallel:
+                others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
+                if site.feeder.k_block is not None:  # TP x EP: EP over the TP ranks, every rank every token
+                    if data_parallel or others:
+                        return f"{mod_name}.{name}: TP x EP experts with data parallelism (not covered yet)"
+                elif not data_parallel or others:  # EP borrows the data-parallel ranks
                     return f"{mod_name}.{name}: experts sharded over {', '.join(others) or 'ep'} without the hand-off"
             elif site.local:  # tensor parallelism (with FSDP: the chains handed between data-parallel ranks)
                 others = sorted(d for d in dims - {"tp"} if mesh[d].size() > 1)
@@ -410,9 +409,8 @@ class ExactAccumulation:
             if id(p) in self._full:
                 g = self._full[id(p)]
                 g = g if divisor is None else g.div(divisor)
-                if (
-                    id(p) in self._tp_ids
-                ):  # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
+                # this rank's TP shard: a DTensor on the TP mesh, as the gradient is at TP alone
+                if id(p) in self._tp_ids:
                     g = DTensor.from_local(
                         g, p.device_mesh["tp"], [_tp_placement(p)], run_check=False, shape=p.shape, stride=p.stride()
                     )

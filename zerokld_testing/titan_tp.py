@@ -94,17 +94,16 @@ def main(argv: list[str]) -> None:
             return
         dist.barrier()
         score = spec.get("score", True)
-        t0 = time.perf_counter()
-        result = {"logprobs": [t.detach().float() for t in trainer.forward_logprobs(batch)]} if score else {}
-        dist.barrier()
-        seconds = {"forward": [time.perf_counter() - t0] if score else []}
-        for _ in range(
-            spec.get("repeat", 1) - 1 if score else 0
-        ):  # timed again (benchmarks/layouts.py): same batch, same bits
+        result: dict = {}
+        seconds: dict = {"forward": []}
+        # timed `repeat` times when scoring (benchmarks/layouts.py): same batch, same bits; the first's are kept
+        for _ in range(spec.get("repeat", 1) if score else 0):
             t0 = time.perf_counter()
-            trainer.forward_logprobs(batch)
+            logprobs = trainer.forward_logprobs(batch)
             dist.barrier()
             seconds["forward"].append(time.perf_counter() - t0)
+            if "logprobs" not in result:
+                result["logprobs"] = [t.detach().float() for t in logprobs]
         ep_sizes = {getattr(m, "expert_parallel_size", None) for m in trainer.model.modules()} - {None}
         if spec.get("train_step"):
             adv = [1.0 if i % 2 == 0 else -1.0 for i in mine]
