@@ -210,7 +210,11 @@ def moe_experts(
         raise ValueError("expert parallelism with tensor-parallel experts (k_block with gather) is not implemented")
     n, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
-    flat_rows = torch.arange(n, device=x.device).repeat_interleave(k)
+    # one row per (token, slot), the token's rows in slot order: each row goes to one expert, so its gradient is
+    # placed, never summed, and each token's input gradient adds its slots in slot order (_SlotRows) — the same
+    # bits whichever rank computes which expert
+    x = _SlotRows.apply(x, k)
+    flat_rows = torch.arange(n * k, device=x.device)
     held = w_gate.shape[0] * (1 if expert_parallel is None else expert_parallel.size)  # every rank holds E / EP
     if flat_ids.numel() and int(flat_ids.max()) >= held:
         raise ValueError(f"expert id {int(flat_ids.max())} beyond the {held} experts held here")
@@ -223,6 +227,7 @@ def moe_experts(
             # the local experts' chains (E / EP each): rows arrive in one rank's order (see ExpertParallel)
             # with k_block (TP x EP: whole experts), each row's float32 root, rounded below as at TP 1
             lambda rx, rows, ids: _expert_rows(rx, rows, ids, w_gate, w_up, w_down, k_block, chains, fp8, scales),
+            group=k,
         )
     else:
         outs = _expert_rows(x, flat_rows, flat_ids, w_gate, w_up, w_down, k_block, chains, fp8, scales)
@@ -235,6 +240,24 @@ def moe_experts(
     if shared_out is not None:
         acc = acc + shared_out.float()
     return acc.to(x.dtype)
+
+
+class _SlotRows(torch.autograd.Function):
+    """``x [N, H] -> [N k, H]``, each token's row once per slot (token-major); backward: each token's ``k`` slot
+    gradients added in slot order, in ``x.dtype``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.k = k
+        return x.repeat_interleave(k, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        slots = grad.reshape(-1, ctx.k, grad.shape[-1])
+        acc = slots[:, 0]
+        for j in range(1, ctx.k):
+            acc = acc + slots[:, j]
+        return acc.contiguous(), None
 
 
 def _expert_rows(
@@ -305,15 +328,22 @@ class ExpertParallel:
         self.rank, self.size, self.all_to_all, self.gather_rows = rank, size, all_to_all, gather_rows
 
     def run(
-        self, x: torch.Tensor, flat_rows: torch.Tensor, flat_ids: torch.Tensor, local_experts: int, compute
+        self,
+        x: torch.Tensor,
+        flat_rows: torch.Tensor,
+        flat_ids: torch.Tensor,
+        local_experts: int,
+        compute,
+        group: int = 1,
     ) -> torch.Tensor:
         """``[R, H]`` float32 expert outputs of the rows ``x[flat_rows]`` with experts ``flat_ids`` (global ids),
         computed on their experts' ranks by ``compute(rows_x, row_index, local_ids)``. With ``gather_rows``,
-        ``flat_rows`` must be non-decreasing (token order)."""
+        ``flat_rows`` must be non-decreasing (token order), and the shares are cut between groups of ``group`` rows
+        of ``x`` (a token's slot rows: one rank's share holds all of a token's)."""
         if self.gather_rows is None:
             return self._exchange(x, flat_rows, flat_ids, local_experts, compute)
-        n = x.shape[0]
-        bounds = [(n * r) // self.size for r in range(self.size + 1)]  # token shares, in rank order
+        n = x.shape[0] // group
+        bounds = [(n * r) // self.size * group for r in range(self.size + 1)]  # token shares, in rank order
         at = torch.tensor(bounds, dtype=flat_rows.dtype, device=flat_rows.device)
         cuts: list[int] = torch.searchsorted(flat_rows, at).tolist()
         lo, hi = cuts[self.rank], cuts[self.rank + 1]

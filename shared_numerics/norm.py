@@ -92,10 +92,78 @@ def _chain_rms_norm_gain(acc, x2, dy, w, r, dx_dtype) -> None:
     cpu_ops.rms_norm_backward(x2, dy, w, r, torch.empty(x2.shape, dtype=dx_dtype), acc)
 
 
-__all__ = ["add_rms_norm", "rms_norm"]
+class _HeadRmsNormCpu(torch.autograd.Function):
+    """:class:`_RmsNormCpu` on ``x [..., heads, D]`` whose gain's gradient is one float32 sum per head (over the rows
+    in order), the heads then added with the TP-aligned tree (:func:`head_tree_gain_grad`) — or, with a chain, the
+    per-head sums kept in the chain's ``[heads, D]`` accumulator, to be added so when the gradient is written."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, chain, gather) -> torch.Tensor:
+        y, r = _rms_norm_cpu(x, weight, eps, want_r=True)
+        ctx.save_for_backward(x, weight, r)
+        ctx.chain, ctx.gather = chain, gather
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from .cpu_kernels import plain
+
+        x, weight, r = ctx.saved_tensors
+        g = plain(grad)
+        if g is None:
+            raise TypeError(f"rms_norm(head_tree=True): plain gradients only, got {type(grad).__name__}")
+        heads, d = x.shape[-2:]
+        x3 = x.reshape(-1, heads, d)
+        dy3 = g.to(x.dtype).reshape(-1, heads, d)
+        r2 = r.view(-1, heads)
+        w = weight.detach().float().contiguous()
+        dx = torch.empty(x3.shape, dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32)
+        chain = ctx.chain
+        if chain is not None and chain.log is None:
+            _head_rows_backward(chain.acc, x3, dy3, w, r2, dx)
+        else:
+            acc = None if chain is not None or not ctx.needs_input_grad[1] else torch.zeros(heads, d)
+            _head_rows_backward(acc, x3, dy3, w, r2, dx)
+            if chain is not None:  # a recorded chain: the gain's additions later
+                chain.add(_head_rows_backward, x3, dy3, w, r2, torch.empty_like(dx))
+        grad_w = None
+        if chain is None and ctx.needs_input_grad[1]:
+            grad_w = head_tree_gain_grad(acc, ctx.gather).to(weight.dtype)
+        return dx.reshape(x.shape).to(x.dtype), grad_w, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=None) -> torch.Tensor:
+def _head_rows_backward(acc, x3, dy3, w, r2, dx) -> None:
+    """The backward kernel on each head's rows of ``x3 [rows, heads, D]``: ``dx`` written, each head's gain
+    gradient added into ``acc[h]`` (``acc [heads, D]`` float32, or ``None``)."""
+    for h in range(x3.shape[1]):
+        dxh = torch.empty(x3.shape[0], x3.shape[2], dtype=dx.dtype)
+        cpu_ops.rms_norm_backward(
+            x3[:, h].contiguous(),
+            dy3[:, h].contiguous(),
+            w,
+            r2[:, h].contiguous(),
+            dxh,
+            None if acc is None else acc[h],
+        )
+        dx[:, h] = dxh
+
+
+def head_tree_gain_grad(per_head: torch.Tensor, gather=None) -> torch.Tensor:
+    """A per-head norm gain's gradient from its per-head sums ``[heads, D]`` float32: the heads added with the fixed
+    TP-aligned tree (:func:`shared_numerics.tensor_parallel.block_tree_sum`), the TP ranks' subtree roots gathered
+    (``gather``, :func:`shared_numerics.tensor_parallel.reduce_over_ranks`; ``None`` at TP 1). ``[D]`` float32, the
+    same bits at every TP size (a power of two dividing the head count)."""
+    from .tensor_parallel import block_tree_sum, reduce_over_ranks
+
+    return reduce_over_ranks(block_tree_sum(per_head), gather)
+
+
+__all__ = ["add_rms_norm", "head_tree_gain_grad", "rms_norm"]
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=None, head_tree: bool = False, gather=None
+) -> torch.Tensor:
     """RMS-normalise the last dimension.
 
     Args:
@@ -105,6 +173,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=
         weight_chain: a :class:`shared_numerics.grad_chain.GradChain` that takes the gain's gradient (exact
             accumulation; none is returned to autograd; plain CPU tensors only: TypeError otherwise). The forward
             bits do not change.
+        head_tree: ``x`` is ``[..., heads, D]`` (Qwen3's q/k norms, one gain for every head) and the gain's gradient
+            is the TP-size-invariant one: a float32 sum per head over the rows in order, the heads added with the
+            fixed TP-aligned tree (:func:`head_tree_gain_grad`); a ``weight_chain`` then has ``[heads, D]`` (the
+            per-head sums; the tree runs when the gradient is written). Training on CPU (plain tensors) only; the
+            forward and ``x``'s gradient keep their bits.
+        gather: with ``head_tree`` under tensor parallelism (``x`` this rank's consecutive heads): the all-gather of
+            the heads' subtree roots ``[1, D] -> [TP, D]``
+            (:func:`shared_numerics.tensor_parallel.row_parallel_linear`'s); ``None`` at TP 1.
 
     Returns:
         ``[..., H]`` in ``x.dtype``; each row depends only on itself.
@@ -113,6 +189,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_chain=
         from .cpu_kernels import plain
 
         xp, wp = plain(x), plain(weight)
+        if (
+            head_tree
+            and xp is not None
+            and wp is not None
+            and torch.is_grad_enabled()
+            and (weight_chain is not None or x.requires_grad or weight.requires_grad)
+        ):
+            if weight_chain is not None and weight_chain.acc.shape != tuple(x.shape[-2:]):
+                raise ValueError(
+                    f"rms_norm: a per-head gain chain of {tuple(weight_chain.acc.shape)} for x {tuple(x.shape)}"
+                )
+            return _HeadRmsNormCpu.apply(xp, wp, eps, weight_chain, gather)
         if xp is not None and wp is not None:  # otherwise (DTensors, fake tensors) the torch ops: the same bits
             if weight_chain is not None:
                 if weight_chain.acc.shape != (x.shape[-1],):

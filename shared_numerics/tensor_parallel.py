@@ -15,10 +15,16 @@ library's order, so the bits depend on the TP size. Here the sum over ``K`` is d
   every rank adds them with the top ``s`` levels of the same tree. TP 1, 2, 4, ... give the same bits.
 * The bias is added to the root in float32 and the result rounded once to the activation dtype.
 
-Column-parallel layers (``q/k/v_proj``, ``gate/up_proj``, the vocab-parallel ``lm_head``) need nothing: each output
-column is the full-``K`` dot product of :func:`shared_numerics.linear`, which does not depend on which other columns
-share the call (tested), so gathering the column shards gives the unsharded bits. The log-softmax over the
-vocab-parallel logits is :mod:`shared_numerics.vocab_parallel` (exact sum: any vocabulary split).
+Column-parallel layers (``q/k/v_proj``, ``gate/up_proj``, the vocab-parallel ``lm_head``) need nothing in the
+forward: each output column is the full-``K`` dot product of :func:`shared_numerics.linear`, which does not depend on
+which other columns share the call (tested), so gathering the column shards gives the unsharded bits. The log-softmax
+over the vocab-parallel logits is :mod:`shared_numerics.vocab_parallel` (exact sum: any vocabulary split).
+
+Their backward is a row-parallel product: the input gradient ``dX = dY W`` sums over the output dimension ``N``,
+which TP splits. Stock (DTensor's ``ColwiseParallel``: a ``Partial`` input gradient) each rank multiplies its ``N / TP``
+columns and an all-reduce adds the partials, so a trainer's updates depend on the TP size.
+:func:`column_parallel_input_grad` gives ``dX`` the same fixed tree over ``k_block``-wide blocks of ``N`` (the
+trainer's TP 1 with ``tp_k_block`` too), so TP 1, 2, 4, ... train with the same bits.
 
 Communication: the all-gather brings ``(TP - 1) * M * N`` float32 values into each rank, ``4 (TP - 1) M N`` bytes,
 where a bf16 ring all-reduce moves ``2 * 2 (TP - 1) / TP * M N`` bytes: ``TP`` times as many (``benchmarks/
@@ -35,7 +41,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["block_tree_sum", "k_block_partials", "reduce_over_ranks", "row_parallel_linear"]
+__all__ = [
+    "block_tree_sum",
+    "column_parallel_input_grad",
+    "k_block_partials",
+    "reduce_over_ranks",
+    "row_parallel_linear",
+]
 
 
 def block_tree_sum(partials: torch.Tensor) -> torch.Tensor:
@@ -150,3 +162,57 @@ def row_parallel_linear(
     if bias is not None:
         root = root + bias.float()
     return root.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
+class _ColumnParallelInputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k_block: int, gather) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.k_block, ctx.gather, ctx.x_dtype, ctx.x_shape = k_block, gather, x.dtype, x.shape
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dx = None
+        if ctx.needs_input_grad[1]:
+            (weight,) = ctx.saved_tensors
+            dy = grad.reshape(-1, grad.shape[-1])
+            root = block_tree_sum(k_block_partials(dy, weight.t(), ctx.k_block))  # [M, K] float32
+            dx = reduce_over_ranks(root, ctx.gather).to(ctx.x_dtype).reshape(ctx.x_shape)
+        return grad, dx, None, None, None
+
+
+def column_parallel_input_grad(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    k_block: int,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``y`` unchanged, whose backward gives ``x`` the gradient of ``y = x Wᵀ`` summed over ``N`` in the fixed
+    TP-aligned tree: for a column-parallel linear ``y = linear(x.detach(), W, b)`` computed without ``x``'s gradient.
+
+    ``dX = dY W`` is :func:`row_parallel_linear`'s sum with the roles swapped: ``N`` cut into ``k_block``-wide blocks,
+    each block's ``dY[:, Nb] W[Nb, :]`` a float32 :func:`k_block_partials` GEMM, the blocks added with
+    :func:`block_tree_sum`, the ranks' subtree roots gathered (``gather``) and added with the tree's top levels,
+    rounded once to ``x.dtype``. Every rank gets the whole ``dX`` (a replicated input's gradient, no all-reduce).
+
+    Args:
+        y: ``[..., N_local]``, the linear's output (its gradient passes through unchanged).
+        x: ``[..., K]``, the linear's input (replicated under TP): it gets ``dX``.
+        weight: ``[N_local, K]``, this rank's consecutive output rows ``[rank N_local, (rank + 1) N_local)``
+            (detached: its gradient is the linear's).
+        k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`; must divide ``N_local``.
+        gather: ``None`` at TP 1; else as :func:`row_parallel_linear`'s (``[1, M, K] -> [TP, M, K]``, rank order).
+
+    Returns:
+        ``y`` (a view), differentiable.
+
+    Raises:
+        ValueError (in the backward): ``N_local`` not a multiple of ``k_block``; a TP size that is not a power of two.
+
+    Source: the TP-aligned tree of this module's docstring applied to the backward; torch
+    ``distributed/tensor/parallel/style.py`` (``ColwiseParallel``: the ``Partial`` input gradient replaced).
+    """
+    return _ColumnParallelInputGrad.apply(y, x, weight.detach(), k_block, gather)

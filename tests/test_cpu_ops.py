@@ -150,3 +150,23 @@ def test_kernels_on_an_in_flight_collective_keep_its_gradient(tmp_path):
     script.write_text(_IN_FLIGHT)
     proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_attention_backward_takes_a_sliced_single_sequence():
+    """A batch of one sliced out of a longer sequence (its contiguous view keeps the parent's stride on the size-1
+    batch dimension, which never addresses memory) back-propagates like its copy: the kernel entry's stride check
+    once refused it (found when context parallelism's keys were a slice)."""
+    from shared_numerics.attention_cpu import dense_attention_cpu
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, h, 32, generator=g) for h in (4, 2, 2))
+    dy = torch.randn(1, 20, 4, 32, generator=g)
+    grads = []
+    for sliced in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        parts = [t[:, :20] if sliced else t[0, :20].clone().unsqueeze(0) for t in leaves]
+        assert parts[1].is_contiguous() and (parts[1].stride(0) == 40 * 2 * 32) == sliced
+        dense_attention_cpu(*parts, 32**-0.5).backward(dy)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

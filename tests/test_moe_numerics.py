@@ -257,12 +257,14 @@ def _run_ranks(size: int, fn) -> dict:
     return results
 
 
+@pytest.mark.parametrize("top_k", [2, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
+def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype, top_k):
     """:class:`shared_numerics.moe.ExpertParallel` with 2 ranks (threads exchanging through an in-process
     all-to-all), each holding 3 of 6 experts and its own tokens: every output row equals one rank's over the two
     batches concatenated, and each expert's weight gradient too (one GEMM over its rows in the order received: rank
-    0's, then rank 1's — the single rank's order); the tokens' gradients are their own. Negative control: one rank's
+    0's, then rank 1's — the single rank's order); the tokens' gradients are their own, each token's slots added in
+    slot order wherever its experts ran (top-3: three terms, whose order counts). Negative control: one rank's
     gradient over the batches in the other order (rank 1's first) differs, so the order is what makes it equal."""
 
     from shared_numerics.moe import ExpertParallel
@@ -270,8 +272,8 @@ def test_expert_parallel_is_one_ranks_bits_and_gradients(dtype):
     w = [t.requires_grad_() for t in _experts(e=6, h=64, i=96, dtype=dtype, seed=7)]
     g = torch.Generator().manual_seed(8)
     xs = [torch.randn(n, 64, generator=g).to(dtype) for n in (11, 17)]
-    ids = [torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(x.shape[0])]) for x in xs]
-    ws = [torch.rand(x.shape[0], 2, generator=g) for x in xs]
+    ids = [torch.stack([torch.randperm(6, generator=g)[:top_k] for _ in range(x.shape[0])]) for x in xs]
+    ws = [torch.rand(x.shape[0], top_k, generator=g) for x in xs]
     ups = [torch.randn(x.shape[0], 64, generator=g).to(dtype) for x in xs]
 
     def one_rank(order):

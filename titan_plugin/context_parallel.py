@@ -83,6 +83,34 @@ class _GatherKeys(torch.autograd.Function):
         return whole.redistribute(ctx.mesh, [Shard(1)]).to_local(), None
 
 
+class _WholeAttention(torch.autograd.Function):
+    """Training: the whole sequences' attention on every ``cp`` rank (queries, keys and values all-gathered), this
+    rank's rows returned. Backward: every rank's output gradients gathered, the whole sequences' backward (the
+    single-rank kernel on the single-rank inputs: each key's gradient summed over all its queries in one order), this
+    rank's slices of ``dq``, ``dk``, ``dv`` — one rank's bits, where summing the ranks' partial key gradients would
+    not be."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mesh) -> torch.Tensor:
+        import shared_numerics as sn
+
+        whole = [gather_sequence(a, mesh) for a in (q, k, v)]
+        ctx.save_for_backward(*whole)
+        start = mesh.get_local_rank() * q.shape[1]
+        ctx.scale, ctx.mesh, ctx.rows = scale, mesh, slice(start, start + q.shape[1])
+        return sn.dense_causal_attention(*whole, scale)[:, ctx.rows].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import shared_numerics as sn
+
+        whole = [a.detach().requires_grad_() for a in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = sn.dense_causal_attention(*whole, ctx.scale)
+        dq, dk, dv = torch.autograd.grad(out, whole, gather_sequence(grad, ctx.mesh))
+        return dq[:, ctx.rows], dk[:, ctx.rows], dv[:, ctx.rows], None, None
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mesh) -> torch.Tensor:
     """Causal attention of this rank's contiguous slice of the sequences over all their keys.
 
@@ -92,10 +120,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
     Returns:
         ``[B, T/cp, Hq, D]``: rows bitwise those of :func:`shared_numerics.dense_causal_attention` on the whole
-        sequences (differentiable).
+        sequences (differentiable: when a gradient is wanted every rank runs the whole sequences' attention and its
+        backward, :class:`_WholeAttention`, so ``dq``, ``dk`` and ``dv`` are one rank's bits; scoring computes only
+        the rows up to this rank's slice).
     """
     import shared_numerics as sn
 
+    if torch.is_grad_enabled() and any(a.requires_grad for a in (q, k, v)):
+        return _WholeAttention.apply(q, k, v, scale, mesh)
     rank, t = mesh.get_local_rank(), q.shape[1]
     end = (rank + 1) * t  # keys past this rank's last query are never read: gather all, keep the prefix
     k_all = _GatherKeys.apply(k, mesh)[:, :end]

@@ -32,17 +32,21 @@ rank in rank order, so the gradients are one rank's on the concatenation of the 
 Expert parallelism: each rank's experts keep chains of their own (the EP exchange delivers an expert's rows in one
 rank's order). Tensor parallelism (``tp_k_block``): each rank's shards keep chains of their own — column- and
 row-parallel weights, the vocab-parallel embedding and (unfused) lm_head, the norm gains over the replicated
-activations; a gain fed a head shard (Qwen3's q/k norms) is summed over the TP ranks when written — so any grouping of
-a TP run's micro-batches gives the same bits. With FSDP as well, each TP rank's chains are handed between its
-data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
+activations; a gain fed a head shard (Qwen3's q/k norms, :class:`titan_plugin.overrides.ZeroKLDRMSNorm`
+``head_tree``) keeps one chain per head, the heads added with the TP-aligned tree when written — so any grouping of
+a TP run's micro-batches gives the same bits, and the same as TP 1's. With FSDP as well, each TP rank's chains are
+handed between its data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
+
+Context parallelism (alone): each pass is one rollout, whose slices' chains are handed from ``cp`` rank to rank like
+the data-parallel hand-off (rank 0's positions come first in one rank's token order).
 
 Under TP x EP (``tp_k_block``: TorchTitan borrows the TP ranks for EP, every rank holds every token) each rank's whole
 experts keep chains of their own too: each rank exchanges its share of the tokens, so an expert receives every
 token's rows in token order; their down projections' chains take ``dYᵀ act`` of the TP-invariant tree's root.
 
 Not covered (the general way runs): experts split over TP ranks, TP x EP with data parallelism, the fused
-vocab-parallel lm_head, context parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX),
-MLA under tensor parallelism.
+vocab-parallel lm_head, context parallelism with data parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN
+(AVX-512 without AMX), MLA under tensor parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -179,7 +183,29 @@ def _fed_by_another(
             out[id(m.routed_experts.inner_experts)] = functools.partial(_expert_site, m)
         elif _own_class(m) is ZeroKLDMLAAttention and _own_class(m.wkv_b) in CHAIN_MODULES:
             out[id(m.wkv_b)] = functools.partial(_kv_b_site, m)
+        for norm, heads in ((getattr(m, "q_norm", None), "n_heads"), (getattr(m, "k_norm", None), "n_kv_heads")):
+            if norm is not None and _own_class(norm) is ZeroKLDRMSNorm and norm.head_tree:
+                out[id(norm)] = functools.partial(_head_norm_site, norm, getattr(m, heads))
     return out
+
+
+def _head_norm_site(norm: torch.nn.Module, heads: int, name: str, p: torch.nn.Parameter) -> _Site | None:
+    """A per-head norm's gain (:class:`ZeroKLDRMSNorm` ``head_tree``, Qwen3's q/k norms over ``heads`` heads): its
+    chain holds one sum per head of this rank's ``heads / TP`` (``[heads / TP, D]``); written, the heads are added
+    with the TP-aligned tree and the TP ranks' subtree roots gathered (:func:`shared_numerics.norm.
+    head_tree_gain_grad`): the gradient TP 1 has."""
+    from shared_numerics.norm import head_tree_gain_grad
+
+    from .tensor_parallel import _gather_over
+
+    if name != "weight":
+        return None
+    tp, gather = 1, None
+    if _model_parallel(p):  # the gain replicated over the TP ranks, each fed its own heads
+        mesh = p.device_mesh["tp"]
+        tp, gather = mesh.size(), _gather_over(mesh)
+    shape = (heads // tp, p.shape[-1])
+    return _Site(norm, name, p, shape, lambda acc: head_tree_gain_grad(acc, gather), local=tp > 1, tp=tp > 1)
 
 
 def _kv_b_site(mla: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Site | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["expert_shards", "is_expert_parallel", "moe_expert_parallel"]
 
@@ -83,8 +83,12 @@ def moe_expert_parallel(
     router = router_weight.to_local() if isinstance(router_weight, DTensor) else router_weight
     x = x_BLD.to_local() if tensor_parallel else x_BLD
     b, seq, d = x.shape
-    # under TP the router's gradient is whole on every rank, the experts' this rank's share of the tokens: Partial
-    experts_x = x_BLD.to_local(grad_placements=[Partial()]).reshape(b * seq, d) if tensor_parallel else None
+    # under TP the router's gradient is whole on every rank, the experts' this rank's share of the tokens (exact
+    # zeros elsewhere): summed over the ranks in the backward (exact), so x's gradient adds two whole ones as on one
+    # rank (a Partial one, added to the router's Replicate one, would split the latter over the ranks)
+    experts_x = None
+    if tensor_parallel:
+        experts_x = _SharesGradient.apply(x_BLD.to_local(), x_BLD.device_mesh.get_group()).reshape(b * seq, d)
     out, ids = sn_moe.moe_forward(
         x.reshape(b * seq, d),
         router,
@@ -101,6 +105,24 @@ def moe_expert_parallel(
     if tensor_parallel:
         out = DTensor.from_local(out, x_BLD.device_mesh, [Replicate()], run_check=False)
     return out, ids
+
+
+class _SharesGradient(torch.autograd.Function):
+    """Identity whose backward sums the gradient over ``group``: each rank's is nonzero only on its share of the
+    tokens, so the sum is exact (``x + 0``) and every rank gets the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 def _check_same_ranks(tp_mesh, ep_mesh) -> None:

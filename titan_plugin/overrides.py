@@ -85,21 +85,48 @@ def grad_chains(module: torch.nn.Module) -> dict | None:
 
 
 class ZeroKLDLinear(Linear):
+    """TorchTitan's linear as :func:`shared_numerics.linear`. ``k_block`` (set on the column-parallel projections
+    by :func:`set_tp_k_block`): the input's gradient sums over the output dimension with the TP-aligned tree
+    (:func:`shared_numerics.tensor_parallel.column_parallel_input_grad`), so TP 1, 2, 4, ... train with the same
+    bits — where ``k_block`` divides each rank's output rows and the rows split evenly (else the ranks' partial
+    input gradients are all-reduced, as stock)."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
-        pass
+        k_block: int = 0
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.k_block = config.k_block
+
+    def _input_tree(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s gradient takes the TP-aligned tree (:attr:`k_block` set and dividing the local rows)."""
+        if not (self.k_block and torch.is_grad_enabled() and x.requires_grad):
+            return False
+        rows, local = self.weight.shape[0], self.weight.shape[0]
+        if _is_dtensor(self.weight):
+            local = self.weight.to_local().shape[0]
+            if any(p.is_shard() for p in self.weight.placements) and local * self.weight.device_mesh.size() != rows:
+                return False  # uneven shards (e.g. an odd vocabulary): the ranks' subtrees would not align
+        return local % self.k_block == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chains = grad_chains(self) or {}
+        k_block = self.k_block if self._input_tree(x) else 0
         if _is_dtensor(self.weight):  # TorchTitan tensor parallelism: compute on the local shard
             from .tensor_parallel import column_parallel_dtensor
 
-            return column_parallel_dtensor(x, self.weight, self.bias, chains.get("weight"), chains.get("bias"))
-        if chains:
-            return torch_backend_linear(
-                x, self.weight, self.bias, weight_chain=chains["weight"], bias_chain=chains.get("bias")
+            return column_parallel_dtensor(
+                x, self.weight, self.bias, chains.get("weight"), chains.get("bias"), k_block=k_block
             )
-        return sn.linear(x, self.weight, self.bias)
+        x_in = x.detach() if k_block else x  # dX: the tree below
+        if chains:
+            y = torch_backend_linear(
+                x_in, self.weight, self.bias, weight_chain=chains["weight"], bias_chain=chains.get("bias")
+            )
+        else:
+            y = sn.linear(x_in, self.weight, self.bias)
+        return sn_tp.column_parallel_input_grad(y, x, self.weight, k_block=k_block) if k_block else y
 
 
 def _is_dtensor(t) -> bool:
@@ -169,11 +196,7 @@ class ZeroKLDRowParallelLinear(_FixedTreeOutput, ZeroKLDLinear):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ZeroKLDLinear.Config):
-        k_block: int = 0
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.k_block = config.k_block
+        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chain = (grad_chains(self) or {}).get("weight")  # exact accumulation: dW into the chain
@@ -247,13 +270,24 @@ class ZeroKLDLMHead(ZeroKLDLinear):
 
 
 class ZeroKLDRMSNorm(RMSNorm):
+    """TorchTitan's RMSNorm as :func:`shared_numerics.rms_norm`. ``head_tree`` (Qwen3's q/k norms under
+    :func:`set_tp_k_block`): ``x`` is ``[B, L, heads, D]`` and the gain's gradient is a sum per head added over the
+    heads with the TP-aligned tree (:func:`shared_numerics.norm.head_tree_gain_grad`), so a TP rank's head shard is
+    one subtree: TP 1, 2, 4, ... train with the same bits."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(RMSNorm.Config):
-        pass
+        head_tree: bool = False
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.head_tree = config.head_tree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         chains = grad_chains(self)
+        if self.head_tree and x.dim() == 4 and torch.is_grad_enabled() and (chains or x.requires_grad):
+            return self._head_tree(x, eps, None if chains is None else chains["weight"])
         if chains is not None:  # the gain's gradient into its chain (under TP: x replicated, the whole rows)
             chain = chains["weight"]
             if _is_dtensor(x) and any(q.is_shard() for q in x.placements):  # e.g. q/k norms on a head shard
@@ -265,6 +299,24 @@ class ZeroKLDRMSNorm(RMSNorm):
 
             return _per_row(chained, x, self.weight)
         return _per_row(lambda t, w: sn.rms_norm(t, w, eps), x, self.weight)
+
+    def _head_tree(self, x: torch.Tensor, eps: float, chain) -> torch.Tensor:
+        """The training forward with the per-head gain gradient (a DTensor ``x``: this rank's heads, the gain's
+        gradient whole on every rank)."""
+        w = self.weight.detach() if chain is not None else self.weight  # with a chain, the gradient is the chain's
+        if not _is_dtensor(x):
+            w = w.to_local() if _is_dtensor(w) else w
+            return sn_norm.rms_norm(x, w, eps, weight_chain=chain, head_tree=True)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from .tensor_parallel import head_gather
+
+        if any(p.is_shard() and p != Shard(2) for p in x.placements):
+            raise NotImplementedError(f"zerokld per-head norm: input placements {x.placements} (heads only)")
+        w = w.to_local(grad_placements=[Replicate()]) if _is_dtensor(w) else w
+        gather = head_gather(x) if any(p.is_shard() for p in x.placements) else None
+        out = sn_norm.rms_norm(x.to_local(), w, eps, weight_chain=chain, head_tree=True, gather=gather)
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 class ZeroKLDEmbedding(Embedding):
@@ -717,17 +769,29 @@ def set_tp_k_block(model_cfg, k_block: int) -> None:
     """Make every decoder layer's row-parallel projections (``attention.wo``, ``feed_forward.w2``)
     :class:`ZeroKLDRowParallelLinear` with ``k_block`` (:attr:`shared_numerics.NumericsMode.tp_k_block`), and the
     MoE experts' down projections sum with the same tree (:class:`ZeroKLDMoE` ``k_block``); the lm_head's fused
-    log-probs become the vocab-parallel ones (:class:`ZeroKLDLMHead` ``vocab_parallel``).
+    log-probs become the vocab-parallel ones (:class:`ZeroKLDLMHead` ``vocab_parallel``). The backward's sums over a
+    TP-split dimension take the tree too: the column-parallel projections' input gradients (``wq``/``wk``/``wv`` or
+    ``wqkv``, ``w1``/``w3``, the lm_head: :class:`ZeroKLDLinear` ``k_block``) and the per-head q/k norms' gains
+    (:class:`ZeroKLDRMSNorm` ``head_tree``).
 
     Raises:
         ValueError: FP8 or LoRA projections (not the zerokld linear)."""
     if type(getattr(model_cfg, "lm_head", None)) is ZeroKLDLMHead.Config:
-        model_cfg.lm_head = derive(model_cfg.lm_head, ZeroKLDLMHead.Config, vocab_parallel=True)
+        model_cfg.lm_head = derive(model_cfg.lm_head, ZeroKLDLMHead.Config, vocab_parallel=True, k_block=int(k_block))
     for i, layer in enumerate(model_cfg.layers):
         if getattr(layer, "moe", None) is not None:
             if type(layer.moe) is not ZeroKLDMoE.Config:
                 raise ValueError(f"tp_k_block: layer {i} moe is {type(layer.moe).__qualname__}, not the zerokld MoE")
             layer.moe = derive(layer.moe, ZeroKLDMoE.Config, k_block=int(k_block))
+        qkv = getattr(layer.attention, "qkv_linear", None)
+        columns = [(qkv, n) for n in ("wq", "wkv", "wqkv")] + [(getattr(layer, "feed_forward", None), "w1")]
+        for owner, name in [*columns, (getattr(layer, "feed_forward", None), "w3")]:
+            cfg = getattr(owner, name, None)
+            if type(cfg) is ZeroKLDLinear.Config:  # column-parallel: dX with the tree
+                setattr(owner, name, derive(cfg, ZeroKLDLinear.Config, k_block=int(k_block)))
+        qk_norm = getattr(layer.attention, "qk_norm", None)
+        if type(qk_norm) is ZeroKLDRMSNorm.Config:
+            layer.attention.qk_norm = derive(qk_norm, ZeroKLDRMSNorm.Config, head_tree=True)
         for owner, name in ((layer.attention, "wo"), (getattr(layer, "feed_forward", None), "w2")):
             if owner is None:
                 continue

@@ -196,7 +196,10 @@ def rl_trainer_config(
             ``batch_invariant=False``, TorchTitan's own ``LoRAConverter`` (stock ``F.linear`` adapters).
         tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``), or ``None``.
         tensor_parallel_degree: TorchTitan's ``parallelism.tensor_parallel_degree`` (run under ``torchrun`` with as
-            many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics).
+            many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics): the log-probs, gradients
+            and weights are TP 1's (at the same ``tp_k_block``) bit for bit — every sum TP splits is the fixed tree
+            (:func:`titan_plugin.overrides.set_tp_k_block`; a layer whose rows ``tp_k_block`` does not divide per rank,
+            e.g. an lm_head over an unpadded vocabulary, sums its input gradient stock, to rounding).
         expert_parallel_degree: TorchTitan's ``parallelism.expert_parallel_degree`` (Qwen3-MoE; under ``torchrun``,
             EP borrowing the data-parallel ranks): each rank holds ``E / EP`` experts and exchanges token rows with
             the others (:mod:`titan_plugin.expert_parallel`); the log-probs are the same bits at any EP size.
@@ -349,6 +352,13 @@ def _check_pipeline_parallel(
     return microbatches or 2 * stages
 
 
+def _sharded(t) -> bool:
+    """A DTensor split over more than one rank (a tensor- or expert-parallel gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and any(p.is_shard() or p.is_partial() for p in t.placements)
+
+
 def _rollout_tensors(batch: RolloutBatch, layout=None) -> tuple:
     """``batch.pack()`` and ``batch.pack_ref()`` as ``(tokens, labels, advantages, sampler log-probs, reference
     log-probs, weights)``, each ``[B, T]`` (the last three may be ``None``), passed through ``layout(t, pad_value)``
@@ -397,8 +407,11 @@ class RLTrainer(Trainer):
         self._pending = None  # forward_backward since the last optim_step: (token_mean?, kept tokens)
         dtype = getattr(torch, config.training.mixed_precision_param)
         dims = self.parallel_dims
-        # the chains are handed from data-parallel rank to rank (a rank's rollouts are whole: not under CP)
+        # the chains are handed from data-parallel rank to rank (a rank's rollouts are whole: not under CP); under
+        # context parallelism alone from cp rank to rank after each rollout (its slices in position order)
         data_parallel = dims.get_optional_mesh("batch") if dims.dp_enabled and not dims.cp_enabled else None
+        if dims.cp_enabled and not dims.dp_enabled:
+            data_parallel = dims.get_mesh("cp")
         reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None, config.loss.fused)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)
@@ -560,23 +573,46 @@ class RLTrainer(Trainer):
 
     def _context_parallel_forward_backward(self, batch: RolloutBatch, loss: RLLoss) -> list[dict]:
         """:meth:`forward_backward` under context parallelism: this rank's contiguous slice of every rollout (tokens,
-        labels, the loss's RL inputs, routes) through one forward and backward; the K/V all-gather's backward
-        reduce-scatters the attention gradients and FSDP sums the parameter gradients over the ``cp`` (and data-
-        parallel) ranks. Returns one loss record whose per-position tensors are whole again (gathered over ``cp``)
-        and whose counts are summed over the ranks."""
-        import torch.distributed as dist
-
+        labels, the loss's RL inputs, routes) forward and backward, every rank running the whole sequences'
+        attention and its backward (:func:`titan_plugin.context_parallel.cp_attention`). With exact accumulation
+        (CP alone): one rollout per pass, the chains handed over the ``cp`` ranks after each (rank 0's slice, then
+        rank 1's: one rank's token order), so the gradients are one rank's bits; else (CP with data parallelism) one
+        pass of every rollout, FSDP summing the parameter gradients over the ranks (one rank's up to summation order).
+        Returns the loss records, their per-position tensors whole again (gathered over ``cp``), their counts summed
+        over the ranks."""
         if loss.config.loss_fn == "gspo":
             raise NotImplementedError("GSPO under context parallelism: its sequence-level ratio spans the cp ranks")
         mesh = self.parallel_dims.get_mesh("cp")
-        tokens, labels, adv, q, ref, weights = _rollout_tensors(batch, lambda t, v: shard_sequence(t, mesh, v))
+        exact = self.exact_accumulation
+        if exact is None:
+            return [self._context_parallel_pass(batch, loss, mesh)]
+        parts = []
+        for i in range(len(batch)):  # one rollout per pass: its slices in position order, cp rank 0's first
+            exact.attach()
+            try:
+                parts.append(self._context_parallel_pass(batch.select([i]), loss, mesh, exact.token_multiple))
+            finally:
+                exact.detach()
+            exact.write_grads()  # the chains handed over the cp ranks (rank 0's additions, then rank 1's, ...)
+        return parts
+
+    def _context_parallel_pass(self, batch: RolloutBatch, loss: RLLoss, mesh, multiple: int = 1) -> dict:
+        """One forward and backward of this rank's slices of ``batch`` (each sequence padded to a multiple of
+        ``multiple`` positions per rank): its loss record, whole again."""
+        import torch.distributed as dist
+
+        def layout(t, v):  # dim 1 padded to a multiple of multiple x cp, then this rank's slice
+            pad = [0, 0] * (t.dim() - 2) + [0, -t.shape[1] % (multiple * mesh.size())]
+            return shard_sequence(torch.nn.functional.pad(t, pad, value=v), mesh, v)
+
+        tokens, labels, adv, q, ref, weights = _rollout_tensors(batch, layout)
         positions = local_positions(tokens.shape[1], mesh)
         routes = self._routes(batch, batch.padded_tokens(0).shape[1])
         loss.clear_rl_inputs()
         loss.set_rl_inputs(adv, None if batch.sampler_logprobs is None else q, ref, weights=weights)
-        counted = [shard_sequence(_input_positions(batch), mesh, False)]
+        counted = [layout(_input_positions(batch), False)]
         with (
-            replay_routes(self.model, None if routes is None else shard_sequence(routes, mesh)),
+            replay_routes(self.model, None if routes is None else layout(routes, 0)),
             self._counted(counted),
         ):
             out, _ = loss(self.model(tokens, positions=positions), labels)  # summed: divided at optim_step
@@ -591,7 +627,7 @@ class RLTrainer(Trainer):
         whole = gather_sequence(mask, mesh)
         kept = torch.tensor(last["kept"])
         dist.all_reduce(kept, group=mesh.get_group())
-        return [{**{k: v[whole] for k, v in per_position.items()}, "mask": whole, "kept": int(kept)}]
+        return {**{k: v[whole] for k, v in per_position.items()}, "mask": whole, "kept": int(kept)}
 
     def _count_over_ranks(self, kept: int) -> int:
         """``kept`` summed over the data-parallel ranks: each rank's ``token_mean`` divides its gradient shard by
@@ -770,8 +806,8 @@ class RLTrainer(Trainer):
                     if exact is not None:
                         exact.detach()
                 parts.append(loss.last)
-            if exact is not None:  # every path's chains (under data parallelism after their hand-off)
-                exact.write_grads()
+            if exact is not None and not self.parallel_dims.cp_enabled:  # (CP: after each rollout)
+                exact.write_grads()  # every path's chains (under data parallelism after their hand-off)
         finally:
             self.loss_fn = configured
         kept = sum(p["kept"] for p in parts)
@@ -839,14 +875,15 @@ class RLTrainer(Trainer):
         norm = norm if norm > 0 else float("inf")
         exact = self.exact_accumulation
         whole = None if exact is None else exact.full_grads(params, divided)  # data parallelism: on every rank
+        if whole is None and exact is not None and any(_sharded(p.grad) for p in params):  # TP, TP x EP
+            whole = [p.grad for p in params if p.grad is not None]
         if whole is not None or (self.pipeline is not None and exact is not None):  # the one-rank norm
             grads = whole if whole is not None else [p.grad for p in params if p.grad is not None]
             if self.pipeline is not None:  # every stage's (titan_plugin.pipeline)
                 grad_norm = total_grad_norm(grads, self.pipeline.group)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)  # TorchTitan's, on one rank
-                if hasattr(grad_norm, "full_tensor"):  # FSDP x TP: the TP shards' norm, as at TP alone
-                    grad_norm = grad_norm.full_tensor()
+            else:  # TorchTitan's, on one rank: model-parallel shards gathered whole (their norms' sums would differ)
+                grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+                grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
             from torch.distributed.tensor.experimental import implicit_replication
 
             meshes: dict = {}  # a DTensor foreach op takes one mesh: FSDP shards, EP experts (TorchTitan EP clip)

@@ -29,6 +29,7 @@ from shared_numerics.grad_chain import chained_weight_grad
 
 __all__ = [
     "column_parallel_dtensor",
+    "head_gather",
     "moe_dtensor",
     "per_row_dtensor",
     "replicate_output_sharding",
@@ -61,6 +62,17 @@ def _gather_over(mesh):
     """The ``gather`` of :func:`shared_numerics.tensor_parallel.row_parallel_linear` over the TP mesh's group."""
     group = mesh.get_group()
     return lambda root: _GatherRoots.apply(root, group)
+
+
+def head_gather(x: DTensor):
+    """The ``gather`` of :func:`shared_numerics.norm.rms_norm` ``head_tree`` for ``x [B, L, heads, D]`` sharded on
+    its heads over the 1-D TP mesh: the heads' subtree roots all-gathered in rank order.
+
+    Raises:
+        NotImplementedError: a multi-dimensional mesh."""
+    if x.device_mesh.ndim != 1:
+        raise NotImplementedError(f"zerokld per-head norm: a {x.device_mesh.ndim}-D mesh (the TP mesh only)")
+    return _gather_over(x.device_mesh)
 
 
 def per_row_dtensor(fn, x: DTensor, *params) -> DTensor:
@@ -140,11 +152,14 @@ def _mesh_1d(weight: DTensor):
 
 
 def column_parallel_dtensor(
-    x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, weight_chain=None, bias_chain=None
+    x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, weight_chain=None, bias_chain=None, k_block: int = 0
 ) -> DTensor:
     """``linear(x, W, b)`` for a ``Shard(0)`` (column-parallel) or ``Replicate`` weight DTensor; ``x`` replicated.
     ``weight_chain`` / ``bias_chain``: exact accumulation (:mod:`shared_numerics.grad_chain`) of the local shards'
-    gradients (``dW_local = dY_localᵀ X`` over the tokens in order).
+    gradients (``dW_local = dY_localᵀ X`` over the tokens in order). ``k_block`` (nonzero: it divides the local
+    rows, which split evenly): ``x``'s gradient is whole on every rank, the TP-aligned tree over the output rows
+    (:func:`shared_numerics.tensor_parallel.column_parallel_input_grad`, the ranks' float32 subtree roots
+    all-gathered); else the ranks' partial input gradients, which DTensor all-reduces.
 
     Returns:
         ``[..., N]`` DTensor: ``Shard(-1)`` for a sharded weight, else ``Replicate``.
@@ -155,14 +170,20 @@ def column_parallel_dtensor(
     (placement,) = weight.placements
     if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
         raise NotImplementedError(f"zerokld column-parallel linear: input placements {x.placements} (Replicate only)")
-    # x's gradient from this rank's columns is a partial sum over the output columns: Partial, reduced by DTensor
-    x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+    # x's gradient from this rank's columns is a partial sum over the output columns: Partial, reduced by DTensor;
+    # with k_block the fixed tree gives every rank the whole of it
+    grad = [Replicate() if k_block else Partial()]
+    x_local = x.to_local(grad_placements=grad) if isinstance(x, DTensor) else x
+    x_in = x_local.detach() if k_block else x_local
     if weight_chain is not None:
         from shared_numerics.linear import linear as chained_linear
 
-        out = chained_linear(x_local, weight.to_local(), _local(bias), weight_chain=weight_chain, bias_chain=bias_chain)
+        out = chained_linear(x_in, weight.to_local(), _local(bias), weight_chain=weight_chain, bias_chain=bias_chain)
     else:
-        out = sn.linear(x_local, weight.to_local(), _local(bias))
+        out = sn.linear(x_in, weight.to_local(), _local(bias))
+    if k_block:
+        gather = _gather_over(mesh) if placement == Shard(0) else None
+        out = sn_tp.column_parallel_input_grad(out, x_local, weight.to_local(), k_block=k_block, gather=gather)
     if placement == Shard(0):  # the global width is the weight's (uneven shards, e.g. an odd vocabulary)
         shape = (*out.shape[:-1], weight.shape[0])
         stride = torch.empty(shape, device="meta").stride()

@@ -16,7 +16,8 @@
 * ``streaming`` (bool: the step is ``forward_backward`` + ``optim_step`` instead of ``rl_step``; ``grad_norm``: each
   step's; ``stream_calls``: that many ``forward_backward`` calls on consecutive slices of the rank's rollouts, default
   1), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
-  steps);
+  steps), ``grads`` (bool, with ``streaming``: also ``grads``, every parameter's whole gradient before the first
+  step's ``optim_step``, by TorchTitan's parameter name);
 * ``refusal`` (``"train"``: an ``rl_step``, else ``forward_logprobs``, that must be refused: rank 0 writes only
   ``refused``, the exception's message, or ``None``);
 * ``score`` (bool, default true): false runs no ``forward_logprobs`` (no ``logprobs`` and ``after``; the rollouts
@@ -123,6 +124,12 @@ def main(argv: list[str]) -> None:
                         "loss": parts[-1]["loss"],
                         "train_logprobs": [lp for part in parts for lp in part["train_logprobs"]],
                     }
+                    if spec.get("grads") and "grads" not in result:  # the first step's, whole
+                        result["grads"] = {
+                            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                            for n, p in trainer.model.named_parameters()
+                            if p.grad is not None
+                        }
                     result.setdefault("grad_norm", []).append(trainer.optim_step()["grad_norm"])
                 else:
                     step = trainer.rl_step(rollouts)
@@ -142,7 +149,7 @@ def main(argv: list[str]) -> None:
                 if key == "loss":
                     merged[key] = [r["loss"] for _, r in parts]
                     continue
-                if key in ("weights", "grad_norm"):  # every rank's the same (gathered; the whole model's norm)
+                if key in ("weights", "grads", "grad_norm"):  # every rank's the same (gathered; the whole model's norm)
                     merged[key] = result[key]
                     continue
                 rows = {i: t for idx, r in parts for i, t in zip(idx, r[key], strict=True)}
