@@ -999,45 +999,48 @@ def test_tensor_parallel_2_trains_like_tp_1(tmp_path):
     )
 
 
-def _check_trains_like(tmp_path, ckpt, seqs, ref: dict, layout: dict, exact: bool = False) -> tuple[dict, dict]:
-    """Two streamed float32 steps at ``layout`` update every weight as at ``ref`` (``_trainer_tp`` keys ``tp``,
-    ``ep``, ...): the log-probs before them equal; ``exact``: the gradient norms and every weight bit for bit, else
-    to rounding (each parameter's update within 1e-3, relative; the gradient norms within 1e-5). Returns both runs'
-    results."""
+def _check_trains_like(tmp_path, ckpt, seqs, ref: dict, *layouts: dict, exact: bool = False) -> list[dict]:
+    """Two streamed float32 steps at each of ``layouts`` update every weight as at ``ref`` (``_trainer_tp`` keys
+    ``tp``, ``ep``, ...): the log-probs before them equal; ``exact``: every gradient, the gradient norms and every
+    weight bit for bit, else to rounding (each parameter's update within 1e-3, relative; the gradient norms within
+    1e-5). Returns every run's results, ``ref``'s first."""
     import glob
 
     from safetensors.torch import load_file
 
     lens = [len(s) // 2 for s in seqs]
     spec = dict(train_step=True, weights=True, steps=2, streaming=True, grads=exact)
-    one, two = (
+    runs = [
         _trainer_tp(tmp_path, ckpt, "float32", run.pop("tp"), seqs, lens, **spec, **run)
-        for run in (dict(ref), dict(layout))
-    )
-    assert torch.equal(torch.cat(one["logprobs"]), torch.cat(two["logprobs"]))
-    assert len(one["grad_norm"]) == len(two["grad_norm"]) == 2
+        for run in (dict(ref), *(dict(layout) for layout in layouts))
+    ]
     start = {}
     for f in glob.glob(f"{ckpt}/*.safetensors"):
         start.update(load_file(f))
-    assert one["weights"].keys() == two["weights"].keys() and len(one["weights"]) > 20
+    one = runs[0]
+    assert len(one["weights"]) > 20
     for name, w1 in one["weights"].items():
         assert (w1 - start[name].float()).norm() > 0, name  # every weight moved
-    if exact:  # the gradients themselves (AdamW's first steps move a weight by about lr * sign(g))
-        assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 10
-        differ = [k for k, g in one["grads"].items() if not torch.equal(g, two["grads"][k])]
-        assert not differ, f"gradients differ: {' '.join(differ)}"
-        assert one["grad_norm"] == two["grad_norm"]
-        differ = [k for k, w in one["weights"].items() if not torch.equal(w, two["weights"][k])]
-        assert not differ, f"weights differ: {' '.join(differ)}"
-        return one, two
-    for a, b in zip(one["grad_norm"], two["grad_norm"], strict=True):
-        assert abs(a - b) <= 1e-5 * a, (one["grad_norm"], two["grad_norm"])
-    off = {}
-    for name, w1 in one["weights"].items():
-        update = (w1 - start[name].float()).norm()
-        off[name] = float((two["weights"][name] - w1).norm() / update)
-    assert max(off.values()) < 1e-3, sorted(off.items(), key=lambda kv: -kv[1])[:3]
-    return one, two
+    for two in runs[1:]:
+        assert torch.equal(torch.cat(one["logprobs"]), torch.cat(two["logprobs"]))
+        assert len(one["grad_norm"]) == len(two["grad_norm"]) == 2
+        assert one["weights"].keys() == two["weights"].keys()
+        if exact:  # the gradients themselves (AdamW's first steps move a weight by about lr * sign(g))
+            assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 10
+            differ = [k for k, g in one["grads"].items() if not torch.equal(g, two["grads"][k])]
+            assert not differ, f"gradients differ: {' '.join(differ)}"
+            assert one["grad_norm"] == two["grad_norm"]
+            differ = [k for k, w in one["weights"].items() if not torch.equal(w, two["weights"][k])]
+            assert not differ, f"weights differ: {' '.join(differ)}"
+            continue
+        for a, b in zip(one["grad_norm"], two["grad_norm"], strict=True):
+            assert abs(a - b) <= 1e-5 * a, (one["grad_norm"], two["grad_norm"])
+        off = {}
+        for name, w1 in one["weights"].items():
+            update = (w1 - start[name].float()).norm()
+            off[name] = float((two["weights"][name] - w1).norm() / update)
+        assert max(off.values()) < 1e-3, sorted(off.items(), key=lambda kv: -kv[1])[:3]
+    return runs
 
 
 @pytest.mark.titan
@@ -1349,30 +1352,31 @@ def test_context_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype)
 @pytest.mark.tp
 @pytest.mark.timeout(900)
 def test_context_parallel_2_trains_like_one_rank(tmp_path, checkpoint_factory):
-    """Training under context parallelism 2 gives one rank's bits (float32, two streamed steps): the log-probs, the
-    step's log-probs and loss, every parameter's gradient, both gradient norms and every weight. Each rank runs the
-    whole sequences' attention and its backward (``dq``, ``dk``, ``dv`` one rank's; it keeps its slices), and
-    exact accumulation runs one rollout per pass, its chains handed from cp rank 0 (the first slice's tokens) to rank 1
-    after each (``titan_plugin.context_parallel``). Its earlier form caught a lost gradient term
-    (``DTensor.full_tensor``'s own backward treats the gathered keys' gradient as replicated: a gradient norm 12%
-    off). Negative control: at CP 2 x DP 2 the ranks' gradients are still summed (FSDP), and the gradients differ
-    from one rank's. GSPO (its sequence-level ratio would span the ranks) is refused."""
+    """Training under context parallelism gives one rank's bits (float32, two streamed steps), at CP 2 and at CP 2 x
+    DP 2 (4 ranks, each data-parallel pair its half of the rollouts): the log-probs, the step's log-probs and loss,
+    every parameter's gradient, both gradient norms and every weight. Each rank runs the whole sequences' attention
+    and its backward (``dq``, ``dk``, ``dv`` one rank's; it keeps its slices), and exact accumulation runs one rollout
+    per pass, every pass replayed in one rank's token order (``titan_plugin.context_parallel``,
+    ``ExactAccumulation``). Its earlier form caught a lost gradient term (``DTensor.full_tensor``'s own backward
+    treats the gathered keys' gradient as replicated: a gradient norm 12% off). Negative control: with exact
+    accumulation off (one pass, FSDP summing the ranks' gradients) CP 2's gradients differ from one rank's. GSPO (its
+    sequence-level ratio would span the ranks) is refused."""
     from zerokld_testing import random_prompts
 
     ckpt = checkpoint_factory("qwen3", "float32")
     seqs = random_prompts(6, seed=53, lo=12, hi=90)
     lens = [len(s) // 2 for s in seqs]
-    one, cp2 = _check_trains_like(
-        tmp_path, ckpt, seqs, {"tp": 1, "tp_k_block": None}, {"tp": 1, "tp_k_block": None, "cp": 2}, exact=True
-    )
+    ref = {"tp": 1, "tp_k_block": None}
+    cp_dp = {**ref, "cp": 2, "nproc": 4, "split": True}
+    one, cp2, _ = _check_trains_like(tmp_path, ckpt, seqs, ref, {**ref, "cp": 2}, cp_dp, exact=True)
     same = _same_run(one, cp2, keys=("logprobs", "step_logprobs"), weights=False)
     assert all(same.values()) and one["loss"] == cp2["loss"], same
-    spec = dict(train_step=True, streaming=True, grads=True, cp=2, nproc=4, split=True)
+    spec = dict(train_step=True, streaming=True, grads=True, cp=2, exact=False)
     summed = _trainer_tp(tmp_path, ckpt, "float32", 1, seqs, lens, tp_k_block=None, **spec)
     assert summed["grads"].keys() == one["grads"].keys()
     stock_differs(
         any(not torch.equal(g, summed["grads"][k]) for k, g in one["grads"].items()),
-        "the ranks' gradients summed over CP 2 x DP 2 (FSDP) vs one rank's",
+        "CP 2's gradients summed over the ranks (exact accumulation off) vs one rank's",
         "the prompts",
     )
     refused = _trainer_tp(

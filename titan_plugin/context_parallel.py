@@ -11,8 +11,11 @@ queries over the whole prefix — every query sees its keys in the single-rank c
 1's (and vLLM's) bit for bit. Everything else in a decoder is per token.
 
 What this costs: each rank computes attention for the rows before its slice too (zero queries, results dropped), so
-CP splits the per-token work (projections, MLP, lm_head), not the attention's. Training: each rank back-propagates
-its slices' losses; the gradients are summed over the ranks (FSDP), one rank's up to summation order.
+CP splits the per-token work (projections, MLP, lm_head), not the attention's. Training: each rank runs the whole
+sequences' attention and its backward and keeps its slices of the gradients (:class:`_WholeAttention`: each key's
+gradient summed over all its queries in one order, one rank's bits); the parameter gradients are one rank's through
+exact accumulation, one rollout per pass, the passes replayed in one rank's token order
+(:class:`titan_plugin.exact_accumulation.ExactAccumulation` ``context_parallel``).
 
 Source: ``torchtitan/distributed/context_parallel/api.py`` (``apply_cp_to_forward``, the K/V all-gather for
 FlexAttention); the DeviceMesh ``cp`` dimension of ``torchtitan/distributed/parallel_dims.py``.

@@ -37,15 +37,17 @@ activations; a gain fed a head shard (Qwen3's q/k norms, :class:`titan_plugin.ov
 a TP run's micro-batches gives the same bits, and the same as TP 1's. With FSDP as well, each TP rank's chains are
 handed between its data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
 
-Context parallelism (alone): each pass is one rollout, whose slices' chains are handed from ``cp`` rank to rank like
-the data-parallel hand-off (rank 0's positions come first in one rank's token order).
+Context parallelism (with data parallelism or not): each pass is one rollout's slice, recorded on every rank; the
+passes are replayed in one rank's token order — data-parallel group by group, rollout by rollout, ``cp`` rank by rank
+(rank 0's positions come first) — the chains travelling between the ranks (:meth:`ExactAccumulation.
+_hand_off_passes`).
 
 Under TP x EP (``tp_k_block``: TorchTitan borrows the TP ranks for EP, every rank holds every token) each rank's whole
 experts keep chains of their own too: each rank exchanges its share of the tokens, so an expert receives every
 token's rows in token order; their down projections' chains take ``dYᵀ act`` of the TP-invariant tree's root.
 
 Not covered (the general way runs): experts split over TP ranks, TP x EP with data parallelism, the fused
-vocab-parallel lm_head, context parallelism with data parallelism, bf16 on CPUs whose bf16 GEMMs go through oneDNN
+vocab-parallel lm_head, context parallelism with replicated data parallelism (HSDP), bf16 on CPUs whose bf16 GEMMs go through oneDNN
 (AVX-512 without AMX), MLA under tensor parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
@@ -341,9 +343,19 @@ class ExactAccumulation:
         data_parallel: the data-parallel DeviceMesh (1-D) the chains are handed over, or ``None`` (one rank).
     """
 
-    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype, data_parallel=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | list[torch.nn.Module],
+        dtype: torch.dtype,
+        data_parallel=None,
+        context_parallel=None,
+    ) -> None:
         if data_parallel is not None and data_parallel.size() == 1:
             data_parallel = None
+        #: under context parallelism: ``(cp mesh, batch mesh or None)``; every pass is one rollout and a segment of
+        #: its own (:meth:`_hand_off_passes`)
+        self.context_parallel = context_parallel
+        self._segments: list[list] = []
         reason = unsupported_reason(model, dtype, data_parallel is not None)
         if reason is not None:
             raise ValueError(f"exact accumulation with batched passes: {reason}")
@@ -372,7 +384,10 @@ class ExactAccumulation:
                 )
                 for site in self._sites
             ]
-        if self.data_parallel is not None and self.data_parallel.get_local_rank() > 0 and self._log is None:
+        if self.context_parallel is not None:  # every rank records each pass (one rollout's slice) on its own
+            self._log = []
+            self._segments.append(self._log)
+        elif self.data_parallel is not None and self.data_parallel.get_local_rank() > 0 and self._log is None:
             self._log = []
         for site, chain in zip(self._sites, self._chains, strict=True):
             chain.log = None if site.local else self._log
@@ -450,6 +465,9 @@ class ExactAccumulation:
 
         from shared_numerics.grad_chain import replay
 
+        if self.context_parallel is not None:
+            self._hand_off_passes()
+            return
         mesh = self.data_parallel
         group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
         if rank > 0:  # continue the chains where rank - 1 left them
@@ -459,10 +477,42 @@ class ExactAccumulation:
             dist.send(self._flat, group=group, group_dst=rank + 1)
         dist.broadcast(self._flat, group=group, group_src=size - 1)
 
+    def _hand_off_passes(self) -> None:
+        """Context parallelism: the recorded passes replayed in one rank's token order — data-parallel group by
+        group, within a group rollout by rollout, within a rollout cp rank by rank (its slices in position order) —
+        the chains travelling between the ranks of :attr:`data_parallel` (every cp and data-parallel rank) from
+        each segment's owner to the next; the last owner broadcasts the sums."""
+        import torch.distributed as dist
+
+        from shared_numerics.grad_chain import replay
+
+        cp, batch = self.context_parallel
+        group, me = self.data_parallel.get_group(), self.data_parallel.get_local_rank()
+        mine = (0 if batch is None else batch.get_local_rank(), cp.get_local_rank(), len(self._segments))
+        every: list = [None] * self.data_parallel.size()
+        dist.all_gather_object(every, mine, group=group)
+        owner = {(d, c): r for r, (d, c, _) in enumerate(every)}
+        order = sorted({(d, i, c) for d, c, n in every for i in range(n)})
+        previous = None
+        for d, i, c in order:
+            rank = owner[(d, c)]
+            if previous is not None and previous != rank:
+                if me == previous:
+                    dist.send(self._flat, group=group, group_dst=rank)
+                elif me == rank:
+                    dist.recv(self._flat, group=group, group_src=previous)
+            if me == rank:
+                replay(self._segments[i])
+            previous = rank
+        if previous is not None:
+            dist.broadcast(self._flat, group=group, group_src=previous)
+        self._segments = []
+
     def reset(self) -> None:
         """The next :meth:`attach` starts new chains from zero (after an optimizer step zeroed the gradients)."""
         self._chains = self._flat = None
         self._log = None
+        self._segments = []
         self._full = {}
 
 

@@ -217,9 +217,10 @@ def rl_trainer_config(
             step takes ``microbatches * microbatch_size`` rollouts (TorchTitan's ``training.local_batch_size``).
         context_parallel_degree: TorchTitan's ``parallelism.context_parallel_degree`` (under ``torchrun``;
             :mod:`titan_plugin.context_parallel`): each rank scores a contiguous slice of every sequence, the keys and
-            values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit. Training: each
-            rank back-propagates its slices' losses, FSDP sums the gradients over the ranks (the one-rank gradient up
-            to summation order; not bitwise).
+            values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit. Training (with
+            or without data parallelism): the gradients and weights are one rank's bit for bit (every rank runs the
+            whole sequences' attention backward; exact accumulation replays the rollouts' passes in one rank's
+            order); where exact accumulation is off, FSDP sums the ranks' gradients (one rank's to summation order).
         seq_len: TorchTitan's ``training.seq_len`` (default: the model's ``max_position_embeddings``); under pipeline
             parallelism every rollout is padded to it (the schedule's shapes are fixed).
 
@@ -408,14 +409,18 @@ class RLTrainer(Trainer):
         dtype = getattr(torch, config.training.mixed_precision_param)
         dims = self.parallel_dims
         # the chains are handed from data-parallel rank to rank (a rank's rollouts are whole: not under CP); under
-        # context parallelism alone from cp rank to rank after each rollout (its slices in position order)
+        # context parallelism between all the cp and data-parallel ranks, pass by pass (one rollout's slices each)
         data_parallel = dims.get_optional_mesh("batch") if dims.dp_enabled and not dims.cp_enabled else None
-        if dims.cp_enabled and not dims.dp_enabled:
-            data_parallel = dims.get_mesh("cp")
+        context_parallel = None
+        if dims.cp_enabled and dims.dp_replicate == 1:
+            data_parallel = dims.get_mesh("fsdp") if dims.dp_enabled else dims.get_mesh("cp")
+            context_parallel = (dims.get_mesh("cp"), dims.get_optional_mesh("batch") if dims.dp_enabled else None)
         reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None, config.loss.fused)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)
-        self.exact_accumulation = None if reason else ExactAccumulation(self.model_parts, dtype, data_parallel)
+        self.exact_accumulation = (
+            None if reason else ExactAccumulation(self.model_parts, dtype, data_parallel, context_parallel)
+        )
         self.exact_accumulation_off = reason
         #: the pipeline schedule's driver (titan_plugin.pipeline) under pipeline parallelism, else None
         self.pipeline: PipelineRunner | None = None
@@ -575,9 +580,10 @@ class RLTrainer(Trainer):
         """:meth:`forward_backward` under context parallelism: this rank's contiguous slice of every rollout (tokens,
         labels, the loss's RL inputs, routes) forward and backward, every rank running the whole sequences'
         attention and its backward (:func:`titan_plugin.context_parallel.cp_attention`). With exact accumulation
-        (CP alone): one rollout per pass, the chains handed over the ``cp`` ranks after each (rank 0's slice, then
-        rank 1's: one rank's token order), so the gradients are one rank's bits; else (CP with data parallelism) one
-        pass of every rollout, FSDP summing the parameter gradients over the ranks (one rank's up to summation order).
+        (:class:`titan_plugin.exact_accumulation.ExactAccumulation` ``context_parallel``): one rollout per pass,
+        every pass recorded and replayed in one rank's token order (data-parallel group by group, rollout by rollout,
+        cp rank by rank), so the gradients are one rank's bits; else one pass of every rollout, FSDP summing the
+        parameter gradients over the ranks (one rank's up to summation order).
         Returns the loss records, their per-position tensors whole again (gathered over ``cp``), their counts summed
         over the ranks."""
         if loss.config.loss_fn == "gspo":
@@ -587,13 +593,12 @@ class RLTrainer(Trainer):
         if exact is None:
             return [self._context_parallel_pass(batch, loss, mesh)]
         parts = []
-        for i in range(len(batch)):  # one rollout per pass: its slices in position order, cp rank 0's first
+        for i in range(len(batch)):  # one rollout per pass (replayed in one rank's order by write_grads)
             exact.attach()
             try:
                 parts.append(self._context_parallel_pass(batch.select([i]), loss, mesh, exact.token_multiple))
             finally:
                 exact.detach()
-            exact.write_grads()  # the chains handed over the cp ranks (rank 0's additions, then rank 1's, ...)
         return parts
 
     def _context_parallel_pass(self, batch: RolloutBatch, loss: RLLoss, mesh, multiple: int = 1) -> dict:
@@ -746,8 +751,9 @@ class RLTrainer(Trainer):
         * under pipeline parallelism (:mod:`titan_plugin.pipeline`): the batched way through the schedule's
           micro-batches, each stage's chains continued in micro-batch order — one rank's bits; refused where exact
           accumulation is off.
-        * under context parallelism (:mod:`titan_plugin.context_parallel`): one forward and backward of this rank's
-          slices of the rollouts; FSDP sums the ranks' gradients (not bitwise one rank's: summation order).
+        * under context parallelism (:mod:`titan_plugin.context_parallel`): one pass per rollout of this rank's
+          slices, every pass replayed in one rank's token order (one rank's bits); where exact accumulation is off,
+          one pass of every rollout, FSDP summing the ranks' gradients (summation order).
         * one rollout at a time (elsewhere; :attr:`exact_accumulation_off` says why): each rollout's forward and
           backward run alone (the forward is batch-invariant: the same log-prob bits as in any batch) and autograd
           adds its contribution into ``.grad`` in batch order.
@@ -806,8 +812,8 @@ class RLTrainer(Trainer):
                     if exact is not None:
                         exact.detach()
                 parts.append(loss.last)
-            if exact is not None and not self.parallel_dims.cp_enabled:  # (CP: after each rollout)
-                exact.write_grads()  # every path's chains (under data parallelism after their hand-off)
+            if exact is not None:  # every path's chains (under data or context parallelism after their hand-off)
+                exact.write_grads()
         finally:
             self.loss_fn = configured
         kept = sum(p["kept"] for p in parts)

@@ -17,7 +17,8 @@
   step's; ``stream_calls``: that many ``forward_backward`` calls on consecutive slices of the rank's rollouts, default
   1), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
   steps), ``grads`` (bool, with ``streaming``: also ``grads``, every parameter's whole gradient before the first
-  step's ``optim_step``, by TorchTitan's parameter name);
+  step's ``optim_step``, by TorchTitan's parameter name), ``exact`` (false: exact accumulation off, the trainer's
+  other way: a negative control);
 * ``refusal`` (``"train"``: an ``rl_step``, else ``forward_logprobs``, that must be refused: rank 0 writes only
   ``refused``, the exception's message, or ``None``);
 * ``score`` (bool, default true): false runs no ``forward_logprobs`` (no ``logprobs`` and ``after``; the rollouts
@@ -69,6 +70,8 @@ def main(argv: list[str]) -> None:
         )
         config.checkpoint.enable = True
         trainer = RLTrainer(config)
+        if spec.get("exact") is False:  # the negative control of exact accumulation: its other way
+            trainer.exact_accumulation = None
         mine = list(range(len(spec["sequences"])))
         if spec.get("split"):  # by data-parallel rank (EP borrows those ranks; pipeline stages share their rows)
             dp = trainer.parallel_dims.get_optional_mesh("batch")
