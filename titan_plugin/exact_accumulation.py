@@ -47,8 +47,8 @@ experts keep chains of their own too: each rank exchanges its share of the token
 token's rows in token order; their down projections' chains take ``dYᵀ act`` of the TP-invariant tree's root.
 
 Not covered (the general way runs): experts split over TP ranks, TP x EP with data parallelism, the fused
-vocab-parallel lm_head, context parallelism with replicated data parallelism (HSDP), bf16 on CPUs whose bf16 GEMMs go through oneDNN
-(AVX-512 without AMX), MLA under tensor parallelism.
+vocab-parallel lm_head, context parallelism with replicated data parallelism (HSDP), bf16 on CPUs whose bf16 GEMMs
+go through oneDNN (AVX-512 without AMX), MLA under tensor parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
