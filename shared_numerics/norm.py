@@ -127,7 +127,7 @@ class _HeadRmsNormCpu(torch.autograd.Function):
             if chain is not None:  # a recorded chain: the gain's additions later
                 chain.add(_head_rows_backward, x3, dy3, w, r2, torch.empty_like(dx))
         grad_w = None
-        if chain is None and ctx.needs_input_grad[1]:
+        if chain is None and acc is not None:
             grad_w = head_tree_gain_grad(acc, ctx.gather).to(weight.dtype)
         return dx.reshape(x.shape).to(x.dtype), grad_w, None, None, None
 
