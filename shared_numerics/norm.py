@@ -99,10 +99,8 @@ class _HeadRmsNormCpu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, chain, gather) -> torch.Tensor:
-        y, r = _rms_norm_cpu(x, weight, eps, want_r=True)
-        ctx.save_for_backward(x, weight, r)
-        ctx.chain, ctx.gather = chain, gather
-        return y
+        ctx.gather = gather
+        return _RmsNormCpu.forward(ctx, x, weight, eps, chain)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
