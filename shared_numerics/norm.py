@@ -117,16 +117,14 @@ class _HeadRmsNormCpu(torch.autograd.Function):
         w = weight.detach().float().contiguous()
         dx = torch.empty(x3.shape, dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32)
         chain = ctx.chain
-        if chain is not None and chain.log is None:
-            _head_rows_backward(chain.acc, x3, dy3, w, r2, dx)
-        else:
-            acc = None if chain is not None or not ctx.needs_input_grad[1] else torch.zeros(heads, d)
-            _head_rows_backward(acc, x3, dy3, w, r2, dx)
-            if chain is not None:  # a recorded chain: the gain's additions later
-                chain.add(_head_rows_backward, x3, dy3, w, r2, torch.empty_like(dx))
-        grad_w = None
-        if chain is None and acc is not None:
-            grad_w = head_tree_gain_grad(acc, ctx.gather).to(weight.dtype)
+        if chain is None:  # the per-head sums of this call, if the gain's gradient is wanted
+            acc = torch.zeros(heads, d) if ctx.needs_input_grad[1] else None
+        else:  # the chain's (a recorded chain: its additions later, dx now)
+            acc = chain.acc if chain.log is None else None
+        _head_rows_backward(acc, x3, dy3, w, r2, dx)
+        if chain is not None and chain.log is not None:
+            chain.add(_head_rows_backward, x3, dy3, w, r2, torch.empty_like(dx))
+        grad_w = None if chain is not None or acc is None else head_tree_gain_grad(acc, ctx.gather).to(weight.dtype)
         return dx.reshape(x.shape).to(x.dtype), grad_w, None, None, None
 
 
