@@ -31,6 +31,13 @@ from .gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt_a
 __all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding", "chained_weight_grad", "replay"]
 
 
+def _bf16_on_amx() -> bool:
+    """Whether a bf16 linear takes the AMX kernel (:func:`shared_numerics.linear.linear`); otherwise it is upcast."""
+    from .linear import native_bf16_gemm
+
+    return amx_available() and native_bf16_gemm()
+
+
 def chain_available(dtype: torch.dtype) -> bool:
     """Whether this machine's kernels run exact accumulation for a forward in ``dtype``: every GEMM gradient on a
     kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or upcast to the float32 kernel where oneDNN has no bf16 GEMMs:
@@ -103,9 +110,11 @@ class GradChain:
 
     def add_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a · bᵀ``, K = tokens: ``a [I, T]`` (e.g. ``dY.t()``), ``b [J, T]`` (e.g. ``X.t()``), one dtype
-        (bf16 without :attr:`float32_products`: ``T`` a multiple of :data:`CHAIN_K_MULTIPLE`). Raises as
+        (bf16 on AMX without :attr:`float32_products`: ``T`` a multiple of :data:`CHAIN_K_MULTIPLE`). bf16 operands
+        where :func:`shared_numerics.linear.linear` upcasts bf16 (no AMX, e.g. AVX2: no bf16 kernel) are widened to
+        the float32 kernel, as that linear's own chain is. Raises as
         :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
-        if self.float32_products:
+        if self.float32_products or (a.dtype == torch.bfloat16 and not _bf16_on_amx()):
             a, b = a.float(), b.float()
         self.add(gemm_abt_accumulate, a, b)
 

@@ -181,9 +181,11 @@ def test_trainer_is_the_transformers_model(ckpts):
     "shape,dtype",
     [
         ("yarn_groups_ties", "bfloat16"),
-        ("no_q_lora_all_moe", "float32"),
+        pytest.param("no_q_lora_all_moe", "float32", marks=pytest.mark.extended),
         ("v2_group_limited_ties", "bfloat16"),
-        ("v2_lite_greedy", "float32"),
+        # `make test-extended`: DeepSeek-V2's routing is served above (v2_group_limited_ties); V2-Lite's greedy top-k
+        # is the same routing code without groups (test_deepseek_v2_routing_is_hfs_with_lowest_id_ties)
+        pytest.param("v2_lite_greedy", "float32", marks=pytest.mark.extended),
     ],
 )
 def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
@@ -240,7 +242,7 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
 
 @pytest.mark.vllm
 @pytest.mark.titan
-@pytest.mark.parametrize("shape", ["yarn_groups_ties", "v2_lite_greedy"])
+@pytest.mark.parametrize("shape", ["yarn_groups_ties", pytest.param("v2_lite_greedy", marks=pytest.mark.extended)])
 def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path, shape):
     """One RL step of TorchTitan's real trainer (FSDP, AdamW) on DeepSeek-V3: its forward is trainer_logprobs' bits
     (ratio exactly 1), the step changes the weights, its HF export goes to the running engine as a hot-load delta
@@ -302,6 +304,7 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     )
 
 
+@pytest.mark.extended  # `make test-extended`: the SDK loop is test_fireworks_wire.py's (~75 s)
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monkeypatch, request):
@@ -481,6 +484,7 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
         assert not all(torch.equal(base[j], served[j]) for j in range(i, 9, 3)), f"adapter {i} is inert"
 
 
+@pytest.mark.extended  # `make test-extended`: FP8 block is served in test_vllm_parity.py (~90 s)
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(engine_slot, ckpts, tmp_path):

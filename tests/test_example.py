@@ -107,6 +107,7 @@ def test_countdown_side_by_side(engine_slot, tmp_path):
     assert "| zerokld | 0, 0 | 0 of " in summary and "| stock |" in summary
 
 
+@pytest.mark.extended  # `make test-extended`: the async loop, offline and served (~2 min)
 @pytest.mark.parametrize("k,server", [(2, False), (2, True)], ids=["offline-async2", "served-async2"])
 def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot, tmp_path, k, server):
     """``--async K``: batches are generated while the trainer trains, up to K policy versions stale (offline: the
@@ -194,6 +195,7 @@ def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
 FP8_RUN = ["--fp8", "block", "--steps", "2", "--sft-steps", "2", "--prompts-per-step", "8", "--group-size", "4"]
 
 
+@pytest.mark.extended  # `make test-extended`: FP8 QAT is the per-channel demo run above
 def test_countdown_fp8_block_zerokld_on_any_cpu(engine_slot, tmp_path, monkeypatch):
     """``--fp8 block``: zerokld (block FP8 QAT + the shared quantizer in vLLM) has k3 exactly 0 — on any CPU. Where
     stock vLLM-CPU cannot serve FP8 (no AMX: here forced, so that every machine runs this path) ``--runs both`` runs
@@ -228,6 +230,7 @@ def test_countdown_fp8_block_stock_has_a_gap(engine_slot, tmp_path):
     assert "`quantization=fp8_per_block`" in (out / "summary.md").read_text()
 
 
+@pytest.mark.extended  # `make test-extended`: routing replay is test_moe_vllm.py's
 def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
     """``--moe``: a Qwen3-MoE checkpoint; vLLM returns each rollout's routed experts and the trainer replays them
     (R3): k3 exactly 0 and no clipped token at every step."""
@@ -260,6 +263,7 @@ def test_countdown_moe_with_routing_replay_has_zero_kl(engine_slot, tmp_path):
         assert r["k3"] == 0.0 and r["tokens_bitwise_different"] == 0 and r["clipped_fraction"] == 0.0
 
 
+@pytest.mark.extended  # `make test-extended`: LoRA GRPO at zero KL is test_lora_vllm.py's
 def test_countdown_lora_side_by_side(engine_slot, tmp_path):
     """``--lora 4``: GRPO on LoRA adapters over the frozen SFT model, each step's adapter hot-loaded into vLLM
     (``enable_lora``) through the replica — the first full, then arc_v2 deltas of the adapter — and served as a new
@@ -302,6 +306,7 @@ def test_countdown_lora_side_by_side(engine_slot, tmp_path):
     assert "LoRA rank 4" in (out / "summary.md").read_text()
 
 
+@pytest.mark.extended  # `make test-extended`: the SDK loop is test_fireworks_wire.py's (~3 min)
 def test_fireworks_sdk_grpo_example_zero_kl_and_stock_gap(engine_slot, tmp_path):
     """``examples/fireworks_sdk/grpo.py`` on two steps per run: with zerokld every sampled token's
     ``sampling_logprob`` is bitwise the training server's log-prob; with the plugin off on both servers, none is."""

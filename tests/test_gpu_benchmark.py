@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+@pytest.mark.extended  # `make test-extended`: the GPU benchmark on the interpreter (~30 s)
 def test_gpu_benchmark_smoke_run(tmp_path):
     from benchmarks.gpu_kernels import TARGETS, main
 

@@ -60,7 +60,8 @@ def test_zero_tokens_add_nothing(dtype):
 def test_float32_products_chain_any_token_count_of_bf16(threads):
     """An MoE expert's chain (``float32_products``): bf16 operands widened exactly, the float32 kernel's chain — any
     token counts per call (5, 7, 19: no 32-token steps), one call's bits, the stacked weight's ``part`` writing into
-    its expert's slice. Negative control: without ``float32_products`` such counts are refused for bf16."""
+    its expert's slice. Negative control: without ``float32_products`` such counts are refused for bf16 on AMX (its
+    kernel's 32-token steps; without AMX bf16 is upcast, so any count chains)."""
     g = torch.Generator().manual_seed(9)
     dy = torch.randn(31, 3, 40, generator=g).to(torch.bfloat16)  # tokens x experts x outputs
     x = torch.randn(31, 24, generator=g).to(torch.bfloat16)
@@ -73,8 +74,15 @@ def test_float32_products_chain_any_token_count_of_bf16(threads):
     assert torch.equal(split.acc, whole.acc) and not bool(whole.acc[1].eq(0).all())
     assert bool(whole.acc[0].eq(0).all()) and bool(whole.acc[2].eq(0).all())
     assert torch.equal(whole.acc[1], gemm_abt(dy[:, 1].float().t(), x.float().t()))
-    with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):
-        GradChain((40, 24)).add_gemm(dy[:7, 1].t(), x[:7].t())
+    from shared_numerics.grad_chain import _bf16_on_amx
+
+    if _bf16_on_amx():  # the bf16 kernel: such counts are refused
+        with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):
+            GradChain((40, 24)).add_gemm(dy[:7, 1].t(), x[:7].t())
+    else:  # bf16 linears are upcast here, and so are their chains (any token count)
+        plain = GradChain((40, 24))
+        plain.add_gemm(dy[:7, 1].t(), x[:7].t())
+        assert torch.equal(plain.acc, gemm_abt(dy[:7, 1].float().t(), x[:7].float().t()))
 
 
 def test_accumulate_refuses_what_it_cannot_chain():
@@ -245,3 +253,25 @@ def test_mla_absorbed_weights_chain_grouping_invariant_gradients(threads):
         "autograd's MLA weight gradients summed over 13 + 27",
         "the tokens",
     )
+
+
+@pytest.mark.requires_bf16_grad_chain
+def test_bf16_weight_chain_takes_the_linears_bf16_path(threads):
+    """``chained_weight_grad`` feeds ``add_gemm`` bf16 ``dY`` and ``X`` (TP's row-parallel linears, the MoE experts'
+    tree). Where :func:`shared_numerics.linear.linear` upcasts bf16 (no AMX: AVX2, or ``ZEROKLD_NATIVE_BF16=0``) the
+    chain multiplies on the float32 kernel, as that linear's own chain: the bits of the widened operands' chain, not
+    a refusal (there is no bf16 kernel there; FSDP 2 x TP 2 training in bf16 raised on AVX2). On AMX: the bf16
+    kernel, consecutive calls one chain."""
+    from shared_numerics.grad_chain import _bf16_on_amx
+
+    g = torch.Generator().manual_seed(9)
+    dy, x = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, 24, generator=g).bfloat16()
+    one, two = GradChain((40, 24)), GradChain((40, 24))
+    one.add_gemm(dy.t(), x.t())
+    two.add_gemm(dy[:64].t(), x[:64].t())
+    two.add_gemm(dy[64:].t(), x[64:].t())
+    assert torch.equal(one.acc, two.acc)
+    if not _bf16_on_amx():
+        widened = GradChain((40, 24), float32_products=True)
+        widened.add_gemm(dy.t(), x.t())
+        assert torch.equal(one.acc, widened.acc)

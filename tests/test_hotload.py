@@ -970,6 +970,7 @@ def test_reset_prompt_cache_modes_observed_on_the_prefix_cache(env):
         assert torch.equal(rescored[after], lps[after]) is (mode == "all"), mode
 
 
+@pytest.mark.extended  # `make test-extended`: three server starts (~110 s on 2 cores); the replay test restarts too
 def test_restart_verifies_the_snapshot_it_restores(env):
     """Issue 21 row 12: a restart serves the ledger's snapshot only if its bits are the ones loaded (checksums and
     the ledger's weights digest). Replaced bits (a valid snapshot, other weights, same identity): the newest earlier

@@ -185,6 +185,7 @@ def _engine_requests(base: str) -> dict[str, float]:
     return counts
 
 
+@pytest.mark.extended  # `make test-extended`: two DP 2 servers, ~140 s on 2 cores
 def test_data_parallel_2_serves_the_trainers_logprobs(engine_slot, checkpoint_factory, tmp_path):
     """Issue 56 point 5: ``vllm serve --data-parallel-size 2`` (two engine cores, one CPU core each, vLLM's own DP
     coordinator balancing the requests): both engines serve, and every completion's log-probs equal the trainer's bit

@@ -403,6 +403,7 @@ def test_bad_adapter_snapshots_are_refused_and_the_served_version_stays(env):
     assert torch.equal(after["logprobs"], before["logprobs"])
 
 
+@pytest.mark.extended  # `make test-extended`: restarts are test_hotload.py's (~50 s)
 def test_restart_restores_every_adapter_version(env):
     """After a restart the server serves each adapter's last version again (verified against the ledger's digest):
     the same request gets the same version and bits as before the restart."""

@@ -209,6 +209,7 @@ def test_every_training_server_route_survives_schema_fuzzing(checkpoint_factory,
     assert "Traceback" not in (tmp_path / "server.log").read_text(errors="replace")
 
 
+@pytest.mark.extended  # `make test-extended`: ~5 min; the training server's stays
 @pytest.mark.vllm
 def test_every_vllm_server_route_survives_schema_fuzzing(engine_slot, checkpoint_factory, tmp_path):
     from deltasync import read_snapshot_tensors, write_full_snapshot, write_incremental_snapshot

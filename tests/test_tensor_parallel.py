@@ -600,6 +600,7 @@ def _failure_excerpt(stderr: str) -> str:
     return head + "\n...\n" + stderr[-1500:]
 
 
+@pytest.mark.extended  # `make test-extended`: the trainer's stock control is also trains_like_tp_1's
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
@@ -720,7 +721,12 @@ def test_vllm_tp1_and_tp2_same_bits_where_stock_differs(engine_slot, checkpoint_
 @pytest.mark.tp
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "family,dtype", [("qwen3", "bfloat16"), ("qwen2", "float32"), ("qwen3_moe", "bfloat16"), ("qwen3_moe", "float32")]
+    "family,dtype",
+    [
+        ("qwen3", "bfloat16"),
+        *(pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen2", "float32"), ("qwen3_moe", "bfloat16")]),
+        pytest.param("qwen3_moe", "float32", marks=pytest.mark.extended),  # `make test-extended`
+    ],
 )
 def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, checkpoint_factory, tmp_path):
     """vLLM ``--tensor-parallel-size 2`` with ``tp_k_block`` serves, bit for bit, the log-probs the trainer computes
@@ -750,7 +756,9 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     assert torch.isfinite(torch.tensor(tp2["loss"]))
     assert any(not torch.equal(a, b) for a, b in zip(tp2["after"], tp2["logprobs"], strict=True))
     if (family, dtype) == ("qwen3", "bfloat16"):  # FSDP composes: 4 ranks = FSDP 2 x TP 2, each fed the same batch
-        fsdp = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, nproc=4)
+        # (exact accumulation off: with it, FSDP 2 is one rank on the two ranks' concatenated batch, here the batch
+        # twice, which test_data_parallel_2_trains_like_one_rank proves; this is FSDP's mean of two equal gradients)
+        fsdp = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True, nproc=4, exact=False)
         assert all(torch.equal(a, b) for a, b in zip(served, fsdp["logprobs"], strict=True))
         # identical gradients averaged over the FSDP ranks: the same step, bit for bit
         assert all(torch.equal(a, b) for a, b in zip(tp2["after"], fsdp["after"], strict=True))
@@ -826,7 +834,7 @@ def _check_expert_parallel_2(tmp_path, ckpt, dtype, experts, moe_layers, seed, s
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.extended)])
 def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
     """Issue 56 point 3: TorchTitan's ``expert_parallel_degree`` 2 on Qwen3-MoE (two ranks, each holding 4 of the 8
     experts and scoring its own half of the sequences; token rows exchanged by all-to-all, combined on their token's
@@ -903,6 +911,7 @@ def test_tensor_parallel_2_x_expert_parallel_2_equals_one_rank(tmp_path, checkpo
     _check_trains_like(tmp_path, str(ckpt), seqs, {"tp": 1}, {"tp": 2, "ep": 2}, exact=True)
 
 
+@pytest.mark.extended  # `make test-extended`: EP 2 == one rank is proven on Qwen3-MoE
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
@@ -926,7 +935,10 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family,ep", [("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)])
+@pytest.mark.parametrize(
+    "family,ep",
+    [("qwen3", 1), *(pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen2", 1), ("qwen3_moe", 2)])],
+)
 def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family, ep):
     """Issue 56 point 6 under TP 2 (``tp_k_block``, float32): ``forward_backward`` in batched passes with exact
     accumulation — each rank's chains over its shards (column- and row-parallel weights, the vocab-parallel embedding
@@ -1139,6 +1151,7 @@ def test_pipeline_parallel_2_equals_one_rank(tmp_path):
     stock_differs(not same["weights"], "TorchTitan's trainer at PP 2 (micro-batches of 2) vs one rank", "the prompts")
 
 
+@pytest.mark.extended  # `make test-extended`: PP 2 on Qwen3 is the default instance
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
@@ -1161,7 +1174,7 @@ def test_pipeline_parallel_2_on_qwen3_moe_equals_one_rank(tmp_path):
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.extended)])
 def test_data_parallel_2_trains_like_one_rank(tmp_path, family):
     """Issue 56 point 6: FSDP over two data-parallel ranks (gloo), each streaming its own half of the batch through
     ``forward_backward`` (one batched forward and backward per call, exact accumulation with the chains handed from
@@ -1204,6 +1217,7 @@ def _check_trains_like_one_rank(tmp_path, family: str, name: str, ckpt: str | No
     )
 
 
+@pytest.mark.extended  # `make test-extended`: EP training is proven by TP 2 x EP 2 training
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
@@ -1216,6 +1230,7 @@ def test_expert_parallel_2_trains_like_one_rank(tmp_path):
     _check_trains_like_one_rank(tmp_path, "qwen3_moe", "EP 2", ep=2)
 
 
+@pytest.mark.extended  # `make test-extended`: EP training is proven by TP 2 x EP 2 training
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
@@ -1234,6 +1249,7 @@ def test_expert_parallel_2_on_deepseek_trains_like_one_rank(tmp_path):
     _check_trains_like_one_rank(tmp_path, "deepseek", "EP 2 (deepseek_v3)", ckpt=ckpt, ep=2)
 
 
+@pytest.mark.extended  # `make test-extended`: DP 2 and PP 2 are each proven alone
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
@@ -1305,6 +1321,7 @@ def test_pipeline_parallel_refuses_what_it_cannot_keep_exact(tmp_path):
 # --- context parallelism (issue 56 point 2) -----------------------------------------------------------------------
 
 
+@pytest.mark.extended  # `make test-extended`: CP 2 == one rank is also compared by the CP training test
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)

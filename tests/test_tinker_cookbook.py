@@ -10,6 +10,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.titan]
 
 
+@pytest.mark.extended  # `make test-extended`: the whole RL loop (~180 s on 2 cores); test_tinker_*.py drive the client
 def test_cookbook_math_rl_logs_kl_sample_train_exactly_zero(engine_slot, tmp_path):
     from examples.tinker_cookbook.math_rl import main
 

@@ -148,7 +148,7 @@ def test_attention_dense_paged_and_invariance(dtype):
 SHAPES = [(3, 1, 32), (6, 2, 20), (5, 5, 16), (5, 1, 16), (3, 3, 20)]
 
 
-@pytest.mark.parametrize("hq,hk,d", SHAPES)
+@pytest.mark.parametrize("hq,hk,d", [*SHAPES[:2], *(pytest.param(*s, marks=pytest.mark.extended) for s in SHAPES[2:])])
 def test_attention_shape_matrix_dense_equals_paged(hq, hk, d):
     """Every shape runs (Triton 3.9 refused the split kernel's store mask for all of them), agrees with the torch
     backend, and the trainer's dense rows are bitwise vLLM's paged rows (decodes and a prefill chunk)."""
@@ -316,7 +316,13 @@ BACKWARD_CASES = {
 }
 
 
-@pytest.mark.parametrize("op", sorted(BACKWARD_CASES))
+# the ops of a decoder layer's backward (linear, attention, the fused head) by default; the rest `make test-extended`
+_BACKWARD_DEFAULT = {"linear", "dense_causal_attention", "fused_selected_logprobs"}
+
+
+@pytest.mark.parametrize(
+    "op", [o if o in _BACKWARD_DEFAULT else pytest.param(o, marks=pytest.mark.extended) for o in sorted(BACKWARD_CASES)]
+)
 def test_backward_close_to_torch_and_deterministic(op):
     """Gradients: within 1e-5 relative of the torch backend's (fp32), and bitwise repeatable."""
     args, extra = BACKWARD_CASES[op](_gen(6))

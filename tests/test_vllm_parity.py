@@ -33,13 +33,31 @@ CONFIGS = [
     ("llama31", "bfloat16", None),
     ("llama31", "float32", None),
 ]
+#: the configurations `make test-extended` adds (marker ``extended``, docs/tests.md "Budgets"): each repeats a family,
+#: dtype and FP8 path the default ones already serve (Llama 3.x covers Llama's layers, the tied MoE covers the MoE, the
+#: block export covers the exported checkpoint); one engine start is ~45 s on 2 cores
+EXTENDED = {
+    ("llama", "float32", None),
+    ("llama", "bfloat16", None),
+    ("llama", "bfloat16", ("export", "per_channel")),
+    ("qwen3_moe", "float32", None),
+    ("qwen3_moe", "bfloat16", None),
+    ("llama31", "float32", None),
+}
 
 
 def _config_id(c) -> str:
     return "-".join([c[0], c[1]] + (["fp8", *c[2]] if c[2] else []))
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=[_config_id(c) for c in CONFIGS])
+def _params(configs, ids, extended) -> list:
+    return [
+        pytest.param(c, id=i, marks=[pytest.mark.extended] if c in extended else [])
+        for c, i in zip(configs, ids, strict=True)
+    ]
+
+
+@pytest.fixture(scope="module", params=_params(CONFIGS, [_config_id(c) for c in CONFIGS], EXTENDED))
 def env(request, engine_slot, checkpoint_factory, tmp_path_factory):
     """``(llm, trainer)``: a live engine and ``trainer(seqs, prompt_lens, **kw)`` = the matching trainer_logprobs."""
     family, dtype, fp8 = request.param
@@ -136,7 +154,7 @@ def test_trainer_logprobs_equal_sampled_logprobs(env):
 MOE_CONFIGS = [c for c in CONFIGS if c[0].startswith("qwen3_moe")]
 
 
-@pytest.mark.parametrize("env", MOE_CONFIGS, ids=[_config_id(c) for c in MOE_CONFIGS], indirect=True)
+@pytest.mark.parametrize("env", _params(MOE_CONFIGS, [_config_id(c) for c in MOE_CONFIGS], EXTENDED), indirect=True)
 def test_moe_skewed_expert_load_matches_trainer(env):
     """MoE configurations: a prompt of one repeated character sends all its tokens to the same experts while the
     rest of the batch spreads; alone == in the batch, and the trainer equals both."""
@@ -155,7 +173,9 @@ def test_moe_skewed_expert_load_matches_trainer(env):
 STOCK_CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "bfloat16")]
 
 
-@pytest.fixture(scope="module", params=STOCK_CONFIGS, ids=["-".join(c) for c in STOCK_CONFIGS])
+@pytest.fixture(
+    scope="module", params=_params(STOCK_CONFIGS, ["-".join(c) for c in STOCK_CONFIGS], {("llama", "bfloat16")})
+)
 def stock_env(request, engine_slot, checkpoint_factory):
     family, dtype = request.param
     ckpt = checkpoint_factory(family, dtype)
