@@ -161,6 +161,7 @@ def test_countdown_async_tokens_match_the_snapshot_that_sampled_them(engine_slot
     )
 
 
+@pytest.mark.extended  # `make test-extended`: FP8 QAT at zero KL is test_fp8_serving.py's
 def test_countdown_fp8_qat_has_zero_kl(engine_slot, tmp_path):
     """``--fp8``: vLLM serves in FP8 (online quantization, re-quantized at every weight sync) and the trainer runs FP8
     QAT with the same quantizer: k3 exactly 0 at every step."""

@@ -831,10 +831,11 @@ def _check_expert_parallel_2(tmp_path, ckpt, dtype, experts, moe_layers, seed, s
     )
 
 
+@pytest.mark.extended  # `make test-extended`: EP 2 == one rank is also TP 2 x EP 2's
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
     """Issue 56 point 3: TorchTitan's ``expert_parallel_degree`` 2 on Qwen3-MoE (two ranks, each holding 4 of the 8
     experts and scoring its own half of the sequences; token rows exchanged by all-to-all, combined on their token's
@@ -937,7 +938,7 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "family,ep",
-    [("qwen3", 1), *(pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen2", 1), ("qwen3_moe", 2)])],
+    [pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)]],
 )
 def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family, ep):
     """Issue 56 point 6 under TP 2 (``tp_k_block``, float32): ``forward_backward`` in batched passes with exact
@@ -1171,10 +1172,11 @@ def test_pipeline_parallel_2_on_qwen3_moe_equals_one_rank(tmp_path):
     assert all(same.values()), same
 
 
+@pytest.mark.extended  # `make test-extended`: DP 2 trains exactly in the CP 2 x DP 2 run too
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_data_parallel_2_trains_like_one_rank(tmp_path, family):
     """Issue 56 point 6: FSDP over two data-parallel ranks (gloo), each streaming its own half of the batch through
     ``forward_backward`` (one batched forward and backward per call, exact accumulation with the chains handed from
