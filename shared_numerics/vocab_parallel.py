@@ -201,7 +201,7 @@ def _picked(shifted: torch.Tensor, ids: torch.Tensor, vocab_start: int, gather: 
 
 class _FusedSelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, vocab_start, vocab_size, gather, chunk):
+    def forward(ctx, hidden, weight, ids, vocab_start, vocab_size, gather, chunk, chain, k_block):
         from .linear import linear
 
         n = hidden.shape[0]
@@ -214,17 +214,19 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
             picked = _picked(shifted, ids[a : a + chunk], vocab_start, gather)
             out[a : a + chunk] = (picked.double() - torch.log(s)).float()
         ctx.save_for_backward(hidden, weight, ids, m_all, s_all)
-        ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        ctx.vocab_start, ctx.chunk, ctx.gather, ctx.chain, ctx.k_block = vocab_start, chunk, gather, chain, k_block
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         from .linear import linear, matmul_rows
+        from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
 
         hidden, weight, ids, m_all, s_all = ctx.saved_tensors
         w32 = weight.float()
         grad_h = torch.empty_like(hidden, dtype=torch.float32)
-        grad_w = torch.zeros_like(w32)
+        chain = ctx.chain
+        grad_w = None if chain is not None else torch.zeros_like(w32)
         for a in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[a : a + ctx.chunk]
             g = grad_out[a : a + ctx.chunk].double().unsqueeze(-1)
@@ -234,9 +236,17 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
             rows = torch.nonzero(owned).squeeze(-1)
             dz[rows, local[rows]] += g[rows, 0]
             dz = dz.float()
-            grad_h[a : a + ctx.chunk] = matmul_rows(dz, w32)
-            grad_w += dz.t() @ h.float()
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+            if ctx.k_block:  # dh over V in the TP-aligned tree: the whole of it on every rank
+                root = block_tree_sum(k_block_partials(dz, w32.t(), ctx.k_block))
+                grad_h[a : a + ctx.chunk] = reduce_over_ranks(root, ctx.gather)
+            else:  # this rank's partial sum (the caller reduces it over the ranks)
+                grad_h[a : a + ctx.chunk] = matmul_rows(dz, w32)
+            if chain is not None:  # the float32 kernel's chains over the tokens go on (shared_numerics.grad_chain)
+                chain.add_gemm(dz.t(), h.float().t())
+            else:
+                grad_w += dz.t() @ h.float()
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None, None
 
 
 def fused_selected_logprobs(
@@ -248,6 +258,8 @@ def fused_selected_logprobs(
     vocab_size: int | None = None,
     gather: Gather | None = None,
     chunk: int | None = None,
+    weight_chain=None,
+    k_block: int = 0,
 ) -> torch.Tensor:
     """Fused lm_head + vocab-parallel selected log-probs: :func:`selected_logprobs` of ``linear(hidden, weight)``
     without the ``[N, V_local]`` logits in memory (chunks of rows), with a closed-form backward.
@@ -259,15 +271,26 @@ def fused_selected_logprobs(
         vocab_start, vocab_size, gather: as for :func:`selected_logprobs`.
         chunk: rows per chunk (rounded up to a multiple of :data:`shared_numerics.linear.ROW_TILE`); ``None``:
             :func:`shared_numerics.fused_logprobs.auto_chunk` of ``V_local``. The result does not depend on it.
+        weight_chain: a :class:`shared_numerics.grad_chain.GradChain` of ``[V_local, H]`` that takes the weight's
+            gradient, chains over the rows in order on the float32 kernel (exact accumulation: any split of the rows
+            into calls or chunks gives the same sums; none is returned to autograd).
+        k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`, nonzero: ``dh`` sums over the vocabulary in the
+            TP-aligned tree (:func:`shared_numerics.tensor_parallel.column_parallel_input_grad`'s: ``V_local`` cut
+            into ``k_block`` blocks, the ranks' float32 subtree roots gathered with ``gather``), so every rank holds
+            the whole ``dh``, the same bits at every TP size; it must divide ``V_local``, and the ranks' slices must
+            be equal (a power-of-two TP size).
 
     Returns:
         ``[N]`` float32, bitwise ``selected_logprobs(linear(hidden, weight), ...)`` (and the full-vocabulary bits at
         every split). Backward (recomputing each chunk's logits; the forward's max and sum are kept):
-        ``dz = g (onehot(t) - e / S)`` on this rank's slice, ``dh = dz @ W_local`` (a partial sum over the ranks:
-        the caller reduces it, e.g. a ``Partial`` DTensor gradient) and ``dW_local = sum_chunks dz^T h``, float32.
+        ``dz = g (onehot(t) - e / S)`` on this rank's slice (float32, the same bits at every split and for every
+        grouping of the rows), ``dh = dz @ W_local`` (``k_block`` 0: a partial sum over the ranks, which the caller
+        reduces, e.g. a ``Partial`` DTensor gradient; else the tree's whole sum) and
+        ``dW_local = sum_chunks dz^T h``, float32 (or into ``weight_chain``).
 
     Raises:
-        ValueError: shape mismatch; see :func:`selected_logprobs`.
+        ValueError: shape mismatch; see :func:`selected_logprobs`; in the backward, ``k_block`` not dividing
+        ``V_local`` or a gathered TP size that is not a power of two.
 
     Source: :mod:`shared_numerics.fused_logprobs` (the TP 1 fused path; Liger-Kernel's
     ``fused_linear_cross_entropy``) with Megatron's vocab-parallel layout.
@@ -288,5 +311,13 @@ def fused_selected_logprobs(
     _check_vocab(max(weight.shape[0], vocab_size))
     ids = _check_ids(token_ids, vocab_size)
     return _FusedSelectedLogprobs.apply(
-        hidden, weight, ids, vocab_start, vocab_size, gather, rows_per_chunk(chunk, weight.shape[0])
+        hidden,
+        weight,
+        ids,
+        vocab_start,
+        vocab_size,
+        gather,
+        rows_per_chunk(chunk, weight.shape[0]),
+        weight_chain,
+        k_block,
     )

@@ -366,6 +366,93 @@ def test_fused_vocab_parallel_logprobs_equal_unfused_for_every_split(dtype):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.requires_f32_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_fused_vocab_parallel_backward_is_the_same_bits_at_every_split_and_grouping(dtype):
+    """The fused vocab-parallel lm_head's backward under exact accumulation with ``k_block`` (issue 56 point 6 with
+    the fused loss under TP): each rank's weight rows' gradient is a chain over the rows in order
+    (``weight_chain``), so one call on 40 rows and two calls on 13 + 27 give the same chains, and TP 2 and 4 (each
+    rank's rows) give TP 1's rows; the hidden states' gradient sums over the vocabulary in the TP-aligned tree, so
+    every rank of every split holds TP 1's whole ``dh``. Both within float32 rounding of autograd's gradient of the
+    unfused log-probs. Negative controls: without ``k_block`` the ranks' partial ``dh`` summed is not TP 1's; without
+    chains two calls' weight gradients added are not one call's."""
+    import shared_numerics.vocab_parallel as vp
+    from shared_numerics.grad_chain import GradChain
+
+    g = torch.Generator().manual_seed(7)
+    n, h, vocab = 40, 48, 128
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(vocab, h, generator=g) * 0.3).to(dtype)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    w = torch.randn(n, generator=g)
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (vp.selected_logprobs(sn.linear(h_ref, w_ref), t) * w).sum().backward()
+
+    def backward(rows, ws, bounds, r, gather, chain, k_block=K_BLOCK):
+        hs = hidden[rows].clone().requires_grad_()
+        lp = vp.fused_selected_logprobs(
+            hs, ws, t[rows], vocab_start=bounds[r], vocab_size=vocab, gather=gather, chunk=16,
+            weight_chain=chain, k_block=k_block,
+        )  # fmt: skip
+        (lp * w[rows]).sum().backward()
+        return hs.grad
+
+    groupings = {"one call": [slice(0, n)], "13 + 27": [slice(0, 13), slice(13, n)]}
+    by_split = {}
+    for tp in (1, 2, 4):
+        bounds = [r * vocab // tp for r in range(tp + 1)]
+
+        def rank(r, gather, bounds=bounds, tp=tp):
+            ws = weight[bounds[r] : bounds[r + 1]]
+            out = {}
+            for name, calls in groupings.items():
+                chain = GradChain(ws.shape)
+                dh = torch.cat([backward(c, ws, bounds, r, gather if tp > 1 else None, chain) for c in calls])
+                out[name] = (chain.acc.clone(), dh)
+            return out
+
+        by_split[tp] = _lockstep(tp, rank)
+    chain1, dh1 = by_split[1][0]["one call"]
+    assert dh1.dtype == dtype and dh1.shape == (n, h)
+    for tp, ranks in by_split.items():
+        for name in groupings:
+            chains = torch.cat([ranks[r][name][0] for r in range(tp)])
+            assert torch.equal(chains, chain1), f"weight chains, TP {tp}, {name}"
+            for r in range(tp):
+                assert torch.equal(ranks[r][name][1], dh1), f"dh, TP {tp} rank {r}, {name}"
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(chain1, w_ref.grad.float(), **tol)
+    torch.testing.assert_close(dh1.float(), h_ref.grad.float(), **tol)
+
+    # negative controls: the ranks' partial dh summed (no k_block); two calls' weight gradients added (no chain)
+    def stock(tp):
+        bounds = [r * vocab // tp for r in range(tp + 1)]
+
+        def rank(r, gather):
+            ws = weight[bounds[r] : bounds[r + 1]]
+            return backward(slice(0, n), ws, bounds, r, gather, None, k_block=0)
+
+        parts = _lockstep(tp, rank)
+        out = parts[0].float()
+        for p in parts[1:]:  # an all-reduce adding the ranks in order
+            out = out + p.float()
+        return out
+
+    partial_sums_differ = any(not torch.equal(stock(1), stock(tp)) for tp in (2, 4))
+
+    def added_grads(calls):
+        ws = weight.clone().requires_grad_()
+        for c in calls:
+            hs = hidden[c].clone()
+            (vp.fused_selected_logprobs(hs, ws, t[c], chunk=16) * w[c]).sum().backward()
+        return ws.grad
+
+    grouping_differs = not torch.equal(added_grads(groupings["one call"]), added_grads(groupings["13 + 27"]))
+    stock_differs(partial_sums_differ, "the ranks' partial dh summed at TP 2 / 4 vs TP 1", "the seed or shapes")
+    stock_differs(grouping_differs, "two calls' weight gradients added vs one call's", "the seed or shapes")
+
+
+@pytest.mark.timeout(120)
 def test_sampler_logprobs_follow_tp_k_block(monkeypatch):
     """vLLM's ``compute_logprobs`` is the vocab-parallel definition exactly when the process's zerokld model has
     ``tp_k_block``, the dense one for other zerokld models, vLLM's own otherwise (the engine tests cannot tell: the two
@@ -988,7 +1075,9 @@ def test_tensor_parallel_2_trains_like_tp_1(tmp_path):
     steps, every parameter's gradient, both gradient norms and every weight after them. Every sum TP splits is the
     fixed tree: the row-parallel forward, the column-parallel projections' input gradients (``wq``/``wk``/``wv``,
     ``w1``/``w3``, the lm_head over a vocabulary of 128), the per-head q/k-norm gains; the gradient norm is taken
-    over the whole gradients. This test's earlier, to-rounding form caught the embedding defect of 2026-11-28 (the
+    over the whole gradients. With the fused lm_head loss too (its hidden states' gradient in the same tree, its
+    rows' weight gradient in chains), TP 2 streaming the batch in three calls gives TP 1's one call, both with batched
+    exact accumulation. This test's earlier, to-rounding form caught the embedding defect of 2026-11-28 (the
     first layer's attention-norm path contributed nothing to the embedding's gradient at TP 2). Negative
     control: TorchTitan's stock components train to other weights at TP 2 than at TP 1."""
     import dataclasses
@@ -1000,6 +1089,11 @@ def test_tensor_parallel_2_trains_like_tp_1(tmp_path):
     ckpt = str(make_tiny_checkpoint(tmp_path / "ckpt", dataclasses.replace(SPECS["qwen3"], vocab_size=128), seed=1))
     seqs = random_prompts(6, seed=51, lo=12, hi=60)
     _check_trains_like(tmp_path, ckpt, seqs, {"tp": 1}, {"tp": 2}, exact=True)
+    # the fused lm_head loss: TP 2 streaming the batch in three calls == TP 1 in one, both batched
+    fused = _check_trains_like(
+        tmp_path, ckpt, seqs, {"tp": 1, "fused": True}, {"tp": 2, "fused": True, "stream_calls": 3}, exact=True
+    )
+    assert [run["exact_accumulation_off"] for run in fused] == [None, None]
     lens = [len(s) // 2 for s in seqs]
     stock = [
         _trainer_tp(tmp_path, ckpt, "float32", tp, seqs, lens, False, None, True, weights=True, steps=2)["weights"]

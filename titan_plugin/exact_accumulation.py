@@ -276,11 +276,10 @@ def unsupported_reason(
     model: torch.nn.Module | list[torch.nn.Module],
     dtype: torch.dtype,
     data_parallel: bool = False,
-    fused: bool = False,
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
     feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
-    ``wkv_b`` under tensor parallelism), the ``fused`` vocab-parallel lm_head, MoE experts split over TP ranks, TP x EP
+    ``wkv_b`` under tensor parallelism), MoE experts split over TP ranks, TP x EP
     experts with data parallelism, a parameter sharded over more than one rank — but over the data-parallel mesh
     dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank), experts
     over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp`` (its own
@@ -292,8 +291,6 @@ def unsupported_reason(
     for mod_name, module, name, site in _sites(model):
         if site is None:
             return f"{mod_name}.{name} belongs to a {_own_class(module).__name__}"
-        if isinstance(module, ZeroKLDLMHead) and module.vocab_parallel and fused:
-            return "the fused vocab-parallel lm_head (tp_k_block)"
         p = site.param
         expert_parallel = _expert_parallel_site(site)
         if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block and _model_parallel(p) and not expert_parallel:

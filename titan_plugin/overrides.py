@@ -101,7 +101,12 @@ class ZeroKLDLinear(Linear):
 
     def _input_tree(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s gradient takes the TP-aligned tree (:attr:`k_block` set and dividing the local rows)."""
-        if not (self.k_block and torch.is_grad_enabled() and x.requires_grad):
+        return torch.is_grad_enabled() and x.requires_grad and self._tree_rows()
+
+    def _tree_rows(self) -> bool:
+        """Whether the output rows take the TP-aligned tree in the input's gradient: :attr:`k_block` set, dividing
+        this rank's rows, the rows split evenly over the ranks."""
+        if not self.k_block:
             return False
         rows, local = self.weight.shape[0], self.weight.shape[0]
         if _is_dtensor(self.weight):
@@ -221,7 +226,9 @@ class ZeroKLDLMHead(ZeroKLDLinear):
     With ``vocab_parallel`` (set by :func:`set_tp_k_block`) the fused log-probs are the vocab-parallel definition
     (:func:`shared_numerics.vocab_parallel.fused_selected_logprobs`); under TorchTitan's tensor parallelism the weight
     is ``Shard(0)`` (vocabulary rows) and each rank scores its own rows (:meth:`fused_input` makes the hidden states
-    local with a ``Partial`` gradient)."""
+    local). The hidden states' gradient sums over the vocabulary in the TP-aligned tree where ``k_block`` divides each
+    rank's rows (every rank holds the whole of it: the same bits at every TP size), else it is each rank's partial
+    sum, ``Partial``. Under exact accumulation the weight's gradient goes into its chain (this rank's rows)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ZeroKLDLinear.Config):
@@ -236,13 +243,15 @@ class ZeroKLDLMHead(ZeroKLDLinear):
     def fused_input(self, x: torch.Tensor) -> torch.Tensor:
         """The hidden states ``[..., H]`` as this rank's plain tensor for ``forward(x, targets=...)`` (index it
         first; a DTensor cannot take a boolean mask): a DTensor's local tensor, whose gradient is ``Partial`` when
-        the weight is vocabulary-sharded (each rank's rows contribute); a plain tensor unchanged."""
+        the weight is vocabulary-sharded (each rank's rows contribute) and the fused backward does not take the
+        TP-aligned tree; a plain tensor unchanged."""
         if not _is_dtensor(x):
             return x
         from torch.distributed.tensor import Partial, Replicate
 
         sharded = _is_dtensor(self.weight) and any(p.is_shard() for p in self.weight.placements)
-        return x.to_local(grad_placements=[Partial() if sharded else Replicate()])
+        partial = sharded and not (self.vocab_parallel and self._tree_rows())
+        return x.to_local(grad_placements=[Partial() if partial else Replicate()])
 
     def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
@@ -258,7 +267,13 @@ class ZeroKLDLMHead(ZeroKLDLinear):
                 from .tensor_parallel import vocab_rows
 
                 weight, kwargs = vocab_rows(weight)
-            return sn_vocab.fused_selected_logprobs(x, weight, targets, chunk=self.fused_chunk, **kwargs)
+            chains = grad_chains(self)
+            if chains is not None:  # exact accumulation: this rank's rows' gradient into the chain
+                weight, kwargs["weight_chain"] = weight.detach(), chains["weight"]
+            k_block = self.k_block if self._tree_rows() else 0
+            return sn_vocab.fused_selected_logprobs(
+                x, weight, targets, chunk=self.fused_chunk, k_block=k_block, **kwargs
+            )
         if _is_dtensor(self.weight):
             raise NotImplementedError("fused log-probs under tensor parallelism need tp_k_block")
         chains = grad_chains(self)

@@ -415,7 +415,7 @@ class RLTrainer(Trainer):
         if dims.cp_enabled and dims.dp_replicate == 1:
             data_parallel = dims.get_mesh("fsdp") if dims.dp_enabled else dims.get_mesh("cp")
             context_parallel = (dims.get_mesh("cp"), dims.get_optional_mesh("batch") if dims.dp_enabled else None)
-        reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None, config.loss.fused)
+        reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:
         #: one rollout at a time (``exact_accumulation_off`` says why)
         self.exact_accumulation = (
