@@ -949,7 +949,9 @@ def test_tensor_parallel_2_x_expert_parallel_2_equals_one_rank(tmp_path, checkpo
     ``tp_k_block`` (vLLM's at TP 1 and 2: ``test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2``), with routes
     replayed (R3) too, and an RL step trains through it; two streamed float32 steps give one rank's gradients,
     gradient norms and weights bit for bit (each expert's gradient counted once; the MoE input's gradient adds each
-    token's slots in slot order and the router's whole gradient on every rank). Negative control: TorchTitan's stock
+    token's slots in slot order and the router's whole gradient on every rank), at TP 2 x EP 2 and at FSDP 2 x TP 2 x
+    EP 2 (each data-parallel rank streaming its half of the batch, the experts' chains handed between the
+    data-parallel ranks of each EP rank), all with batched exact accumulation. Negative control: TorchTitan's stock
     MoE at TP 2 x EP 2 differs from one rank's bits."""
     import dataclasses
 
@@ -996,7 +998,9 @@ def test_tensor_parallel_2_x_expert_parallel_2_equals_one_rank(tmp_path, checkpo
     # training: every expert's gradient once (each rank exchanges its share of the tokens, not all of them), every
     # gradient and weight one rank's bit for bit (a vocabulary of 128: the lm_head's input gradient takes the tree)
     ckpt = make_tiny_checkpoint(tmp_path / "v128", dataclasses.replace(SPECS["qwen3_moe"], vocab_size=128), seed=1)
-    _check_trains_like(tmp_path, str(ckpt), seqs, {"tp": 1}, {"tp": 2, "ep": 2}, exact=True)
+    fsdp_tp_ep = {"tp": 2, "ep": 2, "nproc": 4, "split": True}  # FSDP 2 x TP 2 x EP 2: the experts' chains handed on
+    runs = _check_trains_like(tmp_path, str(ckpt), seqs, {"tp": 1}, {"tp": 2, "ep": 2}, fsdp_tp_ep, exact=True)
+    assert [run["exact_accumulation_off"] for run in runs] == [None] * 3  # batched chains on every layout
 
 
 @pytest.mark.extended  # `make test-extended`: EP 2 == one rank is proven on Qwen3-MoE

@@ -44,11 +44,14 @@ _hand_off_passes`).
 
 Under TP x EP (``tp_k_block``: TorchTitan borrows the TP ranks for EP, every rank holds every token) each rank's whole
 experts keep chains of their own too: each rank exchanges its share of the tokens, so an expert receives every
-token's rows in token order; their down projections' chains take ``dYᵀ act`` of the TP-invariant tree's root.
+token's rows in token order; their down projections' chains take ``dYᵀ act`` of the TP-invariant tree's root. With
+FSDP as well (FSDP x TP x EP: each data-parallel group's TP ranks hold that group's tokens) the experts' chains are
+handed between the data-parallel ranks of each EP rank like the TP shards', and each rank takes its FSDP block over
+``efsdp``.
 
-Not covered (the general way runs): experts split over TP ranks, TP x EP with data parallelism, the fused
-vocab-parallel lm_head, context parallelism with replicated data parallelism (HSDP), bf16 on CPUs whose bf16 GEMMs
-go through oneDNN (AVX-512 without AMX), MLA under tensor parallelism.
+Not covered (the general way runs): experts split over TP ranks, context parallelism with replicated data
+parallelism (HSDP), bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX), MLA under tensor
+parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -79,7 +82,13 @@ from .overrides import (
     ZeroKLDRowParallelLinear,
 )
 
-__all__ = ["CHAIN_MODULES", "DATA_PARALLEL_DIMS", "ExactAccumulation", "unsupported_reason"]
+__all__ = [
+    "CHAIN_MODULES",
+    "DATA_PARALLEL_DIMS",
+    "EXPERT_DATA_PARALLEL_DIMS",
+    "ExactAccumulation",
+    "unsupported_reason",
+]
 
 #: module types (exact) whose parameters' gradients go into chains
 CHAIN_MODULES = (
@@ -151,7 +160,7 @@ def _expert_site(moe: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Sit
     if name not in ("w1_EFD", "w2_EDF", "w3_EFD"):
         return None
     if _model_parallel(p):  # TorchTitan EP: this rank's E / EP experts (titan_plugin.expert_parallel)
-        return _Site(moe, name, p, tuple(p.to_local().shape), float32_products=True, local=True)
+        return _Site(moe, name, p, _mesh_dim_shape(p, "ep"), float32_products=True, local=True)
     return _Site(moe, name, p, tuple(p.shape), float32_products=True)
 
 
@@ -247,10 +256,17 @@ def _expert_parallel_site(site: _Site) -> bool:
     from torch.distributed.tensor import DTensor
 
     p = site.param
-    if not (site.local and isinstance(site.feeder, ZeroKLDMoE) and isinstance(p, DTensor)):
+    if not (isinstance(site.feeder, ZeroKLDMoE) and isinstance(p, DTensor)):
         return False
     dims = p.device_mesh.mesh_dim_names or ()
     return "ep" in dims and p.device_mesh["ep"].size() > 1
+
+
+def _tp_x_ep(site: _Site) -> bool:
+    """Experts under TP x EP (``tp_k_block``; TorchTitan's EP over the TP ranks): every rank holds its data-parallel
+    group's tokens, and its experts' chains run over that group's tokens; with data parallelism they are handed
+    between the data-parallel ranks of each EP rank like the TP shards' chains."""
+    return _expert_parallel_site(site) and site.feeder.k_block is not None
 
 
 def _tp_placement(p):
@@ -261,15 +277,29 @@ def _tp_placement(p):
 def _tp_shape(p) -> tuple[int, ...]:
     """This rank's tensor-parallel shard of DTensor ``p`` (on the ``tp`` mesh dimension alone; FSDP's sharding over
     data-parallel ranks on top of it left out): the shape the zerokld TP modules compute with."""
+    return _mesh_dim_shape(p, "tp")
+
+
+def _mesh_dim_shape(p, dim: str) -> tuple[int, ...]:
+    """This rank's shard of DTensor ``p`` over mesh dimension ``dim`` alone (``tp``: a TP shard; ``ep``: this EP
+    rank's experts), FSDP's sharding over the data-parallel ranks on top of it left out; ``p``'s local shape where
+    its mesh has no ``dim``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh["tp"], [_tp_placement(p)])
+    names = p.device_mesh.mesh_dim_names or ()
+    if dim not in names:
+        return tuple(p.to_local().shape)
+    placement = p.placements[names.index(dim)]
+    shape, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh[dim], [placement])
     return tuple(shape)
 
 
 #: DeviceMesh dimensions over which FSDP2 shards or replicates parameters (TorchTitan's ``ParallelDims``): data
 #: parallelism, which the chains' hand-off between data-parallel ranks covers
 DATA_PARALLEL_DIMS = frozenset({"dp_replicate", "dp_shard", "fsdp"})
+#: the same for the experts' mesh (TorchTitan's sparse mesh: FSDP over ``efsdp``, the data-parallel ranks of each
+#: EP rank when EP borrows the TP ranks)
+EXPERT_DATA_PARALLEL_DIMS = frozenset({"dp_replicate", "efsdp"})
 
 
 def unsupported_reason(
@@ -279,11 +309,12 @@ def unsupported_reason(
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
     feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
-    ``wkv_b`` under tensor parallelism), MoE experts split over TP ranks, TP x EP
-    experts with data parallelism, a parameter sharded over more than one rank — but over the data-parallel mesh
-    dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains are handed from rank to rank), experts
-    over TorchTitan's ``ep`` dimension alone when ``data_parallel``, or a tensor-parallel shard over ``tp`` (its own
-    chain; with FSDP too when ``data_parallel``) — or no kernel coverage for ``dtype`` on this machine."""
+    ``wkv_b`` under tensor parallelism), MoE experts split over TP ranks, a parameter sharded over more than one
+    rank — but over the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains
+    are handed from rank to rank), experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, TP x EP
+    experts over ``ep`` (with FSDP over :data:`EXPERT_DATA_PARALLEL_DIMS` too when ``data_parallel``), or a
+    tensor-parallel shard over ``tp`` (its own chain; with FSDP too when ``data_parallel``) — or no kernel coverage
+    for ``dtype`` on this machine."""
     from torch.distributed.tensor import DTensor
 
     if not chain_available(dtype):
@@ -301,8 +332,9 @@ def unsupported_reason(
             if expert_parallel:
                 others = sorted(d for d in dims - {"ep"} if mesh[d].size() > 1)
                 if site.feeder.k_block is not None:  # TP x EP: EP over the TP ranks, every rank every token
-                    if data_parallel or others:
-                        return f"{mod_name}.{name}: TP x EP experts with data parallelism (not covered yet)"
+                    # with FSDP (efsdp: the data-parallel ranks of each EP rank) the chains are handed on like TP's
+                    if others and not (data_parallel and set(others) <= EXPERT_DATA_PARALLEL_DIMS):
+                        return f"{mod_name}.{name}: TP x EP experts sharded over {', '.join(others)}"
                 elif not data_parallel or others:  # EP borrows the data-parallel ranks
                     return f"{mod_name}.{name}: experts sharded over {', '.join(others) or 'ep'} without the hand-off"
             elif site.local:  # tensor parallelism (with FSDP: the chains handed between data-parallel ranks)
@@ -357,8 +389,8 @@ class ExactAccumulation:
         if reason is not None:
             raise ValueError(f"exact accumulation with batched passes: {reason}")
         self._sites = [site for *_, site in _sites(model)]
-        if data_parallel is not None:  # FSDP x TP: the TP shards' chains are handed on like the rest
-            self._sites = [dataclasses.replace(s, local=False) if s.tp else s for s in self._sites]
+        if data_parallel is not None:  # FSDP x TP (x EP): the TP shards' and experts' chains are handed on
+            self._sites = [dataclasses.replace(s, local=False) if s.tp or _tp_x_ep(s) else s for s in self._sites]
         self.token_multiple = CHAIN_K_MULTIPLE if dtype == torch.bfloat16 else 1
         self.data_parallel = data_parallel
         self._flat: torch.Tensor | None = None  # every chain's accumulator, one float32 buffer (the hand-off's)
@@ -423,7 +455,9 @@ class ExactAccumulation:
             p = site.param
             g = g.to(p.dtype)  # float32 master weights: the accumulator itself
             if isinstance(p, DTensor):
-                if self.data_parallel is not None and not site.local:
+                if self.data_parallel is not None and not site.local and _tp_x_ep(site):
+                    g = _efsdp_shard_of_ep_shard(g, p).clone()  # its whole: .grad.full_tensor() (full_grads)
+                elif self.data_parallel is not None and not site.local:
                     self._full[id(p)] = g
                     shard = _fsdp_shard_of_tp_shard(g, p, self.data_parallel) if site.tp else _local_shard(g, p)
                     g = shard.clone()  # optim_step divides .grad in place: not the whole one's storage
@@ -533,6 +567,31 @@ def _local_shard(full: torch.Tensor, p) -> torch.Tensor:
     if block.shape != p.to_local().shape:
         raise RuntimeError(
             f"exact accumulation: shard {tuple(block.shape)} of {tuple(full.shape)} is not the parameter's"
+        )
+    return block
+
+
+def _efsdp_shard_of_ep_shard(ep_shard: torch.Tensor, p) -> torch.Tensor:
+    """This rank's block of ``ep_shard`` (its EP rank's experts' gradient ``[E / EP, ...]``, whole over the
+    data-parallel ranks) as FSDP2 lays it out over TorchTitan's ``efsdp`` mesh dimension: ``torch.chunk`` blocks of
+    the dimension the expert placement names (``Shard(0)``, or ``Shard(1)`` when ``efsdp x ep`` exceeds the expert
+    count: ``torchtitan/distributed/fsdp.py`` ``apply_fsdp_to_decoder``).
+
+    Raises:
+        RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
+    names = p.device_mesh.mesh_dim_names
+    block = ep_shard
+    if "efsdp" in names:
+        mesh, placement = p.device_mesh["efsdp"], p.placements[names.index("efsdp")]
+        dim = getattr(placement, "dim", None)  # Shard, or FSDP2's _StridedShard of the EP shard (not is_shard())
+        if dim is not None:
+            blocks = torch.chunk(ep_shard, mesh.size(), dim=dim)
+            rank = mesh.get_local_rank()
+            block = blocks[rank] if rank < len(blocks) else ep_shard.narrow(dim, 0, 0)
+    if block.shape != p.to_local().shape:
+        raise RuntimeError(
+            f"exact accumulation: FSDP block {tuple(block.shape)} of the experts {tuple(ep_shard.shape)} is not "
+            f"the parameter's {tuple(p.to_local().shape)}"
         )
     return block
 
