@@ -26,16 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .gemm_cpu import CHAIN_K_MULTIPLE, amx_available, f32_available, gemm_abt_accumulate
+from .gemm_cpu import CHAIN_K_MULTIPLE, f32_available, gemm_abt_accumulate
 
 __all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding", "chained_weight_grad", "replay"]
-
-
-def _bf16_on_amx() -> bool:
-    """Whether a bf16 linear takes the AMX kernel (:func:`shared_numerics.linear.linear`); otherwise it is upcast."""
-    from .linear import native_bf16_gemm
-
-    return amx_available() and native_bf16_gemm()
 
 
 def chain_available(dtype: torch.dtype) -> bool:
@@ -43,12 +36,12 @@ def chain_available(dtype: torch.dtype) -> bool:
     kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or upcast to the float32 kernel where oneDNN has no bf16 GEMMs:
     AVX2), float32 linears and the fused lm_head's float32 gradient on the float32 kernel. bf16 on oneDNN's path
     (AVX-512 without AMX) and CPUs without FMA units are not covered."""
-    from .linear import native_bf16_gemm
+    from .linear import bf16_path
 
     if not f32_available():
         return False
     if dtype == torch.bfloat16:
-        return amx_available() or not native_bf16_gemm()
+        return bf16_path() in ("amx", "fp32")
     return dtype == torch.float32
 
 
@@ -114,7 +107,9 @@ class GradChain:
         where :func:`shared_numerics.linear.linear` upcasts bf16 (no AMX, e.g. AVX2: no bf16 kernel) are widened to
         the float32 kernel, as that linear's own chain is. Raises as
         :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
-        if self.float32_products or (a.dtype == torch.bfloat16 and not _bf16_on_amx()):
+        from .linear import bf16_path
+
+        if self.float32_products or (a.dtype == torch.bfloat16 and bf16_path() != "amx"):
             a, b = a.float(), b.float()
         self.add(gemm_abt_accumulate, a, b)
 

@@ -52,7 +52,16 @@ from zerokld_plugins import envs
 
 from .gemm_cpu import amx_available, f32_available, gemm_abt
 
-__all__ = ["ONEDNN_ROWS", "ONEDNN_THREADS", "ROW_TILE", "gemm_partition", "linear", "matmul_rows", "native_bf16_gemm"]
+__all__ = [
+    "ONEDNN_ROWS",
+    "ONEDNN_THREADS",
+    "ROW_TILE",
+    "bf16_path",
+    "gemm_partition",
+    "linear",
+    "matmul_rows",
+    "native_bf16_gemm",
+]
 
 ROW_TILE = 32
 #: rows of every oneDNN call of the native bf16 path (decode pads to one call; prefill/training issue M / 128 calls)
@@ -91,6 +100,16 @@ def native_bf16_gemm() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def bf16_path() -> str:
+    """The kernel a bf16 :func:`linear` takes on this machine: ``"amx"`` (``csrc/gemm.cpp``'s AMX kernel),
+    ``"native"`` (oneDNN bf16 calls of :data:`ONEDNN_ROWS` rows) or ``"fp32"`` (upcast to the float32 path: no oneDNN
+    bf16 GEMMs, e.g. AVX2, or ``ZEROKLD_NATIVE_BF16=0``). The one decision :func:`linear`, :func:`gemm_partition`
+    and the weight-gradient chains (:mod:`shared_numerics.grad_chain`) all follow."""
+    if not native_bf16_gemm():
+        return "fp32"
+    return "amx" if amx_available() else "native"
+
+
 @functools.lru_cache(maxsize=1)
 def gemm_partition() -> str:
     """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
@@ -99,8 +118,8 @@ def gemm_partition() -> str:
     the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds
     the GEMM kernel (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
-    # (linear's own order: ZEROKLD_NATIVE_BF16=0 upcasts on an AMX CPU too)
-    bf16 = "fp32" if not native_bf16_gemm() else "amx" if amx_available() else f"native:rows={ONEDNN_ROWS}"
+    bf16 = bf16_path()
+    bf16 = f"native:rows={ONEDNN_ROWS}" if bf16 == "native" else bf16
     return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16}"
 
 
@@ -286,10 +305,11 @@ def linear(
     chained = weight_chain is not None
     if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not _chain_available(x.dtype)):
         raise ValueError(f"exact gradient accumulation: no kernel path for a {x.dtype} linear on {x.device} here")
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and native_bf16_gemm():
+    path = bf16_path() if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu else None
+    if path is not None and path != "fp32":
         b = None if bias is None else bias.to(torch.bfloat16)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if amx_available():
+        if path == "amx":
             if chained:
                 y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
             elif torch.is_grad_enabled() and (

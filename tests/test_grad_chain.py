@@ -74,9 +74,9 @@ def test_float32_products_chain_any_token_count_of_bf16(threads):
     assert torch.equal(split.acc, whole.acc) and not bool(whole.acc[1].eq(0).all())
     assert bool(whole.acc[0].eq(0).all()) and bool(whole.acc[2].eq(0).all())
     assert torch.equal(whole.acc[1], gemm_abt(dy[:, 1].float().t(), x.float().t()))
-    from shared_numerics.grad_chain import _bf16_on_amx
+    from shared_numerics.linear import bf16_path
 
-    if _bf16_on_amx():  # the bf16 kernel: such counts are refused
+    if bf16_path() == "amx":  # the bf16 kernel: such counts are refused
         with pytest.raises(ValueError, match=f"multiples of {CHAIN_K_MULTIPLE}"):
             GradChain((40, 24)).add_gemm(dy[:7, 1].t(), x[:7].t())
     else:  # bf16 linears are upcast here, and so are their chains (any token count)
@@ -262,7 +262,7 @@ def test_bf16_weight_chain_takes_the_linears_bf16_path(threads):
     chain multiplies on the float32 kernel, as that linear's own chain: the bits of the widened operands' chain, not
     a refusal (there is no bf16 kernel there; FSDP 2 x TP 2 training in bf16 raised on AVX2). On AMX: the bf16
     kernel, consecutive calls one chain."""
-    from shared_numerics.grad_chain import _bf16_on_amx
+    from shared_numerics.linear import bf16_path
 
     g = torch.Generator().manual_seed(9)
     dy, x = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, 24, generator=g).bfloat16()
@@ -271,7 +271,7 @@ def test_bf16_weight_chain_takes_the_linears_bf16_path(threads):
     two.add_gemm(dy[:64].t(), x[:64].t())
     two.add_gemm(dy[64:].t(), x[64:].t())
     assert torch.equal(one.acc, two.acc)
-    if not _bf16_on_amx():
+    if bf16_path() != "amx":
         widened = GradChain((40, 24), float32_products=True)
         widened.add_gemm(dy.t(), x.t())
         assert torch.equal(one.acc, widened.acc)
