@@ -168,9 +168,10 @@ def moe_experts(
             :class:`~shared_numerics.grad_chain.GradChain` s of the three stacked weights' shapes (with
             ``float32_products`` for bf16: an expert's tokens are any number) that the experts' weight gradients
             continue, expert ``e``'s over its tokens in token order; nothing is returned to autograd for the three.
-            With ``k_block`` on whole experts (``gather`` None: TP x EP), the down projection's chain takes
-            ``dYᵀ act`` of the tree's float32 root (:func:`shared_numerics.grad_chain.chained_weight_grad`). Not with
-            ``k_block`` on TP-split experts (``gather``); a CPU where
+            With ``k_block`` the down projection's chain takes ``dYᵀ act`` of the tree's float32 root
+            (:func:`shared_numerics.grad_chain.chained_weight_grad`): a whole expert's (TP x EP), or on TP-split
+            experts (``gather``) this rank's subtree root, whose gradient is the whole output's, so each rank's
+            chains are TP 1's slices (the gate/up rows, the down columns it holds). A CPU where
             :func:`~shared_numerics.grad_chain.chain_available` holds.
         shared_out: ``[N, H]`` the shared experts' output (DeepSeekMoE), added in float32 after the slots.
         fp8: ``None``, or the FP8 granularity (``"per_channel"`` / ``"block"``) of every expert projection: each is
@@ -192,7 +193,7 @@ def moe_experts(
         the TP size; with ``expert_parallel``, not on the EP size). Differentiable.
 
     Raises:
-        ValueError: ``chains`` with ``gather``, ``fp8`` with ``k_block``, ``scales`` without ``fp8``,
+        ValueError: ``fp8`` with ``k_block``, ``scales`` without ``fp8``,
             ``expert_parallel`` with ``k_block`` and ``gather``, or where no kernel covers ``x.dtype`` (as
             :func:`shared_numerics.linear` 's ``weight_chain``); an expert id beyond the experts held (``E``, or
             ``E / EP`` on each of the EP ranks).
@@ -200,8 +201,6 @@ def moe_experts(
     """
     from .tensor_parallel import reduce_over_ranks
 
-    if chains is not None and gather is not None:
-        raise ValueError("MoE gradient chains are for whole experts (not tensor-parallel ones: gather)")
     if fp8 is not None and k_block is not None:
         raise ValueError("FP8 experts are single-rank (k_block None): the TP-invariant tree sums a bf16/fp32 GEMM")
     if scales is not None and fp8 is None:
@@ -294,7 +293,8 @@ def _expert_rows(
             ye = _expert_linear(act, downs[e], down, fp8, None if sd is None else sd[e]).float()
         elif down is None:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
             ye = block_tree_sum(k_block_partials(act, downs[e], k_block))
-        else:  # a whole expert's root; its weight gradient dYᵀ act (any column blocking: the same sums) into the chain
+        else:  # the root (a whole expert's, or this rank's subtree's: its gradient is the output's); the weight
+            # gradient dYᵀ act (any column blocking: the same sums) into the chain
             ye = chained_weight_grad(block_tree_sum(k_block_partials(act, downs[e].detach(), k_block)), act, down)
         sels.append(sel)
         ys.append(ye)

@@ -387,12 +387,7 @@ def test_whole_expert_chains_with_k_block_are_one_ranks_under_tp_x_ep():
     from shared_numerics.grad_chain import GradChain
     from shared_numerics.moe import ExpertParallel
 
-    w = _experts(e=6, h=64, i=96, dtype=torch.float32, seed=21)
-    g = torch.Generator().manual_seed(22)
-    x0 = torch.randn(28, 64, generator=g)
-    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(28)])
-    ws = torch.rand(28, 2, generator=g)
-    up = torch.randn(28, 64, generator=g)
+    w, x0, ids, ws, up = _expert_case(i=96, seed=21)
 
     def chains(experts):
         return [GradChain((experts, *p.shape[1:]), float32_products=True) for p in w]
@@ -404,17 +399,9 @@ def test_whole_expert_chains_with_k_block_are_one_ranks_under_tp_x_ep():
             moe_experts(xa, ids[a:b], ws[a:b], *w, k_block=32, chains=cs).backward(up[a:b])
         return [c.acc.clone() for c in cs]
 
-    def autograd(cuts):
-        params = [p.clone().requires_grad_() for p in w]
-        for a, b in itertools.pairwise(cuts):
-            moe_experts(x0[a:b], ids[a:b], ws[a:b], *params, k_block=32).backward(up[a:b])
-        return [p.grad for p in params]
-
     whole = one_rank([0, 28])
     assert all(torch.equal(a, b) for a, b in zip(whole, one_rank([0, 11, 28]), strict=True))
-    ref = autograd([0, 28])
-    for mine, theirs in zip(whole, ref, strict=True):
-        assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+    _check_expert_chains_against_autograd(whole, w, x0, ids, ws, up)
 
     def rank(r, exchange):
         local, cs = [p[r * 3 : (r + 1) * 3] for p in w], chains(3)
@@ -427,12 +414,87 @@ def test_whole_expert_chains_with_k_block_are_one_ranks_under_tp_x_ep():
     ranks = _run_ranks(2, rank)
     for k in range(3):
         assert torch.equal(torch.cat([ranks[0][k], ranks[1][k]]), whole[k])
-    summed = autograd([0, 11, 28])
+
+
+def _expert_case(i: int, seed: int):
+    """6 float32 experts (hidden 64, intermediate ``i``) and 28 tokens: ``(weights, x, top-2 ids, routing weights,
+    output gradient)``."""
+    w = _experts(e=6, h=64, i=i, dtype=torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(28, 64, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(28)])
+    return w, x, ids, torch.rand(28, 2, generator=g), torch.randn(28, 64, generator=g)
+
+
+def _check_expert_chains_against_autograd(chains, w, x, ids, ws, up) -> None:
+    """The experts' chains after the 28 tokens (``k_block`` 32) are autograd's one-call gradient within 1e-5; the
+    negative control: autograd's gradients summed over calls on 11 + 17 tokens differ from one call's."""
+
+    def autograd(cuts):
+        params = [p.clone().requires_grad_() for p in w]
+        for a, b in itertools.pairwise(cuts):
+            moe_experts(x[a:b], ids[a:b], ws[a:b], *params, k_block=32).backward(up[a:b])
+        return [p.grad for p in params]
+
+    ref = autograd([0, 28])
+    for mine, theirs in zip(chains, ref, strict=True):
+        assert float((mine - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
     stock_differs(
-        any(not torch.equal(a, b) for a, b in zip(summed, ref, strict=True)),
+        any(not torch.equal(a, b) for a, b in zip(autograd([0, 11, 28]), ref, strict=True)),
         "autograd's expert gradients (k_block) summed over 11 + 17",
         "the tokens",
     )
+
+
+def _gather_roots(r: int, exchange):
+    """Rank ``r`` of 2's all-gather of float32 subtree roots (``[1, ...] -> [2, ...]``, rank order) over
+    :func:`_run_ranks`' ``exchange``, as :func:`shared_numerics.tensor_parallel.reduce_over_ranks` takes it; the
+    backward keeps this rank's slice."""
+
+    class GatherRoots(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, root):
+            return exchange(torch.cat([root] * 2), [1, 1], [1, 1]).detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad[r : r + 1]
+
+    return GatherRoots.apply
+
+
+def test_tensor_parallel_expert_chains_are_tp_1s_slices():
+    """Exact accumulation of tensor-parallel experts (``k_block``, each expert's intermediate size split over 2 ranks,
+    every rank every token; float32): the down projection's chain takes ``dYᵀ act`` of this rank's subtree root,
+    whose gradient is the whole output's, so each rank's chains after calls on 11 + 17 tokens are TP 1's one call's
+    slices (the gate/up rows, the down columns it holds), bit for bit, and its outputs TP 1's. Negative control:
+    autograd's gradients summed over the two calls differ from one call's."""
+    from shared_numerics.grad_chain import GradChain
+
+    w, x0, ids, ws, up = _expert_case(i=128, seed=23)
+
+    def run(weights, cuts, gather=None):
+        cs = [GradChain(p.shape, float32_products=True) for p in weights]
+        outs = []
+        for a, b in itertools.pairwise(cuts):
+            xa = x0[a:b].clone().requires_grad_()
+            out = moe_experts(xa, ids[a:b], ws[a:b], *weights, k_block=32, gather=gather, chains=cs)
+            out.backward(up[a:b])
+            outs.append(out.detach())
+        return torch.cat(outs), [c.acc.clone() for c in cs]
+
+    tp1_out, tp1 = run(w, [0, 28])
+
+    def rank(r, exchange):
+        shard = [w[0][:, r * 64 : (r + 1) * 64], w[1][:, r * 64 : (r + 1) * 64], w[2][:, :, r * 64 : (r + 1) * 64]]
+        return run(shard, [0, 11, 28], _gather_roots(r, exchange))
+
+    ranks = _run_ranks(2, rank)
+    for r in range(2):
+        assert torch.equal(ranks[r][0], tp1_out), f"rank {r}'s outputs"
+    for k, dim in enumerate((1, 1, 2)):
+        assert torch.equal(torch.cat([ranks[0][1][k], ranks[1][1][k]], dim=dim), tp1[k]), f"weight {k}"
+    _check_expert_chains_against_autograd(tp1, w, x0, ids, ws, up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -328,6 +328,23 @@ def test_vocab_parallel_log_softmax_same_bits_for_every_split_and_stock_is_not(d
         assert any(not torch.equal(stock1, _megatron_logprobs(z, t, b)) for b in splits[:3])
 
 
+def _lm_head_case(seed: int, n: int, h: int, vocab: int, dtype):
+    """Random ``hidden [n, h]``, lm_head ``weight [vocab, h]``, targets ``t``, per-row loss weights ``w``, and the
+    unfused vocab-parallel reference: its inputs' leaf copies after ``(log-probs * w).sum()``'s backward and its
+    log-probs."""
+    import shared_numerics.vocab_parallel as vp
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(vocab, h, generator=g) * 0.3).to(dtype)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    w = torch.randn(n, generator=g)
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = vp.selected_logprobs(sn.linear(h_ref, w_ref), t)
+    (ref * w).sum().backward()
+    return hidden, weight, t, w, h_ref, w_ref, ref
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_fused_vocab_parallel_logprobs_equal_unfused_for_every_split(dtype):
@@ -336,15 +353,8 @@ def test_fused_vocab_parallel_logprobs_equal_unfused_for_every_split(dtype):
     weight rows; the hidden states' gradient summed over the ranks) match autograd of the unfused path."""
     import shared_numerics.vocab_parallel as vp
 
-    g = torch.Generator().manual_seed(5)
-    n, h, vocab = 37, 32, 101
-    hidden = torch.randn(n, h, generator=g).to(dtype)
-    weight = (torch.randn(vocab, h, generator=g) * 0.3).to(dtype)
-    t = torch.randint(0, vocab, (n,), generator=g)
-    w = torch.randn(n, generator=g)
-    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref = vp.selected_logprobs(sn.linear(h_ref, w_ref), t)
-    (ref * w).sum().backward()
+    n, vocab = 37, 101
+    hidden, weight, t, w, h_ref, w_ref, ref = _lm_head_case(5, n, 32, vocab, dtype)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     for bounds in ([0, vocab], [0, 51, vocab], [0, 30, 64, vocab]):
         tp = len(bounds) - 1
@@ -379,14 +389,8 @@ def test_fused_vocab_parallel_backward_is_the_same_bits_at_every_split_and_group
     import shared_numerics.vocab_parallel as vp
     from shared_numerics.grad_chain import GradChain
 
-    g = torch.Generator().manual_seed(7)
     n, h, vocab = 40, 48, 128
-    hidden = torch.randn(n, h, generator=g).to(dtype)
-    weight = (torch.randn(vocab, h, generator=g) * 0.3).to(dtype)
-    t = torch.randint(0, vocab, (n,), generator=g)
-    w = torch.randn(n, generator=g)
-    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    (vp.selected_logprobs(sn.linear(h_ref, w_ref), t) * w).sum().backward()
+    hidden, weight, t, w, h_ref, w_ref, _ = _lm_head_case(7, n, h, vocab, dtype)
 
     def backward(rows, ws, bounds, r, gather, chain, k_block=K_BLOCK):
         hs = hidden[rows].clone().requires_grad_()
@@ -1029,7 +1033,8 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "family,ep",
-    [pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)]],
+    [("qwen3_moe", 1)]
+    + [pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)]],
 )
 def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family, ep):
     """Issue 56 point 6 under TP 2 (``tp_k_block``, float32): ``forward_backward`` in batched passes with exact
@@ -1037,10 +1042,11 @@ def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family,
     and lm_head), the replicated norm gains' chains over every token (zerokld TP keeps the activations replicated),
     Qwen3's q/k-norm gains summed over the head shards when written — so one call on the batch and three calls on
     its slices leave the same gradients: the log-probs during and after two steps, the gradient norms and every
-    weight are equal. Qwen2 adds the column-parallel biases; Qwen3-MoE at TP 2 x EP 2 each rank's 4 whole experts,
-    whose chains continue over every token's rows (each rank exchanges its share of the replicated tokens; the down
-    projections' chains take the TP-invariant tree's ``dYᵀ act``) and the router's. Negative control: TorchTitan's
-    stock TP 2 (x EP 2) — one batched step (``rl_step``) vs the same rollouts accumulated over three
+    weight are equal. Qwen2 adds the column-parallel biases; Qwen3-MoE at TP 2 each rank's half of every expert's
+    intermediate size (the down projection's chain takes ``dYᵀ act`` of its subtree root) and the router's; at TP 2 x
+    EP 2 each rank's 4 whole experts, whose chains continue over every token's rows (each rank exchanges its share of
+    the replicated tokens; the down projections' chains take the TP-invariant tree's ``dYᵀ act``). Negative control:
+    TorchTitan's stock TP 2 (x EP 2) — one batched step (``rl_step``) vs the same rollouts accumulated over three
     ``forward_backward`` calls — ends with other weights."""
     from zerokld_testing import random_prompts
 
@@ -1469,8 +1475,9 @@ def test_context_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype)
 @pytest.mark.tp
 @pytest.mark.timeout(900)
 def test_context_parallel_2_trains_like_one_rank(tmp_path, checkpoint_factory):
-    """Training under context parallelism gives one rank's bits (float32, two streamed steps), at CP 2 and at CP 2 x
-    DP 2 (4 ranks, each data-parallel pair its half of the rollouts): the log-probs, the step's log-probs and loss,
+    """Training under context parallelism gives one rank's bits (float32, two streamed steps), at CP 2, at CP 2 x
+    DP 2 (4 ranks, each data-parallel pair its half of the rollouts) and at CP 2 x HSDP's two replicas
+    (``data_parallel_replicate_degree`` 2): the log-probs, the step's log-probs and loss,
     every parameter's gradient, both gradient norms and every weight. Each rank runs the whole sequences' attention
     and its backward (``dq``, ``dk``, ``dv`` one rank's; it keeps its slices), and exact accumulation runs one rollout
     per pass, every pass replayed in one rank's token order (``titan_plugin.context_parallel``,
@@ -1485,7 +1492,11 @@ def test_context_parallel_2_trains_like_one_rank(tmp_path, checkpoint_factory):
     lens = [len(s) // 2 for s in seqs]
     ref = {"tp": 1, "tp_k_block": None}
     cp_dp = {**ref, "cp": 2, "nproc": 4, "split": True}
-    one, cp2, _ = _check_trains_like(tmp_path, ckpt, seqs, ref, {**ref, "cp": 2}, cp_dp, exact=True)
+    cp_hsdp = {**cp_dp, "dp_replicate": 2}  # HSDP: two replicas of FSDP over the cp ranks
+    runs = _check_trains_like(tmp_path, ckpt, seqs, ref, {**ref, "cp": 2}, cp_dp, cp_hsdp, exact=True)
+    assert [run["exact_accumulation_off"] for run in runs] == [None] * 4
+    assert runs[3]["parallel_dims"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 2}  # HSDP's replicas, not FSDP
+    one, cp2 = runs[:2]
     same = _same_run(one, cp2, keys=("logprobs", "step_logprobs"), weights=False)
     assert all(same.values()) and one["loss"] == cp2["loss"], same
     spec = dict(train_step=True, streaming=True, grads=True, cp=2, exact=False)

@@ -31,15 +31,17 @@ rank in rank order, so the gradients are one rank's on the concatenation of the 
 
 Expert parallelism: each rank's experts keep chains of their own (the EP exchange delivers an expert's rows in one
 rank's order). Tensor parallelism (``tp_k_block``): each rank's shards keep chains of their own — column- and
-row-parallel weights, the vocab-parallel embedding and (unfused) lm_head, the norm gains over the replicated
-activations; a gain fed a head shard (Qwen3's q/k norms, :class:`titan_plugin.overrides.ZeroKLDRMSNorm`
-``head_tree``) keeps one chain per head, the heads added with the TP-aligned tree when written — so any grouping of
-a TP run's micro-batches gives the same bits, and the same as TP 1's. With FSDP as well, each TP rank's chains are
+row-parallel weights, the vocab-parallel embedding and lm_head (fused or not), each MoE expert's rows / columns
+(TP-split experts: the down projection's chain takes ``dYᵀ act`` of this rank's subtree root, whose gradient is the
+output's), the norm gains over the replicated activations; a gain fed a head shard (Qwen3's q/k norms,
+:class:`titan_plugin.overrides.ZeroKLDRMSNorm` ``head_tree``) keeps one chain per head, the heads added with the
+TP-aligned tree when written — so any grouping of a TP run's micro-batches gives the same bits, and the same as TP
+1's. With FSDP as well, each TP rank's chains are
 handed between its data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
 
-Context parallelism (with data parallelism or not): each pass is one rollout's slice, recorded on every rank; the
-passes are replayed in one rank's token order — data-parallel group by group, rollout by rollout, ``cp`` rank by rank
-(rank 0's positions come first) — the chains travelling between the ranks (:meth:`ExactAccumulation.
+Context parallelism (with data parallelism or not, HSDP's replicas included): each pass is one rollout's slice, recorded
+on every rank; the passes are replayed in one rank's token order — data-parallel group by group, rollout by rollout,
+``cp`` rank by rank (rank 0's positions come first) — the chains travelling between the ranks (:meth:`ExactAccumulation.
 _hand_off_passes`).
 
 Under TP x EP (``tp_k_block``: TorchTitan borrows the TP ranks for EP, every rank holds every token) each rank's whole
@@ -49,9 +51,8 @@ FSDP as well (FSDP x TP x EP: each data-parallel group's TP ranks hold that grou
 handed between the data-parallel ranks of each EP rank like the TP shards', and each rank takes its FSDP block over
 ``efsdp``.
 
-Not covered (the general way runs): experts split over TP ranks, context parallelism with replicated data
-parallelism (HSDP), bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX), MLA under tensor
-parallelism.
+Not covered (the general way runs): bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX), MLA
+under tensor parallelism.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -159,8 +160,11 @@ def _expert_site(moe: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Sit
     are any number: float32 products). Its router's gate is a :class:`ZeroKLDLinear` of its own."""
     if name not in ("w1_EFD", "w2_EDF", "w3_EFD"):
         return None
-    if _model_parallel(p):  # TorchTitan EP: this rank's E / EP experts (titan_plugin.expert_parallel)
+    names = (p.device_mesh.mesh_dim_names or ()) if _model_parallel(p) else ()
+    if "ep" in names and p.device_mesh["ep"].size() > 1:  # TorchTitan EP: this rank's E / EP experts
         return _Site(moe, name, p, _mesh_dim_shape(p, "ep"), float32_products=True, local=True)
+    if _model_parallel(p):  # TP: this rank's shard of every expert (the I rows / columns it holds)
+        return _Site(moe, name, p, _tp_shape(p), float32_products=True, local=True, tp=True)
     return _Site(moe, name, p, tuple(p.shape), float32_products=True)
 
 
@@ -309,7 +313,7 @@ def unsupported_reason(
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
     feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
-    ``wkv_b`` under tensor parallelism), MoE experts split over TP ranks, a parameter sharded over more than one
+    ``wkv_b`` under tensor parallelism), a parameter sharded over more than one
     rank — but over the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains
     are handed from rank to rank), experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, TP x EP
     experts over ``ep`` (with FSDP over :data:`EXPERT_DATA_PARALLEL_DIMS` too when ``data_parallel``), or a
@@ -324,8 +328,6 @@ def unsupported_reason(
             return f"{mod_name}.{name} belongs to a {_own_class(module).__name__}"
         p = site.param
         expert_parallel = _expert_parallel_site(site)
-        if isinstance(site.feeder, ZeroKLDMoE) and site.feeder.k_block and _model_parallel(p) and not expert_parallel:
-            return f"{mod_name}.{name}: MoE experts split over tensor-parallel ranks (tp_k_block)"
         if isinstance(p, DTensor) and p.device_mesh.size() != 1:
             mesh = p.device_mesh
             dims = set(mesh.mesh_dim_names or ())

@@ -641,6 +641,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 self.router.route_norm,
                 replay,
                 self.k_block,
+                chains=self._moe_chains(),
             )
         else:
             chains = self._moe_chains()

@@ -167,6 +167,7 @@ def rl_trainer_config(
     pipeline_parallel_microbatches: int | None = None,
     seq_len: int | None = None,
     context_parallel_degree: int = 1,
+    data_parallel_replicate_degree: int = 1,
 ) -> RLTrainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
@@ -223,6 +224,10 @@ def rl_trainer_config(
             order); where exact accumulation is off, FSDP sums the ranks' gradients (one rank's to summation order).
         seq_len: TorchTitan's ``training.seq_len`` (default: the model's ``max_position_embeddings``); under pipeline
             parallelism every rollout is padded to it (the schedule's shapes are fixed).
+        data_parallel_replicate_degree: TorchTitan's ``parallelism.data_parallel_replicate_degree`` (HSDP: FSDP within
+            each replica group, the replicas' gradients all-reduced; under ``torchrun``, FSDP over the other ranks
+            as ``data_parallel_shard_degree`` -1 takes them). Exact accumulation hands the chains over every
+            data-parallel rank, replicas included, so the weights are one rank's bit for bit.
 
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
@@ -293,6 +298,7 @@ def rl_trainer_config(
             pipeline_parallel_microbatch_size=pipeline_parallel_microbatch_size,
             context_parallel_degree=context_parallel_degree,
             context_parallel_load_balancer=None,  # contiguous slices (titan_plugin.context_parallel)
+            data_parallel_replicate_degree=data_parallel_replicate_degree,
             **(
                 {"spmd_backend": "partial_dtensor"}
                 if max(
@@ -412,8 +418,8 @@ class RLTrainer(Trainer):
         # context parallelism between all the cp and data-parallel ranks, pass by pass (one rollout's slices each)
         data_parallel = dims.get_optional_mesh("batch") if dims.dp_enabled and not dims.cp_enabled else None
         context_parallel = None
-        if dims.cp_enabled and dims.dp_replicate == 1:
-            data_parallel = dims.get_mesh("fsdp") if dims.dp_enabled else dims.get_mesh("cp")
+        if dims.cp_enabled:  # every data-parallel (replicas included) and cp rank: TorchTitan's loss mesh
+            data_parallel = dims.get_mesh("loss") if dims.dp_enabled else dims.get_mesh("cp")
             context_parallel = (dims.get_mesh("cp"), dims.get_optional_mesh("batch") if dims.dp_enabled else None)
         reason = unsupported_reason(self.model_parts, dtype, data_parallel is not None)
         #: forward_backward's exact accumulation with batched passes (titan_plugin.exact_accumulation), or None:

@@ -238,10 +238,12 @@ def moe_dtensor(
     renormalize: bool,
     expert_ids: torch.Tensor | None,
     k_block: int | None,
+    chains: dict | None = None,
 ):
     """:func:`shared_numerics.moe.moe_forward` under TorchTitan tensor parallelism: ``x [B, L, D]`` replicated, the
     router replicated, each expert's ``w1/w3 [E, I, D]`` ``Shard(1)`` and ``w2 [E, D, I]`` ``Shard(2)``; the experts'
-    down projections sum with the fixed tree (subtree roots all-gathered before the routing weights).
+    down projections sum with the fixed tree (subtree roots all-gathered before the routing weights). ``chains``:
+    exact accumulation (``moe_forward``'s: the router's whole, the experts' this rank's shards).
 
     Returns:
         ``(out [B*L, D] DTensor Replicate, expert_ids [B*L, top_k])``, bitwise the unsharded block with ``k_block``.
@@ -273,6 +275,7 @@ def moe_dtensor(
         k_block=k_block,
         gather=_gather_over(mesh),
         experts_x=x_experts,
+        chains=chains,
     )
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False), ids
 

@@ -12,7 +12,8 @@
   (times the forward is run and timed, default 1);
 * pipeline parallelism: ``pp`` (``pipeline_parallel_degree``, default 1), ``pp_schedule``, ``pp_microbatch_size``,
   ``pp_microbatches``, ``seq_len`` (:func:`titan_plugin.rl_trainer_config`'s ``pipeline_parallel_*`` and
-  ``seq_len``); ``cp`` (``context_parallel_degree``, default 1); ``loss_fn`` (default ``"ppo"``);
+  ``seq_len``); ``cp`` (``context_parallel_degree``, default 1); ``dp_replicate``
+  (``data_parallel_replicate_degree``, default 1: HSDP); ``loss_fn`` (default ``"ppo"``);
 * ``streaming`` (bool: the step is ``forward_backward`` + ``optim_step`` instead of ``rl_step``; ``grad_norm``: each
   step's; ``stream_calls``: that many ``forward_backward`` calls on consecutive slices of the rank's rollouts, default
   1), ``steps`` (RL steps, default 1), ``weights`` (bool: also ``weights``, the float32 HF weights after the
@@ -27,7 +28,8 @@
 Rank 0 writes ``OUT.pt`` (``torch.save`` of a dict): ``logprobs``, the per-sequence float32 log-probs of
 :meth:`titan_plugin.RLTrainer.forward_logprobs`; with ``train_step``, also ``loss`` of one on-policy
 :meth:`~titan_plugin.RLTrainer.rl_step` (advantages +1 / -1 alternating) and ``after``, the log-probs after it;
-``seconds``: rank 0's wall clock of each timed forward (and the step), between barriers.
+``seconds``: rank 0's wall clock of each timed forward (and the step), between barriers; ``parallel_dims``: the
+data-parallel and cp degrees TorchTitan built (``dp_replicate``, ``dp_shard``, ``cp``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> None:
             pipeline_parallel_microbatches=spec.get("pp_microbatches"),
             seq_len=spec.get("seq_len"),
             context_parallel_degree=spec.get("cp", 1),
+            data_parallel_replicate_degree=spec.get("dp_replicate", 1),
             loss_fn=spec.get("loss_fn", "ppo"),
         )
         config.checkpoint.enable = True
@@ -160,6 +163,8 @@ def main(argv: list[str]) -> None:
             result = merged
         result["expert_parallel_sizes"] = sorted(ep_sizes)  # zerokld MoE blocks: the EP size they ran at
         result["exact_accumulation_off"] = trainer.exact_accumulation_off  # None: batched chains
+        dims = trainer.parallel_dims
+        result["parallel_dims"] = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp}
         result["seconds"] = seconds  # rank 0's wall clock, between barriers
         if dist.get_rank() == 0:
             torch.save(result, argv[1])
