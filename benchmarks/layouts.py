@@ -56,6 +56,10 @@ import torch
 
 from shared_numerics.machine import machine_facts
 
+#: what must match for ``--merge`` to keep an earlier run's rows: one CPU model name covers machines of other ISAs
+#: (an AMD EPYC with AVX-512 and one with AVX2 only)
+MERGE_MACHINE_KEYS = ("cpu_model", "isa_flags", "cores", "threads", "torch")
+
 
 class LayoutFailed(RuntimeError):
     """A layout's ``torchrun`` exited with an error (its stderr's tail in the message)."""
@@ -280,7 +284,8 @@ def main(argv=None) -> dict:
         row["date"] = result["date"]
     if args.merge and out.exists():  # the other layouts' rows as measured before (their dates kept)
         old = json.loads(out.read_text())
-        if old["machine"]["cpu_model"] != result["machine"]["cpu_model"] or old.get("workload") != result["workload"]:
+        same_machine = all(old["machine"].get(k) == result["machine"].get(k) for k in MERGE_MACHINE_KEYS)
+        if not same_machine or old.get("workload") != result["workload"]:
             raise SystemExit(f"--merge: {out} was measured on another machine or workload")
         redone = {r["layout"] for r in rows}
         kept = [dict(r, date=r.get("date", old["date"])) for r in old["rows"] if r["layout"] not in redone]

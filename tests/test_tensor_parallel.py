@@ -1225,7 +1225,8 @@ def test_pipeline_parallel_2_equals_one_rank(tmp_path):
     ``torch.distributed.pipelining`` schedules 1F1B, Interleaved1F1B and GPipe, with micro-batches of one and two
     rollouts) gives one rank's log-probs bit for bit — before, during and after RL steps — and after two
     ``rl_step``s every weight of the model (HF names, gathered from both stages) equals one rank's after the same
-    two streamed steps (``forward_backward`` + ``optim_step``, exact accumulation). The sequences have different
+    two streamed steps (``forward_backward`` + ``optim_step``, exact accumulation); with the fused lm_head loss on
+    the last stage too (1F1B). The sequences have different
     lengths; the schedule sees each padded to ``seq_len``. Negative control: TorchTitan's stock components at PP 2
     (micro-batches of two rollouts, autograd accumulating their gradients) end the same steps with other weights
     and other log-probs than stock on one rank."""
@@ -1250,6 +1251,9 @@ def test_pipeline_parallel_2_equals_one_rank(tmp_path):
     ):
         same = _same_run(one, run(pp=2, **layout))
         assert all(same.values()), (layout, same)
+    # the fused lm_head loss: the last stage scores its hidden states with lm_head(h, targets=...)
+    fused = _same_run(run(streaming=True, fused=True), run(pp=2, pp_schedule="1F1B", pp_microbatches=4, fused=True))
+    assert all(fused.values()), fused
     stock_one = run(batch_invariant=False, streaming=True)
     stock_pp = run(batch_invariant=False, pp=2, pp_microbatches=2, pp_microbatch_size=2)
     same = _same_run(stock_one, stock_pp)

@@ -35,9 +35,9 @@ row-parallel weights, the vocab-parallel embedding and lm_head (fused or not), e
 (TP-split experts: the down projection's chain takes ``dYᵀ act`` of this rank's subtree root, whose gradient is the
 output's), the norm gains over the replicated activations; a gain fed a head shard (Qwen3's q/k norms,
 :class:`titan_plugin.overrides.ZeroKLDRMSNorm` ``head_tree``) keeps one chain per head, the heads added with the
-TP-aligned tree when written — so any grouping of a TP run's micro-batches gives the same bits, and the same as TP
-1's. With FSDP as well, each TP rank's chains are
-handed between its data-parallel ranks like the rest, and each rank takes its FSDP block of its TP shard's sums.
+TP-aligned tree when written — so any grouping of a TP run's micro-batches gives the same bits, and the same as TP 1's.
+With FSDP as well, each TP rank's chains are handed between its data-parallel ranks like the rest, and each rank takes
+its FSDP block of its TP shard's sums.
 
 Context parallelism (with data parallelism or not, HSDP's replicas included): each pass is one rollout's slice, recorded
 on every rank; the passes are replayed in one rank's token order — data-parallel group by group, rollout by rollout,
@@ -160,12 +160,13 @@ def _expert_site(moe: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Sit
     are any number: float32 products). Its router's gate is a :class:`ZeroKLDLinear` of its own."""
     if name not in ("w1_EFD", "w2_EDF", "w3_EFD"):
         return None
-    names = (p.device_mesh.mesh_dim_names or ()) if _model_parallel(p) else ()
+    if not _model_parallel(p):
+        return _Site(moe, name, p, tuple(p.shape), float32_products=True)
+    names = p.device_mesh.mesh_dim_names or ()
     if "ep" in names and p.device_mesh["ep"].size() > 1:  # TorchTitan EP: this rank's E / EP experts
         return _Site(moe, name, p, _mesh_dim_shape(p, "ep"), float32_products=True, local=True)
-    if _model_parallel(p):  # TP: this rank's shard of every expert (the I rows / columns it holds)
-        return _Site(moe, name, p, _tp_shape(p), float32_products=True, local=True, tp=True)
-    return _Site(moe, name, p, tuple(p.shape), float32_products=True)
+    # TP: this rank's shard of every expert (the I rows / columns it holds)
+    return _Site(moe, name, p, _tp_shape(p), float32_products=True, local=True, tp=True)
 
 
 #: DeviceMesh dimensions whose shards (or replicas) keep chains of their own: tensor and expert parallelism
@@ -582,18 +583,30 @@ def _efsdp_shard_of_ep_shard(ep_shard: torch.Tensor, p) -> torch.Tensor:
     Raises:
         RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
     names = p.device_mesh.mesh_dim_names
-    block = ep_shard
-    if "efsdp" in names:
-        mesh, placement = p.device_mesh["efsdp"], p.placements[names.index("efsdp")]
-        dim = getattr(placement, "dim", None)  # Shard, or FSDP2's _StridedShard of the EP shard (not is_shard())
-        if dim is not None:
-            blocks = torch.chunk(ep_shard, mesh.size(), dim=dim)
-            rank = mesh.get_local_rank()
-            block = blocks[rank] if rank < len(blocks) else ep_shard.narrow(dim, 0, 0)
+    if "efsdp" not in names:
+        return _fsdp_block(ep_shard, p, None, "the experts")
+    mesh, placement = p.device_mesh["efsdp"], p.placements[names.index("efsdp")]
+    dim = getattr(placement, "dim", None)  # Shard, or FSDP2's _StridedShard of the EP shard (not is_shard())
+    return _fsdp_block(ep_shard, p, None if dim is None else (dim, mesh), "the experts")
+
+
+def _fsdp_block(whole: torch.Tensor, p, split, what: str) -> torch.Tensor:
+    """This rank's FSDP block of ``whole`` (``p``'s model-parallel shard, whole over the data-parallel ranks):
+    ``split = (dim, mesh)``: ``torch.chunk`` blocks of ``dim`` over ``mesh``, this rank's (FSDP2's layout); ``None``:
+    ``whole`` itself.
+
+    Raises:
+        RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
+    block = whole
+    if split is not None:
+        dim, mesh = split
+        blocks = torch.chunk(whole, mesh.size(), dim=dim)
+        rank = mesh.get_local_rank()
+        block = blocks[rank] if rank < len(blocks) else whole.narrow(dim, 0, 0)
     if block.shape != p.to_local().shape:
         raise RuntimeError(
-            f"exact accumulation: FSDP block {tuple(block.shape)} of the experts {tuple(ep_shard.shape)} is not "
-            f"the parameter's {tuple(p.to_local().shape)}"
+            f"exact accumulation: FSDP block {tuple(block.shape)} of {what} {tuple(whole.shape)} is not the "
+            f"parameter's {tuple(p.to_local().shape)}"
         )
     return block
 
@@ -606,12 +619,4 @@ def _fsdp_shard_of_tp_shard(tp_shard: torch.Tensor, p, data_parallel) -> torch.T
 
     Raises:
         RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
-    blocks = torch.chunk(tp_shard, data_parallel.size(), dim=0)
-    rank = data_parallel.get_local_rank()
-    block = blocks[rank] if rank < len(blocks) else tp_shard[:0]
-    if block.shape != p.to_local().shape:
-        raise RuntimeError(
-            f"exact accumulation: FSDP block {tuple(block.shape)} of the TP shard {tuple(tp_shard.shape)} is not "
-            f"the parameter's {tuple(p.to_local().shape)}"
-        )
-    return block
+    return _fsdp_block(tp_shard, p, (0, data_parallel), "the TP shard")
