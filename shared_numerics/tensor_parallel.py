@@ -43,6 +43,7 @@ import torch
 
 __all__ = [
     "block_tree_sum",
+    "column_parallel_dx",
     "column_parallel_input_grad",
     "k_block_partials",
     "reduce_over_ranks",
@@ -164,6 +165,26 @@ def row_parallel_linear(
     return root.to(x.dtype).reshape(*lead, weight.shape[0])
 
 
+def column_parallel_dx(
+    dy: torch.Tensor, weight: torch.Tensor, k_block: int, gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """``dX = dY W`` of a column-parallel product ``Y = X Wᵀ``, summed over ``N`` in the fixed TP-aligned tree: ``N``
+    cut into ``k_block``-wide blocks (:func:`k_block_partials`), the blocks added with :func:`block_tree_sum`, the
+    ranks' subtree roots gathered and added (:func:`reduce_over_ranks`) — the whole sum on every rank, the same bits
+    at every TP size.
+
+    Args:
+        dy: ``[M, N_local]`` this rank's output columns' gradient. weight: ``[N_local, K]`` this rank's rows.
+        k_block: must divide ``N_local``. gather: ``None`` at TP 1; else as :func:`reduce_over_ranks`'.
+
+    Returns:
+        ``[M, K]`` float32 (the caller rounds it to the input's dtype).
+
+    Raises:
+        ValueError: as :func:`k_block_partials` and :func:`reduce_over_ranks`."""
+    return reduce_over_ranks(block_tree_sum(k_block_partials(dy, weight.t(), k_block)), gather)
+
+
 class _ColumnParallelInputGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k_block: int, gather) -> torch.Tensor:
@@ -177,8 +198,7 @@ class _ColumnParallelInputGrad(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             (weight,) = ctx.saved_tensors
             dy = grad.reshape(-1, grad.shape[-1])
-            root = block_tree_sum(k_block_partials(dy, weight.t(), ctx.k_block))  # [M, K] float32
-            dx = reduce_over_ranks(root, ctx.gather).to(ctx.x_dtype).reshape(ctx.x_shape)
+            dx = column_parallel_dx(dy, weight, ctx.k_block, ctx.gather).to(ctx.x_dtype).reshape(ctx.x_shape)
         return grad, dx, None, None, None
 
 

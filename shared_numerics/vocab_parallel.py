@@ -220,7 +220,7 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         from .linear import linear, matmul_rows
-        from .tensor_parallel import block_tree_sum, k_block_partials, reduce_over_ranks
+        from .tensor_parallel import column_parallel_dx
 
         hidden, weight, ids, m_all, s_all = ctx.saved_tensors
         w32 = weight.float()
@@ -237,8 +237,7 @@ class _FusedSelectedLogprobs(torch.autograd.Function):
             dz[rows, local[rows]] += g[rows, 0]
             dz = dz.float()
             if ctx.k_block:  # dh over V in the TP-aligned tree: the whole of it on every rank
-                root = block_tree_sum(k_block_partials(dz, w32.t(), ctx.k_block))
-                grad_h[a : a + ctx.chunk] = reduce_over_ranks(root, ctx.gather)
+                grad_h[a : a + ctx.chunk] = column_parallel_dx(dz, w32, ctx.k_block, ctx.gather)
             else:  # this rank's partial sum (the caller reduces it over the ranks)
                 grad_h[a : a + ctx.chunk] = matmul_rows(dz, w32)
             if chain is not None:  # the float32 kernel's chains over the tokens go on (shared_numerics.grad_chain)
@@ -275,7 +274,7 @@ def fused_selected_logprobs(
             gradient, chains over the rows in order on the float32 kernel (exact accumulation: any split of the rows
             into calls or chunks gives the same sums; none is returned to autograd).
         k_block: :attr:`shared_numerics.NumericsMode.tp_k_block`, nonzero: ``dh`` sums over the vocabulary in the
-            TP-aligned tree (:func:`shared_numerics.tensor_parallel.column_parallel_input_grad`'s: ``V_local`` cut
+            TP-aligned tree (:func:`shared_numerics.tensor_parallel.column_parallel_dx`: ``V_local`` cut
             into ``k_block`` blocks, the ranks' float32 subtree roots gathered with ``gather``), so every rank holds
             the whole ``dh``, the same bits at every TP size; it must divide ``V_local``, and the ranks' slices must
             be equal (a power-of-two TP size).
