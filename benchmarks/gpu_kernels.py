@@ -23,6 +23,7 @@ import json
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -529,6 +530,7 @@ def main(argv=None) -> dict:
     time_ms = _timer(dev)
     result = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter: timings meaningless)",
+        "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "args": vars(args),

@@ -174,7 +174,8 @@ def headline(docs: str = "docs/") -> list[str]:
     b, f = d["bf16"], d["fp8_block"]
     roll = _load("rollout_overhead_h1024_xeon_amx.json")
     trainer = _load("trainer_h1024_xeon_amx_cpu2.json")
-    gpu = _load("gpu_kernels_h200.json")
+    gemm = _load("gpu_gemm_h200.json")
+    decode, prefill = _gemm_range(gemm, ("M1", "M8", "M64")), _gemm_range(gemm, ("M4096",))
     ours_kl, stock_kl = _kld_largest()
     cpu = _model(d["run"]["machine"].split(",")[0])
     return [
@@ -207,10 +208,59 @@ def headline(docs: str = "docs/") -> list[str]:
             f"{_x(trainer['runs']['float32']['speed_ours_over_stock'])} stock | 1x | {machine_short(trainer)} |"
         ),
         (
-            f"| GPU linear at M = 64 / 4096 (Triton backend) | {_x(gpu['ops']['linear']['M64']['stock_over_ours'])} / "
-            f"{_x(gpu['ops']['linear']['M4096']['stock_over_ours'])} cuBLAS | 1x | {machine_short(gpu)} |"
+            f"| GPU linear (Triton), Qwen3-8B shapes, M = 1-64 / 4096, kernel time | {decode} / {prefill} cuBLAS "
+            f"| 1x | {machine_short(gemm)} ([GPU]({docs}benchmarks.md#gpu)) |"
         ),
     ]
+
+
+def _gemm_range(d: dict, ms: tuple[str, ...]) -> str:
+    """``"lo-hix"``: the CUDA-graph speed ratios of ``gpu_gemm`` over its shapes at the given M."""
+    r = [c["default"][m]["graph"]["stock_over_ours"] for c in d["shapes"].values() for m in ms]
+    return f"{min(r):.2f}-{max(r):.2f}x"
+
+
+def gpu_gemm() -> list[str]:
+    """docs/benchmarks.md: the decode-size GEMMs (``benchmarks/gpu_gemm.py``), stock ÷ ours."""
+    name = "gpu_gemm_h200.json"
+    d = _load(name)
+    ms = next(iter(d["shapes"].values()))["default"]
+    bits = [
+        r["rows_equal_persistent"]
+        for c in d["shapes"].values()
+        for v in c["variants"].values()
+        for r in v.values()
+        if isinstance(r, dict) and "rows_equal_persistent" in r
+    ]
+    rows = [
+        (
+            f"Measured on {machine(d)} (`benchmarks/results/{name}`), bf16, cuBLAS `F.linear` time ÷ the Triton "
+            "GEMM's: kernel time (20 calls replayed in one CUDA graph, as vLLM's decode replays them) and, in "
+            "brackets, one eager call with the host's launch cost:"
+        ),
+        "",
+        "| K → N | " + " | ".join(m.replace("M", "M = ") for m in ms) + " |",
+        "| --- |" + " --- |" * len(ms),
+    ]
+    for shape, c in d["shapes"].items():
+        cells = [
+            f"{_x(r['graph']['stock_over_ours'])} ({_x(r['eager']['stock_over_ours'])})" for r in c["default"].values()
+        ]
+        rows.append(f"| {shape.replace('->', ' → ')} | " + " | ".join(cells) + " |")
+    fp8 = d.get("fp8_configs") or {}
+    pc = {k.split()[1]: v for k, v in fp8.items() if k.startswith("per_channel")}
+    if pc:
+        rows += [
+            "",
+            "FP8 GEMM (per-channel scales, 4096 → 12288, e4m3 codes in) against `torch._scaled_mm`, kernel time: "
+            + ", ".join(f"{m.replace('M', 'M = ')} {_x(r['stock_ms'] / r['default_ms'])}" for m, r in pc.items())
+            + ".",
+        ]
+    rows += [
+        "",
+        f"Decode-size variants checked bitwise against the persistent path's rows: {sum(bits)} of {len(bits)} equal.",
+    ]
+    return rows
 
 
 def cpu_benchmarks() -> list[str]:
@@ -377,6 +427,7 @@ RENDERERS: dict[str, Callable[[], list[str]]] = {
     "demo-runs": demo_runs,
     "cpu-benchmarks": cpu_benchmarks,
     "gpu-benchmarks": gpu_benchmarks,
+    "gpu-gemm": gpu_gemm,
     "delta-codecs": delta_codecs,
     "op-dispatch": op_dispatch,
     "kld-tables": lambda: _embedded("kld_table*.json"),

@@ -74,6 +74,32 @@ def test_linear_rows_invariant_at_llm_shapes(G, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_chunk", [None, 2048])
+def test_linear_decode_tiles_give_the_persistent_bits(dtype, k_chunk):
+    """The Triton GEMM's decode-size path (issue 57 point 1: one program per 64-row tile of every width it may pick,
+    and with ``k_chunk`` per K chunk, the chunks' partials summed in order by a second kernel) gives the persistent
+    path's rows bitwise at M = 1, 8, 64 — K 4096 and 12288, N 12288 and 4096 — so picking the path by M keeps rows
+    invariant. Negative control: a different K chunking (the bits' definition) differs."""
+    import dataclasses
+
+    from shared_numerics.ops_triton import matmul as mm
+
+    base = mm.CONFIGS[dtype]
+    # a K-chunked persistent tile of 128 x 256 spills its two fp32 accumulators (zerokld_testing.triton_aot)
+    cfg = base if k_chunk is None else dataclasses.replace(base, k_chunk=k_chunk, block_n=min(base.block_n, 128))
+    other = dataclasses.replace(cfg, k_chunk=1024 if k_chunk else 2048, block_n=min(base.block_n, 128))
+    for n, k in ((12288, 4096), (4096, 12288)):
+        x = _rand(512, k, dtype=dtype, seed=1)
+        w = _rand(n, k, dtype=dtype, seed=2, scale=0.02).t()
+        full = mm.gemm(x, w, dtype, config=cfg, split=False)
+        assert not torch.equal(mm.gemm(x, w, dtype, config=other, split=False), full)
+        for m in (1, 8, 64):
+            for bn in cfg.split_n:
+                for rows in (slice(0, m), slice(300, 300 + m)):
+                    assert torch.equal(mm.gemm(x[rows], w, dtype, config=cfg, split=True, split_n=bn), full[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_lora_linear_rows_invariant_at_llm_shapes(G, dtype):
     """Multi-LoRA (issue 18): 4 adapters of rank 64 and base rows on a 4096 -> 4096 layer; rows alone and in a
     reordered batch give the co-batched bits; PEFT's arithmetic on cuBLAS (one F.linear per adapter group) differs

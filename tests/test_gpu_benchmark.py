@@ -1,6 +1,7 @@
-"""``benchmarks/gpu_kernels.py`` runs end to end (``--smoke``: tiny shapes, CPU, Triton's interpreter), so a lent GPU
-session can run it as is: every case present, our rows batch invariant in every case that checks them, every target
-of the issue reported. The timings of a smoke run mean nothing and are not checked."""
+"""``benchmarks/gpu_kernels.py`` and ``benchmarks/gpu_gemm.py`` run end to end (``--smoke``: tiny shapes, CPU,
+Triton's interpreter), so a lent GPU session can run them as they are: every case present, our rows batch invariant
+in every case that checks them, every target of the issue reported. The timings of a smoke run mean nothing and are
+not checked."""
 
 from __future__ import annotations
 
@@ -38,3 +39,26 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     current = result["triton_attention_configs"]["current"]
     assert all(current[f"{case}_bitwise_current"] for case in ("prefill", "fwd_bwd", "decode")), current
     assert len(result["targets"]) == len(TARGETS) and all(t["value"] is not None for t in result["targets"].values())
+
+
+def test_gpu_gemm_benchmark_smoke_run(tmp_path, monkeypatch):
+    """``benchmarks/gpu_gemm.py --smoke``: every shape and M timed, the default path's rows and every decode variant's
+    rows bitwise the persistent path's (on the interpreter: the algorithm; the GPU run proves the bits)."""
+    from benchmarks.gpu_gemm import main
+
+    out = tmp_path / "gemm.json"
+    result = main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text())["device"].startswith("cpu (Triton interpreter")
+    assert len(result["shapes"]) == 2
+    for case in result["shapes"].values():
+        assert len(case["default"]) == 3 and all(r["rows_equal_m4096"] for r in case["default"].values())
+        variants = [
+            r
+            for v in case["variants"].values()
+            for r in v.values()
+            if isinstance(r, dict) and "rows_equal_persistent" in r
+        ]
+        assert variants and all(r["rows_equal_persistent"] for r in variants)
+    assert result["mid_m"] and all(
+        r[f"decode_bn{bn}_bitwise"] for r in result["mid_m"].values() for bn in (128, 64, 32)
+    )

@@ -115,6 +115,34 @@ def test_fused_ops_are_bitwise_their_composition(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_chunk", [None, 128])
+def test_gemm_decode_path_gives_the_persistent_bits(dtype, k_chunk):
+    """The Triton GEMM's decode-size path (64-row tiles of each width it may pick, rows past M unread, and with
+    ``k_chunk`` one program per K chunk plus the ordered chunk sum) computes the persistent path's arithmetic: the
+    same rows bitwise, with and without bias, K ragged over the chunks. Control: another chunking (the bits'
+    definition) differs. ``tests/test_cuda.py`` proves the GPU's bits."""
+    import dataclasses
+
+    from shared_numerics.ops_triton import matmul as mm
+
+    cfg = dataclasses.replace(mm.CONFIGS[dtype], k_chunk=k_chunk)
+    g = _gen(11)
+    a = torch.randn(70, 300, generator=g).to(dtype)
+    b = torch.randn(40, 300, generator=g).to(dtype).t()
+    bias = torch.randn(40, generator=g).to(dtype)
+    for bb in (None, bias):
+        full = mm.gemm(a, b, dtype, bb, config=cfg, split=False)
+        _close(full, a.float() @ b.float() + (0 if bb is None else bb.float()), dtype)
+        for bn in cfg.split_n:
+            assert torch.equal(mm.gemm(a, b, dtype, bb, config=cfg, split=True, split_n=bn), full)
+            for rows in (slice(0, 1), slice(3, 11)):
+                assert torch.equal(mm.gemm(a[rows], b, dtype, bb, config=cfg, split=True, split_n=bn), full[rows])
+    other = dataclasses.replace(cfg, k_chunk=64 if k_chunk else 128)
+    f32 = torch.float32  # fp32 outputs: bf16 rounding hides most one-ulp differences of the sums at this K
+    assert not torch.equal(mm.gemm(a, b, f32, config=other, split=False), mm.gemm(a, b, f32, config=cfg, split=False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_lora_linear_matches_torch_and_is_batch_invariant(dtype):
     """Multi-LoRA (issue 18): three adapters and base-only rows in one call; a row alone, or the batch reordered,
     gives the co-batched row's bits; close to the torch backend."""

@@ -20,6 +20,8 @@ from zerokld_testing.triton_aot import H100_SMEM
 ROOT = Path(__file__).resolve().parents[1]
 TENSOR_CORE = {
     ("linear_bf16", "_gemm_kernel"),
+    ("linear_bf16_decode", "_gemm_split_kernel"),
+    ("linear_bf16_split_k", "_gemm_split_kernel"),
     ("attention_bf16", "_attn_fwd"),
     ("attention_bf16", "_attn_bwd_dq"),
     ("attention_bf16", "_attn_bwd_dkv"),
@@ -45,6 +47,7 @@ def test_kernels_compile_for_sm90_within_h100_resources(tmp_path):
     reports = json.loads(out.read_text())["kernels"]
     kernels = {(r["scenario"], r["kernel"]) for r in reports}
     assert kernels >= TENSOR_CORE and ("attention_bf16", "_attn_combine") in kernels
+    assert ("linear_bf16_split_k", "_chunk_sum_kernel") in kernels
     for r in reports:
         where = f"{r['scenario']}/{r['kernel']}"
         assert r["shared_bytes"] <= H100_SMEM, where

@@ -102,8 +102,11 @@ def _report(scenario: str, name: str, compiled) -> KernelReport:
 
 def scenarios() -> dict:
     """Name -> callable running the backend's wrappers once at Qwen3-8B-like shapes (CPU tensors, nothing computed)."""
+    from dataclasses import replace
+
     from shared_numerics.ops_triton import attention as A
     from shared_numerics.ops_triton import fp8 as F8
+    from shared_numerics.ops_triton import matmul as M
     from shared_numerics.ops_triton.table import OPS as T
 
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -137,6 +140,13 @@ def scenarios() -> dict:
     return {
         "linear_bf16": lambda: T["linear"](e(4096, 4096), e(12288, 4096)),
         "linear_fp32": lambda: T["linear"](e(512, 1024, dtype=fp32), e(1024, 1024, dtype=fp32)),
+        # the decode-size path (split over fixed K chunks + the ordered chunk sum), as a GPU picks it at M = 64
+        "linear_bf16_decode": lambda: M.gemm(e(64, 4096), e(4096, 12288), bf16, split=True),
+        "linear_fp32_decode": lambda: M.gemm(e(8, 4096, dtype=fp32), e(4096, 1024, dtype=fp32), fp32, split=True),
+        # the K-chunked variant (GemmConfig.k_chunk, not the default): split-K programs + the ordered chunk sum
+        "linear_bf16_split_k": lambda: M.gemm(
+            e(64, 12288), e(12288, 4096), bf16, split=True, config=replace(M.CONFIGS[bf16], k_chunk=2048, block_n=128)
+        ),
         "attention_bf16": attention(bf16),
         "attention_fp32": attention(fp32),
         "fp8_per_channel": lambda: F8._gemm(

@@ -10,8 +10,8 @@ the row:
 op                         kernel
 =========================  ==========================================================================================
 ``linear``                 persistent GEMM, bf16/fp16 operands into tensor cores with fp32 accumulation (fp32:
-                           ``ieee`` dots), one tile config per dtype (128x256x64 for bf16), K in fixed order, no
-                           split-K (:mod:`.matmul`)
+                           ``ieee`` dots), K in fixed 64-wide blocks in order; a decode-size path (64-row tiles,
+                           width by N) for small M — the same bits (:mod:`.matmul`)
 ``rms_norm``,              one kernel: rows reduced on their own (rows per program fixed by the row length), the
 ``add_rms_norm``,          residual add and the QK-norm's rotation as runtime variants, so fused == unfused bitwise
 ``rms_norm_rope``          (:mod:`.pointwise`)

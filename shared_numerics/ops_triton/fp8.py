@@ -7,7 +7,9 @@ round (Triton's CPU interpreter does not round to nearest even, GPUs saturate or
 the codes equal the torch backend's bit for bit; inf/NaN are flagged by the kernel and refused. Weights are quantized
 by the torch definition (a once-per-load op on any device).
 
-The GEMM is persistent with one fixed config (:data:`FP8_CONFIG`, ``BLOCK_K`` = 128): e4m3 codes go straight into
+The GEMM is persistent with ``BLOCK_K`` = 128 and a tile picked by M (:func:`fp8_config`; the tile changes which
+program computes an element, never its sum — checked bitwise across the tiles on an H200 by
+``benchmarks/gpu_gemm.py``): e4m3 codes go straight into
 ``tl.dot`` where the GPU has FP8 tensor cores (sm89+; elsewhere widened to bf16, exactly), fp32 accumulation over K
 in increasing order, epilogue ``(acc * s_x) * s_w`` — per 128-wide K block for ``"block"``, the blocks' scaled
 products added in increasing order — exactly the order :mod:`shared_numerics.fp8` defines. Rows are independent, so
@@ -85,7 +87,23 @@ def quantize_fp8_activation(x: torch.Tensor, granularity: str = "per_channel") -
 
 # One fixed config (the bits depend on BLOCK_K = 128, the granularity's K block, and the dot's input type).
 # Two stages: with three, Triton 3.9 spills the blockwise kernel (255 registers + 176 B per thread; 3.8 fit in 255).
-FP8_CONFIG = dict(BM=128, BN=128, BK=128, GROUP_M=8, num_stages=2, num_warps=8)
+#: tiles of the FP8 GEMM (``BK`` = 128 in every one: it defines the bits). Measured on an H200 (4096 -> 12288,
+#: ``benchmarks/results/gpu_gemm_h200.json`` ``fp8_configs``): at M = 4096 per-channel 128x256 ran 0.31 ms (cuBLAS
+#: ``_scaled_mm`` 0.31, the former 128x128 / 2 stages 0.71); 64x128 ran M <= 64 at 0.02 ms and the blockwise GEMM
+#: fastest at every M (0.74 ms at M = 4096 against 1.05 for 128x256)
+FP8_CONFIGS = {
+    "decode": dict(BM=64, BN=128, BK=128, GROUP_M=8, num_stages=4, num_warps=4),
+    "prefill": dict(BM=128, BN=256, BK=128, GROUP_M=8, num_stages=3, num_warps=8),
+}
+
+
+def fp8_config(m: int, n: int, granularity: str, device: torch.device) -> dict:
+    """The FP8 GEMM's tile for ``m`` rows: 64-row tiles for blockwise scales and for per-channel calls whose
+    128 x 256 tiles would leave a third of the SMs idle, else 128 x 256. The bits are the same for either."""
+    big = FP8_CONFIGS["prefill"]
+    if granularity == "block" or triton.cdiv(m, big["BM"]) * triton.cdiv(n, big["BN"]) < 0.7 * num_programs(device):
+        return FP8_CONFIGS["decode"]
+    return big
 
 
 @triton.jit
@@ -114,13 +132,15 @@ def _fp8_gemm(
     rk0 = tl.arange(0, BK)
     for tile_id in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_PROGRAMS, flatten=True):
         rm, rn = tile_offsets(tile_id, M, N, BM, BN, GROUP_M)
-        ra = tl.where(rm < M, rm, 0)
+        # rows past M are not read (a clamped row read by every program was a hot spot at M = 1); columns past N
+        # read column 0 (never stored)
+        ra = rm
         rb = tl.where(rn < N, rn, 0)
         out = tl.zeros((BM, BN), dtype=tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + rk0
-            a = tl.load(qx_ptr + ra[:, None] * K + kk[None, :], mask=kk[None, :] < K, other=0.0)
+            a = tl.load(qx_ptr + ra[:, None] * K + kk[None, :], mask=(ra[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(qw_ptr + rb[None, :] * K + kk[:, None], mask=kk[:, None] < K, other=0.0)
             if not NATIVE:
                 a = a.to(tl.bfloat16)
@@ -128,13 +148,13 @@ def _fp8_gemm(
             if BLOCKWISE:
                 part = tl.dot(a, b, tl.zeros((BM, BN), dtype=tl.float32))
                 g = k0 // BK
-                sx = tl.load(sx_ptr + ra * NGX + g)
+                sx = tl.load(sx_ptr + ra * NGX + g, mask=ra < M, other=0.0)
                 sw = tl.load(sw_ptr + (rb // BK) * NGW + g)
                 out = out + (part * sx[:, None]) * sw[None, :]
             else:
                 acc = tl.dot(a, b, acc)
         if not BLOCKWISE:
-            sx = tl.load(sx_ptr + ra)
+            sx = tl.load(sx_ptr + ra, mask=ra < M, other=0.0)
             sw = tl.load(sw_ptr + rb)
             out = (acc * sx[:, None]) * sw[None, :]
         tl.store(
@@ -148,13 +168,13 @@ def _native_fp8(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _gemm(qx, sx, qw, sw, granularity, out_dtype):
+def _gemm(qx, sx, qw, sw, granularity, out_dtype, config=None):
     m, k = qx.shape
     n = qw.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     if m and n:
         sw = sw.float().contiguous()
-        cfg = FP8_CONFIG
+        cfg = config or fp8_config(m, n, granularity, qx.device)
         programs = min(num_programs(qx.device), triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]))
         _fp8_gemm[(programs,)](
             qx,
