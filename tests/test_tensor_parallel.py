@@ -1193,6 +1193,30 @@ def test_fsdp_2_x_tensor_parallel_2_streams_like_tp_2(tmp_path, checkpoint_facto
     stock_differs(not stock["weights"], "TorchTitan at FSDP 2 x TP 2 vs TP 2", "the prompts")
 
 
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.extended  # `make test-extended`: 8 ranks on CI's 2 cores; FSDP x TP streaming is proven above
+@pytest.mark.timeout(1500)
+def test_hsdp_x_tensor_parallel_2_streams_like_tp_2(tmp_path, checkpoint_factory):
+    """HSDP x TP (8 ranks: 2 replicas x FSDP 2 x TP 2, float32): each TP shard's chains are handed over all four
+    data-parallel ranks (replicas included: the one-rank batch is theirs in rank order), and each rank takes the block
+    FSDP2 keeps over its replica's ``fsdp`` ranks — not a quarter over the whole ``batch`` mesh (which raised at
+    ``write_grads``). Two streamed steps give TP 2's log-probs and every weight, bit for bit, batched."""
+    from zerokld_testing import random_prompts
+
+    ckpt = checkpoint_factory("qwen3", "float32")
+    seqs = random_prompts(8, seed=59, lo=12, hi=48)
+    lens = [len(s) // 2 for s in seqs]
+    common = dict(train_step=True, weights=True, steps=2, streaming=True)
+    tp2 = _trainer_tp(tmp_path, ckpt, "float32", 2, seqs, lens, **common)
+    hsdp = _trainer_tp(tmp_path, ckpt, "float32", 2, seqs, lens, nproc=8, split=True, dp_replicate=2, **common)
+    assert hsdp["parallel_dims"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1}
+    assert tp2["exact_accumulation_off"] is None and hsdp["exact_accumulation_off"] is None  # batched chains
+    same = _same_run(tp2, hsdp)
+    assert all(same.values()), same
+    assert len(tp2["grad_norm"]) == 2 and tp2["grad_norm"] == hsdp["grad_norm"]
+
+
 # --- pipeline parallelism (issue 56 point 1) ----------------------------------------------------------------------
 
 

@@ -462,7 +462,7 @@ class ExactAccumulation:
                     g = _efsdp_shard_of_ep_shard(g, p).clone()  # its whole: .grad.full_tensor() (full_grads)
                 elif self.data_parallel is not None and not site.local:
                     self._full[id(p)] = g
-                    shard = _fsdp_shard_of_tp_shard(g, p, self.data_parallel) if site.tp else _local_shard(g, p)
+                    shard = _fsdp_shard_of_tp_shard(g, p) if site.tp else _local_shard(g, p)
                     g = shard.clone()  # optim_step divides .grad in place: not the whole one's storage
                 p.grad = DTensor.from_local(
                     g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
@@ -611,12 +611,22 @@ def _fsdp_block(whole: torch.Tensor, p, split, what: str) -> torch.Tensor:
     return block
 
 
-def _fsdp_shard_of_tp_shard(tp_shard: torch.Tensor, p, data_parallel) -> torch.Tensor:
+def _fsdp_shard_of_tp_shard(tp_shard: torch.Tensor, p) -> torch.Tensor:
     """This rank's block of ``tp_shard`` (its TP shard of DTensor ``p``, whole over the data-parallel ranks) as FSDP2
-    lays it out over them: ``torch.chunk`` blocks of dimension 0, the data-parallel rank's
-    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``: FSDP2 shards a DTensor parameter's local tensor on
-    dimension 0).
+    lays it out: ``torch.chunk`` blocks of the dimension its data-parallel placement names (``Shard(0)``, or FSDP2's
+    ``_StridedShard(0)`` over a column-parallel shard), over that mesh dimension alone — under HSDP the
+    ``dp_replicate`` dimension replicates, so a replica's ranks split the shard among themselves, not over the whole
+    ``batch`` mesh (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``: FSDP2 shards a DTensor parameter's
+    local tensor on dimension 0).
 
     Raises:
         RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
-    return _fsdp_block(tp_shard, p, (0, data_parallel), "the TP shard")
+    names = p.device_mesh.mesh_dim_names or ()
+    splits = [
+        (dim, p.device_mesh[name])
+        for name, placement in zip(names, p.placements, strict=True)
+        if name in DATA_PARALLEL_DIMS and (dim := getattr(placement, "dim", None)) is not None
+    ]
+    if len(splits) > 1:
+        raise RuntimeError(f"exact accumulation: a TP shard sharded over {len(splits)} data-parallel dimensions")
+    return _fsdp_block(tp_shard, p, splits[0] if splits else None, "the TP shard")
