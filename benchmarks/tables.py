@@ -370,6 +370,33 @@ def gpu_benchmarks() -> list[str]:
     return rows
 
 
+def k_block_tree() -> list[str]:
+    """docs/benchmarks.md: the TP-aligned K-block tree, block by block vs fused vs stock
+    (``benchmarks/k_block_tree.py``)."""
+    name = "k_block_tree_amd_epyc_avx2_cpu2.json"
+    d = _load(name)
+    rows = [
+        f"`benchmarks/results/{name}`: {machine(d)}, float32; median seconds, forward / forward + backward:",
+        "",
+        (
+            "| M x K → N, `tp_k_block` | block by block (before) | fused (now) | stock `F.linear` | now ÷ before | "
+            "stock ÷ now | same bits |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in d["rows"]:
+        rows.append(
+            f"| {r['M']} x {r['K']} → {r['N']}, {r['k_block']} "
+            f"| {r['blocks_forward_s']:.3f} / {r['blocks_forward_backward_s']:.3f} "
+            f"| {r['fused_forward_s']:.3f} / {r['fused_forward_backward_s']:.3f} "
+            f"| {r['stock_forward_s']:.3f} / {r['stock_forward_backward_s']:.3f} "
+            f"| {_x(r['forward_speedup_vs_blocks'])} / {_x(r['forward_backward_speedup_vs_blocks'])} "
+            f"| {_x(r['forward_fused_over_stock_speed'])} / {_x(r['forward_backward_fused_over_stock_speed'])} "
+            f"| {'yes' if r['fused_bits_equal_blocks'] else 'NO'} |"
+        )
+    return rows
+
+
 def delta_codecs() -> list[str]:
     """docs/hotload.md: the delta codecs at model scale (``benchmarks/delta.py``)."""
     name = "delta.json"
@@ -429,6 +456,7 @@ RENDERERS: dict[str, Callable[[], list[str]]] = {
     "gpu-benchmarks": gpu_benchmarks,
     "gpu-gemm": gpu_gemm,
     "delta-codecs": delta_codecs,
+    "k-block-tree": k_block_tree,
     "op-dispatch": op_dispatch,
     "kld-tables": lambda: _embedded("kld_table*.json"),
     "layouts-table": lambda: _embedded("layouts_*.json"),

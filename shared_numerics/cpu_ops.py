@@ -73,6 +73,7 @@ def _lib(name: str) -> ctypes.CDLL:
                 [_vp, _i64, _i64, _i64, _int, _vp, _i64, _i64, _int, _vp, _vp, _int, _i64, _int, _int],
                 _int,
             ),
+            "zk_gemm_f32_ktree": ([_vp, _i64, _i64, _i64, _int, _vp, _i64, _i64, _int, _vp, _i64, _int, _i64], _int),
             "zk_gemm_has_amx": ([], _int),
             "zk_gemm_has_f32": ([], _int),
         },
@@ -265,6 +266,31 @@ def gemm_abt(a, b, bias, out, transpose, accumulate):
             f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dt} kernel "
             "(see amx_available / f32_available)"
         )
+
+
+@_define("gemm_f32_ktree(Tensor a, Tensor b, Tensor(a!) out, int k_block) -> ()")
+def gemm_f32_ktree(a, b, out, k_block):
+    """``out [J, I]`` = the TP-aligned tree (:func:`shared_numerics.tensor_parallel.block_tree_sum`) over the
+    ``k_block``-wide K blocks of ``B · Aᵀ``'s float32 partials, each an FMA chain from zero: ``csrc/gemm.cpp``
+    ``zk_gemm_f32_ktree``. ``a`` ``[I, K]``, ``b`` ``[J, K]`` float32 with K or their rows contiguous; ``out``
+    float32 with contiguous rows; ``k_block`` divides K."""
+    op = "gemm_f32_ktree"
+    _cpu(op, "a", a, _F32, 2)
+    _cpu(op, "b", b, _F32, 2)
+    _cpu(op, "out", out, _F32, 2)
+    (i_rows, k), j_rows = a.shape, b.shape[0]
+    if b.shape[1] != k or k == 0 or k_block <= 0 or k % k_block:
+        _fail(op, f"K must match, be non-zero and a multiple of k_block {k_block}", b)
+    _shape(op, "out", out, (j_rows, i_rows))
+    if out.stride(1) != 1 or out.stride(0) < i_rows:
+        _fail(op, "out must have contiguous rows", out)
+    a_layout, b_layout = _operand(op, "a", a), _operand(op, "b", b)
+    rc = _lib("gemm").zk_gemm_f32_ktree(
+        a.data_ptr(), i_rows, k, *a_layout, b.data_ptr(), j_rows, *b_layout, out.data_ptr(), out.stride(0),
+        torch.get_num_threads(), k_block,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError("zerokld GEMM: this machine's build of csrc/gemm.cpp has no float32 kernel (f32_available)")
 
 
 @_define("fp8_quantize(Tensor x, int group, Tensor(a!)? codes, Tensor(b!)? values, Tensor(c!) scales) -> bool", True)

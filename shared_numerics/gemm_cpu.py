@@ -153,6 +153,37 @@ def gemm_abt(
     return out
 
 
+def gemm_f32_k_tree(a: torch.Tensor, b: torch.Tensor, k_block: int) -> torch.Tensor:
+    """``B · Aᵀ`` summed over ``k_block``-wide blocks of ``K`` in the fixed TP-aligned tree, in one kernel pass:
+    bitwise :func:`shared_numerics.tensor_parallel.block_tree_sum` of the blocks' :func:`gemm_abt` partials (each
+    element's FMA chain from zero over its block), without storing them (``csrc/gemm.cpp`` ``gemm_f32_ktree``).
+
+    Args:
+        a: ``[I, K]`` float32 (a weight ``[N, K]``); b: ``[J, K]`` float32 (the tokens ``[M, K]``); K contiguous or
+            transposed views, as :func:`gemm_abt`. k_block: divides ``K``.
+
+    Returns:
+        ``[J, I]`` float32.
+
+    Raises:
+        TypeError: operands not 2-d float32 plain CPU tensors. ValueError: K differs, or ``k_block`` does not divide
+        it. RuntimeError: no float32 kernel here (check :func:`f32_available` first).
+    """
+    a, b = _operand(a, "A", torch.float32), _operand(b, "B", torch.float32)
+    k = a.shape[1]
+    if b.shape[1] != k:
+        raise ValueError(f"zerokld GEMM: A is {tuple(a.shape)} and B {tuple(b.shape)}: K differs")
+    if k_block <= 0 or k % k_block:
+        raise ValueError(f"zerokld GEMM: k_block {k_block} does not divide K = {k}")
+    out = torch.empty((b.shape[0], a.shape[0]), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cpu_ops.gemm_f32_ktree(a, b, out, k_block)
+    return out
+
+
 def gemm_abt_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc += A · Bᵀ`` as the continuation of each element's chain: the kernel's accumulator starts from ``acc``'s
     float32 value instead of zero and walks K exactly as :func:`gemm_abt` does, so calls on consecutive K ranges leave

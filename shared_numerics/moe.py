@@ -275,7 +275,7 @@ def _expert_rows(
     ``x.dtype``; with ``k_block`` this rank's float32 subtree root); ``w_*[e]`` is expert ``e``."""
     from . import silu_and_mul
     from .grad_chain import chained_weight_grad
-    from .tensor_parallel import block_tree_sum, k_block_partials
+    from .tensor_parallel import k_block_tree
 
     # one view per expert (unbind: its backward is one stack, not one zero-filled [E, ...] gradient per expert)
     gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
@@ -292,10 +292,10 @@ def _expert_rows(
         if k_block is None:
             ye = _expert_linear(act, downs[e], down, fp8, None if sd is None else sd[e]).float()
         elif down is None:  # this rank's subtree root over its I columns, float32 (rounded after the cross-rank tree)
-            ye = block_tree_sum(k_block_partials(act, downs[e], k_block))
+            ye = k_block_tree(act, downs[e], k_block)
         else:  # the root (a whole expert's, or this rank's subtree's: its gradient is the output's); the weight
             # gradient dYᵀ act (any column blocking: the same sums) into the chain
-            ye = chained_weight_grad(block_tree_sum(k_block_partials(act, downs[e].detach(), k_block)), act, down)
+            ye = chained_weight_grad(k_block_tree(act, downs[e].detach(), k_block), act, down)
         sels.append(sel)
         ys.append(ye)
     outs = x.new_zeros((flat_ids.shape[0], x.shape[1]), dtype=torch.float32)

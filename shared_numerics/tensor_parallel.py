@@ -7,7 +7,8 @@ library's order, so the bits depend on the TP size. Here the sum over ``K`` is d
 
 * ``K`` is cut into blocks of ``k_block`` columns (:attr:`shared_numerics.NumericsMode.tp_k_block`, the same on both
   sides). Block ``b``'s partial product ``P_b = x[:, Kb] @ W[:, Kb]^T`` is one float32 batch-invariant GEMM
-  (:func:`shared_numerics.linear` on float32 operands).
+  (:func:`shared_numerics.linear` on float32 operands). On CPUs with the float32 FMA kernel the blocks and their
+  tree are one kernel pass (:func:`k_block_tree`: the same bits, ``benchmarks/k_block_tree.py``).
 * The ``n = odd * 2^t`` partials are added in one fixed tree (:func:`block_tree_sum`): each run of ``odd``
   consecutive blocks left to right, then adjacent pairs, level by level, until one remains.
 * With ``TP = 2^s`` ranks each holding ``n / TP`` consecutive blocks, a rank's blocks are exactly one subtree. Each
@@ -46,6 +47,7 @@ __all__ = [
     "column_parallel_dx",
     "column_parallel_input_grad",
     "k_block_partials",
+    "k_block_tree",
     "reduce_over_ranks",
     "row_parallel_linear",
 ]
@@ -112,6 +114,56 @@ def k_block_partials(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> tor
     )
 
 
+def k_block_tree(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> torch.Tensor:
+    """``block_tree_sum(k_block_partials(x, weight, k_block))``, forward and backward the same bits: this rank's float32
+    subtree root ``[M, N]`` of ``x @ weight^T`` summed over ``k_block``-wide blocks of ``K`` in the fixed tree.
+
+    On a CPU with the float32 FMA kernel (:func:`shared_numerics.gemm_cpu.f32_available`) it is one autograd node:
+    the forward one kernel pass that keeps each register tile's tree in a small stack
+    (:func:`shared_numerics.gemm_cpu.gemm_f32_k_tree`; nothing of size ``K / k_block x M x N`` is stored), the
+    backward one ``dX = dY W`` and one ``dW = dYᵀ X`` over all of ``K`` — every leaf of the tree receives the same
+    ``dY``, and an element of ``dX`` (``dW``) is one FMA chain over ``N`` (``M``) from zero whichever ``K`` block it
+    sits in, so the block-by-block backward's bits (a chain from zero is never ``-0``, so adding the blocks'
+    zero-padded slice gradients changes nothing either). Elsewhere (GPU, CPUs without the kernel): the blocks.
+
+    Args / Raises: as :func:`k_block_partials`.
+    """
+    from .gemm_cpu import f32_available
+
+    k = x.shape[-1]
+    if weight.shape[-1] != k:
+        raise ValueError(f"row-parallel linear: x has K={k}, weight {tuple(weight.shape)}")
+    if k_block <= 0 or k % k_block:
+        raise ValueError(f"row-parallel linear: K={k} (this rank's shard) is not a multiple of tp_k_block={k_block}")
+    if not (x.is_cpu and weight.is_cpu and f32_available()):
+        return block_tree_sum(k_block_partials(x, weight, k_block))
+    return _KBlockTree.apply(x.float(), weight.float(), k_block)
+
+
+class _KBlockTree(torch.autograd.Function):
+    """:func:`k_block_tree` on the float32 FMA kernel (float32 operands: the casts stay outside, in autograd)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, k_block: int) -> torch.Tensor:
+        from .gemm_cpu import gemm_f32_k_tree
+
+        ctx.save_for_backward(x, w)
+        return gemm_f32_k_tree(w, x, k_block)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from .gemm_cpu import gemm_abt
+
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = gemm_abt(w.t(), grad, transpose=True)  # [M, K]: each element a chain over N (matmul_rows)
+        if ctx.needs_input_grad[1]:
+            grad_w = gemm_abt(grad.t(), x.t())  # [N, K]: each element a chain over M (_RowTiledLinear's dW)
+        return grad_x, grad_w, None
+
+
 def reduce_over_ranks(root: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
     """The top of the fixed tree: this rank's float32 subtree root ``[...]`` gathered with every rank's (``gather``:
     ``[1, ...] -> [TP, ...]`` in rank order) and summed with :func:`block_tree_sum`; ``root`` itself at TP 1
@@ -159,7 +211,7 @@ def row_parallel_linear(
         ValueError: ``K_local`` not a multiple of ``k_block``; a gathered TP size that is not a power of two.
     """
     lead = x.shape[:-1]
-    root = reduce_over_ranks(block_tree_sum(k_block_partials(x.reshape(-1, x.shape[-1]), weight, k_block)), gather)
+    root = reduce_over_ranks(k_block_tree(x.reshape(-1, x.shape[-1]), weight, k_block), gather)
     if bias is not None:
         root = root + bias.float()
     return root.to(x.dtype).reshape(*lead, weight.shape[0])
@@ -182,7 +234,7 @@ def column_parallel_dx(
 
     Raises:
         ValueError: as :func:`k_block_partials` and :func:`reduce_over_ranks`."""
-    return reduce_over_ranks(block_tree_sum(k_block_partials(dy, weight.t(), k_block)), gather)
+    return reduce_over_ranks(k_block_tree(dy, weight.t(), k_block), gather)
 
 
 class _ColumnParallelInputGrad(torch.autograd.Function):

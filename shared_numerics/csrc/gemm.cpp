@@ -928,6 +928,73 @@ void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a
 }
 #endif
 
+// out [J, I] = the TP-aligned tree over K blocks of k_block columns (shared_numerics.tensor_parallel.block_tree_sum):
+// block b's partial is each element's FMA chain from zero over its k_block columns (zk_gemm_abt_f32's element on that
+// K range); with n = odd * 2^t blocks, each run of odd consecutive partials is added left to right, then adjacent
+// pairs level by level (a binary counter: run r merges with the stacked left sibling while bit 0 of r is set). One
+// register tile (F32_P rows of A x F32_RJ rows of B) at a time, its tree in a per-tile stack, so nothing of size
+// blocks x J x I is stored; every element computed by one thread (the bits depend on neither the thread count nor
+// the shape).
+void gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                    int64_t j_rows, int64_t ldb, int b_kmajor, float* out, int64_t ldo, int threads, int64_t k_block) {
+  const int64_t blocks = k / k_block;
+  int64_t odd = blocks, levels = 0;
+  while (odd % 2 == 0) odd /= 2, ++levels;
+  const int64_t ipanels = (i_rows + F32_P - 1) / F32_P, jblocks = (j_rows + F32_RJ - 1) / F32_RJ;
+  const size_t a_words = static_cast<size_t>(ipanels * F32_P * k), b_words = static_cast<size_t>(jblocks * F32_RJ * k);
+  HugeBuffer buf;
+  float* const apa = buf.get(a_words + b_words);
+  float* const bpa = apa + a_words;  // [block][jblocks][k_block][F32_RJ]
+  constexpr int64_t PACK_J = 48;
+  const int64_t jtasks = (j_rows + PACK_J - 1) / PACK_J;
+  const int64_t tiles = ipanels * jblocks;
+  constexpr int64_t T = F32_RJ * F32_P;  // floats of one register tile, [F32_RJ][F32_P]
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t p = 0; p < ipanels; ++p) {
+      const int64_t r0 = p * F32_P;
+      pack_a_f32(a, lda, a_kmajor, r0, i_rows - r0 < F32_P ? i_rows - r0 : F32_P, 0, k, apa + r0 * k);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < jtasks; ++t) {
+      const int64_t r0 = t * PACK_J, nr = j_rows - r0 < PACK_J ? j_rows - r0 : PACK_J;
+      for (int64_t k0 = 0; k0 < k; k0 += k_block)
+        pack_b_f32(b, ldb, b_kmajor, r0, nr, k0, k_block, bpa + k0 * jblocks * F32_RJ + r0 * k_block);
+    }
+    std::vector<float> scratch(static_cast<size_t>(T * (levels + 3)) + 16);
+    float* const part = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    float* const run = part + T;
+    float* const stack = run + T;  // [levels + 1][T]
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t q = tile % jblocks, p = tile / jblocks;
+      const int64_t rj = j_rows - q * F32_RJ < F32_RJ ? j_rows - q * F32_RJ : F32_RJ;
+      const int64_t i0 = p * F32_P, ni = i_rows - i0 < F32_P ? i_rows - i0 : F32_P;
+      int64_t runs = 0;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const float* ar = apa + p * F32_P * k + blk * k_block * F32_P;
+        const float* bk = bpa + blk * k_block * jblocks * F32_RJ + q * k_block * F32_RJ;
+        const bool first = blk % odd == 0;
+        MICRO_F32[rj - 1](ar, F32_P, bk, k_block, first ? run : part, F32_P, false, nullptr);
+        if (!first)  // the run, left to right: run = run + part
+          for (int64_t e = 0; e < rj * F32_P; e += F32_W) vf_store(run + e, vf_add(vf_load(run + e), vf_load(part + e)));
+        if (blk % odd != odd - 1) continue;
+        int64_t level = 0;  // the run joins the tree: left sibling + right, while this run index closes a pair
+        for (int64_t r = runs; r & 1; r >>= 1, ++level) {
+          const float* left = stack + level * T;
+          for (int64_t e = 0; e < rj * F32_P; e += F32_W) vf_store(run + e, vf_add(vf_load(left + e), vf_load(run + e)));
+        }
+        std::memcpy(stack + level * T, run, static_cast<size_t>(rj * F32_P) * sizeof(float));
+        ++runs;
+      }
+      const float* root = stack + levels * T;  // [rj][F32_P]: out rows j, columns i
+      for (int64_t jj = 0; jj < rj; ++jj)
+        std::memcpy(out + (q * F32_RJ + jj) * ldo + i0, root + jj * F32_P, static_cast<size_t>(ni) * sizeof(float));
+    }
+  }  // omp parallel
+}
+
 }  // namespace
 #endif
 
@@ -938,6 +1005,22 @@ int zk_gemm_has_f32() {
   return 1;
 #else
   return 0;
+#endif
+}
+
+// out [J, I] (row stride ldo) = the TP-aligned tree over k_block-wide K blocks of B · Aᵀ's partials (gemm_f32_ktree;
+// a, b as zk_gemm_abt_f32's). Returns 0, or -1 without the float32 kernel in this build or k_block not dividing k.
+int zk_gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                      int64_t j_rows, int64_t ldb, int b_kmajor, float* out, int64_t ldo, int threads,
+                      int64_t k_block) {
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  if (k_block <= 0 || k % k_block) return -1;
+  gemm_f32_ktree(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, out, ldo, threads, k_block);
+  return 0;
+#else
+  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
+      (void)out, (void)ldo, (void)threads, (void)k_block;
+  return -1;
 #endif
 }
 
