@@ -60,18 +60,9 @@ def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
 
 def eager_ms(fn, repeats: int = 20) -> float:
     """Median time of one call of ``fn`` between two events, the GPU idle before it (launch cost included)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    from benchmarks.timing import cuda_event_ms
+
+    return cuda_event_ms(fn, repeats)
 
 
 def wall_ms(fn, calls: int = 1, replays: int = 1, repeats: int = 1) -> float:

@@ -46,22 +46,9 @@ TARGETS = {  # name -> (metric key path, threshold); {large}/{small}: the run's 
 
 def _timer(device: str):
     if device == "cuda":
+        from benchmarks.timing import cuda_event_ms
 
-        def cuda_time(fn, repeats):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            return statistics.median(times)
-
-        return cuda_time
+        return cuda_event_ms
 
     from benchmarks.timing import wall_times
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import wall_times
 from shared_numerics.machine import machine_facts
 
 #: (tokens M, K, N): a Qwen3 hidden-512 layer's o_proj and down_proj at 8 x 256 tokens; decode- and prefill-sized
@@ -32,13 +32,7 @@ K_BLOCKS = [16, 128]
 
 
 def _median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(wall_times(fn, repeats))
 
 
 def run(repeats: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["machine_phrase", "wall_times", "wall_times_interleaved"]
+__all__ = ["cuda_event_ms", "machine_phrase", "wall_times", "wall_times_interleaved"]
 
 
 def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -18,6 +18,27 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[
         fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def cuda_event_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of one call of ``fn`` between two CUDA events, the GPU idle before each (the host's launch
+    cost included), after ``warmup`` untimed calls (the GPU benchmarks' eager timing)."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def wall_times_interleaved(fns: list[Callable[[], object]], repeats: int, min_s: float = 0.02) -> list[list[float]]:

@@ -928,6 +928,29 @@ void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a
 }
 #endif
 
+// Inside a parallel region (orphaned worksharing): A into F32_P-row panels [ipanels][k][F32_P] at apa, B per kc-wide
+// K block into F32_RJ-row blocks [kblock][jblocks][nk][F32_RJ] at bpa (a chunk's slice of a K block contiguous);
+// tails zero. Each thread packs a share; the last loop's barrier ends with everything packed.
+void pack_f32_operands(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                       int64_t j_rows, int64_t ldb, int b_kmajor, int64_t kc, float* apa, float* bpa) {
+  const int64_t ipanels = (i_rows + F32_P - 1) / F32_P, jblocks = (j_rows + F32_RJ - 1) / F32_RJ;
+  constexpr int64_t PACK_J = 48;  // rows of B per packing task: whole F32_RJ blocks, whole 16-row transposes
+  const int64_t jtasks = (j_rows + PACK_J - 1) / PACK_J;
+#pragma omp for schedule(static) nowait
+  for (int64_t p = 0; p < ipanels; ++p) {
+    const int64_t r0 = p * F32_P;
+    pack_a_f32(a, lda, a_kmajor, r0, i_rows - r0 < F32_P ? i_rows - r0 : F32_P, 0, k, apa + r0 * k);
+  }
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < jtasks; ++t) {
+    const int64_t r0 = t * PACK_J, nr = j_rows - r0 < PACK_J ? j_rows - r0 : PACK_J;
+    for (int64_t k0 = 0; k0 < k; k0 += kc) {
+      const int64_t nk = k - k0 < kc ? k - k0 : kc;
+      pack_b_f32(b, ldb, b_kmajor, r0, nr, k0, nk, bpa + k0 * jblocks * F32_RJ + r0 * nk);
+    }
+  }
+}
+
 // out [J, I] = the TP-aligned tree over K blocks of k_block columns (shared_numerics.tensor_parallel.block_tree_sum):
 // block b's partial is each element's FMA chain from zero over its k_block columns (zk_gemm_abt_f32's element on that
 // K range); with n = odd * 2^t blocks, each run of odd consecutive partials is added left to right, then adjacent
@@ -945,23 +968,11 @@ void gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
   HugeBuffer buf;
   float* const apa = buf.get(a_words + b_words);
   float* const bpa = apa + a_words;  // [block][jblocks][k_block][F32_RJ]
-  constexpr int64_t PACK_J = 48;
-  const int64_t jtasks = (j_rows + PACK_J - 1) / PACK_J;
   const int64_t tiles = ipanels * jblocks;
   constexpr int64_t T = F32_RJ * F32_P;  // floats of one register tile, [F32_RJ][F32_P]
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(static) nowait
-    for (int64_t p = 0; p < ipanels; ++p) {
-      const int64_t r0 = p * F32_P;
-      pack_a_f32(a, lda, a_kmajor, r0, i_rows - r0 < F32_P ? i_rows - r0 : F32_P, 0, k, apa + r0 * k);
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < jtasks; ++t) {
-      const int64_t r0 = t * PACK_J, nr = j_rows - r0 < PACK_J ? j_rows - r0 : PACK_J;
-      for (int64_t k0 = 0; k0 < k; k0 += k_block)
-        pack_b_f32(b, ldb, b_kmajor, r0, nr, k0, k_block, bpa + k0 * jblocks * F32_RJ + r0 * k_block);
-    }
+    pack_f32_operands(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, k_block, apa, bpa);
     std::vector<float> scratch(static_cast<size_t>(T * (levels + 3)) + 16);
     float* const part = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
     float* const run = part + T;
@@ -1073,23 +1084,9 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
   }
   const int64_t panels_per = (ipanels + groups - 1) / groups, blocks_per = (jblocks + chunks - 1) / chunks;
   const int64_t units = chunks * groups;
-  constexpr int64_t PACK_J = 48;  // rows of B per packing task: whole F32_RJ blocks, whole 16-row transposes
-  const int64_t jtasks = (j_rows + PACK_J - 1) / PACK_J;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(static) nowait
-    for (int64_t p = 0; p < ipanels; ++p) {
-      const int64_t r0 = p * F32_P;
-      pack_a_f32(a, lda, a_kmajor, r0, i_rows - r0 < F32_P ? i_rows - r0 : F32_P, 0, k, apa + r0 * k);
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < jtasks; ++t) {
-      const int64_t r0 = t * PACK_J, nr = j_rows - r0 < PACK_J ? j_rows - r0 : PACK_J;
-      for (int64_t k0 = 0; k0 < k; k0 += F32_KC) {
-        const int64_t nk = k - k0 < F32_KC ? k - k0 : F32_KC;
-        pack_b_f32(b, ldb, b_kmajor, r0, nr, k0, nk, bpa + k0 * jblocks * F32_RJ + r0 * nk);
-      }
-    }
+    pack_f32_operands(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, F32_KC, apa, bpa);
     // (the implicit barrier: every panel and block packed)
 #pragma omp for schedule(static)
   for (int64_t u = 0; u < units; ++u) {
