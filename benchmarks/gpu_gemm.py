@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import cuda_event_ms
+
 SHAPES = ((4096, 12288), (12288, 4096), (4096, 4096), (4096, 151936))  # (K, N): Qwen3-8B gate/up, down, o, lm_head
 SMALL_M = (1, 8, 64, 256)
 LARGE_M = 4096
@@ -58,13 +60,6 @@ def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
     return statistics.median(times)
 
 
-def eager_ms(fn, repeats: int = 20) -> float:
-    """Median time of one call of ``fn`` between two events, the GPU idle before it (launch cost included)."""
-    from benchmarks.timing import cuda_event_ms
-
-    return cuda_event_ms(fn, repeats)
-
-
 def wall_ms(fn, calls: int = 1, replays: int = 1, repeats: int = 1) -> float:
     """The smoke run's timer (CPU, interpreter): one call's wall time."""
     t = time.perf_counter()
@@ -72,12 +67,9 @@ def wall_ms(fn, calls: int = 1, replays: int = 1, repeats: int = 1) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-_TIMERS = {"graph": graph_ms, "eager": eager_ms}
-
-
-def _timed(ours, stock, flops) -> dict:
+def _timed(timers: dict, ours, stock, flops) -> dict:
     out = {}
-    for how, timer in _TIMERS.items():
+    for how, timer in timers.items():
         t_o, t_s = timer(ours), timer(stock)
         out[how] = {
             "ours_ms": t_o,
@@ -204,7 +196,9 @@ def run(args) -> dict:
 
     dev, dt = ("cpu" if args.smoke else "cuda"), torch.bfloat16
     shapes, small_m, large_m = (((64, 96), (160, 64)), (1, 8), 80) if args.smoke else (SHAPES, SMALL_M, LARGE_M)
-    timer = wall_ms if args.smoke else graph_ms
+    # graph: kernel time; eager: one call with the host's launch cost (benchmarks.timing.cuda_event_ms)
+    timers = {"graph": wall_ms, "eager": wall_ms} if args.smoke else {"graph": graph_ms, "eager": cuda_event_ms}
+    timer = timers["graph"]
     g = torch.Generator(device=dev).manual_seed(0)
     base = mm.CONFIGS[dt]
     result: dict = {
@@ -229,7 +223,7 @@ def run(args) -> dict:
             split = mm.use_split_path(m, n, base, x.device)
             res = {"path": f"decode bn{mm.split_tile_n(m, n, base, x.device)}" if split else "persistent"}
             res["rows_equal_m4096"] = bool(torch.equal(T["linear"](xm, w), full[:m]))
-            res.update(_timed(lambda xm=xm: T["linear"](xm, w), lambda xm=xm: F.linear(xm, w), 2 * m * n * k))
+            res.update(_timed(timers, lambda xm=xm: T["linear"](xm, w), lambda xm=xm: F.linear(xm, w), 2 * m * n * k))
             if m == 1 and not args.smoke:
                 res["host_us_per_call"] = {
                     "ours": host_us(lambda xm=xm: T["linear"](xm, w)),
@@ -301,7 +295,6 @@ def main(argv=None) -> dict:
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
-        _TIMERS.update(graph=wall_ms, eager=wall_ms)
         result = run(args)
     elif not torch.cuda.is_available():
         result = {"skipped": "no CUDA device on this machine"}

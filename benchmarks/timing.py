@@ -20,7 +20,7 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[
     return times
 
 
-def cuda_event_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+def cuda_event_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of one call of ``fn`` between two CUDA events, the GPU idle before each (the host's launch
     cost included), after ``warmup`` untimed calls (the GPU benchmarks' eager timing)."""
     import statistics

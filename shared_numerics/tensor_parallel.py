@@ -83,6 +83,17 @@ def block_tree_sum(partials: torch.Tensor) -> torch.Tensor:
     return acc[0]
 
 
+def _check_k_blocks(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> int:
+    """``K`` of ``x [M, K]`` and ``weight [N, K]``, or the ValueError of a weight of another ``K`` or a ``k_block``
+    that does not divide it."""
+    k = x.shape[-1]
+    if weight.shape[-1] != k:
+        raise ValueError(f"row-parallel linear: x has K={k}, weight {tuple(weight.shape)}")
+    if k_block <= 0 or k % k_block:
+        raise ValueError(f"row-parallel linear: K={k} (this rank's shard) is not a multiple of tp_k_block={k_block}")
+    return k
+
+
 def k_block_partials(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> torch.Tensor:
     """The float32 partial products of ``x @ weight^T`` over consecutive ``k_block``-column blocks of ``K``.
 
@@ -100,11 +111,7 @@ def k_block_partials(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> tor
     """
     import shared_numerics as sn
 
-    k = x.shape[-1]
-    if weight.shape[-1] != k:
-        raise ValueError(f"row-parallel linear: x has K={k}, weight {tuple(weight.shape)}")
-    if k_block <= 0 or k % k_block:
-        raise ValueError(f"row-parallel linear: K={k} (this rank's shard) is not a multiple of tp_k_block={k_block}")
+    k = _check_k_blocks(x, weight, k_block)
     xf = x.float()
     return torch.stack(
         [
@@ -130,11 +137,7 @@ def k_block_tree(x: torch.Tensor, weight: torch.Tensor, k_block: int) -> torch.T
     """
     from .gemm_cpu import f32_available
 
-    k = x.shape[-1]
-    if weight.shape[-1] != k:
-        raise ValueError(f"row-parallel linear: x has K={k}, weight {tuple(weight.shape)}")
-    if k_block <= 0 or k % k_block:
-        raise ValueError(f"row-parallel linear: K={k} (this rank's shard) is not a multiple of tp_k_block={k_block}")
+    _check_k_blocks(x, weight, k_block)
     if not (x.is_cpu and weight.is_cpu and f32_available()):
         return block_tree_sum(k_block_partials(x, weight, k_block))
     return _KBlockTree.apply(x.float(), weight.float(), k_block)

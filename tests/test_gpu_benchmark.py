@@ -41,7 +41,7 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     assert len(result["targets"]) == len(TARGETS) and all(t["value"] is not None for t in result["targets"].values())
 
 
-def test_gpu_gemm_benchmark_smoke_run(tmp_path, monkeypatch):
+def test_gpu_gemm_benchmark_smoke_run(tmp_path):
     """``benchmarks/gpu_gemm.py --smoke``: every shape and M timed, the default path's rows and every decode variant's
     rows bitwise the persistent path's (on the interpreter: the algorithm; the GPU run proves the bits)."""
     from benchmarks.gpu_gemm import main

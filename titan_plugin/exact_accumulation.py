@@ -582,12 +582,7 @@ def _efsdp_shard_of_ep_shard(ep_shard: torch.Tensor, p) -> torch.Tensor:
 
     Raises:
         RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
-    names = p.device_mesh.mesh_dim_names
-    if "efsdp" not in names:
-        return _fsdp_block(ep_shard, p, None, "the experts")
-    mesh, placement = p.device_mesh["efsdp"], p.placements[names.index("efsdp")]
-    dim = getattr(placement, "dim", None)  # Shard, or FSDP2's _StridedShard of the EP shard (not is_shard())
-    return _fsdp_block(ep_shard, p, None if dim is None else (dim, mesh), "the experts")
+    return _fsdp_block(ep_shard, p, _fsdp_split(p, {"efsdp"}), "the experts")
 
 
 def _fsdp_block(whole: torch.Tensor, p, split, what: str) -> torch.Tensor:
@@ -621,12 +616,22 @@ def _fsdp_shard_of_tp_shard(tp_shard: torch.Tensor, p) -> torch.Tensor:
 
     Raises:
         RuntimeError: the block is not the shape of ``p``'s local tensor (another layout)."""
+    return _fsdp_block(tp_shard, p, _fsdp_split(p, DATA_PARALLEL_DIMS), "the TP shard")
+
+
+def _fsdp_split(p, dims) -> tuple[int, object] | None:
+    """``(dim, mesh)`` of the one mesh dimension among ``dims`` over which FSDP2 shards DTensor ``p`` (its placement
+    ``Shard``, or FSDP2's ``_StridedShard``, which is not ``is_shard()``: read by its ``dim``), for
+    :func:`_fsdp_block`; ``None`` when ``p`` is only replicated there.
+
+    Raises:
+        RuntimeError: ``p`` sharded over more than one of ``dims``."""
     names = p.device_mesh.mesh_dim_names or ()
     splits = [
         (dim, p.device_mesh[name])
         for name, placement in zip(names, p.placements, strict=True)
-        if name in DATA_PARALLEL_DIMS and (dim := getattr(placement, "dim", None)) is not None
+        if name in dims and (dim := getattr(placement, "dim", None)) is not None
     ]
     if len(splits) > 1:
-        raise RuntimeError(f"exact accumulation: a TP shard sharded over {len(splits)} data-parallel dimensions")
-    return _fsdp_block(tp_shard, p, splits[0] if splits else None, "the TP shard")
+        raise RuntimeError(f"exact accumulation: a parameter sharded over {len(splits)} data-parallel dimensions")
+    return splits[0] if splits else None

@@ -140,7 +140,7 @@ def scenarios() -> dict:
     return {
         "linear_bf16": lambda: T["linear"](e(4096, 4096), e(12288, 4096)),
         "linear_fp32": lambda: T["linear"](e(512, 1024, dtype=fp32), e(1024, 1024, dtype=fp32)),
-        # the decode-size path (split over fixed K chunks + the ordered chunk sum), as a GPU picks it at M = 64
+        # the decode-size path (64-row tiles, one program each), as a GPU picks it at M = 64
         "linear_bf16_decode": lambda: M.gemm(e(64, 4096), e(4096, 12288), bf16, split=True),
         "linear_fp32_decode": lambda: M.gemm(e(8, 4096, dtype=fp32), e(4096, 1024, dtype=fp32), fp32, split=True),
         # the K-chunked variant (GemmConfig.k_chunk, not the default): split-K programs + the ordered chunk sum

@@ -928,6 +928,13 @@ void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a
 }
 #endif
 
+// The packed operands' buffer (at least `words` floats): the calling thread's, kept between calls, up to F32_KEEP
+// words; beyond that `big` (the caller's, freed with the call)
+float* f32_pack_buffer(size_t words, HugeBuffer& big) {
+  thread_local HugeBuffer keep;
+  return (words <= F32_KEEP ? keep : big).get(words);
+}
+
 // Inside a parallel region (orphaned worksharing): A into F32_P-row panels [ipanels][k][F32_P] at apa, B per kc-wide
 // K block into F32_RJ-row blocks [kblock][jblocks][nk][F32_RJ] at bpa (a chunk's slice of a K block contiguous);
 // tails zero. Each thread packs a share; the last loop's barrier ends with everything packed.
@@ -965,8 +972,8 @@ void gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
   while (odd % 2 == 0) odd /= 2, ++levels;
   const int64_t ipanels = (i_rows + F32_P - 1) / F32_P, jblocks = (j_rows + F32_RJ - 1) / F32_RJ;
   const size_t a_words = static_cast<size_t>(ipanels * F32_P * k), b_words = static_cast<size_t>(jblocks * F32_RJ * k);
-  HugeBuffer buf;
-  float* const apa = buf.get(a_words + b_words);
+  HugeBuffer big;
+  float* const apa = f32_pack_buffer(a_words + b_words, big);
   float* const bpa = apa + a_words;  // [block][jblocks][k_block][F32_RJ]
   const int64_t tiles = ipanels * jblocks;
   constexpr int64_t T = F32_RJ * F32_P;  // floats of one register tile, [F32_RJ][F32_P]
@@ -1066,9 +1073,8 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
   // in F32_RJ-row blocks, [kblock][jblocks][nk][F32_RJ] (a chunk's slice of a K block is contiguous); tails zero
   const int64_t ipanels = (i_rows + F32_P - 1) / F32_P, jblocks = (j_rows + F32_RJ - 1) / F32_RJ;
   const size_t a_words = static_cast<size_t>(ipanels * F32_P * k), b_words = static_cast<size_t>(jblocks * F32_RJ * k);
-  thread_local HugeBuffer pack_buf;  // the calling thread's
-  HugeBuffer big_buf;                // operands over F32_KEEP words: this call's only
-  float* const apa = (a_words + b_words <= F32_KEEP ? pack_buf : big_buf).get(a_words + b_words);
+  HugeBuffer big;
+  float* const apa = f32_pack_buffer(a_words + b_words, big);
   float* const bpa = apa + a_words;
   // units = groups of A panels x chunks of B blocks, near-equal; their count a multiple of the threads where the
   // shape allows, so that threads get near-equal work (static schedule)

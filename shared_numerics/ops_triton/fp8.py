@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import fp8 as ref
 from ._common import next_pow2
-from .matmul import gemm, num_programs, tile_offsets
+from .matmul import SPLIT_FILL, gemm, num_programs, tile_offsets
 
 __all__ = ["fp8_linear", "fp8_linear_qat", "quantize_fp8_activation", "quantize_fp8_weight"]
 
@@ -85,8 +85,8 @@ def quantize_fp8_activation(x: torch.Tensor, granularity: str = "per_channel") -
     return q, s
 
 
-# One fixed config (the bits depend on BLOCK_K = 128, the granularity's K block, and the dot's input type).
-# Two stages: with three, Triton 3.9 spills the blockwise kernel (255 registers + 176 B per thread; 3.8 fit in 255).
+# The bits depend on BLOCK_K = 128 (the granularity's K block) and the dot's input type, not on the tile. The
+# blockwise kernel takes the 64-row tile only: at 128 x 256 Triton 3.9 spills it (zerokld_testing.triton_aot).
 #: tiles of the FP8 GEMM (``BK`` = 128 in every one: it defines the bits). Measured on an H200 (4096 -> 12288,
 #: ``benchmarks/results/gpu_gemm_h200.json`` ``fp8_configs``): at M = 4096 per-channel 128x256 ran 0.31 ms (cuBLAS
 #: ``_scaled_mm`` 0.31, the former 128x128 / 2 stages 0.71); 64x128 ran M <= 64 at 0.02 ms and the blockwise GEMM
@@ -99,9 +99,12 @@ FP8_CONFIGS = {
 
 def fp8_config(m: int, n: int, granularity: str, device: torch.device) -> dict:
     """The FP8 GEMM's tile for ``m`` rows: 64-row tiles for blockwise scales and for per-channel calls whose
-    128 x 256 tiles would leave a third of the SMs idle, else 128 x 256. The bits are the same for either."""
+    128 x 256 tiles would fill less than :data:`~.matmul.SPLIT_FILL` of the SMs, else 128 x 256. The bits are the
+    same for either."""
     big = FP8_CONFIGS["prefill"]
-    if granularity == "block" or triton.cdiv(m, big["BM"]) * triton.cdiv(n, big["BN"]) < 0.7 * num_programs(device):
+    if granularity == "block" or triton.cdiv(m, big["BM"]) * triton.cdiv(n, big["BN"]) < SPLIT_FILL * num_programs(
+        device
+    ):
         return FP8_CONFIGS["decode"]
     return big
 

@@ -40,7 +40,17 @@ import triton.language as tl
 
 from ..gemm_autograd import linear_with
 
-__all__ = ["CONFIGS", "GemmConfig", "gemm", "linear", "num_programs", "split_tile_n", "tile_offsets", "use_split_path"]
+__all__ = [
+    "CONFIGS",
+    "SPLIT_FILL",
+    "GemmConfig",
+    "gemm",
+    "linear",
+    "num_programs",
+    "split_tile_n",
+    "tile_offsets",
+    "use_split_path",
+]
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,19 @@ def _chunk_dot(a_ptr, b_ptr, ra, rb, k0, k1, M, K, sam, sak, sbk, sbn, IEEE, LAR
 
 
 @triton.jit
+def _finish(total, c_ptr, bias_ptr, rm, rn, M, N, scm, scn, HAS_BIAS):
+    """Both paths' epilogue: the bias added in fp32, one rounding to the output dtype, the tile's valid elements
+    stored."""
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        c_ptr + rm[:, None] * scm + rn[None, :] * scn,
+        total.to(c_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr,
     b_ptr,
@@ -183,13 +206,7 @@ def _gemm_kernel(
                 )
         else:
             total = _chunk_dot(a_ptr, b_ptr, ra, rb, 0, K, M, K, sam, sak, sbk, sbn, IEEE, LARGE, False, BM, BN, BK)
-        if HAS_BIAS:
-            total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            c_ptr + rm[:, None] * scm + rn[None, :] * scn,
-            total.to(c_ptr.dtype.element_ty),
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-        )
+        _finish(total, c_ptr, bias_ptr, rm, rn, M, N, scm, scn, HAS_BIAS)
 
 
 @triton.jit
@@ -239,18 +256,15 @@ def _gemm_split_kernel(
         k0 = 0
         k1 = K
     part = _chunk_dot(a_ptr, b_ptr, ra, rb, k0, k1, M, K, sam, sak, sbk, sbn, IEEE, LARGE, True, BM, BN, BK)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
     if DIRECT:
         if CHUNKED:
             total = tl.zeros((BM, BN), dtype=tl.float32)
             total += part
         else:
             total = part
-        if HAS_BIAS:
-            total = total + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, total.to(c_ptr.dtype.element_ty), mask=mask)
+        _finish(total, c_ptr, bias_ptr, rm, rn, M, N, scm, scn, HAS_BIAS)
     else:
-        tl.store(ws_ptr + (chunk * M + rm[:, None]) * N + rn[None, :], part, mask=mask)
+        tl.store(ws_ptr + (chunk * M + rm[:, None]) * N + rn[None, :], part, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -269,8 +283,9 @@ def _chunk_sum_kernel(ws_ptr, c_ptr, bias_ptr, M, N, CHUNKS, scm, scn, HAS_BIAS:
     tl.store(c_ptr + rm * scm + rn * scn, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-#: the decode-size path's tile width is the widest whose tiles fill this share of the SMs
-_SPLIT_FILL = 0.7
+#: the share of the SMs a launch's tiles must fill: below it the decode-size path is taken, and its tile width is
+#: the widest that fills it (the FP8 GEMM's tile choice uses it too)
+SPLIT_FILL = 0.7
 
 
 def use_split_path(m: int, n: int, cfg: GemmConfig, device: torch.device) -> bool:
@@ -278,14 +293,14 @@ def use_split_path(m: int, n: int, cfg: GemmConfig, device: torch.device) -> boo
     leave more than 30% of the SMs idle. Either path gives the same bits: the choice (a function of M) changes only
     the speed (measured at M = 128..512: ``mid_m`` of ``benchmarks/results/gpu_gemm_h200.json``)."""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return m <= cfg.split_m or tiles < _SPLIT_FILL * num_programs(device)
+    return m <= cfg.split_m or tiles < SPLIT_FILL * num_programs(device)
 
 
 def split_tile_n(m: int, n: int, cfg: GemmConfig, device: torch.device, chunks: int = 1) -> int:
     """The decode-size path's tile width: the widest of ``cfg.split_n`` whose tiles (times K chunks) fill 70% of the
     SMs, else the narrowest."""
     for bn in cfg.split_n:
-        if triton.cdiv(m, cfg.split_m) * triton.cdiv(n, bn) * chunks >= _SPLIT_FILL * num_programs(device):
+        if triton.cdiv(m, cfg.split_m) * triton.cdiv(n, bn) * chunks >= SPLIT_FILL * num_programs(device):
             return bn
     return cfg.split_n[-1]
 
