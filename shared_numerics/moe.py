@@ -462,6 +462,8 @@ def deepseek_moe_forward(
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     expert_parallel: ExpertParallel | None = None,
     chains: dict | None = None,
+    k_block: int | None = None,
+    gather=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
     ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
@@ -473,13 +475,17 @@ def deepseek_moe_forward(
     :func:`moe_experts` (``w_*`` this rank's ``E / EP``; the router, the bias and the shared experts replicated, each
     rank routing and combining its own tokens), bitwise one rank's. ``chains``: exact accumulation, as
     :func:`moe_forward` takes them (the router's chain continues the float32 logits' weight gradient over all ``N``
-    tokens; a shared-experts module feeds its own chains).
+    tokens; a shared-experts module feeds its own chains). ``k_block``, ``gather``: tensor-parallel routed experts
+    (``w_*`` this rank's ``I / TP`` of each) summed over ``I`` in the fixed TP-aligned tree, as :func:`moe_experts`
+    takes them; a shared-experts module then sums its down projection with the same tree (a row-parallel linear),
+    weights ``shared`` with :func:`shared_numerics.tensor_parallel.k_block_tree` at one rank only.
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
 
     Raises:
-        ValueError: as :func:`route_grouped_topk`; replayed ids of the wrong shape or outside ``[0, E)``.
+        ValueError: as :func:`route_grouped_topk` and :func:`moe_experts`; replayed ids of the wrong shape or outside
+            ``[0, E)``; ``shared`` weights with ``gather`` (a rank's slice of them cannot sum the whole ``I``).
     """
     from . import silu_and_mul
 
@@ -492,7 +498,15 @@ def deepseek_moe_forward(
         shared_out = shared(x)
     elif shared is not None:
         sg, su, sd = shared
-        shared_out = _linear(silu_and_mul(_linear(x, sg), _linear(x, su)), sd)
+        act = silu_and_mul(_linear(x, sg), _linear(x, su))
+        if k_block is None:
+            shared_out = _linear(act, sd)
+        elif gather is None:
+            from .tensor_parallel import k_block_tree
+
+            shared_out = k_block_tree(act, sd, k_block)
+        else:
+            raise ValueError("DeepSeekMoE shared-expert weights under tensor parallelism: pass the module")
     out = moe_experts(
         x,
         ids,
@@ -505,6 +519,8 @@ def deepseek_moe_forward(
         fp8=fp8,
         scales=scales,
         expert_parallel=expert_parallel,
+        k_block=k_block,
+        gather=gather,
     )
     return out, ids
 

@@ -585,10 +585,37 @@ def test_engine_refuses_tp_it_cannot_keep_invariant():
     assert "down_proj K=128 not divisible" in " ".join(_tp_problems(4, 64, cfg, lora=False, fp8=False))
     assert "num_key_value_heads=2 not divisible" in " ".join(_tp_problems(4, 8, cfg, lora=False, fp8=False))
     assert "FP8" in " ".join(_tp_problems(1, 16, cfg, lora=False, fp8=True))
+    # MLA (DeepSeek-V3): o_proj sums over heads x v_head_dim, the shared experts over n_shared x moe_intermediate_size;
+    # no KV heads to split (one latent per token on every rank)
+    import dataclasses
+
+    mla = dataclasses.replace(
+        cfg,
+        architecture="DeepseekV3ForCausalLM",
+        num_key_value_heads=1,
+        kv_lora_rank=256,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=24,
+        num_experts=8,
+        moe_intermediate_size=64,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+    )
+    assert _tp_problems(2, 16, mla, lora=False, fp8=False) == []
+    assert "o_proj K=96 not divisible by tensor_parallel_size x tp_k_block = 64" in " ".join(
+        _tp_problems(2, 32, mla, lora=False, fp8=False)
+    )
+    shared = " ".join(
+        _tp_problems(
+            2, 16, dataclasses.replace(mla, n_shared_experts=1, moe_intermediate_size=48), lora=False, fp8=False
+        )
+    )
+    assert "shared experts' down_proj K=48" in shared and "experts' down_proj K=48" in shared
 
 
 @pytest.mark.timeout(120)
-def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
+def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory, tmp_path):
     from shared_numerics.settings import ZeroKLDSettings
     from titan_plugin.models import titan_model_config
     from titan_plugin.rl import rl_trainer_config
@@ -603,6 +630,13 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory):
         )
     with pytest.raises(ValueError, match="needs tp_k_block"):
         rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
+    # MLA: tp_k_block at TP 1 (vLLM TP N's forward) is built; the trainer's own TP is refused before any rank starts
+    from zerokld_testing.deepseek import make_deepseek_checkpoint
+
+    ds = make_deepseek_checkpoint(tmp_path / "ds")
+    titan_model_config(read_model_config(ds), ZeroKLDSettings(tp_k_block=16))
+    with pytest.raises(ValueError, match="tensor_parallel_degree 2 on MLA attention: not yet"):
+        rl_trainer_config(str(ds), "/nonexistent", tensor_parallel_degree=2, tp_k_block=16)
 
 
 # --- real trainers and engines ---
@@ -881,6 +915,59 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
         served1, trainer_logprobs(str(new_ckpt), seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK), strict=True
     ):
         assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(served1, served, strict=True))
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(600)
+def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_and_ep2(engine_slot, tmp_path):
+    """DeepSeek-V3 (MLA with YaRN, DeepSeekMoE with tied group scores, a dense first layer, a shared expert) served at
+    vLLM ``--tensor-parallel-size 2`` with ``tp_k_block``: each rank two of the four heads (``q_b_proj`` and
+    ``kv_b_proj`` by head, the whole latent cached on both) and half of every expert's and the shared expert's
+    intermediate size; ``o_proj`` and the three down projections summed with the fixed tree. The served log-probs are
+    the trainer's bit for bit at TP 1 and at TorchTitan ``expert_parallel_degree`` 2 with the same ``tp_k_block``
+    (the layout the seeds train these models in: experts split, no TP); an RL step at TP 1 trains, its snapshot
+    reaches both workers through ``reload_weights`` and is served as the trainer scores it. Negative control
+    (float32): the trainer's default numerics (one GEMM over K) differ from the served bits. The trainer's own TP on
+    MLA is refused (the latent's gradient sums over heads): see
+    ``test_trainer_refuses_tp_k_block_where_not_implemented``."""
+    from shared_numerics import RolloutBatch
+    from titan_plugin import trainer_logprobs
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from vllm_plugin.engines import reload_weights
+    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+
+    dtype = "float32"
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(yarn=True, group_ties=True), seed=3))
+    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
+    prompts = _prompts()
+    tokens, served = _generate(llm, prompts)
+    seqs, lens = [p + t for p, t in zip(prompts, tokens, strict=True)], [len(p) for p in prompts]
+    trainer = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
+    for i, (a, b) in enumerate(zip(served, trainer, strict=True)):
+        assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
+    default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+    assert any(not torch.equal(a, b) for a, b in zip(served, default, strict=True))
+    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, ep=2)
+    assert all(torch.equal(a, b) for a, b in zip(served, ep2["logprobs"], strict=True))
+    rl = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-2, tp_k_block=K_BLOCK))
+    try:
+        batch = RolloutBatch(seqs, lens, [1.0, -1.0] * 3, [t.clone() for t in trainer], numerics=rl.numerics)
+        out = rl.rl_step(batch)
+        assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], trainer, strict=True))
+        snapshot = str(rl.save_hf(tmp_path / "step1", dtype))
+    finally:
+        rl.close()
+    try:
+        reload_weights(llm, snapshot)
+        tokens1, served1 = _generate(llm, prompts)
+    finally:
+        engine_slot.close()  # its key names the old checkpoint: no later test may reuse it
+    seqs1 = [p + t for p, t in zip(prompts, tokens1, strict=True)]
+    after = trainer_logprobs(snapshot, seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK)
+    assert all(torch.equal(a, b) for a, b in zip(served1, after, strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(served1, served, strict=True))
 
 

@@ -309,8 +309,6 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None
     if settings.batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=settings.fp8)
         if adapter.attention == "mla":
-            if settings.tp_k_block is not None:
-                raise ValueError("zerokld MLA models train without tp_k_block (not yet implemented)")
             set_mla(model_cfg, cfg)
         if settings.tp_k_block is not None:
             set_tp_k_block(model_cfg, settings.tp_k_block)

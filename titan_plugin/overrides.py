@@ -578,10 +578,6 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
         if self.deepseek:
             weights, ep = (ex.w1_EFD, ex.w3_EFD, ex.w2_EDF), None
-            if self.k_block:
-                raise NotImplementedError(
-                    "zerokld DeepSeekMoE: tensor parallelism and tp_k_block are not implemented yet"
-                )
             if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
                 from .expert_parallel import expert_shards
 
@@ -607,6 +603,7 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 fp8=self.fp8,
                 expert_parallel=ep,
                 chains=self._moe_chains(),
+                k_block=self.k_block,  # tp_k_block at TP 1 (TP x EP: whole experts): vLLM TP N's tree
             )
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
@@ -782,9 +779,10 @@ FP8_MOE_OVERRIDES = {"per_channel": f"{__name__}.zerokld_fp8_moe", "block": f"{_
 
 
 def set_tp_k_block(model_cfg, k_block: int) -> None:
-    """Make every decoder layer's row-parallel projections (``attention.wo``, ``feed_forward.w2``)
-    :class:`ZeroKLDRowParallelLinear` with ``k_block`` (:attr:`shared_numerics.NumericsMode.tp_k_block`), and the
-    MoE experts' down projections sum with the same tree (:class:`ZeroKLDMoE` ``k_block``); the lm_head's fused
+    """Make every decoder layer's row-parallel projections (``attention.wo`` — MLA's too —, ``feed_forward.w2``,
+    DeepSeekMoE's shared experts' ``w2``) :class:`ZeroKLDRowParallelLinear` with ``k_block``
+    (:attr:`shared_numerics.NumericsMode.tp_k_block`), and the MoE experts' down projections sum with the same tree
+    (:class:`ZeroKLDMoE` ``k_block``); the lm_head's fused
     log-probs become the vocab-parallel ones (:class:`ZeroKLDLMHead` ``vocab_parallel``). The backward's sums over a
     TP-split dimension take the tree too: the column-parallel projections' input gradients (``wq``/``wk``/``wv`` or
     ``wqkv``, ``w1``/``w3``, the lm_head: :class:`ZeroKLDLinear` ``k_block``) and the per-head q/k norms' gains
@@ -795,20 +793,23 @@ def set_tp_k_block(model_cfg, k_block: int) -> None:
     if type(getattr(model_cfg, "lm_head", None)) is ZeroKLDLMHead.Config:
         model_cfg.lm_head = derive(model_cfg.lm_head, ZeroKLDLMHead.Config, vocab_parallel=True, k_block=int(k_block))
     for i, layer in enumerate(model_cfg.layers):
+        shared = None
         if getattr(layer, "moe", None) is not None:
             if type(layer.moe) is not ZeroKLDMoE.Config:
                 raise ValueError(f"tp_k_block: layer {i} moe is {type(layer.moe).__qualname__}, not the zerokld MoE")
             layer.moe = derive(layer.moe, ZeroKLDMoE.Config, k_block=int(k_block))
+            shared = layer.moe.shared_experts  # DeepSeekMoE's: a SwiGLU split over I like the dense MLP
         qkv = getattr(layer.attention, "qkv_linear", None)
-        columns = [(qkv, n) for n in ("wq", "wkv", "wqkv")] + [(getattr(layer, "feed_forward", None), "w1")]
-        for owner, name in [*columns, (getattr(layer, "feed_forward", None), "w3")]:
+        mlps = (getattr(layer, "feed_forward", None), shared)
+        columns = [(qkv, n) for n in ("wq", "wkv", "wqkv")] + [(m, w) for m in mlps for w in ("w1", "w3")]
+        for owner, name in columns:
             cfg = getattr(owner, name, None)
             if type(cfg) is ZeroKLDLinear.Config:  # column-parallel: dX with the tree
                 setattr(owner, name, derive(cfg, ZeroKLDLinear.Config, k_block=int(k_block)))
         qk_norm = getattr(layer.attention, "qk_norm", None)
         if type(qk_norm) is ZeroKLDRMSNorm.Config:
             layer.attention.qk_norm = derive(qk_norm, ZeroKLDRMSNorm.Config, head_tree=True)
-        for owner, name in ((layer.attention, "wo"), (getattr(layer, "feed_forward", None), "w2")):
+        for owner, name in ((layer.attention, "wo"), *((m, "w2") for m in mlps)):
             if owner is None:
                 continue
             cfg = getattr(owner, name)

@@ -255,8 +255,17 @@ def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8
     if fp8:
         problems.append("tp_k_block with FP8")
     shards = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads}
+    if cfg.kv_lora_rank is not None:  # MLA: heads split, one latent per token on every rank
+        shards = {"num_attention_heads": cfg.num_attention_heads}
     problems += [f"{k}={v} not divisible by tensor_parallel_size {tp}" for k, v in shards.items() if v % tp]
-    widths = [("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)]
+    if cfg.kv_lora_rank is not None:  # DeepSeek: o_proj over H x v_head_dim; dense MLPs in the first layers only
+        widths = [("o_proj", cfg.num_attention_heads * cfg.v_head_dim)]
+        if cfg.first_k_dense_replace:
+            widths.append(("down_proj", cfg.intermediate_size))
+        if cfg.n_shared_experts:
+            widths.append(("shared experts' down_proj", cfg.moe_intermediate_size * cfg.n_shared_experts))
+    else:
+        widths = [("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)]
     if cfg.num_experts:
         widths.append(("experts' down_proj", cfg.moe_intermediate_size))
     for name, k in widths:

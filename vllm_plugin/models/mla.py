@@ -27,6 +27,8 @@ Sources: HF ``modeling_deepseek_v3.py``; vLLM ``models/deepseek_v2.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -36,8 +38,7 @@ import shared_numerics.moe as sn_moe
 from zerokld_models import mla_dims, mla_softmax_scale
 
 from ..attention_backend import LatentAttention
-from ..config import ZeroKLDConfigError
-from .dense import DenseDecoder, Fp8Mode, ResidualLayer, _DenseMLP, _norm, _param, _proj
+from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _DenseMLP, _norm, _param, _proj
 from .moe import StackedExperts, ZeroKLDMoEMixin
 
 __all__ = ["DeepSeekMoEBlock", "ZeroKLDMLAMixin"]
@@ -49,17 +50,22 @@ class DeepSeekMoEBlock(nn.Module):
     I]`` (stacked by the loader, :class:`vllm_plugin.models.moe.StackedExperts`: FP8 codes under FP8),
     ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). The scores are the config's
     ``scoring_func`` (:func:`shared_numerics.moe.route_grouped_topk`). ``last_ids``: the latest ``[N, top_k]`` expert
-    ids."""
+    ids. Under tensor parallelism (``tp`` with ``tp_k_block``) the router and its bias are replicated, each rank holds
+    ``I / TP`` of every routed expert and of the shared experts, and both down projections sum over ``I`` in the fixed
+    TP-aligned tree (:func:`shared_numerics.moe.moe_experts` ``k_block``; the shared experts' ``down_proj`` a
+    row-parallel projection), as Qwen3-MoE's :class:`vllm_plugin.models.moe.MoEBlock` does."""
 
-    def __init__(self, cfg, fp8: Fp8Mode) -> None:
+    def __init__(self, cfg, fp8: Fp8Mode, tp: TensorParallel | None = None) -> None:
         super().__init__()
         h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.cfg = cfg
+        self.k_block = tp.k_block if tp is not None else None
+        self.gather = tp.gather() if tp is not None else None
         self.gate = nn.Module()
         self.gate.weight = _param(e, h)  # the router stays high precision (DeepSeek's FP8 checkpoints too)
         self.gate.e_score_correction_bias = _param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid" else None
-        self.experts = StackedExperts(e, h, inter, fp8)
-        self.shared_experts = _DenseMLP(h, inter * cfg.n_shared_experts, fp8) if cfg.n_shared_experts else None
+        self.experts = StackedExperts(e, h, inter, fp8, tp=tp)
+        self.shared_experts = _DenseMLP(h, inter * cfg.n_shared_experts, fp8, tp=tp) if cfg.n_shared_experts else None
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
@@ -81,6 +87,8 @@ class DeepSeekMoEBlock(nn.Module):
             scoring=c.scoring_func,
             fp8=fp8,
             scales=scales,
+            k_block=self.k_block,
+            gather=self.gather,
         )
         return out
 
@@ -89,9 +97,24 @@ class _MLALayer(ResidualLayer):
     """One MLA decoder layer. With LoRA on (``lora``), every projection that is applied to activations —
     ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``o_proj`` — is a LoRA target;
     ``kv_b_proj`` is not: its weight is absorbed per head (:mod:`shared_numerics.mla`), so an adapter naming it is
-    refused by vLLM's LoRA manager (not a module it can adapt)."""
+    refused by vLLM's LoRA manager (not a module it can adapt).
 
-    def __init__(self, cfg, vllm_config, prefix: str, mlp: nn.Module, fp8: Fp8Mode, lora: bool = False) -> None:
+    Under tensor parallelism (``tp``, as vLLM's ``DeepseekV2MLAAttention`` splits it) each rank holds ``H / TP``
+    heads: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` are column-parallel by head, ``o_proj`` row-parallel (the
+    fixed TP-aligned sum over ``H Dv``), ``q_a_proj``, ``kv_a_proj_with_mqa`` and the two norms replicated, and every
+    rank caches the whole latent of each token (vLLM's MLA cache is not split by TP either). Every per-head operation
+    (absorption, attention, ``W_UV``) is the single rank's on that head, so only ``o_proj``'s sum crosses ranks."""
+
+    def __init__(
+        self,
+        cfg,
+        vllm_config,
+        prefix: str,
+        mlp: nn.Module,
+        fp8: Fp8Mode,
+        lora: bool = False,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, mlp)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.cfg = cfg
@@ -100,17 +123,18 @@ class _MLALayer(ResidualLayer):
         if cfg.q_lora_rank:
             sa.q_a_proj = _proj(cfg.q_lora_rank, h, fp8, lora=lora)
             sa.q_a_layernorm = _norm(cfg.q_lora_rank)
-            sa.q_b_proj = _proj(nh * (dn + dr), cfg.q_lora_rank, fp8, lora=lora)
+            sa.q_b_proj = _proj(nh * (dn + dr), cfg.q_lora_rank, fp8, lora=lora, shard="column", tp=tp)
         else:
-            sa.q_proj = _proj(nh * (dn + dr), h, fp8, lora=lora)
+            sa.q_proj = _proj(nh * (dn + dr), h, fp8, lora=lora, shard="column", tp=tp)
         sa.kv_a_proj_with_mqa = _proj(r + dr, h, fp8, lora=lora)
         sa.kv_a_layernorm = _norm(r)
-        sa.kv_b_proj = _proj(nh * (dn + dv), r, fp8)
-        sa.o_proj = _proj(h, nh * dv, fp8, lora=lora)
+        sa.kv_b_proj = _proj(nh * (dn + dv), r, fp8, shard="column", tp=tp)
+        sa.o_proj = _proj(h, nh * dv, fp8, lora=lora, shard="row", tp=tp)
+        local = nh // (tp.size if tp is not None else 1)  # this rank's heads
         sa.attn = LatentAttention(
-            nh, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config, f"{prefix}.self_attn.attn"
+            local, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config, f"{prefix}.self_attn.attn"
         )
-        self.dims = mla_dims(cfg)
+        self.dims = dataclasses.replace(mla_dims(cfg), num_heads=local)
 
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, sa, n = self.cfg, self.self_attn, a.shape[0]
@@ -127,16 +151,8 @@ class _MLALayer(ResidualLayer):
 
 
 class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
-    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` whose decoder layers are MLA (+ DeepSeekMoE)."""
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if not self.batch_invariant:
-            return
-        if self.model.tp.size > 1:
-            raise ZeroKLDConfigError(
-                f"zerokld {self.model_cfg.architecture} (MLA) does not support yet: tensor parallelism"
-            )
+    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` whose decoder layers are MLA (+ DeepSeekMoE); tensor
+    parallelism with ``tp_k_block`` as :class:`_MLALayer` and :class:`DeepSeekMoEBlock` split it."""
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
         """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``): the
@@ -145,13 +161,13 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
         or shared experts)."""
         cfg, fp8, lora = self.model_cfg, self.fp8, vllm_config.lora_config is not None
 
-        def layer(i: int, tp) -> _MLALayer:
+        def layer(i: int, tp: TensorParallel) -> _MLALayer:
             mlp = (
-                _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora)
+                _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora, tp=tp)
                 if i < cfg.first_k_dense_replace
-                else DeepSeekMoEBlock(cfg, fp8)
+                else DeepSeekMoEBlock(cfg, fp8, tp=tp)
             )
-            return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora)
+            return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora, tp=tp)
 
         return DenseDecoder(
             vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer, rotary_dim=cfg.qk_rope_head_dim
