@@ -147,13 +147,22 @@ def latent_output(
     )
 
 
-def mla_dense_attention(q: torch.Tensor, latent: torch.Tensor, scale: float) -> torch.Tensor:
+def mla_dense_attention(
+    q: torch.Tensor, latent: torch.Tensor, scale: float, *, head_tree: bool = False, gather=None
+) -> torch.Tensor:
     """Causal MLA over dense sequences (the trainer's path).
 
     Args:
         q: ``[B, T, H, R + P]`` absorbed queries ``[q_lat ‖ rope(q_pe)]``.
         latent: ``[B, T, R + P]`` the tokens' latents ``[c_kv ‖ rope(k_pe)]``.
         scale: the softmax scale.
+        head_tree: the latent's gradient — the keys' and values' gradients summed over the heads — adds the heads
+            with the fixed TP-aligned tree (:func:`shared_numerics.tensor_parallel.block_tree_sum` of each head's
+            float32 gradient, rounded once), so tensor parallelism, which gives each rank ``H / TP`` consecutive heads,
+            keeps one rank's bits (``tp_k_block`` set); else the attention's own sum over the query heads sharing
+            the latent. The forward is the same bits either way.
+        gather: with ``head_tree`` under tensor parallelism (``q`` this rank's heads): the all-gather of the ranks'
+            float32 subtree roots (:func:`shared_numerics.tensor_parallel.reduce_over_ranks`); ``None`` at TP 1.
 
     Returns:
         ``[B, T, H, R + P]``: the attention output (:func:`mla_output` keeps its first ``R`` columns), the same bits
@@ -161,8 +170,27 @@ def mla_dense_attention(q: torch.Tensor, latent: torch.Tensor, scale: float) -> 
     """
     from . import dense_causal_attention
 
-    kv = latent.unsqueeze(2)
+    kv = _HeadTreeLatent.apply(latent, q.shape[2], gather) if head_tree else latent.unsqueeze(2)
     return dense_causal_attention(q, kv, kv, scale)
+
+
+class _HeadTreeLatent(torch.autograd.Function):
+    """``latent [B, T, D] -> [B, T, H, D]``, one key/value head per query head (the attention's per-head bits are the
+    shared head's); backward: the ``H`` heads' gradients added in float32 with the fixed TP-aligned tree, the ranks'
+    subtree roots gathered (``gather``), rounded once to the latent's dtype — complete on every rank."""
+
+    @staticmethod
+    def forward(ctx, latent: torch.Tensor, heads: int, gather) -> torch.Tensor:
+        ctx.gather, ctx.dtype = gather, latent.dtype
+        b, t, d = latent.shape
+        return latent.unsqueeze(2).expand(b, t, heads, d).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from .tensor_parallel import block_tree_sum, reduce_over_ranks
+
+        root = block_tree_sum(grad.float().movedim(2, 0))
+        return reduce_over_ranks(root, ctx.gather).to(ctx.dtype), None, None
 
 
 @dataclass(frozen=True)

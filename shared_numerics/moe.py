@@ -464,6 +464,7 @@ def deepseek_moe_forward(
     chains: dict | None = None,
     k_block: int | None = None,
     gather=None,
+    experts_input=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DeepSeekMoE block (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): float32 router logits
     ``linear(x.float(), router_weight.float())``, :func:`route_grouped_topk` (or replayed ``expert_ids``, rows of
@@ -479,6 +480,10 @@ def deepseek_moe_forward(
     (``w_*`` this rank's ``I / TP`` of each) summed over ``I`` in the fixed TP-aligned tree, as :func:`moe_experts`
     takes them; a shared-experts module then sums its down projection with the same tree (a row-parallel linear),
     weights ``shared`` with :func:`shared_numerics.tensor_parallel.k_block_tree` at one rank only.
+    ``experts_input``: a function applied to the routed experts' branch of ``x`` (the identity in the forward; under
+    TP x EP one whose backward sums the ranks' shares of that branch's gradient). ``x``'s gradient adds its three
+    branches in one fixed order — router, then shared experts, then routed experts — whatever the autograd graph
+    around them (at every TP size the same bits).
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)``.
@@ -489,16 +494,19 @@ def deepseek_moe_forward(
     """
     from . import silu_and_mul
 
-    logits = _linear(x.float(), router_weight.float(), None if chains is None else chains["router"])
+    x_router, x_shared, x_experts = _OrderedBranches.apply(x, 3) if x.requires_grad else (x, x, x)
+    if experts_input is not None:
+        x_experts = experts_input(x_experts)
+    logits = _linear(x_router.float(), router_weight.float(), None if chains is None else chains["router"])
     ids = route_grouped_topk(logits, bias, top_k, n_group, topk_group, scoring)
     if expert_ids is not None:
         ids = _replayed(ids, expert_ids, router_weight.shape[0])
     shared_out = None
     if callable(shared):
-        shared_out = shared(x)
+        shared_out = shared(x_shared)
     elif shared is not None:
         sg, su, sd = shared
-        act = silu_and_mul(_linear(x, sg), _linear(x, su))
+        act = silu_and_mul(_linear(x_shared, sg), _linear(x_shared, su))
         if k_block is None:
             shared_out = _linear(act, sd)
         elif gather is None:
@@ -508,7 +516,7 @@ def deepseek_moe_forward(
         else:
             raise ValueError("DeepSeekMoE shared-expert weights under tensor parallelism: pass the module")
     out = moe_experts(
-        x,
+        x_experts,
         ids,
         grouped_route_weights(logits, ids, renormalize, scaling, scoring),
         w_gate,
@@ -523,6 +531,26 @@ def deepseek_moe_forward(
         gather=gather,
     )
     return out, ids
+
+
+class _OrderedBranches(torch.autograd.Function):
+    """``x -> n`` views of ``x`` (one per consumer); backward: their gradients added in branch order, left to right
+    (a branch without a gradient counts as zeros) — a fixed order where autograd's own accumulation follows the
+    graph."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int):
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None, None
+        acc = present[0]
+        for g in present[1:]:
+            acc = acc + g
+        return acc, None
 
 
 def _replayed(ids: torch.Tensor, expert_ids: torch.Tensor, e: int) -> torch.Tensor:

@@ -630,12 +630,12 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory, tm
         )
     with pytest.raises(ValueError, match="needs tp_k_block"):
         rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
-    # MLA: tp_k_block at TP 1 (vLLM TP N's forward) is built; the trainer's own TP is refused before any rank starts
+    # MLA: tp_k_block is built; DeepSeekMoE's TP-split experts are refused before any rank starts (TP x EP runs)
     from zerokld_testing.deepseek import make_deepseek_checkpoint
 
     ds = make_deepseek_checkpoint(tmp_path / "ds")
     titan_model_config(read_model_config(ds), ZeroKLDSettings(tp_k_block=16))
-    with pytest.raises(ValueError, match="tensor_parallel_degree 2 on MLA attention: not yet"):
+    with pytest.raises(ValueError, match="tensor_parallel_degree 2 on DeepSeekMoE: with expert_parallel_degree 2"):
         rl_trainer_config(str(ds), "/nonexistent", tensor_parallel_degree=2, tp_k_block=16)
 
 
@@ -922,17 +922,16 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
-def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_and_ep2(engine_slot, tmp_path):
+def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_ep2_and_tp2_x_ep2(engine_slot, tmp_path):
     """DeepSeek-V3 (MLA with YaRN, DeepSeekMoE with tied group scores, a dense first layer, a shared expert) served at
     vLLM ``--tensor-parallel-size 2`` with ``tp_k_block``: each rank two of the four heads (``q_b_proj`` and
     ``kv_b_proj`` by head, the whole latent cached on both) and half of every expert's and the shared expert's
     intermediate size; ``o_proj`` and the three down projections summed with the fixed tree. The served log-probs are
-    the trainer's bit for bit at TP 1 and at TorchTitan ``expert_parallel_degree`` 2 with the same ``tp_k_block``
-    (the layout the seeds train these models in: experts split, no TP); an RL step at TP 1 trains, its snapshot
-    reaches both workers through ``reload_weights`` and is served as the trainer scores it. Negative control
-    (float32): the trainer's default numerics (one GEMM over K) differ from the served bits. The trainer's own TP on
-    MLA is refused (the latent's gradient sums over heads): see
-    ``test_trainer_refuses_tp_k_block_where_not_implemented``."""
+    the trainer's bit for bit with the same ``tp_k_block`` at TP 1, at TorchTitan ``expert_parallel_degree`` 2
+    (experts split, no TP) and at TP 2 x EP 2; an RL step at TP 1 trains, its snapshot reaches both workers through
+    ``reload_weights`` and is served as the trainer scores it. Negative control (float32): the trainer's default
+    numerics (one GEMM over K) differ from the served bits. Training at TP 2 x EP 2 ==
+    TP 1: ``test_deepseek_v3_tensor_parallel_2_x_expert_parallel_2_trains_like_tp_1``."""
     from shared_numerics import RolloutBatch
     from titan_plugin import trainer_logprobs
     from titan_plugin.rl import RLTrainer, rl_trainer_config
@@ -950,8 +949,11 @@ def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_and_ep2(engine_slot, 
         assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
     default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
     assert any(not torch.equal(a, b) for a, b in zip(served, default, strict=True))
-    ep2 = _trainer_tp(tmp_path, ckpt, dtype, 1, seqs, lens, ep=2)
-    assert all(torch.equal(a, b) for a, b in zip(served, ep2["logprobs"], strict=True))
+    for layout in ({"tp": 1, "ep": 2}, {"tp": 2, "ep": 2}):
+        run = _trainer_tp(tmp_path, ckpt, dtype, layout["tp"], seqs, lens, ep=layout["ep"])
+        assert len(run["logprobs"]) == len(served) and all(
+            torch.equal(a, b) for a, b in zip(served, run["logprobs"], strict=True)
+        ), layout
     rl = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-2, tp_k_block=K_BLOCK))
     try:
         batch = RolloutBatch(seqs, lens, [1.0, -1.0] * 3, [t.clone() for t in trainer], numerics=rl.numerics)
@@ -969,6 +971,53 @@ def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_and_ep2(engine_slot, 
     after = trainer_logprobs(snapshot, seqs1, lens, dtype=dtype, tp_k_block=K_BLOCK)
     assert all(torch.equal(a, b) for a, b in zip(served1, after, strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(served1, served, strict=True))
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tp": 2, "ep": 2},
+        # `make test-extended`: FSDP 2 x TP 2 x EP 2 is proven on Qwen3-MoE; this is DeepSeek's second layout
+        pytest.param({"tp": 2, "ep": 2, "nproc": 4, "split": True}, marks=pytest.mark.extended),
+    ],
+    ids=["tp2xep2", "fsdp2xtp2xep2"],
+)
+def test_deepseek_v3_tensor_parallel_2_x_expert_parallel_2_trains_like_tp_1(tmp_path, layout):
+    """TorchTitan's ``deepseek_v3`` at TP 2 x EP 2 (``tp_k_block``, float32; MLA with YaRN, DeepSeekMoE with tied
+    group scores and a shared expert): each rank two of the four heads (``wq_b`` and ``wkv_b`` by head, ``wq_a`` /
+    ``wkv_a`` / the norms replicated), the experts whole on their EP rank, the shared expert split over its
+    intermediate size. Every sum TP splits is the fixed tree: ``wo`` and the shared expert's ``w2`` forward, the
+    query projections' and the shared expert's input gradients, and the latent's gradient — the keys' and values'
+    gradients summed over the heads, which TP splits (``shared_numerics.mla.mla_dense_attention`` ``head_tree``); the
+    MoE input's gradient adds router, shared and routed branches in one fixed order. Two streamed steps give TP 1's
+    log-probs, gradients, gradient norms and weights bit for bit, with batched exact accumulation (``wkv_b``'s
+    per-head chain holds this rank's heads). Negative control: TorchTitan's stock components at TP 2 x EP 2 give
+    other log-probs than at TP 1."""
+    from zerokld_testing import random_prompts
+    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+
+    spec = DeepSeekSpec(yarn=True, group_ties=True, vocab_size=128)  # 128: the lm_head's input gradient in the tree
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", spec, seed=3))
+    seqs = random_prompts(6, seed=51, lo=12, hi=60)
+    runs = _check_trains_like(tmp_path, ckpt, seqs, {"tp": 1}, dict(layout), exact=True)
+    assert [run["exact_accumulation_off"] for run in runs] == [None, None]  # batched chains on both
+    if layout.get("nproc"):
+        return
+    # stock TorchTitan at TP 2 x EP 2 (sequence parallel: an even padded length, 64) vs one rank
+    seqs = [s[:64] for s in random_prompts(6, seed=37, lo=12, hi=70)]
+    lens = [len(s) // 2 for s in seqs]
+    stock = [
+        _trainer_tp(tmp_path, ckpt, "float32", tp, seqs, lens, batch_invariant=False, ep=tp)["logprobs"]
+        for tp in (1, 2)
+    ]
+    stock_differs(
+        not torch.equal(torch.cat(stock[0]), torch.cat(stock[1])),
+        "TorchTitan's stock deepseek_v3 at TP 2 x EP 2 vs TP 1",
+        "the prompts",
+    )
 
 
 def _check_expert_parallel_2(tmp_path, ckpt, dtype, experts, moe_layers, seed, stock):

@@ -51,8 +51,8 @@ FSDP as well (FSDP x TP x EP: each data-parallel group's TP ranks hold that grou
 handed between the data-parallel ranks of each EP rank like the TP shards', and each rank takes its FSDP block over
 ``efsdp``.
 
-Not covered (the general way runs): bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX), MLA
-under tensor parallelism.
+Not covered (the general way runs): bf16 on CPUs whose bf16 GEMMs go through oneDNN (AVX-512 without AMX). MLA under
+tensor parallelism is covered: ``wkv_b``'s per-head chain holds this rank's heads.
 
 Source: :mod:`shared_numerics.grad_chain`; TorchTitan's FSDP2 gradient path (``fully_shard``: a parameter whose
 unsharded gradient is ``None`` is skipped by the post-backward reduce-scatter, so the chains' sums are written to the
@@ -228,16 +228,28 @@ def _kv_b_site(mla: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Site 
     """MLA's ``kv_b_proj`` weight ``[H (Dn + Dv), R]``: its chain is one block per head
     (:func:`shared_numerics.mla.kv_b_chain_shape`: ``W_UK[h]ᵀ``'s gradient, then ``W_UV[h]``'s), fed by
     :class:`ZeroKLDMLAAttention`'s absorbed linears; the sums are laid out as the weight when written
-    (:func:`shared_numerics.mla.kv_b_grad_from_chain`). None (unsupported) for a bias or a model-parallel weight."""
+    (:func:`shared_numerics.mla.kv_b_grad_from_chain`). Under tensor parallelism (the weight ``Shard(0)`` by head on
+    the ``tp`` mesh dimension) the chain holds this rank's heads. None (unsupported) for a bias."""
     from shared_numerics.mla import kv_b_chain_shape, kv_b_grad_from_chain
 
-    if name != "weight" or _model_parallel(p):
+    if name != "weight":
         return None
     d = mla.zerokld.dims
-    shape = kv_b_chain_shape(d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank)
-    if math.prod(shape) != p.numel():
+    tp = _model_parallel(p)
+    rows = _tp_shape(p)[0] if tp else p.shape[0]  # this rank's heads' rows under TP
+    heads, rest = divmod(rows, d.qk_nope_head_dim + d.v_head_dim)
+    shape = kv_b_chain_shape(heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank)
+    if rest or heads * (d.qk_nope_head_dim + d.v_head_dim) * d.kv_lora_rank != rows * p.shape[1]:
         return None
-    return _Site(mla.wkv_b, name, p, shape, lambda acc: kv_b_grad_from_chain(acc, d.qk_nope_head_dim, d.v_head_dim))
+    return _Site(
+        mla.wkv_b,
+        name,
+        p,
+        shape,
+        lambda acc: kv_b_grad_from_chain(acc, d.qk_nope_head_dim, d.v_head_dim),
+        local=tp,
+        tp=tp,
+    )
 
 
 def _sites(model: torch.nn.Module | list[torch.nn.Module]):
@@ -313,8 +325,8 @@ def unsupported_reason(
     data_parallel: bool = False,
 ) -> str | None:
     """Why exact accumulation cannot chain this model's gradients (``None``: it can): a parameter no zerokld module
-    feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``; MLA's
-    ``wkv_b`` under tensor parallelism), a parameter sharded over more than one
+    feeds into a chain (outside :data:`CHAIN_MODULES`, the LoRA adapters, the MoE experts and MLA's ``wkv_b``), a
+    parameter sharded over more than one
     rank — but over the data-parallel mesh dimensions :data:`DATA_PARALLEL_DIMS` when ``data_parallel`` (the chains
     are handed from rank to rank), experts over TorchTitan's ``ep`` dimension alone when ``data_parallel``, TP x EP
     experts over ``ep`` (with FSDP over :data:`EXPERT_DATA_PARALLEL_DIMS` too when ``data_parallel``), or a

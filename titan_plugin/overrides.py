@@ -42,6 +42,7 @@ Source: ``torchtitan/config/override.py`` (the override mechanism), ``torchtitan
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,11 @@ class ZeroKLDLinear(Linear):
         else:
             y = sn.linear(x_in, self.weight, self.bias)
         return sn_tp.column_parallel_input_grad(y, x, self.weight, k_block=k_block) if k_block else y
+
+
+def _local_tensor(t):
+    """A DTensor's local tensor (its gradient with the DTensor's own placements), anything else as it is."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _is_dtensor(t) -> bool:
@@ -451,7 +457,14 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
     / ``wq_b``, ``wkv_a``, ``kv_norm``, ``wkv_b``, ``wo``) whose forward is :mod:`shared_numerics.mla`'s absorbed
     definition — the one vLLM's zerokld DeepSeek-V3 runs over its latent cache: ``[B, L, D]`` in, ``[B, L, D]``
     out, positions ``0 .. L-1`` (or ``positions``). Made by :func:`set_mla` (it needs the checkpoint's RoPE and
-    norm settings, which TorchTitan's config does not carry)."""
+    norm settings, which TorchTitan's config does not carry).
+
+    Under TorchTitan's tensor parallelism (``x`` a ``Replicate`` DTensor; ``wq_b`` / ``wq`` and ``wkv_b`` sharded by
+    head, ``wq_a`` / ``wkv_a`` / the norms replicated, ``wo`` row-parallel) it runs on this rank's heads: the local
+    query columns and ``wkv_b`` rows, the whole latent. ``head_tree`` (set with ``tp_k_block``,
+    :func:`set_tp_k_block`): the latent's gradient adds the heads with the fixed TP-aligned tree
+    (:func:`shared_numerics.mla.mla_dense_attention`), the ranks' subtree roots gathered over the TP mesh, so it is
+    whole and one rank's bits on every rank."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(DeepSeekMLAAttention.Config):
@@ -459,6 +472,7 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         rope_theta: float = 10000.0
         rope_scaling: object = None  # shared_numerics.rope.YarnScaling or None
         scale: float = 1.0
+        head_tree: bool = False  # tp_k_block: the latent's gradient over the heads in the TP-aligned tree
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -476,7 +490,15 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         cos, sin = sn.rope_cos_sin(pos, c.dims.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
         x2 = x.reshape(b * seq, d)
         q = self.wq(x2) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x2)))
-        kv_b = self.wkv_b.weight
+        ckv, kv_b, kv_norm = self.wkv_a(x2), self.wkv_b.weight, self.kv_norm.weight
+        dims, gather = c.dims, None
+        if _is_dtensor(x):  # TorchTitan TP: this rank's heads (q's Shard(-1) columns, wkv_b's Shard(0) rows)
+            from .tensor_parallel import _gather_over
+
+            mesh = x.device_mesh
+            q, ckv, kv_b, kv_norm = (_local_tensor(t) for t in (q, ckv, kv_b, kv_norm))
+            dims = dataclasses.replace(dims, num_heads=q.shape[-1] // (dims.qk_nope_head_dim + dims.qk_rope_head_dim))
+            gather = _gather_over(mesh) if mesh.size() > 1 else None
         if isinstance(self.wkv_b, ZeroKLDFp8Linear):  # FP8 QAT: the dequantized codes the server absorbs
             # (with a chain, the straight-through gradient is the chain's: the linears' dW of the codes' values)
             kv_b = sn_fp8.fp8_weight_qat(kv_b, self.wkv_b.granularity)
@@ -485,18 +507,12 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         norm_chain = (grad_chains(self.kv_norm) or {}).get("weight")
         kv_b_chain = (grad_chains(self.wkv_b) or {}).get("weight")
         qc, latent = sn_mla.mla_query_latent(
-            q,
-            self.wkv_a(x2),
-            self.kv_norm.weight,
-            kv_b,
-            cos,
-            sin,
-            c.dims,
-            kv_norm_chain=norm_chain,
-            kv_b_chain=kv_b_chain,
+            q, ckv, kv_norm, kv_b, cos, sin, dims, kv_norm_chain=norm_chain, kv_b_chain=kv_b_chain
         )
-        o = sn_mla.mla_dense_attention(qc.view(b, seq, c.dims.num_heads, -1), latent.view(b, seq, -1), c.scale)
-        o = sn_mla.mla_output(o.reshape(b * seq, c.dims.num_heads, -1), kv_b, c.dims, kv_b_chain=kv_b_chain)
+        o = sn_mla.mla_dense_attention(
+            qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), c.scale, head_tree=c.head_tree, gather=gather
+        )
+        o = sn_mla.mla_output(o.reshape(b * seq, dims.num_heads, -1), kv_b, dims, kv_b_chain=kv_b_chain)
         return self.wo(o).view(b, seq, d)
 
 
@@ -577,22 +593,48 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         ex = self.routed_experts.inner_experts
         replay = None if self.replay_ids is None else self.replay_ids.reshape(b * seq, k)
         if self.deepseek:
-            weights, ep = (ex.w1_EFD, ex.w3_EFD, ex.w2_EDF), None
-            if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
-                from .expert_parallel import expert_shards
+            from torch.distributed.tensor import DTensor, Replicate
 
-                weights, ep = expert_shards(*weights, self.router.gate.weight.shape[0])
+            r = self.router
+            weights, ep = (ex.w1_EFD, ex.w3_EFD, ex.w2_EDF), None
+            # TorchTitan TP (TP x EP): the tokens replicated over the TP ranks, the experts whole on the EP (= TP)
+            # ranks, the shared experts TP-split (their sums in the fixed tree with tp_k_block)
+            tp_mesh = x_BLD.device_mesh if _is_dtensor(x_BLD) else None
+            x = x_BLD.to_local() if tp_mesh is not None else x_BLD
+            shared, experts_input = self.shared_experts, None
+            if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
+                from .expert_parallel import _check_same_ranks, _SharesGradient, expert_shards
+
+                if tp_mesh is not None:
+                    _check_same_ranks(tp_mesh, ex.w1_EFD.device_mesh)
+                    # each rank's experts take its share of the tokens: x's gradient through them summed over the
+                    # ranks (exact: zeros elsewhere), as Qwen3-MoE's TP x EP (expert_parallel.moe_expert_parallel)
+                    group = tp_mesh.get_group()
+
+                    def experts_input(xe: torch.Tensor) -> torch.Tensor:
+                        return _SharesGradient.apply(xe, group)
+
+                weights, ep = expert_shards(*weights, r.gate.weight.shape[0], replicated_tokens=tp_mesh is not None)
                 self.expert_parallel_size = ep.size
             elif _is_dtensor(ex.w1_EFD):
-                raise NotImplementedError("zerokld DeepSeekMoE: tensor parallelism is not implemented yet")
-            r = self.router
+                raise NotImplementedError(
+                    "zerokld DeepSeekMoE under tensor parallelism: TP x EP only (expert_parallel_degree = "
+                    "tensor_parallel_degree); experts split over their intermediate size are not implemented"
+                )
+            if tp_mesh is not None:
+                module = self.shared_experts
+
+                def shared(xl: torch.Tensor) -> torch.Tensor:  # the TP-split module on the replicated tokens
+                    xd = DTensor.from_local(xl.view(b, seq, d), tp_mesh, [Replicate()], run_check=False)
+                    return module(xd).to_local().reshape(b * seq, d)
+
             # the shared experts are the module (its w1/w2/w3: zerokld linears, FP8 QAT ones under FP8)
             out, ids = sn_moe.deepseek_moe_forward(
-                x_BLD.reshape(b * seq, d),
-                r.gate.weight,
-                self.expert_bias_E,
+                x.reshape(b * seq, d),
+                _local_tensor(r.gate.weight),
+                _local_tensor(self.expert_bias_E),
                 *weights,
-                self.shared_experts,
+                shared,
                 k,
                 r.num_expert_groups,
                 r.num_limited_groups,
@@ -604,7 +646,10 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 expert_parallel=ep,
                 chains=self._moe_chains(),
                 k_block=self.k_block,  # tp_k_block at TP 1 (TP x EP: whole experts): vLLM TP N's tree
+                experts_input=experts_input,
             )
+            if tp_mesh is not None:
+                out = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
 
@@ -802,6 +847,10 @@ def set_tp_k_block(model_cfg, k_block: int) -> None:
         qkv = getattr(layer.attention, "qkv_linear", None)
         mlps = (getattr(layer, "feed_forward", None), shared)
         columns = [(qkv, n) for n in ("wq", "wkv", "wqkv")] + [(m, w) for m in mlps for w in ("w1", "w3")]
+        if type(layer.attention) is ZeroKLDMLAAttention.Config:  # MLA: the latent's gradient over the heads in the
+            # tree; the query up-projection's input gradient too, and the replicated low-rank projections' whole
+            layer.attention = derive(layer.attention, ZeroKLDMLAAttention.Config, head_tree=True)
+            columns += [(layer.attention, n) for n in ("wq", "wq_a", "wq_b", "wkv_a")]
         for owner, name in columns:
             cfg = getattr(owner, name, None)
             if type(cfg) is ZeroKLDLinear.Config:  # column-parallel: dX with the tree

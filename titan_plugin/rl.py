@@ -235,7 +235,7 @@ def rl_trainer_config(
         NotImplementedError: ``lora`` on a MoE model other than DeepSeek's, or with stock numerics.
             ValueError: ``expert_parallel_degree`` on a dense model, or not dividing the expert count; a pipeline
             layout the zerokld trainer cannot keep exact (schedule, tied embeddings, too few layers); context
-            parallelism on MLA or with TP, EP or PP; tensor parallelism on MLA.
+            parallelism on MLA or with TP, EP or PP; tensor parallelism on DeepSeekMoE without EP over the TP ranks.
     """
     if fused and not batch_invariant:
         raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
@@ -247,11 +247,12 @@ def rl_trainer_config(
         dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block), "rl_trainer_config settings"
     )
     cfg = read_model_config(checkpoint_dir)
-    if tensor_parallel_degree > 1 and batch_invariant and adapter_for(cfg).attention == "mla":
+    mla_tp = tensor_parallel_degree > 1 and batch_invariant and adapter_for(cfg).attention == "mla"
+    if mla_tp and cfg.num_experts and expert_parallel_degree != tensor_parallel_degree:
         raise ValueError(
-            f"tensor_parallel_degree {tensor_parallel_degree} on MLA attention: not yet (the latent's gradient sums "
-            "over the heads each rank holds); train MLA models with FSDP / EP and tp_k_block at TP 1, which gives "
-            "vLLM tensor_parallel_size N's log-probs"
+            f"tensor_parallel_degree {tensor_parallel_degree} on DeepSeekMoE: with expert_parallel_degree "
+            f"{tensor_parallel_degree} only (TP x EP, each expert whole on its rank; experts split over their "
+            f"intermediate size are not implemented), not {expert_parallel_degree}"
         )
     if expert_parallel_degree > 1:
         _check_expert_parallel(cfg, expert_parallel_degree, batch_invariant)

@@ -283,7 +283,9 @@ def moe_dtensor(
 def replicate_output_sharding(sharding_config):
     """A row-parallel module's ``ShardingConfig`` with its output declared ``Replicate`` instead of ``Partial``
     (the fixed tree already summed the ranks; ``out_dst_shardings`` is kept: replicated, or a sequence shard that
-    is then a local slice). ``None`` stays ``None``."""
+    is then a local slice — but a ``Partial`` destination, DeepSeekMoE's shared experts' ``w2`` whose partial sum
+    stock TorchTitan adds to the routed experts' before one all-reduce, becomes ``Replicate`` too). ``None`` stays
+    ``None``."""
     if sharding_config is None or sharding_config.out_src_shardings is None:
         return sharding_config
     import dataclasses
@@ -291,4 +293,8 @@ def replicate_output_sharding(sharding_config):
     import spmd_types as spmd
     from torchtitan.models.common.decoder_sharding import dense_activation_placement
 
-    return dataclasses.replace(sharding_config, out_src_shardings=dense_activation_placement(tp=spmd.R))
+    replicated = dense_activation_placement(tp=spmd.R)
+    changes = {"out_src_shardings": replicated}
+    if sharding_config.out_dst_shardings == dense_activation_placement(tp=spmd.P):
+        changes["out_dst_shardings"] = replicated
+    return dataclasses.replace(sharding_config, **changes)
