@@ -822,6 +822,22 @@ def _prompts():
     return random_prompts(6, seed=20, lo=4, hi=90)  # 90-token prompts: prefilled in chunks of 64
 
 
+def _served_at_tp2_is_the_trainers(engine_slot, ckpt: str, dtype: str):
+    """A zerokld vLLM engine at ``--tensor-parallel-size 2`` (``tp_k_block``) generates :func:`_prompts`; every served
+    log-prob is the trainer's at TP 1 with the same ``tp_k_block``, bit for bit. Returns ``(llm, prompts, served,
+    sequences, prompt lengths)``."""
+    from titan_plugin import trainer_logprobs
+
+    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
+    prompts = _prompts()
+    tokens, served = _generate(llm, prompts)
+    seqs, lens = [p + t for p, t in zip(prompts, tokens, strict=True)], [len(p) for p in prompts]
+    trainer = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
+    for i, (a, b) in enumerate(zip(served, trainer, strict=True)):
+        assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
+    return llm, prompts, served, seqs, lens
+
+
 @pytest.mark.vllm
 @pytest.mark.tp
 @pytest.mark.timeout(600)
@@ -867,13 +883,7 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
     from vllm_plugin.engines import reload_weights
 
     ckpt = checkpoint_factory(family, dtype)
-    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
-    prompts = _prompts()
-    tokens, served = _generate(llm, prompts)
-    seqs, lens = [p + t for p, t in zip(prompts, tokens, strict=True)], [len(p) for p in prompts]
-    trainer = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
-    for i, (a, b) in enumerate(zip(served, trainer, strict=True)):
-        assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
+    llm, prompts, served, seqs, lens = _served_at_tp2_is_the_trainers(engine_slot, ckpt, dtype)
     # TorchTitan TP 2 (gloo): the same bits; and it trains (one GRPO step backward through the gathered roots)
     tp2 = _trainer_tp(tmp_path, ckpt, dtype, 2, seqs, lens, train_step=True)
     for i, (a, b) in enumerate(zip(served, tp2["logprobs"], strict=True)):
@@ -940,13 +950,7 @@ def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_ep2_and_tp2_x_ep2(eng
 
     dtype = "float32"
     ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(yarn=True, group_ties=True), seed=3))
-    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
-    prompts = _prompts()
-    tokens, served = _generate(llm, prompts)
-    seqs, lens = [p + t for p, t in zip(prompts, tokens, strict=True)], [len(p) for p in prompts]
-    trainer = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, tp_k_block=K_BLOCK)
-    for i, (a, b) in enumerate(zip(served, trainer, strict=True)):
-        assert torch.equal(a, b), f"sequence {i}: max |diff| {(a - b).abs().max().item()}"
+    llm, prompts, served, seqs, lens = _served_at_tp2_is_the_trainers(engine_slot, ckpt, dtype)  # == TP 1's
     default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
     assert any(not torch.equal(a, b) for a, b in zip(served, default, strict=True))
     for layout in ({"tp": 1, "ep": 2}, {"tp": 2, "ep": 2}):
@@ -956,9 +960,9 @@ def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_ep2_and_tp2_x_ep2(eng
         ), layout
     rl = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-2, tp_k_block=K_BLOCK))
     try:
-        batch = RolloutBatch(seqs, lens, [1.0, -1.0] * 3, [t.clone() for t in trainer], numerics=rl.numerics)
+        batch = RolloutBatch(seqs, lens, [1.0, -1.0] * 3, [t.clone() for t in served], numerics=rl.numerics)
         out = rl.rl_step(batch)
-        assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], trainer, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(out["train_logprobs"], served, strict=True))
         snapshot = str(rl.save_hf(tmp_path / "step1", dtype))
     finally:
         rl.close()

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (``DeepseekV3ForCausalLM``; Kimi K2 and GLM-4.5-MoE share its layers): multi-head latent attention
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``; Kimi K2 shares its layers): multi-head latent attention
 (low-rank q — or one ``q_proj`` without ``q_lora_rank`` —, a latent KV of ``kv_lora_rank + qk_rope_head_dim`` per
 token, a decoupled rope part stored interleaved, YaRN with ``mscale`` / ``mscale_all_dim``) and DeepSeekMoE (float32
 sigmoid router with a selection bias, group-limited top-k, normalised weights times ``routed_scaling_factor``, shared
