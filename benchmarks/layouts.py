@@ -116,7 +116,8 @@ def _run(tmp: Path, name: str, ckpt: str, dtype: str, seqs, lens, nproc: int, re
         env=env,
     )
     if proc.returncode:
-        raise LayoutFailed(f"{name}: torchrun failed:\n{proc.stderr[-3000:]}")
+        # the first exception line of the whole stderr (a rank's traceback can end before its last 3000 characters)
+        raise LayoutFailed(f"{name}: torchrun failed: {_failure_line(proc.stderr)}\n{proc.stderr[-3000:]}")
     r = torch.load(out)
     return {
         "forward_s": statistics.median(r["seconds"]["forward"][1:] or r["seconds"]["forward"]),
@@ -178,6 +179,7 @@ def main(argv=None) -> dict:
 
     from benchmarks.trainer import realistic_spec
     from zerokld_testing import make_tiny_checkpoint
+    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
 
     rng = random.Random(0)
     seqs = [[1] + [rng.randrange(3, 30000) for _ in range(args.seq_len - 1)] for _ in range(args.batch)]
@@ -197,6 +199,23 @@ def main(argv=None) -> dict:
                 ("qwen3", dense, "float32"),
             )
         }
+        # DeepSeek-V3 at the same width and depth: MLA (8 heads, latent 256 + 64), DeepSeekMoE (8 experts top-2 in 4
+        # groups, one shared), the first layer dense; a 32k vocabulary (the prompts' token ids)
+        deepseek = DeepSeekSpec(
+            hidden_size=args.hidden,
+            intermediate_size=2 * args.hidden,
+            moe_intermediate_size=args.hidden // 2,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            q_lora_rank=args.hidden // 2,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            vocab_size=32768,
+            init_std=0.02,
+        )
+        ckpts["deepseek_v3", args.dtype] = str(
+            make_deepseek_checkpoint(tmp / "deepseek_v3", deepseek, dtype=args.dtype)
+        )
         pp = {"pp": 2, "pp_microbatches": 4, "pp_microbatch_size": 2, "seq_len": args.seq_len}
         layouts = {  # name: (checkpoint, dtype, ranks, the layout's spec, the one-rank baseline's spec)
             "tp2": ("qwen3", args.dtype, 2, {"tp": 2, "tp_k_block": 16}, {"tp_k_block": 16}),
@@ -212,6 +231,13 @@ def main(argv=None) -> dict:
                 {"tp_k_block": 16, "streaming": True},
             ),
             "tp2xep2": ("qwen3_moe", args.dtype, 2, {"tp": 2, "tp_k_block": 16, "ep": 2}, {"tp_k_block": 16}),
+            "tp2xep2_deepseek": (
+                "deepseek_v3",
+                args.dtype,
+                2,
+                {"tp": 2, "tp_k_block": 16, "ep": 2},
+                {"tp_k_block": 16},
+            ),
         }
         chosen = [n for n in args.layouts.split(",") if n] or list(layouts)
         unknown = sorted(set(chosen) - set(layouts))
