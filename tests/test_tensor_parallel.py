@@ -762,7 +762,7 @@ def _one_core_per_worker(tp: int):
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
-def _engine(engine_slot, ckpt, dtype, tp, batch_invariant, tp_k_block=None):
+def _engine(engine_slot, ckpt, dtype, tp, batch_invariant, tp_k_block=None, **engine):
     from vllm_plugin.engines import start_llm
 
     def factory():
@@ -774,9 +774,10 @@ def _engine(engine_slot, ckpt, dtype, tp, batch_invariant, tp_k_block=None):
                 max_num_batched_tokens=64,
                 tensor_parallel_size=tp,
                 zerokld={"tp_k_block": tp_k_block} if tp_k_block else None,
+                **engine,
             )
 
-    return engine_slot.get(("tp", ckpt, dtype, tp, batch_invariant, tp_k_block), factory)
+    return engine_slot.get(("tp", ckpt, dtype, tp, batch_invariant, tp_k_block, tuple(sorted(engine.items()))), factory)
 
 
 def _generate(llm, prompts, seeded: bool = True):
@@ -822,13 +823,13 @@ def _prompts():
     return random_prompts(6, seed=20, lo=4, hi=90)  # 90-token prompts: prefilled in chunks of 64
 
 
-def _served_at_tp2_is_the_trainers(engine_slot, ckpt: str, dtype: str):
-    """A zerokld vLLM engine at ``--tensor-parallel-size 2`` (``tp_k_block``) generates :func:`_prompts`; every served
-    log-prob is the trainer's at TP 1 with the same ``tp_k_block``, bit for bit. Returns ``(llm, prompts, served,
-    sequences, prompt lengths)``."""
+def _served_at_tp2_is_the_trainers(engine_slot, ckpt: str, dtype: str, **engine):
+    """A zerokld vLLM engine at ``--tensor-parallel-size 2`` (``tp_k_block``; ``engine``: more ``start_llm``
+    arguments) generates :func:`_prompts`; every served log-prob is the trainer's at TP 1 with the same
+    ``tp_k_block``, bit for bit. Returns ``(llm, prompts, served, sequences, prompt lengths)``."""
     from titan_plugin import trainer_logprobs
 
-    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK)
+    llm = _engine(engine_slot, ckpt, dtype, 2, True, K_BLOCK, **engine)
     prompts = _prompts()
     tokens, served = _generate(llm, prompts)
     seqs, lens = [p + t for p, t in zip(prompts, tokens, strict=True)], [len(p) for p in prompts]
@@ -938,21 +939,40 @@ def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_ep2_and_tp2_x_ep2(eng
     ``kv_b_proj`` by head, the whole latent cached on both) and half of every expert's and the shared expert's
     intermediate size; ``o_proj`` and the three down projections summed with the fixed tree. The served log-probs are
     the trainer's bit for bit with the same ``tp_k_block`` at TP 1, at TorchTitan ``expert_parallel_degree`` 2
-    (experts split, no TP) and at TP 2 x EP 2; an RL step at TP 1 trains, its snapshot reaches both workers through
-    ``reload_weights`` and is served as the trainer scores it. Negative control (float32): the trainer's default
+    (experts split, no TP) and at TP 2 x EP 2; vLLM's routed experts (R3) replayed by the trainer give the served
+    log-probs; an RL step at TP 1 trains, its snapshot reaches both workers through ``reload_weights`` and is served
+    as the trainer scores it. Negative control (float32): the trainer's default
     numerics (one GEMM over K) differ from the served bits. Training at TP 2 x EP 2 ==
     TP 1: ``test_deepseek_v3_tensor_parallel_2_x_expert_parallel_2_trains_like_tp_1``."""
+    from vllm import SamplingParams
+
     from shared_numerics import RolloutBatch
     from titan_plugin import trainer_logprobs
     from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from vllm_plugin.engines import reload_weights
+    from vllm_plugin.engines import completion_logprobs, reload_weights
     from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
 
     dtype = "float32"
     ckpt = str(make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(yarn=True, group_ties=True), seed=3))
-    llm, prompts, served, seqs, lens = _served_at_tp2_is_the_trainers(engine_slot, ckpt, dtype)  # == TP 1's
+    llm, prompts, served, seqs, lens = _served_at_tp2_is_the_trainers(
+        engine_slot, ckpt, dtype, enable_return_routed_experts=True
+    )  # == TP 1's
     default = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
     assert any(not torch.equal(a, b) for a, b in zip(served, default, strict=True))
+    # routing replay (R3) at TP 2: vLLM's routed_experts (one row per MoE layer) replayed by the trainer
+    greedy = SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    routes = [o.outputs[0].routed_experts for o in outs]
+    assert all(r is not None and r.shape[1:] == (2, 2) for r in routes)  # 2 MoE layers (the first is dense), top-2
+    replayed = trainer_logprobs(
+        ckpt,
+        [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)],
+        lens,
+        dtype=dtype,
+        tp_k_block=K_BLOCK,
+        routed_experts=routes,
+    )
+    assert all(torch.equal(completion_logprobs(o), r) for o, r in zip(outs, replayed, strict=True))
     for layout in ({"tp": 1, "ep": 2}, {"tp": 2, "ep": 2}):
         run = _trainer_tp(tmp_path, ckpt, dtype, layout["tp"], seqs, lens, ep=layout["ep"])
         assert len(run["logprobs"]) == len(served) and all(
