@@ -478,8 +478,8 @@ def deepseek_moe_forward(
     :func:`moe_forward` takes them (the router's chain continues the float32 logits' weight gradient over all ``N``
     tokens; a shared-experts module feeds its own chains). ``k_block``, ``gather``: tensor-parallel routed experts
     (``w_*`` this rank's ``I / TP`` of each) summed over ``I`` in the fixed TP-aligned tree, as :func:`moe_experts`
-    takes them; a shared-experts module then sums its down projection with the same tree (a row-parallel linear),
-    weights ``shared`` with :func:`shared_numerics.tensor_parallel.k_block_tree` at one rank only.
+    takes them; the shared experts must then be a module, whose down projection sums with the same tree (a
+    row-parallel linear).
     ``experts_input``: a function applied to the routed experts' branch of ``x`` (the identity in the forward; under
     TP x EP one whose backward sums the ranks' shares of that branch's gradient). ``x``'s gradient adds its three
     branches in one fixed order — router, then shared experts, then routed experts — whatever the autograd graph
@@ -490,7 +490,7 @@ def deepseek_moe_forward(
 
     Raises:
         ValueError: as :func:`route_grouped_topk` and :func:`moe_experts`; replayed ids of the wrong shape or outside
-            ``[0, E)``; ``shared`` weights with ``gather`` (a rank's slice of them cannot sum the whole ``I``).
+            ``[0, E)``; ``shared`` weights with ``k_block``.
     """
     from . import silu_and_mul
 
@@ -505,16 +505,10 @@ def deepseek_moe_forward(
     if callable(shared):
         shared_out = shared(x_shared)
     elif shared is not None:
+        if k_block is not None:
+            raise ValueError("DeepSeekMoE shared-expert weights with k_block: pass the module (row-parallel down_proj)")
         sg, su, sd = shared
-        act = silu_and_mul(_linear(x_shared, sg), _linear(x_shared, su))
-        if k_block is None:
-            shared_out = _linear(act, sd)
-        elif gather is None:
-            from .tensor_parallel import k_block_tree
-
-            shared_out = k_block_tree(act, sd, k_block)
-        else:
-            raise ValueError("DeepSeekMoE shared-expert weights under tensor parallelism: pass the module")
+        shared_out = _linear(silu_and_mul(_linear(x_shared, sg), _linear(x_shared, su)), sd)
     out = moe_experts(
         x_experts,
         ids,

@@ -239,7 +239,7 @@ def _kv_b_site(mla: torch.nn.Module, name: str, p: torch.nn.Parameter) -> _Site 
     rows = _tp_shape(p)[0] if tp else p.shape[0]  # this rank's heads' rows under TP
     heads, rest = divmod(rows, d.qk_nope_head_dim + d.v_head_dim)
     shape = kv_b_chain_shape(heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank)
-    if rest or heads * (d.qk_nope_head_dim + d.v_head_dim) * d.kv_lora_rank != rows * p.shape[1]:
+    if rest or p.shape[1] != d.kv_lora_rank:
         return None
     return _Site(
         mla.wkv_b,

@@ -135,11 +135,6 @@ class ZeroKLDLinear(Linear):
         return sn_tp.column_parallel_input_grad(y, x, self.weight, k_block=k_block) if k_block else y
 
 
-def _local_tensor(t):
-    """A DTensor's local tensor (its gradient with the DTensor's own placements), anything else as it is."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -493,10 +488,10 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         ckv, kv_b, kv_norm = self.wkv_a(x2), self.wkv_b.weight, self.kv_norm.weight
         dims, gather = c.dims, None
         if _is_dtensor(x):  # TorchTitan TP: this rank's heads (q's Shard(-1) columns, wkv_b's Shard(0) rows)
-            from .tensor_parallel import _gather_over
+            from .tensor_parallel import _gather_over, _local
 
             mesh = x.device_mesh
-            q, ckv, kv_b, kv_norm = (_local_tensor(t) for t in (q, ckv, kv_b, kv_norm))
+            q, ckv, kv_b, kv_norm = (_local(t) for t in (q, ckv, kv_b, kv_norm))
             dims = dataclasses.replace(dims, num_heads=q.shape[-1] // (dims.qk_nope_head_dim + dims.qk_rope_head_dim))
             gather = _gather_over(mesh) if mesh.size() > 1 else None
         if isinstance(self.wkv_b, ZeroKLDFp8Linear):  # FP8 QAT: the dequantized codes the server absorbs
@@ -595,6 +590,8 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
         if self.deepseek:
             from torch.distributed.tensor import DTensor, Replicate
 
+            from .tensor_parallel import _local
+
             r = self.router
             weights, ep = (ex.w1_EFD, ex.w3_EFD, ex.w2_EDF), None
             # TorchTitan TP (TP x EP): the tokens replicated over the TP ranks, the experts whole on the EP (= TP)
@@ -631,8 +628,8 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             # the shared experts are the module (its w1/w2/w3: zerokld linears, FP8 QAT ones under FP8)
             out, ids = sn_moe.deepseek_moe_forward(
                 x.reshape(b * seq, d),
-                _local_tensor(r.gate.weight),
-                _local_tensor(self.expert_bias_E),
+                _local(r.gate.weight),
+                _local(self.expert_bias_E),
                 *weights,
                 shared,
                 k,
