@@ -178,8 +178,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from benchmarks.trainer import realistic_spec
-    from zerokld_testing import make_tiny_checkpoint
-    from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+    from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 
     rng = random.Random(0)
     seqs = [[1] + [rng.randrange(3, 30000) for _ in range(args.seq_len - 1)] for _ in range(args.batch)]
