@@ -70,6 +70,29 @@ def test_support_check_names_every_unsupported_feature():
     check_supported(qwen2, adapter_for(qwen2))  # Qwen2's q/k/v bias is part of its definition
 
 
+def test_reader_and_support_check_on_glm_4_7_flash_configs():
+    """GLM-4.7-Flash (``Glm4MoeLiteConfig``): the dense layers from ``mlp_layer_types`` (what HF builds from), GLM's
+    sigmoid / ``noaux_tc`` router when the config does not name it; a layer pattern other than "dense first, then
+    sparse", a ``first_k_dense_replace`` that disagrees with it (vLLM reads that one), and a partial rotary factor
+    are refused by name."""
+    from transformers import Glm4MoeLiteConfig
+
+    hf = Glm4MoeLiteConfig(
+        num_hidden_layers=4, n_routed_experts=8, mlp_layer_types=["dense", "dense", "sparse", "sparse"]
+    )
+    hf.architectures = ["Glm4MoeLiteForCausalLM"]
+    cfg = read_model_config(hf)
+    assert (cfg.first_k_dense_replace, cfg.scoring_func, cfg.topk_method) == (2, "sigmoid", "noaux_tc")
+    assert (cfg.num_experts, cfg.kv_lora_rank, cfg.v_head_dim, cfg.rope_interleave) == (8, 512, 256, True)
+    check_supported(cfg, adapter_for(cfg))
+    d = {**hf.to_dict(), "first_k_dense_replace": 2, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}
+    bad = read_model_config({**d, "rope_parameters": {**d["rope_parameters"], "partial_rotary_factor": 0.5}})
+    with pytest.raises(UnsupportedModelError) as e:
+        check_supported(bad, adapter_for(bad))
+    for what in ("mlp_layer_types ['dense', 'sparse', 'dense', 'sparse']", "first_k_dense_replace 2", "partial_rotary"):
+        assert what in str(e.value)
+
+
 def _hf_logprobs(ckpt: str, seqs: list[list[int]]) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
@@ -110,6 +133,8 @@ def test_each_plugin_builds_its_side_from_the_declaration():
         "LlamaForCausalLM",
         "Qwen2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "Glm4MoeLiteForCausalLM",
     } <= set(archs)
     for arch, reg in archs.items():
         cls = classes.model_class(arch)

@@ -5,8 +5,9 @@ Checkpoints are made by transformers' own ``DeepseekV3ForCausalLM`` (:mod:`zerok
 ``q_lora_rank`` set, YaRN (factor 4, ``mscale_all_dim``), one dense first layer, 8 experts in 4 groups of which a
 token may use 2, with exact ties in group scores and in expert scores; and ``q_lora_rank`` null, no YaRN, every layer
 MoE, no ties. ``DeepseekV2ForCausalLM`` (softmax routing) in two more: the first shape with ``group_limited_greedy``,
-and DeepSeek-V2-Lite's (``q_lora_rank`` null, ``greedy`` top-3 of 8). Engines chunk prefills at 64 tokens (prompts up to
-150) with prefix caching on.
+and DeepSeek-V2-Lite's (``q_lora_rank`` null, ``greedy`` top-3 of 8). ``Glm4MoeLiteForCausalLM`` (GLM-4.7-Flash) in
+one: ``v_head_dim`` 48 over ``qk_nope_head_dim`` 32, one group, top-4 with expert ties, ``mlp_layer_types``. Engines
+chunk prefills at 64 tokens (prompts up to 150) with prefix caching on.
 
 Negative controls: TorchTitan's stock ``deepseek_v3`` (decompressed attention, ``torch.topk`` routing) differs from the
 served log-probs. Stock vLLM cannot be the control on CPUs without AMX: its reference MLA decode kernel refuses the
@@ -40,7 +41,20 @@ SHAPES = {
     "v2_lite_greedy": DeepSeekSpec(
         topk_method="greedy", q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3
     ),
+    # GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's MLA with v_head_dim wider than qk_nope_head_dim, GLM's
+    # sigmoid router in one group, top-4 with exact ties, mlp_layer_types with one dense layer first, rms_norm_eps 1e-5
+    "glm4_7_flash_ties": DeepSeekSpec(
+        architecture="Glm4MoeLiteForCausalLM",
+        v_head_dim=48,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=4,
+        expert_ties=True,
+    ),
 }
+
+
+EXTENDED_HOT_LOAD = ("v2_lite_greedy", "glm4_7_flash_ties")
 
 
 def _engine(engine_slot, ckpt: str, shape: str, dtype: str):
@@ -158,8 +172,12 @@ def test_yarn_tables_and_scale_follow_hf():
 @pytest.mark.titan
 def test_trainer_is_the_transformers_model(ckpts):
     """TorchTitan's ``deepseek_v3`` with zerokld (absorbed MLA, grouped routing) computes HF's model: float32
-    log-probs within 1e-5 of ``DeepseekV3ForCausalLM``'s / ``DeepseekV2ForCausalLM``'s on every shape (YaRN, ties,
-    q_lora null, all-MoE; V2's softmax routing, group-limited and greedy)."""
+    log-probs within 1e-5 of ``DeepseekV3ForCausalLM``'s / ``DeepseekV2ForCausalLM``'s / ``Glm4MoeLiteForCausalLM``'s
+    on every shape (YaRN, ties, q_lora null, all-MoE; V2's softmax routing, group-limited and greedy; GLM-4.7-Flash).
+
+    GLM-4.7-Flash's ``q_a_layernorm`` / ``kv_a_layernorm``: vLLM (``deepseek_v2.py``) normalises with the config's
+    ``rms_norm_eps`` (1e-5 in GLM's configs), HF's attention with its RMSNorm default 1e-6 (DeepSeek's configs say
+    1e-6, so they agree there); zerokld serves vLLM's definition, so HF's two norms get the config's eps here."""
     from transformers import AutoModelForCausalLM
 
     from titan_plugin.models import build_titan_model
@@ -169,6 +187,10 @@ def test_trainer_is_the_transformers_model(ckpts):
         ckpt = ckpts(shape, "float32")
         model, _, _ = build_titan_model(ckpt, dtype="float32")
         hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        for layer in hf.model.layers:
+            for norm in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm):
+                if norm is not None:
+                    norm.variance_epsilon = hf.config.rms_norm_eps
         with torch.no_grad():
             ours = torch.log_softmax(model(ids).float(), -1)
             ref = torch.log_softmax(hf(ids).logits.float(), -1)
@@ -182,9 +204,11 @@ def test_trainer_is_the_transformers_model(ckpts):
     [
         ("yarn_groups_ties", "bfloat16"),
         pytest.param("no_q_lora_all_moe", "float32", marks=pytest.mark.extended),
-        ("v2_group_limited_ties", "bfloat16"),
-        # `make test-extended`: DeepSeek-V2's routing is served above (v2_group_limited_ties); V2-Lite's greedy top-k
-        # is the same routing code without groups (test_deepseek_v2_routing_is_hfs_with_lowest_id_ties)
+        ("glm4_7_flash_ties", "bfloat16"),
+        # `make test-extended`: DeepSeek-V2's layers are V3's served above; only its softmax routing differs, checked
+        # against HF's with ties (test_deepseek_v2_routing_is_hfs_with_lowest_id_ties) and through the trainer
+        # (test_trainer_is_the_transformers_model); V2-Lite's greedy top-k is the same routing code without groups
+        pytest.param("v2_group_limited_ties", "bfloat16", marks=pytest.mark.extended),
         pytest.param("v2_lite_greedy", "float32", marks=pytest.mark.extended),
     ],
 )
@@ -242,7 +266,10 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
 
 @pytest.mark.vllm
 @pytest.mark.titan
-@pytest.mark.parametrize("shape", ["yarn_groups_ties", pytest.param("v2_lite_greedy", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "shape",
+    ["yarn_groups_ties", *(pytest.param(s, marks=pytest.mark.extended) for s in EXTENDED_HOT_LOAD)],
+)
 def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path, shape):
     """One RL step of TorchTitan's real trainer (FSDP, AdamW) on DeepSeek-V3: its forward is trainer_logprobs' bits
     (ratio exactly 1), the step changes the weights, its HF export goes to the running engine as a hot-load delta
@@ -380,7 +407,8 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
 
 @pytest.mark.vllm
 @pytest.mark.titan
-def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path):
+@pytest.mark.parametrize("shape", ["yarn_groups_ties", pytest.param("glm4_7_flash_ties", marks=pytest.mark.extended)])
+def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path, shape):
     """Issue 55 point 5, LoRA: two adapters the TorchTitan trainer trained with Tinker's switches (``train_attn``,
     ``train_mlp``: on DeepSeek-V3 the MLA projections ``q_a/q_b/kv_a_proj_with_mqa/o_proj`` and the dense first
     layer's MLP; ``kv_b_proj``, absorbed per head, and the experts are not adapted) are served by vLLM's multi-LoRA
@@ -398,7 +426,7 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
     from zerokld_testing import mixed_sampling_params, random_datums, random_prompts
 
     dtype, max_rank = "bfloat16", 8
-    ckpt = ckpts("yarn_groups_ties", dtype)
+    ckpt = ckpts(shape, dtype)
     specs = [(4, 8.0, 1), (8, 16.0, 2)]
 
     def client(i):
@@ -487,7 +515,8 @@ def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_s
 @pytest.mark.extended  # `make test-extended`: FP8 block is served in test_vllm_parity.py (~90 s)
 @pytest.mark.vllm
 @pytest.mark.titan
-def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(engine_slot, ckpts, tmp_path):
+@pytest.mark.parametrize("shape", ["yarn_groups_ties", "glm4_7_flash_ties"])
+def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(engine_slot, ckpts, tmp_path, shape):
     """Issue 55 point 4, FP8 as DeepSeek ships it (1x128 activation groups x 128x128 weight blocks): every MLA
     projection, the dense MLP, each routed expert (one FP8 weight per expert) and the shared experts run the shared
     FP8 GEMM; ``kv_b_proj``, absorbed per head, is its codes dequantized to the model dtype (as vLLM's MLA does with
@@ -511,7 +540,7 @@ def test_fp8_block_served_online_hot_loaded_and_exported_equals_the_qat_trainer(
     from zerokld_testing import random_prompts
     from zerokld_testing.engines import load_delta_offline
 
-    dtype, shape, g = "bfloat16", "yarn_groups_ties", "block"
+    dtype, g = "bfloat16", "block"
     spec = SHAPES[shape]
     ckpt = ckpts(shape, dtype)
     llm = engine_slot.get(

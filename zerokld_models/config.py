@@ -11,7 +11,13 @@ model: ``vllm_config.model_config.hf_config``), and resolves the places HF versi
   :class:`shared_numerics.rope.YarnScaling` (the support check admits it for MLA models only); any other type is kept as
   ``unsupported_rope`` for the support check (:mod:`zerokld_models.support`) to refuse;
 * ``head_dim``: explicit, else ``hidden_size // num_attention_heads``; MoE expert count: ``num_experts`` or
-  ``num_local_experts``.
+  ``num_local_experts``;
+* the dense layers of a DeepSeekMoE model: ``mlp_layer_types`` (GLM-4.7-Flash's ``"dense"`` / ``"sparse"`` per layer,
+  what HF's ``Glm4MoeLite`` reads), else ``first_k_dense_replace`` (DeepSeek's; what vLLM reads for both);
+* GLM's DeepSeekMoE router (``glm4_moe`` / ``glm4_moe_lite``: HF's ``Glm4MoeTopkRouter`` is always DeepSeek-V3's
+  sigmoid scores with a selection bias): ``scoring_func`` ``"sigmoid"``, ``topk_method`` ``"noaux_tc"`` when the
+  config does not say;
+* the rotated fraction of the rope dimensions: ``partial_rotary_factor`` (top level or in ``rope_parameters``), 1.
 
 Source: HF ``transformers`` ``PretrainedConfig`` and ``modeling_rope_utils`` (``rope_parameters`` standardisation).
 """
@@ -71,9 +77,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
+    mlp_layer_types: tuple[str, ...] = ()  # GLM-4.7-Flash: "dense" / "sparse" per layer (empty: not in the config)
     moe_layer_freq: int = 1
     scoring_func: str = "softmax"
     topk_method: str = "greedy"
+    partial_rotary_factor: float = 1.0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -146,6 +154,13 @@ def read_model_config(src: Any) -> ModelConfig:
     theta, scaling, unsupported = _rope(d)
     window = d.get("sliding_window")
     quant = d.get("quantization_config") or {}
+    layer_types = tuple(d.get("mlp_layer_types") or ())
+    if layer_types:  # HF's Glm4MoeLite builds layer i's MLP from mlp_layer_types[i]: the leading dense ones count
+        first_dense = next((i for i, t in enumerate(layer_types) if t != "dense"), len(layer_types))
+    else:
+        first_dense = d.get("first_k_dense_replace") or 0
+    glm = d.get("model_type") in ("glm4_moe", "glm4_moe_lite")  # HF's Glm4MoeTopkRouter: sigmoid, noaux_tc
+    rotary = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
     return ModelConfig(
         architecture=(d.get("architectures") or [""])[0],
         vocab_size=d["vocab_size"],
@@ -185,10 +200,12 @@ def read_model_config(src: Any) -> ModelConfig:
         topk_group=1 if d.get("topk_method") == "greedy" else d.get("topk_group") or 1,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         n_shared_experts=d.get("n_shared_experts") or 0,
-        first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+        first_k_dense_replace=first_dense,
+        mlp_layer_types=layer_types,
         moe_layer_freq=d.get("moe_layer_freq") or 1,
-        scoring_func=d.get("scoring_func") or "softmax",
-        topk_method=d.get("topk_method") or "greedy",
+        scoring_func=d.get("scoring_func") or ("sigmoid" if glm else "softmax"),
+        topk_method=d.get("topk_method") or ("noaux_tc" if glm else "greedy"),
+        partial_rotary_factor=float(rotary),
         raw=d,
     )
 

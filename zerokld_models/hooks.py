@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from zerokld_plugins import hookimpl
 
-from . import deepseek_v2, deepseek_v3, llama, qwen2, qwen3, qwen3_moe
+from . import deepseek_v2, deepseek_v3, glm4_moe_lite, llama, qwen2, qwen3, qwen3_moe
 
 
 @hookimpl
 def zerokld_model_adapters():
-    return [qwen3.ADAPTER, qwen3_moe.ADAPTER, llama.ADAPTER, qwen2.ADAPTER, deepseek_v3.ADAPTER, deepseek_v2.ADAPTER]
+    return [
+        qwen3.ADAPTER,
+        qwen3_moe.ADAPTER,
+        llama.ADAPTER,
+        qwen2.ADAPTER,
+        deepseek_v3.ADAPTER,
+        deepseek_v2.ADAPTER,
+        glm4_moe_lite.ADAPTER,
+    ]

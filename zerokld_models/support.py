@@ -38,6 +38,8 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
         problems.append("MLP bias")
     if cfg.sliding_window:
         problems.append("sliding-window attention")
+    if cfg.partial_rotary_factor != 1.0:
+        problems.append(f"partial_rotary_factor {cfg.partial_rotary_factor} (supported: 1, every rope dimension)")
     if cfg.hidden_act != "silu":
         problems.append(f"activation {cfg.hidden_act}")
     if cfg.quant_method not in (None, "zerokld_fp8"):
@@ -52,6 +54,15 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
             )
         if cfg.moe_layer_freq != 1:
             problems.append(f"moe_layer_freq {cfg.moe_layer_freq}")
+        k, n = cfg.first_k_dense_replace, cfg.num_hidden_layers
+        if cfg.mlp_layer_types and cfg.mlp_layer_types != ("dense",) * k + ("sparse",) * (n - k):
+            problems.append(
+                f"mlp_layer_types {list(cfg.mlp_layer_types)} (supported: {n} layers, the dense ones first, then"
+                " sparse)"
+            )
+        stated = cfg.raw.get("first_k_dense_replace")
+        if cfg.mlp_layer_types and stated is not None and stated != k:
+            problems.append(f"first_k_dense_replace {stated} where mlp_layer_types has {k} dense layers first")
         if not cfg.num_experts or cfg.num_experts % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
             problems.append(
                 f"n_routed_experts {cfg.num_experts} in n_group {cfg.n_group} groups, topk_group {cfg.topk_group}"

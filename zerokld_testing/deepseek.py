@@ -1,6 +1,7 @@
 """Tiny DeepSeek-V3 checkpoints (MLA + DeepSeekMoE), built by transformers' own ``DeepseekV3ForCausalLM`` (or
-``DeepseekV2ForCausalLM``: softmax routing, ``topk_method`` ``"greedy"`` / ``"group_limited_greedy"``) and saved
-with ``save_pretrained`` (HF names: ``self_attn.kv_a_proj_with_mqa``, ``mlp.gate.e_score_correction_bias``,
+``DeepseekV2ForCausalLM``: softmax routing, ``topk_method`` ``"greedy"`` / ``"group_limited_greedy"``; or
+GLM-4.7-Flash's ``Glm4MoeLiteForCausalLM``: ``mlp_layer_types``, GLM's sigmoid router) and saved with
+``save_pretrained`` (HF names: ``self_attn.kv_a_proj_with_mqa``, ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``), with the character tokenizer of :func:`make_tokenizer`.
 
 vLLM-CPU's own MLA backends accept ``kv_lora_rank + qk_rope_head_dim`` in {320, 512, 576} only, so the default
@@ -28,7 +29,10 @@ class DeepSeekSpec:
     ``rope_scaling`` (factor 4 over 128 original positions, ``mscale`` = ``mscale_all_dim`` = 0.707: DeepSeek-V3's).
     ``topk_method``: ``"noaux_tc"`` (DeepSeek-V3: sigmoid scores, a selection bias, normalised weights) or DeepSeek-V2's
     ``"greedy"`` / ``"group_limited_greedy"`` (a ``DeepseekV2ForCausalLM``: softmax scores, no bias, weights not
-    normalised, as DeepSeek-V2 ships)."""
+    normalised, as DeepSeek-V2 ships). ``architecture`` ``"Glm4MoeLiteForCausalLM"``: GLM-4.7-Flash's layers
+    (transformers' ``Glm4MoeLiteConfig``: the dense layers as ``mlp_layer_types``, written with the
+    ``first_k_dense_replace`` vLLM reads as GLM-4.7-Flash's ``config.json`` has it; ``topk_method`` must stay
+    ``"noaux_tc"``)."""
 
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -54,6 +58,7 @@ class DeepSeekSpec:
     max_position_embeddings: int = 512
     vocab_size: int | None = None  # the tokenizer padded with filler tokens to this size (None: ~100 tokens)
     topk_method: str = "noaux_tc"
+    architecture: str = "DeepseekV3ForCausalLM"  # or "Glm4MoeLiteForCausalLM" (GLM-4.7-Flash)
 
 
 def make_deepseek_checkpoint(
@@ -62,10 +67,20 @@ def make_deepseek_checkpoint(
     """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
     selection biases std 0.1, stored float32 as DeepSeek ships them; ``dtype`` ``"float32"`` or ``"bfloat16"``).
     Returns ``Path(out_dir)``."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        Glm4MoeLiteConfig,
+        Glm4MoeLiteForCausalLM,
+    )
 
     spec = spec or DeepSeekSpec()
     v3 = spec.topk_method == "noaux_tc"
+    glm = spec.architecture == "Glm4MoeLiteForCausalLM"
+    if spec.architecture not in ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM") or (glm and not v3):
+        raise ValueError(f"no tiny checkpoint for {spec.architecture} with topk_method {spec.topk_method!r}")
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
         vocab = make_tokenizer(tok_dir, vocab_size=spec.vocab_size)
@@ -85,7 +100,7 @@ def make_deepseek_checkpoint(
         fields = {
             k: v
             for k, v in asdict(spec).items()
-            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size")
+            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size", "architecture")
         }
         common = dict(
             vocab_size=vocab,
@@ -97,7 +112,18 @@ def make_deepseek_checkpoint(
             eos_token_id=2,
             pad_token_id=0,
         )
-        if v3:
+        if glm:
+            k = fields.pop("first_k_dense_replace")
+            del fields["topk_method"]
+            glm_cfg = Glm4MoeLiteConfig(
+                mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_hidden_layers - k),
+                norm_topk_prob=True,
+                **common,
+                **fields,
+            )
+            glm_cfg.first_k_dense_replace = k  # GLM-4.7-Flash's config.json has both; vLLM's glm4_moe_lite reads this
+            model = Glm4MoeLiteForCausalLM(glm_cfg)
+        elif v3:
             model = DeepseekV3ForCausalLM(
                 DeepseekV3Config(norm_topk_prob=True, scoring_func="sigmoid", **common, **fields)
             )
