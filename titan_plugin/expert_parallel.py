@@ -12,11 +12,19 @@ Source: ``torchtitan/models/common/token_dispatcher.py`` (``AllToAllTokenDispatc
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["expert_shards", "is_expert_parallel", "moe_expert_parallel"]
+__all__ = [
+    "ExpertParallelInputs",
+    "expert_parallel_inputs",
+    "expert_shards",
+    "is_expert_parallel",
+    "moe_expert_parallel",
+]
 
 
 def is_expert_parallel(weight) -> bool:
@@ -76,35 +84,77 @@ def moe_expert_parallel(
     """
     import shared_numerics.moe as sn_moe
 
-    tensor_parallel = isinstance(x_BLD, DTensor)  # TP x EP: the tokens replicated over the TP (= EP) ranks
-    if tensor_parallel:
-        _check_same_ranks(x_BLD.device_mesh, w_gate.device_mesh)
-    local, ep = expert_shards(w_gate, w_up, w_down, router_weight.shape[0], replicated_tokens=tensor_parallel)
+    e = expert_parallel_inputs(x_BLD, (w_gate, w_up, w_down), router_weight.shape[0])
     router = router_weight.to_local() if isinstance(router_weight, DTensor) else router_weight
-    x = x_BLD.to_local() if tensor_parallel else x_BLD
-    b, seq, d = x.shape
-    # under TP the router's gradient is whole on every rank, the experts' this rank's share of the tokens (exact
-    # zeros elsewhere): summed over the ranks in the backward (exact), so x's gradient adds two whole ones as on one
-    # rank (a Partial one, added to the router's Replicate one, would split the latter over the ranks)
-    experts_x = None
-    if tensor_parallel:
-        experts_x = _SharesGradient.apply(x_BLD.to_local(), x_BLD.device_mesh.get_group()).reshape(b * seq, d)
+    b, seq, d = e.x.shape
+    x = e.x.reshape(b * seq, d)
     out, ids = sn_moe.moe_forward(
-        x.reshape(b * seq, d),
+        x,
         router,
-        *local,
+        *e.weights,
         top_k,
         renormalize,
         expert_ids,
         k_block=k_block,
-        experts_x=experts_x,
+        experts_x=None if e.experts_input is None else e.experts_input(x),
         chains=chains,
         fp8=fp8,
-        expert_parallel=ep,
+        expert_parallel=e.ep,
     )
-    if tensor_parallel:
-        out = DTensor.from_local(out, x_BLD.device_mesh, [Replicate()], run_check=False)
-    return out, ids
+    return e.output(out), ids
+
+
+@dataclass(frozen=True)
+class ExpertParallelInputs:
+    """What an MoE block under TorchTitan EP (or TP x EP) hands :mod:`shared_numerics.moe`: ``x`` ``[B, L, D]`` this
+    rank's tokens (a plain tensor), ``weights`` this rank's ``E / EP`` stacked experts, ``ep`` the
+    :class:`shared_numerics.moe.ExpertParallel` exchange over their mesh, ``experts_input`` (TP x EP only, else
+    ``None``) the identity the experts' input goes through, whose backward sums x's gradient over the TP ranks (each
+    rank's experts see its share of the tokens: exact, ``x + 0``; a ``Partial`` gradient added to the router's
+    ``Replicate`` one would split the latter over the ranks), and ``tp_mesh`` (TP x EP) the mesh the output is
+    ``Replicate`` on (:meth:`output`)."""
+
+    x: torch.Tensor
+    weights: list
+    ep: object
+    experts_input: Callable[[torch.Tensor], torch.Tensor] | None
+    tp_mesh: object | None
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (``[B * L, D]``, whole on every rank) as the block returns it: a ``Replicate`` DTensor on the TP
+        mesh under TP x EP, else unchanged."""
+        if self.tp_mesh is None:
+            return out
+        return DTensor.from_local(out, self.tp_mesh, [Replicate()], run_check=False)
+
+
+def expert_parallel_inputs(x_BLD: torch.Tensor, experts: tuple, num_experts: int) -> ExpertParallelInputs:
+    """The EP (or TP x EP) inputs of an MoE block (Qwen3-MoE's :func:`moe_expert_parallel`, DeepSeekMoE's
+    :class:`titan_plugin.overrides.ZeroKLDMoE`).
+
+    Args:
+        x_BLD: ``[B, L, D]`` this rank's tokens (plain tensors: EP borrows the data-parallel ranks), or under tensor
+            parallelism a ``Replicate`` DTensor on the TP mesh (TP x EP: each rank exchanges its share of the tokens).
+        experts: ``(w_gate, w_up, w_down)`` DTensors ``Shard(0)`` on the EP mesh.
+        num_experts: ``E``.
+
+    Raises:
+        ValueError: ``E % EP`` (:func:`expert_shards`). NotImplementedError: TP x EP with other EP ranks than the TP
+            ranks.
+    """
+    tp_mesh = x_BLD.device_mesh if isinstance(x_BLD, DTensor) else None
+    if tp_mesh is not None:
+        _check_same_ranks(tp_mesh, experts[0].device_mesh)
+    weights, ep = expert_shards(*experts, num_experts, replicated_tokens=tp_mesh is not None)
+    experts_input = None
+    if tp_mesh is not None:
+        group = tp_mesh.get_group()
+
+        def experts_input(x: torch.Tensor) -> torch.Tensor:
+            return _SharesGradient.apply(x, group)
+
+    x = x_BLD.to_local() if tp_mesh is not None else x_BLD
+    return ExpertParallelInputs(x, weights, ep, experts_input, tp_mesh)
 
 
 class _SharesGradient(torch.autograd.Function):

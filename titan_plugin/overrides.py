@@ -597,27 +597,19 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             # TorchTitan TP (TP x EP): the tokens replicated over the TP ranks, the experts whole on the EP (= TP)
             # ranks, the shared experts TP-split (their sums in the fixed tree with tp_k_block)
             tp_mesh = x_BLD.device_mesh if _is_dtensor(x_BLD) else None
-            x = x_BLD.to_local() if tp_mesh is not None else x_BLD
-            shared, experts_input = self.shared_experts, None
+            x, experts_input = x_BLD, None
             if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
-                from .expert_parallel import _check_same_ranks, _SharesGradient, expert_shards
+                from .expert_parallel import expert_parallel_inputs
 
-                if tp_mesh is not None:
-                    _check_same_ranks(tp_mesh, ex.w1_EFD.device_mesh)
-                    # each rank's experts take its share of the tokens: x's gradient through them summed over the
-                    # ranks (exact: zeros elsewhere), as Qwen3-MoE's TP x EP (expert_parallel.moe_expert_parallel)
-                    group = tp_mesh.get_group()
-
-                    def experts_input(xe: torch.Tensor) -> torch.Tensor:
-                        return _SharesGradient.apply(xe, group)
-
-                weights, ep = expert_shards(*weights, r.gate.weight.shape[0], replicated_tokens=tp_mesh is not None)
+                e = expert_parallel_inputs(x_BLD, weights, r.gate.weight.shape[0])
+                x, weights, ep, experts_input = e.x, e.weights, e.ep, e.experts_input
                 self.expert_parallel_size = ep.size
-            elif _is_dtensor(ex.w1_EFD):
+            elif tp_mesh is not None or _is_dtensor(ex.w1_EFD):
                 raise NotImplementedError(
                     "zerokld DeepSeekMoE under tensor parallelism: TP x EP only (expert_parallel_degree = "
                     "tensor_parallel_degree); experts split over their intermediate size are not implemented"
                 )
+            shared = self.shared_experts
             if tp_mesh is not None:
                 module = self.shared_experts
 
@@ -645,8 +637,8 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 k_block=self.k_block,  # tp_k_block at TP 1 (TP x EP: whole experts): vLLM TP N's tree
                 experts_input=experts_input,
             )
-            if tp_mesh is not None:
-                out = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+            if tp_mesh is not None:  # TP implies EP here (refused above otherwise)
+                out = e.output(out)
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
 
