@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from zerokld_testing.controls import stock_differs
-from zerokld_testing.deepseek import DeepSeekSpec, make_deepseek_checkpoint
+from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, DeepSeekSpec, make_deepseek_checkpoint
 
 SHAPES = {
     "yarn_groups_ties": DeepSeekSpec(yarn=True, group_ties=True, expert_ties=True),
@@ -41,16 +41,7 @@ SHAPES = {
     "v2_lite_greedy": DeepSeekSpec(
         topk_method="greedy", q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3
     ),
-    # GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's MLA with v_head_dim wider than qk_nope_head_dim, GLM's
-    # sigmoid router in one group, top-4 with exact ties, mlp_layer_types with one dense layer first, rms_norm_eps 1e-5
-    "glm4_7_flash_ties": DeepSeekSpec(
-        architecture="Glm4MoeLiteForCausalLM",
-        v_head_dim=48,
-        n_group=1,
-        topk_group=1,
-        num_experts_per_tok=4,
-        expert_ties=True,
-    ),
+    "glm4_7_flash_ties": GLM_4_7_FLASH_TIES,  # GLM-4.7-Flash: MLA with v_head_dim 48 over qk_nope 32, GLM's router
 }
 
 

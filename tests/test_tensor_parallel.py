@@ -1006,17 +1006,9 @@ def test_vllm_tp2_serves_glm_4_7_flash_as_the_trainer_at_tp1_and_tp2_x_ep2(engin
     """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: ``v_head_dim`` 48 over ``qk_nope_head_dim`` 32, GLM's router with
     expert ties, ``mlp_layer_types``) at vLLM ``--tensor-parallel-size 2`` with ``tp_k_block``: the served log-probs
     are the trainer's at TP 1 and at TorchTitan TP 2 x EP 2, bit for bit."""
-    from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint
+    from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, make_deepseek_checkpoint
 
-    spec = DeepSeekSpec(
-        architecture="Glm4MoeLiteForCausalLM",
-        v_head_dim=48,
-        n_group=1,
-        topk_group=1,
-        num_experts_per_tok=4,
-        expert_ties=True,
-    )
-    ckpt = str(make_deepseek_checkpoint(tmp_path / "glm", spec, seed=3))
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "glm", GLM_4_7_FLASH_TIES, seed=3))
     try:
         _, _, served, seqs, lens = _served_at_tp2_is_the_trainers(engine_slot, ckpt, "float32")  # == TP 1's
     finally:

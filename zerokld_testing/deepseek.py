@@ -20,7 +20,7 @@ import torch
 
 from .checkpoints import make_tokenizer
 
-__all__ = ["DeepSeekSpec", "make_deepseek_checkpoint"]
+__all__ = ["GLM_4_7_FLASH_TIES", "DeepSeekSpec", "make_deepseek_checkpoint"]
 
 
 @dataclass
@@ -59,6 +59,18 @@ class DeepSeekSpec:
     vocab_size: int | None = None  # the tokenizer padded with filler tokens to this size (None: ~100 tokens)
     topk_method: str = "noaux_tc"
     architecture: str = "DeepseekV3ForCausalLM"  # or "Glm4MoeLiteForCausalLM" (GLM-4.7-Flash)
+
+
+#: GLM-4.7-Flash's layers, tiny (``Glm4MoeLiteForCausalLM``): ``v_head_dim`` 48 over ``qk_nope_head_dim`` 32, GLM's
+#: sigmoid router in one group, top-4 with exact expert ties, one dense layer first (``mlp_layer_types``), eps 1e-5
+GLM_4_7_FLASH_TIES = DeepSeekSpec(
+    architecture="Glm4MoeLiteForCausalLM",
+    v_head_dim=48,
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=4,
+    expert_ties=True,
+)
 
 
 def make_deepseek_checkpoint(
