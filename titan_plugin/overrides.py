@@ -597,12 +597,12 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
             # TorchTitan TP (TP x EP): the tokens replicated over the TP ranks, the experts whole on the EP (= TP)
             # ranks, the shared experts TP-split (their sums in the fixed tree with tp_k_block)
             tp_mesh = x_BLD.device_mesh if _is_dtensor(x_BLD) else None
-            x, experts_input = x_BLD, None
+            x, experts_input, output = x_BLD, None, None
             if _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
                 from .expert_parallel import expert_parallel_inputs
 
                 e = expert_parallel_inputs(x_BLD, weights, r.gate.weight.shape[0])
-                x, weights, ep, experts_input = e.x, e.weights, e.ep, e.experts_input
+                x, weights, ep, experts_input, output = e.x, e.weights, e.ep, e.experts_input, e.output
                 self.expert_parallel_size = ep.size
             elif tp_mesh is not None or _is_dtensor(ex.w1_EFD):
                 raise NotImplementedError(
@@ -637,8 +637,8 @@ class ZeroKLDMoE(_FixedTreeOutput, MoE):
                 k_block=self.k_block,  # tp_k_block at TP 1 (TP x EP: whole experts): vLLM TP N's tree
                 experts_input=experts_input,
             )
-            if tp_mesh is not None:  # TP implies EP here (refused above otherwise)
-                out = e.output(out)
+            if output is not None:  # EP: a Replicate DTensor on the TP mesh under TP x EP, else unchanged
+                out = output(out)
         elif _is_dtensor(ex.w1_EFD) and _expert_parallel(ex.w1_EFD):  # TorchTitan EP: experts sharded along E
             from .expert_parallel import moe_expert_parallel
 
