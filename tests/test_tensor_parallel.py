@@ -1024,8 +1024,9 @@ def test_vllm_tp2_serves_glm_4_7_flash_as_the_trainer_at_tp1_and_tp2_x_ep2(engin
 @pytest.mark.parametrize(
     "layout",
     [
-        {"tp": 2, "ep": 2},
-        # `make test-extended`: FSDP 2 x TP 2 x EP 2 is proven on Qwen3-MoE; this is DeepSeek's second layout
+        # `make test-extended`, both: TP 2 x EP 2 training is proven on Qwen3-MoE (the same ExpertParallelInputs
+        # exchange), DeepSeek-V3's forward at TP 2 x EP 2 by test_vllm_tp2_serves_deepseek_v3_as_the_trainer_...
+        pytest.param({"tp": 2, "ep": 2}, marks=pytest.mark.extended),
         pytest.param({"tp": 2, "ep": 2, "nproc": 4, "split": True}, marks=pytest.mark.extended),
     ],
     ids=["tp2xep2", "fsdp2xtp2xep2"],
@@ -1214,8 +1215,12 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "family,ep",
-    [("qwen3_moe", 1)]
-    + [pytest.param(*c, marks=pytest.mark.extended) for c in [("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)]],
+    # `make test-extended`, all: TP 2 streaming is proven composed with FSDP (test_fsdp_2_x_tensor_parallel_2_
+    # streams_like_tp_2: FSDP 2 x TP 2 streamed == TP 2 batched); these add Qwen3-MoE's TP-split experts, Qwen2, EP 2
+    [
+        pytest.param(*c, marks=pytest.mark.extended)
+        for c in [("qwen3_moe", 1), ("qwen3", 1), ("qwen2", 1), ("qwen3_moe", 2)]
+    ],
 )
 def test_tensor_parallel_2_streams_exactly(tmp_path, checkpoint_factory, family, ep):
     """Issue 56 point 6 under TP 2 (``tp_k_block``, float32): ``forward_backward`` in batched passes with exact

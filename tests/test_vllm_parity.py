@@ -35,8 +35,9 @@ CONFIGS = [
 ]
 #: the configurations `make test-extended` adds (marker ``extended``, docs/tests.md "Budgets"): each repeats a family,
 #: dtype and FP8 path the default ones already serve (Llama 3.x covers Llama's layers, the tied MoE covers the MoE, the
-#: block export covers the exported checkpoint); one engine start is ~45 s on 2 cores
+#: block export covers the exported checkpoint and float32 Qwen3); one engine start is 20-45 s on 2 cores
 EXTENDED = {
+    ("qwen3", "float32", None),
     ("llama", "float32", None),
     ("llama", "bfloat16", None),
     ("llama", "bfloat16", ("export", "per_channel")),
@@ -174,7 +175,8 @@ STOCK_CONFIGS = [("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "bfloat1
 
 
 @pytest.fixture(
-    scope="module", params=_params(STOCK_CONFIGS, ["-".join(c) for c in STOCK_CONFIGS], {("llama", "bfloat16")})
+    scope="module",
+    params=_params(STOCK_CONFIGS, ["-".join(c) for c in STOCK_CONFIGS], {("qwen3", "float32"), ("llama", "bfloat16")}),
 )
 def stock_env(request, engine_slot, checkpoint_factory):
     family, dtype = request.param

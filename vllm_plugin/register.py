@@ -16,7 +16,9 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
   (:mod:`vllm_plugin.routing`) and the LoRA layer class (:mod:`vllm_plugin.lora`) are installed, each inert unless
   the engine's zerokld settings (or the hot-load endpoint) switch it on;
 * engines with zerokld on use vLLM's V1 model runner, where those hooks live (:mod:`vllm_plugin.runner`);
-* their workers get the hot-load worker extension (:mod:`vllm_plugin.hotload.worker`: deltas applied in place);
+* their configs are checked where vLLM builds them, before it starts any engine process (:mod:`vllm_plugin.start`:
+  the checks each worker runs again when it builds the model), and their workers get the hot-load worker extension
+  (:mod:`vllm_plugin.hotload.worker`: deltas applied in place);
 * model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
   model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
   instead of silently serving stock numerics.
@@ -43,10 +45,10 @@ def register() -> None:
 
     from zerokld_plugins import registered
 
-    from . import latent_platform, lora, outputs, routing, runner, sampler
+    from . import latent_platform, lora, outputs, routing, runner, sampler, start
     from .attention_backend import BACKEND_NAME, LATENT_BACKEND_NAME
     from .fp8 import register as register_fp8
-    from .hotload import attribution, fireworks, worker
+    from .hotload import attribution, fireworks
     from .models.classes import registered_name
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
@@ -55,28 +57,23 @@ def register() -> None:
         ModelRegistry.register_model(arch, registered_name(arch))
     register_fp8()
     # every seam of vllm_plugin.seams.SEAMS, once, here (each inert until an engine's settings switch it on)
-    for module in (sampler, outputs, attribution, fireworks, routing, runner, worker, lora, latent_platform):
+    for module in (sampler, outputs, attribution, fireworks, routing, runner, start, lora, latent_platform):
         module.install()
     _guard_initialize_model()
     _REGISTERED = True
 
 
 def _guard_initialize_model() -> None:
-    from zerokld_plugins import registered
-
-    from .config import ZeroKLDConfigError, from_vllm_config
+    from .config import from_vllm_config
     from .seams import replace
+    from .start import unsupported_architecture
 
     def wrap(original):
         def initialize_model(vllm_config, *args, **kwargs):
             cfg = from_vllm_config(vllm_config)
             model = original(vllm_config, *args, **kwargs)
             if cfg.batch_invariant and not getattr(model, "batch_invariant", False):
-                archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
-                raise ZeroKLDConfigError(
-                    f"zerokld batch_invariant mode does not support architecture {archs}; supported: "
-                    f"{sorted(registered('model'))}"
-                )
+                raise unsupported_architecture(vllm_config)
             return model
 
         return initialize_model

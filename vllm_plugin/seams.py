@@ -166,8 +166,8 @@ SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         "vllm.engine.arg_utils:EngineArgs.create_engine_config",
-        "give zerokld engines the hot-load worker extension",
-        ("vllm_plugin.hotload.worker",),
+        "check zerokld engines' settings before any engine process starts, and give them the hot-load worker extension",
+        ("vllm_plugin.start",),
         kind="function",
         params=("self",),
     ),

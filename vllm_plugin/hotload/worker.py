@@ -1,10 +1,11 @@
 """Hot-load deltas applied in place on every worker: vLLM's worker extension for ``collective_rpc``.
 
 A zerokld engine's workers get :class:`DeltaWorkerExtension` (vLLM's ``--worker-extension-cls``, the upstream way to
-add ``collective_rpc`` methods to workers: ``v1/worker/worker_base.py``). :func:`install` sets it on every engine
-config built with ``batch_invariant`` on and no extension of the user's own (``EngineArgs.create_engine_config``),
-so ``vllm serve`` and ``vllm.LLM`` need no extra flag; an engine started with another extension keeps it and its
-hot-loads decode deltas on the host instead (:meth:`deltasync.Replica.signal`).
+add ``collective_rpc`` methods to workers: ``v1/worker/worker_base.py``). :func:`configure_worker_extension` sets it
+on every engine config built with ``batch_invariant`` on and no extension of the user's own
+(``EngineArgs.create_engine_config``, through :mod:`vllm_plugin.start`), so ``vllm serve`` and ``vllm.LLM`` need no
+extra flag; an engine started with another extension keeps it and its hot-loads decode deltas on the host instead
+(:meth:`deltasync.Replica.signal`).
 
 Each worker decodes the delta against its own parameters' bits (:meth:`ZeroKLDMixin.checkpoint_views`), one tensor
 at a time (:func:`deltasync.apply_delta_in_place`): the stage pass checks every tensor's Adler-32 and writes
@@ -22,8 +23,8 @@ __all__ = [
     "EXTENSION",
     "METHOD",
     "DeltaWorkerExtension",
+    "configure_worker_extension",
     "has_delta_worker",
-    "install",
     "same_digest",
     "stage_in_background",
 ]
@@ -143,7 +144,9 @@ def same_digest(results: list[dict]) -> dict:
     return {"weights_digest": digests.pop(), "tensors_changed": max(r["changed"] for r in results)}
 
 
-def _configure(vllm_config) -> None:
+def configure_worker_extension(vllm_config) -> None:
+    """Set :data:`EXTENSION` as ``vllm_config``'s ``worker_extension_cls`` when zerokld is on, the engine runs at
+    TP 1 and the user named no extension of their own (called where the config is built: :mod:`vllm_plugin.start`)."""
     from ..config import from_vllm_config
 
     parallel = vllm_config.parallel_config
@@ -154,21 +157,3 @@ def _configure(vllm_config) -> None:
         and parallel.tensor_parallel_size == 1
     ):
         parallel.worker_extension_cls = EXTENSION
-
-
-def install() -> None:
-    """Wrap ``EngineArgs.create_engine_config`` so zerokld engines get :class:`DeltaWorkerExtension` (idempotent)."""
-    import functools
-
-    from ..seams import replace
-
-    def wrap(original):
-        @functools.wraps(original)
-        def create_engine_config(self, *args, **kwargs):
-            config = original(self, *args, **kwargs)
-            _configure(config)
-            return config
-
-        return create_engine_config
-
-    replace("vllm.engine.arg_utils:EngineArgs.create_engine_config", wrap)

@@ -45,7 +45,7 @@ from ..config import ZeroKLDConfigError, from_vllm_config
 from ..faults import copy_fault, step_delay
 from ..sampler import check_sampler_supported, set_logprobs_definition
 
-__all__ = ["DenseDecoder", "ResidualLayer", "ZeroKLDMixin", "check_supported"]
+__all__ = ["DenseDecoder", "ResidualLayer", "ZeroKLDMixin", "check_stock_engine", "check_supported"]
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -190,6 +190,20 @@ class _Proj(nn.Module):
         if self._codes is None:
             raise RuntimeError("zerokld fp8: weights were not quantized after loading")
         return sn.fp8_linear(x, self._codes, self._scales, self.fp8.granularity)
+
+
+def check_stock_engine(vllm_config) -> None:
+    """With the zerokld switch off (vLLM's own model serves): refuse a checkpoint exported as ``zerokld_fp8``, whose
+    FP8 codes vLLM's layers would misread.
+
+    Raises:
+        ZeroKLDConfigError: the checkpoint is quantized with ``zerokld_fp8``.
+    """
+    if _is_zerokld_fp8(vllm_config):
+        raise ZeroKLDConfigError(
+            f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
+            "additional_config={'zerokld': {'batch_invariant': true}}"
+        )
 
 
 def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
@@ -474,11 +488,7 @@ class ZeroKLDMixin:
         cfg = from_vllm_config(vllm_config)
         self.batch_invariant = cfg.batch_invariant
         if not cfg.batch_invariant:
-            if _is_zerokld_fp8(vllm_config):
-                raise ZeroKLDConfigError(
-                    f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
-                    "additional_config={'zerokld': {'batch_invariant': true}}"
-                )
+            check_stock_engine(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
             return
         self.model_cfg = read_model_config(vllm_config.model_config.hf_config)
