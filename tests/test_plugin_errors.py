@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pydantic
@@ -130,6 +131,45 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
     with pytest.raises((ZeroKLDConfigError, pydantic.ValidationError)) as raised:
         start_llm(ckpt, dtype="float32", batch_invariant=case != "fp8_checkpoint_without_plugin", **kwargs)
     assert expected in str(raised.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_vllm_serve_refuses_before_starting_an_engine_process(checkpoint_factory, tmp_path):
+    """``vllm serve`` (vLLM's OpenAI server module, as :mod:`zerokld_testing.servers` runs it) with zerokld on and an
+    architecture no adapter declares exits non-zero with the reason, and its log shows no engine core: the refusal is
+    raised in the API server's process (:mod:`vllm_plugin.start`), before vLLM spawns one (without it, the engine core
+    and its worker started and failed, and the server exited after them)."""
+    import subprocess
+    import sys
+
+    ckpt = _edited_checkpoint(
+        checkpoint_factory("llama", "float32"),
+        tmp_path / "m",
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        ckpt,
+        "--port",
+        str(_free_port()),
+    ]
+    cmd += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
+    cmd += ["--additional-config", json.dumps({"zerokld": {"batch_invariant": True}})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "does not support architecture ['MistralForCausalLM']" in log
+    assert "EngineCore" not in log, log[-3000:]
 
 
 def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
