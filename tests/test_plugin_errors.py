@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pydantic
@@ -133,20 +132,16 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
     assert expected in str(raised.value)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(300)
 def test_vllm_serve_refuses_before_starting_an_engine_process(checkpoint_factory, tmp_path):
-    """``vllm serve`` (vLLM's OpenAI server module, as :mod:`zerokld_testing.servers` runs it) with zerokld on and an
-    architecture no adapter declares exits non-zero with the reason, and its log shows no engine core: the refusal is
-    raised in the API server's process (:mod:`vllm_plugin.start`), before vLLM spawns one (without it, the engine core
-    and its worker started and failed, and the server exited after them)."""
+    """``vllm serve`` (vLLM's OpenAI server module, as :class:`vllm_plugin.serve.OpenAIServer` runs it) with zerokld
+    on and an architecture no adapter declares exits non-zero with the reason, and its log shows no engine core: the
+    refusal is raised in the API server's process (:mod:`vllm_plugin.start`), before vLLM spawns one (without it, the
+    engine core and its worker started and failed, and the server exited after them)."""
     import subprocess
     import sys
+
+    from vllm_plugin.serve import free_port
 
     ckpt = _edited_checkpoint(
         checkpoint_factory("llama", "float32"),
@@ -161,7 +156,7 @@ def test_vllm_serve_refuses_before_starting_an_engine_process(checkpoint_factory
         "--model",
         ckpt,
         "--port",
-        str(_free_port()),
+        str(free_port()),
     ]
     cmd += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
     cmd += ["--additional-config", json.dumps({"zerokld": {"batch_invariant": True}})]

@@ -1,9 +1,10 @@
 """A zerokld engine's start checks, run where vLLM builds its config: ``EngineArgs.create_engine_config``, in the
 ``vllm.LLM`` / ``vllm serve`` process, before vLLM spawns the engine core and its workers.
 
-Each check here is one the worker runs again when it builds the model (:class:`vllm_plugin.models.dense.ZeroKLDMixin`
-and the ``initialize_model`` guard of :mod:`vllm_plugin.register`), on the same ``VllmConfig`` (the one built here is
-what vLLM sends to its engine core and workers), so they refuse the same engines with the same messages. Run first
+The worker runs the same checks again when it builds the model (:func:`check_model_settings`, called by
+:class:`vllm_plugin.models.dense.ZeroKLDMixin`, and the ``initialize_model`` guard of :mod:`vllm_plugin.register`), on
+the same ``VllmConfig`` (the one built here is what vLLM sends to its engine core and workers), so they refuse the same
+engines with the same messages. Run first
 here, a refused engine fails in about a second with :class:`vllm_plugin.config.ZeroKLDConfigError` raised in the
 caller's process, instead of after an engine core and a worker have each imported vLLM and started (20-40 s on 2
 cores) with the reason only in their logs and vLLM's "Engine core initialization failed" in the caller's.
@@ -17,7 +18,7 @@ Source: vLLM ``engine/arg_utils.py`` (``EngineArgs.create_engine_config``), ``co
 
 from __future__ import annotations
 
-__all__ = ["check_engine_config", "install", "unsupported_architecture"]
+__all__ = ["check_engine_config", "check_model_settings", "install", "unsupported_architecture"]
 
 
 def unsupported_architecture(vllm_config):
@@ -36,15 +37,44 @@ def unsupported_architecture(vllm_config):
     )
 
 
-def check_engine_config(vllm_config) -> None:
-    """Refuse ``vllm_config`` where its worker would refuse it when building the model.
+def check_model_settings(vllm_config, adapter):
+    """The start checks of an engine whose architecture ``adapter`` declares, in the one order both callers run them
+    (:func:`check_engine_config` where the config is built, :class:`vllm_plugin.models.dense.ZeroKLDMixin` in the
+    worker). With zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.models.dense.check_stock_engine`).
+    With it on: the architecture's model features and engine settings
+    (:func:`vllm_plugin.models.dense.check_supported`), the sampler's (:func:`vllm_plugin.sampler.
+    check_sampler_supported`) and, for MoE and MLA architectures, the MoE settings'
+    (:func:`vllm_plugin.models.moe.check_moe_supported`).
 
-    With zerokld off: a ``zerokld_fp8`` checkpoint of a declared architecture
-    (:func:`vllm_plugin.models.dense.check_stock_engine`). With it on: an architecture (vLLM's resolved
-    ``model_config.architecture``) that no ``zerokld`` model adapter declares; then the architecture's checks
-    (:func:`vllm_plugin.models.dense.check_supported`: model features and engine settings), the sampler's
-    (:func:`vllm_plugin.sampler.check_sampler_supported`) and, for MoE and MLA architectures, the MoE settings'
-    (:func:`vllm_plugin.models.moe.check_moe_supported`), in the order the worker runs them.
+    Returns:
+        The checkpoint's :class:`zerokld_models.ModelConfig` with zerokld on; ``None`` with it off.
+
+    Raises:
+        vllm_plugin.config.ZeroKLDConfigError: naming what is not supported.
+        zerokld_models.UnsupportedModelError: the checkpoint's config cannot be read as its architecture.
+    """
+    from zerokld_models import read_model_config
+
+    from .config import from_vllm_config
+    from .models.dense import check_stock_engine, check_supported
+    from .models.moe import check_moe_supported
+    from .sampler import check_sampler_supported
+
+    if not from_vllm_config(vllm_config).batch_invariant:
+        check_stock_engine(vllm_config)
+        return None
+    cfg = read_model_config(vllm_config.model_config.hf_config)
+    check_supported(vllm_config, cfg, adapter)
+    check_sampler_supported(vllm_config)
+    if adapter.attention == "mla" or adapter.moe:
+        check_moe_supported(vllm_config, cfg.architecture)
+    return cfg
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse ``vllm_config`` where its worker would refuse it when building the model: with zerokld on, an
+    architecture (vLLM's resolved ``model_config.architecture``) that no ``zerokld`` model adapter declares; for a
+    declared one, :func:`check_model_settings`.
 
     Raises:
         vllm_plugin.config.ZeroKLDConfigError: naming what is not supported.
@@ -57,27 +87,10 @@ def check_engine_config(vllm_config) -> None:
     model_config = vllm_config.model_config
     if model_config is None:
         return
-    declared = model_config.architecture in registered("model")
-    if not from_vllm_config(vllm_config).batch_invariant:
-        if declared:
-            from .models.dense import check_stock_engine
-
-            check_stock_engine(vllm_config)
-        return
-    if not declared:
+    if model_config.architecture in registered("model"):
+        check_model_settings(vllm_config, get_model_adapter(model_config.architecture))
+    elif from_vllm_config(vllm_config).batch_invariant:
         raise unsupported_architecture(vllm_config)
-    from zerokld_models import read_model_config
-
-    from .models.dense import check_supported
-    from .models.moe import check_moe_supported
-    from .sampler import check_sampler_supported
-
-    adapter = get_model_adapter(model_config.architecture)
-    cfg = read_model_config(model_config.hf_config)
-    check_supported(vllm_config, cfg, adapter)
-    check_sampler_supported(vllm_config)
-    if adapter.attention == "mla" or adapter.moe:
-        check_moe_supported(vllm_config, cfg.architecture)
 
 
 def install() -> None:

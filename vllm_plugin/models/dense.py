@@ -38,12 +38,13 @@ import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
-from zerokld_models import ModelConfig, read_model_config, unsupported_features
+from zerokld_models import ModelConfig, unsupported_features
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
 from ..faults import copy_fault, step_delay
-from ..sampler import check_sampler_supported, set_logprobs_definition
+from ..sampler import set_logprobs_definition
+from ..start import check_model_settings
 
 __all__ = ["DenseDecoder", "ResidualLayer", "ZeroKLDMixin", "check_stock_engine", "check_supported"]
 
@@ -487,13 +488,11 @@ class ZeroKLDMixin:
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         cfg = from_vllm_config(vllm_config)
         self.batch_invariant = cfg.batch_invariant
+        model_cfg = check_model_settings(vllm_config, self.adapter)  # the checks vllm_plugin.start ran first
         if not cfg.batch_invariant:
-            check_stock_engine(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)  # stock vLLM model, untouched
             return
-        self.model_cfg = read_model_config(vllm_config.model_config.hf_config)
-        check_supported(vllm_config, self.model_cfg, self.adapter)
-        check_sampler_supported(vllm_config)
+        self.model_cfg = model_cfg
         nn.Module.__init__(self)
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config

@@ -216,7 +216,6 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if not self.batch_invariant:
             return
-        check_moe_supported(vllm_config, self.model_cfg.architecture)
         cfg = self.model_cfg
         self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
         # one row per MoE layer, in layer order (DeepSeek-V3's dense first layers route nothing)
