@@ -15,6 +15,7 @@ from deltasync import (
     write_full_snapshot,
     write_incremental_snapshot,
 )
+from deltasync.protocol import DEFAULT_COMPRESSION_FORMAT
 
 CODECS = ["arc_v2", "zkd_sparse_v1", "zkd_sparse_v2"]
 
@@ -178,9 +179,12 @@ def test_chain_of_30_snapshots_round_trips_bit_exact_local(checkpoint_factory, t
     _chain_round_trip(checkpoint_factory("qwen3", "bfloat16"), tmp_path, str(tmp_path / "bucket"), codec)
 
 
-# S3 is the same storage path for every format: the default format (arc_v2) in the default run, the others
+# S3 is the same storage path for every format: the default format in the default run, the others
 # `make test-extended` (each format's chain round-trips locally above)
-@pytest.mark.parametrize("codec", [c if c == "arc_v2" else pytest.param(c, marks=pytest.mark.extended) for c in CODECS])
+@pytest.mark.parametrize(
+    "codec",
+    [c if c == DEFAULT_COMPRESSION_FORMAT else pytest.param(c, marks=pytest.mark.extended) for c in CODECS],
+)
 def test_chain_of_30_snapshots_round_trips_bit_exact_s3(checkpoint_factory, tmp_path, s3_server, codec):
     _chain_round_trip(checkpoint_factory("qwen3", "bfloat16"), tmp_path, f"{s3_server}/{codec}", codec)
 
