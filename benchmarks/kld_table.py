@@ -48,7 +48,7 @@ ARCHS = {  # name in the table -> TinyModelSpec fields
     "qwen3_moe": dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
 }
 #: DeepSeek-V3 (MLA + DeepSeekMoE; zerokld_testing.DeepSeekSpec fields): YaRN, 2 of 4 expert groups, a dense
-#: first layer, the latent 256 + 64 (vLLM-CPU's own MLA backends take 320)
+#: first layer, DeepSeek-V3's latent 512 + 64 (the one size stock vLLM-CPU serves MLA at without AMX)
 DEEPSEEK_ARCHS = {
     "deepseek_v3": dict(
         hidden_size=128,
@@ -56,6 +56,7 @@ DEEPSEEK_ARCHS = {
         moe_intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
+        kv_lora_rank=512,
         yarn=True,
     ),
 }
@@ -65,7 +66,7 @@ NO_FP8 = {  # architectures zerokld does not serve in FP8 (vllm_plugin.config re
 }
 #: FP8 granularity per architecture (default per channel): DeepSeek-V3 as DeepSeek ships it, 1x128 activation groups x
 #: 128x128 weight blocks (stock: vLLM's ``quantization="fp8"`` with ``weight_block_size``-less online quantization
-#: cannot do blocks, and its MLA does not run without AMX anyway)
+#: cannot do blocks; its FP8 rows record why)
 FP8_GRANULARITY = {"deepseek_v3": "block"}
 DIMS = dict(
     hidden_size=128,
@@ -100,14 +101,21 @@ def _trainer(ckpt: str, seqs, plens, dtype: str, zerokld: bool, fp8: bool, granu
 
 
 def measure(
-    ckpt: str, dtype: str, fp8: bool, zerokld: bool, prompts, mla: bool = False, granularity: str = "per_channel"
+    ckpt: str,
+    dtype: str,
+    fp8: bool,
+    zerokld: bool,
+    prompts,
+    mla_latent: int | None = None,
+    granularity: str = "per_channel",
 ) -> dict:
-    """One row: sample with the engine, score with the trainer, compare (``mla``: an MLA model, which stock vLLM-CPU
-    serves only with AMX; ``granularity``: zerokld's FP8 granularity)."""
+    """One row: sample with the engine, score with the trainer, compare (``mla_latent``: an MLA model's latent size,
+    ``kv_lora_rank + qk_rope_head_dim``, which decides whether stock vLLM-CPU serves it here:
+    :func:`vllm_plugin.engines.stock_mla_available`; ``granularity``: zerokld's FP8 granularity)."""
     import shared_numerics as sn
     from vllm_plugin.engines import STOCK_MLA_UNAVAILABLE, shutdown_llm, start_llm, stock_mla_available
 
-    if mla and not zerokld and not stock_mla_available():
+    if mla_latent is not None and not zerokld and not stock_mla_available(mla_latent):
         return {"error": STOCK_MLA_UNAVAILABLE}
 
     kw = ({"fp8": granularity} if zerokld else {"quantization": "fp8_per_channel"}) if fp8 else {}
@@ -196,12 +204,11 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             for dtype in args.dtypes.split(","):
+                latent = None
                 if arch in DEEPSEEK_ARCHS:
-                    ckpt = str(
-                        make_deepseek_checkpoint(
-                            Path(tmp) / f"{arch}_{dtype}", DeepSeekSpec(**DEEPSEEK_ARCHS[arch]), seed=1, dtype=dtype
-                        )
-                    )
+                    ds = DeepSeekSpec(**DEEPSEEK_ARCHS[arch])
+                    latent = ds.kv_lora_rank + ds.qk_rope_head_dim
+                    ckpt = str(make_deepseek_checkpoint(Path(tmp) / f"{arch}_{dtype}", ds, seed=1, dtype=dtype))
                 else:
                     spec = TinyModelSpec(**{**DIMS, **ARCHS[arch]})
                     ckpt = str(make_tiny_checkpoint(Path(tmp) / f"{arch}_{dtype}", spec, seed=1, dtype=dtype))
@@ -214,7 +221,7 @@ def main(argv=None) -> dict:
                             "fp8": fp8,
                             "engine": "zerokld" if zerokld else "stock",
                             "granularity": g if fp8 else None,
-                            **measure(ckpt, dtype, fp8, zerokld, prompts, mla=arch in DEEPSEEK_ARCHS, granularity=g),
+                            **measure(ckpt, dtype, fp8, zerokld, prompts, mla_latent=latent, granularity=g),
                         }
                         print(json.dumps(row), flush=True)
                         rows.append(row)

@@ -175,6 +175,7 @@ def headline(docs: str = "docs/") -> list[str]:
     roll = _load("rollout_overhead_h1024_xeon_amx.json")
     trainer = _load("trainer_h1024_xeon_amx_cpu2.json")
     gemm = _load("gpu_gemm_h200.json")
+    ds_trainer, ds_roll = (_load(name) for name in DEEPSEEK_SPEED[0])
     decode, prefill = _gemm_range(gemm, ("M1", "M8", "M64")), _gemm_range(gemm, ("M4096",))
     ours_kl, stock_kl = _kld_largest()
     cpu = _model(d["run"]["machine"].split(",")[0])
@@ -206,6 +207,13 @@ def headline(docs: str = "docs/") -> list[str]:
             f"| trainer forward + backward at hidden 1024 (bf16 / fp32) "
             f"| {_x(trainer['runs']['bfloat16']['speed_ours_over_stock'])} / "
             f"{_x(trainer['runs']['float32']['speed_ours_over_stock'])} stock | 1x | {machine_short(trainer)} |"
+        ),
+        (
+            f"| DeepSeek-V3 at hidden 1024, bf16: rollout prefill / decode; trainer forward + backward "
+            f"| {_x(ds_roll['runs']['bfloat16'].get('ratio_prefill'))} / "
+            f"{_x(ds_roll['runs']['bfloat16'].get('ratio_decode'))}; "
+            f"{_x(ds_trainer['runs']['bfloat16']['speed_ours_over_stock'])} stock | 1x | {machine_short(ds_roll)} "
+            f"([DeepSeek]({docs}deepseek.md)) |"
         ),
         (
             f"| GPU linear (Triton), Qwen3-8B shapes, M = 1-64 / 4096, kernel time | {decode} / {prefill} cuBLAS "
@@ -277,7 +285,7 @@ def cpu_benchmarks() -> list[str]:
         sections.append(("rollout_overhead.py", name, cases))
     for name, model in (
         ("trainer_h1024_xeon_amx_cpu2.json", "Qwen3"),
-        ("trainer_deepseek_v3_h1024_amd_epyc_cpu2.json", "DeepSeek-V3"),
+        ("trainer_deepseek_v3_h1024_xeon_avx512_cpu2.json", "DeepSeek-V3"),
     ):
         cases = [
             (f"{model}, {dt}: TorchTitan forward + backward", r["speed_ours_over_stock"])
@@ -421,28 +429,37 @@ def delta_codecs() -> list[str]:
     return rows
 
 
+#: DeepSeek-V3 at issue 55's size: (trainer, rollout) results measured on one machine, one table each
+DEEPSEEK_SPEED = (
+    ("trainer_deepseek_v3_h1024_xeon_avx512_cpu2.json", "rollout_deepseek_v3_h1024_xeon_avx512_cpu2.json"),
+)
+
+
 def deepseek_speed() -> list[str]:
-    """docs/deepseek.md: DeepSeek-V3 at issue 55's size, trainer and rollout."""
-    trainer, roll = "trainer_deepseek_v3_h1024_amd_epyc_cpu2.json", "rollout_deepseek_v3_h1024_amd_epyc_cpu2.json"
-    t, r = _load(trainer), _load(roll)
-    rows = [
-        f"Measured on {machine(t)} (`benchmarks/results/{trainer}`, `{roll}`):",
-        "",
-        "| what | dtype | zerokld | stock | zerokld ÷ stock |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for dt, run in t["runs"].items():
-        rows.append(
-            f"| trainer forward + backward (s) | {dt} | {run['zerokld']['median_s']:.1f} "
-            f"| {run['stock']['median_s']:.1f} | {_x(run['speed_ours_over_stock'])} |"
-        )
-    for dt, run in r["runs"].items():
-        stock = run["stock"].get("unavailable") and "not served (see above)"
-        for phase in ("prefill", "decode"):
+    """docs/deepseek.md: DeepSeek-V3 at issue 55's size, trainer and rollout, one table per machine."""
+    rows: list[str] = []
+    for trainer, roll in DEEPSEEK_SPEED:
+        t, r = _load(trainer), _load(roll)
+        rows += [
+            *([""] if rows else []),
+            f"Measured on {machine(t)} (`benchmarks/results/{trainer}`, `{roll}`):",
+            "",
+            "| what | dtype | zerokld | stock | zerokld ÷ stock |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for dt, run in t["runs"].items():
             rows.append(
-                f"| rollout {phase} tokens/s | {dt} | {run['zerokld'][f'{phase}_median']:.0f} "
-                f"| {stock or run['stock'][f'{phase}_median']} | {_x(run.get(f'ratio_{phase}'))} |"
+                f"| trainer forward + backward (s) | {dt} | {run['zerokld']['median_s']:.1f} "
+                f"| {run['stock']['median_s']:.1f} | {_x(run['speed_ours_over_stock'])} |"
             )
+        for dt, run in r["runs"].items():
+            for phase in ("prefill", "decode"):
+                stock = run["stock"]
+                cell = "not measured (see below)" if "unavailable" in stock else f"{stock[f'{phase}_median']:.0f}"
+                rows.append(
+                    f"| rollout {phase} tokens/s | {dt} | {run['zerokld'][f'{phase}_median']:.0f} "
+                    f"| {cell} | {_x(run.get(f'ratio_{phase}'))} |"
+                )
     return rows
 
 

@@ -18,7 +18,7 @@ threads at K 3072–8192). Paths, chosen per machine (:func:`gemm_partition`, in
   units is upcast (exactly) to it.
 * elsewhere (bf16 on AVX-512 CPUs without AMX, with or without AVX512-BF16; CPUs without FMA): oneDNN calls through
   ``torch.ops.mkldnn._linear_pointwise`` of
-  exactly ``rows`` rows (``ROW_TILE`` = 32 for float32, ``ONEDNN_ROWS`` = 128 for native bf16; the last zero-padded),
+  exactly ``rows`` rows (``ROW_TILE`` = ``ONEDNN_ROWS`` = 32, float32 and native bf16; the last zero-padded),
   each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1) set on the calling thread for
   the calls only.
 
@@ -64,8 +64,12 @@ __all__ = [
 ]
 
 ROW_TILE = 32
-#: rows of every oneDNN call of the native bf16 path (decode pads to one call; prefill/training issue M / 128 calls)
-ONEDNN_ROWS = 128
+#: rows of every oneDNN call of the native bf16 path (a decode step pads to the next multiple; prefill and training
+#: issue M / 32 calls), as the float32 path's ``ROW_TILE``. Measured on a 2-core Xeon (AVX-512 + AVX512-BF16, no
+#: AMX), DeepSeek-V3 at hidden 1024 (whose routed experts see ~2 rows each in a 16-sequence decode step): 128 -> 32
+#: rows took rollout decode from 12.3 to 34.5 tokens/s, prefill 185 -> 183 tokens/s, the trainer's forward + backward
+#: 21.7 -> 20.2 s; 16 rows: decode 51.2, prefill 164 (benchmarks/rollout_overhead.py, benchmarks/trainer.py)
+ONEDNN_ROWS = ROW_TILE
 #: OpenMP threads of every oneDNN call (``ZEROKLD_GEMM_THREADS``, default 1; both sides must set the same value, the
 #: numerics contract checks it). 1 because every process of an RL loop must be able to run it without oversubscribing
 #: the cores: vLLM's CPU worker shares them with its engine-core process, torchrun ranks each get one. Measured on a
@@ -114,7 +118,7 @@ def bf16_path() -> str:
 def gemm_partition() -> str:
     """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
     (``fmachain``: the kernel of :mod:`shared_numerics.gemm_cpu`, the same bits on AVX-512 and AVX2;
-    ``onednn:rows=32``) and the bf16 path (``amx``; ``native:rows=128``: pinned oneDNN bf16 calls; ``fp32``: upcast to
+    ``onednn:rows=32``) and the bf16 path (``amx``; ``native:rows=32``: pinned oneDNN bf16 calls; ``fp32``: upcast to
     the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds
     the GEMM kernel (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"

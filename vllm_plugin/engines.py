@@ -17,6 +17,8 @@ import torch
 
 __all__ = [
     "KV_CACHE_ENV",
+    "STOCK_AMX_MLA_LATENTS",
+    "STOCK_MLA_LATENTS",
     "STOCK_MLA_UNAVAILABLE",
     "completion_logprobs",
     "kv_cache_bytes",
@@ -80,19 +82,32 @@ def start_llm(
     )
 
 
-def stock_mla_available() -> bool:
-    """Whether stock vLLM-CPU can serve an MLA model (DeepSeek-V3) on this machine: with its AMX MLA backend only
-    (``platforms/cpu.py``: ``torch.cpu._is_amx_tile_supported()``); without AMX its reference decode kernel refuses the
-    engine ("Unsupported block size: 16", vLLM-CPU 0.32), so the engine dies at its first decode step."""
+#: the latent sizes (``kv_lora_rank + qk_rope_head_dim``) stock vLLM-CPU 0.32 serves MLA at on every x86 CPU: its
+#: reference ``CPU_MLA`` backend (chosen without AMX) declares head size 576 only (``cpu_mla.py``
+#: ``get_supported_head_sizes``) and its decode kernel (``mla_decode_kvcache``) is compiled for that size alone
+STOCK_MLA_LATENTS = (576,)
+#: the latent sizes its ``AMX_MLA`` backend (chosen where AMX tiles exist) serves (seen on an AMX Xeon, 2026-11)
+STOCK_AMX_MLA_LATENTS = (320, 512, 576)
+
+
+def stock_mla_available(latent: int) -> bool:
+    """Whether stock vLLM-CPU 0.32 serves an MLA model (DeepSeek-V2/V3, GLM-4.7-Flash) whose latent cache holds
+    ``latent`` values per token (``kv_lora_rank + qk_rope_head_dim``) on this machine: 576 (every released
+    DeepSeek-V2/V3, Kimi K2 and GLM-4.7-Flash latent, 512 + 64) on any x86 CPU, 320 and 512 only with AMX tiles
+    (``platforms/cpu.py`` picks ``AMX_MLA`` where ``torch.cpu._is_amx_tile_supported()``, else ``CPU_MLA``). Elsewhere
+    the engine starts and dies at its first decode step with the kernel's misleading "Unsupported block size: 16"
+    (measured: latent 320 on an AVX-512 Xeon without AMX, 2026-11-30)."""
     import torch
 
-    return bool(torch.cpu._is_amx_tile_supported())
+    if latent in STOCK_MLA_LATENTS:
+        return True
+    return latent in STOCK_AMX_MLA_LATENTS and bool(torch.cpu._is_amx_tile_supported())
 
 
 #: why :func:`stock_mla_available` is false (benchmarks record it instead of a dead engine's traceback)
 STOCK_MLA_UNAVAILABLE = (
-    "stock vLLM-CPU serves MLA with its AMX kernels only; without AMX its reference decode kernel "
-    "refuses the engine (Unsupported block size: 16)"
+    "stock vLLM-CPU serves MLA at a latent of 512 + 64 only without AMX (320 / 512 / 576 with AMX); at other sizes "
+    "its reference decode kernel refuses the engine (Unsupported block size: 16)"
 )
 
 
