@@ -103,16 +103,16 @@ def main(argv=None) -> dict:
     spec = realistic_spec(args.hidden, args.layers, max_len)
     if args.family == "qwen3_moe":  # every MLP an MoE: 8 experts, top-2, each expert's FFN hidden wide
         spec = dataclasses.replace(spec, family="qwen3_moe", moe_intermediate_size=args.hidden)
-    make = make_tiny_checkpoint
+    make, latent = make_tiny_checkpoint, None  # latent: an MLA model's cache values per token
     if args.family == "deepseek_v3":
         spec, make = deepseek_spec(args.hidden, args.layers, max_len), make_deepseek_checkpoint
+        latent = spec.kv_lora_rank + spec.qk_rope_head_dim
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
         # checkpoints go under runs/ (hundreds of MB at hidden 1024), never beside a results JSON
         ckpt = make(Path("runs/bench") / f"bench_{args.family}_{dtype}", spec, seed=0, dtype=dtype)
         per = {}
         for mode in ("zerokld", "stock"):
-            latent = spec.kv_lora_rank + spec.qk_rope_head_dim if args.family == "deepseek_v3" else None
             if mode == "stock" and latent is not None and not stock_mla_available(latent):
                 per["stock"] = {"unavailable": STOCK_MLA_UNAVAILABLE}
                 continue

@@ -175,7 +175,7 @@ def headline(docs: str = "docs/") -> list[str]:
     roll = _load("rollout_overhead_h1024_xeon_amx.json")
     trainer = _load("trainer_h1024_xeon_amx_cpu2.json")
     gemm = _load("gpu_gemm_h200.json")
-    ds_trainer, ds_roll = (_load(name) for name in DEEPSEEK_SPEED[0])
+    ds_trainer, ds_roll = (_load(name) for name in DEEPSEEK_SPEED)
     decode, prefill = _gemm_range(gemm, ("M1", "M8", "M64")), _gemm_range(gemm, ("M4096",))
     ours_kl, stock_kl = _kld_largest()
     cpu = _model(d["run"]["machine"].split(",")[0])
@@ -285,7 +285,7 @@ def cpu_benchmarks() -> list[str]:
         sections.append(("rollout_overhead.py", name, cases))
     for name, model in (
         ("trainer_h1024_xeon_amx_cpu2.json", "Qwen3"),
-        ("trainer_deepseek_v3_h1024_xeon_avx512_cpu2.json", "DeepSeek-V3"),
+        (DEEPSEEK_SPEED[0], "DeepSeek-V3"),
     ):
         cases = [
             (f"{model}, {dt}: TorchTitan forward + backward", r["speed_ours_over_stock"])
@@ -429,37 +429,33 @@ def delta_codecs() -> list[str]:
     return rows
 
 
-#: DeepSeek-V3 at issue 55's size: (trainer, rollout) results measured on one machine, one table each
-DEEPSEEK_SPEED = (
-    ("trainer_deepseek_v3_h1024_xeon_avx512_cpu2.json", "rollout_deepseek_v3_h1024_xeon_avx512_cpu2.json"),
-)
+#: DeepSeek-V3 at issue 55's size: the (trainer, rollout) results, measured on one machine
+DEEPSEEK_SPEED = ("trainer_deepseek_v3_h1024_xeon_avx512_cpu2.json", "rollout_deepseek_v3_h1024_xeon_avx512_cpu2.json")
 
 
 def deepseek_speed() -> list[str]:
-    """docs/deepseek.md: DeepSeek-V3 at issue 55's size, trainer and rollout, one table per machine."""
-    rows: list[str] = []
-    for trainer, roll in DEEPSEEK_SPEED:
-        t, r = _load(trainer), _load(roll)
-        rows += [
-            *([""] if rows else []),
-            f"Measured on {machine(t)} (`benchmarks/results/{trainer}`, `{roll}`):",
-            "",
-            "| what | dtype | zerokld | stock | zerokld ÷ stock |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for dt, run in t["runs"].items():
+    """docs/deepseek.md: DeepSeek-V3 at issue 55's size, trainer and rollout."""
+    trainer, roll = DEEPSEEK_SPEED
+    t, r = _load(trainer), _load(roll)
+    rows = [
+        f"Measured on {machine(t)} (`benchmarks/results/{trainer}`, `{roll}`):",
+        "",
+        "| what | dtype | zerokld | stock | zerokld ÷ stock |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for dt, run in t["runs"].items():
+        rows.append(
+            f"| trainer forward + backward (s) | {dt} | {run['zerokld']['median_s']:.1f} "
+            f"| {run['stock']['median_s']:.1f} | {_x(run['speed_ours_over_stock'])} |"
+        )
+    for dt, run in r["runs"].items():
+        for phase in ("prefill", "decode"):
+            stock = run["stock"]
+            cell = "not measured (see below)" if "unavailable" in stock else f"{stock[f'{phase}_median']:.0f}"
             rows.append(
-                f"| trainer forward + backward (s) | {dt} | {run['zerokld']['median_s']:.1f} "
-                f"| {run['stock']['median_s']:.1f} | {_x(run['speed_ours_over_stock'])} |"
+                f"| rollout {phase} tokens/s | {dt} | {run['zerokld'][f'{phase}_median']:.0f} "
+                f"| {cell} | {_x(run.get(f'ratio_{phase}'))} |"
             )
-        for dt, run in r["runs"].items():
-            for phase in ("prefill", "decode"):
-                stock = run["stock"]
-                cell = "not measured (see below)" if "unavailable" in stock else f"{stock[f'{phase}_median']:.0f}"
-                rows.append(
-                    f"| rollout {phase} tokens/s | {dt} | {run['zerokld'][f'{phase}_median']:.0f} "
-                    f"| {cell} | {_x(run.get(f'ratio_{phase}'))} |"
-                )
     return rows
 
 

@@ -203,6 +203,18 @@ SERVED = [
 ]
 
 
+def _served_batch():
+    """The 24 requests both engines of a served shape sample (zerokld's and stock's): prompts of 4-150 tokens (longer
+    than a 64-token prefill chunk), 8 tokens each at temperature 1 with a seed per request, log-probs returned."""
+    from vllm import SamplingParams
+
+    from zerokld_testing import random_prompts
+
+    prompts = random_prompts(24, seed=55, lo=4, hi=150)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
+    return prompts, params
+
+
 @pytest.mark.vllm
 @pytest.mark.titan
 @pytest.mark.parametrize("shape,dtype", SERVED)
@@ -212,16 +224,12 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     stacked tensors), also when the trainer replays the engine's routed experts (R3), a request alone (and again,
     from the prefix cache) equals itself in the batch, and TorchTitan's stock ``deepseek_v3`` differs (the negative
     control)."""
-    from vllm import SamplingParams
-
     from titan_plugin import trainer_logprobs
     from vllm_plugin.engines import completion_logprobs
-    from zerokld_testing import random_prompts
 
     ckpt = ckpts(shape, dtype)
     llm = _engine(engine_slot, ckpt, shape, dtype)
-    prompts = random_prompts(24, seed=55, lo=4, hi=150)
-    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
+    prompts, params = _served_batch()
 
     def gen(ps, ss):
         return llm.generate([{"prompt_token_ids": p} for p in ps], ss, use_tqdm=False)
@@ -621,18 +629,14 @@ def test_stock_vllm_and_stock_torchtitan_differ(engine_slot, ckpts, shape, dtype
     while staying the same model (a sanity bound, not a parity claim: mean |difference| below 0.5 nats; TorchTitan's
     stock ``GroupedExperts`` computes the experts in bf16 whatever the model's dtype, so float32 differs by bf16-sized
     amounts too: ~0.05 nats per token)."""
-    from vllm import SamplingParams
-
     from titan_plugin import trainer_logprobs
     from vllm_plugin.engines import completion_logprobs, start_llm, stock_mla_available
-    from zerokld_testing import random_prompts
 
     spec = SHAPES[shape]
     assert stock_mla_available(spec.kv_lora_rank + spec.qk_rope_head_dim)  # the released latent: every x86 CPU
     ckpt = ckpts(shape, dtype)
     llm = engine_slot.get(("stock-deepseek", shape, dtype), lambda: start_llm(ckpt, dtype=dtype, batch_invariant=False))
-    prompts = random_prompts(24, seed=55, lo=4, hi=150)
-    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
+    prompts, params = _served_batch()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     served = [completion_logprobs(o) for o in outs]
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]

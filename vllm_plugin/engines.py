@@ -97,8 +97,6 @@ def stock_mla_available(latent: int) -> bool:
     (``platforms/cpu.py`` picks ``AMX_MLA`` where ``torch.cpu._is_amx_tile_supported()``, else ``CPU_MLA``). Elsewhere
     the engine starts and dies at its first decode step with the kernel's misleading "Unsupported block size: 16"
     (measured: latent 320 on an AVX-512 Xeon without AMX, 2026-11-30)."""
-    import torch
-
     if latent in STOCK_MLA_LATENTS:
         return True
     return latent in STOCK_AMX_MLA_LATENTS and bool(torch.cpu._is_amx_tile_supported())

