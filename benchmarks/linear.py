@@ -18,7 +18,7 @@ tiles); the numerics contract uses the module's value.
 The JSON records the machine (:func:`shared_numerics.machine.machine_facts`: CPU model, ISA flags, threads): stock
 picks AMX / AVX512-BF16 kernels where the CPU has them, so ratios differ a lot between machines. ``gemm_partition``
 records ours: the float32 path (``fmachain``: the compiled kernel; ``onednn``: pinned oneDNN calls), the bf16 path
-(``amx``: the compiled AMX kernel; ``native``: pinned oneDNN bf16 calls; ``fp32``: upcast) and the pinned oneDNN
+(``amx``: the compiled AMX kernel; ``fp32``: the float32 kernel on the exact upcasts) and the pinned oneDNN
 thread count (``ZEROKLD_GEMM_THREADS``, used by the oneDNN paths only). Usage:
 ``python -m benchmarks.linear --out benchmarks/results/linear_xeon_amx_cpu2.json``
 """

@@ -313,15 +313,15 @@ def cpu_benchmarks() -> list[str]:
         if r.get("speed_ours_over_stock") is not None
     ]
     sections.append(("attention.py", name, cases))
-    name = "linear_xeon_amx_cpu2.json"
-    cases = [
-        (
-            f"{r['dtype']} {r['direction'].replace('_', ' + ')}, M = {r['M']}, {r['K']} → {r['N']}",
-            r["speed_ours_over_stock"],
-        )
-        for r in _load(name)["rows"]
-    ]
-    sections.append(("linear.py", name, cases))
+    for name in LINEAR:
+        cases = [
+            (
+                f"{r['dtype']} {r['direction'].replace('_', ' + ')}, M = {r['M']}, {r['K']} → {r['N']}",
+                r["speed_ours_over_stock"],
+            )
+            for r in _load(name)["rows"]
+        ]
+        sections.append(("linear.py", name, cases))
     rows: list[str] = []
     for i, (bench, name, cases) in enumerate(sections):
         if i == 0 or sections[i - 1][0] != bench:
@@ -431,6 +431,9 @@ def delta_codecs() -> list[str]:
 
 #: DeepSeek-V3 at issue 55's size: the (trainer, rollout) results, measured on one machine
 DEEPSEEK_SPEED = ("trainer_deepseek_v3_h1024_xeon_avx512_cpu2.json", "rollout_deepseek_v3_h1024_xeon_avx512_cpu2.json")
+#: ``benchmarks/linear.py`` runs in docs/benchmarks.md: bf16 on AMX, and on AVX-512 without AMX (the float32 kernel's
+#: bf16 reads)
+LINEAR = ("linear_xeon_amx_cpu2.json", "linear_xeon_avx512_cpu2.json")
 
 
 def deepseek_speed() -> list[str]:

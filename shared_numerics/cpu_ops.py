@@ -73,6 +73,10 @@ def _lib(name: str) -> ctypes.CDLL:
                 [_vp, _i64, _i64, _i64, _int, _vp, _i64, _i64, _int, _vp, _vp, _int, _i64, _int, _int],
                 _int,
             ),
+            "zk_gemm_abt_f32_bf16": (
+                [_vp, _i64, _i64, _i64, _int, _vp, _i64, _i64, _int, _vp, _vp, _int, _i64, _int, _int],
+                _int,
+            ),
             "zk_gemm_f32_ktree": ([_vp, _i64, _i64, _i64, _int, _vp, _i64, _i64, _int, _vp, _i64, _int, _i64], _int),
             "zk_gemm_has_amx": ([], _int),
             "zk_gemm_has_f32": ([], _int),
@@ -226,12 +230,23 @@ def _gemm_abt_refusal(a, b, bias, out, transpose, accumulate) -> NoReturn:
 _FP32, _BF16 = torch.float32, torch.bfloat16
 
 
+@functools.cache
+def _bf16_on_amx() -> bool:
+    """Whether bf16 GEMMs take the AMX kernel here (:func:`shared_numerics.gemm_cpu.amx_available`); otherwise the
+    FMA kernel with bf16 operands (the float32 chains of their exact upcasts)."""
+    from .gemm_cpu import amx_available
+
+    return amx_available()
+
+
 @_define("gemm_abt(Tensor a, Tensor b, Tensor? bias, Tensor(a!) out, bool transpose, bool accumulate) -> ()")
 def gemm_abt(a, b, bias, out, transpose, accumulate):
     """``out = A · Bᵀ (+ bias[:, None])`` (or its transpose), or with ``accumulate`` ``out += A · Bᵀ`` continuing each
     element's chain: ``csrc/gemm.cpp`` (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``gemm_abt_accumulate``). ``a``
     ``[I, K]`` and ``b`` ``[J, K]`` float32 or bf16 (one dtype), each with K or its rows contiguous; ``out`` ``[I, J]``
-    (``[J, I]`` transposed) with contiguous rows, float32 (or bf16 for bf16 inputs); ``bias`` float32 ``[I]``."""
+    (``[J, I]`` transposed) with contiguous rows, float32 (or bf16 for bf16 inputs); ``bias`` float32 ``[I]``. bf16
+    inputs take the AMX kernel where :func:`shared_numerics.gemm_cpu.amx_available` holds, else the FMA kernel on
+    their exact float32 widening (a bf16 ``out`` then gets the float32 result rounded by torch, as ``.to(bf16)``)."""
     # one expression on the hot path (a decode GEMM of a small model takes microseconds); the refusal names the fault
     if a is None or b is None or out is None:
         _gemm_abt_refusal(a, b, bias, out, transpose, accumulate)
@@ -258,9 +273,16 @@ def gemm_abt(a, b, bias, out, transpose, accumulate):
     lib, threads = _lib("gemm"), torch.get_num_threads()
     if dt is _FP32:
         rc = lib.zk_gemm_abt_f32(*args, int(transpose), ost[0], threads, int(accumulate))
-    else:
+    elif _bf16_on_amx():
         code = 0 if od is _FP32 else 1
         rc = lib.zk_gemm_abt_bf16(*args, code, int(transpose), ost[0], threads, int(accumulate))
+    elif od is _FP32:
+        rc = lib.zk_gemm_abt_f32_bf16(*args, int(transpose), ost[0], threads, int(accumulate))
+    else:  # bf16 out: the float32 result, rounded by torch
+        f32 = torch.empty(osh, dtype=_FP32)
+        rc = lib.zk_gemm_abt_f32_bf16(*args[:-1], f32.data_ptr(), int(transpose), osh[1], threads, 0)
+        if rc == 0:
+            out.copy_(f32)
     if rc != 0:
         raise RuntimeError(
             f"zerokld GEMM: this machine's build of csrc/gemm.cpp has no {dt} kernel "

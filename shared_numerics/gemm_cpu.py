@@ -11,7 +11,10 @@ one rounding to the output dtype:
   16 x 6 on AVX2) on operands packed once per call — the same bits on AVX-512 and AVX2. Without a bias, A and B may
   trade places (``fma(a, b, c) = fma(b, a, c)``: the same chains), so that a few rows of A take the few-rows paths
   and an ``[I, J]`` output is written as ``[J, I]`` in place: ``dX = dY W`` of one token and ``dW = dYᵀ X`` of a short
-  micro-batch no longer pack the whole weight.
+  micro-batch no longer pack the whole weight;
+* bf16 without AMX: the same FMA kernel reading the bf16 operands and widening each element exactly as it loads it,
+  so the bits are those of the float32 kernel on the operands' float32 upcasts (a bf16 output: that result rounded
+  by torch, as ``.to(torch.bfloat16)``), without an upcast copy in memory.
 
 Either way an element is computed whole by one thread, so its bits depend only on row ``i`` of ``A`` and row ``j`` of
 ``B``: not on ``I`` or ``J``, the tile it falls in or the thread count. :func:`shared_numerics.linear.linear` uses it
@@ -112,7 +115,8 @@ def gemm_abt(
     transpose: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``A · Bᵀ (+ bias[:, None])``, or its transpose, on the AMX (bf16) or FMA (float32) kernel (see the module).
+    """``A · Bᵀ (+ bias[:, None])``, or its transpose, on the AMX (bf16) or FMA (float32; bf16 without AMX) kernel
+    (see the module).
 
     Args:
         a: ``[I, K]`` bf16 or float32 (K contiguous, or a transposed view such as ``w.t()``: read in place).

@@ -33,16 +33,12 @@ __all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embeddin
 
 def chain_available(dtype: torch.dtype) -> bool:
     """Whether this machine's kernels run exact accumulation for a forward in ``dtype``: every GEMM gradient on a
-    kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or upcast to the float32 kernel where oneDNN has no bf16 GEMMs:
-    AVX2), float32 linears and the fused lm_head's float32 gradient on the float32 kernel. bf16 on oneDNN's path
-    (AVX-512 without AMX) and CPUs without FMA units are not covered."""
-    from .linear import bf16_path
-
+    kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or, without AMX, on the float32 kernel, as their forward),
+    float32 linears and the fused lm_head's float32 gradient on the float32 kernel. CPUs without FMA units are not
+    covered."""
     if not f32_available():
         return False
-    if dtype == torch.bfloat16:
-        return bf16_path() in ("amx", "fp32")
-    return dtype == torch.float32
+    return dtype in (torch.bfloat16, torch.float32)
 
 
 class GradChain:
@@ -104,8 +100,8 @@ class GradChain:
     def add_gemm(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a · bᵀ``, K = tokens: ``a [I, T]`` (e.g. ``dY.t()``), ``b [J, T]`` (e.g. ``X.t()``), one dtype
         (bf16 on AMX without :attr:`float32_products`: ``T`` a multiple of :data:`CHAIN_K_MULTIPLE`). bf16 operands
-        where :func:`shared_numerics.linear.linear` upcasts bf16 (no AMX, e.g. AVX2: no bf16 kernel) are widened to
-        the float32 kernel, as that linear's own chain is. Raises as
+        where :func:`shared_numerics.linear.linear` takes bf16 to the float32 path (no AMX) are widened to the float32
+        kernel, as that linear's own chain is. Raises as
         :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
         from .linear import bf16_path
 

@@ -14,13 +14,18 @@ threads at K 3072–8192). Paths, chosen per machine (:func:`gemm_partition`, in
   torch's OpenMP team, so the bits depend on neither ``M`` nor the thread count, and no Python loop runs per tile.
 * **float32 on FMA units** (:func:`~shared_numerics.gemm_cpu.f32_available`: AVX-512, or AVX2 + FMA): the same
   kernel file's FMA kernel (one fused multiply-add chain per element in K order, register tiles of the BLIS/MKL
-  micro-kernel form; the same bits on both ISAs), likewise whole per element. bf16 on a CPU without bf16 matrix
-  units is upcast (exactly) to it.
-* elsewhere (bf16 on AVX-512 CPUs without AMX, with or without AVX512-BF16; CPUs without FMA): oneDNN calls through
-  ``torch.ops.mkldnn._linear_pointwise`` of
-  exactly ``rows`` rows (``ROW_TILE`` = ``ONEDNN_ROWS`` = 32, float32 and native bf16; the last zero-padded),
-  each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1) set on the calling thread for
-  the calls only.
+  micro-kernel form; the same bits on both ISAs), likewise whole per element.
+* **bf16 without AMX** (AVX-512 with or without AVX512-BF16, AVX2): the float32 path on the operands' exact upcasts,
+  one rounding of the float32 result to bf16. At inference the FMA kernel reads the bf16 operands and widens each
+  element as it loads it (nothing upcast in memory; the same bits); with autograd the weight is upcast per call. So
+  bf16 runs the same bits on every FMA CPU without AMX (a Zen 4 and an AVX2 EPYC agree). Until 2026-11-30 bf16 took
+  pinned 32-row oneDNN bf16 calls on AVX-512 CPUs; the float32 chains are faster at every size measured and give
+  bf16 exact gradient accumulation there (2-core Xeon, AVX512-BF16, no AMX, K = N = 1024, bf16 ÷ ``F.linear``,
+  oneDNN calls -> FMA kernel: forward M = 1 0.20x -> 1.16x, M = 32 0.71x -> 1.16x, M = 2048 0.42x -> 1.58x; forward +
+  backward M = 2048 0.45x -> 1.53x; ``benchmarks/results/linear_xeon_avx512_cpu2.json``).
+* CPUs without FMA: oneDNN float32 calls through ``torch.ops.mkldnn._linear_pointwise`` of exactly ``ROW_TILE`` = 32
+  rows (the last zero-padded), each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1)
+  set on the calling thread for the calls only; bf16 upcast to them.
 
 So a row's result depends only on the row, ``W`` and ``b``. Trainer and engine on one machine take the same path; a
 trainer and an engine whose contracts differ are refused before anything runs.
@@ -28,7 +33,7 @@ trainer and an engine whose contracts differ are refused before anything runs.
 Speed, ours ÷ ``F.linear`` per dtype, M and direction: ``benchmarks/linear.py``; the committed run's figures are in
 the docs' Benchmarks page (generated from ``benchmarks/results/linear_*.json``).
 
-Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`, :class:`_OneDnnLinear`): ``dX = dY W`` (a row of ``dX``
+Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`): ``dX = dY W`` (a row of ``dX``
 depends only on its row of ``dY``: row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows
 (deterministic for a given shape; on the kernels at any thread count). With ``weight_chain`` / ``bias_chain``
 (exact accumulation over micro-batches, :mod:`shared_numerics.grad_chain`) ``dW`` and ``db`` instead continue
@@ -53,23 +58,16 @@ from zerokld_plugins import envs
 from .gemm_cpu import amx_available, f32_available, gemm_abt
 
 __all__ = [
-    "ONEDNN_ROWS",
     "ONEDNN_THREADS",
     "ROW_TILE",
     "bf16_path",
     "gemm_partition",
     "linear",
     "matmul_rows",
-    "native_bf16_gemm",
 ]
 
+#: rows of every oneDNN float32 call on a CPU without FMA units (a decode step pads to one call)
 ROW_TILE = 32
-#: rows of every oneDNN call of the native bf16 path (a decode step pads to the next multiple; prefill and training
-#: issue M / 32 calls), as the float32 path's ``ROW_TILE``. Measured on a 2-core Xeon (AVX-512 + AVX512-BF16, no
-#: AMX), DeepSeek-V3 at hidden 1024 (whose routed experts see ~2 rows each in a 16-sequence decode step): 128 -> 32
-#: rows took rollout decode from 12.3 to 34.5 tokens/s, prefill 185 -> 183 tokens/s, the trainer's forward + backward
-#: 21.7 -> 20.2 s; 16 rows: decode 51.2, prefill 164 (benchmarks/rollout_overhead.py, benchmarks/trainer.py)
-ONEDNN_ROWS = ROW_TILE
 #: OpenMP threads of every oneDNN call (``ZEROKLD_GEMM_THREADS``, default 1; both sides must set the same value, the
 #: numerics contract checks it). 1 because every process of an RL loop must be able to run it without oversubscribing
 #: the cores: vLLM's CPU worker shares them with its engine-core process, torchrun ranks each get one. Measured on a
@@ -92,39 +90,23 @@ def _openmp():
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def native_bf16_gemm() -> bool:
-    """Whether bf16 GEMMs take the native oneDNN path (see the module): oneDNN has bf16 GEMMs here
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 — AVX512-BF16's instructions where the CPU has them,
-    emulated on plain AVX512F otherwise — or AMX; not on AVX2). ``ZEROKLD_NATIVE_BF16=0`` turns it off (bf16 upcast to
-    the float32 calls). A machine property: the same in the trainer and in the engine on one machine; it is part of
-    :func:`gemm_partition`."""
-    if not envs.ZEROKLD_NATIVE_BF16:
-        return False
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def bf16_path() -> str:
-    """The kernel a bf16 :func:`linear` takes on this machine: ``"amx"`` (``csrc/gemm.cpp``'s AMX kernel),
-    ``"native"`` (oneDNN bf16 calls of :data:`ONEDNN_ROWS` rows) or ``"fp32"`` (upcast to the float32 path: no oneDNN
-    bf16 GEMMs, e.g. AVX2, or ``ZEROKLD_NATIVE_BF16=0``). The one decision :func:`linear`, :func:`gemm_partition`
-    and the weight-gradient chains (:mod:`shared_numerics.grad_chain`) all follow."""
-    if not native_bf16_gemm():
-        return "fp32"
-    return "amx" if amx_available() else "native"
+    """The kernel a bf16 :func:`linear` takes on this machine: ``"amx"`` (``csrc/gemm.cpp``'s AMX kernel) or
+    ``"fp32"`` (the float32 path on the exact upcasts: the FMA kernel, reading bf16 in place at inference). The one
+    decision :func:`linear`, :func:`gemm_partition` and the weight-gradient chains (:mod:`shared_numerics.grad_chain`)
+    all follow."""
+    return "amx" if amx_available() else "fp32"
 
 
 @functools.lru_cache(maxsize=1)
 def gemm_partition() -> str:
     """What decides a GEMM's bits here, for the numerics contract: the pinned oneDNN thread count, the float32 path
     (``fmachain``: the kernel of :mod:`shared_numerics.gemm_cpu`, the same bits on AVX-512 and AVX2;
-    ``onednn:rows=32``) and the bf16 path (``amx``; ``native:rows=32``: pinned oneDNN bf16 calls; ``fp32``: upcast to
-    the float32 path), e.g. ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds
-    the GEMM kernel (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
+    ``onednn:rows=32``) and the bf16 path (``amx``; ``fp32``: the float32 path on the exact upcasts), e.g.
+    ``"threads=1,f32=fmachain,bf16=amx"``. Computed on first call, not at import: it builds the GEMM kernel
+    (:mod:`shared_numerics.cpu_kernels`; RuntimeError without a C++ compiler)."""
     f32 = "fmachain" if f32_available() else f"onednn:rows={ROW_TILE}"
-    bf16 = bf16_path()
-    bf16 = f"native:rows={ONEDNN_ROWS}" if bf16 == "native" else bf16
-    return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16}"
+    return f"threads={ONEDNN_THREADS},f32={f32},bf16={bf16_path()}"
 
 
 def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -132,11 +114,11 @@ def _onednn_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     CPU linear) of exactly ``rows`` rows (the last zero-padded) at :data:`ONEDNN_THREADS` OpenMP threads.
 
     Args:
-        x: ``[M, K]`` float32 or bf16. weight: ``[N, K]``, ``x.dtype``. bias: ``[N]``, ``x.dtype``, or ``None``.
+        x: ``[M, K]`` float32. weight: ``[N, K]`` float32. bias: ``[N]`` float32, or ``None``.
 
     Returns:
-        ``[M, N]`` in ``x.dtype`` (fp32 accumulation, bias added in fp32, one rounding); row ``i`` depends only on
-        ``x[i]``, ``weight`` and ``bias``: every call has the same shape and thread count.
+        ``[M, N]`` float32; row ``i`` depends only on ``x[i]``, ``weight`` and ``bias``: every call has the same shape
+        and thread count.
     """
     m, k = x.shape
     n_calls = (m + rows - 1) // rows
@@ -226,30 +208,6 @@ class _ChainedBias(torch.autograd.Function):
         return grad, None, None
 
 
-class _OneDnnLinear(torch.autograd.Function):
-    """bf16 ``x [M, K] @ w [N, K]^T + b`` with :func:`_onednn_rows`. Backward: ``dX = dY W`` through the same fixed
-    calls (row invariant); ``dW = dY^T X`` as one bf16 oneDNN GEMM over the call's rows (fp32 accumulation, one
-    rounding; deterministic for the call's shape at the pinned thread count) and ``db = sum(dY)`` in float32."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = bias is not None
-        return _onednn_rows(x, w, bias, ONEDNN_ROWS)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = _onednn_rows(grad, w.t(), None, ONEDNN_ROWS) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            with _pinned_threads():  # one bf16 oneDNN GEMM over the call's rows: fixed shape, pinned threads
-                grad_w = grad.t().mm(x)
-        grad_b = grad.float().sum(0).to(w.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
 class _AmxLinear(torch.autograd.Function):
     """bf16 ``x [M, K] @ w [N, K]^T + b`` on the AMX kernel (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``A = w``,
     ``B = x``): row invariant at any thread count. Backward: ``dX = dY W`` as ``gemm_abt(dY, Wᵀ)`` (a row of dX
@@ -302,49 +260,42 @@ def linear(
 
     Returns:
         ``[..., N]`` in ``x.dtype``. Differentiable; the backward is deterministic (fixed-shape CPU ops, no atomics).
-        bf16 ``x`` and ``weight`` on a CPU with bf16 matrix units take the native oneDNN path (module docstring);
-        everything else the float32 ``ROW_TILE``-row calls.
+        bf16 ``x`` and ``weight`` take the AMX kernel where the CPU has it, everything else the float32 path (module
+        docstring).
     """
     lead = x.shape[:-1]
     chained = weight_chain is not None
     if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not _chain_available(x.dtype)):
         raise ValueError(f"exact gradient accumulation: no kernel path for a {x.dtype} linear on {x.device} here")
-    path = bf16_path() if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu else None
-    if path is not None and path != "fp32":
+    bf16 = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu
+    if bf16 and bf16_path() == "amx":
         b = None if bias is None else bias.to(torch.bfloat16)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if path == "amx":
-            if chained:
-                y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
-            elif torch.is_grad_enabled() and (
-                x2.requires_grad or weight.requires_grad or (b is not None and b.requires_grad)
-            ):
-                y = _AmxLinear.apply(x2, weight, b)
-            else:
-                y = gemm_abt(weight, x2, b, transpose=True)
-            return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
-        if torch.is_grad_enabled() and (
+        if chained:
+            y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
+        elif torch.is_grad_enabled() and (
             x2.requires_grad or weight.requires_grad or (b is not None and b.requires_grad)
         ):
-            y = _OneDnnLinear.apply(x2, weight, b)
+            y = _AmxLinear.apply(x2, weight, b)
         else:
-            y = _onednn_rows(x2, weight, b, ONEDNN_ROWS)
-        return y.reshape(*lead, weight.shape[0])
+            y = gemm_abt(weight, x2, b, transpose=True)
+        return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
     # (no call where none is needed: at decode sizes this Python is a measurable share of a call, run with the caches
     # cold after the previous GEMM)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    inference = not chained and not (
+        torch.is_grad_enabled()
+        and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    )
+    if bf16 and inference and f32_available():
+        # the FMA kernel reads the bf16 operands in place, widening each element exactly: the float32 chains of the
+        # upcasts below, one rounding to bf16 (the bias added in float32 to each finished chain)
+        y = gemm_abt(weight, x2, None if bias is None else bias.float(), transpose=True)
+        return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
     if x2.dtype != torch.float32:
         x2 = x2.float()
     w = weight if weight.dtype == torch.float32 else weight.float()
-    if (
-        not chained
-        and f32_available()
-        and x2.is_cpu
-        and not (
-            torch.is_grad_enabled()
-            and (x2.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
-        )
-    ):
+    if inference and f32_available() and x2.is_cpu:
         # inference: one kernel call, the bias added in float32 to each finished chain (the bits of ``y + b``)
         y = gemm_abt(w, x2, bias, transpose=True)
         if y.dtype == x.dtype and x.dim() == 2:

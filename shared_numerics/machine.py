@@ -18,7 +18,6 @@ ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 #: environment switches that put a process on an older CPU's path (docs/tests.md, "CPU paths"; ``make ... CPU_PATH=``)
 PATH_SWITCHES = (
     "ZEROKLD_AMX",
-    "ZEROKLD_NATIVE_BF16",
     "ZEROKLD_F32_KERNEL",
     "ZEROKLD_CPU_MARCH",
     "ATEN_CPU_CAPABILITY",

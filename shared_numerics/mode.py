@@ -1,8 +1,8 @@
 """The numerics contract between the trainer and the rollout engine: :class:`NumericsMode`.
 
 Log-probs are bitwise equal across the two sides only if both run the same op table (backend), in the same dtype,
-with the same FP8 granularity and the same fixed constants (GEMM row tile, the bf16 GEMM's pinned oneDNN call shape and
-thread count, attention chunk sizes, the Triton
+with the same FP8 granularity and the same fixed constants (GEMM kernels, the pinned oneDNN call shape and thread
+count of CPUs without FMA units, attention chunk sizes, the Triton
 attention's key split). One object says all of that; both sides build theirs from their own configuration
 (vLLM: :func:`vllm_plugin.config.numerics_mode` of ``additional_config["zerokld"]``; TorchTitan:
 :func:`titan_plugin.rl.numerics_mode` of the ``Trainer.Config``) and it travels with the data:

@@ -39,12 +39,6 @@ def _amx() -> bool:
     return amx_available()
 
 
-def _native_bf16() -> bool:
-    from shared_numerics.linear import native_bf16_gemm
-
-    return native_bf16_gemm()
-
-
 def _f32_kernel() -> bool:
     from shared_numerics.gemm_cpu import f32_available
 
@@ -90,13 +84,6 @@ CAPABILITIES = {
             _amx,
         ),
         Capability(
-            "requires_onednn_bf16",
-            "CPU path without oneDNN bf16 GEMMs (no AVX-512 / AMX: oneDNN's "
-            "_is_mkldnn_bf16_supported, or ZEROKLD_NATIVE_BF16=0): bf16 GEMMs are upcast "
-            "to the float32 path",
-            _native_bf16,
-        ),
-        Capability(
             "requires_f32_kernel",
             "CPU path without the FMA kernel (no AVX-512F / AVX2 + FMA, or "
             "ZEROKLD_F32_KERNEL=0): float32 GEMMs take oneDNN's pinned 32-row calls",
@@ -104,8 +91,8 @@ CAPABILITIES = {
         ),
         Capability(
             "requires_bf16_grad_chain",
-            "CPU path where bf16 has no exact gradient accumulation (oneDNN's "
-            "bf16 GEMMs: AVX-512 without AMX): bf16 trains one rollout at a time",
+            "CPU path where bf16 has no exact gradient accumulation (no FMA kernel: "
+            "ZEROKLD_F32_KERNEL=0 or no AVX2 + FMA): bf16 trains one rollout at a time",
             _bf16_chain,
         ),
         Capability(

@@ -1,7 +1,7 @@
-"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512 / AVX2 FMA): close
-to a float64 reference, and an element's bits depend only on its row of A and its row of B — not on the other rows,
-the tails, strides or the thread count. Each runs where the CPU has its unit (the test says so and skips otherwise:
-linear then takes oneDNN's pinned calls, tested in test_numerics)."""
+"""The GEMM kernels (shared_numerics/gemm_cpu.py, csrc/gemm.cpp: bf16 on AMX, float32 on AVX-512 / AVX2 FMA, bf16
+without AMX on the FMA kernel): close to a float64 reference, and an element's bits depend only on its row of A and its
+row of B — not on the other rows, the tails, strides or the thread count. Each runs where the CPU has its unit (the
+test says so and skips otherwise: linear then takes oneDNN's pinned calls, tested in test_numerics)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from shared_numerics import gemm_cpu
 
 needs_amx = pytest.mark.requires_amx  # (tests/conftest.py: CAPABILITIES)
 needs_f32 = pytest.mark.requires_f32_kernel
+# bf16: the AMX kernel where the CPU has it, else the FMA kernel's bf16 reads (needs_f32)
+needs_bf16 = needs_f32 if not gemm_cpu.amx_available() else needs_amx
 KINDS = [
-    pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_amx, id="bf16"),
-    pytest.param((torch.bfloat16, torch.float32), marks=needs_amx, id="bf16-f32out"),
+    pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_bf16, id="bf16"),
+    pytest.param((torch.bfloat16, torch.float32), marks=needs_bf16, id="bf16-f32out"),
     pytest.param((torch.float32, torch.float32), marks=needs_f32, id="f32"),
 ]
 
@@ -73,7 +75,7 @@ def test_gemm_abt_close_and_element_invariant(shape, transpose, kind):
 
 @pytest.mark.parametrize(
     "dtype",
-    [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"), pytest.param(torch.float32, marks=needs_f32, id="f32")],
+    [pytest.param(torch.bfloat16, marks=needs_bf16, id="bf16"), pytest.param(torch.float32, marks=needs_f32, id="f32")],
 )
 def test_gemm_abt_strided_rows_and_errors(dtype):
     g = torch.Generator().manual_seed(0)
@@ -95,7 +97,7 @@ def test_gemm_abt_strided_rows_and_errors(dtype):
 
 @pytest.mark.parametrize(
     "dtype",
-    [pytest.param(torch.bfloat16, marks=needs_amx, id="bf16"), pytest.param(torch.float32, marks=needs_f32, id="f32")],
+    [pytest.param(torch.bfloat16, marks=needs_bf16, id="bf16"), pytest.param(torch.float32, marks=needs_f32, id="f32")],
 )
 def test_linear_gradients_thread_invariant(dtype):
     """``sn.linear``'s backward on the kernels: dX, dW and db are the same bits at 1, 2 and 3 threads; a row's dX is
@@ -123,15 +125,19 @@ def test_linear_gradients_thread_invariant(dtype):
 def _variants(gemm_cpu, a, b, bias):
     """The float32 kernel's paths: ``[J, I]`` and ``[I, J]`` outputs, k-major views of A and of B (read in place or
     packed by row copies), a single row of B (decode), 12 rows of B (the few-rows path, A's rows or its k-major
-    view broadcast)."""
-    return (
-        gemm_cpu.gemm_abt(a, b, bias, transpose=True),
-        gemm_cpu.gemm_abt(a, b, bias),
-        gemm_cpu.gemm_abt(a.t().contiguous().t(), b.t().contiguous().t(), bias),
-        gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:1], bias, transpose=True),
-        gemm_cpu.gemm_abt(a, b[:12], bias),
-        gemm_cpu.gemm_abt(a.t().contiguous().t(), b[:12], bias),
-    )
+    view broadcast); then the same with bf16 operands (float32 output: the kernel's bf16 reads)."""
+    out = []
+    for x, y in ((a, b), (a.bfloat16(), b.bfloat16())):
+        f32 = dict(out_dtype=torch.float32) if x.dtype == torch.bfloat16 else {}
+        out += [
+            gemm_cpu.gemm_abt(x, y, bias, transpose=True, **f32),
+            gemm_cpu.gemm_abt(x, y, bias, **f32),
+            gemm_cpu.gemm_abt(x.t().contiguous().t(), y.t().contiguous().t(), bias, **f32),
+            gemm_cpu.gemm_abt(x.t().contiguous().t(), y[:1], bias, transpose=True, **f32),
+            gemm_cpu.gemm_abt(x, y[:12], bias, **f32),
+            gemm_cpu.gemm_abt(x.t().contiguous().t(), y[:12], bias, **f32),
+        ]
+    return out
 
 
 @needs_f32
@@ -155,11 +161,11 @@ def test_float32_decode_rows_path_is_the_packed_chain(j, b_kmajor, a_kmajor):
         assert torch.equal(out if t else out.t(), packed)
 
 
-def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
+def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path, monkeypatch):
     """The float32 kernel's arithmetic does not depend on the vector width: a build for AVX2 (``-march=haswell``, two
-    8-lane registers per 16 lanes) gives the bits of this machine's build. A compiler wrapper swaps ``-march=native``
-    for ``-march=haswell`` in a subprocess with its own kernel cache. Meaningful where this machine has AVX-512 (it
-    says so otherwise: then both builds are AVX2)."""
+    8-lane registers per 16 lanes) gives the bits of this machine's build, float32 and bf16 operands. A compiler
+    wrapper swaps ``-march=native`` for ``-march=haswell`` in a subprocess with its own kernel cache. Meaningful where
+    this machine has AVX-512 (it says so otherwise: then both builds are AVX2)."""
     import inspect
     import os
     import subprocess
@@ -192,8 +198,11 @@ def test_float32_kernel_same_bits_on_avx2_and_avx512(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    from shared_numerics import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_bf16_on_amx", lambda: False)  # bf16 on the FMA kernel here too (as ZEROKLD_AMX=0)
     avx2, here = torch.load(tmp_path / "out.pt"), _variants(gemm_cpu, a, b, bias)
-    assert len(avx2) == len(here) == 6
+    assert len(avx2) == len(here) == 12
     for x, y in zip(avx2, here, strict=True):
         assert torch.equal(x, y)
     if "avx512f" not in Path("/proc/cpuinfo").read_text():
@@ -219,3 +228,39 @@ def test_float32_operands_trade_places(rows, kmajor):
         assert torch.equal(part.t() if t else part, full[:rows])
         part = gemm_cpu.gemm_abt(a, b[:rows], transpose=t)
         assert torch.equal(part.t() if t else part, full[:, :rows])
+
+
+@needs_f32
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_operands_on_the_fma_kernel_are_the_float32_chains_of_their_upcasts(threads, monkeypatch):
+    """bf16 without AMX (``bf16=fp32``): the FMA kernel widens each bf16 element exactly as it reads it, so every path
+    (decode rows, k-major streams, the few-rows path, the packed path, accumulation) gives bit for bit the float32
+    kernel on the operands' float32 upcasts — a bf16 output that result rounded once (torch's rounding). On an AMX
+    machine bf16 is routed to the FMA kernel as ``ZEROKLD_AMX=0`` routes it."""
+    import itertools
+
+    from shared_numerics import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_bf16_on_amx", lambda: False)
+    g = torch.Generator().manual_seed(11)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, j, k in [(1024, 1, 1024), (1000, 3, 515), (64, 7, 33), (200, 8, 1024), (300, 20, 100), (513, 47, 17),
+                        (1024, 64, 256), (130, 300, 70), (5, 900, 31), (48, 2, 1024), (2, 48, 64)]:  # fmt: skip
+            a, b = torch.randn(i, k, generator=g).bfloat16(), torch.randn(j, k, generator=g).bfloat16()
+            bias = torch.randn(i, generator=g)
+            for a_km, b_km, tr, with_bias in itertools.product([0, 1], [0, 1], [False, True], [False, True]):
+                x = a.t().contiguous().t() if a_km else a
+                y = b.t().contiguous().t() if b_km else b
+                bb = bias if with_bias else None
+                want = gemm_cpu.gemm_abt(x.float(), y.float(), bb, transpose=tr)
+                got = gemm_cpu.gemm_abt(x, y, bb, transpose=tr, out_dtype=torch.float32)
+                assert torch.equal(got, want), (i, j, k, a_km, b_km, tr, with_bias)
+                assert torch.equal(gemm_cpu.gemm_abt(x, y, bb, transpose=tr), want.bfloat16())
+            if k % gemm_cpu.CHAIN_K_MULTIPLE == 0:
+                acc = torch.randn(i, j, generator=g)
+                want = gemm_cpu.gemm_abt_accumulate(acc.clone(), a.float(), b.float())
+                assert torch.equal(gemm_cpu.gemm_abt_accumulate(acc, a, b), want)
+    finally:
+        torch.set_num_threads(old)

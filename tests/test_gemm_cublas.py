@@ -28,8 +28,6 @@ def test_rows_alone_equal_rows_in_any_batch_and_stock_differs(dtype):
     N = K = 4096, where oneDNN's bf16 kernels (AMX, AVX512-BF16) and MKL's float32 ones do (an AMD EPYC with
     AVX512-BF16: bf16 only a row alone, N = 1024 never). Without oneDNN bf16 GEMMs (AVX2) stock's bf16 GEMM is row
     invariant itself (measured under the AVX2 switches at K 64-16384): there the bf16 control has nothing to show."""
-    from shared_numerics.linear import native_bf16_gemm
-
     x, w, b = _operands(dtype, 4096, n=4096)
     full = linear(x, w, b)
     ref = F.linear(x, w, b)
@@ -39,7 +37,7 @@ def test_rows_alone_equal_rows_in_any_batch_and_stock_differs(dtype):
             assert torch.equal(linear(x[start : start + m], w, b), full[start : start + m]), (m, start)
     assert (full.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
     stock_differs = [m for m in M_VALUES if not torch.equal(F.linear(x[:m], w, b), ref[:m])]
-    if dtype == torch.float32 or native_bf16_gemm():
+    if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # stock has oneDNN bf16 GEMMs
         controls.stock_differs(
             bool(stock_differs), f"{dtype} F.linear's rows alone vs in the batch", "M_VALUES or the shapes"
         )

@@ -258,7 +258,7 @@ def test_mla_absorbed_weights_chain_grouping_invariant_gradients(threads):
 @pytest.mark.requires_bf16_grad_chain
 def test_bf16_weight_chain_takes_the_linears_bf16_path(threads):
     """``chained_weight_grad`` feeds ``add_gemm`` bf16 ``dY`` and ``X`` (TP's row-parallel linears, the MoE experts'
-    tree). Where :func:`shared_numerics.linear.linear` upcasts bf16 (no AMX: AVX2, or ``ZEROKLD_NATIVE_BF16=0``) the
+    tree). Where :func:`shared_numerics.linear.linear` takes bf16 to the float32 path (no AMX: AVX-512 or AVX2) the
     chain multiplies on the float32 kernel, as that linear's own chain: the bits of the widened operands' chain, not
     a refusal (there is no bf16 kernel there; FSDP 2 x TP 2 training in bf16 raised on AVX2). On AMX: the bf16
     kernel, consecutive calls one chain."""

@@ -71,26 +71,27 @@ def test_linear_thread_count_does_not_change_bits(dtype, kernels, monkeypatch):
 @pytest.mark.parametrize(
     "path",
     [
-        pytest.param("amx", marks=[pytest.mark.requires_onednn_bf16, pytest.mark.requires_amx]),
-        pytest.param("onednn", marks=pytest.mark.requires_onednn_bf16),
+        pytest.param("amx", marks=pytest.mark.requires_amx),
+        pytest.param("fp32", marks=pytest.mark.requires_f32_kernel),
     ],
 )
-def test_native_bf16_gemm_pins_call_shape_and_threads(path, monkeypatch):
-    """bf16 on a CPU with bf16 matrix units: the AMX kernel (``csrc/gemm.cpp``, every element whole on one thread) or,
-    without AMX, oneDNN calls of a fixed shape at a pinned thread count. The shapes are ones where oneDNN splits K
-    across threads for some batch sizes or thread counts (measured on a 2-core Xeon with AMX): a row alone, in 33, 128
-    or 300 rows, at 1, 2 and 8 torch threads, gives the same bits. Negative controls (upstream behaviour: checked by
-    ``stock_differs``): stock ``F.linear`` changes a row's bits with the batch size (on an AMD EPYC with AVX512-BF16
-    only at K = N = 4096, a row alone vs in 300), and where oneDNN runs its AMX kernels even one fixed 128-row call
-    changes bits with the thread count (K split). oneDNN's AVX512-BF16 kernels never split K here (measured on an AMD
-    EPYC at 1-8 threads, K up to 32768): there the thread pinning is a safeguard that no stock run shows."""
+def test_bf16_gemm_is_row_and_thread_invariant(path, monkeypatch):
+    """bf16 on the AMX kernel or, without AMX, on the FMA kernel reading the bf16 operands (``bf16=fp32``: the float32
+    chains of their exact upcasts, one rounding), every element whole on one thread. The shapes are ones where oneDNN
+    splits K across threads for some batch sizes or thread counts (measured on a 2-core Xeon with AMX): a row alone, in
+    33, 128 or 300 rows, at 1, 2 and 8 torch threads, gives the same bits; on the ``fp32`` path they are the bits of
+    ``linear`` on the float32 upcasts rounded once, with and without autograd. Negative controls (upstream behaviour:
+    checked by ``stock_differs``): stock ``F.linear`` changes a row's bits with the batch size (on an AMD EPYC with
+    AVX512-BF16 only at K = N = 4096, a row alone vs in 300), and where oneDNN runs its AMX kernels even one fixed
+    128-row call changes bits with the thread count (K split)."""
     import importlib
 
     sl = importlib.import_module("shared_numerics.linear")
     if path == "amx":
         assert f"gemm={sl.gemm_partition()}" in sn.mode.contract() and "bf16=amx" in sl.gemm_partition()
-    else:
-        monkeypatch.setattr(sl, "amx_available", lambda: False)  # the path of an AVX-512 CPU without AMX
+    else:  # the path of a CPU without AMX (on an AMX machine: as ZEROKLD_AMX=0 sets it)
+        monkeypatch.setattr(sl, "amx_available", lambda: False)
+        monkeypatch.setattr(importlib.import_module("shared_numerics.cpu_ops"), "_bf16_on_amx", lambda: False)
     g = torch.Generator().manual_seed(5)
     old = torch.get_num_threads()
     stock_batch_differs = stock_threads_differ = False
@@ -107,6 +108,10 @@ def test_native_bf16_gemm_pins_call_shape_and_threads(path, monkeypatch):
                 assert y.dtype == torch.bfloat16 and torch.equal(y, full[: y.shape[0]]), (k, n, y.shape)
             ref = (x.float() @ w.float().t() + b.float()).bfloat16()  # fp32 accumulation, bias in fp32, one rounding
             torch.testing.assert_close(full.float(), ref.float(), rtol=8e-3, atol=1e-3)
+            if path == "fp32":  # the float32 path's bits on the upcasts, one rounding; autograd's forward the same
+                assert torch.equal(full, sn.linear(x.float(), w.float(), b.float()).bfloat16())
+                xg = x.clone().requires_grad_()
+                assert torch.equal(sn.linear(xg, w, b).detach(), full)
             torch.set_num_threads(2)
             stock = torch.nn.functional.linear
             stock_batch_differs |= not torch.equal(stock(x[:1], w, b), stock(x, w, b)[:1])

@@ -71,15 +71,9 @@ VARIABLES: dict[str, EnvVar] = {
             "ZEROKLD_AMX",
             _on,
             True,
-            "`0`: never use the AMX tiles (the bf16 GEMMs take the oneDNN path; emulates an AVX-512 CPU without AMX)",
+            "`0`: never use the AMX tiles (bf16 GEMMs take the float32 FMA kernel; emulates a CPU without AMX)",
         ),
         EnvVar("ZEROKLD_F32_KERNEL", _on, True, "`0`: float32 GEMMs take oneDNN calls instead of zerokld's FMA kernel"),
-        EnvVar(
-            "ZEROKLD_NATIVE_BF16",
-            _on,
-            True,
-            "`0`: bf16 GEMMs are upcast (exactly) to the float32 path instead of oneDNN's bf16 calls",
-        ),
         EnvVar(
             "ZEROKLD_GEMM_THREADS",
             int,

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -77,6 +78,17 @@ inline void transpose16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t 
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ss);
   zk::transpose16_regs(r);
   for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ds, r[c]);  // r[c] = column c
+}
+inline void transpose16(const float* src, int64_t ss, uint32_t* dst, int64_t ds) {
+  transpose16(reinterpret_cast<const uint32_t*>(src), ss, dst, ds);
+}
+// the same of a bf16 array (rows `ss` elements apart), each element widened exactly to a float's 32 bits
+inline void transpose16(const uint16_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i)
+    r[i] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * ss))), 16);
+  zk::transpose16_regs(r);
+  for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ds, r[c]);
 }
 
 }  // namespace
@@ -499,7 +511,8 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------------------------
-// float32: C = A · Bᵀ, A [I, K], B [J, K] float32, on FMA units. One element (i, j) is one fused multiply-add chain
+// float32: C = A · Bᵀ, A [I, K], B [J, K] float32 (or bf16, each element widened exactly to float32 as it is read:
+// the chains of the operands' float32 upcasts, zk_gemm_abt_f32_bf16), on FMA units. One element (i, j) is one fused multiply-add chain
 // in K order from a zero accumulator: acc = fma(a[i][k], b[j][k], acc) for k = 0, 1, ..., K - 1, then + bias[i]. Every
 // element is computed whole by one thread, so its bits depend only on row i of A, row j of B and bias[i]: not on I, J,
 // the tile or the thread count — nor on the vector width (AVX-512 and AVX2 run the same chain per element) nor on the
@@ -550,18 +563,40 @@ constexpr int64_t F32_JB = 60 * F32_RJ;    // at most this many rows of B per wo
 constexpr int64_t F32_KC = 192;            // K block
 constexpr size_t F32_KEEP = size_t(1) << 24;  // packed words (64 MiB) kept between calls by the calling thread
 
+// Operand elements E: float, or bf16 (uint16_t bits) widened exactly to float as they are read (the value a bf16 ->
+// float32 upcast gives), so a bf16 GEMM runs the float32 chains of its upcast operands without storing them
+inline float elem(const float* p) { return *p; }
+inline float elem(const uint16_t* p) { return zk::bf16_to_float(*p); }
+inline VF vf_load(const uint16_t* p) {  // F32_W elements as floats
+#if defined(ZK_F32_AVX512)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#endif
+}
+// dst[0..n) = src[0..n) as floats
+inline void copy_floats(float* dst, const float* src, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+}
+inline void copy_floats(float* dst, const uint16_t* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + F32_W <= n; i += F32_W) vf_store(dst + i, vf_load(src + i));
+  for (; i < n; ++i) dst[i] = elem(src + i);
+}
+
 // A panel: dst[kk * F32_P + r] = A(r0 + r, k0 + kk), zero for r >= nr; A(r, k) = a[r * lda + k] (K contiguous) or
 // a[k * lda + r] (k-major)
-void pack_a_f32(const float* a, int64_t lda, int kmajor, int64_t r0, int64_t nr, int64_t k0, int64_t nk,
-                float* dst) {
+template <typename E>
+void pack_a_f32(const E* a, int64_t lda, int kmajor, int64_t r0, int64_t nr, int64_t k0, int64_t nk, float* dst) {
   if (kmajor) {
     if (nr == F32_P) {
-      for (int64_t kk = 0; kk < nk; ++kk)
-        std::memcpy(dst + kk * F32_P, a + (k0 + kk) * lda + r0, sizeof(float) * F32_P);
+      for (int64_t kk = 0; kk < nk; ++kk) copy_floats(dst + kk * F32_P, a + (k0 + kk) * lda + r0, F32_P);
       return;
     }
     for (int64_t kk = 0; kk < nk; ++kk) {
-      std::memcpy(dst + kk * F32_P, a + (k0 + kk) * lda + r0, static_cast<size_t>(nr) * sizeof(float));
+      copy_floats(dst + kk * F32_P, a + (k0 + kk) * lda + r0, nr);
       std::memset(dst + kk * F32_P + nr, 0, static_cast<size_t>(F32_P - nr) * sizeof(float));
     }
     return;
@@ -569,18 +604,16 @@ void pack_a_f32(const float* a, int64_t lda, int kmajor, int64_t r0, int64_t nr,
   int64_t r = 0;
 #if defined(ZK_F32_AVX512)
   for (; r + 16 <= nr; r += 16) {
-    const float* src = a + (r0 + r) * lda + k0;
+    const E* src = a + (r0 + r) * lda + k0;
     int64_t kk = 0;
-    for (; kk + 16 <= nk; kk += 16)
-      transpose16(reinterpret_cast<const uint32_t*>(src + kk), lda,
-                  reinterpret_cast<uint32_t*>(dst + kk * F32_P + r), F32_P);
+    for (; kk + 16 <= nk; kk += 16) transpose16(src + kk, lda, reinterpret_cast<uint32_t*>(dst + kk * F32_P + r), F32_P);
     for (; kk < nk; ++kk)
-      for (int64_t q = 0; q < 16; ++q) dst[kk * F32_P + r + q] = src[q * lda + kk];
+      for (int64_t q = 0; q < 16; ++q) dst[kk * F32_P + r + q] = elem(src + q * lda + kk);
   }
 #endif
   for (; r < nr; ++r) {
-    const float* src = a + (r0 + r) * lda + k0;
-    for (int64_t kk = 0; kk < nk; ++kk) dst[kk * F32_P + r] = src[kk];
+    const E* src = a + (r0 + r) * lda + k0;
+    for (int64_t kk = 0; kk < nk; ++kk) dst[kk * F32_P + r] = elem(src + kk);
   }
   if (nr < F32_P)
     for (int64_t kk = 0; kk < nk; ++kk)
@@ -588,8 +621,8 @@ void pack_a_f32(const float* a, int64_t lda, int kmajor, int64_t r0, int64_t nr,
 }
 
 // B rows [r0, r0 + nr) in blocks of F32_RJ: block q at dst + q * nk * F32_RJ, [nk][F32_RJ], rows past nr zero
-void pack_b_f32(const float* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr, int64_t k0, int64_t nk,
-                float* dst) {
+template <typename E>
+void pack_b_f32(const E* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr, int64_t k0, int64_t nk, float* dst) {
   const int64_t blk = nk * F32_RJ;
   int64_t r = 0;
 #if defined(ZK_F32_AVX512)
@@ -597,12 +630,12 @@ void pack_b_f32(const float* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr,
   if (!kmajor) {
     alignas(64) uint32_t t[16 * 16];
     for (; r + 16 <= nr; r += 16) {
-      const float* src = b + (r0 + r) * ldb + k0;
+      const E* src = b + (r0 + r) * ldb + k0;
       float* d0 = dst + (r / F32_RJ) * blk;
       float* d1 = d0 + blk;
       int64_t kk = 0;
       for (; kk + 16 <= nk; kk += 16) {
-        transpose16(reinterpret_cast<const uint32_t*>(src + kk), ldb, t, 16);
+        transpose16(src + kk, ldb, t, 16);
         for (int c = 0; c < 16; ++c) {
           const __m512 v = _mm512_load_ps(reinterpret_cast<const float*>(t + c * 16));
           _mm256_storeu_ps(d0 + (kk + c) * F32_RJ, _mm512_castps512_ps256(v));
@@ -611,15 +644,15 @@ void pack_b_f32(const float* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr,
         }
       }
       for (; kk < nk; ++kk)
-        for (int64_t q = 0; q < 16; ++q) (q < 8 ? d0 : d1)[kk * F32_RJ + q % 8] = src[q * ldb + kk];
+        for (int64_t q = 0; q < 16; ++q) (q < 8 ? d0 : d1)[kk * F32_RJ + q % 8] = elem(src + q * ldb + kk);
     }
   }
 #endif
   if (kmajor)  // whole blocks: one row of F32_RJ floats per k, contiguous in both
     for (; r + F32_RJ <= nr; r += F32_RJ) {
       float* d = dst + (r / F32_RJ) * blk;
-      const float* src = b + k0 * ldb + r0 + r;
-      for (int64_t kk = 0; kk < nk; ++kk) std::memcpy(d + kk * F32_RJ, src + kk * ldb, F32_RJ * sizeof(float));
+      const E* src = b + k0 * ldb + r0 + r;
+      for (int64_t kk = 0; kk < nk; ++kk) copy_floats(d + kk * F32_RJ, src + kk * ldb, F32_RJ);
     }
   const int64_t nr_pad = (nr + F32_RJ - 1) / F32_RJ * F32_RJ;
   for (; r < nr_pad; ++r) {
@@ -627,9 +660,9 @@ void pack_b_f32(const float* b, int64_t ldb, int kmajor, int64_t r0, int64_t nr,
     if (r >= nr)
       for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = 0.0f;
     else if (kmajor)
-      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = b[(k0 + kk) * ldb + r0 + r];
+      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = elem(b + (k0 + kk) * ldb + r0 + r);
     else
-      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = b[(r0 + r) * ldb + k0 + kk];
+      for (int64_t kk = 0; kk < nk; ++kk) d[kk * F32_RJ] = elem(b + (r0 + r) * ldb + k0 + kk);
   }
 }
 
@@ -728,7 +761,8 @@ MicroFew pick_few(int na, bool rows, int rj) {
 constexpr int64_t F32_FEW_ROWS = 8 * F32_RJ;  // rows of A per work unit on the few-rows path
 
 // C = A · Bᵀ for F32_RJ < j_rows <= F32_P (see micro_few); same arguments as zk_gemm_abt_f32
-void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+template <typename E>
+void gemm_f32_few(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const E* b,
                   int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
                   int threads) {
   thread_local std::vector<float> tok_buf;
@@ -743,8 +777,18 @@ void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_
     const int64_t i_end = (u + 1) * F32_FEW_ROWS < i_rows ? (u + 1) * F32_FEW_ROWS : i_rows;
     for (int64_t i = u * F32_FEW_ROWS; i < i_end; i += F32_RJ) {
       const int rj = static_cast<int>(i_end - i < F32_RJ ? i_end - i : F32_RJ);
-      const float* w = a_kmajor ? a + i : a + i * lda;
-      pick_few(na, !a_kmajor, rj)(tok, w, lda, k, acc);
+      if constexpr (std::is_same_v<E, float>) {
+        pick_few(na, !a_kmajor, rj)(tok, a_kmajor ? a + i : a + i * lda, lda, k, acc);
+      } else {  // bf16: the group's rows of A widened once, into L1 (the broadcasts then load floats)
+        thread_local std::vector<float> wide;
+        wide.resize(static_cast<size_t>(F32_RJ * k));
+        float* const wf = wide.data();
+        if (a_kmajor)
+          for (int64_t kk = 0; kk < k; ++kk) copy_floats(wf + kk * F32_RJ, a + kk * lda + i, rj);
+        else
+          for (int q = 0; q < rj; ++q) copy_floats(wf + q * k, a + (i + q) * lda, k);
+        pick_few(na, !a_kmajor, rj)(tok, wf, a_kmajor ? F32_RJ : k, k, acc);
+      }
       for (int q = 0; q < rj; ++q)
         for (int64_t j = 0; j < j_rows; ++j) {
           const float v = bias ? acc[q * F32_P + j] + bias[i + q] : acc[q * F32_P + j];
@@ -758,6 +802,18 @@ void gemm_f32_few(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_
 #ifndef ZK_ROWS_AHEAD
 #define ZK_ROWS_AHEAD 128
 #endif
+// 16 elements as floats, lanes outside m zero (and not read)
+inline __m512 ld16_mask(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 ld16_mask(__mmask16 m, const uint16_t* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+#else
+  alignas(32) uint16_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = (m >> i) & 1 ? p[i] : 0;
+  const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+#endif
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 // Finished chains of rows r0 .. r0 + nr - 1 of A (lanes of v, nr <= 16, m their mask) for row t of B: + bias[r],
 // then out[t][r] (transpose) or out[r][t]
 inline void store_rows(__m512 v, const float* bias, int64_t r0, int64_t nr, __mmask16 m, int t, float* out,
@@ -776,8 +832,8 @@ inline void store_rows(__m512 v, const float* bias, int64_t r0, int64_t nr, __mm
 // contiguously; a K-contiguous A (a weight) is read 16 k at a time and turned in registers (transpose16). So each lane
 // carries one output element's chain: acc[t][r] = fma(a[i0 + r][k], b[t][k], acc[t][r]) for k = 0, 1, ...: the same
 // chain as micro_f32's. T = rows of B (a template parameter, so the accumulators stay in registers).
-template <int T>
-void rows_block(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int a_kmajor, const float* b,
+template <int T, typename E>
+void rows_block(const E* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int a_kmajor, const float* b,
                 int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
@@ -792,22 +848,22 @@ void rows_block(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, 
       if (k0 + ZK_ROWS_AHEAD < k)  // 16 row streams: ahead of the hardware prefetcher
         for (int r = 0; r < 16; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(a + (i0 + r) * lda + k0 + ZK_ROWS_AHEAD), _MM_HINT_T0);
-      transpose16(reinterpret_cast<const uint32_t*>(a + i0 * lda + k0), lda, w, 16);
+      transpose16(a + i0 * lda + k0, lda, w, 16);
     } else {  // a partial block, zero-padded (the padded k are never added: the loop below stops at nk)
       for (int64_t r = 0; r < 16; ++r)
-        for (int64_t c = 0; c < 16; ++c) part[r * 16 + c] = r < ni && c < nk ? a[(i0 + r) * lda + k0 + c] : 0.0f;
+        for (int64_t c = 0; c < 16; ++c) part[r * 16 + c] = r < ni && c < nk ? elem(a + (i0 + r) * lda + k0 + c) : 0.0f;
       transpose16(reinterpret_cast<const uint32_t*>(part), 16, w, 16);
     }
     if (nk == 16 && !b_kmajor) {
       for (int kk = 0; kk < 16; ++kk) {
         const __m512 col = _mm512_load_ps(reinterpret_cast<const float*>(w + kk * 16));
-        for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(b[t * ldb + k0 + kk]), acc[t]);
+        for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(elem(b + t * ldb + k0 + kk)), acc[t]);
       }
     } else {
       for (int64_t kk = 0; kk < nk; ++kk) {
         const __m512 col = _mm512_load_ps(reinterpret_cast<const float*>(w + kk * 16));
         for (int t = 0; t < T; ++t) {
-          const float x = b_kmajor ? b[(k0 + kk) * ldb + t] : b[t * ldb + k0 + kk];
+          const float x = b_kmajor ? elem(b + (k0 + kk) * ldb + t) : elem(b + t * ldb + k0 + kk);
           acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(x), acc[t]);
         }
       }
@@ -820,8 +876,8 @@ void rows_block(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, 
 #define ZK_KMAJOR_AHEAD 8
 #endif
 // k-major A: V vectors (16 V rows of A) per block, each k's row segment loaded as it lies (16 V contiguous floats)
-template <int T, int V>
-void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int, const float* b,
+template <int T, int V, typename E>
+void rows_block_kmajor(const E* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int, const float* b,
                        int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
   __m512 acc[T][V];
   for (int t = 0; t < T; ++t)
@@ -836,9 +892,9 @@ void rows_block_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_
       for (int v = 0; v < V; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(a + (kk + ZK_KMAJOR_AHEAD) * lda + i0 + 16 * v), _MM_HINT_T0);
     __m512 col[V];
-    for (int v = 0; v < V; ++v) col[v] = _mm512_maskz_loadu_ps(m[v], a + kk * lda + i0 + 16 * v);
+    for (int v = 0; v < V; ++v) col[v] = ld16_mask(m[v], a + kk * lda + i0 + 16 * v);
     for (int t = 0; t < T; ++t) {
-      const __m512 x = _mm512_set1_ps(b_kmajor ? b[kk * ldb + t] : b[t * ldb + kk]);
+      const __m512 x = _mm512_set1_ps(b_kmajor ? elem(b + kk * ldb + t) : elem(b + t * ldb + kk));
       for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(col[v], x, acc[t][v]);
     }
   }
@@ -857,8 +913,8 @@ constexpr int64_t F32_STREAM_COLS = 512;   // rows of A (output columns) per uni
 // their accumulators in L1 (float32, stored and reloaded losslessly: the same chains, acc = fma(a, x, acc) in k
 // order) while each k's segment of A is read as one contiguous 2 KiB run — A streamed row after row, instead of in
 // the 128-column strips of rows_block_kmajor (~15% faster at K = N = 1024, M = 1 and 2 on the 2-core Xeon)
-template <int T>
-void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int, const float* b,
+template <int T, typename E>
+void rows_stream_kmajor(const E* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int, const float* b,
                         int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo) {
   alignas(64) float acc[T][F32_STREAM_COLS];
   const int64_t nv = (ni + 15) / 16;
@@ -866,13 +922,13 @@ void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64
   for (int t = 0; t < T; ++t)
     for (int64_t v = 0; v < nv; ++v) _mm512_store_ps(acc[t] + 16 * v, _mm512_setzero_ps());
   for (int64_t kk = 0; kk < k; ++kk) {
-    const float* row = a + kk * lda + i0;
-    const float* ahead = a + (kk + ZK_STREAM_AHEAD < k ? kk + ZK_STREAM_AHEAD : kk) * lda + i0;
+    const E* row = a + kk * lda + i0;
+    const E* ahead = a + (kk + ZK_STREAM_AHEAD < k ? kk + ZK_STREAM_AHEAD : kk) * lda + i0;
     __m512 x[T];
-    for (int t = 0; t < T; ++t) x[t] = _mm512_set1_ps(b_kmajor ? b[kk * ldb + t] : b[t * ldb + kk]);
+    for (int t = 0; t < T; ++t) x[t] = _mm512_set1_ps(b_kmajor ? elem(b + kk * ldb + t) : elem(b + t * ldb + kk));
     for (int64_t v = 0; v < nv; ++v) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * v), _MM_HINT_T0);
-      const __m512 col = v + 1 < nv ? _mm512_loadu_ps(row + 16 * v) : _mm512_maskz_loadu_ps(tail, row + 16 * v);
+      const __m512 col = v + 1 < nv ? vf_load(row + 16 * v) : ld16_mask(tail, row + 16 * v);
       for (int t = 0; t < T; ++t)
         _mm512_store_ps(acc[t] + 16 * v, _mm512_fmadd_ps(col, x[t], _mm512_load_ps(acc[t] + 16 * v)));
     }
@@ -888,36 +944,56 @@ void rows_stream_kmajor(const float* a, int64_t i0, int64_t ni, int64_t k, int64
 constexpr int kmajor_vectors(int t) { return t <= 2 ? 8 : (t <= 4 ? 4 : (t <= 8 ? 2 : 1)); }
 constexpr int F32_KMAJOR_T = 24;  // rows of B per pass of a k-major A (24 accumulators, 1 load, 24 broadcasts)
 
-using RowsBlock = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, const float*, int64_t, int,
+template <typename E>
+using RowsBlock = void (*)(const E*, int64_t, int64_t, int64_t, int64_t, int, const float*, int64_t, int,
                            const float*, float*, int, int64_t);
-template <int... R>
-constexpr std::array<RowsBlock, sizeof...(R)> rows_table(std::integer_sequence<int, R...>) {
-  return {&rows_block<R + 1>...};
+template <typename E, int... R>
+constexpr std::array<RowsBlock<E>, sizeof...(R)> rows_table(std::integer_sequence<int, R...>) {
+  return {&rows_block<R + 1, E>...};
 }
-constexpr auto ROWS_BLOCK = rows_table(std::make_integer_sequence<int, F32_RJ>{});  // [t - 1]: t rows of B
-template <int... R>
-constexpr std::array<RowsBlock, sizeof...(R)> kmajor_table(std::integer_sequence<int, R...>) {
-  return {&rows_block_kmajor<R + 1, kmajor_vectors(R + 1)>...};
+template <typename E>  // [t - 1]: t rows of B
+constexpr auto ROWS_BLOCK = rows_table<E>(std::make_integer_sequence<int, F32_RJ>{});
+template <typename E, int... R>
+constexpr std::array<RowsBlock<E>, sizeof...(R)> kmajor_table(std::integer_sequence<int, R...>) {
+  return {&rows_block_kmajor<R + 1, kmajor_vectors(R + 1), E>...};
 }
-constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table(std::make_integer_sequence<int, F32_KMAJOR_T>{});
-constexpr std::array<RowsBlock, F32_STREAM_T> ROWS_STREAM_KMAJOR = {&rows_stream_kmajor<1>, &rows_stream_kmajor<2>};
+template <typename E>
+constexpr auto ROWS_BLOCK_KMAJOR = kmajor_table<E>(std::make_integer_sequence<int, F32_KMAJOR_T>{});
+template <typename E>
+constexpr std::array<RowsBlock<E>, F32_STREAM_T> ROWS_STREAM_KMAJOR = {&rows_stream_kmajor<1, E>,
+                                                                        &rows_stream_kmajor<2, E>};
 
-void gemm_f32_rows(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+template <typename E>
+void gemm_f32_rows(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const E* b,
                    int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo,
                    int threads) {
   // a k-major A takes up to F32_P rows of B in near-equal passes of at most F32_KMAJOR_T (A read once per pass); a
   // pass of at most F32_STREAM_T rows (only j_rows <= F32_STREAM_T makes one) streams A row by row
   const int64_t passes = a_kmajor ? (j_rows + F32_KMAJOR_T - 1) / F32_KMAJOR_T : 1;
   const int64_t per_pass = (j_rows + passes - 1) / passes;
+  // B (a few rows) as floats: bf16 rows widened once per call, K-contiguous, so that its broadcasts load floats
+  const float* bf = nullptr;
+  thread_local std::vector<float> wide;
+  if constexpr (std::is_same_v<E, float>) {
+    bf = b;
+  } else {
+    wide.resize(static_cast<size_t>(j_rows * k));
+    for (int64_t j = 0; j < j_rows; ++j)
+      if (b_kmajor)
+        for (int64_t kk = 0; kk < k; ++kk) wide[j * k + kk] = elem(b + kk * ldb + j);
+      else
+        copy_floats(wide.data() + j * k, b + j * ldb, k);
+    bf = wide.data(), ldb = k, b_kmajor = 0;
+  }
   for (int64_t t0 = 0; t0 < j_rows; t0 += per_pass) {
     const int64_t nt = j_rows - t0 < per_pass ? j_rows - t0 : per_pass;
     const bool stream = a_kmajor && nt <= F32_STREAM_T;
     const int64_t rows = stream ? F32_STREAM_COLS : a_kmajor ? 16 * kmajor_vectors(static_cast<int>(nt)) : 16;  // of A
     const int64_t blocks = (i_rows + rows - 1) / rows;
-    const RowsBlock fn = stream     ? ROWS_STREAM_KMAJOR[nt - 1]
-                         : a_kmajor ? ROWS_BLOCK_KMAJOR[nt - 1]
-                                    : ROWS_BLOCK[nt - 1];
-    const float* bt = b_kmajor ? b + t0 : b + t0 * ldb;  // the pass's rows of B
+    const RowsBlock<E> fn = stream     ? ROWS_STREAM_KMAJOR<E>[nt - 1]
+                            : a_kmajor ? ROWS_BLOCK_KMAJOR<E>[nt - 1]
+                                       : ROWS_BLOCK<E>[nt - 1];
+    const float* bt = b_kmajor ? bf + t0 : bf + t0 * ldb;  // the pass's rows of B
     float* ot = transpose ? out + t0 * ldo : out + t0;   // and of the output
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
     for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -938,7 +1014,8 @@ float* f32_pack_buffer(size_t words, HugeBuffer& big) {
 // Inside a parallel region (orphaned worksharing): A into F32_P-row panels [ipanels][k][F32_P] at apa, B per kc-wide
 // K block into F32_RJ-row blocks [kblock][jblocks][nk][F32_RJ] at bpa (a chunk's slice of a K block contiguous);
 // tails zero. Each thread packs a share; the last loop's barrier ends with everything packed.
-void pack_f32_operands(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+template <typename E>
+void pack_f32_operands(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const E* b,
                        int64_t j_rows, int64_t ldb, int b_kmajor, int64_t kc, float* apa, float* bpa) {
   const int64_t ipanels = (i_rows + F32_P - 1) / F32_P, jblocks = (j_rows + F32_RJ - 1) / F32_RJ;
   constexpr int64_t PACK_J = 48;  // rows of B per packing task: whole F32_RJ blocks, whole 16-row transposes
@@ -1013,44 +1090,11 @@ void gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
   }  // omp parallel
 }
 
-}  // namespace
-#endif
-
-extern "C" {
-
-int zk_gemm_has_f32() {
-#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-// out [J, I] (row stride ldo) = the TP-aligned tree over k_block-wide K blocks of B · Aᵀ's partials (gemm_f32_ktree;
-// a, b as zk_gemm_abt_f32's). Returns 0, or -1 without the float32 kernel in this build or k_block not dividing k.
-int zk_gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
-                      int64_t j_rows, int64_t ldb, int b_kmajor, float* out, int64_t ldo, int threads,
-                      int64_t k_block) {
-#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  if (k_block <= 0 || k % k_block) return -1;
-  gemm_f32_ktree(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, out, ldo, threads, k_block);
-  return 0;
-#else
-  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
-      (void)out, (void)ldo, (void)threads, (void)k_block;
-  return -1;
-#endif
-}
-
-// C = A · Bᵀ in float32 (see above). a: [i_rows, k], row stride lda (a_kmajor: [k, i_rows], row stride lda); b:
-// [j_rows, k] likewise; bias: i_rows or null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (1), row
-// stride ldo. accumulate (no bias): out += A · Bᵀ as the continuation of each element's chain (its accumulator
-// starts from out's value instead of zero), so calls on consecutive K ranges leave the bits of one call on their
-// concatenation. Returns 0, or -1 without AVX-512 or AVX2 + FMA in this build.
-int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
-                    int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
-                    int64_t ldo, int threads, int accumulate) {
-#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+// C = A · Bᵀ on the FMA units (see above; the arguments of zk_gemm_abt_f32), operands of element type E
+template <typename E>
+void gemm_f32(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const E* b, int64_t j_rows,
+              int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo, int threads,
+              int accumulate) {
   // Without a bias, A and B may trade places (C^T = B · A^T: fma(a, b, c) = fma(b, a, c), the same chains): so that
   // few rows of A meet many of B as the decode paths' few rows of B, and otherwise so that the output is [J, I], which
   // the packed path writes in place
@@ -1062,12 +1106,12 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
 #if defined(ZK_F32_AVX512)
   if (!accumulate && (j_rows <= F32_RJ || (a_kmajor && j_rows <= F32_P)) && i_rows >= 16) {
     gemm_f32_rows(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
-    return 0;
+    return;
   }
 #endif
   if (!accumulate && j_rows > F32_RJ && j_rows <= F32_P && i_rows >= F32_FEW_ROWS) {  // (fewer rows: the packed path is faster)
     gemm_f32_few(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads);
-    return 0;
+    return;
   }
   // A and B packed once per call, shared by the threads: A in F32_P-row panels [ipanels][k][F32_P]; B per K block
   // in F32_RJ-row blocks, [kblock][jblocks][nk][F32_RJ] (a chunk's slice of a K block is contiguous); tails zero
@@ -1167,6 +1211,63 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
     }
   }
   }  // omp parallel
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+int zk_gemm_has_f32() {
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// out [J, I] (row stride ldo) = the TP-aligned tree over k_block-wide K blocks of B · Aᵀ's partials (gemm_f32_ktree;
+// a, b as zk_gemm_abt_f32's). Returns 0, or -1 without the float32 kernel in this build or k_block not dividing k.
+int zk_gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                      int64_t j_rows, int64_t ldb, int b_kmajor, float* out, int64_t ldo, int threads,
+                      int64_t k_block) {
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  if (k_block <= 0 || k % k_block) return -1;
+  gemm_f32_ktree(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, out, ldo, threads, k_block);
+  return 0;
+#else
+  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
+      (void)out, (void)ldo, (void)threads, (void)k_block;
+  return -1;
+#endif
+}
+
+// C = A · Bᵀ in float32 (see above). a: [i_rows, k], row stride lda (a_kmajor: [k, i_rows], row stride lda); b:
+// [j_rows, k] likewise; bias: i_rows or null; out: [i_rows, j_rows] (transpose = 0) or [j_rows, i_rows] (1), row
+// stride ldo. accumulate (no bias): out += A · Bᵀ as the continuation of each element's chain (its accumulator
+// starts from out's value instead of zero), so calls on consecutive K ranges leave the bits of one call on their
+// concatenation. Returns 0, or -1 without AVX-512 or AVX2 + FMA in this build.
+int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
+                    int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
+                    int64_t ldo, int threads, int accumulate) {
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  gemm_f32(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads, accumulate);
+  return 0;
+#else
+  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
+      (void)bias, (void)out, (void)transpose, (void)ldo, (void)threads, (void)accumulate;
+  return -1;
+#endif
+}
+
+// The same with bf16 operands (uint16_t bits; a, b as above): each element read is widened exactly to float32 and
+// enters the float32 chain, so the result is bit for bit zk_gemm_abt_f32 on the operands' float32 upcasts. float32
+// output. Returns 0, or -1 without AVX-512 or AVX2 + FMA in this build.
+int zk_gemm_abt_f32_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const uint16_t* b,
+                         int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
+                         int64_t ldo, int threads, int accumulate) {
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  gemm_f32(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads, accumulate);
   return 0;
 #else
   (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
