@@ -16,13 +16,13 @@ threads at K 3072–8192). Paths, chosen per machine (:func:`gemm_partition`, in
   kernel file's FMA kernel (one fused multiply-add chain per element in K order, register tiles of the BLIS/MKL
   micro-kernel form; the same bits on both ISAs), likewise whole per element.
 * **bf16 without AMX** (AVX-512 with or without AVX512-BF16, AVX2): the float32 path on the operands' exact upcasts,
-  one rounding of the float32 result to bf16. At inference the FMA kernel reads the bf16 operands and widens each
-  element as it loads it (nothing upcast in memory; the same bits); with autograd the weight is upcast per call. So
-  bf16 runs the same bits on every FMA CPU without AMX (a Zen 4 and an AVX2 EPYC agree). Until 2026-11-30 bf16 took
+  one rounding of the float32 result to bf16. The FMA kernel reads the bf16 operands and widens each element as it
+  loads it (nothing upcast in memory, forward and backward; the same bits). So bf16 runs the same bits on every FMA
+  CPU without AMX (a Zen 4 and an AVX2 EPYC agree). Until 2026-11-30 bf16 took
   pinned 32-row oneDNN bf16 calls on AVX-512 CPUs; the float32 chains are faster at every size measured and give
   bf16 exact gradient accumulation there (2-core Xeon, AVX512-BF16, no AMX, K = N = 1024, bf16 ÷ ``F.linear``,
-  oneDNN calls -> FMA kernel: forward M = 1 0.20x -> 1.16x, M = 32 0.71x -> 1.16x, M = 2048 0.42x -> 1.58x; forward +
-  backward M = 2048 0.45x -> 1.53x; ``benchmarks/results/linear_xeon_avx512_cpu2.json``).
+  oneDNN calls -> FMA kernel: forward M = 1 0.20x -> 1.07x, M = 32 0.71x -> 1.09x, M = 2048 0.42x -> 1.60x; forward +
+  backward M = 2048 0.45x -> 1.61x; ``benchmarks/results/linear_xeon_avx512_cpu2.json``).
 * CPUs without FMA: oneDNN float32 calls through ``torch.ops.mkldnn._linear_pointwise`` of exactly ``ROW_TILE`` = 32
   rows (the last zero-padded), each on :data:`ONEDNN_THREADS` OpenMP threads (``ZEROKLD_GEMM_THREADS``, default 1)
   set on the calling thread for the calls only; bf16 upcast to them.
@@ -33,7 +33,7 @@ trainer and an engine whose contracts differ are refused before anything runs.
 Speed, ours ÷ ``F.linear`` per dtype, M and direction: ``benchmarks/linear.py``; the committed run's figures are in
 the docs' Benchmarks page (generated from ``benchmarks/results/linear_*.json``).
 
-Backward (:class:`_AmxLinear`, :class:`_RowTiledLinear`): ``dX = dY W`` (a row of ``dX``
+Backward (:class:`_Bf16KernelLinear`, :class:`_RowTiledLinear`): ``dX = dY W`` (a row of ``dX``
 depends only on its row of ``dY``: row invariant too) and ``dW = dY^T X`` as one GEMM over the call's rows
 (deterministic for a given shape; on the kernels at any thread count). With ``weight_chain`` / ``bias_chain``
 (exact accumulation over micro-batches, :mod:`shared_numerics.grad_chain`) ``dW`` and ``db`` instead continue
@@ -208,12 +208,15 @@ class _ChainedBias(torch.autograd.Function):
         return grad, None, None
 
 
-class _AmxLinear(torch.autograd.Function):
-    """bf16 ``x [M, K] @ w [N, K]^T + b`` on the AMX kernel (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``A = w``,
-    ``B = x``): row invariant at any thread count. Backward: ``dX = dY W`` as ``gemm_abt(dY, Wᵀ)`` (a row of dX
+class _Bf16KernelLinear(torch.autograd.Function):
+    """bf16 ``x [M, K] @ w [N, K]^T + b`` on the AMX kernel, or without AMX on the FMA kernel reading bf16 in place
+    (:func:`shared_numerics.gemm_cpu.gemm_abt`, ``A = w``, ``B = x``): row invariant at any thread count; the bits of
+    the inference call, and on the FMA kernel those of the float32 path on the upcasts, without upcast copies of the
+    weight or the activations (saved for backward as bf16). Backward: ``dX = dY W`` as ``gemm_abt(dY, Wᵀ)`` (a row of dX
     depends only on its row of dY: row invariant too), ``dW = dYᵀ X`` as ``gemm_abt(dYᵀ, Xᵀ)`` (K of that GEMM = the
     call's rows, so deterministic for the call's rows at any thread count), ``db = sum(dY)`` in float32; bf16
-    results, one rounding each. Transposed operands are read in place (k-major), never copied by torch."""
+    results, one rounding each (on the FMA kernel the float32 chains of the upcast operands, then torch's rounding:
+    the bits the upcast path's casts gave). Transposed operands are read in place (k-major), never copied by torch."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, chains=None) -> torch.Tensor:
@@ -267,16 +270,22 @@ def linear(
     chained = weight_chain is not None
     if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not _chain_available(x.dtype)):
         raise ValueError(f"exact gradient accumulation: no kernel path for a {x.dtype} linear on {x.device} here")
-    bf16 = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu
-    if bf16 and bf16_path() == "amx":
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.is_cpu
+        and (bf16_path() == "amx" or f32_available())
+    ):
+        # a bf16 kernel: AMX, or the FMA kernel reading bf16 in place (the float32 chains of the exact upcasts); the
+        # bias as bf16 on both, added in float32 to each finished chain, one rounding
         b = None if bias is None else bias.to(torch.bfloat16)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if chained:
-            y = _AmxLinear.apply(x2, weight, b, (weight_chain, bias_chain))
+            y = _Bf16KernelLinear.apply(x2, weight, b, (weight_chain, bias_chain))
         elif torch.is_grad_enabled() and (
             x2.requires_grad or weight.requires_grad or (b is not None and b.requires_grad)
         ):
-            y = _AmxLinear.apply(x2, weight, b)
+            y = _Bf16KernelLinear.apply(x2, weight, b)
         else:
             y = gemm_abt(weight, x2, b, transpose=True)
         return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
@@ -287,11 +296,6 @@ def linear(
         torch.is_grad_enabled()
         and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     )
-    if bf16 and inference and f32_available():
-        # the FMA kernel reads the bf16 operands in place, widening each element exactly: the float32 chains of the
-        # upcasts below, one rounding to bf16 (the bias added in float32 to each finished chain)
-        y = gemm_abt(weight, x2, None if bias is None else bias.float(), transpose=True)
-        return y if x.dim() == 2 else y.reshape(*lead, weight.shape[0])
     if x2.dtype != torch.float32:
         x2 = x2.float()
     w = weight if weight.dtype == torch.float32 else weight.float()
