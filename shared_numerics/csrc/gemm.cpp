@@ -1216,6 +1216,23 @@ void gemm_f32(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, 
 }  // namespace
 #endif
 
+namespace {
+// the entry points' body: gemm_f32 where this build has the FMA kernel (0), else -1
+template <typename E>
+int gemm_f32_entry(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const E* b, int64_t j_rows,
+                   int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose, int64_t ldo, int threads,
+                   int accumulate) {
+#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
+  gemm_f32(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads, accumulate);
+  return 0;
+#else
+  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
+      (void)bias, (void)out, (void)transpose, (void)ldo, (void)threads, (void)accumulate;
+  return -1;
+#endif
+}
+}  // namespace
+
 extern "C" {
 
 int zk_gemm_has_f32() {
@@ -1250,14 +1267,8 @@ int zk_gemm_f32_ktree(const float* a, int64_t i_rows, int64_t k, int64_t lda, in
 int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const float* b,
                     int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
                     int64_t ldo, int threads, int accumulate) {
-#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  gemm_f32(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads, accumulate);
-  return 0;
-#else
-  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
-      (void)bias, (void)out, (void)transpose, (void)ldo, (void)threads, (void)accumulate;
-  return -1;
-#endif
+  return gemm_f32_entry(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads,
+                        accumulate);
 }
 
 // The same with bf16 operands (uint16_t bits; a, b as above): each element read is widened exactly to float32 and
@@ -1266,14 +1277,8 @@ int zk_gemm_abt_f32(const float* a, int64_t i_rows, int64_t k, int64_t lda, int 
 int zk_gemm_abt_f32_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, int a_kmajor, const uint16_t* b,
                          int64_t j_rows, int64_t ldb, int b_kmajor, const float* bias, float* out, int transpose,
                          int64_t ldo, int threads, int accumulate) {
-#if defined(ZK_F32_AVX512) || defined(ZK_F32_AVX2)
-  gemm_f32(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads, accumulate);
-  return 0;
-#else
-  (void)a, (void)i_rows, (void)k, (void)lda, (void)a_kmajor, (void)b, (void)j_rows, (void)ldb, (void)b_kmajor,
-      (void)bias, (void)out, (void)transpose, (void)ldo, (void)threads, (void)accumulate;
-  return -1;
-#endif
+  return gemm_f32_entry(a, i_rows, k, lda, a_kmajor, b, j_rows, ldb, b_kmajor, bias, out, transpose, ldo, threads,
+                        accumulate);
 }
 
 }  // extern "C"
