@@ -92,7 +92,7 @@ def _openmp():
 
 def bf16_path() -> str:
     """The kernel a bf16 :func:`linear` takes on this machine: ``"amx"`` (``csrc/gemm.cpp``'s AMX kernel) or
-    ``"fp32"`` (the float32 path on the exact upcasts: the FMA kernel, reading bf16 in place at inference). The one
+    ``"fp32"`` (the float32 path on the exact upcasts: the FMA kernel, reading bf16 in place). The one
     decision :func:`linear`, :func:`gemm_partition` and the weight-gradient chains (:mod:`shared_numerics.grad_chain`)
     all follow."""
     return "amx" if amx_available() else "fp32"

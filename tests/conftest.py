@@ -45,6 +45,12 @@ def _f32_kernel() -> bool:
     return f32_available()
 
 
+def _bf16_kernel() -> bool:
+    from shared_numerics.gemm_cpu import amx_available, f32_available
+
+    return amx_available() or f32_available()
+
+
 def _bf16_chain() -> bool:
     import torch
 
@@ -88,6 +94,12 @@ CAPABILITIES = {
             "CPU path without the FMA kernel (no AVX-512F / AVX2 + FMA, or "
             "ZEROKLD_F32_KERNEL=0): float32 GEMMs take oneDNN's pinned 32-row calls",
             _f32_kernel,
+        ),
+        Capability(
+            "requires_bf16_kernel",
+            "CPU path without a bf16 GEMM kernel (no AMX and no FMA kernel: ZEROKLD_F32_KERNEL=0 or no "
+            "AVX2 + FMA): bf16 GEMMs take oneDNN's float32 calls on the upcasts",
+            _bf16_kernel,
         ),
         Capability(
             "requires_bf16_grad_chain",

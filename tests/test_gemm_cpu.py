@@ -14,8 +14,7 @@ from shared_numerics import gemm_cpu
 
 needs_amx = pytest.mark.requires_amx  # (tests/conftest.py: CAPABILITIES)
 needs_f32 = pytest.mark.requires_f32_kernel
-# bf16: the AMX kernel where the CPU has it, else the FMA kernel's bf16 reads (needs_f32)
-needs_bf16 = needs_f32 if not gemm_cpu.amx_available() else needs_amx
+needs_bf16 = pytest.mark.requires_bf16_kernel  # the AMX kernel, or the FMA kernel's bf16 reads
 KINDS = [
     pytest.param((torch.bfloat16, torch.bfloat16), marks=needs_bf16, id="bf16"),
     pytest.param((torch.bfloat16, torch.float32), marks=needs_bf16, id="bf16-f32out"),

@@ -82,11 +82,12 @@ inline void transpose16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t 
 inline void transpose16(const float* src, int64_t ss, uint32_t* dst, int64_t ds) {
   transpose16(reinterpret_cast<const uint32_t*>(src), ss, dst, ds);
 }
+// 16 bf16 -> their exact float32 values' bits
+inline __m512i widen_bf16(__m256i h) { return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16); }
 // the same of a bf16 array (rows `ss` elements apart), each element widened exactly to a float's 32 bits
 inline void transpose16(const uint16_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
   __m512i r[16];
-  for (int i = 0; i < 16; ++i)
-    r[i] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * ss))), 16);
+  for (int i = 0; i < 16; ++i) r[i] = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * ss)));
   zk::transpose16_regs(r);
   for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ds, r[c]);
 }
@@ -512,8 +513,8 @@ int zk_gemm_abt_bf16(const uint16_t* a, int64_t i_rows, int64_t k, int64_t lda, 
 
 // ---------------------------------------------------------------------------------------------------------------
 // float32: C = A · Bᵀ, A [I, K], B [J, K] float32 (or bf16, each element widened exactly to float32 as it is read:
-// the chains of the operands' float32 upcasts, zk_gemm_abt_f32_bf16), on FMA units. One element (i, j) is one fused multiply-add chain
-// in K order from a zero accumulator: acc = fma(a[i][k], b[j][k], acc) for k = 0, 1, ..., K - 1, then + bias[i]. Every
+// the chains of the operands' float32 upcasts, zk_gemm_abt_f32_bf16), on FMA units. One element (i, j) is one fused
+// multiply-add chain in K order from a zero accumulator: acc = fma(a[i][k], b[j][k], acc) for k = 0, 1, ..., K - 1, then + bias[i]. Every
 // element is computed whole by one thread, so its bits depend only on row i of A, row j of B and bias[i]: not on I, J,
 // the tile or the thread count — nor on the vector width (AVX-512 and AVX2 run the same chain per element) nor on the
 // K blocking (a block's partial sums are stored and reloaded as float32, losslessly). The register tile is the
@@ -569,8 +570,7 @@ inline float elem(const float* p) { return *p; }
 inline float elem(const uint16_t* p) { return zk::bf16_to_float(*p); }
 inline VF vf_load(const uint16_t* p) {  // F32_W elements as floats
 #if defined(ZK_F32_AVX512)
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return _mm512_castsi512_ps(widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #else
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -812,7 +812,7 @@ inline __m512 ld16_mask(__mmask16 m, const uint16_t* p) {
   for (int i = 0; i < 16; ++i) t[i] = (m >> i) & 1 ? p[i] : 0;
   const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
 #endif
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_castsi512_ps(widen_bf16(h));
 }
 // Finished chains of rows r0 .. r0 + nr - 1 of A (lanes of v, nr <= 16, m their mask) for row t of B: + bias[r],
 // then out[t][r] (transpose) or out[r][t]
@@ -857,13 +857,13 @@ void rows_block(const E* a, int64_t i0, int64_t ni, int64_t k, int64_t lda, int 
     if (nk == 16 && !b_kmajor) {
       for (int kk = 0; kk < 16; ++kk) {
         const __m512 col = _mm512_load_ps(reinterpret_cast<const float*>(w + kk * 16));
-        for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(elem(b + t * ldb + k0 + kk)), acc[t]);
+        for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(b[t * ldb + k0 + kk]), acc[t]);
       }
     } else {
       for (int64_t kk = 0; kk < nk; ++kk) {
         const __m512 col = _mm512_load_ps(reinterpret_cast<const float*>(w + kk * 16));
         for (int t = 0; t < T; ++t) {
-          const float x = b_kmajor ? elem(b + (k0 + kk) * ldb + t) : elem(b + t * ldb + k0 + kk);
+          const float x = b_kmajor ? b[(k0 + kk) * ldb + t] : b[t * ldb + k0 + kk];
           acc[t] = _mm512_fmadd_ps(col, _mm512_set1_ps(x), acc[t]);
         }
       }
@@ -894,7 +894,7 @@ void rows_block_kmajor(const E* a, int64_t i0, int64_t ni, int64_t k, int64_t ld
     __m512 col[V];
     for (int v = 0; v < V; ++v) col[v] = ld16_mask(m[v], a + kk * lda + i0 + 16 * v);
     for (int t = 0; t < T; ++t) {
-      const __m512 x = _mm512_set1_ps(b_kmajor ? elem(b + kk * ldb + t) : elem(b + t * ldb + kk));
+      const __m512 x = _mm512_set1_ps(b_kmajor ? b[kk * ldb + t] : b[t * ldb + kk]);
       for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(col[v], x, acc[t][v]);
     }
   }
@@ -925,7 +925,7 @@ void rows_stream_kmajor(const E* a, int64_t i0, int64_t ni, int64_t k, int64_t l
     const E* row = a + kk * lda + i0;
     const E* ahead = a + (kk + ZK_STREAM_AHEAD < k ? kk + ZK_STREAM_AHEAD : kk) * lda + i0;
     __m512 x[T];
-    for (int t = 0; t < T; ++t) x[t] = _mm512_set1_ps(b_kmajor ? elem(b + kk * ldb + t) : elem(b + t * ldb + kk));
+    for (int t = 0; t < T; ++t) x[t] = _mm512_set1_ps(b_kmajor ? b[kk * ldb + t] : b[t * ldb + kk]);
     for (int64_t v = 0; v < nv; ++v) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * v), _MM_HINT_T0);
       const __m512 col = v + 1 < nv ? vf_load(row + 16 * v) : ld16_mask(tail, row + 16 * v);
@@ -973,10 +973,10 @@ void gemm_f32_rows(const E* a, int64_t i_rows, int64_t k, int64_t lda, int a_kma
   const int64_t per_pass = (j_rows + passes - 1) / passes;
   // B (a few rows) as floats: bf16 rows widened once per call, K-contiguous, so that its broadcasts load floats
   const float* bf = nullptr;
-  thread_local std::vector<float> wide;
   if constexpr (std::is_same_v<E, float>) {
     bf = b;
   } else {
+    thread_local std::vector<float> wide;
     wide.resize(static_cast<size_t>(j_rows * k));
     for (int64_t j = 0; j < j_rows; ++j)
       if (b_kmajor)
