@@ -34,7 +34,7 @@ from . import cpu_ops
 from .attention import Q_TILE
 from .cpu_kernels import DTYPE_CODES, on_local_shards, plain
 
-__all__ = ["dense_attention_cpu", "paged_attention_cpu"]
+__all__ = ["dense_attention_cpu", "gathered_attention_cpu", "paged_attention_cpu"]
 
 
 def _blocks(q_row: torch.Tensor):
@@ -172,30 +172,37 @@ def _index(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _DenseAttention(torch.autograd.Function):
-    """Dense causal attention through the kernel; backward through the kernel's FlashAttention-2 pass."""
+    """Dense causal attention through the kernel; backward through the kernel's FlashAttention-2 pass. ``lens``
+    (``[B]`` int64, gathered attention): one query per sequence (``q`` ``[B, 1, Hq, D]``) at position ``lens[b] - 1``
+    of its own ``T`` keys; ``None``: every row ``t`` of ``q`` at position ``t``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        b, t, h_q, d = q.shape
+    def forward(ctx, q, k, v, scale, lens=None):
+        b, t, h_q, d = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
         h_kv = k.shape[2]
-        q2 = q.reshape(b * t, h_q, d).contiguous()
+        q2 = q.reshape(-1, h_q, d).contiguous()
         k, v = k.contiguous(), v.contiguous()
-        q_row = torch.arange(b).repeat_interleave(t)
-        q_pos = torch.arange(t).repeat(b)
+        if lens is None:
+            q_row = torch.arange(b).repeat_interleave(t)
+            q_pos = torch.arange(t).repeat(b)
+        else:
+            q_row = torch.arange(b)
+            q_pos = lens.to(torch.long) - 1
         bt = torch.arange(b, dtype=torch.long).unsqueeze(1)
         strides = (t * h_kv * d, d, h_kv * d)
         blocks = _blocks(q_row)
         out, m, l = _forward(q2, k, v, h_kv, strides, t, bt, q_row, q_pos, scale, blocks)
         ctx.save_for_backward(q2, k, v, out, m, l)
-        ctx.meta = (b, t, h_q, h_kv, d, scale, strides, bt, q_row, q_pos, blocks)
-        return out.reshape(b, t, h_q, d)
+        ctx.meta = (q.shape, h_q, h_kv, d, scale, strides, t, bt, q_row, q_pos, blocks)
+        return out.reshape(q.shape)
 
     @staticmethod
     def backward(ctx, grad):
         q2, k, v, out, m, l = ctx.saved_tensors
-        b, t, h_q, h_kv, d, scale, strides, bt, q_row, q_pos, blocks = ctx.meta
-        dout = grad.reshape(b * t, h_q, d).float().contiguous()
-        dq = torch.zeros(b * t, h_q, d, dtype=torch.float32)
+        q_shape, h_q, h_kv, d, scale, strides, t, bt, q_row, q_pos, blocks = ctx.meta
+        n_q = q2.shape[0]
+        dout = grad.reshape(n_q, h_q, d).float().contiguous()
+        dq = torch.zeros(n_q, h_q, d, dtype=torch.float32)
         dk = torch.zeros(k.shape, dtype=torch.float32)
         dv = torch.zeros(v.shape, dtype=torch.float32)
         block_q0, block_nq, seq_b0, seq_b1 = blocks
@@ -205,7 +212,7 @@ class _DenseAttention(torch.autograd.Function):
         )  # fmt: skip
         if rc:
             raise ValueError(f"zerokld CPU attention backward refused its arguments (code {rc})")
-        return (dq.reshape(b, t, h_q, d).to(q2.dtype), dk.to(k.dtype), dv.to(v.dtype), None)
+        return (dq.reshape(q_shape).to(q2.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
 
 
 def dense_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -225,4 +232,31 @@ def dense_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         return sharded
     q, k, v = _plain(q, k, v)
     _check(q.reshape(-1, q.shape[2], q.shape[3]), k, v, k.shape[2])
-    return _DenseAttention.apply(q, k, v, float(scale)).to(q.dtype)
+    return _DenseAttention.apply(q, k, v, float(scale), None).to(q.dtype)
+
+
+def gathered_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence over the first ``lens[n]`` keys of its own gathered key sequence (DeepSeek Sparse
+    Attention's selected tokens, :mod:`shared_numerics.dsa`): the query sits at position ``lens[n] - 1``, so it is
+    bitwise the row ``lens[n] - 1`` of :func:`dense_attention_cpu` over those keys (the same kernel and units).
+
+    Args:
+        q: ``[N, Hq, D]``; k, v: ``[N, L, Hkv, D]`` (one dtype: float32 / bfloat16 / float16); lens: ``[N]`` int,
+            ``1 <= lens[n] <= L`` (keys past ``lens[n]`` are never read into the result).
+
+    Returns:
+        ``[N, Hq, D]`` in ``q.dtype``. Differentiable (float32 gradients rounded to the inputs' dtypes; keys past
+        ``lens[n]`` get zero gradients).
+
+    Raises:
+        TypeError / ValueError: as :func:`dense_attention_cpu`; a length outside ``1 .. L``.
+    """
+    q, k, v = _plain(q, k, v)
+    _check(q, k, v, k.shape[2])
+    lens = lens.to("cpu", torch.long)
+    if lens.numel() and (int(lens.min()) < 1 or int(lens.max()) > k.shape[1]):
+        raise ValueError(f"gathered attention: lengths must lie in 1 .. {k.shape[1]}, got {lens.tolist()}")
+    n, h_q, d = q.shape
+    return _DenseAttention.apply(q.reshape(n, 1, h_q, d), k, v, float(scale), lens).reshape(n, h_q, d).to(q.dtype)

@@ -20,7 +20,7 @@ from torchtitan.models.common.config_utils import get_attention_config, make_ffn
 from torchtitan.models.common.nn_modules import RMSNorm
 
 from shared_numerics.settings import ZeroKLDSettings
-from zerokld_models import ModelConfig, adapter_for, check_supported, read_model_config
+from zerokld_models import ModelConfig, UnsupportedModelError, adapter_for, check_supported, read_model_config
 from zerokld_models.checkpoint import read_tensors
 
 from .overrides import apply_zerokld_overrides, set_mla, set_tp_k_block
@@ -297,7 +297,8 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None
     Raises:
         zerokld_plugins.UnknownNameError: no architecture folder registers ``cfg.architecture``.
         zerokld_models.UnsupportedModelError: a feature the definition does not implement (RoPE scaling type, bias,
-            ...); ValueError: a quantized checkpoint (train from the high-precision one; export with
+            ...; DeepSeek Sparse Attention with ``batch_invariant`` off: TorchTitan has none); ValueError: a quantized
+            checkpoint (train from the high-precision one; export with
             :func:`titan_plugin.export_fp8_checkpoint`); ``tp_k_block`` with FP8.
     """
     settings = ZeroKLDSettings() if settings is None else settings
@@ -305,6 +306,11 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None
         raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized ({cfg.quant_method})")
     adapter = adapter_for(cfg)
     check_supported(cfg, adapter)
+    if cfg.index_topk is not None and not settings.batch_invariant:
+        raise UnsupportedModelError(
+            f"{cfg.architecture}: TorchTitan has no DeepSeek Sparse Attention; only zerokld's definition "
+            "(batch_invariant on) trains it"
+        )
     model_cfg = architecture_config(adapter, cfg)
     if settings.batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=settings.fp8)

@@ -59,6 +59,7 @@ from torchtitan.models.deepseek_v3.model import Attention as DeepSeekMLAAttentio
 from torchtitan.protocols.module import Module
 
 import shared_numerics as sn
+import shared_numerics.dsa as sn_dsa
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.fused_logprobs as sn_fused
 import shared_numerics.grad_chain as sn_chain
@@ -71,6 +72,7 @@ from shared_numerics.rope import RopeScaling
 
 __all__ = [
     "OVERRIDE_IMPORTS",
+    "ZeroKLDDSAAttention",
     "ZeroKLDMLAAttention",
     "ZeroKLDRowParallelLinear",
     "apply_zerokld_overrides",
@@ -507,24 +509,90 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         o = sn_mla.mla_dense_attention(
             qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), c.scale, head_tree=c.head_tree, gather=gather
         )
+        o = self.sparse_rows(o, qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), x2, cos, sin)
         o = sn_mla.mla_output(o.reshape(b * seq, dims.num_heads, -1), kv_b, dims, kv_b_chain=kv_b_chain)
         return self.wo(o).view(b, seq, d)
+
+    def sparse_rows(self, o, qc, latent, x2, cos, sin):
+        """Dense MLA's output ``o`` as it is (DSA's :class:`ZeroKLDDSAAttention` replaces its selecting rows)."""
+        return o
+
+
+class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
+    """:class:`ZeroKLDMLAAttention` with DeepSeek Sparse Attention (GLM-5, ``zerokld_models/glm_moe_dsa``; TorchTitan
+    has no DSA, so it is added here in TorchTitan's style): a ``"full"`` layer holds the lightning indexer
+    (``indexer.wq_b`` ``[Hi Di, q_lora_rank]``, ``indexer.wk`` ``[Di, dim]``, ``indexer.k_norm`` LayerNorm weight and
+    bias ``[Di]``, ``indexer.weights_proj`` ``[Hi, dim]``; not trained: ``requires_grad`` off, computed without
+    autograd, as HF's ``no_grad`` indexer) and selects each query's ``index_topk`` tokens
+    (:func:`shared_numerics.dsa.dense_selection`); a ``"shared"`` layer reuses the selection of the full layer
+    ``topk_source`` (its latest forward in this model config's layers: one forward at a time; pipeline schedules
+    with several micro-batches in flight are not supported with shared layers). Rows at positions ``< index_topk``
+    are dense MLA's; the others :func:`shared_numerics.dsa.sparse_dense_rows`. Tensor parallelism and packed
+    documents are refused."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ZeroKLDMLAAttention.Config):
+        indexer: object = None  # shared_numerics.dsa.IndexerDims
+        full: bool = True  # this layer runs its indexer ("full"), else reuses topk_source's selection ("shared")
+        layer_id: int = 0
+        topk_source: int = 0  # a shared layer: the index of the full layer whose selection it reuses
+        selections: object = None  # {full layer index: its latest (rows, idx)}, one dict for the model's layers
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if config.full:
+            d, h = config.indexer, config.dim
+            ix = self.indexer = torch.nn.Module()
+            ix.wq_b = torch.nn.Linear(config.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+            ix.wk = torch.nn.Linear(h, d.head_dim, bias=False)
+            ix.k_norm = torch.nn.LayerNorm(d.head_dim, eps=sn_dsa.INDEX_NORM_EPS)
+            ix.weights_proj = torch.nn.Linear(h, d.n_heads, bias=False)
+            for p in ix.parameters():
+                p.requires_grad_(False)
+
+    def sparse_rows(self, o, qc, latent, x2, cos, sin):
+        c = self.zerokld
+        if _is_dtensor(o):
+            raise NotImplementedError("zerokld DeepSeek Sparse Attention does not run under tensor parallelism yet")
+        if c.full:
+            ix = self.indexer
+            q_resid = self.q_norm(self.wq_a(x2))
+            iq, ik, iw = sn_dsa.indexer_query_key(
+                x2, q_resid, ix.wq_b.weight, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias,
+                ix.weights_proj.weight, cos, sin, c.indexer,
+            )  # fmt: skip
+            b, t = latent.shape[:2]
+            c.selections[c.layer_id] = sn_dsa.dense_selection(iq, iw, ik.view(b, t, -1), c.indexer.topk)
+        rows, idx = c.selections[c.topk_source if not c.full else c.layer_id]
+        return sn_dsa.sparse_dense_rows(o, qc, latent, rows, idx, c.scale)
 
 
 def set_mla(model_cfg, cfg) -> None:
     """Make every layer's TorchTitan DeepSeek-V3 ``Attention`` a :class:`ZeroKLDMLAAttention` with the checkpoint's
     (:class:`zerokld_models.ModelConfig` ``cfg``) MLA sizes, RoPE base and scaling, and softmax scale; after
     :func:`apply_zerokld_overrides` (its sub-configs are already zerokld linears and norms)."""
-    from zerokld_models import mla_dims, mla_softmax_scale
+    from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale
 
-    for layer in model_cfg.layers:
+    dsa = indexer_dims(cfg)
+    source, selections = 0, {}  # one dict for the model's layers: each full layer's latest selection
+    for i, layer in enumerate(model_cfg.layers):
+        common = dict(
+            dims=mla_dims(cfg), rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, scale=mla_softmax_scale(cfg)
+        )
+        if dsa is None:
+            layer.attention = derive(layer.attention, ZeroKLDMLAAttention.Config, **common)
+            continue
+        full = cfg.indexer_types[i] == "full"
+        source = i if full else source
         layer.attention = derive(
             layer.attention,
-            ZeroKLDMLAAttention.Config,
-            dims=mla_dims(cfg),
-            rope_theta=cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
-            scale=mla_softmax_scale(cfg),
+            ZeroKLDDSAAttention.Config,
+            indexer=dsa,
+            full=full,
+            layer_id=i,
+            topk_source=source,
+            selections=selections,
+            **common,
         )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from shared_numerics.rope import RopeScaling, YarnScaling
 
-__all__ = ["ModelConfig", "mla_dims", "mla_softmax_scale", "read_model_config"]
+__all__ = ["ModelConfig", "indexer_dims", "mla_dims", "mla_softmax_scale", "read_model_config"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,12 @@ class ModelConfig:
     scoring_func: str = "softmax"
     topk_method: str = "greedy"
     partial_rotary_factor: float = 1.0
+    # DeepSeek Sparse Attention (DSA: GLM-5, DeepSeek-V3.2): the lightning indexer (shared_numerics.dsa)
+    index_topk: int | None = None  # set: MLA over each query's index_topk selected tokens
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_types: tuple[str, ...] = ()  # per layer: "full" runs the indexer, "shared" reuses the previous full one's
+    index_rope_interleave: bool = False  # the indexer's rotated dimensions stored as pairs (GLM-5), not halves
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -143,6 +149,21 @@ def _rope(d: dict) -> tuple[float, RopeScaling | YarnScaling | None, str | None]
     return float(theta), None, f"{kind} {dict(scaling)}"
 
 
+def _indexer_types(d: dict) -> tuple[str, ...]:
+    """Each layer's indexer mode (HF ``GlmMoeDsaConfig.indexer_types``): stated, else from ``index_topk_pattern``
+    (``"F"`` / ``"S"`` per layer), else from ``index_topk_freq`` / ``index_skip_topk_offset`` (HF's defaults 1 and 2:
+    every layer ``"full"``)."""
+    if d.get("indexer_types"):
+        return tuple(d["indexer_types"])
+    n = d["num_hidden_layers"]
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        return tuple({"F": "full", "S": "shared"}.get(c, c) for c in pattern)
+    freq = max(d.get("index_topk_freq") or 1, 1)
+    offset = d.get("index_skip_topk_offset", 2)
+    return tuple("full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n))
+
+
 def read_model_config(src: Any) -> ModelConfig:
     """Parse an HF model config (dict, checkpoint directory, or ``PretrainedConfig``).
 
@@ -159,7 +180,8 @@ def read_model_config(src: Any) -> ModelConfig:
         first_dense = next((i for i, t in enumerate(layer_types) if t != "dense"), len(layer_types))
     else:
         first_dense = d.get("first_k_dense_replace") or 0
-    glm = d.get("model_type") in ("glm4_moe", "glm4_moe_lite")  # HF's Glm4MoeTopkRouter: sigmoid, noaux_tc
+    model_type = d.get("model_type")
+    glm = model_type in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")  # HF's Glm*TopkRouter: sigmoid, noaux_tc
     rotary = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
     return ModelConfig(
         architecture=(d.get("architectures") or [""])[0],
@@ -194,7 +216,8 @@ def read_model_config(src: Any) -> ModelConfig:
         qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
         v_head_dim=d.get("v_head_dim") or 0,
         # HF's DeepSeek-V2 always applies its rope part as interleaved pairs (complex RoPE); V3 says so in its config
-        rope_interleave=bool(d.get("rope_interleave", d.get("model_type") == "deepseek_v2")),
+        # (and GLM-5's, glm_moe_dsa: its MLA and its indexer always rotate interleaved pairs)
+        rope_interleave=bool(d.get("rope_interleave", model_type in ("deepseek_v2", "glm_moe_dsa"))),
         # DeepSeek-V2's "greedy" top-k ignores n_group / topk_group: one group of every expert
         n_group=1 if d.get("topk_method") == "greedy" else d.get("n_group") or 1,
         topk_group=1 if d.get("topk_method") == "greedy" else d.get("topk_group") or 1,
@@ -206,6 +229,11 @@ def read_model_config(src: Any) -> ModelConfig:
         scoring_func=d.get("scoring_func") or ("sigmoid" if glm else "softmax"),
         topk_method=d.get("topk_method") or ("noaux_tc" if glm else "greedy"),
         partial_rotary_factor=float(rotary),
+        index_topk=d.get("index_topk"),
+        index_n_heads=d.get("index_n_heads") or 0,
+        index_head_dim=d.get("index_head_dim") or 0,
+        indexer_types=_indexer_types(d) if d.get("index_topk") else (),
+        index_rope_interleave=model_type == "glm_moe_dsa",
         raw=d,
     )
 
@@ -236,3 +264,14 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     (:meth:`shared_numerics.rope.YarnScaling.softmax_scale`) when the checkpoint has YaRN."""
     d = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     return cfg.rope_scaling.softmax_scale(d) if isinstance(cfg.rope_scaling, YarnScaling) else d**-0.5
+
+
+def indexer_dims(cfg: ModelConfig):
+    """The :class:`shared_numerics.dsa.IndexerDims` of a DSA checkpoint's config (``index_topk`` set), else ``None``."""
+    from shared_numerics.dsa import IndexerDims
+
+    if not cfg.index_topk:
+        return None
+    return IndexerDims(
+        cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk, cfg.index_rope_interleave
+    )

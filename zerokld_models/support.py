@@ -32,6 +32,8 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
         problems.append("rope_scaling yarn (supported on MLA models)")
     if mla and (not cfg.kv_lora_rank or not cfg.qk_rope_head_dim or not cfg.qk_nope_head_dim or not cfg.v_head_dim):
         problems.append("MLA without kv_lora_rank / qk_rope_head_dim / qk_nope_head_dim / v_head_dim")
+    if cfg.index_topk is not None:
+        problems += _dsa_problems(cfg, mla)
     if cfg.attention_bias and not adapter.qkv_bias:
         problems.append("attention bias")
     if cfg.mlp_bias:
@@ -74,6 +76,26 @@ def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:
             problems.append(f"decoder_sparse_step {cfg.decoder_sparse_step}")
         if cfg.shared_expert_intermediate_size:
             problems.append("shared experts")
+    return problems
+
+
+def _dsa_problems(cfg: ModelConfig, mla: bool) -> list[str]:
+    """What zerokld's DeepSeek Sparse Attention (:mod:`shared_numerics.dsa`) needs of a config with ``index_topk``."""
+    if cfg.index_topk is None:
+        return []
+    if not mla:
+        return ["index_topk (DeepSeek Sparse Attention) on an architecture without MLA"]
+    problems = []
+    if not cfg.q_lora_rank:
+        problems.append("DeepSeek Sparse Attention without q_lora_rank (the indexer reads MLA's q_a_layernorm output)")
+    if cfg.index_topk < 1 or cfg.index_n_heads < 1 or not cfg.qk_rope_head_dim < cfg.index_head_dim:
+        problems.append(
+            f"index_topk {cfg.index_topk}, index_n_heads {cfg.index_n_heads}, index_head_dim {cfg.index_head_dim} "
+            f"(needs at least 1 token and 1 head, and qk_rope_head_dim {cfg.qk_rope_head_dim} < index_head_dim)"
+        )
+    types = cfg.indexer_types
+    if len(types) != cfg.num_hidden_layers or set(types) - {"full", "shared"} or (types and types[0] != "full"):
+        problems.append(f"indexer_types {list(types)} (one 'full' / 'shared' per layer, the first 'full')")
     return problems
 
 

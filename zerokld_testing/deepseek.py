@@ -59,8 +59,15 @@ class DeepSeekSpec:
     max_position_embeddings: int = 512
     vocab_size: int | None = None  # the tokenizer padded with filler tokens to this size (None: ~100 tokens)
     topk_method: str = "noaux_tc"
-    architecture: str = "DeepseekV3ForCausalLM"  # or "Glm4MoeLiteForCausalLM" (GLM-4.7-Flash)
+    architecture: str = "DeepseekV3ForCausalLM"  # or "Glm4MoeLiteForCausalLM" (GLM-4.7-Flash), "GlmMoeDsaForCausalLM"
+    # GLM-5's DeepSeek Sparse Attention (architecture "GlmMoeDsaForCausalLM" only)
+    index_topk: int = 32
+    index_n_heads: int = 4
+    index_head_dim: int = 96
+    index_topk_freq: int = 1  # > 1: GLM's cross-layer sharing ("shared" layers reuse the previous full selection)
 
+
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "index_topk_freq")
 
 #: GLM-4.7-Flash's layers, tiny (``Glm4MoeLiteForCausalLM``): ``v_head_dim`` 48 over ``qk_nope_head_dim`` 32, GLM's
 #: sigmoid router in one group, top-4 with exact expert ties, one dense layer first (``mlp_layer_types``), eps 1e-5
@@ -88,12 +95,17 @@ def make_deepseek_checkpoint(
         DeepseekV3ForCausalLM,
         Glm4MoeLiteConfig,
         Glm4MoeLiteForCausalLM,
+        GlmMoeDsaConfig,
+        GlmMoeDsaForCausalLM,
     )
 
     spec = spec or DeepSeekSpec()
     v3 = spec.topk_method == "noaux_tc"
-    glm = spec.architecture == "Glm4MoeLiteForCausalLM"
-    if spec.architecture not in ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM") or (glm and not v3):
+    dsa = spec.architecture == "GlmMoeDsaForCausalLM"
+    glm = spec.architecture == "Glm4MoeLiteForCausalLM" or dsa
+    if spec.architecture not in ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM") or (
+        glm and not v3
+    ):
         raise ValueError(f"no tiny checkpoint for {spec.architecture} with topk_method {spec.topk_method!r}")
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
@@ -114,7 +126,7 @@ def make_deepseek_checkpoint(
         fields = {
             k: v
             for k, v in asdict(spec).items()
-            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size", "architecture")
+            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size", "architecture", *_DSA_FIELDS)
         }
         common = dict(
             vocab_size=vocab,
@@ -126,7 +138,25 @@ def make_deepseek_checkpoint(
             eos_token_id=2,
             pad_token_id=0,
         )
-        if glm:
+        if dsa:
+            k = fields.pop("first_k_dense_replace")
+            del fields["topk_method"]
+            freq, offset = spec.index_topk_freq, 1  # layer 0 full, then every freq-th
+            dsa_cfg = GlmMoeDsaConfig(
+                mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_hidden_layers - k),
+                first_k_dense_replace=k,
+                norm_topk_prob=True,
+                index_topk=spec.index_topk,
+                index_n_heads=spec.index_n_heads,
+                index_head_dim=spec.index_head_dim,
+                indexer_types=[
+                    "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(spec.num_hidden_layers)
+                ],
+                **common,
+                **fields,
+            )
+            model = GlmMoeDsaForCausalLM(dsa_cfg)
+        elif glm:
             k = fields.pop("first_k_dense_replace")
             del fields["topk_method"]
             glm_cfg = Glm4MoeLiteConfig(

@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 import shared_numerics as sn
+import shared_numerics.dsa as sn_dsa
 import shared_numerics.mla as sn_mla
 import shared_numerics.moe as sn_moe
-from zerokld_models import mla_dims, mla_softmax_scale
+from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale
 
-from ..attention_backend import LatentAttention
+from ..attention_backend import LatentAttention, _write_slots
 from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _DenseMLP, _norm, _param, _proj
 from .moe import StackedExperts, ZeroKLDMoEMixin
 
@@ -131,23 +132,82 @@ class _MLALayer(ResidualLayer):
         sa.kv_b_proj = _proj(nh * (dn + dv), r, fp8, shard="column", tp=tp)
         sa.o_proj = _proj(h, nh * dv, fp8, lora=lora, shard="row", tp=tp)
         local = nh // (tp.size if tp is not None else 1)  # this rank's heads
+        self.index = indexer_dims(cfg)  # DeepSeek Sparse Attention (GLM-5): each cache row = [latent ‖ indexer key]
+        width = r + dr + (self.index.head_dim if self.index is not None else 0)
         sa.attn = LatentAttention(
-            local, r + dr, mla_softmax_scale(cfg), vllm_config.cache_config, f"{prefix}.self_attn.attn"
+            local, width, mla_softmax_scale(cfg), vllm_config.cache_config, f"{prefix}.self_attn.attn"
         )
         self.dims = dataclasses.replace(mla_dims(cfg), num_heads=local)
+        self.cfg_scale = mla_softmax_scale(cfg)
+        if self.index is not None:
+            self.layer_id = int(prefix.rpartition(".")[2])
+            self.full = cfg.indexer_types[self.layer_id] == "full"
+            self.topk_source = max(i for i in range(self.layer_id + 1) if cfg.indexer_types[i] == "full")
+            self.selections: dict = {}  # the decoder's: {full layer: (rows, idx, slots)} of the current forward
+            if self.full:
+                d = self.index
+                ix = sa.indexer = nn.Module()  # high precision, not LoRA targets (HF names: self_attn.indexer.*)
+                ix.wq_b, ix.k_norm = nn.Module(), nn.Module()
+                ix.wq_b.weight = _param(d.n_heads * d.head_dim, cfg.q_lora_rank)
+                ix.wk, ix.weights_proj = nn.Module(), nn.Module()
+                ix.wk.weight = _param(d.head_dim, h)
+                ix.k_norm.weight, ix.k_norm.bias = _param(d.head_dim), _param(d.head_dim)
+                ix.weights_proj.weight = _param(d.n_heads, h)
 
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, sa, n = self.cfg, self.self_attn, a.shape[0]
+        q_resid = None
         if c.q_lora_rank:
-            q = sa.q_b_proj(sn.rms_norm(sa.q_a_proj(a), sa.q_a_layernorm.weight, self.eps))
+            q_resid = sn.rms_norm(sa.q_a_proj(a), sa.q_a_layernorm.weight, self.eps)
+            q = sa.q_b_proj(q_resid)
         else:
             q = sa.q_proj(a)
         kv_b = sa.kv_b_proj.dense_weight(a.dtype)  # under FP8: its codes dequantized, as vLLM's MLA does
         qc, latent = sn_mla.mla_query_latent(
             q, sa.kv_a_proj_with_mqa(a), sa.kv_a_layernorm.weight, kv_b, cos, sin, self.dims
         )
-        o = sa.attn(qc.reshape(n, -1), latent, latent).view(n, self.dims.num_heads, -1)
+        if self.index is None:
+            o = sa.attn(qc.reshape(n, -1), latent, latent).view(n, self.dims.num_heads, -1)
+        else:
+            o = self._sparse_attention(a, q_resid, qc.view(n, self.dims.num_heads, -1), latent, cos, sin)
         return sa.o_proj(sn_mla.mla_output(o, kv_b, self.dims))
+
+    def _sparse_attention(self, a, q_resid, qc, latent, cos, sin) -> torch.Tensor:
+        """DeepSeek Sparse Attention over the paged cache (:mod:`shared_numerics.dsa`): the tokens' rows
+        ``[latent ‖ indexer key]`` written at their slots, every query's dense MLA over the latents (the paged
+        attention), then the queries at positions ``>= index_topk`` replaced by MLA over their selected latents. The
+        layer's cache and metadata are read as vLLM's own attention op reads them (``get_attention_context``)."""
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        sa, d, w = self.self_attn, self.index, latent.shape[-1]
+        md, _, kv_cache, _ = get_attention_context(sa.attn.layer_name)
+        o = qc.new_zeros(qc.shape)
+        if md is None:  # memory profiling / warm-up: no cache yet
+            return o
+        n = md.num_actual_tokens
+        if self.full:
+            ix = sa.indexer
+            iq, ik, iw = sn_dsa.indexer_query_key(
+                a[:n], q_resid[:n], ix.wq_b.weight, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias,
+                ix.weights_proj.weight, cos[:n], sin[:n], d,
+            )  # fmt: skip
+            _write_slots(kv_cache, torch.cat([latent[:n], ik], dim=-1).unsqueeze(1), md.slot_mapping)
+        else:  # a shared layer: its own latents, the full layer's selection
+            _write_slots(kv_cache[..., :w], latent[:n].unsqueeze(1), md.slot_mapping)
+        lat = kv_cache[..., :w]
+        o[:n] = sn.paged_causal_attention(
+            qc[:n], lat, lat, md.query_start_loc, md.seq_lens, md.block_table, self.cfg_scale,
+            md.max_query_len, md.max_seq_len,
+        )  # fmt: skip
+        if self.full:
+            self.selections[self.layer_id] = sn_dsa.paged_selection(
+                iq, iw, kv_cache[:, 0, :, w:], md.query_start_loc, md.seq_lens, md.block_table, d.topk
+            )
+        rows, _, slots = self.selections[self.topk_source]
+        if rows.numel():
+            sel = lat.reshape(-1, w)[slots]  # [rows, topk, R + P]
+            o[rows] = sn_dsa.gathered_attention(qc[rows], sel, self.cfg_scale)
+        return o
 
 
 class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
@@ -169,6 +229,11 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
             )
             return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora, tp=tp)
 
-        return DenseDecoder(
+        decoder = DenseDecoder(
             vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer, rotary_dim=cfg.qk_rope_head_dim
         )
+        selections: dict = {}  # DeepSeek Sparse Attention: one dict for the layers (shared layers read full ones')
+        for mod in decoder.layers:
+            if getattr(mod, "index", None) is not None:
+                mod.selections = selections
+        return decoder

