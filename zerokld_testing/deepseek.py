@@ -59,8 +59,9 @@ class DeepSeekSpec:
     max_position_embeddings: int = 512
     vocab_size: int | None = None  # the tokenizer padded with filler tokens to this size (None: ~100 tokens)
     topk_method: str = "noaux_tc"
-    architecture: str = "DeepseekV3ForCausalLM"  # or "Glm4MoeLiteForCausalLM" (GLM-4.7-Flash), "GlmMoeDsaForCausalLM"
-    # GLM-5's DeepSeek Sparse Attention (architecture "GlmMoeDsaForCausalLM" only)
+    # or "Glm4MoeLiteForCausalLM" (GLM-4.7-Flash), "GlmMoeDsaForCausalLM" (GLM-5), "DeepseekV32ForCausalLM"
+    architecture: str = "DeepseekV3ForCausalLM"
+    # DeepSeek Sparse Attention (GlmMoeDsaForCausalLM, DeepseekV32ForCausalLM; index_topk_freq: GLM-5 only)
     index_topk: int = 32
     index_n_heads: int = 4
     index_head_dim: int = 96
@@ -93,6 +94,8 @@ def make_deepseek_checkpoint(
         DeepseekV2ForCausalLM,
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
         Glm4MoeLiteConfig,
         Glm4MoeLiteForCausalLM,
         GlmMoeDsaConfig,
@@ -102,10 +105,10 @@ def make_deepseek_checkpoint(
     spec = spec or DeepSeekSpec()
     v3 = spec.topk_method == "noaux_tc"
     dsa = spec.architecture == "GlmMoeDsaForCausalLM"
+    v32 = spec.architecture == "DeepseekV32ForCausalLM"
     glm = spec.architecture == "Glm4MoeLiteForCausalLM" or dsa
-    if spec.architecture not in ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM") or (
-        glm and not v3
-    ):
+    archs = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM")
+    if spec.architecture not in archs or ((glm or v32) and not v3):
         raise ValueError(f"no tiny checkpoint for {spec.architecture} with topk_method {spec.topk_method!r}")
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="zerokld-tokenizer-") as tok_dir:
@@ -156,6 +159,19 @@ def make_deepseek_checkpoint(
                 **fields,
             )
             model = GlmMoeDsaForCausalLM(dsa_cfg)
+        elif v32:  # DeepSeek-V3.2: an indexer in every layer
+            del fields["topk_method"]
+            v32_cfg = DeepseekV32Config(
+                norm_topk_prob=True,
+                index_topk=spec.index_topk,
+                index_n_heads=spec.index_n_heads,
+                index_head_dim=spec.index_head_dim,
+                **common,
+                **fields,
+            )
+            # DeepSeek-V3.2's config.json states its router (vLLM reads these; HF's class is always this router)
+            v32_cfg.scoring_func, v32_cfg.topk_method = "sigmoid", "noaux_tc"
+            model = DeepseekV32ForCausalLM(v32_cfg)
         elif glm:
             k = fields.pop("first_k_dense_replace")
             del fields["topk_method"]

@@ -174,9 +174,10 @@ class _MLALayer(ResidualLayer):
 
     def _sparse_attention(self, a, q_resid, qc, latent, cos, sin) -> torch.Tensor:
         """DeepSeek Sparse Attention over the paged cache (:mod:`shared_numerics.dsa`): the tokens' rows
-        ``[latent ‖ indexer key]`` written at their slots, every query's dense MLA over the latents (the paged
-        attention), then the queries at positions ``>= index_topk`` replaced by MLA over their selected latents. The
-        layer's cache and metadata are read as vLLM's own attention op reads them (``get_attention_context``)."""
+        ``[latent ‖ indexer key]`` written at their slots, the selections of the queries at positions ``>=
+        index_topk`` (a full layer's own, a shared layer's from its full layer), then
+        :func:`shared_numerics.dsa.dsa_paged_attention`. The layer's cache and metadata are read as vLLM's own
+        attention op reads them (``get_attention_context``)."""
         from vllm.model_executor.layers.attention.attention import get_attention_context
 
         sa, d, w = self.self_attn, self.index, latent.shape[-1]
@@ -194,19 +195,14 @@ class _MLALayer(ResidualLayer):
             _write_slots(kv_cache, torch.cat([latent[:n], ik], dim=-1).unsqueeze(1), md.slot_mapping)
         else:  # a shared layer: its own latents, the full layer's selection
             _write_slots(kv_cache[..., :w], latent[:n].unsqueeze(1), md.slot_mapping)
-        lat = kv_cache[..., :w]
-        o[:n] = sn.paged_causal_attention(
-            qc[:n], lat, lat, md.query_start_loc, md.seq_lens, md.block_table, self.cfg_scale,
-            md.max_query_len, md.max_seq_len,
-        )  # fmt: skip
         if self.full:
             self.selections[self.layer_id] = sn_dsa.paged_selection(
                 iq, iw, kv_cache[:, 0, :, w:], md.query_start_loc, md.seq_lens, md.block_table, d.topk
             )
         rows, _, slots = self.selections[self.topk_source]
-        if rows.numel():
-            sel = lat.reshape(-1, w)[slots]  # [rows, topk, R + P]
-            o[rows] = sn_dsa.gathered_attention(qc[rows], sel, self.cfg_scale)
+        o[:n] = sn_dsa.dsa_paged_attention(
+            qc[:n], kv_cache[..., :w], md.query_start_loc, md.seq_lens, md.block_table, rows, slots, self.cfg_scale
+        )
         return o
 
 
