@@ -184,7 +184,8 @@ def gathered_attention(q: torch.Tensor, latents: torch.Tensor, scale: float) -> 
     mla_dense_attention`'s arithmetic for those keys).
 
     Args:
-        q: ``[N, H, R + P]`` absorbed queries; latents: ``[N, L, R + P]``; scale: MLA's softmax scale.
+        q: ``[N, H, R + P]`` absorbed queries; latents: ``[N, L, R + P]`` (or ``[N, L, Hkv, R + P]``: the latent
+            repeated per key/value head, :func:`dsa_dense_attention`'s ``head_tree``); scale: MLA's softmax scale.
 
     Returns:
         ``[N, H, R + P]`` in ``q.dtype``, bitwise the row ``L - 1`` of :func:`shared_numerics.dense_causal_attention`
@@ -196,7 +197,7 @@ def gathered_attention(q: torch.Tensor, latents: torch.Tensor, scale: float) -> 
 
     n, h, d = q.shape
     length = latents.shape[1]
-    kv = latents.unsqueeze(2)
+    kv = latents.unsqueeze(2) if latents.dim() == 3 else latents
     if q.device.type == "cpu" and active_ops(q)["dense_causal_attention"] is torch_dense:
         from .attention_cpu import gathered_attention_cpu
 
@@ -232,29 +233,41 @@ def dense_selection(
 
 
 def dsa_dense_attention(
-    q: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, scale: float, dense=None
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    rows: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    *,
+    head_tree: bool = False,
+    gather=None,
 ) -> torch.Tensor:
-    """DSA over dense sequences (the trainer's layout): the rows at positions ``< topk`` are dense MLA's (``dense``:
-    the dense attention over the first ``topk`` positions, default :func:`shared_numerics.mla.mla_dense_attention`),
-    the others :func:`gathered_attention` of their selected latents.
+    """DSA over dense sequences (the trainer's layout): the rows at positions ``< topk`` are dense MLA's
+    (:func:`shared_numerics.mla.mla_dense_attention` over the first ``topk`` positions), the others
+    :func:`gathered_attention` of their selected latents.
 
     Args:
         q: ``[B, T, H, R + P]`` the absorbed queries; latent: ``[B, T, R + P]``; rows, idx: :func:`dense_selection`
             (the flat rows ``b T + t`` with ``t >= topk``, in order, and their ``[n, topk]`` positions).
-        dense: ``(q, latent) -> [B, T', H, R + P]`` (the caller's dense MLA, e.g. with its tensor-parallel options).
+        head_tree, gather: as :func:`shared_numerics.mla.mla_dense_attention` (tensor parallelism: ``q`` this rank's
+            heads); with ``head_tree`` the selected latents are gathered per head and the latent's gradient from
+            the selecting rows adds the heads in the same TP-aligned tree. The forward is the same bits either way.
 
     Returns:
         ``[B, T, H, R + P]``, differentiable in ``q`` and ``latent``.
     """
-    from .mla import mla_dense_attention
+    from .mla import _HeadTreeLatent, mla_dense_attention
 
     b, t, h, d = q.shape
     topk = idx.shape[1]
-    dense = dense or (lambda qq, ll: mla_dense_attention(qq, ll, scale))
-    head = dense(q[:, : min(t, topk)], latent[:, : min(t, topk)])
+    head = mla_dense_attention(
+        q[:, : min(t, topk)], latent[:, : min(t, topk)], scale, head_tree=head_tree, gather=gather
+    )
     if rows.numel() == 0:
         return head
-    sel = latent[(rows // t).unsqueeze(1), idx]  # [n, topk, R + P]
+    seq = (rows // t).unsqueeze(1)
+    # [n, topk, R + P]; with head_tree [n, topk, H, R + P]: the latent once per head, its gradient in the head tree
+    sel = _HeadTreeLatent.apply(latent, h, gather)[seq, idx] if head_tree else latent[seq, idx]
     tail = gathered_attention(q.reshape(b * t, h, d)[rows], sel, scale).view(b, t - topk, h, d)
     return torch.cat([head, tail], dim=1)
 

@@ -275,3 +275,66 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
         torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
         torch.cat([completion_logprobs(o) for o in after]),
     )
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_fp8_block_served_online_and_exported_equals_the_qat_trainer(engine_slot, ckpts, tmp_path):
+    """FP8 as DeepSeek ships it (1x128 x 128x128 blocks) on GLM-5: vLLM's online-FP8 engine samples requests longer than
+    ``index_topk`` whose log-probs equal TorchTitan's FP8 QAT forward bit for bit; the indexer stays high precision on
+    both sides (the exported ``zerokld_fp8`` checkpoint keeps its tensors in the model dtype), and the exported
+    checkpoint serves the same bits. Negative control: the trainer without FP8 differs from what was served."""
+    from safetensors import safe_open
+    from vllm import SamplingParams
+
+    from titan_plugin import trainer_logprobs
+    from titan_plugin.rl import RLTrainer, rl_trainer_config
+    from vllm_plugin.engines import completion_logprobs, start_llm
+    from zerokld_testing import random_prompts
+
+    dtype, g = "bfloat16", "block"
+    ckpt = ckpts(dtype)
+    prompts = random_prompts(12, seed=58, lo=20, hi=150)
+    lens = [len(p) for p in prompts]
+
+    def sample(engine):
+        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=700 + i, logprobs=0) for i in range(len(prompts))]
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)], [
+            completion_logprobs(o) for o in outs
+        ]
+
+    llm = engine_slot.get(
+        ("zerokld-dsa-fp8", dtype),
+        lambda: start_llm(ckpt, dtype=dtype, fp8=g, max_num_batched_tokens=64, block_size=16),
+    )
+    seqs, served = sample(llm)
+    assert torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype=dtype, fp8=g)), torch.cat(served))
+    assert not torch.equal(torch.cat(trainer_logprobs(ckpt, seqs, lens, dtype=dtype)), torch.cat(served))
+    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, fp8=g))
+    try:
+        exported = trainer.save_fp8(tmp_path / "fp8", dtype, g)
+    finally:
+        trainer.close()
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_a_proj.weight").dtype == torch.float8_e4m3fn
+        for w in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+            assert f.get_tensor(f"model.layers.0.self_attn.indexer.{w}").dtype == torch.bfloat16, w
+    from_export = engine_slot.get(
+        ("zerokld-dsa-fp8-exported", str(exported)),
+        lambda: start_llm(str(exported), dtype=dtype, max_num_batched_tokens=64, block_size=16),
+    )
+    seqs2, served2 = sample(from_export)
+    assert seqs2 == seqs and torch.equal(torch.cat(served2), torch.cat(served))
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path):
+    """LoRA on GLM-5: DeepSeek-V3's LoRA check (``tests/test_deepseek.py``, the same body) on the DSA checkpoint — two
+    adapters the trainer trained (the MLA projections and the dense MLP; not ``kv_b_proj``, the experts or the
+    indexer) served co-batched with base requests (prompts up to 90 tokens: past ``index_topk``), each request's
+    log-probs the trainer's under its adapter, alone == co-batched, each adapter changing its requests."""
+    from tests.test_deepseek import test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer as check
+
+    check(engine_slot, lambda shape, dtype: ckpts(dtype, shape), tmp_path, "glm5")

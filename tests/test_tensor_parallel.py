@@ -933,6 +933,25 @@ def test_vllm_tp2_equals_the_trainer_at_tp1_and_tp2(family, dtype, engine_slot, 
 @pytest.mark.titan
 @pytest.mark.tp
 @pytest.mark.timeout(600)
+def test_vllm_tp2_serves_glm5_sparse_attention_as_the_trainer_at_tp1(engine_slot, tmp_path):
+    """GLM-5's DeepSeek Sparse Attention at vLLM ``--tensor-parallel-size 2`` (``tp_k_block``): each rank two of the
+    four MLA heads, the indexer replicated (the same selection on both ranks, from the same cached keys), the whole
+    ``[latent ‖ indexer key]`` row cached on both. Prompts up to 90 tokens (past ``index_topk`` 32, prefilled in
+    chunks of 64): every served log-prob is the trainer's at TP 1 with the same ``tp_k_block``, bit for bit."""
+    import dataclasses
+
+    from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, make_deepseek_checkpoint
+
+    spec = dataclasses.replace(GLM_4_7_FLASH_TIES, architecture="GlmMoeDsaForCausalLM", index_topk_freq=2)
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "glm5", spec, seed=3, dtype="bfloat16"))
+    _, prompts, *_ = _served_at_tp2_is_the_trainers(engine_slot, ckpt, "bfloat16")
+    assert sum(len(p) > spec.index_topk for p in prompts) >= 3
+
+
+@pytest.mark.vllm
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(600)
 def test_vllm_tp2_serves_deepseek_v3_as_the_trainer_at_tp1_ep2_and_tp2_x_ep2(engine_slot, tmp_path):
     """DeepSeek-V3 (MLA with YaRN, DeepSeekMoE with tied group scores, a dense first layer, a shared expert) served at
     vLLM ``--tensor-parallel-size 2`` with ``tp_k_block``: each rank two of the four heads (``q_b_proj`` and
@@ -1016,6 +1035,47 @@ def test_vllm_tp2_serves_glm_4_7_flash_as_the_trainer_at_tp1_and_tp2_x_ep2(engin
     run = _trainer_tp(tmp_path, ckpt, "float32", 2, seqs, lens, ep=2)
     assert len(run["logprobs"]) == len(served)
     assert all(torch.equal(a, b) for a, b in zip(served, run["logprobs"], strict=True))
+
+
+@pytest.mark.titan
+@pytest.mark.tp
+@pytest.mark.timeout(900)
+def test_glm5_sparse_attention_trains_at_tensor_parallel_2_x_expert_parallel_2_like_tp_1(tmp_path):
+    """GLM-5's DeepSeek Sparse Attention in TorchTitan's ``deepseek_v3`` at TP 2 x EP 2 (``tp_k_block``, float32; TP on
+    DeepSeekMoE needs EP, as for DeepSeek-V3): each rank two of the four MLA heads, the indexer whole on every rank
+    (the same selection), the selecting rows' latent gradient added over the heads in the TP-aligned tree as the
+    dense rows' is. Two streamed steps on sequences of 30-70 tokens (past ``index_topk`` 32) give TP 1's log-probs,
+    every gradient, the gradient norms and every weight bit for bit; the indexer's weights (not trained) stay the
+    checkpoint's, every other weight moves."""
+    import dataclasses
+    import glob
+
+    from safetensors.torch import load_file
+
+    from zerokld_testing import random_prompts
+    from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, make_deepseek_checkpoint
+
+    spec = dataclasses.replace(
+        GLM_4_7_FLASH_TIES, architecture="GlmMoeDsaForCausalLM", index_topk_freq=2, vocab_size=128
+    )
+    ckpt = str(make_deepseek_checkpoint(tmp_path / "glm5", spec, seed=3))
+    seqs = random_prompts(6, seed=51, lo=30, hi=70)
+    assert sum(len(s) > spec.index_topk for s in seqs) >= 3
+    lens = [len(s) // 2 for s in seqs]
+    run = dict(train_step=True, weights=True, steps=2, streaming=True, grads=True)
+    one, two = (_trainer_tp(tmp_path, ckpt, "float32", tp, seqs, lens, ep=tp, **run) for tp in (1, 2))
+    assert torch.equal(torch.cat(one["logprobs"]), torch.cat(two["logprobs"]))
+    assert one["grads"].keys() == two["grads"].keys() and len(one["grads"]) > 10
+    assert [k for k, g in one["grads"].items() if not torch.equal(g, two["grads"][k])] == []
+    assert one["grad_norm"] == two["grad_norm"] and len(one["grad_norm"]) == 2
+    assert one["weights"].keys() == two["weights"].keys()
+    assert [k for k, w in one["weights"].items() if not torch.equal(w, two["weights"][k])] == []
+    start = {}
+    for f in glob.glob(f"{ckpt}/*.safetensors"):
+        start.update(load_file(f))
+    for name, w in one["weights"].items():
+        moved = not torch.equal(w, start[name].float())
+        assert moved != (".indexer." in name), name
 
 
 @pytest.mark.titan

@@ -197,7 +197,7 @@ def _fed_by_another(
                 out[id(getattr(m, which))] = functools.partial(_adapter_site, m, which)
         elif _own_class(m) is ZeroKLDMoE:
             out[id(m.routed_experts.inner_experts)] = functools.partial(_expert_site, m)
-        elif _own_class(m) is ZeroKLDMLAAttention and _own_class(m.wkv_b) in CHAIN_MODULES:
+        elif issubclass(_own_class(m), ZeroKLDMLAAttention) and _own_class(m.wkv_b) in CHAIN_MODULES:
             out[id(m.wkv_b)] = functools.partial(_kv_b_site, m)
         for norm, heads in ((getattr(m, "q_norm", None), "n_heads"), (getattr(m, "k_norm", None), "n_kv_heads")):
             if norm is not None and _own_class(norm) is ZeroKLDRMSNorm and norm.head_tree:

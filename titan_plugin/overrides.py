@@ -487,14 +487,15 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
         pos = torch.arange(seq, device=x.device).repeat(b) if positions is None else positions.reshape(-1)
         cos, sin = sn.rope_cos_sin(pos, c.dims.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
         x2 = x.reshape(b * seq, d)
-        q = self.wq(x2) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x2)))
+        q_resid = None if self.q_lora_rank == 0 else self.q_norm(self.wq_a(x2))
+        q = self.wq(x2) if q_resid is None else self.wq_b(q_resid)
         ckv, kv_b, kv_norm = self.wkv_a(x2), self.wkv_b.weight, self.kv_norm.weight
-        dims, gather = c.dims, None
+        dims, gather, a = c.dims, None, x2
         if _is_dtensor(x):  # TorchTitan TP: this rank's heads (q's Shard(-1) columns, wkv_b's Shard(0) rows)
             from .tensor_parallel import _gather_over, _local
 
             mesh = x.device_mesh
-            q, ckv, kv_b, kv_norm = (_local(t) for t in (q, ckv, kv_b, kv_norm))
+            q, ckv, kv_b, kv_norm, a, q_resid = (_local(t) for t in (q, ckv, kv_b, kv_norm, x2, q_resid))
             dims = dataclasses.replace(dims, num_heads=q.shape[-1] // (dims.qk_nope_head_dim + dims.qk_rope_head_dim))
             gather = _gather_over(mesh) if mesh.size() > 1 else None
         if isinstance(self.wkv_b, ZeroKLDFp8Linear):  # FP8 QAT: the dequantized codes the server absorbs
@@ -508,17 +509,18 @@ class ZeroKLDMLAAttention(DeepSeekMLAAttention):
             q, ckv, kv_norm, kv_b, cos, sin, dims, kv_norm_chain=norm_chain, kv_b_chain=kv_b_chain
         )
 
-        def dense(qq, ll):
-            return sn_mla.mla_dense_attention(qq, ll, c.scale, head_tree=c.head_tree, gather=gather)
-
-        o = self.latent_attention(qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1), dense, x2, cos, sin)
+        qc, latent = qc.view(b, seq, dims.num_heads, -1), latent.view(b, seq, -1)
+        o = self.latent_attention(qc, latent, gather, a, q_resid, cos, sin)
         o = sn_mla.mla_output(o.reshape(b * seq, dims.num_heads, -1), kv_b, dims, kv_b_chain=kv_b_chain)
         return self.wo(o).view(b, seq, d)
 
-    def latent_attention(self, qc, latent, dense, x2, cos, sin):
-        """The attention over the latents ``[B, T, H, R + P]``: dense MLA (``dense(qc, latent)``); DSA's
-        :class:`ZeroKLDDSAAttention` attends its selecting rows to their selections."""
-        return dense(qc, latent)
+    def latent_attention(self, qc, latent, gather, a, q_resid, cos, sin):
+        """The attention of the absorbed queries ``qc`` ``[B, T, H, R + P]`` (this rank's heads) over the latents
+        ``[B, T, R + P]``: dense MLA (:func:`shared_numerics.mla.mla_dense_attention`, ``head_tree`` with ``gather``
+        under TP); DSA's :class:`ZeroKLDDSAAttention` attends its selecting rows to their selections (``a``: the
+        layer's input ``[B T, dim]``, ``q_resid``: ``q_norm(wq_a(a))``, both plain tensors)."""
+        c = self.zerokld
+        return sn_mla.mla_dense_attention(qc, latent, c.scale, head_tree=c.head_tree, gather=gather)
 
 
 class DSAIndexer(Module):
@@ -555,8 +557,9 @@ class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
     (:func:`shared_numerics.dsa.dense_selection`); a ``"shared"`` layer reuses the selection of the full layer
     ``topk_source`` (its latest forward in this model config's layers: one forward at a time; pipeline schedules
     with several micro-batches in flight are not supported with shared layers). Rows at positions ``< index_topk``
-    are dense MLA's; the others :func:`shared_numerics.dsa.dsa_dense_attention`. Tensor parallelism and packed
-    documents are refused."""
+    are dense MLA's; the others :func:`shared_numerics.dsa.dsa_dense_attention` (under tensor parallelism: this
+    rank's heads, the selection computed whole on every rank, the latent's gradient in the TP-aligned head tree).
+    Packed documents are refused."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ZeroKLDMLAAttention.Config):
@@ -573,21 +576,25 @@ class ZeroKLDDSAAttention(ZeroKLDMLAAttention):
                 dims=config.indexer, q_lora_rank=config.q_lora_rank, dim=config.dim
             ).build()
 
-    def latent_attention(self, qc, latent, dense, x2, cos, sin):
+    def latent_attention(self, qc, latent, gather, a, q_resid, cos, sin):
         c = self.zerokld
-        if _is_dtensor(qc):
-            raise NotImplementedError("zerokld DeepSeek Sparse Attention does not run under tensor parallelism yet")
         if c.full:
             ix = self.indexer
-            q_resid = self.q_norm(self.wq_a(x2))
-            iq, ik, iw = sn_dsa.indexer_query_key(
-                x2, q_resid, ix.wq_b.weight, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias,
-                ix.weights_proj.weight, cos, sin, c.indexer,
-            )  # fmt: skip
+            weights = [
+                w.to_local() if _is_dtensor(w) else w
+                for w in (ix.wq_b.weight, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias, ix.weights_proj.weight)
+            ]
+            iq, ik, iw = sn_dsa.indexer_query_key(a, q_resid, *weights, cos, sin, c.indexer)
             b, t = latent.shape[:2]
             c.selections[c.layer_id] = sn_dsa.dense_selection(iq, iw, ik.view(b, t, -1), c.indexer.topk)
-        rows, idx = c.selections[c.topk_source if not c.full else c.layer_id]
-        return sn_dsa.dsa_dense_attention(qc, latent, rows, idx, c.scale, dense=dense)
+        source = c.layer_id if c.full else c.topk_source
+        if source not in c.selections:
+            raise NotImplementedError(
+                f"DeepSeek Sparse Attention: layer {c.layer_id} reuses layer {source}'s selection, which this process "
+                "has not computed (a pipeline stage boundary between them is not supported)"
+            )
+        rows, idx = c.selections[source]
+        return sn_dsa.dsa_dense_attention(qc, latent, rows, idx, c.scale, head_tree=c.head_tree, gather=gather)
 
 
 def set_mla(model_cfg, cfg) -> None:
@@ -927,9 +934,10 @@ def set_tp_k_block(model_cfg, k_block: int) -> None:
         qkv = getattr(layer.attention, "qkv_linear", None)
         mlps = (getattr(layer, "feed_forward", None), shared)
         columns = [(qkv, n) for n in ("wq", "wkv", "wqkv")] + [(m, w) for m in mlps for w in ("w1", "w3")]
-        if type(layer.attention) is ZeroKLDMLAAttention.Config:  # MLA: the latent's gradient over the heads in the
-            # tree; the query up-projection's input gradient too, and the replicated low-rank projections' whole
-            layer.attention = derive(layer.attention, ZeroKLDMLAAttention.Config, head_tree=True)
+        if type(layer.attention) in (ZeroKLDMLAAttention.Config, ZeroKLDDSAAttention.Config):  # MLA (and DSA): the
+            # latent's gradient over the heads in the tree; the query up-projection's input gradient too, and the
+            # replicated low-rank projections' whole
+            layer.attention = derive(layer.attention, type(layer.attention), head_tree=True)
             columns += [(layer.attention, n) for n in ("wq", "wq_a", "wq_b", "wkv_a")]
         for owner, name in columns:
             cfg = getattr(owner, name, None)

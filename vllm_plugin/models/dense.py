@@ -218,8 +218,6 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     problems = unsupported_features(cfg, adapter)
     if pc.pipeline_parallel_size != 1:
         problems.append("pipeline parallelism (use PP=1)")
-    if cfg.index_topk is not None and pc.tensor_parallel_size != 1:
-        problems.append("DeepSeek Sparse Attention under tensor parallelism (use TP=1)")
     problems += _tp_problems(
         pc.tensor_parallel_size,
         from_vllm_config(vllm_config).tp_k_block,
