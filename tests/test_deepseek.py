@@ -225,10 +225,22 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     from the prefix cache) equals itself in the batch, and TorchTitan's stock ``deepseek_v3`` differs (the negative
     control)."""
     from titan_plugin import trainer_logprobs
-    from vllm_plugin.engines import completion_logprobs
 
     ckpt = ckpts(shape, dtype)
-    llm = _engine(engine_slot, ckpt, shape, dtype)
+    seqs, lens, served = served_is_the_trainers(_engine(engine_slot, ckpt, shape, dtype), ckpt, SHAPES[shape], dtype)
+    stock = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, batch_invariant=False)
+    stock_differs(
+        not torch.equal(torch.cat(stock), torch.cat(served)), "TorchTitan's stock deepseek_v3", f"{shape} {dtype}"
+    )
+
+
+def served_is_the_trainers(llm, ckpt: str, spec, dtype: str):
+    """The body of :func:`test_served_logprobs_are_the_trainers_bitwise` on a running engine of ``ckpt`` (``spec``:
+    its :class:`zerokld_testing.deepseek.DeepSeekSpec`); also GLM-5's and DeepSeek-V3.2's (``tests/test_dsa.py``).
+    Returns ``(sequences, prompt lengths, served log-probs)``."""
+    from titan_plugin import trainer_logprobs
+    from vllm_plugin.engines import completion_logprobs
+
     prompts, params = _served_batch()
 
     def gen(ps, ss):
@@ -244,7 +256,6 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     assert len(ours) == len(served) == 24
     assert torch.equal(torch.cat(ours), torch.cat(served))  # KL exactly 0, every token of every request
     # routing replay (R3): vLLM's routed_experts, one row per MoE layer (the dense first layers route nothing)
-    spec = SHAPES[shape]
     routes = [o.outputs[0].routed_experts for o in outs]
     assert all(
         r.shape == (len(q) - 1, spec.num_hidden_layers - spec.first_k_dense_replace, spec.num_experts_per_tok)
@@ -260,10 +271,7 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
         for o in (alone, again):
             assert o.outputs[0].token_ids == outs[i].outputs[0].token_ids
             assert torch.equal(completion_logprobs(o), served[i])
-    stock = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, batch_invariant=False)
-    stock_differs(
-        not torch.equal(torch.cat(stock), torch.cat(served)), "TorchTitan's stock deepseek_v3", f"{shape} {dtype}"
-    )
+    return seqs, lens, served
 
 
 @pytest.mark.vllm
@@ -278,6 +286,14 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     applied in place on the workers (every MLA projection, stacked expert and selection bias it changed), and the
     engine then samples with exactly the trainer's new log-probs. DeepSeek-V2's export has no selection bias, as its
     checkpoint (the tensor names and shapes of the snapshot equal the checkpoint's)."""
+    ckpt = ckpts(shape, "bfloat16")
+    rl_step_hot_loaded(_engine(engine_slot, ckpt, shape, "bfloat16"), ckpt, tmp_path)
+
+
+def rl_step_hot_loaded(llm, ckpt: str, tmp_path, lo: int = 4, hi: int = 90) -> tuple[dict, dict]:
+    """The body of :func:`test_rl_step_hot_loaded_in_place_serves_the_trainers_weights` on a running bf16 engine of
+    ``ckpt`` (prompts of ``lo``-``hi`` tokens); also GLM-5's (``tests/test_dsa.py``). Returns the checkpoint's and the
+    step's tensors."""
     from vllm import SamplingParams
 
     from deltasync import read_snapshot_tensors
@@ -289,9 +305,7 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     from zerokld_testing.engines import load_delta_offline
 
     dtype = "bfloat16"
-    ckpt = ckpts(shape, dtype)
-    llm = _engine(engine_slot, ckpt, shape, dtype)
-    prompts = random_prompts(6, seed=13, lo=4, hi=90)
+    prompts = random_prompts(6, seed=13, lo=lo, hi=hi)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],
@@ -331,6 +345,7 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
         torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
         torch.cat([completion_logprobs(o) for o in after]),
     )
+    return old, new
 
 
 @pytest.mark.extended  # `make test-extended`: the SDK loop is test_fireworks_wire.py's (~75 s)

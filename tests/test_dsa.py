@@ -141,12 +141,10 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     TorchTitan's zerokld trainer's on the same tokens bit for bit (whole stacked tensors), also with the engine's routed
     experts replayed (R3); a request alone, and again from the prefix cache, equals itself in the batch; and the
     trainer refuses to run without zerokld (TorchTitan has no DSA)."""
-    from vllm import SamplingParams
-
+    from tests.test_deepseek import served_is_the_trainers
     from titan_plugin import trainer_logprobs
-    from vllm_plugin.engines import completion_logprobs, start_llm
+    from vllm_plugin.engines import start_llm
     from zerokld_models import UnsupportedModelError
-    from zerokld_testing import random_prompts
 
     ckpt = ckpts(dtype, shape)
     llm = engine_slot.get(
@@ -155,37 +153,8 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
             ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
         ),
     )
-    prompts = random_prompts(24, seed=55, lo=4, hi=150)
-    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=500 + i, logprobs=0) for i in range(len(prompts))]
-
-    def gen(ps, ss):
-        return llm.generate([{"prompt_token_ids": p} for p in ps], ss, use_tqdm=False)
-
-    llm.reset_prefix_cache()
-    outs = gen(prompts, params)
-    assert max(len(p) for p in prompts) > 64 and sum(len(p) > SPECS[shape].index_topk for p in prompts) >= 12
-    served = [completion_logprobs(o) for o in outs]
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
-    lens = [len(p) for p in prompts]
-    ours = trainer_logprobs(ckpt, seqs, lens, dtype=dtype)
-    assert len(ours) == len(served) == 24
-    assert torch.equal(torch.cat(ours), torch.cat(served))
-    routes = [o.outputs[0].routed_experts for o in outs]
-    spec = SPECS[shape]
-    assert all(
-        r.shape == (len(q) - 1, spec.num_hidden_layers - spec.first_k_dense_replace, spec.num_experts_per_tok)
-        for r, q in zip(routes, seqs, strict=True)
-    )
-    replayed = trainer_logprobs(ckpt, seqs, lens, dtype=dtype, routed_experts=routes)
-    assert torch.equal(torch.cat(replayed), torch.cat(served))
-    for i in (0, 9, 23):
-        llm.reset_prefix_cache()
-        alone = gen([prompts[i]], [params[i]])[0]
-        again = gen([prompts[i]], [params[i]])[0]
-        assert again.num_cached_tokens > 0
-        for o in (alone, again):
-            assert o.outputs[0].token_ids == outs[i].outputs[0].token_ids
-            assert torch.equal(completion_logprobs(o), served[i])
+    seqs, lens, _ = served_is_the_trainers(llm, ckpt, SPECS[shape], dtype)
+    assert sum(n > SPECS[shape].index_topk for n in lens) >= 12
     with pytest.raises(UnsupportedModelError, match="no DeepSeek Sparse Attention"):
         trainer_logprobs(ckpt, seqs[:1], lens[:1], dtype=dtype, batch_invariant=False)
 
@@ -215,15 +184,8 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     the weights through the sparse rows' gradients (the indexer's weights, not trained, stay as they were), its HF
     export (the indexer's tensors too: the same names and shapes as the checkpoint's) goes to the running engine as a
     hot-load delta applied in place, and the engine then samples with exactly the trainer's new log-probs."""
-    from vllm import SamplingParams
-
-    from deltasync import read_snapshot_tensors
-    from shared_numerics.rollout import RolloutBatch
-    from titan_plugin import trainer_logprobs
-    from titan_plugin.rl import RLTrainer, rl_trainer_config
-    from vllm_plugin.engines import completion_logprobs, start_llm
-    from zerokld_testing import random_prompts
-    from zerokld_testing.engines import load_delta_offline
+    from tests.test_deepseek import rl_step_hot_loaded
+    from vllm_plugin.engines import start_llm
 
     dtype = "bfloat16"
     ckpt = ckpts(dtype)
@@ -233,48 +195,9 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
             ckpt, dtype=dtype, max_num_batched_tokens=64, block_size=16, enable_return_routed_experts=True
         ),
     )
-    prompts = random_prompts(6, seed=13, lo=40, hi=120)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        [SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, logprobs=0) for i in range(6)],
-        use_tqdm=False,
-    )
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
-    lens = [len(p) for p in prompts]
-    trainer = RLTrainer(rl_trainer_config(ckpt, str(tmp_path / "dump"), dtype=dtype, lr=1e-3))
-    try:
-        out = trainer.rl_step(
-            RolloutBatch(
-                seqs,
-                lens,
-                [1.0, -1.0, 0.5, -0.5, 2.0, 0.0],
-                [completion_logprobs(o) for o in outs],
-                numerics=trainer.numerics,
-            )
-        )
-        assert out["clipped"] == 0 and torch.equal(
-            torch.cat(out["train_logprobs"]), torch.cat([completion_logprobs(o) for o in outs])
-        )
-        snap = trainer.save_hf(tmp_path / "step1", dtype)
-    finally:
-        trainer.close()
-    new = read_snapshot_tensors(snap)
-    old = read_snapshot_tensors(ckpt)
-    assert sorted(new) == sorted(old)
+    old, new = rl_step_hot_loaded(llm, ckpt, tmp_path, lo=40, hi=120)
     changed = {k for k in new if not torch.equal(new[k], old[k])}
     assert any("kv_b_proj" in k for k in changed) and not any(".indexer." in k for k in changed)
-    row = load_delta_offline(llm, ckpt, new, tmp_path / "hotload")
-    assert row["applied"] == "in_place" and row["tensors_changed"] > 0
-    after = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        [SamplingParams(max_tokens=6, temperature=1.0, seed=90 + i, logprobs=0) for i in range(6)],
-        use_tqdm=False,
-    )
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, after, strict=True)]
-    assert torch.equal(
-        torch.cat(trainer_logprobs(str(snap), seqs, lens, dtype=dtype)),
-        torch.cat([completion_logprobs(o) for o in after]),
-    )
 
 
 @pytest.mark.vllm
