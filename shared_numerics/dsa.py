@@ -9,7 +9,8 @@ score of key ``t`` for query ``n`` is ``I[n, t] = Σ_h w[n, h] · relu(Di^-1/2 �
 ``GlmMoeDsaIndexer`` / ``DeepseekV32Indexer``); the query attends the ``index_topk`` keys of highest score among
 its positions ``0 .. pos`` — **ties: the lowest position** (a stable descending sort) — in ascending position order.
 
-Everything here is fixed arithmetic: the dot products and the sum over the heads are float32 fixed pairwise trees
+Everything here is fixed arithmetic: the dot products are float32 FMA chains on the GEMM kernel (fixed pairwise
+trees where it does not run), the sum over the heads a float32 fixed pairwise tree
 (:func:`shared_numerics.reduce.tree_sum`), the projections :func:`shared_numerics.linear`, the LayerNorm float32
 with tree sums; so a query's selection depends only on its own row and its sequence's keys — not on the batch, on
 chunked prefill or on which path (dense or paged) computed it. The attention over the selection is MLA's
@@ -127,9 +128,23 @@ def indexer_query_key(
     return q, k.view(n, dims.head_dim), w
 
 
+def _kernel_dots() -> bool:
+    """Whether the index scores' dot products run on the float32 FMA GEMM kernel (CPU tensors, the torch backend,
+    :func:`shared_numerics.gemm_cpu.f32_available`): each one FMA chain in ``Di`` order, the element's bits
+    independent of the call's other rows and columns. Elsewhere they are fixed pairwise trees. A machine property
+    (the kernel's availability is in the numerics contract), the same for the engine and the trainer."""
+    from .gemm_cpu import f32_available
+
+    return f32_available()
+
+
 @torch.no_grad()
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_seq: torch.Tensor) -> torch.Tensor:
     """``I[n, t] = Σ_h w[n, h] · relu(Di^-1/2 · q[n, h] · keys[q_seq[n], t])`` in float32.
+
+    The dot products: on CPUs with the float32 GEMM kernel (:func:`_kernel_dots`) one FMA chain per product in ``Di``
+    order (:func:`shared_numerics.gemm_cpu.gemm_abt` on the float32 upcasts, one call per sequence: keys x its
+    queries' heads); elsewhere a fixed pairwise tree of the products. The sum over the heads: a fixed pairwise tree.
 
     Args:
         q: ``[N, Hi, Di]``; w: ``[N, Hi]`` float32 (:func:`indexer_query_key`).
@@ -138,14 +153,26 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_seq: to
         q_seq: ``[N]`` int64, each query's sequence.
 
     Returns:
-        ``[N, L]`` float32; element ``(n, t)`` depends only on ``q[n]``, ``w[n]`` and ``keys[q_seq[n], t]`` (fixed
-        pairwise trees over ``Di`` and over ``Hi``). No autograd.
+        ``[N, L]`` float32; element ``(n, t)`` depends only on ``q[n]``, ``w[n]`` and ``keys[q_seq[n], t]``. No
+        autograd.
     """
     n, hi, di = q.shape
     length = keys.shape[1]
     out = torch.empty(n, length, dtype=torch.float32, device=q.device)
-    step = max(1, _SCORE_CHUNK // max(1, hi * length * di))
     scale = di**-0.5
+    if q.device.type == "cpu" and _kernel_dots():
+        from .gemm_cpu import gemm_abt
+
+        for s in torch.unique(q_seq).tolist():
+            rows = torch.nonzero(q_seq == s).squeeze(1)
+            step = max(1, _SCORE_CHUNK // max(1, hi * length))
+            for c in range(0, rows.numel(), step):
+                r = rows[c : c + step]
+                dots = gemm_abt(q[r].float().reshape(-1, di), keys[s].float())  # [c Hi, L]
+                dots = dots.view(r.numel(), hi, length)
+                out[r] = tree_sum(torch.relu(dots * scale) * w[r].unsqueeze(-1), 1)
+        return out
+    step = max(1, _SCORE_CHUNK // max(1, hi * length * di))
     for s in range(0, n, step):
         qc = q[s : s + step].float()  # [c, Hi, Di]
         kc = keys[q_seq[s : s + step]].float()  # [c, L, Di]

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerokld_testing.controls import stock_differs
 from zerokld_testing.deepseek import GLM_4_7_FLASH_TIES, DeepSeekSpec, make_deepseek_checkpoint
 
 #: GLM-5's layers, tiny: GLM-4.7-Flash's MLA and router plus DSA (index_topk 32, layer 1 shares layer 0's selection)
@@ -59,6 +60,36 @@ def test_selection_is_the_top_k_with_ties_to_the_lowest_position():
     assert torch.equal(got, torch.tensor([[0, 1, 3, 4], [0, 1, 2, 3]]))
     with pytest.raises(ValueError, match="lengths"):
         select_topk(scores, torch.tensor([4, 8]), 4)  # a query that sees only 4 positions selects nothing: dense
+
+
+@pytest.mark.parametrize("dots", ["kernel", "tree"])
+def test_index_scores_are_batch_and_context_invariant(monkeypatch, dots):
+    """A query's index scores are the same bits alone and among 300 queries, and over a sequence's first half of keys
+    or all of them (each score depends only on its query and its key) — on the float32 GEMM kernel's FMA chains and
+    on the pairwise-tree fallback. Negative control: HF's formula (``torch.matmul`` of the query heads and the keys,
+    then of the head weights) gives other bits alone than in the batch at every size tried."""
+    import shared_numerics.dsa as dsa
+    from shared_numerics.gemm_cpu import f32_available
+
+    if dots == "kernel":
+        assert f32_available()  # every machine this project runs on (AVX2 + FMA or AVX-512)
+    else:
+        monkeypatch.setattr(dsa, "_kernel_dots", lambda: False)
+    torch.manual_seed(0)
+    hi, di = 8, 128
+    for length in (64, 700, 2000):
+        q, w, keys = torch.randn(300, hi, di), torch.rand(300, hi), torch.randn(1, length, di)
+        seq = torch.zeros(300, dtype=torch.long)
+        full = dsa.index_scores(q, w, keys, seq)
+        alone = dsa.index_scores(q[7:8], w[7:8], keys[:, : length // 2], seq[:1])
+        assert torch.equal(full[7, : length // 2], alone[0])
+        hf = torch.matmul(w.unsqueeze(1), torch.relu(torch.matmul(q, keys[0].t()) * di**-0.5)).squeeze(1)
+        hf_alone = torch.matmul(
+            w[7:8].unsqueeze(1), torch.relu(torch.matmul(q[7:8], keys[0, : length // 2].t()) * di**-0.5)
+        )
+        stock_differs(
+            not torch.equal(hf[7, : length // 2], hf_alone[0, 0]), "HF's index scores alone vs in 300", "sizes"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
