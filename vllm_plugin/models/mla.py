@@ -20,7 +20,10 @@ projection above, the dense MLPs and each routed and shared expert run :func:`sh
 its selection bias stay high precision.
 
 The cache is vLLM's ``MLAAttentionSpec`` page (:class:`vllm_plugin.attention_backend.LatentAttention`): the same bytes
-per token as vLLM's own MLA backends. Weights keep HF names (``self_attn.kv_a_proj_with_mqa.weight``,
+per token as vLLM's own MLA backends. With DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2: ``index_topk`` in the
+config) each row is ``[latent ‖ indexer key]`` and the layer runs :mod:`shared_numerics.dsa` over it (its full layers
+hold the indexer, ``self_attn.indexer.*``, high precision; its shared layers reuse their full layer's selection).
+Weights keep HF names (``self_attn.kv_a_proj_with_mqa.weight``,
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``).
 Sources: HF ``modeling_deepseek_v3.py``; vLLM ``models/deepseek_v2.py``.
 """
@@ -38,7 +41,7 @@ import shared_numerics.mla as sn_mla
 import shared_numerics.moe as sn_moe
 from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale
 
-from ..attention_backend import LatentAttention, _write_slots
+from ..attention_backend import LatentAttention, write_slots
 from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _DenseMLP, _norm, _param, _proj
 from .moe import StackedExperts, ZeroKLDMoEMixin
 
@@ -192,9 +195,9 @@ class _MLALayer(ResidualLayer):
                 a[:n], q_resid[:n], ix.wq_b.weight, ix.wk.weight, ix.k_norm.weight, ix.k_norm.bias,
                 ix.weights_proj.weight, cos[:n], sin[:n], d,
             )  # fmt: skip
-            _write_slots(kv_cache, torch.cat([latent[:n], ik], dim=-1).unsqueeze(1), md.slot_mapping)
+            write_slots(kv_cache, torch.cat([latent[:n], ik], dim=-1).unsqueeze(1), md.slot_mapping)
         else:  # a shared layer: its own latents, the full layer's selection
-            _write_slots(kv_cache[..., :w], latent[:n].unsqueeze(1), md.slot_mapping)
+            write_slots(kv_cache[..., :w], latent[:n].unsqueeze(1), md.slot_mapping)
         if self.full:
             self.selections[self.layer_id] = sn_dsa.paged_selection(
                 iq, iw, kv_cache[:, 0, :, w:], md.query_start_loc, md.seq_lens, md.block_table, d.topk
