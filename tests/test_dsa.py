@@ -165,7 +165,11 @@ def test_trainer_is_the_transformers_model_given_its_selection(ckpts, shape):
 
 @pytest.mark.vllm
 @pytest.mark.titan
-@pytest.mark.parametrize("shape,dtype", [("glm5", "bfloat16"), ("glm5", "float32"), ("deepseek_v32", "bfloat16")])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    # `make test-extended`: GLM-5 in float32 (the trainer's float32 DSA is HF's model: test_trainer_is_the_...)
+    [("glm5", "bfloat16"), pytest.param("glm5", "float32", marks=pytest.mark.extended), ("deepseek_v32", "bfloat16")],
+)
 def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
     """vLLM's zerokld engine (its cache rows ``[latent ‖ indexer key]``, prefills chunked at 64 tokens, prefix
     caching, 16-token blocks) samples 24 requests of 4-150 prompt tokens; every completion's log-probs equal
@@ -282,6 +286,7 @@ def test_fp8_block_served_online_and_exported_equals_the_qat_trainer(engine_slot
     assert seqs2 == seqs and torch.equal(torch.cat(served2), torch.cat(served))
 
 
+@pytest.mark.extended  # `make test-extended`: LoRA on the MLA projections is DeepSeek-V3's (test_deepseek.py)
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path):
