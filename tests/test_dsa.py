@@ -167,8 +167,12 @@ def test_trainer_is_the_transformers_model_given_its_selection(ckpts, shape):
 @pytest.mark.titan
 @pytest.mark.parametrize(
     "shape,dtype",
-    # `make test-extended`: GLM-5 in float32 (the trainer's float32 DSA is HF's model: test_trainer_is_the_...)
-    [("glm5", "bfloat16"), pytest.param("glm5", "float32", marks=pytest.mark.extended), ("deepseek_v32", "bfloat16")],
+    [
+        ("glm5", "bfloat16"),
+        # `make test-extended`: GLM-5 in float32 (the trainer's float32 DSA is HF's model: test_trainer_is_the_...)
+        pytest.param("glm5", "float32", marks=pytest.mark.extended),
+        pytest.param("deepseek_v32", "bfloat16", marks=pytest.mark.long),  # the long run: the default's budget
+    ],
 )
 def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dtype):
     """vLLM's zerokld engine (its cache rows ``[latent ‖ indexer key]``, prefills chunked at 64 tokens, prefix
@@ -211,6 +215,7 @@ def test_stock_vllm_cpu_refuses_dsa(ckpts):
     assert "Sparse Attention is not supported on CPU" in proc.stdout + proc.stderr
 
 
+@pytest.mark.long  # the long run (CI's second step): the default run's budget on 2-core AVX2 machines
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ckpts, tmp_path):
@@ -235,6 +240,7 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     assert any("kv_b_proj" in k for k in changed) and not any(".indexer." in k for k in changed)
 
 
+@pytest.mark.long  # the long run (CI's second step): the default run's budget on 2-core AVX2 machines
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_fp8_block_served_online_and_exported_equals_the_qat_trainer(engine_slot, ckpts, tmp_path):
