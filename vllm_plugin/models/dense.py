@@ -245,6 +245,12 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
             problems.append(f"lora_dtype {lc.lora_dtype} (adapters run in the model dtype: leave it auto)")
     if adapter.qkv_bias and (from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config)):
         problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
+    if cfg.index_topk is not None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
+            # the selection's sizes are data-dependent (which queries select, how many sequences): no graph capture
+            problems.append("DeepSeek Sparse Attention with CUDA graphs (use enforce_eager)")
     if problems:
         raise ZeroKLDConfigError(
             f"zerokld batch_invariant mode does not support ({cfg.architecture}): " + "; ".join(problems)
