@@ -351,15 +351,12 @@ def dsa_paged_attention(
         )
     if rows.numel():
         m = rows.numel()
-        flat = latent_cache.reshape(-1, 1, 1, d) if latent_cache.is_contiguous() else None
         if q.device.type == "cpu" and active_ops(q)["paged_causal_attention"] is torch_paged:
-            if flat is None:  # a strided view (the latent part of wider rows): one-slot blocks over its rows
-                row = latent_cache.stride(2)
-                if latent_cache.stride(0) != latent_cache.shape[2] * row or latent_cache.stride(-1) != 1:
-                    raise ValueError(f"dsa_paged_attention: a latent cache of strides {latent_cache.stride()}")
-                flat = latent_cache.as_strided(
-                    (latent_cache.shape[0] * latent_cache.shape[2], 1, 1, d), (row, row, row, 1)
-                )
+            # one-slot blocks over the cache's rows (the view may be the latent part of wider rows)
+            row = latent_cache.stride(2)
+            if latent_cache.stride(0) != latent_cache.shape[2] * row or latent_cache.stride(-1) != 1:
+                raise ValueError(f"dsa_paged_attention: a latent cache of strides {latent_cache.stride()}")
+            flat = latent_cache.as_strided((latent_cache.shape[0] * latent_cache.shape[2], 1, 1, d), (row, row, row, 1))
             qsl = torch.arange(m + 1, device=q.device)
             lens = torch.full((m,), topk, dtype=torch.long, device=q.device)
             out[rows] = paged_causal_attention(q[rows], flat, flat, qsl, lens, slots, scale)

@@ -601,10 +601,10 @@ def set_mla(model_cfg, cfg) -> None:
     """Make every layer's TorchTitan DeepSeek-V3 ``Attention`` a :class:`ZeroKLDMLAAttention` with the checkpoint's
     (:class:`zerokld_models.ModelConfig` ``cfg``) MLA sizes, RoPE base and scaling, and softmax scale; after
     :func:`apply_zerokld_overrides` (its sub-configs are already zerokld linears and norms)."""
-    from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale
+    from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale, topk_sources
 
-    dsa = indexer_dims(cfg)
-    source, selections = 0, {}  # one dict for the model's layers: each full layer's latest selection
+    dsa, sources = indexer_dims(cfg), topk_sources(cfg)
+    selections: dict = {}  # one dict for the model's layers: each full layer's latest selection
     for i, layer in enumerate(model_cfg.layers):
         common = dict(
             dims=mla_dims(cfg), rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, scale=mla_softmax_scale(cfg)
@@ -612,15 +612,13 @@ def set_mla(model_cfg, cfg) -> None:
         if dsa is None:
             layer.attention = derive(layer.attention, ZeroKLDMLAAttention.Config, **common)
             continue
-        full = cfg.indexer_types[i] == "full"
-        source = i if full else source
         layer.attention = derive(
             layer.attention,
             ZeroKLDDSAAttention.Config,
             indexer=dsa,
-            full=full,
+            full=sources[i] == i,
             layer_id=i,
-            topk_source=source,
+            topk_source=sources[i],
             selections=selections,
             **common,
         )

@@ -9,7 +9,7 @@ reader (:mod:`.config`), the support check (:mod:`.support`), checkpoint files (
 architecture = one folder + one line in :mod:`.hooks`.
 """
 
-from .config import ModelConfig, indexer_dims, mla_dims, mla_softmax_scale, read_model_config
+from .config import ModelConfig, indexer_dims, mla_dims, mla_softmax_scale, read_model_config, topk_sources
 from .support import UnsupportedModelError, check_supported, unsupported_features
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "mla_dims",
     "mla_softmax_scale",
     "read_model_config",
+    "topk_sources",
     "unsupported_features",
 ]
 

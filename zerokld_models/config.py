@@ -34,7 +34,7 @@ from typing import Any
 
 from shared_numerics.rope import RopeScaling, YarnScaling
 
-__all__ = ["ModelConfig", "indexer_dims", "mla_dims", "mla_softmax_scale", "read_model_config"]
+__all__ = ["ModelConfig", "indexer_dims", "mla_dims", "mla_softmax_scale", "read_model_config", "topk_sources"]
 
 
 @dataclass(frozen=True)
@@ -280,3 +280,12 @@ def indexer_dims(cfg: ModelConfig):
     return IndexerDims(
         cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk, cfg.index_rope_interleave
     )
+
+
+def topk_sources(cfg: ModelConfig) -> tuple[int, ...]:
+    """Each DSA layer's selection source: its own index for a ``"full"`` layer, the nearest earlier full layer's for
+    a ``"shared"`` one (HF ``GlmMoeDsaModel`` passes the previous full layer's top-k on); ``()`` without DSA."""
+    out: list[int] = []
+    for i, kind in enumerate(cfg.indexer_types):
+        out.append(i if kind == "full" or not out else out[-1])
+    return tuple(out)

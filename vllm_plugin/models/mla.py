@@ -39,7 +39,7 @@ import shared_numerics as sn
 import shared_numerics.dsa as sn_dsa
 import shared_numerics.mla as sn_mla
 import shared_numerics.moe as sn_moe
-from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale
+from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale, topk_sources
 
 from ..attention_backend import LatentAttention, write_slots
 from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _DenseMLP, _norm, _param, _proj
@@ -137,15 +137,13 @@ class _MLALayer(ResidualLayer):
         local = nh // (tp.size if tp is not None else 1)  # this rank's heads
         self.index = indexer_dims(cfg)  # DeepSeek Sparse Attention (GLM-5): each cache row = [latent ‖ indexer key]
         width = r + dr + (self.index.head_dim if self.index is not None else 0)
-        sa.attn = LatentAttention(
-            local, width, mla_softmax_scale(cfg), vllm_config.cache_config, f"{prefix}.self_attn.attn"
-        )
+        self.scale = mla_softmax_scale(cfg)
+        sa.attn = LatentAttention(local, width, self.scale, vllm_config.cache_config, f"{prefix}.self_attn.attn")
         self.dims = dataclasses.replace(mla_dims(cfg), num_heads=local)
-        self.cfg_scale = mla_softmax_scale(cfg)
         if self.index is not None:
             self.layer_id = int(prefix.rpartition(".")[2])
-            self.full = cfg.indexer_types[self.layer_id] == "full"
-            self.topk_source = max(i for i in range(self.layer_id + 1) if cfg.indexer_types[i] == "full")
+            self.topk_source = topk_sources(cfg)[self.layer_id]
+            self.full = self.topk_source == self.layer_id
             self.selections: dict = {}  # the decoder's: {full layer: (rows, idx, slots)} of the current forward
             if self.full:
                 d = self.index
@@ -196,15 +194,14 @@ class _MLALayer(ResidualLayer):
                 ix.weights_proj.weight, cos[:n], sin[:n], d,
             )  # fmt: skip
             write_slots(kv_cache, torch.cat([latent[:n], ik], dim=-1).unsqueeze(1), md.slot_mapping)
-        else:  # a shared layer: its own latents, the full layer's selection
-            write_slots(kv_cache[..., :w], latent[:n].unsqueeze(1), md.slot_mapping)
-        if self.full:
             self.selections[self.layer_id] = sn_dsa.paged_selection(
                 iq, iw, kv_cache[:, 0, :, w:], md.query_start_loc, md.seq_lens, md.block_table, d.topk
             )
+        else:  # a shared layer: its own latents, the full layer's selection
+            write_slots(kv_cache[..., :w], latent[:n].unsqueeze(1), md.slot_mapping)
         rows, _, slots = self.selections[self.topk_source]
         o[:n] = sn_dsa.dsa_paged_attention(
-            qc[:n], kv_cache[..., :w], md.query_start_loc, md.seq_lens, md.block_table, rows, slots, self.cfg_scale
+            qc[:n], kv_cache[..., :w], md.query_start_loc, md.seq_lens, md.block_table, rows, slots, self.scale
         )
         return o
 
