@@ -17,10 +17,16 @@ from __future__ import annotations
 from .attention import KEY_CHUNK, Q_TILE, attention_over_chunks
 from .linear import ROW_TILE
 from .metrics import logprob_diff_metrics
+from .mkl_vml import settle_vml_dispatch
 from .mode import NumericsMismatchError, NumericsMode, backend_for_device, check_same_numerics
 from .op_names import OP_NAMES
 from .reduce import exp64, tree_sum
 from .rollout import RolloutBatch
+
+# before any op of this package can run (importing its modules computes nothing): oneMKL's first-call dispatch race
+# (shared_numerics.mkl_vml) would otherwise give the process's first multi-threaded exp / cos / log ... low-accuracy
+# bits on one thread's chunk
+settle_vml_dispatch()
 
 __all__ = [
     "KEY_CHUNK",

@@ -121,8 +121,13 @@ CAPABILITIES = {
         Capability("requires_cuda", NO_CUDA_REASON, _cuda),
     )
 }
+#: tests/test_mkl_vml.py's negative control where the race it shows never came (another MKL, another CPU's timing)
+MKL_VML_NO_RACE_REASON = (
+    "no fresh process of 60 showed oneMKL VML's first-call race (pytorch/pytorch#188792) on this machine: "
+    "the negative control has nothing to show"
+)
 # The only skips a run may have; any other skip fails the session (no silent skips).
-ALLOWED_SKIPS = {c.reason for c in CAPABILITIES.values()}
+ALLOWED_SKIPS = {c.reason for c in CAPABILITIES.values()} | {MKL_VML_NO_RACE_REASON}
 _BAD_SKIPS: list[str] = []
 
 from zerokld_testing import TinyModelSpec, make_tiny_checkpoint  # noqa: E402
