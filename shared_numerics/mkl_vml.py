@@ -67,7 +67,7 @@ def settle_vml_dispatch() -> bool:
     if not torch.backends.mkl.is_available():
         return False
     for dtype in VML_DTYPES:
-        x = torch.full((1,), 0.5, dtype=dtype)
+        x = torch.full((1,), 0.5, dtype=dtype, device="cpu")  # (whatever the default device)
         for op in VML_OPS:
             getattr(torch, op)(x)
     return True
