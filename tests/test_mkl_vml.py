@@ -51,17 +51,18 @@ print(json.dumps(bad))
 """
 
 
-def _first_calls(mode: str, ops) -> list[str]:
-    """One fresh Python process (2 torch threads): the (op, dtype) pairs whose first call differed from the second."""
+def _fresh_python(script: str, *args: str, timeout: float) -> str:
+    """``script`` run with ``args`` in a fresh Python process (from the repository root): its last line of output."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, mode, ",".join(ops)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _first_calls(mode: str, ops) -> list[str]:
+    """One fresh Python process (2 torch threads): the (op, dtype) pairs whose first call differed from the second."""
+    return json.loads(_fresh_python(PROBE, mode, ",".join(ops), timeout=120))
 
 
 @pytest.mark.timeout(300)
@@ -106,11 +107,5 @@ model, _, _ = build_titan_model(sys.argv[1], dtype="float32")
 with torch.no_grad():
     print("same" if torch.equal(model(ids), model(ids)) else "differ")
 """
-    outcomes = []
-    for _ in range(8):
-        proc = subprocess.run(
-            [sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, timeout=240, cwd=ROOT
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outcomes.append(proc.stdout.strip().splitlines()[-1])
+    outcomes = [_fresh_python(script, str(ckpt), timeout=240) for _ in range(8)]
     assert outcomes == ["same"] * 8, outcomes
