@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 from zerokld_models.checkpoint import (
     ADAPTER_CONFIG,
     INDEX_FILE,
+    held_dtype,
     read_tensors,
     staged_dir,
     weights_file,
@@ -148,7 +149,9 @@ def verify_full_snapshot(
 ) -> None:
     """Refuse a full snapshot that is not loadable into a model with tensor spec ``reference``: every shard's header
     readable and covering the file exactly (safetensors refuses a truncated or padded file when it opens it), each
-    tensor in one shard only, the same tensor names, dtypes and shapes.
+    tensor in one shard only, the same tensor names, dtypes and shapes — a tensor the models hold wider than
+    ``reference`` stores it (:func:`zerokld_models.checkpoint.held_dtype`: DeepSeekMoE's float32 selection bias
+    in a bf16 checkpoint) may also come in that dtype, which loads into the held parameter without a cast.
 
     With ``check_data`` (what a replica does before a swap) every tensor is also read, one at a time: its Adler-32
     must equal the ``checksums`` of ``model.weight.spec.json`` (written by :func:`write_full_snapshot`; a snapshot
@@ -162,7 +165,7 @@ def verify_full_snapshot(
     if missing or extra:
         raise SnapshotError(f"tensor set differs from the served model: missing {missing[:3]}, extra {extra[:3]}")
     for name, (dt, shape) in reference.items():
-        if spec[name] != (dt, shape):
+        if spec[name] != (dt, shape) and spec[name] != (held_dtype(name, dt), shape):
             raise SnapshotError(f"{name}: {spec[name][0]}{list(spec[name][1])}, the model has {dt}{list(shape)}")
     _check_index(Path(snapshot_dir))
     if check_data:
@@ -397,6 +400,13 @@ def snapshot_numerics(snapshot_dir: str | Path) -> dict | None:
     return None
 
 
+def _held(name: str, base: torch.Tensor) -> torch.Tensor:
+    """A base tensor as the models hold it (:func:`zerokld_models.checkpoint.held_dtype`): a delta is the XOR of the
+    held bits, whichever dtype the base snapshot stores (the bits a worker decodes against in place are its
+    parameters')."""
+    return base.to(held_dtype(name, base.dtype))
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (bytes-like, no copy for a contiguous CPU tensor)."""
     return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
@@ -480,7 +490,9 @@ def write_incremental_snapshot(
 
     Args:
         base_dir: a full snapshot (the one the receiver holds).
-        new_tensors: HF name → tensor; same key set, shapes and dtypes as the base.
+        new_tensors: HF name → tensor; same key set, shapes and dtypes as the base (as the models hold it:
+            a selection bias stored bf16 in the base is encoded against its float32 widening,
+            :func:`zerokld_models.checkpoint.held_dtype`).
         out_dir: the delta directory to publish.
         compression_format: a codec name registered through the ``zerokld`` hooks.
         numerics: stamped into ``delta.json`` as ``"numerics"`` (see :func:`write_full_snapshot`).
@@ -514,7 +526,7 @@ def write_incremental_snapshot(
                     base_keys.add(name)
                     if name not in new_tensors:
                         raise DeltaError(f"tensor {name} of the base is missing from the new weights")
-                    b, n = base.get_tensor(name), new_tensors[name]
+                    b, n = _held(name, base.get_tensor(name)), new_tensors[name]
                     if b.shape != n.shape or b.dtype != n.dtype:
                         raise DeltaError(f"{name}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}")
                     jobs[name] = pool.submit(encode_one, name, b, n)
@@ -582,7 +594,7 @@ def apply_incremental_snapshot(
                 if set(d.keys()) != set(b.keys()):
                     raise DeltaError(f"{fname}: tensor names differ from the base")
                 for name in b.keys():
-                    bt = b.get_tensor(name)
+                    bt = _held(name, b.get_tensor(name))
                     try:
                         nb = decode(_raw(bt), _raw(d.get_tensor(name)))
                     except Exception as e:  # any codec failure is a refusal of this delta

@@ -18,6 +18,8 @@ attention, ``torch.topk`` routing) give other log-probs than each other and than
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -348,16 +350,24 @@ def rl_step_hot_loaded(llm, ckpt: str, tmp_path, lo: int = 4, hi: int = 90) -> t
     return old, new
 
 
-@pytest.mark.extended  # `make test-extended`: the SDK loop is test_fireworks_wire.py's (~75 s)
 @pytest.mark.vllm
 @pytest.mark.titan
-def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monkeypatch, request):
+@pytest.mark.parametrize(
+    "bias_dtype",
+    # float32 selection biases (as DeepSeek ships them): test_fireworks_wire.py's loop on MLA (~75 s)
+    [None, pytest.param("float32", marks=pytest.mark.extended)],
+)
+def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, tmp_path, monkeypatch, request, bias_dtype):
     """Issue 55 point 5, the whole stack: the unmodified Fireworks SDK (``fireworks-ai``) trains DeepSeek-V3 on our
     TorchTitan training server (``python -m titan_plugin.training_server``), ``WeightSyncer`` hot-loads each policy
     (full, then a delta) into a real ``vllm serve`` with zerokld, ``DeploymentSampler`` samples from it, and the
     sampler's log-probs equal the training server's ``forward`` log-probs of the same tokens bit for bit at every step.
     Negative control: after ``optim_step`` the trainer's log-probs of those tokens differ (the step moved the MLA and
-    DeepSeekMoE weights the next hot-load must carry)."""
+    DeepSeekMoE weights the next hot-load must carry).
+
+    ``bias_dtype`` None: the selection biases stored bf16 like every other tensor (what ``save_pretrained`` writes
+    for a model cast to bf16; issue 85 point 3: the hot-load server refused the trainer's every snapshot of such a
+    checkpoint, full and delta); ``"float32"``: as DeepSeek ships them."""
     import asyncio
 
     import requests
@@ -376,7 +386,14 @@ def test_fireworks_sdk_rl_loop_on_deepseek_v3(engine_slot, ckpts, tmp_path, monk
     engine_slot.close()
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     key, name, base = "fw-deepseek", "accounts/local/deployments/local", "accounts/fireworks/models/tiny-deepseek-v3"
-    ckpt = ckpts("yarn_groups_ties", "bfloat16")
+    ckpt = str(
+        make_deepseek_checkpoint(
+            tmp_path / "ckpt",
+            dataclasses.replace(SHAPES["yarn_groups_ties"], bias_dtype=bias_dtype),
+            seed=3,
+            dtype="bfloat16",
+        )
+    )
     root = tmp_path / "snapshots"
     root.mkdir()
     server = HotLoadServer(ckpt, root, tmp_path / "state", tmp_path / "vllm.log", key, max_model_len=256)

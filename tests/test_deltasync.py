@@ -108,6 +108,33 @@ def test_writer_refuses_shape_or_dtype_change(base_and_new, tmp_path):
     assert not any((tmp_path / ".staging").iterdir())  # nothing half-written left in the staging namespace
 
 
+def test_a_float32_held_tensor_of_a_bf16_checkpoint_round_trips_full_and_delta(checkpoint_factory, tmp_path):
+    """Issue 85 point 3: DeepSeekMoE's selection bias stored bf16 in the served checkpoint (``save_pretrained`` of a
+    model cast to bf16) is held float32 by both models; the trainer's float32 bias (moved by load balancing) passes
+    the full snapshot's spec check, a delta against the bf16 base encodes the float32 widening and decodes to the
+    trainer's bits on the host and in place against the float32 parameter. Any other tensor widened to float32 is
+    still refused (it would be cast on load)."""
+    from deltasync import SnapshotError, apply_delta_in_place, tensor_spec, verify_full_snapshot
+
+    bias, gate = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"
+    g = torch.Generator().manual_seed(0)
+    old = {bias: torch.randn(8, generator=g).bfloat16(), gate: torch.randn(8, 16, generator=g).bfloat16()}
+    base = write_full_snapshot(old, checkpoint_factory("qwen3", "bfloat16"), tmp_path / "base")
+    new = {bias: old[bias].float() + 1e-3, gate: (old[gate].float() * 1.01).bfloat16()}  # 1e-3: not a bf16 value
+    assert not torch.equal(new[bias].bfloat16().float(), new[bias])
+    full = write_full_snapshot(new, base, tmp_path / "full")
+    verify_full_snapshot(full, tensor_spec(base), check_data=True)
+    widened = write_full_snapshot({**new, gate: new[gate].float()}, base, tmp_path / "widened")
+    with pytest.raises(SnapshotError, match=gate):
+        verify_full_snapshot(widened, tensor_spec(base))
+    delta = write_incremental_snapshot(base, new, tmp_path / "delta")
+    decoded = read_snapshot_tensors(apply_incremental_snapshot(base, delta, tmp_path / "decoded"))
+    assert all(decoded[k].dtype == new[k].dtype and torch.equal(decoded[k], new[k]) for k in new)
+    live = {bias: old[bias].float(), gate: old[gate].clone()}  # what vLLM's model holds
+    apply_delta_in_place(delta, live, commit=True)
+    assert all(torch.equal(live[k], new[k]) for k in new)
+
+
 def _cli(*args):
     import subprocess
     import sys

@@ -34,6 +34,7 @@ from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX
 from shared_numerics.rollout import RolloutBatch
 from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, read_model_config
+from zerokld_models.checkpoint import held_dtype
 from zerokld_plugins.errors import ZeroKLDClientError
 
 from . import cpu_compat
@@ -47,7 +48,6 @@ from .pipeline import PipelineRunner, total_grad_norm
 from .routing import counted_positions, pack_routes, replay_routes
 
 __all__ = [
-    "FLOAT32_TENSORS",
     "NonFiniteGradientError",
     "RLTrainer",
     "RolloutQueue",
@@ -395,8 +395,6 @@ def _input_positions(batch: RolloutBatch, layout=None) -> torch.Tensor:
     return mask if layout is None else layout(mask, False)
 
 
-#: HF tensor-name suffixes a snapshot keeps in float32 whatever its dtype (:meth:`RLTrainer.hf_weights`)
-FLOAT32_TENSORS = (".e_score_correction_bias",)
 
 
 class RLTrainer(Trainer):
@@ -944,13 +942,13 @@ class RLTrainer(Trainer):
             torch.distributed.destroy_process_group()
 
     def hf_weights(self, dtype: str) -> dict[str, torch.Tensor]:
-        """The current weights under HF names, cast to ``dtype`` (what a snapshot ships; CPU tensors) — but
-        DeepSeekMoE's selection bias (``e_score_correction_bias``), which stays float32 as DeepSeek ships it: the
-        trainer routes with its float32 buffer (updated by TorchTitan's load balancing) and the server must route
-        with the same bits."""
+        """The current weights under HF names, cast to ``dtype`` (what a snapshot ships; CPU tensors) — but the
+        tensors the models hold in float32 (:func:`zerokld_models.checkpoint.held_dtype`: DeepSeekMoE's selection
+        bias), which stay float32 whatever dtype the checkpoint stores them in: the trainer routes with its float32
+        buffer (updated by TorchTitan's load balancing) and the server must route with the same bits."""
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         return {
-            k: v.to(torch.float32 if k.endswith(FLOAT32_TENSORS) else torch_dtype)
+            k: v.to(held_dtype(k, torch_dtype))
             for k, v in hf_state_dict(
                 self.model_parts, self.model_config, self._hf, None if self.pipeline is None else self.pipeline.group
             ).items()

@@ -25,9 +25,11 @@ from safetensors.torch import load_file, save_file
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "FLOAT32_TENSORS",
     "INDEX_FILE",
     "STAGING_DIR",
     "copy_assets",
+    "held_dtype",
     "iter_shards",
     "publish_atomically",
     "read_config",
@@ -59,6 +61,22 @@ def staging_path(out: str | Path, kind: str = "tmp") -> Path:
 
 
 WEIGHT_SUFFIX = ".safetensors"
+
+#: HF tensor-name suffixes that the served and the trained model hold in float32 whatever dtype the checkpoint stores
+#: them in: DeepSeekMoE's selection bias (vLLM's ``DeepseekV2MoE`` and zerokld's gate hold a float32
+#: ``e_score_correction_bias`` parameter; TorchTitan's ``expert_bias_E`` is a float32 buffer its load balancing
+#: updates). A snapshot carries them in float32, the trainer's bits; a delta encodes and decodes them against float32.
+FLOAT32_TENSORS = (".e_score_correction_bias",)
+_NARROW_FLOATS = {"BF16": "F32", "F16": "F32", torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def held_dtype(name: str, stored):
+    """The dtype the models hold checkpoint tensor ``name`` in when a checkpoint stores it as ``stored`` (a torch
+    dtype, or a safetensors dtype name such as ``"BF16"``; the result is of the same kind): float32 for a bf16 / fp16
+    tensor named in :data:`FLOAT32_TENSORS` (an exact widening), else ``stored``."""
+    if name.endswith(FLOAT32_TENSORS):
+        return _NARROW_FLOATS.get(stored, stored)
+    return stored
 
 
 def read_config(checkpoint_dir: str | Path) -> dict:

@@ -66,6 +66,9 @@ class DeepSeekSpec:
     index_n_heads: int = 4
     index_head_dim: int = 96
     index_topk_freq: int = 1  # > 1: GLM's cross-layer sharing ("shared" layers reuse the previous full selection)
+    # the stored dtype of the selection biases (``e_score_correction_bias``): "float32" as DeepSeek ships them, or
+    # None for the checkpoint's dtype (what ``save_pretrained`` writes for a model cast with ``model.to(dtype)``)
+    bias_dtype: str | None = "float32"
 
 
 _DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "index_topk_freq")
@@ -87,7 +90,7 @@ def make_deepseek_checkpoint(
     out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0, dtype: str = "float32"
 ) -> Path:
     """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
-    selection biases std 0.1, stored float32 as DeepSeek ships them; ``dtype`` ``"float32"`` or ``"bfloat16"``).
+    selection biases std 0.1, stored as ``spec.bias_dtype`` (float32 as DeepSeek ships them); ``dtype`` ``"float32"`` or ``"bfloat16"``).
     Returns ``Path(out_dir)``."""
     from transformers import (
         DeepseekV2Config,
@@ -129,7 +132,7 @@ def make_deepseek_checkpoint(
         fields = {
             k: v
             for k, v in asdict(spec).items()
-            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size", "architecture", *_DSA_FIELDS)
+            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size", "architecture", "bias_dtype", *_DSA_FIELDS)
         }
         common = dict(
             vocab_size=vocab,
@@ -212,8 +215,8 @@ def make_deepseek_checkpoint(
                     if spec.expert_ties:
                         t[1::2] = t[0::2].clone()
         model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
-        for layer in model.model.layers:  # the selection bias stays float32, as DeepSeek-V3 ships it
-            if v3 and getattr(layer.mlp, "gate", None) is not None:
+        for layer in model.model.layers:  # the selection bias in its own dtype (float32, as DeepSeek-V3 ships it)
+            if v3 and spec.bias_dtype == "float32" and getattr(layer.mlp, "gate", None) is not None:
                 layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
         model.config.torch_dtype = dtype
         model.save_pretrained(out)
