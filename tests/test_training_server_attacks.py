@@ -115,6 +115,10 @@ def server(checkpoint_factory, tmp_path_factory):
             1 << 20,
             "--max-lora-rank",
             8,
+            "--max-request-tokens",
+            20_000,
+            "--body-timeout-s",
+            3,
         ],
     )
     url = proc.start()
@@ -288,8 +292,8 @@ def test_zstd_bomb_and_large_bodies_are_refused_with_memory_bounded(server):
 
 def test_requests_parked_for_an_earlier_seq_id_are_bounded(server):
     """Requests with later seq_ids wait for the missing one; beyond ``--max-parked`` (4) of them, or beyond
-    ``--max-parked-bytes`` (1 MiB) of their bodies, the next is a 429 and nothing is queued; once the missing
-    seq_id arrives every parked one runs, in order. Before: a 200 MiB body was held ~120 s."""
+    ``--max-parked-bytes`` (1 MiB) of what they hold decoded, the next is a 429 and nothing is queued; once the
+    missing seq_id arrives every parked one runs, in order. Before: a 200 MiB body was held ~120 s."""
     client, _, _, full, _ = server
     base = client.seq[full]
     fwd = {"forward_input": {"data": [datum()], "loss_fn": "cross_entropy"}}
@@ -307,8 +311,9 @@ def test_requests_parked_for_an_earlier_seq_id_are_bounded(server):
     client.seq[full] = base + 5  # the refused one's number is still free
     assert torch.equal(client.logprobs(full), first)
     base = client.seq[full]
-    heavy = {"forward_input": {"data": [datum()] * 2500, "loss_fn": "cross_entropy"}}
-    assert 600 << 10 < len(json.dumps(heavy)) < MAX_BODY
+    # 600 datums of 20 tokens hold 600 x (256 + 2 x (256 + 20 x 8)) bytes decoded (~640 KiB): one parks, two do not
+    heavy = {"forward_input": {"data": [datum()] * 600, "loss_fn": "cross_entropy"}}
+    assert len(json.dumps(heavy)) < 256 << 10  # their bodies together: half the limit
     r1 = client.post("forward", {**heavy, "model_id": full, "seq_id": base + 1})
     assert r1.status_code == 200, r1.text
     r2 = client.post("forward", {**heavy, "model_id": full, "seq_id": base + 2})
@@ -316,6 +321,97 @@ def test_requests_parked_for_an_earlier_seq_id_are_bounded(server):
     assert torch.equal(client.logprobs(full), first)  # base: the missing one
     assert "error" not in client.result(r1.json()["request_id"])
     client.seq[full] = base + 2
+
+
+def _proto_forward(model: str, seq_id: int, n_datums: int, token: int = 11) -> bytes:
+    """A zstd protobuf ``ForwardBackwardRequest`` (``forward_only``) encoded by tinker's own ``request_conv``:
+    ``n_datums`` copies of one 20-token datum with ``target_tokens`` and ``weights``."""
+    import zstandard
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    toks = [1] + [token] * 20
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=toks[1:], dtype="int64", shape=[20]),
+            "weights": types.TensorData(data=[1.0] * 20, dtype="float32", shape=[20]),
+        },
+    )
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[d] * n_datums, loss_fn="cross_entropy"),
+        model_id=model,
+        seq_id=seq_id,
+    )
+    msg = forward_backward_request_to_proto(req)
+    msg.forward_only = True  # what tinker 0.38's forward sends
+    return zstandard.ZstdCompressor().compress(msg.SerializeToString())
+
+
+def test_parked_requests_count_what_they_hold_decoded_and_refused_ones_count(server):
+    """Issue 85 point 1: a zstd protobuf body of a few KB that decodes to 400 datums parks as what its datums hold
+    (400 x (256 + 3 x (256 + 160)) bytes), so a second one is past ``--max-parked-bytes`` (1 MiB): 429 — counted by
+    their compressed bodies both parked (before: 6 KB bodies decoding to 64 MiB parked 15 deep, +255 MiB RSS each).
+    Requests refused by their own check count against ``--max-parked`` too (before: 2,200 parked past 4). The
+    model answers as before once the missing seq_id comes."""
+    from titan_plugin import tinker_proto
+
+    client, _, _, full, _ = server
+    before = client.logprobs(full)
+    base = client.seq[full]
+    proto = {"Content-Type": tinker_proto.CONTENT_TYPE, "Content-Encoding": "zstd"}
+    first, second = (_proto_forward(full, base + k, 400) for k in (1, 2))
+    assert len(first) < 16 << 10
+    r1 = client.post("forward_backward", raw=first, headers=proto)
+    assert r1.status_code == 200, r1.text
+    r2 = client.post("forward_backward", raw=second, headers=proto)
+    assert r2.status_code == 429 and "bytes" in r2.json()["detail"], r2.text
+    bad = {"forward_input": {"data": [datum([1, 10**9, 12])], "loss_fn": "cross_entropy"}}  # refused by its check
+    refused = [client.post("forward", {**bad, "model_id": full, "seq_id": base + k}) for k in (2, 3, 4)]
+    assert all(r.status_code == 200 for r in refused), [r.text for r in refused]
+    r = client.post("forward", {**bad, "model_id": full, "seq_id": base + 5})
+    assert r.status_code == 429 and "already wait" in r.json()["detail"], r.text
+    assert torch.equal(client.logprobs(full), before)  # seq_id base: the missing one; the parked ones run
+    done = client.post("retrieve_future", {"request_id": r1.json()["request_id"]})  # its result: protobuf
+    assert done.status_code == 200 and done.headers["content-type"] == tinker_proto.CONTENT_TYPE, done.text[:200]
+    assert all(client.result(r.json()["request_id"]).get("category") == "user" for r in refused)
+    client.seq[full] = base + 5
+
+
+def test_a_request_over_the_token_budget_is_413_at_submit(server):
+    """Issue 85 point 2: a forward of more input tokens than ``--max-request-tokens`` (20,000 here) over its datums
+    is a 413 at submit naming the limit — the trainer thread never runs it — and the model is untouched (before:
+    accepted, one 6 KB request could hold the trainer thread ~18 minutes)."""
+    client, _, _, full, _ = server
+    before = client.logprobs(full)
+    big = {"forward_input": {"data": [datum()] * 1001, "loss_fn": "cross_entropy"}}  # 20,020 tokens
+    r = client.post("forward", {**big, "model_id": full, "seq_id": client.seq[full] + 1})
+    assert r.status_code == 413 and "--max-request-tokens" in r.json()["detail"], r.text
+    assert torch.equal(client.logprobs(full), before)
+
+
+def test_incomplete_requests_are_timed_out(server):
+    """Issue 85 point 2: a connection that sends half its headers is closed after ``--body-timeout-s`` (3 s here);
+    one that sends its headers and part of a declared body gets a 408 (before: 200 of 200 such connections still
+    open after 60 s). ``/health`` answers throughout."""
+    import socket
+    from urllib.parse import urlparse
+
+    client, _, _, _, _ = server
+    url = urlparse(client.url)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as half:
+        half.sendall(b"POST /api/v1/forward HTTP/1.1\r\nHost: x\r\n")
+        t = time.monotonic()
+        assert half.recv(1024) == b""  # closed by the server (a socket.timeout here: never closed)
+        assert time.monotonic() - t < 15
+    with socket.create_connection((url.hostname, url.port), timeout=20) as slow:
+        slow.sendall(
+            f"POST /api/v1/forward HTTP/1.1\r\nHost: x\r\nX-Api-Key: {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
+        )
+        answer = slow.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert requests.get(client.url + "/health", timeout=10).status_code == 200
 
 
 def test_malformed_requests_are_400_never_500(server):

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import math
@@ -103,6 +104,9 @@ class Limits:
         max_parked_bytes: their bodies' bytes together, per model: 429 beyond.
         max_models: models held at once (each a trainer: its weights, gradients and optimizer state; ``unload_model``
             frees one): 429 beyond.
+        max_request_tokens: input tokens of one ``forward`` / ``forward_backward`` over all its datums (what bounds
+            the trainer thread's time per request): 413 beyond, at submit.
+        body_timeout_s: seconds a request may take to send its body (each chunk must come within it): 408 beyond.
     """
 
     max_body_bytes: int = 64 << 20
@@ -110,6 +114,8 @@ class Limits:
     max_parked: int = 64
     max_parked_bytes: int = 256 << 20
     max_models: int = 8
+    max_request_tokens: int = 65536
+    body_timeout_s: float = 30.0
 
 
 class UserError(ZeroKLDClientError, ValueError):
@@ -132,6 +138,33 @@ class Busy(UserError):
     """Too many requests parked for an earlier ``seq_id`` (HTTP 429): send the missing one, or retry later."""
 
     status = 429
+
+
+class TooMuchWork(UserError):
+    """A training call over :attr:`Limits.max_request_tokens` (HTTP 413, at submit): split it."""
+
+    status = 413
+
+
+class BodyTimeout(UserError):
+    """A body that did not arrive within :attr:`Limits.body_timeout_s` (HTTP 408)."""
+
+    status = 408
+
+
+def _give_memory_back() -> None:
+    """Collect the freed requests' and trainers' objects and return the allocator's free pages to the system
+    (glibc's ``malloc_trim``: CPython and numpy allocate through malloc, which keeps freed small blocks otherwise);
+    nothing where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _string(body: dict, key: str, required: bool = True) -> str | None:
@@ -226,18 +259,34 @@ def routes_of(matrices: object, positions: int, num_experts: int | None, where: 
 PER_TOKEN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs", "ref_logprobs")
 
 
-def datums(data: object, vocab_size: int, num_experts: int | None = None, max_context: int | None = None) -> list[dict]:
+def datums(
+    data: object,
+    vocab_size: int,
+    num_experts: int | None = None,
+    max_context: int | None = None,
+    max_tokens: int | None = None,
+) -> list[dict]:
     """The wire's ``Datum`` list as :class:`titan_plugin.client.TrainingClient` datums (``model_input.
-    routing_matrices`` as ``routed_experts`` to replay, :func:`routes_of`).
+    routing_matrices`` as ``routed_experts`` to replay, :func:`routes_of`), held compactly: ``model_input`` and
+    ``target_tokens`` as int64 arrays, the other ``loss_fn_inputs`` as float64 arrays (the wire's values exactly; the
+    trainer rounds them to float32 as it did the lists), so a request's memory is :func:`datums_cost`.
 
     Raises:
+        TooMuchWork (413): more than ``max_tokens`` input tokens over all datums (checked before any datum is read).
         UserError (naming the datum and the field): not a list of datums; chunks that are not encoded text; token
             ids outside ``[0, vocab_size)``; more than ``max_context`` tokens; a ``loss_fn_inputs`` value that is
             not finite (NaN, inf) or not a number; a per-token input (:data:`PER_TOKEN_INPUTS`) whose length is not
             the datum's token count; malformed routing matrices.
     """
+    import numpy as np
+
     if not isinstance(data, list) or not data:
         raise UserError("data must be a non-empty list of datums")
+    if max_tokens is not None and (total := _input_tokens(data)) > max_tokens:
+        raise TooMuchWork(
+            f"this request has {total} input tokens over {len(data)} datums, more than one request may "
+            f"carry ({max_tokens}, --max-request-tokens): split it into several calls"
+        )
     out = []
     for i, d in enumerate(data):
         model_input = (d.get("model_input") or {}) if isinstance(d, dict) else {}
@@ -273,6 +322,10 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None, max_co
         targets = inputs.get("target_tokens")
         if targets is not None and not all(float(t).is_integer() and 0 <= t < vocab_size for t in targets):
             raise UserError(f"datum {i}: target_tokens must be integers in [0, {vocab_size})")
+        inputs = {
+            k: np.asarray([int(t) for t in v], dtype=np.int64) if k == "target_tokens" else np.asarray(v, np.float64)
+            for k, v in inputs.items()
+        }
         if model_input.get("routing_references") is not None or model_input.get("routing_matrix_format") not in (
             None,
             "base64_inline",
@@ -282,8 +335,36 @@ def datums(data: object, vocab_size: int, num_experts: int | None = None, max_co
             inputs["routed_experts"] = routes_of(
                 model_input["routing_matrices"], len(tokens), num_experts, f"datum {i}"
             )
-        out.append({"model_input": tokens, "loss_fn_inputs": inputs})
+        out.append({"model_input": np.asarray(tokens, dtype=np.int64), "loss_fn_inputs": inputs})
     return out
+
+
+def _input_tokens(data: list) -> int:
+    """The input tokens of a wire ``Datum`` list (chunks' ``tokens`` lengths; malformed parts count 0: the datum
+    check refuses them)."""
+    total = 0
+    for d in data:
+        model_input = d.get("model_input") if isinstance(d, dict) else None
+        chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
+        for c in chunks if isinstance(chunks, list) else ():
+            tokens = c.get("tokens") if isinstance(c, dict) else None
+            total += len(tokens) if isinstance(tokens, list) else 0
+    return total
+
+
+#: bytes a parked request is counted for beyond its arrays' data: each array's object and allocation (numpy's are
+#: ~240 measured), each datum's two dicts (~250), and a request's own records (its future, closure and error)
+ARRAY_OVERHEAD, DATUM_OVERHEAD, REQUEST_OVERHEAD = 256, 256, 4096
+
+
+def datums_cost(data: list[dict]) -> int:
+    """The bytes checked :func:`datums` hold (what a parked request is counted for against ``--max-parked-bytes``):
+    every array's data plus :data:`ARRAY_OVERHEAD` per array and :data:`DATUM_OVERHEAD` per datum."""
+    cost = 0
+    for d in data:
+        arrays = [d["model_input"], *d["loss_fn_inputs"].values()]
+        cost += DATUM_OVERHEAD + sum(int(getattr(a, "nbytes", 0)) + ARRAY_OVERHEAD for a in arrays)
+    return cost
 
 
 def _tensor_data_schema(items: dict) -> dict:
@@ -409,7 +490,7 @@ class _Parked(NamedTuple):
     fn: object
     future: concurrent.futures.Future
     arrived: float  # time.monotonic()
-    nbytes: int  # its body's bytes (0: a refused request's turn, which holds nothing of it)
+    nbytes: int  # what it holds (:func:`datums_cost`; a refused request's turn: REQUEST_OVERHEAD)
 
 
 @dataclass
@@ -481,6 +562,8 @@ class TrainingServer:
         config = read_model_config(checkpoint)
         self.vocab_size, self.num_experts = int(config.vocab_size), config.num_experts
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokld-trainer")
+        self._lanes: dict[str, collections.deque] = {}  # model id -> its queued jobs, in round-robin order
+        self._lanes_lock = threading.Lock()
         self.models: dict[str, _Model] = {}
         self.creating = 0  # create_model calls queued or running (they count against Limits.max_models)
         self.futures: dict[str, concurrent.futures.Future] = {}
@@ -501,6 +584,10 @@ class TrainingServer:
         if self.state_dir is not None and (self.state_dir / _REGISTRY).exists():
             self.worker.submit(self._restore).result()  # on the trainer thread, before anything is served
         self.app = self._build()
+        self._stop_expiry = threading.Event()
+        threading.Thread(
+            target=self._expire_every, args=(self._stop_expiry,), daemon=True, name="zerokld-expiry"
+        ).start()
 
     # ---- state across restarts ---------------------------------------------------------------------------------
     def _dump_folder(self, model_id: str) -> str:
@@ -542,28 +629,47 @@ class TrainingServer:
         self.futures[rid] = fut
         return rid, fut
 
-    def _run(self, fn, fut: concurrent.futures.Future) -> None:
+    def _run(self, fn, fut: concurrent.futures.Future, lane: str) -> None:
+        """Queue ``fn`` on the trainer thread in ``lane`` (a model id): a lane's jobs run in order, and the thread
+        takes one job from each lane with work in turn (round robin), so a model with a long queue cannot starve
+        another — its next job waits for at most one job of every other model."""
+
         def job():
             try:
                 fut.set_result(fn())
             except Exception as e:  # noqa: BLE001 - every failure is the future's answer
                 fut.set_exception(e)
 
-        self.worker.submit(job)
+        with self._lanes_lock:
+            self._lanes.setdefault(lane, collections.deque()).append(job)
+        self.worker.submit(self._next_job)  # one tick per job: each tick runs the next lane's first job
 
-    def _submit(self, model_id: str, seq_id, fn, nbytes: int = 0, check=None) -> str:
+    def _next_job(self) -> None:
+        with self._lanes_lock:
+            lane, jobs = next(iter(self._lanes.items()))
+            job = jobs.popleft()
+            del self._lanes[lane]
+            if jobs:  # to the back of the rotation
+                self._lanes[lane] = jobs
+        job()
+
+    def _submit(self, model_id: str, seq_id, fn, check=None) -> str:
         """Queue ``fn`` at ``seq_id`` of the model; runs when every earlier seq_id has. ``check()`` (the request's
-        validation, after the seq_id is known to be the model's next or later) raising UserError refuses the request
-        before anything of it runs: its future fails with that error (category ``user``) at its turn, in the shape
-        the SDKs continue from (a 400 here would end their request sequence: ``fireworks-ai``'s training client
-        raises "Training request sequence failed" for every later call).
+        validation, after the seq_id is known to be the model's next or later) returns the bytes the queued request
+        holds (:func:`datums_cost` of its checked datums); its raising UserError refuses the request before anything
+        of it runs: its future fails with that error (category ``user``) at its turn, in the shape the SDKs continue
+        from (a 400 here would end their request sequence: ``fireworks-ai``'s training client raises "Training
+        request sequence failed" for every later call). A parked request counts what it holds, a refused one
+        :data:`REQUEST_OVERHEAD`.
 
         Raises:
             UserError: unknown model, a seq_id already used (or not an integer).
+            TooMuchWork: the request is over :attr:`Limits.max_request_tokens` (nothing is queued).
             Busy: :attr:`Limits.max_parked` requests or :attr:`Limits.max_parked_bytes` bytes of the model already
                 wait for an earlier seq_id (nothing is queued; the same seq_id may be sent again).
         """
-        with self.lock:
+
+        def seq_checked() -> _Model:
             model = self.models.get(model_id)
             if model is None:
                 raise UserError(f"unknown model_id {str(model_id)[:40]!r}")
@@ -573,53 +679,69 @@ class TrainingServer:
                 model.next_seq = seq_id
             if seq_id < model.next_seq or seq_id in model.pending:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
-            if seq_id != model.next_seq:
-                waiting = [p.nbytes for p in model.pending.values() if p.nbytes]
-                parked = sum(waiting)
-                if len(waiting) >= self.limits.max_parked or parked + nbytes > self.limits.max_parked_bytes:
-                    raise Busy(
-                        f"{len(waiting)} requests ({parked} bytes) already wait for seq_id "
-                        f"{model.next_seq} (limits: {self.limits.max_parked} requests, "
-                        f"{self.limits.max_parked_bytes} bytes)"
-                    )
-        refusal = None
+            return model
+
+        def park_or_refuse(model: _Model, nbytes: int) -> None:
+            if seq_id == model.next_seq:
+                return
+            parked = sum(p.nbytes for p in model.pending.values())
+            if len(model.pending) >= self.limits.max_parked or parked + nbytes > self.limits.max_parked_bytes:
+                raise Busy(
+                    f"{len(model.pending)} requests ({parked} bytes) already wait for seq_id "
+                    f"{model.next_seq} (limits: {self.limits.max_parked} requests, "
+                    f"{self.limits.max_parked_bytes} bytes)"
+                )
+
+        with self.lock:
+            park_or_refuse(seq_checked(), REQUEST_OVERHEAD)  # before the check reads anything
+        refusal, nbytes = None, REQUEST_OVERHEAD
         if check is not None:
             try:
-                check()
+                nbytes += check()
+            except TooMuchWork:
+                raise
             except UserError as e:
-                refusal = e
+                refusal, nbytes = e, REQUEST_OVERHEAD
         with self.lock:
-            if self.models.get(model_id) is not model or seq_id < model.next_seq or seq_id in model.pending:
-                raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
+            model = seq_checked()
+            park_or_refuse(model, nbytes)
             rid, fut = self._future()
             if refusal is not None:  # its turn only fails it: nothing of the request is kept or run
 
                 def fn(error=refusal):
                     raise error
 
-                nbytes = 0
             model.pending[seq_id] = _Parked(fn, fut, time.monotonic(), nbytes)
             while model.next_seq in model.pending:
                 turn = model.pending.pop(model.next_seq)
-                self._run(turn.fn, turn.future)
+                self._run(turn.fn, turn.future, model_id)
                 model.next_seq += 1
         return rid
 
     def _expire_gaps(self) -> None:
         """Fail the requests that waited more than ``seq_gap_s`` for an earlier ``seq_id`` that never came (a user
         error; nothing of theirs ran). The missing ``seq_id`` stays expected."""
-        now = time.monotonic()
+        now, expired = time.monotonic(), 0
         with self.lock:
             for model in self.models.values():
                 for seq, parked in list(model.pending.items()):
                     if now - parked.arrived > self.seq_gap_s:
                         del model.pending[seq]
+                        expired += 1
                         parked.future.set_exception(
                             UserError(
                                 f"seq_id {seq} waited {self.seq_gap_s:g} s for "
                                 f"seq_id {model.next_seq}, which never arrived"
                             )
                         )
+        if expired:
+            _give_memory_back()
+
+    def _expire_every(self, stop: threading.Event) -> None:
+        """The expiry of parked requests (:meth:`_expire_gaps`) a few times per ``seq_gap_s``, whether or not any
+        client polls ``retrieve_future``."""
+        while not stop.wait(min(5.0, max(self.seq_gap_s / 4, 0.1))):
+            self._expire_gaps()
 
     # ---- operations (on the worker thread) -----------------------------------------------------------------------
     def _create(
@@ -677,7 +799,14 @@ class TrainingServer:
             raise UserError("loss_fn must be a string")
         if config is not None and not isinstance(config, dict):
             raise UserError("loss_fn_config must be an object")
-        return datums(spec.get("data"), self.vocab_size, self.num_experts, self.limits.max_context), loss_fn, config
+        data = datums(
+            spec.get("data"),
+            self.vocab_size,
+            self.num_experts,
+            self.limits.max_context,
+            self.limits.max_request_tokens,
+        )
+        return data, loss_fn, config
 
     def _forward(self, model: _Model, parsed: tuple, backward: bool) -> dict:
         data, loss_fn, config = parsed
@@ -903,13 +1032,19 @@ class TrainingServer:
 
         async def body_of(request: Request) -> dict:
             """The request's body as a JSON object, read up to ``--max-body-bytes`` (413 beyond: as sent or
-            decompressed) and decoded off the event loop (``/health`` answers meanwhile). Raises UserError."""
+            decompressed) within ``--body-timeout-s`` (408 beyond) and decoded off the event loop (``/health`` answers meanwhile). Raises UserError."""
             chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"body is over the limit of {limit} bytes (--max-body-bytes)")
-                chunks.append(chunk)
+            try:
+                async with asyncio.timeout(self.limits.body_timeout_s):
+                    async for chunk in request.stream():
+                        size += len(chunk)
+                        if size > limit:
+                            raise BodyTooLarge(f"body is over the limit of {limit} bytes (--max-body-bytes)")
+                        chunks.append(chunk)
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"the body did not arrive within {self.limits.body_timeout_s:g} s (--body-timeout-s)"
+                ) from None
             raw = b"".join(chunks)
             request.state.body_bytes = size
             if is_proto(request):
@@ -1012,7 +1147,7 @@ class TrainingServer:
                     with self.lock:
                         self.creating -= 1
 
-            self._run(create, fut)
+            self._run(create, fut, model_id)
             return {"request_id": rid, "model_id": model_id}
 
         def model_of(body: dict) -> _Model:
@@ -1034,6 +1169,8 @@ class TrainingServer:
                 "model_name": model.base_model,
             }
 
+        _DATUM_FIELDS = ("forward_input", "forward_backward_input")
+
         def op(path: str, run, check=lambda body: None):
             """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal fails
             the request's future, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread."""
@@ -1042,17 +1179,20 @@ class TrainingServer:
             async def handler(request: Request):
                 body = await body_of(request)
                 model = model_of(body)
-                checked = {}
+                checked, held = {}, {"body": body}
 
-                def validate():
-                    checked["value"] = check(body)
+                def validate() -> int:
+                    """The request checked; what it holds queued: its checked datums and the body's other fields
+                    (the wire's datums are dropped)."""
+                    checked["value"] = value = check(body)
+                    held["body"] = {k: v for k, v in body.items() if k not in _DATUM_FIELDS}
+                    return datums_cost(value[0]) if path in ("forward", "forward_backward") else 0
 
                 rid = await asyncio.to_thread(
                     self._submit,
                     body["model_id"],
                     body.get("seq_id"),
-                    lambda: run(model, body, checked.get("value")),
-                    getattr(request.state, "body_bytes", 0),
+                    lambda: run(model, held["body"], checked.get("value")),
                     validate,
                 )
                 if is_proto(request):  # its result goes back as protobuf too
@@ -1163,10 +1303,24 @@ class TrainingServer:
         @app.post(api + "/unload_model")
         async def unload(request: Request):
             body = await body_of(request)
-            model = self.models.pop(_string(body, "model_id"), None)
+            with self.lock:
+                model = self.models.pop(_string(body, "model_id"), None)
+                parked = list(model.pending.values()) if model else []
+                if model:
+                    model.pending.clear()
+            for p in parked:  # nothing of theirs ran; their futures answer
+                p.future.set_exception(UserError("the model was unloaded before this request's seq_id came"))
+            del parked
             self._persist()
             rid, fut = self._future()
-            self._run(lambda: (model.client.close() if model else None) or {"model_id": body.get("model_id")}, fut)
+
+            def close():
+                if model:
+                    model.client.close()
+                _give_memory_back()
+                return {"model_id": body.get("model_id")}
+
+            self._run(close, fut, str(body.get("model_id")))
             return {"request_id": rid}
 
         @app.post(api + "/retrieve_future")
@@ -1358,6 +1512,18 @@ def main(argv=None) -> None:
         default=defaults.max_models,
         help="most models held at once (unload_model frees one; 429 beyond)",
     )
+    ap.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=defaults.max_request_tokens,
+        help="most input tokens of one forward / forward_backward over its datums (413 beyond)",
+    )
+    ap.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=defaults.body_timeout_s,
+        help="seconds a request may take to send its headers (then the connection is closed) and its body (408)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     args = ap.parse_args(argv)
@@ -1382,9 +1548,65 @@ def main(argv=None) -> None:
         state_dir=args.state_dir,
         sampler_url=args.sampler_url,
         sampler_api_key=args.sampler_api_key,
-        limits=Limits(args.max_body_bytes, args.max_context, args.max_parked, args.max_parked_bytes, args.max_models),
+        limits=Limits(
+            args.max_body_bytes,
+            args.max_context,
+            args.max_parked,
+            args.max_parked_bytes,
+            args.max_models,
+            args.max_request_tokens,
+            args.body_timeout_s,
+        ),
     )
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        http=header_timeout_protocol(args.body_timeout_s),
+    )
+
+
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol class with a header read timeout: a connection whose request line and headers have not
+    all arrived ``seconds`` after it opened (or after its previous response) is closed. uvicorn 0.54 has none of its
+    own (its keep-alive timer is armed only after a response, and the first byte of a next request disarms it), so a
+    client could hold a connection open forever with an incomplete request. Source: ``uvicorn/protocols/http/
+    h11_impl.py`` (``H11Protocol``, ``timeout_keep_alive_handler``)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer = None
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(seconds, self.timeout_keep_alive_handler)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the request's headers are in (or the connection ended)
+                self._disarm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol
 
 
 if __name__ == "__main__":
