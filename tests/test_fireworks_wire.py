@@ -181,13 +181,18 @@ def test_refusals_change_nothing(env):
     replica = _status(dm)
     assert replica["loading_state"] == {"stage": "error", "target_snapshot_identity": "bad-0c0ffee0"}
     assert dm.wait_for_hotload(DEPLOYMENT, BASE_MODEL, "bad-0c0ffee0", timeout_seconds=30, poll_interval=1) is False
-    # completions: another model, a feature zerokld does not serve, ``stream`` not a JSON boolean (issue 54 point 8:
-    # "yes", 1 and [true] were taken as true)
+    # completions: another model, a feature zerokld does not serve, ``stream`` (or another boolean) not a JSON
+    # boolean (issue 54 point 8: "yes", 1 and [true] were taken as true)
     for body, status in (
         ({"model": "accounts/x/deployments/y", "prompt": PROMPT, "max_tokens": 2}, 400),
         ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "images": ["data:,"]}, 400),
         ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "bogus": 1}, 400),
         *(({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "stream": s}, 400) for s in ("yes", 1, [True], "true")),
+        # the schema's other booleans too (issue 85 point 4: each was a 200)
+        *(
+            ({"model": NAME, "prompt": PROMPT, "max_tokens": 2, k: "yes"}, 400)
+            for k in ("echo", "raw_output", "ignore_eos", "return_token_ids", "perf_metrics_in_response")
+        ),
     ):
         r = _post(server, body, path="/inference/v1/completions")
         assert r.status_code == status, (body, r.text)

@@ -443,8 +443,8 @@ def _timed_completion(
 
 
 def _metric(server: Server, name: str) -> float:
-    """The sum of vLLM's metric ``name`` over its label sets (``/metrics``)."""
-    text = requests.get(server.base + "/metrics", timeout=30).text
+    """The sum of vLLM's metric ``name`` over its label sets (``/metrics``: behind the key with hot-load on)."""
+    text = requests.get(server.base + "/metrics", headers=AUTH, timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -1018,7 +1018,9 @@ def test_restart_verifies_the_snapshot_it_restores(env):
 
 def test_every_serving_route_is_guarded_while_hot_load_is_on(env):
     """Issue 21 row 15: SageMaker's ``/invocations`` (vLLM leaves it open even with ``--api-key``) needs the key
-    with hot-load on, and answers with the identity header; probes (``/health``, ``/ping``) stay open."""
+    with hot-load on, and answers with the identity header; probes (``/health``, ``/ping``) stay open. Issue 85
+    point 4: ``/metrics`` needs the key too, and its text names the served model, never the ``--model`` path
+    (vLLM's labels carried it in every series)."""
     server = env[0]
     current = server.get(HL + "/status").json()["replicas"][0]["current_snapshot_identity"]
     body = {"model": server.ckpt, "prompt": PROMPT, "max_tokens": 2, "temperature": 0.0}
@@ -1031,6 +1033,11 @@ def test_every_serving_route_is_guarded_while_hot_load_is_on(env):
     )
     assert requests.get(server.base + "/health", timeout=60).status_code == 200
     assert requests.get(server.base + "/ping", timeout=60).status_code == 200
+    assert requests.get(server.base + "/metrics", timeout=60).status_code == 401
+    metrics = requests.get(server.base + "/metrics", headers=AUTH, timeout=60)
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text, metrics.text[:300]
+    assert str(server.ckpt) not in metrics.text and str(Path(server.ckpt).resolve()) not in metrics.text
+    assert f'model_name="{Path(server.ckpt).name}"' in metrics.text
     wrong = {"Authorization": f"Bearer {API_KEY}x"}  # a wrong key is refused on every guarded route
     for method, path in [
         ("post", "/v1/completions"),
@@ -1039,6 +1046,7 @@ def test_every_serving_route_is_guarded_while_hot_load_is_on(env):
         ("get", HL + "/status"),
         ("get", HL + "/ledger"),
         ("delete", HL + "/ledger"),
+        ("get", "/metrics"),
     ]:
         assert requests.request(method, server.base + path, json=body, headers=wrong, timeout=60).status_code == 401, (
             path

@@ -501,3 +501,35 @@ def test_everything_the_server_wrote_lies_under_its_roots(server):
     assert sorted(p.name for p in tmp.iterdir()) == ["snapshots", "trainer.log"]
     work = tmp / "snapshots" / WORK_DIR
     assert (work / "writer_cache").is_dir() and (work / lora).is_dir()
+
+
+def test_the_trainer_thread_serves_models_round_robin(checkpoint_factory, tmp_path):
+    """Issue 85 point 2: one model's long queue cannot starve another — with five calls of model A queued behind a
+    running one and then one of model B, B's runs right after A's next, and each model's calls keep their order
+    (before: one FIFO thread, B ran after all of A's)."""
+    import concurrent.futures
+
+    from titan_plugin.training_server import TrainingServer
+
+    (tmp_path / "snapshots").mkdir()
+    server = TrainingServer(checkpoint_factory("qwen3", "bfloat16"), str(tmp_path / "snapshots"), API_KEY)
+    gate, running, ran, futures = threading.Event(), threading.Event(), [], []
+
+    def call(name):
+        def fn():
+            running.set()
+            gate.wait(60)
+            ran.append(name)
+
+        fut = concurrent.futures.Future()
+        futures.append(fut)
+        return fn, fut
+
+    server._run(*call("a0"), "model-a")
+    assert running.wait(60)  # a0 holds the thread; then A queues five more and B one
+    for name in ("a1", "a2", "a3", "a4", "a5"):
+        server._run(*call(name), "model-a")
+    server._run(*call("b0"), "model-b")
+    gate.set()
+    concurrent.futures.wait(futures, timeout=60)
+    assert ran == ["a0", "a1", "b0", "a2", "a3", "a4", "a5"], ran

@@ -98,7 +98,10 @@ __all__ = ["FIREWORKS_ACK_S", "PROBES", "ZeroKLDHotLoadEndpoint"]
 logger = logging.getLogger(__name__)
 
 #: routes that stay open with hot-load on (health and metadata probes; vLLM leaves them unguarded too)
-PROBES = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs", "/redoc"})
+PROBES = frozenset({"/health", "/ping", "/version", "/load", "/openapi.json", "/docs", "/redoc"})
+#: vLLM's Prometheus route: behind the key with hot-load on (a scraper sends it as ``Authorization: Bearer``), its
+#: text with the served model's name where vLLM's labels carry the ``--model`` path
+METRICS = "/metrics"
 #: seconds a Fireworks-spelled POST waits for its load before answering 202 (the load goes on; GET shows it):
 #: ``DeploymentManager.hotload`` gives up after 60
 FIREWORKS_ACK_S = 45.0
@@ -206,6 +209,7 @@ class ZeroKLDHotLoadEndpoint:
         self.auth = None  # vLLM's AuthenticationMiddleware over the server's keys; None: no key configured
         self.salting = False  # prefix caching on: generation requests get their prompt-cache epoch's salt
         self.served_model = None  # the OpenAI model name requests use (never a server path: _serve_without_paths)
+        self.model_path = ""  # vllm serve's --model (kept out of answers)
         self.port = None  # this server's port: Fireworks completions are answered by its own /v1/completions
         self._loads: set = set()  # Fireworks-spelled loads still running after their 202
 
@@ -388,6 +392,8 @@ class ZeroKLDHotLoadEndpoint:
             # (SageMaker's /invocations, /pooling, /tokenize, ...) needs the key and honours the sync drain
             if not self._authorized(request):
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            if path == METRICS:
+                return await self._metrics_without_paths(await call_next(request))
             if manager.draining:
                 return JSONResponse(
                     {"error": "a sync hot-load is in progress; retry"},
@@ -407,6 +413,16 @@ class ZeroKLDHotLoadEndpoint:
             if self.salting and request.method == "POST" and path in SALTED_ROUTES:
                 await _salt(request, manager.engine.epochs)
             return await _with_identity(await call_next(request), manager.ledger.current_identity)
+
+    async def _metrics_without_paths(self, resp):
+        """vLLM's ``/metrics`` answer with every occurrence of the ``--model`` path (as given and resolved: vLLM's
+        ``model_name`` labels) replaced by the served model's name (:func:`_serve_without_paths`)."""
+        text = b"".join([chunk async for chunk in resp.body_iterator])
+        for p in sorted({self.model_path, str(Path(self.model_path).resolve())}, key=len, reverse=True):
+            if p and p != self.served_model:
+                text = text.replace(p.encode(), self.served_model.encode())
+        headers = {k: v for k, v in resp.headers.items() if k.lower() != "content-length"}
+        return Response(text, status_code=resp.status_code, headers=headers)
 
     async def _completions(self, request: Request):
         """Fireworks' ``/inference/v1/completions`` answered by this server's own ``/v1/completions`` (loopback,
@@ -467,6 +483,7 @@ class ZeroKLDHotLoadEndpoint:
         enable()  # weight_versions on completions and chat choices (this process serves them)
         fireworks.enable()  # the key as X-Api-Key too (Fireworks' control-plane calls)
         names = getattr(args, "served_model_name", None)
+        self.model_path = str(args.model)
         self.served_model = (names[0] if isinstance(names, list) and names else names) or args.model
         if (models := getattr(state, "openai_serving_models", None)) is not None:
             self.served_model = _serve_without_paths(models, args.model)

@@ -128,6 +128,10 @@ COMPLETIONS_SCHEMA = {
 }
 
 
+#: the body's boolean fields (:data:`COMPLETIONS_SCHEMA`)
+_BOOLEANS = tuple(k for k, v in COMPLETIONS_SCHEMA["properties"].items() if v == _BOOL)
+
+
 class FireworksRequestError(ZeroKLDClientError, ValueError):
     """A completions request this server refuses; ``status`` (= ``status_code``) is the HTTP status."""
 
@@ -197,7 +201,7 @@ def vllm_completion_request(
     Raises:
         FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model (the
             message names the deployment only: the served model may be a server path); a refused or unknown field;
-            ``stream`` not a JSON boolean; ``top_logprobs`` not a non-negative integer; ``include_routing_matrix``
+            a boolean field (``stream``, ``echo``, ``raw_output``, ...) not a JSON boolean; ``top_logprobs not a non-negative integer; ``include_routing_matrix``
             without ``logprobs``.
     """
     if not isinstance(body, dict):
@@ -207,8 +211,9 @@ def vllm_completion_request(
         raise FireworksRequestError(
             f"model must be this server's deployment {deployment_name!r}, got {str(model)[:80]!r}"
         )
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise FireworksRequestError(f"stream must be true or false, got {str(body['stream'])[:20]!r}")
+    for key in _BOOLEANS:  # the published schema's booleans: JSON true / false (or null), nothing else
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise FireworksRequestError(f"{key} must be true or false, got {str(body[key])[:20]!r}")
     refused = sorted(k for k in body if k in _REFUSED and body[k] not in (None, False))
     if refused:
         raise FireworksRequestError(f"not served by zerokld: {refused}")
