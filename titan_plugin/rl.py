@@ -395,8 +395,6 @@ def _input_positions(batch: RolloutBatch, layout=None) -> torch.Tensor:
     return mask if layout is None else layout(mask, False)
 
 
-
-
 class RLTrainer(Trainer):
     """TorchTitan ``Trainer`` with a GRPO step fed from rollouts (``rl_step``) and HF export (``save_hf``).
 

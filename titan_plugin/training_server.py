@@ -156,15 +156,14 @@ def _give_memory_back() -> None:
     """Collect the freed requests' and trainers' objects and return the allocator's free pages to the system
     (glibc's ``malloc_trim``: CPython and numpy allocate through malloc, which keeps freed small blocks otherwise);
     nothing where the C library has no ``malloc_trim``."""
+    import contextlib
     import ctypes
     import ctypes.util
     import gc
 
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _string(body: dict, key: str, required: bool = True) -> str | None:
@@ -1032,7 +1031,8 @@ class TrainingServer:
 
         async def body_of(request: Request) -> dict:
             """The request's body as a JSON object, read up to ``--max-body-bytes`` (413 beyond: as sent or
-            decompressed) within ``--body-timeout-s`` (408 beyond) and decoded off the event loop (``/health`` answers meanwhile). Raises UserError."""
+            decompressed) within ``--body-timeout-s`` (408 beyond) and decoded off the event loop (``/health``
+            answers meanwhile). Raises UserError."""
             chunks, size = [], 0
             try:
                 async with asyncio.timeout(self.limits.body_timeout_s):

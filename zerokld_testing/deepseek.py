@@ -90,8 +90,8 @@ def make_deepseek_checkpoint(
     out_dir: str | Path, spec: DeepSeekSpec | None = None, seed: int = 0, dtype: str = "float32"
 ) -> Path:
     """Build the checkpoint directory ``out_dir`` (normal init of std ``spec.init_std``, the embedding std 1, norms 1,
-    selection biases std 0.1, stored as ``spec.bias_dtype`` (float32 as DeepSeek ships them); ``dtype`` ``"float32"`` or ``"bfloat16"``).
-    Returns ``Path(out_dir)``."""
+    selection biases std 0.1, stored as ``spec.bias_dtype`` (float32 as DeepSeek ships them); ``dtype``
+    ``"float32"`` or ``"bfloat16"``). Returns ``Path(out_dir)``."""
     from transformers import (
         DeepseekV2Config,
         DeepseekV2ForCausalLM,
@@ -132,7 +132,17 @@ def make_deepseek_checkpoint(
         fields = {
             k: v
             for k, v in asdict(spec).items()
-            if k not in ("yarn", "group_ties", "expert_ties", "init_std", "vocab_size", "architecture", "bias_dtype", *_DSA_FIELDS)
+            if k
+            not in (
+                "yarn",
+                "group_ties",
+                "expert_ties",
+                "init_std",
+                "vocab_size",
+                "architecture",
+                "bias_dtype",
+                *_DSA_FIELDS,
+            )
         }
         common = dict(
             vocab_size=vocab,

@@ -201,8 +201,8 @@ def vllm_completion_request(
     Raises:
         FireworksRequestError: not an object; ``model`` neither the deployment's name nor the served model (the
             message names the deployment only: the served model may be a server path); a refused or unknown field;
-            a boolean field (``stream``, ``echo``, ``raw_output``, ...) not a JSON boolean; ``top_logprobs not a non-negative integer; ``include_routing_matrix``
-            without ``logprobs``.
+            a boolean field (``stream``, ``echo``, ``raw_output``, ...) not a JSON boolean; ``top_logprobs`` not a
+            non-negative integer; ``include_routing_matrix`` without ``logprobs``.
     """
     if not isinstance(body, dict):
         raise FireworksRequestError("request body must be a JSON object", 422)
