@@ -99,9 +99,10 @@ class Limits:
     Attributes:
         max_body_bytes: a request body, as sent and after ``Content-Encoding: zstd`` (decompressed as a stream that
             stops at the limit): 413 beyond.
-        max_context: tokens of one datum's ``model_input`` (advertised by ``get_server_capabilities``): 400 beyond.
-        max_parked: requests of one model waiting for an earlier ``seq_id``: 429 beyond.
-        max_parked_bytes: their bodies' bytes together, per model: 429 beyond.
+        max_context: tokens of one datum's ``model_input`` (advertised by ``get_server_capabilities``): beyond, the
+            request's future fails (the user's error).
+        max_parked: requests of one model waiting for an earlier ``seq_id``, refused ones included: 429 beyond.
+        max_parked_bytes: what they hold decoded together (:func:`datums_cost`), per model: 429 beyond.
         max_models: models held at once (each a trainer: its weights, gradients and optimizer state; ``unload_model``
             frees one): 429 beyond.
         max_request_tokens: input tokens of one ``forward`` / ``forward_backward`` over all its datums (what bounds
@@ -1492,7 +1493,7 @@ def main(argv=None) -> None:
         "--max-context",
         type=int,
         default=defaults.max_context,
-        help="most tokens in one datum (advertised by get_server_capabilities; 400 beyond)",
+        help="most tokens in one datum (advertised by get_server_capabilities; beyond: the request's future fails)",
     )
     ap.add_argument(
         "--max-parked",
@@ -1504,7 +1505,7 @@ def main(argv=None) -> None:
         "--max-parked-bytes",
         type=int,
         default=defaults.max_parked_bytes,
-        help="most body bytes of one model's requests waiting for an earlier seq_id (429 beyond)",
+        help="most bytes one model's requests waiting for an earlier seq_id hold decoded (429 beyond)",
     )
     ap.add_argument(
         "--max-models",
