@@ -1047,7 +1047,6 @@ class TrainingServer:
                     f"the body did not arrive within {self.limits.body_timeout_s:g} s (--body-timeout-s)"
                 ) from None
             raw = b"".join(chunks)
-            request.state.body_bytes = size
             if is_proto(request):
                 try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
                     return await asyncio.to_thread(
