@@ -30,6 +30,7 @@ from zerokld_plugins.errors import ZeroKLDClientError
 __all__ = [
     "CONTENT_TYPE",
     "BodyTooLarge",
+    "TooManyTokens",
     "WireError",
     "decompress_zstd",
     "forward_backward_output",
@@ -46,6 +47,18 @@ class WireError(ZeroKLDClientError, ValueError):
 
 class BodyTooLarge(WireError):
     """A body that decompresses to more than the limit (the user's error)."""
+
+
+class TooManyTokens(WireError):
+    """A request of more input tokens than the limit, each datum counting at least one (the user's error).
+
+    Attributes:
+        tokens: what it carries so counted. datums: how many datums.
+    """
+
+    def __init__(self, tokens: int, datums: int) -> None:
+        super().__init__(f"{tokens} input tokens over {datums} datums")
+        self.tokens, self.datums = tokens, datums
 
 
 def decompress_zstd(body: bytes, limit: int) -> bytes:
@@ -109,12 +122,16 @@ def _tensor(msg, name: str) -> dict:
     return {"data": arr.tolist(), "dtype": label, "shape": shape}
 
 
-def forward_backward_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 64 << 20) -> dict:
+def forward_backward_request(
+    body: bytes, content_encoding: str | None = None, max_bytes: int = 64 << 20, max_tokens: int | None = None
+) -> dict:
     """A protobuf ``ForwardBackwardRequest`` body as the JSON body of the same call.
 
     Args:
-        body: the HTTP body. content_encoding: its ``Content-Encoding`` (``zstd`` or none).
+        body: the HTTP body (bytes-like). content_encoding: its ``Content-Encoding`` (``zstd`` or none).
         max_bytes: the largest body accepted after decompression (:func:`decompress_zstd`).
+        max_tokens: the most input tokens over all datums, each datum counting at least one, checked on the parsed
+            message before any datum becomes Python objects (``None``: unchecked).
 
     Returns:
         ``{"model_id", "seq_id", "forward_only", "forward_input" | "forward_backward_input": {"data", "loss_fn",
@@ -122,6 +139,7 @@ def forward_backward_request(body: bytes, content_encoding: str | None = None, m
 
     Raises:
         BodyTooLarge: the decompressed body is over ``max_bytes``.
+        TooManyTokens: more than ``max_tokens`` input tokens so counted.
         WireError: another encoding, a body that is not a ``ForwardBackwardRequest``, a chunk other than encoded
             text, a tensor that does not match its shape or dtype.
     """
@@ -137,6 +155,11 @@ def forward_backward_request(body: bytes, content_encoding: str | None = None, m
         msg.ParseFromString(body)
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise WireError(f"the body is not a tinker ForwardBackwardRequest: {type(e).__name__}") from None
+    del body
+    if max_tokens is not None:
+        tokens = sum(max(1, sum(len(c.encoded_text.tokens) // 4 for c in d.model_input)) for d in msg.data)
+        if tokens > max_tokens:
+            raise TooManyTokens(tokens, len(msg.data))
     data = []
     for i, d in enumerate(msg.data):
         chunks = []

@@ -65,6 +65,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import threading
@@ -94,7 +95,7 @@ WORK_DIR = ".zerokld-training-server"
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may cost (server options; the limits table of docs/security.md).
+    """What one request may cost (server options; the limits table and memory bound of docs/security.md).
 
     Attributes:
         max_body_bytes: a request body, as sent and after ``Content-Encoding: zstd`` (decompressed as a stream that
@@ -102,21 +103,64 @@ class Limits:
         max_context: tokens of one datum's ``model_input`` (advertised by ``get_server_capabilities``): beyond, the
             request's future fails (the user's error).
         max_parked: requests of one model waiting for an earlier ``seq_id``, refused ones included: 429 beyond.
-        max_parked_bytes: what they hold decoded together (:func:`datums_cost`), per model: 429 beyond.
+        max_held_bytes: what one model's training requests hold from submit until their result is retrieved (parked,
+            queued on the trainer thread, or done; :func:`datums_cost` of their checked datums, refused ones
+            :data:`REQUEST_OVERHEAD`): 429 beyond.
         max_models: models held at once (each a trainer: its weights, gradients and optimizer state; ``unload_model``
             frees one): 429 beyond.
-        max_request_tokens: input tokens of one ``forward`` / ``forward_backward`` over all its datums (what bounds
-            the trainer thread's time per request): 413 beyond, at submit.
+        max_request_tokens: input tokens of one ``forward`` / ``forward_backward`` over all its datums, each datum
+            counting at least one (what bounds the trainer thread's time per request and a decoded request's size):
+            413 beyond, at submit.
         body_timeout_s: seconds a request may take to send its body (each chunk must come within it): 408 beyond.
+        limit_concurrency: connections and requests in progress at once (uvicorn's ``--limit-concurrency``): 503
+            beyond.
+        max_decoding: bodies decoded at once (protobuf ones and JSON ones over :data:`INLINE_BODY_BYTES`), from
+            decoding until their datums are checked; more wait their turn holding only their bytes.
     """
 
     max_body_bytes: int = 64 << 20
     max_context: int = 4096
     max_parked: int = 64
-    max_parked_bytes: int = 256 << 20
+    max_held_bytes: int = 256 << 20
     max_models: int = 8
     max_request_tokens: int = 65536
     body_timeout_s: float = 30.0
+    limit_concurrency: int = 32
+    max_decoding: int = 2
+
+    @property
+    def other_body_bytes(self) -> int:
+        """The largest body of a route other than ``forward`` / ``forward_backward`` (a sample's prompt of
+        ``max_context`` tokens at 8 bytes a token of JSON, and its parameters; at least :data:`INLINE_BODY_BYTES`):
+        413 beyond."""
+        return min(self.max_body_bytes, max(INLINE_BODY_BYTES, 8 * self.max_context + (16 << 10)))
+
+    def requests_memory_bound(self) -> int:
+        """The most bytes requests can make the server's resident memory grow by, beyond its trainers (the formula
+        of docs/security.md, "Peak memory"): every model's held requests; on every connection its body being read (a
+        ``bytearray`` grows by an eighth over its size) and a small body decoded (:attr:`other_body_bytes`, or a
+        training call's up to :data:`INLINE_BODY_BYTES`); each decoding turn's decoded body and checked datums
+        (:data:`DECODED_PER_BODY_BYTE`, :data:`DECODED_PER_DATUM`)."""
+        connection = self.max_body_bytes * 9 // 8 + DECODED_PER_BODY_BYTE * max(
+            INLINE_BODY_BYTES, self.other_body_bytes
+        )
+        decoding = DECODED_PER_BODY_BYTE * self.max_body_bytes + DECODED_PER_DATUM * self.max_request_tokens
+        return (
+            self.max_models * self.max_held_bytes + self.limit_concurrency * connection + self.max_decoding * decoding
+        )
+
+
+#: JSON bodies up to this size are parsed on the event loop (one at a time), larger ones off it under
+#: :attr:`Limits.max_decoding`
+INLINE_BODY_BYTES = 64 << 10
+#: the most bytes a decoded body and its checked datums hold per byte of body: a JSON body as Python objects is at
+#: most ~27x (measured: ``[{}, {}, ...]`` 26.5x, ints 10.9x, floats 12.9x, minimal datums 14.2x), its checked arrays
+#: at most ~6x (one-value inputs: 264 bytes for ~50 of JSON); a protobuf message 8.7x before its datums become
+#: Python objects (then at most --max-request-tokens datums of them, :data:`DECODED_PER_DATUM`)
+DECODED_PER_BODY_BYTE = 40
+#: the most bytes one datum of a decoded protobuf body holds as Python objects beyond its values (its dicts and
+#: lists, ~1.5 KiB measured)
+DECODED_PER_DATUM = 2048
 
 
 class UserError(ZeroKLDClientError, ValueError):
@@ -151,6 +195,14 @@ class BodyTimeout(UserError):
     """A body that did not arrive within :attr:`Limits.body_timeout_s` (HTTP 408)."""
 
     status = 408
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """``error`` with no traceback and no chained exceptions: kept or raised on, it keeps no frame's locals (a
+    request's decoded body) alive."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    error.__suppress_context__ = True
+    return error
 
 
 def _give_memory_back() -> None:
@@ -272,7 +324,8 @@ def datums(
     trainer rounds them to float32 as it did the lists), so a request's memory is :func:`datums_cost`.
 
     Raises:
-        TooMuchWork (413): more than ``max_tokens`` input tokens over all datums (checked before any datum is read).
+        TooMuchWork (413): more than ``max_tokens`` input tokens over all datums, each counting at least one
+            (checked before any datum is read).
         UserError (naming the datum and the field): not a list of datums; chunks that are not encoded text; token
             ids outside ``[0, vocab_size)``; more than ``max_context`` tokens; a ``loss_fn_inputs`` value that is
             not finite (NaN, inf) or not a number; a per-token input (:data:`PER_TOKEN_INPUTS`) whose length is not
@@ -283,10 +336,7 @@ def datums(
     if not isinstance(data, list) or not data:
         raise UserError("data must be a non-empty list of datums")
     if max_tokens is not None and (total := _input_tokens(data)) > max_tokens:
-        raise TooMuchWork(
-            f"this request has {total} input tokens over {len(data)} datums, more than one request may "
-            f"carry ({max_tokens}, --max-request-tokens): split it into several calls"
-        )
+        raise _too_much_work(total, len(data), max_tokens)
     out = []
     for i, d in enumerate(data):
         model_input = (d.get("model_input") or {}) if isinstance(d, dict) else {}
@@ -340,16 +390,25 @@ def datums(
 
 
 def _input_tokens(data: list) -> int:
-    """The input tokens of a wire ``Datum`` list (chunks' ``tokens`` lengths; malformed parts count 0: the datum
-    check refuses them)."""
+    """The input tokens of a wire ``Datum`` list as :attr:`Limits.max_request_tokens` counts them: chunks' ``tokens``
+    lengths, each datum at least one (malformed parts count 0: the datum check refuses them)."""
     total = 0
     for d in data:
         model_input = d.get("model_input") if isinstance(d, dict) else None
         chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
+        n = 0
         for c in chunks if isinstance(chunks, list) else ():
             tokens = c.get("tokens") if isinstance(c, dict) else None
-            total += len(tokens) if isinstance(tokens, list) else 0
+            n += len(tokens) if isinstance(tokens, list) else 0
+        total += max(1, n)
     return total
+
+
+def _too_much_work(tokens: int, n_datums: int, max_tokens: int) -> TooMuchWork:
+    return TooMuchWork(
+        f"this request has {tokens} input tokens over {n_datums} datums (each counting at least one), more than "
+        f"one request may carry ({max_tokens}, --max-request-tokens): split it into several calls"
+    )
 
 
 #: bytes a parked request is counted for beyond its arrays' data: each array's object and allocation (numpy's are
@@ -358,7 +417,7 @@ ARRAY_OVERHEAD, DATUM_OVERHEAD, REQUEST_OVERHEAD = 256, 256, 4096
 
 
 def datums_cost(data: list[dict]) -> int:
-    """The bytes checked :func:`datums` hold (what a parked request is counted for against ``--max-parked-bytes``):
+    """The bytes checked :func:`datums` hold (what a training request is counted for against ``--max-held-bytes``):
     every array's data plus :data:`ARRAY_OVERHEAD` per array and :data:`DATUM_OVERHEAD` per datum."""
     cost = 0
     for d in data:
@@ -474,14 +533,27 @@ def request_schemas() -> dict[str, dict]:
 
 
 def _outputs(lps, metrics: dict, loss_fn: str) -> dict:
+    """A forward's result as held until retrieved: each datum's log-probs a float32 numpy array (4 bytes a token, less
+    than the request's :func:`datums_cost`), as JSON lists only when answered (:func:`_json_result`)."""
     return {
         "loss_fn_output_type": loss_fn,
         "loss_fn_outputs": [
-            {"logprobs": {"data": [float(x) for x in lp.tolist()], "dtype": "float32", "shape": [int(lp.numel())]}}
+            {"logprobs": {"data": lp.detach().float().numpy().copy(), "dtype": "float32", "shape": [int(lp.numel())]}}
             for lp in lps
         ],
         "metrics": metrics,
     }
+
+
+def _json_result(result):
+    """``result`` with every numpy array as a list of Python numbers (a float32 value as the float it is exactly)."""
+    import numpy as np
+
+    if isinstance(result, dict):
+        return {k: _json_result(v) for k, v in result.items()}
+    if isinstance(result, list):
+        return [_json_result(v) for v in result]
+    return result.tolist() if isinstance(result, np.ndarray) else result
 
 
 class _Parked(NamedTuple):
@@ -490,7 +562,7 @@ class _Parked(NamedTuple):
     fn: object
     future: concurrent.futures.Future
     arrived: float  # time.monotonic()
-    nbytes: int  # what it holds (:func:`datums_cost`; a refused request's turn: REQUEST_OVERHEAD)
+    rid: str  # its request id
 
 
 @dataclass
@@ -501,6 +573,7 @@ class _Model:
     next_seq: int | None = 1  # None: restored after a restart, the first seq_id that arrives is the next one
     checkpoint: str | None = None  # the state after its last optim_step (with a state dir)
     pending: dict = field(default_factory=dict)  # seq_id -> _Parked
+    held: dict = field(default_factory=dict)  # request id -> the bytes it holds until retrieved (Limits.max_held_bytes)
     writer: object = None
 
     @property
@@ -567,6 +640,7 @@ class TrainingServer:
         self.models: dict[str, _Model] = {}
         self.creating = 0  # create_model calls queued or running (they count against Limits.max_models)
         self.futures: dict[str, concurrent.futures.Future] = {}
+        self._owners: dict[str, str] = {}  # a training request's id -> its model id (whose ``held`` counts it)
         self.proto_results: dict = {}  # request id -> the encoder of its tinker protobuf result
         self.sampler = None
         if sampler_url:
@@ -659,14 +733,16 @@ class TrainingServer:
         holds (:func:`datums_cost` of its checked datums); its raising UserError refuses the request before anything
         of it runs: its future fails with that error (category ``user``) at its turn, in the shape the SDKs continue
         from (a 400 here would end their request sequence: ``fireworks-ai``'s training client raises "Training
-        request sequence failed" for every later call). A parked request counts what it holds, a refused one
-        :data:`REQUEST_OVERHEAD`.
+        request sequence failed" for every later call). A request counts what it holds (a refused one
+        :data:`REQUEST_OVERHEAD`) against the model's :attr:`Limits.max_held_bytes` until its result is retrieved
+        (:meth:`_release`), and against :attr:`Limits.max_parked` while it waits for an earlier seq_id.
 
         Raises:
             UserError: unknown model, a seq_id already used (or not an integer).
             TooMuchWork: the request is over :attr:`Limits.max_request_tokens` (nothing is queued).
-            Busy: :attr:`Limits.max_parked` requests or :attr:`Limits.max_parked_bytes` bytes of the model already
-                wait for an earlier seq_id (nothing is queued; the same seq_id may be sent again).
+            Busy: :attr:`Limits.max_parked` requests of the model already wait for an earlier seq_id, or its
+                requests not yet retrieved hold :attr:`Limits.max_held_bytes` (nothing is queued; the same seq_id
+                may be sent again).
         """
 
         def seq_checked() -> _Model:
@@ -681,42 +757,55 @@ class TrainingServer:
                 raise UserError(f"seq_id {seq_id!r} was already used (next: {model.next_seq})")
             return model
 
-        def park_or_refuse(model: _Model, nbytes: int) -> None:
-            if seq_id == model.next_seq:
-                return
-            parked = sum(p.nbytes for p in model.pending.values())
-            if len(model.pending) >= self.limits.max_parked or parked + nbytes > self.limits.max_parked_bytes:
+        def admit_or_refuse(model: _Model, nbytes: int) -> None:
+            held = sum(model.held.values())
+            if held + nbytes > self.limits.max_held_bytes:
                 raise Busy(
-                    f"{len(model.pending)} requests ({parked} bytes) already wait for seq_id "
-                    f"{model.next_seq} (limits: {self.limits.max_parked} requests, "
-                    f"{self.limits.max_parked_bytes} bytes)"
+                    f"this model's {len(model.held)} requests not yet retrieved hold {held} bytes; this one needs "
+                    f"{nbytes} more (limit: {self.limits.max_held_bytes} bytes): retrieve their results first"
+                )
+            if seq_id != model.next_seq and len(model.pending) >= self.limits.max_parked:
+                raise Busy(
+                    f"{len(model.pending)} requests already wait for seq_id {model.next_seq} "
+                    f"(limit: {self.limits.max_parked} requests)"
                 )
 
         with self.lock:
-            park_or_refuse(seq_checked(), REQUEST_OVERHEAD)  # before the check reads anything
+            admit_or_refuse(seq_checked(), REQUEST_OVERHEAD)  # before the check reads anything
         refusal, nbytes = None, REQUEST_OVERHEAD
         if check is not None:
             try:
                 nbytes += check()
             except TooMuchWork:
                 raise
-            except UserError as e:
-                refusal, nbytes = e, REQUEST_OVERHEAD
+            except UserError as e:  # kept without its frames, which hold the decoded request
+                refusal, nbytes = _without_frames(e), REQUEST_OVERHEAD
         with self.lock:
             model = seq_checked()
-            park_or_refuse(model, nbytes)
+            admit_or_refuse(model, nbytes)
             rid, fut = self._future()
+            model.held[rid], self._owners[rid] = nbytes, model_id
             if refusal is not None:  # its turn only fails it: nothing of the request is kept or run
 
                 def fn(error=refusal):
                     raise error
 
-            model.pending[seq_id] = _Parked(fn, fut, time.monotonic(), nbytes)
+            model.pending[seq_id] = _Parked(fn, fut, time.monotonic(), rid)
             while model.next_seq in model.pending:
                 turn = model.pending.pop(model.next_seq)
                 self._run(turn.fn, turn.future, model_id)
                 model.next_seq += 1
         return rid
+
+    def _release(self, rid: str) -> None:
+        """Forget request ``rid`` (retrieved, or its model unloaded): its bytes stop counting against its model's
+        :attr:`Limits.max_held_bytes`."""
+        with self.lock:
+            self.futures.pop(rid, None)
+            self.proto_results.pop(rid, None)
+            model = self.models.get(self._owners.pop(rid, ""))
+            if model is not None:
+                model.held.pop(rid, None)
 
     def _expire_gaps(self) -> None:
         """Fail the requests that waited more than ``seq_gap_s`` for an earlier ``seq_id`` that never came (a user
@@ -726,7 +815,9 @@ class TrainingServer:
             for model in self.models.values():
                 for seq, parked in list(model.pending.items()):
                     if now - parked.arrived > self.seq_gap_s:
-                        del model.pending[seq]
+                        del model.pending[seq]  # its datums with it: the failed future holds only its error
+                        if parked.rid in model.held:
+                            model.held[parked.rid] = REQUEST_OVERHEAD
                         expired += 1
                         parked.future.set_exception(
                             UserError(
@@ -1030,38 +1121,50 @@ class TrainingServer:
             except ValueError:
                 raise UserError("body is not JSON") from None
 
-        async def body_of(request: Request) -> dict:
-            """The request's body as a JSON object, read up to ``--max-body-bytes`` (413 beyond: as sent or
-            decompressed) within ``--body-timeout-s`` (408 beyond) and decoded off the event loop (``/health``
-            answers meanwhile). Raises UserError."""
-            chunks, size = [], 0
+        decoding = asyncio.Semaphore(self.limits.max_decoding)
+
+        async def raw_body(request: Request, most: int) -> bytearray:
+            """The request's bytes, up to ``most`` (413 beyond) within ``--body-timeout-s`` (408 beyond).
+            Raises UserError."""
+            raw = bytearray()
             try:
                 async with asyncio.timeout(self.limits.body_timeout_s):
                     async for chunk in request.stream():
-                        size += len(chunk)
-                        if size > limit:
-                            raise BodyTooLarge(f"body is over the limit of {limit} bytes (--max-body-bytes)")
-                        chunks.append(chunk)
+                        if len(raw) + len(chunk) > most:
+                            raise BodyTooLarge(f"body is over the limit of {most} bytes (--max-body-bytes)")
+                        raw += chunk
             except TimeoutError:
                 raise BodyTimeout(
                     f"the body did not arrive within {self.limits.body_timeout_s:g} s (--body-timeout-s)"
                 ) from None
-            raw = b"".join(chunks)
+            return raw
+
+        def decode(request: Request, raw: bytearray) -> dict:
+            """A body as its JSON object (a protobuf one as the JSON body of the same call). Raises UserError."""
             if is_proto(request):
                 try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
-                    return await asyncio.to_thread(
-                        tinker_proto.forward_backward_request, raw, request.headers.get("content-encoding"), limit
+                    return tinker_proto.forward_backward_request(
+                        raw, request.headers.get("content-encoding"), limit, self.limits.max_request_tokens
                     )
                 except tinker_proto.BodyTooLarge as e:
                     raise BodyTooLarge(str(e)) from None
+                except tinker_proto.TooManyTokens as e:
+                    raise _too_much_work(e.tokens, e.datums, self.limits.max_request_tokens) from None
                 except tinker_proto.WireError as e:
                     raise UserError(str(e)) from None
             if request.headers.get("content-encoding", "identity") not in ("", "identity"):
                 raise UserError("JSON bodies are read uncompressed (Content-Encoding zstd: protobuf bodies only)")
-            body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
+            body = parse_json(raw)
             if not isinstance(body, dict):
                 raise UserError("body must be a JSON object")
             return body
+
+        async def body_of(request: Request) -> dict:
+            """The JSON body of a route other than ``forward`` / ``forward_backward``: at most
+            :attr:`Limits.other_body_bytes`, parsed on the event loop. Raises UserError."""
+            if is_proto(request):
+                raise UserError("protobuf bodies are read for forward and forward_backward only")
+            return decode(request, await raw_body(request, self.limits.other_body_bytes))
 
         @app.exception_handler(UserError)
         @app.exception_handler(SamplerError)
@@ -1171,13 +1274,13 @@ class TrainingServer:
 
         _DATUM_FIELDS = ("forward_input", "forward_backward_input")
 
-        def op(path: str, run, check=lambda body: None):
-            """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal fails
-            the request's future, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread."""
-
-            @app.post(api + "/" + path)
-            async def handler(request: Request):
-                body = await body_of(request)
+        def submit(request: Request, raw: bytearray, path: str, run, check) -> tuple[str, str]:
+            """A training call's body decoded, checked and queued (:meth:`_submit`): ``(request id, model id)``.
+            Only the checked datums and the body's other fields stay (held until retrieved); a refusal carries no
+            frames, so nothing of the decoded body outlives this call. Raises UserError."""
+            body = held = checked = None
+            try:
+                body = decode(request, raw)
                 model = model_of(body)
                 checked, held = {}, {"body": body}
 
@@ -1188,16 +1291,28 @@ class TrainingServer:
                     held["body"] = {k: v for k, v in body.items() if k not in _DATUM_FIELDS}
                     return datums_cost(value[0]) if path in ("forward", "forward_backward") else 0
 
-                rid = await asyncio.to_thread(
-                    self._submit,
-                    body["model_id"],
-                    body.get("seq_id"),
-                    lambda: run(model, held["body"], checked.get("value")),
-                    validate,
-                )
+                queued = lambda: run(model, held["body"], checked.get("value"))
+                return self._submit(body["model_id"], body.get("seq_id"), queued, validate), body["model_id"]
+            except UserError as e:
+                error = _without_frames(e)
+            body = held = checked = None  # the frame the error is raised from holds nothing of the request
+            raise error
+
+        def op(path: str, run, check=lambda body: None):
+            """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal fails
+            the request's future, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread. A
+            protobuf body, or a JSON one over :data:`INLINE_BODY_BYTES`, is decoded and checked while it holds one of
+            ``--max-decoding`` turns (others wait holding only their bytes)."""
+
+            @app.post(api + "/" + path)
+            async def handler(request: Request):
+                raw = await raw_body(request, limit)
+                turn = decoding if is_proto(request) or len(raw) > INLINE_BODY_BYTES else contextlib.nullcontext()
+                async with turn:
+                    rid, model_id = await asyncio.to_thread(submit, request, raw, path, run, check)
                 if is_proto(request):  # its result goes back as protobuf too
                     self.proto_results[rid] = tinker_proto.forward_backward_output
-                return {"request_id": rid, "model_id": body["model_id"]}
+                return {"request_id": rid, "model_id": model_id}
 
             return handler
 
@@ -1314,9 +1429,11 @@ class TrainingServer:
             self._persist()
             rid, fut = self._future()
 
-            def close():
+            def close():  # after the model's queued jobs (the same lane)
                 if model:
                     model.client.close()
+                    for held in list(model.held):  # results not retrieved are forgotten (retrieve_future: 404)
+                        self._release(held)
                 _give_memory_back()
                 return {"model_id": body.get("model_id")}
 
@@ -1340,8 +1457,8 @@ class TrainingServer:
                     return {"type": "try_again", "request_id": rid, "queue_state": "active"}
             except Exception:  # noqa: BLE001 - the operation's failure: read from the future below
                 pass
-            self.futures.pop(rid, None)
-            proto = self.proto_results.pop(rid, None)
+            proto = self.proto_results.get(rid)
+            self._release(rid)
             error = fut.exception()
             if error is not None:  # in the client's error shape
                 user = isinstance(error, (ValueError, KeyError, TypeError, NotImplementedError))  # UserError too
@@ -1352,7 +1469,7 @@ class TrainingServer:
                 }
             if proto is not None:
                 return Response(proto(fut.result()), media_type=tinker_proto.CONTENT_TYPE)
-            return fut.result()
+            return _json_result(fut.result())
 
         return app
 
@@ -1501,10 +1618,10 @@ def main(argv=None) -> None:
         help="most requests of one model waiting for an earlier seq_id (429 beyond)",
     )
     ap.add_argument(
-        "--max-parked-bytes",
+        "--max-held-bytes",
         type=int,
-        default=defaults.max_parked_bytes,
-        help="most bytes one model's requests waiting for an earlier seq_id hold decoded (429 beyond)",
+        default=defaults.max_held_bytes,
+        help="most bytes one model's training requests hold decoded from submit until retrieved (429 beyond)",
     )
     ap.add_argument(
         "--max-models",
@@ -1523,6 +1640,18 @@ def main(argv=None) -> None:
         type=float,
         default=defaults.body_timeout_s,
         help="seconds a request may take to send its headers (then the connection is closed) and its body (408)",
+    )
+    ap.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=defaults.limit_concurrency,
+        help="most connections and requests in progress at once (uvicorn's; 503 beyond)",
+    )
+    ap.add_argument(
+        "--max-decoding",
+        type=int,
+        default=defaults.max_decoding,
+        help="most request bodies decoded at once (protobuf ones and JSON ones over 64 KiB; the rest wait their turn)",
     )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
@@ -1552,10 +1681,12 @@ def main(argv=None) -> None:
             args.max_body_bytes,
             args.max_context,
             args.max_parked,
-            args.max_parked_bytes,
+            args.max_held_bytes,
             args.max_models,
             args.max_request_tokens,
             args.body_timeout_s,
+            args.limit_concurrency,
+            args.max_decoding,
         ),
     )
     uvicorn.run(
@@ -1564,6 +1695,7 @@ def main(argv=None) -> None:
         port=args.port,
         log_level="warning",
         http=header_timeout_protocol(args.body_timeout_s),
+        limit_concurrency=args.limit_concurrency,
     )
 
 
