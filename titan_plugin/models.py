@@ -20,7 +20,16 @@ from torchtitan.models.common.config_utils import get_attention_config, make_ffn
 from torchtitan.models.common.nn_modules import RMSNorm
 
 from shared_numerics.settings import ZeroKLDSettings
-from zerokld_models import ModelConfig, UnsupportedModelError, adapter_for, check_supported, read_model_config
+from zerokld_models import (
+    Layer,
+    ModelConfig,
+    UnsupportedModelError,
+    adapter_for,
+    check_supported,
+    dense_prefix,
+    layer_plan,
+    read_model_config,
+)
 from zerokld_models.checkpoint import read_tensors
 
 from .overrides import apply_zerokld_overrides, set_mla, set_tp_k_block
@@ -172,7 +181,7 @@ def architecture_config(adapter, cfg: ModelConfig):
     from zerokld_plugins import resolve
 
     if adapter.attention == "mla":
-        return mla_config(cfg)
+        return mla_config(cfg, layer_plan(cfg, adapter))
     if adapter.derived_head_dim and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ValueError(
             f"TorchTitan's {adapter.titan_model.rpartition(':')[2]} derives the head size: it needs "
@@ -192,13 +201,19 @@ def architecture_config(adapter, cfg: ModelConfig):
     )
 
 
-def mla_config(cfg: ModelConfig):
+def mla_config(cfg: ModelConfig, plan: tuple[Layer, ...]):
     """TorchTitan's ``DeepSeekV3Model`` config (stock components, its own ``build_mla_moe_layers``) for a DeepSeek-V3
     or -V2 checkpoint: MLA (``q_lora_rank`` 0 = one ``wq``), YaRN on TorchTitan's complex (interleaved) RoPE with
     ``mscale = mscale_all_dim``, DeepSeekMoE with the checkpoint's router (V3: sigmoid with the selection bias as
     TorchTitan's ``expert_bias_E``; V2: softmax, no bias) in ``n_group`` groups, ``route_norm =
-    norm_topk_prob``, ``route_scale = routed_scaling_factor``, ``n_shared_experts`` shared experts, the first
-    ``first_k_dense_replace`` layers dense; every RMSNorm with the checkpoint's ``rms_norm_eps``."""
+    norm_topk_prob``, ``route_scale = routed_scaling_factor``, ``n_shared_experts`` shared experts, the layers the
+    plan's (:func:`zerokld_models.layer_plan`) dense prefix holds dense; every RMSNorm with the checkpoint's
+    ``rms_norm_eps``.
+
+    Raises:
+        ValueError: the plan's routed layers are not all after its dense ones (TorchTitan's ``build_mla_moe_layers``
+            builds ``n_dense_layers`` dense ones first, then MoE).
+    """
     import dataclasses
 
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
@@ -222,10 +237,16 @@ def mla_config(cfg: ModelConfig):
             )
         ),
     )
+    n_dense = dense_prefix(plan)
+    if n_dense is None:
+        raise ValueError(
+            "TorchTitan's DeepSeek-V3 model builds its dense layers first, then MoE; this plan's MLPs are "
+            + ", ".join(layer.mlp.kind for layer in plan)
+        )
     experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
     layers = build_mla_moe_layers(
-        n_layers=cfg.num_hidden_layers,
-        n_dense_layers=cfg.first_k_dense_replace,
+        n_layers=len(plan),
+        n_dense_layers=n_dense,
         dim=cfg.hidden_size,
         n_heads=cfg.num_attention_heads,
         q_lora_rank=cfg.q_lora_rank or 0,

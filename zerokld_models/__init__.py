@@ -5,19 +5,24 @@ where vLLM's and TorchTitan's stock classes, state-dict adapter and parallelize 
 stock adapter lacks, and the traits (RoPE kind, head size, QK-norm, q/k/v bias, MoE). It imports neither plugin nor
 any host library; each plugin builds its side from the declaration (:mod:`vllm_plugin.models.classes`,
 :func:`titan_plugin.models.architecture_config`). What every architecture shares lives here once: the HF-config
-reader (:mod:`.config`), the support check (:mod:`.support`), checkpoint files (:mod:`.checkpoint`). Adding an
+reader (:mod:`.config`), the per-layer plan of token mixers and MLPs (:mod:`.plan`), the support check
+(:mod:`.support`), checkpoint files (:mod:`.checkpoint`). Adding an
 architecture = one folder + one line in :mod:`.hooks`.
 """
 
 from .config import ModelConfig, indexer_dims, mla_dims, mla_softmax_scale, read_model_config, topk_sources
+from .plan import Layer, dense_prefix, layer_plan
 from .support import UnsupportedModelError, check_supported, unsupported_features
 
 __all__ = [
+    "Layer",
     "ModelConfig",
     "UnsupportedModelError",
     "adapter_for",
     "check_supported",
+    "dense_prefix",
     "indexer_dims",
+    "layer_plan",
     "mla_dims",
     "mla_softmax_scale",
     "read_model_config",

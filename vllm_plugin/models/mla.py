@@ -11,7 +11,7 @@ FusedMoE); with it on, :class:`vllm_plugin.models.dense.DenseDecoder`'s residual
     q_pe, k_pe = rope(deinterleave(q_pe)), rope(deinterleave(k_pe))       (YaRN tables, rotate-half)
     latent = [c_kv ‖ k_pe]  -> the cache (kv_lora_rank + qk_rope_head_dim values per token)
     o = o_proj(latent_output(MQA([absorb_query(q_nope) ‖ q_pe], latent)))
-    h = h + o;  f = rms_norm(h);  h = h + (dense SwiGLU MLP if layer < first_k_dense_replace else DeepSeekMoE)(f)
+    h = h + o;  f = rms_norm(h);  h = h + (DeepSeekMoE if the layer plan's MLP is routed else dense SwiGLU MLP)(f)
 
 FP8 (online or a ``zerokld_fp8`` checkpoint, DeepSeek's 1x128 x 128x128 ``block`` granularity or per channel): every
 projection above, the dense MLPs and each routed and shared expert run :func:`shared_numerics.fp8_linear`;
@@ -39,7 +39,7 @@ import shared_numerics as sn
 import shared_numerics.dsa as sn_dsa
 import shared_numerics.mla as sn_mla
 import shared_numerics.moe as sn_moe
-from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale, topk_sources
+from zerokld_models import indexer_dims, layer_plan, mla_dims, mla_softmax_scale, topk_sources
 
 from ..attention_backend import LatentAttention, write_slots
 from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _DenseMLP, _norm, _param, _proj
@@ -211,17 +211,18 @@ class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
     parallelism with ``tp_k_block`` as :class:`_MLALayer` and :class:`DeepSeekMoEBlock` split it."""
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
-        """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``): the
-        first ``first_k_dense_replace`` with the dense SwiGLU MLP, the others with :class:`DeepSeekMoEBlock`. LoRA
-        targets (vLLM's ``enable_lora``): the MLA projections but ``kv_b_proj``, and the dense MLPs (not the routed
-        or shared experts)."""
+        """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``),
+        each with the MLP its plan names (:func:`zerokld_models.layer_plan`): the dense SwiGLU MLP or
+        :class:`DeepSeekMoEBlock`. LoRA targets (vLLM's ``enable_lora``): the MLA projections but ``kv_b_proj``, and
+        the dense MLPs (not the routed or shared experts)."""
         cfg, fp8, lora = self.model_cfg, self.fp8, vllm_config.lora_config is not None
+        plan = layer_plan(cfg, self.adapter)
 
         def layer(i: int, tp: TensorParallel) -> _MLALayer:
             mlp = (
-                _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora, tp=tp)
-                if i < cfg.first_k_dense_replace
-                else DeepSeekMoEBlock(cfg, fp8, tp=tp)
+                DeepSeekMoEBlock(cfg, fp8, tp=tp)
+                if plan[i].mlp.routed
+                else _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora, tp=tp)
             )
             return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora, tp=tp)
 
