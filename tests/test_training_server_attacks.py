@@ -127,12 +127,10 @@ def server(checkpoint_factory, tmp_path_factory):
     proc.stop()
 
 
-def _rss_peak_kib(pid: int) -> int:
-    return int(
-        next(
-            line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM")
-        )
-    )
+def _status_kib(pid: int, key: str) -> int:
+    """``key`` (``VmRSS``, ``VmHWM``) of ``/proc/<pid>/status``, in KiB."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(key + ":"))
+    return int(line.split()[1])
 
 
 def test_path_traversal_is_refused_before_anything_touches_the_disk(server):
@@ -255,7 +253,7 @@ def test_zstd_bomb_and_large_bodies_are_refused_with_memory_bounded(server):
     packer, zeros = zstandard.ZstdCompressor(level=3).compressobj(size=1 << 30), bytes(1 << 20)
     bomb = b"".join(packer.compress(zeros) for _ in range(1024)) + packer.flush()  # 1 GiB, streamed
     assert len(bomb) < 64 << 10
-    peak = _rss_peak_kib(proc.proc.pid)
+    peak = _status_kib(proc.proc.pid, "VmHWM")
     health, done = [], threading.Event()
 
     def poll():
@@ -277,7 +275,7 @@ def test_zstd_bomb_and_large_bodies_are_refused_with_memory_bounded(server):
         done.set()
         poller.join()
     assert r.status_code == 413 and "decompresses to more than" in r.json()["detail"], r.text
-    grown_mib = (_rss_peak_kib(proc.proc.pid) - peak) / 1024
+    grown_mib = (_status_kib(proc.proc.pid, "VmHWM") - peak) / 1024
     assert grown_mib < 64, f"peak memory grew by {grown_mib:.0f} MiB"
     assert health and max(health) < 1.0, health  # (bound generous for a loaded 2-core machine; before: 3.9 s)
     big = {"forward_input": {"data": [datum()] * 15_000}, "model_id": full, "seq_id": 10**6}
@@ -536,12 +534,6 @@ def test_the_trainer_thread_serves_models_round_robin(checkpoint_factory, tmp_pa
     gate.set()
     concurrent.futures.wait(futures, timeout=60)
     assert ran == ["a0", "a1", "b0", "a2", "a3", "a4", "a5"], ran
-
-
-def _status_kib(pid: int, key: str) -> int:
-    """``key`` (``VmRSS``, ``VmHWM``) of ``/proc/<pid>/status``, in KiB."""
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(key + ":"))
-    return int(line.split()[1])
 
 
 def _slow_body(url, size: int, sent: int) -> int:

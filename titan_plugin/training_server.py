@@ -138,12 +138,10 @@ class Limits:
     def requests_memory_bound(self) -> int:
         """The most bytes requests can make the server's resident memory grow by, beyond its trainers (the formula
         of docs/security.md, "Peak memory"): every model's held requests; on every connection its body being read (a
-        ``bytearray`` grows by an eighth over its size) and a small body decoded (:attr:`other_body_bytes`, or a
-        training call's up to :data:`INLINE_BODY_BYTES`); each decoding turn's decoded body and checked datums
-        (:data:`DECODED_PER_BODY_BYTE`, :data:`DECODED_PER_DATUM`)."""
-        connection = self.max_body_bytes * 9 // 8 + DECODED_PER_BODY_BYTE * max(
-            INLINE_BODY_BYTES, self.other_body_bytes
-        )
+        ``bytearray`` grows by an eighth over its size) and a small body decoded (:attr:`other_body_bytes`, which a
+        training call's inline body, up to :data:`INLINE_BODY_BYTES`, does not exceed); each decoding turn's decoded
+        body and checked datums (:data:`DECODED_PER_BODY_BYTE`, :data:`DECODED_PER_DATUM`)."""
+        connection = self.max_body_bytes * 9 // 8 + DECODED_PER_BODY_BYTE * self.other_body_bytes
         decoding = DECODED_PER_BODY_BYTE * self.max_body_bytes + DECODED_PER_DATUM * self.max_request_tokens
         return (
             self.max_models * self.max_held_bytes + self.limit_concurrency * connection + self.max_decoding * decoding
@@ -1278,7 +1276,6 @@ class TrainingServer:
             """A training call's body decoded, checked and queued (:meth:`_submit`): ``(request id, model id)``.
             Only the checked datums and the body's other fields stay (held until retrieved); a refusal carries no
             frames, so nothing of the decoded body outlives this call. Raises UserError."""
-            body = held = checked = None
             try:
                 body = decode(request, raw)
                 model = model_of(body)

@@ -36,25 +36,36 @@ def _configs():
     yield "LlamaForCausalLM", tf.LlamaConfig(**SMALL, num_hidden_layers=2)
     yield "Qwen2ForCausalLM", tf.Qwen2Config(**SMALL, num_hidden_layers=2)
     yield "Qwen3ForCausalLM", tf.Qwen3Config(**SMALL, head_dim=16, num_hidden_layers=2)
-    yield "Qwen3MoeForCausalLM", tf.Qwen3MoeConfig(
-        **SMALL,
-        head_dim=16,
-        num_hidden_layers=6,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        mlp_only_layers=[3],
-        decoder_sparse_step=2,
+    yield (
+        "Qwen3MoeForCausalLM",
+        tf.Qwen3MoeConfig(
+            **SMALL,
+            head_dim=16,
+            num_hidden_layers=6,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[3],
+            decoder_sparse_step=2,
+        ),
     )
     yield "DeepseekV3ForCausalLM", tf.DeepseekV3Config(**SMALL, **MLA, num_hidden_layers=4, first_k_dense_replace=2)
     v2 = {**MLA, "q_lora_rank": None, "topk_method": "greedy"}
     yield "DeepseekV2ForCausalLM", tf.DeepseekV2Config(**SMALL, **v2, num_hidden_layers=3, first_k_dense_replace=1)
-    yield "Glm4MoeLiteForCausalLM", tf.Glm4MoeLiteConfig(
-        **SMALL, **MLA, num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"]
+    yield (
+        "Glm4MoeLiteForCausalLM",
+        tf.Glm4MoeLiteConfig(
+            **SMALL, **MLA, num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"]
+        ),
     )
-    dsa = dict(index_topk=4, index_n_heads=2, index_head_dim=16, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
-    yield "GlmMoeDsaForCausalLM", tf.GlmMoeDsaConfig(
-        **SMALL, **MLA, **dsa, num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"]
+    dsa = dict(
+        index_topk=4, index_n_heads=2, index_head_dim=16, mlp_layer_types=["dense", "sparse", "sparse", "sparse"]
+    )
+    yield (
+        "GlmMoeDsaForCausalLM",
+        tf.GlmMoeDsaConfig(
+            **SMALL, **MLA, **dsa, num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"]
+        ),
     )
     yield "DeepseekV32ForCausalLM", tf.DeepseekV32Config(**SMALL, **MLA, **dsa, num_hidden_layers=4)
 
@@ -95,7 +106,7 @@ def test_the_plan_is_what_hf_builds(arch, hf_config):
     plan = layer_plan(cfg, adapter_for(cfg))
     hf = _hf_layers(hf_config)
     assert len(plan) == len(hf) == hf_config.num_hidden_layers
-    for layer, ref in zip(plan, hf):
+    for layer, ref in zip(plan, hf, strict=True):
         assert layer.mixer.kind == _hf_mixer(ref), (layer.index, layer.mixer, type(ref.self_attn).__name__)
         assert layer.mlp.routed == _hf_routed(ref), (layer.index, layer.mlp, type(ref.mlp).__name__)
         attn, state = ref.self_attn, dict(layer.mixer.state)
