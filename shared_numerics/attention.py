@@ -29,11 +29,10 @@ from collections.abc import Callable
 import torch
 
 from .reduce import exp64, tree_sum
+from .tiles import KEY_CHUNK, Q_TILE
 
 __all__ = ["KEY_CHUNK", "Q_TILE", "attention_over_chunks", "dense_causal_attention", "paged_causal_attention"]
 
-KEY_CHUNK = 32
-Q_TILE = 16
 # keys per split of the Triton backend's FlashAttention (absolute positions; :mod:`.ops_triton.attention`): part of
 # the numerics contract (:func:`shared_numerics.mode.contract`)
 SPLIT = 512

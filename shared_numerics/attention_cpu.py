@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from . import cpu_ops
-from .attention import Q_TILE
 from .cpu_kernels import DTYPE_CODES, on_local_shards, plain
+from .tiles import Q_TILE
 
 __all__ = ["dense_attention_cpu", "gathered_attention_cpu", "paged_attention_cpu"]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -34,10 +35,12 @@ from .cpu_kernels import DTYPE_CODES, load
 __all__ = [
     "LIBRARY",
     "OPS",
+    "amx_available",
     "attention_backward",
     "attention_forward",
     "fp8_dequantize_bf16",
     "fp8_quantize",
+    "f32_available",
     "fp8_to_bf16",
     "gemm_abt",
     "gemm_has_amx",
@@ -125,6 +128,35 @@ def gemm_has_amx() -> bool:
 def gemm_has_f32() -> bool:
     """Whether this machine's build of ``csrc/gemm.cpp`` has the float32 FMA kernel."""
     return bool(_lib("gemm").zk_gemm_has_f32())
+
+
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether this machine runs the AMX kernel: the CPU has AMX-BF16 (``/proc/cpuinfo`` flags ``amx_bf16`` and
+    ``amx_tile``), the compiler built the kernel with it and the OS granted the tile state. ``ZEROKLD_AMX=0`` turns it
+    off (then :func:`shared_numerics.linear.linear` takes its oneDNN paths). A machine property, in the numerics
+    contract (:func:`shared_numerics.linear.gemm_partition`)."""
+    from zerokld_plugins import envs
+
+    if not envs.ZEROKLD_AMX:
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    if "amx_bf16" not in flags or "amx_tile" not in flags:
+        return False
+    return gemm_has_amx()
+
+
+@functools.lru_cache(maxsize=1)
+def f32_available() -> bool:
+    """Whether this machine runs the float32 kernel: the kernel was built with AVX-512F or with AVX2 + FMA (both give
+    the same bits). ``ZEROKLD_F32_KERNEL=0`` turns it off (then float32 takes :mod:`shared_numerics.linear`'s oneDNN
+    calls). A machine property, in the numerics contract."""
+    from zerokld_plugins import envs
+
+    return envs.ZEROKLD_F32_KERNEL and gemm_has_f32()
 
 
 def _define(schema: str, fake_result=None):
@@ -232,10 +264,8 @@ _FP32, _BF16 = torch.float32, torch.bfloat16
 
 @functools.cache
 def _bf16_on_amx() -> bool:
-    """Whether bf16 GEMMs take the AMX kernel here (:func:`shared_numerics.gemm_cpu.amx_available`); otherwise the
-    FMA kernel with bf16 operands (the float32 chains of their exact upcasts)."""
-    from .gemm_cpu import amx_available
-
+    """Whether bf16 GEMMs take the AMX kernel here (:func:`amx_available`); otherwise the FMA kernel with bf16 operands
+    (the float32 chains of their exact upcasts)."""
     return amx_available()
 
 

@@ -40,48 +40,27 @@ operand layout of oneDNN's AMX kernels.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
 from . import cpu_ops
 from .cpu_kernels import plain
+from .cpu_ops import amx_available, f32_available
 
-__all__ = ["CHAIN_K_MULTIPLE", "amx_available", "f32_available", "gemm_abt", "gemm_abt_accumulate"]
+__all__ = ["CHAIN_K_MULTIPLE", "amx_available", "chain_available", "f32_available", "gemm_abt", "gemm_abt_accumulate"]
 
 #: K of every :func:`gemm_abt_accumulate` call on bf16 operands must be a multiple of this (the AMX kernel's K step),
 #: so that consecutive calls walk the same 32-element steps as one call on their concatenation
 CHAIN_K_MULTIPLE = 32
 
 
-@functools.lru_cache(maxsize=1)
-def amx_available() -> bool:
-    """Whether this machine runs the AMX kernel: the CPU has AMX-BF16 (``/proc/cpuinfo`` flags ``amx_bf16`` and
-    ``amx_tile``), the compiler built the kernel with it and the OS granted the tile state. ``ZEROKLD_AMX=0`` turns it
-    off (then :func:`shared_numerics.linear.linear` takes its oneDNN paths). A machine property, in the numerics
-    contract (:func:`shared_numerics.linear.gemm_partition`)."""
-    from zerokld_plugins import envs
-
-    if not envs.ZEROKLD_AMX:
+def chain_available(dtype: torch.dtype) -> bool:
+    """Whether this machine's kernels run exact accumulation (:mod:`shared_numerics.grad_chain`) for a forward in
+    ``dtype``: every GEMM gradient on a kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or, without AMX, on the
+    float32 kernel, as their forward), float32 linears and the fused lm_head's float32 gradient on the float32 kernel.
+    CPUs without FMA units are not covered."""
+    if not f32_available():
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    if "amx_bf16" not in flags or "amx_tile" not in flags:
-        return False
-    return cpu_ops.gemm_has_amx()
-
-
-@functools.lru_cache(maxsize=1)
-def f32_available() -> bool:
-    """Whether this machine runs the float32 kernel: the kernel was built with AVX-512F or with AVX2 + FMA (both give
-    the same bits). ``ZEROKLD_F32_KERNEL=0`` turns it off (then float32 takes :mod:`shared_numerics.linear`'s oneDNN
-    calls). A machine property, in the numerics contract."""
-    from zerokld_plugins import envs
-
-    return envs.ZEROKLD_F32_KERNEL and cpu_ops.gemm_has_f32()
+    return dtype in (torch.bfloat16, torch.float32)
 
 
 def _operand(t: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:

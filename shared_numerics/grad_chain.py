@@ -26,19 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from .gemm_cpu import CHAIN_K_MULTIPLE, f32_available, gemm_abt_accumulate
+from .gemm_cpu import CHAIN_K_MULTIPLE, chain_available, gemm_abt_accumulate
+from .linear import bf16_path
 
 __all__ = ["CHAIN_K_MULTIPLE", "GradChain", "chain_available", "chained_embedding", "chained_weight_grad", "replay"]
-
-
-def chain_available(dtype: torch.dtype) -> bool:
-    """Whether this machine's kernels run exact accumulation for a forward in ``dtype``: every GEMM gradient on a
-    kernel of ``csrc/gemm.cpp`` — bf16 linears on AMX (or, without AMX, on the float32 kernel, as their forward),
-    float32 linears and the fused lm_head's float32 gradient on the float32 kernel. CPUs without FMA units are not
-    covered."""
-    if not f32_available():
-        return False
-    return dtype in (torch.bfloat16, torch.float32)
 
 
 class GradChain:
@@ -103,8 +94,6 @@ class GradChain:
         where :func:`shared_numerics.linear.linear` takes bf16 to the float32 path (no AMX) are widened to the float32
         kernel, as that linear's own chain is. Raises as
         :func:`shared_numerics.gemm_cpu.gemm_abt_accumulate`."""
-        from .linear import bf16_path
-
         if self.float32_products or (a.dtype == torch.bfloat16 and bf16_path() != "amx"):
             a, b = a.float(), b.float()
         self.add(gemm_abt_accumulate, a, b)

@@ -55,7 +55,7 @@ import torch
 
 from zerokld_plugins import envs
 
-from .gemm_cpu import amx_available, f32_available, gemm_abt
+from .gemm_cpu import amx_available, chain_available, f32_available, gemm_abt
 
 __all__ = [
     "ONEDNN_THREADS",
@@ -241,12 +241,6 @@ class _Bf16KernelLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _chain_available(dtype: torch.dtype) -> bool:
-    from .grad_chain import chain_available
-
-    return chain_available(dtype)
-
-
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_chain=None, bias_chain=None
 ) -> torch.Tensor:
@@ -268,7 +262,7 @@ def linear(
     """
     lead = x.shape[:-1]
     chained = weight_chain is not None
-    if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not _chain_available(x.dtype)):
+    if chained and (x.device.type != "cpu" or weight.dtype != x.dtype or not chain_available(x.dtype)):
         raise ValueError(f"exact gradient accumulation: no kernel path for a {x.dtype} linear on {x.device} here")
     if (
         x.dtype == torch.bfloat16

@@ -1,8 +1,11 @@
 """The layering is a test (issue 39 point 6): import-linter checks pyproject.toml's ``[tool.importlinter]`` contracts
 on the installed tree — plugins above deltasync above zerokld_models above shared_numerics above zerokld_plugins, the
-two plugins independent, and the numerics, the architecture declarations, the snapshot protocol and the extension
-points free of vLLM and TorchTitan. No exceptions are listed: the architecture folders describe, the plugins build
-(issue 39 point 3).
+two plugins independent, the numerics, the architecture declarations, the snapshot protocol and the extension
+points free of vLLM and TorchTitan, and no import cycle between sibling modules or packages at any depth,
+function-level imports included (issue 77 point 4). No exceptions are listed: the architecture folders describe, the
+plugins build (issue 39 point 3). Two scans of the library's source (issue 77 point 4): no architecture name (HF class
+or model type) outside its ``zerokld_models/<arch>/`` folder, and no decision by a token mixer's or an MLP's name
+outside its component (:mod:`zerokld_models.mixers`, :mod:`zerokld_models.mlps`).
 
 Negative controls: a copy of ``zerokld_models`` with the host binding the folders used to carry put back
 (``qwen3/vllm.py`` importing vLLM's class and ``vllm_plugin.models.dense``) is reported by both contracts, naming the
@@ -71,6 +74,123 @@ def test_a_host_binding_put_back_into_an_architecture_folder_is_reported(tmp_pat
     assert "zerokld_models is not allowed to import vllm_plugin" in r.stdout, r.stdout
     assert "zerokld_models is not allowed to import vllm:" in r.stdout, r.stdout
     assert "zerokld_models.qwen3.vllm -> vllm_plugin.models.dense" in r.stdout, r.stdout
+
+
+def test_an_import_cycle_put_back_is_reported(tmp_path):
+    """The cycle :mod:`shared_numerics.attention_cpu` had (it read ``Q_TILE`` from :mod:`shared_numerics.attention`,
+    which imports it inside a function), put back in a copy, is reported by the acyclic-siblings contract."""
+    shutil.copytree(ROOT / "shared_numerics", tmp_path / "shared_numerics", ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / "shared_numerics" / "attention_cpu.py").open("a") as f:
+        f.write("\n\ndef _tile():\n    from .attention import Q_TILE\n\n    return Q_TILE\n")
+    r = _lint(ROOT / "pyproject.toml", cwd=tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert "No cycles are allowed in shared_numerics" in r.stdout, r.stdout
+    assert re.search(r"\.attention(_cpu)? -> \.attention(_cpu)?\b", r.stdout), r.stdout
+
+
+#: the library: every package but the tests' factory; ``zerokld_models/<arch>/`` folders are where names belong
+LIBRARY = ("shared_numerics", "zerokld_models", "zerokld_plugins", "deltasync", "titan_plugin", "vllm_plugin")
+#: strings that equal an architecture name but name something else: TorchTitan's ``ComplexRoPE`` ``scaling`` kind
+#: for Llama 3.x frequency scaling (``torchtitan/models/common/rope.py``), a RoPE option
+NOT_ARCHITECTURES = {"llama"}
+
+
+def _library_sources() -> dict[str, str]:
+    out = {}
+    for pkg in LIBRARY:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not (rel.startswith("zerokld_models/") and rel.count("/") > 1):  # not inside an architecture folder
+                out[rel] = path.read_text()
+    return out
+
+
+def _architecture_names() -> set[str]:
+    """Every registered architecture (HF class name) and the HF model types whose causal LM is one of them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from zerokld_plugins import registered
+
+    archs = set(registered("model"))
+    return archs | {t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls in archs}
+
+
+def _string_constants(text: str):
+    """``(line, value)`` of every string constant in ``text`` that is not a bare string statement (a docstring)."""
+    import ast
+
+    tree = ast.parse(text)
+    prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in prose:
+            yield n.lineno, n.value
+
+
+def _architecture_names_in(sources: dict[str, str], names: set[str]) -> list[str]:
+    return [
+        f"{path}:{line} {value!r}"
+        for path, text in sources.items()
+        for line, value in _string_constants(text)
+        if value in names and value not in NOT_ARCHITECTURES
+    ]
+
+
+#: component kinds (and ``ModelAdapterSpec.attention`` values, old and new) a decision must not test by name
+COMPONENT_NAMES = {"gqa", "mha", "mla", "dsa", "swiglu", "moe", "deepseek_moe"}
+COMPONENT_MODULES = {"zerokld_models/mixers.py", "zerokld_models/mlps.py"}
+
+
+def _component_name_decisions_in(sources: dict[str, str]) -> list[str]:
+    """``path:line`` of every comparison (``==``, ``!=``, ``in``, ``not in``) against a component's name outside the
+    component modules."""
+    import ast
+
+    found = []
+    for path, text in sources.items():
+        if path in COMPONENT_MODULES:
+            continue
+        for n in ast.walk(ast.parse(text)):
+            if not isinstance(n, ast.Compare):
+                continue
+            values = []
+            for side in (n.left, *n.comparators):
+                elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                values += [e.value for e in elts if isinstance(e, ast.Constant)]
+            if COMPONENT_NAMES.intersection(v for v in values if isinstance(v, str)):
+                found.append(f"{path}:{n.lineno}")
+    return found
+
+
+def test_no_architecture_name_outside_its_folder():
+    """Negative controls: the reader's GLM router default as it was written (model types tested inside the shared
+    reader) and a plugin's default architecture argument are found."""
+    names = _architecture_names()
+    assert {"Qwen3ForCausalLM", "qwen3", "glm_moe_dsa", "DeepseekV3ForCausalLM"} <= names
+    sources = _library_sources()
+    assert len(sources) > 100 and "zerokld_models/config.py" in sources
+    assert _architecture_names_in(sources, names) == []
+    old = {
+        "config.py": 'glm = model_type in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")\n',
+        "moe.py": 'def check_moe_supported(vllm_config, architecture: str = "Qwen3MoeForCausalLM"):\n    """Doc."""\n',
+    }
+    assert _architecture_names_in(old, names) == [
+        "config.py:1 'glm4_moe_lite'",
+        "config.py:1 'glm_moe_dsa'",
+        "config.py:1 'deepseek_v32'",
+        "moe.py:1 'Qwen3MoeForCausalLM'",
+    ]
+
+
+def test_no_decision_by_a_component_name_outside_its_component():
+    """Hosts ask a layer's component (its cache kind, TP split, LoRA and CP support), never its name. Negative
+    controls: the family checks the plugins made before (``adapter.attention == "mla"``, a kind in a tuple) are
+    found."""
+    assert _component_name_decisions_in(_library_sources()) == []
+    old = {
+        "rl.py": 'mla_tp = tp > 1 and adapter_for(cfg).attention == "mla"\n',
+        "classes.py": 'if spec.attention != "mha":\n    pass\nok = layer.mlp.kind in ("moe", "deepseek_moe")\n',
+    }
+    assert _component_name_decisions_in(old) == ["rl.py:1", "classes.py:1", "classes.py:3"]
 
 
 def test_layers_in_another_order_are_reported_broken(section, tmp_path):

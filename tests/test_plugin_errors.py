@@ -175,7 +175,7 @@ def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
     import torch
     from vllm.config.lora import LoRAConfig
 
-    from vllm_plugin.models.dense import check_supported
+    from vllm_plugin.support import check_supported
     from zerokld_models import adapter_for, read_model_config
 
     def config(family: str, fp8: bool = False, lora_dtype="auto"):

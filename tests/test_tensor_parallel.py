@@ -561,7 +561,7 @@ def test_block_tree_and_refusals():
 
 @pytest.mark.timeout(60)
 def test_engine_refuses_tp_it_cannot_keep_invariant():
-    from vllm_plugin.models.dense import _tp_problems
+    from vllm_plugin.support import _tp_problems
     from zerokld_models import ModelConfig
 
     cfg = ModelConfig(

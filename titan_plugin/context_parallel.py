@@ -27,7 +27,22 @@ import functools
 
 import torch
 
-__all__ = ["cp_attention", "gather_sequence", "local_positions", "shard_sequence", "with_context_parallel"]
+__all__ = [
+    "ContextParallelAttention",
+    "cp_attention",
+    "gather_sequence",
+    "local_positions",
+    "shard_sequence",
+    "with_context_parallel",
+]
+
+
+class ContextParallelAttention:
+    """What :func:`with_context_parallel` hands the ``cp`` mesh to: an inner attention that runs :func:`cp_attention`
+    when ``cp_mesh`` is set (:class:`titan_plugin.overrides.ZeroKLDAttention`)."""
+
+    #: the ``cp`` DeviceMesh under context parallelism, else ``None``
+    cp_mesh = None
 
 
 class _WithoutTitanCP:
@@ -46,16 +61,14 @@ class _WithoutTitanCP:
 
 def with_context_parallel(parallelize_fn):
     """Wrap a TorchTitan ``parallelize_fn``: under context parallelism, give every zerokld inner attention the ``cp``
-    mesh (:class:`titan_plugin.overrides.ZeroKLDAttention`) and run TorchTitan's parallelisms without its CP."""
+    mesh (:class:`ContextParallelAttention`) and run TorchTitan's parallelisms without its CP."""
 
     @functools.wraps(parallelize_fn)
     def wrapped(model, *, parallel_dims, **kwargs):
         if not parallel_dims.cp_enabled:
             return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
-        from .overrides import ZeroKLDAttention
-
         mesh = parallel_dims.get_mesh("cp")
-        attention = [m for m in model.modules() if isinstance(m, ZeroKLDAttention)]
+        attention = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
         if not attention:
             raise NotImplementedError("zerokld context parallelism needs the zerokld attention (not MLA yet)")
         for m in attention:

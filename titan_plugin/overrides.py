@@ -70,6 +70,8 @@ import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.linear import linear as torch_backend_linear  # the module; the package's `linear` dispatches
 from shared_numerics.rope import RopeScaling
 
+from .context_parallel import ContextParallelAttention, cp_attention
+
 __all__ = [
     "OVERRIDE_IMPORTS",
     "DSAIndexer",
@@ -422,7 +424,7 @@ class ZeroKLDComplexRoPE(ComplexRoPE):
         return _rope_forward(self.config, query, key, positions, interleaved=True)
 
 
-class ZeroKLDAttention(Module):
+class ZeroKLDAttention(ContextParallelAttention, Module):
     """Inner attention: ``[B, L, N, H]`` q/k/v → ``[B, L, N, H]``, causal, one sequence per row."""
 
     @dataclass(kw_only=True, slots=True)
@@ -444,8 +446,6 @@ class ZeroKLDAttention(Module):
         d = q_BLNH.shape[-1]
         scale = scale if scale is not None else d**-0.5
         if self.cp_mesh is not None:  # this rank's slice of the sequences, over all their keys
-            from .context_parallel import cp_attention
-
             return cp_attention(q_BLNH, k_BLNH, v_BLNH, scale, self.cp_mesh)
         return sn.dense_causal_attention(q_BLNH, k_BLNH, v_BLNH, scale)
 

@@ -33,7 +33,7 @@ from shared_numerics.mode import NumericsMode
 from shared_numerics.rollout import IGNORE_INDEX as ROLLOUT_IGNORE_INDEX
 from shared_numerics.rollout import RolloutBatch
 from shared_numerics.settings import ZeroKLDSettings
-from zerokld_models import ModelConfig, adapter_for, read_model_config
+from zerokld_models import ModelConfig, adapter_for, layer_plan, read_model_config
 from zerokld_models.checkpoint import held_dtype
 from zerokld_plugins.errors import ZeroKLDClientError
 
@@ -109,7 +109,7 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
     if batch_invariant:  # zerokld runs context parallelism itself (titan_plugin.context_parallel)
         parallelize = with_context_parallel(parallelize)
     if lora is not None:
-        model_cfg = _apply_lora(model_cfg, lora, batch_invariant, adapter.attention == "mla")
+        model_cfg = _apply_lora(model_cfg, lora, batch_invariant, layer_plan(cfg, adapter))
         parallelize = keep_requires_grad(parallelize)
     post_optimizer = None
     if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers):
@@ -126,11 +126,13 @@ def _model_spec(cfg: ModelConfig, settings: ZeroKLDSettings, lora=None) -> Model
     )
 
 
-def _apply_lora(model_cfg, lora, batch_invariant: bool, mla: bool):
+def _apply_lora(model_cfg, lora, batch_invariant: bool, plan):
     """The model config with LoRA adapters: zerokld's converter (attention projections and dense MLPs; a MoE block's
     experts are not adapted), or (stock numerics, dense models only) TorchTitan's own with the same rank, alpha and
-    targets. MoE models: DeepSeek's (MLA, dense first layers) only, with zerokld numerics."""
-    if any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers) and not (mla and batch_invariant):
+    targets. MoE models: those whose every MLP component is tested with zerokld's LoRA (DeepSeekMoE: the attention
+    and the dense first layers adapted), with zerokld numerics."""
+    routed = any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers)
+    if routed and not (batch_invariant and all(layer.mlp.component.lora for layer in plan)):
         raise NotImplementedError(
             "zerokld LoRA on MoE models adapts DeepSeek's MLA projections and dense layers "
             "(zerokld numerics); MoE experts are not adapted"
@@ -247,8 +249,14 @@ def rl_trainer_config(
         dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block), "rl_trainer_config settings"
     )
     cfg = read_model_config(checkpoint_dir)
-    mla_tp = tensor_parallel_degree > 1 and batch_invariant and adapter_for(cfg).attention == "mla"
-    if mla_tp and cfg.num_experts and expert_parallel_degree != tensor_parallel_degree:
+    plan = layer_plan(cfg, adapter_for(cfg))
+    experts_whole = any(layer.mlp.component.trainer_tp_needs_ep for layer in plan)
+    if (
+        tensor_parallel_degree > 1
+        and batch_invariant
+        and experts_whole
+        and expert_parallel_degree != tensor_parallel_degree
+    ):
         raise ValueError(
             f"tensor_parallel_degree {tensor_parallel_degree} on DeepSeekMoE: with expert_parallel_degree "
             f"{tensor_parallel_degree} only (TP x EP, each expert whole on its rank; experts split over their "
@@ -262,7 +270,7 @@ def rl_trainer_config(
             cfg, pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatches, batch_invariant
         )
     if context_parallel_degree > 1 and batch_invariant:
-        if adapter_for(cfg).attention == "mla":
+        if not all(layer.mixer.component.context_parallel for layer in plan):
             raise ValueError(f"context_parallel_degree {context_parallel_degree}: not yet on MLA attention")
         if max(tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree) > 1:
             raise ValueError(f"context_parallel_degree {context_parallel_degree} with TP, EP or PP: not yet")

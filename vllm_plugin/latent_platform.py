@@ -4,11 +4,11 @@ For a model vLLM serves with its own MLA (``ModelConfig.use_mla``: DeepSeek-V2/V
 AMX forces ``block_size`` 16, turns chunked prefill and prefix caching off and raises ``max_num_batched_tokens`` to the
 model length (``platforms/cpu.py`` ``CpuPlatform.check_and_update_config``: its reference MLA decode kernel needs
 that). A zerokld engine serves those models with its own latent attention
-(:class:`vllm_plugin.attention_backend.ZeroKLDLatentAttentionBackend`), which takes any block size that is a multiple
-of 16, chunked prefill and prefix-cache hits — so for an engine with ``batch_invariant`` on and an architecture
-declared ``attention="mla"``, those four settings come out of the platform's pass as they would for a model without
-MLA: the user's values, and the CPU default block size 128 when none was given. Every other engine — stock DeepSeek
-included — gets vLLM's own pass unchanged.
+(:class:`vllm_plugin.attention_backend.ZeroKLDLatentAttentionBackend`), which takes any block size that is a multiple of
+16, chunked prefill and prefix-cache hits — so for an engine with ``batch_invariant`` on whose checkpoint has layers
+with a latent cache (:func:`zerokld_models.layer_plan`), those four settings come out of the platform's pass as they
+would for a model without MLA: the user's values, and the CPU default block size 128 when none was given. Every other
+engine — stock DeepSeek included — gets vLLM's own pass unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ CPU_DEFAULT_BLOCK_SIZE = 128
 
 
 def zerokld_latent_engine(vllm_config) -> bool:
-    """Whether ``vllm_config`` is a zerokld engine (``batch_invariant`` on) of an MLA architecture."""
+    """Whether ``vllm_config`` is a zerokld engine (``batch_invariant`` on) whose checkpoint has a layer with a latent
+    cache (:func:`zerokld_models.layer_plan`: MLA, DSA)."""
+    from zerokld_models import layer_plan, read_model_config
     from zerokld_plugins import registered
 
     from .config import ZeroKLDConfigError, from_vllm_config
@@ -34,7 +36,13 @@ def zerokld_latent_engine(vllm_config) -> bool:
     mc = vllm_config.model_config
     archs = (getattr(mc.hf_config, "architectures", None) or []) if mc is not None else []
     adapters = registered("model")
-    return any(a in adapters and adapters[a].spec.attention == "mla" for a in archs)
+    if not archs or archs[0] not in adapters:
+        return False
+    try:
+        cfg = read_model_config(mc.hf_config)
+    except (KeyError, TypeError, ValueError):
+        return False  # the model constructor refuses the engine with the message
+    return any(layer.mixer.cache == "latent" for layer in layer_plan(cfg, adapters[archs[0]].spec))
 
 
 def install() -> None:

@@ -40,11 +40,11 @@ def unsupported_architecture(vllm_config):
 def check_model_settings(vllm_config, adapter):
     """The start checks of an engine whose architecture ``adapter`` declares, in the one order both callers run them
     (:func:`check_engine_config` where the config is built, :class:`vllm_plugin.models.dense.ZeroKLDMixin` in the
-    worker). With zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.models.dense.check_stock_engine`).
+    worker). With zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.support.check_stock_engine`).
     With it on: the architecture's model features and engine settings
-    (:func:`vllm_plugin.models.dense.check_supported`), the sampler's (:func:`vllm_plugin.sampler.
-    check_sampler_supported`) and, for MoE and MLA architectures, the MoE settings'
-    (:func:`vllm_plugin.models.moe.check_moe_supported`).
+    (:func:`vllm_plugin.support.check_supported`), the sampler's (:func:`vllm_plugin.sampler.
+    check_sampler_supported`) and, for architectures with routed MLPs, the MoE settings'
+    (:func:`vllm_plugin.support.check_moe_supported`).
 
     Returns:
         The checkpoint's :class:`zerokld_models.ModelConfig` with zerokld on; ``None`` with it off.
@@ -53,12 +53,11 @@ def check_model_settings(vllm_config, adapter):
         vllm_plugin.config.ZeroKLDConfigError: naming what is not supported.
         zerokld_models.UnsupportedModelError: the checkpoint's config cannot be read as its architecture.
     """
-    from zerokld_models import read_model_config
+    from zerokld_models import layer_plan, read_model_config
 
     from .config import from_vllm_config
-    from .models.dense import check_stock_engine, check_supported
-    from .models.moe import check_moe_supported
     from .sampler import check_sampler_supported
+    from .support import check_moe_supported, check_stock_engine, check_supported
 
     if not from_vllm_config(vllm_config).batch_invariant:
         check_stock_engine(vllm_config)
@@ -66,7 +65,7 @@ def check_model_settings(vllm_config, adapter):
     cfg = read_model_config(vllm_config.model_config.hf_config)
     check_supported(vllm_config, cfg, adapter)
     check_sampler_supported(vllm_config)
-    if adapter.attention == "mla" or adapter.moe:
+    if adapter.moe or any(layer.mlp.routed for layer in layer_plan(cfg, adapter)):
         check_moe_supported(vllm_config, cfg.architecture)
     return cfg
 

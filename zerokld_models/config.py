@@ -14,9 +14,9 @@ model: ``vllm_config.model_config.hf_config``), and resolves the places HF versi
   ``num_local_experts``;
 * the dense layers of a DeepSeekMoE model: ``mlp_layer_types`` (GLM-4.7-Flash's ``"dense"`` / ``"sparse"`` per layer,
   what HF's ``Glm4MoeLite`` reads), else ``first_k_dense_replace`` (DeepSeek's; what vLLM reads for both);
-* GLM's DeepSeekMoE router (``glm4_moe`` / ``glm4_moe_lite`` / ``glm_moe_dsa``: HF's ``Glm*TopkRouter`` is always
-  DeepSeek-V3's sigmoid scores with a selection bias; so is ``deepseek_v32``'s): ``scoring_func`` ``"sigmoid"``,
-  ``topk_method`` ``"noaux_tc"`` when the config does not say;
+* what an architecture's HF modeling file assumes where its config is silent, or holds whatever the config says (GLM's
+  router is always sigmoid scores with a selection bias; GLM-5's MLA always rotates interleaved pairs): the
+  architecture folder declares it (``ModelAdapterSpec.config_defaults`` / ``config_fixed``), the reader applies it;
 * DeepSeek Sparse Attention (``index_topk`` set: GLM-5, DeepSeek-V3.2): the indexer's sizes, each layer's
   ``indexer_types`` (stated, or HF's ``index_topk_pattern`` / ``index_topk_freq`` schedule), its RoPE layout (GLM-5
   interleaved pairs, DeepSeek-V3.2 halves); both models' MLA rotates interleaved pairs;
@@ -27,12 +27,14 @@ Source: HF ``transformers`` ``PretrainedConfig`` and ``modeling_rope_utils`` (``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shared_numerics.rope import RopeScaling, YarnScaling
+from zerokld_plugins import registered
 
 __all__ = ["ModelConfig", "indexer_dims", "mla_dims", "mla_softmax_scale", "read_model_config", "topk_sources"]
 
@@ -173,7 +175,9 @@ def read_model_config(src: Any) -> ModelConfig:
     Raises:
         TypeError: ``src`` is none of those; KeyError: a required field (``hidden_size``, ...) is missing.
     """
-    d = _as_dict(src)
+    raw = _as_dict(src)
+    adapter = _declared((raw.get("architectures") or [""])[0])
+    d = raw if adapter is None else {**raw, **{k: v for k, v in adapter.config_defaults if raw.get(k) is None}}
     nq = d["num_attention_heads"]
     theta, scaling, unsupported = _rope(d)
     window = d.get("sliding_window")
@@ -183,11 +187,8 @@ def read_model_config(src: Any) -> ModelConfig:
         first_dense = next((i for i, t in enumerate(layer_types) if t != "dense"), len(layer_types))
     else:
         first_dense = d.get("first_k_dense_replace") or 0
-    model_type = d.get("model_type")
-    # HF's Glm*TopkRouter and DeepseekV32TopkRouter: always sigmoid with the selection bias (noaux_tc)
-    glm = model_type in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")
     rotary = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
-    return ModelConfig(
+    cfg = ModelConfig(
         architecture=(d.get("architectures") or [""])[0],
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -219,10 +220,7 @@ def read_model_config(src: Any) -> ModelConfig:
         qk_nope_head_dim=d.get("qk_nope_head_dim") or 0,
         qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
         v_head_dim=d.get("v_head_dim") or 0,
-        # HF's DeepSeek-V2 always applies its rope part as interleaved pairs (complex RoPE); V3 says so in its config
-        # (HF's GLM-5 and DeepSeek-V3.2 MLA always rotate interleaved pairs, whatever the config says)
-        rope_interleave=model_type in ("glm_moe_dsa", "deepseek_v32")
-        or bool(d.get("rope_interleave", model_type == "deepseek_v2")),
+        rope_interleave=bool(d.get("rope_interleave", False)),
         # DeepSeek-V2's "greedy" top-k ignores n_group / topk_group: one group of every expert
         n_group=1 if d.get("topk_method") == "greedy" else d.get("n_group") or 1,
         topk_group=1 if d.get("topk_method") == "greedy" else d.get("topk_group") or 1,
@@ -231,16 +229,22 @@ def read_model_config(src: Any) -> ModelConfig:
         first_k_dense_replace=first_dense,
         mlp_layer_types=layer_types,
         moe_layer_freq=d.get("moe_layer_freq") or 1,
-        scoring_func=d.get("scoring_func") or ("sigmoid" if glm else "softmax"),
-        topk_method=d.get("topk_method") or ("noaux_tc" if glm else "greedy"),
+        scoring_func=d.get("scoring_func") or "softmax",
+        topk_method=d.get("topk_method") or "greedy",
         partial_rotary_factor=float(rotary),
         index_topk=d.get("index_topk"),
         index_n_heads=d.get("index_n_heads") or 0,
         index_head_dim=d.get("index_head_dim") or 0,
         indexer_types=_indexer_types(d) if d.get("index_topk") else (),
-        index_rope_interleave=model_type == "glm_moe_dsa",  # DeepSeek-V3.2's indexer rotates halves
-        raw=d,
+        raw=raw,
     )
+    return cfg if adapter is None else dataclasses.replace(cfg, **dict(adapter.config_fixed))
+
+
+def _declared(architecture: str):
+    """The registered declaration of ``architecture`` (:class:`zerokld_plugins.ModelAdapterSpec`), else ``None``."""
+    reg = registered("model").get(architecture)
+    return None if reg is None else reg.spec
 
 
 def mla_dims(cfg: ModelConfig):

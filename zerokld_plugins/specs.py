@@ -69,6 +69,8 @@ class BackendSpec:
 
 #: ``ModelAdapterSpec.moe_routing`` values
 MOE_ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax")
+#: ``ModelAdapterSpec.attention`` values: the token-mixer components an architecture declares
+ATTENTIONS = ("gqa", "mla")
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,19 @@ class ModelAdapterSpec:
     holds q/k rows interleaved: llama3's adapter permutes them, the RoPE override undoes it), ``derived_head_dim``
     (TorchTitan's model derives the head size as ``hidden_size / num_attention_heads``: llama3), ``qk_norm`` (per-head
     RMSNorm of q and k, Qwen3), ``qkv_bias`` (q/k/v projections with bias, Qwen2), ``moe`` (a routed MoE block in
-    every layer, Qwen3-MoE), ``attention`` (the token mixer: ``"mha"`` grouped-query attention over per-head K/V,
-    ``"mla"`` DeepSeek's multi-head latent attention over a latent cache, :mod:`shared_numerics.mla`), ``moe_routing``
+    every layer, Qwen3-MoE), ``attention`` (the token mixer component: ``"gqa"`` grouped-query attention over
+    per-head K/V, ``"mla"`` DeepSeek's multi-head latent attention over a latent cache, :mod:`shared_numerics.mla`;
+    its spec is :mod:`zerokld_models.mixers`), ``moe_routing``
     (``"softmax"``: softmax top-k, Qwen3-MoE; ``"grouped_sigmoid"``: DeepSeekMoE's group-limited sigmoid top-k with a
     selection bias, shared experts and dense first layers, :func:`shared_numerics.moe.route_grouped_topk`, DeepSeek-V3;
     ``"grouped_softmax"``: the same block with softmax scores, a group scored by its best expert and no selection
-    bias, DeepSeek-V2)."""
+    bias, DeepSeek-V2).
+
+    How the architecture's HF modeling file reads its config, where the config does not say or is ignored:
+    ``config_defaults`` (``(HF config key, value)`` pairs used when the key is absent or null, e.g. GLM's router is
+    ``scoring_func="sigmoid"``) and ``config_fixed`` (``(ModelConfig field, value)`` pairs the modeling file holds
+    whatever the config says, e.g. GLM-5's MLA always rotates interleaved pairs);
+    :func:`zerokld_models.read_model_config` applies both."""
 
     architecture: str
     vllm_base: str
@@ -112,13 +121,15 @@ class ModelAdapterSpec:
     qk_norm: bool = False
     qkv_bias: bool = False
     moe: bool = False
-    attention: str = "mha"
+    attention: str = "gqa"
     moe_routing: str = "softmax"
+    config_defaults: tuple[tuple[str, Any], ...] = ()
+    config_fixed: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
-        if self.attention not in ("mha", "mla") or self.moe_routing not in MOE_ROUTINGS:
+        if self.attention not in ATTENTIONS or self.moe_routing not in MOE_ROUTINGS:
             raise ValueError(
-                f"ModelAdapterSpec {self.architecture}: attention must be 'mha' or 'mla' and moe_routing "
+                f"ModelAdapterSpec {self.architecture}: attention must be one of {ATTENTIONS} and moe_routing "
                 f"one of {MOE_ROUTINGS}, got {self.attention!r}, {self.moe_routing!r}"
             )
         if self.rope not in ("cos_sin", "complex"):

@@ -18,6 +18,12 @@ import functools
 __all__ = ["class_name", "model_class", "registered_name"]
 
 _PREFIX = "ZeroKLD"
+#: the decoder of each declared token mixer's cache kind, without and with routed MLPs (the latent decoder builds
+#: each layer's MLP from the plan)
+_MIXINS = {
+    "paged_kv": {False: "vllm_plugin.models.dense:ZeroKLDMixin", True: "vllm_plugin.models.moe:ZeroKLDMoEMixin"},
+    "latent": {False: "vllm_plugin.models.mla:ZeroKLDMLAMixin", True: "vllm_plugin.models.mla:ZeroKLDMLAMixin"},
+}
 
 
 def class_name(architecture: str) -> str:
@@ -37,15 +43,11 @@ def model_class(architecture: str) -> type:
     Raises:
         zerokld_plugins.UnknownNameError: no ``zerokld`` model adapter declares ``architecture``.
     """
+    from zerokld_models.mixers import mixer_component
     from zerokld_plugins import get_model_adapter, resolve
 
     spec = get_model_adapter(architecture)
-    if spec.attention == "mla":
-        from .mla import ZeroKLDMLAMixin as mixin
-    elif spec.moe:
-        from .moe import ZeroKLDMoEMixin as mixin
-    else:
-        from .dense import ZeroKLDMixin as mixin
+    mixin = resolve(_MIXINS[mixer_component(spec).cache][spec.moe])
     base = resolve(spec.vllm_base)
     name = class_name(architecture)
     return type(

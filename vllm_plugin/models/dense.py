@@ -38,15 +38,16 @@ import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
-from zerokld_models import ModelConfig, unsupported_features
+from zerokld_models import ModelConfig
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
 from ..faults import copy_fault, step_delay
 from ..sampler import set_logprobs_definition
 from ..start import check_model_settings
+from ..support import is_zerokld_fp8
 
-__all__ = ["DenseDecoder", "ResidualLayer", "ZeroKLDMixin", "check_stock_engine", "check_supported"]
+__all__ = ["DenseDecoder", "ResidualLayer", "ZeroKLDMixin"]
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -140,7 +141,7 @@ class _Proj(nn.Module):
         self.row_parallel = shard == "row" and tp is not None and tp.k_block is not None
         self.k_block = tp.k_block if tp is not None else None
         self.gather = tp.gather() if self.row_parallel else None
-        if tp is not None and tp.size > 1 and shard is not None:  # FP8 and LoRA refuse TP (check_supported)
+        if tp is not None and tp.size > 1 and shard is not None:  # FP8 and LoRA refuse TP (vllm_plugin.support)
             self.bias = tp.param((out_features,), 0 if shard == "column" else None) if bias else None
             self.weight = tp.param((out_features, in_features), 0 if shard == "column" else 1)
             self._codes: torch.Tensor | None = None
@@ -191,108 +192,6 @@ class _Proj(nn.Module):
         if self._codes is None:
             raise RuntimeError("zerokld fp8: weights were not quantized after loading")
         return sn.fp8_linear(x, self._codes, self._scales, self.fp8.granularity)
-
-
-def check_stock_engine(vllm_config) -> None:
-    """With the zerokld switch off (vLLM's own model serves): refuse a checkpoint exported as ``zerokld_fp8``, whose
-    FP8 codes vLLM's layers would misread.
-
-    Raises:
-        ZeroKLDConfigError: the checkpoint is quantized with ``zerokld_fp8``.
-    """
-    if _is_zerokld_fp8(vllm_config):
-        raise ZeroKLDConfigError(
-            f"this checkpoint is quantized with {QUANT_METHOD}; serve it with "
-            "additional_config={'zerokld': {'batch_invariant': true}}"
-        )
-
-
-def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
-    """Refuse, at start, every feature the batch-invariant path does not implement: the architecture's
-    (:func:`zerokld_models.unsupported_features`, the check the trainer runs too) and the engine's.
-
-    Raises:
-        ZeroKLDConfigError: naming each unsupported setting.
-    """
-    pc = vllm_config.parallel_config
-    problems = unsupported_features(cfg, adapter)
-    if pc.pipeline_parallel_size != 1:
-        problems.append("pipeline parallelism (use PP=1)")
-    problems += _tp_problems(
-        pc.tensor_parallel_size,
-        from_vllm_config(vllm_config).tp_k_block,
-        cfg,
-        lora=vllm_config.lora_config is not None,
-        fp8=from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config),
-    )
-    if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
-        problems.append(f"dtype {vllm_config.model_config.dtype} (use float32 or bfloat16)")
-    qc = vllm_config.quant_config
-    if qc is not None and getattr(qc, "get_name", lambda: None)() != QUANT_METHOD:
-        problems.append(
-            f"quantization {qc.get_name()} (zerokld serves its own FP8: additional_config fp8, or a "
-            f"{QUANT_METHOD} checkpoint)"
-        )
-    lc = vllm_config.lora_config
-    if lc is not None:
-        if from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config):
-            problems.append("LoRA with FP8 (the adapters would bypass the FP8 GEMM)")
-        if cfg.num_experts and adapter.attention != "mla":
-            # DeepSeek's LoRA (MLA projections and dense first layers) is tested; an all-MoE Qwen3-MoE would adapt
-            # its attention only
-            problems.append("LoRA on an MoE model (experts are not adapted)")
-        if lc.lora_dtype not in ("auto", None, vllm_config.model_config.dtype):
-            problems.append(f"lora_dtype {lc.lora_dtype} (adapters run in the model dtype: leave it auto)")
-    if adapter.qkv_bias and (from_vllm_config(vllm_config).fp8 or _is_zerokld_fp8(vllm_config)):
-        problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
-    if cfg.index_topk is not None:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
-            # the selection's sizes are data-dependent (which queries select, how many sequences): no graph capture
-            problems.append("DeepSeek Sparse Attention with CUDA graphs (use enforce_eager)")
-    if problems:
-        raise ZeroKLDConfigError(
-            f"zerokld batch_invariant mode does not support ({cfg.architecture}): " + "; ".join(problems)
-        )
-
-
-def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8: bool) -> list[str]:
-    """What keeps ``cfg`` from running at TP size ``tp`` with ``tp_k_block`` ``k_block`` (empty: it runs)."""
-    problems = []
-    if tp > 1 and k_block is None:
-        problems.append(
-            f"tensor_parallel_size {tp} without tp_k_block (set additional_config zerokld tp_k_block: "
-            "the fixed K-block of the TP-invariant row-parallel sum)"
-        )
-    if tp & (tp - 1):
-        problems.append(
-            f"tensor_parallel_size {tp} (a power of two: the rank subtrees of the fixed reduction tree must align)"
-        )
-    if k_block is None:
-        return problems
-    if lora:
-        problems.append("tp_k_block with LoRA")
-    if fp8:
-        problems.append("tp_k_block with FP8")
-    shards = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads}
-    if cfg.kv_lora_rank is not None:  # MLA: heads split, one latent per token on every rank
-        shards = {"num_attention_heads": cfg.num_attention_heads}
-    problems += [f"{k}={v} not divisible by tensor_parallel_size {tp}" for k, v in shards.items() if v % tp]
-    if cfg.kv_lora_rank is not None:  # DeepSeek: o_proj over H x v_head_dim; dense MLPs in the first layers only
-        widths = [("o_proj", cfg.num_attention_heads * cfg.v_head_dim)]
-        if cfg.first_k_dense_replace:
-            widths.append(("down_proj", cfg.intermediate_size))
-        if cfg.n_shared_experts:
-            widths.append(("shared experts' down_proj", cfg.moe_intermediate_size * cfg.n_shared_experts))
-    else:
-        widths = [("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)]
-    if cfg.num_experts:
-        widths.append(("experts' down_proj", cfg.moe_intermediate_size))
-    for name, k in widths:
-        if k % (tp * k_block):
-            problems.append(f"{name} K={k} not divisible by tensor_parallel_size x tp_k_block = {tp * k_block}")
-    return problems
 
 
 def _proj(
@@ -468,13 +367,8 @@ class DenseDecoder(nn.Module):
         return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
 
 
-def _is_zerokld_fp8(vllm_config) -> bool:
-    qc = vllm_config.quant_config
-    return qc is not None and qc.get_name() == QUANT_METHOD
-
-
 def _fp8_mode(vllm_config, cfg) -> Fp8Mode:
-    if _is_zerokld_fp8(vllm_config):
+    if is_zerokld_fp8(vllm_config):
         stored = vllm_config.quant_config.granularity
         if cfg.fp8 not in (None, stored):
             raise ZeroKLDConfigError(f"fp8 {cfg.fp8!r} conflicts with the checkpoint's granularity {stored!r}")

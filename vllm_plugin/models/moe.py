@@ -24,7 +24,6 @@ import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.moe as sn_moe
 
-from ..config import ZeroKLDConfigError
 from .dense import Fp8Mode, TensorParallel, ZeroKLDMixin, _param
 
 __all__ = ["MoEBlock", "RouteCache", "StackedExperts", "ZeroKLDMoEMixin"]
@@ -197,16 +196,6 @@ class RouteCache:
         if slots.numel() and int(slots.max()) >= self.rows.shape[0]:
             raise IndexError("zerokld routing capture: a requested KV slot holds no routes")
         return self.rows[slots.long()]
-
-
-def check_moe_supported(vllm_config, architecture: str = "Qwen3-MoE") -> None:
-    """Raise :class:`ZeroKLDConfigError` for MoE engine settings the zerokld path does not implement (the model's own
-    MoE structure is checked by :func:`zerokld_models.unsupported_features`)."""
-    problems = []
-    if vllm_config.parallel_config.enable_expert_parallel:
-        problems.append("expert parallelism")
-    if problems:
-        raise ZeroKLDConfigError(f"zerokld {architecture} does not support: " + "; ".join(problems))
 
 
 class ZeroKLDMoEMixin(ZeroKLDMixin):

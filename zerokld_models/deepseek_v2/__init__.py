@@ -17,4 +17,5 @@ ADAPTER = dataclasses.replace(
     architecture="DeepseekV2ForCausalLM",
     vllm_base="vllm.model_executor.models.deepseek_v2:DeepseekV2ForCausalLM",
     moe_routing="grouped_softmax",
+    config_defaults=(("rope_interleave", True),),  # HF's DeepSeek-V2 applies its rope part as interleaved pairs
 )

@@ -14,4 +14,7 @@ ADAPTER = dataclasses.replace(
     glm_moe_dsa.ADAPTER,
     architecture="DeepseekV32ForCausalLM",
     vllm_base="vllm.models.deepseek_v32:DeepseekV32ForCausalLM",
+    config_defaults=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")),  # HF's DeepseekV32TopkRouter
+    # HF's DeepseekV32Attention rotates MLA's rope part as interleaved pairs, its indexer's as halves
+    config_fixed=(("rope_interleave", True), ("index_rope_interleave", False)),
 )

@@ -15,4 +15,5 @@ ADAPTER = dataclasses.replace(
     deepseek_v3.ADAPTER,  # the same TorchTitan model, state-dict adapter (HF names) and parallelize
     architecture="Glm4MoeLiteForCausalLM",
     vllm_base="vllm.model_executor.models.glm4_moe_lite:Glm4MoeLiteForCausalLM",
+    config_defaults=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")),  # HF's Glm4MoeTopkRouter
 )

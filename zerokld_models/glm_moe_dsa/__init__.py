@@ -31,4 +31,7 @@ ADAPTER = dataclasses.replace(
     architecture="GlmMoeDsaForCausalLM",
     vllm_base="vllm.model_executor.models.deepseek_v2:GlmMoeDsaForCausalLM",
     extra_hf_names=INDEXER_NAMES,
+    config_defaults=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")),  # HF's GlmMoeDsaTopkRouter
+    # HF's GlmMoeDsaAttention rotates interleaved pairs in MLA and in the indexer, whatever the config says
+    config_fixed=(("rope_interleave", True), ("index_rope_interleave", True)),
 )
