@@ -14,6 +14,8 @@ sides: trainer and vLLM must use the same one). ``ZEROKLD_BACKEND=triton`` on CP
 
 from __future__ import annotations
 
+import torch
+
 from .attention import KEY_CHUNK, Q_TILE, attention_over_chunks
 from .linear import ROW_TILE
 from .metrics import logprob_diff_metrics
@@ -131,7 +133,10 @@ def add_rms_norm(x, residual, weight, eps):
 
 
 def rms_norm_rope(x, weight, eps, cos, sin):
-    """See :func:`shared_numerics.rope.rms_norm_rope`."""
+    """See :func:`shared_numerics.rope.rms_norm_rope`; with tables narrower than ``x`` (partial RoPE, see
+    :func:`apply_rope`) the unfused composition ``apply_rope(rms_norm(x, weight, eps), cos, sin)``."""
+    if 2 * cos.shape[-1] < x.shape[-1]:
+        return apply_rope(rms_norm(x, weight, eps), cos, sin)
     return active_ops(x)["rms_norm_rope"](x, weight, eps, cos, sin)
 
 
@@ -141,8 +146,19 @@ def rope_cos_sin(positions, head_dim, theta, scaling=None):
 
 
 def apply_rope(x, cos, sin):
-    """See :func:`shared_numerics.rope.apply_rope`."""
-    return active_ops(x)["apply_rope"](x, cos, sin)
+    """See :func:`shared_numerics.rope.apply_rope`. Partial RoPE: with ``cos`` / ``sin`` ``[N, R/2]`` for ``R`` below
+    ``x``'s last dimension ``D``, the first ``R`` dimensions rotate (their two halves) and the other ``D - R`` pass
+    through unchanged (HF ``apply_rotary_pos_emb`` with ``partial_rotary_factor = R / D``, e.g. GLM-4.5's 0.5).
+
+    Raises:
+        ValueError: tables wider than ``x`` (``R > D``)."""
+    r = 2 * cos.shape[-1]
+    if r == x.shape[-1]:
+        return active_ops(x)["apply_rope"](x, cos, sin)
+    if r > x.shape[-1]:
+        raise ValueError(f"apply_rope: tables for {r} dimensions, x has {x.shape[-1]}")
+    rotated = active_ops(x)["apply_rope"](x[..., :r].contiguous(), cos, sin)
+    return torch.cat([rotated, x[..., r:]], dim=-1)
 
 
 def silu_and_mul(gate, up):

@@ -31,8 +31,11 @@ from zerokld_models import (
     read_model_config,
 )
 from zerokld_models.checkpoint import read_tensors
+from zerokld_models.mixers import GQA
+from zerokld_models.mlps import MLP
 
 from .overrides import apply_zerokld_overrides, set_mla, set_tp_k_block
+from .rope import PartialCosSinRoPE
 
 __all__ = [
     "architecture_config",
@@ -53,8 +56,12 @@ _ONES = {"weight": torch.nn.init.ones_}
 
 
 def cos_sin_rope(cfg: ModelConfig) -> CosSinRoPE.Config:
-    """TorchTitan's HF-halves RoPE (Qwen); Llama 3.x scaling is not available on it (TorchTitan raises)."""
-    return CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta)
+    """TorchTitan's HF-halves RoPE (Qwen); Llama 3.x scaling is not available on it (TorchTitan raises). With a
+    ``partial_rotary_factor`` below 1 (GLM-4.5), :class:`titan_plugin.rope.PartialCosSinRoPE` over the rotated
+    dimensions."""
+    rotary = GQA.rotary_dim(cfg)
+    kind = CosSinRoPE if rotary == cfg.head_dim else PartialCosSinRoPE
+    return kind.Config(dim=rotary, max_seq_len=cfg.max_position_embeddings, theta=cfg.rope_theta)
 
 
 def complex_rope(cfg: ModelConfig) -> ComplexRoPE.Config:
@@ -77,52 +84,66 @@ def complex_rope(cfg: ModelConfig) -> ComplexRoPE.Config:
     )
 
 
-def _moe_config(cfg: ModelConfig):
-    """TorchTitan ``MoE.Config`` for a Qwen3-MoE layer (softmax router, ``route_norm = norm_topk_prob``, no shared
-    expert), built as ``torchtitan.models.qwen3._build_qwen3_moe_layers`` does."""
+_EXPERTS_INIT = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+
+
+def _moe_config(cfg: ModelConfig, mlp: MLP):
+    """TorchTitan ``MoE.Config`` for a routed layer, built as TorchTitan's own builders do: a softmax top-k MoE
+    (Qwen3-MoE: ``route_norm = norm_topk_prob``, no shared expert; ``torchtitan.models.qwen3._build_qwen3_moe_layers``)
+    or DeepSeekMoE (``n_group`` groups of which ``topk_group`` are used, ``route_scale = routed_scaling_factor``,
+    shared experts ``moe_intermediate_size x n_shared_experts`` wide, the selection bias as TorchTitan's
+    ``expert_bias_E`` with sigmoid scores; ``torchtitan.models.deepseek_v3.build_mla_moe_layers``)."""
     from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
 
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
-    return make_moe_config(
-        num_experts=e,
-        router=make_router_config(
-            dim=cfg.hidden_size,
-            num_experts=e,
-            gate_param_init=_INIT,
-            top_k=k,
-            score_func="softmax",
+    e, k, deepseek = mlp.num_experts, mlp.top_k, mlp.component.grouped
+    router = dict(score_func="softmax", route_norm=cfg.norm_topk_prob)
+    if deepseek:
+        router = dict(
+            score_func=cfg.scoring_func,
+            num_expert_groups=cfg.n_group,
+            num_limited_groups=cfg.topk_group,
+            route_scale=cfg.routed_scaling_factor,
             route_norm=cfg.norm_topk_prob,
-        ),
+        )
+    moe = make_moe_config(
+        num_experts=e,
+        router=make_router_config(dim=cfg.hidden_size, num_experts=e, gate_param_init=_INIT, top_k=k, **router),
         routed_experts=make_routed_experts_config(
             dim=cfg.hidden_size,
-            hidden_dim=cfg.moe_intermediate_size,
+            hidden_dim=mlp.intermediate_size,
             num_experts=e,
             top_k=k,
-            param_init=experts_init,
+            param_init=_EXPERTS_INIT,
             comm_backend="standard",
         ),
+        **(
+            dict(
+                shared_experts=make_ffn_config(
+                    dim=cfg.hidden_size,
+                    hidden_dim=mlp.intermediate_size * mlp.shared_experts,
+                    w1_param_init=_INIT,
+                    w2w3_param_init=_INIT,
+                )
+            )
+            if deepseek
+            else {}
+        ),
     )
+    if deepseek and cfg.scoring_func != "sigmoid":  # softmax DeepSeekMoE: no selection bias
+        moe.load_balance_coeff = None
+    return moe
 
 
 _SAME = object()
 
 
-def decoder_config(
-    cfg: ModelConfig,
-    model_cls,
-    block_cls,
-    rope,
-    qk_norm: bool,
-    qkv_bias: bool = False,
-    moe: bool = False,
-    head_dim=_SAME,
-):
-    """A TorchTitan decoder config (stock components) of ``model_cls`` / ``block_cls`` for ``cfg``.
+def decoder_config(cfg: ModelConfig, plan: tuple[Layer, ...], model_cls, block_cls, rope, head_dim=_SAME):
+    """A TorchTitan decoder config (stock components) of ``model_cls`` / ``block_cls`` for ``cfg``, one block per
+    layer of the plan (:func:`zerokld_models.layer_plan`): grouped-query attention with the layer's QK norm and
+    q/k/v bias, and its MLP (the dense ``FeedForward``, or an ``MoE``: :func:`_moe_config`).
 
     Args:
         rope: the RoPE config (:func:`cos_sin_rope` or :func:`complex_rope`).
-        qk_norm: per-head RMSNorm of q and k; qkv_bias: biased wq/wk/wv; moe: an MoE block in every layer.
         head_dim: what ``make_gqa_config`` gets (default ``cfg.head_dim``; llama3 passes ``None``: derived).
     """
 
@@ -130,7 +151,7 @@ def decoder_config(
         return RMSNorm.Config(normalized_shape=n, eps=cfg.rms_norm_eps, param_init=_ONES)
 
     layers = []
-    for _ in range(cfg.num_hidden_layers):
+    for layer in plan:
         attention = make_gqa_config(
             dim=cfg.hidden_size,
             n_heads=cfg.num_attention_heads,
@@ -141,21 +162,25 @@ def decoder_config(
             inner_attention=get_attention_config("flex"),
             fuse_qkv=False,
             rope=rope,
-            qk_norm=norm(cfg.head_dim) if qk_norm else None,
+            qk_norm=norm(cfg.head_dim) if layer.mixer.qk_norm else None,
         )
-        if qkv_bias:
+        if layer.mixer.qkv_bias:
             attention.qkv_linear.wq.bias = attention.qkv_linear.wkv.bias = True
+        routed = layer.mlp.routed
         layers.append(
             block_cls.Config(
                 attention_norm=norm(cfg.hidden_size),
                 ffn_norm=norm(cfg.hidden_size),
                 attention=attention,
                 feed_forward=None
-                if moe
+                if routed
                 else make_ffn_config(
-                    dim=cfg.hidden_size, hidden_dim=cfg.intermediate_size, w1_param_init=_INIT, w2w3_param_init=_INIT
+                    dim=cfg.hidden_size,
+                    hidden_dim=layer.mlp.intermediate_size,
+                    w1_param_init=_INIT,
+                    w2w3_param_init=_INIT,
                 ),
-                moe=_moe_config(cfg) if moe else None,
+                moe=_moe_config(cfg, layer.mlp) if routed else None,
             )
         )
     return model_cls.Config(
@@ -171,8 +196,8 @@ def decoder_config(
 
 def architecture_config(adapter, cfg: ModelConfig):
     """TorchTitan's config of ``adapter.titan_model`` for ``cfg`` (stock components), from the architecture's
-    declaration (:class:`zerokld_plugins.ModelAdapterSpec`: model and block classes, RoPE kind, head size, QK-norm,
-    q/k/v bias, MoE).
+    declaration (:class:`zerokld_plugins.ModelAdapterSpec`: model and block classes, RoPE kind, head size) and the
+    checkpoint's plan (:func:`zerokld_models.layer_plan`: each layer's QK norm, q/k/v bias and MLP).
 
     Raises:
         ValueError: a ``derived_head_dim`` architecture whose ``head_dim * num_attention_heads != hidden_size``
@@ -192,12 +217,10 @@ def architecture_config(adapter, cfg: ModelConfig):
     rope = complex_rope(cfg) if adapter.rope == "complex" else cos_sin_rope(cfg)
     return decoder_config(
         cfg,
+        plan,
         resolve(adapter.titan_model),
         resolve(adapter.titan_block),
         rope,
-        qk_norm=adapter.qk_norm,
-        qkv_bias=adapter.qkv_bias,
-        moe=adapter.moe,
         head_dim=None if adapter.derived_head_dim else _SAME,
     )
 
@@ -244,7 +267,7 @@ def mla_config(cfg: ModelConfig, plan: tuple[Layer, ...]):
             "TorchTitan's DeepSeek-V3 model builds its dense layers first, then MoE; this plan's MLPs are "
             + ", ".join(layer.mlp.kind for layer in plan)
         )
-    experts_init = {w: _INIT["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    experts_init = _EXPERTS_INIT
     layers = build_mla_moe_layers(
         n_layers=len(plan),
         n_dense_layers=n_dense,

@@ -17,7 +17,8 @@ TorchTitan component   zerokld replacement
                        token order (:mod:`shared_numerics.grad_chain`)
 ``FeedForward``        ``w2(silu_and_mul(w1 x, w3 x))`` with :func:`shared_numerics.silu_and_mul`
 ``CosSinRoPE``         :func:`shared_numerics.apply_rope` (rotate-half, float64 tables; Llama 3.x scaling from
-                       the RoPE config's ``scaling="llama"`` factors)
+                       the RoPE config's ``scaling="llama"`` factors); :class:`titan_plugin.rope.PartialCosSinRoPE`
+                       too (the first ``dim`` dimensions of each head rotated, the rest passed through)
 ``ComplexRoPE``        same, after undoing the adapter's interleave permutation of q/k (llama3), so the
                        q·k dot products run over the HF dimension order exactly as vLLM's do
 ``wo`` / ``w2``         with ``tp_k_block`` (:func:`set_tp_k_block`): :class:`ZeroKLDRowParallelLinear`, the
@@ -71,6 +72,7 @@ from shared_numerics.linear import linear as torch_backend_linear  # the module;
 from shared_numerics.rope import RopeScaling
 
 from .context_parallel import ContextParallelAttention, cp_attention
+from .rope import PartialCosSinRoPE
 
 __all__ = [
     "OVERRIDE_IMPORTS",
@@ -388,7 +390,7 @@ def _rope_forward(cfg, query, key, positions, interleaved: bool):
         pos = torch.arange(seqlen, device=query.device).repeat(b)
     else:
         pos = positions.expand(b, seqlen).reshape(-1) if positions.dim() == 2 else positions.repeat(b)
-    cos, sin = sn.rope_cos_sin(pos, d, cfg.theta, scaling)
+    cos, sin = sn.rope_cos_sin(pos, cfg.dim, cfg.theta, scaling)  # dim < d: partial RoPE (sn.apply_rope)
 
     def rot(x: torch.Tensor) -> torch.Tensor:
         if interleaved:  # (x0, x_{D/2}, x1, x_{D/2+1}, ...) -> HF halves order
@@ -855,6 +857,11 @@ def zerokld_cos_sin_rope(cfg: CosSinRoPE.Config) -> ZeroKLDCosSinRoPE.Config:
     return derive(cfg, ZeroKLDCosSinRoPE.Config)
 
 
+@override(target=PartialCosSinRoPE.Config, exact=True, description="zerokld partial rotate-half RoPE")
+def zerokld_partial_cos_sin_rope(cfg: PartialCosSinRoPE.Config) -> ZeroKLDCosSinRoPE.Config:
+    return derive(cfg, ZeroKLDCosSinRoPE.Config)
+
+
 @override(target=ComplexRoPE.Config, exact=True, description="zerokld RoPE for interleaved (llama3) q/k")
 def zerokld_complex_rope(cfg: ComplexRoPE.Config) -> ZeroKLDComplexRoPE.Config:
     return derive(cfg, ZeroKLDComplexRoPE.Config)
@@ -894,6 +901,7 @@ OVERRIDE_PASSES = [
             zerokld_rmsnorm,
             zerokld_embedding,
             zerokld_cos_sin_rope,
+            zerokld_partial_cos_sin_rope,
             zerokld_complex_rope,
             zerokld_flex_attention,
             zerokld_sdpa_attention,

@@ -75,7 +75,8 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
             problems.append("LoRA on an MoE model (experts are not adapted)")
         if lc.lora_dtype not in ("auto", None, vllm_config.model_config.dtype):
             problems.append(f"lora_dtype {lc.lora_dtype} (adapters run in the model dtype: leave it auto)")
-    if adapter.qkv_bias and (from_vllm_config(vllm_config).fp8 or is_zerokld_fp8(vllm_config)):
+    fp8 = from_vllm_config(vllm_config).fp8 or is_zerokld_fp8(vllm_config)
+    if fp8 and any(layer.mixer.qkv_bias for layer in plan):
         problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
     if cfg.index_topk is not None:
         from vllm.platforms import current_platform
@@ -90,8 +91,8 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
 
 
 def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8: bool) -> list[str]:
-    """What keeps ``cfg`` from running at TP size ``tp`` with ``tp_k_block`` ``k_block`` (empty: it runs): the power-of-two
-    size, and each layer component's split (:meth:`zerokld_models.mixers.GQA.tp_split`, its MLP's
+    """What keeps ``cfg`` from running at TP size ``tp`` with ``tp_k_block`` ``k_block`` (empty: it runs): the
+    power-of-two size, and each layer component's split (:meth:`zerokld_models.mixers.GQA.tp_split`, its MLP's
     ``row_parallel``)."""
     problems = []
     if tp > 1 and k_block is None:

@@ -58,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     hidden_act: str = "silu"
     attention_bias: bool = False
+    use_qk_norm: bool = False  # GLM-4.5: per-head RMSNorm of q and k when the config says so
     mlp_bias: bool = False
     sliding_window: bool = False  # sliding-window attention actually in use
     unsupported_rope: str | None = None  # a rope_scaling type zerokld does not implement
@@ -187,7 +188,8 @@ def read_model_config(src: Any) -> ModelConfig:
         first_dense = next((i for i, t in enumerate(layer_types) if t != "dense"), len(layer_types))
     else:
         first_dense = d.get("first_k_dense_replace") or 0
-    rotary = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+    # transformers keeps it in rope_parameters (and at the top level, where older configs have it only)
+    rotary = (d.get("rope_parameters") or {}).get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0
     cfg = ModelConfig(
         architecture=(d.get("architectures") or [""])[0],
         vocab_size=d["vocab_size"],
@@ -205,6 +207,7 @@ def read_model_config(src: Any) -> ModelConfig:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         hidden_act=d.get("hidden_act", "silu"),
         attention_bias=bool(d.get("attention_bias", False)),
+        use_qk_norm=bool(d.get("use_qk_norm", False)),
         mlp_bias=bool(d.get("mlp_bias", False)),
         sliding_window=bool(window) and bool(d.get("use_sliding_window", True)),
         quant_method=quant.get("quant_method"),

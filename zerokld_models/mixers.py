@@ -87,8 +87,6 @@ def _rope_problems(cfg: ModelConfig, yarn: bool) -> list[str]:
         problems.append(f"rope_scaling {cfg.unsupported_rope} (supported: none, llama3{', yarn' if yarn else ''})")
     if isinstance(cfg.rope_scaling, YarnScaling) and not yarn:
         problems.append("rope_scaling yarn (supported on MLA models)")
-    if cfg.partial_rotary_factor != 1.0:
-        problems.append(f"partial_rotary_factor {cfg.partial_rotary_factor} (supported: 1, every rope dimension)")
     return problems
 
 
@@ -97,7 +95,9 @@ class GQA:
     ``head_dim``, rotate-half or interleaved RoPE (the architecture's declaration), optional QK norm and q/k/v bias.
 
     Config fields: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``attention_bias``,
-    ``rope_theta`` / ``rope_scaling`` (none or llama3), ``partial_rotary_factor``, ``sliding_window``."""
+    ``use_qk_norm``, ``rope_theta`` / ``rope_scaling`` (none or llama3), ``partial_rotary_factor`` (rotate-half RoPE
+    on the first ``head_dim * partial_rotary_factor`` dimensions of each head, the rest passed through: HF
+    ``apply_rotary_pos_emb``), ``sliding_window``."""
 
     kind = "gqa"
     cache = "paged_kv"
@@ -110,17 +110,28 @@ class GQA:
             self.kind,
             self.cache,
             (("k", kv), ("v", kv)),
-            qk_norm=adapter.qk_norm,
+            qk_norm=adapter.qk_norm or cfg.use_qk_norm,
             qkv_bias=adapter.qkv_bias or cfg.attention_bias,
             partial_rotary_factor=cfg.partial_rotary_factor,
         )
 
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        """The rotated dimensions of each head: ``int(head_dim * partial_rotary_factor)`` (HF's rope init)."""
+        return int(cfg.head_dim * cfg.partial_rotary_factor)
+
     def problems(self, cfg: ModelConfig, adapter) -> list[str]:
         """What of ``cfg`` zerokld's grouped-query attention does not implement (empty: none)."""
         problems = _rope_problems(cfg, yarn=False)
+        rotary = self.rotary_dim(cfg)
+        if cfg.partial_rotary_factor != 1.0 and (adapter.rope != "cos_sin" or rotary < 2 or rotary % 2):
+            problems.append(
+                f"partial_rotary_factor {cfg.partial_rotary_factor} (supported: rotate-half RoPE over an even number"
+                f" of dimensions; here {rotary} of {cfg.head_dim} with {adapter.rope} RoPE)"
+            )
         if cfg.index_topk is not None:
             problems.append("index_topk (DeepSeek Sparse Attention) on an architecture without MLA")
-        if cfg.attention_bias and not adapter.qkv_bias:
+        if cfg.attention_bias and not (adapter.qkv_bias or adapter.qkv_bias_from_config):
             problems.append("attention bias")
         if cfg.sliding_window:
             problems.append("sliding-window attention")
@@ -158,6 +169,8 @@ class MLA:
     def problems(self, cfg: ModelConfig, adapter) -> list[str]:
         """What of ``cfg`` zerokld's MLA (and DSA) does not implement (empty: none)."""
         problems = _rope_problems(cfg, yarn=True)
+        if cfg.partial_rotary_factor != 1.0:
+            problems.append(f"partial_rotary_factor {cfg.partial_rotary_factor} (supported: 1, every rope dimension)")
         if not cfg.kv_lora_rank or not cfg.qk_rope_head_dim or not cfg.qk_nope_head_dim or not cfg.v_head_dim:
             problems.append("MLA without kv_lora_rank / qk_rope_head_dim / qk_nope_head_dim / v_head_dim")
         if cfg.index_topk is not None:

@@ -62,6 +62,8 @@ class SwiGLU:
 
     kind = "swiglu"
     routed = False
+    #: routes in expert groups beside shared experts (DeepSeekMoE), not one softmax top-k over every expert
+    grouped = False
     #: zerokld's LoRA adapts its projections (vLLM and the trainer)
     lora = True
     #: the trainer's TP splits it over its intermediate size like vLLM's
@@ -101,7 +103,12 @@ class MoE(SwiGLU):
             int(cfg.num_experts or 0),
             int(cfg.num_experts_per_tok or 0),
             adapter.moe_routing,
+            self.shared_experts(cfg),
         )
+
+    def shared_experts(self, cfg: ModelConfig) -> int:
+        """Always-on experts beside the routed ones: none."""
+        return 0
 
     def routed_at(self, cfg: ModelConfig, i: int) -> bool:
         """Whether HF's decoder layer ``i`` builds this MoE (``Qwen3MoeDecoderLayer``: not in ``mlp_only_layers``,
@@ -139,20 +146,15 @@ class DeepSeekMoE(MoE):
     ``n_shared_experts``, ``first_k_dense_replace`` / ``mlp_layer_types``, ``moe_layer_freq``."""
 
     kind = "deepseek_moe"
+    grouped = True
     #: zerokld's LoRA adapts the model's attention and dense layers; tested with the experts left unadapted
     lora = True
     #: the trainer keeps each expert whole on its rank: TP only with expert parallelism over the TP ranks
     trainer_tp_needs_ep = True
 
-    def layer(self, cfg: ModelConfig, adapter) -> MLP:
-        return MLP(
-            self.kind,
-            int(cfg.moe_intermediate_size or cfg.intermediate_size),
-            int(cfg.num_experts or 0),
-            int(cfg.num_experts_per_tok or 0),
-            adapter.moe_routing,
-            cfg.n_shared_experts,
-        )
+    def shared_experts(self, cfg: ModelConfig) -> int:
+        """``n_shared_experts``, each ``moe_intermediate_size`` wide."""
+        return cfg.n_shared_experts
 
     def routed_at(self, cfg: ModelConfig, i: int) -> bool:
         """Whether HF's decoder layer ``i`` builds DeepSeekMoE: ``mlp_layer_types[i] == "sparse"``

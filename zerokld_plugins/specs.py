@@ -92,7 +92,8 @@ class ModelAdapterSpec:
     TorchTitan's ``ComplexRoPE``, with Llama 3.x scaling when the checkpoint has it), ``interleaved_rope`` (TorchTitan
     holds q/k rows interleaved: llama3's adapter permutes them, the RoPE override undoes it), ``derived_head_dim``
     (TorchTitan's model derives the head size as ``hidden_size / num_attention_heads``: llama3), ``qk_norm`` (per-head
-    RMSNorm of q and k, Qwen3), ``qkv_bias`` (q/k/v projections with bias, Qwen2), ``moe`` (a routed MoE block in
+    RMSNorm of q and k, Qwen3), ``qkv_bias`` (q/k/v projections with bias, Qwen2), ``qkv_bias_from_config``
+    (the config's ``attention_bias`` biases q/k/v only, never ``o_proj``: GLM-4.5), ``moe`` (a routed MoE block in
     every layer, Qwen3-MoE), ``attention`` (the token mixer component: ``"gqa"`` grouped-query attention over
     per-head K/V, ``"mla"`` DeepSeek's multi-head latent attention over a latent cache, :mod:`shared_numerics.mla`;
     its spec is :mod:`zerokld_models.mixers`), ``moe_routing``
@@ -120,6 +121,7 @@ class ModelAdapterSpec:
     derived_head_dim: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
+    qkv_bias_from_config: bool = False
     moe: bool = False
     attention: str = "gqa"
     moe_routing: str = "softmax"

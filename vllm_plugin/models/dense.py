@@ -38,7 +38,8 @@ import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.tensor_parallel as sn_tp
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
-from zerokld_models import ModelConfig
+from zerokld_models import ModelConfig, layer_plan
+from zerokld_models.mixers import GQA, TokenMixer
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import ZeroKLDConfigError, from_vllm_config
@@ -264,7 +265,7 @@ class _Layer(ResidualLayer):
     def __init__(
         self,
         cfg: ModelConfig,
-        adapter,
+        mixer: TokenMixer,
         vllm_config,
         prefix: str,
         fp8: Fp8Mode,
@@ -277,12 +278,12 @@ class _Layer(ResidualLayer):
         super().__init__(
             h, cfg.rms_norm_eps, mlp if mlp is not None else _DenseMLP(h, cfg.intermediate_size, fp8, lora=lora, tp=tp)
         )
-        qk_norm = adapter.qk_norm
+        qk_norm = mixer.qk_norm
         size = tp.size if tp is not None else 1
         self.nq, self.nkv, self.hd = nq // size, nkv // size, hd  # this rank's heads
         sa = self.self_attn = nn.Module()
         for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            setattr(sa, name, _proj(out, h, fp8, bias=adapter.qkv_bias, lora=lora, shard="column", tp=tp))
+            setattr(sa, name, _proj(out, h, fp8, bias=mixer.qkv_bias, lora=lora, shard="column", tp=tp))
         sa.o_proj = _proj(h, nq * hd, fp8, lora=lora, shard="row", tp=tp)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -317,7 +318,8 @@ class DenseDecoder(nn.Module):
 
     ``layer_factory``: ``(layer index, this decoder's TensorParallel) -> ResidualLayer`` for layers that are not the
     grouped-query attention layer (MLA, :mod:`vllm_plugin.models.mla`), with ``rotary_dim`` their RoPE width
-    (default ``head_dim``)."""
+    (default: grouped-query attention's, ``head_dim * partial_rotary_factor``; each layer's QK norm and q/k/v bias as
+    its plan says, :func:`zerokld_models.layer_plan`)."""
 
     def __init__(
         self,
@@ -335,15 +337,16 @@ class DenseDecoder(nn.Module):
         lora = vllm_config.lora_config is not None
         self.tp = tp = TensorParallel(vllm_config)
         self.cfg = cfg
-        self.rotary_dim = rotary_dim or cfg.head_dim
+        self.rotary_dim = rotary_dim or GQA.rotary_dim(cfg)
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
         if layer_factory is None:
+            plan = layer_plan(cfg, adapter)
 
             def layer_factory(i: int, tp: TensorParallel) -> ResidualLayer:
                 return _Layer(
                     cfg,
-                    adapter,
+                    plan[i].mixer,
                     vllm_config,
                     f"{prefix}layers.{i}",
                     fp8,

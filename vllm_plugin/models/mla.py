@@ -38,63 +38,13 @@ from torch import nn
 import shared_numerics as sn
 import shared_numerics.dsa as sn_dsa
 import shared_numerics.mla as sn_mla
-import shared_numerics.moe as sn_moe
 from zerokld_models import indexer_dims, layer_plan, mla_dims, mla_softmax_scale, topk_sources
 
 from ..attention_backend import LatentAttention, write_slots
-from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _DenseMLP, _norm, _param, _proj
-from .moe import StackedExperts, ZeroKLDMoEMixin
+from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _norm, _param, _proj
+from .moe import ZeroKLDMoEMixin, mlp_module
 
-__all__ = ["DeepSeekMoEBlock", "ZeroKLDMLAMixin"]
-
-
-class DeepSeekMoEBlock(nn.Module):
-    """DeepSeekMoE (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): ``gate.weight [E, H]``, ``gate.e_score_correction_bias
-    [E]`` (float32; DeepSeek-V3's sigmoid routing only), ``experts.w_gate|w_up [E, I, H]``, ``experts.w_down [E, H,
-    I]`` (stacked by the loader, :class:`vllm_plugin.models.moe.StackedExperts`: FP8 codes under FP8),
-    ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). The scores are the config's
-    ``scoring_func`` (:func:`shared_numerics.moe.route_grouped_topk`). ``last_ids``: the latest ``[N, top_k]`` expert
-    ids. Under tensor parallelism (``tp`` with ``tp_k_block``) the router and its bias are replicated, each rank holds
-    ``I / TP`` of every routed expert and of the shared experts, and both down projections sum over ``I`` in the fixed
-    TP-aligned tree (:func:`shared_numerics.moe.moe_experts` ``k_block``; the shared experts' ``down_proj`` a
-    row-parallel projection), as Qwen3-MoE's :class:`vllm_plugin.models.moe.MoEBlock` does."""
-
-    def __init__(self, cfg, fp8: Fp8Mode, tp: TensorParallel | None = None) -> None:
-        super().__init__()
-        h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.cfg = cfg
-        self.k_block = tp.k_block if tp is not None else None
-        self.gather = tp.gather() if tp is not None else None
-        self.gate = nn.Module()
-        self.gate.weight = _param(e, h)  # the router stays high precision (DeepSeek's FP8 checkpoints too)
-        self.gate.e_score_correction_bias = _param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid" else None
-        self.experts = StackedExperts(e, h, inter, fp8, tp=tp)
-        self.shared_experts = _DenseMLP(h, inter * cfg.n_shared_experts, fp8, tp=tp) if cfg.n_shared_experts else None
-        self.last_ids: torch.Tensor | None = None
-
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        (wg, wu, wd), scales, fp8 = self.experts.operands()
-        out, self.last_ids = sn_moe.deepseek_moe_forward(
-            f,
-            self.gate.weight,
-            self.gate.e_score_correction_bias,
-            wg,
-            wu,
-            wd,
-            self.shared_experts,
-            c.num_experts_per_tok,
-            c.n_group,
-            c.topk_group,
-            c.norm_topk_prob,
-            c.routed_scaling_factor,
-            scoring=c.scoring_func,
-            fp8=fp8,
-            scales=scales,
-            k_block=self.k_block,
-            gather=self.gather,
-        )
-        return out
+__all__ = ["ZeroKLDMLAMixin"]
 
 
 class _MLALayer(ResidualLayer):
@@ -207,23 +157,21 @@ class _MLALayer(ResidualLayer):
 
 
 class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
-    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` whose decoder layers are MLA (+ DeepSeekMoE); tensor
-    parallelism with ``tp_k_block`` as :class:`_MLALayer` and :class:`DeepSeekMoEBlock` split it."""
+    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` whose decoder layers are MLA, each with the MLP its plan names;
+    tensor parallelism with ``tp_k_block`` as :class:`_MLALayer` and :class:`vllm_plugin.models.moe.DeepSeekMoEBlock`
+    split it."""
 
     def _decoder(self, vllm_config, prefix: str) -> nn.Module:
         """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``),
-        each with the MLP its plan names (:func:`zerokld_models.layer_plan`): the dense SwiGLU MLP or
-        :class:`DeepSeekMoEBlock`. LoRA targets (vLLM's ``enable_lora``): the MLA projections but ``kv_b_proj``, and
-        the dense MLPs (not the routed or shared experts)."""
+        each with the MLP its plan names (:func:`zerokld_models.layer_plan`,
+        :func:`vllm_plugin.models.moe.mlp_module`): the dense SwiGLU MLP or
+        :class:`vllm_plugin.models.moe.DeepSeekMoEBlock`. LoRA targets (vLLM's ``enable_lora``): the MLA projections
+        but ``kv_b_proj``, and the dense MLPs (not the routed or shared experts)."""
         cfg, fp8, lora = self.model_cfg, self.fp8, vllm_config.lora_config is not None
         plan = layer_plan(cfg, self.adapter)
 
         def layer(i: int, tp: TensorParallel) -> _MLALayer:
-            mlp = (
-                DeepSeekMoEBlock(cfg, fp8, tp=tp)
-                if plan[i].mlp.routed
-                else _DenseMLP(cfg.hidden_size, cfg.intermediate_size, fp8, lora=lora, tp=tp)
-            )
+            mlp = mlp_module(plan[i].mlp, cfg, fp8, lora=lora, tp=tp)
             return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora, tp=tp)
 
         decoder = DenseDecoder(

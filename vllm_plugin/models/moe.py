@@ -23,10 +23,12 @@ from torch import nn
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.moe as sn_moe
+from zerokld_models import layer_plan
+from zerokld_models.mlps import DeepSeekMoE, MoE, SwiGLU
 
-from .dense import Fp8Mode, TensorParallel, ZeroKLDMixin, _param
+from .dense import Fp8Mode, TensorParallel, ZeroKLDMixin, _DenseMLP, _param
 
-__all__ = ["MoEBlock", "RouteCache", "StackedExperts", "ZeroKLDMoEMixin"]
+__all__ = ["DeepSeekMoEBlock", "MoEBlock", "RouteCache", "StackedExperts", "ZeroKLDMoEMixin", "mlp_module"]
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
@@ -198,6 +200,71 @@ class RouteCache:
         return self.rows[slots.long()]
 
 
+class DeepSeekMoEBlock(nn.Module):
+    """DeepSeekMoE (HF ``DeepseekV3MoE`` / ``DeepseekV2Moe``): ``gate.weight [E, H]``, ``gate.e_score_correction_bias
+    [E]`` (float32; DeepSeek-V3's sigmoid routing only), ``experts.w_gate|w_up [E, I, H]``, ``experts.w_down [E, H,
+    I]`` (stacked by the loader, :class:`vllm_plugin.models.moe.StackedExperts`: FP8 codes under FP8),
+    ``shared_experts.{gate,up,down}_proj`` (``I * n_shared_experts`` wide). The scores are the config's
+    ``scoring_func`` (:func:`shared_numerics.moe.route_grouped_topk`). ``last_ids``: the latest ``[N, top_k]`` expert
+    ids. Under tensor parallelism (``tp`` with ``tp_k_block``) the router and its bias are replicated, each rank holds
+    ``I / TP`` of every routed expert and of the shared experts, and both down projections sum over ``I`` in the fixed
+    TP-aligned tree (:func:`shared_numerics.moe.moe_experts` ``k_block``; the shared experts' ``down_proj`` a
+    row-parallel projection), as Qwen3-MoE's :class:`vllm_plugin.models.moe.MoEBlock` does."""
+
+    def __init__(self, cfg, fp8: Fp8Mode, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.k_block = tp.k_block if tp is not None else None
+        self.gather = tp.gather() if tp is not None else None
+        self.gate = nn.Module()
+        self.gate.weight = _param(e, h)  # the router stays high precision (DeepSeek's FP8 checkpoints too)
+        self.gate.e_score_correction_bias = _param(e, dtype=torch.float32) if cfg.scoring_func == "sigmoid" else None
+        self.experts = StackedExperts(e, h, inter, fp8, tp=tp)
+        self.shared_experts = _DenseMLP(h, inter * cfg.n_shared_experts, fp8, tp=tp) if cfg.n_shared_experts else None
+        self.last_ids: torch.Tensor | None = None
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        (wg, wu, wd), scales, fp8 = self.experts.operands()
+        out, self.last_ids = sn_moe.deepseek_moe_forward(
+            f,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            wg,
+            wu,
+            wd,
+            self.shared_experts,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+            scoring=c.scoring_func,
+            fp8=fp8,
+            scales=scales,
+            k_block=self.k_block,
+            gather=self.gather,
+        )
+        return out
+
+
+#: each MLP component's vLLM module: ``(plan MLP, ModelConfig, Fp8Mode, lora, TensorParallel) -> nn.Module``
+_MODULES = {
+    SwiGLU: lambda mlp, cfg, fp8, lora, tp: _DenseMLP(cfg.hidden_size, mlp.intermediate_size, fp8, lora=lora, tp=tp),
+    MoE: lambda mlp, cfg, fp8, lora, tp: MoEBlock(
+        cfg.hidden_size, mlp.intermediate_size, mlp.num_experts, mlp.top_k, cfg.norm_topk_prob, tp=tp, fp8=fp8
+    ),
+    DeepSeekMoE: lambda mlp, cfg, fp8, lora, tp: DeepSeekMoEBlock(cfg, fp8, tp=tp),
+}
+
+
+def mlp_module(mlp, cfg, fp8: Fp8Mode, lora: bool = False, tp: TensorParallel | None = None) -> nn.Module:
+    """The vLLM module of one layer's MLP (a :class:`zerokld_models.mlps.MLP` of the plan): the dense SwiGLU MLP
+    (a LoRA target when ``lora``), :class:`MoEBlock` or :class:`DeepSeekMoEBlock`, chosen by its component."""
+    return _MODULES[type(mlp.component)](mlp, cfg, fp8, lora, tp)
+
+
 class ZeroKLDMoEMixin(ZeroKLDMixin):
     """:class:`vllm_plugin.models.dense.ZeroKLDMixin` with :class:`MoEBlock` MLPs and routed-expert capture."""
 
@@ -212,16 +279,10 @@ class ZeroKLDMoEMixin(ZeroKLDMixin):
         self.num_experts = cfg.num_experts
 
     def _mlp_factory(self, vllm_config):
-        c, tp = self.model_cfg, TensorParallel(vllm_config)
-        return lambda i: MoEBlock(
-            c.hidden_size,
-            c.moe_intermediate_size,
-            c.num_experts,
-            c.num_experts_per_tok,
-            c.norm_topk_prob,
-            tp=tp,
-            fp8=self.fp8,
-        )
+        """Each layer's MLP as its plan names it (:func:`zerokld_models.layer_plan`, :func:`mlp_module`)."""
+        cfg, tp, lora = self.model_cfg, TensorParallel(vllm_config), vllm_config.lora_config is not None
+        plan = layer_plan(cfg, self.adapter)
+        return lambda i: mlp_module(plan[i].mlp, cfg, self.fp8, lora=lora, tp=tp)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
