@@ -79,7 +79,9 @@ def test_a_host_binding_put_back_into_an_architecture_folder_is_reported(tmp_pat
 def test_an_import_cycle_put_back_is_reported(tmp_path):
     """The cycle :mod:`shared_numerics.attention_cpu` had (it read ``Q_TILE`` from :mod:`shared_numerics.attention`,
     which imports it inside a function), put back in a copy, is reported by the acyclic-siblings contract."""
-    shutil.copytree(ROOT / "shared_numerics", tmp_path / "shared_numerics", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "shared_numerics", tmp_path / "shared_numerics", ignore=shutil.ignore_patterns("__pycache__")
+    )
     with (tmp_path / "shared_numerics" / "attention_cpu.py").open("a") as f:
         f.write("\n\ndef _tile():\n    from .attention import Q_TILE\n\n    return Q_TILE\n")
     r = _lint(ROOT / "pyproject.toml", cwd=tmp_path)
@@ -174,6 +176,7 @@ def test_no_architecture_name_outside_its_folder():
         "moe.py": 'def check_moe_supported(vllm_config, architecture: str = "Qwen3MoeForCausalLM"):\n    """Doc."""\n',
     }
     assert _architecture_names_in(old, names) == [
+        "config.py:1 'glm4_moe'",
         "config.py:1 'glm4_moe_lite'",
         "config.py:1 'glm_moe_dsa'",
         "config.py:1 'deepseek_v32'",

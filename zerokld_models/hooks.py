@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from zerokld_plugins import hookimpl
 
-from . import deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe_lite, glm_moe_dsa, llama, qwen2, qwen3, qwen3_moe
+from . import (
+    deepseek_v2,
+    deepseek_v3,
+    deepseek_v32,
+    glm4_moe,
+    glm4_moe_lite,
+    glm_moe_dsa,
+    llama,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 
 
 @hookimpl
@@ -19,4 +30,5 @@ def zerokld_model_adapters():
         glm4_moe_lite.ADAPTER,
         glm_moe_dsa.ADAPTER,
         deepseek_v32.ADAPTER,
+        glm4_moe.ADAPTER,
     ]

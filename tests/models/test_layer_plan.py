@@ -3,7 +3,8 @@ what Hugging Face ``transformers`` builds from the same config (the reference de
 mixer (grouped-query attention with or without QK norm and q/k/v bias, MLA, DSA with its indexer mode), its cache's
 per-token state and its MLP (dense, routed, DeepSeekMoE with shared experts). The configs mix layer kinds — dense and
 routed layers interleaved, ``mlp_only_layers`` with a ``decoder_sparse_step``, "full" and "shared" indexer layers — so
-a plan read from one model-wide trait (one mixer, "every layer MoE") fails here: the negative control asserts that."""
+a plan read from one model-wide trait (one mixer, "every layer MoE") fails here: the negative control asserts that.
+GLM-4.5's QK norm and q/k/v biases are the config's (``use_qk_norm``, ``attention_bias``), not the architecture's."""
 
 from __future__ import annotations
 
@@ -68,6 +69,19 @@ def _configs():
         ),
     )
     yield "DeepseekV32ForCausalLM", tf.DeepseekV32Config(**SMALL, **MLA, **dsa, num_hidden_layers=4)
+    glm = {k: MLA[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
+    yield (
+        "Glm4MoeForCausalLM",
+        tf.Glm4MoeConfig(
+            **SMALL,
+            **glm,
+            head_dim=16,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+    )
 
 
 CONFIGS = list(_configs())
