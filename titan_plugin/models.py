@@ -27,6 +27,7 @@ from zerokld_models import (
     adapter_for,
     check_supported,
     dense_prefix,
+    latent_cache,
     layer_plan,
     read_model_config,
 )
@@ -206,7 +207,7 @@ def architecture_config(adapter, cfg: ModelConfig):
     from zerokld_plugins import resolve
 
     plan = layer_plan(cfg, adapter)
-    if any(layer.mixer.cache == "latent" for layer in plan):  # TorchTitan's MLA lives in its DeepSeek-V3 model
+    if latent_cache(plan):  # TorchTitan's MLA lives in its DeepSeek-V3 model
         return mla_config(cfg, plan)
     if adapter.derived_head_dim and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise ValueError(
@@ -359,7 +360,7 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None
     model_cfg = architecture_config(adapter, cfg)
     if settings.batch_invariant:
         apply_zerokld_overrides(model_cfg, fp8=settings.fp8)
-        if any(layer.mixer.cache == "latent" for layer in layer_plan(cfg, adapter)):
+        if latent_cache(layer_plan(cfg, adapter)):
             set_mla(model_cfg, cfg)
         if settings.tp_k_block is not None:
             set_tp_k_block(model_cfg, settings.tp_k_block)

@@ -23,7 +23,7 @@ CPU_DEFAULT_BLOCK_SIZE = 128
 def zerokld_latent_engine(vllm_config) -> bool:
     """Whether ``vllm_config`` is a zerokld engine (``batch_invariant`` on) whose checkpoint has a layer with a latent
     cache (:func:`zerokld_models.layer_plan`: MLA, DSA)."""
-    from zerokld_models import layer_plan, read_model_config
+    from zerokld_models import latent_cache, layer_plan, read_model_config
     from zerokld_plugins import registered
 
     from .config import ZeroKLDConfigError, from_vllm_config
@@ -42,7 +42,7 @@ def zerokld_latent_engine(vllm_config) -> bool:
         cfg = read_model_config(mc.hf_config)
     except (KeyError, TypeError, ValueError):
         return False  # the model constructor refuses the engine with the message
-    return any(layer.mixer.cache == "latent" for layer in layer_plan(cfg, adapters[archs[0]].spec))
+    return latent_cache(layer_plan(cfg, adapters[archs[0]].spec))
 
 
 def install() -> None:

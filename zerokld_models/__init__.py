@@ -11,7 +11,7 @@ architecture = one folder + one line in :mod:`.hooks`.
 """
 
 from .config import ModelConfig, indexer_dims, mla_dims, mla_softmax_scale, read_model_config, topk_sources
-from .plan import Layer, dense_prefix, layer_plan
+from .plan import Layer, dense_prefix, latent_cache, layer_plan
 from .support import UnsupportedModelError, check_supported, unsupported_features
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "check_supported",
     "dense_prefix",
     "indexer_dims",
+    "latent_cache",
     "layer_plan",
     "mla_dims",
     "mla_softmax_scale",

@@ -28,7 +28,17 @@ from .config import ModelConfig
 from .mixers import CACHE_KINDS, MIXER_KINDS, TokenMixer, mixer_component
 from .mlps import MLP, MLP_KINDS, MLPS, routed_component
 
-__all__ = ["CACHE_KINDS", "MLP", "MLP_KINDS", "MIXER_KINDS", "Layer", "TokenMixer", "dense_prefix", "layer_plan"]
+__all__ = [
+    "CACHE_KINDS",
+    "MLP",
+    "MLP_KINDS",
+    "MIXER_KINDS",
+    "Layer",
+    "TokenMixer",
+    "dense_prefix",
+    "latent_cache",
+    "layer_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,12 @@ def layer_plan(cfg: ModelConfig, adapter) -> tuple[Layer, ...]:
         )
         for i in range(cfg.num_hidden_layers)
     )
+
+
+def latent_cache(plan: tuple[Layer, ...]) -> bool:
+    """Whether any layer's token mixer keeps a ``"latent"`` cache (MLA, DSA): the question vLLM-CPU's MLA scheduling
+    and TorchTitan's model choice ask."""
+    return any(layer.mixer.cache == "latent" for layer in plan)
 
 
 def dense_prefix(plan: tuple[Layer, ...]) -> int | None:

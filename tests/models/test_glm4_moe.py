@@ -75,7 +75,9 @@ def make_glm4_moe_checkpoint(out: Path, dtype: str, seed: int = 3, **changes) ->
             for layer in model.model.layers:
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is not None:
-                    gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape, generator=g) * 0.1)
+                    gate.e_score_correction_bias.copy_(
+                        torch.randn(gate.e_score_correction_bias.shape, generator=g) * 0.1
+                    )
                     for t in (gate.weight, gate.e_score_correction_bias):
                         t[1::2] = t[0::2].clone()
         model.to(getattr(torch, dtype))
