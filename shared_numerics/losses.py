@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from zerokld_plugins.errors import InvalidRequestError
+
 __all__ = [
     "CorrectionConfig",
     "apply_corrections",
@@ -257,7 +259,7 @@ def apply_corrections(
         tok_loss = torch.where(keep, tok_loss, torch.zeros((), dtype=tok_loss.dtype))
     if cfg.kl_beta:
         if ref_logp is None:
-            raise ValueError("kl_beta > 0 needs reference log-probs")
+            raise InvalidRequestError("kl_beta > 0 needs reference log-probs")
         d = ref_logp - logp
         tok_loss = tok_loss + cfg.kl_beta * torch.where(keep, torch.exp(d) - d - 1, torch.zeros((), dtype=d.dtype))
     return tok_loss, keep
@@ -303,7 +305,7 @@ def normalize_loss(
         ValueError: unknown ``normalization``.
     """
     if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+        raise InvalidRequestError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
     if normalization == "token_mean" and num_tokens is not None:
         return loss_sum / torch.as_tensor(num_tokens).clamp(min=1)
     if normalization == "constant":

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from zerokld_plugins.errors import InvalidRequestError
+
 from .mode import NumericsMode, check_same_numerics
 
 __all__ = ["IGNORE_INDEX", "RolloutBatch", "common_numerics", "decode_routes"]
@@ -27,7 +29,7 @@ IGNORE_INDEX = -100  # label of positions without a loss (torch cross-entropy's 
 
 def _completion_logprobs(completion) -> torch.Tensor:
     if completion.logprobs is None:
-        raise ValueError("rollout has no logprobs: sample with SamplingParams(logprobs=0)")
+        raise InvalidRequestError("rollout has no logprobs: sample with SamplingParams(logprobs=0)")
     return torch.tensor(
         [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)], dtype=torch.float32
     )
@@ -88,7 +90,7 @@ class RolloutBatch:
     def __post_init__(self) -> None:
         n = len(self.sequences)
         if not n:
-            raise ValueError("empty rollout batch")
+            raise InvalidRequestError("empty rollout batch")
         for name in (
             "prompt_lengths",
             "advantages",
@@ -99,26 +101,28 @@ class RolloutBatch:
         ):
             value = getattr(self, name)
             if value is not None and len(value) != n:
-                raise ValueError(f"{name} has {len(value)} entries for {n} rollouts")
+                raise InvalidRequestError(f"{name} has {len(value)} entries for {n} rollouts")
         for i, (s, p) in enumerate(zip(self.sequences, self.prompt_lengths, strict=True)):
             if not 1 <= p <= len(s):
-                raise ValueError(f"rollout {i}: prompt length {p} outside [1, {len(s)}]")
+                raise InvalidRequestError(f"rollout {i}: prompt length {p} outside [1, {len(s)}]")
             if self.advantages is not None:
                 a = self.advantages[i]
                 if isinstance(a, torch.Tensor) and a.numel() != len(s) - p:
-                    raise ValueError(f"rollout {i}: {a.numel()} advantages for {len(s) - p} completion tokens")
+                    raise InvalidRequestError(f"rollout {i}: {a.numel()} advantages for {len(s) - p} completion tokens")
             for name in ("sampler_logprobs", "ref_logprobs"):
                 lp = getattr(self, name)
                 if lp is not None and lp[i].numel() != len(s) - p:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"rollout {i}: {lp[i].numel()} {name.replace('_', ' ')} for {len(s) - p} completion tokens"
                     )
             if self.loss_weights is not None:
                 w = self.loss_weights[i]
                 if w.numel() != len(s) - p:
-                    raise ValueError(f"rollout {i}: {w.numel()} loss weights for {len(s) - p} completion tokens")
+                    raise InvalidRequestError(
+                        f"rollout {i}: {w.numel()} loss weights for {len(s) - p} completion tokens"
+                    )
                 if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-                    raise ValueError(f"rollout {i}: loss weights must be finite and non-negative")
+                    raise InvalidRequestError(f"rollout {i}: loss weights must be finite and non-negative")
         if isinstance(self.numerics, dict):
             self.numerics = NumericsMode.from_dict(self.numerics)
 
@@ -169,7 +173,7 @@ class RolloutBatch:
             ValueError: a choice lacks token ids or logprobs, or the choices carry different numerics modes.
         """
         if len(prompts) != len(choices):
-            raise ValueError(f"{len(prompts)} prompts for {len(choices)} choices")
+            raise InvalidRequestError(f"{len(prompts)} prompts for {len(choices)} choices")
         seqs, lps, routes = [], [], []
         for p, c in zip(prompts, choices, strict=True):
             logprobs = c.get("logprobs") or {}
@@ -177,7 +181,7 @@ class RolloutBatch:
             if ids is None and all(str(t).startswith("token_id:") for t in logprobs.get("tokens") or [None]):
                 ids = [int(str(t).split(":", 1)[1]) for t in logprobs["tokens"]]
             if ids is None or logprobs.get("token_logprobs") is None:
-                raise ValueError(
+                raise InvalidRequestError(
                     "choice without token ids or logprobs: request logprobs and return_token_ids "
                     "(or return_tokens_as_token_ids)"
                 )
@@ -276,5 +280,5 @@ def common_numerics(stamps: list) -> NumericsMode | None:
     """
     modes = {None if s is None else NumericsMode.from_dict(s) for s in stamps}
     if len(modes) > 1:
-        raise ValueError(f"rollouts from different numerics modes in one batch: {sorted(map(str, modes))}")
+        raise InvalidRequestError(f"rollouts from different numerics modes in one batch: {sorted(map(str, modes))}")
     return modes.pop() if modes else None

@@ -66,7 +66,7 @@ def test_a_host_binding_put_back_into_an_architecture_folder_is_reported(tmp_pat
     shutil.copytree(ROOT / "zerokld_models", tmp_path / "zerokld_models", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "zerokld_models" / "qwen3" / "vllm.py").write_text(
         "from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM\n\n"
-        "from vllm_plugin.models.dense import ZeroKLDMixin\n"
+        "from vllm_plugin.models.dense import GQALayer\n"
     )
     # the linter puts its working directory first on the import path: the copy shadows the installed package
     r = _lint(ROOT / "pyproject.toml", cwd=tmp_path)

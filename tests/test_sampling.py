@@ -28,7 +28,7 @@ def test_noise_is_a_pure_function_of_seed_position_and_index():
 def test_every_int64_seed_is_a_seed():
     """vLLM takes any int64 ``seed`` (``CompletionRequest.seed``: ``ge=-2**63``); a negative one is its 64 bits, not an
     error. Before this, a request with ``seed: -1377816`` raised inside the engine's step and stopped the engine
-    (found by tests/test_server_fuzz.py)."""
+    (found by tests/servers/test_server_fuzz.py)."""
     seeds = torch.tensor([-1, -(2**63), 2**63 - 1, -1377816, 1])
     pos = torch.tensor([0, 5, 5, 2, 0])
     u = uniform_noise(seeds, pos, 512)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torchtitan.config import ParallelismConfig
 
 from shared_numerics.rollout import RolloutBatch
 from titan_plugin import sequence_logprobs, trainer_logprobs
@@ -302,47 +303,61 @@ def test_context_parallel_layouts_not_run_yet_are_refused(tmp_path):
     """Issue 56: ``rl_trainer_config(context_parallel_degree=2)`` is refused before any process starts on an MLA model
     (DeepSeek-V3: zerokld's CP gathers the keys and values of its own attention, ``titan_plugin.context_parallel``,
     not MLA's latent ones yet) and combined with PP or TP (not run yet). Qwen3 alone is accepted
-    (``tests/test_tensor_parallel.py``: CP 2 == one rank)."""
+    (``tests/layouts/test_tensor_parallel.py``: CP 2 == one rank)."""
     from titan_plugin.rl import rl_trainer_config
     from zerokld_testing import DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 
     ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(), seed=1)
     with pytest.raises(ValueError, match="context_parallel_degree 2: not yet on MLA attention"):
-        rl_trainer_config(str(ds), str(tmp_path / "a"), context_parallel_degree=2)
+        rl_trainer_config(str(ds), str(tmp_path / "a"), parallelism=ParallelismConfig(context_parallel_degree=2))
     qwen3 = make_tiny_checkpoint(tmp_path / "q", TinyModelSpec(num_hidden_layers=4), seed=1)
-    for other in ({"pipeline_parallel_degree": 2}, {"tensor_parallel_degree": 2, "tp_k_block": 16}):
+    for other, k_block in (({"pipeline_parallel_degree": 2}, None), ({"tensor_parallel_degree": 2}, 16)):
         with pytest.raises(ValueError, match="context_parallel_degree 2 with TP, EP or PP: not yet"):
-            rl_trainer_config(str(qwen3), str(tmp_path / "b"), context_parallel_degree=2, **other)
+            rl_trainer_config(
+                str(qwen3),
+                str(tmp_path / "b"),
+                parallelism=ParallelismConfig(context_parallel_degree=2, **other),
+                tp_k_block=k_block,
+            )
 
 
 def test_pipeline_layouts_the_trainer_cannot_keep_exact_are_refused(checkpoint_factory, tmp_path):
     """``rl_trainer_config(pipeline_parallel_degree=...)`` refuses, before any process starts: a schedule that does not
     back-propagate each stage's micro-batches in order (zero-bubble schedules defer weight gradients), tied
     embeddings (one weight on the first and the last stage), fewer layers than stages. Accepted layouts: 1F1B, GPipe,
-    Interleaved1F1B (``tests/test_tensor_parallel.py``: the same bits as one rank); the stock trainer takes any
+    Interleaved1F1B (``tests/layouts/test_tensor_parallel.py``: the same bits as one rank); the stock trainer takes any
     schedule TorchTitan does."""
     from titan_plugin.rl import rl_trainer_config
 
     qwen3 = checkpoint_factory("qwen3", "float32")  # two layers
     with pytest.raises(ValueError, match="zero-bubble"):
         rl_trainer_config(
-            qwen3, str(tmp_path / "a"), pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"
+            qwen3,
+            str(tmp_path / "a"),
+            parallelism=ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"),
         )
     with pytest.raises(ValueError, match="tied embeddings"):
-        rl_trainer_config(checkpoint_factory("qwen3_tied", "float32"), str(tmp_path / "b"), pipeline_parallel_degree=2)
+        rl_trainer_config(
+            checkpoint_factory("qwen3_tied", "float32"),
+            str(tmp_path / "b"),
+            parallelism=ParallelismConfig(pipeline_parallel_degree=2),
+        )
     with pytest.raises(ValueError, match="2 layers for 4 stages"):
         rl_trainer_config(
-            qwen3, str(tmp_path / "c"), pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B"
+            qwen3,
+            str(tmp_path / "c"),
+            parallelism=ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B"),
         )
-    config = rl_trainer_config(qwen3, str(tmp_path / "d"), pipeline_parallel_degree=2, seq_len=128)
+    config = rl_trainer_config(
+        qwen3, str(tmp_path / "d"), parallelism=ParallelismConfig(pipeline_parallel_degree=2), seq_len=128
+    )
     assert config.parallelism.pipeline_parallel_degree == 2 and config.training.local_batch_size == 4  # 2 x stages
     assert config.training.seq_len == 128
     stock = rl_trainer_config(
         qwen3,
         str(tmp_path / "e"),
         batch_invariant=False,
-        pipeline_parallel_degree=2,
-        pipeline_parallel_schedule="ZBVZeroBubble",
+        parallelism=ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"),
     )
     assert stock.parallelism.pipeline_parallel_schedule == "ZBVZeroBubble"
 
@@ -350,17 +365,25 @@ def test_pipeline_layouts_the_trainer_cannot_keep_exact_are_refused(checkpoint_f
 def test_expert_parallel_degrees_the_model_cannot_take_are_refused(checkpoint_factory, tmp_path):
     """``rl_trainer_config(expert_parallel_degree=...)`` refuses, before any process starts, a dense model, an expert
     count the degree does not divide (TorchTitan's sharding would fail inside DTensor: "Not supported split"), Qwen3-MoE
-    and DeepSeekMoE alike. The working layouts, EP 2 == one rank, are in ``tests/test_tensor_parallel.py``."""
+    and DeepSeekMoE alike. The working layouts, EP 2 == one rank, are in ``tests/layouts/test_tensor_parallel.py``."""
     from titan_plugin.rl import rl_trainer_config
     from zerokld_testing import DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 
     with pytest.raises(ValueError, match="no MoE experts"):
-        rl_trainer_config(checkpoint_factory("qwen3", "float32"), str(tmp_path / "a"), expert_parallel_degree=2)
+        rl_trainer_config(
+            checkpoint_factory("qwen3", "float32"),
+            str(tmp_path / "a"),
+            parallelism=ParallelismConfig(expert_parallel_degree=2),
+        )
     odd = make_tiny_checkpoint(tmp_path / "odd", TinyModelSpec(family="qwen3_moe", num_experts=5), seed=1)
     with pytest.raises(ValueError, match="5 experts do not split evenly over 2 ranks"):
-        rl_trainer_config(str(odd), str(tmp_path / "b"), expert_parallel_degree=2)
-    rl_trainer_config(str(odd), str(tmp_path / "c"), expert_parallel_degree=5)  # 5 / 5: accepted
+        rl_trainer_config(str(odd), str(tmp_path / "b"), parallelism=ParallelismConfig(expert_parallel_degree=2))
+    rl_trainer_config(
+        str(odd), str(tmp_path / "c"), parallelism=ParallelismConfig(expert_parallel_degree=5)
+    )  # 5 / 5: accepted
     ds = make_deepseek_checkpoint(tmp_path / "ds", DeepSeekSpec(n_routed_experts=6, n_group=2, topk_group=1), seed=1)
     with pytest.raises(ValueError, match="6 experts do not split evenly over 4 ranks"):
-        rl_trainer_config(str(ds), str(tmp_path / "d"), expert_parallel_degree=4)
-    rl_trainer_config(str(ds), str(tmp_path / "e"), expert_parallel_degree=2)  # DeepSeekMoE: 6 / 2, accepted
+        rl_trainer_config(str(ds), str(tmp_path / "d"), parallelism=ParallelismConfig(expert_parallel_degree=4))
+    rl_trainer_config(
+        str(ds), str(tmp_path / "e"), parallelism=ParallelismConfig(expert_parallel_degree=2)
+    )  # DeepSeekMoE: 6 / 2, accepted

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from shared_numerics.rollout import RolloutBatch, common_numerics
+from zerokld_plugins.errors import InvalidRequestError, UnsupportedRequestError
 
 from .losses import RLLoss
 from .rl import RLTrainer, rl_trainer_config
@@ -78,11 +79,13 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         tgt = _ids(li["target_tokens"])
         n = len(x)
         if len(tgt) != n or tgt[:-1] != x[1:]:
-            raise ValueError(f"datum {i}: target_tokens must be model_input shifted by one (length {n})")
+            raise InvalidRequestError(f"datum {i}: target_tokens must be model_input shifted by one (length {n})")
         row = {key: _t(li[key]) if key in li else None for key in ("weights", "advantages", "logprobs", "ref_logprobs")}
         for key, value in row.items():
             if value is not None and value.numel() != n:
-                raise ValueError(f"datum {i}: loss_fn_inputs[{key!r}] has {value.numel()} values for {n} targets")
+                raise InvalidRequestError(
+                    f"datum {i}: loss_fn_inputs[{key!r}] has {value.numel()} values for {n} targets"
+                )
         if row["weights"] is None:
             row["weights"] = torch.ones(n)
         row["routed_experts"] = li.get("routed_experts")
@@ -94,16 +97,16 @@ def datums_to_rollouts(data: list[dict], numerics=None, loss_fn: str = "cross_en
         # -dLoss/dlogprobs): the weight is the formula's advantage, its non-zero pattern the loss mask
         for i, row in enumerate(inputs):
             if not bool(torch.isfinite(row["weights"]).all()):
-                raise ValueError(f"datum {i}: weights must be finite")
+                raise InvalidRequestError(f"datum {i}: weights must be finite")
         adv, q = [i["weights"] for i in inputs], None
         masks = [(i["weights"] != 0).float() for i in inputs]
     else:
         if any(i["advantages"] is None or i["logprobs"] is None for i in inputs):
-            raise ValueError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
+            raise InvalidRequestError(f"loss {loss_fn!r} needs loss_fn_inputs 'advantages' and 'logprobs'")
         adv, q = [i["advantages"] for i in inputs], [i["logprobs"] for i in inputs]
     refs = [i["ref_logprobs"] for i in inputs]
     if any(r is None for r in refs) and any(r is not None for r in refs):
-        raise ValueError("loss_fn_inputs 'ref_logprobs' must be given for every datum or for none")
+        raise InvalidRequestError("loss_fn_inputs 'ref_logprobs' must be given for every datum or for none")
     stamped = [d["zerokld_numerics"] for d in data if "zerokld_numerics" in d]
     return RolloutBatch(
         seqs,
@@ -199,7 +202,7 @@ class TrainingClient:
         from .lora import lora_converter_config
 
         if train_unembed:
-            raise NotImplementedError("zerokld LoRA does not adapt the lm_head (train_unembed=False)")
+            raise UnsupportedRequestError("zerokld LoRA does not adapt the lm_head (train_unembed=False)")
         lora = lora_converter_config(
             rank=rank, alpha=alpha, train_attn=train_attn, train_mlp=train_mlp, max_rank=max_rank
         )

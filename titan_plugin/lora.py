@@ -34,6 +34,7 @@ from torchtitan.components.lora import LoRAConverter, _get_lora_cls
 import shared_numerics as sn
 import shared_numerics.lora as sn_lora
 from zerokld_models.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from zerokld_plugins.errors import InvalidRequestError, UnsupportedRequestError
 
 from .overrides import ZeroKLDFp8Linear, ZeroKLDLinear, grad_chains
 
@@ -149,7 +150,7 @@ class ZeroKLDLoRAConverter(LoRAConverter):
     def __init__(self, config: Config, **kwargs) -> None:
         super().__init__(config, **kwargs)
         if config.max_rank and config.max_rank < config.rank:
-            raise ValueError(f"max_rank {config.max_rank} is below the LoRA rank {config.rank}")
+            raise InvalidRequestError(f"max_rank {config.max_rank} is below the LoRA rank {config.rank}")
         self.max_rank = config.max_rank
         self.switches = config.switches
 
@@ -161,7 +162,7 @@ class ZeroKLDLoRAConverter(LoRAConverter):
                 if owner is not None and issubclass(owner, ZeroKLDFp8Linear)
                 else f"{getattr(owner, '__name__', owner)} (only zerokld decoder projections)"
             )
-            raise NotImplementedError(f"zerokld LoRA does not adapt {kind}")
+            raise UnsupportedRequestError(f"zerokld LoRA does not adapt {kind}")
         return ZeroKLDLoRALinear.Config(
             **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init},
             rank=self.rank,
@@ -187,19 +188,19 @@ class ZeroKLDLoRAConverter(LoRAConverter):
             if adaptable(fqn)
         }
         if self.target_modules is None or "lm_head" in targets:
-            raise NotImplementedError(
+            raise UnsupportedRequestError(
                 "zerokld LoRA adapts named decoder projections, not the lm_head (give target_modules)"
             )
         if self.switches:
             for switch, names in self.switches:
                 if not set(names) & found:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"{switch}: this model has none of its projections {sorted(names)} (a MoE "
                         f"block's experts are not adapted); it has {sorted(found)}"
                     )
             targets = targets & found
         elif targets - found:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"LoRA targets {sorted(targets - found)} match no projection; the model has {sorted(found)}"
             )
         root = model_config
@@ -251,12 +252,12 @@ def lora_converter_config(
     )
     refused = [f"{n}: {REFUSED_TARGETS[n]}" for n in names if n in REFUSED_TARGETS]
     if refused:
-        raise ValueError("; ".join(refused))
+        raise InvalidRequestError("; ".join(refused))
     unknown = [n for n in names if n not in HF_TO_TITAN]
     if unknown or not names:
-        raise ValueError(f"LoRA targets must be a non-empty subset of {sorted(HF_TO_TITAN)}; got {names}")
+        raise InvalidRequestError(f"LoRA targets must be a non-empty subset of {sorted(HF_TO_TITAN)}; got {names}")
     if ("k_proj" in names) != ("v_proj" in names):
-        raise ValueError("k_proj and v_proj are one TorchTitan config node (wkv): adapt both or neither")
+        raise InvalidRequestError("k_proj and v_proj are one TorchTitan config node (wkv): adapt both or neither")
     titan = sorted({HF_TO_TITAN[n] for n in names})
     switches = (
         ()
@@ -297,9 +298,9 @@ def disable_adapter(model: torch.nn.Module):
         ValueError: the model has no LoRA projection; NotImplementedError: stock TorchTitan LoRA projections."""
     mods = list(lora_modules(model).values())
     if not mods:
-        raise ValueError("the model has no LoRA adapter to disable")
+        raise InvalidRequestError("the model has no LoRA adapter to disable")
     if not all(isinstance(m, ZeroKLDLoRALinear) for m in mods):
-        raise NotImplementedError("TorchTitan's stock LoRALinear has no adapter switch (zerokld LoRA only)")
+        raise UnsupportedRequestError("TorchTitan's stock LoRALinear has no adapter switch (zerokld LoRA only)")
     saved = [m.adapter_enabled for m in mods]
     for m in mods:
         m.adapter_enabled = False
@@ -342,9 +343,9 @@ def _hf_rows(sd_adapter, base_key: str, shape: torch.Size) -> tuple[str, torch.T
     idx = torch.arange(shape[0], dtype=torch.float64)[:, None].expand(tuple(shape)).contiguous()
     ((hf_key, rows),) = sd_adapter.to_hf({base_key: idx}).items()
     if not torch.equal(rows, rows[:, :1].expand_as(rows)):
-        raise NotImplementedError(f"{base_key}: to_hf mixes columns; LoRA export handles row permutations only")
+        raise UnsupportedRequestError(f"{base_key}: to_hf mixes columns; LoRA export handles row permutations only")
     if not hf_key.endswith(".weight"):
-        raise NotImplementedError(f"unexpected HF name {hf_key!r} for {base_key}")
+        raise UnsupportedRequestError(f"unexpected HF name {hf_key!r} for {base_key}")
     return hf_key, rows[:, 0].long()
 
 
@@ -385,10 +386,10 @@ def save_peft_adapter(
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        raise InvalidRequestError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     mods = lora_modules(model)
     if not mods:
-        raise ValueError("the model has no LoRA adapter to save")
+        raise InvalidRequestError("the model has no LoRA adapter to save")
     first = next(iter(mods.values()))
     tensors = {k: v.to(torch_dtype).contiguous() for k, v in peft_adapter_state_dict(model, sd_adapter).items()}
     targets = sorted({k.split(".")[-3] for k in tensors})
@@ -436,13 +437,13 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
 
     mods = lora_modules(model)
     if not mods:
-        raise ValueError("the model has no LoRA adapter to load into")
+        raise InvalidRequestError("the model has no LoRA adapter to load into")
     folder = Path(adapter_dir)
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
     first = next(iter(mods.values()))
     rank = first.lora_a.weight.shape[0]
     if config.get("r") != rank or float(config.get("lora_alpha", -1)) != _alpha(first):
-        raise ValueError(
+        raise InvalidRequestError(
             f"{folder}: adapter r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; the model's "
             f"LoRA has r={rank}, alpha={_alpha(first)}"
         )
@@ -451,9 +452,9 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
     for m, prefix, rows in _peft_modules(model, sd_adapter):
         a, b_hf = tensors.pop(f"{prefix}.lora_A.weight", None), tensors.pop(f"{prefix}.lora_B.weight", None)
         if a is None or b_hf is None:
-            raise ValueError(f"{folder}: no lora_A / lora_B for {prefix}")
+            raise InvalidRequestError(f"{folder}: no lora_A / lora_B for {prefix}")
         if tuple(a.shape) != tuple(m.lora_a.weight.shape) or tuple(b_hf.shape) != tuple(m.lora_b.weight.shape):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{folder}: {prefix} has shapes {tuple(a.shape)}, {tuple(b_hf.shape)}; the model expects "
                 f"{tuple(m.lora_a.weight.shape)}, {tuple(m.lora_b.weight.shape)}"
             )
@@ -461,7 +462,9 @@ def load_peft_adapter(model: torch.nn.Module, sd_adapter, adapter_dir: str | Pat
         b[rows] = b_hf
         plan.append((m, a, b))
     if tensors:
-        raise ValueError(f"{folder}: tensors for modules without an adapter in this model: {sorted(tensors)[:4]}")
+        raise InvalidRequestError(
+            f"{folder}: tensors for modules without an adapter in this model: {sorted(tensors)[:4]}"
+        )
     for m, a, b in plan:
         _assign(m.lora_a.weight, a)
         _assign(m.lora_b.weight, b)

@@ -30,6 +30,7 @@ from shared_numerics.losses import (
     normalize_loss,
 )
 from zerokld_plugins import get_loss, resolve
+from zerokld_plugins.errors import InvalidRequestError
 
 from .logprobs import logprob_scorer
 
@@ -53,7 +54,7 @@ class RLLoss(BaseLoss):
     def __init__(self, config: Config, *, compile_config=None):
         self.config = config
         if config.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {config.normalization!r}")
+            raise InvalidRequestError(f"normalization must be one of {NORMALIZATIONS}, got {config.normalization!r}")
         spec = get_loss(config.loss_fn)  # UnknownNameError at build time, listing the registered losses
         self.token_loss = resolve(spec.token_loss)
         self.loss_cfg = resolve(spec.config_schema).model_validate(config.loss_fn_config)

@@ -35,7 +35,7 @@ from shared_numerics.rollout import RolloutBatch
 from shared_numerics.settings import ZeroKLDSettings
 from zerokld_models import ModelConfig, adapter_for, layer_plan, read_model_config
 from zerokld_models.checkpoint import held_dtype
-from zerokld_plugins.errors import ZeroKLDClientError
+from zerokld_plugins.errors import InvalidRequestError, UnsupportedRequestError, ZeroKLDClientError
 
 from . import cpu_compat
 from .context_parallel import gather_sequence, local_positions, shard_sequence, with_context_parallel
@@ -133,7 +133,7 @@ def _apply_lora(model_cfg, lora, batch_invariant: bool, plan):
     and the dense first layers adapted), with zerokld numerics."""
     routed = any(getattr(layer, "moe", None) is not None for layer in model_cfg.layers)
     if routed and not (batch_invariant and all(layer.mlp.component.lora for layer in plan)):
-        raise NotImplementedError(
+        raise UnsupportedRequestError(
             "zerokld LoRA on MoE models adapts DeepSeek's MLA projections and dense layers "
             "(zerokld numerics); MoE experts are not adapted"
         )
@@ -160,16 +160,10 @@ def rl_trainer_config(
     corrections: dict | None = None,
     lora: ZeroKLDLoRAConverter.Config | None = None,
     tp_k_block: int | None = None,
-    tensor_parallel_degree: int = 1,
+    parallelism: ParallelismConfig | None = None,
     cpu_offload: bool = False,
-    expert_parallel_degree: int = 1,
-    pipeline_parallel_degree: int = 1,
-    pipeline_parallel_schedule: str = "1F1B",
-    pipeline_parallel_microbatch_size: int = 1,
     pipeline_parallel_microbatches: int | None = None,
     seq_len: int | None = None,
-    context_parallel_degree: int = 1,
-    data_parallel_replicate_degree: int = 1,
 ) -> RLTrainer.Config:
     """A TorchTitan ``Trainer.Config`` for GRPO on an HF checkpoint, on CPU, one process.
 
@@ -198,38 +192,43 @@ def rl_trainer_config(
             targets, optimizer state for the adapters only; ``None``: full-parameter training. With
             ``batch_invariant=False``, TorchTitan's own ``LoRAConverter`` (stock ``F.linear`` adapters).
         tp_k_block: the TP-size-invariant row-parallel sum (vLLM's ``additional_config`` ``tp_k_block``), or ``None``.
-        tensor_parallel_degree: TorchTitan's ``parallelism.tensor_parallel_degree`` (run under ``torchrun`` with as
-            many processes; CPU: gloo). Above 1 it needs ``tp_k_block`` (zerokld numerics): the log-probs, gradients
-            and weights are TP 1's (at the same ``tp_k_block``) bit for bit — every sum TP splits is the fixed tree
-            (:func:`titan_plugin.overrides.set_tp_k_block`; a layer whose rows ``tp_k_block`` does not divide per rank,
-            e.g. an lm_head over an unpadded vocabulary, sums its input gradient stock, to rounding).
-        expert_parallel_degree: TorchTitan's ``parallelism.expert_parallel_degree`` (Qwen3-MoE; under ``torchrun``,
-            EP borrowing the data-parallel ranks): each rank holds ``E / EP`` experts and exchanges token rows with
-            the others (:mod:`titan_plugin.expert_parallel`); the log-probs are the same bits at any EP size.
+        parallelism: TorchTitan's own ``ParallelismConfig`` (``torchtitan.config``), passed through (default: its
+            defaults, one rank); run under ``torchrun`` with as many processes. zerokld sets three of its fields:
+            ``enable_sequence_parallel`` off with the zerokld numerics (the activations stay replicated, so the
+            norms' gain chains see every token in order, :mod:`titan_plugin.exact_accumulation`),
+            ``context_parallel_load_balancer`` ``None`` (contiguous slices, :mod:`titan_plugin.context_parallel`) and,
+            on more than one rank, ``spmd_backend`` ``"partial_dtensor"`` (DTensor on the model-parallel axes only:
+            TorchTitan's default needs every parameter a DTensor on the full mesh before FSDP, which its CPU path
+            does not provide). What each degree gives:
+            ``tensor_parallel_degree`` (CPU: gloo): above 1 it needs ``tp_k_block`` (zerokld numerics); the log-probs,
+            gradients and weights are TP 1's (at the same ``tp_k_block``) bit for bit — every sum TP splits is the
+            fixed tree (:func:`titan_plugin.overrides.set_tp_k_block`; a layer whose rows ``tp_k_block`` does not
+            divide per rank, e.g. an lm_head over an unpadded vocabulary, sums its input gradient stock, to rounding).
+            ``expert_parallel_degree`` (EP borrowing the data-parallel ranks): each rank holds ``E / EP`` experts and
+            exchanges token rows with the others (:mod:`titan_plugin.expert_parallel`); the log-probs are the same
+            bits at any EP size. ``pipeline_parallel_degree``, ``pipeline_parallel_schedule``,
+            ``pipeline_parallel_microbatch_size`` (:mod:`titan_plugin.pipeline`): with the zerokld numerics the
+            schedule is one of :data:`titan_plugin.pipeline.EXACT_SCHEDULES` and the log-probs and the weights after
+            :meth:`RLTrainer.rl_step` are one rank's bit for bit. ``context_parallel_degree``
+            (:mod:`titan_plugin.context_parallel`): each rank scores a contiguous slice of every sequence, the keys
+            and values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit, and in
+            training (with or without data parallelism) the gradients and weights are one rank's (every rank runs the
+            whole sequences' attention backward; exact accumulation replays the rollouts' passes in one rank's
+            order; where exact accumulation is off, FSDP sums the ranks' gradients, one rank's to summation order).
+            ``data_parallel_replicate_degree`` (HSDP: FSDP within each replica group, the replicas' gradients
+            all-reduced; FSDP over the other ranks as ``data_parallel_shard_degree`` -1 takes them): exact
+            accumulation hands the chains over every data-parallel rank, replicas included, so the weights are one
+            rank's bit for bit.
         cpu_offload: TorchTitan's ``training.enable_cpu_offload``: FSDP2's ``CPUOffloadPolicy`` keeps the sharded
             float32 parameters, their gradients and the optimizer state in host memory and the optimizer step runs
             there; the forward and backward see the same ``dtype`` weights. On a CPU-only machine host memory is
             the device, so this covers the code path (the weights after N steps are the resident run's bit for
             bit, ``tests/test_titan.py``); on a GPU the same holds only if the host's AdamW step computes the
             device's bits.
-        pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatch_size: TorchTitan's
-            ``parallelism`` fields of the same names (under ``torchrun``; :mod:`titan_plugin.pipeline`). With the
-            zerokld numerics the schedule is one of :data:`titan_plugin.pipeline.EXACT_SCHEDULES` and the log-probs
-            and the weights after :meth:`RLTrainer.rl_step` are one rank's bit for bit.
         pipeline_parallel_microbatches: micro-batches per schedule step (default: twice the stages); one schedule
             step takes ``microbatches * microbatch_size`` rollouts (TorchTitan's ``training.local_batch_size``).
-        context_parallel_degree: TorchTitan's ``parallelism.context_parallel_degree`` (under ``torchrun``;
-            :mod:`titan_plugin.context_parallel`): each rank scores a contiguous slice of every sequence, the keys and
-            values all-gathered over the ``cp`` mesh dimension; the log-probs are CP 1's bit for bit. Training (with
-            or without data parallelism): the gradients and weights are one rank's bit for bit (every rank runs the
-            whole sequences' attention backward; exact accumulation replays the rollouts' passes in one rank's
-            order); where exact accumulation is off, FSDP sums the ranks' gradients (one rank's to summation order).
         seq_len: TorchTitan's ``training.seq_len`` (default: the model's ``max_position_embeddings``); under pipeline
             parallelism every rollout is padded to it (the schedule's shapes are fixed).
-        data_parallel_replicate_degree: TorchTitan's ``parallelism.data_parallel_replicate_degree`` (HSDP: FSDP within
-            each replica group, the replicas' gradients all-reduced; under ``torchrun``, FSDP over the other ranks
-            as ``data_parallel_shard_degree`` -1 takes them). Exact accumulation hands the chains over every
-            data-parallel rank, replicas included, so the weights are one rank's bit for bit.
 
     Raises:
         shared_numerics.settings.ZeroKLDSettingsError: ``fp8`` or ``tp_k_block`` without ``batch_invariant``, an
@@ -239,12 +238,17 @@ def rl_trainer_config(
             layout the zerokld trainer cannot keep exact (schedule, tied embeddings, too few layers); context
             parallelism on MLA or with TP, EP or PP; tensor parallelism on DeepSeekMoE without EP over the TP ranks.
     """
+    parallelism = parallelism if parallelism is not None else ParallelismConfig()
+    tensor_parallel_degree = parallelism.tensor_parallel_degree
+    expert_parallel_degree = parallelism.expert_parallel_degree
+    pipeline_parallel_degree = parallelism.pipeline_parallel_degree
+    context_parallel_degree = parallelism.context_parallel_degree
     if fused and not batch_invariant:
-        raise ValueError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
+        raise InvalidRequestError("fused log-probs need the zerokld lm_head (batch_invariant=True)")
     if lora is not None and fp8 is not None:
-        raise ValueError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
+        raise InvalidRequestError("LoRA with FP8 QAT is not supported: the adapters would bypass the FP8 forward")
     if tensor_parallel_degree > 1 and batch_invariant and tp_k_block is None:
-        raise ValueError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block")
+        raise InvalidRequestError("tensor_parallel_degree > 1 with the zerokld numerics needs tp_k_block")
     settings = ZeroKLDSettings.parse(
         dict(batch_invariant=batch_invariant, fp8=fp8, tp_k_block=tp_k_block), "rl_trainer_config settings"
     )
@@ -257,7 +261,7 @@ def rl_trainer_config(
         and experts_whole
         and expert_parallel_degree != tensor_parallel_degree
     ):
-        raise ValueError(
+        raise InvalidRequestError(
             f"tensor_parallel_degree {tensor_parallel_degree} on DeepSeekMoE: with expert_parallel_degree "
             f"{tensor_parallel_degree} only (TP x EP, each expert whole on its rank; experts split over their "
             f"intermediate size are not implemented), not {expert_parallel_degree}"
@@ -267,15 +271,26 @@ def rl_trainer_config(
     microbatches = 1
     if pipeline_parallel_degree > 1:
         microbatches = _check_pipeline_parallel(
-            cfg, pipeline_parallel_degree, pipeline_parallel_schedule, pipeline_parallel_microbatches, batch_invariant
+            cfg,
+            pipeline_parallel_degree,
+            parallelism.pipeline_parallel_schedule,
+            pipeline_parallel_microbatches,
+            batch_invariant,
         )
     if context_parallel_degree > 1 and batch_invariant:
         if not all(layer.mixer.component.context_parallel for layer in plan):
-            raise ValueError(f"context_parallel_degree {context_parallel_degree}: not yet on MLA attention")
+            raise InvalidRequestError(f"context_parallel_degree {context_parallel_degree}: not yet on MLA attention")
         if max(tensor_parallel_degree, expert_parallel_degree, pipeline_parallel_degree) > 1:
-            raise ValueError(f"context_parallel_degree {context_parallel_degree} with TP, EP or PP: not yet")
+            raise InvalidRequestError(f"context_parallel_degree {context_parallel_degree} with TP, EP or PP: not yet")
     spec = _model_spec(cfg, settings, lora)
     ckpt = str(Path(checkpoint_dir).resolve())
+    ranks = max(
+        tensor_parallel_degree,
+        expert_parallel_degree,
+        pipeline_parallel_degree,
+        context_parallel_degree,
+        int(os.environ.get("WORLD_SIZE", "1")),  # FSDP alone (torchrun's ranks)
+    )
     return RLTrainer.Config(
         model_spec=spec,
         zerokld=settings,
@@ -289,7 +304,7 @@ def rl_trainer_config(
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=None),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=False),
         training=TrainingConfig(
-            local_batch_size=microbatches * pipeline_parallel_microbatch_size,
+            local_batch_size=microbatches * parallelism.pipeline_parallel_microbatch_size,
             seq_len=seq_len or cfg.max_position_embeddings,
             steps=steps,
             max_norm=max_norm,
@@ -299,33 +314,15 @@ def rl_trainer_config(
             # TorchTitan refuses CUDA graphs with its CPU-synchronising EP dispatcher and with pipeline parallelism
             disable_cuda_graphs=expert_parallel_degree > 1 or pipeline_parallel_degree > 1,
         ),
-        # more than one rank: DTensor on the model-parallel axes only (TorchTitan's default "spmd_types" needs every
-        # parameter a DTensor on the full mesh before FSDP, which its CPU path does not provide); one rank keeps
-        # TorchTitan's default
-        parallelism=ParallelismConfig(
-            tensor_parallel_degree=tensor_parallel_degree,
+        parallelism=dataclasses.replace(
+            parallelism,
             # zerokld TP keeps the activations replicated: the norms' gain chains then see every token in order
             # (titan_plugin.exact_accumulation); sequence parallelism would split them by the call's padded length
-            enable_sequence_parallel=not batch_invariant,
-            expert_parallel_degree=expert_parallel_degree,
-            pipeline_parallel_degree=pipeline_parallel_degree,
-            pipeline_parallel_schedule=pipeline_parallel_schedule,
-            pipeline_parallel_microbatch_size=pipeline_parallel_microbatch_size,
-            context_parallel_degree=context_parallel_degree,
+            enable_sequence_parallel=parallelism.enable_sequence_parallel and not batch_invariant,
             context_parallel_load_balancer=None,  # contiguous slices (titan_plugin.context_parallel)
-            data_parallel_replicate_degree=data_parallel_replicate_degree,
-            **(
-                {"spmd_backend": "partial_dtensor"}
-                if max(
-                    tensor_parallel_degree,
-                    expert_parallel_degree,
-                    pipeline_parallel_degree,
-                    context_parallel_degree,
-                    int(os.environ.get("WORLD_SIZE", "1")),  # FSDP alone (torchrun's ranks)
-                )
-                > 1
-                else {}
-            ),
+            # more than one rank: DTensor on the model-parallel axes only (TorchTitan's default "spmd_types" needs
+            # every parameter a DTensor on the full mesh before FSDP, which its CPU path does not provide)
+            spmd_backend="partial_dtensor" if ranks > 1 else parallelism.spmd_backend,
         ),
         checkpoint=CheckpointManager.Config(
             enable=True,
@@ -345,9 +342,9 @@ def _check_expert_parallel(cfg: ModelConfig, degree: int, batch_invariant: bool)
     """Refuse an expert-parallel degree the model cannot take, before any process group exists: a dense model, an
     expert count that does not split evenly (TorchTitan's sharding would fail deep inside DTensor)."""
     if not cfg.num_experts:
-        raise ValueError(f"expert_parallel_degree {degree}: {cfg.architecture} has no MoE experts")
+        raise InvalidRequestError(f"expert_parallel_degree {degree}: {cfg.architecture} has no MoE experts")
     if cfg.num_experts % degree:
-        raise ValueError(
+        raise InvalidRequestError(
             f"expert_parallel_degree {degree}: {cfg.num_experts} experts do not split evenly over {degree} ranks"
         )
 
@@ -360,17 +357,19 @@ def _check_pipeline_parallel(
     from .pipeline import EXACT_SCHEDULES
 
     if batch_invariant and schedule not in EXACT_SCHEDULES:
-        raise ValueError(
+        raise InvalidRequestError(
             f"pipeline_parallel_schedule {schedule!r}: the zerokld trainer runs {', '.join(EXACT_SCHEDULES)} (each "
             "stage back-propagates its micro-batches in order; zero-bubble schedules defer weight gradients)"
         )
     if cfg.tie_word_embeddings:
-        raise ValueError(
+        raise InvalidRequestError(
             f"pipeline_parallel_degree {degree}: tied embeddings put one weight on the first and the last stage"
         )
     stages = degree * (2 if schedule.startswith("Interleaved") else 1)
     if cfg.num_hidden_layers < stages:
-        raise ValueError(f"pipeline_parallel_degree {degree}: {cfg.num_hidden_layers} layers for {stages} stages")
+        raise InvalidRequestError(
+            f"pipeline_parallel_degree {degree}: {cfg.num_hidden_layers} layers for {stages} stages"
+        )
     return microbatches or 2 * stages
 
 
@@ -455,7 +454,7 @@ class RLTrainer(Trainer):
                 self.pp_has_last_stage,
             )
             if self.exact_accumulation is not None and config.training.seq_len % self.exact_accumulation.token_multiple:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"seq_len {config.training.seq_len} must be a multiple of "
                     f"{self.exact_accumulation.token_multiple} (exact accumulation's token steps)"
                 )
@@ -604,7 +603,7 @@ class RLTrainer(Trainer):
         Returns the loss records, their per-position tensors whole again (gathered over ``cp``), their counts summed
         over the ranks."""
         if loss.config.loss_fn == "gspo":
-            raise NotImplementedError("GSPO under context parallelism: its sequence-level ratio spans the cp ranks")
+            raise UnsupportedRequestError("GSPO under context parallelism: its sequence-level ratio spans the cp ranks")
         mesh = self.parallel_dims.get_mesh("cp")
         exact = self.exact_accumulation
         if exact is None:
@@ -667,7 +666,7 @@ class RLTrainer(Trainer):
         """:meth:`forward_logprobs` through the pipeline schedule (forward only), scored on the last stage and
         shared with every rank."""
         if batch.routed_experts is not None:
-            raise NotImplementedError("routing replay (R3) under pipeline parallelism is not supported yet")
+            raise UnsupportedRequestError("routing replay (R3) under pipeline parallelism is not supported yet")
         pipe = self.pipeline
         tokens = pipe.pad(batch.padded_tokens(0), 0)
         outputs = [pipe.forward(tokens[chunk]) for chunk in pipe.chunks(tokens.shape[0])]
@@ -688,10 +687,10 @@ class RLTrainer(Trainer):
         one schedule step of micro-batches; every stage's chains continue across them in batch order. Returns the
         loss's records of the real rows (every rank: the last stage's)."""
         if batch.routed_experts is not None:
-            raise NotImplementedError("routing replay (R3) under pipeline parallelism is not supported yet")
+            raise UnsupportedRequestError("routing replay (R3) under pipeline parallelism is not supported yet")
         exact, pipe = self.exact_accumulation, self.pipeline
         if exact is None and self.config.zerokld.batch_invariant:
-            raise NotImplementedError(
+            raise UnsupportedRequestError(
                 "training under pipeline parallelism needs exact accumulation (its micro-batches' gradients would "
                 f"otherwise depend on the schedule): {self.exact_accumulation_off}"
             )
@@ -796,7 +795,9 @@ class RLTrainer(Trainer):
         loss = loss or self.loss_fn
         token_mean = loss.config.normalization == "token_mean"
         if self._pending is not None and self._pending[0] != token_mean:
-            raise ValueError("one optimizer step accumulates either token_mean losses or sum/constant ones, not both")
+            raise InvalidRequestError(
+                "one optimizer step accumulates either token_mean losses or sum/constant ones, not both"
+            )
         exact = self.exact_accumulation
         configured, parts = self.loss_fn, []
         self.loss_fn = loss

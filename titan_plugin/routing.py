@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from zerokld_plugins.errors import InvalidRequestError
+
 __all__ = ["captured_routes", "counted_positions", "moe_layers", "pack_routes", "replay_routes"]
 
 
@@ -40,16 +42,16 @@ def pack_routes(routed_experts: Sequence, seq_len: int) -> torch.Tensor:
     """
     arrays = [torch.as_tensor(np.asarray(r), dtype=torch.int64) for r in routed_experts]
     if not arrays:
-        raise ValueError("no routes given")
+        raise InvalidRequestError("no routes given")
     shape = tuple(arrays[0].shape[1:])
     out = torch.full((len(arrays), seq_len, *shape), -1, dtype=torch.int64)
     for i, r in enumerate(arrays):
         if r.dim() != 3 or tuple(r.shape[1:]) != shape:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"routes of sequence {i} have shape {tuple(r.shape)}; expected [n, {shape[0]}, {shape[1]}]"
             )
         if r.shape[0] > seq_len:
-            raise ValueError(f"routes of sequence {i} cover {r.shape[0]} positions; the batch has {seq_len}")
+            raise InvalidRequestError(f"routes of sequence {i} cover {r.shape[0]} positions; the batch has {seq_len}")
         out[i, : r.shape[0]] = r
     return out
 
@@ -70,9 +72,9 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterat
         return
     layers = moe_layers(model)
     if not layers:
-        raise ValueError("routing replay needs an MoE model with the zerokld overrides")
+        raise InvalidRequestError("routing replay needs an MoE model with the zerokld overrides")
     if routes.dim() != 4 or routes.shape[2] != len(layers) or routes.shape[3] != layers[0].router.top_k:
-        raise ValueError(
+        raise InvalidRequestError(
             f"routes of shape {tuple(routes.shape)} do not fit {len(layers)} MoE layers with top-k "
             f"{layers[0].router.top_k}"
         )
@@ -115,5 +117,5 @@ def captured_routes(model: torch.nn.Module) -> torch.Tensor:
     """The expert ids of the model's latest forward: ``[B, T, layers, top_k]`` int64."""
     layers = moe_layers(model)
     if not layers or any(m.last_ids is None for m in layers):
-        raise ValueError("no MoE forward has run on this model")
+        raise InvalidRequestError("no MoE forward has run on this model")
     return torch.stack([m.last_ids for m in layers], dim=2)

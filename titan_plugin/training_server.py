@@ -66,25 +66,32 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import itertools
+import logging
 import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from zerokld_plugins.errors import ZeroKLDClientError
 
 from . import tinker_proto
-from .tinker_sampler import SamplerError
 
 __all__ = ["POLL_S", "WORK_DIR", "Limits", "TrainingServer", "TrainingServerProcess", "datums", "main", "routes_of"]
 
+logger = logging.getLogger(__name__)
+
+#: the answer to a request that failed on this server's side (the details are in its log)
+INTERNAL_ERROR = "internal server error (the training server's log has the details)"
 #: seconds ``retrieve_future`` waits for a result before answering ``try_again`` (the SDK's per-call timeout is 45)
 POLL_S = 10.0
 _REGISTRY = "models.json"
@@ -215,16 +222,6 @@ def _give_memory_back() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-
-
-def _string(body: dict, key: str, required: bool = True) -> str | None:
-    """``body[key]`` as a string (``None`` when absent and not ``required``). Raises UserError."""
-    value = body.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        raise UserError(f"{key} must be a string, got {type(value).__name__}")
-    return value
 
 
 def _is_integer(value) -> bool:
@@ -554,6 +551,102 @@ def _json_result(result):
     return result.tolist() if isinstance(result, np.ndarray) else result
 
 
+API = "/api/v1"
+
+
+class _Body(BaseModel):
+    """A request body as a route reads it: the fields it uses, strictly typed (``"7"`` is not an integer, ``1`` not
+    a boolean, a list not a string); the others pass through (the SDKs send more than a route reads)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ModelIdRequest(_Body):
+    """``get_info``, ``unload_model``."""
+
+    model_id: str
+
+
+class CreateModelRequest(_Body):
+    """``create_model`` (``lora_config`` read by :meth:`TrainingServer._lora_config`)."""
+
+    base_model: str | None = None
+    lora_config: dict | None = None
+
+
+class RetrieveFutureRequest(_Body):
+    request_id: str
+
+
+class CreateSamplingSessionRequest(_Body):
+    """tinker's ``create_sampling_client``: a saved ``tinker://`` ``model_path`` or a ``base_model``."""
+
+    model_path: str | None = None
+    base_model: str | None = None
+
+
+class AsampleRequest(_Body):
+    """``asample`` (the sampling fields read by :class:`titan_plugin.tinker_sampler.Sampler`)."""
+
+    sampling_session_id: str | None = None
+
+
+class TrainingCallRequest(_Body):
+    """Every training call's envelope: the model and its place in the model's sequence."""
+
+    model_id: str
+    seq_id: int
+
+
+class ForwardRequest(TrainingCallRequest):
+    """``forward`` (``forward_input`` read by :meth:`TrainingServer._forward_input` and :func:`datums`)."""
+
+    forward_input: dict | None = None
+
+
+class ForwardBackwardRequest(TrainingCallRequest):
+    """``forward_backward``; tinker 0.38 sends a forward as one with ``forward_only`` (its datums then under
+    ``forward_input``)."""
+
+    forward_backward_input: dict | None = None
+    forward_input: dict | None = None
+    forward_only: bool = False
+
+
+class OptimStepRequest(TrainingCallRequest):
+    """``optim_step`` (``adam_params`` read by :meth:`TrainingServer._adam_params`)."""
+
+    adam_params: dict | None = None
+
+
+class SaveWeightsForSamplerRequest(TrainingCallRequest):
+    """``save_weights_for_sampler`` (read by :meth:`TrainingServer._check_save_for_sampler`)."""
+
+
+class SaveWeightsRequest(TrainingCallRequest):
+    path: str | None = None
+    overwrite: bool = False
+
+
+class LoadWeightsRequest(TrainingCallRequest):
+    path: str
+    optimizer: bool = False
+
+
+def _parsed(model: type[_Body], body: dict) -> _Body:
+    """``body`` read as ``model``. Raises UserError naming the first field that is wrong."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise UserError(f"{where}: {first['msg']}") from None
+
+
+def _is_proto(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip() == tinker_proto.CONTENT_TYPE
+
+
 class _Parked(NamedTuple):
     """A training request waiting for its ``seq_id``'s turn."""
 
@@ -640,6 +733,8 @@ class TrainingServer:
         self.futures: dict[str, concurrent.futures.Future] = {}
         self._owners: dict[str, str] = {}  # a training request's id -> its model id (whose ``held`` counts it)
         self.proto_results: dict = {}  # request id -> the encoder of its tinker protobuf result
+        #: the bodies decoded at once (:attr:`Limits.max_decoding`)
+        self.decoding = asyncio.Semaphore(limits.max_decoding)
         self.sampler = None
         if sampler_url:
             from .tinker_sampler import Sampler
@@ -706,14 +801,8 @@ class TrainingServer:
         takes one job from each lane with work in turn (round robin), so a model with a long queue cannot starve
         another — its next job waits for at most one job of every other model."""
 
-        def job():
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # noqa: BLE001 - every failure is the future's answer
-                fut.set_exception(e)
-
         with self._lanes_lock:
-            self._lanes.setdefault(lane, collections.deque()).append(job)
+            self._lanes.setdefault(lane, collections.deque()).append(functools.partial(_settle, fut, fn))
         self.worker.submit(self._next_job)  # one tick per job: each tick runs the next lane's first job
 
     def _next_job(self) -> None:
@@ -776,7 +865,7 @@ class TrainingServer:
                 nbytes += check()
             except TooMuchWork:
                 raise
-            except UserError as e:  # kept without its frames, which hold the decoded request
+            except ZeroKLDClientError as e:  # kept without its frames, which hold the decoded request
                 refusal, nbytes = _without_frames(e), REQUEST_OVERHEAD
         with self.lock:
             model = seq_checked()
@@ -1067,408 +1156,477 @@ class TrainingServer:
 
     # ---- HTTP ------------------------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
+        """The app: :data:`router` under :data:`API` and ``/health``, the key and body-size check
+        (:meth:`_admit`), the error mapping (:func:`_client_error`, :func:`_server_error`) and the OpenAPI document
+        with every route's request body (:func:`_openapi`)."""
         app = FastAPI(title="zerokld training server (Fireworks Training API)")
-        api = "/api/v1"
-
-        def openapi() -> dict:
-            """FastAPI's document with every route's request body (:func:`request_schemas`: the handlers read the raw
-            body, so FastAPI cannot see it) and the ``X-Api-Key`` scheme."""
-            if app.openapi_schema is None:
-                from fastapi.openapi.utils import get_openapi
-
-                doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-                components = doc.setdefault("components", {})
-                schemas = components.setdefault("schemas", {})
-                for route, body in request_schemas().items():
-                    schemas.update(body.pop("$defs", {}))
-                    doc["paths"][f"{api}/{route}"]["post"]["requestBody"] = {
-                        "required": True,
-                        "content": {"application/json": {"schema": body}},
-                    }
-                components["securitySchemes"] = {"key": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}}
-                doc["security"] = [{"key": []}]
-                app.openapi_schema = doc
-            return app.openapi_schema
-
-        app.openapi = openapi
-
-        limit = self.limits.max_body_bytes
-
-        @app.middleware("http")
-        async def auth(request: Request, call_next):
-            if request.url.path.startswith(api) and request.headers.get("x-api-key") != self.api_key:
-                return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
-                return JSONResponse(
-                    {"detail": f"body of {declared} bytes is over the limit of {limit} bytes (--max-body-bytes)"},
-                    status_code=413,
-                )
-            return await call_next(request)
-
-        def is_proto(request: Request) -> bool:
-            return request.headers.get("content-type", "").split(";")[0].strip() == tinker_proto.CONTENT_TYPE
-
-        def parse_json(raw: bytes):
-            import json
-
-            try:
-                return json.loads(raw)
-            except RecursionError:
-                raise UserError("body is nested too deeply") from None
-            except ValueError:
-                raise UserError("body is not JSON") from None
-
-        decoding = asyncio.Semaphore(self.limits.max_decoding)
-
-        async def raw_body(request: Request, most: int) -> bytearray:
-            """The request's bytes, up to ``most`` (413 beyond) within ``--body-timeout-s`` (408 beyond).
-            Raises UserError."""
-            raw = bytearray()
-            try:
-                async with asyncio.timeout(self.limits.body_timeout_s):
-                    async for chunk in request.stream():
-                        if len(raw) + len(chunk) > most:
-                            raise BodyTooLarge(f"body is over the limit of {most} bytes (--max-body-bytes)")
-                        raw += chunk
-            except TimeoutError:
-                raise BodyTimeout(
-                    f"the body did not arrive within {self.limits.body_timeout_s:g} s (--body-timeout-s)"
-                ) from None
-            return raw
-
-        def decode(request: Request, raw: bytearray) -> dict:
-            """A body as its JSON object (a protobuf one as the JSON body of the same call). Raises UserError."""
-            if is_proto(request):
-                try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
-                    return tinker_proto.forward_backward_request(
-                        raw, request.headers.get("content-encoding"), limit, self.limits.max_request_tokens
-                    )
-                except tinker_proto.BodyTooLarge as e:
-                    raise BodyTooLarge(str(e)) from None
-                except tinker_proto.TooManyTokens as e:
-                    raise _too_much_work(e.tokens, e.datums, self.limits.max_request_tokens) from None
-                except tinker_proto.WireError as e:
-                    raise UserError(str(e)) from None
-            if request.headers.get("content-encoding", "identity") not in ("", "identity"):
-                raise UserError("JSON bodies are read uncompressed (Content-Encoding zstd: protobuf bodies only)")
-            body = parse_json(raw)
-            if not isinstance(body, dict):
-                raise UserError("body must be a JSON object")
-            return body
-
-        async def body_of(request: Request) -> dict:
-            """The JSON body of a route other than ``forward`` / ``forward_backward``: at most
-            :attr:`Limits.other_body_bytes`, parsed on the event loop. Raises UserError."""
-            if is_proto(request):
-                raise UserError("protobuf bodies are read for forward and forward_backward only")
-            return decode(request, await raw_body(request, self.limits.other_body_bytes))
-
-        @app.exception_handler(UserError)
-        @app.exception_handler(SamplerError)
-        async def refused(request: Request, e: ValueError) -> JSONResponse:
-            """A request refused at submit: 400 ``{"detail"}`` (the SDK raises ``BadRequestError``); 413 a body over
-            the limit, 429 too many parked requests."""
-            from deltasync.protocol import public_message
-
-            return JSONResponse({"detail": public_message(e)}, status_code=e.status_code)
-
-        async def malformed(request: Request, e: Exception) -> JSONResponse:
-            """A handler that met a value of the wrong type or shape while reading a request (every handler only reads
-            and queues: the work runs on the trainer thread, its failures answer through ``retrieve_future``): the
-            client's error, 400."""
-            from deltasync.protocol import public_message
-
-            return JSONResponse(
-                {"detail": f"malformed request ({type(e).__name__}: {public_message(e)[:200]})"}, status_code=400
-            )
-
-        for kind in (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError, OverflowError):
-            app.add_exception_handler(kind, malformed)
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok"}
-
-        @app.post(api + "/create_session")
-        async def create_session(request: Request):
-            return {"type": "create_session", "session_id": f"session-{uuid.uuid4().hex[:8]}"}
-
-        @app.post(api + "/session_heartbeat")
-        async def heartbeat(request: Request):
-            return {"type": "session_heartbeat"}
-
-        @app.post(api + "/sessions/{session_id}/finish")
-        async def finish_session(session_id: str):
-            """tinker's ``ServiceClient.close(status)``: the session ends (its models stay until ``unload_model``)."""
-            return None
-
-        @app.post(api + "/client/config")
-        async def client_config(request: Request):
-            """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies
-            zstd-compressed (``proto_compress_fwdbwd``)."""
-            return {"proto_compress_fwdbwd": True}
-
-        @app.post(api + "/client/dynamic_config")
-        async def client_dynamic_config(request: Request):
-            """tinker's periodically refreshed flags: its defaults (no ``cancel_future``: an abandoned sample
-            finishes on the engine and its result is dropped)."""
-            return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
-
-        @app.post(api + "/telemetry")
-        async def telemetry(request: Request):
-            return {"status": "accepted"}
-
-        @app.get(api + "/get_server_capabilities")
-        async def capabilities():
-            return {
-                "supported_models": [
-                    {"model_name": Path(self.checkpoint).name, "max_context_length": self.limits.max_context}
-                ]
-            }
-
-        @app.post(api + "/create_model")
-        async def create_model(request: Request):
-            body = await body_of(request)
-            base_model = _string(body, "base_model", required=False) or Path(self.checkpoint).name
-            lora = self._lora_config(body)
-            model_id = f"model-{uuid.uuid4().hex[:8]}"
-            with self.lock:
-                if len(self.models) + self.creating >= self.limits.max_models:
-                    raise Busy(
-                        f"this server holds {self.limits.max_models} models (--max-models): unload_model one first"
-                    )
-                self.creating += 1
-            rid, fut = self._future()
-
-            def create():
-                try:
-                    return self._create(model_id, base_model, lora)
-                finally:
-                    with self.lock:
-                        self.creating -= 1
-
-            self._run(create, fut, model_id)
-            return {"request_id": rid, "model_id": model_id}
-
-        def model_of(body: dict) -> _Model:
-            model = self.models.get(_string(body, "model_id"))
-            if model is None:
-                raise UserError(f"unknown model_id {str(body.get('model_id'))[:40]!r}")
-            return model
-
-        @app.post(api + "/get_info")
-        async def get_info(request: Request):
-            body = await body_of(request)
-            model = model_of(body)
-            return {
-                "type": "get_info",
-                "model_id": body["model_id"],
-                "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
-                "is_lora": bool(model.lora_rank),
-                "lora_rank": model.lora_rank,
-                "model_name": model.base_model,
-            }
-
-        _DATUM_FIELDS = ("forward_input", "forward_backward_input")
-
-        def submit(request: Request, raw: bytearray, path: str, run, check) -> tuple[str, str]:
-            """A training call's body decoded, checked and queued (:meth:`_submit`): ``(request id, model id)``.
-            Only the checked datums and the body's other fields stay (held until retrieved); a refusal carries no
-            frames, so nothing of the decoded body outlives this call. Raises UserError."""
-            try:
-                body = decode(request, raw)
-                model = model_of(body)
-                checked, held = {}, {"body": body}
-
-                def validate() -> int:
-                    """The request checked; what it holds queued: its checked datums and the body's other fields
-                    (the wire's datums are dropped)."""
-                    checked["value"] = value = check(body)
-                    held["body"] = {k: v for k, v in body.items() if k not in _DATUM_FIELDS}
-                    return datums_cost(value[0]) if path in ("forward", "forward_backward") else 0
-
-                queued = lambda: run(model, held["body"], checked.get("value"))
-                return self._submit(body["model_id"], body.get("seq_id"), queued, validate), body["model_id"]
-            except UserError as e:
-                error = _without_frames(e)
-            body = held = checked = None  # the frame the error is raised from holds nothing of the request
-            raise error
-
-        def op(path: str, run, check=lambda body: None):
-            """A training call: ``check(body)`` reads and validates the request (off the event loop; its refusal fails
-            the request's future, :meth:`_submit`), ``run(model, body, checked)`` runs on the trainer thread. A
-            protobuf body, or a JSON one over :data:`INLINE_BODY_BYTES`, is decoded and checked while it holds one of
-            ``--max-decoding`` turns (others wait holding only their bytes)."""
-
-            @app.post(api + "/" + path)
-            async def handler(request: Request):
-                raw = await raw_body(request, limit)
-                turn = decoding if is_proto(request) or len(raw) > INLINE_BODY_BYTES else contextlib.nullcontext()
-                async with turn:
-                    rid, model_id = await asyncio.to_thread(submit, request, raw, path, run, check)
-                if is_proto(request):  # its result goes back as protobuf too
-                    self.proto_results[rid] = tinker_proto.forward_backward_output
-                return {"request_id": rid, "model_id": model_id}
-
-            return handler
-
-        def flag(body: dict, key: str) -> bool:
-            if not isinstance(body.get(key, False), bool):
-                raise UserError(f"{key} must be true or false")
-            return bool(body.get(key))
-
-        op(
-            "forward",
-            lambda m, b, c: self._forward(m, c, backward=False),
-            lambda b: self._forward_input(b, backward=False),
-        )
-        # (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
-        op(
-            "forward_backward",
-            lambda m, b, c: self._forward(m, c, backward=not b.get("forward_only")),
-            lambda b: self._forward_input(b, backward=not flag(b, "forward_only")),
-        )
-        op("optim_step", lambda m, b, c: self._optim(m, c), self._adam_params)
-        op(
-            "save_weights_for_sampler",
-            lambda m, b, c: self._save_for_sampler(b["model_id"], m, b),
-            self._check_save_for_sampler,
-        )
-        op(
-            "save_weights",
-            lambda m, b, c: self._save_state(b["model_id"], m, b["path"], flag(b, "overwrite")),
-            lambda b: (self._identity(b.get("path"), "path"), flag(b, "overwrite")),
-        )
-        op(
-            "load_weights",
-            lambda m, b, c: self._load_state(m, b["path"], flag(b, "optimizer")),
-            lambda b: (_string(b, "path"), flag(b, "optimizer")),
-        )
-
-        def sampler():
-            if self.sampler is None:
-                raise UserError("this training server has no sampler: start it with --sampler-url")
-            return self.sampler
-
-        @app.post(api + "/create_sampling_session")
-        async def create_sampling_session(request: Request):
-            """tinker's ``create_sampling_client``: a session on a saved ``tinker://`` snapshot (loaded into the
-            sampler first unless it serves) or on ``base_model`` (the base weights)."""
-            from deltasync import HotLoadRefused
-
-            from .tinker_sampler import parse_model_path
-
-            body, s = await body_of(request), sampler()
-            if _string(body, "model_path", required=False):
-                model_id, identity = parse_model_path(body["model_path"])
-                saved = self.saved.get(identity)
-                if saved is None or saved[0] != model_id:
-                    raise UserError(f"no sampler snapshot {str(body['model_path'])[:120]!r} on this server")
-                _, lora_name, info = saved
-                try:
-                    await asyncio.to_thread(s.load, info, lora_name)
-                except HotLoadRefused as e:
-                    raise UserError(f"the sampler cannot load {identity!r}: {e}") from None
-                model = self.models.get(model_id)
-                session = s.open(
-                    model.base_model if model else self.checkpoint, str(body["model_path"]), identity, lora_name
-                )
-            elif _string(body, "base_model", required=False):
-                session = s.open(body["base_model"], None, None, None)
-            else:
-                raise UserError("create_sampling_session needs model_path or base_model")
-            return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
-
-        @app.get(api + "/samplers/{sampler_id}")
-        async def get_sampler(sampler_id: str):
-            session = sampler().session(sampler_id)
-            return {
-                "sampler_id": session.sampling_session_id,
-                "base_model": session.base_model,
-                "model_path": session.model_path,
-            }
-
-        @app.post(api + "/asample")
-        async def asample(request: Request):
-            """A sample on a session's snapshot, run beside the training calls; the result (protobuf
-            ``SampleResponse``) through ``retrieve_future``; one ``sample_sequence_ids`` entry per sample."""
-            body, s = await body_of(request), sampler()
-            session = s.session(body.get("sampling_session_id"))
-            n = s.request(session, body)["n"]  # refused here, at submit
-            rid, fut = self._future()
-            self.proto_results[rid] = tinker_proto.sample_response
-
-            def job():
-                try:
-                    fut.set_result(s.sample(session, body))
-                except Exception as e:  # noqa: BLE001 - every failure is the future's answer
-                    fut.set_exception(e)
-
-            self.sample_pool.submit(job)
-            return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
-
-        @app.get(api + "/list_checkpoints")
-        async def list_checkpoints():
-            return {"checkpoints": sorted(self.checkpoints)}
-
-        @app.post(api + "/unload_model")
-        async def unload(request: Request):
-            body = await body_of(request)
-            with self.lock:
-                model = self.models.pop(_string(body, "model_id"), None)
-                parked = list(model.pending.values()) if model else []
-                if model:
-                    model.pending.clear()
-            for p in parked:  # nothing of theirs ran; their futures answer
-                p.future.set_exception(UserError("the model was unloaded before this request's seq_id came"))
-            del parked
-            self._persist()
-            rid, fut = self._future()
-
-            def close():  # after the model's queued jobs (the same lane)
-                if model:
-                    model.client.close()
-                    for held in list(model.held):  # results not retrieved are forgotten (retrieve_future: 404)
-                        self._release(held)
-                _give_memory_back()
-                return {"model_id": body.get("model_id")}
-
-            self._run(close, fut, str(body.get("model_id")))
-            return {"request_id": rid}
-
-        @app.post(api + "/retrieve_future")
-        async def retrieve(request: Request):
-            from deltasync.protocol import public_message
-
-            body = await body_of(request)
-            rid = _string(body, "request_id")
-            fut = self.futures.get(rid)
-            if fut is None:
-                return JSONResponse({"detail": f"unknown request_id {str(rid)[:40]!r}"}, status_code=404)
-            try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_S)
-            except TimeoutError:
-                self._expire_gaps()
-                if not fut.done():
-                    return {"type": "try_again", "request_id": rid, "queue_state": "active"}
-            except Exception:  # noqa: BLE001 - the operation's failure: read from the future below
-                pass
-            proto = self.proto_results.get(rid)
-            self._release(rid)
-            error = fut.exception()
-            if error is not None:  # in the client's error shape
-                user = isinstance(error, (ValueError, KeyError, TypeError, NotImplementedError))  # UserError too
-                return {
-                    "error": public_message(error),
-                    "category": "user" if user else "server",
-                    "error_class": type(error).__name__,
-                }
-            if proto is not None:
-                return Response(proto(fut.result()), media_type=tinker_proto.CONTENT_TYPE)
-            return _json_result(fut.result())
-
+        app.state.server = self
+        app.include_router(health_router)
+        app.include_router(router, prefix=API)
+        app.middleware("http")(self._admit)
+        app.add_exception_handler(ZeroKLDClientError, _client_error)
+        app.add_exception_handler(Exception, _server_error)
+        app.openapi = lambda: _openapi(app)
         return app
+
+    async def _admit(self, request: Request, call_next):
+        """401 without the API key, 413 for a declared body over ``--max-body-bytes`` (before a byte of it is
+        read)."""
+        if request.url.path.startswith(API) and request.headers.get("x-api-key") != self.api_key:
+            return JSONResponse({"detail": "missing or wrong API key"}, status_code=401)
+        limit, declared = self.limits.max_body_bytes, request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return JSONResponse(
+                {"detail": f"body of {declared} bytes is over the limit of {limit} bytes (--max-body-bytes)"},
+                status_code=413,
+            )
+        return await call_next(request)
+
+    async def raw_body(self, request: Request, most: int) -> bytearray:
+        """The request's bytes, up to ``most`` (413 beyond) within ``--body-timeout-s`` (408 beyond).
+
+        Raises:
+            BodyTooLarge, BodyTimeout.
+        """
+        raw = bytearray()
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                async for chunk in request.stream():
+                    if len(raw) + len(chunk) > most:
+                        raise BodyTooLarge(f"body is over the limit of {most} bytes (--max-body-bytes)")
+                    raw += chunk
+        except TimeoutError:
+            raise BodyTimeout(
+                f"the body did not arrive within {self.limits.body_timeout_s:g} s (--body-timeout-s)"
+            ) from None
+        return raw
+
+    def decode(self, request: Request, raw: bytearray) -> dict:
+        """A body as its JSON object (a tinker protobuf one as the JSON body of the same call).
+
+        Raises:
+            UserError: not JSON, not an object, nested too deeply, compressed JSON, malformed protobuf.
+            BodyTooLarge, TooMuchWork: a protobuf body over the limits once decompressed.
+        """
+        if _is_proto(request):
+            try:  # tinker 0.38's forward / forward_backward: the JSON body of the same call
+                return tinker_proto.forward_backward_request(
+                    raw,
+                    request.headers.get("content-encoding"),
+                    self.limits.max_body_bytes,
+                    self.limits.max_request_tokens,
+                )
+            except tinker_proto.BodyTooLarge as e:
+                raise BodyTooLarge(str(e)) from None
+            except tinker_proto.TooManyTokens as e:
+                raise _too_much_work(e.tokens, e.datums, self.limits.max_request_tokens) from None
+            except tinker_proto.WireError as e:
+                raise UserError(str(e)) from None
+        if request.headers.get("content-encoding", "identity") not in ("", "identity"):
+            raise UserError("JSON bodies are read uncompressed (Content-Encoding zstd: protobuf bodies only)")
+        import json
+
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise UserError("body is nested too deeply") from None
+        except ValueError:
+            raise UserError("body is not JSON") from None
+        if not isinstance(body, dict):
+            raise UserError("body must be a JSON object")
+        return body
+
+    async def body_of(self, request: Request, model: type[_Body]) -> _Body:
+        """The body of a route other than ``forward`` / ``forward_backward`` as its request ``model``: at most
+        :attr:`Limits.other_body_bytes`, parsed on the event loop. Raises UserError."""
+        if _is_proto(request):
+            raise UserError("protobuf bodies are read for forward and forward_backward only")
+        return _parsed(model, self.decode(request, await self.raw_body(request, self.limits.other_body_bytes)))
+
+    def model_of(self, model_id: str) -> _Model:
+        """The model ``model_id`` names. Raises UserError: no such model."""
+        model = self.models.get(model_id)
+        if model is None:
+            raise UserError(f"unknown model_id {model_id[:40]!r}")
+        return model
+
+    def submit_call(self, request: Request, raw: bytearray, call: TrainingCall) -> tuple[str, str]:
+        """A training call's body decoded, its envelope (:class:`TrainingCallRequest`) read and the call queued at its
+        seq_id (:meth:`_submit`), where ``call.check`` reads the rest: ``(request id, model id)``. Only the checked
+        datums and the body's other fields stay (held until retrieved); a refusal carries no frames, so nothing of
+        the decoded body outlives this call.
+
+        Raises:
+            ZeroKLDClientError: a malformed envelope, an unknown model, a seq_id already used; the limits'
+                refusals (:class:`BodyTooLarge`, :class:`TooMuchWork`, :class:`Busy`).
+        """
+        try:
+            body = self.decode(request, raw)
+            envelope = _parsed(TrainingCallRequest, body)
+            model = self.model_of(envelope.model_id)
+            checked, held = {}, {"body": body}
+
+            def validate() -> int:
+                """The request checked; what it holds queued: its checked datums and the body's other fields
+                (the wire's datums are dropped)."""
+                checked["value"] = value = call.check(self, _parsed(call.request, body), body)
+                held["body"] = {k: v for k, v in body.items() if k not in _DATUM_FIELDS}
+                return datums_cost(value[0]) if call.datums else 0
+
+            queued = lambda: call.run(self, model, held["body"], checked.get("value"))
+            return self._submit(envelope.model_id, envelope.seq_id, queued, validate), envelope.model_id
+        except ZeroKLDClientError as e:
+            error = _without_frames(e)
+        body = held = checked = None  # the frame the error is raised from holds nothing of the request
+        raise error
+
+
+# ---- routes ------------------------------------------------------------------------------------------------------
+#: the Fireworks / Tinker routes, under :data:`API`; each handler reads its :class:`TrainingServer` from the app
+router = APIRouter()
+health_router = APIRouter()
+
+
+def _server(request: Request) -> TrainingServer:
+    return request.app.state.server
+
+
+async def _client_error(request: Request, e: ZeroKLDClientError) -> JSONResponse:
+    """A request refused: its status (400; 413 a body over the limit, 429 too many parked requests, ...) and
+    ``{"detail"}`` (the SDK raises ``BadRequestError`` on a 400), no server paths in it."""
+    from deltasync.protocol import public_message
+
+    return JSONResponse({"detail": public_message(e)}, status_code=e.status_code)
+
+
+async def _server_error(request: Request, e: Exception) -> JSONResponse:
+    """Anything else a handler raised is this server's fault: 500, logged with its traceback, nothing of it in the
+    answer."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
+    return JSONResponse({"detail": INTERNAL_ERROR}, status_code=500)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document with every route's request body (:func:`request_schemas`: the handlers read the raw body,
+    so FastAPI cannot see it) and the ``X-Api-Key`` scheme."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = doc.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        for route, body in request_schemas().items():
+            schemas.update(body.pop("$defs", {}))
+            doc["paths"][f"{API}/{route}"]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": body}},
+            }
+        components["securitySchemes"] = {"key": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}}
+        doc["security"] = [{"key": []}]
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+@health_router.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@router.post("/create_session")
+async def create_session(request: Request):
+    return {"type": "create_session", "session_id": f"session-{uuid.uuid4().hex[:8]}"}
+
+
+@router.post("/session_heartbeat")
+async def heartbeat(request: Request):
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str):
+    """tinker's ``ServiceClient.close(status)``: the session ends (its models stay until ``unload_model``)."""
+    return None
+
+
+@router.post("/client/config")
+async def client_config(request: Request):
+    """tinker's startup call (``tml-`` keys): its defaults, but forward / forward_backward bodies zstd-compressed
+    (``proto_compress_fwdbwd``)."""
+    return {"proto_compress_fwdbwd": True}
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(request: Request):
+    """tinker's periodically refreshed flags: its defaults (no ``cancel_future``: an abandoned sample finishes on the
+    engine and its result is dropped)."""
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/telemetry")
+async def telemetry(request: Request):
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request):
+    server = _server(request)
+    name = Path(server.checkpoint).name
+    return {"supported_models": [{"model_name": name, "max_context_length": server.limits.max_context}]}
+
+
+@router.post("/create_model")
+async def create_model(request: Request):
+    """A model on the server's checkpoint (``lora_config.rank`` > 0: LoRA), built on the trainer thread; counted
+    against ``--max-models`` from here."""
+    server = _server(request)
+    body = await server.body_of(request, CreateModelRequest)
+    base_model = body.base_model or Path(server.checkpoint).name
+    lora = server._lora_config(body.model_dump())
+    model_id = f"model-{uuid.uuid4().hex[:8]}"
+    with server.lock:
+        if len(server.models) + server.creating >= server.limits.max_models:
+            raise Busy(f"this server holds {server.limits.max_models} models (--max-models): unload_model one first")
+        server.creating += 1
+    rid, fut = server._future()
+
+    def create():
+        try:
+            return server._create(model_id, base_model, lora)
+        finally:
+            with server.lock:
+                server.creating -= 1
+
+    server._run(create, fut, model_id)
+    return {"request_id": rid, "model_id": model_id}
+
+
+@router.post("/get_info")
+async def get_info(request: Request):
+    server = _server(request)
+    body = await server.body_of(request, ModelIdRequest)
+    model = server.model_of(body.model_id)
+    return {
+        "type": "get_info",
+        "model_id": body.model_id,
+        "model_data": {"arch": "zerokld", "model_name": model.base_model, "tokenizer_id": model.base_model},
+        "is_lora": bool(model.lora_rank),
+        "lora_rank": model.lora_rank,
+        "model_name": model.base_model,
+    }
+
+
+_DATUM_FIELDS = ("forward_input", "forward_backward_input")
+
+
+@dataclass(frozen=True)
+class TrainingCall:
+    """A training route: its body (``request``, read at the call's turn), ``check(server, request, body)`` (reads and
+    validates the rest off the event loop; a refusal fails the call's future, :meth:`TrainingServer._submit`),
+    ``run(server, model, body, checked)`` (on the trainer thread) and whether it carries datums (counted against
+    ``--max-held-bytes``)."""
+
+    request: type[TrainingCallRequest]
+    run: Callable
+    check: Callable = lambda server, request, body: None
+    datums: bool = False
+
+
+#: the training calls, by route (tinker 0.38 sends forward as a protobuf forward_backward with forward_only)
+TRAINING_CALLS = {
+    "forward": TrainingCall(
+        ForwardRequest,
+        lambda s, m, b, c: s._forward(m, c, backward=False),
+        lambda s, r, b: s._forward_input(b, backward=False),
+        datums=True,
+    ),
+    "forward_backward": TrainingCall(
+        ForwardBackwardRequest,
+        lambda s, m, b, c: s._forward(m, c, backward=not b.get("forward_only")),
+        lambda s, r, b: s._forward_input(b, backward=not r.forward_only),
+        datums=True,
+    ),
+    "optim_step": TrainingCall(OptimStepRequest, lambda s, m, b, c: s._optim(m, c), lambda s, r, b: s._adam_params(b)),
+    "save_weights_for_sampler": TrainingCall(
+        SaveWeightsForSamplerRequest,
+        lambda s, m, b, c: s._save_for_sampler(b["model_id"], m, b),
+        lambda s, r, b: s._check_save_for_sampler(b),
+    ),
+    "save_weights": TrainingCall(
+        SaveWeightsRequest,
+        lambda s, m, b, c: s._save_state(b["model_id"], m, b["path"], bool(b.get("overwrite"))),
+        lambda s, r, b: (s._identity(r.path, "path"), r.overwrite),
+    ),
+    "load_weights": TrainingCall(
+        LoadWeightsRequest,
+        lambda s, m, b, c: s._load_state(m, b["path"], bool(b.get("optimizer"))),
+        lambda s, r, b: (r.path, r.optimizer),
+    ),
+}
+
+
+def _training_route(path: str, call: TrainingCall) -> None:
+    """Route ``path``: the body read (at most ``--max-body-bytes``), then decoded and queued off the event loop
+    (:meth:`TrainingServer.submit_call`); a protobuf body, or a JSON one over :data:`INLINE_BODY_BYTES`, while it
+    holds one of ``--max-decoding`` turns (others wait holding only their bytes). Answers ``{"request_id",
+    "model_id"}``; a protobuf call's result goes back as protobuf."""
+
+    @router.post("/" + path, name=path)
+    async def handler(request: Request):
+        server = _server(request)
+        raw = await server.raw_body(request, server.limits.max_body_bytes)
+        big = _is_proto(request) or len(raw) > INLINE_BODY_BYTES
+        async with server.decoding if big else contextlib.nullcontext():
+            rid, model_id = await asyncio.to_thread(server.submit_call, request, raw, call)
+        if _is_proto(request):
+            server.proto_results[rid] = tinker_proto.forward_backward_output
+        return {"request_id": rid, "model_id": model_id}
+
+
+for _path, _call in TRAINING_CALLS.items():
+    _training_route(_path, _call)
+
+
+def _sampler(server: TrainingServer):
+    if server.sampler is None:
+        raise UserError("this training server has no sampler: start it with --sampler-url")
+    return server.sampler
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request):
+    """tinker's ``create_sampling_client``: a session on a saved ``tinker://`` snapshot (loaded into the sampler first
+    unless it serves) or on ``base_model`` (the base weights)."""
+    from deltasync import HotLoadRefused
+
+    from .tinker_sampler import parse_model_path
+
+    server = _server(request)
+    body, s = await server.body_of(request, CreateSamplingSessionRequest), _sampler(server)
+    if body.model_path:
+        model_id, identity = parse_model_path(body.model_path)
+        saved = server.saved.get(identity)
+        if saved is None or saved[0] != model_id:
+            raise UserError(f"no sampler snapshot {body.model_path[:120]!r} on this server")
+        _, lora_name, info = saved
+        try:
+            await asyncio.to_thread(s.load, info, lora_name)
+        except HotLoadRefused as e:
+            raise UserError(f"the sampler cannot load {identity!r}: {e}") from None
+        model = server.models.get(model_id)
+        base = model.base_model if model else server.checkpoint
+        session = s.open(base, body.model_path, identity, lora_name)
+    elif body.base_model:
+        session = s.open(body.base_model, None, None, None)
+    else:
+        raise UserError("create_sampling_session needs model_path or base_model")
+    return {"type": "create_sampling_session", "sampling_session_id": session.sampling_session_id}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(request: Request, sampler_id: str):
+    session = _sampler(_server(request)).session(sampler_id)
+    return {
+        "sampler_id": session.sampling_session_id,
+        "base_model": session.base_model,
+        "model_path": session.model_path,
+    }
+
+
+@router.post("/asample")
+async def asample(request: Request):
+    """A sample on a session's snapshot, run beside the training calls; the result (protobuf ``SampleResponse``)
+    through ``retrieve_future``; one ``sample_sequence_ids`` entry per sample."""
+    server = _server(request)
+    body, s = await server.body_of(request, AsampleRequest), _sampler(server)
+    session = s.session(body.sampling_session_id)
+    raw = body.model_dump()
+    n = s.request(session, raw)["n"]  # refused here, at submit
+    rid, fut = server._future()
+    server.proto_results[rid] = tinker_proto.sample_response
+    server.sample_pool.submit(_settle, fut, lambda: s.sample(session, raw))
+    return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
+
+
+@router.get("/list_checkpoints")
+async def list_checkpoints(request: Request):
+    return {"checkpoints": sorted(_server(request).checkpoints)}
+
+
+@router.post("/unload_model")
+async def unload(request: Request):
+    """The model forgotten: its parked requests fail, its queued ones run first, then its trainer closes and its
+    results not yet retrieved are dropped (``retrieve_future``: 404)."""
+    server = _server(request)
+    model_id = (await server.body_of(request, ModelIdRequest)).model_id
+    with server.lock:
+        model = server.models.pop(model_id, None)
+        parked = list(model.pending.values()) if model else []
+        if model:
+            model.pending.clear()
+    for p in parked:  # nothing of theirs ran; their futures answer
+        p.future.set_exception(UserError("the model was unloaded before this request's seq_id came"))
+    del parked
+    server._persist()
+    rid, fut = server._future()
+
+    def close():  # after the model's queued jobs (the same lane)
+        if model:
+            model.client.close()
+            for held in list(model.held):
+                server._release(held)
+        _give_memory_back()
+        return {"model_id": model_id}
+
+    server._run(close, fut, model_id)
+    return {"request_id": rid}
+
+
+@router.post("/retrieve_future")
+async def retrieve(request: Request):
+    """A request's result, waiting up to :data:`POLL_S` (then ``try_again``); a failure as ``{"error", "category",
+    "error_class"}``: ``user`` for a :class:`ZeroKLDClientError` (its message), ``server`` for anything else (logged
+    where it was raised; its message not in the answer)."""
+    server = _server(request)
+    rid = (await server.body_of(request, RetrieveFutureRequest)).request_id
+    fut = server.futures.get(rid)
+    if fut is None:
+        return JSONResponse({"detail": f"unknown request_id {rid[:40]!r}"}, status_code=404)
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_S)
+    except TimeoutError:
+        server._expire_gaps()
+        if not fut.done():
+            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+    except Exception:  # noqa: BLE001 - the operation's failure: read from the future below
+        pass
+    proto = server.proto_results.get(rid)
+    server._release(rid)
+    error = fut.exception()
+    if error is not None:
+        return _failure(error)
+    if proto is not None:
+        return Response(proto(fut.result()), media_type=tinker_proto.CONTENT_TYPE)
+    return _json_result(fut.result())
+
+
+def _failure(error: BaseException) -> dict:
+    """A failed request in the clients' error shape (tinker's ``RequestFailedResponse``)."""
+    from deltasync.protocol import public_message
+
+    if isinstance(error, ZeroKLDClientError):
+        return {"error": public_message(error), "category": "user", "error_class": type(error).__name__}
+    return {"error": INTERNAL_ERROR, "category": "server", "error_class": "InternalServerError"}
+
+
+def _settle(fut: concurrent.futures.Future, fn) -> None:
+    """``fut`` gets ``fn()``'s result or its failure; a failure that is not the client's is logged with its
+    traceback here, where it was raised."""
+    try:
+        fut.set_result(fn())
+    except Exception as e:
+        if not isinstance(e, ZeroKLDClientError):
+            logger.error("a queued request failed", exc_info=e)
+        fut.set_exception(e)
 
 
 class TrainingServerProcess:

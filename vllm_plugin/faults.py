@@ -1,4 +1,4 @@
-"""Fault injection for the hot-load tests (``tests/test_hotload.py``, ``tests/test_lora_hotload.py``); inert unless
+"""Fault injection for the hot-load tests (``tests/servers/test_hotload.py``, ``tests/servers/test_lora_hotload.py``); inert unless
 armed.
 
 ``ZEROKLD_FAULT_COPY_ARM=<path>`` in the server's environment names an arm file. While that file exists, a model's

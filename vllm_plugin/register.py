@@ -4,9 +4,10 @@ vLLM calls ``register()`` in every process it starts (API server, engine core, e
 once, before any model is built (``vllm/plugins/__init__.py``: ``load_general_plugins``). It only registers names;
 nothing changes until a model is built with ``additional_config={"zerokld": {"batch_invariant": true}}``:
 
-* every architecture declared through the ``zerokld`` model-adapter hook (ours: ``zerokld_models/<arch>/``) maps to
-  the class :mod:`vllm_plugin.models.classes` builds from its declaration: the stock vLLM model when the flag is off,
-  the ``shared_numerics`` model when it is on;
+* model construction (``model_loader/utils.py``'s ``initialize_model``, as ``base_loader`` calls it) chooses the
+  class once: with the flag on, :class:`vllm_plugin.models.model.ZeroKLDForCausalLM` for an architecture declared
+  through the ``zerokld`` model-adapter hook (ours: ``zerokld_models/<arch>/``), a clear error at start for any other
+  (never stock numerics served silently); with it off, vLLM's own class from its registry, untouched;
 * the attention backend names ``ZEROKLD_ATTN`` and ``ZEROKLD_LATENT_ATTN`` (MLA's latent cache) are registered for
   those models' attention layers, and vLLM-CPU's MLA scheduling overrides skip zerokld MLA engines
   (:mod:`vllm_plugin.latent_platform`);
@@ -19,9 +20,6 @@ nothing changes until a model is built with ``additional_config={"zerokld": {"ba
 * their configs are checked where vLLM builds them, before it starts any engine process (:mod:`vllm_plugin.start`:
   the checks each worker runs again when it builds the model), and their workers get the hot-load worker extension
   (:mod:`vllm_plugin.hotload.worker`: deltas applied in place);
-* model construction (``model_loader/base_loader.py``'s ``initialize_model``) is wrapped so that, with the flag on, a
-  model that did not switch to zerokld numerics (an unsupported architecture) fails at start with a clear error
-  instead of silently serving stock numerics.
 
 Every vLLM attribute replaced on the way is declared in :data:`vllm_plugin.seams.SEAMS` and checked against the running
 vLLM first (:class:`vllm_plugin.seams.SeamError` names what is missing).
@@ -33,28 +31,22 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Idempotently register the zerokld model classes and attention backend with vLLM."""
+    """Idempotently register zerokld's attention backends, quantization method and seams with vLLM."""
     global _REGISTERED
     if _REGISTERED:
         return
     from .seams import check
 
     check()  # every vLLM attribute zerokld replaces exists in this vLLM, or a SeamError naming them (vllm_plugin.seams)
-    from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import register_backend
-
-    from zerokld_plugins import registered
 
     from . import latent_platform, lora, outputs, routing, runner, sampler, start
     from .attention_backend import BACKEND_NAME, LATENT_BACKEND_NAME
     from .fp8 import register as register_fp8
     from .hotload import attribution, fireworks
-    from .models.classes import registered_name
 
     register_backend(BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDAttentionBackend")
     register_backend(LATENT_BACKEND_NAME, "vllm_plugin.attention_backend.ZeroKLDLatentAttentionBackend")
-    for arch, reg in registered("model").items():
-        ModelRegistry.register_model(arch, registered_name(arch))
     register_fp8()
     # every seam of vllm_plugin.seams.SEAMS, once, here (each inert until an engine's settings switch it on)
     for module in (sampler, outputs, attribution, fireworks, routing, runner, start, lora, latent_platform):
@@ -64,17 +56,27 @@ def register() -> None:
 
 
 def _guard_initialize_model() -> None:
+    from zerokld_plugins import registered
+
     from .config import from_vllm_config
     from .seams import replace
-    from .start import unsupported_architecture
+    from .start import check_model_settings, unsupported_architecture
 
     def wrap(original):
         def initialize_model(vllm_config, *args, **kwargs):
-            cfg = from_vllm_config(vllm_config)
-            model = original(vllm_config, *args, **kwargs)
-            if cfg.batch_invariant and not getattr(model, "batch_invariant", False):
-                raise unsupported_architecture(vllm_config)
-            return model
+            model_config = kwargs.get("model_config") or vllm_config.model_config
+            declared = model_config.architecture in registered("model")
+            if from_vllm_config(vllm_config).batch_invariant:
+                if not declared or kwargs.get("model_class") is not None:
+                    raise unsupported_architecture(vllm_config)
+                from .models.model import ZeroKLDForCausalLM
+
+                kwargs["model_class"] = ZeroKLDForCausalLM
+            elif declared:
+                from zerokld_plugins import get_model_adapter
+
+                check_model_settings(vllm_config, get_model_adapter(model_config.architecture))
+            return original(vllm_config, *args, **kwargs)
 
         return initialize_model
 

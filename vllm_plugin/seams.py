@@ -61,7 +61,7 @@ _CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
 SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm.model_executor.model_loader.base_loader:initialize_model",
-        "refuse to start a zerokld engine whose architecture did not switch to zerokld numerics",
+        "build ZeroKLDForCausalLM for a declared architecture with the switch on (any other refused at start)",
         ("vllm_plugin.register",),
         kind="function",
         params=("vllm_config",),

@@ -1,8 +1,8 @@
 """A zerokld engine's start checks, run where vLLM builds its config: ``EngineArgs.create_engine_config``, in the
 ``vllm.LLM`` / ``vllm serve`` process, before vLLM spawns the engine core and its workers.
 
-The worker runs the same checks again when it builds the model (:func:`check_model_settings`, called by
-:class:`vllm_plugin.models.dense.ZeroKLDMixin`, and the ``initialize_model`` guard of :mod:`vllm_plugin.register`), on
+The worker runs the same checks again when it builds the model (:func:`check_model_settings`, called by the
+``initialize_model`` seam of :mod:`vllm_plugin.register` and :class:`vllm_plugin.models.model.ZeroKLDForCausalLM`), on
 the same ``VllmConfig`` (the one built here is what vLLM sends to its engine core and workers), so they refuse the same
 engines with the same messages. Run first
 here, a refused engine fails in about a second with :class:`vllm_plugin.config.ZeroKLDConfigError` raised in the
@@ -39,8 +39,9 @@ def unsupported_architecture(vllm_config):
 
 def check_model_settings(vllm_config, adapter):
     """The start checks of an engine whose architecture ``adapter`` declares, in the one order both callers run them
-    (:func:`check_engine_config` where the config is built, :class:`vllm_plugin.models.dense.ZeroKLDMixin` in the
-    worker). With zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.support.check_stock_engine`).
+    (:func:`check_engine_config` where the config is built, in the worker the ``initialize_model`` seam of
+    :mod:`vllm_plugin.register` with zerokld off and :class:`vllm_plugin.models.model.ZeroKLDForCausalLM` with it
+    on). With zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.support.check_stock_engine`).
     With it on: the architecture's model features and engine settings
     (:func:`vllm_plugin.support.check_supported`), the sampler's (:func:`vllm_plugin.sampler.
     check_sampler_supported`) and, for architectures with routed MLPs, the MoE settings'

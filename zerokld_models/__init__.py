@@ -3,9 +3,10 @@
 ``zerokld_models/<arch>/`` declares an HF architecture (``ADAPTER``, a :class:`zerokld_plugins.ModelAdapterSpec`):
 where vLLM's and TorchTitan's stock classes, state-dict adapter and parallelize function are, the checkpoint names the
 stock adapter lacks, and the traits (RoPE kind, head size, QK-norm, q/k/v bias, MoE). It imports neither plugin nor
-any host library; each plugin builds its side from the declaration (:mod:`vllm_plugin.models.classes`,
-:func:`titan_plugin.models.architecture_config`). What every architecture shares lives here once: the HF-config
-reader (:mod:`.config`), the per-layer plan of token mixers and MLPs (:mod:`.plan`), the support check
+any host library; each plugin builds its side from the declaration
+(:class:`vllm_plugin.models.model.ZeroKLDForCausalLM`, :func:`titan_plugin.models.architecture_config`). What every
+architecture shares lives here once: the HF-config reader (:mod:`.config`), the per-layer plan of token mixers and MLPs
+(:mod:`.plan`), the support check
 (:mod:`.support`), checkpoint files (:mod:`.checkpoint`). Adding an
 architecture = one folder + one line in :mod:`.hooks`.
 """

@@ -166,6 +166,11 @@ class MLA:
         key = (("indexer_key", (cfg.index_head_dim,)),) if indexer == "full" else ()  # a shared layer has no indexer
         return TokenMixer("dsa", self.cache, latent + key, indexer=indexer)
 
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        """The rotated dimensions of each head's query and of the latent's key part: ``qk_rope_head_dim``."""
+        return cfg.qk_rope_head_dim
+
     def problems(self, cfg: ModelConfig, adapter) -> list[str]:
         """What of ``cfg`` zerokld's MLA (and DSA) does not implement (empty: none)."""
         problems = _rope_problems(cfg, yarn=True)

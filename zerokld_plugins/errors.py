@@ -10,7 +10,13 @@ ValueError)``. Catch ``ZeroKLDError`` for anything zerokld refused or failed.
 
 from __future__ import annotations
 
-__all__ = ["ZeroKLDClientError", "ZeroKLDError", "ZeroKLDServerError"]
+__all__ = [
+    "InvalidRequestError",
+    "UnsupportedRequestError",
+    "ZeroKLDClientError",
+    "ZeroKLDError",
+    "ZeroKLDServerError",
+]
 
 
 class ZeroKLDError(Exception):
@@ -30,3 +36,13 @@ class ZeroKLDServerError(ZeroKLDError):
     """zerokld's side failed or is misconfigured (HTTP 5xx)."""
 
     status_code = 500
+
+
+class InvalidRequestError(ZeroKLDClientError, ValueError):
+    """The caller's inputs are malformed or inconsistent with each other or with the model (HTTP 400): e.g. per-token
+    loss inputs whose length is not the datum's, a loss configuration it cannot take."""
+
+
+class UnsupportedRequestError(ZeroKLDClientError, NotImplementedError):
+    """A well-formed request for something zerokld does not implement (HTTP 400): e.g. LoRA on the lm_head, routing
+    replay under pipeline parallelism."""

@@ -21,7 +21,7 @@
   step's ``optim_step``, by TorchTitan's parameter name), ``exact`` (false: exact accumulation off, the trainer's
   other way: a negative control);
 * ``refusal`` (``"train"``: an ``rl_step``, else ``forward_logprobs``, that must be refused: rank 0 writes only
-  ``refused``, the exception's message, or ``None``);
+  ``refused``, ``"<NotImplementedError | ValueError>: <message>"``, or ``None``);
 * ``score`` (bool, default true): false runs no ``forward_logprobs`` (no ``logprobs`` and ``after``; the rollouts
   are on-policy, no sampler log-probs) — for a layout whose stock run cannot score the batch's padded length.
 
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
+    from torchtitan.config import ParallelismConfig
 
     from shared_numerics import RolloutBatch
     from titan_plugin import cpu_compat
@@ -59,16 +60,18 @@ def main(argv: list[str]) -> None:
             dtype=spec["dtype"],
             batch_invariant=spec["batch_invariant"],
             tp_k_block=spec["tp_k_block"],
-            tensor_parallel_degree=spec["tp"],
+            parallelism=ParallelismConfig(
+                tensor_parallel_degree=spec["tp"],
+                expert_parallel_degree=spec.get("ep", 1),
+                pipeline_parallel_degree=spec.get("pp", 1),
+                pipeline_parallel_schedule=spec.get("pp_schedule", "1F1B"),
+                pipeline_parallel_microbatch_size=spec.get("pp_microbatch_size", 1),
+                context_parallel_degree=spec.get("cp", 1),
+                data_parallel_replicate_degree=spec.get("dp_replicate", 1),
+            ),
             fused=spec.get("fused", False),
-            expert_parallel_degree=spec.get("ep", 1),
-            pipeline_parallel_degree=spec.get("pp", 1),
-            pipeline_parallel_schedule=spec.get("pp_schedule", "1F1B"),
-            pipeline_parallel_microbatch_size=spec.get("pp_microbatch_size", 1),
             pipeline_parallel_microbatches=spec.get("pp_microbatches"),
             seq_len=spec.get("seq_len"),
-            context_parallel_degree=spec.get("cp", 1),
-            data_parallel_replicate_degree=spec.get("dp_replicate", 1),
             loss_fn=spec.get("loss_fn", "ppo"),
         )
         config.checkpoint.enable = True
@@ -93,8 +96,9 @@ def main(argv: list[str]) -> None:
                 else:
                     trainer.forward_logprobs(batch)
                 result = {"refused": None}
-            except (NotImplementedError, ValueError) as e:
-                result = {"refused": f"{type(e).__name__}: {e}"}
+            except (NotImplementedError, ValueError) as e:  # named by the builtin it is refused as
+                kind = NotImplementedError if isinstance(e, NotImplementedError) else ValueError
+                result = {"refused": f"{kind.__name__}: {e}"}
             if dist.get_rank() == 0:
                 torch.save(result, argv[1])
             trainer.close()

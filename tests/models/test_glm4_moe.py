@@ -44,7 +44,7 @@ SHAPE = dict(
     partial_rotary_factor=0.5,
     max_position_embeddings=512,
 )
-#: what :func:`tests.test_deepseek.served_is_the_trainers` reads of a shape (its routes: one row per MoE layer)
+#: what :func:`tests.models.test_deepseek.served_is_the_trainers` reads of a shape (its routes: one row per MoE layer)
 SPEC = SimpleNamespace(**{k: SHAPE[k] for k in ("num_hidden_layers", "first_k_dense_replace", "num_experts_per_tok")})
 
 
@@ -168,7 +168,7 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, dtype):
     completion's log-probs equal the composed TorchTitan trainer's bit for bit (whole stacked tensors), also when the
     trainer replays the engine's routed experts (R3); a request alone, and again from the prefix cache, equals itself
     in the batch; the stock trainer differs (the negative control)."""
-    from tests.test_deepseek import served_is_the_trainers
+    from tests.models.test_deepseek import served_is_the_trainers
     from titan_plugin import trainer_logprobs
 
     ckpt = ckpts(dtype)
@@ -183,7 +183,7 @@ def test_stock_vllm_and_the_stock_trainer_differ(engine_slot, ckpts):
     """The negative control with stock on both sides: stock vLLM (its ``glm4_moe.py``: fused QKV, its rotary
     embedding, FusedMoE's routing) samples the batch, and its log-probs differ from the stock trainer's and from
     zerokld's trainer's on the same tokens — while staying the same model (mean |difference| below 0.5 nats)."""
-    from tests.test_deepseek import _served_batch
+    from tests.models.test_deepseek import _served_batch
     from titan_plugin import trainer_logprobs
     from vllm_plugin.engines import completion_logprobs
 

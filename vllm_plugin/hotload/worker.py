@@ -7,9 +7,10 @@ on every engine config built with ``batch_invariant`` on and no extension of the
 extra flag; an engine started with another extension keeps it and its hot-loads decode deltas on the host instead
 (:meth:`deltasync.Replica.signal`).
 
-Each worker decodes the delta against its own parameters' bits (:meth:`ZeroKLDMixin.checkpoint_views`), one tensor
-at a time (:func:`deltasync.apply_delta_in_place`): the stage pass checks every tensor's Adler-32 and writes
-nothing — on the server it runs on a worker thread while the engine keeps stepping (:func:`stage_in_background`) —
+Each worker decodes the delta against its own parameters' bits
+(:meth:`vllm_plugin.models.model.ZeroKLDForCausalLM.checkpoint_views`), one tensor at a time
+(:func:`deltasync.apply_delta_in_place`): the stage pass checks every tensor's Adler-32 and writes nothing — on the
+server it runs on a worker thread while the engine keeps stepping (:func:`stage_in_background`) —
 the commit pass (engine paused) writes the new bits into the parameters; online FP8 re-quantizes only the projections
 whose bits changed. Peak extra memory: one tensor and its payload.
 

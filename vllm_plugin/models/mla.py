@@ -1,9 +1,7 @@
-"""DeepSeek-V3-family models for vLLM on ``shared_numerics``: multi-head latent attention over a latent cache and
-DeepSeekMoE (:mod:`shared_numerics.mla`, :func:`shared_numerics.moe.deepseek_moe_forward`).
-
-:class:`ZeroKLDMLAMixin` is the base of every architecture declared with ``attention="mla"`` (``zerokld_models/
-deepseek_v3``): with the zerokld flag off the class *is* vLLM's own (``DeepseekV3ForCausalLM``: its MLA backends,
-FusedMoE); with it on, :class:`vllm_plugin.models.dense.DenseDecoder`'s residual stream over MLA layers. Per layer::
+"""Multi-head latent attention for vLLM on ``shared_numerics`` (:mod:`shared_numerics.mla`, :mod:`shared_numerics.dsa`):
+:class:`MLALayer` is the :class:`zerokld_models.mixers.MLA` component's vLLM face (DeepSeek-V3/V2, GLM-4.7-Flash,
+GLM-5, DeepSeek-V3.2), the residual stream of :class:`vllm_plugin.models.dense.ResidualLayer` over a latent cache, with
+the MLP the layer's plan names (dense SwiGLU or DeepSeekMoE, :func:`vllm_plugin.models.moe.mlp_module`). Per layer::
 
     a = rms_norm(h)
     q = q_b_proj(rms_norm(q_a_proj(a)))  (or q_proj(a) without q_lora_rank);  q_nope, q_pe = split(q per head)
@@ -38,16 +36,16 @@ from torch import nn
 import shared_numerics as sn
 import shared_numerics.dsa as sn_dsa
 import shared_numerics.mla as sn_mla
-from zerokld_models import indexer_dims, layer_plan, mla_dims, mla_softmax_scale, topk_sources
+from zerokld_models import indexer_dims, mla_dims, mla_softmax_scale, topk_sources
+from zerokld_models.mixers import MLA, TokenMixer
 
 from ..attention_backend import LatentAttention, write_slots
-from .dense import DenseDecoder, Fp8Mode, ResidualLayer, TensorParallel, _norm, _param, _proj
-from .moe import ZeroKLDMoEMixin, mlp_module
+from .dense import Fp8Mode, ResidualLayer, TensorParallel, _norm, _param, _proj
 
-__all__ = ["ZeroKLDMLAMixin"]
+__all__ = ["MLALayer"]
 
 
-class _MLALayer(ResidualLayer):
+class MLALayer(ResidualLayer):
     """One MLA decoder layer. With LoRA on (``lora``), every projection that is applied to activations —
     ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``o_proj`` — is a LoRA target;
     ``kv_b_proj`` is not: its weight is absorbed per head (:mod:`shared_numerics.mla`), so an adapter naming it is
@@ -62,16 +60,18 @@ class _MLALayer(ResidualLayer):
     def __init__(
         self,
         cfg,
+        mixer: TokenMixer,
         vllm_config,
         prefix: str,
-        mlp: nn.Module,
         fp8: Fp8Mode,
+        mlp: nn.Module,
         lora: bool = False,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__(cfg.hidden_size, cfg.rms_norm_eps, mlp)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.cfg = cfg
+        self.rotary_dim = MLA.rotary_dim(cfg)
         dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         sa = self.self_attn = nn.Module()
         if cfg.q_lora_rank:
@@ -154,31 +154,3 @@ class _MLALayer(ResidualLayer):
             qc[:n], kv_cache[..., :w], md.query_start_loc, md.seq_lens, md.block_table, rows, slots, self.scale
         )
         return o
-
-
-class ZeroKLDMLAMixin(ZeroKLDMoEMixin):
-    """:class:`vllm_plugin.models.moe.ZeroKLDMoEMixin` whose decoder layers are MLA, each with the MLP its plan names;
-    tensor parallelism with ``tp_k_block`` as :class:`_MLALayer` and :class:`vllm_plugin.models.moe.DeepSeekMoEBlock`
-    split it."""
-
-    def _decoder(self, vllm_config, prefix: str) -> nn.Module:
-        """:class:`vllm_plugin.models.dense.DenseDecoder`'s body with MLA layers (RoPE over ``qk_rope_head_dim``),
-        each with the MLP its plan names (:func:`zerokld_models.layer_plan`,
-        :func:`vllm_plugin.models.moe.mlp_module`): the dense SwiGLU MLP or
-        :class:`vllm_plugin.models.moe.DeepSeekMoEBlock`. LoRA targets (vLLM's ``enable_lora``): the MLA projections
-        but ``kv_b_proj``, and the dense MLPs (not the routed or shared experts)."""
-        cfg, fp8, lora = self.model_cfg, self.fp8, vllm_config.lora_config is not None
-        plan = layer_plan(cfg, self.adapter)
-
-        def layer(i: int, tp: TensorParallel) -> _MLALayer:
-            mlp = mlp_module(plan[i].mlp, cfg, fp8, lora=lora, tp=tp)
-            return _MLALayer(cfg, vllm_config, f"{prefix}layers.{i}", mlp, fp8, lora=lora, tp=tp)
-
-        decoder = DenseDecoder(
-            vllm_config, cfg, self.adapter, prefix=prefix, fp8=fp8, layer_factory=layer, rotary_dim=cfg.qk_rope_head_dim
-        )
-        selections: dict = {}  # DeepSeek Sparse Attention: one dict for the layers (shared layers read full ones')
-        for mod in decoder.layers:
-            if getattr(mod, "index", None) is not None:
-                mod.selections = selections
-        return decoder

@@ -1,10 +1,7 @@
-"""Qwen3-MoE for vLLM on ``shared_numerics.moe`` (router, top-k with lowest-id ties, row-invariant experts, fixed
+"""The MLP components' vLLM faces (:func:`mlp_module`): the dense SwiGLU MLP, :class:`MoEBlock` (softmax top-k,
+Qwen3-MoE: ``out, ids = shared_numerics.moe.moe_forward(f, gate, experts..., top_k, norm_topk_prob)``) and
+:class:`DeepSeekMoEBlock` on ``shared_numerics.moe`` (router, top-k with lowest-id ties, row-invariant experts, fixed
 combine order), plus the per-KV-slot record of routed experts that serves vLLM's own ``enable_return_routed_experts``.
-
-:class:`ZeroKLDMoEMixin` is the base of every MoE architecture's vLLM class (:mod:`vllm_plugin.models.classes`): with
-the zerokld flag off the class *is* vLLM's ``Qwen3MoeForCausalLM`` (FusedMoE). With it on, each decoder layer is the
-Qwen3 attention of :mod:`vllm_plugin.models.dense` followed by :class:`MoEBlock`:
-``out, ids = shared_numerics.moe.moe_forward(f, gate, experts..., top_k, norm_topk_prob)``.
 
 Routing capture: when ``enable_return_routed_experts`` is on, the model writes each computed token's expert ids
 (``[MoE layers, top_k]``, int16) into :class:`RouteCache` at the token's KV-cache slot (the attention metadata's
@@ -16,6 +13,7 @@ the rows per request after each step. Source: HF ``modeling_qwen3_moe.py``; vLLM
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -23,21 +21,45 @@ from torch import nn
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.moe as sn_moe
-from zerokld_models import layer_plan
 from zerokld_models.mlps import DeepSeekMoE, MoE, SwiGLU
 
-from .dense import Fp8Mode, TensorParallel, ZeroKLDMixin, _DenseMLP, _param
+from .dense import Fp8Mode, TensorParallel, _DenseMLP, _param
 
-__all__ = ["DeepSeekMoEBlock", "MoEBlock", "RouteCache", "StackedExperts", "ZeroKLDMoEMixin", "mlp_module"]
+__all__ = [
+    "DeepSeekMoEBlock",
+    "ExpertTensor",
+    "MoEBlock",
+    "RouteCache",
+    "StackedExperts",
+    "expert_tensor",
+    "mlp_module",
+]
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 
 
-def _stacked_name(m: re.Match) -> str:
-    """The stacked parameter of an expert tensor's name match: ``...experts.w_gate`` (``...experts.w_gate_scale``
-    for an FP8 checkpoint's ``weight_scale``)."""
-    return f"{m.group(1)}.{_STACKED[m.group(3)]}" + ("_scale" if m.group(4) == "weight_scale" else "")
+class ExpertTensor(NamedTuple):
+    """Where one routed expert's checkpoint tensor lives: ``stacked`` (the stacked parameter, ``...experts.w_gate``;
+    ``...experts.w_gate_scale`` for an FP8 checkpoint's ``weight_scale``), row ``expert`` of it, ``module`` (the
+    :class:`StackedExperts` module's name) and ``weight`` (the stacked weight's name, ``None`` for a scale)."""
+
+    stacked: str
+    expert: int
+    module: str
+    weight: str | None
+
+
+def expert_tensor(name: str) -> ExpertTensor | None:
+    """The :class:`ExpertTensor` of a per-expert checkpoint name (HF ``...mlp.experts.{e}.{gate,up,down}_proj.
+    weight`` or ``.weight_scale``); ``None`` for any other name."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    weight = _STACKED[m.group(3)]
+    scale = m.group(4) == "weight_scale"
+    return ExpertTensor(f"{m.group(1)}.{weight}" + ("_scale" if scale else ""), int(m.group(2)), m.group(1),
+                        None if scale else weight)  # fmt: skip
 
 
 def expert_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, expert_id: int) -> None:
@@ -263,104 +285,3 @@ def mlp_module(mlp, cfg, fp8: Fp8Mode, lora: bool = False, tp: TensorParallel | 
     """The vLLM module of one layer's MLP (a :class:`zerokld_models.mlps.MLP` of the plan): the dense SwiGLU MLP
     (a LoRA target when ``lora``), :class:`MoEBlock` or :class:`DeepSeekMoEBlock`, chosen by its component."""
     return _MODULES[type(mlp.component)](mlp, cfg, fp8, lora, tp)
-
-
-class ZeroKLDMoEMixin(ZeroKLDMixin):
-    """:class:`vllm_plugin.models.dense.ZeroKLDMixin` with :class:`MoEBlock` MLPs and routed-expert capture."""
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if not self.batch_invariant:
-            return
-        cfg = self.model_cfg
-        self.capture_routes = bool(getattr(vllm_config.aux_output_config, "enable_return_routed_experts", False))
-        # one row per MoE layer, in layer order (DeepSeek-V3's dense first layers route nothing)
-        self.route_cache = RouteCache(len(self._moe_blocks()), cfg.num_experts_per_tok)
-        self.num_experts = cfg.num_experts
-
-    def _mlp_factory(self, vllm_config):
-        """Each layer's MLP as its plan names it (:func:`zerokld_models.layer_plan`, :func:`mlp_module`)."""
-        cfg, tp, lora = self.model_cfg, TensorParallel(vllm_config), vllm_config.lora_config is not None
-        plan = layer_plan(cfg, self.adapter)
-        return lambda i: mlp_module(plan[i].mlp, cfg, self.fp8, lora=lora, tp=tp)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        if self.batch_invariant and self.capture_routes:
-            self._record_routes(input_ids.shape[0])
-        return hidden
-
-    def _record_routes(self, n: int) -> None:
-        from vllm.forward_context import get_forward_context
-
-        meta = get_forward_context().attn_metadata
-        if not meta:  # profiling / dummy runs
-            return
-        first = next(iter(meta.values())) if isinstance(meta, dict) else meta
-        slots = first.slot_mapping[:n].cpu()
-        ids = torch.stack([mlp.last_ids[: slots.shape[0]] for mlp in self._moe_blocks()], dim=1)
-        self.route_cache.write(slots, ids)
-
-    def _moe_blocks(self) -> list:
-        """The decoder's routed blocks (those recording ``last_ids``), in layer order."""
-        return [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "last_ids")]
-
-    def _load_tensor(self, params: dict, name: str, tensor: torch.Tensor) -> None:
-        m = _EXPERT.match(name)
-        if m is None:
-            return super()._load_tensor(params, name, tensor)
-        stacked = params.get(_stacked_name(m))
-        e = int(m.group(2))
-        if stacked is None or e >= stacked.shape[0]:
-            raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
-        if self.fp8.kind == "serialized" and tensor.dtype != stacked.dtype:
-            raise ValueError(
-                f"zerokld: {name} is {tensor.dtype}; this FP8 engine needs {stacked.dtype} (zerokld_fp8 snapshots only)"
-            )
-        expected = tuple(getattr(stacked, "checkpoint_shape", stacked.shape)[1:])  # TP: the loader slices
-        if expected != tuple(tensor.shape):
-            raise ValueError(f"zerokld: {name} has shape {tuple(tensor.shape)}, model expects {expected}")
-        stacked.weight_loader(stacked, tensor, e)
-
-    def _checkpoint_view(self, params: dict, name: str) -> torch.Tensor:
-        m = _EXPERT.match(name)
-        if m is None:
-            return super()._checkpoint_view(params, name)
-        stacked = params.get(_stacked_name(m))
-        e = int(m.group(2))
-        if stacked is None or e >= stacked.shape[0]:
-            raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
-        return stacked[e]
-
-    def load_weights(self, weights):
-        if not self.batch_invariant:
-            return super().load_weights(weights)
-        seen: dict[str, set[int]] = {}
-
-        def track(items):
-            for name, tensor in items:
-                m = _EXPERT.match(name)
-                if m is not None:
-                    seen.setdefault(_stacked_name(m), set()).add(int(m.group(2)))
-                yield name, tensor
-
-        loaded = super().load_weights(track(weights))
-        for stacked, experts in seen.items():
-            if len(experts) != self.num_experts:
-                missing = sorted(set(range(self.num_experts)) - experts)
-                raise ValueError(f"zerokld: {stacked}: checkpoint lacks experts {missing}")
-            loaded.add(stacked)
-        return loaded
-
-    def checkpoint_updated(self, names) -> None:
-        """:meth:`ZeroKLDMixin.checkpoint_updated`, and online FP8 re-quantizes each routed expert whose tensors
-        ``names`` holds (that expert only)."""
-        names = list(names)
-        super().checkpoint_updated(names)
-        if not self.batch_invariant or self.fp8.kind != "online":
-            return
-        modules = dict(self.named_modules())
-        for name in names:
-            m = _EXPERT.match(name)
-            if m is not None and m.group(4) == "weight":
-                modules[m.group(1)].quantize(_STACKED[m.group(3)], int(m.group(2)))

@@ -1,7 +1,7 @@
 """tinker 0.38's training wire on the zerokld training server (issue 38, first part: the training calls), with the
 official client, unmodified (``tinker==0.38.0``): ``client/config``, protobuf ``forward`` / ``forward_backward``
 requests (zstd too) and protobuf results, ``optim_step``; the log-probs are the trainer's own, bit for bit, and
-malformed protobuf is refused with nothing applied. Sampling sessions: ``tests/test_tinker_sampling.py``."""
+malformed protobuf is refused with nothing applied. Sampling sessions: ``tests/servers/test_tinker_sampling.py``."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from torchtitan.config import ParallelismConfig
 
 import shared_numerics as sn
 from shared_numerics.mode import NumericsMismatchError, NumericsMode, check_same_numerics
@@ -629,14 +630,20 @@ def test_trainer_refuses_tp_k_block_where_not_implemented(checkpoint_factory, tm
             ZeroKLDSettings.model_construct(fp8="per_channel", tp_k_block=16),
         )
     with pytest.raises(ValueError, match="needs tp_k_block"):
-        rl_trainer_config(checkpoint_factory("qwen3", "float32"), "/nonexistent", tensor_parallel_degree=2)
+        rl_trainer_config(
+            checkpoint_factory("qwen3", "float32"),
+            "/nonexistent",
+            parallelism=ParallelismConfig(tensor_parallel_degree=2),
+        )
     # MLA: tp_k_block is built; DeepSeekMoE's TP-split experts are refused before any rank starts (TP x EP runs)
     from zerokld_testing.deepseek import make_deepseek_checkpoint
 
     ds = make_deepseek_checkpoint(tmp_path / "ds")
     titan_model_config(read_model_config(ds), ZeroKLDSettings(tp_k_block=16))
     with pytest.raises(ValueError, match="tensor_parallel_degree 2 on DeepSeekMoE: with expert_parallel_degree 2"):
-        rl_trainer_config(str(ds), "/nonexistent", tensor_parallel_degree=2, tp_k_block=16)
+        rl_trainer_config(
+            str(ds), "/nonexistent", parallelism=ParallelismConfig(tensor_parallel_degree=2), tp_k_block=16
+        )
 
 
 # --- real trainers and engines ---
@@ -1175,7 +1182,7 @@ def test_expert_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
     rank in slot order): every log-prob equals one rank's over the whole batch bit for bit, also with routes replayed
     (R3: random valid routes, which change the log-probs), and an RL step trains through the exchange. Negative
     control: TorchTitan's stock MoE at EP 2 differs from these log-probs (one rank's, which vLLM serves:
-    ``tests/test_vllm_parity.py``). (Stock at EP 2 equals stock at EP 1 at these shapes: its exchange keeps each
+    ``tests/models/test_vllm_parity.py``). (Stock at EP 2 equals stock at EP 1 at these shapes: its exchange keeps each
     expert's rows and the combine order too — the invariance stock lacks is batch invariance, not EP.)"""
 
     _check_expert_parallel_2(
@@ -1206,7 +1213,7 @@ def test_tensor_parallel_2_x_expert_parallel_2_equals_one_rank(tmp_path, checkpo
     from titan_plugin import trainer_logprobs
     from zerokld_testing import make_tiny_checkpoint, random_prompts
 
-    from .conftest import SPECS
+    from tests.conftest import SPECS
 
     dtype = "bfloat16"
     ckpt = checkpoint_factory("qwen3_moe", dtype)
@@ -1260,7 +1267,7 @@ def test_expert_parallel_2_on_deepseekmoe_equals_one_rank(tmp_path, dtype):
     holding 4 routed experts (the router, the bias and the shared expert replicated) and scoring its own sequences,
     gives every log-prob of one rank bit for bit, with routes replayed (R3) too, and an RL step trains through the
     exchange. Negative control: TorchTitan's stock ``deepseek_v3`` at EP 2 differs from these log-probs (one rank's,
-    which vLLM serves: ``tests/test_deepseek.py``)."""
+    which vLLM serves: ``tests/models/test_deepseek.py``)."""
 
     from zerokld_testing import DeepSeekSpec, make_deepseek_checkpoint
 
@@ -1340,7 +1347,7 @@ def test_tensor_parallel_2_trains_like_tp_1(tmp_path):
 
     from zerokld_testing import make_tiny_checkpoint, random_prompts
 
-    from .conftest import SPECS
+    from tests.conftest import SPECS
 
     ckpt = str(make_tiny_checkpoint(tmp_path / "ckpt", dataclasses.replace(SPECS["qwen3"], vocab_size=128), seed=1))
     seqs = random_prompts(6, seed=51, lo=12, hi=60)
@@ -1709,7 +1716,7 @@ def test_pipeline_parallel_refuses_what_it_cannot_keep_exact(tmp_path):
 def test_context_parallel_2_equals_one_rank(tmp_path, checkpoint_factory, dtype):
     """Issue 56 point 2: TorchTitan's ``context_parallel_degree`` 2 with the zerokld attention (each rank a contiguous
     half of every sequence, K/V all-gathered over the ``cp`` mesh dimension as a DTensor, the same fixed key-chunk
-    order): every log-prob equals one rank's — which vLLM serves (``tests/test_vllm_parity.py``) — bit for bit,
+    order): every log-prob equals one rank's — which vLLM serves (``tests/models/test_vllm_parity.py``) — bit for bit,
     unfused and fused, on Qwen3 and on Qwen3-MoE with random routes replayed (R3, sliced like the tokens); CP 2 x DP 2
     on 4 ranks too. Negative controls: TorchTitan's own CP cannot
     run on CPU (its SDPA CP has no sharding strategy for the CPU flash-attention op), and the stock trainer's

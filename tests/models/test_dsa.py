@@ -189,7 +189,7 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
     TorchTitan's zerokld trainer's on the same tokens bit for bit (whole stacked tensors), also with the engine's routed
     experts replayed (R3); a request alone, and again from the prefix cache, equals itself in the batch; and the
     trainer refuses to run without zerokld (TorchTitan has no DSA)."""
-    from tests.test_deepseek import served_is_the_trainers
+    from tests.models.test_deepseek import served_is_the_trainers
     from titan_plugin import trainer_logprobs
     from vllm_plugin.engines import start_llm
     from zerokld_models import UnsupportedModelError
@@ -233,7 +233,7 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
     the weights through the sparse rows' gradients (the indexer's weights, not trained, stay as they were), its HF
     export (the indexer's tensors too: the same names and shapes as the checkpoint's) goes to the running engine as a
     hot-load delta applied in place, and the engine then samples with exactly the trainer's new log-probs."""
-    from tests.test_deepseek import rl_step_hot_loaded
+    from tests.models.test_deepseek import rl_step_hot_loaded
     from vllm_plugin.engines import start_llm
 
     dtype = "bfloat16"
@@ -305,10 +305,10 @@ def test_fp8_block_served_online_and_exported_equals_the_qat_trainer(engine_slot
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path):
-    """LoRA on GLM-5: DeepSeek-V3's LoRA check (``tests/test_deepseek.py``, the same body) on the DSA checkpoint — two
+    """LoRA on GLM-5: DeepSeek-V3's LoRA check (``tests/models/test_deepseek.py``, the same body) on the DSA checkpoint — two
     adapters the trainer trained (the MLA projections and the dense MLP; not ``kv_b_proj``, the experts or the
     indexer) served co-batched with base requests (prompts up to 90 tokens: past ``index_topk``), each request's
     log-probs the trainer's under its adapter, alone == co-batched, each adapter changing its requests."""
-    from tests.test_deepseek import test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer as check
+    from tests.models.test_deepseek import test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer as check
 
     check(engine_slot, lambda shape, dtype: ckpts(dtype, shape), tmp_path, "glm5")

@@ -3,7 +3,7 @@ query strings and headers generated from each route's schema — ones that fit i
 positive and negative modes) —, a fixed seed and example budget. No answer is a 5xx, none hangs (each call has a
 timeout), ``/health`` answers after every route, and the server's memory stays bounded. The API key is sent with every
 call and left out of the document the fuzzer reads (its negative mode would otherwise spend most examples on 401s; the
-key is tested in tests/test_fireworks_wire.py and tests/test_hotload.py).
+key is tested in tests/servers/test_fireworks_wire.py and tests/servers/test_hotload.py).
 
 * The training server (``python -m titan_plugin.training_server``): bodies from tinker 0.38's own request models
   (:func:`titan_plugin.training_server.request_schemas`), ``model_id`` pointing at a real model half of the time so
@@ -20,7 +20,7 @@ key is tested in tests/test_fireworks_wire.py and tests/test_hotload.py).
   the structured decision API"); ``500`` from ``/v1/chat/completions`` when ``structured_outputs`` is not an object
   (``'bool' object has no attribute 'get'``) and from ``/v1/responses`` given a refusal as input
   (``'ResponseOutputRefusal' object has no attribute 'text'``). Found by this test and fixed: a negative ``seed``
-  stopped the engine (tests/test_sampling.py, tests/test_fireworks_wire.py).
+  stopped the engine (tests/test_sampling.py, tests/servers/test_fireworks_wire.py).
 """
 
 from __future__ import annotations

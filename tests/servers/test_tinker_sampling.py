@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_tinker_wire import _datum
+from tests.servers.test_tinker_wire import _datum
 from titan_plugin import trainer_logprobs
 from vllm_plugin.serve import HotLoadServer
 
