@@ -17,8 +17,8 @@ trainer scores every prompt + completion in one batch forward, and ``shared_nume
 Engines: ``zerokld`` = vLLM with ``additional_config={"zerokld": {"batch_invariant": true}}`` against
 :func:`titan_plugin.trainer_logprobs`; ``stock`` = vLLM's own kernels against TorchTitan's own components
 (``build_titan_model(batch_invariant=False)``: ``nn.Linear``, SDPA attention, TorchTitan's MoE with its bf16 grouped
-experts; ``tests/models/test_architectures.py`` checks each stock build against HF ``transformers``). FP8 on: zerokld serves
-online FP8 per channel (``shared_numerics.fp8``) against the FP8 QAT trainer; stock serves vLLM's
+experts; ``tests/models/test_architectures.py`` checks each stock build against HF ``transformers``). FP8 on:
+zerokld serves online FP8 per channel (``shared_numerics.fp8``) against the FP8 QAT trainer; stock serves vLLM's
 ``quantization="fp8_per_channel"`` against the high-precision trainer (the common production setting). zerokld's FP8
 does not serve Qwen2's biased q/k/v projections in FP8 (``NO_FP8``), so it has no FP8 rows; DeepSeek-V3's FP8 rows
 are DeepSeek's block granularity (``FP8_GRANULARITY``).

@@ -1,5 +1,5 @@
-"""Fault injection for the hot-load tests (``tests/servers/test_hotload.py``, ``tests/servers/test_lora_hotload.py``); inert unless
-armed.
+"""Fault injection for the hot-load tests (``tests/servers/test_hotload.py``,
+``tests/servers/test_lora_hotload.py``); inert unless armed.
 
 ``ZEROKLD_FAULT_COPY_ARM=<path>`` in the server's environment names an arm file. While that file exists, a model's
 ``load_weights`` (a hot-load's in-place ``reload_weights``) calls :func:`copy_fault` after each tensor it has copied

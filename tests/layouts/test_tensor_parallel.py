@@ -1210,10 +1210,9 @@ def test_tensor_parallel_2_x_expert_parallel_2_equals_one_rank(tmp_path, checkpo
 
     import numpy as np
 
+    from tests.conftest import SPECS
     from titan_plugin import trainer_logprobs
     from zerokld_testing import make_tiny_checkpoint, random_prompts
-
-    from tests.conftest import SPECS
 
     dtype = "bfloat16"
     ckpt = checkpoint_factory("qwen3_moe", dtype)
@@ -1345,9 +1344,8 @@ def test_tensor_parallel_2_trains_like_tp_1(tmp_path):
     control: TorchTitan's stock components train to other weights at TP 2 than at TP 1."""
     import dataclasses
 
-    from zerokld_testing import make_tiny_checkpoint, random_prompts
-
     from tests.conftest import SPECS
+    from zerokld_testing import make_tiny_checkpoint, random_prompts
 
     ckpt = str(make_tiny_checkpoint(tmp_path / "ckpt", dataclasses.replace(SPECS["qwen3"], vocab_size=128), seed=1))
     seqs = random_prompts(6, seed=51, lo=12, hi=60)

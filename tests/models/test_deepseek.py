@@ -238,8 +238,8 @@ def test_served_logprobs_are_the_trainers_bitwise(engine_slot, ckpts, shape, dty
 
 def served_is_the_trainers(llm, ckpt: str, spec, dtype: str):
     """The body of :func:`test_served_logprobs_are_the_trainers_bitwise` on a running engine of ``ckpt`` (``spec``:
-    its :class:`zerokld_testing.deepseek.DeepSeekSpec`); also GLM-5's and DeepSeek-V3.2's (``tests/models/test_dsa.py``).
-    Returns ``(sequences, prompt lengths, served log-probs)``."""
+    its :class:`zerokld_testing.deepseek.DeepSeekSpec`); also GLM-5's and DeepSeek-V3.2's
+    (``tests/models/test_dsa.py``). Returns ``(sequences, prompt lengths, served log-probs)``."""
     from titan_plugin import trainer_logprobs
     from vllm_plugin.engines import completion_logprobs
 
@@ -294,8 +294,8 @@ def test_rl_step_hot_loaded_in_place_serves_the_trainers_weights(engine_slot, ck
 
 def rl_step_hot_loaded(llm, ckpt: str, tmp_path, lo: int = 4, hi: int = 90) -> tuple[dict, dict]:
     """The body of :func:`test_rl_step_hot_loaded_in_place_serves_the_trainers_weights` on a running bf16 engine of
-    ``ckpt`` (prompts of ``lo``-``hi`` tokens); also GLM-5's (``tests/models/test_dsa.py``). Returns the checkpoint's and the
-    step's tensors."""
+    ``ckpt`` (prompts of ``lo``-``hi`` tokens); also GLM-5's (``tests/models/test_dsa.py``). Returns the checkpoint's
+    and the step's tensors."""
     from vllm import SamplingParams
 
     from deltasync import read_snapshot_tensors

@@ -305,8 +305,8 @@ def test_fp8_block_served_online_and_exported_equals_the_qat_trainer(engine_slot
 @pytest.mark.vllm
 @pytest.mark.titan
 def test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer(engine_slot, ckpts, tmp_path):
-    """LoRA on GLM-5: DeepSeek-V3's LoRA check (``tests/models/test_deepseek.py``, the same body) on the DSA checkpoint — two
-    adapters the trainer trained (the MLA projections and the dense MLP; not ``kv_b_proj``, the experts or the
+    """LoRA on GLM-5: DeepSeek-V3's LoRA check (``tests/models/test_deepseek.py``, the same body) on the DSA checkpoint
+    — two adapters the trainer trained (the MLA projections and the dense MLP; not ``kv_b_proj``, the experts or the
     indexer) served co-batched with base requests (prompts up to 90 tokens: past ``index_topk``), each request's
     log-probs the trainer's under its adapter, alone == co-batched, each adapter changing its requests."""
     from tests.models.test_deepseek import test_lora_on_mla_and_dense_mlps_served_cobatched_equals_the_trainer as check

@@ -239,8 +239,9 @@ def test_streamed_completion_is_one_complete_sse_stream(env):
 
 def test_every_int64_seed_samples_and_repeats(env):
     """vLLM takes any int64 ``seed``; each one samples, the same seed repeats its tokens, and the engine lives on.
-    Negative control (found by tests/servers/test_server_fuzz.py, seen by hand): before shared_numerics.sampling took negative
-    seeds, ``seed: -1377816`` raised inside the engine's step, the engine stopped, and every later request failed."""
+    Negative control (found by tests/servers/test_server_fuzz.py, seen by hand): before shared_numerics.sampling took
+    negative seeds, ``seed: -1377816`` raised inside the engine's step, the engine stopped, and every later request
+    failed."""
     server = env[0]
     tokens = {}
     for seed in (-1377816, -(2**63), 2**63 - 1, 7):
