@@ -79,6 +79,7 @@ def test_zerokld_engines_use_the_v1_model_runner(monkeypatch):
         "expert_parallel",
         "pipeline_parallel",
         "processed_logprobs",
+        "load_format",
     ],
 )
 def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_factory, tmp_path, monkeypatch):
@@ -123,6 +124,9 @@ def test_engine_refuses_unsupported_at_start(case, engine_slot, checkpoint_facto
     elif case == "processed_logprobs":  # the deterministic sampler returns raw logprobs only
         ckpt, expected = checkpoint_factory("qwen3_moe", "float32"), "logprobs_mode"
         kwargs["logprobs_mode"] = "processed_logprobs"
+    elif case == "load_format":  # vLLM's tensorizer loader builds its own class, past the initialize_model seam
+        ckpt, expected = checkpoint_factory("qwen3", "float32"), "load_format tensorizer"
+        kwargs["load_format"] = "tensorizer"
     elif case == "model_runner_v2":  # the hooks live on the V1 runner (vllm_plugin.runner)
         ckpt, expected = checkpoint_factory("qwen3", "float32"), "VLLM_USE_V2_MODEL_RUNNER=1"
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -173,6 +177,7 @@ def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
     from types import SimpleNamespace
 
     import torch
+    from vllm.config.load import LoadConfig
     from vllm.config.lora import LoRAConfig
 
     from vllm_plugin.support import check_supported
@@ -186,6 +191,7 @@ def test_lora_with_unsupported_settings_is_refused(checkpoint_factory):
             model_config=SimpleNamespace(dtype=torch.bfloat16),
             quant_config=None,
             lora_config=LoRAConfig(max_lora_rank=8, lora_dtype=lora_dtype),
+            load_config=LoadConfig(),
             additional_config=extra,
         )
         return vc, cfg, adapter_for(cfg)

@@ -303,7 +303,7 @@ def test_context_parallel_layouts_not_run_yet_are_refused(tmp_path):
     """Issue 56: ``rl_trainer_config(context_parallel_degree=2)`` is refused before any process starts on an MLA model
     (DeepSeek-V3: zerokld's CP gathers the keys and values of its own attention, ``titan_plugin.context_parallel``,
     not MLA's latent ones yet) and combined with PP or TP (not run yet). Qwen3 alone is accepted
-    (``tests/layouts/test_tensor_parallel.py``: CP 2 == one rank)."""
+    (``tests/layouts/test_context_parallel.py``: CP 2 == one rank)."""
     from titan_plugin.rl import rl_trainer_config
     from zerokld_testing import DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 
@@ -325,8 +325,8 @@ def test_pipeline_layouts_the_trainer_cannot_keep_exact_are_refused(checkpoint_f
     """``rl_trainer_config(pipeline_parallel_degree=...)`` refuses, before any process starts: a schedule that does not
     back-propagate each stage's micro-batches in order (zero-bubble schedules defer weight gradients), tied
     embeddings (one weight on the first and the last stage), fewer layers than stages. Accepted layouts: 1F1B, GPipe,
-    Interleaved1F1B (``tests/layouts/test_tensor_parallel.py``: the same bits as one rank); the stock trainer takes any
-    schedule TorchTitan does."""
+    Interleaved1F1B (``tests/layouts/test_pipeline_parallel.py``: the same bits as one rank); the stock trainer takes
+    any schedule TorchTitan does."""
     from titan_plugin.rl import rl_trainer_config
 
     qwen3 = checkpoint_factory("qwen3", "float32")  # two layers
@@ -365,7 +365,7 @@ def test_pipeline_layouts_the_trainer_cannot_keep_exact_are_refused(checkpoint_f
 def test_expert_parallel_degrees_the_model_cannot_take_are_refused(checkpoint_factory, tmp_path):
     """``rl_trainer_config(expert_parallel_degree=...)`` refuses, before any process starts, a dense model, an expert
     count the degree does not divide (TorchTitan's sharding would fail inside DTensor: "Not supported split"), Qwen3-MoE
-    and DeepSeekMoE alike. The working layouts, EP 2 == one rank, are in ``tests/layouts/test_tensor_parallel.py``."""
+    and DeepSeekMoE alike. The working layouts, EP 2 == one rank, are in ``tests/layouts/test_expert_parallel.py``."""
     from titan_plugin.rl import rl_trainer_config
     from zerokld_testing import DeepSeekSpec, TinyModelSpec, make_deepseek_checkpoint, make_tiny_checkpoint
 

@@ -58,24 +58,30 @@ def register() -> None:
 def _guard_initialize_model() -> None:
     from zerokld_plugins import registered
 
-    from .config import from_vllm_config
+    from .config import ZeroKLDConfigError, from_vllm_config
     from .seams import replace
-    from .start import check_model_settings, unsupported_architecture
+    from .start import check_engine_config, unsupported_architecture
 
     def wrap(original):
         def initialize_model(vllm_config, *args, **kwargs):
+            """vLLM's ``initialize_model(vllm_config, *, prefix, model_class, model_config)`` with the class chosen
+            here: zerokld's for a declared architecture with the switch on (its constructor runs the start checks
+            again), vLLM's own with it off (after the stock engine's check, :func:`vllm_plugin.start.
+            check_engine_config`)."""
+            if not from_vllm_config(vllm_config).batch_invariant:
+                check_engine_config(vllm_config)
+                return original(vllm_config, *args, **kwargs)
             model_config = kwargs.get("model_config") or vllm_config.model_config
-            declared = model_config.architecture in registered("model")
-            if from_vllm_config(vllm_config).batch_invariant:
-                if not declared or kwargs.get("model_class") is not None:
-                    raise unsupported_architecture(vllm_config)
-                from .models.model import ZeroKLDForCausalLM
+            asked = kwargs.get("model_class")
+            if asked is not None:  # a caller that names its class (vLLM 0.32's base loader never does)
+                raise ZeroKLDConfigError(
+                    f"zerokld batch_invariant mode builds its own model class; vLLM asked for {asked.__name__}"
+                )
+            if model_config.architecture not in registered("model"):
+                raise unsupported_architecture(model_config)
+            from .models.model import ZeroKLDForCausalLM
 
-                kwargs["model_class"] = ZeroKLDForCausalLM
-            elif declared:
-                from zerokld_plugins import get_model_adapter
-
-                check_model_settings(vllm_config, get_model_adapter(model_config.architecture))
+            kwargs["model_class"] = ZeroKLDForCausalLM
             return original(vllm_config, *args, **kwargs)
 
         return initialize_model

@@ -1,10 +1,10 @@
 """A zerokld engine's start checks, run where vLLM builds its config: ``EngineArgs.create_engine_config``, in the
 ``vllm.LLM`` / ``vllm serve`` process, before vLLM spawns the engine core and its workers.
 
-The worker runs the same checks again when it builds the model (:func:`check_model_settings`, called by the
-``initialize_model`` seam of :mod:`vllm_plugin.register` and :class:`vllm_plugin.models.model.ZeroKLDForCausalLM`), on
-the same ``VllmConfig`` (the one built here is what vLLM sends to its engine core and workers), so they refuse the same
-engines with the same messages. Run first
+The worker runs the same checks again when it builds the model (:func:`check_engine_config` in the
+``initialize_model`` seam of :mod:`vllm_plugin.register` with zerokld off, :func:`check_model_settings` in
+:class:`vllm_plugin.models.model.ZeroKLDForCausalLM` with it on), on the same ``VllmConfig`` (the one built here is
+what vLLM sends to its engine core and workers), so they refuse the same engines with the same messages. Run first
 here, a refused engine fails in about a second with :class:`vllm_plugin.config.ZeroKLDConfigError` raised in the
 caller's process, instead of after an engine core and a worker have each imported vLLM and started (20-40 s on 2
 cores) with the reason only in their logs and vLLM's "Engine core initialization failed" in the caller's.
@@ -21,8 +21,9 @@ from __future__ import annotations
 __all__ = ["check_engine_config", "check_model_settings", "install", "unsupported_architecture"]
 
 
-def unsupported_architecture(vllm_config):
-    """The error for an engine with zerokld on whose architecture no ``zerokld`` model adapter declares.
+def unsupported_architecture(model_config):
+    """The error for an engine with zerokld on whose model (vLLM's ``ModelConfig``: the engine's, or the one
+    ``initialize_model`` was given) no ``zerokld`` model adapter declares.
 
     Returns:
         :class:`vllm_plugin.config.ZeroKLDConfigError` naming the checkpoint's ``architectures`` and the declared ones.
@@ -31,7 +32,7 @@ def unsupported_architecture(vllm_config):
 
     from .config import ZeroKLDConfigError
 
-    archs = getattr(vllm_config.model_config.hf_config, "architectures", None)
+    archs = getattr(model_config.hf_config, "architectures", None)
     return ZeroKLDConfigError(
         f"zerokld batch_invariant mode does not support architecture {archs}; supported: {sorted(registered('model'))}"
     )
@@ -39,12 +40,11 @@ def unsupported_architecture(vllm_config):
 
 def check_model_settings(vllm_config, adapter):
     """The start checks of an engine whose architecture ``adapter`` declares, in the one order both callers run them
-    (:func:`check_engine_config` where the config is built, in the worker the ``initialize_model`` seam of
-    :mod:`vllm_plugin.register` with zerokld off and :class:`vllm_plugin.models.model.ZeroKLDForCausalLM` with it
-    on). With zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.support.check_stock_engine`).
-    With it on: the architecture's model features and engine settings
-    (:func:`vllm_plugin.support.check_supported`), the sampler's (:func:`vllm_plugin.sampler.
-    check_sampler_supported`) and, for architectures with routed MLPs, the MoE settings'
+    (:func:`check_engine_config` where the config is built and, with zerokld off, in the worker's ``initialize_model``
+    seam of :mod:`vllm_plugin.register`; :class:`vllm_plugin.models.model.ZeroKLDForCausalLM` with it on). With
+    zerokld off: a ``zerokld_fp8`` checkpoint (:func:`vllm_plugin.support.check_stock_engine`). With it on: the
+    architecture's model features and engine settings (:func:`vllm_plugin.support.check_supported`), the sampler's
+    (:func:`vllm_plugin.sampler.check_sampler_supported`) and, for architectures with routed MLPs, the MoE settings'
     (:func:`vllm_plugin.support.check_moe_supported`).
 
     Returns:
@@ -90,7 +90,7 @@ def check_engine_config(vllm_config) -> None:
     if model_config.architecture in registered("model"):
         check_model_settings(vllm_config, get_model_adapter(model_config.architecture))
     elif from_vllm_config(vllm_config).batch_invariant:
-        raise unsupported_architecture(vllm_config)
+        raise unsupported_architecture(model_config)
 
 
 def install() -> None:

@@ -57,6 +57,7 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
         lora=vllm_config.lora_config is not None,
         fp8=from_vllm_config(vllm_config).fp8 or is_zerokld_fp8(vllm_config),
     )
+    problems += _load_format_problems(vllm_config.load_config)
     if vllm_config.model_config.dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"dtype {vllm_config.model_config.dtype} (use float32 or bfloat16)")
     qc = vllm_config.quant_config
@@ -88,6 +89,23 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
         raise ZeroKLDConfigError(
             f"zerokld batch_invariant mode does not support ({cfg.architecture}): " + "; ".join(problems)
         )
+
+
+def _load_format_problems(load_config) -> list[str]:
+    """A ``load_format`` whose loader builds the model itself instead of through ``BaseModelLoader.load_model`` (where
+    the ``initialize_model`` seam of :mod:`vllm_plugin.register` chooses zerokld's class): vLLM 0.32's ``tensorizer``,
+    ``modelexpress`` and ``ipc_cache`` would build the stock class, stock numerics served with the switch on.
+
+    Source: vLLM ``model_executor/model_loader/__init__.py`` (the load format -> loader class table).
+    """
+    from vllm.model_executor import model_loader
+
+    fmt = load_config.load_format
+    fmt = getattr(fmt, "value", fmt)
+    loader = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(fmt)
+    if loader is not None and loader.load_model is model_loader.BaseModelLoader.load_model:
+        return []
+    return [f"load_format {fmt} (its loader builds the model without zerokld's class; use auto or safetensors)"]
 
 
 def _tp_problems(tp: int, k_block: int | None, cfg: ModelConfig, lora: bool, fp8: bool) -> list[str]:

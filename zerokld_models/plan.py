@@ -22,6 +22,7 @@ Sources: HF ``transformers`` ``modeling_qwen3_moe.py``, ``modeling_deepseek_v3.p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .config import ModelConfig
@@ -50,8 +51,11 @@ class Layer:
     mlp: MLP
 
 
+@functools.lru_cache(maxsize=64)
 def layer_plan(cfg: ModelConfig, adapter) -> tuple[Layer, ...]:
-    """Every decoder layer of ``cfg`` as its token mixer and MLP, in order (``cfg.num_hidden_layers`` of them).
+    """Every decoder layer of ``cfg`` as its token mixer and MLP, in order (``cfg.num_hidden_layers`` of them); one
+    plan per ``(cfg, adapter)`` in a process (both frozen: the engine's start checks, its model and the trainer's
+    builder read the same tuple).
 
     Args:
         cfg: the checkpoint's config (:func:`zerokld_models.read_model_config`).

