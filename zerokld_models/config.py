@@ -35,8 +35,21 @@ from typing import Any
 
 from shared_numerics.rope import RopeScaling, YarnScaling
 from zerokld_plugins import registered
+from zerokld_plugins.errors import ZeroKLDClientError
 
-__all__ = ["ModelConfig", "indexer_dims", "mla_dims", "mla_softmax_scale", "read_model_config", "topk_sources"]
+__all__ = [
+    "ModelConfig",
+    "UnsupportedModelError",
+    "indexer_dims",
+    "mla_dims",
+    "mla_softmax_scale",
+    "read_model_config",
+    "topk_sources",
+]
+
+
+class UnsupportedModelError(ZeroKLDClientError, ValueError):
+    """A checkpoint uses a feature zerokld's definition of its architecture does not implement."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,14 @@ class ModelConfig:
     index_head_dim: int = 0
     indexer_types: tuple[str, ...] = ()  # per layer: "full" runs the indexer, "shared" reuses the previous full one's
     index_rope_interleave: bool = False  # the indexer's rotated dimensions stored as pairs (GLM-5), not halves
+    # per-layer token mixers: HF's layer_types (Qwen3-Next / Qwen3.5: "linear_attention" / "full_attention")
+    layer_types: tuple[str, ...] = ()
+    # Gated DeltaNet (Qwen3-Next, Qwen3.5): its heads, head sizes and causal conv1d kernel
+    linear_num_key_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -239,6 +260,12 @@ def read_model_config(src: Any) -> ModelConfig:
         index_n_heads=d.get("index_n_heads") or 0,
         index_head_dim=d.get("index_head_dim") or 0,
         indexer_types=_indexer_types(d) if d.get("index_topk") else (),
+        layer_types=tuple(d.get("layer_types") or ()),
+        linear_num_key_heads=d.get("linear_num_key_heads") or 0,
+        linear_key_head_dim=d.get("linear_key_head_dim") or 0,
+        linear_num_value_heads=d.get("linear_num_value_heads") or 0,
+        linear_value_head_dim=d.get("linear_value_head_dim") or 0,
+        linear_conv_kernel_dim=d.get("linear_conv_kernel_dim") or 0,
         raw=raw,
     )
     return cfg if adapter is None else dataclasses.replace(cfg, **dict(adapter.config_fixed))

@@ -12,20 +12,36 @@ under context parallelism. The hosts ask these questions of the component of eac
   tokens its lightning indexer selects, :mod:`shared_numerics.dsa`, the indexer key cached beside the latent on its
   "full" layers). HF ``modeling_deepseek_v3.py``, ``modeling_glm_moe_dsa.py``; vLLM ``models/deepseek_v2.py``.
 
-Recurrent mixers (Gated DeltaNet, Mamba-2) take the ``"recurrent"`` cache: a fixed per-sequence state.
+* :class:`GatedDeltaNet` — Qwen3-Next's and Qwen3.5's linear-attention recurrence (``"recurrent"`` cache: a conv
+  state and a float32 ``[value heads, d_k, d_v]`` state per sequence, :mod:`shared_numerics.gated_deltanet`). HF
+  ``modeling_qwen3_next.py``; vLLM ``models/qwen3_next.py``, ``layers/mamba/gdn/``.
+
+A hybrid declares which mixer each of HF's ``layer_types`` takes (``ModelAdapterSpec.layer_mixers``,
+:func:`layer_mixer`), so "three Gated DeltaNet layers : one attention layer" is the config's data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModelError
 
-__all__ = ["CACHE_KINDS", "GQA", "MIXERS", "MIXER_KINDS", "MLA", "TPSplit", "TokenMixer", "mixer_component"]
+__all__ = [
+    "CACHE_KINDS",
+    "GQA",
+    "MIXERS",
+    "MIXER_KINDS",
+    "MLA",
+    "GatedDeltaNet",
+    "TPSplit",
+    "TokenMixer",
+    "layer_mixer",
+    "mixer_component",
+]
 
 #: token mixers: grouped-query attention, multi-head latent attention, DeepSeek Sparse Attention (MLA over each
-#: query's selected tokens); the recurrent ones are the room Gated DeltaNet and Mamba-2 take
-MIXER_KINDS = ("gqa", "mla", "dsa")
+#: query's selected tokens), Gated DeltaNet (recurrent; Mamba-2 takes the same room)
+MIXER_KINDS = ("gqa", "mla", "dsa", "gated_deltanet")
 #: what a token mixer keeps between steps
 CACHE_KINDS = ("paged_kv", "latent", "recurrent")
 
@@ -59,7 +75,7 @@ class TokenMixer:
             raise ValueError(f"token mixer {self.kind!r} with cache {self.cache!r}: not one of {MIXER_KINDS}")
 
     @property
-    def component(self) -> GQA | MLA:
+    def component(self) -> GQA | MLA | GatedDeltaNet:
         """The component that answers for this layer (:data:`MIXERS`)."""
         return MIXERS[self.kind]
 
@@ -213,13 +229,93 @@ def _dsa_problems(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-_GQA, _MLA = GQA(), MLA()
+class GatedDeltaNet:
+    """Gated DeltaNet: ``linear_num_value_heads`` heads of ``linear_value_head_dim`` over
+    ``linear_num_key_heads`` key heads of ``linear_key_head_dim`` (each repeated to the value heads), a causal depthwise
+    conv1d of ``linear_conv_kernel_dim`` over the mixed ``q|k|v`` channels, no RoPE and no position limit.
+
+    Config fields: ``linear_num_key_heads``, ``linear_key_head_dim``, ``linear_num_value_heads``,
+    ``linear_value_head_dim``, ``linear_conv_kernel_dim``, ``rms_norm_eps`` (its gated RMSNorm)."""
+
+    kind = "gated_deltanet"
+    cache = "recurrent"
+    #: a recurrence over the whole sequence: a context-parallel rank would need every earlier rank's state first
+    context_parallel = False
+
+    @staticmethod
+    def conv_channels(cfg: ModelConfig) -> int:
+        """The conv1d's channels: ``q | k | v``, ``2 * Hk * d_k + Hv * d_v``."""
+        return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        )
+
+    def layer(self, cfg: ModelConfig, adapter, i: int) -> TokenMixer:
+        conv = ("conv", (max(cfg.linear_conv_kernel_dim - 1, 0), self.conv_channels(cfg)))
+        dims = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        return TokenMixer(self.kind, self.cache, (conv, ("recurrent", dims)))
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> None:
+        """No RoPE: the recurrence carries the positions."""
+        return None
+
+    @classmethod
+    def state_bytes(cls, cfg: ModelConfig, activation_bytes: int) -> int:
+        """What one sequence's cache holds for one layer, in bytes: the conv state (``K - 1`` inputs of every conv
+        channel, in the activations' dtype of ``activation_bytes`` bytes) and the float32 recurrent state."""
+        conv = max(cfg.linear_conv_kernel_dim - 1, 0) * cls.conv_channels(cfg) * activation_bytes
+        return conv + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+
+    def problems(self, cfg: ModelConfig, adapter) -> list[str]:
+        """What of ``cfg`` zerokld's Gated DeltaNet does not implement (empty: none). The arithmetic is
+        :mod:`shared_numerics.gated_deltanet`; neither host builds the layer yet, so every config is refused."""
+        problems = []
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if not (hk and hv and cfg.linear_key_head_dim and cfg.linear_value_head_dim and cfg.linear_conv_kernel_dim):
+            problems.append("Gated DeltaNet without linear_num_*_heads / linear_*_head_dim / linear_conv_kernel_dim")
+        elif hv % hk:
+            problems.append(f"linear_num_value_heads {hv} not a multiple of linear_num_key_heads {hk}")
+        problems.append("Gated DeltaNet layers (not built by the vLLM or TorchTitan plugin yet)")
+        return problems
+
+    def tp_split(self, cfg: ModelConfig) -> TPSplit:
+        """Key and value heads split over the ranks (a rank's value heads read its own key heads); ``out_proj``
+        row-parallel over ``Hv x d_v``."""
+        return TPSplit(
+            (
+                ("linear_num_key_heads", cfg.linear_num_key_heads),
+                ("linear_num_value_heads", cfg.linear_num_value_heads),
+            ),
+            (("out_proj", cfg.linear_num_value_heads * cfg.linear_value_head_dim),),
+        )
+
+
+_GQA, _MLA, _GDN = GQA(), MLA(), GatedDeltaNet()
 #: each layer kind's component (a DSA layer is MLA's: MLA with its indexer)
-MIXERS: dict[str, GQA | MLA] = {"gqa": _GQA, "mla": _MLA, "dsa": _MLA}
-#: the component of each value of ``ModelAdapterSpec.attention``
-_DECLARED: dict[str, GQA | MLA] = {"gqa": _GQA, "mla": _MLA}
+MIXERS: dict[str, GQA | MLA | GatedDeltaNet] = {"gqa": _GQA, "mla": _MLA, "dsa": _MLA, "gated_deltanet": _GDN}
+#: the component of each value of ``ModelAdapterSpec.attention`` and ``layer_mixers``
+_DECLARED: dict[str, GQA | MLA | GatedDeltaNet] = {"gqa": _GQA, "mla": _MLA, "gated_deltanet": _GDN}
 
 
-def mixer_component(adapter) -> GQA | MLA:
-    """The token-mixer component an architecture declares (``ModelAdapterSpec.attention``)."""
+def mixer_component(adapter) -> GQA | MLA | GatedDeltaNet:
+    """The token-mixer component an architecture declares for every layer (``ModelAdapterSpec.attention``)."""
     return _DECLARED[adapter.attention]
+
+
+def layer_mixer(cfg: ModelConfig, adapter, i: int) -> GQA | MLA | GatedDeltaNet:
+    """Layer ``i``'s token-mixer component: with ``adapter.layer_mixers`` declared, the one ``cfg.layer_types[i]``
+    names (HF's hybrids: ``Qwen3NextDecoderLayer`` builds its mixer from ``config.layer_types[layer_idx]``); else
+    ``adapter.attention``'s.
+
+    Raises:
+        UnsupportedModelError: the config has no layer type for layer ``i``, or one the architecture does not declare.
+    """
+    if not adapter.layer_mixers:
+        return mixer_component(adapter)
+    declared = dict(adapter.layer_mixers)
+    if len(cfg.layer_types) != cfg.num_hidden_layers or cfg.layer_types[i] not in declared:
+        raise UnsupportedModelError(
+            f"layer_types {list(cfg.layer_types)} ({cfg.num_hidden_layers} layers; the architecture's layer types: "
+            f"{sorted(declared)})"
+        )
+    return _DECLARED[declared[cfg.layer_types[i]]]

@@ -26,7 +26,7 @@ import functools
 from dataclasses import dataclass
 
 from .config import ModelConfig
-from .mixers import CACHE_KINDS, MIXER_KINDS, TokenMixer, mixer_component
+from .mixers import CACHE_KINDS, MIXER_KINDS, TokenMixer, layer_mixer
 from .mlps import MLP, MLP_KINDS, MLPS, routed_component
 
 __all__ = [
@@ -59,14 +59,18 @@ def layer_plan(cfg: ModelConfig, adapter) -> tuple[Layer, ...]:
 
     Args:
         cfg: the checkpoint's config (:func:`zerokld_models.read_model_config`).
-        adapter: its architecture's :class:`zerokld_plugins.ModelAdapterSpec` (``attention``, ``moe``,
-            ``moe_routing``, ``qk_norm``, ``qkv_bias``).
+        adapter: its architecture's :class:`zerokld_plugins.ModelAdapterSpec` (``attention`` or ``layer_mixers``,
+            ``moe``, ``moe_routing``, ``qk_norm``, ``qkv_bias``).
+
+    Raises:
+        UnsupportedModelError: a hybrid's ``layer_types`` does not give every layer a declared mixer
+            (:func:`zerokld_models.mixers.layer_mixer`).
     """
-    mixer, routed = mixer_component(adapter), routed_component(adapter) if adapter.moe and cfg.num_experts else None
+    routed = routed_component(adapter) if adapter.moe and cfg.num_experts else None
     return tuple(
         Layer(
             i,
-            mixer.layer(cfg, adapter, i),
+            layer_mixer(cfg, adapter, i).layer(cfg, adapter, i),
             (routed if routed is not None and routed.routed_at(cfg, i) else MLPS["swiglu"]).layer(cfg, adapter),
         )
         for i in range(cfg.num_hidden_layers)

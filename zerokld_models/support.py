@@ -8,17 +8,11 @@ definition does not implement; vLLM adds its engine settings (parallelism, LoRA,
 
 from __future__ import annotations
 
-from zerokld_plugins.errors import ZeroKLDClientError
-
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModelError
 from .mlps import routed_component
 from .plan import layer_plan
 
 __all__ = ["UnsupportedModelError", "check_supported", "unsupported_features"]
-
-
-class UnsupportedModelError(ZeroKLDClientError, ValueError):
-    """A checkpoint uses a feature zerokld's definition of its architecture does not implement."""
 
 
 def unsupported_features(cfg: ModelConfig, adapter) -> list[str]:

@@ -71,6 +71,8 @@ class BackendSpec:
 MOE_ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax")
 #: ``ModelAdapterSpec.attention`` values: the token-mixer components an architecture declares
 ATTENTIONS = ("gqa", "mla")
+#: the token mixers ``ModelAdapterSpec.layer_mixers`` may name per HF layer type (the recurrent one too)
+LAYER_MIXERS = ("gqa", "mla", "gated_deltanet")
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,11 @@ class ModelAdapterSpec:
     ``config_defaults`` (``(HF config key, value)`` pairs used when the key is absent or null, e.g. GLM's router is
     ``scoring_func="sigmoid"``) and ``config_fixed`` (``(ModelConfig field, value)`` pairs the modeling file holds
     whatever the config says, e.g. GLM-5's MLA always rotates interleaved pairs);
-    :func:`zerokld_models.read_model_config` applies both."""
+    :func:`zerokld_models.read_model_config` applies both.
+
+    Hybrids: ``layer_mixers`` (``(HF layer type, token mixer)`` pairs): layer ``i``'s token mixer is the one its
+    ``layer_types[i]`` names (Qwen3-Next: ``"linear_attention"`` -> ``"gated_deltanet"``, ``"full_attention"`` ->
+    ``"gqa"``); empty: every layer's is ``attention``."""
 
     architecture: str
     vllm_base: str
@@ -127,8 +133,14 @@ class ModelAdapterSpec:
     moe_routing: str = "softmax"
     config_defaults: tuple[tuple[str, Any], ...] = ()
     config_fixed: tuple[tuple[str, Any], ...] = ()
+    layer_mixers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        if any(kind not in LAYER_MIXERS for _, kind in self.layer_mixers):
+            raise ValueError(
+                f"ModelAdapterSpec {self.architecture}: layer_mixers names a token mixer outside {LAYER_MIXERS}: "
+                f"{self.layer_mixers!r}"
+            )
         if self.attention not in ATTENTIONS or self.moe_routing not in MOE_ROUTINGS:
             raise ValueError(
                 f"ModelAdapterSpec {self.architecture}: attention must be one of {ATTENTIONS} and moe_routing "

@@ -1,0 +1,219 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5): the recurrent token mixer's arithmetic, one definition for prefill, decode
+and the trainer.
+
+A layer's projections (``sn.linear``) give, per token, the mixed ``q|k|v`` channels, the output gate ``z`` and the
+gate inputs ``b`` (update rate) and ``a`` (decay); this module does the rest:
+
+1. **Causal depthwise conv1d** over the mixed channels (kernel ``K``, 4 in every released config) with the ``K - 1``
+   previous inputs as its state: ``y[t, c] = silu(sum_j w[c, j] x[t - K + 1 + j, c])``, the sum in float32 in the
+   order ``j = 0 .. K-1`` (one multiply and one add per term, elementwise), SiLU in float32 (``x * sigmoid``, the
+   sigmoid in float64: :func:`shared_numerics.reduce.sigmoid64`), rounded once to the activations' dtype.
+2. **Gates** (float32): ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (softplus with torch's
+   threshold 20; exp, sigmoid and log1p in float64, rounded once).
+3. **q, k**: L2-normalised per head (``x / sqrt(sum x^2 + 1e-6)``, the sum a fixed pairwise tree:
+   :func:`shared_numerics.reduce.tree_sum`), ``q`` divided by ``sqrt(d_k)``; key heads repeated to the value heads.
+4. **The gated delta rule**, token by token, the state ``S`` ``[value heads, d_k, d_v]`` in float32 whatever the
+   model's dtype: ``S = exp(g_t) S``; ``u = sum_i S[i, :] k_t[i]``; ``S = S + k_t (beta_t (v_t - u))^T``;
+   ``o_t = sum_i S[i, :] q_t[i]``, both sums over ``d_k`` in the fixed pairwise tree.
+5. **Gated RMSNorm** per value head: ``o`` rounded to the activations' dtype, normalised in float32 (the mean square
+   by the tree sum and a true division), rounded, scaled by the weight in the activations' dtype, times
+   ``silu(z)`` in float32, rounded once.
+
+Every step is elementwise IEEE arithmetic or a fixed-order sum, so a token's output depends only on its sequence's
+earlier tokens: the same bits whatever the batch, wherever a prefill chunk ends and whether the token is prefilled or
+decoded — prefill over ``T`` tokens is ``T`` decode steps, by construction (the recurrent form everywhere; a chunked
+form's intra-chunk matrix products would tie a token's bits to its chunk's extent). What a sequence's cache holds
+between steps: the conv state ``[K - 1, conv channels]`` in the activations' dtype and ``S`` in float32.
+
+Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR 2025); HF
+``transformers`` ``modeling_qwen3_next.py`` (``Qwen3NextGatedDeltaNet.forward``, ``torch_recurrent_gated_delta_rule``,
+``causal_conv1d_fn``, ``l2norm``, ``Qwen3NextRMSNormGated``), which this follows operation for operation up to the
+summation orders.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reduce import exp64, sigmoid64, tree_sum, true_divide
+
+__all__ = [
+    "causal_conv1d",
+    "gated_delta_rule",
+    "gated_deltanet_core",
+    "gated_rms_norm",
+    "gdn_gates",
+    "l2_normalize",
+    "softplus64",
+]
+
+#: HF ``l2norm``'s epsilon (FLA's ``use_qk_l2norm_in_kernel``)
+L2_EPS = 1e-6
+#: torch's ``F.softplus`` threshold (beta 1): above it softplus(x) is x
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus64(x: torch.Tensor) -> torch.Tensor:
+    """``F.softplus(x)`` (beta 1, threshold 20) with ``log1p(exp(x))`` evaluated in float64 and rounded once to
+    float32 (position independent, :mod:`shared_numerics.reduce`). ``x``: float32, any shape. Differentiable."""
+    soft = torch.log1p(torch.exp(x.double().clamp(max=SOFTPLUS_THRESHOLD))).float()
+    return torch.where(x > SOFTPLUS_THRESHOLD, x, soft)
+
+
+def _silu32(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` in float32 (the sigmoid in float64, rounded once)."""
+    x = x.float()
+    return x * sigmoid64(x)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv1d with SiLU over one sequence's new tokens (HF ``causal_conv1d_fn`` /
+    ``causal_conv1d_update`` with ``activation="silu"`` and no bias, Qwen3-Next's).
+
+    Args:
+        x: ``[T, C]`` (``T >= 0``), float32 or bfloat16: the mixed ``q|k|v`` channels of the new tokens.
+        weight: ``[C, K]``: ``conv1d.weight[:, 0, :]``.
+        state: ``[K - 1, C]`` in ``x.dtype``: the sequence's previous ``K - 1`` inputs, oldest first (zeros before its
+            first token); ``None``: a fresh sequence.
+
+    Returns:
+        ``(y, state)``: ``y`` ``[T, C]`` in ``x.dtype`` and the new ``[K - 1, C]`` state (the last ``K - 1`` inputs).
+    """
+    t, c = x.shape
+    k = weight.shape[1]
+    if state is None:
+        state = x.new_zeros((k - 1, c))
+    if state.shape != (k - 1, c):
+        raise ValueError(f"conv state {tuple(state.shape)}, expected {(k - 1, c)}")
+    xx = torch.cat([state.to(x.dtype), x], dim=0).float()
+    w = weight.float()
+    acc = xx[0:t] * w[:, 0]
+    for j in range(1, k):
+        acc = acc + xx[j : j + t] * w[:, j]
+    return _silu32(acc).to(x.dtype), xx[t:].to(x.dtype)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay and the update rate (HF ``Qwen3NextGatedDeltaNet.forward``).
+
+    Args:
+        a, b: ``[T, H]`` (the ``in_proj_ba`` / ``in_proj_a``, ``in_proj_b`` outputs), any float dtype.
+        a_log, dt_bias: ``[H]``: the layer's ``A_log`` and ``dt_bias``.
+
+    Returns:
+        ``(g, beta)``, float32 ``[T, H]``: ``g = -exp(A_log) * softplus(a + dt_bias)`` (the log decay, ``<= 0``) and
+        ``beta = sigmoid(b)``.
+    """
+    g = -exp64(a_log.float()) * softplus64(a.float() + dt_bias.float())
+    return g, sigmoid64(b.float())
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2, -1) + eps)`` in float32 (HF ``l2norm``: ``x * rsqrt(...)``), the sum the pairwise tree of
+    :func:`shared_numerics.reduce.tree_sum`. ``x``: ``[..., D]``, any float dtype; returns float32, same shape."""
+    x = x.float()
+    return x / torch.sqrt(tree_sum(x * x, dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence's new tokens, token by token (HF ``torch_recurrent_gated_delta_rule``
+    with the sums over ``d_k`` in the fixed pairwise tree).
+
+    Args:
+        q, k: ``[T, H, d_k]`` float32, L2-normalised, ``q`` already divided by ``sqrt(d_k)``, key heads already
+            repeated to the ``H`` value heads.
+        v: ``[T, H, d_v]``, any float dtype (used in float32).
+        g, beta: ``[T, H]`` float32 (:func:`gdn_gates`).
+        state: ``[H, d_k, d_v]`` float32, the sequence's state after its earlier tokens; ``None``: zeros.
+
+    Returns:
+        ``(o, state)``: ``o`` ``[T, H, d_v]`` float32 and the state after the last token (float32).
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    s = torch.zeros((h, dk, dv), dtype=torch.float32) if state is None else state.float()
+    if s.shape != (h, dk, dv):
+        raise ValueError(f"recurrent state {tuple(s.shape)}, expected {(h, dk, dv)}")
+    decay, v, beta = exp64(g.float()), v.float(), beta.float()
+    out = []
+    for i in range(t):
+        s = s * decay[i, :, None, None]
+        kt = k[i, :, :, None]
+        u = tree_sum(s * kt, dim=-2)
+        s = s + kt * ((v[i] - u) * beta[i, :, None])[:, None, :]
+        out.append(tree_sum(s * q[i, :, :, None], dim=-2))
+    o = torch.stack(out) if out else v.new_zeros((0, h, dv))
+    return o, s
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype) -> torch.Tensor:
+    """HF ``Qwen3NextRMSNormGated`` on ``[..., d_v]`` rows: ``o`` rounded to ``dtype``, ``x * (1 / sqrt(mean(x^2) +
+    eps))`` in float32 (the mean: tree sum, true division by ``d_v``), rounded to ``dtype``, times ``weight`` in
+    ``dtype``, times ``silu(z)`` in float32, rounded once to ``dtype``.
+
+    Args:
+        o: ``[..., d_v]`` float32 (:func:`gated_delta_rule`). z: the output gate, same shape, ``dtype``.
+        weight: ``[d_v]``. eps: ``rms_norm_eps``. dtype: the activations' dtype.
+    """
+    x = o.to(dtype).float()
+    var = true_divide(tree_sum(x * x, dim=-1, keepdim=True), float(x.shape[-1]))
+    x = (x * (1.0 / torch.sqrt(var + eps))).to(dtype)
+    return ((weight.to(dtype) * x) * _silu32(z)).to(dtype)
+
+
+def gated_deltanet_core(
+    mixed_qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    params: dict[str, torch.Tensor],
+    dims: tuple[int, int, int, int],
+    eps: float,
+    conv_state: torch.Tensor | None = None,
+    recurrent_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer between its input and output projections, over one sequence's new tokens.
+
+    Args:
+        mixed_qkv: ``[T, 2 * Hk * d_k + Hv * d_v]`` in the activations' dtype: ``q | k | v`` (each head-major).
+        z: ``[T, Hv * d_v]``; a, b: ``[T, Hv]``.
+        params: ``conv1d_weight`` ``[C, K]``, ``A_log`` ``[Hv]``, ``dt_bias`` ``[Hv]``, ``norm_weight`` ``[d_v]``.
+        dims: ``(Hk, d_k, Hv, d_v)``: ``linear_num_key_heads``, ``linear_key_head_dim``, ``linear_num_value_heads``,
+            ``linear_value_head_dim``. eps: ``rms_norm_eps``.
+        conv_state, recurrent_state: the sequence's cache (:func:`causal_conv1d`, :func:`gated_delta_rule`);
+            ``None``: a fresh sequence.
+
+    Returns:
+        ``(out, conv_state, recurrent_state)``: ``out`` ``[T, Hv * d_v]`` in the activations' dtype (the input of
+        ``out_proj``) and the cache after the last token.
+
+    Raises:
+        ValueError: ``Hv`` is not a multiple of ``Hk``, or a shape does not match ``dims``.
+    """
+    hk, dk, hv, dv = dims
+    if hv % hk:
+        raise ValueError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+    t, dtype = mixed_qkv.shape[0], mixed_qkv.dtype
+    if mixed_qkv.shape[1] != 2 * hk * dk + hv * dv:
+        raise ValueError(f"mixed q|k|v width {mixed_qkv.shape[1]}, expected {2 * hk * dk + hv * dv}")
+    y, conv_state = causal_conv1d(mixed_qkv, params["conv1d_weight"], conv_state)
+    q, k, v = torch.split(y, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = true_divide(l2_normalize(q.reshape(t, hk, dk)), dk**0.5)
+    k = l2_normalize(k.reshape(t, hk, dk))
+    if hv != hk:
+        q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+    g, beta = gdn_gates(a, b, params["A_log"], params["dt_bias"])
+    o, recurrent_state = gated_delta_rule(q, k, v.reshape(t, hv, dv), g, beta, recurrent_state)
+    out = gated_rms_norm(o, z.reshape(t, hv, dv), params["norm_weight"], eps, dtype)
+    return out.reshape(t, hv * dv), conv_state, recurrent_state
