@@ -45,6 +45,7 @@ __all__ = [
     "gemm_abt",
     "gemm_has_amx",
     "gemm_has_f32",
+    "gated_delta_rule",
     "gemm_layout",
     "paged_attention_forward",
     "rms_norm",
@@ -95,6 +96,9 @@ def _lib(name: str) -> ctypes.CDLL:
             "zk_rms_norm": ([_int, _vp, _i64, _i64, _i64, _vp, _f32, _vp, _int, _vp, _int], None),
             "zk_rms_norm_bwd": ([_int, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _int, _vp, _int], None),
             "zk_rope": ([_int, _vp, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _int], None),
+        },
+        "gdn": {
+            "zk_gated_delta_rule": ([_i64, _vp, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _int], None),
         },
         "attention": {
             "zk_attention_fwd": (
@@ -718,5 +722,51 @@ def attention_backward(
         dq.data_ptr(),
         dk.data_ptr(),
         dv.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+@_define(
+    "gated_delta_rule(Tensor cu_seqlens, Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta, Tensor(a!) state, "
+    "Tensor(b!) out) -> ()"
+)
+def gated_delta_rule(cu_seqlens, q, k, v, decay, beta, state, out):
+    """The gated delta rule over ``N`` sequences (``zk_gated_delta_rule``): sequence ``n``'s tokens are rows
+    ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (int64 ``[N + 1]``, nondecreasing, from 0 to ``T``) of ``q``, ``k``
+    ``[T, H, dk]``, ``v``, ``out`` ``[T, H, dv]``, ``decay`` (``exp(g)``) and ``beta`` ``[T, H]``; ``state``
+    ``[N, H, dk, dv]``, each sequence's updated in place. Float32, contiguous."""
+    op = "gated_delta_rule"
+    _cpu(op, "cu_seqlens", cu_seqlens, (torch.int64,), 1, contiguous=True)
+    _cpu(op, "q", q, _F32, 3, contiguous=True)
+    t, h, dk = q.shape
+    _cpu(op, "k", k, _F32, 3, contiguous=True)
+    _shape(op, "k", k, (t, h, dk))
+    _cpu(op, "v", v, _F32, 3, contiguous=True)
+    dv = v.shape[2]
+    _shape(op, "v", v, (t, h, dv))
+    for name, x in (("decay", decay), ("beta", beta)):
+        _cpu(op, name, x, _F32, 2, contiguous=True)
+        _shape(op, name, x, (t, h))
+    n = cu_seqlens.numel() - 1
+    _cpu(op, "state", state, _F32, 4, contiguous=True)
+    _shape(op, "state", state, (n, h, dk, dv))
+    _cpu(op, "out", out, _F32, 3, contiguous=True)
+    _shape(op, "out", out, (t, h, dv))
+    bounds = cu_seqlens.tolist()
+    if n < 0 or bounds[0] != 0 or bounds[-1] != t or any(b < a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"zerokld::{op}: cu_seqlens must rise from 0 to {t}, got {bounds[:8]}")
+    _lib("gdn").zk_gated_delta_rule(
+        n,
+        cu_seqlens.data_ptr(),
+        h,
+        dk,
+        dv,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        decay.data_ptr(),
+        beta.data_ptr(),
+        state.data_ptr(),
+        out.data_ptr(),
         torch.get_num_threads(),
     )

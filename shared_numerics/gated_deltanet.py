@@ -40,6 +40,7 @@ from .reduce import exp64, sigmoid64, tree_sum, true_divide
 __all__ = [
     "causal_conv1d",
     "gated_delta_rule",
+    "gated_delta_rule_varlen",
     "gated_deltanet_core",
     "gated_rms_norm",
     "gdn_gates",
@@ -135,7 +136,8 @@ def gated_delta_rule(
             repeated to the ``H`` value heads.
         v: ``[T, H, d_v]``, any float dtype (used in float32).
         g, beta: ``[T, H]`` float32 (:func:`gdn_gates`).
-        state: ``[H, d_k, d_v]`` float32, the sequence's state after its earlier tokens; ``None``: zeros.
+        state: ``[H, d_k, d_v]`` float32, the sequence's state after its earlier tokens; ``None``: zeros. Not
+            modified.
 
     Returns:
         ``(o, state)``: ``o`` ``[T, H, d_v]`` float32 and the state after the last token (float32).
@@ -145,16 +147,70 @@ def gated_delta_rule(
     s = torch.zeros((h, dk, dv), dtype=torch.float32) if state is None else state.float()
     if s.shape != (h, dk, dv):
         raise ValueError(f"recurrent state {tuple(s.shape)}, expected {(h, dk, dv)}")
+    cu = torch.tensor([0, t], dtype=torch.int64)
+    o, s = gated_delta_rule_varlen(q, k, v, g, beta, cu, s[None])
+    return o, s[0]
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    states: torch.Tensor,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule` over ``N`` sequences at once (what a serving step holds: decodes and prefill
+    chunks), each sequence's bits those of the one-sequence call.
+
+    Args:
+        q, k, v, g, beta: the tokens of every sequence, rows ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` sequence
+            ``n``'s (shapes as :func:`gated_delta_rule`'s with ``T`` the total).
+        cu_seqlens: ``[N + 1]`` int64, from 0 to ``T``, nondecreasing.
+        states: ``[N, H, d_k, d_v]`` float32, each sequence's state; modified only with ``inplace``.
+        inplace: write the new states into ``states`` (float32, contiguous, CPU, no autograd: a serving cache) and
+            return it, instead of copying them first.
+
+    Returns:
+        ``(o, states)``: ``o`` ``[T, H, d_v]`` float32 and every sequence's state after its last token.
+
+    On CPU without autograd the compiled kernel (``csrc/gdn.cpp``: these operations in this order, one thread per
+    sequence and head); otherwise these torch ops, token by token.
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
     decay, v, beta = exp64(g.float()), v.float(), beta.float()
-    out = []
-    for i in range(t):
-        s = s * decay[i, :, None, None]
-        kt = k[i, :, :, None]
-        u = tree_sum(s * kt, dim=-2)
-        s = s + kt * ((v[i] - u) * beta[i, :, None])[:, None, :]
-        out.append(tree_sum(s * q[i, :, :, None], dim=-2))
-    o = torch.stack(out) if out else v.new_zeros((0, h, dv))
-    return o, s
+    states = states.float()
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    tensors = (q, k, v, decay, beta, states)
+    if all(x.device.type == "cpu" for x in tensors) and not (
+        torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    ):
+        from . import cpu_ops
+
+        if inplace and (states.dtype != torch.float32 or not states.is_contiguous()):
+            raise ValueError("gated_delta_rule_varlen(inplace=True) needs a contiguous float32 states tensor")
+        s = states if inplace else states.clone().contiguous()
+        o = torch.empty((t, h, dv), dtype=torch.float32)
+        cpu_ops.gated_delta_rule(cu_seqlens.contiguous(), *(x.contiguous() for x in (q, k, v, decay, beta)), s, o)
+        return o, s
+    if inplace:
+        raise ValueError("gated_delta_rule_varlen(inplace=True) runs the compiled CPU kernel only (no autograd)")
+    outs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        s = states[n]
+        for i in range(lo, hi):
+            s = s * decay[i, :, None, None]
+            kt = k[i, :, :, None]
+            u = tree_sum(s * kt, dim=-2)
+            s = s + kt * ((v[i] - u) * beta[i, :, None])[:, None, :]
+            outs.append(tree_sum(s * q[i, :, :, None], dim=-2))
+        finals.append(s)
+    o = torch.stack(outs) if outs else v.new_zeros((0, h, dv))
+    return o, torch.stack(finals) if finals else states.clone()
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype) -> torch.Tensor:

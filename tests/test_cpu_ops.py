@@ -35,6 +35,7 @@ def test_every_kernel_entry_point_is_a_registered_op_with_its_schema():
         "attention_forward",
         "paged_attention_forward",
         "attention_backward",
+        "gated_delta_rule",
     ]
     assert list(cpu_ops.OPS) == names
     for name, schema in cpu_ops.OPS.items():
@@ -65,6 +66,22 @@ def test_argument_mistakes_are_errors_not_memory_writes():
         torch.ops.zerokld.fp8_quantize(x, 64, None, None, torch.empty(3, 2))
     with pytest.raises(TypeError, match="out must be"):
         torch.ops.zerokld.rope(torch.randn(4, 2, 8), torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 2, 4))
+    q, v, gates = torch.randn(5, 2, 8), torch.randn(5, 2, 4), torch.rand(5, 2)
+    state, cu = torch.full((1, 2, 8, 3), 7.0), torch.tensor([0, 5])  # the kernel would write 1 x 2 x 8 x 4 floats
+    with pytest.raises(TypeError, match=r"state must be \(1, 2, 8, 4\)"):
+        torch.ops.zerokld.gated_delta_rule(cu, q, q, v, gates, gates, state, torch.empty(5, 2, 4))
+    assert torch.equal(state, torch.full((1, 2, 8, 3), 7.0))
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to 5"):  # rows past the tensors
+        torch.ops.zerokld.gated_delta_rule(
+            torch.tensor([0, 9]),
+            q,
+            q,
+            v,
+            gates,
+            gates,
+            state[..., :1].expand(1, 2, 8, 4).contiguous(),
+            torch.empty(5, 2, 4),
+        )
 
 
 def test_the_ops_run_on_fake_tensors():

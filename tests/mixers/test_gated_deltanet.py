@@ -4,6 +4,8 @@ by one; stock's prefill (chunked) and decode (recurrent) giving other bits for t
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -281,3 +283,49 @@ def test_a_hybrids_plan_is_its_layer_types_and_hfs_layers(layer_types):
     for bad in (layer_types[:-1], [*layer_types[:-1], "sliding_attention"]):
         with pytest.raises(UnsupportedModelError, match="layer_types"):
             layer_plan(dataclasses.replace(cfg, layer_types=tuple(bad)), adapter)
+
+
+@pytest.mark.parametrize("dk,dv", [(16, 24), (24, 40), (128, 128)], ids=["dk16", "dk24", "dk128"])
+def test_compiled_recurrence_is_the_torch_definition_bit_for_bit(dk, dv, threads):
+    """``csrc/gdn.cpp`` (what runs without autograd on CPU) gives the torch ops' bits (what runs with it: the
+    trainer), a head dimension that is not a power of two included (the tree's zero padding), at 1 and 2 threads
+    (one thread computes a head whole); the state passed in is not modified."""
+    from shared_numerics.gated_deltanet import gated_delta_rule, l2_normalize
+
+    gen = torch.Generator().manual_seed(7)
+    t, h = 40, 3
+    q = l2_normalize(torch.randn(t, h, dk, generator=gen)) / dk**0.5
+    k = l2_normalize(torch.randn(t, h, dk, generator=gen))
+    v = torch.randn(t, h, dv, generator=gen)
+    g, beta = -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    state = torch.randn(h, dk, dv, generator=gen)
+    before = state.clone()
+    with torch.enable_grad():
+        ref_o, ref_s = gated_delta_rule(q.requires_grad_(), k, v, g, beta, state)
+    o, s = gated_delta_rule(q.detach(), k, v, g, beta, state)
+    assert o.shape == ref_o.shape == (t, h, dv)
+    assert torch.equal(o, ref_o.detach()) and torch.equal(s, ref_s.detach())
+    assert torch.equal(state, before)
+
+
+def test_a_serving_steps_sequences_are_each_the_same_bits_as_alone():
+    """:func:`gated_delta_rule_varlen` over a step's sequences (decodes of one token, prefill chunks, an empty one),
+    compiled: each sequence's rows and state are the bits of that sequence alone and of the torch ops."""
+    from shared_numerics.gated_deltanet import gated_delta_rule, gated_delta_rule_varlen, l2_normalize
+
+    gen = torch.Generator().manual_seed(8)
+    lens, h, dk, dv = [1, 17, 0, 1, 40, 3], 2, 24, 16
+    t = sum(lens)
+    q = l2_normalize(torch.randn(t, h, dk, generator=gen)) / dk**0.5
+    k = l2_normalize(torch.randn(t, h, dk, generator=gen))
+    v, g, beta = torch.randn(t, h, dv, generator=gen), -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    states = torch.randn(len(lens), h, dk, dv, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    o, s = gated_delta_rule_varlen(q, k, v, g, beta, cu, states)
+    assert o.shape == (t, h, dv) and s.shape == states.shape
+    with torch.enable_grad():
+        ref_o, ref_s = gated_delta_rule_varlen(q.clone().requires_grad_(), k, v, g, beta, cu, states)
+    assert torch.equal(o, ref_o.detach()) and torch.equal(s, ref_s.detach())
+    for n, (lo, hi) in enumerate(itertools.pairwise(cu.tolist())):
+        alone_o, alone_s = gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[n])
+        assert torch.equal(alone_o, o[lo:hi]) and torch.equal(alone_s, s[n])
