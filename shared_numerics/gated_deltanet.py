@@ -10,13 +10,13 @@ gate inputs ``b`` (update rate) and ``a`` (decay); this module does the rest:
    sigmoid in float64: :func:`shared_numerics.reduce.sigmoid64`), rounded once to the activations' dtype.
 2. **Gates** (float32): ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (softplus with torch's
    threshold 20; exp, sigmoid and log1p in float64, rounded once).
-3. **q, k**: L2-normalised per head (``x / sqrt(sum x^2 + 1e-6)``, the sum a fixed pairwise tree:
+3. **q, k**: L2-normalised per head (``x * rsqrt(sum x^2 + 1e-6)``, the sum a fixed pairwise tree:
    :func:`shared_numerics.reduce.tree_sum`), ``q`` divided by ``sqrt(d_k)``; key heads repeated to the value heads.
 4. **The gated delta rule**, token by token, the state ``S`` ``[value heads, d_k, d_v]`` in float32 whatever the
    model's dtype: ``S = exp(g_t) S``; ``u = sum_i S[i, :] k_t[i]``; ``S = S + k_t (beta_t (v_t - u))^T``;
    ``o_t = sum_i S[i, :] q_t[i]``, both sums over ``d_k`` in the fixed pairwise tree.
-5. **Gated RMSNorm** per value head: ``o`` rounded to the activations' dtype, normalised in float32 (the mean square
-   by the tree sum and a true division), rounded, scaled by the weight in the activations' dtype, times
+5. **Gated RMSNorm** per value head: ``o`` rounded to the activations' dtype, normalised by
+   :func:`shared_numerics.rms_norm` with a unit gain (rounded), scaled by the weight in the activations' dtype, times
    ``silu(z)`` in float32, rounded once.
 
 Every step is elementwise IEEE arithmetic or a fixed-order sum, so a token's output depends only on its sequence's
@@ -32,6 +32,8 @@ summation orders.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -114,10 +116,12 @@ def gdn_gates(
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """``x / sqrt(sum(x^2, -1) + eps)`` in float32 (HF ``l2norm``: ``x * rsqrt(...)``), the sum the pairwise tree of
-    :func:`shared_numerics.reduce.tree_sum`. ``x``: ``[..., D]``, any float dtype; returns float32, same shape."""
+    """``x * rsqrt(sum(x^2, -1) + eps)`` in float32 (HF ``l2norm``), the sum the pairwise tree of
+    :func:`shared_numerics.reduce.tree_sum`; ``rsqrt`` as :func:`shared_numerics.norm.rms_norm` takes it (ATen's
+    ``torch.sqrt`` goes through oneMKL's VML, whose float32 square root is not the correctly rounded one).
+    ``x``: ``[..., D]``, any float dtype; returns float32, same shape."""
     x = x.float()
-    return x / torch.sqrt(tree_sum(x * x, dim=-1, keepdim=True) + eps)
+    return x * torch.rsqrt(tree_sum(x * x, dim=-1, keepdim=True) + eps)
 
 
 def gated_delta_rule(
@@ -181,6 +185,8 @@ def gated_delta_rule_varlen(
     """
     t, h, dk = k.shape
     dv = v.shape[-1]
+    if inplace and (states.dtype != torch.float32 or not states.is_contiguous()):
+        raise ValueError("gated_delta_rule_varlen(inplace=True) needs a contiguous float32 states tensor")
     decay, v, beta = exp64(g.float()), v.float(), beta.float()
     states = states.float()
     cu_seqlens = cu_seqlens.to(torch.int64)
@@ -190,8 +196,6 @@ def gated_delta_rule_varlen(
     ):
         from . import cpu_ops
 
-        if inplace and (states.dtype != torch.float32 or not states.is_contiguous()):
-            raise ValueError("gated_delta_rule_varlen(inplace=True) needs a contiguous float32 states tensor")
         s = states if inplace else states.clone().contiguous()
         o = torch.empty((t, h, dv), dtype=torch.float32)
         cpu_ops.gated_delta_rule(cu_seqlens.contiguous(), *(x.contiguous() for x in (q, k, v, decay, beta)), s, o)
@@ -200,7 +204,7 @@ def gated_delta_rule_varlen(
         raise ValueError("gated_delta_rule_varlen(inplace=True) runs the compiled CPU kernel only (no autograd)")
     outs, finals = [], []
     bounds = cu_seqlens.tolist()
-    for n, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for n, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         s = states[n]
         for i in range(lo, hi):
             s = s * decay[i, :, None, None]
@@ -214,17 +218,17 @@ def gated_delta_rule_varlen(
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype) -> torch.Tensor:
-    """HF ``Qwen3NextRMSNormGated`` on ``[..., d_v]`` rows: ``o`` rounded to ``dtype``, ``x * (1 / sqrt(mean(x^2) +
-    eps))`` in float32 (the mean: tree sum, true division by ``d_v``), rounded to ``dtype``, times ``weight`` in
+    """HF ``Qwen3NextRMSNormGated`` on ``[..., d_v]`` rows: ``o`` rounded to ``dtype`` and normalised
+    (:func:`shared_numerics.rms_norm` with a unit gain: HF rounds before it applies the gain), times ``weight`` in
     ``dtype``, times ``silu(z)`` in float32, rounded once to ``dtype``.
 
     Args:
         o: ``[..., d_v]`` float32 (:func:`gated_delta_rule`). z: the output gate, same shape, ``dtype``.
         weight: ``[d_v]``. eps: ``rms_norm_eps``. dtype: the activations' dtype.
     """
-    x = o.to(dtype).float()
-    var = true_divide(tree_sum(x * x, dim=-1, keepdim=True), float(x.shape[-1]))
-    x = (x * (1.0 / torch.sqrt(var + eps))).to(dtype)
+    from . import rms_norm
+
+    x = rms_norm(o.to(dtype), torch.ones(o.shape[-1], dtype=torch.float32, device=o.device), eps)
     return ((weight.to(dtype) * x) * _silu32(z)).to(dtype)
 
 

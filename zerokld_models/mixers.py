@@ -22,6 +22,7 @@ A hybrid declares which mixer each of HF's ``layer_types`` takes (``ModelAdapter
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config import ModelConfig, UnsupportedModelError
@@ -249,10 +250,18 @@ class GatedDeltaNet:
             cfg.linear_num_value_heads * cfg.linear_value_head_dim
         )
 
+    @classmethod
+    def _state(cls, cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """What a sequence's cache keeps: the conv state ``[K - 1, conv channels]`` and the ``[Hv, d_k, d_v]``
+        recurrent state."""
+        conv = (max(cfg.linear_conv_kernel_dim - 1, 0), cls.conv_channels(cfg))
+        return (
+            ("conv", conv),
+            ("recurrent", (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)),
+        )
+
     def layer(self, cfg: ModelConfig, adapter, i: int) -> TokenMixer:
-        conv = ("conv", (max(cfg.linear_conv_kernel_dim - 1, 0), self.conv_channels(cfg)))
-        dims = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        return TokenMixer(self.kind, self.cache, (conv, ("recurrent", dims)))
+        return TokenMixer(self.kind, self.cache, self._state(cfg))
 
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> None:
@@ -263,8 +272,8 @@ class GatedDeltaNet:
     def state_bytes(cls, cfg: ModelConfig, activation_bytes: int) -> int:
         """What one sequence's cache holds for one layer, in bytes: the conv state (``K - 1`` inputs of every conv
         channel, in the activations' dtype of ``activation_bytes`` bytes) and the float32 recurrent state."""
-        conv = max(cfg.linear_conv_kernel_dim - 1, 0) * cls.conv_channels(cfg) * activation_bytes
-        return conv + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        (_, conv), (_, recurrent) = cls._state(cfg)
+        return math.prod(conv) * activation_bytes + math.prod(recurrent) * 4
 
     def problems(self, cfg: ModelConfig, adapter) -> list[str]:
         """What of ``cfg`` zerokld's Gated DeltaNet does not implement (empty: none). The arithmetic is

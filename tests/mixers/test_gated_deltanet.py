@@ -310,7 +310,8 @@ def test_compiled_recurrence_is_the_torch_definition_bit_for_bit(dk, dv, threads
 
 def test_a_serving_steps_sequences_are_each_the_same_bits_as_alone():
     """:func:`gated_delta_rule_varlen` over a step's sequences (decodes of one token, prefill chunks, an empty one),
-    compiled: each sequence's rows and state are the bits of that sequence alone and of the torch ops."""
+    compiled: each sequence's rows and state are the bits of that sequence alone and of the torch ops; in place, the
+    states are written into the cache given (a float32 one only)."""
     from shared_numerics.gated_deltanet import gated_delta_rule, gated_delta_rule_varlen, l2_normalize
 
     gen = torch.Generator().manual_seed(8)
@@ -329,3 +330,8 @@ def test_a_serving_steps_sequences_are_each_the_same_bits_as_alone():
     for n, (lo, hi) in enumerate(itertools.pairwise(cu.tolist())):
         alone_o, alone_s = gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[n])
         assert torch.equal(alone_o, o[lo:hi]) and torch.equal(alone_s, s[n])
+    cache = states.clone()  # a serving cache: the states written where they are
+    o2, s2 = gated_delta_rule_varlen(q, k, v, g, beta, cu, cache, inplace=True)
+    assert s2 is cache and torch.equal(cache, s) and torch.equal(o2, o)
+    with pytest.raises(ValueError, match="contiguous float32"):  # a copy would be written, not the cache
+        gated_delta_rule_varlen(q, k, v, g, beta, cu, states.bfloat16(), inplace=True)
