@@ -492,6 +492,39 @@ def dsa_speed() -> list[str]:
 
 
 #: block name → its renderer (a list of Markdown lines)
+#: ``benchmarks/gated_deltanet.py``'s run in docs/benchmarks.md
+GATED_DELTANET = "gated_deltanet_amd_epyc_avx512bf16_cpu2.json"
+
+
+def gated_deltanet() -> list[str]:
+    """docs/benchmarks.md: the Gated DeltaNet token mixer, ours ÷ stock vLLM-CPU's kernels (medians)."""
+    d = _load(GATED_DELTANET)
+    a = d["args"]
+
+    def ms(v: list[float]) -> str:
+        return f"{sorted(v)[len(v) // 2] * 1e3:.2f}"
+
+    p, dec, tr = d["prefill_s"], d["decode_step_s"], d["train_s"]
+    return [
+        f"Measured on {machine(d)} (`benchmarks/results/{GATED_DELTANET}`; {a['heads']} + {a['heads']} heads of "
+        f"{a['head_dim']}, bf16, medians of {a['repeats']}; stock's conv on its packed weight: {d['stock_cpp_conv']}):",
+        "",
+        "| case | stock (ms) | zerokld (ms) | zerokld ÷ stock |",
+        "| --- | --- | --- | --- |",
+        f"| prefill {a['prompt_len']} tokens, recurrence | {ms(p['stock'])} | {ms(p['ours'])} "
+        f"| {_x(d['prefill_ratio'])} |",
+        f"| prefill, conv + gates + L2 norm + recurrence | {ms(p['stock_core'])} | {ms(p['ours_core'])} "
+        f"| {_x(d['prefill_core_ratio'])} |",
+        f"| decode step of {a['batch']}, recurrence | {ms(dec['stock'])} | {ms(dec['ours'])} "
+        f"| {_x(d['decode_ratio'])} |",
+        f"| decode step, conv + gates + L2 norm + recurrence | {ms(dec['stock_core'])} | {ms(dec['ours_core'])} "
+        f"| {_x(d['decode_core_ratio'])} |",
+        f"| trainer forward + backward, {a['train_len']} tokens (stock: HF `torch_chunk_gated_delta_rule`) "
+        f"| {ms(tr['hf_torch_chunk'])} | {ms(tr['ours'])} | {_x(d['train_ratio'])} |",
+        f"| our gated RMSNorm, prefill (stock's not timed) | — | {ms(p['ours_norm'])} | — |",
+    ]
+
+
 RENDERERS: dict[str, Callable[[], list[str]]] = {
     "headline": headline,
     "headline-site": lambda: headline(""),
@@ -507,6 +540,7 @@ RENDERERS: dict[str, Callable[[], list[str]]] = {
     "layouts-table": lambda: _embedded("layouts_*.json"),
     "deepseek-speed": deepseek_speed,
     "dsa-speed": dsa_speed,
+    "gated-deltanet": gated_deltanet,
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,6 +39,7 @@ __all__ = [
     "amx_available",
     "attention_backward",
     "attention_forward",
+    "causal_conv1d_silu",
     "fp8_dequantize_bf16",
     "fp8_quantize",
     "f32_available",
@@ -46,7 +48,9 @@ __all__ = [
     "gemm_has_amx",
     "gemm_has_f32",
     "gated_delta_rule",
+    "gated_delta_rule_backward",
     "gemm_layout",
+    "l2_normalize",
     "paged_attention_forward",
     "rms_norm",
     "rms_norm_backward",
@@ -99,6 +103,9 @@ def _lib(name: str) -> ctypes.CDLL:
         },
         "gdn": {
             "zk_gated_delta_rule": ([_i64, _vp, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _int], None),
+            "zk_gated_delta_rule_bwd": ([_i64, _vp, _i64, _i64, _i64] + [_vp] * 14 + [_int], None),
+            "zk_l2_normalize": ([_int, _vp, _i64, _i64, _i64, _i64, _f32, _f32, _vp, _int], None),
+            "zk_causal_conv1d_silu": ([_int, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _int], None),
         },
         "attention": {
             "zk_attention_fwd": (
@@ -770,3 +777,89 @@ def gated_delta_rule(cu_seqlens, q, k, v, decay, beta, state, out):
         out.data_ptr(),
         torch.get_num_threads(),
     )
+
+
+@_define("causal_conv1d_silu(Tensor cu_seqlens, Tensor x, Tensor weight, Tensor(a!) state, Tensor(b!) y) -> ()")
+def causal_conv1d_silu(cu_seqlens, x, weight, state, y):
+    """Causal depthwise conv1d with SiLU over ``N`` sequences (``zk_causal_conv1d_silu``): sequence ``n``'s tokens are
+    rows ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` (int64 ``[N + 1]``, from 0 to ``T``) of ``x``, ``y`` ``[T, C]``
+    (float32 or bfloat16, one dtype); ``weight`` ``[C, K]`` float32; ``state`` ``[N, K - 1, C]`` in ``x``'s dtype,
+    each sequence's previous inputs, replaced in place by its last ``K - 1``. Contiguous."""
+    op = "causal_conv1d_silu"
+    _cpu(op, "cu_seqlens", cu_seqlens, (torch.int64,), 1, contiguous=True)
+    _cpu(op, "x", x, _FLOATS, 2, contiguous=True)
+    t, c = x.shape
+    _cpu(op, "weight", weight, _F32, 2, contiguous=True)
+    kw = weight.shape[1]
+    _shape(op, "weight", weight, (c, kw))
+    n = cu_seqlens.numel() - 1
+    for name, tensor, shape in (("state", state, (n, kw - 1, c)), ("y", y, (t, c))):
+        _cpu(op, name, tensor, (x.dtype,), len(shape), contiguous=True)
+        _shape(op, name, tensor, shape)
+    bounds = cu_seqlens.tolist()
+    if n < 0 or kw < 1 or bounds[0] != 0 or bounds[-1] != t or any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"zerokld::{op}: cu_seqlens must rise from 0 to {t}, got {bounds[:8]}")
+    _lib("gdn").zk_causal_conv1d_silu(
+        DTYPE_CODES[x.dtype],
+        n,
+        cu_seqlens.data_ptr(),
+        c,
+        kw,
+        x.data_ptr(),
+        weight.data_ptr(),
+        state.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+@_define(
+    "gated_delta_rule_backward(Tensor cu_seqlens, Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta, "
+    "Tensor state, Tensor dout, Tensor dfinal, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) ddecay, "
+    "Tensor(e!) dbeta, Tensor(f!) dstate) -> ()"
+)
+def gated_delta_rule_backward(cu_seqlens, q, k, v, decay, beta, state, dout, dfinal, dq, dk, dv, ddecay, dbeta, dstate):
+    """The gradients of :func:`gated_delta_rule` (``zk_gated_delta_rule_bwd``): inputs as its (``state``: the states
+    before the first tokens, read only), ``dout`` ``[T, H, dv]`` and ``dfinal`` ``[N, H, dk, dv]`` the gradients of
+    its outputs; written: ``dq``, ``dk``, ``dv``, ``ddecay``, ``dbeta``, ``dstate`` (the initial states'), shaped as
+    the inputs. Float32, contiguous."""
+    op = "gated_delta_rule_backward"
+    _cpu(op, "cu_seqlens", cu_seqlens, (torch.int64,), 1, contiguous=True)
+    _cpu(op, "q", q, _F32, 3, contiguous=True)
+    t, h, dkk = q.shape
+    dvv = v.shape[2] if v.dim() == 3 else -1
+    n = cu_seqlens.numel() - 1
+    shapes = {
+        "k": (k, (t, h, dkk)), "v": (v, (t, h, dvv)), "decay": (decay, (t, h)), "beta": (beta, (t, h)),
+        "state": (state, (n, h, dkk, dvv)), "dout": (dout, (t, h, dvv)), "dfinal": (dfinal, (n, h, dkk, dvv)),
+        "dq": (dq, (t, h, dkk)), "dk": (dk, (t, h, dkk)), "dv": (dv, (t, h, dvv)), "ddecay": (ddecay, (t, h)),
+        "dbeta": (dbeta, (t, h)), "dstate": (dstate, (n, h, dkk, dvv)),
+    }  # fmt: skip
+    for name, (x, shape) in shapes.items():
+        _cpu(op, name, x, _F32, len(shape), contiguous=True)
+        _shape(op, name, x, shape)
+    bounds = cu_seqlens.tolist()
+    if n < 0 or bounds[0] != 0 or bounds[-1] != t or any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"zerokld::{op}: cu_seqlens must rise from 0 to {t}, got {bounds[:8]}")
+    ptrs = (q, k, v, decay, beta, state, dout, dfinal, dq, dk, dv, ddecay, dbeta, dstate)
+    _lib("gdn").zk_gated_delta_rule_bwd(
+        n, cu_seqlens.data_ptr(), h, dkk, dvv, *(x.data_ptr() for x in ptrs), torch.get_num_threads()
+    )
+
+
+@_define("l2_normalize(Tensor x, float eps, float divisor, Tensor(a!) y) -> ()")
+def l2_normalize(x, eps, divisor, y):
+    """``y = x * rsqrt(tree_sum(x^2) + eps) / divisor`` per row of ``x`` ``[T, heads, d]`` (float32 or bfloat16; its
+    last dimension contiguous, its heads adjacent: a head-major slice of a wider row, e.g. q of a mixed ``q|k|v``);
+    ``y`` ``[T, heads, d]`` float32, contiguous (``zk_l2_normalize``)."""
+    op = "l2_normalize"
+    _cpu(op, "x", x, _FLOATS, 3)
+    t, heads, d = x.shape
+    if x.stride(2) != 1 or (heads > 1 and x.stride(1) != d):
+        raise ValueError(f"zerokld::{op}: x needs contiguous heads of d elements, got strides {x.stride()}")
+    _cpu(op, "y", y, _F32, 3, contiguous=True)
+    _shape(op, "y", y, (t, heads, d))
+    _lib("gdn").zk_l2_normalize(
+        DTYPE_CODES[x.dtype], x.data_ptr(), t, heads, d, x.stride(0), eps, divisor, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip

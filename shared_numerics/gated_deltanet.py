@@ -6,8 +6,9 @@ gate inputs ``b`` (update rate) and ``a`` (decay); this module does the rest:
 
 1. **Causal depthwise conv1d** over the mixed channels (kernel ``K``, 4 in every released config) with the ``K - 1``
    previous inputs as its state: ``y[t, c] = silu(sum_j w[c, j] x[t - K + 1 + j, c])``, the sum in float32 in the
-   order ``j = 0 .. K-1`` (one multiply and one add per term, elementwise), SiLU in float32 (``x * sigmoid``, the
-   sigmoid in float64: :func:`shared_numerics.reduce.sigmoid64`), rounded once to the activations' dtype.
+   order ``j = 0 .. K-1`` (one multiply and one add per term, elementwise), SiLU in float32 as the SwiGLU's
+   (:func:`shared_numerics.silu_and_mul` with a unit ``up``: on CPU one formula per element, Cephes' expf as plain
+   arithmetic), rounded once to the activations' dtype.
 2. **Gates** (float32): ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (softplus with torch's
    threshold 20; exp, sigmoid and log1p in float64, rounded once).
 3. **q, k**: L2-normalised per head (``x * rsqrt(sum x^2 + 1e-6)``, the sum a fixed pairwise tree:
@@ -17,7 +18,7 @@ gate inputs ``b`` (update rate) and ``a`` (decay); this module does the rest:
    ``o_t = sum_i S[i, :] q_t[i]``, both sums over ``d_k`` in the fixed pairwise tree.
 5. **Gated RMSNorm** per value head: ``o`` rounded to the activations' dtype, normalised by
    :func:`shared_numerics.rms_norm` with a unit gain (rounded), scaled by the weight in the activations' dtype, times
-   ``silu(z)`` in float32, rounded once.
+   ``silu(z)`` in float32 (``silu_and_mul(z, w x)``), rounded once.
 
 Every step is elementwise IEEE arithmetic or a fixed-order sum, so a token's output depends only on its sequence's
 earlier tokens: the same bits whatever the batch, wherever a prefill chunk ends and whether the token is prefilled or
@@ -41,9 +42,11 @@ from .reduce import exp64, sigmoid64, tree_sum, true_divide
 
 __all__ = [
     "causal_conv1d",
+    "causal_conv1d_varlen",
     "gated_delta_rule",
     "gated_delta_rule_varlen",
     "gated_deltanet_core",
+    "gated_deltanet_varlen",
     "gated_rms_norm",
     "gdn_gates",
     "l2_normalize",
@@ -63,12 +66,6 @@ def softplus64(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > SOFTPLUS_THRESHOLD, x, soft)
 
 
-def _silu32(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(x)`` in float32 (the sigmoid in float64, rounded once)."""
-    x = x.float()
-    return x * sigmoid64(x)
-
-
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,10 +76,12 @@ def causal_conv1d(
         x: ``[T, C]`` (``T >= 0``), float32 or bfloat16: the mixed ``q|k|v`` channels of the new tokens.
         weight: ``[C, K]``: ``conv1d.weight[:, 0, :]``.
         state: ``[K - 1, C]`` in ``x.dtype``: the sequence's previous ``K - 1`` inputs, oldest first (zeros before its
-            first token); ``None``: a fresh sequence.
+            first token); ``None``: a fresh sequence. Not modified.
 
     Returns:
         ``(y, state)``: ``y`` ``[T, C]`` in ``x.dtype`` and the new ``[K - 1, C]`` state (the last ``K - 1`` inputs).
+        Differentiable (torch ops and :func:`shared_numerics.silu_and_mul`); without autograd on CPU the compiled
+        kernel (:func:`causal_conv1d_varlen`), the same bits.
     """
     t, c = x.shape
     k = weight.shape[1]
@@ -90,12 +89,60 @@ def causal_conv1d(
         state = x.new_zeros((k - 1, c))
     if state.shape != (k - 1, c):
         raise ValueError(f"conv state {tuple(state.shape)}, expected {(k - 1, c)}")
-    xx = torch.cat([state.to(x.dtype), x], dim=0).float()
+    cu = torch.tensor([0, t], dtype=torch.int64)
+    y, states = causal_conv1d_varlen(x, weight, cu, state[None])
+    return y, states[0]
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, states: torch.Tensor, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d` over ``N`` sequences at once, each sequence's bits those of the one-sequence call.
+
+    Args:
+        x: ``[T, C]``, the tokens of every sequence (rows ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` sequence
+            ``n``'s). weight: ``[C, K]``.
+        cu_seqlens: ``[N + 1]`` int64, from 0 to ``T``, nondecreasing.
+        states: ``[N, K - 1, C]`` in ``x.dtype``, each sequence's previous inputs; modified only with ``inplace``.
+        inplace: write the new states into ``states`` (contiguous, CPU, no autograd: a serving cache) and return it.
+
+    Returns:
+        ``(y, states)``: ``y`` ``[T, C]`` in ``x.dtype`` and every sequence's new state.
+
+    On CPU without autograd the compiled kernel (``csrc/gdn.cpp``: these operations in this order); otherwise torch
+    ops, per sequence.
+    """
+    from .activation import silu_and_mul
+
+    t, c = x.shape
+    k = weight.shape[1]
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    n = cu_seqlens.numel() - 1
+    if states.shape != (n, k - 1, c):
+        raise ValueError(f"conv states {tuple(states.shape)}, expected {(n, k - 1, c)}")
+    if inplace and (states.dtype != x.dtype or not states.is_contiguous()):
+        raise ValueError("causal_conv1d_varlen(inplace=True) needs a contiguous states tensor in x's dtype")
+    compiled = x.dtype in (torch.float32, torch.bfloat16) and all(z.device.type == "cpu" for z in (x, weight, states))
+    if compiled and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        from . import cpu_ops
+
+        s = states if inplace else states.to(x.dtype).clone().contiguous()
+        y = torch.empty((t, c), dtype=x.dtype)
+        cpu_ops.causal_conv1d_silu(cu_seqlens.contiguous(), x.contiguous(), weight.float().contiguous(), s, y)
+        return y, s
+    if inplace:
+        raise ValueError("causal_conv1d_varlen(inplace=True) runs the compiled CPU kernel only (no autograd)")
     w = weight.float()
-    acc = xx[0:t] * w[:, 0]
-    for j in range(1, k):
-        acc = acc + xx[j : j + t] * w[:, j]
-    return _silu32(acc).to(x.dtype), xx[t:].to(x.dtype)
+    ys, finals = [], []
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
+        xx = torch.cat([states[i].to(x.dtype), x[lo:hi]], dim=0).float()
+        acc = xx[0 : hi - lo] * w[:, 0]
+        for j in range(1, k):
+            acc = acc + xx[j : j + hi - lo] * w[:, j]
+        ys.append(silu_and_mul(acc, torch.ones_like(acc)).to(x.dtype))
+        finals.append(xx[hi - lo :].to(x.dtype))
+    y = torch.cat(ys) if ys else x.new_zeros((0, c))
+    return y, torch.stack(finals) if finals else states.clone()
 
 
 def gdn_gates(
@@ -115,13 +162,36 @@ def gdn_gates(
     return g, sigmoid64(b.float())
 
 
-def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """``x * rsqrt(sum(x^2, -1) + eps)`` in float32 (HF ``l2norm``), the sum the pairwise tree of
-    :func:`shared_numerics.reduce.tree_sum`; ``rsqrt`` as :func:`shared_numerics.norm.rms_norm` takes it (ATen's
-    ``torch.sqrt`` goes through oneMKL's VML, whose float32 square root is not the correctly rounded one).
-    ``x``: ``[..., D]``, any float dtype; returns float32, same shape."""
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS, divisor: float = 1.0) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2, -1) + eps)`` in float32 (HF ``l2norm``), then divided by ``divisor`` (``true_divide``;
+    q's ``sqrt(d_k)``), the sum the pairwise tree of :func:`shared_numerics.reduce.tree_sum`; ``rsqrt`` as
+    :func:`shared_numerics.norm.rms_norm` takes it (ATen's ``torch.sqrt`` goes through oneMKL's VML, whose float32
+    square root is not the correctly rounded one).
+
+    Args:
+        x: ``[..., D]``, any float dtype. eps: added to the sum of squares. divisor: a Python number.
+
+    Returns:
+        float32, ``x``'s shape. Differentiable; without autograd on CPU, for float32 / bfloat16 ``[T, heads, D]``
+        rows with contiguous heads (a head-major slice of the conv's output), the compiled kernel
+        (``csrc/gdn.cpp``), the same bits.
+    """
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 3
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.stride(2) == 1
+        and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        from . import cpu_ops
+
+        y = torch.empty(x.shape, dtype=torch.float32)
+        cpu_ops.l2_normalize(x, eps, divisor, y)
+        return y
     x = x.float()
-    return x * torch.rsqrt(tree_sum(x * x, dim=-1, keepdim=True) + eps)
+    y = x * torch.rsqrt(tree_sum(x * x, dim=-1, keepdim=True) + eps)
+    return y if divisor == 1.0 else true_divide(y, divisor)
 
 
 def gated_delta_rule(
@@ -180,31 +250,46 @@ def gated_delta_rule_varlen(
     Returns:
         ``(o, states)``: ``o`` ``[T, H, d_v]`` float32 and every sequence's state after its last token.
 
-    On CPU without autograd the compiled kernel (``csrc/gdn.cpp``: these operations in this order, one thread per
-    sequence and head); otherwise these torch ops, token by token.
+    On CPU the compiled kernel (``csrc/gdn.cpp``: these operations in this order; one thread per sequence, head and
+    block of 16 value columns, each column its own recurrence), under autograd with its compiled backward; on other
+    devices these torch ops, token by token.
     """
-    t, h, dk = k.shape
-    dv = v.shape[-1]
+    expected = (cu_seqlens.numel() - 1, *k.shape[1:], v.shape[-1])
+    if tuple(states.shape) != expected:
+        raise ValueError(f"recurrent states {tuple(states.shape)}, expected {expected}")
     if inplace and (states.dtype != torch.float32 or not states.is_contiguous()):
         raise ValueError("gated_delta_rule_varlen(inplace=True) needs a contiguous float32 states tensor")
     decay, v, beta = exp64(g.float()), v.float(), beta.float()
-    states = states.float()
     cu_seqlens = cu_seqlens.to(torch.int64)
     tensors = (q, k, v, decay, beta, states)
-    if all(x.device.type == "cpu" for x in tensors) and not (
-        torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
-    ):
-        from . import cpu_ops
-
-        s = states if inplace else states.clone().contiguous()
-        o = torch.empty((t, h, dv), dtype=torch.float32)
-        cpu_ops.gated_delta_rule(cu_seqlens.contiguous(), *(x.contiguous() for x in (q, k, v, decay, beta)), s, o)
-        return o, s
+    if all(x.device.type == "cpu" for x in tensors):
+        args = (q.float(), k.float(), v, decay, beta, cu_seqlens)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+            if inplace:
+                raise ValueError("gated_delta_rule_varlen(inplace=True) takes no autograd (a serving cache)")
+            return _GatedDeltaRuleCpu.apply(*args, states.float())
+        return _rule_cpu(*args, states if inplace else states.float().clone().contiguous())
     if inplace:
-        raise ValueError("gated_delta_rule_varlen(inplace=True) runs the compiled CPU kernel only (no autograd)")
+        raise ValueError("gated_delta_rule_varlen(inplace=True) runs the compiled CPU kernel only")
+    return _rule_torch(q, k, v, decay, beta, cu_seqlens, states.float())
+
+
+def _rule_cpu(q, k, v, decay, beta, cu_seqlens, states):
+    """The compiled recurrence; ``states`` (float32, contiguous) updated in place and returned."""
+    from . import cpu_ops
+
+    t, h, _ = k.shape
+    o = torch.empty((t, h, v.shape[-1]), dtype=torch.float32)
+    cpu_ops.gated_delta_rule(cu_seqlens.contiguous(), *(x.contiguous() for x in (q, k, v, decay, beta)), states, o)
+    return o, states
+
+
+def _rule_torch(q, k, v, decay, beta, cu_seqlens, states):
+    """The definition as torch ops, token by token (devices without the compiled kernel; the tests' reference)."""
+    t, h, dk = k.shape
+    dv = v.shape[-1]
     outs, finals = [], []
-    bounds = cu_seqlens.tolist()
-    for n, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+    for n, (lo, hi) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
         s = states[n]
         for i in range(lo, hi):
             s = s * decay[i, :, None, None]
@@ -217,6 +302,30 @@ def gated_delta_rule_varlen(
     return o, torch.stack(finals) if finals else states.clone()
 
 
+class _GatedDeltaRuleCpu(torch.autograd.Function):
+    """The compiled recurrence with its compiled backward (``zk_gated_delta_rule_bwd``: states checkpointed every 32
+    tokens and recomputed; float32, every sum in index order, one thread per sequence and head: deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, decay, beta, cu_seqlens, states):
+        q, k, v, decay, beta = (x.contiguous() for x in (q, k, v, decay, beta))
+        states = states.contiguous()
+        ctx.save_for_backward(q, k, v, decay, beta, cu_seqlens, states)
+        return _rule_cpu(q, k, v, decay, beta, cu_seqlens, states.clone())
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        from . import cpu_ops
+
+        q, k, v, decay, beta, cu, states = ctx.saved_tensors
+        dout = torch.zeros_like(v) if dout is None else dout.float().contiguous()
+        dfinal = torch.zeros_like(states) if dfinal is None else dfinal.float().contiguous()
+        grads = [torch.empty_like(x) for x in (q, k, v, decay, beta, states)]
+        cpu_ops.gated_delta_rule_backward(cu, q, k, v, decay, beta, states, dout, dfinal, *grads)
+        dq, dk, dv, ddecay, dbeta, dstates = grads
+        return dq, dk, dv, ddecay, dbeta, None, dstates
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype) -> torch.Tensor:
     """HF ``Qwen3NextRMSNormGated`` on ``[..., d_v]`` rows: ``o`` rounded to ``dtype`` and normalised
     (:func:`shared_numerics.rms_norm` with a unit gain: HF rounds before it applies the gain), times ``weight`` in
@@ -227,9 +336,10 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         weight: ``[d_v]``. eps: ``rms_norm_eps``. dtype: the activations' dtype.
     """
     from . import rms_norm
+    from .activation import silu_and_mul
 
     x = rms_norm(o.to(dtype), torch.ones(o.shape[-1], dtype=torch.float32, device=o.device), eps)
-    return ((weight.to(dtype) * x) * _silu32(z)).to(dtype)
+    return silu_and_mul(z.to(dtype), weight.to(dtype) * x)  # (z s) (w x): the product of HF's (w x) silu(z)
 
 
 def gated_deltanet_core(
@@ -262,18 +372,60 @@ def gated_deltanet_core(
         ValueError: ``Hv`` is not a multiple of ``Hk``, or a shape does not match ``dims``.
     """
     hk, dk, hv, dv = dims
+    t = mixed_qkv.shape[0]
+    k = params["conv1d_weight"].shape[1]
+    conv = mixed_qkv.new_zeros((1, k - 1, mixed_qkv.shape[1])) if conv_state is None else conv_state[None]
+    rec = torch.zeros((1, hv, dk, dv)) if recurrent_state is None else recurrent_state[None]
+    cu = torch.tensor([0, t], dtype=torch.int64)
+    out, conv, rec = gated_deltanet_varlen(mixed_qkv, z, a, b, params, dims, eps, cu, conv, rec)
+    return out, conv[0], rec[0]
+
+
+def gated_deltanet_varlen(
+    mixed_qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    params: dict[str, torch.Tensor],
+    dims: tuple[int, int, int, int],
+    eps: float,
+    cu_seqlens: torch.Tensor,
+    conv_states: torch.Tensor,
+    recurrent_states: torch.Tensor,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gated_deltanet_core` over ``N`` sequences at once (a serving step's decodes and prefill chunks, or a
+    trainer's packed batch), each sequence's bits those of the one-sequence call.
+
+    Args:
+        mixed_qkv, z, a, b, params, dims, eps: as :func:`gated_deltanet_core`, ``T`` the tokens of every sequence
+            (rows ``cu_seqlens[n] .. cu_seqlens[n + 1] - 1`` sequence ``n``'s).
+        cu_seqlens: ``[N + 1]`` int64, from 0 to ``T``, nondecreasing.
+        conv_states: ``[N, K - 1, C]`` in the activations' dtype; recurrent_states: ``[N, Hv, d_k, d_v]`` float32.
+        inplace: write the new states into the two tensors given (contiguous, CPU, no autograd: a serving cache).
+
+    Returns:
+        ``(out, conv_states, recurrent_states)``: ``out`` ``[T, Hv * d_v]`` in the activations' dtype and the
+        states after each sequence's last token.
+
+    Raises:
+        ValueError: ``Hv`` is not a multiple of ``Hk``, or a shape does not match ``dims``.
+    """
+    hk, dk, hv, dv = dims
     if hv % hk:
         raise ValueError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
     t, dtype = mixed_qkv.shape[0], mixed_qkv.dtype
     if mixed_qkv.shape[1] != 2 * hk * dk + hv * dv:
         raise ValueError(f"mixed q|k|v width {mixed_qkv.shape[1]}, expected {2 * hk * dk + hv * dv}")
-    y, conv_state = causal_conv1d(mixed_qkv, params["conv1d_weight"], conv_state)
+    y, conv_states = causal_conv1d_varlen(mixed_qkv, params["conv1d_weight"], cu_seqlens, conv_states, inplace)
     q, k, v = torch.split(y, [hk * dk, hk * dk, hv * dv], dim=-1)
-    q = true_divide(l2_normalize(q.reshape(t, hk, dk)), dk**0.5)
+    q = l2_normalize(q.reshape(t, hk, dk), divisor=dk**0.5)
     k = l2_normalize(k.reshape(t, hk, dk))
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
     g, beta = gdn_gates(a, b, params["A_log"], params["dt_bias"])
-    o, recurrent_state = gated_delta_rule(q, k, v.reshape(t, hv, dv), g, beta, recurrent_state)
+    o, recurrent_states = gated_delta_rule_varlen(
+        q, k, v.reshape(t, hv, dv), g, beta, cu_seqlens, recurrent_states, inplace
+    )
     out = gated_rms_norm(o, z.reshape(t, hv, dv), params["norm_weight"], eps, dtype)
-    return out.reshape(t, hv * dv), conv_state, recurrent_state
+    return out.reshape(t, hv * dv), conv_states, recurrent_states

@@ -36,6 +36,9 @@ def test_every_kernel_entry_point_is_a_registered_op_with_its_schema():
         "paged_attention_forward",
         "attention_backward",
         "gated_delta_rule",
+        "causal_conv1d_silu",
+        "gated_delta_rule_backward",
+        "l2_normalize",
     ]
     assert list(cpu_ops.OPS) == names
     for name, schema in cpu_ops.OPS.items():
@@ -82,6 +85,12 @@ def test_argument_mistakes_are_errors_not_memory_writes():
             state[..., :1].expand(1, 2, 8, 4).contiguous(),
             torch.empty(5, 2, 4),
         )
+    x, conv_state = torch.randn(5, 6), torch.full((1, 2, 6), 7.0)  # the kernel would write 1 x 3 x 6 floats
+    with pytest.raises(TypeError, match=r"state must be \(1, 3, 6\)"):
+        torch.ops.zerokld.causal_conv1d_silu(cu, x, torch.randn(6, 4), conv_state, torch.empty(5, 6))
+    assert torch.equal(conv_state, torch.full((1, 2, 6), 7.0))
+    with pytest.raises(ValueError, match="contiguous heads"):  # rows the kernel would read past
+        torch.ops.zerokld.l2_normalize(torch.randn(5, 8, 2).transpose(1, 2), 1e-6, 1.0, torch.empty(5, 2, 8))
 
 
 def test_the_ops_run_on_fake_tensors():

@@ -5,7 +5,8 @@
   needed where there is no compiler is a RuntimeError that names the package to install.
 * The AVX2 build of the kernels (``ZEROKLD_CPU_MARCH=x86-64-v3``: what an AVX2-only CPU builds) gives the AVX-512
   build's bits for every op whose contract is ISA-free (docs/tests.md, "CPU paths"): float32 linear forward and
-  backward, bf16 upcast to it, attention (dense and paged), RMSNorm, SiLU-and-mul, the FP8 quantizer. The two run in
+  backward, bf16 upcast to it, attention (dense and paged), RMSNorm, SiLU-and-mul, the FP8 quantizer, the Gated
+  DeltaNet layer (conv, L2 norm, recurrence). The two run in
   separate processes (a process loads one build); ATen and oneDNN are held to AVX2 too (``ATEN_CPU_CAPABILITY``,
   ``ONEDNN_MAX_CPU_ISA``), and a stock negative control shows those switches do change stock's bits.
 """
@@ -117,6 +118,28 @@ def _probe(out: str) -> None:
         res[f"fp8_weight_{name}"] = [
             t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in quantize_fp8_weight(x[:32] * 3)
         ]
+        # the Gated DeltaNet layer's kernels: conv + SiLU, L2 norm, the recurrence (prefill blocks and decode rows)
+        from shared_numerics.gated_deltanet import gated_deltanet_varlen
+
+        hk, dk, hv, dv = 2, 64, 2, 128
+        c = 2 * hk * dk + hv * dv
+        lens = torch.tensor([40, 1, 3])
+        params = {
+            "conv1d_weight": torch.randn(c, 4, generator=g).to(dtype),
+            "A_log": torch.rand(hv, generator=g).to(dtype),
+            "dt_bias": torch.rand(hv, generator=g).to(dtype),
+            "norm_weight": torch.rand(dv, generator=g).to(dtype),
+        }
+        for step in (lens, torch.ones(3, dtype=torch.int64)):
+            t = int(step.sum())
+            mixed, z = torch.randn(t, c, generator=g).to(dtype), torch.randn(t, hv * dv, generator=g).to(dtype)
+            a_, b_ = (torch.randn(t, hv, generator=g).to(dtype) for _ in range(2))
+            cu = torch.cat([torch.zeros(1, dtype=torch.int64), step.cumsum(0)])
+            conv = torch.randn(3, 3, c, generator=g).to(dtype)
+            rec = torch.randn(3, hv, dk, dv, generator=g)
+            res[f"gated_deltanet_{name}_{t}"] = list(
+                gated_deltanet_varlen(mixed, z, a_, b_, params, (hk, dk, hv, dv), 1e-6, cu, conv, rec)
+            )
     # stock, for the negative control: ATen's and oneDNN's own kernels follow the ISA switches
     xs = torch.randn(64, 4096, generator=g)
     res["stock"] = [

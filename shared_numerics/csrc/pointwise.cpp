@@ -61,10 +61,7 @@ void zk_silu_mul(int dtype, const void* g, const void* u, int64_t n, void* y, in
         uv[j] = load(u, i0 + j, dtype);
       }
     }
-    const v16f a = gv < 0.0f ? -gv : gv;
-    const v16f e = zk::exp_nonpos(-a);
-    const v16f d = 1.0f + e;
-    const v16f sv = (gv >= 0.0f ? (v16f){} + 1.0f : e) / d;  // one division: 1 / d or e / d
+    const v16f sv = zk::sigmoid(gv);
     const v16f yv = (gv * sv) * uv;
     if (m == 16) {
       if (out_dtype == 0)

@@ -96,6 +96,15 @@ inline v16f exp_nonpos(v16f x) {
   return x < -87.0f ? (v16f){} : res;
 }
 
+// sigmoid(g) = 1 / (1 + exp(-g)), 16 lanes, never overflowing: a = |g|; e = exp_nonpos(-a); d = 1 + e;
+// (g >= 0 ? 1 : e) / d, one division (zk_silu_mul's s; the Gated DeltaNet conv's SiLU)
+inline v16f sigmoid(v16f g) {
+  const v16f a = g < 0.0f ? -g : g;
+  const v16f e = exp_nonpos(-a);
+  const v16f d = 1.0f + e;
+  return (g >= 0.0f ? (v16f){} + 1.0f : e) / d;
+}
+
 #if defined(__AVX512F__)
 // 16 x 16 transpose of 32-bit words in registers: on return r[c] holds what was column c (word c of every r[i]).
 // Unpacks of 32- and 64-bit words, then two rounds of 128-bit lane shuffles; moves only.

@@ -138,6 +138,37 @@ def test_prefill_in_any_chunks_and_decode_are_the_same_bits(dims, dtype):
         assert torch.equal(c, conv) and torch.equal(r, rec)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_serving_steps_layer_is_each_sequence_alone(dtype):
+    """:func:`gated_deltanet_varlen` over a step of four sequences at different points (a decode, a first prefill
+    chunk, a later chunk, a decode after a long prefill), the caches written in place: every sequence's rows and both
+    of its states are the bits of the one-sequence layer; the tokens before each step were computed alone too."""
+    from shared_numerics.gated_deltanet import gated_deltanet_varlen
+
+    layer = _hf_layer(SHAPES[0], seed=12)
+    x = torch.randn(4 * 60, 64, generator=torch.Generator().manual_seed(13))
+    inputs, params = _inputs(layer, x, dtype)
+    seqs = [(0, 20, 21), (60, 60, 77), (120, 130, 150), (180, 239, 240)]  # (start, step from, step to)
+    caches = [_ours(layer, inputs, params, s0, lo) if lo > s0 else (None, None, None) for s0, lo, _ in seqs]
+    hk, dk, hv, dv = _dims(layer)
+    c = inputs[0].shape[1]
+    conv = torch.stack([cc if cc is not None else torch.zeros(3, c, dtype=dtype) for _, cc, _ in caches])
+    rec = torch.stack([rr if rr is not None else torch.zeros(hv, dk, dv) for _, _, rr in caches])
+    rows = torch.cat([torch.arange(lo, hi) for _, lo, hi in seqs])
+    lens = [hi - lo for _, lo, hi in seqs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    step = [t[rows] for t in inputs]
+    with torch.no_grad():  # a serving step (the float32 parameters here are HF's, requiring grad)
+        eps = layer.layer_norm_epsilon
+        out, conv2, rec2 = gated_deltanet_varlen(*step, params, _dims(layer), eps, cu, conv, rec, inplace=True)
+    assert conv2 is conv and rec2 is rec and out.shape == (sum(lens), hv * dv)
+    for n, (s0, lo, hi) in enumerate(seqs):
+        _, cc, rr = caches[n]
+        alone, c_alone, r_alone = _ours(layer, inputs, params, lo, hi, cc, rr)
+        assert torch.equal(out[cu[n] : cu[n + 1]], alone) and torch.equal(conv[n], c_alone)
+        assert torch.equal(rec[n], r_alone)
+
+
 def test_stock_chunked_prefill_and_recurrent_decode_differ():
     """Negative control: HF's own two paths (``torch_chunk_gated_delta_rule`` for a prefill, the recurrent one for
     decode — vLLM-CPU's ``chunk_gated_delta_rule_cpu`` / ``fused_sigmoid_gating_delta_rule_update_cpu`` split the
@@ -287,10 +318,11 @@ def test_a_hybrids_plan_is_its_layer_types_and_hfs_layers(layer_types):
 
 @pytest.mark.parametrize("dk,dv", [(16, 24), (24, 40), (128, 128)], ids=["dk16", "dk24", "dk128"])
 def test_compiled_recurrence_is_the_torch_definition_bit_for_bit(dk, dv, threads):
-    """``csrc/gdn.cpp`` (what runs without autograd on CPU) gives the torch ops' bits (what runs with it: the
-    trainer), a head dimension that is not a power of two included (the tree's zero padding), at 1 and 2 threads
-    (one thread computes a head whole); the state passed in is not modified."""
-    from shared_numerics.gated_deltanet import gated_delta_rule, l2_normalize
+    """``csrc/gdn.cpp`` (what runs on CPU, in the engine and the trainer) gives the torch ops' bits (the definition
+    as written, what other devices run), a head dimension that is not a power of two included (the tree's zero
+    padding), value widths that leave a partial block of 16 columns, at 1 and 2 threads; the state passed in is not
+    modified."""
+    from shared_numerics.gated_deltanet import _rule_torch, gated_delta_rule, l2_normalize
 
     gen = torch.Generator().manual_seed(7)
     t, h = 40, 3
@@ -300,11 +332,11 @@ def test_compiled_recurrence_is_the_torch_definition_bit_for_bit(dk, dv, threads
     g, beta = -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
     state = torch.randn(h, dk, dv, generator=gen)
     before = state.clone()
-    with torch.enable_grad():
-        ref_o, ref_s = gated_delta_rule(q.requires_grad_(), k, v, g, beta, state)
-    o, s = gated_delta_rule(q.detach(), k, v, g, beta, state)
+    cu = torch.tensor([0, t])
+    ref_o, ref_s = _rule_torch(q, k, v, torch.exp(g.double()).float(), beta, cu, state[None])
+    o, s = gated_delta_rule(q, k, v, g, beta, state)
     assert o.shape == ref_o.shape == (t, h, dv)
-    assert torch.equal(o, ref_o.detach()) and torch.equal(s, ref_s.detach())
+    assert torch.equal(o, ref_o) and torch.equal(s, ref_s[0])
     assert torch.equal(state, before)
 
 
@@ -312,7 +344,7 @@ def test_a_serving_steps_sequences_are_each_the_same_bits_as_alone():
     """:func:`gated_delta_rule_varlen` over a step's sequences (decodes of one token, prefill chunks, an empty one),
     compiled: each sequence's rows and state are the bits of that sequence alone and of the torch ops; in place, the
     states are written into the cache given (a float32 one only)."""
-    from shared_numerics.gated_deltanet import gated_delta_rule, gated_delta_rule_varlen, l2_normalize
+    from shared_numerics.gated_deltanet import _rule_torch, gated_delta_rule, gated_delta_rule_varlen, l2_normalize
 
     gen = torch.Generator().manual_seed(8)
     lens, h, dk, dv = [1, 17, 0, 1, 40, 3], 2, 24, 16
@@ -324,9 +356,8 @@ def test_a_serving_steps_sequences_are_each_the_same_bits_as_alone():
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     o, s = gated_delta_rule_varlen(q, k, v, g, beta, cu, states)
     assert o.shape == (t, h, dv) and s.shape == states.shape
-    with torch.enable_grad():
-        ref_o, ref_s = gated_delta_rule_varlen(q.clone().requires_grad_(), k, v, g, beta, cu, states)
-    assert torch.equal(o, ref_o.detach()) and torch.equal(s, ref_s.detach())
+    ref_o, ref_s = _rule_torch(q, k, v, torch.exp(g.double()).float(), beta, cu, states)
+    assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
     for n, (lo, hi) in enumerate(itertools.pairwise(cu.tolist())):
         alone_o, alone_s = gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[n])
         assert torch.equal(alone_o, o[lo:hi]) and torch.equal(alone_s, s[n])
@@ -335,3 +366,110 @@ def test_a_serving_steps_sequences_are_each_the_same_bits_as_alone():
     assert s2 is cache and torch.equal(cache, s) and torch.equal(o2, o)
     with pytest.raises(ValueError, match="contiguous float32"):  # a copy would be written, not the cache
         gated_delta_rule_varlen(q, k, v, g, beta, cu, states.bfloat16(), inplace=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_compiled_conv_is_the_torch_definition_bit_for_bit(dtype, threads):
+    """The conv1d + SiLU kernel (``csrc/gdn.cpp``, what runs without autograd on CPU) gives the torch ops' bits (what
+    the trainer's autograd runs) for a step's sequences: decodes, prefill chunks shorter than the kernel's reach into
+    the state (1 and 2 tokens with ``K = 4``), an empty one, 40 channels (a partial block of 16); at 1 and 2 threads;
+    each sequence's rows and new state are its bits alone; in place, the states land in the cache given."""
+    from shared_numerics.gated_deltanet import causal_conv1d, causal_conv1d_varlen
+
+    gen = torch.Generator().manual_seed(9)
+    lens, c, kw = [1, 2, 0, 17, 1, 5], 40, 4
+    t = sum(lens)
+    x = torch.randn(t, c, generator=gen).to(dtype)
+    w = torch.randn(c, kw, generator=gen).to(dtype)
+    states = torch.randn(len(lens), kw - 1, c, generator=gen).to(dtype)
+    before = states.clone()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    y, s = causal_conv1d_varlen(x, w, cu, states)
+    assert y.shape == (t, c) and y.dtype == dtype and torch.equal(states, before)
+    with torch.enable_grad():
+        ref_y, ref_s = causal_conv1d_varlen(x.clone().requires_grad_(), w, cu, states)
+    assert torch.equal(y, ref_y.detach()) and torch.equal(s, ref_s.detach())
+    for n, (lo, hi) in enumerate(itertools.pairwise(cu.tolist())):
+        alone_y, alone_s = causal_conv1d(x[lo:hi], w, states[n])
+        assert torch.equal(alone_y, y[lo:hi]) and torch.equal(alone_s, s[n])
+    cache = states.clone()
+    y2, s2 = causal_conv1d_varlen(x, w, cu, cache, inplace=True)
+    assert s2 is cache and torch.equal(cache, s) and torch.equal(y2, y)
+
+
+def test_compiled_backward_is_the_gradient_of_the_definition(threads):
+    """Under autograd on CPU the recurrence runs the kernel forward (the engine's bits) and its compiled backward:
+    every input's gradient (q, k, v, the gates through ``exp``, the initial states) matches torch autograd through
+    the definition's torch ops within float32 rounding, over sequences longer than a checkpoint interval (32 tokens)
+    and an empty one; the same gradients bit for bit on a second run."""
+    from shared_numerics.gated_deltanet import _rule_torch, gated_delta_rule_varlen, l2_normalize
+
+    gen = torch.Generator().manual_seed(10)
+    lens, h, dk, dv = [70, 0, 5], 2, 16, 24
+    t = sum(lens)
+    leaves = [
+        l2_normalize(torch.randn(t, h, dk, generator=gen)) / dk**0.5,
+        l2_normalize(torch.randn(t, h, dk, generator=gen)),
+        torch.randn(t, h, dv, generator=gen),
+        -torch.rand(t, h, generator=gen),
+        torch.rand(t, h, generator=gen),
+        torch.randn(len(lens), h, dk, dv, generator=gen) * 0.3,
+    ]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    w_o, w_s = torch.randn(t, h, dv, generator=gen), torch.randn(len(lens), h, dk, dv, generator=gen)
+
+    def grads(fn):
+        xs = [x.clone().requires_grad_() for x in leaves]
+        o, s = fn(*xs)
+        ((o * w_o).sum() + (s * w_s).sum()).backward()
+        return o.detach(), [x.grad for x in xs]
+
+    o, ours = grads(lambda q, k, v, g, b, s: gated_delta_rule_varlen(q, k, v, g, b, cu, s))
+    ref_o, ref = grads(lambda q, k, v, g, b, s: _rule_torch(q, k, v, torch.exp(g.double()).float(), b, cu, s))
+    assert torch.equal(o, ref_o)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), ours, ref, strict=True):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    _, again = grads(lambda q, k, v, g, b, s: gated_delta_rule_varlen(q, k, v, g, b, cu, s))
+    assert all(torch.equal(a, b) for a, b in zip(ours, again, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_compiled_l2_norm_is_the_torch_definition_bit_for_bit(dtype, threads):
+    """The L2 norm kernel (what runs without autograd on CPU) on q's and k's head-major slices of the conv output
+    gives the torch ops' bits (the trainer's autograd path), divided by ``sqrt(d_k)`` or not, a head size that is not
+    a power of two included."""
+    from shared_numerics.gated_deltanet import l2_normalize
+
+    gen = torch.Generator().manual_seed(11)
+    for heads, d in ((3, 24), (2, 128)):
+        y = torch.randn(37, 3 * heads * d + 5, generator=gen).to(dtype)
+        for lo, divisor in ((0, d**0.5), (heads * d, 1.0)):
+            x = y[:, lo : lo + heads * d].reshape(37, heads, d)  # a strided view, as the conv output's slices
+            ours = l2_normalize(x, divisor=divisor)
+            with torch.enable_grad():
+                ref = l2_normalize(x.clone().requires_grad_(), divisor=divisor)
+            assert ours.dtype == torch.float32 and ours.shape == (37, heads, d)
+            assert torch.equal(ours, ref.detach())
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [2, 0, 2, 1]], ids=["decode", "two_per_sequence"])
+def test_a_decode_steps_wide_rows_are_the_torch_definition_bit_for_bit(lens, threads):
+    """A decode step (at most two tokens per sequence) with ``d_v`` a multiple of 128 streams whole state rows
+    through the kernel instead of blocks of 16 columns: the torch ops' bits, each sequence's those of it alone."""
+    from shared_numerics.gated_deltanet import _rule_torch, gated_delta_rule, gated_delta_rule_varlen, l2_normalize
+
+    gen = torch.Generator().manual_seed(14)
+    h, dk, dv = 2, 64, 256
+    t = sum(lens)
+    q = l2_normalize(torch.randn(t, h, dk, generator=gen)) / dk**0.5
+    k = l2_normalize(torch.randn(t, h, dk, generator=gen))
+    v, g, beta = torch.randn(t, h, dv, generator=gen), -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    states = torch.randn(len(lens), h, dk, dv, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    o, s = gated_delta_rule_varlen(q, k, v, g, beta, cu, states)
+    ref_o, ref_s = _rule_torch(q, k, v, torch.exp(g.double()).float(), beta, cu, states)
+    assert o.shape == (t, h, dv) and torch.equal(o, ref_o) and torch.equal(s, ref_s)
+    for n, (lo, hi) in enumerate(itertools.pairwise(cu.tolist())):
+        alone_o, alone_s = gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[n])
+        assert torch.equal(alone_o, o[lo:hi]) and torch.equal(alone_s, s[n])
