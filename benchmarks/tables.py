@@ -505,22 +505,28 @@ def gated_deltanet() -> list[str]:
         return f"{sorted(v)[len(v) // 2] * 1e3:.2f}"
 
     p, dec, tr = d["prefill_s"], d["decode_step_s"], d["train_s"]
-    return [
+    cases = [
+        (f"prefill {a['prompt_len']} tokens, recurrence", p["stock"], p["ours"], d["prefill_ratio"]),
+        ("prefill, conv + gates + L2 + recurrence", p["stock_core"], p["ours_core"], d["prefill_core_ratio"]),
+        (f"decode step of {a['batch']}, recurrence", dec["stock"], dec["ours"], d["decode_ratio"]),
+        ("decode step, conv + gates + L2 + recurrence", dec["stock_core"], dec["ours_core"], d["decode_core_ratio"]),
+        (
+            f"trainer forward + backward, {a['train_len']} tokens (stock: HF `torch_chunk_gated_delta_rule`)",
+            tr["hf_torch_chunk"],
+            tr["ours"],
+            d["train_ratio"],
+        ),
+    ]
+    head = (
         f"Measured on {machine(d)} (`benchmarks/results/{GATED_DELTANET}`; {a['heads']} + {a['heads']} heads of "
-        f"{a['head_dim']}, bf16, medians of {a['repeats']}; stock's conv on its packed weight: {d['stock_cpp_conv']}):",
+        f"{a['head_dim']}, bf16, medians of {a['repeats']}; stock's conv on its packed weight: {d['stock_cpp_conv']}):"
+    )
+    return [
+        head,
         "",
         "| case | stock (ms) | zerokld (ms) | zerokld ÷ stock |",
         "| --- | --- | --- | --- |",
-        f"| prefill {a['prompt_len']} tokens, recurrence | {ms(p['stock'])} | {ms(p['ours'])} "
-        f"| {_x(d['prefill_ratio'])} |",
-        f"| prefill, conv + gates + L2 norm + recurrence | {ms(p['stock_core'])} | {ms(p['ours_core'])} "
-        f"| {_x(d['prefill_core_ratio'])} |",
-        f"| decode step of {a['batch']}, recurrence | {ms(dec['stock'])} | {ms(dec['ours'])} "
-        f"| {_x(d['decode_ratio'])} |",
-        f"| decode step, conv + gates + L2 norm + recurrence | {ms(dec['stock_core'])} | {ms(dec['ours_core'])} "
-        f"| {_x(d['decode_core_ratio'])} |",
-        f"| trainer forward + backward, {a['train_len']} tokens (stock: HF `torch_chunk_gated_delta_rule`) "
-        f"| {ms(tr['hf_torch_chunk'])} | {ms(tr['ours'])} | {_x(d['train_ratio'])} |",
+        *(f"| {case} | {ms(stock)} | {ms(ours)} | {_x(ratio)} |" for case, stock, ours, ratio in cases),
         f"| our gated RMSNorm, prefill (stock's not timed) | — | {ms(p['ours_norm'])} | — |",
     ]
 

@@ -304,7 +304,7 @@ def _rule_torch(q, k, v, decay, beta, cu_seqlens, states):
 
 class _GatedDeltaRuleCpu(torch.autograd.Function):
     """The compiled recurrence with its compiled backward (``zk_gated_delta_rule_bwd``: states checkpointed every 32
-    tokens and recomputed; float32, every sum in index order, one thread per sequence and head: deterministic)."""
+    tokens and recomputed; float32, every sum in a fixed order, one thread per sequence and head: deterministic)."""
 
     @staticmethod
     def forward(ctx, q, k, v, decay, beta, cu_seqlens, states):

@@ -18,7 +18,7 @@
 // block width changes a bit.
 //
 // zk_gated_delta_rule_bwd: the gradients of zk_gated_delta_rule (float32; deterministic: one thread per (sequence,
-// head), every sum in index order; not a definition other code must match). States are kept at every CHUNK-th token
+// head), every sum in a fixed order; not a definition other code must match). States are kept at every CHUNK-th token
 // in a forward pass, each chunk's states recomputed from its checkpoint, then per token t, last first, with dS the
 // gradient of S_t, P = decay S_{t-1}, u = P^T k, d = (v - u) beta:
 //   dS += q do^T; dq = S_t do; dk = dS d + P du; dd = dS^T k; dv = dd beta; du = -dd beta; dbeta = (v - u) . dd;
@@ -193,6 +193,20 @@ void run_items(int64_t nseq, const int64_t* cu, int64_t h, int64_t dk, int64_t d
   }
 }
 
+// sum over j < n of a[j] * b[j] in 16 lane partial sums (lane j % 16), then the lanes in order: a fixed order
+inline float hsum(v16f x) {
+  float r = 0.0f;
+  for (int l = 0; l < 16; ++l) r += x[l];
+  return r;
+}
+inline float dot_lanes(const float* a, const float* b, int64_t n) {
+  v16f acc = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc = acc + zk::loadv(a + j) * zk::loadv(b + j);
+  for (; j < n; ++j) acc[j % 16] += a[j] * b[j];
+  return hsum(acc);
+}
+
 }  // namespace
 
 extern "C" {
@@ -351,11 +365,7 @@ void zk_gated_delta_rule_bwd(int64_t nseq, const int64_t* cu, int64_t h, int64_t
           const float* dot = dout + row * dv;
           for (int64_t i = 0; i < dk; ++i)
             for (int64_t j = 0; j < dv; ++j) ds[i * dv + j] += qt[i] * dot[j];
-          for (int64_t i = 0; i < dk; ++i) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < dv; ++j) acc += cur[i * dv + j] * dot[j];
-            dq[row * dk + i] = acc;
-          }
+          for (int64_t i = 0; i < dk; ++i) dq[row * dk + i] = dot_lanes(cur + i * dv, dot, dv);
           for (int64_t j = 0; j < dv; ++j) dd[j] = 0.0f;
           for (int64_t i = 0; i < dk; ++i)
             for (int64_t j = 0; j < dv; ++j) dd[j] += ds[i * dv + j] * kt[i];
@@ -366,18 +376,25 @@ void zk_gated_delta_rule_bwd(int64_t nseq, const int64_t* cu, int64_t h, int64_t
             db += (vt[j] - u[j]) * dd[j];
           }
           dbeta[row] = db;
-          float dg = 0.0f;
+          v16f dg = {};
           for (int64_t i = 0; i < dk; ++i) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < dv; ++j) {
-              acc += ds[i * dv + j] * d[j] + p[i * dv + j] * du[j];
-              const float dpij = ds[i * dv + j] + kt[i] * du[j];
-              dg += dpij * prev[i * dv + j];
-              ds[i * dv + j] = g * dpij;
+            float* dsi = ds.data() + i * dv;
+            const float* pi = p.data() + i * dv;
+            const float* prv = prev + i * dv;
+            dkk[row * dk + i] = dot_lanes(dsi, d.data(), dv) + dot_lanes(pi, du.data(), dv);
+            int64_t j = 0;
+            for (; j + 16 <= dv; j += 16) {
+              const v16f dpij = zk::loadv(dsi + j) + kt[i] * zk::loadv(du.data() + j);
+              dg = dg + dpij * zk::loadv(prv + j);
+              zk::storev(dsi + j, g * dpij);
             }
-            dkk[row * dk + i] = acc;
+            for (; j < dv; ++j) {
+              const float dpij = dsi[j] + kt[i] * du[j];
+              dg[j % 16] += dpij * prv[j];
+              dsi[j] = g * dpij;
+            }
           }
-          ddecay[row] = dg;
+          ddecay[row] = hsum(dg);
         }
       }
       std::copy(ds.begin(), ds.end(), dstate + pair * sz);
