@@ -21,9 +21,9 @@ import torch
 
 from . import cpu_ops
 from .cpu_kernels import DTYPE_CODES
-from .reduce import exp64
+from .reduce import exp64, sigmoid64
 
-__all__ = ["silu_and_mul"]
+__all__ = ["sigmoid_gate", "silu_and_mul"]
 
 
 def _silu_mul_cpu(g: torch.Tensor, u: torch.Tensor, want_s: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,3 +87,21 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g = gate.float()
     y = g / (1.0 + exp64(-g)) * up.float()
     return y.to(gate.dtype)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)``: a sigmoid output gate (Qwen3-Next's and Qwen3.5's gated attention, ``attn_output *
+    torch.sigmoid(gate)``; Qwen2-MoE's and Qwen3-Next's gated shared expert, ``sigmoid(shared_expert_gate(x)) *
+    shared_expert(x)``): the sigmoid in float64 rounded to float32 (:func:`shared_numerics.reduce.sigmoid64`:
+    position independent), the product in float32, rounded to ``x``'s dtype.
+
+    Args:
+        x: ``[..., D]`` float32 or bfloat16. gate: broadcastable to ``x`` (``[..., D]``, or ``[..., 1]`` for one gate
+            per row), any float dtype.
+
+    Returns:
+        ``x``'s shape and dtype; each element depends only on its own ``x`` and gate. Differentiable. Source: HF
+        ``modeling_qwen3_next.py`` (``Qwen3NextAttention.forward``, ``Qwen3NextSparseMoeBlock.forward``), which rounds
+        the sigmoid and the product to bf16 apart.
+    """
+    return (x.float() * sigmoid64(gate.float())).to(x.dtype)

@@ -173,7 +173,8 @@ def moe_experts(
             experts (``gather``) this rank's subtree root, whose gradient is the whole output's, so each rank's
             chains are TP 1's slices (the gate/up rows, the down columns it holds). A CPU where
             :func:`~shared_numerics.grad_chain.chain_available` holds.
-        shared_out: ``[N, H]`` the shared experts' output (DeepSeekMoE), added in float32 after the slots.
+        shared_out: ``[N, H]`` the shared experts' output (DeepSeekMoE; the gated shared expert), added in float32
+            after the slots.
         fp8: ``None``, or the FP8 granularity (``"per_channel"`` / ``"block"``) of every expert projection: each is
             :func:`shared_numerics.fp8_linear` of its own codes (one expert's weight ``[I, H]`` is one FP8 weight,
             quantized alone, as DeepSeek's checkpoints store it). Without ``scales`` the three weights are
@@ -574,8 +575,11 @@ def moe_forward(
     fp8: Granularity | None = None,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     expert_parallel: ExpertParallel | None = None,
+    shared=None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine.
+    """One sparse MoE block (Qwen3-MoE ``Qwen3MoeSparseMoeBlock``): router, top-k, experts, combine; with ``shared``
+    the sigmoid-gated shared expert of Qwen3-Next / Qwen3.5-MoE / Qwen2-MoE (``Qwen3NextSparseMoeBlock``).
 
     Args:
         x: ``[N, H]`` activations.
@@ -597,6 +601,12 @@ def moe_forward(
         fp8, scales: FP8 experts (QAT or served codes), see :func:`moe_experts`; the router stays high precision.
         expert_parallel: the experts split over ranks (``w_*`` this rank's), see :func:`moe_experts`; the router is
             replicated and ``expert_ids`` stay global ids.
+        shared, shared_gate: the gated shared expert: ``shared = (gate [I_s, H], up [I_s, H], down [H, I_s])``
+            weights or the module computing ``down(silu_and_mul(gate x, up x))`` (``[N, H] -> [N, H]``, the host's
+            projections); ``shared_gate`` ``[1, H]`` (HF ``shared_expert_gate.weight``). Its output
+            :func:`shared_numerics.activation.sigmoid_gate` ``(shared(x), linear(x, shared_gate))`` is added in
+            float32 after the routed slots. ``x``'s gradient then adds its branches in one fixed order: router,
+            shared expert's gate, shared expert, routed experts. Not with ``k_block`` (weights) or ``chains``.
 
     Returns:
         ``(out [N, H] in x.dtype, expert_ids [N, top_k] int64)`` — the ids used (recomputed or replayed).
@@ -604,6 +614,21 @@ def moe_forward(
     Raises:
         ValueError: replayed ids of the wrong shape or outside ``[0, E)``.
     """
+    shared_out = None
+    if shared is not None:
+        from . import silu_and_mul
+        from .activation import sigmoid_gate
+
+        if shared_gate is None or chains is not None or (k_block is not None and not callable(shared)):
+            raise ValueError("a gated shared expert needs shared_gate, no chains, and a module under k_block")
+        x_router, x_gate, x_shared, x_routed = _OrderedBranches.apply(x, 4) if x.requires_grad else (x,) * 4
+        if callable(shared):
+            s_out = shared(x_shared)
+        else:
+            sg, su, sd = shared
+            s_out = _linear(silu_and_mul(_linear(x_shared, sg), _linear(x_shared, su)), sd)
+        shared_out = sigmoid_gate(s_out, _linear(x_gate, shared_gate))
+        x, experts_x = x_router, x_routed if experts_x is None else experts_x
     scores = _scores(_linear(x, router_weight, None if chains is None else chains["router"]))
     ids = _topk_ids(scores, top_k)
     if expert_ids is not None:
@@ -618,6 +643,7 @@ def moe_forward(
         k_block,
         gather,
         None if chains is None else (chains["w_gate"], chains["w_up"], chains["w_down"]),
+        shared_out=shared_out,
         fp8=fp8,
         scales=scales,
         expert_parallel=expert_parallel,
