@@ -319,14 +319,18 @@ void zk_gated_delta_rule_bwd(int64_t nseq, const int64_t* cu, int64_t h, int64_t
   const int64_t pairs = nseq * h, sz = dk * dv;
 #pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 1)
   {
-    std::vector<float> ckpt, chunk((CHUNK + 1) * sz), ds(sz), dp(sz), p(sz), u(dv), d(dv), dd(dv), du(dv);
+    // us, dsv: u and d of each token of the chunk being recomputed, kept for its backward
+    std::vector<float> ckpt, chunk((CHUNK + 1) * sz), ds(sz), p(sz), us(CHUNK * dv), dsv(CHUNK * dv), prow(dv),
+        dd(dv), du(dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t seq = pair / h, head = pair % h, lo = cu[seq], hi = cu[seq + 1], len = hi - lo;
       const int64_t nchunks = (len + CHUNK - 1) / CHUNK;
-      // one forward step from s (S_{t-1}) to out (S_t); fills p, u, d
+      // one forward step from s (S_{t-1}) to out (S_t); keeps u and d in token t's slot of the chunk
       auto step = [&](int64_t t, const float* s, float* out) {
         const int64_t row = t * h + head;
+        float* u = us.data() + ((t - lo) % CHUNK) * dv;
+        float* d = dsv.data() + ((t - lo) % CHUNK) * dv;
         const float g = decay[row], b = beta[row];
         const float* kt = k + row * dk;
         const float* vt = v + row * dv;
@@ -357,7 +361,8 @@ void zk_gated_delta_rule_bwd(int64_t nseq, const int64_t* cu, int64_t h, int64_t
           const int64_t row = t * h + head;
           const float* prev = chunk.data() + (t - a) * sz;
           const float* cur = chunk.data() + (t - a + 1) * sz;
-          step(t, prev, dp.data());  // p, u, d of token t (dp is scratch here)
+          const float* u = us.data() + (t - a) * dv;
+          const float* d = dsv.data() + (t - a) * dv;
           const float g = decay[row], b = beta[row];
           const float* kt = k + row * dk;
           const float* qt = q + row * dk;
@@ -379,9 +384,9 @@ void zk_gated_delta_rule_bwd(int64_t nseq, const int64_t* cu, int64_t h, int64_t
           v16f dg = {};
           for (int64_t i = 0; i < dk; ++i) {
             float* dsi = ds.data() + i * dv;
-            const float* pi = p.data() + i * dv;
             const float* prv = prev + i * dv;
-            dkk[row * dk + i] = dot_lanes(dsi, d.data(), dv) + dot_lanes(pi, du.data(), dv);
+            for (int64_t j = 0; j < dv; ++j) prow[j] = prv[j] * g;  // row i of P = decay S_{t-1}, as step made it
+            dkk[row * dk + i] = dot_lanes(dsi, d, dv) + dot_lanes(prow.data(), du.data(), dv);
             int64_t j = 0;
             for (; j + 16 <= dv; j += 16) {
               const v16f dpij = zk::loadv(dsi + j) + kt[i] * zk::loadv(du.data() + j);
