@@ -3,7 +3,9 @@
 The model: :func:`benchmarks.trainer.realistic_spec` (the issue's realistic size at the defaults: hidden 1024 x 8
 layers, 16 heads of dim 64 / 4 KV heads, vocabulary 32,768; ``--family qwen3_moe``: every MLP 8 experts, top-2;
 ``--family deepseek_v3``: :func:`benchmarks.trainer.deepseek_spec`, MLA over the latent cache (512 + 64) and
-DeepSeekMoE; stock vLLM-CPU serves it with its AMX MLA kernels where AMX exists, its reference ``CPU_MLA`` elsewhere).
+DeepSeekMoE; stock vLLM-CPU serves it with its AMX MLA kernels where AMX exists, its reference ``CPU_MLA`` elsewhere;
+``--family qwen3_next``: :func:`zerokld_testing.qwen3_next.realistic_qwen3_next`, 3 Gated DeltaNet layers : 1 gated
+attention layer, stock with its C++ chunked-prefill and recurrent-decode kernels).
 For each dtype, one engine with the plugin on and one with it off (started one after the other: 2-core machines),
 each measured ``--repeats`` times after a warm-up:
 
@@ -80,9 +82,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument(
         "--family",
-        choices=["qwen3", "qwen3_moe", "deepseek_v3"],
+        choices=["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next"],
         default="qwen3",
-        help="qwen3_moe: 8 experts, top-2, expert FFN width = hidden; deepseek_v3: MLA + DeepSeekMoE",
+        help="qwen3_moe: 8 experts, top-2, expert FFN width = hidden; deepseek_v3: MLA + DeepSeekMoE; qwen3_next: "
+        "Gated DeltaNet + gated attention (3:1)",
     )
     ap.add_argument(
         "--temperature",
@@ -110,7 +113,14 @@ def main(argv=None) -> dict:
     result = {"machine": machine_facts(), "args": vars(args), "runs": {}}
     for dtype in args.dtypes.split(","):
         # checkpoints go under runs/ (hundreds of MB at hidden 1024), never beside a results JSON
-        ckpt = make(Path("runs/bench") / f"bench_{args.family}_{dtype}", spec, seed=0, dtype=dtype)
+        path = Path("runs/bench") / f"bench_{args.family}_{dtype}"
+        if args.family == "qwen3_next":
+            from zerokld_testing import make_qwen3_next_checkpoint, realistic_qwen3_next
+
+            changes = {**realistic_qwen3_next(args.hidden, args.layers), "max_position_embeddings": max_len}
+            ckpt = make_qwen3_next_checkpoint(path, dtype, seed=0, **changes)
+        else:
+            ckpt = make(path, spec, seed=0, dtype=dtype)
         per = {}
         for mode in ("zerokld", "stock"):
             if mode == "stock" and latent is not None and not stock_mla_available(latent):

@@ -263,11 +263,13 @@ def test_the_example_and_the_benchmarks_use_public_api_only():
         "DeepSeekSpec",
         "TinyModelSpec",
         "make_deepseek_checkpoint",
+        "make_qwen3_next_checkpoint",
         "make_tiny_checkpoint",
         "make_tokenizer",
         "mixed_sampling_params",
         "random_datums",
         "random_prompts",
+        "realistic_qwen3_next",
     }
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "mla_config",
     "state_dict_adapter_class",
     "titan_model_config",
+    "trainer_unbuilt",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -328,6 +329,19 @@ def mla_config(cfg: ModelConfig, plan: tuple[Layer, ...]):
     return model_cfg
 
 
+def trainer_unbuilt(cfg: ModelConfig, plan: tuple[Layer, ...]) -> list[str]:
+    """The components of ``plan`` that zerokld's definitions implement (vLLM serves them) but the trainer's model
+    does not build yet: Gated DeltaNet layers, gated attention, the sigmoid-gated shared expert, zero-centred
+    RMSNorm gains (Qwen3-Next's; TorchTitan 0.3.0's ``qwen3_5`` model needs FLA's kernels). Empty: it builds."""
+    found = {
+        "Gated DeltaNet layers": any(layer.mixer.kind == "gated_deltanet" for layer in plan),
+        "gated attention (attn_output_gate)": any(layer.mixer.output_gate for layer in plan),
+        "sigmoid-gated shared expert": any(layer.mlp.shared_expert_gate for layer in plan),
+        "zero-centred RMSNorm gains": cfg.zero_centred_norm,
+    }
+    return [name for name, present in found.items() if present]
+
+
 def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None):
     """TorchTitan model config for a checkpoint's :class:`zerokld_models.ModelConfig`, built from its architecture's
     declaration (:func:`architecture_config`), under the trainer's settings.
@@ -343,7 +357,8 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None
     Raises:
         zerokld_plugins.UnknownNameError: no architecture folder registers ``cfg.architecture``.
         zerokld_models.UnsupportedModelError: a feature the definition does not implement (RoPE scaling type, bias,
-            ...; DeepSeek Sparse Attention with ``batch_invariant`` off: TorchTitan has none); ValueError: a quantized
+            ...; DeepSeek Sparse Attention with ``batch_invariant`` off: TorchTitan has none), or one the trainer does
+            not build yet (:func:`trainer_unbuilt`); ValueError: a quantized
             checkpoint (train from the high-precision one; export with
             :func:`titan_plugin.export_fp8_checkpoint`); ``tp_k_block`` with FP8.
     """
@@ -352,6 +367,9 @@ def titan_model_config(cfg: ModelConfig, settings: ZeroKLDSettings | None = None
         raise ValueError(f"the trainer loads high-precision checkpoints; this one is quantized ({cfg.quant_method})")
     adapter = adapter_for(cfg)
     check_supported(cfg, adapter)
+    unbuilt = trainer_unbuilt(cfg, layer_plan(cfg, adapter))
+    if unbuilt:
+        raise UnsupportedModelError(f"the zerokld trainer does not build {cfg.architecture}'s " + "; ".join(unbuilt))
     if cfg.index_topk is not None and not settings.batch_invariant:
         raise UnsupportedModelError(
             f"{cfg.architecture}: TorchTitan has no DeepSeek Sparse Attention; only zerokld's definition "

@@ -18,7 +18,13 @@ Source: vLLM ``engine/arg_utils.py`` (``EngineArgs.create_engine_config``), ``co
 
 from __future__ import annotations
 
-__all__ = ["check_engine_config", "check_model_settings", "install", "unsupported_architecture"]
+__all__ = [
+    "check_engine_config",
+    "check_model_settings",
+    "install",
+    "keep_recurrent_state_float32",
+    "unsupported_architecture",
+]
 
 
 def unsupported_architecture(model_config):
@@ -93,9 +99,25 @@ def check_engine_config(vllm_config) -> None:
         raise unsupported_architecture(model_config)
 
 
+def keep_recurrent_state_float32(engine_args) -> None:
+    """With zerokld on, a Gated DeltaNet (or Mamba) layer's recurrent state is float32 whatever the platform picks:
+    vLLM's ``mamba_ssm_cache_dtype`` left at ``"auto"`` (the model dtype on CPUs without AVX512-BF16; vLLM-CPU sets
+    float32 only where its own accelerated kernels run, ``platforms/cpu.py``) becomes ``"float32"`` before vLLM
+    sizes the cache; an explicit other value is refused by :func:`vllm_plugin.support.check_supported`. Engines
+    without a recurrent layer never read it."""
+    from .config import ZeroKLDConfigError, from_vllm_config
+
+    try:
+        on = from_vllm_config(engine_args).batch_invariant
+    except ZeroKLDConfigError:
+        return  # refused with its message once the config is built (check_engine_config)
+    if on and getattr(engine_args, "mamba_ssm_cache_dtype", None) == "auto":
+        engine_args.mamba_ssm_cache_dtype = "float32"
+
+
 def install() -> None:
-    """Wrap ``EngineArgs.create_engine_config``: :func:`check_engine_config`, then the hot-load worker extension, on
-    every config it builds (idempotent)."""
+    """Wrap ``EngineArgs.create_engine_config``: :func:`keep_recurrent_state_float32` on its arguments, then
+    :func:`check_engine_config` and the hot-load worker extension on every config it builds (idempotent)."""
     import functools
 
     from .hotload.worker import configure_worker_extension
@@ -104,6 +126,7 @@ def install() -> None:
     def wrap(original):
         @functools.wraps(original)
         def create_engine_config(self, *args, **kwargs):
+            keep_recurrent_state_float32(self)
             config = original(self, *args, **kwargs)
             check_engine_config(config)
             configure_worker_extension(config)

@@ -79,6 +79,8 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
     fp8 = from_vllm_config(vllm_config).fp8 or is_zerokld_fp8(vllm_config)
     if fp8 and any(layer.mixer.qkv_bias for layer in plan):
         problems.append("FP8 with q/k/v bias (the FP8 GEMM is bias-free)")
+    if any(layer.mixer.cache == "recurrent" for layer in plan):
+        problems += _recurrent_problems(vllm_config)
     if cfg.index_topk is not None:
         from vllm.platforms import current_platform
 
@@ -89,6 +91,33 @@ def check_supported(vllm_config, cfg: ModelConfig, adapter) -> None:
         raise ZeroKLDConfigError(
             f"zerokld batch_invariant mode does not support ({cfg.architecture}): " + "; ".join(problems)
         )
+
+
+def _recurrent_problems(vllm_config) -> list[str]:
+    """What a zerokld engine of a model with Gated DeltaNet layers does not run (yet): the recurrent state kept in
+    anything but float32 (vLLM's ``mamba_ssm_cache_dtype``; ``"auto"`` is made float32 where the config is built,
+    :func:`vllm_plugin.start.keep_recurrent_state_float32`), a conv state in another dtype than the activations',
+    speculative decoding, and tensor parallelism, LoRA or FP8 over those layers.
+
+    Source: vLLM ``config/cache.py`` (``mamba_cache_dtype``, ``mamba_ssm_cache_dtype``, ``mamba_cache_mode``)."""
+    cc, problems = vllm_config.cache_config, []
+    if cc.mamba_ssm_cache_dtype != "float32":
+        problems.append(
+            f"mamba_ssm_cache_dtype {cc.mamba_ssm_cache_dtype} (zerokld keeps the Gated DeltaNet state in float32)"
+        )
+    if cc.mamba_cache_dtype not in ("auto", str(vllm_config.model_config.dtype).removeprefix("torch.")):
+        problems.append(f"mamba_cache_dtype {cc.mamba_cache_dtype} (the conv state is kept in the model dtype)")
+    if getattr(cc, "mamba_cache_mode", "none") not in ("none", "align"):
+        problems.append(f"mamba_cache_mode {cc.mamba_cache_mode} (supported: none, align)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding with Gated DeltaNet layers")
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        problems.append("tensor parallelism with Gated DeltaNet layers (use TP=1)")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA with Gated DeltaNet layers")
+    if from_vllm_config(vllm_config).fp8 or is_zerokld_fp8(vllm_config):
+        problems.append("FP8 with Gated DeltaNet layers")
+    return problems
 
 
 def _load_format_problems(load_config) -> list[str]:

@@ -84,6 +84,11 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output times sigmoid(shared_expert_gate(x))
+    # RMSNorm gains stored centred on zero: the norm multiplies by 1 + w (Qwen3-Next's Qwen3NextRMSNorm)
+    zero_centred_norm: bool = False
+    # gated attention: q_proj gives each head's query and an output gate, o * sigmoid(gate) (Qwen3-Next, Qwen3.5)
+    attn_output_gate: bool = False
     # DeepSeek-V2/V3 family: multi-head latent attention (MLA) and DeepSeekMoE
     q_lora_rank: int | None = None  # None: q is one projection (q_proj), as DeepSeek-V2-Lite
     kv_lora_rank: int | None = None  # set: the model uses MLA
@@ -239,6 +244,7 @@ def read_model_config(src: Any) -> ModelConfig:
         mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
         decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
         shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
+        attn_output_gate=bool(d.get("attn_output_gate", False)),
         q_lora_rank=d.get("q_lora_rank"),
         kv_lora_rank=d.get("kv_lora_rank"),
         qk_nope_head_dim=d.get("qk_nope_head_dim") or 0,

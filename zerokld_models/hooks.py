@@ -15,6 +15,7 @@ from . import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 
 
@@ -31,4 +32,5 @@ def zerokld_model_adapters():
         glm_moe_dsa.ADAPTER,
         deepseek_v32.ADAPTER,
         glm4_moe.ADAPTER,
+        qwen3_next.ADAPTER,
     ]

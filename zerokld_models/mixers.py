@@ -61,6 +61,8 @@ class TokenMixer:
         partial_rotary_factor: the fraction of the rope dimensions rotated.
         indexer: DSA only: ``"full"`` (the layer runs its lightning indexer) or ``"shared"`` (reuses the previous
             full layer's selection).
+        output_gate: gated attention (Qwen3-Next, Qwen3.5): ``q_proj`` gives each head's query and an output gate
+            (``[q | gate]`` per head), the attention output times ``sigmoid(gate)`` before ``o_proj``.
     """
 
     kind: str
@@ -70,6 +72,7 @@ class TokenMixer:
     qkv_bias: bool = False
     partial_rotary_factor: float = 1.0
     indexer: str | None = None
+    output_gate: bool = False
 
     def __post_init__(self):
         if self.kind not in MIXER_KINDS or self.cache not in CACHE_KINDS:
@@ -114,7 +117,8 @@ class GQA:
     Config fields: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``attention_bias``,
     ``use_qk_norm``, ``rope_theta`` / ``rope_scaling`` (none or llama3), ``partial_rotary_factor`` (rotate-half RoPE
     on the first ``head_dim * partial_rotary_factor`` dimensions of each head, the rest passed through: HF
-    ``apply_rotary_pos_emb``), ``sliding_window``."""
+    ``apply_rotary_pos_emb``), ``sliding_window``, ``attn_output_gate`` (the sigmoid output gate of Qwen3-Next's
+    ``Qwen3NextAttention``)."""
 
     kind = "gqa"
     cache = "paged_kv"
@@ -130,6 +134,7 @@ class GQA:
             qk_norm=adapter.qk_norm or cfg.use_qk_norm,
             qkv_bias=adapter.qkv_bias or cfg.attention_bias,
             partial_rotary_factor=cfg.partial_rotary_factor,
+            output_gate=cfg.attn_output_gate,
         )
 
     @staticmethod
@@ -276,15 +281,17 @@ class GatedDeltaNet:
         return math.prod(conv) * activation_bytes + math.prod(recurrent) * 4
 
     def problems(self, cfg: ModelConfig, adapter) -> list[str]:
-        """What of ``cfg`` zerokld's Gated DeltaNet does not implement (empty: none). The arithmetic is
-        :mod:`shared_numerics.gated_deltanet`; neither host builds the layer yet, so every config is refused."""
+        """What of ``cfg`` zerokld's Gated DeltaNet (:mod:`shared_numerics.gated_deltanet`) does not implement
+        (empty: none); what a host does not build yet is that host's answer (vLLM's engine settings,
+        :func:`vllm_plugin.support.check_supported`; the trainer, :func:`titan_plugin.models.titan_model_config`)."""
         problems = []
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         if not (hk and hv and cfg.linear_key_head_dim and cfg.linear_value_head_dim and cfg.linear_conv_kernel_dim):
             problems.append("Gated DeltaNet without linear_num_*_heads / linear_*_head_dim / linear_conv_kernel_dim")
         elif hv % hk:
             problems.append(f"linear_num_value_heads {hv} not a multiple of linear_num_key_heads {hk}")
-        problems.append("Gated DeltaNet layers (not built by the vLLM or TorchTitan plugin yet)")
+        if cfg.hidden_act != "silu":
+            problems.append(f"Gated DeltaNet activation {cfg.hidden_act} (its conv1d and gated norm use silu)")
         return problems
 
     def tp_split(self, cfg: ModelConfig) -> TPSplit:

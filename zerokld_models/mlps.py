@@ -4,8 +4,9 @@ fields it reads, why it refuses a config (:meth:`SwiGLU.problems`), its row-para
 the component of each layer (:attr:`MLP.component`), never of an architecture or MLP name.
 
 * :class:`SwiGLU` — ``down(silu(gate x) * up x)``. HF ``LlamaMLP``; vLLM ``LlamaMLP``.
-* :class:`MoE` — softmax top-k routed experts, no shared expert (Qwen3-MoE: :func:`shared_numerics.moe.moe_forward`).
-  HF ``Qwen3MoeSparseMoeBlock``; vLLM ``models/qwen3_moe.py``.
+* :class:`MoE` — softmax top-k routed experts (Qwen3-MoE: :func:`shared_numerics.moe.moe_forward`), with Qwen3-Next's
+  sigmoid-gated shared expert where the architecture has one. HF ``Qwen3MoeSparseMoeBlock``,
+  ``Qwen3NextSparseMoeBlock``; vLLM ``models/qwen3_moe.py``, ``models/qwen3_next.py``.
 * :class:`DeepSeekMoE` — group-limited top-k routing (sigmoid scores with a selection bias, or softmax:
   :func:`shared_numerics.moe.route_grouped_topk`), weights times ``routed_scaling_factor``, always-on shared experts.
   HF ``DeepseekV3MoE``, ``Glm4MoeLiteMoE``; vLLM ``models/deepseek_v2.py``.
@@ -34,6 +35,9 @@ class MLP:
         num_experts, top_k: the routed experts and how many each token takes (0 for ``swiglu``).
         routing: the MoE's router (``zerokld_plugins.specs.MOE_ROUTINGS``), ``None`` for ``swiglu``.
         shared_experts: DeepSeekMoE's always-on experts.
+        shared_expert_gate: the softmax MoE has Qwen3-Next's sigmoid-gated shared expert (HF builds it whatever its
+            width: a 0-wide one adds nothing).
+        shared_expert_size: its intermediate size (``shared_expert_intermediate_size``).
     """
 
     kind: str
@@ -42,6 +46,8 @@ class MLP:
     top_k: int = 0
     routing: str | None = None
     shared_experts: int = 0
+    shared_expert_gate: bool = False
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         if self.kind not in MLP_KINDS:
@@ -87,9 +93,10 @@ class SwiGLU:
 
 
 class MoE(SwiGLU):
-    """Softmax top-k routed SwiGLU experts in every layer, no shared expert (Qwen3-MoE). Config fields:
-    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``, ``mlp_only_layers``,
-    ``decoder_sparse_step``, ``shared_expert_intermediate_size``."""
+    """Softmax top-k routed SwiGLU experts in every layer (Qwen3-MoE), and beside them the sigmoid-gated shared expert
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where the architecture has one (Qwen3-Next: the folder's
+    ``shared_expert_gate``). Config fields: ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``norm_topk_prob``, ``mlp_only_layers``, ``decoder_sparse_step``, ``shared_expert_intermediate_size``."""
 
     kind = "moe"
     routed = True
@@ -97,6 +104,7 @@ class MoE(SwiGLU):
     lora = False
 
     def layer(self, cfg: ModelConfig, adapter) -> MLP:
+        gated = cfg.shared_expert_gate and not self.grouped
         return MLP(
             self.kind,
             int(cfg.moe_intermediate_size or cfg.intermediate_size),
@@ -104,6 +112,8 @@ class MoE(SwiGLU):
             int(cfg.num_experts_per_tok or 0),
             adapter.moe_routing,
             self.shared_experts(cfg),
+            gated,
+            cfg.shared_expert_intermediate_size if gated else 0,
         )
 
     def shared_experts(self, cfg: ModelConfig) -> int:
@@ -121,13 +131,15 @@ class MoE(SwiGLU):
             problems.append(f"mlp_only_layers {list(cfg.mlp_only_layers)} (every layer must be MoE)")
         if cfg.decoder_sparse_step != 1:
             problems.append(f"decoder_sparse_step {cfg.decoder_sparse_step}")
-        if cfg.shared_expert_intermediate_size:
+        if cfg.shared_expert_intermediate_size and not cfg.shared_expert_gate:
             problems.append("shared experts")
         return problems
 
     def row_parallel(self, mlp: MLP) -> tuple[tuple[str, int], ...]:
-        """The experts' ``down_proj`` over each expert's intermediate size."""
-        return (("experts' down_proj", mlp.intermediate_size),)
+        """The experts' ``down_proj`` over each expert's intermediate size (and the gated shared expert's over its
+        own)."""
+        shared = (("shared expert's down_proj", mlp.shared_expert_size),) if mlp.shared_expert_size else ()
+        return (("experts' down_proj", mlp.intermediate_size),) + shared
 
 
 #: the (``scoring_func``, ``topk_method``) pairs each DeepSeekMoE routing implements

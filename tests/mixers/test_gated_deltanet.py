@@ -233,22 +233,6 @@ def test_refuses_shapes_that_do_not_match():
         gated_deltanet_core(mixed, z, a, b, params, dims, 1e-6, recurrent_state=torch.zeros(3, 8, 9))
 
 
-def _hybrid_declaration():
-    """A Qwen3-Next declaration (not registered: neither host builds Gated DeltaNet layers yet) whose layer types
-    name their mixers as ``zerokld_models/<arch>/`` will."""
-    from zerokld_plugins import ModelAdapterSpec
-
-    return ModelAdapterSpec(
-        architecture="Qwen3NextForCausalLM",
-        vllm_base="vllm.model_executor.models.qwen3_next:Qwen3NextForCausalLM",
-        titan_model="",
-        titan_block="",
-        titan_state_dict_adapter="",
-        moe=True,
-        layer_mixers=(("linear_attention", "gated_deltanet"), ("full_attention", "gqa")),
-    )
-
-
 @pytest.mark.parametrize(
     "layer_types",
     [
@@ -262,14 +246,14 @@ def test_a_hybrids_plan_is_its_layer_types_and_hfs_layers(layer_types):
     (``"recurrent"`` cache: the conv state ``[K - 1, conv channels]`` and the float32 ``[Hv, d_k, d_v]`` state, the
     shapes of HF's ``conv1d`` and recurrent state) or grouped-query attention (``"paged_kv"``) — as HF's
     ``Qwen3NextModel`` builds them, in a 3:1 pattern and another; the bytes one sequence's cache holds per Gated
-    DeltaNet layer; a declaration it cannot serve yet refused with the reason; ``layer_types`` that do not cover
+    DeltaNet layer; the registered declaration supported (Qwen3-Next's folder); ``layer_types`` that do not cover
     every layer, or name an undeclared type, refused."""
     import dataclasses
 
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextModel
 
-    from zerokld_models import UnsupportedModelError, layer_plan, read_model_config, unsupported_features
+    from zerokld_models import UnsupportedModelError, adapter_for, layer_plan, read_model_config, unsupported_features
     from zerokld_models.mixers import GatedDeltaNet
 
     hf_config = Qwen3NextConfig(
@@ -292,7 +276,8 @@ def test_a_hybrids_plan_is_its_layer_types_and_hfs_layers(layer_types):
         shared_expert_intermediate_size=32,
         architectures=["Qwen3NextForCausalLM"],
     )
-    cfg, adapter = read_model_config(hf_config), _hybrid_declaration()
+    cfg = read_model_config(hf_config)
+    adapter = adapter_for(cfg)
     plan = layer_plan(cfg, adapter)
     hf = Qwen3NextModel(hf_config).layers
     assert len(plan) == len(hf) == len(layer_types)
@@ -310,7 +295,7 @@ def test_a_hybrids_plan_is_its_layer_types_and_hfs_layers(layer_types):
     assert [layer.mixer.kind == "gated_deltanet" for layer in plan] == [t == "linear_attention" for t in layer_types]
     # bf16 activations: conv 3 x (2*2*16 + 4*24) x 2 bytes + recurrent 4 x 16 x 24 x 4 bytes
     assert GatedDeltaNet.state_bytes(cfg, 2) == 3 * 160 * 2 + 4 * 16 * 24 * 4
-    assert any("Gated DeltaNet layers" in p for p in unsupported_features(cfg, adapter))
+    assert unsupported_features(cfg, adapter) == []
     for bad in (layer_types[:-1], [*layer_types[:-1], "sliding_attention"]):
         with pytest.raises(UnsupportedModelError, match="layer_types"):
             layer_plan(dataclasses.replace(cfg, layer_types=tuple(bad)), adapter)

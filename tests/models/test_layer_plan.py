@@ -82,6 +82,24 @@ def _configs():
             attention_bias=True,
         ),
     )
+    yield (
+        "Qwen3NextForCausalLM",
+        tf.Qwen3NextConfig(
+            **SMALL,
+            head_dim=16,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_num_value_heads=4,
+            linear_value_head_dim=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            mlp_only_layers=[2],
+        ),
+    )
 
 
 CONFIGS = list(_configs())
@@ -97,6 +115,8 @@ def _hf_layers(hf_config):
 
 
 def _hf_mixer(layer) -> str:
+    if hasattr(layer, "linear_attn"):
+        return "gated_deltanet"
     attn = layer.self_attn
     if hasattr(attn, "kv_a_proj_with_mqa"):
         return "dsa" if hasattr(attn, "indexer") else "mla"
@@ -123,13 +143,20 @@ def test_the_plan_is_what_hf_builds(arch, hf_config):
     for layer, ref in zip(plan, hf, strict=True):
         assert layer.mixer.kind == _hf_mixer(ref), (layer.index, layer.mixer, type(ref.self_attn).__name__)
         assert layer.mlp.routed == _hf_routed(ref), (layer.index, layer.mlp, type(ref.mlp).__name__)
-        attn, state = ref.self_attn, dict(layer.mixer.state)
+        attn, state = getattr(ref, "self_attn", None), dict(layer.mixer.state)
         if layer.mixer.kind == "gqa":
             assert layer.mixer.cache == "paged_kv"
             assert state["k"] == state["v"] == (cfg.num_key_value_heads, cfg.head_dim)
             assert attn.k_proj.out_features == state["k"][0] * state["k"][1]
             assert layer.mixer.qk_norm == hasattr(attn, "q_norm")
             assert layer.mixer.qkv_bias == (attn.q_proj.bias is not None)
+            gate = 2 if layer.mixer.output_gate else 1  # Qwen3-Next's q_proj: each head's query and its output gate
+            assert attn.q_proj.out_features == cfg.num_attention_heads * cfg.head_dim * gate
+        elif layer.mixer.kind == "gated_deltanet":  # the conv1d's K - 1 inputs and the [Hv, d_k, d_v] state
+            gdn = ref.linear_attn
+            c, _, k = gdn.conv1d.weight.shape
+            assert layer.mixer.cache == "recurrent"
+            assert state == {"conv": (k - 1, c), "recurrent": (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)}
         else:  # the latent: kv_a_proj_with_mqa's output, c_kv and the shared rope key
             assert layer.mixer.cache == "latent"
             assert state["latent"] == (attn.kv_a_proj_with_mqa.out_features,)
@@ -142,8 +169,11 @@ def test_the_plan_is_what_hf_builds(arch, hf_config):
         if layer.mlp.routed:
             experts = ref.mlp.experts
             assert layer.mlp.num_experts == getattr(experts, "num_experts", None) or len(experts)
-            assert layer.mlp.kind == ("moe" if arch == "Qwen3MoeForCausalLM" else "deepseek_moe")
+            assert layer.mlp.kind == (
+                "moe" if arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") else "deepseek_moe"
+            )
             assert (layer.mlp.shared_experts > 0) == hasattr(ref.mlp, "shared_experts")
+            assert layer.mlp.shared_expert_gate == hasattr(ref.mlp, "shared_expert_gate")
         else:
             assert layer.mlp.kind == "swiglu" and layer.mlp.intermediate_size == ref.mlp.down_proj.in_features
 

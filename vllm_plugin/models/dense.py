@@ -29,13 +29,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 import shared_numerics.tensor_parallel as sn_tp
+from shared_numerics.activation import sigmoid_gate
 from zerokld_models import ModelConfig
 from zerokld_models.mixers import GQA, TokenMixer
 
 from ..attention_backend import ZeroKLDAttentionBackend
 from ..config import from_vllm_config
 
-__all__ = ["Fp8Mode", "GQALayer", "ResidualLayer", "TensorParallel"]
+__all__ = ["Fp8Mode", "GQALayer", "ResidualLayer", "TensorParallel", "norm_gain"]
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -220,14 +221,22 @@ def _norm(n: int) -> nn.Module:
     return m
 
 
+def norm_gain(norm: nn.Module, zero_centred: bool) -> torch.Tensor:
+    """The gain an RMSNorm multiplies by: its weight, or for zero-centred gains (HF ``Qwen3NextRMSNorm``,
+    ``x̂ (1 + w)`` in float32) ``1 + w`` in float32, computed per call (a hot-load rewrites ``w`` in place)."""
+    return 1.0 + norm.weight.float() if zero_centred else norm.weight
+
+
 class ResidualLayer(nn.Module):
     """One decoder layer's residual stream, the same for every token mixer: ``a = rms_norm(h)`` (fused with the
     previous layer's pending MLP output), ``h, f = add_rms_norm(h, attention(a))``, and ``mlp(f)`` returned as this
-    layer's pending delta. Subclasses give ``self_attn`` and :meth:`attention` (``[n, hidden]`` in and out)."""
+    layer's pending delta. Subclasses give ``self_attn`` and :meth:`attention` (``[n, hidden]`` in and out);
+    ``zero_centred``: the two norms' gains are ``1 + w`` (:func:`norm_gain`)."""
 
-    def __init__(self, hidden: int, eps: float, mlp: nn.Module) -> None:
+    def __init__(self, hidden: int, eps: float, mlp: nn.Module, zero_centred: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.zero_centred = zero_centred
         self.input_layernorm = _norm(hidden)
         self.post_attention_layernorm = _norm(hidden)
         self.mlp = mlp
@@ -240,11 +249,12 @@ class ResidualLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h``: the residual stream; ``delta``: the previous layer's MLP output still to be added (``None`` for
         the first layer). Returns ``(h, mlp_out)``: this layer's residual stream and its own pending delta."""
+        zc = self.zero_centred
         if delta is None:
-            a = sn.rms_norm(h, self.input_layernorm.weight, self.eps)
+            a = sn.rms_norm(h, norm_gain(self.input_layernorm, zc), self.eps)
         else:
-            h, a = sn.add_rms_norm(h, delta, self.input_layernorm.weight, self.eps)
-        h, f = sn.add_rms_norm(h, self.attention(a, cos, sin), self.post_attention_layernorm.weight, self.eps)
+            h, a = sn.add_rms_norm(h, delta, norm_gain(self.input_layernorm, zc), self.eps)
+        h, f = sn.add_rms_norm(h, self.attention(a, cos, sin), norm_gain(self.post_attention_layernorm, zc), self.eps)
         return h, self.mlp(f)
 
 
@@ -252,8 +262,11 @@ class GQALayer(ResidualLayer):
     """One grouped-query attention layer (the :class:`zerokld_models.mixers.GQA` component's vLLM face) over vLLM's
     paged K/V cache (:class:`vllm_plugin.attention_backend.ZeroKLDAttentionBackend`): q/k/v projections (biases and
     per-head QK RMSNorm as the plan's ``mixer`` says), rotate-half RoPE over ``rotary_dim`` dimensions of each head,
-    causal attention, ``o_proj``; ``mlp`` the layer's MLP module. Under tensor parallelism (``tp``) q/k/v are
-    column-parallel by head and ``o_proj`` row-parallel; LoRA (``lora``): every projection is a target."""
+    causal attention, ``o_proj``; ``mlp`` the layer's MLP module. Gated attention (the mixer's ``output_gate``,
+    Qwen3-Next): ``q_proj`` is ``[q | gate]`` per head (``2 x head_dim`` rows each) and the attention output is
+    multiplied by ``sigmoid(gate)`` (:func:`shared_numerics.activation.sigmoid_gate`) before ``o_proj``. Under tensor
+    parallelism (``tp``) q/k/v are column-parallel by head and ``o_proj`` row-parallel; LoRA (``lora``): every
+    projection is a target."""
 
     def __init__(
         self,
@@ -267,13 +280,15 @@ class GQALayer(ResidualLayer):
         tp: TensorParallel | None = None,
     ) -> None:
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        super().__init__(h, cfg.rms_norm_eps, mlp)
+        super().__init__(h, cfg.rms_norm_eps, mlp, zero_centred=cfg.zero_centred_norm)
         self.rotary_dim = GQA.rotary_dim(cfg)
         qk_norm = mixer.qk_norm
         size = tp.size if tp is not None else 1
         self.nq, self.nkv, self.hd = nq // size, nkv // size, hd  # this rank's heads
+        self.output_gate = mixer.output_gate
         sa = self.self_attn = nn.Module()
-        for name, out in (("q_proj", nq * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+        q_rows = nq * hd * (2 if mixer.output_gate else 1)
+        for name, out in (("q_proj", q_rows), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
             setattr(sa, name, _proj(out, h, fp8, bias=mixer.qkv_bias, lora=lora, shard="column", tp=tp))
         sa.o_proj = _proj(h, nq * hd, fp8, lora=lora, shard="row", tp=tp)
         self.qk_norm = qk_norm
@@ -291,14 +306,23 @@ class GQALayer(ResidualLayer):
         )
 
     def attention(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        sa, n = self.self_attn, a.shape[0]
-        q = sa.q_proj(a).view(n, self.nq, self.hd)
-        k = sa.k_proj(a).view(n, self.nkv, self.hd)
-        v = sa.v_proj(a).view(n, self.nkv, self.hd)
+        sa, n, hd = self.self_attn, a.shape[0], self.hd
+        gate = None
+        if self.output_gate:
+            qg = sa.q_proj(a).view(n, self.nq, 2 * hd)
+            q, gate = qg[..., :hd].contiguous(), qg[..., hd:].reshape(n, self.nq * hd)
+        else:
+            q = sa.q_proj(a).view(n, self.nq, hd)
+        k = sa.k_proj(a).view(n, self.nkv, hd)
+        v = sa.v_proj(a).view(n, self.nkv, hd)
         if self.qk_norm:
-            q = sn.rms_norm_rope(q, sa.q_norm.weight, self.eps, cos, sin)
-            k = sn.rms_norm_rope(k, sa.k_norm.weight, self.eps, cos, sin)
+            zc = self.zero_centred
+            q = sn.rms_norm_rope(q, norm_gain(sa.q_norm, zc), self.eps, cos, sin)
+            k = sn.rms_norm_rope(k, norm_gain(sa.k_norm, zc), self.eps, cos, sin)
         else:
             q = sn.apply_rope(q, cos, sin)
             k = sn.apply_rope(k, cos, sin)
-        return sa.o_proj(sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)))
+        o = sa.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1))
+        if gate is not None:
+            o = sigmoid_gate(o, gate)
+        return sa.o_proj(o)

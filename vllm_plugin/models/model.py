@@ -36,7 +36,7 @@ import shared_numerics as sn
 import shared_numerics.fp8 as sn_fp8
 from shared_numerics.fp8_checkpoint import QUANT_METHOD
 from zerokld_models import layer_plan
-from zerokld_models.mixers import GQA, MLA
+from zerokld_models.mixers import GQA, MLA, GatedDeltaNet
 from zerokld_plugins import get_model_adapter
 
 from ..config import ZeroKLDConfigError, from_vllm_config
@@ -44,7 +44,8 @@ from ..faults import copy_fault, step_delay
 from ..sampler import set_logprobs_definition
 from ..start import check_model_settings
 from ..support import is_zerokld_fp8
-from .dense import Fp8Mode, GQALayer, TensorParallel, _norm, _param, _Proj
+from .dense import Fp8Mode, GQALayer, TensorParallel, _norm, _param, _Proj, norm_gain
+from .gated_deltanet import GatedDeltaNetLayer
 from .mla import MLALayer
 from .moe import RouteCache, expert_tensor, mlp_module
 
@@ -52,14 +53,14 @@ __all__ = ["MIXER_LAYERS", "Decoder", "ZeroKLDForCausalLM"]
 
 #: each token mixer component's vLLM layer: ``(ModelConfig, plan TokenMixer, vllm_config, prefix, Fp8Mode, MLP module,
 #: lora, TensorParallel) ->`` a :class:`vllm_plugin.models.dense.ResidualLayer` (its ``rotary_dim``: the RoPE width
-#: it rotates)
-MIXER_LAYERS = {GQA: GQALayer, MLA: MLALayer}
+#: it rotates, ``None`` for a recurrent mixer)
+MIXER_LAYERS = {GQA: GQALayer, MLA: MLALayer, GatedDeltaNet: GatedDeltaNetLayer}
 
 
 class Decoder(nn.Module):
     """The decoder body under ``model.``: ``embed_tokens``, ``layers`` (one :data:`MIXER_LAYERS` layer per plan entry,
     with its MLP) and ``norm``, HF names. ``forward(input_ids [N], positions [N]) -> [N, hidden]`` in the model dtype;
-    the RoPE tables are computed once per distinct ``rotary_dim`` of the layers."""
+    the RoPE tables are computed once per distinct ``rotary_dim`` of the layers (none for a recurrent layer)."""
 
     def __init__(self, vllm_config, cfg, plan, prefix: str, fp8: Fp8Mode) -> None:
         super().__init__()
@@ -95,13 +96,16 @@ class Decoder(nn.Module):
         tables = {
             d: sn.rope_cos_sin(positions, d, cfg.rope_theta, cfg.rope_scaling)
             for d in {layer.rotary_dim for layer in self.layers}
+            if d is not None
         }
+        tables[None] = (None, None)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, delta, *tables[layer.rotary_dim])
+        gain = norm_gain(self.norm, cfg.zero_centred_norm)
         if delta is None:
-            return sn.rms_norm(h, self.norm.weight, cfg.rms_norm_eps)
-        return sn.add_rms_norm(h, delta, self.norm.weight, cfg.rms_norm_eps)[1]
+            return sn.rms_norm(h, gain, cfg.rms_norm_eps)
+        return sn.add_rms_norm(h, delta, gain, cfg.rms_norm_eps)[1]
 
 
 def _fp8_mode(vllm_config, cfg) -> Fp8Mode:
@@ -180,7 +184,10 @@ class ZeroKLDForCausalLM(nn.Module, SupportsLoRA):
         meta = get_forward_context().attn_metadata
         if not meta:  # profiling / dummy runs
             return
-        first = next(iter(meta.values())) if isinstance(meta, dict) else meta
+        # an attention layer's metadata (a hybrid's recurrent layers have no per-token slots)
+        first = next((m for m in meta.values() if hasattr(m, "slot_mapping")), None) if isinstance(meta, dict) else meta
+        if first is None:
+            return
         slots = first.slot_mapping[:n].cpu()
         ids = torch.stack([mlp.last_ids[: slots.shape[0]] for mlp in self._routed_blocks()], dim=1)
         self.route_cache.write(slots, ids)
@@ -301,6 +308,14 @@ class ZeroKLDForCausalLM(nn.Module, SupportsLoRA):
             else:
                 raise KeyError(f"zerokld: checkpoint tensor {name!r} has no parameter in the model")
         return views
+
+    def get_mamba_state_copy_funcs(self, mamba_types):
+        """vLLM's hybrid-model hook (``IsHybrid.get_mamba_state_copy_funcs``, asked of the built model where
+        prefix caching keeps a recurrent state per block): the stock class's copy functions, whose state shapes the
+        recurrent layers declare (:class:`vllm_plugin.models.gated_deltanet.GatedDeltaNetMixer`)."""
+        from zerokld_plugins.specs import resolve
+
+        return resolve(self.adapter.vllm_base).get_mamba_state_copy_funcs(mamba_types)
 
     def checkpoint_updated(self, names: Iterable[str]) -> None:
         """After checkpoint tensors ``names`` were written into the parameters (a load, or a delta applied in place):

@@ -151,8 +151,11 @@ class MoEBlock(nn.Module):
     """Qwen3-MoE sparse block. Parameters: ``gate.weight [E, H]``; ``experts.w_gate|w_up [E, I, H]`` and
     ``experts.w_down [E, H, I]`` (HF ``experts.{e}.{gate,up,down}_proj.weight`` stacked by the loader; under tensor
     parallelism each rank holds ``I / TP`` of every expert and the down projections sum with the fixed tree,
-    :func:`shared_numerics.moe.moe_experts` ``k_block``). ``last_ids`` holds the ``[N, top_k]`` expert ids of the
-    latest forward."""
+    :func:`shared_numerics.moe.moe_experts` ``k_block``). With ``shared_gate`` the sigmoid-gated shared expert beside
+    them (Qwen3-Next), ``shared_size`` wide: ``shared_expert.{gate,up,down}_proj`` and ``shared_expert_gate.weight
+    [1, H]`` (:func:`shared_numerics.moe.moe_forward` ``shared``; 0 wide, as HF builds it for
+    ``shared_expert_intermediate_size`` 0: loaded, adding nothing, not computed).
+    ``last_ids`` holds the ``[N, top_k]`` expert ids of the latest forward."""
 
     def __init__(
         self,
@@ -163,6 +166,8 @@ class MoEBlock(nn.Module):
         renormalize: bool,
         tp: TensorParallel | None = None,
         fp8: Fp8Mode | None = None,
+        shared_gate: bool = False,
+        shared_size: int = 0,
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
@@ -171,10 +176,18 @@ class MoEBlock(nn.Module):
         self.gate = nn.Module()
         self.gate.weight = _param(num_experts, hidden)  # the router is replicated, never quantized
         self.experts = StackedExperts(num_experts, hidden, inter, fp8, tp=tp)
+        self.shared_expert = _DenseMLP(hidden, shared_size, fp8 or Fp8Mode(), tp=tp) if shared_gate else None
+        self.shared_size = shared_size
+        if shared_gate:
+            self.shared_expert_gate = nn.Module()
+            self.shared_expert_gate.weight = _param(1, hidden)  # one gate per token, like the router never quantized
         self.last_ids: torch.Tensor | None = None
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         (wg, wu, wd), scales, fp8 = self.experts.operands()
+        shared = {}
+        if self.shared_expert is not None and self.shared_size:
+            shared = dict(shared=self.shared_expert, shared_gate=self.shared_expert_gate.weight)
         out, self.last_ids = sn_moe.moe_forward(
             f,
             self.gate.weight,
@@ -187,6 +200,7 @@ class MoEBlock(nn.Module):
             gather=self.gather,
             fp8=fp8,
             scales=scales,
+            **shared,
         )
         return out
 
@@ -275,7 +289,15 @@ class DeepSeekMoEBlock(nn.Module):
 _MODULES = {
     SwiGLU: lambda mlp, cfg, fp8, lora, tp: _DenseMLP(cfg.hidden_size, mlp.intermediate_size, fp8, lora=lora, tp=tp),
     MoE: lambda mlp, cfg, fp8, lora, tp: MoEBlock(
-        cfg.hidden_size, mlp.intermediate_size, mlp.num_experts, mlp.top_k, cfg.norm_topk_prob, tp=tp, fp8=fp8
+        cfg.hidden_size,
+        mlp.intermediate_size,
+        mlp.num_experts,
+        mlp.top_k,
+        cfg.norm_topk_prob,
+        tp=tp,
+        fp8=fp8,
+        shared_gate=mlp.shared_expert_gate,
+        shared_size=mlp.shared_expert_size,
     ),
     DeepSeekMoE: lambda mlp, cfg, fp8, lora, tp: DeepSeekMoEBlock(cfg, fp8, tp=tp),
 }
