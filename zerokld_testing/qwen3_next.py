@@ -14,8 +14,8 @@ from .checkpoints import make_tokenizer
 __all__ = ["QWEN3_NEXT_SHAPES", "make_qwen3_next_checkpoint", "realistic_qwen3_next"]
 
 #: the default tiny shape (HF ``Qwen3NextConfig`` names): 3 Gated DeltaNet layers : 1 attention layer, value heads >
-#: key heads (d_k = d_v = 64: stock vLLM-CPU's prefill kernel takes equal head sizes of 64 or more), partial RoPE on a quarter of each 32-dim attention head, 4 experts (top 2) beside a
-#: 48-wide gated shared expert
+#: key heads (d_k = d_v = 64: stock vLLM-CPU's prefill kernel takes equal head sizes of 64 or more), partial RoPE on a
+#: quarter of each 32-dim attention head, 4 experts (top 2) beside a 48-wide gated shared expert
 BASE = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -81,9 +81,7 @@ def realistic_qwen3_next(hidden: int = 1024, layers: int = 8) -> dict:
     )
 
 
-def make_qwen3_next_checkpoint(
-    out: str | Path, dtype: str, shape: str = "moe_3to1", seed: int = 3, **changes
-) -> Path:
+def make_qwen3_next_checkpoint(out: str | Path, dtype: str, shape: str = "moe_3to1", seed: int = 3, **changes) -> Path:
     """A tiny ``Qwen3NextForCausalLM`` of :data:`QWEN3_NEXT_SHAPES` ``[shape]`` (``changes``: more HF config fields,
     e.g. :func:`realistic_qwen3_next`) saved with ``save_pretrained`` in ``dtype`` (``"float32"`` / ``"bfloat16"``):
     every parameter normal (the embedding std 1, vectors std 0.3, norms and ``A_log`` and ``dt_bias`` included;

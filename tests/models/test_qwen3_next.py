@@ -201,7 +201,9 @@ def test_other_chunk_ends_and_preemption_change_no_bit(engine_slot, ckpts):
     assert preemptions > 0, "the small cache preempted nothing"
     for a, b in zip(ref, outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert torch.equal(torch.cat([completion_logprobs(o) for o in ref]), torch.cat([completion_logprobs(o) for o in outs]))
+    assert torch.equal(
+        torch.cat([completion_logprobs(o) for o in ref]), torch.cat([completion_logprobs(o) for o in outs])
+    )
 
 
 @pytest.mark.vllm
@@ -209,9 +211,9 @@ def test_stock_vllm_prefill_and_decode_differ(engine_slot, ckpts):
     """The negative control: stock vLLM-CPU serving the same checkpoint (its ``qwen3_next.py``; chunked prefill and
     recurrent decode kernels for the Gated DeltaNet layers) gives its greedy tokens other log-probs when the same
     sequences are prefilled — while staying the same model (mean |difference| below 0.1 nats)."""
-    from vllm_plugin.engines import completion_logprobs
-
     from vllm import SamplingParams
+
+    from vllm_plugin.engines import completion_logprobs
 
     llm = _engine(engine_slot, ckpts("moe_3to1", "bfloat16"), "bfloat16", zerokld=False)
     prompts, _ = _batch(16)

@@ -115,7 +115,7 @@ class GatedDeltaNetMixer(nn.Module, MambaBase):
             self.model_config.dtype, self.cache_config.mamba_cache_dtype, self.cache_config.mamba_ssm_cache_dtype
         )
 
-    # ---- the layer ----------------------------------------------------------------------------------------------------
+    # ---- the layer ---------------------------------------------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
         """The definition's parameters (:func:`shared_numerics.gated_deltanet.gated_deltanet_core`)."""
         return {
